@@ -1,0 +1,1 @@
+"""Inference node: a Llama-family model with paged KV, continuous batching and multi-LoRA."""

@@ -1,0 +1,1 @@
+"""The model: an own Llama-family forward over HF safetensors checkpoints with paged KV."""

@@ -1,0 +1,1 @@
+"""Generated wire contract (package lora.v1 of protos/)."""

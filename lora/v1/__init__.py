@@ -1,0 +1,1 @@
+"""Python modules generated from protos/lora/v1 at install time (never edited by hand)."""
