@@ -1,0 +1,1 @@
+"""The engine: one loop thread that owns all model state and runs continuous batching."""

@@ -1,0 +1,51 @@
+"""Turns a step's scheduled chunks into the flat tensors of one forward pass.
+
+Everything is assembled on the host from Python lists and copied to the device once per
+tensor, so the step has no device synchronisation before sampling.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.llama import ForwardBatch
+from .scheduler import ScheduledChunk
+
+
+def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,
+                        device: torch.device) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    max_blocks = max(len(c.request.block_ids) for c in chunks)
+    tables: list[list[int]] = []
+    for chunk in chunks:
+        req, start = chunk.request, chunk.request.num_computed
+        end = start + chunk.num_new_tokens
+        tokens = req.all_token_ids
+        input_ids += tokens[start:end]
+        positions += range(start, end)
+        blocks = req.block_ids
+        slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        query_start.append(query_start[-1] + chunk.num_new_tokens)
+        seq_lens.append(end)
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        if chunk.completes_prompt:
+            logits_indices.append(query_start[-1] - 1)
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=tensor(input_ids, torch.long),
+        positions=tensor(positions, torch.long),
+        slot_mapping=tensor(slot_mapping, torch.long),
+        block_tables=tensor(tables, torch.int32),
+        query_start_loc=tensor(query_start, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        logits_indices=tensor(logits_indices, torch.long),
+        max_query_len=max(c.num_new_tokens for c in chunks),
+        max_seq_len=max(seq_lens),
+    )

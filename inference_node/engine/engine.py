@@ -1,0 +1,281 @@
+"""The engine loop: a single thread owns the model, the KV cache and the scheduler.
+
+Other threads (gRPC handlers) only talk to it through a command queue (`submit`, `abort`,
+`call`), and receive results through each request's `emit` callback, so no lock guards
+model state.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from ..model.llama import LlamaModel, LoraApplier
+from .batch import build_forward_batch
+from .kv_cache import BlockAllocator, KVCache
+from .request import Request, StreamEvent
+from .sampler import sample
+from .scheduler import AdapterBinder, QueueFull, ScheduledChunk, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """The request can never run as given (the caller answers INVALID_ARGUMENT)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new work (UNAVAILABLE)."""
+
+
+class LoraProvider(Protocol):
+    """What the engine needs from the adapter layer: slot binding and per-step appliers."""
+
+    binder: AdapterBinder
+
+    def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
+    def on_step_idle(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue: int = 1024
+    max_model_len: int = 4096
+    debug_checks: bool = False
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, config: EngineConfig,
+                 lora: LoraProvider | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.lora = lora
+        self.allocator = BlockAllocator(config.num_kv_blocks)
+        self.kv = KVCache(model.config, config.num_kv_blocks, config.block_size, model.dtype, model.device)
+        sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                    max_queue=config.max_queue)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, lora.binder if lora else None)
+        self.stats = EngineStats()
+        self.eos_ids = frozenset(model.config.eos_token_ids)
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._requests: dict[int, Request] = {}
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self._stop = threading.Event()
+
+    # -- public, thread-safe -----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def validate(self, prompt_len: int, max_tokens: int) -> None:
+        cfg = self.config
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty")
+        if prompt_len >= cfg.max_model_len:
+            raise InvalidRequest(f"the prompt has {prompt_len} tokens; this node's limit is "
+                                 f"{cfg.max_model_len - 1} (max model length {cfg.max_model_len})")
+        capacity = cfg.num_kv_blocks * cfg.block_size
+        if prompt_len + 1 > capacity:
+            raise InvalidRequest(f"the prompt needs {prompt_len + 1} KV slots; the whole KV "
+                                 f"cache holds {capacity}")
+
+    def submit(self, request: Request) -> None:
+        if not self._accepting:
+            raise EngineStopped("the node is shutting down")
+        self.validate(len(request.prompt_token_ids), request.params.max_tokens)
+        with self._inflight_lock:
+            if self._inflight >= self.config.max_queue + self.config.max_num_seqs:
+                raise QueueFull(f"{self._inflight} requests in flight: the node's queue is full, "
+                                "retry later")
+            self._inflight += 1
+        self._commands.put(("add", request))
+
+    def abort(self, request_id: int) -> None:
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Runs fn on the loop thread (between steps) and returns its future."""
+        future: Future = Future()
+        self._commands.put(("call", (fn, future)))
+        return future
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._accepting = False
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def num_inflight(self) -> int:
+        with self._inflight_lock:
+            return self._inflight
+
+    # -- loop thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        log.info("engine loop started: %d KV blocks of %d tokens", self.config.num_kv_blocks,
+                 self.config.block_size)
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                self._step()
+        for req in list(self._requests.values()):
+            self._finish(req, "cancelled", error=EngineStopped("the node shut down"))
+
+    def _drain_commands(self, block: bool, timeout: float = 0.05) -> None:
+        try:
+            cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, arg: Any) -> None:
+        if kind == "add":
+            self._requests[arg.id] = arg
+            try:
+                self.scheduler.add(arg)
+            except QueueFull as exc:
+                self._finish(arg, "rejected", error=exc)
+        elif kind == "abort":
+            req = self._requests.get(arg)
+            if req is not None:
+                self._finish(req, "cancelled")
+        elif kind == "call":
+            fn, future = arg
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+
+    def _step(self) -> None:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.lora is not None:
+                self.lora.on_step_idle()
+            self._drain_commands(block=True, timeout=0.005)
+            return
+        sampling = [c.request for c in chunks if c.completes_prompt]
+        try:
+            batch = build_forward_batch(chunks, self.config.block_size, self.model.device)
+            applier = self.lora.applier(chunks) if self.lora is not None else None
+            logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
+            tokens = sample(logits, sampling)
+        except Exception as exc:  # a failed step fails its requests, the node keeps serving
+            log.exception("engine step failed")
+            for c in chunks:
+                self._finish(c.request, "error", error=exc)
+            return
+        self.stats.steps += 1
+        for c in chunks:
+            if c.request.num_computed < len(c.request.prompt_token_ids):
+                self.stats.prompt_tokens += min(c.num_new_tokens,
+                                                len(c.request.prompt_token_ids) - c.request.num_computed)
+            c.request.num_computed += c.num_new_tokens
+        for req, token in zip(sampling, tokens):
+            self._on_token(req, token)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if self.config.debug_checks:
+            self.check_consistency()
+
+    def _on_token(self, req: Request, token: int) -> None:
+        self.stats.generated_tokens += 1
+        req.output_token_ids.append(token)
+        reason = None
+        is_eos = token in self.eos_ids and not req.params.ignore_eos
+        if req.text is not None and not is_eos:
+            req.text.add(req.output_token_ids)
+        if is_eos or (req.text is not None and req.text.stopped):
+            reason = "stop"
+        elif (len(req.output_token_ids) >= req.params.max_tokens
+              or req.num_tokens >= self.config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            self._emit(req, None)
+
+    def _emit(self, req: Request, reason: str | None, error: BaseException | None = None) -> None:
+        new_ids = req.output_token_ids[req.emitted_tokens:]
+        req.emitted_tokens = len(req.output_token_ids)
+        text = req.text.take(final=reason is not None) if req.text is not None else ""
+        event = StreamEvent(token_ids=new_ids, text=text, finish_reason=reason, error=error)
+        if reason is not None:
+            event.prompt_tokens = len(req.prompt_token_ids)
+            event.completion_tokens = len(req.output_token_ids)
+            event.cached_prompt_tokens = req.num_cached_prompt_tokens
+            event.adapter_version = req.adapter_version
+        if new_ids or text or reason is not None:
+            try:
+                req.emit(event)
+            except Exception:  # a broken consumer must not stop the loop
+                log.exception("request %s: emit failed", req.id)
+
+    def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
+        if self._requests.pop(req.id, None) is None:
+            return
+        self.scheduler.remove(req)
+        with self._inflight_lock:
+            self._inflight -= 1
+        self._emit(req, reason, error)
+
+    # -- invariants ------------------------------------------------------------------------------
+    def check_consistency(self) -> None:
+        """Every KV block is free or owned by exactly one live request (raises otherwise)."""
+        owners: dict[int, int] = {}
+        for req in self._requests.values():
+            for b in req.block_ids:
+                if b in owners:
+                    raise AssertionError(f"KV block {b} owned by requests {owners[b]} and {req.id}")
+                owners[b] = req.id
+                if self.allocator.ref_count(b) != 1:
+                    raise AssertionError(f"KV block {b} has ref count {self.allocator.ref_count(b)}")
+        if len(owners) + self.allocator.num_free != self.allocator.num_blocks:
+            raise AssertionError(f"{len(owners)} owned + {self.allocator.num_free} free != "
+                                 f"{self.allocator.num_blocks} KV blocks")
+        live = set(self._requests)
+        queued = {r.id for r in self.scheduler.running} | {r.id for r in self.scheduler.waiting}
+        if queued != live:
+            raise AssertionError(f"scheduler holds {sorted(queued)} but live requests are {sorted(live)}")
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters for stats RPCs; call through `call` from other threads."""
+        return {
+            "kv_blocks_total": self.allocator.num_blocks,
+            "kv_blocks_free": self.allocator.num_free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "steps": self.stats.steps,
+            "generated_tokens": self.stats.generated_tokens,
+            "prompt_tokens": self.stats.prompt_tokens,
+            "cached_prompt_tokens": self.stats.cached_prompt_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "live_requests": len(self._requests),
+        }

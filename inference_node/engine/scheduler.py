@@ -1,0 +1,166 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+Policy (one step = one forward pass):
+1. Decode first: every running request that has finished its prompt gets one token.
+2. Running requests still in prefill get chunks of their prompt from what budget is left.
+3. Waiting requests are admitted in arrival order while the token budget, the sequence
+   limit and free KV blocks allow, and while their adapter can be bound to a device slot
+   (a request whose adapter is not resident is skipped, not blocking the others).
+When a running request needs a KV block and none is free, the latest-arrived running
+request is preempted: its blocks are freed and it is recomputed later from its prompt
+plus the tokens it already streamed (so its output does not change).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from .kv_cache import BlockAllocator
+from .request import Request, Status
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the caller answers RESOURCE_EXHAUSTED."""
+
+
+class AdapterBinder(Protocol):
+    """Binds a request to its adapter's device slot (or refuses while it is not resident)."""
+
+    def try_bind(self, request: Request) -> bool: ...
+    def release(self, request: Request) -> None: ...
+
+
+class BaseModelOnly:
+    """Binder for a node without adapters: only base-model requests run."""
+
+    def try_bind(self, request: Request) -> bool:
+        return request.adapter == ""
+
+    def release(self, request: Request) -> None:
+        request.lora_slot = -1
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue: int = 1024
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this chunk every known token has KV, so the step samples a new token."""
+        return self.request.num_computed + self.num_new_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
+                 binder: AdapterBinder | None = None) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.binder: AdapterBinder = binder or BaseModelOnly()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFull(f"the queue holds {len(self.waiting)} waiting requests (its limit)")
+        request.status = Status.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def remove(self, request: Request) -> None:
+        """Takes a request out (finished or aborted) and frees everything it holds."""
+        if request in self.running:
+            self.running.remove(request)
+            self.binder.release(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free_blocks(request)
+        request.status = Status.FINISHED
+
+    # -- planning --------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        plan: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed, budget)
+            if not self._reserve(req, n, scheduled):
+                continue
+            plan.append(ScheduledChunk(req, n))
+            scheduled.add(req.id)
+            budget -= n
+
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
+            req = self._next_admissible()
+            if req is None:
+                break
+            n = min(req.num_tokens - req.num_computed, budget)
+            needed = self._blocks_needed(req, n)
+            if needed > self.allocator.num_free:
+                self.binder.release(req)
+                break  # admission waits for blocks, in arrival order
+            req.block_ids += self.allocator.allocate(needed)
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            plan.append(ScheduledChunk(req, n))
+            scheduled.add(req.id)
+            budget -= n
+        return plan
+
+    def _next_admissible(self) -> Request | None:
+        """Oldest waiting request whose adapter can be bound now (binding it)."""
+        for req in self.waiting:
+            if self.binder.try_bind(req):
+                return req
+        return None
+
+    def _blocks_needed(self, req: Request, num_new: int) -> int:
+        total = -(-(req.num_computed + num_new) // self.config.block_size)
+        return max(total - len(req.block_ids), 0)
+
+    def _reserve(self, req: Request, num_new: int, scheduled: set[int]) -> bool:
+        """Allocates blocks for req's next chunk, preempting later arrivals if needed."""
+        needed = self._blocks_needed(req, num_new)
+        while needed > self.allocator.num_free:
+            victim = next((r for r in reversed(self.running)
+                           if r.id not in scheduled and r is not req), None)
+            if victim is None:
+                self._preempt(req)
+                return False
+            self._preempt(victim)
+        req.block_ids += self.allocator.allocate(needed)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.binder.release(req)
+        self._free_blocks(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _free_blocks(self, req: Request) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []

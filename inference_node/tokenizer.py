@@ -1,0 +1,70 @@
+"""Text in and out: the checkpoint's tokenizer.json (HF `tokenizers`) and its chat template."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from jinja2 import StrictUndefined
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The messages could not be rendered with the model's chat template."""
+
+
+class TextCodec:
+    def __init__(self, path: Path) -> None:
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        template = config.get("chat_template")
+        jinja_path = path / "chat_template.jinja"
+        if jinja_path.exists():
+            template = jinja_path.read_text()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                undefined=StrictUndefined)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; send a raw prompt instead")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=True,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        # The rendered template already holds its special tokens (as HF apply_chat_template).
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _token_text(token: object) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)

@@ -1,0 +1,6 @@
+"""Kernels of the inference node: batched multi-LoRA shrink/expand and paged attention.
+
+Each kernel has a plain PyTorch reference with the same interface: the reference is the
+CPU path and the test oracle; the Triton version runs on CUDA (and in Triton's interpreter
+in tests).
+"""

@@ -1,0 +1,63 @@
+"""Paged attention, PyTorch reference (the CPU path and the oracle of the Triton kernel).
+
+One call serves a whole mixed batch: sequences in prefill (many new tokens) and in decode
+(one new token) side by side, each reading its keys and values through its block table.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention_ref(
+    q: torch.Tensor,               # [T, Hq, D]: new tokens of all sequences, concatenated
+    k_cache: torch.Tensor,         # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,         # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,    # [B, max_blocks] int32 (unused entries: any valid block)
+    query_start_loc: torch.Tensor, # [B + 1] int32: sequence b's queries are q[start[b]:start[b+1]]
+    seq_lens: torch.Tensor,        # [B] int32: context length of b, its new tokens included
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached keys.
+
+    Query i of sequence b (of q_len_b) sits at position seq_len_b - q_len_b + i and attends
+    keys 0..that position. Returns [T, Hq, D] in q's dtype. max_query_len and max_seq_len are
+    host integers so that no device synchronisation is needed.
+    """
+    T, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = block_tables.shape[0]
+    device = q.device
+    starts = query_start_loc[:-1].long()
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+
+    # Gather every sequence's context keys/values into a padded [B, S, Hkv, D] tensor.
+    positions = torch.arange(max_seq_len, device=device)
+    blocks = block_tables.long()[:, (positions // block_size).clamp(max=block_tables.shape[1] - 1)]
+    slots = blocks * block_size + positions % block_size
+    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+
+    # Scatter queries into a padded [B, Qmax, Hq, D] tensor.
+    q_pos = torch.arange(max_query_len, device=device)
+    q_valid = q_pos[None, :] < q_lens[:, None]
+    q_index = (starts[:, None] + q_pos[None, :]).clamp(max=T - 1)
+    queries = q[q_index]
+
+    # Causal mask: key j visible to query i iff j <= its absolute position (and j < seq_len).
+    abs_pos = seq_lens.long()[:, None] - q_lens[:, None] + q_pos[None, :]
+    mask = positions[None, None, :] <= abs_pos[:, :, None]
+    mask &= q_valid[:, :, None]
+    mask[:, :, 0] |= ~q_valid  # padded queries attend one key so softmax stays finite
+
+    groups = num_heads // num_kv_heads
+    keys = keys.repeat_interleave(groups, dim=2) if groups > 1 else keys
+    values = values.repeat_interleave(groups, dim=2) if groups > 1 else values
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2).float(), keys.transpose(1, 2).float(),
+        values.transpose(1, 2).float(), attn_mask=mask[:, None], scale=scale,
+    ).transpose(1, 2).to(q.dtype)  # [B, Qmax, Hq, D]
+    del batch
+    return out[q_valid]
