@@ -1,0 +1,62 @@
+"""`inference-node serve`: the node's command line (every flag also an environment variable)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from .envargs import EnvArgumentParser
+from .node import NodeSettings, build_node
+from .server import NodeServer
+
+
+def parser() -> EnvArgumentParser:
+    root = EnvArgumentParser(prog="inference-node", env_prefix="INFERENCE_NODE",
+                             description="Multi-LoRA inference node (gRPC).")
+    sub = root.add_subparsers(dest="command", required=True, parser_class=EnvArgumentParser)
+    serve = sub.add_parser("serve", help="serve the InferenceNode gRPC API", env_prefix="INFERENCE_NODE")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    serve.add_argument("--model", default=None,
+                       help="HF safetensors checkpoint directory of the Llama family "
+                            "(default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="auto = cuda when available")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="auto = bfloat16 on cuda, float32 on cpu")
+    serve.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache memory")
+    serve.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (overrides --kv-cache-gb)")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512,
+                       help="token budget of one step (chunked prefill)")
+    serve.add_argument("--max-queue", type=int, default=1024,
+                       help="waiting requests before RESOURCE_EXHAUSTED")
+    serve.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens")
+    serve.add_argument("--default-max-tokens", type=int, default=256, help="when max_tokens is 0")
+    serve.add_argument("--drain-seconds", type=float, default=10.0,
+                       help="on SIGTERM, time running requests get to finish")
+    serve.add_argument("--debug-checks", action="store_true",
+                       help="check the engine's invariants after every step (slow)")
+    serve.add_argument("--log-level", default="INFO")
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = NodeSettings(
+        model=args.model, device=None if args.device == "auto" else args.device, dtype=args.dtype,
+        kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue=args.max_queue, max_model_len=args.max_model_len,
+        default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks)
+    node = build_node(settings)
+    server = NodeServer(node, args.host, args.port, drain_seconds=args.drain_seconds)
+    asyncio.run(server.serve_until_signalled())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Assembles a node from its settings: checkpoint, device, KV cache size, engine."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine.engine import Engine, EngineConfig
+from .engine.kv_cache import KVCache
+from .model.checkpoint import validate_checkpoint_dir
+from .model.embedded import default_checkpoint
+from .model.llama import LlamaModel
+from .tokenizer import TextCodec
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    model: str | None = None           # checkpoint directory; None = the embedded SmolLM2
+    device: str | None = None          # None = cuda when available
+    dtype: str = "auto"                # auto = bfloat16 on cuda, float32 on cpu
+    kv_cache_gb: float = 0.5
+    num_kv_blocks: int = 0             # overrides kv_cache_gb when > 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_queue: int = 1024
+    max_model_len: int = 4096
+    default_max_tokens: int = 256
+    debug_checks: bool = False
+
+
+@dataclass
+class Node:
+    settings: NodeSettings
+    checkpoint: Path
+    model: LlamaModel
+    codec: TextCodec
+    engine: Engine
+
+    @property
+    def model_name(self) -> str:
+        return self.checkpoint.name
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def build_node(settings: NodeSettings) -> Node:
+    device = resolve_device(settings.device)
+    dtype_name = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = DTYPES[dtype_name]
+    checkpoint = Path(settings.model) if settings.model else default_checkpoint()
+    validate_checkpoint_dir(checkpoint)
+    started = time.monotonic()
+    model_len = settings.max_model_len
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None)
+    model_len = min(model_len, model.config.max_position_embeddings)
+    codec = TextCodec(checkpoint)
+    per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
+    blocks = settings.num_kv_blocks or max(int(settings.kv_cache_gb * (1 << 30)) // per_block, 1)
+    engine = Engine(model, EngineConfig(
+        num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
+        max_model_len=model_len, debug_checks=settings.debug_checks))
+    cfg = model.config
+    log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters) on %s as %s "
+             "in %.1fs; KV cache: %d blocks x %d tokens (%.2f GiB), max model length %d",
+             checkpoint, cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.num_heads,
+             cfg.num_kv_heads, cfg.vocab_size, model.num_parameters() / 1e6, device, dtype_name,
+             time.monotonic() - started, blocks, settings.block_size, blocks * per_block / (1 << 30),
+             model_len)
+    return Node(settings, checkpoint, model, codec, engine)

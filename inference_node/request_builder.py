@@ -1,0 +1,71 @@
+"""Checks a GenerateRequest and turns it into an engine Request (INVALID_ARGUMENT on bad input)."""
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable
+
+from lora.v1 import inference_pb2
+
+from .engine.detokenizer import TextStream
+from .engine.request import Request, SamplingParams, StreamEvent
+from .tokenizer import ChatTemplateError, TextCodec
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_PROMPT_CHARS = 1 << 20
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class BadRequest(ValueError):
+    """A client error; the message is shown to the caller."""
+
+
+def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, vocab_size: int,
+                  max_model_len: int, default_max_tokens: int,
+                  emit: Callable[[StreamEvent], None]) -> Request:
+    if msg.adapter and not ADAPTER_NAME.match(msg.adapter):
+        raise BadRequest("adapter names are 1-128 characters of letters, digits, '.', '_' and '-', "
+                         "starting with a letter or digit")
+    if msg.max_tokens < 0:
+        raise BadRequest(f"max_tokens must be >= 0 (0 means the default), got {msg.max_tokens}")
+    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+        raise BadRequest(f"temperature must be >= 0 (0 means greedy), got {msg.temperature}")
+    if not math.isfinite(msg.top_p) or not 0.0 <= msg.top_p <= 1.0:
+        raise BadRequest(f"top_p must be in [0, 1] (0 or 1 means off), got {msg.top_p}")
+    if msg.top_k < 0:
+        raise BadRequest(f"top_k must be >= 0 (0 means off), got {msg.top_k}")
+    if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
+        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+
+    if msg.prompt_token_ids:
+        ids = list(msg.prompt_token_ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"prompt_token_ids holds {len(bad)} ids outside the vocabulary "
+                             f"[0, {vocab_size}), e.g. {bad[0]}")
+    elif msg.messages:
+        try:
+            ids = codec.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc)) from exc
+    elif msg.prompt:
+        if len(msg.prompt) > MAX_PROMPT_CHARS:
+            raise BadRequest(f"the prompt has {len(msg.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+        ids = codec.encode(msg.prompt)
+    else:
+        raise BadRequest("the request has no prompt: set prompt, messages or prompt_token_ids")
+    if not ids:
+        raise BadRequest("the prompt encodes to no tokens")
+    if len(ids) >= max_model_len:
+        raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is {max_model_len - 1}")
+
+    room = max_model_len - len(ids)
+    max_tokens = min(msg.max_tokens or default_max_tokens, room)
+    top_p = msg.top_p if msg.top_p > 0 else 1.0
+    params = SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=top_p,
+                            top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
+                            stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)
+    request = Request(ids, params, emit, adapter=msg.adapter, request_id=msg.request_id)
+    request.text = TextStream(codec.decode, params.stop)
+    return request

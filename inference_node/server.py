@@ -1,0 +1,156 @@
+"""gRPC surface of the node: InferenceNode, standard health checking and reflection.
+
+Handlers run on asyncio; they validate, hand work to the engine thread and relay its
+events. A client that goes away (or whose deadline passes) aborts its request, which
+frees its KV blocks at the engine's next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from lora.v1 import inference_pb2, inference_pb2_grpc
+
+from .engine.engine import EngineStopped, InvalidRequest
+from .engine.request import StreamEvent
+from .engine.scheduler import QueueFull
+from .node import Node
+from .request_builder import BadRequest, build_request
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceNode"].full_name
+
+
+class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        node = self.node
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+
+        def emit(event: StreamEvent) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        if request.adapter:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"adapter {request.adapter!r} is not known to this node")
+        try:
+            req = build_request(request, node.codec, node.model.config.vocab_size,
+                                node.engine.config.max_model_len,
+                                node.settings.default_max_tokens, emit)
+            node.engine.submit(req)
+        except (BadRequest, InvalidRequest) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineStopped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = event.finish_reason is not None
+                if event.error is not None:
+                    await context.abort(*_status_of(event))
+                yield inference_pb2.GenerateResponse(
+                    token_ids=event.token_ids, text=event.text,
+                    finish_reason=event.finish_reason or "",
+                    prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                    cached_prompt_tokens=event.cached_prompt_tokens,
+                    adapter_version=event.adapter_version)
+        finally:
+            if not finished:  # the client went away or the deadline passed
+                node.engine.abort(req.id)
+
+    async def GetStats(self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
+        snap = await asyncio.wrap_future(self.node.engine.call(self.node.engine.snapshot))
+        return inference_pb2.GetStatsResponse(
+            kv_blocks_total=snap["kv_blocks_total"], kv_blocks_free=snap["kv_blocks_free"],
+            running_requests=snap["running"], waiting_requests=snap["waiting"],
+            steps=snap["steps"], generated_tokens=snap["generated_tokens"],
+            prompt_tokens=snap["prompt_tokens"], cached_prompt_tokens=snap["cached_prompt_tokens"],
+            block_size=self.node.engine.config.block_size, model=self.node.model_name)
+
+
+def _status_of(event: StreamEvent) -> tuple[grpc.StatusCode, str]:
+    error = event.error
+    if isinstance(error, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, EngineStopped):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    return grpc.StatusCode.INTERNAL, f"generation failed: {error}"
+
+
+class NodeServer:
+    """Owns the grpc.aio server, health state and graceful shutdown."""
+
+    def __init__(self, node: Node, host: str, port: int, drain_seconds: float = 10.0) -> None:
+        self.node = node
+        self.host = host
+        self.requested_port = port
+        self.drain_seconds = drain_seconds
+        self.server: grpc.aio.Server | None = None
+        self.health = None
+        self.port = 0
+        self.address = ""
+        self._stopped = False
+
+    def _build(self) -> grpc.aio.Server:
+        """Creates the grpc.aio server (it must be made inside the running event loop)."""
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", 16 << 20),
+            ("grpc.max_send_message_length", 16 << 20),
+        ])
+        inference_pb2_grpc.add_InferenceNodeServicer_to_server(InferenceNodeService(self.node), server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], server)
+        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not listen on {self.host}:{self.requested_port}")
+        self.address = f"{self.host}:{self.port}"
+        return server
+
+    async def start(self) -> None:
+        self.server = self._build()
+        self.node.engine.start()
+        await self.server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("inference node serving on %s", self.address)
+
+    async def stop(self) -> None:
+        """Refuses new work, lets running requests finish (up to drain_seconds), then exits."""
+        if self._stopped or self.server is None:
+            return
+        self._stopped = True
+        log.info("shutting down: draining %d requests", self.node.engine.num_inflight())
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.node.engine.stop_accepting()
+        deadline = asyncio.get_running_loop().time() + self.drain_seconds
+        while self.node.engine.num_inflight() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self.node.engine.shutdown()
+        await self.server.stop(grace=1.0)
+        log.info("inference node stopped")
+
+    async def serve_until_signalled(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.stop()
