@@ -17,9 +17,8 @@ from grpc_reflection.v1alpha import reflection
 
 from lora.v1 import inference_pb2, inference_pb2_grpc
 
-from .engine.engine import EngineStopped, InvalidRequest
+from .engine.engine import EngineStopped, InvalidRequest, QueueFull
 from .engine.request import StreamEvent
-from .engine.scheduler import QueueFull
 from .node import Node
 from .request_builder import BadRequest, build_request
 
@@ -39,13 +38,13 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
         def emit(event: StreamEvent) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        if request.adapter:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"adapter {request.adapter!r} is not known to this node")
         try:
             req = build_request(request, node.codec, node.model.config.vocab_size,
                                 node.engine.config.max_model_len,
                                 node.settings.default_max_tokens, emit)
+            if req.adapter:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"adapter {req.adapter!r} is not known to this node")
             node.engine.submit(req)
         except (BadRequest, InvalidRequest) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

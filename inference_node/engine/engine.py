@@ -18,13 +18,17 @@ from .batch import build_forward_batch
 from .kv_cache import BlockAllocator, KVCache
 from .request import Request, StreamEvent
 from .sampler import sample
-from .scheduler import AdapterBinder, QueueFull, ScheduledChunk, Scheduler, SchedulerConfig
+from .scheduler import AdapterBinder, ScheduledChunk, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
 
 class InvalidRequest(ValueError):
     """The request can never run as given (the caller answers INVALID_ARGUMENT)."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests in flight; the caller answers RESOURCE_EXHAUSTED."""
 
 
 class EngineStopped(RuntimeError):
@@ -69,8 +73,7 @@ class Engine:
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self.kv = KVCache(model.config, config.num_kv_blocks, config.block_size, model.dtype, model.device)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                    max_queue=config.max_queue)
+                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.scheduler = Scheduler(sched_cfg, self.allocator, lora.binder if lora else None)
         self.stats = EngineStats()
         self.eos_ids = frozenset(model.config.eos_token_ids)
@@ -159,10 +162,7 @@ class Engine:
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "add":
             self._requests[arg.id] = arg
-            try:
-                self.scheduler.add(arg)
-            except QueueFull as exc:
-                self._finish(arg, "rejected", error=exc)
+            self.scheduler.add(arg)
         elif kind == "abort":
             req = self._requests.get(arg)
             if req is not None:

@@ -20,10 +20,6 @@ from .kv_cache import BlockAllocator
 from .request import Request, Status
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound; the caller answers RESOURCE_EXHAUSTED."""
-
-
 class AdapterBinder(Protocol):
     """Binds a request to its adapter's device slot (or refuses while it is not resident)."""
 
@@ -46,7 +42,6 @@ class SchedulerConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_queue: int = 1024
 
 
 @dataclass(frozen=True)
@@ -72,8 +67,7 @@ class Scheduler:
 
     # -- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_queue:
-            raise QueueFull(f"the queue holds {len(self.waiting)} waiting requests (its limit)")
+        """Queues a request (the engine bounds how many are in flight before this)."""
         request.status = Status.WAITING
         self.waiting.append(request)
 

@@ -1,0 +1,47 @@
+"""Fixtures shared by the whole suite."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import make_tiny_llama  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from inference_node.model.embedded import default_checkpoint
+
+    return default_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_llama_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()

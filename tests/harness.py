@@ -1,0 +1,68 @@
+"""Shared test machinery: in-process nodes, tiny random checkpoints, the HF oracle."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from inference_node.node import NodeSettings, build_node
+from inference_node.server import NodeServer
+
+
+class InProcessNode:
+    """A real NodeServer on a free loopback port, its event loop on a background thread."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        self.node = build_node(settings)
+        self.server = NodeServer(self.node, "127.0.0.1", 0, drain_seconds=2.0)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(60)
+        self.address = self.server.address
+        self.engine = self.node.engine
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def check_idle(self) -> dict[str, int]:
+        """Asserts that no request, KV block or reference is left; returns the counters."""
+        snap = self.engine.call(self.engine.snapshot).result(10)
+        self.engine.call(self.engine.check_consistency).result(10)
+        assert snap["live_requests"] == 0, snap
+        assert snap["kv_blocks_free"] == snap["kv_blocks_total"], snap
+        return snap
+
+
+def make_tiny_llama(out: Path, tokenizer_from: Path, seed: int = 0, **overrides: object) -> Path:
+    """A small random Llama checkpoint (HF format) with a real tokenizer, for parity tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    params = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                  initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    params.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**params)).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, eos: bool = True) -> list[int]:
+    """Reference greedy continuation with transformers (and PEFT, if model is wrapped)."""
+    with torch.no_grad():
+        kwargs = {} if eos else {"eos_token_id": None}
+        out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=max_new_tokens,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             pad_token_id=0, **kwargs)
+    return out[0][len(prompt_ids):].tolist()

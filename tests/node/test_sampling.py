@@ -1,0 +1,76 @@
+"""Sampling: greedy, seeded determinism, top-k and top-p masks; stop strings in the text."""
+from __future__ import annotations
+
+import torch
+
+from inference_node.engine.detokenizer import TextStream
+from inference_node.engine.request import Request, SamplingParams
+from inference_node.engine.sampler import filter_logits, sample
+
+
+def request(**params: object) -> Request:
+    return Request([1], SamplingParams(max_tokens=4, **params), emit=lambda e: None)
+
+
+def test_greedy_takes_the_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+    assert sample(logits, [request(), request()]) == [1, 0]
+
+
+def test_same_seed_same_samples_different_seed_differs() -> None:
+    logits = torch.zeros(1, 1000)
+    runs = {}
+    for seed in (1, 1, 2):
+        r = request(temperature=1.0, seed=seed)
+        runs.setdefault(seed, []).append([sample(logits, [r])[0] for _ in range(20)])
+    assert runs[1][0] == runs[1][1]
+    assert runs[1][0] != runs[2][0]
+
+
+def test_top_k_keeps_only_the_k_largest() -> None:
+    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    kept = filter_logits(logits, SamplingParams(max_tokens=1, temperature=1.0, top_k=2))
+    assert torch.isfinite(kept).nonzero().flatten().tolist() == [1, 3]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = filter_logits(probs.log(), SamplingParams(max_tokens=1, temperature=1.0, top_p=0.75))
+    assert torch.isfinite(kept).nonzero().flatten().tolist() == [0, 1]
+
+
+def test_samples_never_leave_the_top_k() -> None:
+    logits = torch.randn(1, 50)
+    allowed = set(torch.topk(logits[0], 3).indices.tolist())
+    r = request(temperature=2.0, top_k=3, seed=0)
+    assert {sample(logits, [r])[0] for _ in range(200)} <= allowed
+
+
+def fake_decode(ids):  # token i decodes to the i-th character of the text below
+    return "".join("Hello world. STOP here"[i] for i in ids)
+
+
+def test_stop_string_truncates_and_is_never_streamed() -> None:
+    stream = TextStream(fake_decode, ["STOP"])
+    ids, shown = [], ""
+    for i in range(len("Hello world. STOP here")):
+        ids.append(i)
+        stream.add(ids)
+        shown += stream.take(final=False)
+        if stream.stopped:
+            break
+    shown += stream.take(final=True)
+    assert stream.stopped
+    assert shown == "Hello world. "
+    assert "S" not in shown
+
+
+def test_text_streams_whole_when_no_stop_matches() -> None:
+    stream = TextStream(fake_decode, ["XYZ"])
+    ids, shown = [], ""
+    for i in range(12):
+        ids.append(i)
+        stream.add(ids)
+        shown += stream.take(final=False)
+    shown += stream.take(final=True)
+    assert shown == "Hello world."
