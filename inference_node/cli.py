@@ -34,6 +34,15 @@ def parser() -> EnvArgumentParser:
                        help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="when max_tokens is 0")
+    serve.add_argument("--max-loras", type=int, default=8,
+                       help="GPU adapter slots: the most distinct adapters in one step (0 disables LoRA)")
+    serve.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
+    serve.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in host memory")
+    serve.add_argument("--adapter-store", default=None,
+                       help="HOST:PORT of the adapter store (adapters load on demand)")
+    serve.add_argument("--adapter-dir", default=None,
+                       help="local adapters directory (<dir>/<name>/adapter_config.json ...), "
+                            "used when no --adapter-store is given")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
     serve.add_argument("--debug-checks", action="store_true",
@@ -51,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, max_model_len=args.max_model_len,
-        default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks)
+        default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        adapter_store=args.adapter_store, adapter_dir=args.adapter_dir)
     node = build_node(settings)
     server = NodeServer(node, args.host, args.port, drain_seconds=args.drain_seconds)
     asyncio.run(server.serve_until_signalled())

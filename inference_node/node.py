@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+from .adapters.manager import AdapterManager
+from .adapters.slots import SlotBuffers
+from .adapters.sources import LocalDirSource
 from .engine.engine import Engine, EngineConfig
 from .engine.kv_cache import KVCache
 from .model.checkpoint import validate_checkpoint_dir
@@ -34,6 +37,11 @@ class NodeSettings:
     max_model_len: int = 4096
     default_max_tokens: int = 256
     debug_checks: bool = False
+    max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 32
+    adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
+    adapter_store: str | None = None   # HOST:PORT of the adapter store
 
 
 @dataclass
@@ -43,6 +51,7 @@ class Node:
     model: LlamaModel
     codec: TextCodec
     engine: Engine
+    adapters: AdapterManager | None = None
 
     @property
     def model_name(self) -> str:
@@ -70,7 +79,8 @@ def build_node(settings: NodeSettings) -> Node:
     codec = TextCodec(checkpoint)
     per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
     blocks = settings.num_kv_blocks or max(int(settings.kv_cache_gb * (1 << 30)) // per_block, 1)
-    engine = Engine(model, EngineConfig(
+    adapters = build_adapter_manager(settings, model, device, dtype)
+    engine = Engine(model, lora=adapters, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, debug_checks=settings.debug_checks))
@@ -81,4 +91,22 @@ def build_node(settings: NodeSettings) -> Node:
              cfg.num_kv_heads, cfg.vocab_size, model.num_parameters() / 1e6, device, dtype_name,
              time.monotonic() - started, blocks, settings.block_size, blocks * per_block / (1 << 30),
              model_len)
-    return Node(settings, checkpoint, model, codec, engine)
+    if adapters is not None:
+        log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %d in host memory, source: %s",
+                 settings.max_loras, settings.max_lora_rank, adapters.buffers.nbytes() / 1e6,
+                 settings.max_cpu_loras, settings.adapter_store or settings.adapter_dir or "none")
+    return Node(settings, checkpoint, model, codec, engine, adapters)
+
+
+def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: torch.device,
+                          dtype: torch.dtype) -> AdapterManager | None:
+    if settings.max_loras <= 0:
+        return None
+    source = None
+    if settings.adapter_store:
+        from .adapters.store_source import StoreSource
+        source = StoreSource(settings.adapter_store, model.config, settings.max_lora_rank)
+    elif settings.adapter_dir:
+        source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank)
+    buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
+    return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=device.type == "cuda")

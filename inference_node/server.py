@@ -20,7 +20,8 @@ from lora.v1 import inference_pb2, inference_pb2_grpc
 from .engine.engine import EngineStopped, InvalidRequest, QueueFull
 from .engine.request import StreamEvent
 from .node import Node
-from .request_builder import BadRequest, build_request
+from .adapters.errors import AdapterError
+from .request_builder import ADAPTER_NAME, BadRequest, build_request
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceNode"].full_name
@@ -42,9 +43,9 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
             req = build_request(request, node.codec, node.model.config.vocab_size,
                                 node.engine.config.max_model_len,
                                 node.settings.default_max_tokens, emit)
-            if req.adapter:
+            if req.adapter and node.adapters is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"adapter {req.adapter!r} is not known to this node")
+                                    f"adapter {req.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
             node.engine.submit(req)
         except (BadRequest, InvalidRequest) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -70,6 +71,57 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
             if not finished:  # the client went away or the deadline passed
                 node.engine.abort(req.id)
 
+    async def LoadAdapter(self, request: inference_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext):
+        manager = await self._adapters(request.name, context)
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future = loop.create_future()
+
+        def done(entry, error) -> None:  # engine thread
+            outcome = (entry.version, entry.tier) if entry is not None else None
+            loop.call_soon_threadsafe(lambda: result.done() or result.set_result((outcome, error)))
+
+        self.node.engine.call(lambda: manager.load(request.name, request.version, request.pin, done))
+        outcome, error = await result
+        if error is not None:
+            await context.abort(error.status, str(error))
+        version, tier = outcome
+        return inference_pb2.LoadAdapterResponse(name=request.name, version=version, tier=TIERS[tier])
+
+    async def UnloadAdapter(self, request: inference_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
+        manager = await self._adapters(request.name, context)
+        try:
+            deferred = await asyncio.wrap_future(self.node.engine.call(lambda: manager.unload(request.name)))
+        except AdapterError as exc:
+            await context.abort(exc.status, str(exc))
+        return inference_pb2.UnloadAdapterResponse(deferred=deferred)
+
+    async def ListAdapters(self, request: inference_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext):
+        manager = self.node.adapters
+        reply = inference_pb2.ListAdaptersResponse()
+        if manager is None:
+            return reply
+        reply.max_loras, reply.max_cpu_loras = manager.max_loras, manager.max_cpu_loras
+
+        def snapshot() -> list[inference_pb2.AdapterStatus]:
+            return [inference_pb2.AdapterStatus(
+                name=e.name, version=e.version, tier=TIERS[e.tier], pinned=e.pinned, ref_count=e.refs,
+                pending_eviction=e.draining or e.retired, slot=e.slot,
+                rank=e.weights.rank if e.weights else 0,
+                target_modules=list(e.weights.target_modules) if e.weights else [])
+                for e in manager.entries()]
+
+        reply.adapters.extend(await asyncio.wrap_future(self.node.engine.call(snapshot)))
+        return reply
+
+    async def _adapters(self, name: str, context: grpc.aio.ServicerContext):
+        if not ADAPTER_NAME.match(name):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"adapter name {name!r} is not allowed: 1-128 letters, digits, '.', '_', '-'")
+        if self.node.adapters is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "LoRA is disabled on this node (--max-loras 0)")
+        return self.node.adapters
+
     async def GetStats(self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
         snap = await asyncio.wrap_future(self.node.engine.call(self.node.engine.snapshot))
         return inference_pb2.GetStatsResponse(
@@ -80,8 +132,14 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
             block_size=self.node.engine.config.block_size, model=self.node.model_name)
 
 
+TIERS = {"gpu": inference_pb2.ADAPTER_TIER_GPU, "host": inference_pb2.ADAPTER_TIER_HOST,
+         "loading": inference_pb2.ADAPTER_TIER_LOADING}
+
+
 def _status_of(event: StreamEvent) -> tuple[grpc.StatusCode, str]:
     error = event.error
+    if isinstance(error, AdapterError):
+        return error.status, str(error)
     if isinstance(error, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, EngineStopped):

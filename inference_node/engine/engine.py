@@ -11,7 +11,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
 from .batch import build_forward_batch
@@ -35,13 +35,14 @@ class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new work (UNAVAILABLE)."""
 
 
-class LoraProvider(Protocol):
-    """What the engine needs from the adapter layer: slot binding and per-step appliers."""
+class LoraProvider(AdapterBinder, Protocol):
+    """What the engine needs from the adapter layer (inference_node.adapters.AdapterManager)."""
 
-    binder: AdapterBinder
-
+    def busy(self) -> bool: ...
+    def prepare(self, waiting: Iterable[Request]) -> None: ...
+    def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, Exception]]: ...
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
-    def on_step_idle(self) -> None: ...
+    def check_consistency(self, live: Iterable[Request]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class EngineStats:
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig,
                  lora: LoraProvider | None = None) -> None:
+        """lora=None: LoRA disabled, base model only."""
         self.model = model
         self.config = config
         self.lora = lora
@@ -74,7 +76,7 @@ class Engine:
         self.kv = KVCache(model.config, config.num_kv_blocks, config.block_size, model.dtype, model.device)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, lora.binder if lora else None)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, lora)
         self.stats = EngineStats()
         self.eos_ids = frozenset(model.config.eos_token_ids)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -141,9 +143,14 @@ class Engine:
         log.info("engine loop started: %d KV blocks of %d tokens", self.config.num_kv_blocks,
                  self.config.block_size)
         while not self._stop.is_set():
-            self._drain_commands(block=not self.scheduler.has_work())
+            adapters_busy = self.lora is not None and self.lora.busy()
+            self._drain_commands(block=not self.scheduler.has_work() and not adapters_busy)
+            if self.lora is not None:
+                self._prepare_adapters()
             if self.scheduler.has_work():
                 self._step()
+            elif adapters_busy:
+                self._drain_commands(block=True, timeout=0.005)
         for req in list(self._requests.values()):
             self._finish(req, "cancelled", error=EngineStopped("the node shut down"))
 
@@ -175,11 +182,15 @@ class Engine:
                 except BaseException as exc:  # handed to the caller
                     future.set_exception(exc)
 
+    def _prepare_adapters(self) -> None:
+        """Adapter loads progress; requests whose adapter failed to load end with its error."""
+        self.lora.prepare(self.scheduler.waiting)
+        for req, error in self.lora.collect_failures(list(self.scheduler.waiting)):
+            self._finish(req, "error", error=error)
+
     def _step(self) -> None:
         chunks = self.scheduler.schedule()
-        if not chunks:
-            if self.lora is not None:
-                self.lora.on_step_idle()
+        if not chunks:  # e.g. every waiting request waits for its adapter
             self._drain_commands(block=True, timeout=0.005)
             return
         sampling = [c.request for c in chunks if c.completes_prompt]
@@ -264,6 +275,8 @@ class Engine:
         queued = {r.id for r in self.scheduler.running} | {r.id for r in self.scheduler.waiting}
         if queued != live:
             raise AssertionError(f"scheduler holds {sorted(queued)} but live requests are {sorted(live)}")
+        if self.lora is not None:
+            self.lora.check_consistency(self._requests.values())
 
     def snapshot(self) -> dict[str, int]:
         """Counters for stats RPCs; call through `call` from other threads."""

@@ -5,7 +5,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -72,6 +72,7 @@ class Request:
     # Set by the adapter layer: the slot and version this request is bound to while running.
     lora_slot: int = -1
     adapter_version: str = ""
+    adapter_entry: Any = None
     preemptions: int = 0
 
     @property

@@ -1,0 +1,31 @@
+"""Per-step LoRA application: the kernels' metadata is built once per step from each
+token's slot, then every layer's fused projections add their deltas in one launch each."""
+from __future__ import annotations
+
+import torch
+
+from kernels.lora import add_lora
+from kernels.lora_meta import LoraBatchMeta
+
+from ..engine.scheduler import ScheduledChunk
+from .slots import SlotBuffers
+
+
+class StepLoraApplier:
+    def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta) -> None:
+        self.buffers = buffers
+        self.meta = meta
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        buf = self.buffers.layers[layer][group]
+        add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets)
+
+
+def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier | None:
+    """None when no scheduled token uses an adapter: the base path then pays nothing."""
+    token_slots: list[int] = []
+    for chunk in chunks:
+        token_slots += [chunk.request.lora_slot] * chunk.num_new_tokens
+    if all(s < 0 for s in token_slots):
+        return None
+    return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device))

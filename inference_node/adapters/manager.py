@@ -1,0 +1,389 @@
+"""The adapter tiers and their bookkeeping, owned by the engine loop thread.
+
+Tiers: GPU slot (ready for batches) <- host memory (LRU of `max_cpu_loras`) <- source
+(the adapter store, or a local directory). Fetches run on background threads and report
+back through a queue that the engine thread drains, so every state change happens on one
+thread and no lock guards this state.
+
+Rules:
+- A request binds to its adapter's current version when it is admitted and holds a
+  reference on that version's slot until it ends. A slot with references is never
+  evicted or rewritten; unload and replacement by a new version wait until the count is 0.
+- Pinned adapters are never evicted.
+- When a waiting request's adapter needs a slot and none is free or idle, the least
+  recently used unpinned slot is drained: no new request binds to it, and once its running
+  requests end it is reused. Waiting adapters are served in the order of their oldest
+  waiting request, so a cold adapter gets a slot within the time its victim's running
+  requests take to finish: nobody starves.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from ..engine.request import Request
+from ..engine.scheduler import ScheduledChunk
+from .errors import AdapterError, AdapterNotFound, NoSlotAvailable
+from .slots import SlotBuffers
+from .weights import AdapterWeights
+
+log = logging.getLogger(__name__)
+
+
+class AdapterSource(Protocol):
+    def load(self, name: str, version: str) -> AdapterWeights:
+        """Fetches and validates an adapter (version "" = current). Blocking; raises AdapterError."""
+        ...
+
+
+@dataclass(eq=False)
+class AdapterEntry:
+    name: str
+    version: str
+    generation: int                            # load generation: part of the KV-cache namespace
+    weights: AdapterWeights | None = None      # host tier (None once dropped from host memory)
+    slot: int = -1
+    copy_done: torch.cuda.Event | None = None  # pending host->GPU copy
+    copying: bool = False
+    refs: int = 0
+    pinned: bool = False
+    draining: bool = False                     # no new binds: its slot is wanted elsewhere
+    retired: bool = False                      # unloaded or replaced: freed when refs reach 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def resident(self) -> bool:
+        return self.slot >= 0 and not self.copying
+
+    @property
+    def tier(self) -> str:
+        if self.resident:
+            return "gpu"
+        return "loading" if self.copying else "host"
+
+
+Done = Callable[[AdapterEntry | None, AdapterError | None], None]
+
+
+class AdapterManager:
+    def __init__(self, buffers: SlotBuffers, source: AdapterSource | None, max_cpu_loras: int,
+                 pin_host_memory: bool = False, fetch_workers: int = 4) -> None:
+        self.buffers = buffers
+        self.source = source
+        self.max_loras = buffers.max_loras
+        self.max_cpu_loras = max(max_cpu_loras, 1)
+        self.pin_host_memory = pin_host_memory
+        self.slots: list[AdapterEntry | None] = [None] * self.max_loras
+        self.current: dict[str, AdapterEntry] = {}       # name -> the version new requests get
+        self.retired: list[AdapterEntry] = []             # old versions still referenced
+        self.host_lru: OrderedDict[int, AdapterEntry] = OrderedDict()
+        self.jobs: dict[str, list[Done]] = {}             # name -> waiters of the fetch in flight
+        self.resident_waiters: list[tuple[AdapterEntry, Done]] = []
+        self._failed: dict[str, AdapterError] = {}
+        self._completions: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
+        self._generation = 0
+        self.stats = {"loads": 0, "evictions": 0, "fetch_errors": 0}
+
+    # -- the scheduler's AdapterBinder -----------------------------------------------------------
+    def try_bind(self, request: Request) -> bool:
+        if not request.adapter:
+            request.lora_slot = -1
+            return True
+        entry = self.current.get(request.adapter)
+        if entry is None or not entry.resident or entry.draining:
+            return False
+        entry.refs += 1
+        entry.last_used = time.monotonic()
+        request.lora_slot = entry.slot
+        request.adapter_version = entry.version
+        request.adapter_entry = entry
+        return True
+
+    def release(self, request: Request) -> None:
+        entry: AdapterEntry | None = request.adapter_entry
+        request.lora_slot = -1
+        request.adapter_entry = None
+        if entry is None:
+            return
+        entry.refs -= 1
+        if entry.refs < 0:
+            raise AssertionError(f"adapter {entry.name} reference count went negative")
+        if entry.refs == 0:
+            if entry.retired:
+                self._drop(entry)
+            elif entry.draining:
+                self._evict(entry.slot)
+
+    # -- once per engine loop iteration -------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.jobs or self.resident_waiters or any(e and e.copying for e in self.slots))
+
+    def prepare(self, waiting: Iterable[Request]) -> None:
+        """Before scheduling: apply finished fetches and copies, start the loads the waiting
+        requests need, and give slots to waiting adapters (oldest request first)."""
+        self._apply_completions()
+        self._check_copies()
+        seen: set[str] = set()
+        for req in waiting:  # arrival order
+            name = req.adapter
+            if not name or name in seen:
+                continue
+            seen.add(name)
+            entry = self.current.get(name)
+            if entry is None:
+                self._start_load(name, "")
+            elif entry.slot < 0:
+                self._promote(entry, drain=True)
+        for entry, done in list(self.resident_waiters):
+            if entry.resident or entry.retired:
+                self.resident_waiters.remove((entry, done))
+                done(entry, None)
+            elif entry.slot < 0:
+                self._promote(entry, drain=entry.pinned)
+
+    def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, AdapterError]]:
+        """Waiting requests whose adapter failed to load (the engine finishes them)."""
+        if not self._failed:
+            return []
+        failed, self._failed = self._failed, {}
+        return [(r, failed[r.adapter]) for r in waiting if r.adapter in failed]
+
+    # -- admin, on the engine thread through Engine.call ---------------------------------------------
+    def load(self, name: str, version: str, pin: bool, done: Done) -> None:
+        """Fetches (if needed) and promotes to a GPU slot if one can be had; done() gets the entry."""
+        def loaded(entry: AdapterEntry | None, error: AdapterError | None) -> None:
+            if entry is None:
+                done(None, error)
+                return
+            entry.pinned = entry.pinned or pin
+            if entry.resident:
+                done(entry, None)
+                return
+            self.resident_waiters.append((entry, done))
+            if entry.slot < 0:
+                self._promote(entry, drain=pin)
+            if entry.slot < 0 and not pin:  # no slot free now: it stays in host memory
+                self.resident_waiters.remove((entry, done))
+                done(entry, None)
+
+        entry = self.current.get(name)
+        if entry is not None and (not version or entry.version == version) and entry.weights is not None:
+            loaded(entry, None)
+        else:
+            self._start_load(name, version, loaded)
+
+    def unload(self, name: str) -> bool:
+        """Retires the adapter; returns True when running requests defer the unload."""
+        entry = self.current.pop(name, None)
+        if entry is None:
+            raise AdapterNotFound(f"adapter {name!r} is not loaded on this node")
+        entry.pinned = False
+        deferred = entry.refs > 0
+        self._retire(entry)
+        return deferred
+
+    def on_catalog_update(self, name: str, version: str) -> None:
+        """The store has a new version: new requests get it, running ones finish on theirs."""
+        entry = self.current.get(name)
+        if entry is None or entry.version == version:
+            return
+        pinned = entry.pinned
+        self.current.pop(name)
+        self._retire(entry)
+        if pinned:  # a pinned adapter stays resident across versions
+            self.load(name, version, True, lambda e, err: None)
+
+    def on_catalog_delete(self, name: str) -> None:
+        if name in self.current:
+            self.unload(name)
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def _start_load(self, name: str, version: str, waiter: Done | None = None) -> None:
+        if self.source is None:
+            error = AdapterNotFound(f"adapter {name!r} is not loaded and this node has no adapter "
+                                    "source (start it with --adapter-store or --adapter-dir)")
+            self._failed[name] = error
+            if waiter:
+                waiter(None, error)
+            return
+        if name not in self.jobs:
+            self.jobs[name] = []
+            self._pool.submit(self._fetch, name, version)
+        if waiter is not None:
+            self.jobs[name].append(waiter)
+
+    def _fetch(self, name: str, version: str) -> None:  # background thread
+        try:
+            weights = self.source.load(name, version)
+            if self.pin_host_memory:
+                weights.tensors = {k: (a.pin_memory(), b.pin_memory())
+                                   for k, (a, b) in weights.tensors.items()}
+            self._completions.put((name, weights, None))
+        except AdapterError as exc:
+            self._completions.put((name, None, exc))
+        except Exception as exc:  # unexpected: reported, never half-used
+            log.exception("loading adapter %s failed", name)
+            self._completions.put((name, None, AdapterError(f"loading adapter {name!r} failed: {exc}")))
+
+    def _apply_completions(self) -> None:
+        while True:
+            try:
+                name, weights, error = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            waiters = self.jobs.pop(name, [])
+            entry = None
+            if error is not None:
+                self.stats["fetch_errors"] += 1
+                log.warning("adapter %s could not be loaded: %s", name, error)
+                self._failed[name] = error
+            else:
+                entry = self._install(weights)
+            for waiter in waiters:
+                waiter(entry, error)
+
+    def _install(self, weights: AdapterWeights) -> AdapterEntry:
+        old = self.current.get(weights.name)
+        if old is not None and old.version == weights.version:
+            old.weights = weights
+            self._touch_host(old)
+            return old
+        if old is not None:
+            self.current.pop(weights.name)
+            self._retire(old)
+        self._generation += 1
+        entry = AdapterEntry(weights.name, weights.version, self._generation, weights)
+        self.current[weights.name] = entry
+        self._touch_host(entry)
+        self.stats["loads"] += 1
+        log.info("adapter %s version %s in host memory (rank %d, %s, %.2f MB)", entry.name,
+                 entry.version[:12], weights.rank, ",".join(weights.target_modules), weights.nbytes / 1e6)
+        return entry
+
+    def _touch_host(self, entry: AdapterEntry) -> None:
+        self.host_lru[id(entry)] = entry
+        self.host_lru.move_to_end(id(entry))
+        while len(self.host_lru) > self.max_cpu_loras:
+            victim = next((e for e in self.host_lru.values() if not e.copying and not e.pinned), None)
+            if victim is None:
+                return
+            self.host_lru.pop(id(victim))
+            victim.weights = None  # a GPU slot keeps serving; a later promotion refetches
+            if victim.slot < 0 and self.current.get(victim.name) is victim:
+                del self.current[victim.name]  # no copy left on this node: the source has it
+
+    # -- GPU slots -------------------------------------------------------------------------------------
+    def _promote(self, entry: AdapterEntry, drain: bool) -> None:
+        if entry.weights is None:  # dropped from host memory: fetch it again
+            self.current.pop(entry.name, None)
+            self._start_load(entry.name, entry.version)
+            return
+        slot = self._free_slot()
+        if slot is None:
+            if drain:
+                self._drain_one()
+            return
+        self.slots[slot] = entry
+        entry.slot = slot
+        entry.copying = True
+        entry.copy_done = self.buffers.write(slot, entry.weights)
+        entry.last_used = time.monotonic()
+        self._touch_host(entry)
+        self._check_copies()
+
+    def _free_slot(self) -> int | None:
+        for i, e in enumerate(self.slots):
+            if e is None:
+                return i
+        idle = [(e.last_used, i) for i, e in enumerate(self.slots)
+                if e is not None and e.refs == 0 and not e.pinned and not e.copying]
+        if not idle:
+            return None
+        _, slot = min(idle)
+        self._evict(slot)
+        return slot
+
+    def _drain_one(self) -> None:
+        if any(e is not None and e.draining for e in self.slots):
+            return  # one drain at a time keeps the most slots serving
+        candidates = [(e.last_used, i) for i, e in enumerate(self.slots) if e is not None and not e.pinned]
+        if not candidates:
+            error = NoSlotAvailable(f"all {self.max_loras} adapter slots hold pinned adapters; "
+                                    "unpin one or raise --max-loras")
+            for name, entry in self.current.items():
+                if entry.slot < 0:
+                    self._failed[name] = error
+            return
+        _, slot = min(candidates)
+        self.slots[slot].draining = True
+
+    def _evict(self, slot: int) -> None:
+        entry = self.slots[slot]
+        self.slots[slot] = None
+        self.buffers.clear(slot)
+        if entry is None:
+            return
+        entry.slot = -1
+        entry.draining = False
+        self.stats["evictions"] += 1
+        if entry.weights is None and self.current.get(entry.name) is entry:
+            del self.current[entry.name]  # no copy left on this node
+
+    def _check_copies(self) -> None:
+        for e in self.slots:
+            if e is not None and e.copying and (e.copy_done is None or e.copy_done.query()):
+                e.copying = False
+                e.copy_done = None
+
+    def _retire(self, entry: AdapterEntry) -> None:
+        entry.retired = True
+        if entry.refs == 0:
+            self._drop(entry)
+        else:
+            self.retired.append(entry)
+
+    def _drop(self, entry: AdapterEntry) -> None:
+        if entry.slot >= 0:
+            self._evict(entry.slot)
+        self.host_lru.pop(id(entry), None)
+        entry.weights = None
+        if entry in self.retired:
+            self.retired.remove(entry)
+
+    def applier(self, chunks: list[ScheduledChunk]):
+        """This step's LoRA applier (None when no scheduled token uses an adapter)."""
+        from .applier import build_applier  # the kernels are only needed once adapters run
+        return build_applier(self.buffers, chunks)
+
+    # -- introspection ---------------------------------------------------------------------------------
+    def entries(self) -> list[AdapterEntry]:
+        return list(self.current.values()) + list(self.retired)
+
+    def check_consistency(self, live: Iterable[Request]) -> None:
+        """Every reference count equals the live requests bound to that adapter version."""
+        counts: dict[int, int] = {}
+        for req in live:
+            if req.adapter_entry is not None:
+                counts[id(req.adapter_entry)] = counts.get(id(req.adapter_entry), 0) + 1
+        everyone = {id(e): e for e in self.entries() + [s for s in self.slots if s is not None]}
+        for key, e in everyone.items():
+            if e.refs != counts.get(key, 0):
+                raise AssertionError(f"adapter {e.name}@{e.version[:8]} has ref count {e.refs}, "
+                                     f"but {counts.get(key, 0)} live requests use it")
+        for key in counts:
+            if key not in everyone:
+                raise AssertionError("a live request holds an adapter the manager no longer tracks")
+        for i, e in enumerate(self.slots):
+            if e is not None and e.slot != i:
+                raise AssertionError(f"slot {i} holds {e.name}, which thinks it is in slot {e.slot}")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

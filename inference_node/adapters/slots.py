@@ -1,0 +1,87 @@
+"""The GPU slot pool's memory: per layer and fused projection group, stacked A and B buffers
+with `max_loras` slots, ranks zero-padded to `max_lora_rank`, and a scaling per slot.
+
+Writing a slot copies host tensors on a side stream (CUDA), recording an event that tells
+the engine when the slot is ready, so the running batch is not stalled by the copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.llama import FUSED_MODULES
+from .weights import AdapterWeights
+
+
+@dataclass
+class GroupBuffers:
+    a: list[torch.Tensor]       # one per slice: [S, R, in]
+    b: list[torch.Tensor]       # one per slice: [S, out, R]
+    offsets: list[int]          # column offset of each slice in the fused output
+
+
+class SlotBuffers:
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.device = device
+        shapes = config.module_shapes()
+        self.layers: list[dict[str, GroupBuffers]] = []
+        for _ in range(config.num_layers):
+            groups = {}
+            for group, modules in FUSED_MODULES.items():
+                offsets, a, b, col = [], [], [], 0
+                for m in modules:
+                    fan_in, fan_out = shapes[m]
+                    a.append(torch.zeros(max_loras, max_rank, fan_in, dtype=dtype, device=device))
+                    b.append(torch.zeros(max_loras, fan_out, max_rank, dtype=dtype, device=device))
+                    offsets.append(col)
+                    col += fan_out
+                groups[group] = GroupBuffers(a, b, offsets)
+            self.layers.append(groups)
+        self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for g in layer.values()
+                   for t in g.a + g.b)
+
+    def write(self, slot: int, weights: AdapterWeights) -> torch.cuda.Event | None:
+        """Copies an adapter into a slot (zeroing modules it does not target)."""
+        r = weights.rank
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
+        with stream_ctx:
+            for layer_idx, groups in enumerate(self.layers):
+                for group, modules in FUSED_MODULES.items():
+                    buf = groups[group]
+                    for i, module in enumerate(modules):
+                        pair = weights.tensors.get((layer_idx, module))
+                        buf.a[i][slot].zero_()
+                        buf.b[i][slot].zero_()
+                        if pair is not None:
+                            a, b = pair
+                            buf.a[i][slot, :r].copy_(a, non_blocking=True)
+                            buf.b[i][slot, :, :r].copy_(b, non_blocking=True)
+            self.scaling[slot] = weights.scaling
+            self.ranks[slot] = r
+            if self._stream is None:
+                return None
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            return event
+
+    def clear(self, slot: int) -> None:
+        self.scaling[slot] = 0.0
+        self.ranks[slot] = 0
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

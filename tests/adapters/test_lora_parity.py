@@ -1,0 +1,67 @@
+"""Mixed-adapter batches through gRPC equal Hugging Face PEFT running each adapter alone,
+with fewer GPU slots than adapters so eviction and reloading happen during the test."""
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from harness import InProcessNode, make_peft_adapter, peft_greedy
+from inference_node.node import NodeSettings
+from lora_client.node_client import NodeClient
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name: (rank, alpha, target modules, rsLoRA)
+ADAPTERS = {
+    "r2-qv": (2, 4.0, ["q_proj", "v_proj"], False),
+    "r8-all": (8, 16.0, ALL, False),
+    "r16-attn-rs": (16, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"], True),
+    "r32-mlp": (32, 32.0, ["gate_proj", "up_proj", "down_proj"], False),
+    "r64-all-rs": (64, 16.0, ALL, True),
+    "r4-ko": (4, 8.0, ["k_proj", "o_proj", "down_proj"], False),
+}
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, tiny_llama_path) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
+        make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
+    return root
+
+
+def test_mixed_adapter_batch_matches_peft_with_eviction(tiny_llama_path, adapter_dir) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(3)]
+    max_new = 12
+    expected = {name: peft_greedy(tiny_llama_path, adapter_dir / name, prompts, max_new) for name in ADAPTERS}
+    expected[""] = peft_greedy(tiny_llama_path, None, prompts, max_new)
+    differs = sum(expected[n] != expected[""] for n in ADAPTERS)
+    assert differs >= len(ADAPTERS) - 1, "the adapters barely change the model: the test would be weak"
+
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
+                                      max_loras=3, max_lora_rank=64, max_cpu_loras=4,
+                                      adapter_dir=str(adapter_dir), debug_checks=True,
+                                      max_num_batched_tokens=128))
+    try:
+        jobs = [(name, i) for name in [""] + list(ADAPTERS) for i in range(len(prompts))]
+        rng.shuffle(jobs)
+
+        def run(job):
+            name, i = job
+            with NodeClient(node.address) as client:
+                return client.generate(client.request(adapter=name, prompt_token_ids=prompts[i],
+                                                      max_tokens=max_new, ignore_eos=True), timeout=300)
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(run, jobs))
+        for (name, i), got in zip(jobs, results):
+            assert got.token_ids == expected[name][i], f"adapter {name or 'base'} prompt {i} diverged"
+        stats = node.node.adapters.stats
+        assert stats["evictions"] > 0, "max_loras < adapters should have forced evictions"
+        node.check_idle()
+        assert all(e.refs == 0 for e in node.node.adapters.entries())
+    finally:
+        node.stop()

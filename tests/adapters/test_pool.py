@@ -1,0 +1,106 @@
+"""The adapter slot pool: LRU order, pinning, deferred unload, versions, reference counts."""
+from __future__ import annotations
+
+import time
+
+from pool_support import bind, load, make_manager, pump, request
+
+
+def slot_names(manager) -> list[str | None]:
+    return [e.name if e else None for e in manager.slots]
+
+
+def test_lru_slot_is_evicted_first() -> None:
+    m, _ = make_manager(["a", "b", "c"], max_loras=2)
+    load(m, "a")
+    load(m, "b")
+    m.release(bind(m, "a"))               # a is now more recently used than b
+    load(m, "c")
+    assert sorted(n for n in slot_names(m) if n) == ["a", "c"]
+    assert m.stats["evictions"] == 1
+
+
+def test_pinned_adapter_is_never_evicted() -> None:
+    m, _ = make_manager(["a", "b", "c", "d"], max_loras=2)
+    load(m, "a", pin=True)
+    for name in ["b", "c", "d", "b"]:
+        entry, error = load(m, name)
+        assert error is None
+    assert "a" in slot_names(m)
+    assert m.current["a"].pinned and m.current["a"].resident
+
+
+def test_unload_is_deferred_while_a_request_runs() -> None:
+    m, _ = make_manager(["a"], max_loras=2)
+    load(m, "a")
+    req = bind(m, "a")
+    slot = req.lora_slot
+    assert m.unload("a") is True          # deferred
+    assert slot_names(m)[slot] == "a"     # the running request still reads its slot
+    assert not m.try_bind(request("a"))   # no new request binds to it
+    m.release(req)
+    assert slot_names(m) == [None, None]
+    m.check_consistency([])
+
+
+def test_new_version_serves_new_requests_while_old_one_finishes() -> None:
+    m, source = make_manager(["a"], max_loras=2)
+    load(m, "a")
+    old_req = bind(m, "a")
+    old_slot = old_req.lora_slot
+    source.versions["a"] = "v2"
+    m.on_catalog_update("a", "v2")
+    new_req = bind(m, "a")
+    assert (old_req.adapter_version, new_req.adapter_version) == ("v1", "v2")
+    assert new_req.lora_slot != old_slot
+    assert slot_names(m) == ["a", "a"]
+    m.release(old_req)
+    assert m.slots[old_slot] is None      # the old version's slot is freed once idle
+    m.release(new_req)
+    m.check_consistency([])
+    assert m.current["a"].version == "v2" and m.current["a"].refs == 0
+
+
+def test_cold_adapter_gets_a_slot_by_draining_the_lru_one() -> None:
+    m, _ = make_manager(["a", "b", "c"], max_loras=2)
+    held = [bind(m, "a"), bind(m, "b")]   # both slots in use
+    cold = request("c")
+    pump(m, [cold])
+    assert not m.try_bind(cold)
+    drained = [e for e in m.slots if e.draining]
+    assert len(drained) == 1 and drained[0].name == "a"   # least recently used
+    assert not m.try_bind(request("a"))   # new requests of a wait while it drains
+    m.release(held[0])                    # a's last request ends: its slot is reused
+    pump(m, [cold])
+    assert m.try_bind(cold) and cold.adapter_version == "v1"
+    m.release(cold)
+    m.release(held[1])
+    m.check_consistency([])
+
+
+def test_unknown_adapter_fails_its_waiting_requests() -> None:
+    m, _ = make_manager(["a"])
+    waiting = [request("ghost"), request("a")]
+    failures = []
+    for _ in range(1000):                 # what the engine loop does each iteration
+        m.prepare(waiting)
+        for req, error in m.collect_failures(waiting):
+            failures.append((req.adapter, type(error).__name__))
+            waiting.remove(req)           # the engine finishes it with the error's status
+        if failures and not m.busy():
+            break
+        time.sleep(0.005)
+    assert failures == [("ghost", "AdapterNotFound")]
+    pump(m, waiting)
+    assert m.try_bind(waiting[0])
+
+
+def test_host_tier_is_bounded_lru() -> None:
+    m, source = make_manager(["a", "b", "c"], max_loras=1, max_cpu=2)
+    for name in ["a", "b", "c"]:
+        load(m, name)
+    with_weights = {e.name for e in m.entries() if e.weights is not None}
+    assert len(with_weights) <= 2 and "c" in with_weights
+    loads_before = len(source.loads)
+    load(m, "a")                          # dropped from host memory: fetched again
+    assert len(source.loads) == loads_before + 1
