@@ -21,11 +21,8 @@ class StepLoraApplier:
         add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets)
 
 
-def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier | None:
-    """None when no scheduled token uses an adapter: the base path then pays nothing."""
+def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier:
     token_slots: list[int] = []
     for chunk in chunks:
         token_slots += [chunk.request.lora_slot] * chunk.num_new_tokens
-    if all(s < 0 for s in token_slots):
-        return None
     return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device))

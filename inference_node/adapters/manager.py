@@ -360,6 +360,8 @@ class AdapterManager:
 
     def applier(self, chunks: list[ScheduledChunk]):
         """This step's LoRA applier (None when no scheduled token uses an adapter)."""
+        if all(c.request.lora_slot < 0 for c in chunks):
+            return None
         from .applier import build_applier  # the kernels are only needed once adapters run
         return build_applier(self.buffers, chunks)
 
