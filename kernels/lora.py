@@ -1,0 +1,51 @@
+"""Multi-LoRA dispatchers: the Triton kernels on CUDA, the PyTorch reference elsewhere."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._dispatch import use_triton
+from .lora_meta import LoraBatchMeta
+from .lora_ref import lora_expand_ref, lora_shrink_ref
+
+
+def _triton_impl():
+    """The Triton module, or None where Triton is not installed (the reference serves)."""
+    try:
+        from . import lora_triton
+    except ImportError:
+        return None
+    return lora_triton
+
+
+def lora_shrink(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
+                scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """[n_slices, T, R] float32 rank-space activations, scaled; zero rows for slot -1."""
+    if use_triton(x):
+        triton_impl = _triton_impl()
+        if triton_impl is not None:
+            return triton_impl.lora_shrink_triton(x, a_stacked, meta, scaling, slot_ranks)
+    return lora_shrink_ref(x, a_stacked, meta, scaling)
+
+
+def lora_expand(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
+                y: torch.Tensor, slice_offsets: Sequence[int],
+                slot_ranks: torch.Tensor | None = None) -> None:
+    """Adds h[i] @ B_i[slot].T into y's column slice i, in place."""
+    if use_triton(y):
+        triton_impl = _triton_impl()
+        if triton_impl is not None:
+            triton_impl.lora_expand_triton(h, b_stacked, meta, y, slice_offsets, slot_ranks)
+            return
+    lora_expand_ref(h, b_stacked, meta, y, slice_offsets)
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
+             b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta, scaling: torch.Tensor,
+             slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None) -> None:
+    """y += LoRA delta of every token's adapter (all slices of a fused projection), in place."""
+    if meta.num_active_tokens == 0:
+        return
+    h = lora_shrink(x, a_stacked, meta, scaling, slot_ranks)
+    lora_expand(h, b_stacked, meta, y, slice_offsets, slot_ranks)

@@ -1,0 +1,76 @@
+"""Per-step LoRA batch metadata: which tokens use which adapter slot, grouped by slot.
+
+Built once per engine step on the host (where the scheduler already knows every token's
+slot) and copied to the device in a single transfer, so no layer's LoRA call ever has to
+read device memory back to size its launch grid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# (slot, start in sorted_token_ids, length, first token if the group's tokens are one
+# contiguous run of the batch else -1): lets the CPU path slice instead of gather.
+HostSegment = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class LoraBatchMeta:
+    """Per-step metadata, built ONCE per engine step and shared by every layer's LoRA calls."""
+
+    token_slots: torch.Tensor       # [T] int32 on device, adapter slot of each token, -1 = none
+    sorted_token_ids: torch.Tensor  # [T_active] int32: tokens with slot >= 0, grouped by slot
+    segment_slots: torch.Tensor     # [num_segments] int32: the slot of each group
+    segment_starts: torch.Tensor    # [num_segments] int32: start of each group in sorted ids
+    segment_lens: torch.Tensor      # [num_segments] int32
+    num_segments: int               # host ints, so kernels launch without device sync
+    max_segment_len: int
+    num_active_tokens: int
+    segments: tuple[HostSegment, ...] = ()  # host copy of the groups (the reference loops them)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @staticmethod
+    def build(token_slots: Sequence[int] | torch.Tensor,
+              device: torch.device | str) -> "LoraBatchMeta":
+        """Groups tokens by slot on the host (stable: batch order kept inside a group)."""
+        device = torch.device(device)
+        if isinstance(token_slots, torch.Tensor):
+            slots = token_slots.detach().to("cpu", torch.int32).reshape(-1)
+        else:
+            slots = torch.tensor(list(token_slots), dtype=torch.int32).reshape(-1)
+        active = torch.nonzero(slots >= 0).reshape(-1)
+        sorted_slots, order = torch.sort(slots[active], stable=True)
+        sorted_ids = active[order].to(torch.int32)
+        seg_slots, seg_lens = torch.unique_consecutive(sorted_slots, return_counts=True)
+        seg_slots = seg_slots.to(torch.int32)
+        seg_lens = seg_lens.to(torch.int32)
+        seg_starts = (torch.cumsum(seg_lens, 0) - seg_lens).to(torch.int32)
+
+        ids_list = sorted_ids.tolist()
+        segments = []
+        for slot, start, length in zip(seg_slots.tolist(), seg_starts.tolist(), seg_lens.tolist()):
+            first = ids_list[start]
+            contiguous = ids_list[start + length - 1] - first == length - 1  # ids increase
+            segments.append((slot, start, length, first if contiguous else -1))
+
+        # One packed host tensor, one copy, then views: a single H2D transfer per step.
+        parts = [slots, sorted_ids, seg_slots, seg_starts, seg_lens]
+        packed = torch.cat(parts)
+        if device.type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
+        views = torch.split(packed, [p.numel() for p in parts])
+        return LoraBatchMeta(
+            token_slots=views[0], sorted_token_ids=views[1], segment_slots=views[2],
+            segment_starts=views[3], segment_lens=views[4],
+            num_segments=len(segments),
+            max_segment_len=max((s[2] for s in segments), default=0),
+            num_active_tokens=len(ids_list),
+            segments=tuple(segments),
+        )
