@@ -24,24 +24,25 @@ ADAPTERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory, tiny_llama_path) -> Path:
-    root = tmp_path_factory.mktemp("adapters")
+def make_adapters(base: Path, root: Path, scale: float) -> Path:
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
-        make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
+        make_peft_adapter(base, root / name, rank, alpha, targets, rs, seed=seed, scale=scale)
     return root
 
 
-def test_mixed_adapter_batch_matches_peft_with_eviction(tiny_llama_path, adapter_dir) -> None:
+@pytest.mark.parametrize("which, scale, num_prompts", [("tiny_llama", 3.0, 3), ("smollm2", 1.0, 2)])
+def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompts, request, tmp_path) -> None:
+    base = request.getfixturevalue(f"{which}_path")
+    adapter_dir = make_adapters(base, tmp_path / "adapters", scale)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(3)]
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(num_prompts)]
     max_new = 12
-    expected = {name: peft_greedy(tiny_llama_path, adapter_dir / name, prompts, max_new) for name in ADAPTERS}
-    expected[""] = peft_greedy(tiny_llama_path, None, prompts, max_new)
+    expected = {name: peft_greedy(base, adapter_dir / name, prompts, max_new) for name in ADAPTERS}
+    expected[""] = peft_greedy(base, None, prompts, max_new)
     differs = sum(expected[n] != expected[""] for n in ADAPTERS)
     assert differs >= len(ADAPTERS) - 1, "the adapters barely change the model: the test would be weak"
 
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
+    node = InProcessNode(NodeSettings(model=str(base), device="cpu", num_kv_blocks=256,
                                       max_loras=3, max_lora_rank=64, max_cpu_loras=4,
                                       adapter_dir=str(adapter_dir), debug_checks=True,
                                       max_num_batched_tokens=128))
