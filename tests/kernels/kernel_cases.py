@@ -1,0 +1,166 @@
+"""Random problem builders and obviously-correct (per-token loop) oracles for the kernel tests."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kernels.lora_meta import LoraBatchMeta
+
+
+@dataclass
+class LoraCase:
+    x: torch.Tensor                 # [T, H_in]
+    a: list[torch.Tensor]           # per slice [S, R, H_in], rows >= rank of a slot are zero
+    b: list[torch.Tensor]           # per slice [S, out_i, R], columns >= rank are zero
+    scaling: torch.Tensor           # [S] float32
+    ranks: torch.Tensor             # [S] int32
+    token_slots: list[int]
+    meta: LoraBatchMeta
+    y: torch.Tensor                 # [T, sum(out_i) + pad], the base output the delta goes into
+    offsets: list[int]
+
+
+def make_lora_case(*, token_slots: Sequence[int], num_slots: int, max_rank: int,
+                   ranks: Sequence[int] | None = None, h_in: int, outs: Sequence[int],
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   y_pad: int = 0, seed: int = 0) -> LoraCase:
+    """Slots get their own (possibly smaller than max_rank) rank, zero-padded like the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    if ranks is None:
+        ranks = [max_rank] * num_slots
+    T = len(token_slots)
+
+    def rand(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    x = rand(T, h_in).to(dtype)
+    a, b = [], []
+    for out in outs:
+        a_i = torch.zeros(num_slots, max_rank, h_in)
+        b_i = torch.zeros(num_slots, out, max_rank)
+        for s, r in enumerate(ranks):
+            a_i[s, :r] = rand(r, h_in, std=1 / math.sqrt(h_in))
+            b_i[s, :, :r] = rand(out, r, std=1 / math.sqrt(max(r, 1)))
+        a.append(a_i.to(dtype).to(device))
+        b.append(b_i.to(dtype).to(device))
+    scaling = (torch.rand(num_slots, generator=gen) * 2 + 0.5).to(device)
+    y = rand(T, sum(outs) + y_pad).to(dtype).to(device)
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    return LoraCase(
+        x=x.to(device), a=a, b=b, scaling=scaling,
+        ranks=torch.tensor(list(ranks), dtype=torch.int32, device=device),
+        token_slots=list(token_slots), meta=LoraBatchMeta.build(token_slots, device),
+        y=y, offsets=offsets,
+    )
+
+
+def naive_shrink(case: LoraCase) -> torch.Tensor:
+    """Token by token, slice by slice: h[i, t] = x[t] @ A_i[slot].T * scaling[slot]."""
+    R = case.a[0].shape[1]
+    out = torch.zeros(len(case.a), len(case.token_slots), R, dtype=torch.float32)
+    for t, slot in enumerate(case.token_slots):
+        if slot < 0:
+            continue
+        for i, a in enumerate(case.a):
+            out[i, t] = (a[slot].float().cpu() @ case.x[t].float().cpu()) * case.scaling[slot].cpu()
+    return out
+
+
+def naive_expand(case: LoraCase, h: torch.Tensor) -> torch.Tensor:
+    """Token by token: y[t, off_i:off_i+out_i] += B_i[slot] @ h[i, t], one fp32 sum, one rounding."""
+    y = case.y.detach().cpu().clone()
+    for t, slot in enumerate(case.token_slots):
+        if slot < 0:
+            continue
+        for i, b in enumerate(case.b):
+            off, n = case.offsets[i], b.shape[1]
+            delta = b[slot].float().cpu() @ h[i, t].float().cpu()
+            y[t, off:off + n] = (y[t, off:off + n].float() + delta).to(y.dtype)
+    return y
+
+
+def random_slots(gen: torch.Generator, T: int, num_slots: int, used: Sequence[int],
+                 none_fraction: float = 0.25) -> list[int]:
+    """Tokens in random (unsorted) order over the `used` slots, some with no adapter (-1)."""
+    slots = []
+    for _ in range(T):
+        if not used or torch.rand(1, generator=gen).item() < none_fraction:
+            slots.append(-1)
+        else:
+            slots.append(int(used[torch.randint(len(used), (1,), generator=gen).item()]))
+    return slots
+
+
+@dataclass
+class AttentionCase:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+    max_query_len: int
+    max_seq_len: int
+    q_lens: list[int]
+    seq_lens_list: list[int]
+
+    def args(self) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc,
+                self.seq_lens, self.scale, self.max_query_len, self.max_seq_len)
+
+
+def make_attention_case(*, q_lens: Sequence[int], seq_lens: Sequence[int], num_heads: int,
+                        num_kv_heads: int, head_dim: int, page: int,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        extra_blocks: int = 7, seed: int = 0) -> AttentionCase:
+    """Block tables are random permutations of a shared pool (non-contiguous, unordered)."""
+    assert all(0 < ql <= sl for ql, sl in zip(q_lens, seq_lens))
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-s // page) for s in seq_lens]
+    max_blocks = max(need) + 1  # one spare column: unused entries must never be read
+    num_blocks = sum(need) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(num_blocks, (len(seq_lens), max_blocks), generator=gen)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    T = sum(q_lens)
+    q = torch.randn(T, num_heads, head_dim, generator=gen)
+    k = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen)
+    qsl = [0]
+    for ql in q_lens:
+        qsl.append(qsl[-1] + ql)
+    return AttentionCase(
+        q=q.to(dtype).to(device), k_cache=k.to(dtype).to(device), v_cache=v.to(dtype).to(device),
+        block_tables=table.to(torch.int32).to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        scale=head_dim ** -0.5, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        q_lens=list(q_lens), seq_lens_list=list(seq_lens),
+    )
+
+
+def naive_attention(case: AttentionCase) -> torch.Tensor:
+    """Per token and head: softmax over the keys at positions 0..pos, read block by block."""
+    q, k, v = case.q.float().cpu(), case.k_cache.float().cpu(), case.v_cache.float().cpu()
+    table = case.block_tables.cpu()
+    page = k.shape[1]
+    group = q.shape[1] // k.shape[2]
+    out = torch.zeros_like(q)
+    t = 0
+    for b, (ql, sl) in enumerate(zip(case.q_lens, case.seq_lens_list)):
+        keys = torch.stack([k[table[b, j // page], j % page] for j in range(sl)])    # [sl, Hkv, D]
+        values = torch.stack([v[table[b, j // page], j % page] for j in range(sl)])
+        for i in range(ql):
+            pos = sl - ql + i
+            for h in range(q.shape[1]):
+                scores = keys[:pos + 1, h // group] @ q[t, h] * case.scale
+                out[t, h] = torch.softmax(scores, 0) @ values[:pos + 1, h // group]
+            t += 1
+    return out.to(case.q.dtype)

@@ -1,0 +1,30 @@
+"""Runs test_triton_kernels.py in Triton's interpreter, in a subprocess.
+
+TRITON_INTERPRET must be set before Triton is imported (and kernels are decorated), which a
+shared pytest process cannot guarantee without changing how every other test sees Triton.
+A child pytest with the variable set, and with conftest loading cut at this directory (the
+engine's fixtures are not needed), keeps the switch local to these kernels.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_triton_kernels_match_reference_in_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"--confcutdir={HERE}", "-rfEs", str(HERE / "test_triton_kernels.py")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report

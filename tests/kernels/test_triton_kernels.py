@@ -1,0 +1,232 @@
+"""Triton kernels against the PyTorch reference on random small shapes.
+
+Runs where Triton can execute: natively on CUDA, or on CPU tensors in Triton's interpreter.
+The interpreter must be switched on before Triton is imported, so on a CPU-only machine this
+module is skipped in the main pytest process and run by test_triton_interpreter.py in a
+subprocess with TRITON_INTERPRET=1 (run it directly with the same env var to debug).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_cases import make_attention_case, make_lora_case, random_slots
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+pytestmark = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(),
+    reason="needs CUDA, or TRITON_INTERPRET=1 (test_triton_interpreter.py runs it that way)")
+
+EXAMPLES = 60 if INTERPRET else 100
+HYPO = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Relative tolerance, with an absolute floor scaled to the tensor's magnitude."""
+    rel = 1e-4 if dtype == torch.float32 else 2e-2
+    floor = rel * max(1.0, expected.float().abs().max().item()) if expected.numel() else rel
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=rel, atol=floor)
+
+
+def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None) -> None:
+    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+    from kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+
+    ranks = case.ranks if use_ranks else None
+    h_ref = lora_shrink_ref(case.x, case.a, case.meta, case.scaling)
+    h = lora_shrink_triton(case.x, case.a, case.meta, case.scaling, ranks, split_k=split_k)
+    assert h.shape == h_ref.shape and h.dtype == torch.float32
+    assert_close_scaled(h, h_ref, dtype)
+    inactive = [t for t, s in enumerate(case.token_slots) if s < 0]
+    assert torch.count_nonzero(h[:, inactive]) == 0
+
+    y_ref, y = case.y.clone(), case.y.clone()
+    lora_expand_ref(h_ref, case.b, case.meta, y_ref, case.offsets)
+    lora_expand_triton(h_ref, case.b, case.meta, y, case.offsets, ranks)
+    assert_close_scaled(y, y_ref, dtype)
+    assert torch.equal(y[inactive], case.y[inactive])  # slot -1 rows untouched, bit for bit
+    width = sum(b.shape[1] for b in case.b)
+    assert torch.equal(y[:, width:], case.y[:, width:])  # and columns past the slices
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA shrink / expand
+
+@st.composite
+def lora_problems(draw):
+    S = draw(st.integers(1, 5))
+    R = draw(st.integers(1, 40))
+    ranks = draw(st.lists(st.integers(0, R), min_size=S, max_size=S))
+    used = draw(st.lists(st.integers(0, S - 1), unique=True, max_size=S))
+    T = draw(st.integers(0, 40))
+    seed = draw(st.integers(0, 2**16))
+    slots = random_slots(torch.Generator().manual_seed(seed), T, S, used,
+                         none_fraction=draw(st.sampled_from([0.0, 0.3])))
+    outs = draw(st.lists(st.integers(1, 150), min_size=1, max_size=3))
+    return dict(token_slots=slots, num_slots=S, max_rank=R, ranks=ranks,
+                h_in=draw(st.integers(1, 160)), outs=outs, seed=seed,
+                y_pad=draw(st.integers(0, 5)))
+
+
+@HYPO
+@given(problem=lora_problems(), dtype=st.sampled_from(list(DTYPES)), use_ranks=st.booleans(),
+       split_k=st.sampled_from([None, 1, 2, 5]))
+def test_lora_random_shapes(problem: dict, dtype: str, use_ranks: bool,
+                            split_k: int | None) -> None:
+    case = make_lora_case(**problem, dtype=DTYPES[dtype], device=DEVICE)
+    check_lora(case, DTYPES[dtype], use_ranks, split_k)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("outs,h_in", [([576, 192, 192], 576), ([1536, 1536], 576)],
+                         ids=["qkv", "gate_up"])
+def test_lora_fused_slices_mixed_ranks_empty_segments(outs: list[int], h_in: int,
+                                                      dtype: str) -> None:
+    # Slots 1 and 4 hold adapters but no token of this batch uses them (empty segments).
+    slots = [2, -1, 0, 2, 2, -1, 0, 3, 3, 0, 2, -1]
+    case = make_lora_case(token_slots=slots, num_slots=5, max_rank=16, ranks=[16, 8, 4, 1, 12],
+                          h_in=h_in, outs=outs, dtype=DTYPES[dtype], device=DEVICE, y_pad=7)
+    check_lora(case, DTYPES[dtype], use_ranks=True, split_k=None)
+    check_lora(case, DTYPES[dtype], use_ranks=False, split_k=3)
+
+
+@pytest.mark.parametrize("slots", [[], [-1, -1, -1]], ids=["empty_batch", "no_adapter"])
+def test_lora_without_active_tokens(slots: list[int]) -> None:
+    case = make_lora_case(token_slots=slots, num_slots=2, max_rank=8, h_in=32, outs=[16, 8],
+                          device=DEVICE)
+    check_lora(case, torch.float32, use_ranks=True, split_k=None)
+
+
+def test_lora_unaligned_slice_buffers_and_strided_views() -> None:
+    """Slices that are views at odd element offsets of one buffer (no 16-element alignment
+    between them), x and y that are column views of wider tensors."""
+    from kernels.lora_meta import LoraBatchMeta
+
+    case = make_lora_case(token_slots=[1, 0, -1, 1], num_slots=2, max_rank=8, h_in=40,
+                          outs=[24, 8], device=DEVICE)
+    flat = torch.zeros(3 + sum(t.numel() + 1 for t in case.a + case.b), device=DEVICE)
+    views, at = [], 3
+    for t in case.a + case.b:
+        v = flat[at:at + t.numel()].view(t.shape)
+        v.copy_(t)
+        views.append(v)
+        at += t.numel() + 1  # odd gaps: relative offsets are not multiples of 16
+    case.a, case.b = views[:2], views[2:]
+    wide_x = torch.randn(4, 50, device=DEVICE)
+    wide_x[:, 5:45] = case.x
+    case.x = wide_x[:, 5:45]
+    wide_y = torch.randn(4, 40, device=DEVICE)
+    wide_y[:, 2:34] = case.y
+    case.y = wide_y[:, 2:34]
+    case.meta = LoraBatchMeta.build(case.token_slots, DEVICE)
+    check_lora(case, torch.float32, use_ranks=False, split_k=None)
+
+
+def test_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.lora as lora
+    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+
+    monkeypatch.setenv("LORA_KERNELS", "triton")
+    calls = []
+    real = lora._triton_impl()
+    assert real is not None
+
+    class Spy:
+        def lora_shrink_triton(self, *args):
+            calls.append("shrink")
+            return real.lora_shrink_triton(*args)
+
+        def lora_expand_triton(self, *args):
+            calls.append("expand")
+            return real.lora_expand_triton(*args)
+
+    monkeypatch.setattr(lora, "_triton_impl", lambda: Spy())
+    case = make_lora_case(token_slots=[0, -1, 1, 0], num_slots=2, max_rank=8, h_in=32,
+                          outs=[16, 8], device=DEVICE)
+    y = case.y.clone()
+    lora.add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets, case.ranks)
+    assert calls == ["shrink", "expand"]
+    y_ref = case.y.clone()
+    lora_expand_ref(lora_shrink_ref(case.x, case.a, case.meta, case.scaling), case.b,
+                    case.meta, y_ref, case.offsets)
+    assert_close_scaled(y, y_ref, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention
+
+def check_attention(case, dtype: torch.dtype, **knobs) -> None:
+    from kernels.paged_attention_ref import paged_attention_ref
+    from kernels.paged_attention_triton import paged_attention_triton_impl
+
+    out = paged_attention_triton_impl(*case.args(), **knobs)
+    ref = paged_attention_ref(*case.args())
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    rel = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), rtol=rel, atol=rel)
+
+
+ATTENTION_CASES = {
+    # name: (q_lens, seq_lens, Hq, Hkv, D, page)
+    "mixed_prefill_decode_gqa": ([5, 1, 1, 3], [13, 20, 1, 3], 4, 2, 32, 8),
+    "long_prefill_many_query_tiles": ([40, 1], [45, 37], 4, 1, 16, 16),
+    "decode_only_group3_headdim24": ([1, 1, 1], [7, 50, 33], 6, 2, 24, 4),
+    "fresh_prefills_mha_page5": ([6, 11], [6, 11], 2, 2, 16, 5),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+def test_paged_attention_cases(name: str, num_splits: int, dtype: str) -> None:
+    q_lens, seq_lens, hq, hkv, d, page = ATTENTION_CASES[name]
+    case = make_attention_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=hq, num_kv_heads=hkv,
+                               head_dim=d, page=page, dtype=DTYPES[dtype], device=DEVICE,
+                               seed=len(name))
+    check_attention(case, DTYPES[dtype], num_splits=num_splits, block_n=16)
+
+
+@st.composite
+def attention_problems(draw):
+    batch = draw(st.integers(1, 4))
+    q_lens = draw(st.lists(st.sampled_from([1, 1, 2, 5, 17]), min_size=batch, max_size=batch))
+    ctx = draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    hkv = draw(st.integers(1, 2))
+    return dict(q_lens=q_lens, seq_lens=[q + c for q, c in zip(q_lens, ctx)],
+                num_heads=hkv * draw(st.sampled_from([1, 2, 3, 4])), num_kv_heads=hkv,
+                head_dim=draw(st.sampled_from([8, 16, 32])), page=draw(st.sampled_from([3, 4, 16])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@HYPO
+@given(problem=attention_problems(), dtype=st.sampled_from(list(DTYPES)),
+       num_splits=st.sampled_from([None, 1, 2]), block_n=st.sampled_from([16, 32]))
+def test_paged_attention_random(problem: dict, dtype: str, num_splits: int | None,
+                                block_n: int) -> None:
+    case = make_attention_case(**problem, dtype=DTYPES[dtype], device=DEVICE)
+    check_attention(case, DTYPES[dtype], num_splits=num_splits, block_n=block_n)
+
+
+def test_attention_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.paged_attention_triton as pat
+    from kernels.attention import paged_attention
+
+    monkeypatch.setenv("LORA_KERNELS", "triton")
+    calls = []
+    real = pat.paged_attention_triton
+    monkeypatch.setattr(pat, "paged_attention_triton",
+                        lambda *a: calls.append(1) or real(*a))
+    case = make_attention_case(q_lens=[3, 1], seq_lens=[3, 9], num_heads=4, num_kv_heads=2,
+                               head_dim=16, page=4, device=DEVICE)
+    out = paged_attention(*case.args())
+    assert calls == [1]
+    from kernels.paged_attention_ref import paged_attention_ref
+    torch.testing.assert_close(out.cpu(), paged_attention_ref(*case.args()).cpu(),
+                               rtol=1e-4, atol=1e-4)
