@@ -63,6 +63,7 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     preemptions: int = 0
+    max_adapters_in_step: int = 0
 
 
 class Engine:
@@ -197,6 +198,9 @@ class Engine:
         try:
             batch = build_forward_batch(chunks, self.config.block_size, self.model.device)
             applier = self.lora.applier(chunks) if self.lora is not None else None
+            if applier is not None:
+                distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
+                self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
             logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
             tokens = sample(logits, sampling)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
@@ -291,4 +295,5 @@ class Engine:
             "cached_prompt_tokens": self.stats.cached_prompt_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "live_requests": len(self._requests),
+            "max_adapters_in_step": self.stats.max_adapters_in_step,
         }
