@@ -1,0 +1,108 @@
+"""`lora-client`: talk to a node (generate, load, unload, ls, stats) or a store (store-ls, push)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from lora.v1 import inference_pb2 as pb
+
+from .node_client import NodeClient
+
+TIER_NAMES = {pb.ADAPTER_TIER_GPU: "gpu", pb.ADAPTER_TIER_HOST: "host", pb.ADAPTER_TIER_DISK: "disk",
+              pb.ADAPTER_TIER_LOADING: "loading"}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    with NodeClient(args.node) as client:
+        request = client.request(args.prompt, adapter=args.adapter, chat=not args.raw,
+                                 max_tokens=args.max_tokens, temperature=args.temperature,
+                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                                 system=args.system)
+        last = None
+        for msg in client.stream(request, timeout=args.timeout):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+            last = msg
+        sys.stdout.write("\n")
+        if last is not None and args.verbose:
+            print(f"[{last.finish_reason}: {last.prompt_tokens} prompt + {last.completion_tokens} "
+                  f"completion tokens, adapter version {last.adapter_version[:12] or '-'}]", file=sys.stderr)
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    with NodeClient(args.node) as client:
+        reply = client.stub.LoadAdapter(pb.LoadAdapterRequest(name=args.name, version=args.version,
+                                                              pin=args.pin), timeout=args.timeout)
+    print(f"{reply.name} {reply.version[:12]} {TIER_NAMES.get(reply.tier, '?')}")
+    return 0
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    with NodeClient(args.node) as client:
+        reply = client.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=args.name), timeout=args.timeout)
+    print(f"{args.name}: {'unload deferred until running requests end' if reply.deferred else 'unloaded'}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with NodeClient(args.node) as client:
+        reply = client.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=args.timeout)
+    print(f"{'NAME':24} {'VERSION':12} {'TIER':8} {'SLOT':>4} {'RANK':>4} {'REFS':>4} PINNED PENDING")
+    for a in reply.adapters:
+        print(f"{a.name:24} {a.version[:12]:12} {TIER_NAMES.get(a.tier, '?'):8} {a.slot:>4} {a.rank:>4} "
+              f"{a.ref_count:>4} {'yes' if a.pinned else 'no':6} {'yes' if a.pending_eviction else 'no'}")
+    print(f"({reply.max_loras} GPU slots, {reply.max_cpu_loras} in host memory)")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with NodeClient(args.node) as client:
+        print(client.stats())
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lora-client", description=__doc__)
+    ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT")
+    ap.add_argument("--timeout", type=float, default=300)
+    sub = ap.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--adapter", default="", help="adapter name (default: the base model)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--system", default=None, help="system message (chat)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("-v", "--verbose", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+    load = sub.add_parser("load", help="make an adapter resident on the node")
+    load.add_argument("name")
+    load.add_argument("--version", default="")
+    load.add_argument("--pin", action="store_true")
+    load.set_defaults(func=cmd_load)
+    unload = sub.add_parser("unload", help="unload an adapter (deferred while in use)")
+    unload.add_argument("name")
+    unload.set_defaults(func=cmd_unload)
+    sub.add_parser("ls", help="adapters on the node").set_defaults(func=cmd_ls)
+    sub.add_parser("stats", help="engine counters").set_defaults(func=cmd_stats)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
