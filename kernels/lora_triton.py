@@ -77,7 +77,7 @@ def _lora_shrink_kernel(
         if DOT_F32:
             acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(xt, at.to(xt.dtype), input_precision="tf32")
+            acc += tl.dot(xt, at.to(xt.dtype))
     acc *= tl.load(scaling_ptr + slot).to(tl.float32)
 
     out_ptrs = (out_ptr + slice_id.to(tl.int64) * stride_os + tok[:, None] * stride_ot
@@ -149,7 +149,7 @@ def _lora_expand_kernel(
         if DOT_F32:
             acc += tl.dot(ht, bt.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(ht.to(bt.dtype), bt, input_precision="tf32")
+            acc += tl.dot(ht.to(bt.dtype), bt)
 
     y_ptrs = y_ptr + tok[:, None] * stride_yt + (y_col + offs_n)[None, :].to(tl.int64) * stride_yn
     y_mask = mask_m[:, None] & mask_n[None, :]
