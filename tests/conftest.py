@@ -1,6 +1,7 @@
 """Fixtures shared by the whole suite."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,8 +30,16 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_path)
+def tokenizer_dir(request: pytest.FixtureRequest) -> Path:
+    """A real tokenizer for random test models: SmolLM2's, or LORA_TEST_TOKENIZER_DIR's copy
+    of it (on machines without the embedded model, such as the GPU machine)."""
+    env = os.environ.get("LORA_TEST_TOKENIZER_DIR")
+    return Path(env) if env else request.getfixturevalue("smollm2_path")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,13 @@ def make_adapters(base: Path, root: Path, scale: float) -> Path:
     return root
 
 
-@pytest.mark.parametrize("which, scale, num_prompts", [("tiny_llama", 3.0, 3), ("smollm2", 1.0, 2)])
-def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompts, request, tmp_path) -> None:
+@pytest.mark.parametrize("which, scale, num_prompts, device", [
+    ("tiny_llama", 3.0, 3, "cpu"),
+    ("smollm2", 1.0, 2, "cpu"),
+    pytest.param("tiny_llama", 3.0, 3, "cuda", marks=pytest.mark.gpu),
+])
+def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompts, device, request,
+                                                        tmp_path) -> None:
     base = request.getfixturevalue(f"{which}_path")
     adapter_dir = make_adapters(base, tmp_path / "adapters", scale)
     rng = random.Random(0)
@@ -42,7 +47,7 @@ def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompt
     differs = sum(expected[n] != expected[""] for n in ADAPTERS)
     assert differs >= len(ADAPTERS) - 1, "the adapters barely change the model: the test would be weak"
 
-    node = InProcessNode(NodeSettings(model=str(base), device="cpu", num_kv_blocks=256,
+    node = InProcessNode(NodeSettings(model=str(base), device=device, dtype="float32", num_kv_blocks=256,
                                       max_loras=3, max_lora_rank=64, max_cpu_loras=4,
                                       adapter_dir=str(adapter_dir), debug_checks=True,
                                       max_num_batched_tokens=128))

@@ -26,11 +26,14 @@ def run_concurrently(address: str, requests: list) -> list:
         return list(pool.map(lambda r: client.generate(r, timeout=300), requests))
 
 
-@pytest.mark.parametrize("which", ["tiny_llama", "smollm2"])
-def test_concurrent_greedy_matches_transformers(which: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("which, device", [
+    ("tiny_llama", "cpu"), ("smollm2", "cpu"),
+    pytest.param("tiny_llama", "cuda", marks=pytest.mark.gpu),
+])
+def test_concurrent_greedy_matches_transformers(which: str, device: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(f"{which}_path")
     hf = request.getfixturevalue(f"{which}_hf")
-    node = InProcessNode(NodeSettings(model=str(path), device="cpu", num_kv_blocks=400,
+    node = InProcessNode(NodeSettings(model=str(path), device=device, dtype="float32", num_kv_blocks=400,
                                       block_size=16, max_num_batched_tokens=96, max_num_seqs=16))
     try:
         prompt_ids = [node.node.codec.encode(p) for p in prompts_of_many_lengths()]
