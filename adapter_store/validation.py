@@ -1,0 +1,378 @@
+"""PEFT LoRA adapter checks, as pure functions over bytes: no I/O, no torch, never pickle.
+
+The store runs them before it lists an adapter as valid; the inference node reuses them
+on what it fetched and then compares `AdapterSpec.module_shapes()` with its base model.
+Every refusal is an `AdapterInvalid` whose message is the reason a person reads.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+import numpy as np
+
+# Projections a Llama-family model can carry LoRA on, in canonical order, with their parent.
+LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+DEFAULT_MAX_CONFIG_BYTES = 1 << 20
+DEFAULT_MAX_HEADER_BYTES = 16 << 20
+DEFAULT_MAX_RANK = 4096
+MAX_TENSORS = 100_000
+# safetensors dtypes and their sizes; only the float ones are accepted as LoRA weights.
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+# For each accepted dtype: the unsigned view and the exponent mask that marks NaN/Inf.
+_FLOAT_EXPONENT = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80),
+                   "F32": (np.uint32, 0x7F800000), "F64": (np.uint64, 0x7FF0000000000000)}
+_TENSOR_NAME = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d{1,6})\.(self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.default)?\.weight")
+_FINITE_CHUNK = 1 << 22  # elements checked at a time, to bound temporary memory
+
+Buffer = Union[bytes, bytearray, memoryview, Any]  # anything with the buffer protocol (mmap too)
+
+
+class AdapterInvalid(ValueError):
+    """The adapter is refused; str(exc) is the human-readable reason."""
+
+    @property
+    def reason(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The parts of a PEFT adapter_config.json that serving needs."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]  # short names (q_proj, ...), canonical order
+    base_model_name_or_path: str
+    # True when target_modules was a regex: the weights then decide what is targeted.
+    targets_from_pattern: bool = False
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (self.r ** 0.5) if self.use_rslora else self.lora_alpha / self.r
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets within the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    header_bytes: int  # length of the JSON header
+    data_offset: int   # 8 + header_bytes
+    file_size: int
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One LoRA pair: A is [rank, in_features], B is [out_features, rank]."""
+
+    layer: int
+    module: str
+    in_features: int
+    out_features: int
+    rank: int
+    dtype: str
+    a: TensorInfo
+    b: TensorInfo
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a validated adapter holds, for checking against a base model."""
+
+    config: LoraConfig
+    modules: Mapping[tuple[int, str], ModuleSpec]
+    target_modules: tuple[str, ...]  # modules that actually carry weights, canonical order
+    num_layers: int                  # highest layer index + 1
+    dtypes: tuple[str, ...]
+    nbytes: int
+
+    @property
+    def rank(self) -> int:
+        return self.config.r
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """module -> (in_features, out_features), the same for every layer."""
+        return {m.module: (m.in_features, m.out_features) for m in self.modules.values()}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def parse_adapter_config(data: str | bytes | bytearray | Mapping[str, Any],
+                         max_bytes: int = DEFAULT_MAX_CONFIG_BYTES,
+                         max_rank: int = DEFAULT_MAX_RANK) -> LoraConfig:
+    """Parses adapter_config.json; refuses what is not plain LoRA on supported projections."""
+    if isinstance(data, Mapping):
+        raw: Any = dict(data)
+    else:
+        if len(data) > max_bytes:
+            raise AdapterInvalid(f"adapter_config.json is {len(data)} bytes; the limit is {max_bytes}")
+        try:
+            text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
+            raw = json.loads(text)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise AdapterInvalid(f"adapter_config.json is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise AdapterInvalid("adapter_config.json is not a JSON object")
+    peft_type = raw.get("peft_type")
+    if peft_type is None:
+        raise AdapterInvalid("adapter_config.json has no peft_type (expected LORA)")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise AdapterInvalid(f"peft_type {peft_type!r} is not supported (only LORA)")
+    r = raw.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise AdapterInvalid(f"r must be a positive integer, not {r!r}")
+    if r > max_rank:
+        raise AdapterInvalid(f"r={r} exceeds the largest supported rank {max_rank}")
+    alpha = raw.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not np.isfinite(alpha) or alpha <= 0:
+        raise AdapterInvalid(f"lora_alpha must be a positive number, not {alpha!r}")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterInvalid(f"use_rslora must be true or false, not {use_rslora!r}")
+    _refuse_unsupported(raw)
+    targets, from_pattern = _normalize_targets(raw.get("target_modules"))
+    base = raw.get("base_model_name_or_path") or ""
+    if not isinstance(base, str):
+        raise AdapterInvalid(f"base_model_name_or_path must be a string, not {base!r}")
+    return LoraConfig(r, float(alpha), use_rslora, targets, base, from_pattern, raw)
+
+
+def _refuse_unsupported(raw: Mapping[str, Any]) -> None:
+    if raw.get("use_dora"):
+        raise AdapterInvalid("DoRA adapters (use_dora: true) are not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if raw.get(key):
+            raise AdapterInvalid(f"per-module {key} is not supported (all modules must share r and lora_alpha)")
+    if raw.get("lora_bias"):
+        raise AdapterInvalid("LoRA biases (lora_bias: true) are not supported")
+    if raw.get("fan_in_fan_out"):
+        raise AdapterInvalid("fan_in_fan_out adapters (Conv1D layouts) are not supported")
+    for key in ("modules_to_save", "layer_replication", "trainable_token_indices", "target_parameters"):
+        if raw.get(key):
+            raise AdapterInvalid(f"{key} is not supported (the adapter must hold only LoRA weights)")
+
+
+def _normalize_targets(value: Any) -> tuple[tuple[str, ...], bool]:
+    """Short module names. A regex is never evaluated (it is untrusted): the modules it
+    names literally are the candidates and the weights decide."""
+    if isinstance(value, str):
+        if value == "all-linear":
+            return LORA_MODULES, True
+        found = tuple(m for m in LORA_MODULES if m in value)
+        if not found:
+            raise AdapterInvalid(f"target_modules pattern {value[:200]!r} names none of {', '.join(LORA_MODULES)}")
+        return found, True
+    if not isinstance(value, (list, tuple)) or not value:
+        raise AdapterInvalid("target_modules must be a non-empty list of module names")
+    short: set[str] = set()
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise AdapterInvalid(f"target_modules holds {item!r}, not a module name")
+        leaf = item.rsplit(".", 1)[-1]
+        if leaf not in MODULE_PARENT:
+            raise AdapterInvalid(f"target module {item[:200]!r} is not supported "
+                                 f"(supported: {', '.join(LORA_MODULES)})")
+        short.add(leaf)
+    return tuple(m for m in LORA_MODULES if m in short), False
+
+
+# ------------------------------------------------------------------------- safetensors
+
+
+def parse_safetensors_header(data: Buffer, file_size: int | None = None,
+                             max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> SafetensorsHeader:
+    """Parses and bounds-checks a safetensors header.
+
+    `data` is the file, or at least its first 8 + header bytes; `file_size` defaults to
+    len(data). Offsets must tile the data region exactly, as the format requires.
+    """
+    view = memoryview(data).cast("B")
+    size = len(view) if file_size is None else file_size
+    if size < 8 or len(view) < 8:
+        raise AdapterInvalid(f"safetensors file is truncated: {size} bytes, shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > max_header_bytes:
+        raise AdapterInvalid(f"safetensors header length {n} exceeds the limit of {max_header_bytes} bytes")
+    if 8 + n > size:
+        raise AdapterInvalid(f"safetensors header length {n} is larger than the file ({size} bytes)")
+    if len(view) < 8 + n:
+        raise AdapterInvalid(f"safetensors header needs {8 + n} bytes but only {len(view)} were given")
+    raw_header = bytes(view[8:8 + n])
+    if not raw_header.lstrip().startswith(b"{"):
+        raise AdapterInvalid("safetensors header is not JSON (it must be a JSON object)")
+    try:
+        header = json.loads(raw_header.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise AdapterInvalid(f"safetensors header is not JSON ({str(exc)[:200]})") from None
+    if not isinstance(header, dict):
+        raise AdapterInvalid("safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise AdapterInvalid("safetensors __metadata__ must map strings to strings")
+    if len(header) > MAX_TENSORS:
+        raise AdapterInvalid(f"safetensors file lists {len(header)} tensors; the limit is {MAX_TENSORS}")
+    data_offset = 8 + n
+    tensors = {name: _tensor_info(name, entry, data_offset) for name, entry in header.items()}
+    _check_tiling(tensors, data_offset, size)
+    return SafetensorsHeader(n, data_offset, size, tensors, metadata)
+
+
+def _tensor_info(name: str, entry: Any, data_offset: int) -> TensorInfo:
+    shown = name[:200]
+    if not isinstance(entry, dict):
+        raise AdapterInvalid(f"tensor {shown!r}: header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise AdapterInvalid(f"tensor {shown!r}: unknown dtype {str(dtype)[:40]!r}")
+    if (not isinstance(shape, list) or len(shape) > 8
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise AdapterInvalid(f"tensor {shown!r}: shape {str(shape)[:80]} is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]):
+        raise AdapterInvalid(f"tensor {shown!r}: data_offsets {str(offsets)[:80]} are not [begin, end]")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * DTYPE_SIZES[dtype] != offsets[1] - offsets[0]:
+        raise AdapterInvalid(f"tensor {shown!r}: shape {tuple(shape)} of {dtype} needs "
+                             f"{numel * DTYPE_SIZES[dtype]} bytes but its offsets span {offsets[1] - offsets[0]}")
+    return TensorInfo(name, dtype, tuple(shape), data_offset + offsets[0], data_offset + offsets[1])
+
+
+def _check_tiling(tensors: Mapping[str, TensorInfo], data_offset: int, size: int) -> None:
+    position = data_offset
+    for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if info.start != position:
+            raise AdapterInvalid(f"tensor {info.name[:200]!r}: data starts at {info.start - data_offset}, "
+                                 f"expected {position - data_offset} (overlap or hole)")
+        position = info.end
+    if position > size:
+        raise AdapterInvalid(f"safetensors file is truncated: its tensors need {position} bytes, "
+                             f"the file has {size}")
+    if position < size:
+        raise AdapterInvalid(f"safetensors file has {size - position} bytes after its last tensor")
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer | None = None) -> AdapterSpec:
+    """Checks every tensor against the config; with `data` (the whole file) also that no
+    weight is NaN or Inf."""
+    pairs: dict[tuple[int, str], dict[str, TensorInfo]] = {}
+    for name, info in header.tensors.items():
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None:
+            raise AdapterInvalid(_unexpected_tensor(name))
+        layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
+        if MODULE_PARENT[module] != parent:
+            raise AdapterInvalid(f"tensor {name!r}: {module} belongs under {MODULE_PARENT[module]}, not {parent}")
+        if info.dtype not in _FLOAT_EXPONENT:
+            raise AdapterInvalid(f"tensor {name!r} has dtype {info.dtype}; LoRA weights must be F16, BF16, F32 or F64")
+        if len(info.shape) != 2 or 0 in info.shape:
+            raise AdapterInvalid(f"tensor {name!r} has shape {info.shape}; LoRA weights are non-empty matrices")
+        slot = pairs.setdefault((layer, module), {})
+        if which in slot:
+            raise AdapterInvalid(f"layer {layer} {module} has two lora_{which} tensors")
+        slot[which] = info
+    if not pairs:
+        raise AdapterInvalid("the safetensors file holds no LoRA weights")
+    modules: dict[tuple[int, str], ModuleSpec] = {}
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for (layer, module), pair in sorted(pairs.items(), key=lambda kv: (kv[0][0], LORA_MODULES.index(kv[0][1]))):
+        missing = {"A", "B"} - set(pair)
+        if missing:
+            raise AdapterInvalid(f"layer {layer} {module} has no lora_{missing.pop()} weight")
+        a, b = pair["A"], pair["B"]
+        (rank_a, fan_in), (fan_out, rank_b) = a.shape, b.shape
+        if rank_a != rank_b:
+            raise AdapterInvalid(f"layer {layer} {module}: rank mismatch between lora_A {a.shape} "
+                                 f"(r={rank_a}) and lora_B {b.shape} (r={rank_b})")
+        if rank_a != config.r:
+            raise AdapterInvalid(f"layer {layer} {module}: lora_A {a.shape} and lora_B {b.shape} have rank "
+                                 f"{rank_a} but the config says r={config.r}")
+        if module not in config.target_modules:
+            raise AdapterInvalid(f"layer {layer} {module} has weights but the config does not target "
+                                 f"{module} (target_modules: {', '.join(config.target_modules)})")
+        seen = shapes.setdefault(module, (fan_in, fan_out, layer))
+        if seen[:2] != (fan_in, fan_out):
+            raise AdapterInvalid(f"{module} is {seen[0]}->{seen[1]} in layer {seen[2]} but "
+                                 f"{fan_in}->{fan_out} in layer {layer}")
+        modules[(layer, module)] = ModuleSpec(layer, module, fan_in, fan_out, rank_a, a.dtype, a, b)
+    present = tuple(m for m in LORA_MODULES if m in shapes)
+    if not config.targets_from_pattern:
+        absent = [m for m in config.target_modules if m not in shapes]
+        if absent:
+            raise AdapterInvalid(f"the config targets {', '.join(absent)} but the weights hold none for it")
+    if data is not None:
+        check_finite(header, data)
+    dtypes = tuple(sorted({t.dtype for t in header.tensors.values()}))
+    nbytes = sum(t.nbytes for t in header.tensors.values())
+    return AdapterSpec(config, modules, present, max(layer for layer, _ in modules) + 1, dtypes, nbytes)
+
+
+def _unexpected_tensor(name: str) -> str:
+    shown = name[:200]
+    if "lora_magnitude_vector" in name:
+        return f"tensor {shown!r} is a DoRA magnitude; DoRA adapters are not supported"
+    if "lora_embedding" in name:
+        return f"tensor {shown!r} is an embedding LoRA, which is not supported"
+    if ".bias" in name:
+        return f"tensor {shown!r} is a bias; LoRA biases are not supported"
+    return (f"tensor {shown!r} is not a LoRA weight of a supported projection "
+            f"(expected base_model.model.model.layers.N.self_attn|mlp.<module>.lora_A|lora_B.weight)")
+
+
+def check_finite(header: SafetensorsHeader, data: Buffer) -> None:
+    """Refuses NaN or Inf in any float tensor, by testing the exponent bits in chunks."""
+    view = memoryview(data).cast("B")
+    if len(view) < header.file_size:
+        raise AdapterInvalid(f"safetensors data is truncated: {len(view)} of {header.file_size} bytes")
+    for info in header.tensors.values():
+        spec = _FLOAT_EXPONENT.get(info.dtype)
+        if spec is None:
+            continue
+        utype, mask = spec
+        itemsize = np.dtype(utype).itemsize
+        count = info.nbytes // itemsize
+        for first in range(0, count, _FINITE_CHUNK):
+            n = min(_FINITE_CHUNK, count - first)
+            values = np.frombuffer(view, dtype=utype, count=n, offset=info.start + first * itemsize)
+            if np.any((values & utype(mask)) == utype(mask)):
+                raise AdapterInvalid(f"tensor {info.name[:200]!r} holds NaN or Inf values")
+
+
+def validate_adapter(config_json: str | bytes | bytearray, weights: Buffer,
+                     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                     max_config_bytes: int = DEFAULT_MAX_CONFIG_BYTES,
+                     max_rank: int = DEFAULT_MAX_RANK, check_values: bool = True) -> AdapterSpec:
+    """The whole check: config, safetensors header, names and shapes, and (by default) values."""
+    config = parse_adapter_config(config_json, max_config_bytes, max_rank)
+    header = parse_safetensors_header(weights, max_header_bytes=max_header_bytes)
+    return validate_weights(config, header, weights if check_values else None)
