@@ -210,18 +210,18 @@ def parse_safetensors_header(data: Buffer, file_size: int | None = None,
     `data` is the file, or at least its first 8 + header bytes; `file_size` defaults to
     len(data). Offsets must tile the data region exactly, as the format requires.
     """
-    view = memoryview(data).cast("B")
-    size = len(view) if file_size is None else file_size
-    if size < 8 or len(view) < 8:
-        raise AdapterInvalid(f"safetensors file is truncated: {size} bytes, shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", view[:8])
-    if n > max_header_bytes:
-        raise AdapterInvalid(f"safetensors header length {n} exceeds the limit of {max_header_bytes} bytes")
-    if 8 + n > size:
-        raise AdapterInvalid(f"safetensors header length {n} is larger than the file ({size} bytes)")
-    if len(view) < 8 + n:
-        raise AdapterInvalid(f"safetensors header needs {8 + n} bytes but only {len(view)} were given")
-    raw_header = bytes(view[8:8 + n])
+    with memoryview(data) as whole, whole.cast("B") as view:
+        size = len(view) if file_size is None else file_size
+        if size < 8 or len(view) < 8:
+            raise AdapterInvalid(f"safetensors file is truncated: {size} bytes, shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", bytes(view[:8]))
+        if n > max_header_bytes:
+            raise AdapterInvalid(f"safetensors header length {n} exceeds the limit of {max_header_bytes} bytes")
+        if 8 + n > size:
+            raise AdapterInvalid(f"safetensors header length {n} is larger than the file ({size} bytes)")
+        if len(view) < 8 + n:
+            raise AdapterInvalid(f"safetensors header needs {8 + n} bytes but only {len(view)} were given")
+        raw_header = bytes(view[8:8 + n])
     if not raw_header.lstrip().startswith(b"{"):
         raise AdapterInvalid("safetensors header is not JSON (it must be a JSON object)")
     try:
@@ -351,21 +351,29 @@ def _unexpected_tensor(name: str) -> str:
 
 def check_finite(header: SafetensorsHeader, data: Buffer) -> None:
     """Refuses NaN or Inf in any float tensor, by testing the exponent bits in chunks."""
-    view = memoryview(data).cast("B")
-    if len(view) < header.file_size:
-        raise AdapterInvalid(f"safetensors data is truncated: {len(view)} of {header.file_size} bytes")
-    for info in header.tensors.values():
-        spec = _FLOAT_EXPONENT.get(info.dtype)
-        if spec is None:
-            continue
-        utype, mask = spec
-        itemsize = np.dtype(utype).itemsize
-        count = info.nbytes // itemsize
-        for first in range(0, count, _FINITE_CHUNK):
-            n = min(_FINITE_CHUNK, count - first)
-            values = np.frombuffer(view, dtype=utype, count=n, offset=info.start + first * itemsize)
-            if np.any((values & utype(mask)) == utype(mask)):
-                raise AdapterInvalid(f"tensor {info.name[:200]!r} holds NaN or Inf values")
+    with memoryview(data) as whole, whole.cast("B") as view:
+        if len(view) < header.file_size:
+            raise AdapterInvalid(f"safetensors data is truncated: {len(view)} of {header.file_size} bytes")
+        bad = next((info for info in header.tensors.values() if not _all_finite(view, info)), None)
+    if bad is not None:
+        raise AdapterInvalid(f"tensor {bad.name[:200]!r} holds NaN or Inf values")
+
+
+def _all_finite(view: memoryview, info: TensorInfo) -> bool:
+    spec = _FLOAT_EXPONENT.get(info.dtype)
+    if spec is None:
+        return True
+    utype, mask = spec
+    itemsize = np.dtype(utype).itemsize
+    count = info.nbytes // itemsize
+    for first in range(0, count, _FINITE_CHUNK):
+        n = min(_FINITE_CHUNK, count - first)
+        values = np.frombuffer(view, dtype=utype, count=n, offset=info.start + first * itemsize)
+        found = bool(np.any((values & utype(mask)) == utype(mask)))
+        del values  # the buffer must be free again when the caller's memoryview closes
+        if found:
+            return False
+    return True
 
 
 def validate_adapter(config_json: str | bytes | bytearray, weights: Buffer,

@@ -1,0 +1,151 @@
+"""`adapter-store`: serve the catalog over gRPC, push an adapter, list adapters.
+
+Every flag can also be set with ADAPTER_STORE_<FLAG> (see README.md); S3 credentials and
+region come from the standard AWS variables and config files that boto3 reads.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from typing import Sequence
+
+from .envargs import EnvArgumentParser
+from .names import InvalidName, normalize_prefix
+from .s3 import S3Store, make_client
+
+log = logging.getLogger("adapter_store")
+
+
+def _add_s3_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--s3-endpoint", default=None,
+                        help="S3 endpoint URL (MinIO, SeaweedFS...); AWS when empty")
+    parser.add_argument("--bucket", required=True, help="bucket holding the adapters")
+    parser.add_argument("--prefix", default="adapters/", help="key prefix: <prefix><name>/adapter_config.json")
+    parser.add_argument("--region", default=None, help="S3 region (default: from the AWS environment)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = EnvArgumentParser(prog="adapter-store", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gRPC store")
+    _add_s3_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=50061, help="gRPC port")
+    serve.add_argument("--cache-dir", default=".adapter-cache", help="local disk cache directory")
+    serve.add_argument("--cache-max-gb", type=float, default=20.0, help="disk cache bound (LRU)")
+    serve.add_argument("--poll-interval", type=float, default=5.0,
+                       help="seconds between listings of the bucket (changes show up within this)")
+    serve.add_argument("--max-adapter-mb", type=float, default=4096.0, help="largest safetensors file accepted")
+    serve.add_argument("--shard-kb", type=int, default=1024, help="default shard size of FetchAdapter")
+    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: off)")
+
+    push = sub.add_parser("push", help="upload a local PEFT adapter folder")
+    _add_s3_flags(push)
+    push.add_argument("dir", help="folder with adapter_config.json and adapter_model.safetensors")
+    push.add_argument("--name", required=True, help="adapter name in the catalog")
+    push.add_argument("--no-validate", action="store_true", help="upload without checking the adapter first")
+    push.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    ls = sub.add_parser("ls", help="list adapters")
+    ls.add_argument("--store", default="", help="HOST:PORT of a running store (full, validated view); "
+                                                "without it the bucket is listed directly")
+    ls.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL")
+    ls.add_argument("--bucket", default="", help="bucket (when --store is not given)")
+    ls.add_argument("--prefix", default="adapters/", help="key prefix")
+    ls.add_argument("--region", default=None, help="S3 region")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ls.add_argument("--log-level", default="WARNING", help="log level")
+    return parser
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import StoreServer, StoreSettings
+
+    settings = StoreSettings(bucket=args.bucket, s3_endpoint=args.s3_endpoint, region=args.region,
+                             prefix=args.prefix, cache_dir=args.cache_dir,
+                             cache_max_bytes=int(args.cache_max_gb * (1 << 30)), host=args.host, port=args.port,
+                             poll_interval_s=args.poll_interval, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+                             shard_bytes=args.shard_kb << 10, metrics_port=args.metrics_port)
+    asyncio.run(StoreServer(settings).serve_until_signalled())
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from .push import push_adapter
+    from .validation import AdapterInvalid
+
+    s3 = S3Store(args.bucket, make_client(args.s3_endpoint, args.region))
+    try:
+        pushed = push_adapter(args.dir, args.name, s3, normalize_prefix(args.prefix),
+                              validate=not args.no_validate, progress=not args.no_progress)
+    except (AdapterInvalid, InvalidName) as exc:
+        print(f"adapter-store push: refused: {exc}", file=sys.stderr)
+        return 2
+    spec = pushed.spec
+    detail = f" (rank {spec.rank}, {', '.join(spec.target_modules)})" if spec else ""
+    print(f"pushed {pushed.name} to s3://{args.bucket}/{normalize_prefix(args.prefix)}{pushed.name}/{detail}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    if args.store:
+        from .client import AdapterStoreClient
+
+        with AdapterStoreClient(args.store) as client:
+            infos = client.list_adapters()
+        rows = [{"name": i.name, "version": i.version, "rank": i.rank, "targets": ",".join(i.target_modules),
+                 "base_model": i.base_model, "size": i.size_bytes, "updated": i.updated_at,
+                 "status": "ok" if i.valid else f"INVALID: {i.invalid_reason}"} for i in infos]
+    else:
+        if not args.bucket:
+            print("adapter-store ls: give --store HOST:PORT or --bucket", file=sys.stderr)
+            return 2
+        from .catalog import PICKLE_SUFFIXES
+        from .names import split_key
+
+        prefix = normalize_prefix(args.prefix)
+        grouped: dict[str, dict] = {}
+        for obj in S3Store(args.bucket, make_client(args.s3_endpoint, args.region)).list(prefix):
+            parts = split_key(prefix, obj.key)
+            if parts is None:
+                continue
+            row = grouped.setdefault(parts[0], {"name": parts[0], "files": [], "size": 0, "updated": 0})
+            row["files"].append(parts[1])
+            row["size"] += obj.size
+            row["updated"] = max(row["updated"], int(obj.last_modified))
+        rows = [r | {"files": ",".join(sorted(r["files"]))} for _, r in sorted(grouped.items())
+                if any(f.endswith((".json", ".safetensors") + PICKLE_SUFFIXES) for f in r["files"])]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        columns = list(rows[0]) if rows else ["name"]
+        table = [[str(r[c]) if c != "updated" else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r[c]))
+                  for c in columns] for r in rows]
+        widths = [max([len(c)] + [len(t[i]) for t in table]) for i, c in enumerate(columns)]
+        print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip())
+        for t in table:
+            print("  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _logging(args.log_level)
+    command = {"serve": cmd_serve, "push": cmd_push, "ls": cmd_ls}[args.command]
+    return command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Typed client of the adapter store, as the inference node uses it.
+
+`fetch()` writes each shard into one preallocated bytearray per file, verifies every
+shard's sha256, then every file's and the whole adapter's against the manifest; when the
+stream breaks it resumes from the last verified byte (with backoff) until its deadline.
+`watch()` yields catalog events and, with reconnect=True, survives store restarts by
+turning the fresh snapshot into the difference from what it had already reported.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from typing import Iterator, Sequence
+
+import grpc
+
+from lora.v1 import adapter_store_pb2 as pb
+from lora.v1 import adapter_store_pb2_grpc as pb_grpc
+
+from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, Manifest,
+                      adapter_digest)
+
+log = logging.getLogger(__name__)
+
+# Transport trouble and a store that is restarting or overloaded; anything else is final.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+             grpc.StatusCode.INTERNAL)
+MAX_RECEIVE_BYTES = 64 << 20
+
+
+class StoreError(Exception):
+    """A failed store call: `code` is the gRPC status (DATA_LOSS for checksum mismatches)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> "StoreError":
+        return cls(exc.code(), exc.details() or "")
+
+
+class _Backoff:
+    def __init__(self, base_s: float = 0.1, cap_s: float = 2.0) -> None:
+        self.base_s, self.cap_s, self.attempt = base_s, cap_s, 0
+
+    def delay(self) -> float:
+        d = random.uniform(self.base_s, min(self.cap_s, self.base_s * 2 ** self.attempt))
+        self.attempt += 1
+        return d
+
+
+class AdapterStoreClient:
+    def __init__(self, target: str, *, timeout_s: float = 10.0, max_shard_bytes: int = 0,
+                 channel: grpc.Channel | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`target` is HOST:PORT; `timeout_s` bounds the unary calls."""
+        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+        if channel is None:
+            channel = (grpc.secure_channel(target, credentials, options=options) if credentials
+                       else grpc.insecure_channel(target, options=options))
+        self.target = target
+        self.channel = channel
+        self.stub = pb_grpc.AdapterStoreStub(channel)
+        self.timeout_s = timeout_s
+        self.max_shard_bytes = max_shard_bytes
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "AdapterStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ catalog
+
+    def list_adapters(self, page_size: int = 0) -> list[AdapterInfo]:
+        """The whole catalog (valid and invalid adapters), sorted by name."""
+        result: list[AdapterInfo] = []
+        token = ""
+        while True:
+            try:
+                page = self.stub.ListAdapters(pb.ListStoreAdaptersRequest(page_size=page_size, page_token=token),
+                                              timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                raise StoreError.from_rpc(exc) from None
+            result.extend(AdapterInfo.from_proto(a) for a in page.adapters)
+            token = page.next_page_token
+            if not token:
+                return result
+
+    def get_manifest(self, name: str, version: str = "") -> Manifest:
+        try:
+            return Manifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(name=name, version=version),
+                                                             timeout=self.timeout_s))
+        except grpc.RpcError as exc:
+            raise StoreError.from_rpc(exc) from None
+
+    def watch(self, reconnect: bool = True, stop: threading.Event | None = None) -> Iterator[CatalogEvent]:
+        """Catalog events: ADDED for each adapter, then SYNCED, then changes as they happen.
+
+        With reconnect=True a broken stream is reopened with backoff and the new snapshot is
+        turned into the changes since (each change is reported once; SYNCED follows each
+        resync). Setting `stop`, or closing the generator, ends it.
+        """
+        return _watch_events(self, reconnect, stop)
+
+    # ------------------------------------------------------------------ fetch
+
+    def fetch(self, name: str, version: str = "", deadline_s: float = 120.0) -> FetchedAdapter:
+        """The adapter's files, verified. Resumes broken streams until `deadline_s` has
+        passed; then raises StoreError(UNAVAILABLE or DEADLINE_EXCEEDED)."""
+        deadline = time.monotonic() + deadline_s
+        backoff = _Backoff()
+        state = _FetchState(name, version)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"fetching {name!r} did not finish in {deadline_s:.1f}s ({state.progress()})")
+            request = pb.FetchAdapterRequest(name=name, version=state.pinned_version, start_file=state.file_index,
+                                             start_offset=state.offset, max_shard_bytes=self.max_shard_bytes)
+            call = self.stub.FetchAdapter(request, timeout=remaining)
+            try:
+                for shard in call:
+                    state.accept(shard)
+                    backoff.attempt = 0
+                    if state.done:
+                        return state.result()
+                raise StoreError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the last shard")
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.NOT_FOUND and state.pinned_version and not version:
+                    log.info("fetch %s: version %s was replaced; starting over", name, state.pinned_version)
+                    state = _FetchState(name, version)
+                    continue
+                if code not in RETRYABLE and code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise StoreError.from_rpc(exc) from None
+                error = StoreError.from_rpc(exc)
+            except StoreError as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                error = exc
+            finally:
+                call.cancel()
+            delay = backoff.delay()
+            if time.monotonic() + delay >= deadline:
+                raise StoreError(grpc.StatusCode.UNAVAILABLE if error.code != grpc.StatusCode.DEADLINE_EXCEEDED
+                                 else error.code,
+                                 f"fetching {name!r} gave up at its deadline ({state.progress()}): "
+                                 f"{error.details}") from None
+            log.warning("fetch %s: stream broke at %s (%s); resuming in %.2fs", name, state.progress(),
+                        error, delay)
+            time.sleep(delay)
+
+
+class _FetchState:
+    """The bytes verified so far and where to resume."""
+
+    def __init__(self, name: str, version: str) -> None:
+        self.name = name
+        self.pinned_version = version
+        self.manifest: Manifest | None = None
+        self.buffers: list[bytearray] = []
+        self.file_index = 0
+        self.offset = 0
+        self.done = False
+
+    def progress(self) -> str:
+        return f"file {self.file_index} byte {self.offset}"
+
+    def _loss(self, details: str) -> StoreError:
+        return StoreError(grpc.StatusCode.DATA_LOSS, f"adapter {self.name!r}: {details}")
+
+    def accept(self, shard: pb.AdapterShard) -> None:
+        if shard.HasField("manifest"):
+            manifest = Manifest.from_proto(shard.manifest)
+            if self.manifest is None:
+                self._start(manifest)
+            elif manifest != self.manifest:
+                raise self._loss("the manifest changed while resuming")
+        if self.manifest is None:
+            raise self._loss("the first shard carries no manifest")
+        files = self.manifest.files
+        if shard.file_index != self.file_index or shard.offset != self.offset:
+            raise self._loss(f"shard at file {shard.file_index} offset {shard.offset}, expected "
+                             f"{self.progress()}")
+        entry = files[self.file_index]
+        end = shard.offset + len(shard.data)
+        if shard.path != entry.path or shard.file_size != entry.size or end > entry.size:
+            raise self._loss(f"shard {shard.path}@{shard.offset}+{len(shard.data)} does not fit "
+                             f"{entry.path} ({entry.size} bytes)")
+        if hashlib.sha256(shard.data).hexdigest() != shard.sha256:
+            raise self._loss(f"sha256 mismatch in {entry.path} at offset {shard.offset}")
+        self.buffers[self.file_index][shard.offset:end] = shard.data
+        self.offset = end
+        if end == entry.size:
+            digest = hashlib.sha256(self.buffers[self.file_index]).hexdigest()
+            if digest != entry.sha256:
+                raise self._loss(f"{entry.path} has sha256 {digest}, the manifest says {entry.sha256}")
+            if self.file_index + 1 < len(files):
+                self.file_index, self.offset = self.file_index + 1, 0
+            elif not shard.last:
+                raise self._loss("the last file ended without the last shard")
+        if shard.last:
+            if self.file_index != len(files) - 1 or self.offset != files[-1].size:
+                raise self._loss("the last shard came before all the bytes")
+            whole = adapter_digest(f.sha256 for f in files)
+            if shard.adapter_sha256 != self.manifest.adapter_sha256 or whole != self.manifest.adapter_sha256:
+                raise self._loss(f"adapter sha256 {shard.adapter_sha256} does not match the manifest's "
+                                 f"{self.manifest.adapter_sha256}")
+            self.done = True
+
+    def _start(self, manifest: Manifest) -> None:
+        if self.pinned_version and manifest.info.version != self.pinned_version:
+            raise self._loss(f"asked for version {self.pinned_version}, got {manifest.info.version}")
+        if not manifest.files:
+            raise self._loss("the manifest lists no files")
+        self.manifest = manifest
+        self.pinned_version = manifest.info.version
+        self.buffers = [bytearray(f.size) for f in manifest.files]
+
+    def result(self) -> FetchedAdapter:
+        assert self.manifest is not None
+        return FetchedAdapter(self.manifest, {f.path: buf for f, buf in zip(self.manifest.files, self.buffers)})
+
+
+class _Watch:
+    """Reconciles snapshots across reconnects into one consistent event stream."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, AdapterInfo] = {}
+        self.synced_once = False
+
+    def resync(self, snapshot: Sequence[AdapterInfo]) -> list[CatalogEvent]:
+        fresh = {a.name: a for a in snapshot}
+        events = [CatalogEvent(DELETED, old, old.version) for name, old in sorted(self.known.items())
+                  if name not in fresh]
+        for name, info in sorted(fresh.items()):
+            old = self.known.get(name)
+            if old is None:
+                events.append(CatalogEvent(ADDED, info))
+            elif old != info:
+                events.append(CatalogEvent(UPDATED, info, old.version))
+        self.known = fresh
+        events.append(CatalogEvent(SYNCED))
+        return events
+
+    def apply(self, event: CatalogEvent) -> None:
+        assert event.adapter is not None
+        if event.kind == DELETED:
+            self.known.pop(event.adapter.name, None)
+        else:
+            self.known[event.adapter.name] = event.adapter
+
+
+def _cancel_on_stop(call: grpc.Future, stop: threading.Event) -> None:
+    while call.running() and not stop.wait(0.2):
+        pass
+    call.cancel()
+
+
+def _watch_events(client: AdapterStoreClient, reconnect: bool, stop: threading.Event | None) -> Iterator[CatalogEvent]:
+    state = _Watch()
+    backoff = _Backoff(0.2, 5.0)
+    while stop is None or not stop.is_set():
+        call = client.stub.WatchAdapters(pb.WatchAdaptersRequest())
+        if stop is not None:
+            threading.Thread(target=_cancel_on_stop, args=(call, stop), daemon=True).start()
+        snapshot: list[AdapterInfo] = []
+        syncing = True
+        try:
+            for message in call:
+                event = CatalogEvent.from_proto(message)
+                if syncing:
+                    if event.kind == SYNCED:
+                        syncing = False
+                        backoff.attempt = 0
+                        yield from state.resync(snapshot)
+                    elif event.adapter is not None:
+                        snapshot.append(event.adapter)
+                    continue
+                state.apply(event)
+                yield event
+            error: StoreError = StoreError(grpc.StatusCode.UNAVAILABLE, "the watch stream ended")
+        except grpc.RpcError as exc:
+            if stop is not None and stop.is_set():
+                return
+            if exc.code() not in RETRYABLE and exc.code() != grpc.StatusCode.CANCELLED:
+                raise StoreError.from_rpc(exc) from None
+            error = StoreError.from_rpc(exc)
+        finally:
+            call.cancel()
+        if not reconnect:
+            raise error
+        delay = backoff.delay()
+        log.warning("watch: %s; reconnecting in %.2fs", error, delay)
+        if stop is not None:
+            if stop.wait(delay):
+                return
+        else:
+            time.sleep(delay)

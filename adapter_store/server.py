@@ -1,0 +1,354 @@
+"""gRPC surface of the store: AdapterStore, health checking and reflection, on asyncio.
+
+Blocking work (S3 downloads, file reads, hashing) runs on worker threads; handlers only
+await it. Health is SERVING once the first listing of the bucket has completed.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from lora.v1 import adapter_store_pb2 as pb
+from lora.v1 import adapter_store_pb2_grpc as pb_grpc
+
+from .cache import CacheCorrupt, DiskCache
+from .catalog import Catalog, CatalogEntry, Limits
+from .metrics import StoreMetrics
+from .names import InvalidName, check_name, normalize_prefix
+from .records import SYNCED, CatalogEvent
+from .s3 import ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
+DEFAULT_SHARD_BYTES = 1 << 20
+MIN_SHARD_BYTES = 4 << 10
+MAX_SHARD_BYTES = 16 << 20
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+WATCH_QUEUE_LIMIT = 10_000
+MAX_MESSAGE_BYTES = MAX_SHARD_BYTES + (4 << 20)
+
+
+@dataclass
+class StoreSettings:
+    bucket: str
+    s3_endpoint: str | None = None
+    region: str | None = None
+    prefix: str = "adapters/"
+    cache_dir: str = ".adapter-cache"
+    cache_max_bytes: int = 20 << 30
+    host: str = "127.0.0.1"
+    port: int = 50061
+    poll_interval_s: float = 5.0
+    max_adapter_bytes: int = 4 << 30
+    max_header_bytes: int = 16 << 20
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    fetch_timeout_s: float = 600.0  # S3 downloads of a fetch without a client deadline
+    validate_workers: int = 2
+    metrics_port: int = 0
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _page_token(name: str) -> str:
+    return base64.urlsafe_b64encode(name.encode()).decode() if name else ""
+
+
+def _page_after(token: str) -> str:
+    if not token:
+        return ""
+    try:
+        return check_name(base64.urlsafe_b64decode(token.encode()).decode())
+    except (ValueError, UnicodeError):
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
+
+
+def _read_shard(f: BinaryIO, size: int) -> tuple[bytes, str]:
+    data = f.read(size)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+class AdapterStoreService(pb_grpc.AdapterStoreServicer):
+    def __init__(self, catalog: Catalog, metrics: StoreMetrics, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 fetch_timeout_s: float = 600.0) -> None:
+        self.catalog, self.metrics = catalog, metrics
+        self.shard_bytes = shard_bytes
+        self.fetch_timeout_s = fetch_timeout_s
+
+    def _entry(self, name: str, version: str) -> CatalogEntry:
+        try:
+            check_name(name)
+        except InvalidName as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if not self.catalog.ready.is_set():
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the catalog is still loading")
+        entry = self.catalog.get(name)
+        if entry is None:
+            raise _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not in the catalog")
+        if version and version != entry.info.version:
+            raise _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} has version {entry.info.version}, "
+                                                    f"not {version!r}")
+        if not entry.info.valid:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"adapter {name!r} is invalid: {entry.info.invalid_reason}")
+        return entry
+
+    async def ListAdapters(self, request: pb.ListStoreAdaptersRequest, context: grpc.aio.ServicerContext):
+        try:
+            if request.page_size < 0:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_size must not be negative")
+            if not self.catalog.ready.is_set():
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, "the catalog is still loading")
+            size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+            infos, last = self.catalog.page(_page_after(request.page_token), size)
+        except _Abort as exc:
+            await context.abort(exc.code, exc.details)
+        return pb.ListStoreAdaptersResponse(adapters=[i.to_proto() for i in infos], next_page_token=_page_token(last))
+
+    async def GetManifest(self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext):
+        try:
+            entry = self._entry(request.name, request.version)
+        except _Abort as exc:
+            await context.abort(exc.code, exc.details)
+        return entry.manifest().to_proto()
+
+    async def FetchAdapter(self, request: pb.FetchAdapterRequest,
+                           context: grpc.aio.ServicerContext) -> None:
+        self.metrics.fetches.inc()
+        code = None
+        try:
+            await self._fetch(request, context)
+        except _Abort as exc:
+            code = exc.code
+            log.info("fetch %r: %s %s", request.name[:200], exc.code.name, exc.details)
+            await context.abort(exc.code, exc.details)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            if code is not None:
+                self.metrics.fetch_errors.labels(code=code.name).inc()
+
+    async def _fetch(self, request: pb.FetchAdapterRequest, context: grpc.aio.ServicerContext) -> None:
+        entry = self._entry(request.name, request.version)
+        files = entry.files
+        if not 0 <= request.start_file < len(files):
+            raise _Abort(grpc.StatusCode.OUT_OF_RANGE, f"start_file {request.start_file} is not in "
+                                                       f"[0, {len(files)})")
+        if not 0 <= request.start_offset <= files[request.start_file].obj.size:
+            raise _Abort(grpc.StatusCode.OUT_OF_RANGE, f"start_offset {request.start_offset} is outside "
+                                                       f"{files[request.start_file].path}")
+        if request.max_shard_bytes < 0:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "max_shard_bytes must not be negative")
+        shard_bytes = min(max(request.max_shard_bytes or self.shard_bytes, MIN_SHARD_BYTES), MAX_SHARD_BYTES)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else self.fetch_timeout_s)
+        blobs = []
+        for file in files[request.start_file:]:
+            try:
+                blobs.append(await asyncio.to_thread(self.catalog.file_blob, file, deadline))
+            except S3Unavailable as exc:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            except (ObjectChanged, ObjectCorrupt, CacheCorrupt) as exc:
+                self.catalog.poke()
+                raise _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {entry.name!r} changed in the bucket since "
+                                                        f"version {entry.info.version} was listed ({exc})") from None
+        manifest: pb.AdapterManifest | None = entry.manifest().to_proto()
+        sent = 0
+        loop = asyncio.get_running_loop()
+        for index, (file, blob) in enumerate(zip(files[request.start_file:], blobs), start=request.start_file):
+            offset = request.start_offset if index == request.start_file else 0
+            with open(blob.path, "rb") as f:
+                f.seek(offset)
+                pending = loop.run_in_executor(None, _read_shard, f, shard_bytes)
+                try:
+                    while True:
+                        data, digest = await pending
+                        end = offset + len(data)
+                        end_of_file = end >= file.obj.size
+                        if not data and not end_of_file:
+                            raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} is shorter in the cache than listed")
+                        if not end_of_file:  # read the next shard while this one is sent
+                            pending = loop.run_in_executor(None, _read_shard, f, shard_bytes)
+                        last = end_of_file and index == len(files) - 1
+                        shard = pb.AdapterShard(file_index=index, path=file.path, offset=offset, data=data,
+                                                sha256=digest, file_size=file.obj.size, last=last,
+                                                manifest=manifest,
+                                                adapter_sha256=entry.adapter_sha256 if last else "")
+                        manifest = None
+                        await context.write(shard)
+                        sent += len(data)
+                        self.metrics.fetch_bytes.inc(len(data))
+                        offset = end
+                        if end_of_file:
+                            break
+                finally:
+                    if not pending.done():  # a cancelled stream: let the read end before f closes
+                        await asyncio.wait([pending])
+        log.info("fetch %s@%s: %d bytes from file %d offset %d", entry.name, entry.info.version, sent,
+                 request.start_file, request.start_offset)
+
+    async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context: grpc.aio.ServicerContext):
+        while not self.catalog.ready.is_set():
+            await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[CatalogEvent] = asyncio.Queue()
+        overflow = asyncio.Event()
+
+        def deliver(event: CatalogEvent) -> None:  # on the catalog's thread
+            if queue.qsize() >= WATCH_QUEUE_LIMIT:
+                loop.call_soon_threadsafe(overflow.set)
+            else:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        snapshot, unsubscribe = self.catalog.subscribe(deliver)
+        self.metrics.watchers.inc()
+        try:
+            for info in snapshot:
+                await context.write(CatalogEvent("ADDED", info).to_proto())
+            await context.write(CatalogEvent(SYNCED).to_proto())
+            while True:
+                event = await queue.get()
+                if overflow.is_set():
+                    await context.abort(grpc.StatusCode.ABORTED, "watcher fell behind; watch again to resync")
+                await context.write(event.to_proto())
+        finally:
+            unsubscribe()
+            self.metrics.watchers.dec()
+
+
+class StoreServer:
+    """The catalog, cache and gRPC server of one store; start() and stop() on one event loop."""
+
+    def __init__(self, settings: StoreSettings, s3: S3Store | None = None, metrics: StoreMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or StoreMetrics()
+        self.s3 = s3 or S3Store(settings.bucket, make_client(settings.s3_endpoint, settings.region))
+        if self.s3.on_retry is None:
+            self.s3.on_retry = lambda exc: self.metrics.s3_retries.inc()
+        self.cache = DiskCache(Path(settings.cache_dir), settings.cache_max_bytes,
+                               on_hit=self.metrics.cache_hits.inc, on_miss=self.metrics.cache_misses.inc)
+        limits = Limits(max_adapter_bytes=settings.max_adapter_bytes, max_header_bytes=settings.max_header_bytes)
+        self.catalog = Catalog(self.s3, self.cache, normalize_prefix(settings.prefix),
+                               poll_interval_s=settings.poll_interval_s, limits=limits,
+                               workers=settings.validate_workers, metrics=self.metrics)
+        self.service = AdapterStoreService(self.catalog, self.metrics, settings.shard_bytes, settings.fetch_timeout_s)
+        self.server: grpc.aio.Server | None = None
+        self.health: health_aio.HealthServicer | None = None
+        self.port = 0
+        self._health_task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    async def start(self) -> None:
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", 1 << 20)]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_AdapterStoreServicer_to_server(self.service, server)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server)
+        self.port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.settings.host}:{self.settings.port}")
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self.server = server
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port, self.settings.host)
+        self.catalog.start()
+        self._health_task = asyncio.create_task(self._serving_when_ready())
+        log.info("adapter store on %s: %s prefix %r, cache %s (%.1f GB max), polling every %.1fs%s",
+                 self.address, self.s3.describe(), self.catalog.prefix, self.settings.cache_dir,
+                 self.settings.cache_max_bytes / 1e9, self.settings.poll_interval_s,
+                 f", metrics on :{self.settings.metrics_port}" if self.settings.metrics_port else "")
+
+    async def _serving_when_ready(self) -> None:
+        await asyncio.to_thread(self.catalog.ready.wait)
+        assert self.health is not None
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("catalog loaded: %d adapters; serving", len(self.catalog.snapshot()))
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        if self._health_task is not None:
+            self._health_task.cancel()
+        self.catalog.ready.set()  # release waiters
+        await asyncio.to_thread(self.catalog.stop)
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        log.info("adapter store stopped")
+
+    async def serve_until_signalled(self, grace_s: float = 5.0) -> None:
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received; stopping")
+        await self.stop(grace_s)
+
+
+class BackgroundStore:
+    """A StoreServer on its own event loop thread: for tests, benchmarks and embedding."""
+
+    def __init__(self, settings: StoreSettings, s3: S3Store | None = None, wait_ready_s: float = 60.0) -> None:
+        self.store = StoreServer(settings, s3)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="adapter-store", daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.store.start(), self.loop).result(60)
+        if wait_ready_s and not self.store.catalog.ready.wait(wait_ready_s):
+            raise TimeoutError("the catalog did not load in time")
+
+    @property
+    def address(self) -> str:
+        return self.store.address
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.store.catalog
+
+    @property
+    def cache(self) -> DiskCache:
+        return self.store.cache
+
+    @property
+    def metrics(self) -> StoreMetrics:
+        return self.store.metrics
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.store.stop(1.0), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def __enter__(self) -> "BackgroundStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
