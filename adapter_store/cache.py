@@ -207,6 +207,11 @@ class DiskCache:
             log.info("cache: evicting %s", sha[:16])
             self._blob_path(sha).unlink(missing_ok=True)
 
+    def discard(self, sha256: str) -> None:
+        """Drops a blob found to be corrupt; the next get() downloads it again."""
+        log.warning("cache: dropping blob %s", sha256[:16])
+        self._remove(sha256)
+
     def _remove(self, sha: str) -> None:
         with self._lock:
             size = self._lru.pop(sha, None)

@@ -113,14 +113,15 @@ class AdapterStoreClient:
 
     def fetch(self, name: str, version: str = "", deadline_s: float = 120.0) -> FetchedAdapter:
         """The adapter's files, verified. Resumes broken streams until `deadline_s` has
-        passed; then raises StoreError(UNAVAILABLE or DEADLINE_EXCEEDED)."""
+        passed, then raises StoreError(UNAVAILABLE). A checksum mismatch raises
+        StoreError(DATA_LOSS); NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION are final."""
         deadline = time.monotonic() + deadline_s
         backoff = _Backoff()
         state = _FetchState(name, version)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StoreError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                raise StoreError(grpc.StatusCode.UNAVAILABLE,
                                  f"fetching {name!r} did not finish in {deadline_s:.1f}s ({state.progress()})")
             request = pb.FetchAdapterRequest(name=name, version=state.pinned_version, start_file=state.file_index,
                                              start_offset=state.offset, max_shard_bytes=self.max_shard_bytes)
@@ -149,9 +150,7 @@ class AdapterStoreClient:
                 call.cancel()
             delay = backoff.delay()
             if time.monotonic() + delay >= deadline:
-                raise StoreError(grpc.StatusCode.UNAVAILABLE if error.code != grpc.StatusCode.DEADLINE_EXCEEDED
-                                 else error.code,
-                                 f"fetching {name!r} gave up at its deadline ({state.progress()}): "
+                raise StoreError(grpc.StatusCode.UNAVAILABLE, f"fetching {name!r} gave up at its deadline ({state.progress()}): "
                                  f"{error.details}") from None
             log.warning("fetch %s: stream broke at %s (%s); resuming in %.2fs", name, state.progress(),
                         error, delay)

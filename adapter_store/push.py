@@ -33,9 +33,9 @@ def check_local_adapter(folder: Path) -> AdapterSpec:
         if pickles:
             raise AdapterInvalid(f"{folder} has {', '.join(pickles)} (pickle) but no {WEIGHTS_FILE}; pickle is "
                                  "never loaded: save with safe_serialization=True")
-        raise AdapterInvalid(f"{folder} has no {WEIGHTS_FILE}")
+        raise AdapterInvalid(f"{folder}: missing {WEIGHTS_FILE}")
     if not config.is_file():
-        raise AdapterInvalid(f"{folder} has no {CONFIG_FILE}")
+        raise AdapterInvalid(f"{folder}: missing {CONFIG_FILE}")
     if weights.stat().st_size == 0:
         raise AdapterInvalid(f"{weights} is empty")
     with open(weights, "rb") as f:

@@ -36,11 +36,12 @@ def lora_tensors(rank: int, layers: int, targets: Sequence[str], hidden: int, in
     return tensors
 
 
-def adapter_config(rank: int, targets: Sequence[str], alpha: float | None = None, use_rslora: bool = False,
+def adapter_config(rank: int, targets: Sequence[str] | str, alpha: float | None = None, use_rslora: bool = False,
                    base_model: str = "HuggingFaceTB/SmolLM2-135M", **extra: object) -> dict:
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
               "lora_alpha": alpha if alpha is not None else 2 * rank, "lora_dropout": 0.0,
-              "use_rslora": use_rslora, "target_modules": list(targets), "base_model_name_or_path": base_model,
+              "use_rslora": use_rslora,
+              "target_modules": targets if isinstance(targets, str) else list(targets), "base_model_name_or_path": base_model,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_dora": False,
               "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None}
     config.update(extra)

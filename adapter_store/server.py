@@ -80,8 +80,10 @@ def _page_after(token: str) -> str:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
 
 
-def _read_shard(f: BinaryIO, size: int) -> tuple[bytes, str]:
+def _read_shard(f: BinaryIO, size: int, whole: "hashlib._Hash | None") -> tuple[bytes, str]:
     data = f.read(size)
+    if whole is not None:
+        whole.update(data)
     return data, hashlib.sha256(data).hexdigest()
 
 
@@ -89,6 +91,7 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
     def __init__(self, catalog: Catalog, metrics: StoreMetrics, shard_bytes: int = DEFAULT_SHARD_BYTES,
                  fetch_timeout_s: float = 600.0) -> None:
         self.catalog, self.metrics = catalog, metrics
+        self.cache = catalog.cache
         self.shard_bytes = shard_bytes
         self.fetch_timeout_s = fetch_timeout_s
 
@@ -159,7 +162,9 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "max_shard_bytes must not be negative")
         shard_bytes = min(max(request.max_shard_bytes or self.shard_bytes, MIN_SHARD_BYTES), MAX_SHARD_BYTES)
         remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else self.fetch_timeout_s)
+        # Give up on S3 a little before the client does, so it hears UNAVAILABLE, not a timeout.
+        budget = self.fetch_timeout_s if remaining is None else max(0.0, remaining * 0.9 - 0.2)
+        deadline = time.monotonic() + budget
         blobs = []
         for file in files[request.start_file:]:
             try:
@@ -175,9 +180,11 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
         loop = asyncio.get_running_loop()
         for index, (file, blob) in enumerate(zip(files[request.start_file:], blobs), start=request.start_file):
             offset = request.start_offset if index == request.start_file else 0
+            # A whole file streamed is also re-hashed: a blob that rotted on disk is dropped.
+            whole = hashlib.sha256() if offset == 0 else None
             with open(blob.path, "rb") as f:
                 f.seek(offset)
-                pending = loop.run_in_executor(None, _read_shard, f, shard_bytes)
+                pending = loop.run_in_executor(None, _read_shard, f, shard_bytes, whole)
                 try:
                     while True:
                         data, digest = await pending
@@ -186,7 +193,11 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
                         if not data and not end_of_file:
                             raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} is shorter in the cache than listed")
                         if not end_of_file:  # read the next shard while this one is sent
-                            pending = loop.run_in_executor(None, _read_shard, f, shard_bytes)
+                            pending = loop.run_in_executor(None, _read_shard, f, shard_bytes, whole)
+                        if end_of_file and whole is not None and whole.hexdigest() != file.sha256:
+                            self.cache.discard(blob.sha256)
+                            raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} of {entry.name!r} is corrupt in "
+                                                                    "the disk cache; dropped it, fetch again")
                         last = end_of_file and index == len(files) - 1
                         shard = pb.AdapterShard(file_index=index, path=file.path, offset=offset, data=data,
                                                 sha256=digest, file_size=file.obj.size, last=last,

@@ -1,0 +1,95 @@
+"""The disk cache on its own: single flight, atomic fills, LRU bound, recovery."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from adapter_store.cache import CacheCorrupt, DiskCache
+
+
+def filler(data: bytes, calls: list[int], delay: float = 0.0):
+    def fill(out) -> tuple[str, int]:
+        calls.append(1)
+        time.sleep(delay)
+        for i in range(0, len(data), 1000):
+            out.write(data[i:i + 1000])
+        return hashlib.sha256(data).hexdigest(), len(data)
+    return fill
+
+
+def test_concurrent_gets_share_one_download(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, 1 << 20)
+    data, calls, results = os.urandom(50_000), [], []
+    threads = [threading.Thread(target=lambda: results.append(cache.get("b/k#e", filler(data, calls, 0.3))))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert len({r.path for r in results}) == 1 and results[0].path.read_bytes() == data
+    assert cache.get("b/k#e", filler(data, calls)).sha256 == hashlib.sha256(data).hexdigest()
+    assert len(calls) == 1  # a hit
+
+
+def test_failed_fill_leaves_nothing_and_reaches_every_waiter(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, 1 << 20)
+    errors: list[BaseException] = []
+
+    def broken(out) -> tuple[str, int]:
+        out.write(b"half of it")
+        time.sleep(0.2)
+        raise ConnectionError("store went away")
+
+    def get() -> None:
+        try:
+            cache.get("b/k#e", broken)
+        except ConnectionError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=get) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 4
+    assert cache.lookup("b/k#e") is None and cache.partial_files() == []
+    assert list((tmp_path / "blobs").rglob("*")) == []
+
+
+def test_expected_sha_mismatch_is_not_cached(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, 1 << 20)
+    with pytest.raises(CacheCorrupt):
+        cache.get("b/k#e", filler(b"abc", []), expected_sha256="0" * 64)
+    assert cache.lookup("b/k#e") is None and cache.total_bytes == 0
+
+
+def test_lru_bound(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, 25_000)
+    blobs = {}
+    for i in range(3):
+        blobs[i] = cache.get(f"b/{i}#e", filler(os.urandom(10_000), []))
+        time.sleep(0.01)
+    # 30 kB > 25 kB: the oldest went
+    assert not blobs[0].path.exists() and blobs[1].path.exists() and blobs[2].path.exists()
+    cache.get("b/1#e", filler(b"", []))  # use 1, so 2 is now the oldest
+    cache.get("b/3#e", filler(os.urandom(10_000), []))
+    assert blobs[1].path.exists() and not blobs[2].path.exists()
+    assert cache.total_bytes <= 25_000
+
+
+def test_restart_drops_partials_and_rehashes(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, 1 << 20)
+    good = cache.get("b/good#e", filler(b"good bytes", []))
+    bad = cache.get("b/bad#e", filler(b"will rot", []))
+    (tmp_path / "tmp" / "crashed.part").write_bytes(b"partial")
+    bad.path.write_bytes(b"rotten!!")  # same size, other bytes
+    again = DiskCache(tmp_path, 1 << 20)
+    assert again.partial_files() == []
+    assert again.lookup("b/good#e") == good
+    assert again.lookup("b/bad#e") is None and not bad.path.exists()
