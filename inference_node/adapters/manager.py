@@ -84,7 +84,8 @@ class AdapterManager:
         self.current: dict[str, AdapterEntry] = {}       # name -> the version new requests get
         self.retired: list[AdapterEntry] = []             # old versions still referenced
         self.host_lru: OrderedDict[int, AdapterEntry] = OrderedDict()
-        self.jobs: dict[str, list[Done]] = {}             # name -> waiters of the fetch in flight
+        self.jobs: dict[tuple[str, str], list[Done]] = {}  # (name, version) -> waiters of a fetch
+        self._refetch: dict[tuple[str, str], AdapterEntry] = {}  # fetches that restore a host copy
         self.resident_waiters: list[tuple[AdapterEntry, Done]] = []
         self._failed: dict[str, AdapterError] = {}
         self._completions: queue.SimpleQueue = queue.SimpleQueue()
@@ -119,7 +120,7 @@ class AdapterManager:
         if entry.refs == 0:
             if entry.retired:
                 self._drop(entry)
-            elif entry.draining:
+            elif entry.draining and not entry.pinned:
                 self._evict(entry.slot)
 
     # -- once per engine loop iteration -------------------------------------------------------------
@@ -163,7 +164,9 @@ class AdapterManager:
             if entry is None:
                 done(None, error)
                 return
-            entry.pinned = entry.pinned or pin
+            if pin:
+                entry.pinned = True
+                entry.draining = False  # a pinned slot is never given away
             if entry.resident:
                 done(entry, None)
                 return
@@ -214,11 +217,12 @@ class AdapterManager:
             if waiter:
                 waiter(None, error)
             return
-        if name not in self.jobs:
-            self.jobs[name] = []
+        key = (name, version)
+        if key not in self.jobs:
+            self.jobs[key] = []
             self._pool.submit(self._fetch, name, version)
         if waiter is not None:
-            self.jobs[name].append(waiter)
+            self.jobs[key].append(waiter)
 
     def _fetch(self, name: str, version: str) -> None:  # background thread
         try:
@@ -226,25 +230,32 @@ class AdapterManager:
             if self.pin_host_memory:
                 weights.tensors = {k: (a.pin_memory(), b.pin_memory())
                                    for k, (a, b) in weights.tensors.items()}
-            self._completions.put((name, weights, None))
+            self._completions.put(((name, version), weights, None))
         except AdapterError as exc:
-            self._completions.put((name, None, exc))
+            self._completions.put(((name, version), None, exc))
         except Exception as exc:  # unexpected: reported, never half-used
             log.exception("loading adapter %s failed", name)
-            self._completions.put((name, None, AdapterError(f"loading adapter {name!r} failed: {exc}")))
+            self._completions.put(((name, version), None,
+                                   AdapterError(f"loading adapter {name!r} failed: {exc}")))
 
     def _apply_completions(self) -> None:
         while True:
             try:
-                name, weights, error = self._completions.get_nowait()
+                key, weights, error = self._completions.get_nowait()
             except queue.Empty:
                 return
-            waiters = self.jobs.pop(name, [])
+            name = key[0]
+            waiters = self.jobs.pop(key, [])
+            target = self._refetch.pop(key, None)
             entry = None
             if error is not None:
                 self.stats["fetch_errors"] += 1
                 log.warning("adapter %s could not be loaded: %s", name, error)
                 self._failed[name] = error
+            elif target is not None and target.version == weights.version:
+                target.weights = weights      # the same entry gets its host copy back
+                self._touch_host(target)
+                entry = target
             else:
                 entry = self._install(weights)
             for waiter in waiters:
@@ -272,7 +283,7 @@ class AdapterManager:
         self.host_lru[id(entry)] = entry
         self.host_lru.move_to_end(id(entry))
         while len(self.host_lru) > self.max_cpu_loras:
-            victim = next((e for e in self.host_lru.values() if not e.copying and not e.pinned), None)
+            victim = self._host_victim(keep=entry)
             if victim is None:
                 return
             self.host_lru.pop(id(victim))
@@ -280,10 +291,22 @@ class AdapterManager:
             if victim.slot < 0 and self.current.get(victim.name) is victim:
                 del self.current[victim.name]  # no copy left on this node: the source has it
 
+    def _host_victim(self, keep: AdapterEntry) -> AdapterEntry | None:
+        """LRU host copy to drop: first those already on the GPU (their host copy is only a
+        cache), then idle ones; never one that waits for a slot."""
+        waiting = {id(e) for e, _ in self.resident_waiters}
+        for e in self.host_lru.values():
+            if e is not keep and e.slot >= 0 and not e.copying:
+                return e
+        for e in self.host_lru.values():
+            if e is not keep and e.slot < 0 and not e.pinned and id(e) not in waiting:
+                return e
+        return None
+
     # -- GPU slots -------------------------------------------------------------------------------------
     def _promote(self, entry: AdapterEntry, drain: bool) -> None:
-        if entry.weights is None:  # dropped from host memory: fetch it again
-            self.current.pop(entry.name, None)
+        if entry.weights is None:  # dropped from host memory: fetch it again into this entry
+            self._refetch[(entry.name, entry.version)] = entry
             self._start_load(entry.name, entry.version)
             return
         slot = self._free_slot()

@@ -95,12 +95,14 @@ def test_unknown_adapter_fails_its_waiting_requests() -> None:
     assert m.try_bind(waiting[0])
 
 
-def test_host_tier_is_bounded_lru() -> None:
+def test_host_tier_is_bounded_and_refetches_what_it_dropped() -> None:
     m, source = make_manager(["a", "b", "c"], max_loras=1, max_cpu=2)
     for name in ["a", "b", "c"]:
         load(m, name)
-    with_weights = {e.name for e in m.entries() if e.weights is not None}
-    assert len(with_weights) <= 2 and "c" in with_weights
+    in_host = {e.name for e in m.entries() if e.weights is not None}
+    assert len(m.host_lru) <= 2 and "c" in in_host
+    dropped = ({"a", "b", "c"} - in_host).pop()
     loads_before = len(source.loads)
-    load(m, "a")                          # dropped from host memory: fetched again
-    assert len(source.loads) == loads_before + 1
+    entry, error = load(m, dropped)       # no copy left on the node: fetched again
+    assert error is None and entry.weights is not None
+    assert source.loads[loads_before:] == [(dropped, "v1")]
