@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -26,10 +26,10 @@ def check_name(name: object) -> str:
         raise InvalidName(f"adapter name is {len(name)} characters long; at most {MAX_NAME_LENGTH} allowed")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
         raise InvalidName(f"adapter name {name!r} contains control characters")
-    if "/" in name or "\\" in name or name.startswith("~"):
-        raise InvalidName(f"adapter name {name!r} contains a path separator")
     if ".." in name:
         raise InvalidName(f"adapter name {name!r} contains '..'")
+    if "/" in name or "\\" in name or name.startswith("~"):
+        raise InvalidName(f"adapter name {name!r} contains a path separator")
     if not _NAME.fullmatch(name):
         raise InvalidName(f"adapter name {name!r} must be letters, digits, '.', '_' or '-', "
                           "starting with a letter or digit")

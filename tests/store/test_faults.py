@@ -1,0 +1,200 @@
+"""Faults: the object store dies mid-fetch (and comes back, or not), the client's stream is
+cut, a cached blob rots, shards lie. These tests own a SeaweedFS they may kill."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from adapter_store.client import AdapterStoreClient, StoreError, _FetchState
+from adapter_store.push import push_adapter
+from adapter_store.records import FileEntry, Manifest, AdapterInfo, adapter_digest
+from adapter_store.s3 import S3Store
+from adapter_store.samples import sized_adapter
+from adapter_store.seaweedfs import SeaweedFS
+from adapter_store.server import BackgroundStore
+from conftest import new_bucket, start_store
+from lora.v1 import adapter_store_pb2 as pb
+from store_proxy import CuttingProxy
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def fragile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    server = SeaweedFS(tmp_path_factory.mktemp("fragile-seaweedfs"))
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def big_adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return sized_adapter(tmp_path_factory.mktemp("big") / "big", 8)
+
+
+class Outage:
+    """S3 chunk observer: kills SeaweedFS once a download of the weights passes a byte
+    count, and optionally starts it again after a pause."""
+
+    def __init__(self, server: SeaweedFS, after_bytes: int, restart_after_s: float | None) -> None:
+        self.server, self.after_bytes, self.restart_after_s = server, after_bytes, restart_after_s
+        self.armed = False
+        self.killed_at = -1
+        self.restarted = threading.Event()
+
+    def __call__(self, key: str, offset: int, size: int) -> None:
+        if self.armed and key.endswith(WEIGHTS) and offset >= self.after_bytes:
+            self.armed = False
+            self.killed_at = offset
+            self.server.kill()
+            if self.restart_after_s is not None:
+                threading.Timer(self.restart_after_s, self._restart).start()
+
+    def _restart(self) -> None:
+        self.server.start()
+        self.restarted.set()
+
+
+def fragile_store(server: SeaweedFS, folder: Path, tmp_path: Path, outage: Outage | None = None) -> BackgroundStore:
+    bucket = new_bucket(server)
+    client = server.boto3_client(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=3)
+    push_adapter(folder, "big", S3Store(bucket, client), "adapters/", progress=False)
+    s3 = S3Store(bucket, client, range_bytes=1 << 20, chunk_bytes=256 << 10, on_chunk=outage)
+    return start_store(server, bucket, tmp_path / "cache", s3=s3)
+
+
+def test_s3_outage_mid_fetch_then_restart_completes(fragile: SeaweedFS, big_adapter: Path, tmp_path: Path) -> None:
+    outage = Outage(fragile, after_bytes=2 << 20, restart_after_s=1.0)
+    store = fragile_store(fragile, big_adapter, tmp_path, outage)
+    try:
+        store.cache.clear()
+        outage.armed = True
+        with AdapterStoreClient(store.address) as client:
+            fetched = client.fetch("big", deadline_s=60)
+        weights = (big_adapter / WEIGHTS).read_bytes()
+        assert 0 < outage.killed_at < len(weights) and outage.restarted.is_set()
+        assert bytes(fetched.weights) == weights
+        assert store.metrics.value("adapter_store_s3_retries_total") > 0
+        assert store.cache.partial_files() == []
+        assert store.cache.contains(hashlib.sha256(weights).hexdigest())
+    finally:
+        store.stop()
+        outage.restarted.wait(30)
+
+
+def test_s3_outage_past_deadline_is_unavailable_and_leaves_no_partial(fragile: SeaweedFS, big_adapter: Path,
+                                                                      tmp_path: Path) -> None:
+    outage = Outage(fragile, after_bytes=1 << 20, restart_after_s=None)
+    store = fragile_store(fragile, big_adapter, tmp_path, outage)
+    weights = (big_adapter / WEIGHTS).read_bytes()
+    weights_sha = hashlib.sha256(weights).hexdigest()
+    try:
+        store.cache.clear()
+        outage.armed = True
+        started = time.monotonic()
+        with AdapterStoreClient(store.address) as client:
+            with pytest.raises(StoreError) as info:
+                client.fetch("big", deadline_s=4)
+            elapsed = time.monotonic() - started
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            assert 2.5 < elapsed < 8, elapsed
+            assert outage.killed_at > 0
+            # nothing half-written is in the cache, and nothing partial will be served
+            wait_until = time.monotonic() + 10
+            while store.cache.partial_files() and time.monotonic() < wait_until:
+                time.sleep(0.1)
+            assert store.cache.partial_files() == []
+            assert not store.cache.contains(weights_sha)
+            assert store.catalog.get("big").info.valid  # the catalog kept it through the outage
+            fragile.start()
+            fetched = client.fetch("big", deadline_s=60)
+            assert bytes(fetched.weights) == weights
+            assert store.cache.contains(weights_sha)
+    finally:
+        store.stop()
+        fragile.start()
+
+
+def test_client_resumes_a_cut_stream_from_its_offset(fragile: SeaweedFS, big_adapter: Path, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    store = fragile_store(fragile, big_adapter, tmp_path)
+    proxy = CuttingProxy(int(store.address.rsplit(":", 1)[1]), cut_after_bytes=3 << 20)
+    caplog.set_level(logging.INFO, logger="adapter_store")
+    try:
+        with AdapterStoreClient(proxy.address) as client:
+            fetched = client.fetch("big", deadline_s=60)
+        assert bytes(fetched.weights) == (big_adapter / WEIGHTS).read_bytes()
+        assert proxy.cuts == 1
+        resumed = [m for m in caplog.messages if re.search(r"fetch big@\w+: \d+ bytes from file 1 offset [1-9]", m)]
+        assert resumed, caplog.messages  # resumed mid-file, not restarted from zero
+    finally:
+        proxy.close()
+        store.stop()
+
+
+def test_rotten_cache_blob_is_data_loss_then_healed(fragile: SeaweedFS, big_adapter: Path, tmp_path: Path) -> None:
+    store = fragile_store(fragile, big_adapter, tmp_path)
+    weights = (big_adapter / WEIGHTS).read_bytes()
+    try:
+        blob = store.cache.root / "blobs" / hashlib.sha256(weights).hexdigest()[:2] / hashlib.sha256(weights).hexdigest()
+        with open(blob, "r+b") as f:  # flip one byte in place, as a bad disk would
+            f.seek(len(weights) // 2)
+            byte = f.read(1)
+            f.seek(len(weights) // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with AdapterStoreClient(store.address) as client:
+            with pytest.raises(StoreError) as info:
+                client.fetch("big", deadline_s=20)
+            assert info.value.code == grpc.StatusCode.DATA_LOSS
+            assert bytes(client.fetch("big", deadline_s=60).weights) == weights  # re-downloaded from S3
+    finally:
+        store.stop()
+
+
+def _manifest(data: bytes) -> Manifest:
+    files = (FileEntry("adapter_config.json", 2, hashlib.sha256(b"{}").hexdigest()),
+             FileEntry(WEIGHTS, len(data), hashlib.sha256(data).hexdigest()))
+    digest = adapter_digest(f.sha256 for f in files)
+    return Manifest(AdapterInfo("x", digest[:16], valid=True), "{}", files, digest)
+
+
+def _shard(m: Manifest, index: int, offset: int, data: bytes, **kw) -> pb.AdapterShard:
+    f = m.files[index]
+    return pb.AdapterShard(file_index=index, path=f.path, offset=offset, data=data, file_size=f.size,
+                           sha256=kw.pop("sha256", hashlib.sha256(data).hexdigest()), **kw)
+
+
+def test_client_verifies_shards_files_and_adapter() -> None:
+    data = bytes(range(256)) * 8
+    manifest = _manifest(data)
+    good = [_shard(manifest, 0, 0, b"{}", manifest=manifest.to_proto()), _shard(manifest, 1, 0, data[:1000]),
+            _shard(manifest, 1, 1000, data[1000:], last=True, adapter_sha256=manifest.adapter_sha256)]
+    state = _FetchState("x", "")
+    for s in good:
+        state.accept(s)
+    assert state.done and bytes(state.result().weights) == data
+
+    def lying(shards) -> StoreError:
+        state = _FetchState("x", "")
+        with pytest.raises(StoreError) as info:
+            for s in shards:
+                state.accept(s)
+        assert info.value.code == grpc.StatusCode.DATA_LOSS
+        return info.value
+
+    assert "sha256 mismatch" in str(lying([good[0], _shard(manifest, 1, 0, data[:1000], sha256="0" * 64)]))
+    corrupt = bytearray(data[1000:])
+    corrupt[5] ^= 1  # consistent shard checksum, wrong file content
+    assert "manifest says" in str(lying(good[:2] + [_shard(manifest, 1, 1000, bytes(corrupt), last=True,
+                                                            adapter_sha256=manifest.adapter_sha256)]))
+    assert "offset" in str(lying([good[0], good[2]]))  # a gap
+    assert "adapter sha256" in str(lying(good[:2] + [_shard(manifest, 1, 1000, data[1000:], last=True,
+                                                              adapter_sha256="f" * 64)]))
