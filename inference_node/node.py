@@ -11,6 +11,7 @@ import torch
 from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers
 from .adapters.sources import LocalDirSource
+from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
 from .engine.kv_cache import KVCache
 from .model.checkpoint import validate_checkpoint_dir
@@ -52,6 +53,7 @@ class Node:
     codec: TextCodec
     engine: Engine
     adapters: AdapterManager | None = None
+    catalog: CatalogWatcher | None = None   # follows the adapter store's catalog events
 
     @property
     def model_name(self) -> str:
@@ -95,7 +97,11 @@ def build_node(settings: NodeSettings) -> Node:
         log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %d in host memory, source: %s",
                  settings.max_loras, settings.max_lora_rank, adapters.buffers.nbytes() / 1e6,
                  settings.max_cpu_loras, settings.adapter_store or settings.adapter_dir or "none")
-    return Node(settings, checkpoint, model, codec, engine, adapters)
+    catalog = None
+    if adapters is not None and isinstance(adapters.source, StoreSource):
+        catalog = CatalogWatcher(adapters.source.client, engine.call, adapters.on_catalog_update,
+                                 adapters.on_catalog_delete)
+    return Node(settings, checkpoint, model, codec, engine, adapters, catalog)
 
 
 def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: torch.device,
@@ -104,7 +110,6 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
         return None
     source = None
     if settings.adapter_store:
-        from .adapters.store_source import StoreSource
         source = StoreSource(settings.adapter_store, model.config, settings.max_lora_rank)
     elif settings.adapter_dir:
         source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank)

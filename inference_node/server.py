@@ -182,6 +182,8 @@ class NodeServer:
     async def start(self) -> None:
         self.server = self._build()
         self.node.engine.start()
+        if self.node.catalog is not None:
+            self.node.catalog.start()
         await self.server.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -199,6 +201,10 @@ class NodeServer:
         deadline = asyncio.get_running_loop().time() + self.drain_seconds
         while self.node.engine.num_inflight() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
+        if self.node.catalog is not None:
+            self.node.catalog.stop()
+        if self.node.adapters is not None:
+            self.node.adapters.shutdown()
         self.node.engine.shutdown()
         await self.server.stop(grace=1.0)
         log.info("inference node stopped")

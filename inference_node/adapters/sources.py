@@ -1,17 +1,18 @@
 """Where adapters come from: the adapter store over gRPC, or a local directory.
 
-Both produce validated `AdapterWeights` on a background thread; the engine thread never
-waits on them.
+Both validate with the store's own validator (one set of rules), then view the tensors
+directly in the fetched buffer (no copy), and check them against this base model. They run
+on background threads; the engine thread never waits on them.
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
+
+from adapter_store.names import InvalidName, check_name
+from adapter_store.validation import AdapterInvalid, TensorInfo, validate_adapter
 
 from ..model.config import ModelConfig
 from .errors import AdapterNotFound, AdapterRejected
@@ -19,41 +20,36 @@ from .weights import AdapterIncompatible, AdapterWeights, build_adapter_weights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def weights_from_files(name: str, version: str, config_text: str, weights_bytes: bytes | bytearray,
+def weights_from_files(name: str, version: str, config_text: str | bytes, weights: bytearray,
                        model: ModelConfig, max_rank: int) -> AdapterWeights:
-    """Parses a PEFT adapter (config + safetensors bytes) into weights for this base model."""
+    """Validates a PEFT adapter (config + safetensors bytes) and fits it to this base model."""
     try:
-        config = json.loads(config_text)
-    except json.JSONDecodeError as exc:
-        raise AdapterRejected(f"adapter {name!r}: {CONFIG_FILE} is not JSON ({exc})") from exc
-    if str(config.get("peft_type", "")).upper() != "LORA":
-        raise AdapterRejected(f"adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("use_dora"):
-        raise AdapterRejected(f"adapter {name!r}: DoRA adapters are not supported")
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise AdapterRejected(f"adapter {name!r}: per-module rank_pattern/alpha_pattern are not supported")
+        spec = validate_adapter(config_text, weights)  # the store's rules; the rank limit is ours
+    except AdapterInvalid as exc:
+        raise AdapterRejected(f"adapter {name!r}: {exc}") from exc
+    pairs = {key: (_view(weights, m.a), _view(weights, m.b)) for key, m in spec.modules.items()}
     try:
-        rank = int(config["r"])
-        alpha = float(config.get("lora_alpha", rank))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise AdapterRejected(f"adapter {name!r}: {CONFIG_FILE} lacks a valid r/lora_alpha") from exc
-    try:
-        tensors = load_safetensors(bytes(weights_bytes))
-    except Exception as exc:  # safetensors raises its own error types
-        raise AdapterRejected(f"adapter {name!r}: {WEIGHTS_FILE} is not valid safetensors ({exc})") from exc
-    for tname, t in tensors.items():
-        if not t.is_floating_point():
-            raise AdapterRejected(f"adapter {name!r}: tensor {tname} has dtype {t.dtype}")
-        if not torch.isfinite(t).all():
-            raise AdapterRejected(f"adapter {name!r}: tensor {tname} holds NaN or Inf")
-    try:
-        return build_adapter_weights(name, version, rank, alpha, bool(config.get("use_rslora")),
-                                     tensors, model, max_rank)
+        return build_adapter_weights(name, version, spec.config.r, spec.config.lora_alpha,
+                                     spec.config.use_rslora, pairs, model, max_rank)
     except AdapterIncompatible as exc:
         raise AdapterRejected(str(exc)) from exc
+
+
+def _view(buffer: bytearray, info: TensorInfo) -> torch.Tensor:
+    """The tensor as a view into the fetched bytes (no copy)."""
+    dtype = _DTYPES.get(info.dtype)
+    if dtype is None:
+        raise AdapterRejected(f"tensor {info.name} has dtype {info.dtype}; LoRA weights are floats")
+    count = info.nbytes // torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=info.start).view(info.shape)
+
+
+def content_hash(files: list[bytes | bytearray]) -> str:
+    digests = b"".join(hashlib.sha256(f).digest() for f in files)
+    return hashlib.sha256(digests).hexdigest()
 
 
 class LocalDirSource:
@@ -68,22 +64,21 @@ class LocalDirSource:
         self.max_rank = max_rank
 
     def load(self, name: str, version: str) -> AdapterWeights:
-        if not _SAFE_NAME.match(name):
-            raise AdapterRejected(f"adapter name {name!r} is not allowed")
+        try:
+            check_name(name)
+        except InvalidName as exc:
+            raise AdapterRejected(str(exc)) from exc
         folder = self.root / name
         config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
         if not config_path.is_file():
             raise AdapterNotFound(f"adapter {name!r} not found in {self.root}")
         if not weights_path.is_file():
             raise AdapterRejected(f"adapter {name!r} has no {WEIGHTS_FILE} (pickle weights are never loaded)")
-        config_bytes, weights_bytes = config_path.read_bytes(), weights_path.read_bytes()
-        content_version = content_hash([config_bytes, weights_bytes])
+        config_bytes = config_path.read_bytes()
+        weights = bytearray(weights_path.stat().st_size)
+        with weights_path.open("rb") as f:
+            f.readinto(weights)
+        content_version = content_hash([config_bytes, weights])
         if version and version != content_version:
             raise AdapterNotFound(f"adapter {name!r} has version {content_version}, not {version}")
-        return weights_from_files(name, content_version, config_bytes.decode("utf-8", "replace"),
-                                  weights_bytes, self.model, self.max_rank)
-
-
-def content_hash(files: list[bytes]) -> str:
-    digests = b"".join(hashlib.sha256(f).digest() for f in files)
-    return hashlib.sha256(digests).hexdigest()
+        return weights_from_files(name, content_version, config_bytes, weights, self.model, self.max_rank)

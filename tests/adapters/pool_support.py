@@ -31,13 +31,10 @@ class FakeSource:
         version = version or self.versions[name]
         self.loads.append((name, version))
         torch.manual_seed(hash((name, version)) % 1000)
-        tensors = {}
-        for layer in range(CONFIG.num_layers):
-            fan_in, fan_out = CONFIG.module_shapes()["q_proj"]
-            p = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
-            tensors[p + ".lora_A.weight"] = torch.randn(self.rank, fan_in)
-            tensors[p + ".lora_B.weight"] = torch.randn(fan_out, self.rank)
-        return build_adapter_weights(name, version, self.rank, 8.0, False, tensors, CONFIG, 8)
+        fan_in, fan_out = CONFIG.module_shapes()["q_proj"]
+        pairs = {(layer, "q_proj"): (torch.randn(self.rank, fan_in), torch.randn(fan_out, self.rank))
+                 for layer in range(CONFIG.num_layers)}
+        return build_adapter_weights(name, version, self.rank, 8.0, False, pairs, CONFIG, 8)
 
 
 def make_manager(names: list[str], max_loras: int = 2, max_cpu: int = 8) -> tuple[AdapterManager, FakeSource]:

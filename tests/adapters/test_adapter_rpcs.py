@@ -67,7 +67,7 @@ def test_load_list_unload(client) -> None:
     ("nobody", grpc.StatusCode.NOT_FOUND, "not found"),
     ("too-big", grpc.StatusCode.FAILED_PRECONDITION, "rank 32"),
     ("other-model", grpc.StatusCode.FAILED_PRECONDITION, "this base model needs"),
-    ("not-lora", grpc.StatusCode.FAILED_PRECONDITION, "not LORA"),
+    ("not-lora", grpc.StatusCode.FAILED_PRECONDITION, "only LORA"),
 ])
 def test_bad_adapters_get_clear_statuses(client, node, name, code, words) -> None:
     for call in (lambda: client.generate(client.request(adapter=name, prompt_token_ids=[5, 6], max_tokens=3), 60),

@@ -1,0 +1,85 @@
+"""Adapters fetched from the adapter store, and the node's subscription to its catalog."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from adapter_store.client import AdapterStoreClient, StoreError
+from adapter_store.records import DELETED, UPDATED
+
+from ..model.config import ModelConfig
+from .errors import (AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
+                     AdapterUnavailable)
+from .sources import WEIGHTS_FILE, weights_from_files
+from .weights import AdapterWeights
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {
+    grpc.StatusCode.NOT_FOUND: AdapterNotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: AdapterRejected,
+    grpc.StatusCode.FAILED_PRECONDITION: AdapterRejected,
+    grpc.StatusCode.DATA_LOSS: AdapterCorrupt,
+    grpc.StatusCode.UNAVAILABLE: AdapterUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: AdapterUnavailable,
+}
+
+
+class StoreSource:
+    def __init__(self, target: str, model: ModelConfig, max_rank: int, fetch_deadline_s: float = 60.0) -> None:
+        self.target = target
+        self.client = AdapterStoreClient(target)
+        self.model = model
+        self.max_rank = max_rank
+        self.fetch_deadline_s = fetch_deadline_s
+
+    def load(self, name: str, version: str) -> AdapterWeights:
+        try:
+            fetched = self.client.fetch(name, version, deadline_s=self.fetch_deadline_s)
+        except StoreError as exc:
+            error = _ERRORS.get(exc.code, AdapterError)
+            raise error(f"adapter {name!r} from the store at {self.target}: {exc.details}") from exc
+        manifest = fetched.manifest
+        return weights_from_files(name, manifest.info.version, manifest.config_json,
+                                  fetched.files[WEIGHTS_FILE], self.model, self.max_rank)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class CatalogWatcher:
+    """Follows the store's catalog: a new version or a deletion reaches the adapter manager
+    (through `post`, which runs the change on the engine thread)."""
+
+    def __init__(self, client: AdapterStoreClient, post: Callable[[Callable[[], None]], object],
+                 on_update: Callable[[str, str], None], on_delete: Callable[[str], None]) -> None:
+        self.client = client
+        self.post = post
+        self.on_update = on_update
+        self.on_delete = on_delete
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="catalog-watch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _run(self) -> None:
+        try:
+            for event in self.client.watch(reconnect=True, stop=self.stop_event):
+                if event.kind == UPDATED and event.adapter is not None:
+                    name, version = event.adapter.name, event.adapter.version
+                    log.info("catalog: %s has a new version %s", name, version[:12])
+                    self.post(lambda: self.on_update(name, version))
+                elif event.kind == DELETED and event.adapter is not None:
+                    name = event.adapter.name
+                    log.info("catalog: %s was deleted", name)
+                    self.post(lambda: self.on_delete(name))
+        except Exception:  # the node keeps serving; loads still go to the store
+            if not self.stop_event.is_set():
+                log.exception("catalog watch ended")
