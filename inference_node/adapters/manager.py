@@ -194,15 +194,15 @@ class AdapterManager:
         return deferred
 
     def on_catalog_update(self, name: str, version: str) -> None:
-        """The store has a new version: new requests get it, running ones finish on theirs."""
+        """The store has a new version: new requests get it, running ones finish on theirs.
+        An adapter this node had loaded is fetched again right away, so it stays warm."""
         entry = self.current.get(name)
         if entry is None or entry.version == version:
             return
         pinned = entry.pinned
         self.current.pop(name)
         self._retire(entry)
-        if pinned:  # a pinned adapter stays resident across versions
-            self.load(name, version, True, lambda e, err: None)
+        self.load(name, version, pinned, lambda e, err: None)
 
     def on_catalog_delete(self, name: str) -> None:
         if name in self.current:
