@@ -5,9 +5,10 @@ Layout under the root:
   refs/cd/<sha256(ref)>    {"ref": "<bucket>/<key>#<etag>", "sha256": ..., "size": ...}
   tmp/                     downloads in progress; renamed into blobs/ only once complete
 
-A download is written to tmp/, flushed, fsynced and atomically renamed; a crash leaves
-only a tmp file, which the next start deletes. Concurrent requests for the same ref share
-one download (single flight). Blobs found on disk at start are re-hashed on first use.
+A download is written to tmp/, fsynced and atomically renamed once its sha256 (and the
+ETag check of the filler) passed; a crash leaves only a tmp file, which the next start
+deletes. Concurrent requests for the same ref share one download (single flight), and
+can read it while it is in progress. Blobs found on disk at start are re-hashed on first use.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import shutil
 import tempfile
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -49,6 +49,103 @@ def hash_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+class _Download:
+    """A fill in progress: how many bytes are on disk, and how it ended."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.cond = threading.Condition()
+        self.written = 0
+        self.done = False
+        self.blob: Blob | None = None
+        self.error: BaseException | None = None
+
+    def advance(self, n: int) -> None:
+        with self.cond:
+            self.written += n
+            self.cond.notify_all()
+
+    def finish(self, blob: Blob | None, error: BaseException | None) -> None:
+        with self.cond:
+            self.blob, self.error, self.done = blob, error, True
+            self.cond.notify_all()
+
+
+class _ProgressWriter:
+    """The file a filler writes to: every write is on disk (unbuffered) before readers hear of it."""
+
+    def __init__(self, raw: BinaryIO, download: _Download) -> None:
+        self.raw, self.download = raw, download
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            n = self.raw.write(view)
+            view = view[n:]
+        self.download.advance(len(data))
+        return len(data)
+
+
+class BlobReader:
+    """Positional reads of a cached blob or of a download in progress (same inode: the
+    rename from tmp/ to blobs/ does not disturb an open file)."""
+
+    def __init__(self, fd: int, download: _Download | None, blob: Blob | None, timeout_s: float | None) -> None:
+        self.fd, self.download, self.blob, self.timeout_s = fd, download, blob, timeout_s
+
+    @classmethod
+    def of_blob(cls, blob: Blob) -> "BlobReader":
+        return cls(os.open(blob.path, os.O_RDONLY), None, blob, None)
+
+    @classmethod
+    def of_download(cls, download: _Download, timeout_s: float | None) -> "BlobReader":
+        with download.cond:
+            if download.done and download.error is not None:
+                raise download.error
+            path = download.blob.path if download.done and download.blob else download.tmp_path
+            return cls(os.open(path, os.O_RDONLY), download, download.blob, timeout_s)
+
+    @property
+    def streaming(self) -> bool:
+        return self.download is not None and not self.download.done
+
+    def read(self, offset: int, n: int) -> bytes:
+        """Up to n bytes at offset, waiting for a download to get there."""
+        download = self.download
+        if download is not None:
+            with download.cond:
+                if not download.cond.wait_for(lambda: download.done or download.written >= offset + n,
+                                              self.timeout_s):
+                    raise TimeoutError(f"the download did not reach byte {offset + n} in time")
+                if download.error is not None:
+                    raise download.error
+        return os.pread(self.fd, n, offset)
+
+    def wait_complete(self) -> Blob:
+        """The blob once complete and verified; raises the download's error."""
+        download = self.download
+        if download is not None:
+            with download.cond:
+                if not download.cond.wait_for(lambda: download.done, self.timeout_s):
+                    raise TimeoutError("the download did not complete in time")
+                if download.error is not None:
+                    raise download.error
+                self.blob = download.blob
+        assert self.blob is not None
+        return self.blob
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "BlobReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class DiskCache:
     def __init__(self, root: str | Path, max_bytes: int, on_hit: Callable[[], None] | None = None,
                  on_miss: Callable[[], None] | None = None) -> None:
@@ -56,7 +153,7 @@ class DiskCache:
         self.max_bytes = max_bytes
         self.on_hit, self.on_miss = on_hit, on_miss
         self._lock = threading.Lock()
-        self._inflight: dict[str, Future[Blob]] = {}
+        self._inflight: dict[str, _Download] = {}
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha256 -> size, oldest first
         self._verified: set[str] = set()
         self.total_bytes = 0
@@ -117,57 +214,69 @@ class DiskCache:
 
     def get(self, ref: str, fill: Filler, expected_sha256: str | None = None) -> Blob:
         """The blob for `ref`, downloading it with `fill` when absent. Concurrent callers of
-        one ref wait for a single download; its error, if any, reaches all of them."""
-        with self._lock:
-            future = self._inflight.get(ref)
-            owner = future is None
-            if owner:
-                future = Future()
-                self._inflight[ref] = future
-        assert future is not None
-        if not owner:
-            return future.result()
+        one ref share a single download; its error, if any, reaches all of them."""
+        reader = self.open(ref, fill, expected_sha256)
         try:
+            return reader.wait_complete()
+        finally:
+            reader.close()
+
+    def open(self, ref: str, fill: Filler, expected_sha256: str | None = None,
+             timeout_s: float | None = None) -> "BlobReader":
+        """A reader of the ref's bytes: from the cached blob, or from the download in
+        progress (started here if none is), serving each byte as soon as it is on disk.
+        Bytes read before the download completes are unverified: wait_complete() raises
+        if the download then fails its checks."""
+        with self._lock:
+            download = self._inflight.get(ref)
+        if download is None:
             blob = self.lookup(ref)
             if blob is not None:
                 if self.on_hit:
                     self.on_hit()
-            else:
+                return BlobReader.of_blob(blob)
+            with self._lock:
+                download = self._inflight.get(ref)
+                start = download is None
+                if start:
+                    fd, tmp_name = tempfile.mkstemp(dir=self.root / "tmp", suffix=".part")
+                    os.close(fd)
+                    download = _Download(Path(tmp_name))
+                    self._inflight[ref] = download
+            if start:
                 if self.on_miss:
                     self.on_miss()
-                blob = self._fill(ref, fill, expected_sha256)
-            future.set_result(blob)
-            return blob
-        except BaseException as exc:
-            future.set_exception(exc)
-            raise
-        finally:
-            with self._lock:
-                self._inflight.pop(ref, None)
+                threading.Thread(target=self._fill, args=(ref, download, fill, expected_sha256),
+                                 name="cache-fill", daemon=True).start()
+        return BlobReader.of_download(download, timeout_s)
 
-    def _fill(self, ref: str, fill: Filler, expected_sha256: str | None) -> Blob:
-        fd, tmp_name = tempfile.mkstemp(dir=self.root / "tmp", suffix=".part")
-        tmp = Path(tmp_name)
+    def _fill(self, ref: str, download: "_Download", fill: Filler, expected_sha256: str | None) -> None:
+        tmp = download.tmp_path
         try:
-            with os.fdopen(fd, "wb") as f:
-                sha, size = fill(f)
-                f.flush()
-                os.fsync(f.fileno())
+            with open(tmp, "wb", buffering=0) as raw:
+                sha, size = fill(_ProgressWriter(raw, download))
+                os.fsync(raw.fileno())
             if expected_sha256 is not None and sha != expected_sha256:
                 raise CacheCorrupt(f"{ref}: downloaded sha256 {sha}, expected {expected_sha256}")
             if tmp.stat().st_size != size:
                 raise CacheCorrupt(f"{ref}: wrote {tmp.stat().st_size} bytes, expected {size}")
             final = self._blob_path(sha)
             final.parent.mkdir(exist_ok=True)
-            os.replace(tmp, final)
-        except BaseException:
+            blob = Blob(sha, size, final)
+            with download.cond:  # readers open the file under this lock, so never between names
+                os.replace(tmp, final)
+                download.blob = blob
+            self._write_ref(ref, sha, size)
+            self._verified.add(sha)
+            self._touch(sha, size)
+            self._evict(keep=sha)
+            download.finish(blob, None)
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
-            raise
-        self._write_ref(ref, sha, size)
-        self._verified.add(sha)
-        self._touch(sha, size)
-        self._evict(keep=sha)
-        return Blob(sha, size, final)
+            download.finish(None, exc)
+        finally:
+            with self._lock:
+                self._inflight.pop(ref, None)
 
     def _write_ref(self, ref: str, sha: str, size: int) -> None:
         path = self._ref_path(ref)

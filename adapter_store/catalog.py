@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from .cache import Blob, DiskCache
+from .cache import Blob, BlobReader, DiskCache
 from .metrics import StoreMetrics
 from .names import CONFIG_FILE, WEIGHTS_FILE, split_key
 from .records import ADDED, DELETED, UPDATED, AdapterInfo, CatalogEvent, FileEntry, Manifest, adapter_digest
@@ -251,14 +251,17 @@ class Catalog:
 
         return self.cache.get(f"{self.s3.bucket}/{obj.key}#{obj.etag}", fill)
 
-    def file_blob(self, file: StoredFile, deadline: float | None) -> Blob:
-        """A listed file's bytes, checked against the sha256 recorded at validation."""
+    def open_file(self, file: StoredFile, deadline: float | None) -> BlobReader:
+        """A reader of a listed file: from the disk cache, or streaming from a download
+        (shared with concurrent fetches) that is checked against the sha256 recorded at
+        validation when it completes."""
         def fill(out) -> tuple[str, int]:
             result = self.s3.download(file.obj, out, deadline)
             self.metrics.s3_bytes.inc(result.size)
             return result.sha256, result.size
 
-        return self.cache.get(f"{self.s3.bucket}/{file.obj.key}#{file.obj.etag}", fill, file.sha256)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.cache.open(f"{self.s3.bucket}/{file.obj.key}#{file.obj.etag}", fill, file.sha256, timeout)
 
     # ------------------------------------------------------------------ queries
 

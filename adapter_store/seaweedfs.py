@@ -62,7 +62,7 @@ class SeaweedFS:
 
     def __init__(self, data_dir: str | Path | None = None, *, access_key: str = "lora-dev",
                  secret_key: str | None = None, region: str = "us-east-1", host: str = "127.0.0.1",
-                 startup_timeout_s: float = 60.0, stop_grace_s: float = 2.0,
+                 startup_timeout_s: float = 60.0, stop_grace_s: float = 1.0,
                  volume_size_limit_mb: int = 64, weed_binary: str | None = None) -> None:
         self._owns_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="seaweedfs-"))

@@ -14,7 +14,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,12 +23,12 @@ from grpc_reflection.v1alpha import reflection
 from lora.v1 import adapter_store_pb2 as pb
 from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
-from .cache import CacheCorrupt, DiskCache
+from .cache import BlobReader, CacheCorrupt, DiskCache
 from .catalog import Catalog, CatalogEntry, Limits
 from .metrics import StoreMetrics
 from .names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
-from .s3 import ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
+from .s3 import LocalWriteFailed, ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
@@ -78,13 +77,6 @@ def _page_after(token: str) -> str:
         return check_name(base64.urlsafe_b64decode(token.encode()).decode())
     except (ValueError, UnicodeError):
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
-
-
-def _read_shard(f: BinaryIO, size: int, whole: "hashlib._Hash | None") -> tuple[bytes, str]:
-    data = f.read(size)
-    if whole is not None:
-        whole.update(data)
-    return data, hashlib.sha256(data).hexdigest()
 
 
 class AdapterStoreService(pb_grpc.AdapterStoreServicer):
@@ -165,56 +157,94 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
         # Give up on S3 a little before the client does, so it hears UNAVAILABLE, not a timeout.
         budget = self.fetch_timeout_s if remaining is None else max(0.0, remaining * 0.9 - 0.2)
         deadline = time.monotonic() + budget
-        blobs = []
-        for file in files[request.start_file:]:
-            try:
-                blobs.append(await asyncio.to_thread(self.catalog.file_blob, file, deadline))
-            except S3Unavailable as exc:
-                raise _Abort(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-            except (ObjectChanged, ObjectCorrupt, CacheCorrupt) as exc:
-                self.catalog.poke()
-                raise _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {entry.name!r} changed in the bucket since "
-                                                        f"version {entry.info.version} was listed ({exc})") from None
-        manifest: pb.AdapterManifest | None = entry.manifest().to_proto()
         sent = 0
-        loop = asyncio.get_running_loop()
-        for index, (file, blob) in enumerate(zip(files[request.start_file:], blobs), start=request.start_file):
+        manifest: pb.AdapterManifest | None = entry.manifest().to_proto()
+        for index in range(request.start_file, len(files)):
+            file = files[index]
             offset = request.start_offset if index == request.start_file else 0
-            # A whole file streamed is also re-hashed: a blob that rotted on disk is dropped.
-            whole = hashlib.sha256() if offset == 0 else None
-            with open(blob.path, "rb") as f:
-                f.seek(offset)
-                pending = loop.run_in_executor(None, _read_shard, f, shard_bytes, whole)
-                try:
-                    while True:
-                        data, digest = await pending
-                        end = offset + len(data)
-                        end_of_file = end >= file.obj.size
-                        if not data and not end_of_file:
-                            raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} is shorter in the cache than listed")
-                        if not end_of_file:  # read the next shard while this one is sent
-                            pending = loop.run_in_executor(None, _read_shard, f, shard_bytes, whole)
-                        if end_of_file and whole is not None and whole.hexdigest() != file.sha256:
-                            self.cache.discard(blob.sha256)
-                            raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} of {entry.name!r} is corrupt in "
-                                                                    "the disk cache; dropped it, fetch again")
-                        last = end_of_file and index == len(files) - 1
-                        shard = pb.AdapterShard(file_index=index, path=file.path, offset=offset, data=data,
-                                                sha256=digest, file_size=file.obj.size, last=last,
-                                                manifest=manifest,
-                                                adapter_sha256=entry.adapter_sha256 if last else "")
-                        manifest = None
-                        await context.write(shard)
-                        sent += len(data)
-                        self.metrics.fetch_bytes.inc(len(data))
-                        offset = end
-                        if end_of_file:
-                            break
-                finally:
-                    if not pending.done():  # a cancelled stream: let the read end before f closes
-                        await asyncio.wait([pending])
+            try:
+                reader = await asyncio.to_thread(self.catalog.open_file, file, deadline)
+            except Exception as exc:
+                raise self._storage_error(entry, exc) from None
+            try:
+                sent += await self._send_file(context, entry, index, reader, offset, shard_bytes, manifest)
+            except _Abort:
+                raise
+            except Exception as exc:
+                raise self._storage_error(entry, exc) from None
+            finally:
+                reader.close()
+            manifest = None
         log.info("fetch %s@%s: %d bytes from file %d offset %d", entry.name, entry.info.version, sent,
                  request.start_file, request.start_offset)
+
+    async def _send_file(self, context: grpc.aio.ServicerContext, entry: CatalogEntry, index: int,
+                         reader: BlobReader, offset: int, shard_bytes: int,
+                         manifest: pb.AdapterManifest | None) -> int:
+        """Streams one file from `offset`; the next shard is read while one is sent. The
+        file's last shard goes out only once its bytes are complete and verified."""
+        file = entry.files[index]
+        size = file.obj.size
+        # A whole file streamed is also re-hashed: a blob that rotted on disk is dropped.
+        whole = hashlib.sha256() if offset == 0 else None
+
+        def read(at: int) -> tuple[bytes, str]:
+            n = min(shard_bytes, size - at)
+            data = reader.read(at, n)
+            if len(data) != n:
+                raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} is shorter in the cache than listed")
+            if whole is not None:
+                whole.update(data)
+            return data, hashlib.sha256(data).hexdigest()
+
+        loop = asyncio.get_running_loop()
+        pending = loop.run_in_executor(None, read, offset)
+        sent = 0
+        try:
+            while True:
+                data, digest = await pending
+                end = offset + len(data)
+                end_of_file = end >= size
+                if not end_of_file:
+                    pending = loop.run_in_executor(None, read, end)
+                else:
+                    await asyncio.to_thread(reader.wait_complete)
+                    if whole is not None and whole.hexdigest() != file.sha256:
+                        self.cache.discard(reader.wait_complete().sha256)
+                        raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} of {entry.name!r} is corrupt in "
+                                                                "the disk cache; dropped it, fetch again")
+                last = end_of_file and index == len(entry.files) - 1
+                await context.write(pb.AdapterShard(
+                    file_index=index, path=file.path, offset=offset, data=data, sha256=digest, file_size=size,
+                    last=last, manifest=manifest, adapter_sha256=entry.adapter_sha256 if last else ""))
+                manifest = None
+                sent += len(data)
+                self.metrics.fetch_bytes.inc(len(data))
+                offset = end
+                if end_of_file:
+                    return sent
+        finally:
+            if not pending.done():  # a cancelled stream: let the read end before the reader closes
+                await asyncio.wait([pending])
+
+    def _storage_error(self, entry: CatalogEntry, exc: BaseException) -> _Abort:
+        """The status a client sees when the bytes could not be had."""
+        if isinstance(exc, _Abort):
+            return exc
+        if isinstance(exc, (S3Unavailable, TimeoutError)):
+            return _Abort(grpc.StatusCode.UNAVAILABLE, f"adapter {entry.name!r}: object store unavailable ({exc})")
+        if isinstance(exc, ObjectChanged):
+            self.catalog.poke()
+            return _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {entry.name!r} changed in the bucket since version "
+                                                     f"{entry.info.version} was listed ({exc})")
+        if isinstance(exc, (ObjectCorrupt, CacheCorrupt)):
+            self.catalog.poke()
+            return _Abort(grpc.StatusCode.UNAVAILABLE, f"adapter {entry.name!r}: download failed its checksum "
+                                                       f"({exc}); try again")
+        if isinstance(exc, LocalWriteFailed):
+            return _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"adapter {entry.name!r}: {exc}")
+        log.error("fetch %s failed", entry.name, exc_info=exc)
+        return _Abort(grpc.StatusCode.INTERNAL, f"adapter {entry.name!r}: {type(exc).__name__}: {exc}")
 
     async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context: grpc.aio.ServicerContext):
         while not self.catalog.ready.is_set():
