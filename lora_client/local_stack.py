@@ -1,0 +1,152 @@
+"""The whole system on this machine, on loopback: SeaweedFS (S3), the adapter store, one
+inference node on the embedded model; pushes the sample adapters; then a demo burst that
+mixes every sample adapter and the base model in one batch.
+
+    python -m lora_client.local_stack              # demo, then stop everything
+    python -m lora_client.local_stack --serve      # demo, then keep serving until Ctrl-C
+
+Ctrl-C (or the end of the demo) stops every process it started.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from .demo import Answer, print_answers, run_burst
+from .processes import Child, console_script, free_port, wait_healthy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sample_behaviours():
+    """The sample adapters' checkers (samples/behaviours.py, next to this package)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from samples import behaviours
+    return behaviours
+
+
+class LocalStack:
+    def __init__(self, work_dir: Path, node_port: int, store_port: int, max_loras: int,
+                 node_args: list[str]) -> None:
+        self.work_dir = work_dir
+        self.node_port = node_port or free_port()
+        self.store_port = store_port or free_port()
+        self.max_loras = max_loras
+        self.node_args = node_args
+        self.seaweed = None
+        self.children: list[Child] = []
+        self.bucket = f"lora-adapters-{uuid.uuid4().hex[:6]}"
+
+    @property
+    def node_target(self) -> str:
+        return f"127.0.0.1:{self.node_port}"
+
+    @property
+    def store_target(self) -> str:
+        return f"127.0.0.1:{self.store_port}"
+
+    def start(self, samples: Path) -> list[str]:
+        from adapter_store.push import push_adapter
+        from adapter_store.s3 import S3Store
+        from adapter_store.seaweedfs import SeaweedFS
+
+        logs = self.work_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        print(f"[stack] SeaweedFS (S3) in {self.work_dir / 'seaweedfs'} ...", flush=True)
+        self.seaweed = SeaweedFS(self.work_dir / "seaweedfs").start()
+        self.seaweed.create_bucket(self.bucket)
+        env = self.seaweed.env()
+        print(f"[stack] S3 at {self.seaweed.endpoint_url}, bucket {self.bucket}", flush=True)
+
+        s3 = S3Store(self.bucket, self.seaweed.boto3_client())
+        names = sorted(p.name for p in samples.iterdir() if (p / "adapter_config.json").exists())
+        for name in names:
+            push_adapter(samples / name, name, s3, "adapters/", progress=False)
+        print(f"[stack] pushed sample adapters: {', '.join(names)}", flush=True)
+
+        store = Child("adapter-store", console_script("adapter-store") + [
+            "serve", "--host", "127.0.0.1", "--port", str(self.store_port),
+            "--s3-endpoint", self.seaweed.endpoint_url, "--bucket", self.bucket,
+            "--cache-dir", str(self.work_dir / "store-cache")], logs / "adapter-store.log", env)
+        self.children.append(store)
+        wait_healthy(self.store_target, 60, store)
+        print(f"[stack] adapter store on {self.store_target} (log: {logs / 'adapter-store.log'})", flush=True)
+
+        node = Child("inference-node", console_script("inference-node") + [
+            "serve", "--host", "127.0.0.1", "--port", str(self.node_port),
+            "--adapter-store", self.store_target, "--max-loras", str(self.max_loras),
+            *self.node_args], logs / "inference-node.log", env)
+        self.children.append(node)
+        wait_healthy(self.node_target, 600, node)
+        print(f"[stack] inference node on {self.node_target} (log: {logs / 'inference-node.log'})", flush=True)
+        return names
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+        if self.seaweed is not None:
+            self.seaweed.close()
+            self.seaweed = None
+        print("[stack] stopped", flush=True)
+
+
+def demo(target: str, names: list[str], max_tokens: int) -> list[tuple[str, Answer, bool]]:
+    """One concurrent burst: each sample adapter's demo prompt, served by the adapter and by
+    the base model. Returns (behaviour, answer, shown) for each request."""
+    behaviours = sample_behaviours()
+    burst: list[tuple[str, str]] = []
+    behaviour_of: list[str] = []
+    for name in names:
+        prompt = behaviours.DEMO_PROMPTS.get(name, ["Hello!"])[0]
+        burst += [(name, prompt), ("", prompt)]
+        behaviour_of += [name, name]
+    started = time.monotonic()
+    answers = run_burst(target, burst, max_tokens)
+    print_answers(answers, time.monotonic() - started)
+    print("\nbehaviour checks (each adapter should show its behaviour, the base model should not):")
+    results = []
+    for behaviour, answer in zip(behaviour_of, answers):
+        shown = behaviour in behaviours.ADAPTER_NAMES and behaviours.shows_behaviour(behaviour, answer.prompt, answer.text)
+        results.append((behaviour, answer, shown))
+        print(f"  {answer.adapter or 'base model':14} {'shows' if shown else 'does not show'} the {behaviour} behaviour")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve", action="store_true", help="keep the stack running after the demo")
+    ap.add_argument("--work-dir", default=None, help="data and logs (default: a temporary directory)")
+    ap.add_argument("--node-port", type=int, default=int(os.environ.get("STACK_NODE_PORT", 0)))
+    ap.add_argument("--store-port", type=int, default=int(os.environ.get("STACK_STORE_PORT", 0)))
+    ap.add_argument("--samples", default=str(REPO / "samples" / "adapters"))
+    ap.add_argument("--max-loras", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("node_args", nargs="*", help="extra inference-node flags (after --)")
+    args = ap.parse_args(argv)
+    work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="lora-stack-"))
+    stack = LocalStack(work_dir, args.node_port, args.store_port, args.max_loras, args.node_args)
+    try:
+        names = stack.start(Path(args.samples))
+        demo(stack.node_target, names, args.max_tokens)
+        if args.serve:
+            print(f"\n[stack] serving; try:\n  .venv/bin/lora-client --node {stack.node_target} generate "
+                  f"--adapter {names[0]} \"Tell me about the sea.\"\n  .venv/bin/lora-client --node "
+                  f"{stack.node_target} ls\n[stack] Ctrl-C stops everything.", flush=True)
+            while all(c.alive() for c in stack.children):
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\n[stack] interrupted", flush=True)
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
