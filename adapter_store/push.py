@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .names import CONFIG_FILE, WEIGHTS_FILE, check_name, object_key
-from .s3 import ObjectInfo, S3Store
+from .s3 import MULTIPART_BYTES, ObjectInfo, S3Store
 from .validation import AdapterInvalid, AdapterSpec, validate_adapter
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ def check_local_adapter(folder: Path) -> AdapterSpec:
 
 
 def push_adapter(folder: str | Path, name: str, s3: S3Store, prefix: str, *, validate: bool = True,
-                 progress: bool = True, on_bytes: Callable[[int], None] | None = None) -> Pushed:
+                 progress: bool = True, on_bytes: Callable[[int], None] | None = None,
+                 multipart_bytes: int = MULTIPART_BYTES) -> Pushed:
     """Uploads `<folder>/adapter_model.safetensors` and `adapter_config.json` to
     `<prefix><name>/` (multipart for large files), with a progress bar when asked."""
     folder = Path(folder)
@@ -74,7 +75,7 @@ def push_adapter(folder: str | Path, name: str, s3: S3Store, prefix: str, *, val
             on_bytes(n)
 
     try:
-        objects = tuple(s3.upload_file(str(p), object_key(prefix, name, p.name), advance,
+        objects = tuple(s3.upload_file(str(p), object_key(prefix, name, p.name), advance, multipart_bytes,
                                        content_type="application/json" if p.suffix == ".json" else
                                        "application/octet-stream") for p in files)
     finally:

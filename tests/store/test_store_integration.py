@@ -223,6 +223,36 @@ def test_unsafe_names_are_invalid_argument(name: str, s3: S3Store, make_store) -
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_watch_survives_a_store_restart(seaweed, bucket: str, s3: S3Store, adapter_dir, tmp_path: Path) -> None:
+    from adapter_store.seaweedfs import free_ports
+    from conftest import start_store
+
+    push(s3, adapter_dir("kept"), "kept")
+    push(s3, adapter_dir("dropped", seed=3), "dropped")
+    port = free_ports(1)[0]
+    store = start_store(seaweed, bucket, tmp_path / "cache", port=port)
+    client = AdapterStoreClient(f"127.0.0.1:{port}")
+    watcher = Watcher(client)
+    try:
+        watcher.wait(SYNCED)
+        store.stop()
+        # while the store is down, the bucket changes
+        push(s3, adapter_dir("arrived", seed=4), "arrived")
+        for f in FILES:
+            s3.delete(f"adapters/dropped/{f}")
+        store = start_store(seaweed, bucket, tmp_path / "cache", port=port)
+        watcher.wait(ADDED, "arrived", timeout=20)
+        watcher.wait(DELETED, "dropped", timeout=5)
+        kinds = [(e.kind, e.adapter.name if e.adapter else "") for e in watcher.events]
+        # the resync reports only the differences; "kept" is not announced twice
+        assert kinds == [(ADDED, "dropped"), (ADDED, "kept"), (SYNCED, ""), (DELETED, "dropped"),
+                         (ADDED, "arrived"), (SYNCED, "")]
+    finally:
+        watcher.close()
+        client.close()
+        store.stop()
+
+
 def test_paging(s3: S3Store, make_store, adapter_dir, seaweed) -> None:
     folder = adapter_dir("tiny", rank=2, layers=1, targets=("q_proj",))
     raw = seaweed.boto3_client()
@@ -249,8 +279,9 @@ def test_paging(s3: S3Store, make_store, adapter_dir, seaweed) -> None:
 
 
 def test_concurrent_cold_fetches_download_once(s3: S3Store, make_store, tmp_path: Path) -> None:
-    folder = sized_adapter(tmp_path / "big", 6)
-    push(s3, folder, "big")
+    folder = sized_adapter(tmp_path / "big", 12)
+    pushed = push_adapter(folder, "big", s3, "adapters/", progress=False, multipart_bytes=5 << 20)
+    assert pushed.objects[0].multipart  # the weights went up in parts (their ETag is not an MD5)
     store = make_store()
     store.cache.clear()  # cold: the next fetch goes to S3
     before = store.metrics.value("adapter_store_s3_download_bytes_total")
