@@ -232,9 +232,14 @@ class DiskCache:
         if download is None:
             blob = self.lookup(ref)
             if blob is not None:
-                if self.on_hit:
-                    self.on_hit()
-                return BlobReader.of_blob(blob)
+                try:
+                    reader = BlobReader.of_blob(blob)
+                except FileNotFoundError:  # evicted just now: download it again
+                    reader = None
+                if reader is not None:
+                    if self.on_hit:
+                        self.on_hit()
+                    return reader
             with self._lock:
                 download = self._inflight.get(ref)
                 start = download is None

@@ -3,8 +3,9 @@
 The bucket is the source of truth and anything may write to it (aws cli, boto3, training
 jobs), so there is no registration: a poller lists the prefix every `poll_interval_s`,
 groups keys `<prefix><name>/<file>` by name and, for each name whose objects (ETags and
-sizes) changed, downloads them into the disk cache and validates them. The version is
-content: the first 16 hex digits of the adapter's sha256 (over the files' sha256), or
+sizes) changed, downloads them into the disk cache and validates them. A change is taken once it
+has been stable for `settle_s` (so an upload in progress is not published half-done). The
+version is content: the first 16 hex digits of the adapter's sha256 (over the files' sha256), or
 for an adapter refused before download, of its objects' ETags.
 Changes are pushed to subscribers as ADDED / UPDATED / DELETED events.
 """
@@ -76,11 +77,12 @@ def _short_hash(text: str) -> str:
 class Catalog:
     def __init__(self, s3: S3Store, cache: DiskCache, prefix: str, *, poll_interval_s: float = 5.0,
                  limits: Limits = Limits(), workers: int = 2, download_timeout_s: float = 300.0,
-                 metrics: StoreMetrics | None = None) -> None:
+                 settle_s: float = 1.0, metrics: StoreMetrics | None = None) -> None:
         self.s3, self.cache, self.prefix = s3, cache, prefix
         self.poll_interval_s = poll_interval_s
         self.limits = limits
         self.download_timeout_s = download_timeout_s
+        self.settle_s = settle_s
         self.metrics = metrics or StoreMetrics()
         self.ready = threading.Event()  # set after the first complete listing
         self._entries: dict[str, CatalogEntry] = {}
@@ -131,6 +133,15 @@ class Catalog:
             known = dict(self._entries)
         changed = {name: objs for name, objs in listed.items()
                    if name not in known or known[name].fingerprint != _fingerprint(objs)}
+        gone = set(known) - set(listed)
+        if (changed or gone) and self.settle_s > 0:
+            # An upload in progress (weights up, config not yet) must not be published as a
+            # half-new adapter: only what is unchanged a moment later is taken this round.
+            self._stop.wait(self.settle_s)
+            again = self._list()
+            changed = {name: objs for name, objs in changed.items()
+                       if name in again and _fingerprint(again[name]) == _fingerprint(objs)}
+            gone -= set(again)
         futures = {name: self._pool.submit(self._build, name, objs) for name, objs in sorted(changed.items())}
         built: dict[str, CatalogEntry] = {}
         for name, future in futures.items():
@@ -140,7 +151,7 @@ class Catalog:
                 log.warning("catalog: %s not (re)validated this time: %s", name, exc)
         events: list[CatalogEvent] = []
         with self._lock:
-            for name in sorted(set(self._entries) - set(listed)):
+            for name in sorted(gone & set(self._entries)):
                 old = self._entries.pop(name)
                 events.append(CatalogEvent(DELETED, old.info, old.info.version))
             for name, entry in sorted(built.items()):

@@ -52,6 +52,7 @@ class StoreSettings:
     host: str = "127.0.0.1"
     port: int = 50061
     poll_interval_s: float = 5.0
+    settle_s: float = 1.0  # a change must be stable this long before it is published
     max_adapter_bytes: int = 4 << 30
     max_header_bytes: int = 16 << 20
     shard_bytes: int = DEFAULT_SHARD_BYTES
@@ -289,7 +290,8 @@ class StoreServer:
         limits = Limits(max_adapter_bytes=settings.max_adapter_bytes, max_header_bytes=settings.max_header_bytes)
         self.catalog = Catalog(self.s3, self.cache, normalize_prefix(settings.prefix),
                                poll_interval_s=settings.poll_interval_s, limits=limits,
-                               workers=settings.validate_workers, metrics=self.metrics)
+                               workers=settings.validate_workers, settle_s=settings.settle_s,
+                               metrics=self.metrics)
         self.service = AdapterStoreService(self.catalog, self.metrics, settings.shard_bytes, settings.fetch_timeout_s)
         self.server: grpc.aio.Server | None = None
         self.health: health_aio.HealthServicer | None = None

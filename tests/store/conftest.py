@@ -16,6 +16,7 @@ from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore, StoreSettings
 
 POLL_S = 0.3
+SETTLE_S = 0.2
 _counter = itertools.count()
 
 
@@ -47,7 +48,7 @@ StoreFactory = Callable[..., BackgroundStore]
 def start_store(server: SeaweedFS, bucket: str, cache_dir: Path, s3: S3Store | None = None,
                 **overrides: object) -> BackgroundStore:
     settings = StoreSettings(bucket=bucket, s3_endpoint=server.endpoint_url, region=server.region,
-                             cache_dir=str(cache_dir), port=0, poll_interval_s=POLL_S)
+                             cache_dir=str(cache_dir), port=0, poll_interval_s=POLL_S, settle_s=SETTLE_S)
     for key, value in overrides.items():
         setattr(settings, key, value)
     client_s3 = s3 or S3Store(bucket, server.boto3_client(retries={"max_attempts": 1}, read_timeout=5))
