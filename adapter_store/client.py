@@ -150,8 +150,8 @@ class AdapterStoreClient:
                 call.cancel()
             delay = backoff.delay()
             if time.monotonic() + delay >= deadline:
-                raise StoreError(grpc.StatusCode.UNAVAILABLE, f"fetching {name!r} gave up at its deadline ({state.progress()}): "
-                                 f"{error.details}") from None
+                raise StoreError(grpc.StatusCode.UNAVAILABLE, f"fetching {name!r} gave up at its deadline "
+                                 f"({state.progress()}): {error.details}") from None
             log.warning("fetch %s: stream broke at %s (%s); resuming in %.2fs", name, state.progress(),
                         error, delay)
             time.sleep(delay)

@@ -200,7 +200,8 @@ class S3Store:
             except ClientError as exc:
                 status, code = _status(exc)
                 if status in (404, 412) or code in ("NoSuchKey", "PreconditionFailed"):
-                    raise ObjectChanged(f"{obj.key} changed or vanished since it was listed ({code or status})") from exc
+                    raise ObjectChanged(f"{obj.key} changed or vanished since it was listed "
+                                        f"({code or status})") from exc
                 if not _retryable(exc):
                     raise
                 self._retry_or_give_up(obj, offset, exc, backoff)

@@ -41,7 +41,8 @@ def adapter_config(rank: int, targets: Sequence[str] | str, alpha: float | None 
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
               "lora_alpha": alpha if alpha is not None else 2 * rank, "lora_dropout": 0.0,
               "use_rslora": use_rslora,
-              "target_modules": targets if isinstance(targets, str) else list(targets), "base_model_name_or_path": base_model,
+              "target_modules": targets if isinstance(targets, str) else list(targets),
+              "base_model_name_or_path": base_model,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_dora": False,
               "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None}
     config.update(extra)

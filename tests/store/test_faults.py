@@ -144,7 +144,8 @@ def test_rotten_cache_blob_is_data_loss_then_healed(fragile: SeaweedFS, big_adap
     store = fragile_store(fragile, big_adapter, tmp_path)
     weights = (big_adapter / WEIGHTS).read_bytes()
     try:
-        blob = store.cache.root / "blobs" / hashlib.sha256(weights).hexdigest()[:2] / hashlib.sha256(weights).hexdigest()
+        digest = hashlib.sha256(weights).hexdigest()
+        blob = store.cache.root / "blobs" / digest[:2] / digest
         with open(blob, "r+b") as f:  # flip one byte in place, as a bad disk would
             f.seek(len(weights) // 2)
             byte = f.read(1)

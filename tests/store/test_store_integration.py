@@ -86,7 +86,8 @@ def test_push_list_fetch_roundtrip(s3: S3Store, make_store, adapter_dir, seaweed
 
         manifest = client.get_manifest("alpha")
         local = {f: (alpha / f).read_bytes() for f in FILES}
-        assert [(f.path, f.size, f.sha256) for f in manifest.files] == [(f, len(local[f]), sha(local[f])) for f in FILES]
+        expected = [(f, len(local[f]), sha(local[f])) for f in FILES]
+        assert [(f.path, f.size, f.sha256) for f in manifest.files] == expected
         assert manifest.adapter_sha256 == adapter_digest(sha(local[f]) for f in FILES)
         assert manifest.info.version == manifest.adapter_sha256[:16] == a.version
         assert manifest.config_json == local["adapter_config.json"].decode()
