@@ -11,6 +11,8 @@ process group, which stop() ends entirely.
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import secrets
@@ -20,12 +22,29 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any
 
 PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+_RUNNING: "weakref.WeakSet[SeaweedFS]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Servers still running when Python exits are stopped, not orphaned."""
+    for server in list(_RUNNING):
+        server.stop(grace_s=0)
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def find_weed_binary() -> str:
@@ -152,9 +171,13 @@ class SeaweedFS:
         self._write_s3_config()
         log = open(self.log_path, "ab")
         try:
+            # Killed with its parent (if that is killed outright) when started from the main
+            # thread; the death signal follows the thread that forked, so not from others.
+            on_main = threading.current_thread() is threading.main_thread() and sys.platform == "linux"
             self.process = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            cwd=self.data_dir)
+                                            cwd=self.data_dir, preexec_fn=_die_with_parent if on_main else None)
+            _RUNNING.add(self)
         finally:
             log.close()
         try:
@@ -211,6 +234,11 @@ class SeaweedFS:
         except ProcessLookupError:
             pass
         process.wait()
+        _RUNNING.discard(self)
+        # SeaweedFS also serves gRPC on unix sockets it names after the ports, in /tmp.
+        for kind in ("master", "volume", "filer", "s3"):
+            port = self.ports[kind + "_grpc"]
+            Path(tempfile.gettempdir(), f"seaweedfs-{kind}-grpc-{port}.sock").unlink(missing_ok=True)
 
     def kill(self) -> None:
         """Stops at once (SIGKILL), as a crash would."""
