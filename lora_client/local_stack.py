@@ -10,6 +10,7 @@ Ctrl-C (or the end of the demo) stops every process it started.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -128,13 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", default=str(REPO / "samples" / "adapters"))
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--report", default=None, help="write the demo's answers and checks as JSON here")
     ap.add_argument("node_args", nargs="*", help="extra inference-node flags (after --)")
     args = ap.parse_args(argv)
+    # Every process this stack starts inherits this marker, so leftovers can be found.
+    os.environ.setdefault("LORA_STACK_ID", uuid.uuid4().hex)
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="lora-stack-"))
     stack = LocalStack(work_dir, args.node_port, args.store_port, args.max_loras, args.node_args)
     try:
         names = stack.start(Path(args.samples))
-        demo(stack.node_target, names, args.max_tokens)
+        results = demo(stack.node_target, names, args.max_tokens)
+        if args.report:
+            Path(args.report).write_text(json.dumps([
+                {"behaviour": b, "adapter": a.adapter, "prompt": a.prompt, "text": a.text, "shown": shown,
+                 "tokens": a.tokens, "seconds": round(a.total, 3)} for b, a, shown in results], indent=2))
         if args.serve:
             print(f"\n[stack] serving; try:\n  .venv/bin/lora-client --node {stack.node_target} generate "
                   f"--adapter {names[0]} \"Tell me about the sea.\"\n  .venv/bin/lora-client --node "
