@@ -191,7 +191,7 @@ def train(recipe: Recipe, out_dir: Path, threads: int, check_prefix: bool = Fals
           f"alpha={recipe.lora_alpha} rslora={recipe.use_rslora} modules={','.join(recipe.target_modules)} "
           f"({n_params / 1e6:.2f}M trainable), {recipe.steps} steps x {recipe.batch_size}, lr {recipe.lr}",
           flush=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     losses = []
     for step in range(recipe.steps):
         if len(order) < recipe.batch_size:
@@ -211,9 +211,10 @@ def train(recipe: Recipe, out_dir: Path, threads: int, check_prefix: bool = Fals
         if step % 10 == 0 or step == recipe.steps - 1:
             print(f"  step {step:4d}  loss {loss.item():.4f}  lr {lr_at(step):.2e}  "
                   f"{time.perf_counter() - start:6.1f}s", flush=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     save(model, out_dir / recipe.name)
-    summary = {"adapter": recipe.name, "train_seconds": round(seconds, 1), "steps": recipe.steps,
+    summary = {"adapter": recipe.name, "train_seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
+               "steps": recipe.steps,
                "batch_size": recipe.batch_size, "examples": len(examples),
                "first_loss": round(losses[0], 4), "final_loss": round(sum(losses[-5:]) / len(losses[-5:]), 4),
                "trainable_params": n_params, "threads": threads}
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             recipe = Recipe(**{**recipe.__dict__, "steps": args.steps})
         summaries.append(train(recipe, args.out, args.threads, args.check_prefix))
     for s in summaries:
-        print(f"{s['adapter']:14s} {s['train_seconds']:7.1f}s  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}")
+        print(f"{s['adapter']:14s} {s['train_seconds']:7.1f}s wall {s['cpu_seconds']:7.1f}s CPU  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}")
     return 0
 
 
