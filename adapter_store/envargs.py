@@ -1,6 +1,7 @@
 """argparse flags that environment variables can also set (for containers and stacks).
 
-Flag `--s3-endpoint` reads `ADAPTER_STORE_S3_ENDPOINT`; the command line wins.
+Flag `--s3-endpoint` reads `ADAPTER_STORE_S3_ENDPOINT`; the command line wins. The
+inference node uses the same parser with the prefix `INFERENCE_NODE`.
 """
 from __future__ import annotations
 
@@ -11,19 +12,20 @@ from typing import Any
 ENV_PREFIX = "ADAPTER_STORE"
 
 
-def env_name(flag: str) -> str:
-    return f"{ENV_PREFIX}_{flag.lstrip('-').replace('-', '_').upper()}"
+def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
+    return f"{prefix}_{flag.lstrip('-').replace('-', '_').upper()}"
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, env_prefix: str = ENV_PREFIX, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        self.env_prefix = env_prefix
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
         flag = next((n for n in names if n.startswith("--")), None)
         if flag is not None and kwargs.get("action") not in ("help", "version"):
-            env = env_name(flag)
+            env = env_name(flag, self.env_prefix)
             raw = os.environ.get(env)
             if raw is not None:
                 if kwargs.get("action") in ("store_true", "store_false"):

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import sys
 
-from .envargs import EnvArgumentParser
+from adapter_store.envargs import EnvArgumentParser
 from .node import NodeSettings, build_node
 from .server import NodeServer
 
