@@ -1,5 +1,6 @@
-# Two commands: `make run` (the demo on embedded defaults) and `make test` (the whole suite).
-# Both create the virtual environment on first use.
+# Two commands: `make run` (the whole stack on embedded defaults: SeaweedFS, adapter store,
+# inference node, sample adapters, a demo burst) and `make test` (the whole suite).
+# Both create the virtual environment on first use. `make serve` keeps the stack running.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,9 +9,15 @@ BIN := $(VENV)/bin
 # project's `torch>=` requirement does not pull several GB of CUDA packages.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: run test env clean-env
+.PHONY: run serve demo-node test env clean-env
 
 run: $(VENV)/.installed
+	$(BIN)/python -m lora_client.local_stack
+
+serve: $(VENV)/.installed
+	$(BIN)/python -m lora_client.local_stack --serve
+
+demo-node: $(VENV)/.installed
 	$(BIN)/python -m lora_client.demo
 
 test: $(VENV)/.installed
