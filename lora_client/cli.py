@@ -64,6 +64,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+STORE_COMMANDS = {"push": "push", "store-ls": "ls"}
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lora-client", description=__doc__)
     ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT")
@@ -92,10 +95,17 @@ def parser() -> argparse.ArgumentParser:
     unload.set_defaults(func=cmd_unload)
     sub.add_parser("ls", help="adapters on the node").set_defaults(func=cmd_ls)
     sub.add_parser("stats", help="engine counters").set_defaults(func=cmd_stats)
+    # The store's commands, forwarded to `adapter-store` (one implementation).
+    sub.add_parser("push", help="upload an adapter folder to the bucket (= adapter-store push ...)")
+    sub.add_parser("store-ls", help="list the store's catalog (= adapter-store ls ...)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in STORE_COMMANDS:
+        from adapter_store.cli import main as store_main
+        return store_main([STORE_COMMANDS[argv[0]], *argv[1:]])
     args = parser().parse_args(argv)
     try:
         return args.func(args)
