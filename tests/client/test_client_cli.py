@@ -26,6 +26,7 @@ def test_generate_streams_text(node, capsys) -> None:
 
 def test_load_ls_unload(node, capsys) -> None:
     assert main(["--node", node.address, "load", "style", "--pin"]) == 0
+    assert capsys.readouterr().out.split()[::2] == ["style", "gpu"]
     assert main(["--node", node.address, "ls"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("style"))
