@@ -22,7 +22,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self.env_prefix = env_prefix
         super().__init__(*args, **kwargs)
 
-    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
+    def add_argument(self, *names: str, secret: bool = False,  # type: ignore[override]
+                     **kwargs: Any) -> argparse.Action:
+        """secret=True: a value from the environment is never shown (e.g. in --help)."""
         flag = next((n for n in names if n.startswith("--")), None)
         if flag is not None and kwargs.get("action") not in ("help", "version"):
             env = env_name(flag, self.env_prefix)
@@ -34,4 +36,6 @@ class EnvArgumentParser(argparse.ArgumentParser):
                     kwargs["default"] = kwargs.get("type", str)(raw)
                 kwargs["required"] = False
             kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
+            if secret:  # '%(default).0s' formats to nothing and stops the default being shown
+                kwargs["help"] += "%(default).0s"
         return super().add_argument(*names, **kwargs)

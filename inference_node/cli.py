@@ -43,6 +43,11 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--adapter-dir", default=None,
                        help="local adapters directory (<dir>/<name>/adapter_config.json ...), "
                             "used when no --adapter-store is given")
+    serve.add_argument("--admin-token", default=None, secret=True,
+                       help="bearer token that LoadAdapter/UnloadAdapter require (off when unset)")
+    serve.add_argument("--generate-token", default=None, secret=True,
+                       help="bearer token that Generate requires (off when unset)")
+    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
     serve.add_argument("--debug-checks", action="store_true",
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        adapter_store=args.adapter_store, adapter_dir=args.adapter_dir)
+        adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
+        admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port)
     node = build_node(settings)
     server = NodeServer(node, args.host, args.port, drain_seconds=args.drain_seconds)
     asyncio.run(server.serve_until_signalled())

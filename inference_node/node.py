@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,9 @@ class NodeSettings:
     max_cpu_loras: int = 32
     adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
     adapter_store: str | None = None   # HOST:PORT of the adapter store
+    admin_token: str | None = field(default=None, repr=False)     # secrets: never in logs
+    generate_token: str | None = field(default=None, repr=False)
+    metrics_port: int = 0
 
 
 @dataclass
@@ -58,6 +61,18 @@ class Node:
     @property
     def model_name(self) -> str:
         return self.checkpoint.name
+
+    def snapshot(self) -> dict[str, int]:
+        """Engine and adapter counters; runs on the engine thread (through Engine.call)."""
+        snap = self.engine.snapshot()
+        if self.adapters is not None:
+            entries = self.adapters.entries()
+            snap["adapters_gpu"] = sum(1 for e in entries if e.resident)
+            snap["adapters_host"] = sum(1 for e in entries if e.weights is not None)
+            snap["adapter_loads"] = self.adapters.stats["loads"]
+            snap["adapter_evictions"] = self.adapters.stats["evictions"]
+            snap["adapter_fetch_errors"] = self.adapters.stats["fetch_errors"]
+        return snap
 
 
 def resolve_device(name: str | None) -> torch.device:

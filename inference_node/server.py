@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +22,8 @@ from .engine.engine import EngineStopped, InvalidRequest, QueueFull
 from .engine.request import StreamEvent
 from .node import Node
 from .adapters.errors import AdapterError
+from .auth import TokenAuth
+from .metrics import NodeMetrics
 from .request_builder import ADAPTER_NAME, BadRequest, build_request
 
 log = logging.getLogger(__name__)
@@ -28,8 +31,9 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceNode"].full_n
 
 
 class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, metrics: NodeMetrics) -> None:
         self.node = node
+        self.metrics = metrics
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         node = self.node
@@ -55,12 +59,34 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
         finished = False
+        outcome = "cancelled"
+        started = last = time.monotonic()
+        first_token_at = None
+        kind = "adapter" if req.adapter else "base"
         try:
             while not finished:
                 event = await events.get()
                 finished = event.finish_reason is not None
+                now = time.monotonic()
+                if event.token_ids:
+                    if first_token_at is None:
+                        first_token_at = now
+                        self.metrics.ttft.observe(now - started)
+                    else:
+                        self.metrics.token_latency.observe((now - last) / len(event.token_ids))
+                    last = now
+                    self.metrics.generated_tokens.inc(len(event.token_ids))
                 if event.error is not None:
-                    await context.abort(*_status_of(event))
+                    code, message = _status_of(event)
+                    outcome = code.name.lower()
+                    await context.abort(code, message)
+                if finished:
+                    outcome = event.finish_reason
+                    self.metrics.prompt_tokens.inc(event.prompt_tokens)
+                    log.info("request %s adapter=%s finished=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs",
+                             req.request_id or req.id, req.adapter or "-", event.finish_reason,
+                             event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens,
+                             (first_token_at or now) - started, now - started)
                 yield inference_pb2.GenerateResponse(
                     token_ids=event.token_ids, text=event.text,
                     finish_reason=event.finish_reason or "",
@@ -68,6 +94,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                     cached_prompt_tokens=event.cached_prompt_tokens,
                     adapter_version=event.adapter_version)
         finally:
+            self.metrics.requests.labels(outcome=outcome, kind=kind).inc()
             if not finished:  # the client went away or the deadline passed
                 node.engine.abort(req.id)
 
@@ -82,6 +109,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
 
         self.node.engine.call(lambda: manager.load(request.name, request.version, request.pin, done))
         outcome, error = await result
+        self.metrics.admin_calls.labels(method="LoadAdapter", outcome=error.status.name if error else "OK").inc()
         if error is not None:
             await context.abort(error.status, str(error))
         version, tier = outcome
@@ -92,7 +120,9 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
         try:
             deferred = await asyncio.wrap_future(self.node.engine.call(lambda: manager.unload(request.name)))
         except AdapterError as exc:
+            self.metrics.admin_calls.labels(method="UnloadAdapter", outcome=exc.status.name).inc()
             await context.abort(exc.status, str(exc))
+        self.metrics.admin_calls.labels(method="UnloadAdapter", outcome="OK").inc()
         return inference_pb2.UnloadAdapterResponse(deferred=deferred)
 
     async def ListAdapters(self, request: inference_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext):
@@ -157,17 +187,22 @@ class NodeServer:
         self.drain_seconds = drain_seconds
         self.server: grpc.aio.Server | None = None
         self.health = None
+        self.metrics = NodeMetrics(lambda: node.engine.call(node.snapshot).result(2.0))
         self.port = 0
         self.address = ""
         self._stopped = False
 
     def _build(self) -> grpc.aio.Server:
         """Creates the grpc.aio server (it must be made inside the running event loop)."""
-        server = grpc.aio.server(options=[
+        settings = self.node.settings
+        interceptors = []
+        if settings.admin_token or settings.generate_token:
+            interceptors.append(TokenAuth(settings.admin_token, settings.generate_token))
+        server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", 16 << 20),
             ("grpc.max_send_message_length", 16 << 20),
         ])
-        inference_pb2_grpc.add_InferenceNodeServicer_to_server(InferenceNodeService(self.node), server)
+        inference_pb2_grpc.add_InferenceNodeServicer_to_server(InferenceNodeService(self.node, self.metrics), server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -185,6 +220,8 @@ class NodeServer:
         if self.node.catalog is not None:
             self.node.catalog.start()
         await self.server.start()
+        if self.node.settings.metrics_port:
+            self.metrics.serve(self.node.settings.metrics_port, self.host)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("inference node serving on %s", self.address)

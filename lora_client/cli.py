@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -15,7 +16,7 @@ TIER_NAMES = {pb.ADAPTER_TIER_GPU: "gpu", pb.ADAPTER_TIER_HOST: "host", pb.ADAPT
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    with NodeClient(args.node) as client:
+    with NodeClient(args.node, token=args.token) as client:
         request = client.request(args.prompt, adapter=args.adapter, chat=not args.raw,
                                  max_tokens=args.max_tokens, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
@@ -33,22 +34,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    with NodeClient(args.node) as client:
+    with NodeClient(args.node, token=args.token) as client:
         reply = client.stub.LoadAdapter(pb.LoadAdapterRequest(name=args.name, version=args.version,
-                                                              pin=args.pin), timeout=args.timeout)
+                                                              pin=args.pin), timeout=args.timeout,
+                                        metadata=client.metadata)
     print(f"{reply.name} {reply.version[:12]} {TIER_NAMES.get(reply.tier, '?')}")
     return 0
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    with NodeClient(args.node) as client:
-        reply = client.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=args.name), timeout=args.timeout)
+    with NodeClient(args.node, token=args.token) as client:
+        reply = client.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=args.name), timeout=args.timeout,
+                                          metadata=client.metadata)
     print(f"{args.name}: {'unload deferred until running requests end' if reply.deferred else 'unloaded'}")
     return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with NodeClient(args.node) as client:
+    with NodeClient(args.node, token=args.token) as client:
         reply = client.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=args.timeout)
     print(f"{'NAME':24} {'VERSION':12} {'TIER':8} {'SLOT':>4} {'RANK':>4} {'REFS':>4} PINNED PENDING")
     for a in reply.adapters:
@@ -59,7 +62,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with NodeClient(args.node) as client:
+    with NodeClient(args.node, token=args.token) as client:
         print(client.stats())
     return 0
 
@@ -71,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lora-client", description=__doc__)
     ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--token", default=os.environ.get("LORA_CLIENT_TOKEN"),
+                    help="bearer token for nodes that require one [env LORA_CLIENT_TOKEN]")
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
     gen.add_argument("prompt")

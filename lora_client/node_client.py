@@ -22,10 +22,11 @@ class Completion:
 
 class NodeClient:
     def __init__(self, target: str, channel: grpc.Channel | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), token: str | None = None) -> None:
+        """token: sent as `authorization: Bearer <token>` (nodes started with a token need it)."""
         self.channel = channel or grpc.insecure_channel(target)
         self.stub = inference_pb2_grpc.InferenceNodeStub(self.channel)
-        self.metadata = list(metadata)
+        self.metadata = list(metadata) + ([("authorization", f"Bearer {token}")] if token else [])
 
     def close(self) -> None:
         self.channel.close()
