@@ -94,6 +94,8 @@ class Catalog:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: str = ""
+        self._passes = 0  # completed listing passes, for callers waiting on a fresh one
+        self._passed = threading.Condition()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -112,6 +114,22 @@ class Catalog:
         """Polls now instead of at the end of the interval."""
         self._wake.set()
 
+    def wait_fresh_pass(self, timeout: float) -> bool:
+        """Polls now and waits until a pass that started after this call has ended, so an
+        adapter pushed a moment ago is found without waiting for the poll interval."""
+        with self._passed:
+            target = self._passes + 2  # the pass under way may have listed before the push
+        self.poke()
+        deadline = time.monotonic() + timeout
+        with self._passed:
+            while self._passes < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._passed.wait(left)
+                self.poke()
+        return True
+
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
@@ -121,6 +139,9 @@ class Catalog:
             except Exception as exc:  # S3 down: keep the catalog as it is and try again
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("catalog: listing %s failed: %s", self.s3.describe(), self.last_error)
+            with self._passed:
+                self._passes += 1
+                self._passed.notify_all()
             self._wake.wait(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
             self._wake.clear()
 

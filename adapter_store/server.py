@@ -61,6 +61,9 @@ class StoreSettings:
     metrics_port: int = 0
 
 
+MISS_RELIST_TIMEOUT_S = 10.0  # how long a request for an unknown name waits on a fresh listing
+
+
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -88,7 +91,7 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
         self.shard_bytes = shard_bytes
         self.fetch_timeout_s = fetch_timeout_s
 
-    def _entry(self, name: str, version: str) -> CatalogEntry:
+    async def _entry(self, name: str, version: str) -> CatalogEntry:
         try:
             check_name(name)
         except InvalidName as exc:
@@ -96,6 +99,10 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
         if not self.catalog.ready.is_set():
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the catalog is still loading")
         entry = self.catalog.get(name)
+        if entry is None or (version and version != entry.info.version):
+            # Pushed (or re-uploaded) a moment ago by some tool: look again before saying no.
+            await asyncio.to_thread(self.catalog.wait_fresh_pass, MISS_RELIST_TIMEOUT_S)
+            entry = self.catalog.get(name)
         if entry is None:
             raise _Abort(grpc.StatusCode.NOT_FOUND, f"adapter {name!r} is not in the catalog")
         if version and version != entry.info.version:
@@ -120,7 +127,7 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
 
     async def GetManifest(self, request: pb.GetManifestRequest, context: grpc.aio.ServicerContext):
         try:
-            entry = self._entry(request.name, request.version)
+            entry = await self._entry(request.name, request.version)
         except _Abort as exc:
             await context.abort(exc.code, exc.details)
         return entry.manifest().to_proto()
@@ -143,7 +150,7 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
                 self.metrics.fetch_errors.labels(code=code.name).inc()
 
     async def _fetch(self, request: pb.FetchAdapterRequest, context: grpc.aio.ServicerContext) -> None:
-        entry = self._entry(request.name, request.version)
+        entry = await self._entry(request.name, request.version)
         files = entry.files
         if not 0 <= request.start_file < len(files):
             raise _Abort(grpc.StatusCode.OUT_OF_RANGE, f"start_file {request.start_file} is not in "

@@ -304,3 +304,16 @@ def test_concurrent_cold_fetches_download_once(s3: S3Store, make_store, tmp_path
     assert store.metrics.value("adapter_store_s3_download_bytes_total") - before == size
     assert store.metrics.value("adapter_store_cache_misses_total") - misses == 2  # one per file
     assert store.metrics.value("adapter_store_fetch_bytes_total") >= 4 * size
+
+
+def test_an_adapter_pushed_a_moment_ago_is_found_without_waiting_for_the_poll(s3: S3Store, make_store,
+                                                                              adapter_dir) -> None:
+    store = make_store(poll_interval_s=3600.0)
+    with AdapterStoreClient(store.address) as client:
+        wait_for(lambda: store.store.catalog.ready.is_set(), 10, "the first listing")
+        assert list(client.list_adapters()) == []
+        push(s3, adapter_dir("late", rank=4), "late")
+        assert client.get_manifest("late").info.name == "late"  # found by a fresh listing on the miss
+        with pytest.raises(StoreError) as err:
+            client.get_manifest("never-pushed")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
