@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--adapters", type=Path, default=ADAPTERS_DIR, help="folder of <name>/ adapters")
     parser.add_argument("--only", action="append", choices=ADAPTER_NAMES)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is fastest on a busy 2-core machine)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--show", type=int, default=3, help="example answers to print per adapter")

@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", action="append", choices=sorted(RECIPES), help="train only these")
     parser.add_argument("--out", type=Path, default=ADAPTERS_DIR, help="folder of <name>/ adapters")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is fastest on a busy 2-core machine)")
     parser.add_argument("--steps", type=int, help="override the recipe's steps (for quick trials)")
     parser.add_argument("--check-prefix", action="store_true",
                         help="first check that the prefix-shared loss equals the whole-sequence loss")
