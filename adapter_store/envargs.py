@@ -31,7 +31,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
             raw = os.environ.get(env)
             if raw is not None:
                 if kwargs.get("action") in ("store_true", "store_false"):
-                    kwargs["default"] = raw.strip().lower() in ("1", "true", "yes", "on")
+                    truthy = raw.strip().lower() in ("1", "true", "yes", "on")
+                    # the variable means what the flag means: NO_X=1 acts as --no-x
+                    kwargs["default"] = truthy if kwargs["action"] == "store_true" else not truthy
                 else:
                     kwargs["default"] = kwargs.get("type", str)(raw)
                 kwargs["required"] = False

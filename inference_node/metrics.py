@@ -55,6 +55,8 @@ class _EngineCollector:
         "adapter_evictions": "adapter slots evicted (total)",
         "adapter_fetch_errors": "adapter fetches that failed (total)",
         "preemptions": "requests preempted (total)",
+        "kv_blocks_cached": "KV blocks indexed by the prefix cache (in use or idle)",
+        "cached_prompt_tokens": "prompt tokens served from the prefix cache (total)",
     }
 
     def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
@@ -69,3 +71,18 @@ class _EngineCollector:
         for key, text in self.GAUGES.items():
             if key in values:
                 yield GaugeMetricFamily(f"lora_node_{key}", text, value=float(values[key]))
+        yield from self._prefix_cache(values.get("prefix_cache", {}))
+
+    @staticmethod
+    def _prefix_cache(rows: dict[str, dict[str, int]]) -> Iterator[GaugeMetricFamily]:
+        """Per adapter name (all its live versions; "" is the base model), so the label set
+        stays as small as the adapter catalog."""
+        for field, text in (("hit_tokens", "prompt tokens whose prefill the prefix cache skipped"),
+                            ("hits", "admissions that reused a cached prefix"),
+                            ("lookups", "admissions that looked for a cached prefix"),
+                            ("blocks", "KV blocks the prefix cache indexes")):
+            family = GaugeMetricFamily(f"lora_node_prefix_cache_{field}",
+                                       f"{text}, per adapter, over its live versions", labels=["adapter"])
+            for adapter, counters in sorted(rows.items()):
+                family.add_metric([adapter], float(counters[field]))
+            yield family

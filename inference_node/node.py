@@ -37,6 +37,7 @@ class NodeSettings:
     max_queue: int = 1024
     max_model_len: int = 4096
     default_max_tokens: int = 256
+    prefix_caching: bool = True        # reuse KV of cached prefixes, per adapter namespace
     debug_checks: bool = False
     max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
     max_lora_rank: int = 16
@@ -62,9 +63,15 @@ class Node:
     def model_name(self) -> str:
         return self.checkpoint.name
 
-    def snapshot(self) -> dict[str, int]:
-        """Engine and adapter counters; runs on the engine thread (through Engine.call)."""
-        snap = self.engine.snapshot()
+    def snapshot(self) -> dict[str, object]:
+        """Engine, adapter and prefix-cache counters; runs on the engine thread (Engine.call)."""
+        snap: dict = self.engine.snapshot()
+        per_adapter: dict[str, dict[str, int]] = {}
+        for (adapter, _), stats in self.engine.prefix_cache_rows():
+            row = per_adapter.setdefault(adapter, {"hit_tokens": 0, "hits": 0, "lookups": 0, "blocks": 0})
+            for key in row:
+                row[key] += getattr(stats, key)
+        snap["prefix_cache"] = per_adapter
         if self.adapters is not None:
             entries = self.adapters.entries()
             snap["adapters_gpu"] = sum(1 for e in entries if e.resident)
@@ -100,7 +107,7 @@ def build_node(settings: NodeSettings) -> Node:
     engine = Engine(model, lora=adapters, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
-        max_model_len=model_len, debug_checks=settings.debug_checks))
+        max_model_len=model_len, prefix_caching=settings.prefix_caching, debug_checks=settings.debug_checks))
     cfg = model.config
     log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters) on %s as %s "
              "in %.1fs; KV cache: %d blocks x %d tokens (%.2f GiB), max model length %d",

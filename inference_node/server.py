@@ -132,13 +132,19 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
             return reply
         reply.max_loras, reply.max_cpu_loras = manager.max_loras, manager.max_cpu_loras
 
+        cache = self.node.engine.prefix_cache
+
         def snapshot() -> list[inference_pb2.AdapterStatus]:
-            return [inference_pb2.AdapterStatus(
-                name=e.name, version=e.version, tier=TIERS[e.tier], pinned=e.pinned, ref_count=e.refs,
-                pending_eviction=e.draining or e.retired, slot=e.slot,
-                rank=e.weights.rank if e.weights else 0,
-                target_modules=list(e.weights.target_modules) if e.weights else [])
-                for e in manager.entries()]
+            replies = []
+            for e in manager.entries():
+                stats = cache.stats.get(e.namespace) if cache is not None else None
+                replies.append(inference_pb2.AdapterStatus(
+                    name=e.name, version=e.version, tier=TIERS[e.tier], pinned=e.pinned, ref_count=e.refs,
+                    pending_eviction=e.draining or e.retired, slot=e.slot,
+                    rank=e.weights.rank if e.weights else 0,
+                    target_modules=list(e.weights.target_modules) if e.weights else [],
+                    cache_hit_tokens=stats.hit_tokens if stats else 0, cache_blocks=stats.blocks if stats else 0))
+            return replies
 
         reply.adapters.extend(await asyncio.wrap_future(self.node.engine.call(snapshot)))
         return reply
@@ -153,13 +159,23 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
         return self.node.adapters
 
     async def GetStats(self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
-        snap = await asyncio.wrap_future(self.node.engine.call(self.node.engine.snapshot))
+        engine = self.node.engine
+
+        def read() -> tuple[dict[str, int], list[inference_pb2.PrefixCacheStats]]:
+            rows = [inference_pb2.PrefixCacheStats(adapter=adapter, version=version, lookups=s.lookups, hits=s.hits,
+                                                   hit_tokens=s.hit_tokens, blocks=s.blocks)
+                    for (adapter, version), s in engine.prefix_cache_rows()]
+            return engine.snapshot(), rows
+
+        snap, rows = await asyncio.wrap_future(engine.call(read))
         return inference_pb2.GetStatsResponse(
             kv_blocks_total=snap["kv_blocks_total"], kv_blocks_free=snap["kv_blocks_free"],
+            kv_blocks_cached=snap["kv_blocks_cached"],
             running_requests=snap["running"], waiting_requests=snap["waiting"],
             steps=snap["steps"], generated_tokens=snap["generated_tokens"],
             prompt_tokens=snap["prompt_tokens"], cached_prompt_tokens=snap["cached_prompt_tokens"],
-            block_size=self.node.engine.config.block_size, model=self.node.model_name)
+            block_size=engine.config.block_size, model=self.node.model_name,
+            preemptions=snap["preemptions"], prefix_cache=rows)
 
 
 TIERS = {"gpu": inference_pb2.ADAPTER_TIER_GPU, "host": inference_pb2.ADAPTER_TIER_HOST,

@@ -63,6 +63,11 @@ class AdapterEntry:
         return self.slot >= 0 and not self.copying
 
     @property
+    def namespace(self) -> str:
+        """Its prefix-cache namespace: KV computed under this load of this version only."""
+        return f"{self.name}@{self.version}#{self.generation}"
+
+    @property
     def tier(self) -> str:
         if self.resident:
             return "gpu"
@@ -92,6 +97,11 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
         self._generation = 0
         self.stats = {"loads": 0, "evictions": 0, "fetch_errors": 0}
+        self._on_namespace_dropped: Callable[[str], object] = lambda namespace: None
+
+    def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None:
+        """Called with an entry's namespace when it can never be used again (the prefix cache)."""
+        self._on_namespace_dropped = on_dropped
 
     # -- the scheduler's AdapterBinder -----------------------------------------------------------
     def try_bind(self, request: Request) -> bool:
@@ -135,8 +145,8 @@ class AdapterManager:
         seen: set[str] = set()
         for req in waiting:  # arrival order
             name = req.adapter
-            if not name or name in seen:
-                continue
+            if not name or name in seen or req.adapter_entry is not None:
+                continue  # base model, seen, or preempted with its adapter still bound
             seen.add(name)
             entry = self.current.get(name)
             if entry is None:
@@ -155,7 +165,7 @@ class AdapterManager:
         if not self._failed:
             return []
         failed, self._failed = self._failed, {}
-        return [(r, failed[r.adapter]) for r in waiting if r.adapter in failed]
+        return [(r, failed[r.adapter]) for r in waiting if r.adapter in failed and r.adapter_entry is None]
 
     # -- admin, on the engine thread through Engine.call ---------------------------------------------
     def load(self, name: str, version: str, pin: bool, done: Done) -> None:
@@ -290,6 +300,7 @@ class AdapterManager:
             victim.weights = None  # a GPU slot keeps serving; a later promotion refetches
             if victim.slot < 0 and self.current.get(victim.name) is victim:
                 del self.current[victim.name]  # no copy left on this node: the source has it
+                self._on_namespace_dropped(victim.namespace)
 
     def _host_victim(self, keep: AdapterEntry) -> AdapterEntry | None:
         """LRU host copy to drop: first those already on the GPU (their host copy is only a
@@ -359,6 +370,7 @@ class AdapterManager:
         self.stats["evictions"] += 1
         if entry.weights is None and self.current.get(entry.name) is entry:
             del self.current[entry.name]  # no copy left on this node
+            self._on_namespace_dropped(entry.namespace)
 
     def _check_copies(self) -> None:
         for e in self.slots:
@@ -368,6 +380,7 @@ class AdapterManager:
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True
+        self._on_namespace_dropped(entry.namespace)
         if entry.refs == 0:
             self._drop(entry)
         else:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Protocol
 from ..model.llama import LlamaModel, LoraApplier
 from .batch import build_forward_batch
 from .kv_cache import BlockAllocator, KVCache
+from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, StreamEvent
 from .sampler import sample
 from .scheduler import AdapterBinder, ScheduledChunk, Scheduler, SchedulerConfig
@@ -43,6 +44,7 @@ class LoraProvider(AdapterBinder, Protocol):
     def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, Exception]]: ...
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
     def check_consistency(self, live: Iterable[Request]) -> None: ...
+    def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_queue: int = 1024
     max_model_len: int = 4096
+    prefix_caching: bool = True
     debug_checks: bool = False
 
 
@@ -77,7 +80,10 @@ class Engine:
         self.kv = KVCache(model.config, config.num_kv_blocks, config.block_size, model.dtype, model.device)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, lora)
+        self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
+        self.scheduler = Scheduler(sched_cfg, self.allocator, lora, self.prefix_cache)
+        if lora is not None and self.prefix_cache is not None:
+            lora.set_namespace_listener(self.prefix_cache.drop_namespace)
         self.stats = EngineStats()
         self.eos_ids = frozenset(model.config.eos_token_ids)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -144,16 +150,21 @@ class Engine:
         log.info("engine loop started: %d KV blocks of %d tokens", self.config.num_kv_blocks,
                  self.config.block_size)
         while not self._stop.is_set():
-            adapters_busy = self.lora is not None and self.lora.busy()
-            self._drain_commands(block=not self.scheduler.has_work() and not adapters_busy)
-            if self.lora is not None:
-                self._prepare_adapters()
-            if self.scheduler.has_work():
-                self._step()
-            elif adapters_busy:
-                self._drain_commands(block=True, timeout=0.005)
+            self.run_once()
         for req in list(self._requests.values()):
             self._finish(req, "cancelled", error=EngineStopped("the node shut down"))
+
+    def run_once(self, block: bool = True) -> None:
+        """One loop iteration: commands, adapter progress, one step. The loop thread calls it;
+        a test or benchmark that never starts the thread may drive the engine with it."""
+        adapters_busy = self.lora is not None and self.lora.busy()
+        self._drain_commands(block=block and not self.scheduler.has_work() and not adapters_busy)
+        if self.lora is not None:
+            self._prepare_adapters()
+        if self.scheduler.has_work():
+            self._step()
+        elif adapters_busy and block:
+            self._drain_commands(block=True, timeout=0.005)
 
     def _drain_commands(self, block: bool, timeout: float = 0.05) -> None:
         try:
@@ -210,13 +221,16 @@ class Engine:
             return
         self.stats.steps += 1
         for c in chunks:
-            if c.request.num_computed < len(c.request.prompt_token_ids):
-                self.stats.prompt_tokens += min(c.num_new_tokens,
-                                                len(c.request.prompt_token_ids) - c.request.num_computed)
-            c.request.num_computed += c.num_new_tokens
+            req = c.request
+            if req.num_computed < len(req.prompt_token_ids):
+                self.stats.prompt_tokens += min(c.num_new_tokens, len(req.prompt_token_ids) - req.num_computed)
+            req.num_computed += c.num_new_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(req)
         for req, token in zip(sampling, tokens):
             self._on_token(req, token)
         self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
         if self.config.debug_checks:
             self.check_consistency()
 
@@ -263,18 +277,24 @@ class Engine:
 
     # -- invariants ------------------------------------------------------------------------------
     def check_consistency(self) -> None:
-        """Every KV block is free or owned by exactly one live request (raises otherwise)."""
-        owners: dict[int, int] = {}
+        """Every KV block is free, cached-idle or owned, exactly once; each block's reference
+        count equals the live requests holding it; the prefix index agrees with the allocator;
+        every adapter reference count equals the live requests bound to it (raises otherwise)."""
+        holders: dict[int, int] = {}
         for req in self._requests.values():
+            if len(set(req.block_ids)) != len(req.block_ids):
+                raise AssertionError(f"request {req.id} holds a KV block twice")
             for b in req.block_ids:
-                if b in owners:
-                    raise AssertionError(f"KV block {b} owned by requests {owners[b]} and {req.id}")
-                owners[b] = req.id
-                if self.allocator.ref_count(b) != 1:
-                    raise AssertionError(f"KV block {b} has ref count {self.allocator.ref_count(b)}")
-        if len(owners) + self.allocator.num_free != self.allocator.num_blocks:
-            raise AssertionError(f"{len(owners)} owned + {self.allocator.num_free} free != "
-                                 f"{self.allocator.num_blocks} KV blocks")
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(self.allocator.num_blocks):
+            if self.allocator.ref_count(b) != holders.get(b, 0):
+                raise AssertionError(f"KV block {b} has ref count {self.allocator.ref_count(b)}, "
+                                     f"held by {holders.get(b, 0)} live requests")
+        self.allocator.check_consistency()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_consistency()
+        elif self.allocator.num_cached_idle:
+            raise AssertionError("cached KV blocks without a prefix cache")
         live = set(self._requests)
         queued = {r.id for r in self.scheduler.running} | {r.id for r in self.scheduler.waiting}
         if queued != live:
@@ -282,11 +302,18 @@ class Engine:
         if self.lora is not None:
             self.lora.check_consistency(self._requests.values())
 
+    def prefix_cache_rows(self) -> list[tuple[tuple[str, str], NamespaceStats]]:
+        """((adapter, version), counters) per live KV namespace; "" adapter = the base model."""
+        if self.prefix_cache is None:
+            return []
+        return [(split_namespace(ns), stats) for ns, stats in sorted(self.prefix_cache.stats.items())]
+
     def snapshot(self) -> dict[str, int]:
         """Counters for stats RPCs; call through `call` from other threads."""
         return {
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_free": self.allocator.num_free,
+            "kv_blocks_cached": self.prefix_cache.num_blocks if self.prefix_cache is not None else 0,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "steps": self.stats.steps,

@@ -65,6 +65,11 @@ class Request:
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
+    # Prefix cache: the namespace fixed at first admission, the chain hashes of full blocks,
+    # and how many leading blocks are already indexed.
+    cache_namespace: str = ""
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_indexed_blocks: int = 0
     # Streaming state: tokens already sent, and the text decoder.
     emitted_tokens: int = 0
     text: "TextStream | None" = None

@@ -5,10 +5,12 @@ Policy (one step = one forward pass):
 2. Running requests still in prefill get chunks of their prompt from what budget is left.
 3. Waiting requests are admitted in arrival order while the token budget, the sequence
    limit and free KV blocks allow, and while their adapter can be bound to a device slot
-   (a request whose adapter is not resident is skipped, not blocking the others).
+   (a request whose adapter is not resident is skipped, not blocking the others). An
+   admitted request starts from the longest cached prefix of its own KV namespace.
 When a running request needs a KV block and none is free, the latest-arrived running
-request is preempted: its blocks are freed and it is recomputed later from its prompt
-plus the tokens it already streamed (so its output does not change).
+request is preempted: its blocks are released (its full blocks stay as prefix cache) and
+it is recomputed later from its prompt plus the tokens it already streamed, under the same
+adapter version it keeps bound, so its output does not change.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .kv_cache import BlockAllocator
+from .prefix_cache import PrefixCache
 from .request import Request, Status
 
 
@@ -57,13 +60,15 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
-                 binder: AdapterBinder | None = None) -> None:
+                 binder: AdapterBinder | None = None, prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.binder: AdapterBinder = binder or BaseModelOnly()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0  # prompt tokens whose prefill a cache hit skipped
 
     # -- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -78,9 +83,9 @@ class Scheduler:
         """Takes a request out (finished or aborted) and frees everything it holds."""
         if request in self.running:
             self.running.remove(request)
-            self.binder.release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.binder.release(request)  # a preempted request waits with its adapter still bound
         self._free_blocks(request)
         request.status = Status.FINISHED
 
@@ -103,15 +108,25 @@ class Scheduler:
             budget -= n
 
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
-            req = self._next_admissible()
-            if req is None:
+            picked = self._next_admissible()
+            if picked is None:
                 break
-            n = min(req.num_tokens - req.num_computed, budget)
-            needed = self._blocks_needed(req, n)
-            if needed > self.allocator.num_free:
-                self.binder.release(req)
+            req, newly_bound = picked
+            hit = self.prefix_cache.match(req) if self.prefix_cache is not None else []
+            computed = len(hit) * self.config.block_size
+            n = min(req.num_tokens - computed, budget)
+            needed = -(-(computed + n) // self.config.block_size) - len(hit)
+            available = self.allocator.num_free - (self.prefix_cache.num_idle(hit) if hit else 0)
+            if needed > available:
+                if newly_bound:
+                    self.binder.release(req)
                 break  # admission waits for blocks, in arrival order
+            if self.prefix_cache is not None:
+                self.prefix_cache.acquire(req, hit)
             req.block_ids += self.allocator.allocate(needed)
+            if req.preemptions == 0:
+                req.num_cached_prompt_tokens = min(computed, len(req.prompt_token_ids))
+                self.num_cached_prompt_tokens += req.num_cached_prompt_tokens
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -120,11 +135,14 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _next_admissible(self) -> Request | None:
-        """Oldest waiting request whose adapter can be bound now (binding it)."""
+    def _next_admissible(self) -> tuple[Request, bool] | None:
+        """Oldest waiting request whose adapter is bound (a preempted one) or can be bound
+        now (binding it); and whether it was bound just now."""
         for req in self.waiting:
+            if req.adapter_entry is not None:
+                return req, False
             if self.binder.try_bind(req):
-                return req
+                return req, True
         return None
 
     def _blocks_needed(self, req: Request, num_new: int) -> int:
@@ -135,8 +153,8 @@ class Scheduler:
         """Allocates blocks for req's next chunk, preempting later arrivals if needed."""
         needed = self._blocks_needed(req, num_new)
         while needed > self.allocator.num_free:
-            victim = next((r for r in reversed(self.running)
-                           if r.id not in scheduled and r is not req), None)
+            candidates = [r for r in self.running if r.id not in scheduled and r is not req]
+            victim = max(candidates, key=lambda r: (r.arrival, r.id)) if candidates else None
             if victim is None:
                 self._preempt(req)
                 return False
@@ -146,9 +164,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.binder.release(req)
-        self._free_blocks(req)
+        self._free_blocks(req)  # its indexed full blocks stay behind as cache
         req.num_computed = 0
+        req.num_indexed_blocks = 0
         req.status = Status.WAITING
         req.preemptions += 1
         self.num_preemptions += 1
