@@ -169,7 +169,8 @@ class AdapterManager:
 
     # -- admin, on the engine thread through Engine.call ---------------------------------------------
     def load(self, name: str, version: str, pin: bool, done: Done) -> None:
-        """Fetches (if needed) and promotes to a GPU slot if one can be had; done() gets the entry."""
+        """Fetches the source's current version (or `version`, unless it is already here) and
+        promotes it to a GPU slot if one can be had; done() gets the entry."""
         def loaded(entry: AdapterEntry | None, error: AdapterError | None) -> None:
             if entry is None:
                 done(None, error)
@@ -188,9 +189,9 @@ class AdapterManager:
                 done(entry, None)
 
         entry = self.current.get(name)
-        if entry is not None and (not version or entry.version == version) and entry.weights is not None:
+        if entry is not None and version and entry.version == version and entry.weights is not None:
             loaded(entry, None)
-        else:
+        else:  # no version: whatever the source has now (the same version is not installed twice)
             self._start_load(name, version, loaded)
 
     def unload(self, name: str) -> bool:
