@@ -47,6 +47,11 @@ def _view(buffer: bytearray, info: TensorInfo) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=info.start).view(info.shape)
 
 
+def _identity(*paths: Path) -> tuple:
+    """What changes when a file is rewritten or replaced."""
+    return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (p.stat() for p in paths))
+
+
 def content_hash(files: list[bytes | bytearray]) -> str:
     digests = b"".join(hashlib.sha256(f).digest() for f in files)
     return hashlib.sha256(digests).hexdigest()
@@ -68,16 +73,24 @@ class LocalDirSource:
             check_name(name)
         except InvalidName as exc:
             raise AdapterRejected(str(exc)) from exc
-        folder = self.root / name
+        # Resolved once: a folder swapped by a symlink (a deploy) is read as one consistent pair.
+        folder = (self.root / name).resolve()
         config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
         if not config_path.is_file():
             raise AdapterNotFound(f"adapter {name!r} not found in {self.root}")
         if not weights_path.is_file():
             raise AdapterRejected(f"adapter {name!r} has no {WEIGHTS_FILE} (pickle weights are never loaded)")
-        config_bytes = config_path.read_bytes()
-        weights = bytearray(weights_path.stat().st_size)
-        with weights_path.open("rb") as f:
-            f.readinto(weights)
+        for _ in range(3):
+            before = _identity(config_path, weights_path)
+            config_bytes = config_path.read_bytes()
+            weights = bytearray(weights_path.stat().st_size)
+            with weights_path.open("rb") as f:
+                f.readinto(weights)
+            if _identity(config_path, weights_path) == before:
+                break
+        else:
+            raise AdapterRejected(f"adapter {name!r} kept changing while it was read; try again once it is "
+                                  "written (replace files atomically, or swap a symlinked folder)")
         content_version = content_hash([config_bytes, weights])
         if version and version != content_version:
             raise AdapterNotFound(f"adapter {name!r} has version {content_version}, not {version}")

@@ -92,6 +92,8 @@ class PrefixCache:
         request.block_ids = list(blocks)
         request.num_computed = len(blocks) * self.block_size
         request.num_indexed_blocks = len(blocks)
+        if request.cache_namespace in self._dropped:
+            return  # an old version's preempted request coming back: nothing cached to count
         stats = self._stats(request.cache_namespace)
         stats.lookups += 1
         if blocks:
