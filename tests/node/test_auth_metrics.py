@@ -55,8 +55,11 @@ def test_generate_needs_its_own_token(node) -> None:
 
 
 def test_metrics_endpoint_reports_requests_latency_and_engine_state(node) -> None:
+    shared = list(range(300, 340))  # 40 tokens: two full blocks of 16 are reused the second time
     with NodeClient(node.address, token=GEN) as client:
         client.generate(NodeClient.request(prompt_token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True), 30)
+        for tail in ([1], [2]):
+            client.generate(NodeClient.request(prompt_token_ids=shared + tail, max_tokens=2, ignore_eos=True), 30)
     port = node.node.settings.metrics_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'lora_node_requests_total{kind="base",outcome="length"}' in text
@@ -64,6 +67,8 @@ def test_metrics_endpoint_reports_requests_latency_and_engine_state(node) -> Non
     assert "lora_node_time_per_output_token_seconds_bucket" in text
     assert "lora_node_kv_blocks_total 64.0" in text
     assert "lora_node_waiting" in text and "lora_node_adapters_gpu" in text
+    assert 'lora_node_prefix_cache_hit_tokens{adapter=""} 32.0' in text
+    assert 'lora_node_prefix_cache_hits{adapter=""} 1.0' in text
 
 
 def test_tokens_never_reach_logs_or_help(caplog, tiny_llama_path, monkeypatch) -> None:
