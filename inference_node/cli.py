@@ -34,6 +34,11 @@ def parser() -> EnvArgumentParser:
                        help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="when max_tokens is 0")
+    serve.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto",
+                       help="replay decode steps from CUDA graphs (auto: on CUDA; on: also on CPU, "
+                            "eagerly through the same static buffers, for tests)")
+    serve.add_argument("--max-graph-batch", type=int, default=64,
+                       help="largest decode batch replayed from a graph (larger ones run eagerly)")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="turn off the prefix cache (KV reuse of shared prompt prefixes, per adapter)")
     serve.add_argument("--max-loras", type=int, default=8,
@@ -68,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,
-        prefix_caching=args.prefix_caching,
+        prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
+        max_graph_batch=args.max_graph_batch,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port)

@@ -38,6 +38,8 @@ class NodeSettings:
     max_model_len: int = 4096
     default_max_tokens: int = 256
     prefix_caching: bool = True        # reuse KV of cached prefixes, per adapter namespace
+    decode_graphs: str = "auto"        # auto: CUDA graphs for decode on CUDA; on: also on CPU (tests)
+    max_graph_batch: int = 64          # largest decode batch replayed from a graph
     debug_checks: bool = False
     max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
     max_lora_rank: int = 16
@@ -107,7 +109,9 @@ def build_node(settings: NodeSettings) -> Node:
     engine = Engine(model, lora=adapters, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
-        max_model_len=model_len, prefix_caching=settings.prefix_caching, debug_checks=settings.debug_checks))
+        max_model_len=model_len, prefix_caching=settings.prefix_caching,
+        decode_graphs=settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda"),
+        max_graph_batch=settings.max_graph_batch, debug_checks=settings.debug_checks))
     cfg = model.config
     log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters) on %s as %s "
              "in %.1fs; KV cache: %d blocks x %d tokens (%.2f GiB), max model length %d",

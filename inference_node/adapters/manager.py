@@ -395,6 +395,11 @@ class AdapterManager:
         if entry in self.retired:
             self.retired.remove(entry)
 
+    def graph_applier(self, meta):
+        """An applier over these slots for metadata that lives in static (graph) buffers."""
+        from .applier import StepLoraApplier
+        return StepLoraApplier(self.buffers, meta)
+
     def applier(self, chunks: list[ScheduledChunk]):
         """This step's LoRA applier (None when no scheduled token uses an adapter)."""
         if all(c.request.lora_slot < 0 for c in chunks):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
 from .batch import build_forward_batch
+from .decode_graphs import DecodeGraphs
 from .kv_cache import BlockAllocator, KVCache
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, StreamEvent
@@ -45,6 +46,8 @@ class LoraProvider(AdapterBinder, Protocol):
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
     def check_consistency(self, live: Iterable[Request]) -> None: ...
     def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
+    def graph_applier(self, meta: Any) -> LoraApplier: ...
+    max_loras: int
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class EngineConfig:
     max_queue: int = 1024
     max_model_len: int = 4096
     prefix_caching: bool = True
+    decode_graphs: bool = False      # decode steps through static buffers (CUDA graphs on CUDA)
+    max_graph_batch: int = 64        # largest decode batch replayed from a graph
     debug_checks: bool = False
 
 
@@ -67,6 +72,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     preemptions: int = 0
     max_adapters_in_step: int = 0
+    graph_steps: int = 0             # decode steps replayed from CUDA graphs (static buffers)
 
 
 class Engine:
@@ -77,7 +83,15 @@ class Engine:
         self.config = config
         self.lora = lora
         self.allocator = BlockAllocator(config.num_kv_blocks)
-        self.kv = KVCache(model.config, config.num_kv_blocks, config.block_size, model.dtype, model.device)
+        # One block more than the allocator hands out: the scratch block of padded graph rows.
+        self.kv = KVCache(model.config, config.num_kv_blocks + 1, config.block_size, model.dtype, model.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.decode_graphs:
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv, scratch_block=config.num_kv_blocks, max_model_len=config.max_model_len,
+                max_batch=min(config.max_num_seqs, config.max_graph_batch),
+                max_loras=lora.max_loras if lora is not None else 0,
+                lora_applier=lora.graph_applier if lora is not None else None)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens)
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
@@ -96,6 +110,8 @@ class Engine:
 
     # -- public, thread-safe -----------------------------------------------------------------
     def start(self) -> None:
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -207,12 +223,15 @@ class Engine:
             return
         sampling = [c.request for c in chunks if c.completes_prompt]
         try:
-            batch = build_forward_batch(chunks, self.config.block_size, self.model.device)
-            applier = self.lora.applier(chunks) if self.lora is not None else None
-            if applier is not None:
-                distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
-                self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
-            logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
+            distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
+            self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
+            if self.decode_graphs is not None and self.decode_graphs.fits(chunks):
+                logits = self.decode_graphs.run(chunks)
+                self.stats.graph_steps += 1
+            else:
+                batch = build_forward_batch(chunks, self.config.block_size, self.model.device)
+                applier = self.lora.applier(chunks) if self.lora is not None else None
+                logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
             tokens = sample(logits, sampling)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
             log.exception("engine step failed")
@@ -323,4 +342,5 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "live_requests": len(self._requests),
             "max_adapters_in_step": self.stats.max_adapters_in_step,
+            "graph_steps": self.stats.graph_steps,
         }

@@ -1,0 +1,198 @@
+"""Decode steps replayed from CUDA graphs, one per padded batch size, with and without LoRA.
+
+A decode step launches a few hundred small kernels; at serving batch sizes their launch cost,
+not the bytes they move, would set the step time. A graph records one step per batch size
+over static input buffers; each later step writes its inputs into those buffers (two host-to
+-device copies) and replays the whole forward with one launch.
+
+What makes a step capturable: every shape is fixed by the padded batch size (rows past the
+real ones write their K/V into a scratch block and are never read), the attention kernel is
+sized for the longest context the node allows, and the LoRA kernels are sized for the most
+segments a step can have (slots), reading the real segments' lengths from device memory.
+
+On a CPU the same static-buffer path runs eagerly (no capture), so CI tests the padding and
+the metadata that the GPU graphs replay.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from kernels.lora_meta import LoraBatchMeta
+from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
+from .kv_cache import KVCache
+from .scheduler import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+ApplierFactory = Callable[[LoraBatchMeta], LoraApplier]
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8: a decode step pads to the next size up."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
+    return sorted(set(sizes + [max_batch]))
+
+
+def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
+    return all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks)
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
+                 max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None) -> None:
+        self.model, self.kv = model, kv
+        self.block_size = kv.block_size
+        self.max_blocks = -(-max_model_len // self.block_size)
+        self.max_seq_len = self.max_blocks * self.block_size
+        self.scratch_slot = scratch_block * self.block_size
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.max_loras = max_loras
+        self.lora_applier = lora_applier
+        self.capture = model.device.type == "cuda"
+        device, B = model.device, self.max_batch
+        # Packed inputs: one host->device copy per dtype per step.
+        self._host64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=self.capture)
+        self._host32 = torch.zeros(6 * B, dtype=torch.int32, pin_memory=self.capture)
+        self._dev64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(6 * B, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.split(B)
+        (self.seq_lens, self.token_slots, self.sorted_ids, self.seg_slots, self.seg_starts,
+         self.seg_lens) = self._dev32.split(B)
+        self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
+        self._host_table = torch.zeros(B, self.max_blocks, dtype=torch.int32, pin_memory=self.capture)
+        self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(B, dtype=torch.long, device=device)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
+
+    # -- the step ------------------------------------------------------------------------------
+    def fits(self, chunks: list[ScheduledChunk]) -> bool:
+        return 0 < len(chunks) <= self.max_batch and is_decode_step(chunks)
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of a decode step."""
+        n = len(chunks)
+        size = next(s for s in self.sizes if s >= n)
+        with_lora = self.lora_applier is not None and any(c.request.lora_slot >= 0 for c in chunks)
+        self._fill(chunks, size, with_lora)
+        if not self.capture:
+            return self._forward(size, with_lora)[:n]
+        graph, logits = self._graphs[(size, with_lora)]
+        graph.replay()
+        return logits[:n]
+
+    def _fill(self, chunks: list[ScheduledChunk], size: int, with_lora: bool) -> None:
+        B, n = self.max_batch, len(chunks)
+        ids, pos, slots, lens, table_rows = [], [], [], [], []
+        for c in chunks:
+            req = c.request
+            p = req.num_computed
+            ids.append(req.all_token_ids[p])
+            pos.append(p)
+            slots.append(req.block_ids[p // self.block_size] * self.block_size + p % self.block_size)
+            lens.append(p + 1)
+            table_rows.append(req.block_ids)
+        pad = size - n
+        h64 = self._host64
+        h64[0:n] = torch.tensor(ids)
+        h64[B:B + n] = torch.tensor(pos)
+        h64[2 * B:2 * B + n] = torch.tensor(slots)
+        if pad:  # padding rows: token 0 at position 0, K/V written into the scratch block
+            h64[n:size] = 0
+            h64[B + n:B + size] = 0
+            h64[2 * B + n:2 * B + size] = self.scratch_slot
+        h32 = self._host32
+        h32[0:n] = torch.tensor(lens)
+        h32[n:size] = 1
+        if with_lora:
+            self._fill_lora(h32[B:], [c.request.lora_slot for c in chunks], size)
+        width = max(len(r) for r in table_rows)
+        table = self._host_table[:n, :width]
+        table.copy_(torch.tensor([r + [0] * (width - len(r)) for r in table_rows], dtype=torch.int32))
+        # Non-blocking from pinned memory: the step's sampling syncs before these are rewritten.
+        # Padding rows keep whatever valid block ids their table rows hold (never read).
+        self._dev64.copy_(h64, non_blocking=True)
+        self._dev32.copy_(h32, non_blocking=True)
+        self.block_tables[:n, :width].copy_(table, non_blocking=True)
+
+    def _fill_lora(self, h32: torch.Tensor, token_slots: list[int], size: int) -> None:
+        """Token slots and the per-slot segments (real ones first, then empty ones)."""
+        B = self.max_batch
+        groups: dict[int, list[int]] = {}
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(row)
+        order = sorted(groups)
+        sorted_ids = [row for slot in order for row in groups[slot]]
+        starts, start = [], 0
+        for slot in order:
+            starts.append(start)
+            start += len(groups[slot])
+        # The reference kernels (CPU) walk host copies of the groups; Triton reads the buffers.
+        self._host_segments = tuple((slot, st, len(groups[slot]), -1) for slot, st in zip(order, starts))
+        segments = self._num_segments(size)
+        empty = segments - len(order)
+        h32[0:size] = torch.tensor(token_slots + [-1] * (size - len(token_slots)), dtype=torch.int32)
+        h32[B:B + size] = torch.tensor(sorted_ids + [0] * (size - len(sorted_ids)), dtype=torch.int32)
+        h32[2 * B:2 * B + segments] = torch.tensor(order + [0] * empty, dtype=torch.int32)
+        h32[3 * B:3 * B + segments] = torch.tensor(starts + [len(sorted_ids)] * empty, dtype=torch.int32)
+        h32[4 * B:4 * B + segments] = torch.tensor([len(groups[s]) for s in order] + [0] * empty,
+                                                   dtype=torch.int32)
+
+    def _num_segments(self, size: int) -> int:
+        return max(1, min(size, self.max_loras))
+
+    def _forward(self, size: int, with_lora: bool) -> torch.Tensor:
+        batch = ForwardBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            logits_indices=self.logits_indices[:size], max_query_len=1, max_seq_len=self.max_seq_len)
+        applier = None
+        if with_lora:
+            segments = self._num_segments(size)
+            # Sized for the worst case: every row active, `segments` groups of up to `size`
+            # rows; the kernels read the real lengths (empty groups exit at once).
+            meta = LoraBatchMeta(
+                token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_ids[:size],
+                segment_slots=self.seg_slots[:segments], segment_starts=self.seg_starts[:segments],
+                segment_lens=self.seg_lens[:segments], num_segments=segments, max_segment_len=size,
+                num_active_tokens=size, segments=() if self.capture else self._host_segments)
+            applier = self.lora_applier(meta)
+        return self.model.forward(batch, self.kv.k, self.kv.v, applier)
+
+    # -- capture ---------------------------------------------------------------------------------
+    def capture_all(self) -> None:
+        """Records every (size, LoRA or not) graph, largest first, sharing one memory pool."""
+        if not self.capture:
+            return
+        started = time.monotonic()
+        self._host64.zero_()
+        self._host64[2 * self.max_batch:] = self.scratch_slot
+        self._host32.zero_()
+        self._host32[:self.max_batch] = 1
+        self._dev64.copy_(self._host64)
+        self._dev32.copy_(self._host32)  # every segment empty: captured LoRA launches do nothing
+        self.block_tables.zero_()
+        pool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.lora_applier is not None else (False,)
+        stream = torch.cuda.Stream(self.model.device)
+        for size in reversed(self.sizes):
+            for with_lora in variants:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+                    self._forward(size, with_lora)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(size, with_lora)
+                self._graphs[(size, with_lora)] = (graph, logits)
+        torch.cuda.synchronize()
+        log.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1fs", len(self._graphs),
+                 ",".join(map(str, self.sizes)), ", with and without LoRA" if len(variants) == 2 else "",
+                 time.monotonic() - started)
