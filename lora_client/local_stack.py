@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -120,6 +121,16 @@ def demo(target: str, names: list[str], max_tokens: int) -> list[tuple[str, Answ
     return results
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM both stop the stack, even when started from a shell or service that
+    set SIGINT to be ignored (background jobs, nohup): Python then installs no handler itself."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve", action="store_true", help="keep the stack running after the demo")
@@ -132,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", default=None, help="write the demo's answers and checks as JSON here")
     ap.add_argument("node_args", nargs="*", help="extra inference-node flags (after --)")
     args = ap.parse_args(argv)
+    _stop_on_signals()
     # Every process this stack starts inherits this marker, so leftovers can be found.
     os.environ.setdefault("LORA_STACK_ID", uuid.uuid4().hex)
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="lora-stack-"))
