@@ -16,6 +16,7 @@ from typing import Sequence
 from .envargs import EnvArgumentParser
 from .names import InvalidName, normalize_prefix
 from .s3 import S3Store, make_client
+from .tls import TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args, server_tls_from_args
 
 log = logging.getLogger("adapter_store")
 
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-adapter-mb", type=float, default=4096.0, help="largest safetensors file accepted")
     serve.add_argument("--shard-kb", type=int, default=1024, help="default shard size of FetchAdapter")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: off)")
+    add_server_flags(serve, "store")
+    serve.add_argument("--token", default=None, secret=True,
+                       help="bearer token every AdapterStore RPC requires (nodes: --store-token); "
+                            "health checks stay open (off when unset)")
 
     push = sub.add_parser("push", help="upload a local PEFT adapter folder")
     _add_s3_flags(push)
@@ -60,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--prefix", default="adapters/", help="key prefix")
     ls.add_argument("--region", default=None, help="S3 region")
     ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_client_flags(ls, "store-tls", "store")
+    ls.add_argument("--store-token", default=None, secret=True, help="bearer token of a store started with --token")
     ls.add_argument("--log-level", default="WARNING", help="log level")
     return parser
 
@@ -78,7 +85,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              prefix=args.prefix, cache_dir=args.cache_dir,
                              cache_max_bytes=int(args.cache_max_gb * (1 << 30)), host=args.host, port=args.port,
                              poll_interval_s=args.poll_interval, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
-                             shard_bytes=args.shard_kb << 10, metrics_port=args.metrics_port)
+                             shard_bytes=args.shard_kb << 10, metrics_port=args.metrics_port,
+                             tls=server_tls_from_args(args), token=args.token)
+    try:
+        settings.tls.credentials()  # a bad TLS setting fails here, with its flag named
+    except TLSConfigError as exc:
+        print(f"adapter-store serve: {exc}", file=sys.stderr)
+        return 2
     asyncio.run(StoreServer(settings).serve_until_signalled())
     return 0
 
@@ -102,10 +115,20 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     if args.store:
-        from .client import AdapterStoreClient
+        from .client import AdapterStoreClient, StoreError
 
-        with AdapterStoreClient(args.store) as client:
-            infos = client.list_adapters()
+        try:
+            client = AdapterStoreClient(args.store, tls=client_tls_from_args(args, "store-tls"),
+                                        token=args.store_token)
+        except TLSConfigError as exc:
+            print(f"adapter-store ls: {exc}", file=sys.stderr)
+            return 2
+        with client:
+            try:
+                infos = client.list_adapters()
+            except StoreError as exc:
+                print(f"adapter-store ls: {args.store}: {exc}", file=sys.stderr)
+                return 1
         rows = [{"name": i.name, "version": i.version, "rank": i.rank, "targets": ",".join(i.target_modules),
                  "base_model": i.base_model, "size": i.size_bytes, "updated": i.updated_at,
                  "status": "ok" if i.valid else f"INVALID: {i.invalid_reason}"} for i in infos]

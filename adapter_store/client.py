@@ -20,8 +20,10 @@ import grpc
 from lora.v1 import adapter_store_pb2 as pb
 from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
+from .auth import bearer_metadata
 from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, Manifest,
                       adapter_digest)
+from .tls import ClientTLS, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,15 @@ class StoreError(Exception):
         return cls(exc.code(), exc.details() or "")
 
 
+class AdapterTooLarge(StoreError):
+    """The manifest lists more bytes than the caller accepts (checked before downloading)."""
+
+    def __init__(self, name: str, size: int, limit: int) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"adapter {name!r} is {size} bytes; the limit is {limit}")
+        self.size, self.limit = size, limit
+
+
 class _Backoff:
     def __init__(self, base_s: float = 0.1, cap_s: float = 2.0) -> None:
         self.base_s, self.cap_s, self.attempt = base_s, cap_s, 0
@@ -55,15 +66,18 @@ class _Backoff:
 
 class AdapterStoreClient:
     def __init__(self, target: str, *, timeout_s: float = 10.0, max_shard_bytes: int = 0,
-                 channel: grpc.Channel | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
-        """`target` is HOST:PORT; `timeout_s` bounds the unary calls."""
+                 channel: grpc.Channel | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 tls: ClientTLS | None = None, token: str | None = None) -> None:
+        """`target` is HOST:PORT; `timeout_s` bounds the unary calls. `tls` (or ready-made
+        `credentials`) secures the channel; `token` goes out as a bearer token on every call."""
         options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
         if channel is None:
             channel = (grpc.secure_channel(target, credentials, options=options) if credentials
-                       else grpc.insecure_channel(target, options=options))
+                       else open_channel(target, tls, options))
         self.target = target
         self.channel = channel
         self.stub = pb_grpc.AdapterStoreStub(channel)
+        self.metadata = bearer_metadata(token)
         self.timeout_s = timeout_s
         self.max_shard_bytes = max_shard_bytes
 
@@ -85,7 +99,7 @@ class AdapterStoreClient:
         while True:
             try:
                 page = self.stub.ListAdapters(pb.ListStoreAdaptersRequest(page_size=page_size, page_token=token),
-                                              timeout=self.timeout_s)
+                                              timeout=self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as exc:
                 raise StoreError.from_rpc(exc) from None
             result.extend(AdapterInfo.from_proto(a) for a in page.adapters)
@@ -96,7 +110,7 @@ class AdapterStoreClient:
     def get_manifest(self, name: str, version: str = "") -> Manifest:
         try:
             return Manifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(name=name, version=version),
-                                                             timeout=self.timeout_s))
+                                                             timeout=self.timeout_s, metadata=self.metadata))
         except grpc.RpcError as exc:
             raise StoreError.from_rpc(exc) from None
 
@@ -111,13 +125,15 @@ class AdapterStoreClient:
 
     # ------------------------------------------------------------------ fetch
 
-    def fetch(self, name: str, version: str = "", deadline_s: float = 120.0) -> FetchedAdapter:
+    def fetch(self, name: str, version: str = "", deadline_s: float = 120.0, max_bytes: int = 0) -> FetchedAdapter:
         """The adapter's files, verified. Resumes broken streams until `deadline_s` has
         passed, then raises StoreError(UNAVAILABLE). A checksum mismatch raises
-        StoreError(DATA_LOSS); NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION are final."""
+        StoreError(DATA_LOSS); NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION,
+        UNAUTHENTICATED are final. An adapter over `max_bytes` (when > 0) raises
+        AdapterTooLarge before any buffer is allocated."""
         deadline = time.monotonic() + deadline_s
         backoff = _Backoff()
-        state = _FetchState(name, version)
+        state = _FetchState(name, version, max_bytes)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -125,7 +141,7 @@ class AdapterStoreClient:
                                  f"fetching {name!r} did not finish in {deadline_s:.1f}s ({state.progress()})")
             request = pb.FetchAdapterRequest(name=name, version=state.pinned_version, start_file=state.file_index,
                                              start_offset=state.offset, max_shard_bytes=self.max_shard_bytes)
-            call = self.stub.FetchAdapter(request, timeout=remaining)
+            call = self.stub.FetchAdapter(request, timeout=remaining, metadata=self.metadata)
             try:
                 for shard in call:
                     state.accept(shard)
@@ -137,7 +153,7 @@ class AdapterStoreClient:
                 code = exc.code()
                 if code == grpc.StatusCode.NOT_FOUND and state.pinned_version and not version:
                     log.info("fetch %s: version %s was replaced; starting over", name, state.pinned_version)
-                    state = _FetchState(name, version)
+                    state = _FetchState(name, version, max_bytes)
                     continue
                 if code not in RETRYABLE and code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise StoreError.from_rpc(exc) from None
@@ -160,8 +176,9 @@ class AdapterStoreClient:
 class _FetchState:
     """The bytes verified so far and where to resume."""
 
-    def __init__(self, name: str, version: str) -> None:
+    def __init__(self, name: str, version: str, max_bytes: int = 0) -> None:
         self.name = name
+        self.max_bytes = max_bytes
         self.pinned_version = version
         self.manifest: Manifest | None = None
         self.buffers: list[bytearray] = []
@@ -219,6 +236,9 @@ class _FetchState:
             raise self._loss(f"asked for version {self.pinned_version}, got {manifest.info.version}")
         if not manifest.files:
             raise self._loss("the manifest lists no files")
+        size = sum(f.size for f in manifest.files)
+        if self.max_bytes and size > self.max_bytes:
+            raise AdapterTooLarge(self.name, size, self.max_bytes)
         self.manifest = manifest
         self.pinned_version = manifest.info.version
         self.buffers = [bytearray(f.size) for f in manifest.files]
@@ -267,7 +287,7 @@ def _watch_events(client: AdapterStoreClient, reconnect: bool, stop: threading.E
     state = _Watch()
     backoff = _Backoff(0.2, 5.0)
     while stop is None or not stop.is_set():
-        call = client.stub.WatchAdapters(pb.WatchAdaptersRequest())
+        call = client.stub.WatchAdapters(pb.WatchAdaptersRequest(), metadata=client.metadata)
         if stop is not None:
             threading.Thread(target=_cancel_on_stop, args=(call, stop), daemon=True).start()
         snapshot: list[AdapterInfo] = []

@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -23,12 +23,14 @@ from grpc_reflection.v1alpha import reflection
 from lora.v1 import adapter_store_pb2 as pb
 from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
+from .auth import store_token_auth
 from .cache import BlobReader, CacheCorrupt, DiskCache
 from .catalog import Catalog, CatalogEntry, Limits
 from .metrics import StoreMetrics
 from .names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
 from .s3 import LocalWriteFailed, ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
+from .tls import ServerTLS, add_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
@@ -59,6 +61,8 @@ class StoreSettings:
     fetch_timeout_s: float = 600.0  # S3 downloads of a fetch without a client deadline
     validate_workers: int = 2
     metrics_port: int = 0
+    tls: ServerTLS = field(default_factory=ServerTLS)          # TLS, or mutual TLS with a client CA
+    token: str | None = field(default=None, repr=False)        # bearer token every store RPC needs
 
 
 MISS_RELIST_TIMEOUT_S = 10.0  # how long a request for an unknown name waits on a fresh listing
@@ -312,14 +316,15 @@ class StoreServer:
     async def start(self) -> None:
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", 1 << 20)]
-        server = grpc.aio.server(options=options)
+        interceptors = [store_token_auth(self.settings.token)] if self.settings.token else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_AdapterStoreServicer_to_server(self.service, server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server)
-        self.port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        self.port = add_port(server, f"{self.settings.host}:{self.settings.port}", self.settings.tls)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.settings.host}:{self.settings.port}")
         for service in ("", SERVICE_NAME):
@@ -330,8 +335,9 @@ class StoreServer:
             self.metrics.serve(self.settings.metrics_port, self.settings.host)
         self.catalog.start()
         self._health_task = asyncio.create_task(self._serving_when_ready())
-        log.info("adapter store on %s: %s prefix %r, cache %s (%.1f GB max), polling every %.1fs%s",
-                 self.address, self.s3.describe(), self.catalog.prefix, self.settings.cache_dir,
+        log.info("adapter store on %s (%s%s): %s prefix %r, cache %s (%.1f GB max), polling every %.1fs%s",
+                 self.address, self.settings.tls.describe(), ", token required" if self.settings.token else "",
+                 self.s3.describe(), self.catalog.prefix, self.settings.cache_dir,
                  self.settings.cache_max_bytes / 1e9, self.settings.poll_interval_s,
                  f", metrics on :{self.settings.metrics_port}" if self.settings.metrics_port else "")
 
