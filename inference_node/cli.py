@@ -6,6 +6,9 @@ import logging
 import sys
 
 from adapter_store.envargs import EnvArgumentParser
+from adapter_store.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
+                               server_tls_from_args)
+from .limits import RequestLimits
 from .node import NodeSettings, build_node
 from .server import NodeServer
 
@@ -55,6 +58,23 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--generate-token", default=None, secret=True,
                        help="bearer token that Generate requires (off when unset)")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    add_server_flags(serve, "node")
+    add_client_flags(serve, "store-tls", "adapter store")
+    serve.add_argument("--store-token", default=None, secret=True,
+                       help="bearer token sent to an adapter store started with --token")
+    serve.add_argument("--max-concurrent-streams", type=int, default=0,
+                       help="open Generate streams before RESOURCE_EXHAUSTED (0: only --max-queue bounds them)")
+    serve.add_argument("--max-request-mb", type=float, default=16.0,
+                       help="largest request message; gRPC refuses larger ones with RESOURCE_EXHAUSTED")
+    serve.add_argument("--max-prompt-chars", type=int, default=1 << 20,
+                       help="characters of a prompt (or of all its messages) before INVALID_ARGUMENT")
+    serve.add_argument("--max-prompt-tokens", type=int, default=0,
+                       help="prompt tokens before INVALID_ARGUMENT (0: --max-model-len - 1)")
+    serve.add_argument("--max-tokens-limit", type=int, default=0,
+                       help="largest max_tokens a request may ask for, else INVALID_ARGUMENT "
+                            "(0: what --max-model-len leaves)")
+    serve.add_argument("--max-adapter-mb", type=float, default=1024.0,
+                       help="largest adapter fetched from the store (FAILED_PRECONDITION above)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
     serve.add_argument("--debug-checks", action="store_true",
@@ -77,7 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         max_graph_batch=args.max_graph_batch,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
-        admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port)
+        admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
+        tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
+        store_token=args.store_token, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+        limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
+                             max_request_bytes=int(args.max_request_mb * (1 << 20)),
+                             max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
+                             max_tokens=args.max_tokens_limit))
+    try:  # a bad TLS setting fails now, with its flag named, not after the model has loaded
+        settings.tls.credentials()
+        settings.store_tls.credentials()
+    except TLSConfigError as exc:
+        print(f"inference-node serve: {exc}", file=sys.stderr)
+        return 2
     node = build_node(settings)
     server = NodeServer(node, args.host, args.port, drain_seconds=args.drain_seconds)
     asyncio.run(server.serve_until_signalled())

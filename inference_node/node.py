@@ -8,12 +8,15 @@ from pathlib import Path
 
 import torch
 
+from adapter_store.tls import ClientTLS, ServerTLS
+
 from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
 from .engine.kv_cache import KVCache
+from .limits import RequestLimits
 from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
 from .model.llama import LlamaModel
@@ -49,6 +52,11 @@ class NodeSettings:
     admin_token: str | None = field(default=None, repr=False)     # secrets: never in logs
     generate_token: str | None = field(default=None, repr=False)
     metrics_port: int = 0
+    tls: ServerTLS = field(default_factory=ServerTLS)                # the gRPC server's TLS / mTLS
+    store_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flag="--store-tls"))  # to the store
+    store_token: str | None = field(default=None, repr=False)       # bearer token sent to the store
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_adapter_bytes: int = 1 << 30   # adapters fetched from the store
 
 
 @dataclass
@@ -136,7 +144,8 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
         return None
     source = None
     if settings.adapter_store:
-        source = StoreSource(settings.adapter_store, model.config, settings.max_lora_rank)
+        source = StoreSource(settings.adapter_store, model.config, settings.max_lora_rank, tls=settings.store_tls,
+                             token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes)
     elif settings.adapter_dir:
         source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank)
     buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)

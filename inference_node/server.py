@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from adapter_store.tls import add_port
 from lora.v1 import inference_pb2, inference_pb2_grpc
 
 from .engine.engine import EngineStopped, InvalidRequest, QueueFull
@@ -23,6 +24,7 @@ from .engine.request import StreamEvent
 from .node import Node
 from .adapters.errors import AdapterError
 from .auth import TokenAuth
+from .limits import StreamSlots, check_message, check_prompt_tokens
 from .metrics import NodeMetrics
 from .request_builder import ADAPTER_NAME, BadRequest, build_request
 
@@ -34,9 +36,26 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
     def __init__(self, node: Node, metrics: NodeMetrics) -> None:
         self.node = node
         self.metrics = metrics
+        self.streams = StreamSlots(node.settings.limits.max_concurrent_streams)
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not self.streams.try_acquire():
+            kind = "adapter" if request.adapter else "base"
+            self.metrics.requests.labels(outcome="resource_exhausted", kind=kind).inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.streams.refusal())
+        stream = self._generate(request, context)
+        try:
+            async for reply in stream:
+                yield reply
+        finally:
+            try:
+                await stream.aclose()  # now, not at garbage collection: it aborts the engine request
+            finally:
+                self.streams.release()
+
+    async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         node = self.node
+        limits = node.settings.limits
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
 
@@ -44,9 +63,11 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
+            check_message(request, limits)
             req = build_request(request, node.codec, node.model.config.vocab_size,
                                 node.engine.config.max_model_len,
-                                node.settings.default_max_tokens, emit)
+                                limits.default_max_tokens(node.settings.default_max_tokens), emit)
+            check_prompt_tokens(len(req.prompt_token_ids), limits)
             if req.adapter and node.adapters is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"adapter {req.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
@@ -215,7 +236,8 @@ class NodeServer:
         if settings.admin_token or settings.generate_token:
             interceptors.append(TokenAuth(settings.admin_token, settings.generate_token))
         server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", 16 << 20),
+            # A larger request is refused by gRPC itself with RESOURCE_EXHAUSTED (--max-request-bytes).
+            ("grpc.max_receive_message_length", settings.limits.max_request_bytes),
             ("grpc.max_send_message_length", 16 << 20),
         ])
         inference_pb2_grpc.add_InferenceNodeServicer_to_server(InferenceNodeService(self.node, self.metrics), server)
@@ -224,7 +246,7 @@ class NodeServer:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        self.port = add_port(server, f"{self.host}:{self.requested_port}", settings.tls)
         if self.port == 0:
             raise RuntimeError(f"could not listen on {self.host}:{self.requested_port}")
         self.address = f"{self.host}:{self.port}"
@@ -240,7 +262,7 @@ class NodeServer:
             self.metrics.serve(self.node.settings.metrics_port, self.host)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("inference node serving on %s", self.address)
+        log.info("inference node serving on %s (%s)", self.address, self.node.settings.tls.describe())
 
     async def stop(self) -> None:
         """Refuses new work, lets running requests finish (up to drain_seconds), then exits."""

@@ -7,8 +7,9 @@ from typing import Callable
 
 import grpc
 
-from adapter_store.client import AdapterStoreClient, StoreError
+from adapter_store.client import AdapterStoreClient, AdapterTooLarge, StoreError
 from adapter_store.records import DELETED, UPDATED
+from adapter_store.tls import ClientTLS
 
 from ..model.config import ModelConfig
 from .errors import (AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
@@ -25,23 +26,37 @@ _ERRORS = {
     grpc.StatusCode.DATA_LOSS: AdapterCorrupt,
     grpc.StatusCode.UNAVAILABLE: AdapterUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: AdapterUnavailable,
+    # This node's credentials are wrong: not the client's fault, and no retry helps.
+    grpc.StatusCode.UNAUTHENTICATED: AdapterRejected,
+    grpc.StatusCode.PERMISSION_DENIED: AdapterRejected,
+}
+_HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: " (the store refused this node's token: check --store-token)",
+    grpc.StatusCode.PERMISSION_DENIED: " (the store refused this node: check --store-token)",
 }
 
 
 class StoreSource:
-    def __init__(self, target: str, model: ModelConfig, max_rank: int, fetch_deadline_s: float = 60.0) -> None:
+    def __init__(self, target: str, model: ModelConfig, max_rank: int, fetch_deadline_s: float = 60.0, *,
+                 tls: ClientTLS | None = None, token: str | None = None, max_adapter_bytes: int = 0) -> None:
         self.target = target
-        self.client = AdapterStoreClient(target)
+        self.client = AdapterStoreClient(target, tls=tls, token=token)
         self.model = model
         self.max_rank = max_rank
         self.fetch_deadline_s = fetch_deadline_s
+        self.max_adapter_bytes = max_adapter_bytes
 
     def load(self, name: str, version: str) -> AdapterWeights:
         try:
-            fetched = self.client.fetch(name, version, deadline_s=self.fetch_deadline_s)
+            fetched = self.client.fetch(name, version, deadline_s=self.fetch_deadline_s,
+                                        max_bytes=self.max_adapter_bytes)
+        except AdapterTooLarge as exc:
+            raise AdapterRejected(f"adapter {name!r} is {exc.size / 1e6:.1f} MB; this node loads adapters up to "
+                                  f"{exc.limit / 1e6:.1f} MB (--max-adapter-mb)") from exc
         except StoreError as exc:
             error = _ERRORS.get(exc.code, AdapterError)
-            raise error(f"adapter {name!r} from the store at {self.target}: {exc.details}") from exc
+            raise error(f"adapter {name!r} from the store at {self.target}: {exc.code.name}: {exc.details}"
+                        f"{_HINTS.get(exc.code, '')}") from exc
         manifest = fetched.manifest
         return weights_from_files(name, manifest.info.version, manifest.config_json,
                                   fetched.files[WEIGHTS_FILE], self.model, self.max_rank)

@@ -1,0 +1,63 @@
+"""Per-node request limits, checked before work reaches the engine.
+
+Each refusal names the limit and the flag that sets it, so a client (or its operator) knows
+whether to shorten the request or raise the limit: RESOURCE_EXHAUSTED for capacity (streams,
+message size), INVALID_ARGUMENT for a request that no retry will make acceptable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lora.v1 import inference_pb2
+
+from .request_builder import BadRequest
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_concurrent_streams: int = 0    # open Generate streams; 0: bounded only by --max-queue
+    max_request_bytes: int = 16 << 20  # one request message (enforced by gRPC)
+    max_prompt_chars: int = 1 << 20    # `prompt`, or all `messages` contents together
+    max_prompt_tokens: int = 0         # 0: --max-model-len - 1
+    max_tokens: int = 0                # cap on a request's max_tokens; 0: what --max-model-len leaves
+
+    def default_max_tokens(self, default: int) -> int:
+        return min(default, self.max_tokens) if self.max_tokens else default
+
+
+def check_message(msg: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Cheap checks on the raw message, before any tokenizing (which costs CPU per character)."""
+    if limits.max_tokens and msg.max_tokens > limits.max_tokens:
+        raise BadRequest(f"max_tokens {msg.max_tokens} is above this node's limit of {limits.max_tokens} "
+                         "(--max-tokens-limit)")
+    chars = len(msg.prompt) if msg.prompt else sum(len(m.content) + len(m.role) for m in msg.messages)
+    if limits.max_prompt_chars and chars > limits.max_prompt_chars:
+        raise BadRequest(f"the prompt has {chars} characters; this node accepts at most "
+                         f"{limits.max_prompt_chars} (--max-prompt-chars)")
+
+
+def check_prompt_tokens(num_tokens: int, limits: RequestLimits) -> None:
+    if limits.max_prompt_tokens and num_tokens > limits.max_prompt_tokens:
+        raise BadRequest(f"the prompt has {num_tokens} tokens; this node accepts at most "
+                         f"{limits.max_prompt_tokens} (--max-prompt-tokens)")
+
+
+class StreamSlots:
+    """Counts open Generate streams (all on the server's event loop, so no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def try_acquire(self) -> bool:
+        if self.limit and self.open >= self.limit:
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1
+
+    def refusal(self) -> str:
+        return (f"this node serves at most {self.limit} concurrent Generate streams "
+                f"(--max-concurrent-streams) and all are in use; retry later")
