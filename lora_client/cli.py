@@ -2,21 +2,26 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import grpc
 
+from adapter_store.envargs import EnvArgumentParser
+from adapter_store.tls import TLSConfigError, add_client_flags, client_tls_from_args
 from lora.v1 import inference_pb2 as pb
 
 from .node_client import NodeClient
+
+
+def _client(args: argparse.Namespace) -> NodeClient:
+    return NodeClient(args.node, token=args.token, tls=client_tls_from_args(args, "tls"))
 
 TIER_NAMES = {pb.ADAPTER_TIER_GPU: "gpu", pb.ADAPTER_TIER_HOST: "host", pb.ADAPTER_TIER_DISK: "disk",
               pb.ADAPTER_TIER_LOADING: "loading"}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    with NodeClient(args.node, token=args.token) as client:
+    with _client(args) as client:
         request = client.request(args.prompt, adapter=args.adapter, chat=not args.raw,
                                  max_tokens=args.max_tokens, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
@@ -34,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    with NodeClient(args.node, token=args.token) as client:
+    with _client(args) as client:
         reply = client.stub.LoadAdapter(pb.LoadAdapterRequest(name=args.name, version=args.version,
                                                               pin=args.pin), timeout=args.timeout,
                                         metadata=client.metadata)
@@ -43,7 +48,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    with NodeClient(args.node, token=args.token) as client:
+    with _client(args) as client:
         reply = client.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=args.name), timeout=args.timeout,
                                           metadata=client.metadata)
     print(f"{args.name}: {'unload deferred until running requests end' if reply.deferred else 'unloaded'}")
@@ -51,8 +56,8 @@ def cmd_unload(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with NodeClient(args.node, token=args.token) as client:
-        reply = client.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=args.timeout)
+    with _client(args) as client:
+        reply = client.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=args.timeout, metadata=client.metadata)
     print(f"{'NAME':24} {'VERSION':12} {'TIER':8} {'SLOT':>4} {'RANK':>4} {'REFS':>4} PINNED PENDING")
     for a in reply.adapters:
         print(f"{a.name:24} {a.version[:12]:12} {TIER_NAMES.get(a.tier, '?'):8} {a.slot:>4} {a.rank:>4} "
@@ -62,7 +67,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with NodeClient(args.node, token=args.token) as client:
+    with _client(args) as client:
         print(client.stats())
     return 0
 
@@ -71,12 +76,13 @@ STORE_COMMANDS = {"push": "push", "store-ls": "ls"}
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lora-client", description=__doc__)
+    ap = EnvArgumentParser(prog="lora-client", description=__doc__, env_prefix="LORA_CLIENT")
     ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT")
-    ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--token", default=os.environ.get("LORA_CLIENT_TOKEN"),
-                    help="bearer token for nodes that require one [env LORA_CLIENT_TOKEN]")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per call")
+    ap.add_argument("--token", default=None, secret=True, help="bearer token for nodes that require one")
+    add_client_flags(ap, "tls", "node")
+    # Subcommand flags are per call: no environment variables for them.
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser)
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--adapter", default="", help="adapter name (default: the base model)")
@@ -114,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
+    except TLSConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

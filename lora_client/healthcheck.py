@@ -1,5 +1,10 @@
 """`python -m lora_client.healthcheck HOST:PORT [SERVICE]`: exit 0 when the gRPC health
-service answers SERVING (used by container health checks)."""
+service answers SERVING (used by container health checks).
+
+A server that serves TLS is checked over TLS when LORA_CLIENT_TLS_CA (and, for mutual TLS,
+LORA_CLIENT_TLS_CERT / LORA_CLIENT_TLS_KEY) are set, or the --tls-* flags given: the same
+names lora-client reads, so one set of variables in a container serves both.
+"""
 from __future__ import annotations
 
 import sys
@@ -7,22 +12,35 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from adapter_store.envargs import EnvArgumentParser
+from adapter_store.tls import TLSConfigError, add_client_flags, client_tls_from_args, open_channel
+
+
+def parser() -> EnvArgumentParser:
+    ap = EnvArgumentParser(prog="python -m lora_client.healthcheck", env_prefix="LORA_CLIENT",
+                           description="exit 0 when a gRPC server's health service answers SERVING")
+    ap.add_argument("target", help="HOST:PORT")
+    ap.add_argument("service", nargs="?", default="", help="service name (default: the whole server)")
+    add_client_flags(ap, "tls", "server")
+    return ap
+
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m lora_client.healthcheck HOST:PORT [SERVICE]", file=sys.stderr)
-        return 2
-    target, service = args[0], (args[1] if len(args) > 1 else "")
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        with grpc.insecure_channel(target) as channel:
+        channel = open_channel(args.target, client_tls_from_args(args, "tls"))
+    except TLSConfigError as exc:
+        print(f"{args.target}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=3)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=3)
     except grpc.RpcError as exc:
-        print(f"{target}: {exc.code().name}", file=sys.stderr)
+        print(f"{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-    print(f"{target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    print(f"{args.target}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
     return 0 if serving else 1
 
 

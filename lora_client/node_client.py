@@ -6,6 +6,8 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from adapter_store.auth import bearer_metadata
+from adapter_store.tls import ClientTLS, open_channel
 from lora.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -22,11 +24,13 @@ class Completion:
 
 class NodeClient:
     def __init__(self, target: str, channel: grpc.Channel | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), token: str | None = None) -> None:
-        """token: sent as `authorization: Bearer <token>` (nodes started with a token need it)."""
-        self.channel = channel or grpc.insecure_channel(target)
+                 metadata: Sequence[tuple[str, str]] = (), token: str | None = None,
+                 tls: ClientTLS | None = None) -> None:
+        """token: sent as `authorization: Bearer <token>` (nodes started with a token need it);
+        tls: for nodes serving TLS (a CA to trust, and a client certificate for mutual TLS)."""
+        self.channel = channel or open_channel(target, tls)
         self.stub = inference_pb2_grpc.InferenceNodeStub(self.channel)
-        self.metadata = list(metadata) + ([("authorization", f"Bearer {token}")] if token else [])
+        self.metadata = list(metadata) + bearer_metadata(token)
 
     def close(self) -> None:
         self.channel.close()
