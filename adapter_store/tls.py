@@ -132,11 +132,11 @@ def add_server_flags(parser: argparse.ArgumentParser, what: str) -> None:
 def add_client_flags(parser: argparse.ArgumentParser, prefix: str, what: str) -> None:
     """--<prefix>, --<prefix>-ca, --<prefix>-cert, --<prefix>-key, --<prefix>-server-name."""
     parser.add_argument(f"--{prefix}", action="store_true",
-                        help=f"connect to the {what} over TLS (implied by the {prefix}-* files; "
+                        help=f"connect to the {what} over TLS (implied by --{prefix}-ca/-cert/-key; "
                              "without a CA the system's roots are trusted)")
     parser.add_argument(f"--{prefix}-ca", default=None, help=f"PEM CA bundle that signed the {what}'s certificate")
     parser.add_argument(f"--{prefix}-cert", default=None,
-                        help=f"PEM client certificate for a {what} that requires one (mutual TLS)")
+                        help=f"PEM client certificate, when the {what} requires one (mutual TLS)")
     parser.add_argument(f"--{prefix}-key", default=None, help=f"PEM private key of --{prefix}-cert")
     parser.add_argument(f"--{prefix}-server-name", default=None,
                         help=f"name the {what}'s certificate must carry when it differs from the host "
