@@ -1,0 +1,842 @@
+"""Serving benchmark: the engine with LoRA off, on but unused, and with many adapters, next to
+Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one table.
+
+    python bench/serving_bench.py                     # CUDA: Llama-3.2-1B-shaped random bf16 model
+    python bench/serving_bench.py --poisson 20        # open loop, Poisson arrivals, Zipf popularity
+    python bench/serving_bench.py --device cpu        # CPU: the embedded SmolLM2, small settings
+
+Rows (every one runs the same requests, in the same process):
+  a     base model, LoRA disabled (Engine(lora=None))
+  b     LoRA enabled (slots allocated), no request uses an adapter
+  c-N   N distinct adapters of rank 16 on all seven projections (N = 1, 8, 32, 128)
+  d     32 adapters of rank 8 on q_proj and v_proj only
+  e     Hugging Face PEFT: one PeftModel holding the adapters of c-32, generate(adapter_names=...)
+
+Columns: decode tok/s (tokens of pure-decode steps / their time), end-to-end tok/s (output
+tokens / wall time from the first arrival to the last finish), TTFT and time per output token
+(p50, p99), and for decode steps the step time (p50) next to its floor: the bytes a decode step
+must read (base weights + the distinct adapters' A and B in that step + the KV it attends
+over) divided by the device-to-device copy bandwidth measured in the same run.
+
+The engine is driven from this thread with `Engine.run_once` (no loop thread), each call timed
+(on CUDA after a synchronize); a step is a decode step when every scheduled chunk is one
+decode token. All adapters are pinned in GPU slots before timing; every row is warmed up first.
+Closed loop (default): a fixed number of requests in flight, request i uses adapter i mod N.
+--poisson RATE: arrivals at RATE requests/s, adapter popularity Zipf(--zipf-alpha).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from kernels_bench import copy_bandwidth  # noqa: E402
+
+log = logging.getLogger("serving_bench")
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QV = ("q_proj", "v_proj")
+
+# Llama-3.2-1B's shapes (weights random: nothing is downloaded).
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+    "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+
+# -- synthetic weights ---------------------------------------------------------------------------
+def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device: torch.device,
+                            seed: int = 0, std: float = 0.02) -> Path:
+    """An HF-format safetensors checkpoint (config.json + model.safetensors) of random weights."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
+
+    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h),
+               "model.norm.weight": torch.ones(h, dtype=dtype)}
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = rnd(config["vocab_size"], h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+                    p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+                    p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                    p + "mlp.down_proj.weight": rnd(h, inter)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[str], seed: int,
+                         device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                         std: float = 0.02) -> Path:
+    """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) with
+    random, non-zero A and B, named as PEFT saves a Llama-family model's LoRA."""
+    from safetensors.torch import save_file
+
+    from adapter_store.samples import adapter_config
+    from adapter_store.validation import MODULE_PARENT
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = model_cfg.module_shapes()
+    tensors = {}
+    for layer in range(model_cfg.num_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            base = f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
+            for kind, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
+                t = torch.randn(*shape, generator=gen, device=device) * std
+                tensors[f"{base}.lora_{kind}.weight"] = t.to(dtype).cpu()
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = adapter_config(rank, list(targets), base_model="serving-bench-random")
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# -- workload --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    arrival: float      # seconds after the start (Poisson mode; 0 in closed loop)
+    pick: float         # uniform [0, 1): the adapter draw under Zipf popularity
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+               poisson_rate: float | None, seed: int) -> list[Spec]:
+    rng = random.Random(seed)
+    low = min(1000, vocab // 2)  # clear of the special tokens at the start of the vocabulary
+    specs, t = [], 0.0
+    for i in range(n):
+        if poisson_rate:
+            t += rng.expovariate(poisson_rate)
+        length = rng.randint(*prompt_len)
+        specs.append(Spec(i, [rng.randrange(low, vocab) for _ in range(length)],
+                          rng.randint(*output_len), t if poisson_rate else 0.0, rng.random()))
+    return specs
+
+
+def zipf_index(u: float, n: int, alpha: float) -> int:
+    """Inverse CDF of P(k) ~ 1/(k+1)^alpha over k < n."""
+    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
+    target, acc = u * sum(weights), 0.0
+    for k, w in enumerate(weights):
+        acc += w
+        if target < acc:
+            return k
+    return n - 1
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    lora: bool                 # runs on the engine with LoRA slots
+    pool: list[str]            # adapter names (empty: every request uses the base model)
+    peft: bool = False
+
+    def adapter_of(self, spec: Spec, poisson: bool, alpha: float) -> str:
+        if not self.pool:
+            return ""
+        if poisson:
+            return self.pool[zipf_index(spec.pick, len(self.pool), alpha)]
+        return self.pool[spec.index % len(self.pool)]
+
+
+# -- measurement -------------------------------------------------------------------------------------
+@dataclass
+class ReqRecord:
+    submit: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class DecodeStep:
+    seconds: float
+    batch: int
+    adapters: frozenset[str]
+    kv_tokens: int
+
+
+@dataclass
+class RowResult:
+    key: str
+    label: str
+    records: list[ReqRecord] = field(default_factory=list)
+    steps: list[DecodeStep] = field(default_factory=list)
+    graph_steps: int | None = None
+    error: str | None = None
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class Bytes:
+    """What a decode step must read at least: weights, adapters, KV."""
+
+    def __init__(self, model, adapter_bytes: dict[str, int]) -> None:
+        cfg = model.config
+        es = model.dtype.itemsize
+        tensors = [model.final_norm, model.lm_head]
+        for layer in model.layers:
+            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+            if layer.qkv_bias is not None:
+                tensors.append(layer.qkv_bias)
+        self.weights = sum(t.numel() * t.element_size() for t in tensors)
+        self.embed_row = cfg.hidden_size * es
+        self.kv_token = cfg.num_layers * 2 * cfg.kv_size * es
+        self.adapter = adapter_bytes
+
+    def step(self, batch: int, adapters: frozenset[str], kv_tokens: int) -> int:
+        return (self.weights + batch * self.embed_row + kv_tokens * self.kv_token
+                + sum(self.adapter[a] for a in adapters))
+
+
+def adapter_nbytes(model_cfg, rank: int, targets: Sequence[str], itemsize: int) -> int:
+    shapes = model_cfg.module_shapes()
+    return model_cfg.num_layers * sum(rank * sum(shapes[m]) for m in targets) * itemsize
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the engine ---------------------------------------------------------------------------------------
+def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool):
+    from inference_node.engine.engine import Engine, EngineConfig
+
+    kw = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
+              max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
+              max_model_len=max_model_len, prefix_caching=args.prefix_caching)
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    if "decode_graphs" in names:
+        kw["decode_graphs"] = use_graphs
+    if "max_graph_batch" in names:
+        kw["max_graph_batch"] = args.concurrency
+    engine = Engine(model, EngineConfig(**kw), lora=lora)
+    graphs = getattr(engine, "decode_graphs", None)
+    if graphs is not None:
+        # What Engine.start does before its loop (this benchmark drives run_once itself).
+        started = time.perf_counter()
+        try:
+            graphs.capture_all()
+            log.info("decode graphs captured in %.1fs", time.perf_counter() - started)
+        except Exception:
+            log.exception("decode graph capture failed: decode runs eagerly")
+            engine.decode_graphs = None
+    return engine
+
+
+class Driver:
+    """Runs one row's requests through an engine from this thread and records everything."""
+
+    def __init__(self, engine, device: torch.device, concurrency: int, poisson: bool,
+                 stall_seconds: float = 300.0) -> None:
+        self.engine = engine
+        self.device = device
+        self.concurrency = concurrency
+        self.poisson = poisson
+        self.stall_seconds = stall_seconds
+
+    def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
+            max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
+        from inference_node.engine.request import Request, SamplingParams
+
+        engine = self.engine
+        records = [ReqRecord() for _ in specs]
+        steps: list[DecodeStep] = []
+        order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
+        state = {"next": 0, "inflight": 0, "finished": 0}
+        t0 = time.perf_counter()
+
+        def submit(i: int, at: float) -> None:
+            spec = specs[i]
+            records[i].submit = at
+            n = max_tokens(spec) if max_tokens else spec.max_tokens
+            engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=True),
+                                  emit=lambda ev, i=i: on_event(i, ev), adapter=adapter_of(spec),
+                                  request_id=f"bench-{i}"))
+            state["inflight"] += 1
+
+        def submit_next(now: float) -> None:
+            if state["next"] < len(order):
+                i = order[state["next"]]
+                state["next"] += 1
+                submit(i, now)
+
+        def on_event(i: int, ev) -> None:
+            now = time.perf_counter()
+            rec = records[i]
+            if ev.token_ids:
+                if rec.first is None:
+                    rec.first = now
+                rec.last = now
+                rec.tokens += len(ev.token_ids)
+            if ev.finish_reason is not None:
+                rec.done = now
+                if ev.error is not None or ev.finish_reason == "error":
+                    rec.error = f"{ev.finish_reason}: {ev.error}"
+                state["inflight"] -= 1
+                state["finished"] += 1
+                if not self.poisson:
+                    submit_next(now)
+
+        pending_step: dict = {}
+        original = engine.scheduler.schedule
+
+        def schedule():
+            chunks = original()
+            if chunks and all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks):
+                pending_step["decode"] = (
+                    len(chunks), frozenset(c.request.adapter for c in chunks if c.request.adapter),
+                    sum(c.request.num_computed + 1 for c in chunks))
+            return chunks
+
+        engine.scheduler.schedule = schedule
+        try:
+            if not self.poisson:
+                for _ in range(min(self.concurrency, len(specs))):
+                    submit_next(t0)
+            last_progress, seen = time.perf_counter(), 0
+            while state["finished"] < len(specs):
+                now = time.perf_counter()
+                if self.poisson:
+                    while state["next"] < len(order) and t0 + specs[order[state["next"]]].arrival <= now:
+                        i = order[state["next"]]
+                        state["next"] += 1
+                        submit(i, t0 + specs[i].arrival)
+                    if state["inflight"] == 0:
+                        wait = t0 + specs[order[state["next"]]].arrival - now
+                        time.sleep(max(0.0, min(wait, 0.01)))
+                        continue
+                pending_step.clear()
+                started = time.perf_counter()
+                engine.run_once(block=False)
+                sync(self.device)
+                ended = time.perf_counter()
+                if "decode" in pending_step:
+                    batch, adapters, kv = pending_step["decode"]
+                    steps.append(DecodeStep(ended - started, batch, adapters, kv))
+                progress = state["finished"] + sum(r.tokens for r in records)
+                if progress != seen:
+                    seen, last_progress = progress, ended
+                elif ended - last_progress > self.stall_seconds:
+                    raise RuntimeError(f"no progress for {self.stall_seconds:.0f}s "
+                                       f"({state['finished']}/{len(specs)} finished)")
+        finally:
+            del engine.scheduler.schedule  # back to the class's method
+        engine.check_consistency()
+        errors = [r.error for r in records if r.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+        return records, steps
+
+
+def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) -> None:
+    """Loads and pins every adapter into a GPU slot (this thread drives the engine loop)."""
+    pending, failed = set(names), []
+
+    def done_for(name: str):
+        def done(entry, error) -> None:
+            pending.discard(name)
+            if error is not None or entry is None or not entry.resident:
+                failed.append(f"{name}: {error or 'not resident'}")
+        return done
+
+    for name in names:
+        manager.load(name, "", True, done_for(name))
+    deadline = time.monotonic() + timeout
+    while pending:
+        engine.run_once(block=False)
+        time.sleep(0.002)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"adapters still loading after {timeout:.0f}s: {sorted(pending)[:5]}")
+    if failed:
+        raise RuntimeError(f"adapters failed to load: {failed[:3]}")
+    sync(engine.model.device)
+
+
+def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.device) -> RowResult:
+    result = RowResult(row.key, row.label)
+    driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
+    adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
+    # Warm-up: one batch of this row's requests with short outputs (closed loop, untimed).
+    warm = Driver(engine, device, args.concurrency, poisson=False)
+    warm.run(specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
+    graph_before = getattr(engine.stats, "graph_steps", None)
+    result.records, result.steps = driver.run(specs, adapter_of)
+    if graph_before is not None:
+        result.graph_steps = engine.stats.graph_steps - graph_before
+    return result
+
+
+# -- Hugging Face PEFT ------------------------------------------------------------------------------------
+def run_peft_row(row: Row, checkpoint: Path, adapter_dirs: dict[str, Path], specs: list[Spec], args,
+                 device: torch.device, dtype: torch.dtype) -> RowResult:
+    """PEFT's mixed-adapter generate: static batches of up to `concurrency` requests, one
+    PeftModel holding every adapter of the row, adapter_names= per request."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    result = RowResult(row.key, row.label)
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    names = list(dict.fromkeys(row.pool))
+    model = PeftModel.from_pretrained(base, adapter_dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    model.eval()
+    poisson = bool(args.poisson)
+
+    class Stamp(LogitsProcessor):
+        """Called once per generated token position, after that step's forward."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            sync(device)
+            self.times.append(time.perf_counter())
+            return scores
+
+    def generate(batch: list[Spec], new_tokens: int) -> list[float]:
+        width = max(len(s.prompt) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for j, s in enumerate(batch):  # left padding
+            ids[j, width - len(s.prompt):] = torch.tensor(s.prompt)
+            mask[j, width - len(s.prompt):] = 1
+        stamp = Stamp()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                adapter_names=[row.adapter_of(s, poisson, args.zipf_alpha) for s in batch],
+                max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                logits_processor=LogitsProcessorList([stamp]))
+        sync(device)
+        if out.shape[1] - width != new_tokens:
+            raise RuntimeError(f"PEFT generated {out.shape[1] - width} tokens, not {new_tokens}")
+        return stamp.times
+
+    generate(specs[:min(2, len(specs))], 2)  # warm-up
+    records = [ReqRecord() for _ in specs]
+    order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
+    t0 = time.perf_counter()
+    pos = 0
+    while pos < len(order):
+        now = time.perf_counter()
+        if poisson:  # whatever has arrived, up to `concurrency` requests
+            ready = [i for i in order[pos:pos + args.concurrency] if t0 + specs[i].arrival <= now]
+            if not ready:
+                time.sleep(max(0.0, min(t0 + specs[order[pos]].arrival - now, 0.01)))
+                continue
+        else:  # closed loop: the next batch is submitted when the previous one returns
+            ready = order[pos:pos + args.concurrency]
+        pos += len(ready)
+        batch = [specs[i] for i in ready]
+        for i in ready:
+            records[i].submit = t0 + specs[i].arrival if poisson else now
+        times = generate(batch, max(s.max_tokens for s in batch))
+        end = time.perf_counter()
+        for i in ready:  # TTFT as if generate streamed (it does not: generous to PEFT)
+            r = records[i]
+            r.first, r.last, r.done, r.tokens = times[0], times[specs[i].max_tokens - 1], end, specs[i].max_tokens
+        adapters = frozenset(row.adapter_of(s, poisson, args.zipf_alpha) for s in batch)
+        for k in range(1, len(times)):
+            kv = sum(len(s.prompt) + k + 1 for s in batch)
+            result.steps.append(DecodeStep(times[k] - times[k - 1], len(batch), adapters, kv))
+    result.records = records
+    del model, base
+    return result
+
+
+# -- report ------------------------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    key: str
+    label: str
+    error: str | None = None
+    decode_tps: float = float("nan")
+    e2e_tps: float = float("nan")
+    ttft_p50: float = float("nan")
+    ttft_p99: float = float("nan")
+    tpot_p50: float = float("nan")
+    tpot_p99: float = float("nan")
+    step_p50: float = float("nan")
+    floor_p50: float = float("nan")
+    over_floor: float = float("nan")
+    batch: float = float("nan")
+    adapters_per_step: float = float("nan")
+    decode_steps: int = 0
+    graph_steps: int | None = None
+    output_tokens: int = 0
+
+
+def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
+    s = Summary(res.key, res.label, res.error)
+    if res.error:
+        return s
+    recs = res.records
+    s.output_tokens = sum(r.tokens for r in recs)
+    wall = max(r.done for r in recs) - min(r.submit for r in recs)
+    s.e2e_tps = s.output_tokens / wall
+    ttft = [r.first - r.submit for r in recs]
+    tpot = [(r.last - r.first) / (r.tokens - 1) for r in recs if r.tokens > 1]
+    s.ttft_p50, s.ttft_p99 = pct(ttft, 50), pct(ttft, 99)
+    s.tpot_p50, s.tpot_p99 = pct(tpot, 50), pct(tpot, 99)
+    steps = res.steps
+    if steps:
+        s.decode_steps = len(steps)
+        s.decode_tps = sum(st.batch for st in steps) / sum(st.seconds for st in steps)
+        floors = [nbytes.step(st.batch, st.adapters, st.kv_tokens) / bw for st in steps]
+        s.step_p50 = pct([st.seconds for st in steps], 50)
+        s.floor_p50 = pct(floors, 50)
+        s.over_floor = pct([st.seconds / f for st, f in zip(steps, floors)], 50)
+        s.batch = statistics.fmean(st.batch for st in steps)
+        s.adapters_per_step = statistics.fmean(len(st.adapters) for st in steps)
+    s.graph_steps = res.graph_steps
+    return s
+
+
+HEADER = (f"{'row':<6} {'what':<34} {'decode':>9} {'e2e':>9} {'TTFT p50':>9} {'p99':>8} "
+          f"{'TPOT p50':>9} {'p99':>8} {'step p50':>9} {'floor':>8} {'x floor':>8} {'batch':>6} {'adp/st':>6}")
+UNITS = (f"{'':<6} {'':<34} {'tok/s':>9} {'tok/s':>9} {'ms':>9} {'ms':>8} "
+         f"{'ms':>9} {'ms':>8} {'ms':>9} {'ms':>8} {'':>8} {'':>6} {'':>6}")
+
+
+def format_row(s: Summary) -> str:
+    if s.error:
+        return f"{s.key:<6} {s.label:<34} FAILED: {s.error}"
+    return (f"{s.key:<6} {s.label:<34} {s.decode_tps:9.1f} {s.e2e_tps:9.1f} {s.ttft_p50 * 1e3:9.1f} "
+            f"{s.ttft_p99 * 1e3:8.1f} {s.tpot_p50 * 1e3:9.2f} {s.tpot_p99 * 1e3:8.2f} "
+            f"{s.step_p50 * 1e3:9.2f} {s.floor_p50 * 1e3:8.3f} {s.over_floor:7.2f}x {s.batch:6.1f} "
+            f"{s.adapters_per_step:6.1f}")
+
+
+def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list[str]:
+    """The issue's targets, each with what was measured."""
+    lines = []
+
+    def ok(v: float, good: bool) -> str:
+        return "n/a" if math.isnan(v) else ("met" if good else "NOT met")
+
+    def get(key: str) -> Summary | None:
+        s = by.get(key)
+        return s if s is not None and not s.error else None
+
+    a, b, d, e, c32 = get("a"), get("b"), get("d"), get("e"), get(c32_key)
+    if a and b:
+        r, r2 = b.decode_tps / a.decode_tps, b.e2e_tps / a.e2e_tps
+        lines.append(f"b/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.97: {ok(r, r >= 0.97)})")
+    if a and d:
+        r, r2 = d.decode_tps / a.decode_tps, d.e2e_tps / a.e2e_tps
+        lines.append(f"d/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.90: {ok(r, r >= 0.90)})")
+    if a and c32:
+        extra = c32.step_p50 - a.step_p50
+        r = extra / adapter_read_32
+        lines.append(f"{c32_key} extra decode step over a: {extra * 1e3:.3f} ms; reading 32 adapters' A and B at "
+                     f"copy bandwidth: {adapter_read_32 * 1e3:.3f} ms; ratio {r:.2f}  "
+                     f"(target <= 1.5: {ok(r, r <= 1.5)}; {c32.adapters_per_step:.1f} adapters per decode step)")
+    if a:
+        lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.5: "
+                     f"{ok(a.over_floor, a.over_floor <= 1.5)})")
+    if e:
+        lora_rows = [s for k, s in by.items() if k not in ("a", "e") and not s.error]
+        if lora_rows:
+            worst = min(lora_rows, key=lambda s: s.e2e_tps)
+            r = worst.e2e_tps / e.e2e_tps
+            rd = min(s.decode_tps for s in lora_rows) / e.decode_tps
+            lines.append(f"slowest LoRA row ({worst.key}) / PEFT (e): end-to-end {r:.1f}x, decode (slowest) "
+                         f"{rd:.1f}x  (target >= 20x: {ok(r, r >= 20)})")
+    return lines
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--model", default=None,
+                   help="HF safetensors checkpoint dir, 'llama-1b-random' or 'embedded' "
+                        "(default: llama-1b-random on CUDA, embedded SmolLM2 on CPU)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    p.add_argument("--requests", type=int, help="requests per row (CUDA 128, CPU 8)")
+    p.add_argument("--concurrency", type=int, help="closed-loop requests in flight = engine max_num_seqs "
+                                                   "= PEFT batch (CUDA 64, CPU 4)")
+    p.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
+    p.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 128, CPU 8)")
+    p.add_argument("--poisson", type=float, default=None, metavar="RATE",
+                   help="open loop: Poisson arrivals at RATE requests/s, Zipf adapter popularity")
+    p.add_argument("--zipf-alpha", type=float, default=1.0)
+    p.add_argument("--adapter-counts", default="1,8,32,128", help="rows c: distinct rank-16 adapters")
+    p.add_argument("--qv-adapters", type=int, default=32, help="row d: rank-8 q/v adapters")
+    p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
+    p.add_argument("--rows", default="a,b,c,d,e", help="which rows to run")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, help="engine token budget per step (CUDA 2048, CPU 256)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="keep the engine's prefix cache on (off by default: rows share prompts)")
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and adapters here")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Summary]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    log.setLevel(logging.INFO)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    args.requests = args.requests or (128 if cuda else 8)
+    args.concurrency = args.concurrency or (64 if cuda else 4)
+    prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
+    output_len = parse_range(args.output_len or ("128" if cuda else "8"))
+    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
+    counts = [int(c) for c in args.adapter_counts.split(",") if c]
+    wanted = set(args.rows.split(","))
+    use_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and cuda)
+    torch.manual_seed(args.seed)
+
+    with tempfile.TemporaryDirectory(prefix="serving-bench-") as tmp:
+        work = args.workdir or Path(tmp)
+        return _run(args, work, device, dtype, prompt_len, output_len, counts, wanted, use_graphs)
+
+
+def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len, output_len,
+         counts: list[int], wanted: set[str], use_graphs: bool) -> dict[str, Summary]:
+    from inference_node.adapters.manager import AdapterManager
+    from inference_node.adapters.slots import SlotBuffers
+    from inference_node.adapters.sources import LocalDirSource
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import LlamaModel
+
+    cuda = device.type == "cuda"
+    started = time.perf_counter()
+    model_arg = args.model or ("llama-1b-random" if cuda else "embedded")
+    if model_arg == "llama-1b-random":
+        checkpoint = work / "llama-3.2-1b-random"
+        if not (checkpoint / "model.safetensors").exists():
+            write_random_checkpoint(checkpoint, LLAMA_3_2_1B, dtype, device, seed=args.seed)
+        model_name = "Llama-3.2-1B-shaped, random weights"
+    elif model_arg == "embedded":
+        from inference_node.model.embedded import default_checkpoint
+
+        checkpoint = default_checkpoint()
+        model_name = "embedded SmolLM2-135M"
+    else:
+        checkpoint = Path(model_arg)
+        model_name = checkpoint.name
+    cfg = ModelConfig.from_checkpoint(checkpoint)
+    max_out, max_prompt = output_len[1], prompt_len[1]
+    max_model_len = max_prompt + max_out + args.block_size
+    per_seq = -(-(max_model_len + 1) // args.block_size)
+    num_blocks = args.concurrency * per_seq + args.concurrency + 8
+
+    # Adapters: pool of rank-16 all-projection adapters (rows c, e), rank-8 q/v ones (row d).
+    adapter_root = work / "adapters"
+    r16 = [f"r16-all-{k:03d}" for k in range(max(counts + [args.peft_adapters if "e" in wanted else 0]))]
+    qv = [f"r8-qv-{k:03d}" for k in range(args.qv_adapters)] if "d" in wanted else []
+    dirs: dict[str, Path] = {}
+    gen_device = device if cuda else torch.device("cpu")
+    for k, name in enumerate(r16):
+        dirs[name] = adapter_root / name
+        if not (dirs[name] / "adapter_model.safetensors").exists():
+            write_random_adapter(dirs[name], cfg, 16, ALL_MODULES, seed=1000 + k, device=gen_device)
+    for k, name in enumerate(qv):
+        dirs[name] = adapter_root / name
+        if not (dirs[name] / "adapter_model.safetensors").exists():
+            write_random_adapter(dirs[name], cfg, 8, QV, seed=5000 + k, device=gen_device)
+    os.sync()  # the written files' writeback must not run during the first timed row
+    log.info("checkpoint and %d adapters ready in %.1fs", len(dirs), time.perf_counter() - started)
+
+    bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len)
+    itemsize = dtype.itemsize
+    abytes = {n: adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) for n in r16}
+    abytes |= {n: adapter_nbytes(cfg, 8, QV, itemsize) for n in qv}
+    nbytes = Bytes(model, abytes)
+    specs = make_specs(args.requests, prompt_len, output_len, cfg.vocab_size, args.poisson, args.seed)
+
+    rows: list[Row] = []
+    if "a" in wanted:
+        rows.append(Row("a", "base, LoRA disabled", False, []))
+    if "b" in wanted:
+        rows.append(Row("b", "LoRA enabled, no adapter used", True, []))
+    if "c" in wanted:
+        for n in counts:
+            rows.append(Row(f"c-{n}", f"{n} adapters r16, all 7 projections", True, r16[:n]))
+    if "d" in wanted:
+        rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
+    if "e" in wanted:
+        rows.append(Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False,
+                        r16[:args.peft_adapters], peft=True))
+
+    device_name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    header = [
+        f"device: {device_name}  torch {torch.__version__}  dtype {str(dtype).removeprefix('torch.')}  "
+        f"copy bandwidth (D2D, read+write): {bw / 1e9:.1f} GB/s",
+        f"model: {model_name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/"
+        f"{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, {nbytes.weights / 1e9:.3f} GB of weights read "
+        f"per decode step",
+        f"workload: {args.requests} requests, prompt {prompt_len[0]}-{prompt_len[1]} tokens, output "
+        f"{output_len[0]}-{output_len[1]} tokens (ignore EOS), " + (
+            f"open loop Poisson {args.poisson} req/s, Zipf({args.zipf_alpha}) adapter popularity, "
+            f"at most {args.concurrency} running" if args.poisson else
+            f"closed loop at concurrency {args.concurrency}, request i -> adapter i mod N"),
+        f"engine: max_num_seqs {args.concurrency}, {args.max_batched_tokens} tokens per step, "
+        f"{num_blocks} KV blocks of {args.block_size}, prefix cache "
+        f"{'on' if args.prefix_caching else 'off'}, decode graphs {'on' if use_graphs else 'off'}; "
+        f"adapter bytes: r16 all 7 = {abytes[r16[0]] / 1e6 if r16 else 0:.2f} MB"
+        + (f", r8 q,v = {abytes[qv[0]] / 1e6:.2f} MB" if qv else ""),
+    ]
+    for line in header:
+        print(line, flush=True)
+
+    results: dict[str, RowResult] = {}
+
+    def run_guarded(row: Row, fn: Callable[[], RowResult]) -> None:
+        t = time.perf_counter()
+        try:
+            results[row.key] = fn()
+        except Exception as exc:  # one broken row must not lose the others
+            log.exception("row %s failed", row.key)
+            results[row.key] = RowResult(row.key, row.label, error=f"{type(exc).__name__}: {exc}"[:200])
+        s = summarize(results[row.key], nbytes, bw)
+        log.info("row %s done in %.1fs: %s", row.key, time.perf_counter() - t, format_row(s))
+        print(f"# {format_row(s)}", file=sys.stderr, flush=True)
+
+    # (a) LoRA disabled.
+    base_rows = [r for r in rows if not r.lora and not r.peft]
+    if base_rows:
+        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs)
+        for row in base_rows:
+            run_guarded(row, lambda row=row: run_engine_row(row, engine, specs, args, device))
+        del engine
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    # (b, c, d) one engine with a slot for every adapter, all pinned before timing.
+    lora_rows = [r for r in rows if r.lora]
+    if lora_rows:
+        names = list(dict.fromkeys(n for r in lora_rows for n in r.pool))
+        slots = max(len(names), 1)
+        buffers = SlotBuffers(cfg, slots, 16, dtype, device)
+        # Host copies of slot-resident adapters are only a cache: on CPU keep one (memory).
+        manager = AdapterManager(buffers, LocalDirSource(adapter_root, cfg, 16),
+                                 max_cpu_loras=slots if cuda else 1, pin_host_memory=cuda)
+        log.info("LoRA: %d slots, %.2f GB", slots, buffers.nbytes() / 1e9)
+        try:
+            engine = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs)
+            t = time.perf_counter()
+            preload_adapters(engine, manager, names)
+            log.info("%d adapters pinned in slots in %.1fs", len(names), time.perf_counter() - t)
+            for row in lora_rows:
+                run_guarded(row, lambda row=row: run_engine_row(row, engine, specs, args, device))
+        except Exception as exc:
+            log.exception("LoRA engine failed")
+            for row in lora_rows:
+                results.setdefault(row.key, RowResult(row.key, row.label, error=f"{type(exc).__name__}: {exc}"[:200]))
+        finally:
+            manager.shutdown()
+        engine = manager = buffers = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    del model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    for row in (r for r in rows if r.peft):
+        run_guarded(row, lambda row=row: run_peft_row(row, checkpoint, dirs, specs, args, device, dtype))
+
+    summaries = {row.key: summarize(results[row.key], nbytes, bw) for row in rows}
+    print()
+    print(HEADER)
+    print(UNITS)
+    print("-" * len(HEADER))
+    for row in rows:
+        print(format_row(summaries[row.key]))
+    print("-" * len(HEADER))
+    read_32 = 32 * adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) / bw
+    for line in ratios(summaries, read_32, "c-32"):
+        print(line)
+    graphs = {k: s.graph_steps for k, s in summaries.items() if s.graph_steps is not None}
+    if graphs:
+        print("decode steps replayed from CUDA graphs: " + ", ".join(
+            f"{k} {g}/{summaries[k].decode_steps}" for k, g in graphs.items()))
+    print(f"decode: pure-decode steps only (step = Engine.run_once, synchronized); floor = (weights "
+          f"+ distinct adapters' A,B + KV attended) / copy bandwidth; 'x floor' = p50 of step/floor; "
+          f"e: static batches, TTFT taken as if generate streamed; total {time.perf_counter() - started:.0f}s")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "header": header, "rows": {k: dataclasses.asdict(s) for k, s in summaries.items()},
+            "copy_bandwidth": bw}, indent=2, default=str))
+    return summaries
+
+
+if __name__ == "__main__":
+    main()

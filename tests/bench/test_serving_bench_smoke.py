@@ -1,0 +1,44 @@
+"""The serving benchmark runs end to end on a tiny random model (CPU): every row, positive numbers."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = ("a", "b", "c-1", "c-8", "c-32", "c-128", "d", "e")
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "bench" / "serving_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serving_bench"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode", [[], ["--poisson", "200"]], ids=["closed", "poisson"])
+def test_serving_bench_tiny(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
+    bench = load_bench()
+    summaries = bench.main(["--device", "cpu", "--model", str(tiny_llama_path), "--requests", "4",
+                            "--concurrency", "2", "--prompt-len", "4:8", "--output-len", "3",
+                            "--threads", "1", *mode])
+    out = capsys.readouterr().out
+    table = out[out.index("\nrow "):]
+    lines = {line.split()[0]: line for line in table.splitlines()[3:] if line.strip() and not line.startswith("-")}
+    for key in ROWS:
+        assert key in lines, out
+        assert "FAILED" not in lines[key], lines[key]
+        s = summaries[key]
+        for value in (s.decode_tps, s.e2e_tps, s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99,
+                      s.step_p50, s.floor_p50, s.over_floor):
+            assert value > 0 and math.isfinite(value), (key, s)
+        assert s.output_tokens == 4 * 3, s
+    if not mode:  # closed loop: two requests in flight, round robin: two adapters per step
+        assert summaries["c-8"].adapters_per_step == 2
+    assert summaries["a"].adapters_per_step == 0
+    for phrase in ("b/a throughput", "d/a throughput", "c-32 extra decode step", "/ PEFT (e)"):
+        assert phrase in out, out
