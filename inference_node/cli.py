@@ -73,6 +73,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--max-tokens-limit", type=int, default=0,
                        help="largest max_tokens a request may ask for, else INVALID_ARGUMENT "
                             "(0: what --max-model-len leaves)")
+    serve.add_argument("--adapter-fetch-timeout", type=float, default=60.0,
+                       help="seconds an adapter load keeps retrying and resuming from the store before "
+                            "its waiting requests get UNAVAILABLE")
     serve.add_argument("--max-adapter-mb", type=float, default=1024.0,
                        help="largest adapter fetched from the store (FAILED_PRECONDITION above)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
-        store_token=args.store_token, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+        store_token=args.store_token, adapter_fetch_timeout_s=args.adapter_fetch_timeout, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

@@ -55,6 +55,7 @@ class NodeSettings:
     tls: ServerTLS = field(default_factory=ServerTLS)                # the gRPC server's TLS / mTLS
     store_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flag="--store-tls"))  # to the store
     store_token: str | None = field(default=None, repr=False)       # bearer token sent to the store
+    adapter_fetch_timeout_s: float = 60.0  # a load retries the store this long, then UNAVAILABLE
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_adapter_bytes: int = 1 << 30   # adapters fetched from the store
 
@@ -145,7 +146,8 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
     source = None
     if settings.adapter_store:
         source = StoreSource(settings.adapter_store, model.config, settings.max_lora_rank, tls=settings.store_tls,
-                             token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes)
+                             token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes,
+                             fetch_deadline_s=settings.adapter_fetch_timeout_s)
     elif settings.adapter_dir:
         source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank)
     buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
