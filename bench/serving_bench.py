@@ -201,6 +201,7 @@ class DecodeStep:
     batch: int
     adapters: frozenset[str]
     kv_tokens: int
+    forward: float = float("nan")   # the model's forward alone (graph replay or eager), device time
 
 
 @dataclass
@@ -344,7 +345,38 @@ class Driver:
                     sum(c.request.num_computed + 1 for c in chunks))
             return chunks
 
+        # The forward's own time: CUDA events around the outermost call of the model's forward
+        # or of the decode graphs' replay (on CPU: wall time), so host overhead shows apart.
+        forward_marks: list = []
+        depth = [0]
+
+        def timed(fn):
+            def wrapper(*a, **kw):
+                depth[0] += 1
+                try:
+                    if depth[0] > 1:
+                        return fn(*a, **kw)
+                    if self.device.type == "cuda":
+                        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        begin.record()
+                        out = fn(*a, **kw)
+                        end.record()
+                        forward_marks.append((begin, end))
+                    else:
+                        t = time.perf_counter()
+                        out = fn(*a, **kw)
+                        forward_marks.append(time.perf_counter() - t)
+                    return out
+                finally:
+                    depth[0] -= 1
+            return wrapper
+
+        hooked = [(engine.model, "forward")]
+        if getattr(engine, "decode_graphs", None) is not None:
+            hooked.append((engine.decode_graphs, "run"))
         engine.scheduler.schedule = schedule
+        for obj, name in hooked:
+            setattr(obj, name, timed(getattr(obj, name)))
         try:
             if not self.poisson:
                 for _ in range(min(self.concurrency, len(specs))):
@@ -362,13 +394,16 @@ class Driver:
                         time.sleep(max(0.0, min(wait, 0.01)))
                         continue
                 pending_step.clear()
+                forward_marks.clear()
                 started = time.perf_counter()
                 engine.run_once(block=False)
                 sync(self.device)
                 ended = time.perf_counter()
                 if "decode" in pending_step:
                     batch, adapters, kv = pending_step["decode"]
-                    steps.append(DecodeStep(ended - started, batch, adapters, kv))
+                    forward = sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) * 1e-3
+                                  for m in forward_marks) if forward_marks else float("nan")
+                    steps.append(DecodeStep(ended - started, batch, adapters, kv, forward))
                 progress = state["finished"] + sum(r.tokens for r in records)
                 if progress != seen:
                     seen, last_progress = progress, ended
@@ -376,7 +411,9 @@ class Driver:
                     raise RuntimeError(f"no progress for {self.stall_seconds:.0f}s "
                                        f"({state['finished']}/{len(specs)} finished)")
         finally:
-            del engine.scheduler.schedule  # back to the class's method
+            del engine.scheduler.schedule  # back to the class's methods
+            for obj, name in hooked:
+                delattr(obj, name)
         engine.check_consistency()
         errors = [r.error for r in records if r.error]
         if errors:
@@ -412,9 +449,13 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
     result = RowResult(row.key, row.label)
     driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
     adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
-    # Warm-up: one batch of this row's requests with short outputs (closed loop, untimed).
-    warm = Driver(engine, device, args.concurrency, poisson=False)
-    warm.run(specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
+    # Warm-up, untimed: "full" runs the row's whole workload once (every prefill/decode shape
+    # the timed run meets, so no Triton compile lands in it); "short": one batch, few tokens.
+    if args.warmup == "full":
+        Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs, adapter_of)
+    else:
+        Driver(engine, device, args.concurrency, poisson=False).run(
+            specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
     graph_before = getattr(engine.stats, "graph_steps", None)
     result.records, result.steps = driver.run(specs, adapter_of)
     if graph_before is not None:
@@ -514,6 +555,7 @@ class Summary:
     tpot_p50: float = float("nan")
     tpot_p99: float = float("nan")
     step_p50: float = float("nan")
+    forward_p50: float = float("nan")
     floor_p50: float = float("nan")
     over_floor: float = float("nan")
     batch: float = float("nan")
@@ -541,6 +583,7 @@ def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
         s.decode_tps = sum(st.batch for st in steps) / sum(st.seconds for st in steps)
         floors = [nbytes.step(st.batch, st.adapters, st.kv_tokens) / bw for st in steps]
         s.step_p50 = pct([st.seconds for st in steps], 50)
+        s.forward_p50 = pct([st.forward for st in steps if not math.isnan(st.forward)], 50)
         s.floor_p50 = pct(floors, 50)
         s.over_floor = pct([st.seconds / f for st, f in zip(steps, floors)], 50)
         s.batch = statistics.fmean(st.batch for st in steps)
@@ -550,9 +593,14 @@ def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
 
 
 HEADER = (f"{'row':<6} {'what':<34} {'decode':>9} {'e2e':>9} {'TTFT p50':>9} {'p99':>8} "
-          f"{'TPOT p50':>9} {'p99':>8} {'step p50':>9} {'floor':>8} {'x floor':>8} {'batch':>6} {'adp/st':>6}")
+          f"{'TPOT p50':>9} {'p99':>8} {'step p50':>9} {'fwd p50':>8} {'floor':>8} {'x floor':>8} "
+          f"{'batch':>6} {'adp/st':>6}")
 UNITS = (f"{'':<6} {'':<34} {'tok/s':>9} {'tok/s':>9} {'ms':>9} {'ms':>8} "
-         f"{'ms':>9} {'ms':>8} {'ms':>9} {'ms':>8} {'':>8} {'':>6} {'':>6}")
+         f"{'ms':>9} {'ms':>8} {'ms':>9} {'ms':>8} {'ms':>8} {'':>8} {'':>6} {'':>6}")
+
+
+def _ms(seconds: float, width: int) -> str:
+    return f"{'-':>{width}}" if math.isnan(seconds) else f"{seconds * 1e3:{width}.2f}"
 
 
 def format_row(s: Summary) -> str:
@@ -560,7 +608,7 @@ def format_row(s: Summary) -> str:
         return f"{s.key:<6} {s.label:<34} FAILED: {s.error}"
     return (f"{s.key:<6} {s.label:<34} {s.decode_tps:9.1f} {s.e2e_tps:9.1f} {s.ttft_p50 * 1e3:9.1f} "
             f"{s.ttft_p99 * 1e3:8.1f} {s.tpot_p50 * 1e3:9.2f} {s.tpot_p99 * 1e3:8.2f} "
-            f"{s.step_p50 * 1e3:9.2f} {s.floor_p50 * 1e3:8.3f} {s.over_floor:7.2f}x {s.batch:6.1f} "
+            f"{s.step_p50 * 1e3:9.2f} {_ms(s.forward_p50, 8)} {s.floor_p50 * 1e3:8.3f} {s.over_floor:7.2f}x {s.batch:6.1f} "
             f"{s.adapters_per_step:6.1f}")
 
 
@@ -628,6 +676,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the engine's prefix cache on (off by default: rows share prompts)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--warmup", choices=["full", "short"], default=None,
+                   help="per row, untimed: the whole workload once (CUDA default: JIT-compiles every "
+                        "shape) or one batch of --warmup-tokens tokens (CPU default)")
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and adapters here")
@@ -654,6 +705,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Summary]:
     prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
     output_len = parse_range(args.output_len or ("128" if cuda else "8"))
     args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
+    args.warmup = args.warmup or ("full" if cuda else "short")
     counts = [int(c) for c in args.adapter_counts.split(",") if c]
     wanted = set(args.rows.split(","))
     use_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and cuda)
@@ -828,9 +880,12 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     if graphs:
         print("decode steps replayed from CUDA graphs: " + ", ".join(
             f"{k} {g}/{summaries[k].decode_steps}" for k, g in graphs.items()))
-    print(f"decode: pure-decode steps only (step = Engine.run_once, synchronized); floor = (weights "
-          f"+ distinct adapters' A,B + KV attended) / copy bandwidth; 'x floor' = p50 of step/floor; "
-          f"e: static batches, TTFT taken as if generate streamed; total {time.perf_counter() - started:.0f}s")
+    print(f"decode columns: pure-decode steps only; step = one Engine.run_once (scheduling, inputs, "
+          f"forward, sampling, streaming), synchronized; fwd = the forward alone (CUDA events around "
+          f"graph replay or eager forward); floor = (weights + distinct adapters' A,B + KV attended) / "
+          f"copy bandwidth; 'x floor' = p50 of step/floor. e: static batches of {args.concurrency}, "
+          f"TTFT taken as if generate streamed. warm-up per row: {args.warmup}; "
+          f"total {time.perf_counter() - started:.0f}s")
     if args.json:
         args.json.write_text(json.dumps({
             "header": header, "rows": {k: dataclasses.asdict(s) for k, s in summaries.items()},
