@@ -8,13 +8,13 @@ Data comes from samples/sample_data.py (templated, generated here, no downloads)
 example is the chat template with its default system prompt, the user prompt and the
 assistant answer; the loss is on the answer and its closing <|im_end|> only.
 
-All examples share one prefix (system prompt + "<|im_start|>user\\n", 27 tokens): it is
+All examples share one prefix (system prompt + "<|im_start|>user\\n", 23 tokens): it is
 run once per step at batch 1 and its keys/values repeated over the batch, gradients
 flowing through both. That halves the work of a step and gives the same loss as running
 every example whole (checked by --check-prefix).
 
 Saved: adapter_config.json + adapter_model.safetensors (LoRA weights cast to bfloat16),
-nothing else. Fixed seeds; on 2 CPU threads each adapter takes a few minutes.
+nothing else. Fixed seeds; on one CPU thread each adapter takes 2 to 5 minutes (samples/README.md).
 """
 from __future__ import annotations
 
