@@ -624,6 +624,10 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
         return s if s is not None and not s.error else None
 
     a, b, d, e, c32 = get("a"), get("b"), get("d"), get("e"), get(c32_key)
+    a2 = get("a2")
+    if a and a2:
+        lines.append(f"control a2/a (same engine setup, run after b-d): decode {a2.decode_tps / a.decode_tps:.3f}, "
+                     f"end-to-end {a2.e2e_tps / a.e2e_tps:.3f}, step {a2.step_p50 * 1e3:.2f} vs {a.step_p50 * 1e3:.2f} ms")
     if a and b:
         r, r2 = b.decode_tps / a.decode_tps, b.e2e_tps / a.e2e_tps
         lines.append(f"b/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.97: {ok(r, r >= 0.97)})")
@@ -640,7 +644,7 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
         lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.5: "
                      f"{ok(a.over_floor, a.over_floor <= 1.5)})")
     if e:
-        lora_rows = [s for k, s in by.items() if k not in ("a", "e") and not s.error]
+        lora_rows = [s for k, s in by.items() if k not in ("a", "a2", "e") and not s.error]
         if lora_rows:
             worst = min(lora_rows, key=lambda s: s.e2e_tps)
             r = worst.e2e_tps / e.e2e_tps
@@ -676,6 +680,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the engine's prefix cache on (off by default: rows share prompts)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--control", action="store_true",
+                   help="run row a again after rows b-d (a2) on a fresh engine: shows order/drift effects")
     p.add_argument("--warmup", choices=["full", "short"], default=None,
                    help="per row, untimed: the whole workload once (CUDA default: JIT-compiles every "
                         "shape) or one batch of --warmup-tokens tokens (CPU default)")
@@ -781,6 +787,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
             rows.append(Row(f"c-{n}", f"{n} adapters r16, all 7 projections", True, r16[:n]))
     if "d" in wanted:
         rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
+    control = Row("a2", "base again, after b-d (control)", False, []) if args.control and "a" in wanted else None
     if "e" in wanted:
         rows.append(Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False,
                         r16[:args.peft_adapters], peft=True))
@@ -819,9 +826,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
         log.info("row %s done in %.1fs: %s", row.key, time.perf_counter() - t, format_row(s))
         print(f"# {format_row(s)}", file=sys.stderr, flush=True)
 
-    # (a) LoRA disabled.
-    base_rows = [r for r in rows if not r.lora and not r.peft]
-    if base_rows:
+    def base_engine_rows(base_rows: list[Row]) -> None:
         engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs)
         for row in base_rows:
             run_guarded(row, lambda row=row: run_engine_row(row, engine, specs, args, device))
@@ -829,6 +834,11 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+
+    # (a) LoRA disabled.
+    base_rows = [r for r in rows if not r.lora and not r.peft]
+    if base_rows:
+        base_engine_rows(base_rows)
 
     # (b, c, d) one engine with a slot for every adapter, all pinned before timing.
     lora_rows = [r for r in rows if r.lora]
@@ -858,6 +868,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
         if cuda:
             torch.cuda.empty_cache()
 
+    if control is not None:  # row a again, on a fresh engine: what order and drift alone do
+        rows.insert(rows.index(next(r for r in rows if r.key == "a")) + 1, control)
+        base_engine_rows([control])
     del model
     gc.collect()
     if cuda:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ("a", "b", "c-1", "c-8", "c-32", "c-128", "d", "e")
+ROWS = ("a", "a2", "b", "c-1", "c-8", "c-32", "c-128", "d", "e")
 
 
 def load_bench():
@@ -25,7 +25,7 @@ def test_serving_bench_tiny(tiny_llama_path: Path, capsys: pytest.CaptureFixture
     bench = load_bench()
     summaries = bench.main(["--device", "cpu", "--model", str(tiny_llama_path), "--requests", "4",
                             "--concurrency", "2", "--prompt-len", "4:8", "--output-len", "3",
-                            "--threads", "1", *mode])
+                            "--threads", "1", "--control", *mode])
     out = capsys.readouterr().out
     table = out[out.index("\nrow "):]
     lines = {line.split()[0]: line for line in table.splitlines()[3:] if line.strip() and not line.startswith("-")}
@@ -40,5 +40,5 @@ def test_serving_bench_tiny(tiny_llama_path: Path, capsys: pytest.CaptureFixture
     if not mode:  # closed loop: two requests in flight, round robin: two adapters per step
         assert summaries["c-8"].adapters_per_step == 2
     assert summaries["a"].adapters_per_step == 0
-    for phrase in ("b/a throughput", "d/a throughput", "c-32 extra decode step", "/ PEFT (e)"):
+    for phrase in ("b/a throughput", "d/a throughput", "c-32 extra decode step", "/ PEFT (e)", "control a2/a"):
         assert phrase in out, out
