@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention
 from .checkpoint import CheckpointError, iter_tensors
 from .config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, rope_qk
 
 # Fused groups of projections and the LoRA module names they hold, in column order.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
@@ -66,6 +68,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm, one kernel when compiled."""
+    hidden = hidden + delta
+    return hidden, rms_norm(hidden, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class ElementwiseOps:
+    """The small per-layer ops between the matmuls. Eager, they are a few dozen kernel
+    launches per layer; on CUDA they are compiled (torch.compile, dynamic shapes) into a few
+    fused kernels, which CUDA graphs then replay. LORA_COMPILE=0 keeps them eager."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.rms_norm, self.add_rms_norm, self.silu_mul, self.rope = rms_norm, add_rms_norm, silu_mul, rope_qk
+        if device.type == "cuda" and os.environ.get("LORA_COMPILE", "1") != "0":
+            def compiled(fn):
+                return torch.compile(fn, dynamic=True, fullgraph=True)
+            self.rms_norm, self.add_rms_norm = compiled(rms_norm), compiled(add_rms_norm)
+            self.silu_mul, self.rope = compiled(silu_mul), compiled(rope_qk)
+
+
 class LlamaModel:
     """Weights and forward pass; holds no per-request state (the KV cache is passed in)."""
 
@@ -82,6 +110,7 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
         self.scale = config.head_dim ** -0.5
+        self.ops = ElementwiseOps(device)
 
     @classmethod
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
@@ -133,16 +162,16 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor], lora: LoraApplier | None = None) -> torch.Tensor:
         """Runs all layers over the step's tokens; returns logits [N, vocab] (float32)."""
-        cfg = self.config
+        cfg, ops = self.config, self.ops
         hidden = self.embed[batch.input_ids]
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             if lora is not None:
                 lora.apply(i, "qkv", x, qkv)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), batch.positions)
-            k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), batch.positions)
+            q, k = ops.rope(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim),
+                            self.rope.cos, self.rope.sin, batch.positions)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = k_caches[i], v_caches[i]
             k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, batch.slot_mapping, k)
@@ -153,16 +182,17 @@ class LlamaModel:
             out = F.linear(attn, layer.o)
             if lora is not None:
                 lora.apply(i, "o", attn, out)
-            hidden = hidden + out
-            x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps)
             gate_up = F.linear(x, layer.gate_up)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = ops.silu_mul(gate_up)
             down = F.linear(act, layer.down)
             if lora is not None:
                 lora.apply(i, "down", act, down)
-            hidden = hidden + down
+            if i + 1 < len(self.layers):
+                hidden, x = ops.add_rms_norm(hidden, down, self.layers[i + 1].input_norm, cfg.rms_norm_eps)
+            else:
+                hidden = hidden + down
         last = rms_norm(hidden[batch.logits_indices], self.final_norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
