@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -38,6 +39,14 @@ class InProcessNode:
         assert snap["live_requests"] == 0, snap
         assert snap["kv_blocks_free"] == snap["kv_blocks_total"], snap
         return snap
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Polls `predicate` until it is true; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def make_tiny_llama(out: Path, tokenizer_from: Path, seed: int = 0, **overrides: object) -> Path:

@@ -4,7 +4,6 @@ finishes on the old; a deletion makes the adapter NOT_FOUND."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import grpc
@@ -15,19 +14,11 @@ from adapter_store.push import push_adapter
 from adapter_store.s3 import S3Store
 from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore, StoreSettings
-from harness import InProcessNode, make_peft_adapter, peft_greedy
+from harness import InProcessNode, make_peft_adapter, peft_greedy, wait_for
 from inference_node.node import NodeSettings
-from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
 PROMPT = [101, 2002, 3003, 4004, 505, 66]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

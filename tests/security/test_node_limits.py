@@ -11,20 +11,13 @@ import time
 import grpc
 import pytest
 
-from harness import InProcessNode, make_peft_adapter
+from harness import InProcessNode, make_peft_adapter, wait_for
 from inference_node.limits import RequestLimits
 from inference_node.node import NodeSettings
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
 LONG = dict(prompt_token_ids=[5, 6, 7], max_tokens=1000, ignore_eos=True)  # ~seconds on the tiny model
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
