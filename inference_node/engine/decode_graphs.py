@@ -7,8 +7,8 @@ over static input buffers; each later step writes its inputs into those buffers 
 
 What makes a step capturable: every shape is fixed by the padded batch size (rows past the
 real ones write their K/V into a scratch block and are never read), the attention kernel is
-sized for the longest context the node allows, and the LoRA kernels are sized for the most
-segments a step can have (slots), reading the real segments' lengths from device memory.
+sized for the longest context the node allows, and the LoRA kernels are sized for a bucket of
+distinct adapters (one graph per bucket), reading the real segments' lengths from device memory.
 
 On a CPU the same static-buffer path runs eagerly (no capture), so CI tests the padding and
 the metadata that the GPU graphs replay.
@@ -67,7 +67,7 @@ class DecodeGraphs:
         self._host_table = torch.zeros(B, self.max_blocks, dtype=torch.int32, pin_memory=self.capture)
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(B, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
 
     # -- the step ------------------------------------------------------------------------------
@@ -78,15 +78,18 @@ class DecodeGraphs:
         """Logits [len(chunks), vocab] of a decode step."""
         n = len(chunks)
         size = next(s for s in self.sizes if s >= n)
-        with_lora = self.lora_applier is not None and any(c.request.lora_slot >= 0 for c in chunks)
-        self._fill(chunks, size, with_lora)
+        distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
+        segments = 0
+        if distinct and self.lora_applier is not None:
+            segments = next(b for b in self.segment_buckets(size) if b >= distinct)
+        self._fill(chunks, size, segments)
         if not self.capture:
-            return self._forward(size, with_lora)[:n]
-        graph, logits = self._graphs[(size, with_lora)]
+            return self._forward(size, segments)[:n]
+        graph, logits = self._graphs[(size, segments)]
         graph.replay()
         return logits[:n]
 
-    def _fill(self, chunks: list[ScheduledChunk], size: int, with_lora: bool) -> None:
+    def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
         B, n = self.max_batch, len(chunks)
         ids, pos, slots, lens, table_rows = [], [], [], [], []
         for c in chunks:
@@ -109,8 +112,8 @@ class DecodeGraphs:
         h32 = self._host32
         h32[0:n] = torch.tensor(lens)
         h32[n:size] = 1
-        if with_lora:
-            self._fill_lora(h32[B:], [c.request.lora_slot for c in chunks], size)
+        if segments:
+            self._fill_lora(h32[B:], [c.request.lora_slot for c in chunks], size, segments)
         width = max(len(r) for r in table_rows)
         table = self._host_table[:n, :width]
         table.copy_(torch.tensor([r + [0] * (width - len(r)) for r in table_rows], dtype=torch.int32))
@@ -120,7 +123,7 @@ class DecodeGraphs:
         self._dev32.copy_(h32, non_blocking=True)
         self.block_tables[:n, :width].copy_(table, non_blocking=True)
 
-    def _fill_lora(self, h32: torch.Tensor, token_slots: list[int], size: int) -> None:
+    def _fill_lora(self, h32: torch.Tensor, token_slots: list[int], size: int, segments: int) -> None:
         """Token slots and the per-slot segments (real ones first, then empty ones)."""
         B = self.max_batch
         groups: dict[int, list[int]] = {}
@@ -135,7 +138,6 @@ class DecodeGraphs:
             start += len(groups[slot])
         # The reference kernels (CPU) walk host copies of the groups; Triton reads the buffers.
         self._host_segments = tuple((slot, st, len(groups[slot]), -1) for slot, st in zip(order, starts))
-        segments = self._num_segments(size)
         empty = segments - len(order)
         h32[0:size] = torch.tensor(token_slots + [-1] * (size - len(token_slots)), dtype=torch.int32)
         h32[B:B + size] = torch.tensor(sorted_ids + [0] * (size - len(sorted_ids)), dtype=torch.int32)
@@ -144,19 +146,22 @@ class DecodeGraphs:
         h32[4 * B:4 * B + segments] = torch.tensor([len(groups[s]) for s in order] + [0] * empty,
                                                    dtype=torch.int32)
 
-    def _num_segments(self, size: int) -> int:
-        return max(1, min(size, self.max_loras))
+    def segment_buckets(self, size: int) -> list[int]:
+        """LoRA graphs per batch size, by distinct adapters in the step (1, 2, 4, ... up to
+        the most a step of this size can hold): launches sized to the step, not the worst case."""
+        cap = max(1, min(size, self.max_loras))
+        return sorted({b for b in (1 << i for i in range(cap.bit_length())) if b < cap} | {cap})
 
-    def _forward(self, size: int, with_lora: bool) -> torch.Tensor:
+    def _forward(self, size: int, segments: int) -> torch.Tensor:
+        """One padded decode forward; `segments` LoRA groups (0: the base path)."""
         batch = ForwardBatch(
             input_ids=self.input_ids[:size], positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             logits_indices=self.logits_indices[:size], max_query_len=1, max_seq_len=self.max_seq_len)
         applier = None
-        if with_lora:
-            segments = self._num_segments(size)
-            # Sized for the worst case: every row active, `segments` groups of up to `size`
+        if segments:
+            # Sized for its bucket: every row active, `segments` groups of up to `size`
             # rows; the kernels read the real lengths (empty groups exit at once).
             meta = LoraBatchMeta(
                 token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_ids[:size],
@@ -180,19 +185,20 @@ class DecodeGraphs:
         self._dev32.copy_(self._host32)  # every segment empty: captured LoRA launches do nothing
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
-        variants = (False, True) if self.lora_applier is not None else (False,)
         stream = torch.cuda.Stream(self.model.device)
         for size in reversed(self.sizes):
-            for with_lora in variants:
+            variants = [0] + (self.segment_buckets(size) if self.lora_applier is not None else [])
+            for segments in variants:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
-                    self._forward(size, with_lora)
+                    self._forward(size, segments)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(size, with_lora)
-                self._graphs[(size, with_lora)] = (graph, logits)
+                    logits = self._forward(size, segments)
+                self._graphs[(size, segments)] = (graph, logits)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1fs", len(self._graphs),
-                 ",".join(map(str, self.sizes)), ", with and without LoRA" if len(variants) == 2 else "",
+                 ",".join(map(str, self.sizes)),
+                 ", without LoRA and by distinct adapters" if self.lora_applier is not None else "",
                  time.monotonic() - started)
