@@ -43,7 +43,10 @@ class SlotBuffers:
                 groups[group] = GroupBuffers(a, b, offsets)
             self.layers.append(groups)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
-        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        # Per fused group: the slot's rank if its adapter targets a module of the group, else 0,
+        # so the kernels skip a group an adapter leaves alone (a q/v adapter costs no MLP work).
+        self.group_ranks = {group: torch.zeros(max_loras, dtype=torch.int32, device=device)
+                            for group in FUSED_MODULES}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def nbytes(self) -> int:
@@ -67,7 +70,9 @@ class SlotBuffers:
                             buf.a[i][slot, :r].copy_(a, non_blocking=True)
                             buf.b[i][slot, :, :r].copy_(b, non_blocking=True)
             self.scaling[slot] = weights.scaling
-            self.ranks[slot] = r
+            targeted = {module for _, module in weights.tensors}
+            for group, modules in FUSED_MODULES.items():
+                self.group_ranks[group][slot] = r if targeted & set(modules) else 0
             if self._stream is None:
                 return None
             event = torch.cuda.Event()
@@ -76,7 +81,8 @@ class SlotBuffers:
 
     def clear(self, slot: int) -> None:
         self.scaling[slot] = 0.0
-        self.ranks[slot] = 0
+        for ranks in self.group_ranks.values():
+            ranks[slot] = 0
 
 
 class _nullcontext:
