@@ -38,6 +38,7 @@ from lora_client.node_client import NodeClient
 from lora_client.processes import Child, free_port, wait_healthy
 
 MAX_NEW = 8
+LONG = 900  # tokens: seconds of decoding on the tiny model, so SIGTERM lands mid-stream
 FETCH_TIMEOUT_S = 10.0
 ADAPTERS = {"warm": 1, "cold-a": 2, "cold-b": 3, "cached": 4, "long": 5}
 _rng = random.Random(7)
@@ -259,7 +260,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(stack) -> None:
     def long_request(i: int) -> None:
         adapter = ["", "warm", "long", ""][i]
         with NodeClient(stack.node_target) as client:
-            stream = client.stream(request(adapter, i, max_tokens=40), timeout=120)
+            stream = client.stream(request(adapter, i, max_tokens=LONG), timeout=120)
             tokens = list(next(stream).token_ids)
             started.wait(30)
             try:
@@ -276,16 +277,22 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(stack) -> None:
     started.wait(60)
     assert stack.node is not None
     stack.node.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 15
     with NodeClient(stack.node_target) as client:
-        with pytest.raises(grpc.RpcError) as err:
-            client.generate(request("", 0), timeout=10)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        while True:  # once the node has seen the signal, new work is refused
+            try:
+                client.generate(request("", 0, max_tokens=1), timeout=10)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                break
+            assert time.monotonic() < deadline, "the node kept taking new requests after SIGTERM"
+            time.sleep(0.02)
+    assert any(t.is_alive() for t in threads), "the long requests ended before the drain began"
     for t in threads:
         t.join(120)
     for i, adapter in enumerate(["", "warm", "long", ""]):
         assert isinstance(results.get(i), tuple), (i, results.get(i), stack.log_tail())
         reason, tokens = results[i]
-        assert reason == "length" and len(tokens) == 40
+        assert reason == "length" and len(tokens) == LONG
         assert tokens[:MAX_NEW] == stack.expected[adapter][i], (i, adapter)
     assert stack.node.proc.wait(60) == 0
