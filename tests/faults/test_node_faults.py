@@ -177,6 +177,8 @@ def assert_idle(s: Stack, timeout: float = 20.0) -> None:
 
 def test_warm_up(stack) -> None:
     with NodeClient(stack.node_target) as client:
+        # The workload's adapter is pinned, so no cold load below can evict it while the store is down.
+        client.stub.LoadAdapter(pb.LoadAdapterRequest(name="warm", pin=True), timeout=60)
         for adapter in ("", "warm", "cached"):
             assert client.generate(request(adapter, 0), timeout=60).token_ids == stack.expected[adapter][0]
     assert_idle(stack)
