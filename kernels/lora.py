@@ -21,7 +21,8 @@ def _triton_impl():
 
 def lora_shrink(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                 scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None) -> torch.Tensor:
-    """[n_slices, T, R] float32 rank-space activations, scaled; zero rows for slot -1."""
+    """[n_slices, T, R] float32 rank-space activations, scaled; zero rows for slot -1.
+    slot_ranks: [S] or per slice [n_slices, S]; the kernels skip what is past a rank."""
     if use_triton(x):
         triton_impl = _triton_impl()
         if triton_impl is not None:
@@ -47,5 +48,11 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor]
     """y += LoRA delta of every token's adapter (all slices of a fused projection), in place."""
     if meta.num_active_tokens == 0:
         return
+    if use_triton(y):
+        triton_impl = _triton_impl()
+        if triton_impl is not None:
+            triton_impl.add_lora_triton(x, y, a_stacked, b_stacked, meta, scaling, slice_offsets,
+                                        slot_ranks)
+            return
     h = lora_shrink(x, a_stacked, meta, scaling, slot_ranks)
     lora_expand(h, b_stacked, meta, y, slice_offsets, slot_ranks)

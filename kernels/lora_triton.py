@@ -1,8 +1,14 @@
 """Multi-LoRA shrink/expand as Triton kernels: one launch per call for all adapters and slices.
 
-Grid: (token tiles of a segment, segment, slice x output tiles). Segments are the groups of
-tokens sharing an adapter slot (LoraBatchMeta), so every program reads a single slot's A/B
-tile and the launch is sized from host integers only (no device sync).
+Grid: (row ranges of a segment, segment, slice x (H_in splits | output tiles)). Segments are
+the groups of tokens sharing an adapter slot (LoraBatchMeta), so every program reads a single
+slot's A/B tile and the launch is sized from host integers only (no device sync).
+
+Decode shapes set the design: a segment holds one or two rows, so rows are tiled by 16 and a
+program walks all of its segment's rows; the shrink splits H_in across programs to fill the
+GPU and writes each split's partial sum, which the expand adds while loading (no zero fill,
+no atomics); ranks can be given per slice, so a slice an adapter does not target costs a
+program that exits at once.
 
 The slices of a fused projection (q/k/v, gate/up) are separate tensors. The kernel gets the
 first one as its pointer argument and, per slice, the element offset of the others from it
@@ -12,6 +18,7 @@ in Triton's interpreter, and keeps 16-element alignment known to the compiler wh
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -28,14 +35,17 @@ _TABLE_CACHE_MAX = 1024
 def _lora_shrink_kernel(
     x_ptr, a_ptr, table_ptr, out_ptr, scaling_ptr, ranks_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr,
-    K, R,
+    K, R, ROWS, K_PER_SPLIT,
     stride_xt, stride_xk,
     stride_as, stride_ar, stride_ak,
-    stride_os, stride_ot, stride_or,
+    stride_ok, stride_os, stride_ot, stride_or,
+    stride_rank_slice,
     HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
+    # Program: rows [pid_m*ROWS, +ROWS) of one segment (in BLOCK_M tiles), one slice, one
+    # K range; writes its partial sum to out[split] (no atomics: the expand adds the splits).
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
     pid_2 = tl.program_id(2)
@@ -43,64 +53,64 @@ def _lora_shrink_kernel(
     split = pid_2 % SPLIT_K
 
     seg_len = tl.load(seg_lens_ptr + seg)
-    m0 = pid_m * BLOCK_M
-    if m0 >= seg_len:
+    row0 = pid_m * ROWS
+    if row0 >= seg_len:
         return
     slot = tl.load(seg_slots_ptr + seg)
     if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), R)
+        rank = tl.minimum(tl.load(ranks_ptr + slice_id * stride_rank_slice + slot), R)
     else:
         rank = R
     if rank <= 0:
-        return  # rows stay zero (the output is zero-initialised)
+        return  # the expand skips this (slot, slice) too: nothing here is ever read
     seg_start = tl.load(seg_starts_ptr + seg)
+    row_end = tl.minimum(seg_len, row0 + ROWS)
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    scale = tl.load(scaling_ptr + slot).to(tl.float32)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seg_len
-    tok = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
-
     a_off = tl.load(table_ptr + slice_id) * OFF_UNIT
-    a_base = a_ptr + a_off + slot.to(tl.int64) * stride_as
-    x_rows = x_ptr + tok[:, None] * stride_xt
-    a_cols = a_base + offs_r[None, :].to(tl.int64) * stride_ar
+    a_cols = a_ptr + a_off + slot.to(tl.int64) * stride_as + offs_r[None, :].to(tl.int64) * stride_ar
+    out_base = out_ptr + split.to(tl.int64) * stride_ok + slice_id.to(tl.int64) * stride_os
 
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(split * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        xt = tl.load(x_rows + offs_k[None, :] * stride_xk,
-                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        at = tl.load(a_cols + offs_k[:, None] * stride_ak,
-                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
-        if DOT_F32:
-            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(xt, at.to(xt.dtype))
-    acc *= tl.load(scaling_ptr + slot).to(tl.float32)
-
-    out_ptrs = (out_ptr + slice_id.to(tl.int64) * stride_os + tok[:, None] * stride_ot
-                + offs_r[None, :] * stride_or)
-    out_mask = mask_m[:, None] & mask_r[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc, mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    for m0 in range(row0, row_end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < row_end
+        tok = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        x_rows = x_ptr + tok[:, None] * stride_xt
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # may be empty: the split still stores zeros
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_hi
+            xt = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            at = tl.load(a_cols + offs_k[:, None] * stride_ak,
+                         mask=mask_k[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]
+            if DOT_F32:
+                acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, at.to(xt.dtype))
+        out_ptrs = out_base + tok[:, None] * stride_ot + offs_r[None, :] * stride_or
+        tl.store(out_ptrs, acc * scale, mask=mask_m[:, None] & mask_r[None, :])
 
 
 @triton.jit
 def _lora_expand_kernel(
     h_ptr, b_ptr, table_ptr, y_ptr, ranks_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr,
-    R, N_TILES,
-    stride_hs, stride_ht, stride_hr,
+    R, N_TILES, ROWS,
+    stride_hk, stride_hs, stride_ht, stride_hr,
     stride_bn, stride_br,
     stride_yt, stride_yn,
-    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr,
+    stride_rank_slice,
+    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
+    # Program: one N tile of one slice for rows [pid_m*ROWS, +ROWS) of one segment. The B tile
+    # (all of the rank: BLOCK_R >= R) is read once and kept while the row tiles stream by.
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
     pid_2 = tl.program_id(2)
@@ -115,46 +125,49 @@ def _lora_expand_kernel(
     stride_bs = tl.load(row + 3)
 
     seg_len = tl.load(seg_lens_ptr + seg)
-    m0 = pid_m * BLOCK_M
+    row0 = pid_m * ROWS
     n0 = pid_n * BLOCK_N
-    if (m0 >= seg_len) | (n0 >= n_out):
+    if (row0 >= seg_len) | (n0 >= n_out):
         return
     slot = tl.load(seg_slots_ptr + seg)
     if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), R)
+        rank = tl.minimum(tl.load(ranks_ptr + slice_id * stride_rank_slice + slot), R)
     else:
         rank = R
     if rank <= 0:
         return  # a zero delta: y is left untouched
     seg_start = tl.load(seg_starts_ptr + seg)
+    row_end = tl.minimum(seg_len, row0 + ROWS)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seg_len
-    tok = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_out
-
-    h_rows = h_ptr + slice_id.to(tl.int64) * stride_hs + tok[:, None] * stride_ht
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rank
     b_base = b_ptr + b_off + slot.to(tl.int64) * stride_bs
-    b_cols = b_base + offs_n[None, :].to(tl.int64) * stride_bn
+    bt = tl.load(b_base + offs_n[None, :].to(tl.int64) * stride_bn + offs_r[:, None] * stride_br,
+                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    if DOT_F32:
+        bt = bt.to(tl.float32)
+    h_base = h_ptr + slice_id.to(tl.int64) * stride_hs
+    y_cols = (y_col + offs_n)[None, :].to(tl.int64) * stride_yn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        ht = tl.load(h_rows + offs_r[None, :] * stride_hr,
-                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        bt = tl.load(b_cols + offs_r[:, None] * stride_br,
-                     mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    for m0 in range(row0, row_end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < row_end
+        tok = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        h_ptrs = h_base + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr
+        h_mask = mask_m[:, None] & mask_r[None, :]
+        ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for split in range(SPLIT_K):  # the shrink's partial sums over H_in
+            ht += tl.load(h_ptrs + split * stride_hk, mask=h_mask, other=0.0)
         if DOT_F32:
-            acc += tl.dot(ht, bt.to(tl.float32), input_precision="ieee")
+            acc = tl.dot(ht, bt, input_precision="ieee")
         else:
-            acc += tl.dot(ht.to(bt.dtype), bt)
-
-    y_ptrs = y_ptr + tok[:, None] * stride_yt + (y_col + offs_n)[None, :].to(tl.int64) * stride_yn
-    y_mask = mask_m[:, None] & mask_n[None, :]
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y_old + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+            acc = tl.dot(ht.to(bt.dtype), bt)
+        y_ptrs = y_ptr + tok[:, None] * stride_yt + y_cols
+        y_mask = mask_m[:, None] & mask_n[None, :]
+        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y_old + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def interpreting() -> bool:
@@ -167,8 +180,31 @@ def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 or device.type != "cuda" or interpreting()
 
 
-def _block_m(max_segment_len: int) -> int:
-    return 16 if max_segment_len <= 16 else 32 if max_segment_len <= 32 else 64
+@dataclass(frozen=True)
+class _RowTiling:
+    """How a launch covers each segment's rows: BLOCK_M-row tiles, ROWS rows per program.
+
+    Decode-sized steps (few tokens per adapter; in a CUDA graph every segment is sized for
+    the whole batch) use 16-row tiles and one program per segment that loops over them, so a
+    segment of two decode rows costs one 16-row tile, not a 64-row one, and each B tile is
+    read once per segment. Prefill-sized segments get 64-row tiles, one per program."""
+
+    block_m: int
+    rows: int
+
+    @staticmethod
+    def for_meta(meta: LoraBatchMeta) -> "_RowTiling":
+        longest = max(1, meta.max_segment_len)
+        if meta.num_active_tokens <= _DECODE_TOKENS:
+            return _RowTiling(16, longest)
+        block_m = 16 if longest <= 16 else 32 if longest <= 32 else 64
+        return _RowTiling(block_m, block_m)
+
+    def grid_m(self, meta: LoraBatchMeta) -> int:
+        return triton.cdiv(max(1, meta.max_segment_len), self.rows)
+
+
+_DECODE_TOKENS = 256  # steps up to this many LoRA tokens use the decode tiling
 
 
 def _num_sms(device: torch.device) -> int:
@@ -207,54 +243,87 @@ def _uniform(tensors: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch
     return [t.to(dtype).contiguous() for t in tensors]
 
 
-def lora_shrink_triton(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
-                       scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
-                       split_k: int | None = None) -> torch.Tensor:
-    """[n_slices, T, R] float32 = x @ A_i[slot].T * scaling[slot]; rows of slot -1 are zero."""
+def _ranks_arg(slot_ranks: torch.Tensor | None, n_slices: int, fallback: torch.Tensor
+               ) -> tuple[torch.Tensor, int]:
+    """(pointer, stride between slices): [S] ranks are shared by every slice (stride 0),
+    [n_slices, S] ranks are per slice."""
+    if slot_ranks is None:
+        return fallback, 0  # a dummy pointer, never read (HAS_RANKS=False)
+    if slot_ranks.dim() == 1:
+        return slot_ranks, 0
+    assert slot_ranks.shape[0] == n_slices, f"ranks for {slot_ranks.shape[0]} slices, {n_slices} given"
+    return slot_ranks, slot_ranks.stride(0)
+
+
+def _split_k(meta: LoraBatchMeta, n_slices: int, k_tiles: int, m_programs: int,
+             device: torch.device) -> int:
+    """Splits of H_in so a decode launch fills the GPU (about 4 programs per SM), at most 16."""
+    programs = max(1, m_programs * meta.num_segments * n_slices)
+    return max(1, min(16, k_tiles, triton.cdiv(4 * _num_sms(device), programs)))
+
+
+def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
+                         scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
+                         split_k: int | None = None, zero: bool = True) -> torch.Tensor:
+    """[split_k, n_slices, T, R] float32 partial sums of x @ A_i[slot].T * scaling[slot] over
+    ranges of H_in. zero=False leaves rows of slot -1 and columns past a slot's rank
+    uninitialised: lora_expand_triton never reads them."""
     n_slices = len(a_stacked)
     T, K = x.shape
     S, R, K_a = a_stacked[0].shape
     assert K_a == K, f"A has in-features {K_a}, x has {K}"
     assert all(a.shape == (S, R, K) for a in a_stacked), "A slices must share [S, R, H_in]"
-    out = torch.zeros(n_slices, T, R, dtype=torch.float32, device=x.device)
+    tiling = _RowTiling.for_meta(meta)
+    block_r = max(16, triton.next_power_of_2(R))
+    block_k = 128 if block_r <= 32 else 64 if block_r <= 128 else 32
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    k_tiles = triton.cdiv(K, block_k)
+    m_programs = tiling.grid_m(meta)
+    if split_k is None:
+        split_k = _split_k(meta, n_slices, k_tiles, m_programs, x.device)
+    split_k = max(1, min(split_k, k_tiles))
+    alloc = torch.zeros if zero else torch.empty
+    out = alloc(split_k, n_slices, T, R, dtype=torch.float32, device=x.device)
     if meta.num_segments == 0 or T == 0 or R == 0:
         return out
     a_list = _uniform(a_stacked, (0, 1, 2))
     table, unit = _offset_table(a_list, [()] * n_slices, x.device)
-
-    block_m = _block_m(meta.max_segment_len)
-    block_r = max(16, triton.next_power_of_2(R))
-    block_k = 128 if block_r <= 32 else 64 if block_r <= 128 else 32
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
-    m_tiles = triton.cdiv(meta.max_segment_len, block_m)
-    k_tiles = triton.cdiv(K, block_k)
-    if split_k is None:  # decode: few programs, so split the reduction over H_in (atomics)
-        split_k = max(1, min(k_tiles, 2 * _num_sms(x.device) // (m_tiles * meta.num_segments
-                                                                   * n_slices)))
-    split_k = max(1, min(split_k, k_tiles))
-    ranks = slot_ranks if slot_ranks is not None else scaling  # dummy pointer when unused
-    grid = (m_tiles, meta.num_segments, n_slices * split_k)
+    ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, scaling)
+    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
+    grid = (m_programs, meta.num_segments, n_slices * split_k)
     _lora_shrink_kernel[grid](
         x, a_list[0], table, out, scaling, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
-        K, R,
+        K, R, tiling.rows, k_per_split,
         x.stride(0), x.stride(1),
         a_list[0].stride(0), a_list[0].stride(1), a_list[0].stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        rank_stride,
         HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, SPLIT_K=split_k,
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, DOT_F32=_dot_f32(x.dtype, x.device),
-        num_warps=4,
+        BLOCK_M=tiling.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        DOT_F32=_dot_f32(x.dtype, x.device), num_warps=4,
     )
     return out
+
+
+def lora_shrink_triton(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
+                       scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
+                       split_k: int | None = None) -> torch.Tensor:
+    """[n_slices, T, R] float32 = x @ A_i[slot].T * scaling[slot]; rows of slot -1 are zero."""
+    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, split_k=split_k)
+    return partials[0] if partials.shape[0] == 1 else partials.sum(0)
 
 
 def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                        y: torch.Tensor, slice_offsets: Sequence[int],
                        slot_ranks: torch.Tensor | None = None) -> None:
-    """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place; slot -1 rows untouched."""
+    """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place; slot -1 rows untouched.
+    h is [n_slices, T, R], or [splits, n_slices, T, R] partial sums (lora_shrink_partials)."""
     n_slices = len(b_stacked)
-    assert h.shape[0] >= n_slices and len(slice_offsets) == n_slices
-    T, R = h.shape[1], h.shape[2]
+    if h.dim() == 3:
+        h = h.unsqueeze(0)
+    assert h.shape[1] >= n_slices and len(slice_offsets) == n_slices
+    splits, T, R = h.shape[0], h.shape[2], h.shape[3]
     if meta.num_segments == 0 or T == 0 or R == 0:
         return
     for b, off in zip(b_stacked, slice_offsets):
@@ -264,22 +333,31 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
     extra = [(b.shape[1], off, b.stride(0)) for b, off in zip(b_list, slice_offsets)]
     table, unit = _offset_table(b_list, extra, y.device)
 
-    block_m = _block_m(meta.max_segment_len)
-    block_n = 64 if meta.max_segment_len <= 64 else 128
-    block_r = min(64, max(16, triton.next_power_of_2(R)))
+    tiling = _RowTiling.for_meta(meta)
+    block_r = max(16, triton.next_power_of_2(R))  # the whole rank in one tile
+    block_n = 128 if block_r <= 32 else 64 if block_r <= 64 else 32
     max_out = max(b.shape[1] for b in b_list)
     n_tiles = triton.cdiv(max_out, block_n)
-    ranks = slot_ranks if slot_ranks is not None else h  # dummy pointer when unused
-    grid = (triton.cdiv(meta.max_segment_len, block_m), meta.num_segments, n_slices * n_tiles)
+    ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, h)
+    grid = (tiling.grid_m(meta), meta.num_segments, n_slices * n_tiles)
     _lora_expand_kernel[grid](
         h, b_list[0], table, y, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
-        R, n_tiles,
-        h.stride(0), h.stride(1), h.stride(2),
+        R, n_tiles, tiling.rows,
+        h.stride(0), h.stride(1), h.stride(2), h.stride(3),
         b_list[0].stride(1), b_list[0].stride(2),
         y.stride(0), y.stride(1),
-        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_F32=_dot_f32(b_list[0].dtype, y.device),
-        num_warps=4,
+        rank_stride,
+        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, SPLIT_K=splits,
+        BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        DOT_F32=_dot_f32(b_list[0].dtype, y.device), num_warps=4,
     )
+
+
+def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
+                    b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta, scaling: torch.Tensor,
+                    slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None) -> None:
+    """y += every token's LoRA delta in two launches: the shrink's split partials go straight
+    to the expand, which adds them (no zero fill, no atomics, no reduction launch)."""
+    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, zero=False)
+    lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks)

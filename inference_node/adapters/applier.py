@@ -19,7 +19,7 @@ class StepLoraApplier:
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         buf = self.buffers.layers[layer][group]
         add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets,
-                 slot_ranks=self.buffers.group_ranks[group])
+                 slot_ranks=self.buffers.slice_ranks[group])
 
 
 def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier:

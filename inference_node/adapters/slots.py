@@ -43,10 +43,11 @@ class SlotBuffers:
                 groups[group] = GroupBuffers(a, b, offsets)
             self.layers.append(groups)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
-        # Per fused group: the slot's rank if its adapter targets a module of the group, else 0,
-        # so the kernels skip a group an adapter leaves alone (a q/v adapter costs no MLP work).
-        self.group_ranks = {group: torch.zeros(max_loras, dtype=torch.int32, device=device)
-                            for group in FUSED_MODULES}
+        # Per fused group, [slices, slots]: the slot's rank on each module its adapter targets,
+        # else 0, so the kernels skip what an adapter leaves alone (a q/v adapter does no k,
+        # o or MLP work).
+        self.slice_ranks = {group: torch.zeros(len(modules), max_loras, dtype=torch.int32, device=device)
+                            for group, modules in FUSED_MODULES.items()}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def nbytes(self) -> int:
@@ -70,19 +71,23 @@ class SlotBuffers:
                             buf.a[i][slot, :r].copy_(a, non_blocking=True)
                             buf.b[i][slot, :, :r].copy_(b, non_blocking=True)
             self.scaling[slot] = weights.scaling
-            targeted = {module for _, module in weights.tensors}
-            for group, modules in FUSED_MODULES.items():
-                self.group_ranks[group][slot] = r if targeted & set(modules) else 0
+            self.set_ranks(slot, r, {module for _, module in weights.tensors})
             if self._stream is None:
                 return None
             event = torch.cuda.Event()
             event.record(self._stream)
             return event
 
+    def set_ranks(self, slot: int, rank: int, targeted: set[str]) -> None:
+        """The slot's rank on every module its adapter targets, 0 on the others."""
+        for group, modules in FUSED_MODULES.items():
+            values = [rank if m in targeted else 0 for m in modules]
+            self.slice_ranks[group][:, slot] = torch.tensor(values, dtype=torch.int32)
+
     def clear(self, slot: int) -> None:
         self.scaling[slot] = 0.0
-        for ranks in self.group_ranks.values():
-            ranks[slot] = 0
+        for ranks in self.slice_ranks.values():
+            ranks[:, slot] = 0
 
 
 class _nullcontext:

@@ -35,12 +35,25 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, dtype: tor
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=rel, atol=floor)
 
 
-def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None) -> None:
+def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None,
+               slice_off: list[tuple[int, int]] = ()) -> None:
+    """Shrink, expand and the fused two-launch add against the reference. slice_off: (slice,
+    slot) pairs the per-slice ranks switch off: the kernels must skip them even though A and
+    B hold data there (the reference sees those A/B zeroed)."""
     from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
-    from kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+    from kernels.lora_triton import add_lora_triton, lora_expand_triton, lora_shrink_triton
 
     ranks = case.ranks if use_ranks else None
-    h_ref = lora_shrink_ref(case.x, case.a, case.meta, case.scaling)
+    ref_a, ref_b = list(case.a), list(case.b)
+    if slice_off:
+        per_slice = case.ranks.repeat(len(case.a), 1)
+        ref_a, ref_b = [a.clone() for a in case.a], [b.clone() for b in case.b]
+        for i, slot in slice_off:
+            per_slice[i, slot] = 0
+            ref_a[i][slot].zero_()
+            ref_b[i][slot].zero_()
+        ranks = per_slice
+    h_ref = lora_shrink_ref(case.x, ref_a, case.meta, case.scaling)
     h = lora_shrink_triton(case.x, case.a, case.meta, case.scaling, ranks, split_k=split_k)
     assert h.shape == h_ref.shape and h.dtype == torch.float32
     assert_close_scaled(h, h_ref, dtype)
@@ -48,12 +61,18 @@ def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None) -
     assert torch.count_nonzero(h[:, inactive]) == 0
 
     y_ref, y = case.y.clone(), case.y.clone()
-    lora_expand_ref(h_ref, case.b, case.meta, y_ref, case.offsets)
+    lora_expand_ref(h_ref, ref_b, case.meta, y_ref, case.offsets)
     lora_expand_triton(h_ref, case.b, case.meta, y, case.offsets, ranks)
     assert_close_scaled(y, y_ref, dtype)
     assert torch.equal(y[inactive], case.y[inactive])  # slot -1 rows untouched, bit for bit
     width = sum(b.shape[1] for b in case.b)
     assert torch.equal(y[:, width:], case.y[:, width:])  # and columns past the slices
+
+    fused = case.y.clone()  # the serving path: split partials straight into the expand
+    add_lora_triton(case.x, fused, case.a, case.b, case.meta, case.scaling, case.offsets, ranks)
+    assert_close_scaled(fused, y_ref, dtype)
+    assert torch.equal(fused[inactive], case.y[inactive])
+    assert torch.equal(fused[:, width:], case.y[:, width:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,11 +96,55 @@ def lora_problems(draw):
 
 @HYPO
 @given(problem=lora_problems(), dtype=st.sampled_from(list(DTYPES)), use_ranks=st.booleans(),
-       split_k=st.sampled_from([None, 1, 2, 5]))
+       split_k=st.sampled_from([None, 1, 2, 5]), data=st.data())
 def test_lora_random_shapes(problem: dict, dtype: str, use_ranks: bool,
-                            split_k: int | None) -> None:
+                            split_k: int | None, data) -> None:
     case = make_lora_case(**problem, dtype=DTYPES[dtype], device=DEVICE)
-    check_lora(case, DTYPES[dtype], use_ranks, split_k)
+    pairs = [(i, s) for i in range(len(case.a)) for s in range(problem["num_slots"])]
+    slice_off = data.draw(st.lists(st.sampled_from(pairs), unique=True, max_size=4)) if use_ranks else []
+    check_lora(case, DTYPES[dtype], use_ranks, split_k, slice_off)
+
+
+def graph_meta(token_slots: list[int], buckets: int, device: str):
+    """Metadata as a decode CUDA graph sees it (DecodeGraphs._fill_lora): real segments, then
+    empty ones up to the bucket, every segment sized for the whole batch."""
+    from kernels.lora_meta import LoraBatchMeta
+
+    real = LoraBatchMeta.build(token_slots, device)
+    empty = buckets - real.num_segments
+    ints = lambda t, pad: torch.cat([t.cpu(), torch.tensor(pad, dtype=torch.int32)]).to(device)  # noqa: E731
+    return LoraBatchMeta(
+        token_slots=real.token_slots, sorted_token_ids=real.sorted_token_ids,
+        segment_slots=ints(real.segment_slots, [0] * empty),
+        segment_starts=ints(real.segment_starts, [real.num_active_tokens] * empty),
+        segment_lens=ints(real.segment_lens, [0] * empty), num_segments=buckets,
+        max_segment_len=len(token_slots), num_active_tokens=real.num_active_tokens,
+        segments=real.segments)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("slots,buckets", [
+    ([3, 0, 3, 1, 0, 2, 3, 1, 0, 0, 2, 1, 3, 3, 0, 1, 2, 2, 1, 0], 4),  # 4 adapters, 5 rows each
+    ([1] * 37, 1),                                                       # one adapter, > 2 row tiles
+    ([2, 0, -1, 2, 0, 1], 8),                                            # padded buckets, empty segments
+], ids=["four_adapters", "one_adapter_many_rows", "empty_buckets"])
+def test_lora_decode_graph_metadata(slots: list[int], buckets: int, dtype: str) -> None:
+    case = make_lora_case(token_slots=slots, num_slots=4, max_rank=16, ranks=[16, 8, 16, 4],
+                          h_in=200, outs=[96, 32, 32], dtype=DTYPES[dtype], device=DEVICE, y_pad=3)
+    case.meta = graph_meta(slots, buckets, DEVICE)
+    check_lora(case, DTYPES[dtype], use_ranks=True, split_k=None, slice_off=[(1, 0), (2, 3)])
+
+
+def test_lora_prefill_sized_step_uses_row_tiles() -> None:
+    """More tokens than the decode tiling takes: 64-row tiles, one per program."""
+    from kernels.lora_triton import _DECODE_TOKENS, _RowTiling
+
+    slots = [0] * 150 + [1] * 130 + [-1] * 5
+    case = make_lora_case(token_slots=slots, num_slots=2, max_rank=8, h_in=48, outs=[40, 24],
+                          device=DEVICE)
+    assert case.meta.num_active_tokens > _DECODE_TOKENS
+    assert _RowTiling.for_meta(case.meta) == _RowTiling(64, 64)
+    check_lora(case, torch.float32, use_ranks=True, split_k=None, slice_off=[(1, 1)])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -139,20 +202,16 @@ def test_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) ->
     assert real is not None
 
     class Spy:
-        def lora_shrink_triton(self, *args):
-            calls.append("shrink")
-            return real.lora_shrink_triton(*args)
-
-        def lora_expand_triton(self, *args):
-            calls.append("expand")
-            return real.lora_expand_triton(*args)
+        def add_lora_triton(self, *args):
+            calls.append("add")
+            return real.add_lora_triton(*args)
 
     monkeypatch.setattr(lora, "_triton_impl", lambda: Spy())
     case = make_lora_case(token_slots=[0, -1, 1, 0], num_slots=2, max_rank=8, h_in=32,
                           outs=[16, 8], device=DEVICE)
     y = case.y.clone()
     lora.add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets, case.ranks)
-    assert calls == ["shrink", "expand"]
+    assert calls == ["add"]
     y_ref = case.y.clone()
     lora_expand_ref(lora_shrink_ref(case.x, case.a, case.meta, case.scaling), case.b,
                     case.meta, y_ref, case.offsets)

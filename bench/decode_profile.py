@@ -1,0 +1,196 @@
+"""Where a decode step's time goes: the node's decode forward, kernel by kernel.
+
+serving_bench.py says how far a step is from its floor; this script says which kernels make up
+the gap. It builds the same decode step the engine replays (DecodeGraphs, padded static
+buffers, one LoRA graph per bucket of distinct adapters) at one batch size and context length,
+then for each configuration prints the CUDA-graph replay time of the forward and, from an
+eager run under torch.profiler, the GPU time per kernel family per forward.
+
+    python bench/decode_profile.py                       # CUDA: Llama-3.2-1B-shaped, batch 64
+    python bench/decode_profile.py --configs base,c32    # a subset
+    python bench/decode_profile.py --device cpu --layers 2 --batch 4   # CPU smoke (no graphs)
+
+Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
+c1/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from serving_bench import LLAMA_3_2_1B, write_random_checkpoint  # noqa: E402
+
+CONFIGS = {  # name: (distinct adapters, rank, targets)
+    "base": (0, 0, ()),
+    "c1": (1, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c32": (32, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c64": (64, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "d32": (32, 8, ("q_proj", "v_proj")),
+}
+
+
+def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: int) -> list[int]:
+    """Random A/B in slots first..first+num-1 for `targets`, rank `rank` (the rest zero)."""
+    from inference_node.model.llama import FUSED_MODULES
+
+    slots = list(range(first, first + num))
+    for layer in buffers.layers:
+        for group, modules in FUSED_MODULES.items():
+            buf = layer[group]
+            for i, module in enumerate(modules):
+                for s in slots:
+                    buf.a[i][s].zero_()
+                    buf.b[i][s].zero_()
+                    if module in targets:
+                        buf.a[i][s, :rank].normal_(0, 0.02)
+                        buf.b[i][s, :, :rank].normal_(0, 0.02)
+    for s in slots:
+        buffers.scaling[s] = 2.0
+        buffers.set_ranks(s, rank, set(targets))
+    return slots
+
+
+def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> list:
+    """Decode chunks of `batch` sequences at `context` tokens, request i on slots[i % n]."""
+    per_seq = -(-(context + 1) // block_size)
+    chunks = []
+    for i in range(batch):
+        req = SimpleNamespace(num_computed=context, all_token_ids=[7] * (context + 1),
+                              block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
+                              lora_slot=slots[i % len(slots)] if slots else -1)
+        chunks.append(SimpleNamespace(request=req, num_new_tokens=1, completes_prompt=True))
+    return chunks
+
+
+def family(name: str) -> str:
+    """Groups kernel names: cuBLAS GEMMs, our Triton kernels by name, torch.compile fusions."""
+    if re.search(r"gemm|cutlass|sm90_|nvjet|cublas", name, re.I):
+        return "GEMM (cuBLAS)"
+    m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?)_kernel", name)
+    if m:
+        return m.group(1)
+    if name.startswith("triton_"):
+        return "fused elementwise (torch.compile)"
+    if "index" in name.lower() or "scatter" in name.lower():
+        return "index_copy (KV write)"
+    return name[:60]
+
+
+def profile_eager(graphs, size: int, segments: int, reps: int) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and launches per forward, by kernel family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs._forward(size, segments)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graphs._forward(size, segments)
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            fam = family(evt.name)
+            totals[fam][0] += evt.device_time / reps
+            totals[fam][1] += 1 / reps
+    return {k: (v[0], round(v[1])) for k, v in totals.items()}
+
+
+def replay_ms(graphs, chunks, reps: int) -> float:
+    graphs.run(chunks)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graphs.run(chunks)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=200, help="tokens already in each sequence's KV")
+    p.add_argument("--configs", default="base,c1,c8,c32,c64,d32")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+
+    from inference_node.adapters.applier import StepLoraApplier
+    from inference_node.adapters.slots import SlotBuffers
+    from inference_node.engine.decode_graphs import DecodeGraphs
+    from inference_node.engine.kv_cache import KVCache
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import LlamaModel
+
+    device, dtype = torch.device(args.device), torch.bfloat16
+    cuda = device.type == "cuda"
+    config = dict(LLAMA_3_2_1B)
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    names = [c for c in args.configs.split(",") if c]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
+        cfg = ModelConfig.from_checkpoint(ckpt)
+        block = 16
+        max_len = args.context + 64
+        model = LlamaModel.load(ckpt, device, dtype, max_positions=max_len)
+    per_seq = -(-(max_len + 1) // block)
+    kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
+    total_slots = sum(CONFIGS[n][0] for n in names) or 1
+    buffers = SlotBuffers(cfg, total_slots, 16, dtype, device)
+    graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
+                          max_batch=args.batch, max_loras=total_slots,
+                          lora_applier=lambda meta: StepLoraApplier(buffers, meta))
+    graphs.sizes = [args.batch]  # only the batch size profiled here
+    first, plan = 0, {}
+    for n in names:
+        num, rank, targets = CONFIGS[n]
+        plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
+        first += num
+    t = time.perf_counter()
+    graphs.capture_all()
+    print(f"device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch {args.batch}, "
+          f"context {args.context}, {cfg.num_layers} layers; graphs captured in "
+          f"{time.perf_counter() - t:.1f}s")
+
+    for n in names:
+        chunks = fake_chunks(args.batch, args.context, block, plan[n])
+        graphs._fill(chunks, args.batch, 0)  # sets up the static buffers for the eager profile
+        distinct = len(set(plan[n]))
+        segments = next((b for b in graphs.segment_buckets(args.batch) if b >= distinct), 0) if distinct else 0
+        graphs._fill(chunks, args.batch, segments)
+        if not cuda:
+            graphs._forward(args.batch, segments)
+            print(f"{n}: eager forward ran (CPU: no timings)")
+            continue
+        fwd = replay_ms(graphs, chunks, args.reps * 5)
+        fams = profile_eager(graphs, args.batch, segments, args.reps)
+        gpu_total = sum(v[0] for v in fams.values())
+        launches = sum(v[1] for v in fams.values())
+        print(f"\n== {n}: graph replay {fwd:.3f} ms; eager kernels {gpu_total / 1e3:.3f} ms GPU time "
+              f"in {launches} launches")
+        for fam, (us, count) in sorted(fams.items(), key=lambda kv: -kv[1][0])[:args.top]:
+            print(f"   {us / 1e3:8.3f} ms  {count:5d} x  {us / max(count, 1):7.1f} us  {fam}")
+
+
+if __name__ == "__main__":
+    main()
