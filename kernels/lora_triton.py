@@ -35,12 +35,12 @@ _TABLE_CACHE_MAX = 1024
 def _lora_shrink_kernel(
     x_ptr, a_ptr, table_ptr, out_ptr, scaling_ptr, ranks_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr,
-    K, R, ROWS, K_PER_SPLIT,
+    K, R, ROWS, K_PER_SPLIT, SPLIT_K,
     stride_xt, stride_xk,
     stride_as, stride_ar, stride_ak,
     stride_ok, stride_os, stride_ot, stride_or,
     stride_rank_slice,
-    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -100,22 +100,24 @@ def _lora_shrink_kernel(
 def _lora_expand_kernel(
     h_ptr, b_ptr, table_ptr, y_ptr, ranks_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr,
-    R, N_TILES, ROWS,
+    R, N_PROGRAMS, N_SPAN, ROWS, SPLIT_K,
     stride_hk, stride_hs, stride_ht, stride_hr,
     stride_bn, stride_br,
     stride_yt, stride_yn,
     stride_rank_slice,
-    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    # Program: one N tile of one slice for rows [pid_m*ROWS, +ROWS) of one segment. The B tile
-    # (all of the rank: BLOCK_R >= R) is read once and kept while the row tiles stream by.
+    # Program: columns [pid_n*N_SPAN, +N_SPAN) of one slice (in BLOCK_N tiles) for rows
+    # [pid_m*ROWS, +ROWS) of one segment (in BLOCK_M tiles). A program's fixed cost is a chain
+    # of dependent loads (segment -> slot -> rank, tokens -> h); spanning several N tiles
+    # spreads it over more bytes of B. B tiles hold the whole rank (BLOCK_R >= R).
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
     pid_2 = tl.program_id(2)
-    slice_id = pid_2 // N_TILES
-    pid_n = pid_2 % N_TILES
+    slice_id = pid_2 // N_PROGRAMS
+    pid_n = pid_2 % N_PROGRAMS
 
     # Per-slice row of the table: offset of B_i from b_ptr, out_i, column in y, B_i's slot stride.
     row = table_ptr + slice_id * 4
@@ -126,8 +128,8 @@ def _lora_expand_kernel(
 
     seg_len = tl.load(seg_lens_ptr + seg)
     row0 = pid_m * ROWS
-    n0 = pid_n * BLOCK_N
-    if (row0 >= seg_len) | (n0 >= n_out):
+    n_begin = pid_n * N_SPAN
+    if (row0 >= seg_len) | (n_begin >= n_out):
         return
     slot = tl.load(seg_slots_ptr + seg)
     if HAS_RANKS:
@@ -138,18 +140,12 @@ def _lora_expand_kernel(
         return  # a zero delta: y is left untouched
     seg_start = tl.load(seg_starts_ptr + seg)
     row_end = tl.minimum(seg_len, row0 + ROWS)
+    n_end = tl.minimum(n_out, n_begin + N_SPAN)
 
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_out
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
-    b_base = b_ptr + b_off + slot.to(tl.int64) * stride_bs
-    bt = tl.load(b_base + offs_n[None, :].to(tl.int64) * stride_bn + offs_r[:, None] * stride_br,
-                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-    if DOT_F32:
-        bt = bt.to(tl.float32)
+    b_rows = b_ptr + b_off + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
     h_base = h_ptr + slice_id.to(tl.int64) * stride_hs
-    y_cols = (y_col + offs_n)[None, :].to(tl.int64) * stride_yn
 
     for m0 in range(row0, row_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -160,14 +156,20 @@ def _lora_expand_kernel(
         ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for split in range(SPLIT_K):  # the shrink's partial sums over H_in
             ht += tl.load(h_ptrs + split * stride_hk, mask=h_mask, other=0.0)
-        if DOT_F32:
-            acc = tl.dot(ht, bt, input_precision="ieee")
-        else:
-            acc = tl.dot(ht.to(bt.dtype), bt)
-        y_ptrs = y_ptr + tok[:, None] * stride_yt + y_cols
-        y_mask = mask_m[:, None] & mask_n[None, :]
-        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y_old + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+        y_rows = y_ptr + tok[:, None] * stride_yt
+        for n0 in range(n_begin, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_end
+            bt = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn,
+                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+            if DOT_F32:
+                acc = tl.dot(ht, bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(ht.to(bt.dtype), bt)
+            y_ptrs = y_rows + (y_col + offs_n)[None, :].to(tl.int64) * stride_yn
+            y_mask = mask_m[:, None] & mask_n[None, :]
+            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (y_old + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def interpreting() -> bool:
@@ -181,30 +183,45 @@ def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @dataclass(frozen=True)
-class _RowTiling:
-    """How a launch covers each segment's rows: BLOCK_M-row tiles, ROWS rows per program.
+class LoraTiling:
+    """How the shrink and expand launches tile a step (bench/lora_tune.py sweeps these).
 
-    Decode-sized steps (few tokens per adapter; in a CUDA graph every segment is sized for
-    the whole batch) use 16-row tiles and one program per segment that loops over them, so a
-    segment of two decode rows costs one 16-row tile, not a 64-row one, and each B tile is
-    read once per segment. Prefill-sized segments get 64-row tiles, one per program."""
+    Rows are tiled by `block_m`. With `per_segment`, one program walks all of its segment's
+    row tiles (in a CUDA graph every segment is sized for the whole batch, yet a decode
+    segment holds a row or two: one program, one tile, and each B tile read once); without
+    it, each row tile is its own program and those past a segment's real rows exit at once.
+    The shrink splits H_in in `block_k` tiles over enough programs to put about
+    `programs_per_sm` on each SM; the expand covers the outputs in `block_n` tiles."""
 
     block_m: int
-    rows: int
+    per_segment: bool
+    block_k: int
+    block_n: int
+    programs_per_sm: int = 4
+    num_warps: int = 4
+    n_span: int = 0  # expand columns per program (a multiple of block_n); 0: block_n
 
-    @staticmethod
-    def for_meta(meta: LoraBatchMeta) -> "_RowTiling":
-        longest = max(1, meta.max_segment_len)
-        if meta.num_active_tokens <= _DECODE_TOKENS:
-            return _RowTiling(16, longest)
-        block_m = 16 if longest <= 16 else 32 if longest <= 32 else 64
-        return _RowTiling(block_m, block_m)
+    def rows(self, meta: LoraBatchMeta) -> int:
+        return max(1, meta.max_segment_len) if self.per_segment else self.block_m
 
     def grid_m(self, meta: LoraBatchMeta) -> int:
-        return triton.cdiv(max(1, meta.max_segment_len), self.rows)
+        return triton.cdiv(max(1, meta.max_segment_len), self.rows(meta))
 
 
-_DECODE_TOKENS = 256  # steps up to this many LoRA tokens use the decode tiling
+_DECODE_TOKENS = 256  # steps up to this many LoRA tokens are decode-shaped
+
+
+def choose_tiling(meta: LoraBatchMeta, rank: int) -> LoraTiling:
+    """Decode-shaped steps (few rows per adapter) take 16-row tiles; prefill up to 64."""
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_k = 128 if block_r <= 32 else 64 if block_r <= 128 else 32
+    block_n = 128 if block_r <= 32 else 64 if block_r <= 64 else 32
+    longest = max(1, meta.max_segment_len)
+    if meta.num_active_tokens <= _DECODE_TOKENS:
+        rows_per_segment = meta.num_active_tokens / max(1, meta.num_segments)
+        return LoraTiling(16, per_segment=rows_per_segment <= 16, block_k=block_k, block_n=block_n)
+    block_m = 16 if longest <= 16 else 32 if longest <= 32 else 64
+    return LoraTiling(block_m, per_segment=False, block_k=block_k, block_n=block_n)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -256,15 +273,16 @@ def _ranks_arg(slot_ranks: torch.Tensor | None, n_slices: int, fallback: torch.T
 
 
 def _split_k(meta: LoraBatchMeta, n_slices: int, k_tiles: int, m_programs: int,
-             device: torch.device) -> int:
-    """Splits of H_in so a decode launch fills the GPU (about 4 programs per SM), at most 16."""
+             per_sm: int, device: torch.device) -> int:
+    """Splits of H_in so a launch puts about `per_sm` programs on each SM, at most 16."""
     programs = max(1, m_programs * meta.num_segments * n_slices)
-    return max(1, min(16, k_tiles, triton.cdiv(4 * _num_sms(device), programs)))
+    return max(1, min(16, k_tiles, triton.cdiv(per_sm * _num_sms(device), programs)))
 
 
 def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                          scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
-                         split_k: int | None = None, zero: bool = True) -> torch.Tensor:
+                         split_k: int | None = None, zero: bool = True,
+                         tiling: LoraTiling | None = None) -> torch.Tensor:
     """[split_k, n_slices, T, R] float32 partial sums of x @ A_i[slot].T * scaling[slot] over
     ranges of H_in. zero=False leaves rows of slot -1 and columns past a slot's rank
     uninitialised: lora_expand_triton never reads them."""
@@ -273,14 +291,13 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
     S, R, K_a = a_stacked[0].shape
     assert K_a == K, f"A has in-features {K_a}, x has {K}"
     assert all(a.shape == (S, R, K) for a in a_stacked), "A slices must share [S, R, H_in]"
-    tiling = _RowTiling.for_meta(meta)
+    tiling = tiling or choose_tiling(meta, R)
     block_r = max(16, triton.next_power_of_2(R))
-    block_k = 128 if block_r <= 32 else 64 if block_r <= 128 else 32
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    block_k = min(tiling.block_k, max(16, triton.next_power_of_2(K)))
     k_tiles = triton.cdiv(K, block_k)
     m_programs = tiling.grid_m(meta)
     if split_k is None:
-        split_k = _split_k(meta, n_slices, k_tiles, m_programs, x.device)
+        split_k = _split_k(meta, n_slices, k_tiles, m_programs, tiling.programs_per_sm, x.device)
     split_k = max(1, min(split_k, k_tiles))
     alloc = torch.zeros if zero else torch.empty
     out = alloc(split_k, n_slices, T, R, dtype=torch.float32, device=x.device)
@@ -294,14 +311,14 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
     _lora_shrink_kernel[grid](
         x, a_list[0], table, out, scaling, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
-        K, R, tiling.rows, k_per_split,
+        K, R, tiling.rows(meta), k_per_split, split_k,
         x.stride(0), x.stride(1),
         a_list[0].stride(0), a_list[0].stride(1), a_list[0].stride(2),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         rank_stride,
-        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, SPLIT_K=split_k,
+        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit,
         BLOCK_M=tiling.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_F32=_dot_f32(x.dtype, x.device), num_warps=4,
+        DOT_F32=_dot_f32(x.dtype, x.device), num_warps=tiling.num_warps,
     )
     return out
 
@@ -316,7 +333,8 @@ def lora_shrink_triton(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta:
 
 def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                        y: torch.Tensor, slice_offsets: Sequence[int],
-                       slot_ranks: torch.Tensor | None = None) -> None:
+                       slot_ranks: torch.Tensor | None = None, *,
+                       tiling: LoraTiling | None = None) -> None:
     """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place; slot -1 rows untouched.
     h is [n_slices, T, R], or [splits, n_slices, T, R] partial sums (lora_shrink_partials)."""
     n_slices = len(b_stacked)
@@ -333,24 +351,25 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
     extra = [(b.shape[1], off, b.stride(0)) for b, off in zip(b_list, slice_offsets)]
     table, unit = _offset_table(b_list, extra, y.device)
 
-    tiling = _RowTiling.for_meta(meta)
+    tiling = tiling or choose_tiling(meta, R)
     block_r = max(16, triton.next_power_of_2(R))  # the whole rank in one tile
-    block_n = 128 if block_r <= 32 else 64 if block_r <= 64 else 32
+    block_n = tiling.block_n
     max_out = max(b.shape[1] for b in b_list)
-    n_tiles = triton.cdiv(max_out, block_n)
+    n_span = max(block_n, triton.cdiv(tiling.n_span, block_n) * block_n)
+    n_programs = triton.cdiv(max_out, n_span)
     ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, h)
-    grid = (tiling.grid_m(meta), meta.num_segments, n_slices * n_tiles)
+    grid = (tiling.grid_m(meta), meta.num_segments, n_slices * n_programs)
     _lora_expand_kernel[grid](
         h, b_list[0], table, y, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
-        R, n_tiles, tiling.rows,
+        R, n_programs, n_span, tiling.rows(meta), splits,
         h.stride(0), h.stride(1), h.stride(2), h.stride(3),
         b_list[0].stride(1), b_list[0].stride(2),
         y.stride(0), y.stride(1),
         rank_stride,
-        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, SPLIT_K=splits,
+        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit,
         BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_F32=_dot_f32(b_list[0].dtype, y.device), num_warps=4,
+        DOT_F32=_dot_f32(b_list[0].dtype, y.device), num_warps=tiling.num_warps,
     )
 
 
@@ -359,5 +378,7 @@ def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.
                     slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None) -> None:
     """y += every token's LoRA delta in two launches: the shrink's split partials go straight
     to the expand, which adds them (no zero fill, no atomics, no reduction launch)."""
-    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, zero=False)
-    lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks)
+    tiling = choose_tiling(meta, a_stacked[0].shape[1])
+    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, zero=False,
+                                    tiling=tiling)
+    lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks, tiling=tiling)

@@ -135,15 +135,39 @@ def test_lora_decode_graph_metadata(slots: list[int], buckets: int, dtype: str) 
     check_lora(case, DTYPES[dtype], use_ranks=True, split_k=None, slice_off=[(1, 0), (2, 3)])
 
 
+@pytest.mark.parametrize("per_segment", [True, False], ids=["per_segment", "per_row_tile"])
+def test_lora_every_tiling_matches_reference(per_segment: bool) -> None:
+    """Both row strategies, odd K/N tiles and split counts give the reference's result."""
+    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+    from kernels.lora_triton import LoraTiling, lora_expand_triton, lora_shrink_partials
+
+    slots = [1, 0, 1, 1, -1, 2, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]
+    case = make_lora_case(token_slots=slots, num_slots=3, max_rank=8, h_in=100, outs=[70, 20],
+                          device=DEVICE)
+    case.meta = graph_meta(slots, 4, DEVICE)
+    y_ref = case.y.clone()
+    lora_expand_ref(lora_shrink_ref(case.x, case.a, case.meta, case.scaling), case.b, case.meta,
+                    y_ref, case.offsets)
+    for block_k, block_n, per_sm, n_span in ((16, 32, 1, 0), (64, 16, 8, 48)):
+        tiling = LoraTiling(16, per_segment, block_k=block_k, block_n=block_n,
+                            programs_per_sm=per_sm, n_span=n_span)
+        y = case.y.clone()
+        h = lora_shrink_partials(case.x, case.a, case.meta, case.scaling, case.ranks, zero=False,
+                                 tiling=tiling)
+        lora_expand_triton(h, case.b, case.meta, y, case.offsets, case.ranks, tiling=tiling)
+        assert_close_scaled(y, y_ref, torch.float32)
+
+
 def test_lora_prefill_sized_step_uses_row_tiles() -> None:
     """More tokens than the decode tiling takes: 64-row tiles, one per program."""
-    from kernels.lora_triton import _DECODE_TOKENS, _RowTiling
+    from kernels.lora_triton import _DECODE_TOKENS, choose_tiling
 
     slots = [0] * 150 + [1] * 130 + [-1] * 5
     case = make_lora_case(token_slots=slots, num_slots=2, max_rank=8, h_in=48, outs=[40, 24],
                           device=DEVICE)
     assert case.meta.num_active_tokens > _DECODE_TOKENS
-    assert _RowTiling.for_meta(case.meta) == _RowTiling(64, 64)
+    tiling = choose_tiling(case.meta, 8)
+    assert (tiling.block_m, tiling.per_segment) == (64, False)
     check_lora(case, torch.float32, use_ranks=True, split_k=None, slice_off=[(1, 1)])
 
 

@@ -1,0 +1,121 @@
+"""Sweeps the LoRA kernels' tilings on decode-shaped steps and prints the fastest per case.
+
+The decode step of a CUDA graph hands the kernels segments sized for the whole batch, one per
+distinct adapter; how rows, H_in and the outputs are tiled decides whether a launch is bound
+by bytes or by latency. For each (projection group, distinct adapters) case this times the
+shrink and the expand (triton.testing.do_bench, GPU time per launch) for every tiling in the
+grid, next to the time `choose_tiling` (the serving default) takes, and the bytes' floor.
+
+    python bench/lora_tune.py                    # Llama-3.2-1B shapes, batch 64, rank 16
+    python bench/lora_tune.py --adapters 1,32 --groups gate_up
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from kernels_bench import copy_bandwidth  # noqa: E402
+
+GROUPS = {  # name: (H_in, outputs of the fused slices), Llama-3.2-1B
+    "qkv": (2048, [2048, 512, 512]),
+    "o": (2048, [2048]),
+    "gate_up": (2048, [8192, 8192]),
+    "down": (8192, [2048]),
+}
+
+
+def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device):
+    """As DecodeGraphs._fill_lora builds it: row i on adapter i mod distinct, padded buckets."""
+    from kernels.lora_meta import LoraBatchMeta
+
+    slots = [i % distinct for i in range(batch)]
+    real = LoraBatchMeta.build(slots, device)
+    empty = bucket - real.num_segments
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t.cpu(), torch.full((empty,), value, dtype=torch.int32)]).to(device)
+
+    return LoraBatchMeta(
+        token_slots=real.token_slots, sorted_token_ids=real.sorted_token_ids,
+        segment_slots=pad(real.segment_slots, 0), segment_starts=pad(real.segment_starts, batch),
+        segment_lens=pad(real.segment_lens, 0), num_segments=bucket, max_segment_len=batch,
+        num_active_tokens=batch)
+
+
+def main() -> None:
+    import triton.testing
+
+    from kernels.lora_triton import (LoraTiling, choose_tiling, lora_expand_triton,
+                                     lora_shrink_partials)
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapters", default="1,8,32,64")
+    p.add_argument("--groups", default=",".join(GROUPS))
+    p.add_argument("--top", type=int, default=3)
+    args = p.parse_args()
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    bw = copy_bandwidth(device, 1 << 30)
+    print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bw / 1e9:.0f} GB/s; batch "
+          f"{args.batch}, rank {args.rank}")
+
+    def time_us(fn) -> float:
+        """GPU time per launch, replayed from a CUDA graph as in serving (no host overhead)."""
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+
+    shrink_grid = [LoraTiling(16, seg, block_k=k, block_n=128, programs_per_sm=ps, num_warps=w)
+                   for seg, k, ps, w in itertools.product((True, False), (64, 128, 256), (2, 4, 8), (2, 4))]
+    expand_grid = [LoraTiling(16, seg, block_k=128, block_n=n, num_warps=w, n_span=n * span)
+                   for seg, n, w, span in itertools.product((True, False), (64, 128, 256), (4, 8),
+                                                            (1, 4, 16))]
+    R = args.rank
+    for group in args.groups.split(","):
+        h_in, outs = GROUPS[group]
+        for distinct in (int(a) for a in args.adapters.split(",")):
+            bucket = 1 << (distinct - 1).bit_length()
+            meta = graph_meta(args.batch, distinct, bucket, device)
+            x = torch.randn(args.batch, h_in, device=device, dtype=dtype)
+            a = [torch.randn(distinct, R, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
+            b = [torch.randn(distinct, o, R, device=device, dtype=dtype) * 0.02 for o in outs]
+            y = torch.zeros(args.batch, sum(outs), device=device, dtype=dtype)
+            offsets = [sum(outs[:i]) for i in range(len(outs))]
+            scaling = torch.ones(distinct, device=device)
+            ranks = torch.full((len(outs), distinct), R, dtype=torch.int32, device=device)
+            a_bytes = distinct * len(outs) * R * h_in * 2
+            b_bytes = distinct * sum(outs) * R * 2
+            default = choose_tiling(meta, R)
+
+            def shrink(t):
+                return lambda: lora_shrink_partials(x, a, meta, scaling, ranks, zero=False, tiling=t)
+
+            h = shrink(default)()
+
+            def expand(t, h=h):
+                return lambda: lora_expand_triton(h, b, meta, y, offsets, ranks, tiling=t)
+
+            for kind, grid, make, nbytes in (("shrink", shrink_grid, shrink, a_bytes),
+                                             ("expand", expand_grid, expand, b_bytes)):
+                base_us = time_us(make(default))
+                timed = sorted(((time_us(make(t)), t) for t in grid), key=lambda pair: pair[0])
+                floor_us = nbytes / bw * 1e6
+                best = timed[0]
+                print(f"{group:8s} {distinct:3d} adapters {kind}: default {base_us:6.1f} us, best "
+                      f"{best[0]:6.1f} us, floor {floor_us:5.1f} us; default = {default}")
+                for us, t in timed[:args.top]:
+                    print(f"      {us:6.1f} us  per_segment={t.per_segment} block_k={t.block_k} "
+                          f"block_n={t.block_n} n_span={t.n_span} per_sm={t.programs_per_sm} "
+                          f"warps={t.num_warps}")
+
+
+if __name__ == "__main__":
+    main()
