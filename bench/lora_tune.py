@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--adapters", default="1,8,32,64")
     p.add_argument("--groups", default=",".join(GROUPS))
     p.add_argument("--top", type=int, default=3)
+    p.add_argument("--kinds", default="shrink,expand")
     args = p.parse_args()
 
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -73,11 +74,13 @@ def main() -> None:
         """GPU time per launch, replayed from a CUDA graph as in serving (no host overhead)."""
         return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
 
-    shrink_grid = [LoraTiling(16, seg, block_k=k, block_n=128, programs_per_sm=ps, num_warps=w)
+    shrink_grid = [LoraTiling(16, seg, block_k=k, block_n=128, programs_per_sm=ps, shrink_warps=w)
                    for seg, k, ps, w in itertools.product((True, False), (64, 128, 256), (2, 4, 8), (2, 4))]
-    expand_grid = [LoraTiling(16, seg, block_k=128, block_n=n, num_warps=w, n_span=n * span)
-                   for seg, n, w, span in itertools.product((True, False), (64, 128, 256), (4, 8),
-                                                            (1, 4, 16))]
+    expand_grid = [LoraTiling(16, seg, block_k=128, block_n=n, expand_warps=w, n_span=span)
+                   for seg, n, w, span in itertools.product((True, False), (64, 128, 256, 512), (4, 8),
+                                                            (0, 256, 1024, 2048, 4096))
+                   if span == 0 or span >= n]
+    kinds = set(args.kinds.split(","))
     R = args.rank
     for group in args.groups.split(","):
         h_in, outs = GROUPS[group]
@@ -93,7 +96,7 @@ def main() -> None:
             ranks = torch.full((len(outs), distinct), R, dtype=torch.int32, device=device)
             a_bytes = distinct * len(outs) * R * h_in * 2
             b_bytes = distinct * sum(outs) * R * 2
-            default = choose_tiling(meta, R)
+            default = choose_tiling(meta, R, max(outs))
 
             def shrink(t):
                 return lambda: lora_shrink_partials(x, a, meta, scaling, ranks, zero=False, tiling=t)
@@ -105,6 +108,8 @@ def main() -> None:
 
             for kind, grid, make, nbytes in (("shrink", shrink_grid, shrink, a_bytes),
                                              ("expand", expand_grid, expand, b_bytes)):
+                if kind not in kinds:
+                    continue
                 base_us = time_us(make(default))
                 timed = sorted(((time_us(make(t)), t) for t in grid), key=lambda pair: pair[0])
                 floor_us = nbytes / bw * 1e6
@@ -114,7 +119,7 @@ def main() -> None:
                 for us, t in timed[:args.top]:
                     print(f"      {us:6.1f} us  per_segment={t.per_segment} block_k={t.block_k} "
                           f"block_n={t.block_n} n_span={t.n_span} per_sm={t.programs_per_sm} "
-                          f"warps={t.num_warps}")
+                          f"warps={t.shrink_warps if kind == 'shrink' else t.expand_warps}")
 
 
 if __name__ == "__main__":

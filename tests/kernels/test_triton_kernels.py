@@ -166,7 +166,7 @@ def test_lora_prefill_sized_step_uses_row_tiles() -> None:
     case = make_lora_case(token_slots=slots, num_slots=2, max_rank=8, h_in=48, outs=[40, 24],
                           device=DEVICE)
     assert case.meta.num_active_tokens > _DECODE_TOKENS
-    tiling = choose_tiling(case.meta, 8)
+    tiling = choose_tiling(case.meta, 8, 40)
     assert (tiling.block_m, tiling.per_segment) == (64, False)
     check_lora(case, torch.float32, use_ranks=True, split_k=None, slice_off=[(1, 1)])
 
