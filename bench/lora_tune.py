@@ -96,7 +96,7 @@ def main() -> None:
             ranks = torch.full((len(outs), distinct), R, dtype=torch.int32, device=device)
             a_bytes = distinct * len(outs) * R * h_in * 2
             b_bytes = distinct * sum(outs) * R * 2
-            default = choose_tiling(meta, R, max(outs))
+            default = choose_tiling(meta, R, max(outs), len(outs), device)
 
             def shrink(t):
                 return lambda: lora_shrink_partials(x, a, meta, scaling, ranks, zero=False, tiling=t)
