@@ -37,17 +37,7 @@ def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device):
     from kernels.lora_meta import LoraBatchMeta
 
     slots = [i % distinct for i in range(batch)]
-    real = LoraBatchMeta.build(slots, device)
-    empty = bucket - real.num_segments
-
-    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.cat([t.cpu(), torch.full((empty,), value, dtype=torch.int32)]).to(device)
-
-    return LoraBatchMeta(
-        token_slots=real.token_slots, sorted_token_ids=real.sorted_token_ids,
-        segment_slots=pad(real.segment_slots, 0), segment_starts=pad(real.segment_starts, batch),
-        segment_lens=pad(real.segment_lens, 0), num_segments=bucket, max_segment_len=batch,
-        num_active_tokens=batch)
+    return LoraBatchMeta.build(slots, device).padded_for_graph(bucket, batch)
 
 
 def main() -> None:

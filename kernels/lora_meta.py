@@ -74,3 +74,21 @@ class LoraBatchMeta:
             num_active_tokens=len(ids_list),
             segments=tuple(segments),
         )
+
+    def padded_for_graph(self, num_segments: int, max_segment_len: int) -> "LoraBatchMeta":
+        """This metadata as a decode CUDA graph sees it (DecodeGraphs._fill_lora): the real
+        segments, then empty ones up to `num_segments`, each sized for `max_segment_len` rows.
+        Tests and bench/lora_tune.py use it to give the kernels a graph's launch shapes."""
+        empty = num_segments - self.num_segments
+        assert empty >= 0, f"{self.num_segments} segments do not fit in {num_segments}"
+
+        def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+            return torch.cat([t, torch.full((empty,), value, dtype=t.dtype, device=t.device)])
+
+        return LoraBatchMeta(
+            token_slots=self.token_slots, sorted_token_ids=self.sorted_token_ids,
+            segment_slots=pad(self.segment_slots, 0),
+            segment_starts=pad(self.segment_starts, self.num_active_tokens),
+            segment_lens=pad(self.segment_lens, 0), num_segments=num_segments,
+            max_segment_len=max_segment_len, num_active_tokens=self.num_active_tokens,
+            segments=self.segments)

@@ -106,20 +106,11 @@ def test_lora_random_shapes(problem: dict, dtype: str, use_ranks: bool,
 
 
 def graph_meta(token_slots: list[int], buckets: int, device: str):
-    """Metadata as a decode CUDA graph sees it (DecodeGraphs._fill_lora): real segments, then
-    empty ones up to the bucket, every segment sized for the whole batch."""
+    """Metadata as a decode CUDA graph sees it: empty segments up to the bucket, every
+    segment sized for the whole batch."""
     from kernels.lora_meta import LoraBatchMeta
 
-    real = LoraBatchMeta.build(token_slots, device)
-    empty = buckets - real.num_segments
-    ints = lambda t, pad: torch.cat([t.cpu(), torch.tensor(pad, dtype=torch.int32)]).to(device)  # noqa: E731
-    return LoraBatchMeta(
-        token_slots=real.token_slots, sorted_token_ids=real.sorted_token_ids,
-        segment_slots=ints(real.segment_slots, [0] * empty),
-        segment_starts=ints(real.segment_starts, [real.num_active_tokens] * empty),
-        segment_lens=ints(real.segment_lens, [0] * empty), num_segments=buckets,
-        max_segment_len=len(token_slots), num_active_tokens=real.num_active_tokens,
-        segments=real.segments)
+    return LoraBatchMeta.build(token_slots, device).padded_for_graph(buckets, len(token_slots))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
