@@ -174,7 +174,6 @@ def main() -> None:
 
     for n in names:
         chunks = fake_chunks(args.batch, args.context, block, plan[n])
-        graphs._fill(chunks, args.batch, 0)  # sets up the static buffers for the eager profile
         distinct = len(set(plan[n]))
         segments = next((b for b in graphs.segment_buckets(args.batch) if b >= distinct), 0) if distinct else 0
         graphs._fill(chunks, args.batch, segments)
