@@ -9,6 +9,10 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
     python bench/decode_profile.py                       # CUDA: Llama-3.2-1B-shaped, batch 64
     python bench/decode_profile.py --configs base,c32    # a subset
     python bench/decode_profile.py --device cpu --layers 2 --batch 4   # CPU smoke (no graphs)
+    python bench/decode_profile.py --modes overlap,serial --no-profile  # replay times only
+
+LoRA modes, timed side by side: overlap (the engine's default: LoRA on a side stream beside
+each base matmul, adapters/overlap.py) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
@@ -132,9 +136,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--modes", default="overlap,serial", help="LoRA modes: overlap, serial")
+    p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     args = p.parse_args()
 
     from inference_node.adapters.applier import StepLoraApplier
+    from inference_node.adapters.overlap import LoraOverlap
     from inference_node.adapters.slots import SlotBuffers
     from inference_node.engine.decode_graphs import DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
@@ -157,38 +164,56 @@ def main() -> None:
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     total_slots = sum(CONFIGS[n][0] for n in names) or 1
     buffers = SlotBuffers(cfg, total_slots, 16, dtype, device)
-    graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
-                          max_batch=args.batch, max_loras=total_slots,
-                          lora_applier=lambda meta: StepLoraApplier(buffers, meta))
-    graphs.sizes = [args.batch]  # only the batch size profiled here
     first, plan = 0, {}
     for n in names:
         num, rank, targets = CONFIGS[n]
         plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
         first += num
-    t = time.perf_counter()
-    graphs.capture_all()
-    print(f"device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch {args.batch}, "
-          f"context {args.context}, {cfg.num_layers} layers; graphs captured in "
-          f"{time.perf_counter() - t:.1f}s")
-
-    for n in names:
-        chunks = fake_chunks(args.batch, args.context, block, plan[n])
-        distinct = len(set(plan[n]))
-        segments = next((b for b in graphs.segment_buckets(args.batch) if b >= distinct), 0) if distinct else 0
-        graphs._fill(chunks, args.batch, segments)
-        if not cuda:
-            graphs._forward(args.batch, segments)
-            print(f"{n}: eager forward ran (CPU: no timings)")
-            continue
-        fwd = replay_ms(graphs, chunks, args.reps * 5)
-        fams = profile_eager(graphs, args.batch, segments, args.reps)
-        gpu_total = sum(v[0] for v in fams.values())
-        launches = sum(v[1] for v in fams.values())
-        print(f"\n== {n}: graph replay {fwd:.3f} ms; eager kernels {gpu_total / 1e3:.3f} ms GPU time "
-              f"in {launches} launches")
-        for fam, (us, count) in sorted(fams.items(), key=lambda kv: -kv[1][0])[:args.top]:
-            print(f"   {us / 1e3:8.3f} ms  {count:5d} x  {us / max(count, 1):7.1f} us  {fam}")
+    factories = {"overlap": LoraOverlap(buffers, args.batch).applier,
+                 "serial": lambda meta: StepLoraApplier(buffers, meta)}
+    modes = [m for m in args.modes.split(",") if m]
+    replays: dict[tuple[str, str], float] = {}
+    for mode in modes:
+        graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
+                              max_batch=args.batch, max_loras=total_slots,
+                              lora_applier=factories[mode])
+        graphs.sizes = [args.batch]  # only the batch size profiled here
+        t = time.perf_counter()
+        graphs.capture_all()
+        print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
+              f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "
+              f"{time.perf_counter() - t:.1f}s")
+        for n in names:
+            chunks = fake_chunks(args.batch, args.context, block, plan[n])
+            distinct = len(set(plan[n]))
+            segments = next((b for b in graphs.segment_buckets(args.batch) if b >= distinct), 0) if distinct else 0
+            graphs._fill(chunks, args.batch, segments)
+            if not cuda:
+                graphs._forward(args.batch, segments)
+                print(f"[{mode}] {n}: eager forward ran (CPU: no timings)")
+                continue
+            replays[(mode, n)] = fwd = replay_ms(graphs, chunks, args.reps * 5)
+            if args.no_profile:
+                continue
+            fams = profile_eager(graphs, args.batch, segments, args.reps)
+            gpu_total = sum(v[0] for v in fams.values())
+            launches = sum(v[1] for v in fams.values())
+            print(f"\n== [{mode}] {n}: graph replay {fwd:.3f} ms; eager kernels {gpu_total / 1e3:.3f} ms "
+                  f"GPU time in {launches} launches")
+            for fam, (us, count) in sorted(fams.items(), key=lambda kv: -kv[1][0])[:args.top]:
+                print(f"   {us / 1e3:8.3f} ms  {count:5d} x  {us / max(count, 1):7.1f} us  {fam}")
+        del graphs
+    if replays:
+        base = {m: replays.get((m, "base")) for m in modes}
+        print("\ngraph replay of one decode forward, ms (extra over base in brackets)")
+        print("config  " + "".join(f"{m:>20}" for m in modes))
+        for n in names:
+            cells = []
+            for m in modes:
+                ms = replays[(m, n)]
+                extra = f" (+{ms - base[m]:.3f})" if base[m] is not None and n != "base" else ""
+                cells.append(f"{ms:.3f}{extra}".rjust(20))
+            print(f"{n:<8}" + "".join(cells))
 
 
 if __name__ == "__main__":

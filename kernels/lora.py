@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 
 from ._dispatch import use_triton
-from .lora_meta import LoraBatchMeta
+from .lora_meta import MAX_SPLIT_K, LoraBatchMeta
 from .lora_ref import lora_expand_ref, lora_shrink_ref
 
 
@@ -44,15 +44,24 @@ def lora_expand(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBa
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
              b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta, scaling: torch.Tensor,
-             slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None) -> None:
-    """y += LoRA delta of every token's adapter (all slices of a fused projection), in place."""
+             slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None, *,
+             accumulate: bool = True, workspace: torch.Tensor | None = None) -> None:
+    """y += LoRA delta of every token's adapter (all slices of a fused projection), in place.
+    accumulate=False writes the delta into y's adapter rows instead (y is a delta buffer whose
+    other rows the caller keeps at zero); `workspace` is a static float32 buffer for the
+    kernels' intermediate sums (lora_triton.lora_workspace_numel)."""
     if meta.num_active_tokens == 0:
         return
     if use_triton(y):
         triton_impl = _triton_impl()
         if triton_impl is not None:
             triton_impl.add_lora_triton(x, y, a_stacked, b_stacked, meta, scaling, slice_offsets,
-                                        slot_ranks)
+                                        slot_ranks, accumulate=accumulate, workspace=workspace)
             return
-    h = lora_shrink(x, a_stacked, meta, scaling, slot_ranks)
-    lora_expand(h, b_stacked, meta, y, slice_offsets, slot_ranks)
+    h = lora_shrink_ref(x, a_stacked, meta, scaling)
+    lora_expand_ref(h, b_stacked, meta, y, slice_offsets, accumulate=accumulate)
+
+
+def lora_workspace_numel(max_tokens: int, max_slices: int, rank: int) -> int:
+    """Floats of intermediate sums one add_lora call can need (a static workspace's size)."""
+    return MAX_SPLIT_K * max_slices * max_tokens * rank

@@ -15,6 +15,8 @@ import torch
 # contiguous run of the batch else -1): lets the CPU path slice instead of gather.
 HostSegment = tuple[int, int, int, int]
 
+MAX_SPLIT_K = 16  # the most H_in splits a Triton shrink writes partial sums for
+
 
 @dataclass(frozen=True)
 class LoraBatchMeta:

@@ -34,14 +34,17 @@ def lora_shrink_ref(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: Lo
 
 
 def lora_expand_ref(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
-                    y: torch.Tensor, slice_offsets: Sequence[int]) -> None:
-    """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place (fp32 sum, one rounding)."""
+                    y: torch.Tensor, slice_offsets: Sequence[int], accumulate: bool = True) -> None:
+    """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place (fp32 sum, one rounding);
+    accumulate=False writes the delta instead."""
     for slot, start, length, first in meta.segments:
         idx = _token_index(meta, start, length, first)
         for i, b in enumerate(b_stacked):
             off, n_out = slice_offsets[i], b.shape[1]
             delta = torch.matmul(h[i, idx].float(), b[slot].float().t())
-            if isinstance(idx, slice):
+            if not accumulate:
+                y[idx, off:off + n_out] = delta.to(y.dtype)
+            elif isinstance(idx, slice):
                 y[idx, off:off + n_out].add_(delta)  # in place; computed in fp32, rounded once
             else:
                 y[idx, off:off + n_out] = (y[idx, off:off + n_out].float() + delta).to(y.dtype)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_meta import LoraBatchMeta
+from .lora_meta import MAX_SPLIT_K, LoraBatchMeta
 
 _TABLE_CACHE: dict[tuple, torch.Tensor] = {}
 _TABLE_CACHE_MAX = 1024
@@ -107,7 +107,7 @@ def _lora_expand_kernel(
     stride_rank_slice,
     HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     # Program: columns [pid_n*N_SPAN, +N_SPAN) of one slice (in BLOCK_N tiles) for rows
     # [pid_m*ROWS, +ROWS) of one segment (in BLOCK_M tiles). A program's fixed cost is a chain
@@ -137,7 +137,7 @@ def _lora_expand_kernel(
     else:
         rank = R
     if rank <= 0:
-        return  # a zero delta: y is left untouched
+        return  # a zero delta: y is left untouched (also when writing, not accumulating)
     seg_start = tl.load(seg_starts_ptr + seg)
     row_end = tl.minimum(seg_len, row0 + ROWS)
     n_end = tl.minimum(n_out, n_begin + N_SPAN)
@@ -168,8 +168,9 @@ def _lora_expand_kernel(
                 acc = tl.dot(ht.to(bt.dtype), bt)
             y_ptrs = y_rows + (y_col + offs_n)[None, :].to(tl.int64) * stride_yn
             y_mask = mask_m[:, None] & mask_n[None, :]
-            y_old = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, (y_old + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+            if ACCUMULATE:
+                acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def interpreting() -> bool:
@@ -292,16 +293,19 @@ def _split_k(meta: LoraBatchMeta, n_slices: int, k_tiles: int, m_programs: int,
              per_sm: int, device: torch.device) -> int:
     """Splits of H_in so a launch puts about `per_sm` programs on each SM, at most 16."""
     programs = max(1, m_programs * meta.num_segments * n_slices)
-    return max(1, min(16, k_tiles, triton.cdiv(per_sm * _num_sms(device), programs)))
+    return max(1, min(MAX_SPLIT_K, k_tiles, triton.cdiv(per_sm * _num_sms(device), programs)))
 
 
 def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                          scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
                          split_k: int | None = None, zero: bool = True,
-                         tiling: LoraTiling | None = None) -> torch.Tensor:
+                         tiling: LoraTiling | None = None,
+                         workspace: torch.Tensor | None = None) -> torch.Tensor:
     """[split_k, n_slices, T, R] float32 partial sums of x @ A_i[slot].T * scaling[slot] over
     ranges of H_in. zero=False leaves rows of slot -1 and columns past a slot's rank
-    uninitialised: lora_expand_triton never reads them."""
+    uninitialised: lora_expand_triton never reads them. `workspace` (flat float32, at least
+    kernels.lora.lora_workspace_numel elements) holds them instead of a new allocation: a static buffer
+    for work that runs on a side stream inside a CUDA graph."""
     n_slices = len(a_stacked)
     T, K = x.shape
     S, R, K_a = a_stacked[0].shape
@@ -315,8 +319,16 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
     if split_k is None:
         split_k = _split_k(meta, n_slices, k_tiles, m_programs, tiling.programs_per_sm, x.device)
     split_k = max(1, min(split_k, k_tiles))
-    alloc = torch.zeros if zero else torch.empty
-    out = alloc(split_k, n_slices, T, R, dtype=torch.float32, device=x.device)
+    shape = (split_k, n_slices, T, R)
+    if workspace is not None:
+        numel = split_k * n_slices * T * R
+        assert workspace.dtype == torch.float32 and workspace.numel() >= numel, \
+            f"the LoRA workspace holds {workspace.numel()} floats, this call needs {numel}"
+        out = workspace[:numel].view(shape)
+        if zero:
+            out.zero_()
+    else:
+        out = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=x.device)
     if meta.num_segments == 0 or T == 0 or R == 0:
         return out
     a_list = _uniform(a_stacked, (0, 1, 2))
@@ -350,9 +362,12 @@ def lora_shrink_triton(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta:
 def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                        y: torch.Tensor, slice_offsets: Sequence[int],
                        slot_ranks: torch.Tensor | None = None, *,
-                       tiling: LoraTiling | None = None) -> None:
+                       tiling: LoraTiling | None = None, accumulate: bool = True) -> None:
     """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place; slot -1 rows untouched.
-    h is [n_slices, T, R], or [splits, n_slices, T, R] partial sums (lora_shrink_partials)."""
+    h is [n_slices, T, R], or [splits, n_slices, T, R] partial sums (lora_shrink_partials).
+    accumulate=False writes the delta instead of adding it (y is then a delta buffer): the
+    (row, slice) pairs written depend only on the metadata and the ranks, so a buffer zeroed
+    once per step stays zero everywhere else however many layers write it."""
     n_slices = len(b_stacked)
     if h.dim() == 3:
         h = h.unsqueeze(0)
@@ -385,17 +400,22 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
         rank_stride,
         HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit,
         BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_F32=_dot_f32(b_list[0].dtype, y.device), num_warps=tiling.expand_warps,
+        DOT_F32=_dot_f32(b_list[0].dtype, y.device), ACCUMULATE=accumulate,
+        num_warps=tiling.expand_warps,
     )
 
 
 def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
                     b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta, scaling: torch.Tensor,
-                    slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None) -> None:
+                    slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None, *,
+                    accumulate: bool = True, workspace: torch.Tensor | None = None) -> None:
     """y += every token's LoRA delta in two launches: the shrink's split partials go straight
-    to the expand, which adds them (no zero fill, no atomics, no reduction launch)."""
+    to the expand, which adds them (no zero fill, no atomics, no reduction launch).
+    accumulate=False: y receives the delta itself (see lora_expand_triton)."""
     tiling = choose_tiling(meta, a_stacked[0].shape[1], max(b.shape[1] for b in b_stacked),
                            len(b_stacked), y.device)
     partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, zero=False,
-                                    tiling=tiling)
-    lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks, tiling=tiling)
+                                    tiling=tiling, workspace=workspace)
+    lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks, tiling=tiling,
+                       accumulate=accumulate)
+

@@ -12,14 +12,21 @@ from .slots import SlotBuffers
 
 
 class StepLoraApplier:
+    """Adds each delta into its projection's output, after the base matmul (eager steps:
+    prefill and mixed batches)."""
+
     def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta) -> None:
         self.buffers = buffers
         self.meta = meta
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
+        return None
+
+    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         buf = self.buffers.layers[layer][group]
         add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets,
                  slot_ranks=self.buffers.slice_ranks[group])
+        return None
 
 
 def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier:

@@ -395,10 +395,14 @@ class AdapterManager:
         if entry in self.retired:
             self.retired.remove(entry)
 
-    def graph_applier(self, meta):
-        """An applier over these slots for metadata that lives in static (graph) buffers."""
-        from .applier import StepLoraApplier
-        return StepLoraApplier(self.buffers, meta)
+    def graph_appliers(self, max_tokens: int, overlap: bool = True):
+        """Applier factory for decode graphs (metadata in static buffers, up to `max_tokens`
+        rows): LoRA beside the base matmuls (overlap.py), or after them (overlap=False)."""
+        if not overlap:
+            from .applier import StepLoraApplier
+            return lambda meta: StepLoraApplier(self.buffers, meta)
+        from .overlap import LoraOverlap
+        return LoraOverlap(self.buffers, max_tokens).applier
 
     def applier(self, chunks: list[ScheduledChunk]):
         """This step's LoRA applier (None when no scheduled token uses an adapter)."""

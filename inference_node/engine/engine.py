@@ -46,7 +46,7 @@ class LoraProvider(AdapterBinder, Protocol):
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
     def check_consistency(self, live: Iterable[Request]) -> None: ...
     def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
-    def graph_applier(self, meta: Any) -> LoraApplier: ...
+    def graph_appliers(self, max_tokens: int, overlap: bool = True) -> Callable[[Any], LoraApplier]: ...
     max_loras: int
 
 
@@ -61,6 +61,7 @@ class EngineConfig:
     prefix_caching: bool = True
     decode_graphs: bool = False      # decode steps through static buffers (CUDA graphs on CUDA)
     max_graph_batch: int = 64        # largest decode batch replayed from a graph
+    lora_overlap: bool = True        # graph steps run LoRA beside the base matmuls (side stream)
     debug_checks: bool = False
 
 
@@ -87,11 +88,12 @@ class Engine:
         self.kv = KVCache(model.config, config.num_kv_blocks + 1, config.block_size, model.dtype, model.device)
         self.decode_graphs: DecodeGraphs | None = None
         if config.decode_graphs:
+            max_batch = min(config.max_num_seqs, config.max_graph_batch)
             self.decode_graphs = DecodeGraphs(
                 model, self.kv, scratch_block=config.num_kv_blocks, max_model_len=config.max_model_len,
-                max_batch=min(config.max_num_seqs, config.max_graph_batch),
-                max_loras=lora.max_loras if lora is not None else 0,
-                lora_applier=lora.graph_applier if lora is not None else None)
+                max_batch=max_batch, max_loras=lora.max_loras if lora is not None else 0,
+                lora_applier=(lora.graph_appliers(max_batch, config.lora_overlap)
+                              if lora is not None else None))
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens)
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None

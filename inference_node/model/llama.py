@@ -3,7 +3,9 @@
 The projections are fused (q/k/v into one matrix, gate/up into one) so one matmul and one
 LoRA launch serve each group. LoRA enters through a `LoraApplier` that the engine builds
 per step; when no scheduled token uses an adapter the applier is None and the base path
-runs unchanged.
+runs unchanged. An applier either adds its deltas into the projections' outputs, or
+computes them beside the base matmul (a side stream) and hands them to the fused op that
+follows (RoPE, residual add and norm, SiLU), which adds them for free.
 """
 from __future__ import annotations
 
@@ -31,9 +33,14 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 
 
 class LoraApplier(Protocol):
-    """Adds the LoRA deltas of one step's tokens into a fused projection's output."""
+    """The LoRA deltas of one step's tokens for each fused projection."""
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+    def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
+        """Called before the base matmul of `group` is launched: may start the delta beside it."""
+
+    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Called after it: adds the delta into y (returns None), or returns the delta
+        (float32, y's shape) for the next fused op to add."""
 
 
 @dataclass
@@ -68,16 +75,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and the next norm, one kernel when compiled."""
-    hidden = hidden + delta
+def with_lora(y: torch.Tensor, lora_delta: torch.Tensor | None) -> torch.Tensor:
+    """y plus a float32 LoRA delta, rounded once to y's dtype (as the in-place kernels do)."""
+    if lora_delta is None:
+        return y
+    return (y.float() + lora_delta).to(y.dtype)
+
+
+def add_rms_norm(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float,
+                 lora_delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add (of a projection and its LoRA delta) and the next norm, one kernel
+    when compiled."""
+    hidden = hidden + with_lora(out, lora_delta)
     return hidden, rms_norm(hidden, weight, eps)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = with_lora(gate_up, lora_delta).chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def lora_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor,
+              dk: torch.Tensor, dv: torch.Tensor, cos_table: torch.Tensor,
+              sin_table: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v with their LoRA deltas added, q and k rotated: one kernel when compiled."""
+    q, k = rope_qk(with_lora(q, dq), with_lora(k, dk), cos_table, sin_table, positions)
+    return q, k, with_lora(v, dv)
 
 
 class ElementwiseOps:
@@ -86,12 +110,14 @@ class ElementwiseOps:
     fused kernels, which CUDA graphs then replay. LORA_COMPILE=0 keeps them eager."""
 
     def __init__(self, device: torch.device) -> None:
-        self.rms_norm, self.add_rms_norm, self.silu_mul, self.rope = rms_norm, add_rms_norm, silu_mul, rope_qk
+        self.rms_norm, self.add_rms_norm, self.silu_mul = rms_norm, add_rms_norm, silu_mul
+        self.rope, self.lora_rope = rope_qk, lora_rope
         if device.type == "cuda" and os.environ.get("LORA_COMPILE", "1") != "0":
             def compiled(fn):
                 return torch.compile(fn, dynamic=True, fullgraph=True)
             self.rms_norm, self.add_rms_norm = compiled(rms_norm), compiled(add_rms_norm)
             self.silu_mul, self.rope = compiled(silu_mul), compiled(rope_qk)
+            self.lora_rope = compiled(lora_rope)
 
 
 class LlamaModel:
@@ -166,33 +192,43 @@ class LlamaModel:
         hidden = self.embed[batch.input_ids]
         x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            if lora is not None:
-                lora.apply(i, "qkv", x, qkv)
+            qkv, delta = self._project(lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q, k = ops.rope(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim),
-                            self.rope.cos, self.rope.sin, batch.positions)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if delta is None:
+                q, k = ops.rope(q, k, self.rope.cos, self.rope.sin, batch.positions)
+            else:
+                dq, dk, dv = delta.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+                q, k, v = ops.lora_rope(q, k, v, dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),
+                                        self.rope.cos, self.rope.sin, batch.positions)
             k_cache, v_cache = k_caches[i], v_caches[i]
             k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, batch.slot_mapping, k)
             v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, batch.slot_mapping, v)
             attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                    batch.seq_lens, self.scale, batch.max_query_len,
                                    batch.max_seq_len).reshape(-1, cfg.q_size)
-            out = F.linear(attn, layer.o)
-            if lora is not None:
-                lora.apply(i, "o", attn, out)
-            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = F.linear(x, layer.gate_up)
-            if lora is not None:
-                lora.apply(i, "gate_up", x, gate_up)
-            act = ops.silu_mul(gate_up)
-            down = F.linear(act, layer.down)
-            if lora is not None:
-                lora.apply(i, "down", act, down)
+            out, delta = self._project(lora, i, "o", attn, layer.o)
+            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
+            gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
+            act = ops.silu_mul(gate_up, delta)
+            down, delta = self._project(lora, i, "down", act, layer.down)
             if i + 1 < len(self.layers):
-                hidden, x = ops.add_rms_norm(hidden, down, self.layers[i + 1].input_norm, cfg.rms_norm_eps)
+                hidden, x = ops.add_rms_norm(hidden, down, self.layers[i + 1].input_norm,
+                                             cfg.rms_norm_eps, delta)
             else:
-                hidden = hidden + down
+                hidden = hidden + with_lora(down, delta)
         last = rms_norm(hidden[batch.logits_indices], self.final_norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
+
+    @staticmethod
+    def _project(lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
+                 weight: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A fused projection with its LoRA: (output, a delta left for the next op or None)."""
+        if lora is None:
+            return F.linear(x, weight, bias), None
+        lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
+        y = F.linear(x, weight, bias)
+        return y, lora.end(layer, group, x, y)

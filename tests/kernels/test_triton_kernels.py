@@ -74,6 +74,21 @@ def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None,
     assert torch.equal(fused[inactive], case.y[inactive])
     assert torch.equal(fused[:, width:], case.y[:, width:])
 
+    # The side-stream path: the delta written (not added) into a zeroed float32 buffer, the
+    # partial sums in a static workspace; twice, as two layers of one step write it.
+    from kernels.lora import lora_workspace_numel
+    delta_ref = torch.zeros(case.y.shape, dtype=torch.float32, device=case.y.device)
+    lora_expand_ref(h_ref, ref_b, case.meta, delta_ref, case.offsets, accumulate=False)
+    workspace = torch.full((lora_workspace_numel(case.x.shape[0], len(case.a), case.a[0].shape[1]),),
+                           float("nan"), device=case.y.device)
+    delta = torch.zeros_like(delta_ref)
+    for _ in range(2):
+        add_lora_triton(case.x, delta, case.a, case.b, case.meta, case.scaling, case.offsets, ranks,
+                        accumulate=False, workspace=workspace)
+        assert_close_scaled(delta, delta_ref, dtype)
+        assert torch.count_nonzero(delta[inactive]) == 0
+        assert torch.count_nonzero(delta[:, width:]) == 0
+
 
 # ---------------------------------------------------------------------------------------------
 # LoRA shrink / expand
@@ -217,9 +232,9 @@ def test_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) ->
     assert real is not None
 
     class Spy:
-        def add_lora_triton(self, *args):
+        def add_lora_triton(self, *args, **kwargs):
             calls.append("add")
-            return real.add_lora_triton(*args)
+            return real.add_lora_triton(*args, **kwargs)
 
     monkeypatch.setattr(lora, "_triton_impl", lambda: Spy())
     case = make_lora_case(token_slots=[0, -1, 1, 0], num_slots=2, max_rank=8, h_in=32,
