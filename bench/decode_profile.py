@@ -12,7 +12,8 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
     python bench/decode_profile.py --modes overlap,serial --no-profile  # replay times only
 
 LoRA modes, timed side by side: overlap (the engine's default: LoRA on a side stream beside
-each base matmul, adapters/overlap.py) and serial (LoRA added after each matmul).
+each base matmul, adapters/overlap.py), overlap-side-high / overlap-main-high (the same with
+the side or the main stream at high CUDA priority) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
@@ -169,14 +170,19 @@ def main() -> None:
         num, rank, targets = CONFIGS[n]
         plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
         first += num
-    factories = {"overlap": LoraOverlap(buffers, args.batch).applier,
-                 "serial": lambda meta: StepLoraApplier(buffers, meta)}
+    high = -1  # CUDA stream priorities: lower is higher, 0 is the default (lowest)
+    modes_setup = {  # mode: (applier factory, priority of the graph's main stream)
+        "overlap": (LoraOverlap(buffers, args.batch).applier, 0),
+        "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0),
+        "overlap-main-high": (LoraOverlap(buffers, args.batch).applier, high),
+        "serial": (lambda meta: StepLoraApplier(buffers, meta), 0)}
     modes = [m for m in args.modes.split(",") if m]
     replays: dict[tuple[str, str], float] = {}
     for mode in modes:
+        factory, main_priority = modes_setup[mode]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
-                              lora_applier=factories[mode])
+                              lora_applier=factory, capture_priority=main_priority)
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
         graphs.capture_all()

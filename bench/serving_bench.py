@@ -4,6 +4,7 @@ Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one tab
     python bench/serving_bench.py                     # CUDA: Llama-3.2-1B-shaped random bf16 model
     python bench/serving_bench.py --poisson 20        # open loop, Poisson arrivals, Zipf popularity
     python bench/serving_bench.py --device cpu        # CPU: the embedded SmolLM2, small settings
+    python bench/serving_bench.py --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
 
 Rows (every one runs the same requests, in the same process):
   a     base model, LoRA disabled (Engine(lora=None))
@@ -592,6 +593,22 @@ def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
     return s
 
 
+def median_summary(runs: list[Summary]) -> Summary:
+    """One row over several rounds: each numeric column's median (the first error, if any)."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = [r for r in runs if r.error]
+    if failed:
+        return failed[0]
+    merged = dataclasses.replace(runs[0])
+    for f in dataclasses.fields(Summary):
+        values = [getattr(r, f.name) for r in runs]
+        if f.name not in ("key", "label", "error") and all(isinstance(v, (int, float)) for v in values):
+            med = statistics.median(values)
+            setattr(merged, f.name, type(values[0])(med) if isinstance(values[0], int) else med)
+    return merged
+
+
 HEADER = (f"{'row':<6} {'what':<34} {'decode':>9} {'e2e':>9} {'TTFT p50':>9} {'p99':>8} "
           f"{'TPOT p50':>9} {'p99':>8} {'step p50':>9} {'fwd p50':>8} {'floor':>8} {'x floor':>8} "
           f"{'batch':>6} {'adp/st':>6}")
@@ -680,6 +697,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the engine's prefix cache on (off by default: rows share prompts)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run rows a-d this many times, interleaved; report each column's median")
     p.add_argument("--control", action="store_true",
                    help="run row a again after rows b-d (a2) on a fresh engine: shows order/drift effects")
     p.add_argument("--warmup", choices=["full", "short"], default=None,
@@ -813,35 +832,34 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     for line in header:
         print(line, flush=True)
 
-    results: dict[str, RowResult] = {}
+    results: dict[str, list[RowResult]] = {}
 
     def run_guarded(row: Row, fn: Callable[[], RowResult]) -> None:
         t = time.perf_counter()
         try:
-            results[row.key] = fn()
+            result = fn()
         except Exception as exc:  # one broken row must not lose the others
             log.exception("row %s failed", row.key)
-            results[row.key] = RowResult(row.key, row.label, error=f"{type(exc).__name__}: {exc}"[:200])
-        s = summarize(results[row.key], nbytes, bw)
+            result = RowResult(row.key, row.label, error=f"{type(exc).__name__}: {exc}"[:200])
+        results.setdefault(row.key, []).append(result)
+        s = summarize(result, nbytes, bw)
         log.info("row %s done in %.1fs: %s", row.key, time.perf_counter() - t, format_row(s))
         print(f"# {format_row(s)}", file=sys.stderr, flush=True)
 
-    def base_engine_rows(base_rows: list[Row]) -> None:
-        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs)
-        for row in base_rows:
-            run_guarded(row, lambda row=row: run_engine_row(row, engine, specs, args, device))
-        del engine
+    def release() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
 
-    # (a) LoRA disabled.
+    # (a) LoRA disabled: its own engine. (b, c, d) one engine with a slot for every adapter,
+    # all pinned before timing. Both live through every round, so with --rounds N the rows
+    # take turns N times and drift of the machine lands on all of them alike.
     base_rows = [r for r in rows if not r.lora and not r.peft]
-    if base_rows:
-        base_engine_rows(base_rows)
-
-    # (b, c, d) one engine with a slot for every adapter, all pinned before timing.
     lora_rows = [r for r in rows if r.lora]
+    engines: dict[str, object] = {}
+    manager = None
+    if base_rows:
+        engines["base"] = build_engine(model, None, args, max_model_len, num_blocks, use_graphs)
     if lora_rows:
         names = list(dict.fromkeys(n for r in lora_rows for n in r.pool))
         slots = max(len(names), 1)
@@ -851,34 +869,40 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
                                  max_cpu_loras=slots if cuda else 1, pin_host_memory=cuda)
         log.info("LoRA: %d slots, %.2f GB", slots, buffers.nbytes() / 1e9)
         try:
-            engine = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs)
+            engines["lora"] = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs)
             t = time.perf_counter()
-            preload_adapters(engine, manager, names)
+            preload_adapters(engines["lora"], manager, names)
             log.info("%d adapters pinned in slots in %.1fs", len(names), time.perf_counter() - t)
-            for row in lora_rows:
-                run_guarded(row, lambda row=row: run_engine_row(row, engine, specs, args, device))
         except Exception as exc:
             log.exception("LoRA engine failed")
+            engines.pop("lora", None)
             for row in lora_rows:
-                results.setdefault(row.key, RowResult(row.key, row.label, error=f"{type(exc).__name__}: {exc}"[:200]))
-        finally:
-            manager.shutdown()
-        engine = manager = buffers = None
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+                results[row.key] = [RowResult(row.key, row.label, error=f"{type(exc).__name__}: {exc}"[:200])]
+            lora_rows = []
+    for rnd in range(args.rounds):
+        if args.rounds > 1:
+            log.info("round %d of %d", rnd + 1, args.rounds)
+        for row in base_rows + lora_rows:
+            engine = engines["lora" if row.lora else "base"]
+            run_guarded(row, lambda row=row, engine=engine: run_engine_row(row, engine, specs, args, device))
+    if manager is not None:
+        manager.shutdown()
+    engines = engine = manager = buffers = None
+    release()
 
     if control is not None:  # row a again, on a fresh engine: what order and drift alone do
         rows.insert(rows.index(next(r for r in rows if r.key == "a")) + 1, control)
-        base_engine_rows([control])
+        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs)
+        run_guarded(control, lambda: run_engine_row(control, engine, specs, args, device))
+        engine = None
+        release()
     del model
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    release()
     for row in (r for r in rows if r.peft):
         run_guarded(row, lambda row=row: run_peft_row(row, checkpoint, dirs, specs, args, device, dtype))
 
-    summaries = {row.key: summarize(results[row.key], nbytes, bw) for row in rows}
+    per_round = {row.key: [summarize(r, nbytes, bw) for r in results[row.key]] for row in rows}
+    summaries = {key: median_summary(runs) for key, runs in per_round.items()}
     print()
     print(HEADER)
     print(UNITS)
@@ -889,6 +913,12 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     read_32 = 32 * adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) / bw
     for line in ratios(summaries, read_32, "c-32"):
         print(line)
+    if args.rounds > 1:
+        print(f"rounds: {args.rounds}, rows a-d interleaved in each; every column is the median over "
+              f"rounds. decode tok/s per round:")
+        for key, runs in per_round.items():
+            if len(runs) > 1:
+                print(f"  {key:<6} " + "  ".join(f"{r.decode_tps:9.1f}" for r in runs))
     graphs = {k: s.graph_steps for k, s in summaries.items() if s.graph_steps is not None}
     if graphs:
         print("decode steps replayed from CUDA graphs: " + ", ".join(
@@ -902,6 +932,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     if args.json:
         args.json.write_text(json.dumps({
             "header": header, "rows": {k: dataclasses.asdict(s) for k, s in summaries.items()},
+            "rounds": {k: [dataclasses.asdict(r) for r in runs] for k, runs in per_round.items()},
             "copy_bandwidth": bw}, indent=2, default=str))
     return summaries
 

@@ -34,7 +34,9 @@ from .slots import SlotBuffers
 class LoraOverlap:
     """The static buffers and the side stream that decode-graph appliers share."""
 
-    def __init__(self, buffers: SlotBuffers, max_tokens: int) -> None:
+    def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0) -> None:
+        """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
+        torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         device = buffers.device
@@ -45,7 +47,8 @@ class LoraOverlap:
         slices = max(len(m) for m in FUSED_MODULES.values())
         self.workspace = torch.empty(lora_workspace_numel(max_tokens, slices, buffers.max_rank),
                                      dtype=torch.float32, device=device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = (torch.cuda.Stream(device, priority=side_priority)
+                       if device.type == "cuda" else None)
 
     def applier(self, meta: LoraBatchMeta) -> "OverlappedLoraApplier":
         return OverlappedLoraApplier(self, meta)

@@ -43,7 +43,8 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None) -> None:
+                 max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None,
+                 capture_priority: int = 0) -> None:
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -54,6 +55,7 @@ class DecodeGraphs:
         self.max_loras = max_loras
         self.lora_applier = lora_applier
         self.capture = model.device.type == "cuda"
+        self.capture_priority = capture_priority  # the graphs' main branch's CUDA stream priority
         device, B = model.device, self.max_batch
         # Packed inputs: one host->device copy per dtype per step.
         self._host64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=self.capture)
@@ -185,7 +187,7 @@ class DecodeGraphs:
         self._dev32.copy_(self._host32)  # every segment empty: captured LoRA launches do nothing
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.model.device)
+        stream = torch.cuda.Stream(self.model.device, priority=self.capture_priority)
         for size in reversed(self.sizes):
             variants = [0] + (self.segment_buckets(size) if self.lora_applier is not None else [])
             for segments in variants:
@@ -194,7 +196,7 @@ class DecodeGraphs:
                     self._forward(size, segments)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._forward(size, segments)
                 self._graphs[(size, segments)] = (graph, logits)
         torch.cuda.synchronize()
