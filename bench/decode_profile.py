@@ -11,9 +11,10 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
     python bench/decode_profile.py --device cpu --layers 2 --batch 4   # CPU smoke (no graphs)
     python bench/decode_profile.py --modes overlap,serial --no-profile  # replay times only
 
-LoRA modes, timed side by side: overlap (the engine's default: LoRA on a side stream beside
-each base matmul, adapters/overlap.py), overlap-side-high / overlap-main-high (the same with
-the side or the main stream at high CUDA priority) and serial (LoRA added after each matmul).
+LoRA modes, timed side by side (interleaved bursts of graph replays, GPU time): overlap (the
+engine's default: LoRA on a side stream beside each base matmul, adapters/overlap.py, the
+main stream at high CUDA priority), overlap-equal (both streams at default priority),
+overlap-side-high (the side stream high instead) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -113,19 +115,18 @@ def profile_eager(graphs, size: int, segments: int, reps: int) -> dict[str, tupl
     return {k: (v[0], round(v[1])) for k, v in totals.items()}
 
 
-def replay_ms(graphs, chunks, reps: int) -> float:
-    graphs.run(chunks)
+def burst_ms(graph, reps: int) -> float:
+    """Mean time of `reps` back-to-back replays of one captured graph (GPU time: the inputs
+    are already in place, nothing runs on the host between replays)."""
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
+    start.record()
     for _ in range(reps):
-        start.record()
-        graphs.run(chunks)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -135,16 +136,18 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200, help="tokens already in each sequence's KV")
     p.add_argument("--configs", default="base,c1,c8,c32,c64,d32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=20, help="replays per burst, forwards per profile")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--modes", default="overlap,serial", help="LoRA modes: overlap, serial")
+    p.add_argument("--modes", default="overlap,serial",
+                   help="LoRA modes: overlap, overlap-equal, overlap-side-high, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     args = p.parse_args()
 
     from inference_node.adapters.applier import StepLoraApplier
     from inference_node.adapters.overlap import LoraOverlap
     from inference_node.adapters.slots import SlotBuffers
-    from inference_node.engine.decode_graphs import DecodeGraphs
+    from inference_node.engine.decode_graphs import MAIN_STREAM_PRIORITY, DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
@@ -170,14 +173,14 @@ def main() -> None:
         num, rank, targets = CONFIGS[n]
         plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
         first += num
-    high = -1  # CUDA stream priorities: lower is higher, 0 is the default (lowest)
+    high = MAIN_STREAM_PRIORITY  # CUDA stream priorities: lower is higher, 0 the default (lowest)
     modes_setup = {  # mode: (applier factory, priority of the graph's main stream)
-        "overlap": (LoraOverlap(buffers, args.batch).applier, 0),
+        "overlap": (LoraOverlap(buffers, args.batch).applier, high),
+        "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0),
         "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0),
-        "overlap-main-high": (LoraOverlap(buffers, args.batch).applier, high),
-        "serial": (lambda meta: StepLoraApplier(buffers, meta), 0)}
+        "serial": (lambda meta: StepLoraApplier(buffers, meta), high)}
     modes = [m for m in args.modes.split(",") if m]
-    replays: dict[tuple[str, str], float] = {}
+    all_graphs = {}
     for mode in modes:
         factory, main_priority = modes_setup[mode]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
@@ -186,32 +189,46 @@ def main() -> None:
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
         graphs.capture_all()
+        all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "
               f"{time.perf_counter() - t:.1f}s")
-        for n in names:
-            chunks = fake_chunks(args.batch, args.context, block, plan[n])
-            distinct = len(set(plan[n]))
+    # The modes take turns (--rounds times, each a burst of replays) so that drift of the
+    # machine lands on all of them alike; inputs are written once, so this is GPU time only.
+    replays: dict[tuple[str, str], float] = {}
+    for n in names:
+        chunks = fake_chunks(args.batch, args.context, block, plan[n])
+        distinct = len(set(plan[n]))
+        keys = {}
+        for mode, graphs in all_graphs.items():
             segments = next((b for b in graphs.segment_buckets(args.batch) if b >= distinct), 0) if distinct else 0
             graphs._fill(chunks, args.batch, segments)
+            keys[mode] = segments
             if not cuda:
                 graphs._forward(args.batch, segments)
                 print(f"[{mode}] {n}: eager forward ran (CPU: no timings)")
-                continue
-            replays[(mode, n)] = fwd = replay_ms(graphs, chunks, args.reps * 5)
-            if args.no_profile:
-                continue
-            fams = profile_eager(graphs, args.batch, segments, args.reps)
+        if not cuda:
+            continue
+        bursts = {mode: [] for mode in modes}
+        for _ in range(args.rounds):
+            for mode, graphs in all_graphs.items():
+                bursts[mode].append(burst_ms(graphs._graphs[(args.batch, keys[mode])][0], args.reps))
+        for mode in modes:
+            replays[(mode, n)] = statistics.median(bursts[mode])
+        if args.no_profile:
+            continue
+        for mode, graphs in all_graphs.items():
+            fams = profile_eager(graphs, args.batch, keys[mode], args.reps)
             gpu_total = sum(v[0] for v in fams.values())
             launches = sum(v[1] for v in fams.values())
-            print(f"\n== [{mode}] {n}: graph replay {fwd:.3f} ms; eager kernels {gpu_total / 1e3:.3f} ms "
-                  f"GPU time in {launches} launches")
+            print(f"\n== [{mode}] {n}: graph replay {replays[(mode, n)]:.3f} ms; eager kernels "
+                  f"{gpu_total / 1e3:.3f} ms GPU time in {launches} launches")
             for fam, (us, count) in sorted(fams.items(), key=lambda kv: -kv[1][0])[:args.top]:
                 print(f"   {us / 1e3:8.3f} ms  {count:5d} x  {us / max(count, 1):7.1f} us  {fam}")
-        del graphs
     if replays:
         base = {m: replays.get((m, "base")) for m in modes}
-        print("\ngraph replay of one decode forward, ms (extra over base in brackets)")
+        print(f"\ngraph replay of one decode forward, GPU time, ms (extra over base in brackets); "
+              f"median of {args.rounds} interleaved bursts of {args.reps} replays")
         print("config  " + "".join(f"{m:>20}" for m in modes))
         for n in names:
             cells = []
@@ -220,7 +237,6 @@ def main() -> None:
                 extra = f" (+{ms - base[m]:.3f})" if base[m] is not None and n != "base" else ""
                 cells.append(f"{ms:.3f}{extra}".rjust(20))
             print(f"{n:<8}" + "".join(cells))
-
 
 if __name__ == "__main__":
     main()
