@@ -73,7 +73,11 @@ class DecodeGraphs:
         (self.seq_lens, self.token_slots, self.sorted_ids, self.seg_slots, self.seg_starts,
          self.seg_lens) = self._dev32.split(B)
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
-        self._host_table = torch.zeros(B, self.max_blocks, dtype=torch.int32, pin_memory=self.capture)
+        self._host_table = torch.zeros(B * self.max_blocks, dtype=torch.int32, pin_memory=self.capture)
+        # numpy views of the pinned buffers: the host writes a step's inputs from Python lists
+        # in a few slice assignments (torch.tensor per list cost most of a step's fill).
+        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
+        self._np_table = self._host_table.numpy()
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(B, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -99,40 +103,36 @@ class DecodeGraphs:
         return logits[:n]
 
     def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
-        B, n = self.max_batch, len(chunks)
-        ids, pos, slots, lens, table_rows = [], [], [], [], []
-        for c in chunks:
-            req = c.request
-            p = req.num_computed
-            ids.append(req.all_token_ids[p])
-            pos.append(p)
-            slots.append(req.block_ids[p // self.block_size] * self.block_size + p % self.block_size)
-            lens.append(p + 1)
-            table_rows.append(req.block_ids)
-        pad = size - n
-        h64 = self._host64
-        h64[0:n] = torch.tensor(ids)
-        h64[B:B + n] = torch.tensor(pos)
-        h64[2 * B:2 * B + n] = torch.tensor(slots)
-        if pad:  # padding rows: token 0 at position 0, K/V written into the scratch block
+        B, n, bs = self.max_batch, len(chunks), self.block_size
+        reqs = [c.request for c in chunks]
+        pos = [r.num_computed for r in reqs]
+        tables = [r.block_ids for r in reqs]
+        h64, h32 = self._np64, self._np32
+        h64[0:n] = [r.all_token_ids[p] for r, p in zip(reqs, pos)]
+        h64[B:B + n] = pos
+        h64[2 * B:2 * B + n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        if size > n:  # padding rows: token 0 at position 0, K/V written into the scratch block
             h64[n:size] = 0
             h64[B + n:B + size] = 0
             h64[2 * B + n:2 * B + size] = self.scratch_slot
-        h32 = self._host32
-        h32[0:n] = torch.tensor(lens)
+        h32[0:n] = [p + 1 for p in pos]
         h32[n:size] = 1
         if segments:
-            self._fill_lora(h32[B:], [c.request.lora_slot for c in chunks], size, segments)
-        width = max(len(r) for r in table_rows)
-        table = self._host_table[:n, :width]
-        table.copy_(torch.tensor([r + [0] * (width - len(r)) for r in table_rows], dtype=torch.int32))
+            self._fill_lora(h32[B:], [r.lora_slot for r in reqs], size, segments)
+        # The real rows' block tables, packed [n, width] at the front of the pinned buffer
+        # (one contiguous copy). Padding rows keep whatever valid block ids their device rows
+        # hold (never read); a row's entries past its own blocks are never read either.
+        width = max(len(t) for t in tables)
+        table = self._np_table[:n * width].reshape(n, width)
+        for row, t in zip(table, tables):
+            row[:len(t)] = t
         # Non-blocking from pinned memory: the step's sampling syncs before these are rewritten.
-        # Padding rows keep whatever valid block ids their table rows hold (never read).
-        self._dev64.copy_(h64, non_blocking=True)
-        self._dev32.copy_(h32, non_blocking=True)
-        self.block_tables[:n, :width].copy_(table, non_blocking=True)
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+        self.block_tables[:n, :width].copy_(self._host_table[:n * width].view(n, width),
+                                            non_blocking=True)
 
-    def _fill_lora(self, h32: torch.Tensor, token_slots: list[int], size: int, segments: int) -> None:
+    def _fill_lora(self, h32, token_slots: list[int], size: int, segments: int) -> None:
         """Token slots and the per-slot segments (real ones first, then empty ones)."""
         B = self.max_batch
         groups: dict[int, list[int]] = {}
@@ -147,13 +147,17 @@ class DecodeGraphs:
             start += len(groups[slot])
         # The reference kernels (CPU) walk host copies of the groups; Triton reads the buffers.
         self._host_segments = tuple((slot, st, len(groups[slot]), -1) for slot, st in zip(order, starts))
-        empty = segments - len(order)
-        h32[0:size] = torch.tensor(token_slots + [-1] * (size - len(token_slots)), dtype=torch.int32)
-        h32[B:B + size] = torch.tensor(sorted_ids + [0] * (size - len(sorted_ids)), dtype=torch.int32)
-        h32[2 * B:2 * B + segments] = torch.tensor(order + [0] * empty, dtype=torch.int32)
-        h32[3 * B:3 * B + segments] = torch.tensor(starts + [len(sorted_ids)] * empty, dtype=torch.int32)
-        h32[4 * B:4 * B + segments] = torch.tensor([len(groups[s]) for s in order] + [0] * empty,
-                                                   dtype=torch.int32)
+        n, real = len(token_slots), len(order)
+        h32[0:n] = token_slots
+        h32[n:size] = -1
+        h32[B:B + len(sorted_ids)] = sorted_ids
+        h32[B + len(sorted_ids):B + size] = 0
+        h32[2 * B:2 * B + real] = order
+        h32[2 * B + real:2 * B + segments] = 0
+        h32[3 * B:3 * B + real] = starts
+        h32[3 * B + real:3 * B + segments] = len(sorted_ids)
+        h32[4 * B:4 * B + real] = [len(groups[s]) for s in order]
+        h32[4 * B + real:4 * B + segments] = 0
 
     def segment_buckets(self, size: int) -> list[int]:
         """LoRA graphs per batch size, by distinct adapters in the step (1, 2, 4, ... up to
