@@ -75,7 +75,7 @@ def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> 
     per_seq = -(-(context + 1) // block_size)
     chunks = []
     for i in range(batch):
-        req = SimpleNamespace(num_computed=context, all_token_ids=[7] * (context + 1),
+        req = SimpleNamespace(num_computed=context, token_at=lambda index: 7,
                               block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
                               lora_slot=slots[i % len(slots)] if slots else -1)
         chunks.append(SimpleNamespace(request=req, num_new_tokens=1, completes_prompt=True))

@@ -108,7 +108,7 @@ class DecodeGraphs:
         pos = [r.num_computed for r in reqs]
         tables = [r.block_ids for r in reqs]
         h64, h32 = self._np64, self._np32
-        h64[0:n] = [r.all_token_ids[p] for r, p in zip(reqs, pos)]
+        h64[0:n] = [r.token_at(p) for r, p in zip(reqs, pos)]
         h64[B:B + n] = pos
         h64[2 * B:2 * B + n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
         if size > n:  # padding rows: token 0 at position 0, K/V written into the scratch block
