@@ -123,9 +123,11 @@ class DecodeGraphs:
         # (one contiguous copy). Padding rows keep whatever valid block ids their device rows
         # hold (never read); a row's entries past its own blocks are never read either.
         width = max(len(t) for t in tables)
-        table = self._np_table[:n * width].reshape(n, width)
-        for row, t in zip(table, tables):
-            row[:len(t)] = t
+        flat: list[int] = []
+        for t in tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        self._np_table[:n * width] = flat
         # Non-blocking from pinned memory: the step's sampling syncs before these are rewritten.
         self._dev64.copy_(self._host64, non_blocking=True)
         self._dev32.copy_(self._host32, non_blocking=True)

@@ -152,6 +152,8 @@ class Scheduler:
     def _reserve(self, req: Request, num_new: int, scheduled: set[int]) -> bool:
         """Allocates blocks for req's next chunk, preempting later arrivals if needed."""
         needed = self._blocks_needed(req, num_new)
+        if needed == 0:  # most decode steps: the last block still has room
+            return True
         while needed > self.allocator.num_free:
             candidates = [r for r in self.running if r.id not in scheduled and r is not req]
             victim = max(candidates, key=lambda r: (r.arrival, r.id)) if candidates else None
