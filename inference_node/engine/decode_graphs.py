@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from kernels.lora_meta import LoraBatchMeta
@@ -33,8 +34,9 @@ ApplierFactory = Callable[[LoraBatchMeta], LoraApplier]
 # The graphs' main branch (base matmuls, attention, norms) is captured on a high-priority
 # stream, so when LoRA runs beside it on a side stream (adapters/overlap.py) the GPU serves
 # the critical path first and LoRA fills in. H100, batch 64, GPU time of the step's extra
-# over the base model: 32 adapters 1.08 -> 0.89 ms, 32 q/v adapters 0.33 -> 0.26 ms against
-# equal priorities (bench/decode_profile.py; the graphs keep capture-time priorities).
+# over the base model: 32 adapters 0.99 -> 0.81 ms, 32 q/v adapters 0.26 -> 0.18 ms against
+# equal priorities (bench/decode_profile.py, docs/PERFORMANCE.md; the graphs keep
+# capture-time priorities).
 MAIN_STREAM_PRIORITY = -1
 
 
@@ -134,7 +136,7 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(self._host_table[:n * width].view(n, width),
                                             non_blocking=True)
 
-    def _fill_lora(self, h32, token_slots: list[int], size: int, segments: int) -> None:
+    def _fill_lora(self, h32: np.ndarray, token_slots: list[int], size: int, segments: int) -> None:
         """Token slots and the per-slot segments (real ones first, then empty ones)."""
         B = self.max_batch
         groups: dict[int, list[int]] = {}
