@@ -20,8 +20,9 @@ must read (base weights + the distinct adapters' A and B in that step + the KV i
 over) divided by the device-to-device copy bandwidth measured in the same run.
 
 The engine is driven from this thread with `Engine.run_once` (no loop thread), each call timed
-(on CUDA after a synchronize); a step is a decode step when every scheduled chunk is one
-decode token. All adapters are pinned in GPU slots before timing; every row is warmed up first.
+on the host without a synchronize: the engine launches step n+1 before it waits for step n's
+tokens, so in steady state one call lasts one step of the GPU. A step is a decode step when
+every scheduled chunk is one decode token. All adapters are pinned in GPU slots before timing; every row is warmed up first.
 Closed loop (default): a fixed number of requests in flight, request i uses adapter i mod N.
 --poisson RATE: arrivals at RATE requests/s, adapter popularity Zipf(--zipf-alpha).
 """
@@ -203,6 +204,7 @@ class DecodeStep:
     adapters: frozenset[str]
     kv_tokens: int
     forward: float = float("nan")   # the model's forward alone (graph replay or eager), device time
+    marks: list = field(default_factory=list)   # its CUDA event pairs (CPU: seconds) until read
 
 
 @dataclass
@@ -397,14 +399,11 @@ class Driver:
                 pending_step.clear()
                 forward_marks.clear()
                 started = time.perf_counter()
-                engine.run_once(block=False)
-                sync(self.device)
+                engine.run_once(block=False)  # no sync here: the engine overlaps its steps
                 ended = time.perf_counter()
                 if "decode" in pending_step:
                     batch, adapters, kv = pending_step["decode"]
-                    forward = sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) * 1e-3
-                                  for m in forward_marks) if forward_marks else float("nan")
-                    steps.append(DecodeStep(ended - started, batch, adapters, kv, forward))
+                    steps.append(DecodeStep(ended - started, batch, adapters, kv, marks=list(forward_marks)))
                 progress = state["finished"] + sum(r.tokens for r in records)
                 if progress != seen:
                     seen, last_progress = progress, ended
@@ -415,6 +414,11 @@ class Driver:
             del engine.scheduler.schedule  # back to the class's methods
             for obj, name in hooked:
                 delattr(obj, name)
+        sync(self.device)
+        for step in steps:  # CUDA events are read once the device is done with all of them
+            step.forward = sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) * 1e-3
+                               for m in step.marks) if step.marks else float("nan")
+            step.marks = []
         engine.check_consistency()
         errors = [r.error for r in records if r.error]
         if errors:
@@ -923,9 +927,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     if graphs:
         print("decode steps replayed from CUDA graphs: " + ", ".join(
             f"{k} {g}/{summaries[k].decode_steps}" for k, g in graphs.items()))
-    print(f"decode columns: pure-decode steps only; step = one Engine.run_once (scheduling, inputs, "
-          f"forward, sampling, streaming), synchronized; fwd = the forward alone (CUDA events around "
-          f"graph replay or eager forward); floor = (weights + distinct adapters' A,B + KV attended) / "
+    print(f"decode columns: pure-decode steps only; step = one Engine.run_once (schedule and launch "
+          f"step n+1, then wait for and stream step n), host time, no extra sync; fwd = the forward on "
+          f"the device (CUDA events around graph replay or eager forward, queued behind step n); floor = (weights + distinct adapters' A,B + KV attended) / "
           f"copy bandwidth; 'x floor' = p50 of step/floor. e: static batches of {args.concurrency}, "
           f"TTFT taken as if generate streamed. warm-up per row: {args.warmup}; "
           f"total {time.perf_counter() - started:.0f}s")

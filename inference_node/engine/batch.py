@@ -1,7 +1,8 @@
 """Turns a step's scheduled chunks into the flat tensors of one forward pass.
 
 Everything is assembled on the host from Python lists and copied to the device once per
-tensor, so the step has no device synchronisation before sampling.
+tensor, so the step has no device synchronisation before sampling. A token the previous step
+sampled and the host has not read yet is taken from the device token buffer (`feedback`).
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from ..model.llama import ForwardBatch
 from .scheduler import ScheduledChunk
 
 
-def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,
-                        device: torch.device) -> ForwardBatch:
+def build_forward_batch(chunks: list[ScheduledChunk], block_size: int, device: torch.device,
+                        feedback: torch.Tensor | None = None) -> ForwardBatch:
     input_ids: list[int] = []
+    pending_at: list[int] = []     # flat positions whose token is still on the device
+    pending_rows: list[int] = []   # ... and its row in `feedback`
     positions: list[int] = []
     slot_mapping: list[int] = []
     query_start = [0]
@@ -24,8 +27,14 @@ def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,
     for chunk in chunks:
         req, start = chunk.request, chunk.request.num_computed
         end = start + chunk.num_new_tokens
-        tokens = req.all_token_ids
-        input_ids += tokens[start:end]
+        known = req.all_token_ids[start:end]
+        input_ids += known
+        if len(known) < end - start:  # the last token: sampled by the step still in flight
+            if feedback is None or end - start - len(known) > 1:
+                raise RuntimeError(f"request {req.id}: its input token is still on the device")
+            pending_at.append(len(input_ids))
+            pending_rows.append(req.feedback_row)
+            input_ids.append(0)
         positions += range(start, end)
         blocks = req.block_ids
         slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -38,8 +47,11 @@ def build_forward_batch(chunks: list[ScheduledChunk], block_size: int,
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+    ids = tensor(input_ids, torch.long)
+    if pending_at:
+        ids.index_copy_(0, tensor(pending_at, torch.long), feedback[tensor(pending_rows, torch.long)])
     return ForwardBatch(
-        input_ids=tensor(input_ids, torch.long),
+        input_ids=ids,
         positions=tensor(positions, torch.long),
         slot_mapping=tensor(slot_mapping, torch.long),
         block_tables=tensor(tables, torch.int32),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 from kernels.lora_meta import LoraBatchMeta
 from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
+from .request import PENDING_TOKEN
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,28 @@ ApplierFactory = Callable[[LoraBatchMeta], LoraApplier]
 MAIN_STREAM_PRIORITY = -1
 
 
+@dataclass
+class HostInputs:
+    """One step's inputs on the host, with numpy views (the host writes a step's inputs from
+    Python lists in a few slice assignments; torch.tensor per list cost most of a fill)."""
+
+    t64: torch.Tensor
+    t32: torch.Tensor
+    table: torch.Tensor
+    np64: np.ndarray
+    np32: np.ndarray
+    np_table: np.ndarray
+    copied: torch.cuda.Event | None   # recorded after the copies that read these buffers
+
+    @classmethod
+    def allocate(cls, batch: int, max_blocks: int, pinned: bool) -> "HostInputs":
+        t64 = torch.zeros(4 * batch, dtype=torch.int64, pin_memory=pinned)
+        t32 = torch.zeros(6 * batch, dtype=torch.int32, pin_memory=pinned)
+        table = torch.zeros(batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
+        return cls(t64, t32, table, t64.numpy(), t32.numpy(), table.numpy(),
+                   torch.cuda.Event() if pinned else None)
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8: a decode step pads to the next size up."""
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
@@ -53,7 +77,8 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None,
-                 capture_priority: int = MAIN_STREAM_PRIORITY) -> None:
+                 capture_priority: int = MAIN_STREAM_PRIORITY,
+                 feedback: torch.Tensor | None = None) -> None:
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -66,20 +91,20 @@ class DecodeGraphs:
         self.capture = model.device.type == "cuda"
         self.capture_priority = capture_priority  # the graphs' main branch's CUDA stream priority
         device, B = model.device, self.max_batch
+        # The tokens the previous step sampled (engine.token_feedback); a row whose token is
+        # still on the device reads it from there inside the graph.
+        self.feedback = feedback if feedback is not None else torch.zeros(1, dtype=torch.long, device=device)
         # Packed inputs: one host->device copy per dtype per step.
-        self._host64 = torch.zeros(3 * B, dtype=torch.int64, pin_memory=self.capture)
-        self._host32 = torch.zeros(6 * B, dtype=torch.int32, pin_memory=self.capture)
-        self._dev64 = torch.zeros(3 * B, dtype=torch.int64, device=device)
+        self._dev64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(6 * B, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._dev64.split(B)
+        self.input_ids, self.positions, self.slot_mapping, self.feedback_rows = self._dev64.split(B)
         (self.seq_lens, self.token_slots, self.sorted_ids, self.seg_slots, self.seg_starts,
          self.seg_lens) = self._dev32.split(B)
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
-        self._host_table = torch.zeros(B * self.max_blocks, dtype=torch.int32, pin_memory=self.capture)
-        # numpy views of the pinned buffers: the host writes a step's inputs from Python lists
-        # in a few slice assignments (torch.tensor per list cost most of a step's fill).
-        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
-        self._np_table = self._host_table.numpy()
+        # Two sets of pinned host buffers, used in turn: the host writes step n+1's inputs
+        # while step n (and possibly its input copy) is still queued on the GPU.
+        self._host = [HostInputs.allocate(B, self.max_blocks, self.capture) for _ in range(2)]
+        self._turn = 0
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(B, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -106,17 +131,25 @@ class DecodeGraphs:
 
     def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
         B, n, bs = self.max_batch, len(chunks), self.block_size
+        host = self._host[self._turn]
+        self._turn ^= 1
+        if host.copied is not None:
+            host.copied.synchronize()  # the copy of two steps ago: long done
         reqs = [c.request for c in chunks]
         pos = [r.num_computed for r in reqs]
         tables = [r.block_ids for r in reqs]
-        h64, h32 = self._np64, self._np32
-        h64[0:n] = [r.token_at(p) for r, p in zip(reqs, pos)]
+        h64, h32 = host.np64, host.np32
+        tokens = [r.token_at(p) for r, p in zip(reqs, pos)]
+        h64[0:n] = tokens
         h64[B:B + n] = pos
         h64[2 * B:2 * B + n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        # A row whose token the previous step sampled reads it on the device (-1: from input_ids).
+        h64[3 * B:3 * B + n] = [-1 if t != PENDING_TOKEN else r.feedback_row for t, r in zip(tokens, reqs)]
         if size > n:  # padding rows: token 0 at position 0, K/V written into the scratch block
             h64[n:size] = 0
             h64[B + n:B + size] = 0
             h64[2 * B + n:2 * B + size] = self.scratch_slot
+            h64[3 * B + n:3 * B + size] = -1
         h32[0:n] = [p + 1 for p in pos]
         h32[n:size] = 1
         if segments:
@@ -129,12 +162,13 @@ class DecodeGraphs:
         for t in tables:
             flat += t
             flat += [0] * (width - len(t))
-        self._np_table[:n * width] = flat
-        # Non-blocking from pinned memory: the step's sampling syncs before these are rewritten.
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
-        self.block_tables[:n, :width].copy_(self._host_table[:n * width].view(n, width),
-                                            non_blocking=True)
+        host.np_table[:n * width] = flat
+        # Non-blocking from pinned memory; `copied` tells the fill that next uses these buffers.
+        self._dev64.copy_(host.t64, non_blocking=True)
+        self._dev32.copy_(host.t32, non_blocking=True)
+        self.block_tables[:n, :width].copy_(host.table[:n * width].view(n, width), non_blocking=True)
+        if host.copied is not None:
+            host.copied.record()
 
     def _fill_lora(self, h32: np.ndarray, token_slots: list[int], size: int, segments: int) -> None:
         """Token slots and the per-slot segments (real ones first, then empty ones)."""
@@ -171,8 +205,10 @@ class DecodeGraphs:
 
     def _forward(self, size: int, segments: int) -> torch.Tensor:
         """One padded decode forward; `segments` LoRA groups (0: the base path)."""
+        rows = self.feedback_rows[:size]
+        input_ids = torch.where(rows >= 0, self.feedback[rows.clamp(min=0)], self.input_ids[:size])
         batch = ForwardBatch(
-            input_ids=self.input_ids[:size], positions=self.positions[:size],
+            input_ids=input_ids, positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             logits_indices=self.logits_indices[:size], max_query_len=1, max_seq_len=self.max_seq_len)
@@ -194,12 +230,12 @@ class DecodeGraphs:
         if not self.capture:
             return
         started = time.monotonic()
-        self._host64.zero_()
-        self._host64[2 * self.max_batch:] = self.scratch_slot
-        self._host32.zero_()
-        self._host32[:self.max_batch] = 1
-        self._dev64.copy_(self._host64)
-        self._dev32.copy_(self._host32)  # every segment empty: captured LoRA launches do nothing
+        B = self.max_batch
+        self._dev64.zero_()
+        self._dev64[2 * B:3 * B] = self.scratch_slot
+        self._dev64[3 * B:] = -1
+        self._dev32.zero_()
+        self._dev32[:B] = 1  # every segment empty: captured LoRA launches do nothing
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.model.device, priority=self.capture_priority)

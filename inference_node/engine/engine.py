@@ -3,6 +3,14 @@
 Other threads (gRPC handlers) only talk to it through a command queue (`submit`, `abort`,
 `call`), and receive results through each request's `emit` callback, so no lock guards
 model state.
+
+Steps are pipelined one deep: the loop schedules and launches step n+1, then waits for step
+n's sampled tokens and streams them while the GPU runs step n+1. Step n+1 reads the tokens
+step n sampled on the device (TokenFeedback), so the host's scheduling, input writes and
+streaming overlap the GPU instead of adding to each step. A request that step n ends by
+length is not scheduled again; one that it ends by EOS or a stop string has step n+1's token
+for it dropped (its KV blocks are freed first, which is safe: any later use of them is queued
+behind step n+1 on the same stream).
 """
 from __future__ import annotations
 
@@ -18,9 +26,10 @@ from .batch import build_forward_batch
 from .decode_graphs import DecodeGraphs
 from .kv_cache import BlockAllocator, KVCache
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
-from .request import Request, StreamEvent
-from .sampler import sample
+from .request import Request, Status, StreamEvent
+from .sampler import sample_on_device
 from .scheduler import AdapterBinder, ScheduledChunk, Scheduler, SchedulerConfig
+from .token_feedback import SampledTokens, TokenFeedback
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +75,15 @@ class EngineConfig:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; its tokens not yet read."""
+
+    chunks: list[ScheduledChunk]
+    sampling: list[Request]
+    tokens: SampledTokens
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     generated_tokens: int = 0
@@ -86,6 +104,8 @@ class Engine:
         self.allocator = BlockAllocator(config.num_kv_blocks)
         # One block more than the allocator hands out: the scratch block of padded graph rows.
         self.kv = KVCache(model.config, config.num_kv_blocks + 1, config.block_size, model.dtype, model.device)
+        self.feedback = TokenFeedback(config.max_num_seqs, model.device)
+        self._launched: LaunchedStep | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if config.decode_graphs:
             max_batch = min(config.max_num_seqs, config.max_graph_batch)
@@ -93,7 +113,8 @@ class Engine:
                 model, self.kv, scratch_block=config.num_kv_blocks, max_model_len=config.max_model_len,
                 max_batch=max_batch, max_loras=lora.max_loras if lora is not None else 0,
                 lora_applier=(lora.graph_appliers(max_batch, config.lora_overlap)
-                              if lora is not None else None))
+                              if lora is not None else None),
+                feedback=self.feedback.tokens)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens)
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
@@ -176,10 +197,11 @@ class Engine:
         """One loop iteration: commands, adapter progress, one step. The loop thread calls it;
         a test or benchmark that never starts the thread may drive the engine with it."""
         adapters_busy = self.lora is not None and self.lora.busy()
-        self._drain_commands(block=block and not self.scheduler.has_work() and not adapters_busy)
+        idle = not self.scheduler.has_work() and not adapters_busy and self._launched is None
+        self._drain_commands(block=block and idle)
         if self.lora is not None:
             self._prepare_adapters()
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._launched is not None:
             self._step()
         elif adapters_busy and block:
             self._drain_commands(block=True, timeout=0.005)
@@ -219,10 +241,23 @@ class Engine:
             self._finish(req, "error", error=error)
 
     def _step(self) -> None:
+        """Launches the next step, then reads and streams the previous one's tokens."""
         chunks = self.scheduler.schedule()
-        if not chunks:  # e.g. every waiting request waits for its adapter
-            self._drain_commands(block=True, timeout=0.005)
+        if not chunks:  # e.g. every running request waits for its last token, or for an adapter
+            if self._launched is not None:
+                self._resolve()
+            else:
+                self._drain_commands(block=True, timeout=0.005)
             return
+        launched = self._launch(chunks)
+        if self._launched is not None:
+            self._resolve()
+        self._launched = launched
+        if self.config.debug_checks:
+            self.check_consistency()
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
+        """Queues the step's forward and sampling; the requests' counters move on at once."""
         sampling = [c.request for c in chunks if c.completes_prompt]
         try:
             distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
@@ -231,33 +266,59 @@ class Engine:
                 logits = self.decode_graphs.run(chunks)
                 self.stats.graph_steps += 1
             else:
-                batch = build_forward_batch(chunks, self.config.block_size, self.model.device)
+                batch = build_forward_batch(chunks, self.config.block_size, self.model.device,
+                                            self.feedback.tokens)
                 applier = self.lora.applier(chunks) if self.lora is not None else None
                 logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
-            tokens = sample(logits, sampling)
+            tokens = self.feedback.publish(sample_on_device(logits, sampling))
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
             log.exception("engine step failed")
             for c in chunks:
                 self._finish(c.request, "error", error=exc)
-            return
+            return None
         self.stats.steps += 1
         for c in chunks:
             req = c.request
             if req.num_computed < len(req.prompt_token_ids):
                 self.stats.prompt_tokens += min(c.num_new_tokens, len(req.prompt_token_ids) - req.num_computed)
             req.num_computed += c.num_new_tokens
-            if self.prefix_cache is not None:
-                self.prefix_cache.insert(req)
-        for req, token in zip(sampling, tokens):
-            self._on_token(req, token)
+        for row, req in enumerate(sampling):
+            req.num_pending += 1
+            req.feedback_row = row
+            req.last_token_pending = (len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
+                                      or req.num_tokens >= self.config.max_model_len)
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
-        if self.config.debug_checks:
-            self.check_consistency()
+        return LaunchedStep(chunks, sampling, tokens)
 
-    def _on_token(self, req: Request, token: int) -> None:
+    def _resolve(self) -> None:
+        """Waits for the launched step's tokens and streams them. Requests that ended (or were
+        cancelled) since it was launched drop theirs."""
+        step, self._launched = self._launched, None
+        try:
+            tokens = step.tokens.wait()
+        except Exception as exc:  # a device error surfaces here, at the step's one sync
+            log.exception("engine step failed")
+            for c in step.chunks:
+                self._finish(c.request, "error", error=exc)
+            return
+        for req, token in zip(step.sampling, tokens):
+            if req.status is Status.FINISHED:
+                continue
+            req.num_pending -= 1
+            req.output_token_ids.append(token)
+        if self.prefix_cache is not None:  # now that the blocks' tokens are known on the host
+            for c in step.chunks:
+                if c.request.status is not Status.FINISHED:
+                    self.prefix_cache.insert(c.request)
+        for req in step.sampling:
+            if req.status is not Status.FINISHED:
+                self._on_token(req)
+
+    def _on_token(self, req: Request) -> None:
+        """The newest known token of req: stop checks, then stream it."""
         self.stats.generated_tokens += 1
-        req.output_token_ids.append(token)
+        token = req.output_token_ids[-1]
         reason = None
         is_eos = token in self.eos_ids and not req.params.ignore_eos
         if req.text is not None and not is_eos:
@@ -265,7 +326,7 @@ class Engine:
         if is_eos or (req.text is not None and req.text.stopped):
             reason = "stop"
         elif (len(req.output_token_ids) >= req.params.max_tokens
-              or req.num_tokens >= self.config.max_model_len):
+              or req.num_known_tokens >= self.config.max_model_len):
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
@@ -292,6 +353,7 @@ class Engine:
         if self._requests.pop(req.id, None) is None:
             return
         self.scheduler.remove(req)
+        req.num_pending = 0  # a token still on the device for it is dropped
         with self._inflight_lock:
             self._inflight -= 1
         self._emit(req, reason, error)

@@ -104,7 +104,8 @@ class PrefixCache:
     def insert(self, request: Request) -> None:
         """Indexes the request's full blocks whose KV is now computed."""
         namespace = request.cache_namespace
-        full = request.num_computed // self.block_size
+        # Blocks whose every token is computed and known on the host (not still on the device).
+        full = min(request.num_computed, request.num_known_tokens) // self.block_size
         if request.num_indexed_blocks >= full:
             return
         if namespace in self._dropped:

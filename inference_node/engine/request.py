@@ -13,6 +13,10 @@ from .detokenizer import TextStream
 
 _ids = itertools.count(1)
 
+# token_at's answer for a position whose token was sampled but is still on the device: the
+# step that reads it takes it from the engine's device token buffer (TokenFeedback).
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -79,19 +83,35 @@ class Request:
     adapter_version: str = ""
     adapter_entry: Any = None
     preemptions: int = 0
+    # Sampled tokens still on the device (the engine launches step n+1 before it reads step
+    # n's tokens): they count in num_tokens and come after output_token_ids. feedback_row is
+    # the newest one's row in the engine's device token buffer; last_token_pending says the
+    # newest one ends the request by length, so it is not scheduled again.
+    num_pending: int = 0
+    feedback_row: int = -1
+    last_token_pending: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The tokens known on the host (the pending ones are not)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def token_at(self, index: int) -> int:
         """all_token_ids[index] without building the joined list (a decode step asks this of
-        every running request)."""
+        every running request); PENDING_TOKEN for a token still on the device."""
         prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < prompt else self.output_token_ids[index - prompt]
+        if index < prompt:
+            return self.prompt_token_ids[index]
+        index -= prompt
+        return self.output_token_ids[index] if index < len(self.output_token_ids) else PENDING_TOKEN
 
     @property
     def num_tokens(self) -> int:
+        """Known and pending tokens: what the scheduler plans with."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

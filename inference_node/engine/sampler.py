@@ -24,8 +24,15 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [N, vocab] float32 (row i belongs to requests[i]). One device sync per step."""
+    """logits: [N, vocab] float32 (row i belongs to requests[i]); waits for the device."""
+    return sample_on_device(logits, requests).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The chosen tokens [N] int64, left on the logits' device (queued, no sync)."""
     greedy = logits.argmax(dim=-1)
+    if all(req.params.greedy for req in requests):
+        return greedy
     chosen = greedy.clone()
     for i, req in enumerate(requests):
         if req.params.greedy:
@@ -36,4 +43,4 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             req.generator.manual_seed(seed)
         probs = filter_logits(logits[i], req.params).softmax(-1)
         chosen[i] = torch.multinomial(probs, 1, generator=req.generator)[0]
-    return chosen.tolist()
+    return chosen

@@ -11,6 +11,10 @@ When a running request needs a KV block and none is free, the latest-arrived run
 request is preempted: its blocks are released (its full blocks stay as prefix cache) and
 it is recomputed later from its prompt plus the tokens it already streamed, under the same
 adapter version it keeps bound, so its output does not change.
+
+The engine schedules step n+1 before it has read step n's tokens: a request's num_tokens
+counts its pending token, and a request whose pending token is its last by length
+(Request.last_token_pending) is not scheduled again.
 """
 from __future__ import annotations
 
@@ -98,8 +102,8 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status is not Status.RUNNING or req.last_token_pending:
+                continue  # preempted earlier in this loop, or its last token is being sampled
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._reserve(req, n, scheduled):
                 continue
@@ -139,6 +143,8 @@ class Scheduler:
         """Oldest waiting request whose adapter is bound (a preempted one) or can be bound
         now (binding it); and whether it was bound just now."""
         for req in self.waiting:
+            if req.last_token_pending:
+                continue  # preempted while its last token was being sampled: it ends with it
             if req.adapter_entry is not None:
                 return req, False
             if self.binder.try_bind(req):
