@@ -204,6 +204,7 @@ class DecodeStep:
     adapters: frozenset[str]
     kv_tokens: int
     forward: float = float("nan")   # the model's forward alone (graph replay or eager), device time
+    host: float = float("nan")      # the part of `seconds` not spent waiting for sampled tokens
     marks: list = field(default_factory=list)   # its CUDA event pairs (CPU: seconds) until read
 
 
@@ -297,6 +298,7 @@ class Driver:
     def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
             max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
         from inference_node.engine.request import Request, SamplingParams
+        from inference_node.engine.token_feedback import SampledTokens
 
         engine = self.engine
         records = [ReqRecord() for _ in specs]
@@ -374,6 +376,19 @@ class Driver:
                     depth[0] -= 1
             return wrapper
 
+        # Time blocked on the device for sampled tokens: the rest of a step is host work. When
+        # host work is shorter than the GPU's step, the GPU sets the pace.
+        waited = [0.0]
+        original_wait = SampledTokens.wait
+
+        def timed_wait(tokens):
+            t = time.perf_counter()
+            try:
+                return original_wait(tokens)
+            finally:
+                waited[0] += time.perf_counter() - t
+
+        SampledTokens.wait = timed_wait
         hooked = [(engine.model, "forward")]
         if getattr(engine, "decode_graphs", None) is not None:
             hooked.append((engine.decode_graphs, "run"))
@@ -398,12 +413,14 @@ class Driver:
                         continue
                 pending_step.clear()
                 forward_marks.clear()
+                waited[0] = 0.0
                 started = time.perf_counter()
                 engine.run_once(block=False)  # no sync here: the engine overlaps its steps
                 ended = time.perf_counter()
                 if "decode" in pending_step:
                     batch, adapters, kv = pending_step["decode"]
-                    steps.append(DecodeStep(ended - started, batch, adapters, kv, marks=list(forward_marks)))
+                    steps.append(DecodeStep(ended - started, batch, adapters, kv,
+                                            host=ended - started - waited[0], marks=list(forward_marks)))
                 progress = state["finished"] + sum(r.tokens for r in records)
                 if progress != seen:
                     seen, last_progress = progress, ended
@@ -411,6 +428,7 @@ class Driver:
                     raise RuntimeError(f"no progress for {self.stall_seconds:.0f}s "
                                        f"({state['finished']}/{len(specs)} finished)")
         finally:
+            SampledTokens.wait = original_wait
             del engine.scheduler.schedule  # back to the class's methods
             for obj, name in hooked:
                 delattr(obj, name)
@@ -561,6 +579,7 @@ class Summary:
     tpot_p99: float = float("nan")
     step_p50: float = float("nan")
     forward_p50: float = float("nan")
+    host_p50: float = float("nan")
     floor_p50: float = float("nan")
     over_floor: float = float("nan")
     batch: float = float("nan")
@@ -589,6 +608,7 @@ def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
         floors = [nbytes.step(st.batch, st.adapters, st.kv_tokens) / bw for st in steps]
         s.step_p50 = pct([st.seconds for st in steps], 50)
         s.forward_p50 = pct([st.forward for st in steps if not math.isnan(st.forward)], 50)
+        s.host_p50 = pct([st.host for st in steps if not math.isnan(st.host)], 50)
         s.floor_p50 = pct(floors, 50)
         s.over_floor = pct([st.seconds / f for st, f in zip(steps, floors)], 50)
         s.batch = statistics.fmean(st.batch for st in steps)
@@ -614,10 +634,10 @@ def median_summary(runs: list[Summary]) -> Summary:
 
 
 HEADER = (f"{'row':<6} {'what':<34} {'decode':>9} {'e2e':>9} {'TTFT p50':>9} {'p99':>8} "
-          f"{'TPOT p50':>9} {'p99':>8} {'step p50':>9} {'fwd p50':>8} {'floor':>8} {'x floor':>8} "
+          f"{'TPOT p50':>9} {'p99':>8} {'step p50':>9} {'fwd p50':>8} {'host p50':>8} {'floor':>8} {'x floor':>8} "
           f"{'batch':>6} {'adp/st':>6}")
 UNITS = (f"{'':<6} {'':<34} {'tok/s':>9} {'tok/s':>9} {'ms':>9} {'ms':>8} "
-         f"{'ms':>9} {'ms':>8} {'ms':>9} {'ms':>8} {'ms':>8} {'':>8} {'':>6} {'':>6}")
+         f"{'ms':>9} {'ms':>8} {'ms':>9} {'ms':>8} {'ms':>8} {'ms':>8} {'':>8} {'':>6} {'':>6}")
 
 
 def _ms(seconds: float, width: int) -> str:
@@ -629,7 +649,7 @@ def format_row(s: Summary) -> str:
         return f"{s.key:<6} {s.label:<34} FAILED: {s.error}"
     return (f"{s.key:<6} {s.label:<34} {s.decode_tps:9.1f} {s.e2e_tps:9.1f} {s.ttft_p50 * 1e3:9.1f} "
             f"{s.ttft_p99 * 1e3:8.1f} {s.tpot_p50 * 1e3:9.2f} {s.tpot_p99 * 1e3:8.2f} "
-            f"{s.step_p50 * 1e3:9.2f} {_ms(s.forward_p50, 8)} {s.floor_p50 * 1e3:8.3f} {s.over_floor:7.2f}x {s.batch:6.1f} "
+            f"{s.step_p50 * 1e3:9.2f} {_ms(s.forward_p50, 8)} {_ms(s.host_p50, 8)} {s.floor_p50 * 1e3:8.3f} {s.over_floor:7.2f}x {s.batch:6.1f} "
             f"{s.adapters_per_step:6.1f}")
 
 
@@ -929,7 +949,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
             f"{k} {g}/{summaries[k].decode_steps}" for k, g in graphs.items()))
     print(f"decode columns: pure-decode steps only; step = one Engine.run_once (schedule and launch "
           f"step n+1, then wait for and stream step n), host time, no extra sync; fwd = the forward on "
-          f"the device (CUDA events around graph replay or eager forward, queued behind step n); floor = (weights + distinct adapters' A,B + KV attended) / "
+          f"the device (CUDA events around graph replay or eager forward, queued behind step n); host = "
+          f"step minus the wait for sampled tokens; floor = (weights + distinct adapters' A,B + KV attended) / "
           f"copy bandwidth; 'x floor' = p50 of step/floor. e: static batches of {args.concurrency}, "
           f"TTFT taken as if generate streamed. warm-up per row: {args.warmup}; "
           f"total {time.perf_counter() - started:.0f}s")
