@@ -96,15 +96,15 @@ def family(name: str) -> str:
     return name[:60]
 
 
-def profile_eager(graphs, size: int, segments: int, reps: int) -> dict[str, tuple[float, int]]:
+def profile_eager(graphs, key: tuple[int, int, int], reps: int) -> dict[str, tuple[float, int]]:
     """GPU microseconds and launches per forward, by kernel family."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs._forward(size, segments)
+    graphs._forward(*key)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            graphs._forward(size, segments)
+            graphs._forward(*key)
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():
@@ -178,14 +178,15 @@ def main() -> None:
         "overlap": (LoraOverlap(buffers, args.batch).applier, high),
         "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0),
         "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0),
-        "serial": (lambda meta: StepLoraApplier(buffers, meta), high)}
+        "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high)}
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:
         factory, main_priority = modes_setup[mode]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
-                              lora_applier=factory, capture_priority=main_priority)
+                              lora_applier=factory, capture_priority=main_priority,
+                              groups_of=buffers.groups_of)
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
         graphs.capture_all()
@@ -203,22 +204,22 @@ def main() -> None:
         for mode, graphs in all_graphs.items():
             segments = next((b for b in graphs.segment_buckets(args.batch) if b >= distinct), 0) if distinct else 0
             graphs._fill(chunks, args.batch, segments)
-            keys[mode] = segments
+            keys[mode] = (args.batch, segments, graphs.variant_for(set(plan[n])) if distinct else 0)
             if not cuda:
-                graphs._forward(args.batch, segments)
+                graphs._forward(*keys[mode])
                 print(f"[{mode}] {n}: eager forward ran (CPU: no timings)")
         if not cuda:
             continue
         bursts = {mode: [] for mode in modes}
         for _ in range(args.rounds):
             for mode, graphs in all_graphs.items():
-                bursts[mode].append(burst_ms(graphs._graphs[(args.batch, keys[mode])][0], args.reps))
+                bursts[mode].append(burst_ms(graphs._graphs[keys[mode]][0], args.reps))
         for mode in modes:
             replays[(mode, n)] = statistics.median(bursts[mode])
         if args.no_profile:
             continue
         for mode, graphs in all_graphs.items():
-            fams = profile_eager(graphs, args.batch, keys[mode], args.reps)
+            fams = profile_eager(graphs, keys[mode], args.reps)
             gpu_total = sum(v[0] for v in fams.values())
             launches = sum(v[1] for v in fams.values())
             print(f"\n== [{mode}] {n}: graph replay {replays[(mode, n)]:.3f} ms; eager kernels "

@@ -288,12 +288,14 @@ class Driver:
     """Runs one row's requests through an engine from this thread and records everything."""
 
     def __init__(self, engine, device: torch.device, concurrency: int, poisson: bool,
-                 stall_seconds: float = 300.0) -> None:
+                 stall_seconds: float = 300.0, trace: Path | None = None,
+                 trace_steps: tuple[int, int] = (100, 110)) -> None:
         self.engine = engine
         self.device = device
         self.concurrency = concurrency
         self.poisson = poisson
         self.stall_seconds = stall_seconds
+        self.trace, self.trace_steps = trace, trace_steps
 
     def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
             max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
@@ -400,6 +402,7 @@ class Driver:
                 for _ in range(min(self.concurrency, len(specs))):
                     submit_next(t0)
             last_progress, seen = time.perf_counter(), 0
+            tracer = None
             while state["finished"] < len(specs):
                 now = time.perf_counter()
                 if self.poisson:
@@ -411,6 +414,7 @@ class Driver:
                         wait = t0 + specs[order[state["next"]]].arrival - now
                         time.sleep(max(0.0, min(wait, 0.01)))
                         continue
+                tracer = self._trace(tracer, len(steps))
                 pending_step.clear()
                 forward_marks.clear()
                 waited[0] = 0.0
@@ -444,6 +448,25 @@ class Driver:
         return records, steps
 
 
+    def _trace(self, tracer, decode_steps: int):
+        """--trace: a torch.profiler trace (host and device) of decode steps [first, last)."""
+        first, last = self.trace_steps
+        if self.trace is None or decode_steps < first:
+            return tracer
+        if tracer is None and decode_steps == first:
+            tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                            + ([torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
+            tracer.__enter__()
+        elif tracer is not None and decode_steps >= last:
+            sync(self.device)
+            tracer.__exit__(None, None, None)
+            self.trace.parent.mkdir(parents=True, exist_ok=True)
+            tracer.export_chrome_trace(str(self.trace))
+            self.trace = None
+            return None
+        return tracer
+
+
 def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) -> None:
     """Loads and pins every adapter into a GPU slot (this thread drives the engine loop)."""
     pending, failed = set(names), []
@@ -470,7 +493,8 @@ def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) 
 
 def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.device) -> RowResult:
     result = RowResult(row.key, row.label)
-    driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
+    trace = args.trace / f"{row.key}.json" if args.trace else None
+    driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson), trace=trace)
     adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
     # Warm-up, untimed: "full" runs the row's whole workload once (every prefill/decode shape
     # the timed run meets, so no Triton compile lands in it); "short": one batch, few tokens.
@@ -732,6 +756,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and adapters here")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="write a torch.profiler trace of decode steps 100-109 per row to DIR/ROW.json")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)

@@ -1,5 +1,6 @@
 """Per-step LoRA application: the kernels' metadata is built once per step from each
-token's slot, then every layer's fused projections add their deltas in one launch each."""
+token's slot, then every layer's fused projections add their deltas in one launch each.
+Groups that no adapter in the step targets (the MLP, for q/v adapters) launch nothing."""
 from __future__ import annotations
 
 import torch
@@ -15,14 +16,19 @@ class StepLoraApplier:
     """Adds each delta into its projection's output, after the base matmul (eager steps:
     prefill and mixed batches)."""
 
-    def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta) -> None:
+    def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta,
+                 groups: frozenset[str] | None = None) -> None:
+        """groups: the fused groups to apply (None: all)."""
         self.buffers = buffers
         self.meta = meta
+        self.groups = groups
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         return None
 
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.groups is not None and group not in self.groups:
+            return None
         buf = self.buffers.layers[layer][group]
         add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets,
                  slot_ranks=self.buffers.slice_ranks[group])
@@ -33,4 +39,5 @@ def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLor
     token_slots: list[int] = []
     for chunk in chunks:
         token_slots += [chunk.request.lora_slot] * chunk.num_new_tokens
-    return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device))
+    groups = buffers.groups_of(c.request.lora_slot for c in chunks)
+    return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device), groups)

@@ -400,9 +400,13 @@ class AdapterManager:
         rows): LoRA beside the base matmuls (overlap.py), or after them (overlap=False)."""
         if not overlap:
             from .applier import StepLoraApplier
-            return lambda meta: StepLoraApplier(self.buffers, meta)
+            return lambda meta, groups=None: StepLoraApplier(self.buffers, meta, groups)
         from .overlap import LoraOverlap
         return LoraOverlap(self.buffers, max_tokens).applier
+
+    def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
+        """The fused projection groups the adapters in these slots target."""
+        return self.buffers.groups_of(slots)
 
     def applier(self, chunks: list[ScheduledChunk]):
         """This step's LoRA applier (None when no scheduled token uses an adapter)."""

@@ -50,18 +50,21 @@ class LoraOverlap:
         self.stream = (torch.cuda.Stream(device, priority=side_priority)
                        if device.type == "cuda" else None)
 
-    def applier(self, meta: LoraBatchMeta) -> "OverlappedLoraApplier":
-        return OverlappedLoraApplier(self, meta)
+    def applier(self, meta: LoraBatchMeta, groups: frozenset[str] | None = None) -> "OverlappedLoraApplier":
+        return OverlappedLoraApplier(self, meta, groups)
 
 
 class OverlappedLoraApplier:
     """One step's LoRA on the side stream; `end` joins it and returns the group's delta."""
 
-    def __init__(self, overlap: LoraOverlap, meta: LoraBatchMeta) -> None:
+    def __init__(self, overlap: LoraOverlap, meta: LoraBatchMeta,
+                 groups: frozenset[str] | None = None) -> None:
+        """groups: the fused groups to apply (None: all); the others launch nothing."""
         tokens = meta.num_tokens
         assert tokens <= overlap.max_tokens, f"{tokens} tokens, delta buffers hold {overlap.max_tokens}"
         self.overlap, self.meta = overlap, meta
-        self.deltas = {group: d[:tokens] for group, d in overlap.deltas.items()}
+        self.deltas = {group: d[:tokens] for group, d in overlap.deltas.items()
+                       if groups is None or group in groups}
         with self._side():
             for delta in self.deltas.values():
                 delta.zero_()
@@ -75,6 +78,8 @@ class OverlappedLoraApplier:
         return torch.cuda.stream(stream)
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
+        if group not in self.deltas:
+            return
         buffers = self.overlap.buffers
         buf = buffers.layers[layer][group]
         with self._side():
@@ -82,7 +87,9 @@ class OverlappedLoraApplier:
                      slot_ranks=buffers.slice_ranks[group], accumulate=False,
                      workspace=self.overlap.workspace)
 
-    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        if group not in self.deltas:
+            return None
         if self.overlap.stream is not None:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         return self.deltas[group]

@@ -7,6 +7,7 @@ the engine when the slot is ready, so the running batch is not stalled by the co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -48,6 +49,9 @@ class SlotBuffers:
         # o or MLP work).
         self.slice_ranks = {group: torch.zeros(len(modules), max_loras, dtype=torch.int32, device=device)
                             for group, modules in FUSED_MODULES.items()}
+        # Host mirror: the fused groups each slot's adapter targets, so a step whose adapters
+        # all leave a group alone launches nothing for it (groups_of).
+        self.slot_groups: list[frozenset[str]] = [frozenset()] * max_loras
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def nbytes(self) -> int:
@@ -83,11 +87,22 @@ class SlotBuffers:
         for group, modules in FUSED_MODULES.items():
             values = [rank if m in targeted else 0 for m in modules]
             self.slice_ranks[group][:, slot] = torch.tensor(values, dtype=torch.int32)
+        self.slot_groups[slot] = frozenset(
+            g for g, modules in FUSED_MODULES.items() if rank > 0 and any(m in targeted for m in modules))
 
     def clear(self, slot: int) -> None:
         self.scaling[slot] = 0.0
         for ranks in self.slice_ranks.values():
             ranks[:, slot] = 0
+        self.slot_groups[slot] = frozenset()
+
+    def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
+        """The fused groups any of these slots targets (slot -1: none)."""
+        groups: frozenset[str] = frozenset()
+        for slot in set(slots):
+            if slot >= 0:
+                groups |= self.slot_groups[slot]
+        return groups
 
 
 class _nullcontext:

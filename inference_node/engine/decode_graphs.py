@@ -9,6 +9,9 @@ What makes a step capturable: every shape is fixed by the padded batch size (row
 real ones write their K/V into a scratch block and are never read), the attention kernel is
 sized for the longest context the node allows, and the LoRA kernels are sized for a bucket of
 distinct adapters (one graph per bucket), reading the real segments' lengths from device memory.
+LoRA graphs also come in variants by the fused projection groups they apply (LORA_GROUP_
+VARIANTS): a step whose adapters only target q/k/v (PEFT's default for Llama is q and v)
+replays a graph with no o or MLP launches.
 
 On a CPU the same static-buffer path runs eagerly (no capture), so CI tests the padding and
 the metadata that the GPU graphs replay.
@@ -24,14 +27,21 @@ import numpy as np
 import torch
 
 from kernels.lora_meta import LoraBatchMeta
-from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
+from ..model.llama import FUSED_MODULES, ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
-ApplierFactory = Callable[[LoraBatchMeta], LoraApplier]
+ApplierFactory = Callable[[LoraBatchMeta, frozenset[str]], LoraApplier]
+GroupsOf = Callable[[list[int]], frozenset[str]]
+
+# Which fused groups a LoRA graph applies, smallest first; a step replays the first variant
+# that covers every group its adapters target. The last one is all of them.
+ALL_GROUPS = frozenset(FUSED_MODULES)
+LORA_GROUP_VARIANTS: tuple[frozenset[str], ...] = (
+    frozenset({"qkv"}), frozenset({"qkv", "o"}), ALL_GROUPS)
 
 # The graphs' main branch (base matmuls, attention, norms) is captured on a high-priority
 # stream, so when LoRA runs beside it on a side stream (adapters/overlap.py) the GPU serves
@@ -78,7 +88,10 @@ class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None,
                  capture_priority: int = MAIN_STREAM_PRIORITY,
-                 feedback: torch.Tensor | None = None) -> None:
+                 feedback: torch.Tensor | None = None, groups_of: GroupsOf | None = None,
+                 group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS) -> None:
+        """groups_of(slots): the fused groups those adapter slots target; None: every LoRA
+        step replays the all-groups variant."""
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -88,6 +101,10 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.max_loras = max_loras
         self.lora_applier = lora_applier
+        self.groups_of = groups_of
+        self.group_variants = group_variants if groups_of is not None else (ALL_GROUPS,)
+        assert self.group_variants[-1] == ALL_GROUPS, "the last variant must apply every group"
+        self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
         self.capture = model.device.type == "cuda"
         self.capture_priority = capture_priority  # the graphs' main branch's CUDA stream priority
         device, B = model.device, self.max_batch
@@ -107,7 +124,7 @@ class DecodeGraphs:
         self._turn = 0
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(B, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
 
     # -- the step ------------------------------------------------------------------------------
@@ -118,16 +135,26 @@ class DecodeGraphs:
         """Logits [len(chunks), vocab] of a decode step."""
         n = len(chunks)
         size = next(s for s in self.sizes if s >= n)
-        distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
-        segments = 0
-        if distinct and self.lora_applier is not None:
-            segments = next(b for b in self.segment_buckets(size) if b >= distinct)
+        slots = {c.request.lora_slot for c in chunks if c.request.lora_slot >= 0}
+        segments = variant = 0
+        if slots and self.lora_applier is not None:
+            segments = next(b for b in self.segment_buckets(size) if b >= len(slots))
+            variant = self.variant_for(slots)
         self._fill(chunks, size, segments)
+        key = (size, segments, variant)
+        self.replays[key] = self.replays.get(key, 0) + 1
         if not self.capture:
-            return self._forward(size, segments)[:n]
-        graph, logits = self._graphs[(size, segments)]
+            return self._forward(*key)[:n]
+        graph, logits = self._graphs[key]
         graph.replay()
         return logits[:n]
+
+    def variant_for(self, slots: set[int]) -> int:
+        """Index of the smallest group variant that covers what these adapter slots target."""
+        if self.groups_of is None:
+            return len(self.group_variants) - 1
+        groups = self.groups_of(list(slots))
+        return next(i for i, v in enumerate(self.group_variants) if groups <= v)
 
     def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
         B, n, bs = self.max_batch, len(chunks), self.block_size
@@ -203,8 +230,9 @@ class DecodeGraphs:
         cap = max(1, min(size, self.max_loras))
         return sorted({b for b in (1 << i for i in range(cap.bit_length())) if b < cap} | {cap})
 
-    def _forward(self, size: int, segments: int) -> torch.Tensor:
-        """One padded decode forward; `segments` LoRA groups (0: the base path)."""
+    def _forward(self, size: int, segments: int, variant: int = 0) -> torch.Tensor:
+        """One padded decode forward; `segments` LoRA segments (0: the base path), applying
+        the fused groups of group_variants[variant]."""
         rows = self.feedback_rows[:size]
         input_ids = torch.where(rows >= 0, self.feedback[rows.clamp(min=0)], self.input_ids[:size])
         batch = ForwardBatch(
@@ -221,7 +249,7 @@ class DecodeGraphs:
                 segment_slots=self.seg_slots[:segments], segment_starts=self.seg_starts[:segments],
                 segment_lens=self.seg_lens[:segments], num_segments=segments, max_segment_len=size,
                 num_active_tokens=size, segments=() if self.capture else self._host_segments)
-            applier = self.lora_applier(meta)
+            applier = self.lora_applier(meta, self.group_variants[variant])
         return self.model.forward(batch, self.kv.k, self.kv.v, applier)
 
     # -- capture ---------------------------------------------------------------------------------
@@ -240,18 +268,21 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.model.device, priority=self.capture_priority)
         for size in reversed(self.sizes):
-            variants = [0] + (self.segment_buckets(size) if self.lora_applier is not None else [])
-            for segments in variants:
+            keys = [(size, 0, 0)]
+            if self.lora_applier is not None:
+                keys += [(size, b, v) for b in self.segment_buckets(size) for v in range(len(self.group_variants))]
+            for key in keys:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
-                    self._forward(size, segments)
+                    self._forward(*key)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward(size, segments)
-                self._graphs[(size, segments)] = (graph, logits)
+                    logits = self._forward(*key)
+                self._graphs[key] = (graph, logits)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1fs", len(self._graphs),
                  ",".join(map(str, self.sizes)),
-                 ", without LoRA and by distinct adapters" if self.lora_applier is not None else "",
+                 ", without LoRA and by distinct adapters and targeted groups"
+                 if self.lora_applier is not None else "",
                  time.monotonic() - started)

@@ -55,7 +55,8 @@ class LoraProvider(AdapterBinder, Protocol):
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
     def check_consistency(self, live: Iterable[Request]) -> None: ...
     def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
-    def graph_appliers(self, max_tokens: int, overlap: bool = True) -> Callable[[Any], LoraApplier]: ...
+    def graph_appliers(self, max_tokens: int, overlap: bool = True) -> Callable[..., LoraApplier]: ...
+    def groups_of(self, slots: Iterable[int]) -> frozenset[str]: ...
     max_loras: int
 
 
@@ -114,7 +115,8 @@ class Engine:
                 max_batch=max_batch, max_loras=lora.max_loras if lora is not None else 0,
                 lora_applier=(lora.graph_appliers(max_batch, config.lora_overlap)
                               if lora is not None else None),
-                feedback=self.feedback.tokens)
+                feedback=self.feedback.tokens,
+                groups_of=lora.groups_of if lora is not None else None)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens)
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None

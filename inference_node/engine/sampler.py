@@ -24,12 +24,14 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [N, vocab] float32 (row i belongs to requests[i]); waits for the device."""
+    """logits: [N, vocab] (row i belongs to requests[i]); waits for the device."""
     return sample_on_device(logits, requests).tolist()
 
 
 def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """The chosen tokens [N] int64, left on the logits' device (queued, no sync)."""
+    """The chosen tokens [N] int64, left on the logits' device (queued, no sync). Greedy rows
+    take the argmax of the logits as they are (widening bf16 to float32 is exact, so the
+    choice is the same); sampled rows are widened to float32 first."""
     greedy = logits.argmax(dim=-1)
     if all(req.params.greedy for req in requests):
         return greedy
@@ -41,6 +43,6 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
             req.generator = torch.Generator(device=logits.device)
             seed = req.params.seed if req.params.seed is not None else torch.seed()
             req.generator.manual_seed(seed)
-        probs = filter_logits(logits[i], req.params).softmax(-1)
+        probs = filter_logits(logits[i].float(), req.params).softmax(-1)
         chosen[i] = torch.multinomial(probs, 1, generator=req.generator)[0]
     return chosen

@@ -187,7 +187,9 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor], lora: LoraApplier | None = None) -> torch.Tensor:
-        """Runs all layers over the step's tokens; returns logits [N, vocab] (float32)."""
+        """Runs all layers over the step's tokens; returns logits [N, vocab] in the model's
+        dtype (the sampler widens only the rows it samples from: a greedy argmax needs no
+        float32 copy of 64 x vocab logits)."""
         cfg, ops = self.config, self.ops
         hidden = self.embed[batch.input_ids]
         x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
@@ -220,7 +222,7 @@ class LlamaModel:
             else:
                 hidden = hidden + with_lora(down, delta)
         last = rms_norm(hidden[batch.logits_indices], self.final_norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return F.linear(last, self.lm_head)
 
     @staticmethod
     def _project(lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,

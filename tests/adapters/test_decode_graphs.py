@@ -58,3 +58,47 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, tiny_llama_path, t
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(device, tiny_llama_path,
+                                                                            tmp_path) -> None:
+    """q/v adapters replay graphs without o or MLP launches; a step that also holds an MLP
+    adapter replays the all-groups graph. Outputs match PEFT either way."""
+    root = tmp_path / "adapters"
+    chosen = {"qv-r4": ADAPTERS["qv-r4"], "mlp-r16": ADAPTERS["mlp-r16"]}
+    for seed, (name, (rank, alpha, targets, rs)) in enumerate(chosen.items()):
+        make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
+                                      num_kv_blocks=64, max_num_seqs=4, max_loras=2, max_lora_rank=16,
+                                      adapter_dir=str(root), decode_graphs="on", max_graph_batch=4,
+                                      debug_checks=True))
+    try:
+        graphs = node.engine.decode_graphs
+        qkv_only = graphs.group_variants.index(frozenset({"qkv"}))
+        everything = len(graphs.group_variants) - 1
+
+        def run(name: str, prompt: list[int]) -> list[int]:
+            with NodeClient(node.address) as client:
+                return client.generate(client.request(adapter=name, prompt_token_ids=prompt, max_tokens=6,
+                                                      ignore_eos=True), timeout=300).token_ids
+
+        # Phase 1: q/v adapter and base requests only.
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(run, ["qv-r4", "", "qv-r4", ""], prompts))
+        lora_keys = {k for k in graphs.replays if k[1] > 0}
+        assert lora_keys and {k[2] for k in lora_keys} == {qkv_only}
+        # Phase 2: the q/v adapter next to the MLP adapter in the same steps.
+        graphs.replays.clear()
+        with ThreadPoolExecutor(4) as pool:
+            got += list(pool.map(run, ["qv-r4", "mlp-r16", "qv-r4", "mlp-r16"], prompts))
+        assert everything in {k[2] for k in graphs.replays if k[1] > 0}
+        folders = {"": None, **{n: root / n for n in chosen}}
+        names = ["qv-r4", "", "qv-r4", "", "qv-r4", "mlp-r16", "qv-r4", "mlp-r16"]
+        expected = [peft_greedy(tiny_llama_path, folders[n], [p], 6)[0] for n, p in zip(names, prompts * 2)]
+        assert got == expected
+        node.check_idle()
+    finally:
+        node.stop()
