@@ -21,8 +21,8 @@ over) divided by the device-to-device copy bandwidth measured in the same run.
 
 The engine is driven from this thread with `Engine.run_once` (no loop thread), each call timed
 on the host without a synchronize: the engine launches step n+1 before it waits for step n's
-tokens, so in steady state one call lasts one step of the GPU. A step is a decode step when
-every scheduled chunk is one decode token. All adapters are pinned in GPU slots before timing; every row is warmed up first.
+tokens, so in steady state one call lasts one step of the GPU, and its time is charged to
+step n. A step is a decode step when every scheduled chunk is one decode token. All adapters are pinned in GPU slots before timing; every row is warmed up first.
 Closed loop (default): a fixed number of requests in flight, request i uses adapter i mod N.
 --poisson RATE: arrivals at RATE requests/s, adapter popularity Zipf(--zipf-alpha).
 """
@@ -346,6 +346,8 @@ class Driver:
 
         def schedule():
             chunks = original()
+            if chunks:
+                pending_step["launched"] = True
             if chunks and all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks):
                 pending_step["decode"] = (
                     len(chunks), frozenset(c.request.adapter for c in chunks if c.request.adapter),
@@ -403,6 +405,7 @@ class Driver:
                     submit_next(t0)
             last_progress, seen = time.perf_counter(), 0
             tracer = None
+            outstanding = None  # (decode info or None, forward marks) of the step not yet read
             while state["finished"] < len(specs):
                 now = time.perf_counter()
                 if self.poisson:
@@ -421,10 +424,17 @@ class Driver:
                 started = time.perf_counter()
                 engine.run_once(block=False)  # no sync here: the engine overlaps its steps
                 ended = time.perf_counter()
-                if "decode" in pending_step:
-                    batch, adapters, kv = pending_step["decode"]
+                # A call launches step n+1 and then waits for step n, so in steady state it lasts
+                # as long as step n on the GPU: its time belongs to the step launched before it
+                # (a decode step right after a long prefill step is not charged for the prefill).
+                if outstanding is not None and outstanding[0] is not None:
+                    (batch, adapters, kv), marks = outstanding
                     steps.append(DecodeStep(ended - started, batch, adapters, kv,
-                                            host=ended - started - waited[0], marks=list(forward_marks)))
+                                            host=ended - started - waited[0], marks=marks))
+                if pending_step.get("launched"):
+                    outstanding = (pending_step.get("decode"), list(forward_marks))
+                elif outstanding is not None:
+                    outstanding = None  # this call only read it
                 progress = state["finished"] + sum(r.tokens for r in records)
                 if progress != seen:
                     seen, last_progress = progress, ended
@@ -503,8 +513,15 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
     else:
         Driver(engine, device, args.concurrency, poisson=False).run(
             specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
+    # Engine.start freezes start-up objects out of the garbage collector; this process's own
+    # set-up (checkpoint, adapters, other rows) is frozen the same way before timing.
+    gc.collect()
+    gc.freeze()
     graph_before = getattr(engine.stats, "graph_steps", None)
-    result.records, result.steps = driver.run(specs, adapter_of)
+    try:
+        result.records, result.steps = driver.run(specs, adapter_of)
+    finally:
+        gc.unfreeze()
     if graph_before is not None:
         result.graph_steps = engine.stats.graph_steps - graph_before
     return result
@@ -974,7 +991,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
         print("decode steps replayed from CUDA graphs: " + ", ".join(
             f"{k} {g}/{summaries[k].decode_steps}" for k, g in graphs.items()))
     print(f"decode columns: pure-decode steps only; step = one Engine.run_once (schedule and launch "
-          f"step n+1, then wait for and stream step n), host time, no extra sync; fwd = the forward on "
+          f"step n+1, then wait for and stream step n), charged to step n, host time, no extra sync; fwd = the forward on "
           f"the device (CUDA events around graph replay or eager forward, queued behind step n); host = "
           f"step minus the wait for sampled tokens; floor = (weights + distinct adapters' A,B + KV attended) / "
           f"copy bandwidth; 'x floor' = p50 of step/floor. e: static batches of {args.concurrency}, "
