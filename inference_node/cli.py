@@ -77,7 +77,8 @@ def parser() -> EnvArgumentParser:
                        help="seconds an adapter load keeps retrying and resuming from the store before "
                             "its waiting requests get UNAVAILABLE")
     serve.add_argument("--max-adapter-mb", type=float, default=1024.0,
-                       help="largest adapter fetched from the store (FAILED_PRECONDITION above)")
+                       help="largest adapter fetched from the store or read from --adapter-dir "
+                            "(FAILED_PRECONDITION above)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
     serve.add_argument("--debug-checks", action="store_true",

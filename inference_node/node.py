@@ -57,7 +57,7 @@ class NodeSettings:
     store_token: str | None = field(default=None, repr=False)       # bearer token sent to the store
     adapter_fetch_timeout_s: float = 60.0  # a load retries the store this long, then UNAVAILABLE
     limits: RequestLimits = field(default_factory=RequestLimits)
-    max_adapter_bytes: int = 1 << 30   # adapters fetched from the store
+    max_adapter_bytes: int = 1 << 30   # adapters fetched from the store or read from --adapter-dir
 
 
 @dataclass
@@ -149,6 +149,7 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
                              token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes,
                              fetch_deadline_s=settings.adapter_fetch_timeout_s)
     elif settings.adapter_dir:
-        source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank)
+        source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank,
+                                max_bytes=settings.max_adapter_bytes)
     buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
     return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=device.type == "cuda")

@@ -63,10 +63,12 @@ class LocalDirSource:
     The version is derived from the files' content, so replacing the files is a new version.
     """
 
-    def __init__(self, root: Path, model: ModelConfig, max_rank: int) -> None:
+    def __init__(self, root: Path, model: ModelConfig, max_rank: int, max_bytes: int = 0) -> None:
+        """max_bytes > 0: larger adapters are refused before they are read into memory."""
         self.root = root.resolve()
         self.model = model
         self.max_rank = max_rank
+        self.max_bytes = max_bytes
 
     def load(self, name: str, version: str) -> AdapterWeights:
         try:
@@ -80,6 +82,10 @@ class LocalDirSource:
             raise AdapterNotFound(f"adapter {name!r} not found in {self.root}")
         if not weights_path.is_file():
             raise AdapterRejected(f"adapter {name!r} has no {WEIGHTS_FILE} (pickle weights are never loaded)")
+        size = config_path.stat().st_size + weights_path.stat().st_size
+        if self.max_bytes and size > self.max_bytes:
+            raise AdapterRejected(f"adapter {name!r} is {size / 1e6:.1f} MB; this node loads adapters up to "
+                                  f"{self.max_bytes / 1e6:.1f} MB (--max-adapter-mb)")
         for _ in range(3):
             before = _identity(config_path, weights_path)
             config_bytes = config_path.read_bytes()

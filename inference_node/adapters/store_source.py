@@ -76,6 +76,7 @@ class CatalogWatcher:
         self.on_update = on_update
         self.on_delete = on_delete
         self.stop_event = threading.Event()
+        self.retry_delay, self.max_retry_delay = 1.0, 60.0  # after a final watch error
         self.thread = threading.Thread(target=self._run, name="catalog-watch", daemon=True)
 
     def start(self) -> None:
@@ -85,16 +86,28 @@ class CatalogWatcher:
         self.stop_event.set()
 
     def _run(self) -> None:
-        try:
-            for event in self.client.watch(reconnect=True, stop=self.stop_event):
-                if event.kind == UPDATED and event.adapter is not None:
-                    name, version = event.adapter.name, event.adapter.version
-                    log.info("catalog: %s has a new version %s", name, version[:12])
-                    self.post(lambda: self.on_update(name, version))
-                elif event.kind == DELETED and event.adapter is not None:
-                    name = event.adapter.name
-                    log.info("catalog: %s was deleted", name)
-                    self.post(lambda: self.on_delete(name))
-        except Exception:  # the node keeps serving; loads still go to the store
-            if not self.stop_event.is_set():
-                log.exception("catalog watch ended")
+        """Watches until stopped. The client reconnects after transient errors itself; a final
+        one (a wrong token, a refused certificate) is logged and retried with a growing delay,
+        so a store whose credentials are fixed later is followed again without a node restart."""
+        delay = self.retry_delay
+        while not self.stop_event.is_set():
+            try:
+                for event in self.client.watch(reconnect=True, stop=self.stop_event):
+                    delay = self.retry_delay
+                    self._apply(event)
+            except Exception as exc:  # the node keeps serving; loads still go to the store
+                if self.stop_event.is_set():
+                    return
+                log.error("catalog watch failed, retrying in %.0fs: %s", delay, exc)
+                self.stop_event.wait(delay)
+                delay = min(delay * 2, self.max_retry_delay)
+
+    def _apply(self, event) -> None:
+        if event.kind == UPDATED and event.adapter is not None:
+            name, version = event.adapter.name, event.adapter.version
+            log.info("catalog: %s has a new version %s", name, version[:12])
+            self.post(lambda: self.on_update(name, version))
+        elif event.kind == DELETED and event.adapter is not None:
+            name = event.adapter.name
+            log.info("catalog: %s was deleted", name)
+            self.post(lambda: self.on_delete(name))

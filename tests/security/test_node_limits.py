@@ -163,3 +163,22 @@ def refusal_with_timeout(client: NodeClient, timeout: float, **request: object) 
     with pytest.raises(grpc.RpcError) as err:
         client.generate(client.request(**request), timeout=timeout)
     return err.value
+
+
+def test_an_adapter_dir_adapter_above_the_size_limit_is_refused_before_it_is_read(tiny_llama_path,
+                                                                                  tmp_path) -> None:
+    make_peft_adapter(tiny_llama_path, tmp_path / "small", 4, 8.0, ["q_proj"], seed=1)
+    make_peft_adapter(tiny_llama_path, tmp_path / "large", 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=2)
+    small = sum(f.stat().st_size for f in (tmp_path / "small").iterdir())
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=2,
+                                      max_lora_rank=4, adapter_dir=str(tmp_path), max_adapter_bytes=small + 64))
+    try:
+        with NodeClient(node.address) as client:
+            err = refusal(client, adapter="large", prompt_token_ids=[5, 6], max_tokens=2)
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "'large'" in err.details() and "(--max-adapter-mb)" in err.details()
+            assert len(client.generate(client.request(adapter="small", prompt_token_ids=[5, 6], max_tokens=2,
+                                                      ignore_eos=True), 30).token_ids) == 2
+        node.check_idle()
+    finally:
+        node.stop()
