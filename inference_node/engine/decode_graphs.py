@@ -2,8 +2,8 @@
 
 A decode step launches a few hundred small kernels; at serving batch sizes their launch cost,
 not the bytes they move, would set the step time. A graph records one step per batch size
-over static input buffers; each later step writes its inputs into those buffers (two host-to
--device copies) and replays the whole forward with one launch.
+over static input buffers; each later step writes its inputs into those buffers (three host-
+to-device copies) and replays the whole forward with one launch.
 
 What makes a step capturable: every shape is fixed by the padded batch size (rows past the
 real ones write their K/V into a scratch block and are never read), the attention kernel is

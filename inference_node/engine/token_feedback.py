@@ -30,7 +30,6 @@ class SampledTokens:
 
 class TokenFeedback:
     def __init__(self, max_rows: int, device: torch.device) -> None:
-        self.device = device
         self.cuda = device.type == "cuda"
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=device)
         # Two host buffers: step n+1's copy is queued while the host has not yet read step n's.
