@@ -23,11 +23,6 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: [N, vocab] (row i belongs to requests[i]); waits for the device."""
-    return sample_on_device(logits, requests).tolist()
-
-
 def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """The chosen tokens [N] int64, left on the logits' device (queued, no sync). Greedy rows
     take the argmax of the logits as they are (widening bf16 to float32 is exact, so the

@@ -5,7 +5,12 @@ import torch
 
 from inference_node.engine.detokenizer import TextStream
 from inference_node.engine.request import Request, SamplingParams
-from inference_node.engine.sampler import filter_logits, sample
+from inference_node.engine.sampler import filter_logits, sample_on_device
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """The engine's sampling, read back on the host."""
+    return sample_on_device(logits, requests).tolist()
 
 
 def request(**params: object) -> Request:
