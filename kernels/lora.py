@@ -45,18 +45,22 @@ def lora_expand(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBa
 def add_lora(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
              b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta, scaling: torch.Tensor,
              slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None, *,
-             accumulate: bool = True, workspace: torch.Tensor | None = None) -> None:
+             accumulate: bool = True, workspace: torch.Tensor | None = None,
+             rank_col: int | None = None) -> None:
     """y += LoRA delta of every token's adapter (all slices of a fused projection), in place.
     accumulate=False writes the delta into y's adapter rows instead (y is a delta buffer whose
     other rows the caller keeps at zero); `workspace` is a static float32 buffer for the
-    kernels' intermediate sums (lora_triton.lora_workspace_numel)."""
+    kernels' intermediate sums (lora_triton.lora_workspace_numel); `rank_col`, with
+    meta.segment_table, lets the Triton kernels read each segment's slot, rows and this
+    projection's ranks from one table row (LoraBatchMeta.segment_table)."""
     if meta.num_active_tokens == 0:
         return
     if use_triton(y):
         triton_impl = _triton_impl()
         if triton_impl is not None:
             triton_impl.add_lora_triton(x, y, a_stacked, b_stacked, meta, scaling, slice_offsets,
-                                        slot_ranks, accumulate=accumulate, workspace=workspace)
+                                        slot_ranks, accumulate=accumulate, workspace=workspace,
+                                        rank_col=rank_col)
             return
     h = lora_shrink_ref(x, a_stacked, meta, scaling)
     lora_expand_ref(h, b_stacked, meta, y, slice_offsets, accumulate=accumulate)

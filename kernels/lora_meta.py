@@ -6,6 +6,7 @@ read device memory back to size its launch grid.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,6 +17,10 @@ import torch
 HostSegment = tuple[int, int, int, int]
 
 MAX_SPLIT_K = 16  # the most H_in splits a Triton shrink writes partial sums for
+
+# Columns of LoraBatchMeta.segment_table: slot, first batch row, length, then the slot's rank
+# on each module (a caller-defined order; a projection passes where its slices' ranks start).
+SEGMENT_TABLE_RANKS = 3
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,12 @@ class LoraBatchMeta:
     max_segment_len: int
     num_active_tokens: int
     segments: tuple[HostSegment, ...] = ()  # host copy of the groups (the reference loops them)
+    # [>= num_segments, SEGMENT_TABLE_RANKS + modules] int32, or None. Present when each
+    # segment's rows are one contiguous run of the batch (decode graphs order their rows by
+    # slot): a kernel program then learns its segment's slot, rows and ranks from one row,
+    # one memory latency, instead of a chain of dependent loads (segment -> slot -> rank,
+    # start -> token ids -> activations) that costs more than a decode launch's bytes.
+    segment_table: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +88,30 @@ class LoraBatchMeta:
             segments=tuple(segments),
         )
 
+    @staticmethod
+    def contiguous_table(segments: Sequence[HostSegment], module_ranks: Sequence[Sequence[int]],
+                         num_rows: int | None = None) -> list[list[int]]:
+        """Rows of a segment table (see `segment_table`) for segments whose rows are contiguous;
+        module_ranks[slot] is the slot's rank on each module. Padding rows up to num_rows are
+        empty segments (slot 0, length 0)."""
+        rows = []
+        for slot, _, length, first in segments:
+            if first < 0:
+                raise ValueError(f"the rows of adapter slot {slot} are not one contiguous run")
+            rows.append([slot, first, length, *module_ranks[slot]])
+        width = SEGMENT_TABLE_RANKS + (len(module_ranks[0]) if len(module_ranks) else 0)
+        rows += [[0] * width for _ in range((num_rows or len(rows)) - len(rows))]
+        return rows
+
+    def with_segment_table(self, module_ranks: Sequence[Sequence[int]],
+                           num_rows: int | None = None) -> "LoraBatchMeta":
+        """This metadata plus its segment table (tests and benchmarks; the decode graphs fill
+        theirs in a static buffer)."""
+        rows = self.contiguous_table(self.segments, module_ranks, num_rows or self.num_segments)
+        width = SEGMENT_TABLE_RANKS + (len(module_ranks[0]) if len(module_ranks) else 0)
+        table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+        return dataclasses.replace(self, segment_table=table.to(self.token_slots.device))
+
     def padded_for_graph(self, num_segments: int, max_segment_len: int) -> "LoraBatchMeta":
         """This metadata as a decode CUDA graph sees it (DecodeGraphs._fill_lora): the real
         segments, then empty ones up to `num_segments`, each sized for `max_segment_len` rows.
@@ -93,4 +128,12 @@ class LoraBatchMeta:
             segment_starts=pad(self.segment_starts, self.num_active_tokens),
             segment_lens=pad(self.segment_lens, 0), num_segments=num_segments,
             max_segment_len=max_segment_len, num_active_tokens=self.num_active_tokens,
-            segments=self.segments)
+            segments=self.segments, segment_table=self._padded_table(num_segments))
+
+    def _padded_table(self, num_segments: int) -> torch.Tensor | None:
+        table = self.segment_table
+        if table is None or table.shape[0] >= num_segments:
+            return table
+        empty = torch.zeros(num_segments - table.shape[0], table.shape[1], dtype=table.dtype,
+                            device=table.device)
+        return torch.cat([table, empty])

@@ -32,15 +32,49 @@ _TABLE_CACHE_MAX = 1024
 
 
 @triton.jit
+def _segment(seg, slice_id, R, seg_table_ptr, stride_seg, rank_col,
+             seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, ranks_ptr, stride_rank_slice,
+             PACKED: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """(slot, start, length, rank on this slice) of a segment. PACKED: one row of the
+    segment table holds them all (start is then the segment's first batch row), so they
+    arrive after one memory latency; otherwise slot -> rank is a chain of two."""
+    if PACKED:
+        row = seg_table_ptr + seg * stride_seg
+        slot = tl.load(row)
+        start = tl.load(row + 1)
+        seg_len = tl.load(row + 2)
+        rank = tl.minimum(tl.load(row + rank_col + slice_id), R)
+    else:
+        slot = tl.load(seg_slots_ptr + seg)
+        start = tl.load(seg_starts_ptr + seg)
+        seg_len = tl.load(seg_lens_ptr + seg)
+        if HAS_RANKS:
+            rank = tl.minimum(tl.load(ranks_ptr + slice_id * stride_rank_slice + slot), R)
+        else:
+            rank = R
+    return slot, start, seg_len, rank
+
+
+@triton.jit
+def _segment_rows(sorted_ids_ptr, start, offs_m, mask_m, PACKED: tl.constexpr):
+    """Batch rows of a segment's tiles: a contiguous run (PACKED), else gathered."""
+    if PACKED:
+        tok = (start + offs_m).to(tl.int64)
+    else:
+        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return tok
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, table_ptr, out_ptr, scaling_ptr, ranks_ptr,
-    sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr,
-    K, R, ROWS, K_PER_SPLIT, SPLIT_K,
+    sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, seg_table_ptr,
+    K, R, ROWS, K_PER_SPLIT, SPLIT_K, stride_seg, rank_col,
     stride_xt, stride_xk,
     stride_as, stride_ar, stride_ak,
     stride_ok, stride_os, stride_ot, stride_or,
     stride_rank_slice,
-    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr,
+    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -52,18 +86,12 @@ def _lora_shrink_kernel(
     slice_id = pid_2 // SPLIT_K
     split = pid_2 % SPLIT_K
 
-    seg_len = tl.load(seg_lens_ptr + seg)
+    slot, seg_start, seg_len, rank = _segment(
+        seg, slice_id, R, seg_table_ptr, stride_seg, rank_col, seg_slots_ptr, seg_starts_ptr,
+        seg_lens_ptr, ranks_ptr, stride_rank_slice, PACKED, HAS_RANKS)
     row0 = pid_m * ROWS
-    if row0 >= seg_len:
-        return
-    slot = tl.load(seg_slots_ptr + seg)
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slice_id * stride_rank_slice + slot), R)
-    else:
-        rank = R
-    if rank <= 0:
-        return  # the expand skips this (slot, slice) too: nothing here is ever read
-    seg_start = tl.load(seg_starts_ptr + seg)
+    if (row0 >= seg_len) | (rank <= 0):
+        return  # rank 0: the expand skips this (slot, slice) too, nothing here is ever read
     row_end = tl.minimum(seg_len, row0 + ROWS)
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
@@ -78,7 +106,7 @@ def _lora_shrink_kernel(
     for m0 in range(row0, row_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
-        tok = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        tok = _segment_rows(sorted_ids_ptr, seg_start, offs_m, mask_m, PACKED)
         x_rows = x_ptr + tok[:, None] * stride_xt
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):  # may be empty: the split still stores zeros
@@ -99,13 +127,13 @@ def _lora_shrink_kernel(
 @triton.jit
 def _lora_expand_kernel(
     h_ptr, b_ptr, table_ptr, y_ptr, ranks_ptr,
-    sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr,
-    R, N_PROGRAMS, N_SPAN, ROWS, SPLIT_K,
+    sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, seg_table_ptr,
+    R, N_PROGRAMS, N_SPAN, ROWS, SPLIT_K, stride_seg, rank_col,
     stride_hk, stride_hs, stride_ht, stride_hr,
     stride_bn, stride_br,
     stride_yt, stride_yn,
     stride_rank_slice,
-    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr,
+    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
@@ -126,19 +154,13 @@ def _lora_expand_kernel(
     y_col = tl.load(row + 2)
     stride_bs = tl.load(row + 3)
 
-    seg_len = tl.load(seg_lens_ptr + seg)
+    slot, seg_start, seg_len, rank = _segment(
+        seg, slice_id, R, seg_table_ptr, stride_seg, rank_col, seg_slots_ptr, seg_starts_ptr,
+        seg_lens_ptr, ranks_ptr, stride_rank_slice, PACKED, HAS_RANKS)
     row0 = pid_m * ROWS
     n_begin = pid_n * N_SPAN
-    if (row0 >= seg_len) | (n_begin >= n_out):
-        return
-    slot = tl.load(seg_slots_ptr + seg)
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slice_id * stride_rank_slice + slot), R)
-    else:
-        rank = R
-    if rank <= 0:
-        return  # a zero delta: y is left untouched (also when writing, not accumulating)
-    seg_start = tl.load(seg_starts_ptr + seg)
+    if (row0 >= seg_len) | (n_begin >= n_out) | (rank <= 0):
+        return  # rank 0: a zero delta, y is left untouched (also when writing, not adding)
     row_end = tl.minimum(seg_len, row0 + ROWS)
     n_end = tl.minimum(n_out, n_begin + N_SPAN)
 
@@ -150,7 +172,7 @@ def _lora_expand_kernel(
     for m0 in range(row0, row_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < row_end
-        tok = tl.load(sorted_ids_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        tok = _segment_rows(sorted_ids_ptr, seg_start, offs_m, mask_m, PACKED)
         h_ptrs = h_base + tok[:, None] * stride_ht + offs_r[None, :] * stride_hr
         h_mask = mask_m[:, None] & mask_r[None, :]
         ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -289,6 +311,18 @@ def _ranks_arg(slot_ranks: torch.Tensor | None, n_slices: int, fallback: torch.T
     return slot_ranks, slot_ranks.stride(0)
 
 
+def _packed_args(meta: LoraBatchMeta, rank_col: int | None, fallback: torch.Tensor
+                 ) -> tuple[torch.Tensor, int, int, bool]:
+    """(segment table, its row stride, the column of the first slice's rank, packed?). The
+    packed path needs the step's segment table (rows grouped by slot) and where this
+    projection's ranks sit in it; otherwise the segment vectors and the rank table serve."""
+    table = meta.segment_table
+    if table is None or rank_col is None:
+        return fallback, 0, 0, False  # a dummy pointer, never read (PACKED=False)
+    assert table.shape[0] >= meta.num_segments, "the segment table is shorter than the segments"
+    return table, table.stride(0), rank_col, True
+
+
 def _split_k(meta: LoraBatchMeta, n_slices: int, k_tiles: int, m_programs: int,
              per_sm: int, device: torch.device) -> int:
     """Splits of H_in so a launch puts about `per_sm` programs on each SM, at most 16."""
@@ -300,12 +334,14 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
                          scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
                          split_k: int | None = None, zero: bool = True,
                          tiling: LoraTiling | None = None,
-                         workspace: torch.Tensor | None = None) -> torch.Tensor:
+                         workspace: torch.Tensor | None = None,
+                         rank_col: int | None = None) -> torch.Tensor:
     """[split_k, n_slices, T, R] float32 partial sums of x @ A_i[slot].T * scaling[slot] over
     ranges of H_in. zero=False leaves rows of slot -1 and columns past a slot's rank
     uninitialised: lora_expand_triton never reads them. `workspace` (flat float32, at least
     kernels.lora.lora_workspace_numel elements) holds them instead of a new allocation: a static buffer
-    for work that runs on a side stream inside a CUDA graph."""
+    for work that runs on a side stream inside a CUDA graph. `rank_col`: where slice 0's rank
+    sits in meta.segment_table, whose rows then give each segment's slot, rows and ranks."""
     n_slices = len(a_stacked)
     T, K = x.shape
     S, R, K_a = a_stacked[0].shape
@@ -334,17 +370,18 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
     a_list = _uniform(a_stacked, (0, 1, 2))
     table, unit = _offset_table(a_list, [()] * n_slices, x.device)
     ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, scaling)
+    seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
     k_per_split = triton.cdiv(k_tiles, split_k) * block_k
     grid = (m_programs, meta.num_segments, n_slices * split_k)
     _lora_shrink_kernel[grid](
         x, a_list[0], table, out, scaling, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
-        K, R, tiling.rows(meta), k_per_split, split_k,
+        seg_table, K, R, tiling.rows(meta), k_per_split, split_k, stride_seg, col,
         x.stride(0), x.stride(1),
         a_list[0].stride(0), a_list[0].stride(1), a_list[0].stride(2),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         rank_stride,
-        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit,
+        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_F32=_dot_f32(x.dtype, x.device), num_warps=tiling.shrink_warps,
     )
@@ -362,7 +399,8 @@ def lora_shrink_triton(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta:
 def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                        y: torch.Tensor, slice_offsets: Sequence[int],
                        slot_ranks: torch.Tensor | None = None, *,
-                       tiling: LoraTiling | None = None, accumulate: bool = True) -> None:
+                       tiling: LoraTiling | None = None, accumulate: bool = True,
+                       rank_col: int | None = None) -> None:
     """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place; slot -1 rows untouched.
     h is [n_slices, T, R], or [splits, n_slices, T, R] partial sums (lora_shrink_partials).
     accumulate=False writes the delta instead of adding it (y is then a delta buffer): the
@@ -389,16 +427,17 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
     n_span = max(block_n, triton.cdiv(tiling.n_span, block_n) * block_n)
     n_programs = triton.cdiv(max_out, n_span)
     ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, h)
+    seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
     grid = (tiling.grid_m(meta), meta.num_segments, n_slices * n_programs)
     _lora_expand_kernel[grid](
         h, b_list[0], table, y, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
-        R, n_programs, n_span, tiling.rows(meta), splits,
+        seg_table, R, n_programs, n_span, tiling.rows(meta), splits, stride_seg, col,
         h.stride(0), h.stride(1), h.stride(2), h.stride(3),
         b_list[0].stride(1), b_list[0].stride(2),
         y.stride(0), y.stride(1),
         rank_stride,
-        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit,
+        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_F32=_dot_f32(b_list[0].dtype, y.device), ACCUMULATE=accumulate,
         num_warps=tiling.expand_warps,
@@ -408,14 +447,16 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
 def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
                     b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta, scaling: torch.Tensor,
                     slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None, *,
-                    accumulate: bool = True, workspace: torch.Tensor | None = None) -> None:
+                    accumulate: bool = True, workspace: torch.Tensor | None = None,
+                    rank_col: int | None = None) -> None:
     """y += every token's LoRA delta in two launches: the shrink's split partials go straight
     to the expand, which adds them (no zero fill, no atomics, no reduction launch).
-    accumulate=False: y receives the delta itself (see lora_expand_triton)."""
+    accumulate=False: y receives the delta itself (see lora_expand_triton). rank_col: read
+    segments and ranks from meta.segment_table (see lora_shrink_partials)."""
     tiling = choose_tiling(meta, a_stacked[0].shape[1], max(b.shape[1] for b in b_stacked),
                            len(b_stacked), y.device)
     partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, zero=False,
-                                    tiling=tiling, workspace=workspace)
+                                    tiling=tiling, workspace=workspace, rank_col=rank_col)
     lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks, tiling=tiling,
-                       accumulate=accumulate)
+                       accumulate=accumulate, rank_col=rank_col)
 

@@ -90,6 +90,52 @@ def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None,
         assert torch.count_nonzero(delta[:, width:]) == 0
 
 
+def check_lora_packed(case, dtype: torch.dtype, slice_ranks: list[list[int]],
+                      pad_segments: int = 0, lead_cols: int = 2) -> None:
+    """The segment-table path (rows grouped by slot, as the decode graphs order them): slot,
+    rows and per-slice ranks come from one table row; `lead_cols` other modules' ranks sit
+    before this projection's (rank_col), filled with values that would be wrong here."""
+    from kernels.lora import lora_workspace_numel
+    from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+    from kernels.lora_triton import add_lora_triton
+
+    n_slices, S = len(case.a), case.a[0].shape[0]
+    ref_a, ref_b = [a.clone() for a in case.a], [b.clone() for b in case.b]
+    for i in range(n_slices):
+        for slot in range(S):
+            r = slice_ranks[i][slot]
+            ref_a[i][slot, r:].zero_()
+            ref_b[i][slot, :, r:].zero_()
+    module_ranks = [[99] * lead_cols + [slice_ranks[i][slot] for i in range(n_slices)] + [77]
+                    for slot in range(S)]
+    meta = LoraBatchMeta.build(case.token_slots, case.x.device)
+    if pad_segments:
+        meta = meta.padded_for_graph(meta.num_segments + pad_segments, len(case.token_slots))
+    meta = meta.with_segment_table(module_ranks, meta.num_segments)
+    rank_col = SEGMENT_TABLE_RANKS + lead_cols
+    y_ref = case.y.clone()
+    lora_expand_ref(lora_shrink_ref(case.x, ref_a, meta, case.scaling), ref_b, meta, y_ref,
+                    case.offsets)
+    inactive = [t for t, s in enumerate(case.token_slots) if s < 0]
+    y = case.y.clone()
+    add_lora_triton(case.x, y, case.a, case.b, meta, case.scaling, case.offsets, rank_col=rank_col)
+    assert_close_scaled(y, y_ref, dtype)
+    assert torch.equal(y[inactive], case.y[inactive])
+
+    delta_ref = torch.zeros(case.y.shape, dtype=torch.float32, device=case.y.device)
+    lora_expand_ref(lora_shrink_ref(case.x, ref_a, meta, case.scaling), ref_b, meta, delta_ref,
+                    case.offsets, accumulate=False)
+    workspace = torch.full((lora_workspace_numel(case.x.shape[0], n_slices, case.a[0].shape[1]),),
+                           float("nan"), device=case.y.device)
+    delta = torch.zeros_like(delta_ref)
+    for _ in range(2):  # two layers of one step write the same delta buffer
+        add_lora_triton(case.x, delta, case.a, case.b, meta, case.scaling, case.offsets,
+                        accumulate=False, workspace=workspace, rank_col=rank_col)
+        assert_close_scaled(delta, delta_ref, dtype)
+        assert torch.count_nonzero(delta[inactive]) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # LoRA shrink / expand
 
@@ -118,6 +164,28 @@ def test_lora_random_shapes(problem: dict, dtype: str, use_ranks: bool,
     pairs = [(i, s) for i in range(len(case.a)) for s in range(problem["num_slots"])]
     slice_off = data.draw(st.lists(st.sampled_from(pairs), unique=True, max_size=4)) if use_ranks else []
     check_lora(case, DTYPES[dtype], use_ranks, split_k, slice_off)
+
+
+@HYPO
+@given(problem=lora_problems(), dtype=st.sampled_from(list(DTYPES)), pad=st.sampled_from([0, 3]),
+       data=st.data())
+def test_lora_segment_table_random_shapes(problem: dict, dtype: str, pad: int, data) -> None:
+    """Rows grouped by slot (slot -1 rows first, as DecodeGraphs.ordered sorts them), segments
+    and per-slice ranks read from the segment table, padded with empty segments or not."""
+    problem["token_slots"] = sorted(problem["token_slots"])
+    case = make_lora_case(**problem, dtype=DTYPES[dtype], device=DEVICE)
+    S, R = problem["num_slots"], problem["max_rank"]
+    slice_ranks = [[data.draw(st.integers(0, problem["ranks"][s])) for s in range(S)]
+                   for _ in case.a]
+    check_lora_packed(case, DTYPES[dtype], slice_ranks, pad_segments=pad)
+
+
+def test_segment_table_refuses_rows_that_are_not_contiguous() -> None:
+    from kernels.lora_meta import LoraBatchMeta
+
+    meta = LoraBatchMeta.build([0, 1, 0], DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        meta.with_segment_table([[4], [4]])
 
 
 def graph_meta(token_slots: list[int], buckets: int, device: str):
