@@ -13,7 +13,8 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
 
 LoRA modes, timed side by side (interleaved bursts of graph replays, GPU time): overlap (the
 engine's default: LoRA on a side stream beside each base matmul, adapters/overlap.py, the
-main stream at high CUDA priority), overlap-equal (both streams at default priority),
+main stream at high CUDA priority, segments read from the segment table), overlap-gather (the
+same, with the kernels gathering rows through sorted ids as before the table), overlap-equal (both streams at default priority),
 overlap-side-high (the side stream high instead) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -71,7 +72,10 @@ def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: in
 
 
 def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> list:
-    """Decode chunks of `batch` sequences at `context` tokens, request i on slots[i % n]."""
+    """Decode chunks of `batch` sequences at `context` tokens, request i on slots[i % n], in
+    the engine's row order for graph steps (grouped by slot)."""
+    from inference_node.engine.decode_graphs import ordered
+
     per_seq = -(-(context + 1) // block_size)
     chunks = []
     for i in range(batch):
@@ -79,7 +83,7 @@ def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> 
                               block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
                               lora_slot=slots[i % len(slots)] if slots else -1)
         chunks.append(SimpleNamespace(request=req, num_new_tokens=1, completes_prompt=True))
-    return chunks
+    return ordered(chunks)
 
 
 def family(name: str) -> str:
@@ -140,7 +144,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--modes", default="overlap,serial",
-                   help="LoRA modes: overlap, overlap-equal, overlap-side-high, serial")
+                   help="LoRA modes: overlap, overlap-gather, overlap-equal, overlap-side-high, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     args = p.parse_args()
 
@@ -174,19 +178,21 @@ def main() -> None:
         plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
         first += num
     high = MAIN_STREAM_PRIORITY  # CUDA stream priorities: lower is higher, 0 the default (lowest)
-    modes_setup = {  # mode: (applier factory, priority of the graph's main stream)
-        "overlap": (LoraOverlap(buffers, args.batch).applier, high),
-        "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0),
-        "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0),
-        "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high)}
+    ranks = buffers.module_ranks
+    modes_setup = {  # mode: (applier factory, priority of the graph's main stream, segment table)
+        "overlap": (LoraOverlap(buffers, args.batch).applier, high, ranks),
+        "overlap-gather": (LoraOverlap(buffers, args.batch).applier, high, None),
+        "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0, ranks),
+        "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0, ranks),
+        "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high, ranks)}
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:
-        factory, main_priority = modes_setup[mode]
+        factory, main_priority, table_ranks = modes_setup[mode]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
                               lora_applier=factory, capture_priority=main_priority,
-                              groups_of=buffers.groups_of)
+                              groups_of=buffers.groups_of, module_ranks=table_ranks)
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
         graphs.capture_all()

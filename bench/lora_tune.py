@@ -32,12 +32,18 @@ GROUPS = {  # name: (H_in, outputs of the fused slices), Llama-3.2-1B
 }
 
 
-def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device):
-    """As DecodeGraphs._fill_lora builds it: row i on adapter i mod distinct, padded buckets."""
+def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device, rank: int,
+               table: bool = True):
+    """As DecodeGraphs._fill_lora builds it: request i on adapter i mod distinct, padded
+    buckets; with `table`, rows grouped by slot and the segment table the graphs fill (one
+    rank column per slice), else the gather layout (rows interleaved, sorted ids)."""
     from kernels.lora_meta import LoraBatchMeta
 
     slots = [i % distinct for i in range(batch)]
-    return LoraBatchMeta.build(slots, device).padded_for_graph(bucket, batch)
+    if not table:
+        return LoraBatchMeta.build(slots, device).padded_for_graph(bucket, batch)
+    meta = LoraBatchMeta.build(sorted(slots), device)
+    return meta.with_segment_table([[rank] * 3] * distinct).padded_for_graph(bucket, batch)
 
 
 def main() -> None:
@@ -53,6 +59,7 @@ def main() -> None:
     p.add_argument("--groups", default=",".join(GROUPS))
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--kinds", default="shrink,expand")
+    p.add_argument("--no-sweep", action="store_true", help="only the default tiling, both layouts")
     args = p.parse_args()
 
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -76,7 +83,9 @@ def main() -> None:
         h_in, outs = GROUPS[group]
         for distinct in (int(a) for a in args.adapters.split(",")):
             bucket = 1 << (distinct - 1).bit_length()
-            meta = graph_meta(args.batch, distinct, bucket, device)
+            meta = graph_meta(args.batch, distinct, bucket, device, args.rank)
+            gather_meta = graph_meta(args.batch, distinct, bucket, device, args.rank, table=False)
+            col = 3  # kernels.lora_meta.SEGMENT_TABLE_RANKS: the first slice's rank
             x = torch.randn(args.batch, h_in, device=device, dtype=dtype)
             a = [torch.randn(distinct, R, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
             b = [torch.randn(distinct, o, R, device=device, dtype=dtype) * 0.02 for o in outs]
@@ -88,24 +97,30 @@ def main() -> None:
             b_bytes = distinct * sum(outs) * R * 2
             default = choose_tiling(meta, R, max(outs), len(outs), device)
 
-            def shrink(t):
-                return lambda: lora_shrink_partials(x, a, meta, scaling, ranks, zero=False, tiling=t)
+            def shrink(t, m=meta):
+                c = col if m is meta else None
+                return lambda: lora_shrink_partials(x, a, m, scaling, ranks, zero=False, tiling=t,
+                                                    rank_col=c)
 
             h = shrink(default)()
 
-            def expand(t, h=h):
-                return lambda: lora_expand_triton(h, b, meta, y, offsets, ranks, tiling=t)
+            def expand(t, h=h, m=meta):
+                c = col if m is meta else None
+                return lambda: lora_expand_triton(h, b, m, y, offsets, ranks, tiling=t, rank_col=c)
 
             for kind, grid, make, nbytes in (("shrink", shrink_grid, shrink, a_bytes),
                                              ("expand", expand_grid, expand, b_bytes)):
                 if kind not in kinds:
                     continue
                 base_us = time_us(make(default))
-                timed = sorted(((time_us(make(t)), t) for t in grid), key=lambda pair: pair[0])
+                gather_us = time_us(make(default, m=gather_meta))
                 floor_us = nbytes / bw * 1e6
-                best = timed[0]
-                print(f"{group:8s} {distinct:3d} adapters {kind}: default {base_us:6.1f} us, best "
-                      f"{best[0]:6.1f} us, floor {floor_us:5.1f} us; default = {default}")
+                print(f"{group:8s} {distinct:3d} adapters {kind}: default {base_us:6.1f} us "
+                      f"(gather layout {gather_us:6.1f} us), floor {floor_us:5.1f} us; {default}")
+                if args.no_sweep:
+                    continue
+                timed = sorted(((time_us(make(t)), t) for t in grid), key=lambda pair: pair[0])
+                print(f"      best {timed[0][0]:6.1f} us")
                 for us, t in timed[:args.top]:
                     print(f"      {us:6.1f} us  per_segment={t.per_segment} block_k={t.block_k} "
                           f"block_n={t.block_n} n_span={t.n_span} per_sm={t.programs_per_sm} "

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from kernels.lora import add_lora
-from kernels.lora_meta import LoraBatchMeta
+from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..engine.scheduler import ScheduledChunk
+from ..model.llama import GROUP_FIRST_MODULE
 from .slots import SlotBuffers
 
 
@@ -31,7 +32,8 @@ class StepLoraApplier:
             return None
         buf = self.buffers.layers[layer][group]
         add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets,
-                 slot_ranks=self.buffers.slice_ranks[group])
+                 slot_ranks=self.buffers.slice_ranks[group],
+                 rank_col=SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group])
         return None
 
 

@@ -408,6 +408,11 @@ class AdapterManager:
         """The fused projection groups the adapters in these slots target."""
         return self.buffers.groups_of(slots)
 
+    @property
+    def module_ranks(self):
+        """Host mirror of every slot's rank per LoRA module ([slot, module], numpy)."""
+        return self.buffers.module_ranks
+
     def applier(self, chunks: list[ScheduledChunk]):
         """This step's LoRA applier (None when no scheduled token uses an adapter)."""
         if all(c.request.lora_slot < 0 for c in chunks):

@@ -25,9 +25,9 @@ from contextlib import nullcontext
 import torch
 
 from kernels.lora import add_lora, lora_workspace_numel
-from kernels.lora_meta import LoraBatchMeta
+from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
-from ..model.llama import FUSED_MODULES
+from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
 from .slots import SlotBuffers
 
 
@@ -85,7 +85,8 @@ class OverlappedLoraApplier:
         with self._side():
             add_lora(x, self.deltas[group], buf.a, buf.b, self.meta, buffers.scaling, buf.offsets,
                      slot_ranks=buffers.slice_ranks[group], accumulate=False,
-                     workspace=self.overlap.workspace)
+                     workspace=self.overlap.workspace,
+                     rank_col=SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group])
 
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         if group not in self.deltas:

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from ..model.config import ModelConfig
-from ..model.llama import FUSED_MODULES
+from ..model.llama import FUSED_MODULES, LORA_MODULES
 from .weights import AdapterWeights
 
 
@@ -52,6 +53,9 @@ class SlotBuffers:
         # Host mirror: the fused groups each slot's adapter targets, so a step whose adapters
         # all leave a group alone launches nothing for it (groups_of).
         self.slot_groups: list[frozenset[str]] = [frozenset()] * max_loras
+        # Host mirror of the ranks, [slot, module in LORA_MODULES order]: decode graphs copy a
+        # step's rows of it into their segment table (kernels.lora_meta).
+        self.module_ranks = np.zeros((max_loras, len(LORA_MODULES)), dtype=np.int32)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def nbytes(self) -> int:
@@ -89,12 +93,14 @@ class SlotBuffers:
             self.slice_ranks[group][:, slot] = torch.tensor(values, dtype=torch.int32)
         self.slot_groups[slot] = frozenset(
             g for g, modules in FUSED_MODULES.items() if rank > 0 and any(m in targeted for m in modules))
+        self.module_ranks[slot] = [rank if m in targeted else 0 for m in LORA_MODULES]
 
     def clear(self, slot: int) -> None:
         self.scaling[slot] = 0.0
         for ranks in self.slice_ranks.values():
             ranks[:, slot] = 0
         self.slot_groups[slot] = frozenset()
+        self.module_ranks[slot] = 0
 
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
         """The fused groups any of these slots targets (slot -1: none)."""

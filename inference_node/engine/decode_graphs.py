@@ -9,6 +9,9 @@ What makes a step capturable: every shape is fixed by the padded batch size (row
 real ones write their K/V into a scratch block and are never read), the attention kernel is
 sized for the longest context the node allows, and the LoRA kernels are sized for a bucket of
 distinct adapters (one graph per bucket), reading the real segments' lengths from device memory.
+A LoRA step's rows are ordered by adapter slot (`ordered`), so each adapter's rows are one
+contiguous run and the kernels read a segment's slot, rows and ranks from one row of a
+segment table (kernels.lora_meta) rather than through chains of dependent loads.
 LoRA graphs also come in variants by the fused projection groups they apply (LORA_GROUP_
 VARIANTS): a step whose adapters only target q/k/v (PEFT's default for Llama is q and v)
 replays a graph with no o or MLP launches.
@@ -26,8 +29,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kernels.lora_meta import LoraBatchMeta
-from ..model.llama import FUSED_MODULES, ForwardBatch, LlamaModel, LoraApplier
+from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .scheduler import ScheduledChunk
@@ -51,6 +54,12 @@ LORA_GROUP_VARIANTS: tuple[frozenset[str], ...] = (
 # capture-time priorities).
 MAIN_STREAM_PRIORITY = -1
 
+# The LoRA segment table's width (slot, first row, length, a rank per module), and the int32
+# inputs of a step per batch row: sequence length, then the LoRA metadata (token slots,
+# sorted ids, segment slots, starts, lengths), then the segment table.
+SEGMENT_TABLE_WIDTH = SEGMENT_TABLE_RANKS + len(LORA_MODULES)
+INT32_ROWS = 6 + SEGMENT_TABLE_WIDTH
+
 
 @dataclass
 class HostInputs:
@@ -68,7 +77,7 @@ class HostInputs:
     @classmethod
     def allocate(cls, batch: int, max_blocks: int, pinned: bool) -> "HostInputs":
         t64 = torch.zeros(4 * batch, dtype=torch.int64, pin_memory=pinned)
-        t32 = torch.zeros(6 * batch, dtype=torch.int32, pin_memory=pinned)
+        t32 = torch.zeros(INT32_ROWS * batch, dtype=torch.int32, pin_memory=pinned)
         table = torch.zeros(batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
         return cls(t64, t32, table, t64.numpy(), t32.numpy(), table.numpy(),
                    torch.cuda.Event() if pinned else None)
@@ -84,14 +93,23 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
     return all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks)
 
 
+def ordered(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """A decode step's rows grouped by adapter slot (base-model rows first, then each slot's
+    rows in their order): the order `DecodeGraphs.run` takes them in."""
+    return sorted(chunks, key=lambda c: c.request.lora_slot)
+
+
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None,
                  capture_priority: int = MAIN_STREAM_PRIORITY,
                  feedback: torch.Tensor | None = None, groups_of: GroupsOf | None = None,
-                 group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS) -> None:
+                 group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS,
+                 module_ranks: np.ndarray | None = None) -> None:
         """groups_of(slots): the fused groups those adapter slots target; None: every LoRA
-        step replays the all-groups variant."""
+        step replays the all-groups variant. module_ranks: the host mirror of each slot's rank
+        per module ([slot, LORA_MODULES], kept current by its owner); with it the LoRA
+        kernels read the step's segment table, without it they gather through sorted ids."""
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -102,6 +120,7 @@ class DecodeGraphs:
         self.max_loras = max_loras
         self.lora_applier = lora_applier
         self.groups_of = groups_of
+        self.module_ranks = module_ranks
         self.group_variants = group_variants if groups_of is not None else (ALL_GROUPS,)
         assert self.group_variants[-1] == ALL_GROUPS, "the last variant must apply every group"
         self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
@@ -113,10 +132,11 @@ class DecodeGraphs:
         self.feedback = feedback if feedback is not None else torch.zeros(1, dtype=torch.long, device=device)
         # Packed inputs: one host->device copy per dtype per step.
         self._dev64 = torch.zeros(4 * B, dtype=torch.int64, device=device)
-        self._dev32 = torch.zeros(6 * B, dtype=torch.int32, device=device)
+        self._dev32 = torch.zeros(INT32_ROWS * B, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.feedback_rows = self._dev64.split(B)
         (self.seq_lens, self.token_slots, self.sorted_ids, self.seg_slots, self.seg_starts,
-         self.seg_lens) = self._dev32.split(B)
+         self.seg_lens) = self._dev32[:6 * B].split(B)
+        self.seg_table = self._dev32[6 * B:].view(B, SEGMENT_TABLE_WIDTH)
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
         # Two sets of pinned host buffers, used in turn: the host writes step n+1's inputs
         # while step n (and possibly its input copy) is still queued on the GPU.
@@ -132,7 +152,7 @@ class DecodeGraphs:
         return 0 < len(chunks) <= self.max_batch and is_decode_step(chunks)
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), vocab] of a decode step."""
+        """Logits [len(chunks), vocab] of a decode step whose rows are `ordered`."""
         n = len(chunks)
         size = next(s for s in self.sizes if s >= n)
         slots = {c.request.lora_slot for c in chunks if c.request.lora_slot >= 0}
@@ -223,6 +243,18 @@ class DecodeGraphs:
         h32[3 * B + real:3 * B + segments] = len(sorted_ids)
         h32[4 * B:4 * B + real] = [len(groups[s]) for s in order]
         h32[4 * B + real:4 * B + segments] = 0
+        if self.module_ranks is not None:
+            # The segment table: each slot's rows must be one run (ordered() sorts them).
+            width = SEGMENT_TABLE_WIDTH
+            table = h32[5 * B:5 * B + segments * width].reshape(segments, width)
+            for i, slot in enumerate(order):
+                rows = groups[slot]
+                if rows[-1] - rows[0] != len(rows) - 1:
+                    raise ValueError("a LoRA decode step's rows must be grouped by adapter slot "
+                                     "(DecodeGraphs.ordered)")
+                table[i, :SEGMENT_TABLE_RANKS] = (slot, rows[0], len(rows))
+                table[i, SEGMENT_TABLE_RANKS:] = self.module_ranks[slot]
+            table[real:] = 0
 
     def segment_buckets(self, size: int) -> list[int]:
         """LoRA graphs per batch size, by distinct adapters in the step (1, 2, 4, ... up to
@@ -248,7 +280,8 @@ class DecodeGraphs:
                 token_slots=self.token_slots[:size], sorted_token_ids=self.sorted_ids[:size],
                 segment_slots=self.seg_slots[:segments], segment_starts=self.seg_starts[:segments],
                 segment_lens=self.seg_lens[:segments], num_segments=segments, max_segment_len=size,
-                num_active_tokens=size, segments=() if self.capture else self._host_segments)
+                num_active_tokens=size, segments=() if self.capture else self._host_segments,
+                segment_table=self.seg_table[:segments] if self.module_ranks is not None else None)
             applier = self.lora_applier(meta, self.group_variants[variant])
         return self.model.forward(batch, self.kv.k, self.kv.v, applier)
 

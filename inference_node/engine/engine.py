@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
 from .batch import build_forward_batch
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs, ordered
 from .kv_cache import BlockAllocator, KVCache
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
@@ -59,6 +59,7 @@ class LoraProvider(AdapterBinder, Protocol):
     def graph_appliers(self, max_tokens: int, overlap: bool = True) -> Callable[..., LoraApplier]: ...
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]: ...
     max_loras: int
+    module_ranks: Any  # numpy [slot, module]: the host mirror of the slots' ranks
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ class Engine:
                 lora_applier=(lora.graph_appliers(max_batch, config.lora_overlap)
                               if lora is not None else None),
                 feedback=self.feedback.tokens,
-                groups_of=lora.groups_of if lora is not None else None)
+                groups_of=lora.groups_of if lora is not None else None,
+                module_ranks=lora.module_ranks if lora is not None else None)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens)
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
@@ -267,11 +269,14 @@ class Engine:
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         """Queues the step's forward and sampling; the requests' counters move on at once."""
+        graph_step = self.decode_graphs is not None and self.decode_graphs.fits(chunks)
+        if graph_step:
+            chunks = ordered(chunks)  # each adapter's rows one run: the LoRA kernels' layout
         sampling = [c.request for c in chunks if c.completes_prompt]
         try:
             distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
             self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
-            if self.decode_graphs is not None and self.decode_graphs.fits(chunks):
+            if graph_step:
                 logits = self.decode_graphs.run(chunks)
                 self.stats.graph_steps += 1
             else:

@@ -30,6 +30,10 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# Every LoRA module in fused-group order (the rank columns of a LoRA segment table), and the
+# index of each group's first module in it.
+LORA_MODULES: tuple[str, ...] = tuple(m for ms in FUSED_MODULES.values() for m in ms)
+GROUP_FIRST_MODULE: dict[str, int] = {g: LORA_MODULES.index(ms[0]) for g, ms in FUSED_MODULES.items()}
 
 
 class LoraApplier(Protocol):

@@ -4,6 +4,11 @@ TRITON_INTERPRET must be set before Triton is imported (and kernels are decorate
 shared pytest process cannot guarantee without changing how every other test sees Triton.
 A child pytest with the variable set, and with conftest loading cut at this directory (the
 engine's fixtures are not needed), keeps the switch local to these kernels.
+
+The second test runs the engine's decode-graph path the same way: the node's CPU graph steps
+with the Triton kernels (interpreted) instead of the PyTorch reference, so the seam between
+the engine (rows ordered by adapter, the segment table it fills) and the kernels that read it
+is checked against PEFT without a GPU.
 """
 from __future__ import annotations
 
@@ -28,3 +33,14 @@ def test_triton_kernels_match_reference_in_interpreter() -> None:
     report = proc.stdout[-8000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_decode_graph_steps_with_triton_kernels_match_peft_in_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+           "-k", "cpu or serial", str(ROOT / "tests" / "adapters" / "test_decode_graphs.py")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    assert "3 passed" in proc.stdout, report
