@@ -5,7 +5,7 @@ LoRA launch serve each group. LoRA enters through a `LoraApplier` that the engin
 per step; when no scheduled token uses an adapter the applier is None and the base path
 runs unchanged. An applier either adds its deltas into the projections' outputs, or
 computes them beside the base matmul (a side stream) and hands them to the fused op that
-follows (RoPE, residual add and norm, SiLU), which adds them for free.
+follows (RoPE with the KV-cache write, residual add and norm, SiLU), which adds them for free.
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import paged_attention
+from kernels.rope_cache import rope_and_cache
 from .checkpoint import CheckpointError, iter_tensors
 from .config import ModelConfig
-from .rope import RotaryEmbedding, rope_qk
+from .rope import RotaryEmbedding
 
 # Fused groups of projections and the LoRA module names they hold, in column order.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
@@ -99,29 +100,19 @@ def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> t
     return F.silu(gate) * up
 
 
-def lora_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor,
-              dk: torch.Tensor, dv: torch.Tensor, cos_table: torch.Tensor,
-              sin_table: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v with their LoRA deltas added, q and k rotated: one kernel when compiled."""
-    q, k = rope_qk(with_lora(q, dq), with_lora(k, dk), cos_table, sin_table, positions)
-    return q, k, with_lora(v, dv)
-
-
 class ElementwiseOps:
     """The small per-layer ops between the matmuls. Eager, they are a few dozen kernel
     launches per layer; on CUDA they are compiled (torch.compile, dynamic shapes) into a few
-    fused kernels, which CUDA graphs then replay. LORA_COMPILE=0 keeps them eager."""
+    fused kernels, which CUDA graphs then replay. LORA_COMPILE=0 keeps them eager. (RoPE and
+    the KV-cache write are one kernel of their own: kernels/rope_cache.py.)"""
 
     def __init__(self, device: torch.device) -> None:
         self.rms_norm, self.add_rms_norm, self.silu_mul = rms_norm, add_rms_norm, silu_mul
-        self.rope, self.lora_rope = rope_qk, lora_rope
         if device.type == "cuda" and os.environ.get("LORA_COMPILE", "1") != "0":
             def compiled(fn):
                 return torch.compile(fn, dynamic=True, fullgraph=True)
             self.rms_norm, self.add_rms_norm = compiled(rms_norm), compiled(add_rms_norm)
-            self.silu_mul, self.rope = compiled(silu_mul), compiled(rope_qk)
-            self.lora_rope = compiled(lora_rope)
+            self.silu_mul = compiled(silu_mul)
 
 
 class LlamaModel:
@@ -199,19 +190,11 @@ class LlamaModel:
         x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             qkv, delta = self._project(lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if delta is None:
-                q, k = ops.rope(q, k, self.rope.cos, self.rope.sin, batch.positions)
-            else:
-                dq, dk, dv = delta.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-                q, k, v = ops.lora_rope(q, k, v, dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),
-                                        self.rope.cos, self.rope.sin, batch.positions)
             k_cache, v_cache = k_caches[i], v_caches[i]
-            k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, batch.slot_mapping, k)
-            v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, batch.slot_mapping, v)
+            # The LoRA delta added, q and k rotated, k and v written to their cache slots.
+            q = rope_and_cache(qkv, delta, self.rope.cos, self.rope.sin, batch.positions,
+                               batch.slot_mapping, k_cache, v_cache, cfg.num_heads,
+                               cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                    batch.seq_lens, self.scale, batch.max_query_len,
                                    batch.max_seq_len).reshape(-1, cfg.q_size)

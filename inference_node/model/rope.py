@@ -1,4 +1,5 @@
-"""Rotary position embeddings (default, linear and Llama-3 scaling), HF "rotate_half" layout."""
+"""Rotary position embeddings (default, linear and Llama-3 scaling), HF "rotate_half" layout:
+the tables. kernels/rope_cache.py applies them (and writes the KV cache) in one pass."""
 from __future__ import annotations
 
 import math
@@ -40,22 +41,3 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: [T]. Computed in fp32, returned in x's dtype."""
-        return rotate(x, self.cos[positions][:, None, :], self.sin[positions][:, None, :])
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on queries and keys together (one fused kernel when compiled)."""
-    cos = cos_table[positions][:, None, :]
-    sin = sin_table[positions][:, None, :]
-    return rotate(q, cos, sin), rotate(k, cos, sin)

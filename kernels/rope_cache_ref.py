@@ -1,0 +1,40 @@
+"""RoPE on the new tokens' queries and keys, and their keys and values written into the paged
+KV cache: the PyTorch reference (the CPU path and the Triton kernel's oracle)."""
+from __future__ import annotations
+
+import torch
+
+
+def _with_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """x plus a float32 LoRA delta, rounded once to x's dtype."""
+    return x if delta is None else (x.float() + delta).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF "rotate_half" RoPE, computed in float32 and rounded once to x's dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def rope_and_cache_ref(qkv: torch.Tensor, delta: torch.Tensor | None, cos_table: torch.Tensor,
+                       sin_table: torch.Tensor, positions: torch.Tensor,
+                       slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """qkv: [T, (Hq + 2 Hkv) * D] projections (q, k, v columns); delta: their float32 LoRA
+    delta or None; caches [blocks, block_size, Hkv, D]. Writes the rotated keys and the values
+    at slot_mapping; returns the rotated queries [T, Hq, D]."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if delta is not None:
+        dq, dk, dv = delta.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = _with_delta(q, dq), _with_delta(k, dk), _with_delta(v, dv)
+    cos = cos_table[positions][:, None, :]
+    sin = sin_table[positions][:, None, :]
+    q = _rotate(q.reshape(-1, num_heads, head_dim), cos, sin)
+    k = _rotate(k.reshape(-1, num_kv_heads, head_dim), cos, sin)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                         v.reshape(-1, num_kv_heads, head_dim))
+    return q

@@ -1,0 +1,105 @@
+"""RoPE and the KV-cache write in one Triton launch per layer.
+
+In a decode step the ops between the q/k/v matmul and attention are tiny (64 rows) and each
+costs a launch and a round trip through memory: adding the LoRA delta, rotating q and k,
+writing k and v into their cache slots. One program per (token, part) does all of it for
+its row: part 0 rotates the query heads, part 1 the key heads (written to the cache), part 2
+copies the value heads into the cache, each with its LoRA delta added first when given.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_heads(qkv_row, delta_row, col0, heads, offs_h, offs_d, D, HAS_DELTA: tl.constexpr):
+    """[heads, D] of one row starting at column col0, plus its delta, rounded to qkv's dtype
+    once (as the unfused path rounds), returned in float32."""
+    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < D)
+    cols = col0 + offs_h[:, None] * D + offs_d[None, :]
+    x = tl.load(qkv_row + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = (x.to(tl.float32) + tl.load(delta_row + cols, mask=mask, other=0.0)).to(x.dtype)
+    return x.to(tl.float32), mask
+
+
+@triton.jit
+def _rotated(qkv_row, delta_row, col0, heads, offs_h, offs_d, cos, sin, D, HALF,
+             HAS_DELTA: tl.constexpr):
+    """x * cos + rotate_half(x) * sin for [heads, D] at col0 (float32)."""
+    x, mask = _load_heads(qkv_row, delta_row, col0, heads, offs_h, offs_d, D, HAS_DELTA)
+    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    x_p, _ = _load_heads(qkv_row, delta_row, col0, heads, offs_h, partner, D, HAS_DELTA)
+    return x * cos[None, :] + (x_p * sign[None, :]) * sin[None, :], mask
+
+
+@triton.jit
+def _rope_cache_kernel(
+    qkv_ptr, delta_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qkv, stride_delta, stride_qo_t, stride_qo_h, stride_cos, stride_kc, stride_vc,
+    Hq, Hkv, D, HALF,
+    HAS_DELTA: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    qkv_row = qkv_ptr + t * stride_qkv
+    delta_row = delta_ptr + t * stride_delta
+    offs_d = tl.arange(0, BLOCK_D)
+    q_cols = Hq * D
+    if part == 0:
+        pos = tl.load(pos_ptr + t)
+        cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        offs_h = tl.arange(0, BLOCK_HQ)
+        q, mask = _rotated(qkv_row, delta_row, 0, Hq, offs_h, offs_d, cos, sin, D, HALF, HAS_DELTA)
+        out = q_out_ptr + t * stride_qo_t + offs_h[:, None] * stride_qo_h + offs_d[None, :]
+        tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=mask)
+    elif part == 1:
+        pos = tl.load(pos_ptr + t)
+        cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        offs_h = tl.arange(0, BLOCK_HKV)
+        k, mask = _rotated(qkv_row, delta_row, q_cols, Hkv, offs_h, offs_d, cos, sin, D, HALF,
+                           HAS_DELTA)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        dst = k_cache_ptr + slot * stride_kc + offs_h[:, None] * D + offs_d[None, :]
+        tl.store(dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs_h = tl.arange(0, BLOCK_HKV)
+        v, mask = _load_heads(qkv_row, delta_row, q_cols + Hkv * D, Hkv, offs_h, offs_d, D,
+                              HAS_DELTA)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        dst = v_cache_ptr + slot * stride_vc + offs_h[:, None] * D + offs_d[None, :]
+        tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_and_cache_triton(qkv: torch.Tensor, delta: torch.Tensor | None, cos_table: torch.Tensor,
+                          sin_table: torch.Tensor, positions: torch.Tensor,
+                          slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          head_dim: int) -> torch.Tensor:
+    """As rope_and_cache_ref, in one launch."""
+    T = qkv.shape[0]
+    assert head_dim % 2 == 0, "RoPE needs an even head size"
+    assert qkv.stride(1) == 1 and (delta is None or delta.stride(1) == 1)
+    for cache in (k_cache, v_cache):  # one slot = Hkv * D contiguous elements
+        assert cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(0) == cache.shape[1] * cache.stride(1)
+    assert cos_table.stride(1) == 1 and cos_table.stride() == sin_table.stride()
+    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    _rope_cache_kernel[(T, 3)](
+        qkv, delta if delta is not None else qkv, cos_table, sin_table, positions, slot_mapping,
+        q, k_cache, v_cache,
+        qkv.stride(0), delta.stride(0) if delta is not None else 0, q.stride(0), q.stride(1),
+        cos_table.stride(0), k_cache.stride(1), v_cache.stride(1),
+        num_heads, num_kv_heads, head_dim, head_dim // 2,
+        HAS_DELTA=delta is not None, BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+    return q
