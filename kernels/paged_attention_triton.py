@@ -153,7 +153,8 @@ def paged_attention_triton_impl(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, *,
-    num_splits: int | None = None, block_n: int | None = None,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """paged_attention_triton with the tiling knobs exposed (tests force splits and tiles)."""
     T, num_heads, head_dim = q.shape
@@ -204,7 +205,8 @@ def paged_attention_triton_impl(
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         DOT_F32=q.dtype == torch.float32 or not q.is_cuda or interpreting(),
-        num_warps=4 if block_q * group_pad * block_d <= 64 * 128 else 8,
+        num_warps=num_warps or (4 if block_q * group_pad * block_d <= 64 * 128 else 8),
+        **({"num_stages": num_stages} if num_stages else {}),
     )
     if num_splits > 1:
         _merge_splits_kernel[(T, num_heads)](

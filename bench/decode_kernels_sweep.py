@@ -1,0 +1,235 @@
+"""The base model's decode-step kernels one at a time, each against its bytes' floor, with the
+alternatives that could replace it.
+
+serving_bench.py says how far row a's step is from its floor and decode_profile.py which
+kernel families fill it; this script times each kind of launch on its own, replayed from a
+CUDA graph over as many copies of its weights (or KV cache) as it takes to overflow L2, as in
+a real step where every layer reads its own:
+
+- the projections' GEMMs at decode batch: cuBLAS as the model calls it (F.linear on [N, K]
+  weights), cuBLAS on pre-transposed [K, N] weights, and a plain Triton GEMM over a few
+  tilings (best shown);
+- paged attention at batch 64 over the serving benchmark's contexts, across tilings;
+- RoPE + KV-cache write: the fused kernel against the compiled RoPE plus two index_copy_.
+
+    python bench/decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
+    python bench/decode_kernels_sweep.py --parts gemm    # one part
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from kernels_bench import copy_bandwidth  # noqa: E402
+
+GEMMS = {  # name: (N, K), Llama-3.2-1B
+    "qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+    "lm_head": (128256, 2048)}
+L2_OVERFLOW = 256 << 20  # bytes of distinct copies a timed graph walks through
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = x @ w.T for a few rows: one program per BLOCK_N columns walks all of K."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=offs_m[:, None] < M, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def triton_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int,
+                stages: int, warps: int) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    _gemm_kernel[(triton.cdiv(N, block_n),)](
+        x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_stages=stages, num_warps=warps)
+
+
+def graph_us(calls: list[Callable[[], object]], rounds: int = 20) -> float:
+    """GPU microseconds per call: the calls captured back to back in one CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up: compiles outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, math.ceil(L2_OVERFLOW / max(nbytes, 1)))
+
+
+def gemm_part(batch: int, bw: float, device: torch.device) -> None:
+    print(f"\n== GEMMs at batch {batch} (bf16), us per launch; floor = weight bytes / copy bandwidth")
+    print(f"{'proj':8} {'N':>7} {'K':>5} {'MB':>7} {'floor':>7} {'cuBLAS':>8} {'cuBLAS Wt':>10} "
+          f"{'Triton best':>12}  tiling (block_n, block_k, stages, warps)")
+    tilings = list(itertools.product((16, 32, 64, 128), ((128, 4), (256, 3), (128, 6)), (4,)))
+    for name, (N, K) in GEMMS.items():
+        nbytes = N * K * 2
+        n = copies_for(nbytes)
+        ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+        x = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        y = torch.empty(batch, N, device=device, dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, ws[0])
+        cublas = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+        wts = [w.t().contiguous() for w in ws]
+        cublas_t = graph_us([lambda w=w: torch.mm(x, w, out=y) for w in wts])
+        del wts
+        best = (float("inf"), None)
+        for block_n, (block_k, stages), warps in tilings:
+            if K % block_k:
+                continue
+            us = graph_us([lambda w=w, t=(block_n, block_k, stages, warps): triton_gemm(x, w, y, *t)
+                           for w in ws])
+            if us < best[0]:
+                best = (us, (block_n, block_k, stages, warps))
+        triton_gemm(x, ws[0], y, *best[1])
+        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+        floor = nbytes / bw * 1e6
+        print(f"{name:8} {N:7d} {K:5d} {nbytes / 1e6:7.1f} {floor:7.2f} {cublas:8.2f} {cublas_t:10.2f} "
+              f"{best[0]:12.2f}  {best[1]}  (rel err {err:.1e})")
+        del ws
+        torch.cuda.empty_cache()
+
+
+def attention_part(batch: int, bw: float, device: torch.device) -> None:
+    from kernels.paged_attention_triton import paged_attention_triton_impl
+
+    Hq, Hkv, D, page = 32, 8, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(32 + 64, 256 + 64, (batch,), generator=gen)  # prompt + half the output
+    max_blocks = math.ceil(int(lens.max()) / page)
+    kv_bytes = int(lens.sum()) * Hkv * D * 2 * 2
+    n = copies_for(batch * max_blocks * page * Hkv * D * 2 * 2)
+    caches = []
+    for _ in range(n):
+        k = torch.randn(batch * max_blocks, page, Hkv, D, device=device, dtype=torch.bfloat16)
+        caches.append((k, torch.randn_like(k)))
+    tables = torch.randperm(batch * max_blocks, generator=gen).view(batch, max_blocks).to(device, torch.int32)
+    q = torch.randn(batch, Hq, D, device=device, dtype=torch.bfloat16)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    seq_lens = lens.to(device, torch.int32)
+    max_seq = 4096  # the decode graphs size the kernel for the longest context allowed
+
+    def run(k, v, **knobs):
+        return paged_attention_triton_impl(q, k, v, tables, qsl, seq_lens, D ** -0.5, 1, max_seq, **knobs)
+
+    floor = kv_bytes / bw * 1e6
+    default = graph_us([lambda c=c: run(*c) for c in caches])
+    print(f"\n== paged attention, batch {batch}, contexts {int(lens.min())}-{int(lens.max())} "
+          f"(mean {lens.float().mean():.0f}), {kv_bytes / 1e6:.1f} MB of KV: floor {floor:.2f} us, "
+          f"default {default:.2f} us")
+    results = []
+    for block_n, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4), (2, 3, 4)):
+        knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=1)
+        try:
+            us = graph_us([lambda c=c, k=knobs: run(*c, **k) for c in caches], rounds=10)
+        except Exception as exc:  # a tiling the compiler refuses (shared memory)
+            print(f"   {knobs}: {type(exc).__name__}")
+            continue
+        results.append((us, knobs))
+    results.sort(key=lambda r: r[0])
+    for us, knobs in results[:8]:
+        print(f"   {us:7.2f} us  {knobs}")
+
+
+def rope_part(batch: int, device: torch.device) -> None:
+    from kernels.rope_cache_ref import _rotate
+    from kernels.rope_cache_triton import rope_and_cache_triton
+
+    Hq, Hkv, D, page = 32, 8, 64, 16
+    width = (Hq + 2 * Hkv) * D
+    n = 16  # one per layer
+    qkvs = [torch.randn(batch, width, device=device, dtype=torch.bfloat16) for _ in range(n)]
+    deltas = [torch.randn(batch, width, device=device) * 0.01 for _ in range(n)]
+    caches = [(torch.zeros(batch * 20, page, Hkv, D, device=device, dtype=torch.bfloat16),
+               torch.zeros(batch * 20, page, Hkv, D, device=device, dtype=torch.bfloat16)) for _ in range(n)]
+    emb = torch.randn(4096, D, device=device)
+    cos, sin = emb.cos(), emb.sin()
+    pos = torch.randint(0, 300, (batch,), device=device)
+    slots = torch.randperm(batch * 20 * page, device=device)[:batch]
+
+    def rope_qk(q, k, positions):
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+        return _rotate(q, c, s), _rotate(k, c, s)
+
+    compiled = torch.compile(rope_qk, dynamic=True, fullgraph=True)
+
+    def old(qkv, kc, vc):
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, k = compiled(q.view(-1, Hq, D), k.view(-1, Hkv, D), pos)
+        kc.view(-1, Hkv, D).index_copy_(0, slots, k)
+        vc.view(-1, Hkv, D).index_copy_(0, slots, v.view(-1, Hkv, D))
+        return q
+
+    t_old = graph_us([lambda i=i: old(qkvs[i], *caches[i]) for i in range(n)])
+    t_new = graph_us([lambda i=i: rope_and_cache_triton(qkvs[i], None, cos, sin, pos, slots, *caches[i], Hq, Hkv, D)
+                      for i in range(n)])
+    t_new_d = graph_us([lambda i=i: rope_and_cache_triton(qkvs[i], deltas[i], cos, sin, pos, slots, *caches[i],
+                                                          Hq, Hkv, D) for i in range(n)])
+    print(f"\n== RoPE + KV write, batch {batch}, us per layer: compiled RoPE + 2 index_copy_ {t_old:.2f}; "
+          f"fused kernel {t_new:.2f} (with a LoRA delta {t_new_d:.2f})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--parts", default="rope,attention,gemm")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device, 1 << 30)
+    print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy bandwidth (read+write) {bw / 1e9:.0f} GB/s")
+    parts = args.parts.split(",")
+    if "rope" in parts:
+        rope_part(args.batch, device)
+    if "attention" in parts:
+        attention_part(args.batch, bw, device)
+    if "gemm" in parts:
+        gemm_part(args.batch, bw, device)
+
+
+if __name__ == "__main__":
+    main()
