@@ -50,31 +50,34 @@ def _rope_cache_kernel(
     delta_row = delta_ptr + t * stride_delta
     offs_d = tl.arange(0, BLOCK_D)
     q_cols = Hq * D
+    # Each branch names its own values: Triton's branches may not bind one name to tensors of
+    # different shapes.
     if part == 0:
-        pos = tl.load(pos_ptr + t)
-        cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        offs_h = tl.arange(0, BLOCK_HQ)
-        q, mask = _rotated(qkv_row, delta_row, 0, Hq, offs_h, offs_d, cos, sin, D, HALF, HAS_DELTA)
-        out = q_out_ptr + t * stride_qo_t + offs_h[:, None] * stride_qo_h + offs_d[None, :]
-        tl.store(out, q.to(q_out_ptr.dtype.element_ty), mask=mask)
+        pos_q = tl.load(pos_ptr + t)
+        cos_q = tl.load(cos_ptr + pos_q * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        sin_q = tl.load(sin_ptr + pos_q * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        heads_q = tl.arange(0, BLOCK_HQ)
+        q, q_mask = _rotated(qkv_row, delta_row, 0, Hq, heads_q, offs_d, cos_q, sin_q, D, HALF,
+                             HAS_DELTA)
+        q_dst = q_out_ptr + t * stride_qo_t + heads_q[:, None] * stride_qo_h + offs_d[None, :]
+        tl.store(q_dst, q.to(q_out_ptr.dtype.element_ty), mask=q_mask)
     elif part == 1:
-        pos = tl.load(pos_ptr + t)
-        cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        offs_h = tl.arange(0, BLOCK_HKV)
-        k, mask = _rotated(qkv_row, delta_row, q_cols, Hkv, offs_h, offs_d, cos, sin, D, HALF,
-                           HAS_DELTA)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        dst = k_cache_ptr + slot * stride_kc + offs_h[:, None] * D + offs_d[None, :]
-        tl.store(dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        pos_k = tl.load(pos_ptr + t)
+        cos_k = tl.load(cos_ptr + pos_k * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        sin_k = tl.load(sin_ptr + pos_k * stride_cos + offs_d, mask=offs_d < D, other=0.0)
+        heads_k = tl.arange(0, BLOCK_HKV)
+        k, k_mask = _rotated(qkv_row, delta_row, q_cols, Hkv, heads_k, offs_d, cos_k, sin_k, D,
+                             HALF, HAS_DELTA)
+        slot_k = tl.load(slot_ptr + t).to(tl.int64)
+        k_dst = k_cache_ptr + slot_k * stride_kc + heads_k[:, None] * D + offs_d[None, :]
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
     else:
-        offs_h = tl.arange(0, BLOCK_HKV)
-        v, mask = _load_heads(qkv_row, delta_row, q_cols + Hkv * D, Hkv, offs_h, offs_d, D,
-                              HAS_DELTA)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        dst = v_cache_ptr + slot * stride_vc + offs_h[:, None] * D + offs_d[None, :]
-        tl.store(dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        heads_v = tl.arange(0, BLOCK_HKV)
+        v, v_mask = _load_heads(qkv_row, delta_row, q_cols + Hkv * D, Hkv, heads_v, offs_d, D,
+                                HAS_DELTA)
+        slot_v = tl.load(slot_ptr + t).to(tl.int64)
+        v_dst = v_cache_ptr + slot_v * stride_vc + heads_v[:, None] * D + offs_d[None, :]
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def rope_and_cache_triton(qkv: torch.Tensor, delta: torch.Tensor | None, cos_table: torch.Tensor,
