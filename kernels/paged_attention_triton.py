@@ -25,7 +25,7 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: 
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, kv_split_len, head_dim,
+    qk_scale, head_dim,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kp, stride_kh, stride_kd,
     stride_vb, stride_vp, stride_vh, stride_vd,
@@ -66,19 +66,28 @@ def _paged_attention_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    # Keys this tile needs: up to its last query's position; this split's share of them.
+    # Keys this tile needs: up to its last query's position; this split's share of them (the
+    # splits divide each sequence's own keys, so a graph sized for the longest context allowed
+    # still spreads a short one over all of its splits).
     kv_end = ctx0 + tl.minimum(q0 + BLOCK_Q, q_len)
-    kv_lo = split * kv_split_len
-    kv_hi = tl.minimum(kv_end, kv_lo + kv_split_len)
+    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(kv_end, kv_lo + split_len)
 
     m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    # Block ids are read one tile ahead: a tile's keys then wait for one memory latency, not
+    # for the block-table read and then the keys.
+    first = kv_lo + tl.arange(0, BLOCK_N)
+    next_blk = tl.load(bt_row + (first // PAGE) * stride_btn, mask=first < kv_hi, other=0)
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_hi
-        blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=mask_n, other=0).to(tl.int64)
+        blk = next_blk.to(tl.int64)
+        ahead = offs_n + BLOCK_N
+        next_blk = tl.load(bt_row + (ahead // PAGE) * stride_btn, mask=ahead < kv_hi, other=0)
         in_blk = (offs_n % PAGE).to(tl.int64)
         k_off = blk * stride_kb + in_blk * stride_kp + kv_head * stride_kh
         v_off = blk * stride_vb + in_blk * stride_vp + kv_head * stride_vh
@@ -177,8 +186,7 @@ def paged_attention_triton_impl(
     if num_splits is None:
         num_splits = _auto_splits(q.device, q_tiles * batch * num_kv_heads, max_query_len,
                                   max_seq_len)
-    kv_split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_seq_len, kv_split_len))
+    num_splits = max(1, min(num_splits, triton.cdiv(max(max_seq_len, 1), block_n)))
 
     if num_splits > 1:
         part_acc = torch.empty(num_splits, T, num_heads, head_dim, dtype=torch.float32,
@@ -194,7 +202,7 @@ def paged_attention_triton_impl(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         out, part_acc, part_m, part_l,
-        scale * _LOG2E, kv_split_len, head_dim,
+        scale * _LOG2E, head_dim,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),

@@ -143,7 +143,6 @@ class DecodeGraphs:
         self._host = [HostInputs.allocate(B, self.max_blocks, self.capture) for _ in range(2)]
         self._turn = 0
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(B, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
 
@@ -271,7 +270,7 @@ class DecodeGraphs:
             input_ids=input_ids, positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            logits_indices=self.logits_indices[:size], max_query_len=1, max_seq_len=self.max_seq_len)
+            logits_indices=None, max_query_len=1, max_seq_len=self.max_seq_len)  # every row samples
         applier = None
         if segments:
             # Sized for its bucket: every row active, `segments` groups of up to `size`

@@ -58,7 +58,7 @@ class ForwardBatch:
     block_tables: torch.Tensor     # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor         # [B] int32
-    logits_indices: torch.Tensor   # [N] int64: rows whose logits are needed (sampling)
+    logits_indices: torch.Tensor | None  # [N] int64: rows whose logits are needed; None: all
     max_query_len: int
     max_seq_len: int
 
@@ -208,7 +208,9 @@ class LlamaModel:
                                              cfg.rms_norm_eps, delta)
             else:
                 hidden = hidden + with_lora(down, delta)
-        last = rms_norm(hidden[batch.logits_indices], self.final_norm, cfg.rms_norm_eps)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        last = ops.rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head)
 
     @staticmethod
