@@ -65,6 +65,10 @@ class ForwardBatch:
 
 @dataclass
 class LayerWeights:
+    """One decoder layer. Projection weights are kept [in, out] (transposed from the
+    checkpoint's [out, in]): at decode batch sizes cuBLAS's kernels for x @ W in that layout ran
+    up to 16% faster on an H100 (bench/decode_kernels_sweep.py, docs/PERFORMANCE.md)."""
+
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
@@ -123,9 +127,9 @@ class LlamaModel:
                  max_positions: int) -> None:
         self.config = config
         self.layers = layers
-        self.embed = embed
+        self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
         self.final_norm = final_norm
-        self.lm_head = lm_head
+        self.lm_head = lm_head      # [hidden, vocab]
         self.device = device
         self.dtype = embed.dtype
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
@@ -147,6 +151,10 @@ class LlamaModel:
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in tensors else None
 
+        def projection(*names: str) -> torch.Tensor:
+            """The named [out, in] weights side by side as one [in, sum(out)] matrix."""
+            return torch.cat([take(n) for n in names]).t().contiguous()
+
         layers = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
@@ -155,25 +163,29 @@ class LlamaModel:
                 qkv_bias = torch.cat([take(p + f"self_attn.{m}.bias") for m in FUSED_MODULES["qkv"]])
             layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(p + f"self_attn.{m}.weight") for m in FUSED_MODULES["qkv"]]),
+                qkv=projection(*(p + f"self_attn.{m}.weight" for m in FUSED_MODULES["qkv"])),
                 qkv_bias=qkv_bias,
-                o=take(p + "self_attn.o_proj.weight"),
+                o=projection(p + "self_attn.o_proj.weight"),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(p + f"mlp.{m}.weight") for m in FUSED_MODULES["gate_up"]]),
-                down=take(p + "mlp.down_proj.weight"),
+                gate_up=projection(*(p + f"mlp.{m}.weight" for m in FUSED_MODULES["gate_up"])),
+                down=projection(p + "mlp.down_proj.weight"),
             ))
-        embed = take("embed_tokens.weight")
-        lm_head = maybe("lm_head.weight")
-        if lm_head is None:
-            if not config.tie_word_embeddings:
-                raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
-            lm_head = embed
+        if "lm_head.weight" in tensors:
+            lm_head = projection("lm_head.weight")
+            embed = take("embed_tokens.weight")
+        elif config.tie_word_embeddings:
+            # One copy serves both: the LM head reads it as [hidden, vocab]; the embedding
+            # looks up its columns (a strided gather of a few rows' worth of bytes per step).
+            lm_head = projection("embed_tokens.weight")
+            embed = lm_head.t()
+        else:
+            raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
         positions = max_positions or config.max_position_embeddings
         return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
-        if self.lm_head is not self.embed:
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
             tensors.append(self.lm_head)
         for layer in self.layers:
             tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
@@ -211,7 +223,7 @@ class LlamaModel:
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         last = ops.rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head)
+        return torch.mm(last, self.lm_head)
 
     @staticmethod
     def _project(lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
@@ -219,7 +231,12 @@ class LlamaModel:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A fused projection with its LoRA: (output, a delta left for the next op or None)."""
         if lora is None:
-            return F.linear(x, weight, bias), None
+            return _linear(x, weight, bias), None
         lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
-        y = F.linear(x, weight, bias)
+        y = _linear(x, weight, bias)
         return y, lora.end(layer, group, x, y)
+
+
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) for a weight kept transposed, [in, out]."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
