@@ -13,10 +13,8 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
 
 LoRA modes, timed side by side (interleaved bursts of graph replays, GPU time): overlap (the
 engine's default: LoRA on a side stream beside each base matmul, adapters/overlap.py, the
-main stream at high CUDA priority, segments read from the segment table, one launch per
-projection where H_in allows), overlap-2launch (the same with a split-K shrink and an expand
-launch per projection), overlap-gather (two launches gathering rows through sorted ids, as
-before the segment table), overlap-equal (both streams at default priority),
+main stream at high CUDA priority, segments read from the segment table), overlap-gather (the
+same, with the kernels gathering rows through sorted ids as before the table), overlap-equal (both streams at default priority),
 overlap-side-high (the side stream high instead) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -146,8 +144,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--modes", default="overlap,serial",
-                   help="LoRA modes: overlap, overlap-2launch, overlap-gather, overlap-equal, "
-                        "overlap-side-high, serial")
+                   help="LoRA modes: overlap, overlap-gather, overlap-equal, overlap-side-high, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     args = p.parse_args()
 
@@ -158,7 +155,6 @@ def main() -> None:
     from inference_node.engine.kv_cache import KVCache
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
-    from kernels import lora_triton
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
@@ -183,20 +179,16 @@ def main() -> None:
         first += num
     high = MAIN_STREAM_PRIORITY  # CUDA stream priorities: lower is higher, 0 the default (lowest)
     ranks = buffers.module_ranks
-    fused_k = lora_triton.FUSED_DECODE_MAX_K
-    modes_setup = {  # mode: (applier factory, main stream priority, segment table, fused max K)
-        "overlap": (LoraOverlap(buffers, args.batch).applier, high, ranks, fused_k),
-        "overlap-2launch": (LoraOverlap(buffers, args.batch).applier, high, ranks, 0),
-        "overlap-gather": (LoraOverlap(buffers, args.batch).applier, high, None, 0),
-        "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0, ranks, fused_k),
-        "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0, ranks,
-                              fused_k),
-        "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high, ranks, fused_k)}
+    modes_setup = {  # mode: (applier factory, priority of the graph's main stream, segment table)
+        "overlap": (LoraOverlap(buffers, args.batch).applier, high, ranks),
+        "overlap-gather": (LoraOverlap(buffers, args.batch).applier, high, None),
+        "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0, ranks),
+        "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0, ranks),
+        "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high, ranks)}
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:
-        factory, main_priority, table_ranks, max_k = modes_setup[mode]
-        lora_triton.FUSED_DECODE_MAX_K = max_k  # read when the graphs are captured
+        factory, main_priority, table_ranks = modes_setup[mode]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
                               lora_applier=factory, capture_priority=main_priority,
@@ -205,7 +197,6 @@ def main() -> None:
         t = time.perf_counter()
         graphs.capture_all()
         all_graphs[mode] = graphs
-        lora_triton.FUSED_DECODE_MAX_K = fused_k
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "
               f"{time.perf_counter() - t:.1f}s")
@@ -234,9 +225,7 @@ def main() -> None:
         if args.no_profile:
             continue
         for mode, graphs in all_graphs.items():
-            lora_triton.FUSED_DECODE_MAX_K = modes_setup[mode][3]
             fams = profile_eager(graphs, keys[mode], args.reps)
-            lora_triton.FUSED_DECODE_MAX_K = fused_k
             gpu_total = sum(v[0] for v in fams.values())
             launches = sum(v[1] for v in fams.values())
             print(f"\n== [{mode}] {n}: graph replay {replays[(mode, n)]:.3f} ms; eager kernels "

@@ -195,83 +195,6 @@ def _lora_expand_kernel(
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@triton.jit
-def _lora_decode_kernel(
-    x_ptr, a_ptr, a_table_ptr, b_ptr, b_table_ptr, y_ptr, scaling_ptr, seg_table_ptr,
-    K, R, N_PROGRAMS, N_SPAN, stride_seg, rank_col,
-    stride_xt, stride_xk,
-    stride_as, stride_ar, stride_ak,
-    stride_bn, stride_br,
-    stride_yt, stride_yn,
-    A_UNIT: tl.constexpr, B_UNIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, ACCUMULATE: tl.constexpr,
-):
-    # Program: columns [pid_n*N_SPAN, +N_SPAN) of one slice for every row of one segment: the
-    # shrink of those rows over all of H_in (in registers), then the expand of its columns.
-    # One launch and one metadata latency per projection; each of a slice's programs redoes
-    # the small shrink (its A comes from L2 after the first), which is what saves the launch.
-    seg = tl.program_id(0)
-    pid_1 = tl.program_id(1)
-    slice_id = pid_1 // N_PROGRAMS
-    pid_n = pid_1 % N_PROGRAMS
-
-    info = seg_table_ptr + seg * stride_seg
-    slot = tl.load(info)
-    first = tl.load(info + 1)
-    seg_len = tl.load(info + 2)
-    rank = tl.minimum(tl.load(info + rank_col + slice_id), R)
-    b_row = b_table_ptr + slice_id * 4
-    b_off = tl.load(b_row) * B_UNIT
-    n_out = tl.load(b_row + 1)
-    y_col = tl.load(b_row + 2)
-    stride_bs = tl.load(b_row + 3)
-    a_off = tl.load(a_table_ptr + slice_id) * A_UNIT
-    n_begin = pid_n * N_SPAN
-    if (seg_len <= 0) | (rank <= 0) | (n_begin >= n_out):
-        return
-    n_end = tl.minimum(n_out, n_begin + N_SPAN)
-    scale = tl.load(scaling_ptr + slot).to(tl.float32)
-
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rank
-    a_cols = a_ptr + a_off + slot.to(tl.int64) * stride_as + offs_r[None, :].to(tl.int64) * stride_ar
-    b_rows = b_ptr + b_off + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
-    for m0 in range(0, seg_len, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < seg_len
-        tok = (first + offs_m).to(tl.int64)
-        x_rows = x_ptr + tok[:, None] * stride_xt
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            xt = tl.load(x_rows + offs_k[None, :] * stride_xk,
-                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            at = tl.load(a_cols + offs_k[:, None] * stride_ak,
-                         mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, at.to(xt.dtype))
-        h = acc * scale
-        y_rows = y_ptr + tok[:, None] * stride_yt
-        for n0 in range(n_begin, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < n_end
-            bt = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn,
-                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-            if DOT_F32:
-                out = tl.dot(h, bt.to(tl.float32), input_precision="ieee")
-            else:
-                out = tl.dot(h.to(bt.dtype), bt)
-            y_ptrs = y_rows + (y_col + offs_n)[None, :].to(tl.int64) * stride_yn
-            y_mask = mask_m[:, None] & mask_n[None, :]
-            if ACCUMULATE:
-                out += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -529,12 +452,7 @@ def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.
     """y += every token's LoRA delta in two launches: the shrink's split partials go straight
     to the expand, which adds them (no zero fill, no atomics, no reduction launch).
     accumulate=False: y receives the delta itself (see lora_expand_triton). rank_col: read
-    segments and ranks from meta.segment_table (see lora_shrink_partials); decode-shaped
-    steps then take one launch (lora_decode_triton) where H_in allows."""
-    if fused_decode_applies(x, meta, rank_col):
-        lora_decode_triton(x, y, a_stacked, b_stacked, meta, scaling, slice_offsets, rank_col,
-                           accumulate=accumulate)
-        return
+    segments and ranks from meta.segment_table (see lora_shrink_partials)."""
     tiling = choose_tiling(meta, a_stacked[0].shape[1], max(b.shape[1] for b in b_stacked),
                            len(b_stacked), y.device)
     partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, zero=False,
@@ -542,60 +460,3 @@ def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.
     lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks, tiling=tiling,
                        accumulate=accumulate, rank_col=rank_col)
 
-
-# Decode steps whose rows come grouped with a segment table (the decode graphs) run a
-# projection's LoRA as one launch (_lora_decode_kernel) when H_in is at most this; wider
-# inputs (the MLP's down projection) keep the split-K shrink, whose programs share the long
-# reduction. LORA_FUSED_DECODE=0 turns the one-launch path off (a measurement switch:
-# bench/decode_profile.py times both).
-FUSED_DECODE_MAX_K = 4096 if os.environ.get("LORA_FUSED_DECODE", "1") != "0" else 0
-
-
-def fused_decode_applies(x: torch.Tensor, meta: LoraBatchMeta, rank_col: int | None) -> bool:
-    return (meta.segment_table is not None and rank_col is not None
-            and meta.num_active_tokens <= _DECODE_TOKENS and x.shape[1] <= FUSED_DECODE_MAX_K)
-
-
-def lora_decode_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
-                       b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
-                       scaling: torch.Tensor, slice_offsets: Sequence[int], rank_col: int, *,
-                       accumulate: bool = True, n_span: int | None = None,
-                       block_k: int = 128) -> None:
-    """add_lora_triton in one launch for rows grouped by slot (meta.segment_table): each
-    program shrinks its segment's rows over all of H_in, then expands a span of columns."""
-    n_slices = len(a_stacked)
-    T, K = x.shape
-    S, R, _ = a_stacked[0].shape
-    if meta.num_segments == 0 or T == 0 or R == 0:
-        return
-    assert len(b_stacked) == n_slices == len(slice_offsets)
-    for b, off in zip(b_stacked, slice_offsets):
-        assert b.shape[2] == R and 0 <= off and off + b.shape[1] <= y.shape[1]
-    a_list = _uniform(a_stacked, (0, 1, 2))
-    b_list = _uniform(b_stacked, (1, 2))
-    a_table, a_unit = _offset_table(a_list, [()] * n_slices, x.device)
-    b_table, b_unit = _offset_table(b_list, [(b.shape[1], off, b.stride(0))
-                                             for b, off in zip(b_list, slice_offsets)], y.device)
-    table = meta.segment_table
-    block_r = max(16, triton.next_power_of_2(R))
-    block_n = 128 if block_r <= 32 else 64
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
-    max_out = max(b.shape[1] for b in b_list)
-    if n_span is None:  # the widest span (up to 1024) that leaves about 2 programs per SM
-        n_span, target = block_n, 2 * _num_sms(x.device)
-        while (n_span * 2 <= 1024 and
-               meta.num_segments * n_slices * triton.cdiv(max_out, n_span * 2) >= target):
-            n_span *= 2
-    n_span = max(block_n, triton.cdiv(n_span, block_n) * block_n)
-    n_programs = triton.cdiv(max_out, n_span)
-    _lora_decode_kernel[(meta.num_segments, n_slices * n_programs)](
-        x, a_list[0], a_table, b_list[0], b_table, y, scaling, table,
-        K, R, n_programs, n_span, table.stride(0), rank_col,
-        x.stride(0), x.stride(1),
-        a_list[0].stride(0), a_list[0].stride(1), a_list[0].stride(2),
-        b_list[0].stride(1), b_list[0].stride(2),
-        y.stride(0), y.stride(1),
-        A_UNIT=a_unit, B_UNIT=b_unit,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_F32=_dot_f32(x.dtype, x.device), ACCUMULATE=accumulate, num_warps=4,
-    )
