@@ -139,6 +139,8 @@ def gemm_part(batch: int, bw: float, device: torch.device) -> None:
 
 
 def attention_part(batch: int, bw: float, device: torch.device) -> None:
+    """Both KV layouts (token-major [blocks, page, Hkv, D]; head-major, stored [blocks, Hkv,
+    page, D] and seen through transposed views as KVCache keeps it), default and a few tilings."""
     from kernels.paged_attention_triton import paged_attention_triton_impl
 
     Hq, Hkv, D, page = 32, 8, 64, 16
@@ -147,36 +149,50 @@ def attention_part(batch: int, bw: float, device: torch.device) -> None:
     max_blocks = math.ceil(int(lens.max()) / page)
     kv_bytes = int(lens.sum()) * Hkv * D * 2 * 2
     n = copies_for(batch * max_blocks * page * Hkv * D * 2 * 2)
-    caches = []
-    for _ in range(n):
-        k = torch.randn(batch * max_blocks, page, Hkv, D, device=device, dtype=torch.bfloat16)
-        caches.append((k, torch.randn_like(k)))
     tables = torch.randperm(batch * max_blocks, generator=gen).view(batch, max_blocks).to(device, torch.int32)
     q = torch.randn(batch, Hq, D, device=device, dtype=torch.bfloat16)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     seq_lens = lens.to(device, torch.int32)
     max_seq = 4096  # the decode graphs size the kernel for the longest context allowed
+    floor = kv_bytes / bw * 1e6
+    print(f"\n== paged attention, batch {batch}, contexts {int(lens.min())}-{int(lens.max())} "
+          f"(mean {lens.float().mean():.0f}), {kv_bytes / 1e6:.1f} MB of KV: floor {floor:.2f} us")
 
     def run(k, v, **knobs):
         return paged_attention_triton_impl(q, k, v, tables, qsl, seq_lens, D ** -0.5, 1, max_seq, **knobs)
 
-    floor = kv_bytes / bw * 1e6
-    default = graph_us([lambda c=c: run(*c) for c in caches])
-    print(f"\n== paged attention, batch {batch}, contexts {int(lens.min())}-{int(lens.max())} "
-          f"(mean {lens.float().mean():.0f}), {kv_bytes / 1e6:.1f} MB of KV: floor {floor:.2f} us, "
-          f"default {default:.2f} us")
-    results = []
-    for block_n, warps, stages, splits in itertools.product((32, 64), (2, 4), (2, 3, 4), (1, 2, 4)):
-        knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
-        try:
-            us = graph_us([lambda c=c, k=knobs: run(*c, **k) for c in caches], rounds=10)
-        except Exception as exc:  # a tiling the compiler refuses (shared memory)
-            print(f"   {knobs}: {type(exc).__name__}")
-            continue
-        results.append((us, knobs))
-    results.sort(key=lambda r: r[0])
-    for us, knobs in results[:8]:
-        print(f"   {us:7.2f} us  {knobs}")
+    outputs = {}
+    for layout in ("token-major", "head-major"):
+        caches = []
+        for _ in range(n):
+            if layout == "token-major":
+                k = torch.randn(batch * max_blocks, page, Hkv, D, device=device, dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+            else:
+                k = torch.randn(batch * max_blocks, Hkv, page, D, device=device, dtype=torch.bfloat16).transpose(1, 2)
+                v = torch.randn_like(k.transpose(1, 2)).transpose(1, 2)
+            caches.append((k, v))
+        gen_k = torch.Generator(device=device).manual_seed(1)
+        for k, v in caches[:1]:  # same values in both layouts for the output check
+            k.copy_(torch.randn(k.shape, generator=gen_k, device=device, dtype=torch.bfloat16))
+            v.copy_(torch.randn(v.shape, generator=gen_k, device=device, dtype=torch.bfloat16))
+        outputs[layout] = run(*caches[0])
+        default = graph_us([lambda c=c: run(*c) for c in caches])
+        results = []
+        for block_n, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3)):
+            knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                us = graph_us([lambda c=c, k=knobs: run(*c, **k) for c in caches], rounds=10)
+            except Exception as exc:  # a tiling the compiler refuses (shared memory)
+                print(f"   {knobs}: {type(exc).__name__}")
+                continue
+            results.append((us, knobs))
+        results.sort(key=lambda r: r[0])
+        print(f"  {layout}: default {default:.2f} us; best " +
+              "; ".join(f"{us:.2f} us {knobs}" for us, knobs in results[:3]))
+        del caches
+    same = torch.equal(outputs["token-major"], outputs["head-major"])
+    print(f"  outputs of the two layouts on the same values: {'identical' if same else 'DIFFER'}")
 
 
 def rope_part(batch: int, device: torch.device) -> None:

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 def paged_attention_ref(
     q: torch.Tensor,               # [T, Hq, D]: new tokens of all sequences, concatenated
-    k_cache: torch.Tensor,         # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,         # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,         # [num_blocks, block_size, Hkv, D] (any strides)
+    v_cache: torch.Tensor,         # [num_blocks, block_size, Hkv, D] (any strides)
     block_tables: torch.Tensor,    # [B, max_blocks] int32 (unused entries: any valid block)
     query_start_loc: torch.Tensor, # [B + 1] int32: sequence b's queries are q[start[b]:start[b+1]]
     seq_lens: torch.Tensor,        # [B] int32: context length of b, its new tokens included
@@ -36,9 +36,9 @@ def paged_attention_ref(
     # Gather every sequence's context keys/values into a padded [B, S, Hkv, D] tensor.
     positions = torch.arange(max_seq_len, device=device)
     blocks = block_tables.long()[:, (positions // block_size).clamp(max=block_tables.shape[1] - 1)]
-    slots = blocks * block_size + positions % block_size
-    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]
-    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    offsets = (positions % block_size)[None, :]
+    keys = k_cache[blocks, offsets]        # [B, S, Hkv, D], whatever the caches' strides
+    values = v_cache[blocks, offsets]
 
     # Scatter queries into a padded [B, Qmax, Hq, D] tensor.
     q_pos = torch.arange(max_query_len, device=device)

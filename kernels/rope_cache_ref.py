@@ -23,7 +23,7 @@ def rope_and_cache_ref(qkv: torch.Tensor, delta: torch.Tensor | None, cos_table:
                        slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """qkv: [T, (Hq + 2 Hkv) * D] projections (q, k, v columns); delta: their float32 LoRA
-    delta or None; caches [blocks, block_size, Hkv, D]. Writes the rotated keys and the values
+    delta or None; caches [blocks, block_size, Hkv, D], any strides. Writes the rotated keys and the values
     at slot_mapping; returns the rotated queries [T, Hq, D]."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -34,7 +34,8 @@ def rope_and_cache_ref(qkv: torch.Tensor, delta: torch.Tensor | None, cos_table:
     sin = sin_table[positions][:, None, :]
     q = _rotate(q.reshape(-1, num_heads, head_dim), cos, sin)
     k = _rotate(k.reshape(-1, num_kv_heads, head_dim), cos, sin)
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
-                                                         v.reshape(-1, num_kv_heads, head_dim))
+    page = k_cache.shape[1]
+    blocks, offsets = slot_mapping // page, slot_mapping % page
+    k_cache[blocks, offsets] = k  # the caches may be views of any strides (head-major)
+    v_cache[blocks, offsets] = v.reshape(-1, num_kv_heads, head_dim)
     return q

@@ -39,8 +39,9 @@ def _rotated(qkv_row, delta_row, col0, heads, offs_h, offs_d, cos, sin, D, HALF,
 @triton.jit
 def _rope_cache_kernel(
     qkv_ptr, delta_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    stride_qkv, stride_delta, stride_qo_t, stride_qo_h, stride_cos, stride_kc, stride_vc,
-    Hq, Hkv, D, HALF,
+    stride_qkv, stride_delta, stride_qo_t, stride_qo_h, stride_cos,
+    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    Hq, Hkv, D, HALF, PAGE,
     HAS_DELTA: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -69,14 +70,16 @@ def _rope_cache_kernel(
         k, k_mask = _rotated(qkv_row, delta_row, q_cols, Hkv, heads_k, offs_d, cos_k, sin_k, D,
                              HALF, HAS_DELTA)
         slot_k = tl.load(slot_ptr + t).to(tl.int64)
-        k_dst = k_cache_ptr + slot_k * stride_kc + heads_k[:, None] * D + offs_d[None, :]
+        k_dst = (k_cache_ptr + (slot_k // PAGE) * stride_kb + (slot_k % PAGE) * stride_kp
+                 + heads_k[:, None] * stride_kh + offs_d[None, :])
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
     else:
         heads_v = tl.arange(0, BLOCK_HKV)
         v, v_mask = _load_heads(qkv_row, delta_row, q_cols + Hkv * D, Hkv, heads_v, offs_d, D,
                                 HAS_DELTA)
         slot_v = tl.load(slot_ptr + t).to(tl.int64)
-        v_dst = v_cache_ptr + slot_v * stride_vc + heads_v[:, None] * D + offs_d[None, :]
+        v_dst = (v_cache_ptr + (slot_v // PAGE) * stride_vb + (slot_v % PAGE) * stride_vp
+                 + heads_v[:, None] * stride_vh + offs_d[None, :])
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
@@ -89,8 +92,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: torch.Tensor | None, cos_tab
     T = qkv.shape[0]
     assert head_dim % 2 == 0, "RoPE needs an even head size"
     assert qkv.stride(1) == 1 and (delta is None or delta.stride(1) == 1)
-    for cache in (k_cache, v_cache):  # one slot = Hkv * D contiguous elements
-        assert cache.stride(3) == 1 and cache.stride(2) == head_dim and cache.stride(0) == cache.shape[1] * cache.stride(1)
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "a head's vector must be contiguous"
     assert cos_table.stride(1) == 1 and cos_table.stride() == sin_table.stride()
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
@@ -99,8 +101,9 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: torch.Tensor | None, cos_tab
         qkv, delta if delta is not None else qkv, cos_table, sin_table, positions, slot_mapping,
         q, k_cache, v_cache,
         qkv.stride(0), delta.stride(0) if delta is not None else 0, q.stride(0), q.stride(1),
-        cos_table.stride(0), k_cache.stride(1), v_cache.stride(1),
-        num_heads, num_kv_heads, head_dim, head_dim // 2,
+        cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1],
         HAS_DELTA=delta is not None, BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,

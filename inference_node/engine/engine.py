@@ -276,15 +276,16 @@ class Engine:
         try:
             distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
             self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
+            greedy = None
             if graph_step:
-                logits = self.decode_graphs.run(chunks)
+                logits, greedy = self.decode_graphs.run(chunks)
                 self.stats.graph_steps += 1
             else:
                 batch = build_forward_batch(chunks, self.config.block_size, self.model.device,
                                             self.feedback.tokens)
                 applier = self.lora.applier(chunks) if self.lora is not None else None
                 logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
-            tokens = self.feedback.publish(sample_on_device(logits, sampling))
+            tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy))
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
             log.exception("engine step failed")
             for c in chunks:

@@ -122,17 +122,22 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Per-layer key and value tensors of shape [num_blocks, block_size, kv_heads, head_dim]."""
+    """Per-layer key and value tensors, seen as [num_blocks, block_size, kv_heads, head_dim].
+
+    Stored head-major, [num_blocks, kv_heads, block_size, head_dim]: a block's keys for one KV
+    head are then one contiguous run (block_size x head_dim), which is what an attention
+    program reads, instead of head_dim-sized pieces strided by kv_heads x head_dim. The views
+    handed out keep the logical index order; the kernels follow their strides."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=device)
         self._v = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = list(self._k.unbind(0))
-        self.v = list(self._v.unbind(0))
+        self.k = [t.transpose(1, 2) for t in self._k.unbind(0)]
+        self.v = [t.transpose(1, 2) for t in self._v.unbind(0)]
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

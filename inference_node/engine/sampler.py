@@ -41,11 +41,14 @@ def first_argmax(logits: torch.Tensor, chunks: int = 64, two_pass: bool | None =
     return best * (vocab // chunks) + inner.gather(-1, best.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_on_device(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, requests: list[Request],
+                     greedy: torch.Tensor | None = None) -> torch.Tensor:
     """The chosen tokens [N] int64, left on the logits' device (queued, no sync). Greedy rows
     take the argmax of the logits as they are (widening bf16 to float32 is exact, so the
-    choice is the same); sampled rows are widened to float32 first."""
-    greedy = first_argmax(logits)
+    choice is the same), or `greedy` where the caller computed it (a decode graph does);
+    sampled rows are widened to float32 first."""
+    if greedy is None:
+        greedy = first_argmax(logits)
     if all(req.params.greedy for req in requests):
         return greedy
     chosen = greedy.clone()

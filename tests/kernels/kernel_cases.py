@@ -116,8 +116,10 @@ class AttentionCase:
 def make_attention_case(*, q_lens: Sequence[int], seq_lens: Sequence[int], num_heads: int,
                         num_kv_heads: int, head_dim: int, page: int,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        extra_blocks: int = 7, seed: int = 0) -> AttentionCase:
-    """Block tables are random permutations of a shared pool (non-contiguous, unordered)."""
+                        extra_blocks: int = 7, seed: int = 0, head_major: bool = False) -> AttentionCase:
+    """Block tables are random permutations of a shared pool (non-contiguous, unordered).
+    head_major: the caches are stored [blocks, Hkv, page, D] and handed over as transposed
+    views, as the engine's KVCache does."""
     assert all(0 < ql <= sl for ql, sl in zip(q_lens, seq_lens))
     gen = torch.Generator().manual_seed(seed)
     need = [-(-s // page) for s in seq_lens]
@@ -136,8 +138,12 @@ def make_attention_case(*, q_lens: Sequence[int], seq_lens: Sequence[int], num_h
     qsl = [0]
     for ql in q_lens:
         qsl.append(qsl[-1] + ql)
+    def cache(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(dtype).to(device)
+        return t.transpose(1, 2).contiguous().transpose(1, 2) if head_major else t
+
     return AttentionCase(
-        q=q.to(dtype).to(device), k_cache=k.to(dtype).to(device), v_cache=v.to(dtype).to(device),
+        q=q.to(dtype).to(device), k_cache=cache(k), v_cache=cache(v),
         block_tables=table.to(torch.int32).to(device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),

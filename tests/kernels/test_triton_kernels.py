@@ -342,11 +342,12 @@ ATTENTION_CASES = {
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("name", list(ATTENTION_CASES))
-def test_paged_attention_cases(name: str, num_splits: int, dtype: str) -> None:
+@pytest.mark.parametrize("head_major", [False, True], ids=["token_major", "head_major"])
+def test_paged_attention_cases(name: str, num_splits: int, dtype: str, head_major: bool) -> None:
     q_lens, seq_lens, hq, hkv, d, page = ATTENTION_CASES[name]
     case = make_attention_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=hq, num_kv_heads=hkv,
                                head_dim=d, page=page, dtype=DTYPES[dtype], device=DEVICE,
-                               seed=len(name))
+                               seed=len(name), head_major=head_major)
     check_attention(case, DTYPES[dtype], num_splits=num_splits, block_n=16)
 
 
@@ -395,9 +396,10 @@ def test_attention_dispatcher_picks_triton_when_forced(monkeypatch: pytest.Monke
 @HYPO
 @given(tokens=st.integers(1, 9), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4]),
        head_dim=st.sampled_from([8, 24, 64]), with_delta=st.booleans(),
-       dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16))
+       dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16), head_major=st.booleans())
 def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int, head_dim: int,
-                                          with_delta: bool, dtype: str, seed: int) -> None:
+                                          with_delta: bool, dtype: str, seed: int,
+                                          head_major: bool) -> None:
     """Rotated queries and the cache slots written equal the reference, the other slots are
     untouched, with and without a LoRA delta; q, k and v are
     column views of a wider projection output, as the fused q/k/v matmul gives them."""
@@ -418,6 +420,8 @@ def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int
     slots = torch.randperm(blocks * page, generator=gen)[:tokens].to(DEVICE)
     caches = [torch.randn(blocks, page, kv_heads, head_dim, generator=gen).to(dt).to(DEVICE)
               for _ in range(2)]
+    if head_major:  # stored [blocks, Hkv, page, D], seen through transposed views (KVCache)
+        caches = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches]
     ref_caches = [c.clone() for c in caches]
     q = rope_and_cache_triton(qkv, delta, cos, sin, positions, slots, *caches, heads, kv_heads, head_dim)
     q_ref = rope_and_cache_ref(qkv, delta, cos, sin, positions, slots, *ref_caches, heads, kv_heads,
