@@ -206,6 +206,7 @@ class DecodeStep:
     forward: float = float("nan")   # the model's forward alone (graph replay or eager), device time
     host: float = float("nan")      # the part of `seconds` not spent waiting for sampled tokens
     marks: list = field(default_factory=list)   # its CUDA event pairs (CPU: seconds) until read
+    boundary: bool = False          # the call it is charged to also launched a prefill/mixed step
 
 
 @dataclass
@@ -429,8 +430,10 @@ class Driver:
                 # (a decode step right after a long prefill step is not charged for the prefill).
                 if outstanding is not None and outstanding[0] is not None:
                     (batch, adapters, kv), marks = outstanding
+                    boundary = bool(pending_step.get("launched")) and pending_step.get("decode") is None
                     steps.append(DecodeStep(ended - started, batch, adapters, kv,
-                                            host=ended - started - waited[0], marks=marks))
+                                            host=ended - started - waited[0], marks=marks,
+                                            boundary=boundary))
                 if pending_step.get("launched"):
                     outstanding = (pending_step.get("decode"), list(forward_marks))
                 elif outstanding is not None:
@@ -628,6 +631,12 @@ class Summary:
     decode_steps: int = 0
     graph_steps: int | None = None
     output_tokens: int = 0
+    # Decode steps whose call did not also launch a prefill or mixed step (the call's host
+    # work for that launch lands in its time), and their throughput.
+    steady_steps: int = 0
+    steady_tps: float = float("nan")
+    step_seconds: list = field(default_factory=list)  # per decode step, in order (--json)
+    step_boundary: list = field(default_factory=list)
 
 
 def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
@@ -646,6 +655,12 @@ def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
     if steps:
         s.decode_steps = len(steps)
         s.decode_tps = sum(st.batch for st in steps) / sum(st.seconds for st in steps)
+        steady = [st for st in steps if not st.boundary]
+        s.steady_steps = len(steady)
+        if steady:
+            s.steady_tps = sum(st.batch for st in steady) / sum(st.seconds for st in steady)
+        s.step_seconds = [round(st.seconds, 7) for st in steps]
+        s.step_boundary = [st.boundary for st in steps]
         floors = [nbytes.step(st.batch, st.adapters, st.kv_tokens) / bw for st in steps]
         s.step_p50 = pct([st.seconds for st in steps], 50)
         s.forward_p50 = pct([st.forward for st in steps if not math.isnan(st.forward)], 50)
@@ -710,12 +725,18 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
     if a and a2:
         lines.append(f"control a2/a (same engine setup, run after b-d): decode {a2.decode_tps / a.decode_tps:.3f}, "
                      f"end-to-end {a2.e2e_tps / a.e2e_tps:.3f}, step {a2.step_p50 * 1e3:.2f} vs {a.step_p50 * 1e3:.2f} ms")
+    def others(x: Summary) -> str:
+        return (f"; steady decode {x.steady_tps / a.steady_tps:.3f} ({x.steady_steps}/{x.decode_steps} "
+                f"steps), by step p50 {a.step_p50 / x.step_p50:.3f}")
+
     if a and b:
         r, r2 = b.decode_tps / a.decode_tps, b.e2e_tps / a.e2e_tps
-        lines.append(f"b/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.97: {ok(r, r >= 0.97)})")
+        lines.append(f"b/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.97: {ok(r, r >= 0.97)})"
+                     + others(b))
     if a and d:
         r, r2 = d.decode_tps / a.decode_tps, d.e2e_tps / a.e2e_tps
-        lines.append(f"d/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.90: {ok(r, r >= 0.90)})")
+        lines.append(f"d/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.90: {ok(r, r >= 0.90)})"
+                     + others(d))
     if a and c32:
         extra = c32.step_p50 - a.step_p50
         r = extra / adapter_read_32
