@@ -233,8 +233,12 @@ class DecodeGraphs:
         for slot in order:
             starts.append(start)
             start += len(groups[slot])
-        # The reference kernels (CPU) walk host copies of the groups; Triton reads the buffers.
-        self._host_segments = tuple((slot, st, len(groups[slot]), -1) for slot, st in zip(order, starts))
+        # The reference kernels (CPU) walk host copies of the groups (slicing a contiguous
+        # group's rows instead of gathering them); Triton reads the buffers.
+        firsts = [rows[0] if rows[-1] - rows[0] == len(rows) - 1 else -1
+                  for rows in (groups[slot] for slot in order)]
+        self._host_segments = tuple((slot, st, len(groups[slot]), first)
+                                    for slot, st, first in zip(order, starts, firsts))
         n, real = len(token_slots), len(order)
         h32[0:n] = token_slots
         h32[n:size] = -1
@@ -250,12 +254,11 @@ class DecodeGraphs:
             # The segment table: each slot's rows must be one run (ordered() sorts them).
             width = SEGMENT_TABLE_WIDTH
             table = h32[5 * B:5 * B + segments * width].reshape(segments, width)
-            for i, slot in enumerate(order):
-                rows = groups[slot]
-                if rows[-1] - rows[0] != len(rows) - 1:
+            for i, (slot, first) in enumerate(zip(order, firsts)):
+                if first < 0:
                     raise ValueError("a LoRA decode step's rows must be grouped by adapter slot "
                                      "(DecodeGraphs.ordered)")
-                table[i, :SEGMENT_TABLE_RANKS] = (slot, rows[0], len(rows))
+                table[i, :SEGMENT_TABLE_RANKS] = (slot, first, len(groups[slot]))
                 table[i, SEGMENT_TABLE_RANKS:] = self.module_ranks[slot]
             table[real:] = 0
 
