@@ -15,7 +15,8 @@ LoRA modes, timed side by side (interleaved bursts of graph replays, GPU time): 
 engine's default: LoRA on a side stream beside each base matmul, adapters/overlap.py, the
 main stream at high CUDA priority, segments read from the segment table), overlap-gather (the
 same, with the kernels gathering rows through sorted ids as before the table), overlap-equal (both streams at default priority),
-overlap-side-high (the side stream high instead) and serial (LoRA added after each matmul).
+overlap-side-high (the side stream high instead), overlap-carveN (the base matmuls of LoRA graphs
+leave N SMs free for LoRA, N in 8, 16, 24, 32, 48) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
@@ -90,7 +91,7 @@ def family(name: str) -> str:
     """Groups kernel names: cuBLAS GEMMs, our Triton kernels by name, torch.compile fusions."""
     if re.search(r"gemm|cutlass|sm90_|nvjet|cublas", name, re.I):
         return "GEMM (cuBLAS)"
-    m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?)_kernel", name)
+    m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?|add_rms_norm|silu_mul|rope_cache)_kernel", name)
     if m:
         return m.group(1)
     if name.startswith("triton_"):
@@ -185,14 +186,17 @@ def main() -> None:
         "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0, ranks),
         "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0, ranks),
         "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high, ranks)}
+    for sms in (8, 16, 24, 32, 48):  # the base matmuls of LoRA graphs leave SMs to LoRA
+        modes_setup[f"overlap-carve{sms}"] = (LoraOverlap(buffers, args.batch).applier, high, ranks, sms)
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:
-        factory, main_priority, table_ranks = modes_setup[mode]
+        factory, main_priority, table_ranks, carveout = (modes_setup[mode] + (0,))[:4]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
                               lora_applier=factory, capture_priority=main_priority,
-                              groups_of=buffers.groups_of, module_ranks=table_ranks)
+                              groups_of=buffers.groups_of, module_ranks=table_ranks,
+                              lora_sm_carveout=carveout)
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
         graphs.capture_all()

@@ -30,6 +30,23 @@ def lora_shrink(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBa
     return lora_shrink_ref(x, a_stacked, meta, scaling)
 
 
+def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
+                         scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
+                         workspace: torch.Tensor | None = None,
+                         rank_col: int | None = None) -> torch.Tensor:
+    """[splits, n_slices, T, R] float32 partial sums whose sum over splits is lora_shrink's
+    result: what a kernels.lora_delta.LoraDelta carries to the op that expands it. On the
+    Triton path rows of slot -1 and columns past a slot's rank are left unwritten (the
+    expanding ops mask them); `workspace` and `rank_col` as for add_lora."""
+    if use_triton(x):
+        triton_impl = _triton_impl()
+        if triton_impl is not None:
+            return triton_impl.lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks,
+                                                    zero=False, workspace=workspace,
+                                                    rank_col=rank_col)
+    return lora_shrink_ref(x, a_stacked, meta, scaling)[None]
+
+
 def lora_expand(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                 y: torch.Tensor, slice_offsets: Sequence[int],
                 slot_ranks: torch.Tensor | None = None) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import use_triton
+from .lora_delta import LoraDelta
 from .rope_cache_ref import rope_and_cache_ref
 
 
-def rope_and_cache(qkv: torch.Tensor, delta: torch.Tensor | None, cos_table: torch.Tensor,
+def rope_and_cache(qkv: torch.Tensor, delta: LoraDelta | None, cos_table: torch.Tensor,
                    sin_table: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                    num_kv_heads: int, head_dim: int) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""RoPE and the KV-cache write in one Triton launch per layer.
+"""RoPE, the q/k/v LoRA delta and the KV-cache write in one Triton launch per layer.
 
 In a decode step the ops between the q/k/v matmul and attention are tiny (64 rows) and each
-costs a launch and a round trip through memory: adding the LoRA delta, rotating q and k,
-writing k and v into their cache slots. One program per (token, part) does all of it for
-its row: part 0 rotates the query heads, part 1 the key heads (written to the cache), part 2
-copies the value heads into the cache, each with its LoRA delta added first when given.
+costs a launch and a round trip through memory: expanding and adding the LoRA delta, rotating
+q and k, writing k and v into their cache slots. Programs cover (token, part): the first parts
+each rotate a group of query heads (as many as there are KV heads), then one part rotates the
+key heads and writes them to the cache, and one copies the value heads into it. A part adds
+its columns' LoRA delta first when given, expanded from the shrink's partial sums and the
+adapter's B (kernels/lora_delta.py). Heads are handled as their two halves, the pairs that
+RoPE's rotate_half mixes, so each column is loaded (and its delta expanded) once.
 """
 from __future__ import annotations
 
@@ -12,78 +15,103 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _load_heads(qkv_row, delta_row, col0, heads, offs_h, offs_d, D, HAS_DELTA: tl.constexpr):
-    """[heads, D] of one row starting at column col0, plus its delta, rounded to qkv's dtype
-    once (as the unfused path rounds), returned in float32."""
-    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < D)
-    cols = col0 + offs_h[:, None] * D + offs_d[None, :]
-    x = tl.load(qkv_row + cols, mask=mask, other=0.0)
-    if HAS_DELTA:
-        x = (x.to(tl.float32) + tl.load(delta_row + cols, mask=mask, other=0.0)).to(x.dtype)
-    return x.to(tl.float32), mask
+from .lora_delta import LoraDelta
 
 
 @triton.jit
-def _rotated(qkv_row, delta_row, col0, heads, offs_h, offs_d, cos, sin, D, HALF,
-             HAS_DELTA: tl.constexpr):
-    """x * cos + rotate_half(x) * sin for [heads, D] at col0 (float32)."""
-    x, mask = _load_heads(qkv_row, delta_row, col0, heads, offs_h, offs_d, D, HAS_DELTA)
-    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-    sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    x_p, _ = _load_heads(qkv_row, delta_row, col0, heads, offs_h, partner, D, HAS_DELTA)
-    return x * cos[None, :] + (x_p * sign[None, :]) * sin[None, :], mask
+def _half(qkv_row, part_row, b_rows, col, slice_col, mask, offs_r, rank, SPLITS, stride_ps,
+          stride_bn, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+    """[heads, half] columns `col` of one row plus their delta (rounded to qkv's dtype once,
+    as the unfused path rounds), in float32. slice_col: the same columns within their slice."""
+    x = tl.load(qkv_row + col, mask=mask, other=0.0)
+    if HAS_LORA:
+        if rank > 0:
+            h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for s in range(SPLITS):
+                h += tl.load(part_row + s * stride_ps + offs_r, mask=offs_r < rank, other=0.0)
+            r3 = offs_r[None, None, :]
+            b = tl.load(b_rows + slice_col[:, :, None] * stride_bn + r3,
+                        mask=mask[:, :, None] & (r3 < rank), other=0.0)
+            delta = tl.sum(b.to(tl.float32) * h[None, None, :], axis=2)
+            x = (x.to(tl.float32) + delta).to(x.dtype)
+    return x.to(tl.float32)
 
 
 @triton.jit
 def _rope_cache_kernel(
-    qkv_ptr, delta_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    stride_qkv, stride_delta, stride_qo_t, stride_qo_h, stride_cos,
+    qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    part_ptr, bq_ptr, bk_ptr, bv_ptr, lslots_ptr, ranks_ptr,
+    stride_qkv, stride_qo_t, stride_qo_h, stride_cos,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-    Hq, Hkv, D, HALF, PAGE,
-    HAS_DELTA: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    SPLITS, stride_ps, stride_pslice, stride_pt, stride_bqs, stride_bks, stride_bvs, stride_bn_q,
+    stride_bn_kv, stride_rank_slice,
+    Hq, Hkv, D, HALF, PAGE, Q_PARTS,
+    HAS_LORA: tl.constexpr, BLOCK_HG: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    qkv_row = qkv_ptr + t * stride_qkv
-    delta_row = delta_ptr + t * stride_delta
-    offs_d = tl.arange(0, BLOCK_D)
     q_cols = Hq * D
-    # Each branch names its own values: Triton's branches may not bind one name to tensors of
-    # different shapes.
-    if part == 0:
-        pos_q = tl.load(pos_ptr + t)
-        cos_q = tl.load(cos_ptr + pos_q * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        sin_q = tl.load(sin_ptr + pos_q * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        heads_q = tl.arange(0, BLOCK_HQ)
-        q, q_mask = _rotated(qkv_row, delta_row, 0, Hq, heads_q, offs_d, cos_q, sin_q, D, HALF,
-                             HAS_DELTA)
-        q_dst = q_out_ptr + t * stride_qo_t + heads_q[:, None] * stride_qo_h + offs_d[None, :]
-        tl.store(q_dst, q.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-    elif part == 1:
-        pos_k = tl.load(pos_ptr + t)
-        cos_k = tl.load(cos_ptr + pos_k * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        sin_k = tl.load(sin_ptr + pos_k * stride_cos + offs_d, mask=offs_d < D, other=0.0)
-        heads_k = tl.arange(0, BLOCK_HKV)
-        k, k_mask = _rotated(qkv_row, delta_row, q_cols, Hkv, heads_k, offs_d, cos_k, sin_k, D,
-                             HALF, HAS_DELTA)
+    # The part's heads, their first column in qkv and in their slice, and where they go.
+    is_q = part < Q_PARTS
+    is_k = part == Q_PARTS
+    first = tl.where(is_q, part * Hkv, 0)
+    n_heads = tl.where(is_q, tl.minimum(Hkv, Hq - part * Hkv), Hkv)
+    col0 = tl.where(is_q, 0, tl.where(is_k, q_cols, q_cols + Hkv * D))
+    slice_id = tl.where(is_q, 0, tl.where(is_k, 1, 2))
+    if is_q:
+        b_base, stride_bs, stride_bn = bq_ptr, stride_bqs, stride_bn_q
+        dst, stride_dh = q_out_ptr + t * stride_qo_t, stride_qo_h
+    elif is_k:
+        b_base, stride_bs, stride_bn = bk_ptr, stride_bks, stride_bn_kv
         slot_k = tl.load(slot_ptr + t).to(tl.int64)
-        k_dst = (k_cache_ptr + (slot_k // PAGE) * stride_kb + (slot_k % PAGE) * stride_kp
-                 + heads_k[:, None] * stride_kh + offs_d[None, :])
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+        dst = k_cache_ptr + (slot_k // PAGE) * stride_kb + (slot_k % PAGE) * stride_kp
+        stride_dh = stride_kh
     else:
-        heads_v = tl.arange(0, BLOCK_HKV)
-        v, v_mask = _load_heads(qkv_row, delta_row, q_cols + Hkv * D, Hkv, heads_v, offs_d, D,
-                                HAS_DELTA)
+        b_base, stride_bs, stride_bn = bv_ptr, stride_bvs, stride_bn_kv
         slot_v = tl.load(slot_ptr + t).to(tl.int64)
-        v_dst = (v_cache_ptr + (slot_v // PAGE) * stride_vb + (slot_v % PAGE) * stride_vp
-                 + heads_v[:, None] * stride_vh + offs_d[None, :])
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+        dst = v_cache_ptr + (slot_v // PAGE) * stride_vb + (slot_v % PAGE) * stride_vp
+        stride_dh = stride_vh
+
+    heads = tl.arange(0, BLOCK_HG)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (heads[:, None] < n_heads) & (offs_d[None, :] < HALF)
+    slice_col = (first + heads[:, None]) * D + offs_d[None, :]  # first half of each head
+    col = col0 + slice_col
+    qkv_row = qkv_ptr + t * stride_qkv
+    offs_r = tl.arange(0, BLOCK_R)
+    rank = 0
+    part_row = part_ptr
+    b_rows = b_base
+    if HAS_LORA:
+        lslot = tl.load(lslots_ptr + t)
+        safe = tl.maximum(lslot, 0)
+        rank = tl.where(lslot >= 0, tl.load(ranks_ptr + slice_id * stride_rank_slice + safe), 0)
+        part_row = part_ptr + slice_id * stride_pslice + t * stride_pt
+        b_rows = b_base + safe.to(tl.int64) * stride_bs
+    x1 = _half(qkv_row, part_row, b_rows, col, slice_col, mask, offs_r, rank, SPLITS,
+               stride_ps, stride_bn, HAS_LORA, BLOCK_R)
+    x2 = _half(qkv_row, part_row, b_rows, col + HALF, slice_col + HALF, mask, offs_r, rank,
+               SPLITS, stride_ps, stride_bn, HAS_LORA, BLOCK_R)
+    if part <= Q_PARTS:  # queries and keys rotate: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
+        pos = tl.load(pos_ptr + t)
+        trig = pos * stride_cos + offs_d
+        dmask = offs_d < HALF
+        c1 = tl.load(cos_ptr + trig, mask=dmask, other=0.0)[None, :]
+        s1 = tl.load(sin_ptr + trig, mask=dmask, other=0.0)[None, :]
+        c2 = tl.load(cos_ptr + trig + HALF, mask=dmask, other=0.0)[None, :]
+        s2 = tl.load(sin_ptr + trig + HALF, mask=dmask, other=0.0)[None, :]
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    else:
+        y1 = x1
+        y2 = x2
+    out = dst + (first + heads)[:, None] * stride_dh + offs_d[None, :]
+    tl.store(out, y1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, y2.to(dst.dtype.element_ty), mask=mask)
 
 
-def rope_and_cache_triton(qkv: torch.Tensor, delta: torch.Tensor | None, cos_table: torch.Tensor,
+def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table: torch.Tensor,
                           sin_table: torch.Tensor, positions: torch.Tensor,
                           slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -91,21 +119,37 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: torch.Tensor | None, cos_tab
     """As rope_and_cache_ref, in one launch."""
     T = qkv.shape[0]
     assert head_dim % 2 == 0, "RoPE needs an even head size"
-    assert qkv.stride(1) == 1 and (delta is None or delta.stride(1) == 1)
+    assert qkv.stride(1) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "a head's vector must be contiguous"
     assert cos_table.stride(1) == 1 and cos_table.stride() == sin_table.stride()
+    assert k_cache.dtype == v_cache.dtype == qkv.dtype
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
-    _rope_cache_kernel[(T, 3)](
-        qkv, delta if delta is not None else qkv, cos_table, sin_table, positions, slot_mapping,
-        q, k_cache, v_cache,
-        qkv.stride(0), delta.stride(0) if delta is not None else 0, q.stride(0), q.stride(1),
-        cos_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    if delta is not None:
+        assert len(delta.b) == 3, "three slices: q, k and v"
+        bq, bk, bv = delta.b
+        part = delta.partials
+        assert part.stride(3) == 1 and all(b.stride(2) == 1 for b in delta.b)
+        assert bk.stride() == bv.stride()
+        lora = (part, bq, bk, bv, delta.token_slots, delta.ranks)
+        lora_strides = (delta.splits, part.stride(0), part.stride(1), part.stride(2), bq.stride(0),
+                        bk.stride(0), bv.stride(0), bq.stride(1), bk.stride(1),
+                        delta.ranks.stride(0))
+        block_r = max(16, triton.next_power_of_2(part.shape[3]))
+    else:
+        lora = (qkv,) * 6  # dummy pointers, never read
+        lora_strides, block_r = (0,) * 10, 16
+    q_parts = triton.cdiv(num_heads, num_kv_heads)
+    _rope_cache_kernel[(T, q_parts + 2)](
+        qkv, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, *lora,
+        qkv.stride(0), q.stride(0), q.stride(1), cos_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1],
-        HAS_DELTA=delta is not None, BLOCK_HQ=triton.next_power_of_2(num_heads),
-        BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        *lora_strides,
+        num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
+        HAS_LORA=delta is not None, BLOCK_HG=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_R=block_r,
         num_warps=4,
     )
     return q

@@ -1,22 +1,20 @@
-"""LoRA beside the base matmuls: decode steps compute each fused projection's delta on a
-side CUDA stream while the base matmul runs, and the fused op after it adds the delta.
+"""LoRA beside the base matmuls: decode steps run each fused projection's LoRA shrink on a
+side CUDA stream while the base matmul runs, and the fused op after the matmul expands it.
 
-In a decode step the LoRA kernels are short and many (a shrink and an expand per fused
-projection per layer). Run after each matmul, their launch gaps and ramp-up add straight to
-the step; run on a second stream from the moment the matmul's input exists, they share the
-GPU with it and the step waits only for what is left when the matmul ends. The deltas go to
-static float32 buffers (one per fused group, sized for the largest graph batch) that the
-next fused elementwise op reads: RoPE for q/k/v, the residual add and norm for o and down,
-SiLU for gate/up, so the adds cost no launches of their own.
+In a decode step the LoRA kernels are short and many. The shrink (x @ A) needs only the
+matmul's input, so it runs on a second stream from the moment that input exists, sharing the
+GPU with the matmul; the step waits only for what is left of it when the matmul ends. The
+expand (h @ B) needs nothing the next op does not already read row by row, so the next fused
+op does it (kernels/lora_delta.py): RoPE with the KV-cache write for q/k/v, the residual add
+and norm for o and down, SiLU for gate/up. No expand launches, no float32 delta buffers.
 
-Why each delta buffer is zeroed once per step rather than per layer: the expand writes, it
-does not add, and which (row, slice) pairs it writes depends only on the step's metadata and
-the slots' ranks, the same in every layer; rows of base-model requests and padding are
-never written and stay zero.
+The shrink writes its split partial sums into one static workspace (sized for the largest
+graph batch) that every group reuses: a group's shrink is queued on the side stream after
+the main stream's op that read the previous group's sums.
 
 Inside a CUDA graph the fork and join become graph edges, so a replay runs both branches
 with no host involvement. On a CPU (CI) there is no side stream: the same code runs in
-order, which tests the delta buffers and the fused adds.
+order, and the fused ops expand the sums with the PyTorch reference.
 """
 from __future__ import annotations
 
@@ -24,7 +22,8 @@ from contextlib import nullcontext
 
 import torch
 
-from kernels.lora import add_lora, lora_workspace_numel
+from kernels.lora import lora_shrink_partials, lora_workspace_numel
+from kernels.lora_delta import LoraDelta
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
@@ -40,10 +39,6 @@ class LoraOverlap:
         self.buffers = buffers
         self.max_tokens = max_tokens
         device = buffers.device
-        first = buffers.layers[0]
-        self.deltas = {group: torch.zeros(max_tokens, sum(b.shape[1] for b in first[group].b),
-                                          dtype=torch.float32, device=device)
-                       for group in FUSED_MODULES}
         slices = max(len(m) for m in FUSED_MODULES.values())
         self.workspace = torch.empty(lora_workspace_numel(max_tokens, slices, buffers.max_rank),
                                      dtype=torch.float32, device=device)
@@ -55,19 +50,17 @@ class LoraOverlap:
 
 
 class OverlappedLoraApplier:
-    """One step's LoRA on the side stream; `end` joins it and returns the group's delta."""
+    """One step's LoRA shrinks on the side stream; `end` joins and returns the group's delta,
+    unexpanded, for the op after the matmul."""
 
     def __init__(self, overlap: LoraOverlap, meta: LoraBatchMeta,
                  groups: frozenset[str] | None = None) -> None:
         """groups: the fused groups to apply (None: all); the others launch nothing."""
         tokens = meta.num_tokens
-        assert tokens <= overlap.max_tokens, f"{tokens} tokens, delta buffers hold {overlap.max_tokens}"
+        assert tokens <= overlap.max_tokens, f"{tokens} tokens, the workspace holds {overlap.max_tokens}"
         self.overlap, self.meta = overlap, meta
-        self.deltas = {group: d[:tokens] for group, d in overlap.deltas.items()
-                       if groups is None or group in groups}
-        with self._side():
-            for delta in self.deltas.values():
-                delta.zero_()
+        self.groups = frozenset(FUSED_MODULES) if groups is None else groups
+        self._partials: torch.Tensor | None = None
 
     def _side(self):
         """The side stream, after all work queued so far on the current one."""
@@ -78,19 +71,21 @@ class OverlappedLoraApplier:
         return torch.cuda.stream(stream)
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
-        if group not in self.deltas:
+        if group not in self.groups:
             return
         buffers = self.overlap.buffers
         buf = buffers.layers[layer][group]
         with self._side():
-            add_lora(x, self.deltas[group], buf.a, buf.b, self.meta, buffers.scaling, buf.offsets,
-                     slot_ranks=buffers.slice_ranks[group], accumulate=False,
-                     workspace=self.overlap.workspace,
-                     rank_col=SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group])
+            self._partials = lora_shrink_partials(
+                x, buf.a, self.meta, buffers.scaling, buffers.slice_ranks[group],
+                workspace=self.overlap.workspace,
+                rank_col=SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group])
 
-    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        if group not in self.deltas:
+    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> LoraDelta | None:
+        if group not in self.groups:
             return None
         if self.overlap.stream is not None:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
-        return self.deltas[group]
+        buffers = self.overlap.buffers
+        return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
+                         self.meta.token_slots, buffers.slice_ranks[group])

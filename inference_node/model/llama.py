@@ -3,9 +3,10 @@
 The projections are fused (q/k/v into one matrix, gate/up into one) so one matmul and one
 LoRA launch serve each group. LoRA enters through a `LoraApplier` that the engine builds
 per step; when no scheduled token uses an adapter the applier is None and the base path
-runs unchanged. An applier either adds its deltas into the projections' outputs, or
-computes them beside the base matmul (a side stream) and hands them to the fused op that
-follows (RoPE with the KV-cache write, residual add and norm, SiLU), which adds them for free.
+runs unchanged. An applier either adds its deltas into the projections' outputs, or runs
+the LoRA shrink beside the base matmul (a side stream) and leaves the expand to the fused op
+that follows (RoPE with the KV-cache write, residual add and norm, SiLU), which reads the
+projection's output row by row anyway (kernels/lora_delta.py).
 """
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from typing import Protocol
 import os
 
 import torch
-import torch.nn.functional as F
 
 from kernels.attention import paged_attention
+from kernels.lora_delta import LoraDelta
+from kernels.norm import add_rms_norm_lora
+from kernels.norm_ref import add_rms_norm, rms_norm
 from kernels.rope_cache import rope_and_cache
+from kernels.silu_mul import silu_mul_lora
+from kernels.silu_mul_ref import silu_mul
 from .checkpoint import CheckpointError, iter_tensors
 from .config import ModelConfig
 from .rope import RotaryEmbedding
@@ -43,9 +48,9 @@ class LoraApplier(Protocol):
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         """Called before the base matmul of `group` is launched: may start the delta beside it."""
 
-    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """Called after it: adds the delta into y (returns None), or returns the delta
-        (float32, y's shape) for the next fused op to add."""
+    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> LoraDelta | None:
+        """Called after it: adds the delta into y (returns None), or returns it unexpanded
+        for the next fused op to expand and add."""
 
 
 @dataclass
@@ -78,45 +83,36 @@ class LayerWeights:
     down: torch.Tensor
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def with_lora(y: torch.Tensor, lora_delta: torch.Tensor | None) -> torch.Tensor:
-    """y plus a float32 LoRA delta, rounded once to y's dtype (as the in-place kernels do)."""
-    if lora_delta is None:
-        return y
-    return (y.float() + lora_delta).to(y.dtype)
-
-
-def add_rms_norm(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float,
-                 lora_delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add (of a projection and its LoRA delta) and the next norm, one kernel
-    when compiled."""
-    hidden = hidden + with_lora(out, lora_delta)
-    return hidden, rms_norm(hidden, weight, eps)
-
-
-def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
-    gate, up = with_lora(gate_up, lora_delta).chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class ElementwiseOps:
     """The small per-layer ops between the matmuls. Eager, they are a few dozen kernel
-    launches per layer; on CUDA they are compiled (torch.compile, dynamic shapes) into a few
-    fused kernels, which CUDA graphs then replay. LORA_COMPILE=0 keeps them eager. (RoPE and
-    the KV-cache write are one kernel of their own: kernels/rope_cache.py.)"""
+    launches per layer; on CUDA the base-model ones are compiled (torch.compile, dynamic
+    shapes) into a few fused kernels, which CUDA graphs then replay. LORA_COMPILE=0 keeps
+    them eager. With a LoRA delta left for them to expand (kernels/lora_delta.py) they are
+    the fused kernels of kernels/norm.py and kernels/silu_mul.py. (RoPE and the KV-cache
+    write are one kernel of their own: kernels/rope_cache.py.)"""
 
     def __init__(self, device: torch.device) -> None:
-        self.rms_norm, self.add_rms_norm, self.silu_mul = rms_norm, add_rms_norm, silu_mul
+        self._rms_norm, self._add_rms_norm, self._silu_mul = rms_norm, add_rms_norm, silu_mul
         if device.type == "cuda" and os.environ.get("LORA_COMPILE", "1") != "0":
             def compiled(fn):
                 return torch.compile(fn, dynamic=True, fullgraph=True)
-            self.rms_norm, self.add_rms_norm = compiled(rms_norm), compiled(add_rms_norm)
-            self.silu_mul = compiled(silu_mul)
+            self._rms_norm, self._add_rms_norm = compiled(rms_norm), compiled(add_rms_norm)
+            self._silu_mul = compiled(silu_mul)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
+                     eps: float, delta: LoraDelta | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + out (+ its LoRA delta), that normalised)."""
+        if delta is None:
+            return self._add_rms_norm(hidden, out, weight, eps)
+        return add_rms_norm_lora(hidden, out, weight, eps, delta)
+
+    def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None) -> torch.Tensor:
+        if delta is None:
+            return self._silu_mul(gate_up)
+        return silu_mul_lora(gate_up, delta)
 
 
 class LlamaModel:
@@ -136,6 +132,11 @@ class LlamaModel:
                                     config.rope_scaling, device)
         self.scale = config.head_dim ** -0.5
         self.ops = ElementwiseOps(device)
+        if device.type == "cuda" and os.environ.get("LORA_BLAS", "cublaslt") == "cublaslt":
+            # cuBLASLt's kernels for the decode matmuls: H100, batch 64, a Llama-3.2-1B-shaped
+            # decode forward 1.610 -> 1.574 ms against cuBLAS's choice (bench/decode_profile.py,
+            # docs/PERFORMANCE.md). A process-wide setting: the node serves one model.
+            torch.backends.cuda.preferred_blas_library("cublaslt")
 
     @classmethod
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
@@ -215,20 +216,18 @@ class LlamaModel:
             gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
             act = ops.silu_mul(gate_up, delta)
             down, delta = self._project(lora, i, "down", act, layer.down)
-            if i + 1 < len(self.layers):
-                hidden, x = ops.add_rms_norm(hidden, down, self.layers[i + 1].input_norm,
-                                             cfg.rms_norm_eps, delta)
-            else:
-                hidden = hidden + with_lora(down, delta)
-        if batch.logits_indices is not None:
-            hidden = hidden[batch.logits_indices]
-        last = ops.rms_norm(hidden, self.final_norm, cfg.rms_norm_eps)
+            # The last layer's residual add comes with the final norm (rows are independent,
+            # so the logits rows are picked after it).
+            last_layer = i + 1 == len(self.layers)
+            norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
+            hidden, x = ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
+        last = x if batch.logits_indices is None else x[batch.logits_indices]
         return torch.mm(last, self.lm_head)
 
     @staticmethod
     def _project(lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, LoraDelta | None]:
         """A fused projection with its LoRA: (output, a delta left for the next op or None)."""
         if lora is None:
             return _linear(x, weight, bias), None
