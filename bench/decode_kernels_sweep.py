@@ -10,7 +10,9 @@ a real step where every layer reads its own:
   weights), cuBLAS on pre-transposed [K, N] weights, and a plain Triton GEMM over a few
   tilings (best shown);
 - paged attention at batch 64 over the serving benchmark's contexts, across tilings;
-- RoPE + KV-cache write: the fused kernel against the compiled RoPE plus two index_copy_.
+- RoPE + KV-cache write: the fused kernel against the compiled RoPE plus two index_copy_;
+- the ops that expand a LoRA delta (RoPE + KV write, residual add + norm, SiLU * up) with
+  rows spread over N adapters, across their tilings, against their B bytes' floor.
 
     python bench/decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
     python bench/decode_kernels_sweep.py --parts gemm    # one part
@@ -203,7 +205,6 @@ def rope_part(batch: int, device: torch.device) -> None:
     width = (Hq + 2 * Hkv) * D
     n = 16  # one per layer
     qkvs = [torch.randn(batch, width, device=device, dtype=torch.bfloat16) for _ in range(n)]
-    deltas = [torch.randn(batch, width, device=device) * 0.01 for _ in range(n)]
     caches = [(torch.zeros(batch * 20, page, Hkv, D, device=device, dtype=torch.bfloat16),
                torch.zeros(batch * 20, page, Hkv, D, device=device, dtype=torch.bfloat16)) for _ in range(n)]
     emb = torch.randn(4096, D, device=device)
@@ -227,16 +228,69 @@ def rope_part(batch: int, device: torch.device) -> None:
     t_old = graph_us([lambda i=i: old(qkvs[i], *caches[i]) for i in range(n)])
     t_new = graph_us([lambda i=i: rope_and_cache_triton(qkvs[i], None, cos, sin, pos, slots, *caches[i], Hq, Hkv, D)
                       for i in range(n)])
-    t_new_d = graph_us([lambda i=i: rope_and_cache_triton(qkvs[i], deltas[i], cos, sin, pos, slots, *caches[i],
-                                                          Hq, Hkv, D) for i in range(n)])
     print(f"\n== RoPE + KV write, batch {batch}, us per layer: compiled RoPE + 2 index_copy_ {t_old:.2f}; "
-          f"fused kernel {t_new:.2f} (with a LoRA delta {t_new_d:.2f})")
+          f"fused kernel {t_new:.2f} (with a LoRA delta: --parts fused)")
+
+
+def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int]) -> None:
+    """The ops that expand a LoRA delta (kernels/lora_delta.py) at rank 16 with batch rows
+    spread over N adapters, against the same op without LoRA and against the floor of the B
+    bytes they read, over the tilings each one takes."""
+    from kernels.lora_delta import LoraDelta
+    from kernels.norm_triton import add_rms_norm_triton
+    from kernels.rope_cache_triton import rope_and_cache_triton
+    from kernels.silu_mul_triton import silu_mul_triton
+
+    H, I, Hq, Hkv, D, R, page, splits = 2048, 8192, 32, 8, 64, 16, 16, 4
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    for n in adapters:
+        b_bytes = {"norm": n * H * R * 2, "silu": n * 2 * I * R * 2, "rope": n * (Hq + 2 * Hkv) * D * R * 2}
+        copies = copies_for(b_bytes["silu"])
+        S = n * copies
+        b = {"o": torch.randn(S, H, R, **bf16) * 0.02, "g": torch.randn(S, I, R, **bf16) * 0.02,
+             "u": torch.randn(S, I, R, **bf16) * 0.02, "q": torch.randn(S, Hq * D, R, **bf16) * 0.02,
+             "k": torch.randn(S, Hkv * D, R, **bf16) * 0.02, "v": torch.randn(S, Hkv * D, R, **bf16) * 0.02}
+        partials = torch.randn(splits, 3, batch, R, device=device) * 0.1
+        slot_rows = [torch.tensor(sorted(c * n + i % n for i in range(batch)), dtype=torch.int32,
+                                  device=device) for c in range(copies)]
+        hidden = torch.randn(batch, H, **bf16)
+        out = torch.randn(batch, H, **bf16)
+        w = torch.ones(H, **bf16)
+        gate_up = torch.randn(batch, 2 * I, **bf16)
+        qkv = torch.randn(batch, (Hq + 2 * Hkv) * D, **bf16)
+        kc, vc = (torch.zeros(batch * 20, page, Hkv, D, **bf16) for _ in range(2))
+        emb = torch.randn(4096, D, device=device)
+        cos, sin = emb.cos(), emb.sin()
+        pos = torch.randint(0, 300, (batch,), device=device)
+        kv_slots = torch.randperm(batch * 20 * page, device=device)[:batch]
+        runs = {
+            "norm": (lambda d, **k: add_rms_norm_triton(hidden, out, w, 1e-5, d, **k),
+                     lambda sl: LoraDelta(partials[:, :1], (b["o"],), sl),
+                     [dict(block_h=bh, num_warps=nw) for bh in (256, 512, 1024, 2048) for nw in (4, 8)]),
+            "silu": (lambda d, **k: silu_mul_triton(gate_up, d, **k),
+                     lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl),
+                     [dict(block_i=bi, num_warps=nw) for bi in (64, 128, 256, 512, 1024) for nw in (2, 4, 8)]),
+            "rope": (lambda d, **k: rope_and_cache_triton(qkv, d, cos, sin, pos, kv_slots, kc, vc, Hq, Hkv, D, **k),
+                     lambda sl: LoraDelta(partials, (b["q"], b["k"], b["v"]), sl),
+                     [dict(num_warps=nw) for nw in (1, 2, 4, 8)])}
+        print(f"\n== LoRA-expanding ops, batch {batch}, {n} adapters of rank {R} ({copies} copies of "
+              f"their B walked through), us per call")
+        for name, (op, make, knobs) in runs.items():
+            base = graph_us([lambda: op(None)] * copies)
+            deltas = [make(sl) for sl in slot_rows]
+            timed = sorted((graph_us([lambda d=d, k=k: op(d, **k) for d in deltas], rounds=10), k) for k in knobs)
+            floor = b_bytes[name] / bw * 1e6
+            best = ", ".join(f"{us:.2f} {k}" for us, k in timed[:3])
+            default = graph_us([lambda d=d: op(d) for d in deltas])
+            print(f"   {name:5s} without LoRA {base:6.2f}; with: default {default:6.2f}, best {best}; "
+                  f"B bytes' floor {floor:.2f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--parts", default="rope,attention,gemm")
+    p.add_argument("--parts", default="rope,attention,gemm,fused")
+    p.add_argument("--adapters", default="1,32", help="distinct adapters for --parts fused")
     args = p.parse_args()
     device = torch.device("cuda")
     bw = copy_bandwidth(device, 1 << 30)
@@ -249,6 +303,8 @@ def main() -> None:
         attention_part(args.batch, bw, device)
     if "gemm" in parts:
         gemm_part(args.batch, bw, device)
+    if "fused" in parts:
+        fused_part(args.batch, bw, device, [int(a) for a in args.adapters.split(",")])
 
 
 if __name__ == "__main__":

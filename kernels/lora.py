@@ -35,9 +35,10 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
                          workspace: torch.Tensor | None = None,
                          rank_col: int | None = None) -> torch.Tensor:
     """[splits, n_slices, T, R] float32 partial sums whose sum over splits is lora_shrink's
-    result: what a kernels.lora_delta.LoraDelta carries to the op that expands it. On the
-    Triton path rows of slot -1 and columns past a slot's rank are left unwritten (the
-    expanding ops mask them); `workspace` and `rank_col` as for add_lora."""
+    result: what a kernels.lora_delta.LoraDelta carries to the op that expands it. Columns
+    past a slot's rank are zero; on the Triton path rows of slot -1 are left unwritten (a
+    caller zeroes its workspace once per step: no shrink ever writes those rows);
+    `workspace` and `rank_col` as for add_lora."""
     if use_triton(x):
         triton_impl = _triton_impl()
         if triton_impl is not None:

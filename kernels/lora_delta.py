@@ -16,14 +16,16 @@ import torch
 
 @dataclass(frozen=True)
 class LoraDelta:
-    """partials[:, i, t] summed, times B_i[slot_t]'s first rank_i(slot_t) columns, is the delta
-    of row t on slice i of the projection (slices side by side, in order)."""
+    """partials[:, i, t] summed, times B_i[slot_t].T, is the delta of row t on slice i of the
+    projection (slices side by side, in order). The sums are zero past the slot's rank on the
+    slice (kernels.lora.lora_shrink_partials) and B is zero there too (the slot pool pads
+    ranks with zeros), so an op expanding them needs only the row's slot: one memory latency
+    before it can read B, not a chain of slot -> rank -> masked loads."""
 
     partials: torch.Tensor          # [splits, n_slices, T, R] float32, scaled; rows of slot -1
-                                    # and columns past a slot's rank may hold garbage
+                                    # are zero (a workspace zeroed once per step)
     b: tuple[torch.Tensor, ...]     # per slice [S, out_i, R]
     token_slots: torch.Tensor       # [T] int32: each row's adapter slot, -1 for none
-    ranks: torch.Tensor             # [n_slices, S] int32: 0 where the adapter skips the slice
 
     @property
     def splits(self) -> int:
@@ -33,14 +35,9 @@ class LoraDelta:
         """[T, sum(out_i)] float32: the delta itself (the reference the fused ops are
         checked against, and the CPU path)."""
         h = self.partials.sum(0)  # [n_slices, T, R]
-        T, R = h.shape[1], h.shape[2]
         slots = self.token_slots.long()
-        active = slots >= 0
+        active = (slots >= 0)[:, None, None]
         safe = slots.clamp(min=0)
-        outs = []
-        for i, b in enumerate(self.b):
-            rank = torch.where(active, self.ranks[i].long()[safe], 0)  # [T]
-            keep = torch.arange(R, device=h.device)[None, :] < rank[:, None]
-            hi = torch.where(keep, h[i], 0.0)  # garbage past the rank never reaches the sum
-            outs.append(torch.einsum("tr,tor->to", hi, b[safe].float()))
-        return torch.cat(outs, dim=1) if outs else h.new_zeros(T, 0)
+        outs = [torch.einsum("tr,tor->to", h[i], torch.where(active, b[safe].float(), 0.0))
+                for i, b in enumerate(self.b)]
+        return torch.cat(outs, dim=1) if outs else h.new_zeros(h.shape[1], 0)

@@ -90,11 +90,13 @@ def _lora_shrink_kernel(
         seg, slice_id, R, seg_table_ptr, stride_seg, rank_col, seg_slots_ptr, seg_starts_ptr,
         seg_lens_ptr, ranks_ptr, stride_rank_slice, PACKED, HAS_RANKS)
     row0 = pid_m * ROWS
-    if (row0 >= seg_len) | (rank <= 0):
-        return  # rank 0: the expand skips this (slot, slice) too, nothing here is ever read
+    if row0 >= seg_len:
+        return
     row_end = tl.minimum(seg_len, row0 + ROWS)
     k_lo = split * K_PER_SPLIT
-    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    # Rank 0 (a slice the adapter leaves alone): no A is read and the rows get zeros, as do
+    # the columns past a rank, so an op expanding these sums needs no ranks (lora_delta.py).
+    k_hi = tl.where(rank > 0, tl.minimum(K, k_lo + K_PER_SPLIT), k_lo)
     scale = tl.load(scaling_ptr + slot).to(tl.float32)
 
     offs_r = tl.arange(0, BLOCK_R)
@@ -121,7 +123,7 @@ def _lora_shrink_kernel(
             else:
                 acc += tl.dot(xt, at.to(xt.dtype))
         out_ptrs = out_base + tok[:, None] * stride_ot + offs_r[None, :] * stride_or
-        tl.store(out_ptrs, acc * scale, mask=mask_m[:, None] & mask_r[None, :])
+        tl.store(out_ptrs, acc * scale, mask=mask_m[:, None] & (offs_r < R)[None, :])
 
 
 @triton.jit
@@ -337,7 +339,7 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
                          workspace: torch.Tensor | None = None,
                          rank_col: int | None = None) -> torch.Tensor:
     """[split_k, n_slices, T, R] float32 partial sums of x @ A_i[slot].T * scaling[slot] over
-    ranges of H_in. zero=False leaves rows of slot -1 and columns past a slot's rank
+    ranges of H_in; zero past a slot's rank on the slice. zero=False leaves rows of slot -1
     uninitialised: lora_expand_triton never reads them. `workspace` (flat float32, at least
     kernels.lora.lora_workspace_numel elements) holds them instead of a new allocation: a static buffer
     for work that runs on a side stream inside a CUDA graph. `rank_col`: where slice 0's rank

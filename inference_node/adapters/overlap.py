@@ -10,7 +10,8 @@ and norm for o and down, SiLU for gate/up. No expand launches, no float32 delta 
 
 The shrink writes its split partial sums into one static workspace (sized for the largest
 graph batch) that every group reuses: a group's shrink is queued on the side stream after
-the main stream's op that read the previous group's sums.
+the main stream's op that read the previous group's sums. The workspace is zeroed once per
+step: rows without an adapter are never written, and must read as zero.
 
 Inside a CUDA graph the fork and join become graph edges, so a replay runs both branches
 with no host involvement. On a CPU (CI) there is no side stream: the same code runs in
@@ -61,6 +62,10 @@ class OverlappedLoraApplier:
         self.overlap, self.meta = overlap, meta
         self.groups = frozenset(FUSED_MODULES) if groups is None else groups
         self._partials: torch.Tensor | None = None
+        with self._side():
+            # Rows without an adapter are in no segment: no shrink of this step writes them,
+            # so zeroed here they stay zero for every group's sums (kernels/lora_delta.py).
+            overlap.workspace.zero_()
 
     def _side(self):
         """The side stream, after all work queued so far on the current one."""
@@ -88,4 +93,4 @@ class OverlappedLoraApplier:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
-                         self.meta.token_slots, buffers.slice_ranks[group])
+                         self.meta.token_slots)

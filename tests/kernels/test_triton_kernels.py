@@ -396,19 +396,18 @@ def test_attention_dispatcher_picks_triton_when_forced(monkeypatch: pytest.Monke
 def random_lora_delta(gen: torch.Generator, tokens: int, outs: list[int], dtype: torch.dtype,
                       slots: int = 3, rank: int = 8, splits: int = 2):
     """A LoraDelta as a decode step hands one on: random slots per row (some -1), random
-    ranks per (slice, slot) (some 0), NaN in every partial sum the kernels must not read (rows
-    without an adapter, columns past a rank), as in an uninitialised workspace."""
+    ranks per (slice, slot) (some 0), the partial sums zero past a rank and on rows without
+    an adapter (as lora_shrink_partials and a zeroed workspace leave them)."""
     from kernels.lora_delta import LoraDelta
 
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
-    ranks = torch.randint(0, rank + 1, (len(outs), slots), generator=gen, dtype=torch.int32)
+    ranks = torch.randint(0, rank + 1, (len(outs), slots), generator=gen)
     partials = torch.randn(splits, len(outs), tokens, rank, generator=gen)
     for i in range(len(outs)):
         for t, slot in enumerate(token_slots.tolist()):
-            live = ranks[i, slot] if slot >= 0 else 0
-            partials[:, i, t, live:] = float("nan")
+            partials[:, i, t, ranks[i, slot] if slot >= 0 else 0:] = 0.0
     b = tuple((torch.randn(slots, n, rank, generator=gen) * 0.2).to(dtype).to(DEVICE) for n in outs)
-    return LoraDelta(partials.to(DEVICE), b, token_slots.to(DEVICE), ranks.to(DEVICE))
+    return LoraDelta(partials.to(DEVICE), b, token_slots.to(DEVICE))
 
 
 @HYPO
@@ -500,3 +499,31 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, d
     ref = silu_mul(gate_up, delta.dense() if delta else None)
     assert not act.isnan().any()
     assert_close_scaled(act, ref, dt)  # bf16: g + delta may round a step apart, times up
+
+
+def test_shrink_partials_are_zero_past_each_rank_and_on_slices_switched_off() -> None:
+    """What lets the expanding ops skip the ranks (kernels/lora_delta.py): in an uninitialised
+    workspace, every row with an adapter gets all R columns of every split and slice written,
+    zeros past its rank and on a slice its adapter leaves alone (even where A holds data)."""
+    from kernels.lora_ref import lora_shrink_ref
+    from kernels.lora_triton import lora_shrink_partials
+
+    case = make_lora_case(token_slots=[2, -1, 0, 0, 1, -1, 2], num_slots=3, max_rank=8,
+                          ranks=[4, 8, 2], h_in=96, outs=[32, 16, 16], device=DEVICE)
+    per_slice = case.ranks.repeat(3, 1)
+    per_slice[1, 1] = 0  # slot 1's adapter skips slice 1: its A there must not be read
+    workspace = torch.full((4096,), float("nan"), device=DEVICE)
+    partials = lora_shrink_partials(case.x, case.a, case.meta, case.scaling, per_slice,
+                                    zero=False, split_k=3, workspace=workspace)
+    active = [t for t, s in enumerate(case.token_slots) if s >= 0]
+    got = partials[:, :, active].cpu()
+    assert not got.isnan().any()
+    ref_a = [a.clone() for a in case.a]
+    ref_a[1][1].zero_()
+    want = lora_shrink_ref(case.x, ref_a, case.meta, case.scaling)[:, active].cpu()
+    torch.testing.assert_close(got.sum(0), want, rtol=1e-4, atol=1e-4)
+    for row, t in enumerate(active):
+        slot = case.token_slots[t]
+        for i in range(3):
+            live = int(per_slice[i, slot])
+            assert torch.equal(got[:, i, row, live:], torch.zeros_like(got[:, i, row, live:]))
