@@ -85,11 +85,11 @@ class LayerWeights:
 
 class ElementwiseOps:
     """The small per-layer ops between the matmuls. Eager, they are a few dozen kernel
-    launches per layer; on CUDA the base-model ones are compiled (torch.compile, dynamic
-    shapes) into a few fused kernels, which CUDA graphs then replay. LORA_COMPILE=0 keeps
-    them eager. With a LoRA delta left for them to expand (kernels/lora_delta.py) they are
-    the fused kernels of kernels/norm.py and kernels/silu_mul.py. (RoPE and the KV-cache
-    write are one kernel of their own: kernels/rope_cache.py.)"""
+    launches per layer; on CUDA the residual add + norm and SiLU * up are the Triton kernels
+    of kernels/norm.py and kernels/silu_mul.py (which also expand a LoRA delta left for them,
+    kernels/lora_delta.py), the first norm is compiled (torch.compile, dynamic shapes); CUDA
+    graphs then replay them. LORA_COMPILE=0 keeps the compiled ones eager. (RoPE and the
+    KV-cache write are one kernel of their own: kernels/rope_cache.py.)"""
 
     def __init__(self, device: torch.device) -> None:
         self._rms_norm, self._add_rms_norm, self._silu_mul = rms_norm, add_rms_norm, silu_mul
@@ -98,6 +98,14 @@ class ElementwiseOps:
                 return torch.compile(fn, dynamic=True, fullgraph=True)
             self._rms_norm, self._add_rms_norm = compiled(rms_norm), compiled(add_rms_norm)
             self._silu_mul = compiled(silu_mul)
+        if device.type == "cuda" and os.environ.get("LORA_ELEMENTWISE", "triton") == "triton":
+            # The Triton kernels that also expand LoRA deltas serve the base path too: H100,
+            # batch 64, Llama-3.2-1B shapes, base decode graph 1.580 -> 1.526 ms against the
+            # compiled ones (bench/decode_profile.py, two alternations each;
+            # LORA_ELEMENTWISE=compiled keeps torch.compile's).
+            self._add_rms_norm = lambda hidden, out, weight, eps: add_rms_norm_lora(
+                hidden, out, weight, eps, None)
+            self._silu_mul = lambda gate_up: silu_mul_lora(gate_up, None)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
