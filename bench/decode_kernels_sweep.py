@@ -198,7 +198,7 @@ def attention_part(batch: int, bw: float, device: torch.device) -> None:
 
 
 def rope_part(batch: int, device: torch.device) -> None:
-    from kernels.rope_cache_ref import _rotate
+    from kernels.rope_cache_ref import rotate_half_rope
     from kernels.rope_cache_triton import rope_and_cache_triton
 
     Hq, Hkv, D, page = 32, 8, 64, 16
@@ -214,7 +214,7 @@ def rope_part(batch: int, device: torch.device) -> None:
 
     def rope_qk(q, k, positions):
         c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-        return _rotate(q, c, s), _rotate(k, c, s)
+        return rotate_half_rope(q, c, s), rotate_half_rope(k, c, s)
 
     compiled = torch.compile(rope_qk, dynamic=True, fullgraph=True)
 

@@ -12,7 +12,7 @@ def _with_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     return x if delta is None else (x.float() + delta).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF "rotate_half" RoPE, computed in float32 and rounded once to x's dtype."""
     xf = x.float()
     half = xf.shape[-1] // 2
@@ -36,8 +36,8 @@ def rope_and_cache_ref(qkv: torch.Tensor, delta: LoraDelta | torch.Tensor | None
         q, k, v = _with_delta(q, dq), _with_delta(k, dk), _with_delta(v, dv)
     cos = cos_table[positions][:, None, :]
     sin = sin_table[positions][:, None, :]
-    q = _rotate(q.reshape(-1, num_heads, head_dim), cos, sin)
-    k = _rotate(k.reshape(-1, num_kv_heads, head_dim), cos, sin)
+    q = rotate_half_rope(q.reshape(-1, num_heads, head_dim), cos, sin)
+    k = rotate_half_rope(k.reshape(-1, num_kv_heads, head_dim), cos, sin)
     page = k_cache.shape[1]
     blocks, offsets = slot_mapping // page, slot_mapping % page
     k_cache[blocks, offsets] = k  # the caches may be views of any strides (head-major)
