@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,63 @@ def test_entrypoints_are_console_scripts() -> None:
     for dockerfile in DOCKER.glob("*.Dockerfile"):
         entry = re.search(r'ENTRYPOINT \["([\w-]+)"\]', dockerfile.read_text()).group(1)
         assert f'{entry} = "' in scripts
+
+
+# ---------------------------------------------------------------------------------------------
+# The mutual-TLS override (docker/compose.tls.yaml) and the certificates docker/make-certs.sh
+# makes for it
+
+def _make_certs(out: Path) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    subprocess.run(["sh", str(DOCKER / "make-certs.sh"), str(out)], check=True, capture_output=True,
+                   timeout=60)
+    return out
+
+
+def test_tls_override_sets_only_flags_the_code_reads_and_files_the_script_makes(
+        compose, known_env, tmp_path: Path) -> None:
+    from lora_client.healthcheck import parser as healthcheck_parser
+
+    override = yaml.safe_load((DOCKER / "compose.tls.yaml").read_text())
+    client_env = env_names(healthcheck_parser())
+    made = {p.name for p in _make_certs(tmp_path).iterdir()}
+    for name, service in override["services"].items():
+        assert name in compose["services"], f"the override configures unknown service {name}"
+        assert service["volumes"] == ["./certs:/certs:ro"]
+        for var, value in service["environment"].items():
+            assert var in known_env | client_env, f"service {name} sets {var}, which no flag reads"
+            assert value.startswith("/certs/") and value.removeprefix("/certs/") in made, \
+                f"service {name}: {var}={value} is not a file docker/make-certs.sh writes"
+    node_env = override["services"]["inference-node"]["environment"]
+    assert {"INFERENCE_NODE_TLS_CLIENT_CA", "INFERENCE_NODE_STORE_TLS_CERT"} <= set(node_env)
+
+
+def test_made_certificates_carry_mutual_tls_for_a_health_check(tmp_path: Path) -> None:
+    """The store's certificate from the script serves TLS that requires client certificates;
+    the container health check (lora_client.healthcheck) passes with the script's client
+    certificate and is refused without one."""
+    import grpc
+    from concurrent import futures
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from adapter_store.tls import ServerTLS, add_port
+    from lora_client.healthcheck import main as healthcheck
+
+    certs = _make_certs(tmp_path / "certs")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    tls = ServerTLS(cert=str(certs / "adapter-store.crt"), key=str(certs / "adapter-store.key"),
+                    client_ca=str(certs / "ca.crt"))
+    port = add_port(server, "127.0.0.1:0", tls)
+    server.start()
+    try:
+        target = f"127.0.0.1:{port}"
+        trust = ["--tls-ca", str(certs / "ca.crt")]
+        client = ["--tls-cert", str(certs / "client.crt"), "--tls-key", str(certs / "client.key")]
+        assert healthcheck([target, *trust, *client]) == 0
+        assert healthcheck([target, *trust]) == 1  # no client certificate: refused
+    finally:
+        server.stop(None)
