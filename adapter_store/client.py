@@ -45,6 +45,24 @@ class StoreError(Exception):
         return cls(exc.code(), exc.details() or "")
 
 
+# How a TLS handshake the store refuses looks from here: this client failing to verify the
+# store ("Tls handshake failed"), or, when the store refuses this client's certificate (none,
+# or one its client CA did not sign), the socket closed during the handshake.
+_HANDSHAKE_FAILED = "Tls handshake failed"
+_SOCKET_CLOSED = "Socket closed"
+TLS_REFUSALS_BEFORE_GIVING_UP = 3  # a socket closed before any reply, over TLS, in a row
+
+
+class StoreTLSRefused(StoreError):
+    """The TLS handshake with the store keeps failing before any reply: this client's TLS
+    settings do not fit the store's, and retrying until the fetch deadline would not help."""
+
+    def __init__(self, details: str, flag: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE,
+                         f"the TLS handshake with the store failed ({details}); check {flag}-ca, and "
+                         f"{flag}-cert/{flag}-key if the store requires client certificates")
+
+
 class AdapterTooLarge(StoreError):
     """The manifest lists more bytes than the caller accepts (checked before downloading)."""
 
@@ -75,6 +93,7 @@ class AdapterStoreClient:
             channel = (grpc.secure_channel(target, credentials, options=options) if credentials
                        else open_channel(target, tls, options))
         self.target = target
+        self.tls = tls if tls is not None and tls.on else None
         self.channel = channel
         self.stub = pb_grpc.AdapterStoreStub(channel)
         self.metadata = bearer_metadata(token)
@@ -129,11 +148,14 @@ class AdapterStoreClient:
         """The adapter's files, verified. Resumes broken streams until `deadline_s` has
         passed, then raises StoreError(UNAVAILABLE). A checksum mismatch raises
         StoreError(DATA_LOSS); NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION,
-        UNAUTHENTICATED are final. An adapter over `max_bytes` (when > 0) raises
+        UNAUTHENTICATED are final, and so is a TLS handshake the store keeps refusing
+        (StoreTLSRefused: its own verification failing at once, a socket closed before any
+        reply TLS_REFUSALS_BEFORE_GIVING_UP times in a row). An adapter over `max_bytes` (when > 0) raises
         AdapterTooLarge before any buffer is allocated."""
         deadline = time.monotonic() + deadline_s
         backoff = _Backoff()
         state = _FetchState(name, version, max_bytes)
+        refusals = 0  # TLS handshakes refused in a row (see StoreTLSRefused)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -145,7 +167,7 @@ class AdapterStoreClient:
             try:
                 for shard in call:
                     state.accept(shard)
-                    backoff.attempt = 0
+                    backoff.attempt = refusals = 0
                     if state.done:
                         return state.result()
                 raise StoreError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the last shard")
@@ -158,6 +180,10 @@ class AdapterStoreClient:
                 if code not in RETRYABLE and code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise StoreError.from_rpc(exc) from None
                 error = StoreError.from_rpc(exc)
+                refusals = refusals + 1 if self._tls_refusal(error) else 0
+                if refusals and (_HANDSHAKE_FAILED in error.details
+                                 or refusals >= TLS_REFUSALS_BEFORE_GIVING_UP):
+                    raise StoreTLSRefused(error.details, self.tls.flag) from None
             except StoreError as exc:
                 if exc.code != grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -171,6 +197,12 @@ class AdapterStoreClient:
             log.warning("fetch %s: stream broke at %s (%s); resuming in %.2fs", name, state.progress(),
                         error, delay)
             time.sleep(delay)
+
+
+    def _tls_refusal(self, error: StoreError) -> bool:
+        """Whether a failed call looks like the store refusing this client's TLS handshake."""
+        return (self.tls is not None and error.code == grpc.StatusCode.UNAVAILABLE
+                and (_HANDSHAKE_FAILED in error.details or _SOCKET_CLOSED in error.details))
 
 
 class _FetchState:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import grpc
 
-from adapter_store.client import AdapterStoreClient, AdapterTooLarge, StoreError
+from adapter_store.client import AdapterStoreClient, AdapterTooLarge, StoreError, StoreTLSRefused
 from adapter_store.records import DELETED, UPDATED
 from adapter_store.tls import ClientTLS
 
@@ -53,6 +53,8 @@ class StoreSource:
         except AdapterTooLarge as exc:
             raise AdapterRejected(f"adapter {name!r} is {exc.size / 1e6:.1f} MB; this node loads adapters up to "
                                   f"{exc.limit / 1e6:.1f} MB (--max-adapter-mb)") from exc
+        except StoreTLSRefused as exc:  # this node's TLS settings: no retry helps
+            raise AdapterRejected(f"adapter {name!r} from the store at {self.target}: {exc.details}") from exc
         except StoreError as exc:
             error = _ERRORS.get(exc.code, AdapterError)
             raise error(f"adapter {name!r} from the store at {self.target}: {exc.code.name}: {exc.details}"

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from adapter_store import cli as store_cli
-from adapter_store.client import AdapterStoreClient, StoreError
+from adapter_store.client import AdapterStoreClient, StoreError, StoreTLSRefused
 from adapter_store.push import push_adapter
 from adapter_store.s3 import S3Store
 from adapter_store.seaweedfs import SeaweedFS
@@ -88,6 +88,42 @@ def test_a_wrong_store_token_is_a_clear_error_for_the_caller(secure_store, tiny_
     assert store.address in details and "UNAUTHENTICATED" in details and "--store-token" in details
     assert WRONG_TOKEN not in details and STORE_TOKEN not in details
     assert WRONG_TOKEN not in caplog.text and STORE_TOKEN not in caplog.text
+
+
+def test_a_store_refusing_the_nodes_tls_is_a_clear_error_not_a_wait_for_the_deadline(
+        secure_store, tiny_llama_path, pki) -> None:
+    """A node without a client certificate for a store that requires one: the store closes
+    each handshake. The caller gets FAILED_PRECONDITION naming the flags to fix, well before
+    the node's fetch deadline (60 s) and its own (30 s: a wait would end DEADLINE_EXCEEDED)."""
+    store, _ = secure_store
+    settings = dataclasses.replace(node_settings(tiny_llama_path, store, pki, STORE_TOKEN),
+                                   store_tls=ClientTLS(ca=pki.ca, flag="--store-tls"))
+    node = InProcessNode(settings)
+    try:
+        with NodeClient(node.address) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(client.request(adapter="tenant", prompt_token_ids=PROMPT, max_tokens=4), 30)
+            assert len(client.generate(client.request(prompt_token_ids=PROMPT, max_tokens=2,
+                                                      ignore_eos=True), 60).token_ids) == 2
+        node.check_idle()
+    finally:
+        node.stop()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    details = err.value.details()
+    assert store.address in details and "TLS handshake" in details and "--store-tls-cert" in details
+
+
+def test_fetch_gives_up_on_a_refused_tls_handshake(secure_store, pki) -> None:
+    """The store client's side of the same: no client certificate (the store closes the
+    socket) and an untrusted store certificate (this client's verification fails) both end
+    the fetch with StoreTLSRefused, not after its deadline."""
+    store, _ = secure_store
+    untrusting = ClientTLS(ca=pki.other_ca, cert=pki.client.cert, key=pki.client.key, flag="--store-tls")
+    for tls in (ClientTLS(ca=pki.ca, flag="--store-tls"), untrusting):
+        with AdapterStoreClient(store.address, tls=tls, token=STORE_TOKEN) as client:
+            with pytest.raises(StoreTLSRefused) as err:
+                client.fetch("tenant", deadline_s=60)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "--store-tls-ca" in err.value.details
 
 
 def test_an_adapter_above_the_nodes_size_limit_is_refused_before_download(secure_store, tiny_llama_path,
