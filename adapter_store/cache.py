@@ -154,6 +154,7 @@ class DiskCache:
         self.on_hit, self.on_miss = on_hit, on_miss
         self._lock = threading.Lock()
         self._inflight: dict[str, _Download] = {}
+        self._finished = 0  # downloads ended so far (open() notices one ending mid-lookup)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha256 -> size, oldest first
         self._verified: set[str] = set()
         self.total_bytes = 0
@@ -227,9 +228,12 @@ class DiskCache:
         progress (started here if none is), serving each byte as soon as it is on disk.
         Bytes read before the download completes are unverified: wait_complete() raises
         if the download then fails its checks."""
-        with self._lock:
-            download = self._inflight.get(ref)
-        if download is None:
+        for attempt in range(3):
+            with self._lock:
+                download = self._inflight.get(ref)
+                finished = self._finished
+            if download is not None:
+                break
             blob = self.lookup(ref)
             if blob is not None:
                 try:
@@ -242,6 +246,10 @@ class DiskCache:
                     return reader
             with self._lock:
                 download = self._inflight.get(ref)
+                # A download that started and ended between the lookup and here (a small file
+                # can) may have been this ref's: look again rather than download it twice.
+                if download is None and self._finished != finished and attempt < 2:
+                    continue
                 start = download is None
                 if start:
                     fd, tmp_name = tempfile.mkstemp(dir=self.root / "tmp", suffix=".part")
@@ -253,6 +261,7 @@ class DiskCache:
                     self.on_miss()
                 threading.Thread(target=self._fill, args=(ref, download, fill, expected_sha256),
                                  name="cache-fill", daemon=True).start()
+            break
         return BlobReader.of_download(download, timeout_s)
 
     def _fill(self, ref: str, download: "_Download", fill: Filler, expected_sha256: str | None) -> None:
@@ -282,6 +291,7 @@ class DiskCache:
         finally:
             with self._lock:
                 self._inflight.pop(ref, None)
+                self._finished += 1
 
     def _write_ref(self, ref: str, sha: str, size: int) -> None:
         path = self._ref_path(ref)

@@ -37,6 +37,27 @@ def test_concurrent_gets_share_one_download(tmp_path: Path) -> None:
     assert len(calls) == 1  # a hit
 
 
+def test_a_download_that_ends_during_a_lookup_is_not_started_again(tmp_path: Path) -> None:
+    """The race a small file hits: one caller's lookup misses, and before it can start the
+    download another caller's whole download of the same ref starts and ends. The first
+    caller must then find the blob, not download it a second time."""
+    cache = DiskCache(tmp_path, 1 << 20)
+    data, calls = os.urandom(500), []
+    lookup, raced = cache.lookup, []
+
+    def lookup_raced_by_another_caller(ref: str):
+        blob = lookup(ref)
+        if not raced:
+            raced.append(1)
+            cache.get(ref, filler(data, calls))  # starts and finishes in between
+        return blob
+
+    cache.lookup = lookup_raced_by_another_caller
+    blob = cache.get("b/config#e", filler(data, calls))
+    assert raced and len(calls) == 1
+    assert blob.path.read_bytes() == data
+
+
 def test_failed_fill_leaves_nothing_and_reaches_every_waiter(tmp_path: Path) -> None:
     cache = DiskCache(tmp_path, 1 << 20)
     errors: list[BaseException] = []
