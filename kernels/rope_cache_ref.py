@@ -5,11 +5,7 @@ from __future__ import annotations
 import torch
 
 from .lora_delta import LoraDelta
-
-
-def _with_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-    """x plus a float32 LoRA delta, rounded once to x's dtype."""
-    return x if delta is None else (x.float() + delta).to(x.dtype)
+from .norm_ref import with_delta
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -20,20 +16,18 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-def rope_and_cache_ref(qkv: torch.Tensor, delta: LoraDelta | torch.Tensor | None, cos_table: torch.Tensor,
+def rope_and_cache_ref(qkv: torch.Tensor, delta: LoraDelta | None, cos_table: torch.Tensor,
                        sin_table: torch.Tensor, positions: torch.Tensor,
                        slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """qkv: [T, (Hq + 2 Hkv) * D] projections (q, k, v columns); delta: their LoRA delta
-    (unexpanded, or float32 [T, columns]) or None; caches [blocks, block_size, Hkv, D], any strides. Writes the rotated keys and the values
+    (expanded here) or None; caches [blocks, block_size, Hkv, D], any strides. Writes the rotated keys and the values
     at slot_mapping; returns the rotated queries [T, Hq, D]."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    if isinstance(delta, LoraDelta):
-        delta = delta.dense()
     if delta is not None:
-        dq, dk, dv = delta.split([q_size, kv_size, kv_size], dim=-1)
-        q, k, v = _with_delta(q, dq), _with_delta(k, dk), _with_delta(v, dv)
+        dq, dk, dv = delta.dense().split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = with_delta(q, dq), with_delta(k, dk), with_delta(v, dv)
     cos = cos_table[positions][:, None, :]
     sin = sin_table[positions][:, None, :]
     q = rotate_half_rope(q.reshape(-1, num_heads, head_dim), cos, sin)

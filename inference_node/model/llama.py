@@ -92,20 +92,18 @@ class ElementwiseOps:
     KV-cache write are one kernel of their own: kernels/rope_cache.py.)"""
 
     def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        # The Triton kernels that also expand LoRA deltas serve the base path too: H100,
+        # batch 64, Llama-3.2-1B shapes, base decode graph 1.580 -> 1.526 ms against the
+        # compiled ones (bench/decode_profile.py, two alternations each;
+        # LORA_ELEMENTWISE=compiled keeps torch.compile's).
+        self.triton = cuda and os.environ.get("LORA_ELEMENTWISE", "triton") == "triton"
         self._rms_norm, self._add_rms_norm, self._silu_mul = rms_norm, add_rms_norm, silu_mul
-        if device.type == "cuda" and os.environ.get("LORA_COMPILE", "1") != "0":
+        if cuda and os.environ.get("LORA_COMPILE", "1") != "0":
             def compiled(fn):
                 return torch.compile(fn, dynamic=True, fullgraph=True)
-            self._rms_norm, self._add_rms_norm = compiled(rms_norm), compiled(add_rms_norm)
-            self._silu_mul = compiled(silu_mul)
-        if device.type == "cuda" and os.environ.get("LORA_ELEMENTWISE", "triton") == "triton":
-            # The Triton kernels that also expand LoRA deltas serve the base path too: H100,
-            # batch 64, Llama-3.2-1B shapes, base decode graph 1.580 -> 1.526 ms against the
-            # compiled ones (bench/decode_profile.py, two alternations each;
-            # LORA_ELEMENTWISE=compiled keeps torch.compile's).
-            self._add_rms_norm = lambda hidden, out, weight, eps: add_rms_norm_lora(
-                hidden, out, weight, eps, None)
-            self._silu_mul = lambda gate_up: silu_mul_lora(gate_up, None)
+            self._rms_norm = compiled(rms_norm)
+            self._add_rms_norm, self._silu_mul = compiled(add_rms_norm), compiled(silu_mul)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -113,14 +111,14 @@ class ElementwiseOps:
     def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                      eps: float, delta: LoraDelta | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden + out (+ its LoRA delta), that normalised)."""
-        if delta is None:
-            return self._add_rms_norm(hidden, out, weight, eps)
-        return add_rms_norm_lora(hidden, out, weight, eps, delta)
+        if delta is not None or self.triton:
+            return add_rms_norm_lora(hidden, out, weight, eps, delta)
+        return self._add_rms_norm(hidden, out, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None) -> torch.Tensor:
-        if delta is None:
-            return self._silu_mul(gate_up)
-        return silu_mul_lora(gate_up, delta)
+        if delta is not None or self.triton:
+            return silu_mul_lora(gate_up, delta)
+        return self._silu_mul(gate_up)
 
 
 class LlamaModel:

@@ -52,6 +52,23 @@ def node_settings(tiny_llama_path, store: BackgroundStore, pki, token: str | Non
                         store_tls=ClientTLS(ca=pki.ca, cert=pki.client.cert, key=pki.client.key, flag="--store-tls"))
 
 
+def adapter_request_error(settings: NodeSettings, timeout_s: float) -> grpc.RpcError:
+    """The error a Generate for the store's adapter ends with on a node with these settings
+    (within `timeout_s`); the base model must keep serving and the node end idle."""
+    node = InProcessNode(settings)
+    try:
+        with NodeClient(node.address) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate(client.request(adapter="tenant", prompt_token_ids=PROMPT, max_tokens=4),
+                                timeout_s)
+            assert len(client.generate(client.request(prompt_token_ids=PROMPT, max_tokens=2,
+                                                      ignore_eos=True), 60).token_ids) == 2
+        node.check_idle()
+    finally:
+        node.stop()
+    return err.value
+
+
 def test_node_loads_from_the_store_over_mtls_with_its_token(secure_store, tiny_llama_path, pki, caplog) -> None:
     store, folder = secure_store
     expected = peft_greedy(tiny_llama_path, folder, [PROMPT], 8)[0]
@@ -72,19 +89,9 @@ def test_node_loads_from_the_store_over_mtls_with_its_token(secure_store, tiny_l
 def test_a_wrong_store_token_is_a_clear_error_for_the_caller(secure_store, tiny_llama_path, pki, caplog) -> None:
     store, _ = secure_store
     with caplog.at_level(logging.DEBUG):
-        node = InProcessNode(node_settings(tiny_llama_path, store, pki, WRONG_TOKEN))
-        try:
-            with NodeClient(node.address) as client:
-                with pytest.raises(grpc.RpcError) as err:
-                    client.generate(client.request(adapter="tenant", prompt_token_ids=PROMPT, max_tokens=4), 60)
-                # The base model is unaffected.
-                assert len(client.generate(client.request(prompt_token_ids=PROMPT, max_tokens=2,
-                                                          ignore_eos=True), 60).token_ids) == 2
-            node.check_idle()
-        finally:
-            node.stop()
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    details = err.value.details()
+        err = adapter_request_error(node_settings(tiny_llama_path, store, pki, WRONG_TOKEN), 60)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = err.details()
     assert store.address in details and "UNAUTHENTICATED" in details and "--store-token" in details
     assert WRONG_TOKEN not in details and STORE_TOKEN not in details
     assert WRONG_TOKEN not in caplog.text and STORE_TOKEN not in caplog.text
@@ -98,18 +105,9 @@ def test_a_store_refusing_the_nodes_tls_is_a_clear_error_not_a_wait_for_the_dead
     store, _ = secure_store
     settings = dataclasses.replace(node_settings(tiny_llama_path, store, pki, STORE_TOKEN),
                                    store_tls=ClientTLS(ca=pki.ca, flag="--store-tls"))
-    node = InProcessNode(settings)
-    try:
-        with NodeClient(node.address) as client:
-            with pytest.raises(grpc.RpcError) as err:
-                client.generate(client.request(adapter="tenant", prompt_token_ids=PROMPT, max_tokens=4), 30)
-            assert len(client.generate(client.request(prompt_token_ids=PROMPT, max_tokens=2,
-                                                      ignore_eos=True), 60).token_ids) == 2
-        node.check_idle()
-    finally:
-        node.stop()
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
-    details = err.value.details()
+    err = adapter_request_error(settings, 30)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+    details = err.details()
     assert store.address in details and "TLS handshake" in details and "--store-tls-cert" in details
 
 
