@@ -101,8 +101,9 @@ def family(name: str) -> str:
     return name[:60]
 
 
-def profile_eager(graphs, key: tuple[int, int, int], reps: int) -> dict[str, tuple[float, int]]:
-    """GPU microseconds and launches per forward, by kernel family."""
+def profile_eager(graphs, key: tuple[int, int, int], reps: int, by_name: bool = False
+                  ) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and launches per forward, by kernel family (by kernel name: by_name)."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs._forward(*key)
@@ -114,7 +115,7 @@ def profile_eager(graphs, key: tuple[int, int, int], reps: int) -> dict[str, tup
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
-            fam = family(evt.name)
+            fam = evt.name[:90] if by_name else family(evt.name)
             totals[fam][0] += evt.device_time / reps
             totals[fam][1] += 1 / reps
     return {k: (v[0], round(v[1])) for k, v in totals.items()}
@@ -147,6 +148,7 @@ def main() -> None:
     p.add_argument("--modes", default="overlap,serial",
                    help="LoRA modes: overlap, overlap-gather, overlap-equal, overlap-side-high, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
+    p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
     args = p.parse_args()
 
     from inference_node.adapters.applier import StepLoraApplier
@@ -188,10 +190,17 @@ def main() -> None:
         "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high, ranks)}
     for sms in (8, 16, 24, 32, 48):  # the base matmuls of LoRA graphs leave SMs to LoRA
         modes_setup[f"overlap-carve{sms}"] = (LoraOverlap(buffers, args.batch).applier, high, ranks, sms)
+    # The same as overlap, with each layer's o weights (and the next layer's q/k/v: -qkv)
+    # prefetched into L2 during attention; -last: as evict_last lines.
+    for name, what, last in (("o", "o", False), ("olast", "o", True), ("qkv", "o,qkv", False),
+                             ("qkvlast", "o,qkv", True)):
+        modes_setup[f"overlap-prefetch-{name}"] = (LoraOverlap(buffers, args.batch).applier, high,
+                                                   ranks, 0, (what, last))
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:
-        factory, main_priority, table_ranks, carveout = (modes_setup[mode] + (0,))[:4]
+        factory, main_priority, table_ranks, carveout, prefetch = (modes_setup[mode] + (0, ("", False)))[:5]
+        model.prefetch, model.prefetch_evict_last = prefetch
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
                               lora_applier=factory, capture_priority=main_priority,
@@ -229,7 +238,7 @@ def main() -> None:
         if args.no_profile:
             continue
         for mode, graphs in all_graphs.items():
-            fams = profile_eager(graphs, keys[mode], args.reps)
+            fams = profile_eager(graphs, keys[mode], args.reps, args.by_name)
             gpu_total = sum(v[0] for v in fams.values())
             launches = sum(v[1] for v in fams.values())
             print(f"\n== [{mode}] {n}: graph replay {replays[(mode, n)]:.3f} ms; eager kernels "
