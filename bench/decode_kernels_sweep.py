@@ -286,62 +286,10 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
                   f"B bytes' floor {floor:.2f}")
 
 
-def splitk_part(batch: int, bw: float, device: torch.device) -> None:
-    """The split-K Triton GEMM (kernels/splitk_gemm_triton.py) against cuBLASLt's matmul, alone
-    over its tilings, and for o and down together with the add + norm that reads their output
-    (bf16 from the matmul, or the float32 partials summed in the norm)."""
-    from kernels.norm_triton import add_rms_norm_triton
-    from kernels.splitk_gemm_triton import splitk_gemm_triton
-
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    print(f"\n== split-K Triton GEMM at batch {batch}, us per launch (weights [K, N], rotated past L2)")
-    tilings = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw)
-               for bn in (64, 128) for bk in (64, 128) for st in (3, 4) for nw in (4,)]
-    hidden = torch.randn(batch, 2048, device=device, dtype=torch.bfloat16)
-    norm_w = torch.ones(2048, device=device, dtype=torch.bfloat16)
-    for name in ("o", "down", "qkv"):
-        N, K = GEMMS[name]
-        nbytes = N * K * 2
-        n = copies_for(nbytes)
-        ws = [torch.randn(K, N, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
-        x = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
-        ref = (x.float() @ ws[0].float())
-        lt = graph_us([lambda w=w: torch.mm(x, w) for w in ws])
-        timed = []
-        for splits in (2, 4, 8, 16):
-            for t in tilings:
-                if N % t["block_n"] or K % (splits * t["block_k"]):
-                    continue
-                try:
-                    us = graph_us([lambda w=w, t=t: splitk_gemm_triton(x, w, splits, **t) for w in ws],
-                                  rounds=10)
-                except Exception as exc:  # a tiling the compiler refuses
-                    print(f"   {splits} {t}: {type(exc).__name__}")
-                    continue
-                timed.append((us, splits, t))
-        timed.sort(key=lambda r: r[0])
-        us, splits, t = timed[0]
-        err = ((splitk_gemm_triton(x, ws[0], splits, **t).sum(0) - ref).norm() / ref.norm()).item()
-        floor = nbytes / bw * 1e6
-        print(f"{name:6} {nbytes / 1e6:6.1f} MB floor {floor:6.2f}  cuBLASLt {lt:6.2f}  split-K best "
-              f"{us:6.2f} (splits {splits}, {t}; rel err {err:.1e})")
-        print("       next: " + "; ".join(f"{u:.2f} s{sp} {tt['block_n']}x{tt['block_k']} st{tt['num_stages']}"
-                                      for u, sp, tt in timed[1:6]))
-        if name in ("o", "down"):
-            pair_lt = graph_us([lambda w=w: add_rms_norm_triton(hidden, torch.mm(x, w), norm_w, 1e-5)
-                                for w in ws])
-            pair_sk = graph_us([lambda w=w: add_rms_norm_triton(
-                hidden, splitk_gemm_triton(x, w, splits, **t), norm_w, 1e-5) for w in ws])
-            print(f"       with the add + norm after it: cuBLASLt + norm {pair_lt:6.2f}, "
-                  f"split-K + norm summing the partials {pair_sk:6.2f}")
-        del ws
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--parts", default="rope,attention,gemm,splitk,fused")
+    p.add_argument("--parts", default="rope,attention,gemm,fused")
     p.add_argument("--adapters", default="1,32", help="distinct adapters for --parts fused")
     args = p.parse_args()
     device = torch.device("cuda")
@@ -355,8 +303,6 @@ def main() -> None:
         attention_part(args.batch, bw, device)
     if "gemm" in parts:
         gemm_part(args.batch, bw, device)
-    if "splitk" in parts:
-        splitk_part(args.batch, bw, device)
     if "fused" in parts:
         fused_part(args.batch, bw, device, [int(a) for a in args.adapters.split(",")])
 

@@ -19,10 +19,10 @@ from .lora_delta import LoraDelta
 def _add_rms_norm_kernel(
     hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
     eps, R,
-    stride_h, stride_o, stride_os, stride_nh, stride_x,
+    stride_h, stride_o, stride_nh, stride_x,
     stride_ps, stride_pt, stride_bs, stride_bn,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr, OUT_SPLITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
@@ -40,13 +40,7 @@ def _add_rms_norm_kernel(
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
         mask = offs < H
-        if OUT_SPLITS > 0:  # the matmul's split-K partials, summed and rounded as its output
-            of = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            for s in tl.static_range(OUT_SPLITS):
-                of += tl.load(out_ptr + s * stride_os + t * stride_o + offs, mask=mask, other=0.0)
-            o = of.to(hidden_ptr.dtype.element_ty)
-        else:
-            o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+        o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
         if HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
             b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
                         mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
@@ -72,17 +66,12 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
                         eps: float, delta: LoraDelta | None = None, *,
                         block_h: int | None = None, num_warps: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As norm_ref.add_rms_norm with delta.dense(), in one launch. `out` is the projection's
-    output [T, H], or its split-K partial sums [splits, T, H] in float32
-    (kernels/splitk_gemm_triton.py), summed here. block_h: columns per
+    """As norm_ref.add_rms_norm with delta.dense(), in one launch. block_h: columns per
     unrolled chunk. With a delta the defaults (2048 columns, 8 warps) are the sweep's best
     on an H100 at batch 64: 6.3 -> 4.1 us against 512 columns and 4 warps
     (bench/decode_kernels_sweep.py --parts fused)."""
     T, H = hidden.shape
-    out_splits = out.shape[0] if out.dim() == 3 else 0
-    stride_os = out.stride(0) if out_splits else 0
-    out_rows = out[0] if out_splits else out
-    assert hidden.stride(1) == 1 and out_rows.stride(1) == 1 and weight.is_contiguous()
+    assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
     x = torch.empty_like(hidden)
     if T == 0:
@@ -100,11 +89,10 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
         R, lora_strides, splits, default_block = 1, (0, 0, 0, 0), 0, 2048
     _add_rms_norm_kernel[(T,)](
         hidden, out, weight, new_hidden, x, *lora, eps, R,
-        hidden.stride(0), out_rows.stride(0), stride_os, new_hidden.stride(0), x.stride(0),
-        *lora_strides,
+        hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
         H=H, SPLITS=splits, HAS_LORA=delta is not None,
         BLOCK_H=min(block_h or default_block, triton.next_power_of_2(H)),
-        BLOCK_R=max(16, triton.next_power_of_2(R)), OUT_SPLITS=out_splits,
+        BLOCK_R=max(16, triton.next_power_of_2(R)),
         num_warps=num_warps or (8 if delta is not None else 4),
     )
     return new_hidden, x
