@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2, num_sms
+
 from .lora_meta import MAX_SPLIT_K, LoraBatchMeta
 
 _TABLE_CACHE: dict[tuple, torch.Tensor] = {}
@@ -231,7 +233,7 @@ class LoraTiling:
         return max(1, meta.max_segment_len) if self.per_segment else self.block_m
 
     def grid_m(self, meta: LoraBatchMeta) -> int:
-        return triton.cdiv(max(1, meta.max_segment_len), self.rows(meta))
+        return cdiv(max(1, meta.max_segment_len), self.rows(meta))
 
 
 _DECODE_TOKENS = 256  # steps up to this many LoRA tokens are decode-shaped
@@ -247,7 +249,7 @@ def choose_tiling(meta: LoraBatchMeta, rank: int, max_out: int = 0, n_slices: in
     program spans the most columns (up to 2048) that still leave about 3 programs per SM.
     Measured: gate/up expand of 32 adapters 27 -> 16 us (1024 columns), of 8 adapters
     15 -> 7 us (256 columns rather than 2048)."""
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = max(16, next_power_of_2(rank))
     block_k = 64 if block_r <= 128 else 32
     block_n = 128 if block_r <= 32 else 64 if block_r <= 64 else 32
     longest = max(1, meta.max_segment_len)
@@ -255,20 +257,14 @@ def choose_tiling(meta: LoraBatchMeta, rank: int, max_out: int = 0, n_slices: in
         per_segment = meta.num_active_tokens / max(1, meta.num_segments) <= 16
         n_span = block_n
         if per_segment and max_out:
-            target = 3 * _num_sms(device or torch.device("cpu"))
+            target = 3 * num_sms(device or torch.device("cpu"))
             while (n_span * 2 <= 2048 and
-                   meta.num_segments * n_slices * triton.cdiv(max_out, n_span * 2) >= target):
+                   meta.num_segments * n_slices * cdiv(max_out, n_span * 2) >= target):
                 n_span *= 2
         return LoraTiling(16, per_segment, block_k=block_k, block_n=block_n, n_span=n_span)
     block_m = 16 if longest <= 16 else 32 if longest <= 32 else 64
     return LoraTiling(block_m, per_segment=False, block_k=block_k, block_n=block_n,
                       shrink_warps=4)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _offset_table(tensors: Sequence[torch.Tensor], extra: Sequence[Sequence[int]],
@@ -329,7 +325,7 @@ def _split_k(meta: LoraBatchMeta, n_slices: int, k_tiles: int, m_programs: int,
              per_sm: int, device: torch.device) -> int:
     """Splits of H_in so a launch puts about `per_sm` programs on each SM, at most 16."""
     programs = max(1, m_programs * meta.num_segments * n_slices)
-    return max(1, min(MAX_SPLIT_K, k_tiles, triton.cdiv(per_sm * _num_sms(device), programs)))
+    return max(1, min(MAX_SPLIT_K, k_tiles, cdiv(per_sm * num_sms(device), programs)))
 
 
 def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
@@ -350,9 +346,9 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
     assert K_a == K, f"A has in-features {K_a}, x has {K}"
     assert all(a.shape == (S, R, K) for a in a_stacked), "A slices must share [S, R, H_in]"
     tiling = tiling or choose_tiling(meta, R)
-    block_r = max(16, triton.next_power_of_2(R))
-    block_k = min(tiling.block_k, max(16, triton.next_power_of_2(K)))
-    k_tiles = triton.cdiv(K, block_k)
+    block_r = max(16, next_power_of_2(R))
+    block_k = min(tiling.block_k, max(16, next_power_of_2(K)))
+    k_tiles = cdiv(K, block_k)
     m_programs = tiling.grid_m(meta)
     if split_k is None:
         split_k = _split_k(meta, n_slices, k_tiles, m_programs, tiling.programs_per_sm, x.device)
@@ -373,16 +369,13 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
     table, unit = _offset_table(a_list, [()] * n_slices, x.device)
     ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, scaling)
     seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
-    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
+    k_per_split = cdiv(k_tiles, split_k) * block_k
     grid = (m_programs, meta.num_segments, n_slices * split_k)
     _lora_shrink_kernel[grid](
         x, a_list[0], table, out, scaling, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
         seg_table, K, R, tiling.rows(meta), k_per_split, split_k, stride_seg, col,
-        x.stride(0), x.stride(1),
-        a_list[0].stride(0), a_list[0].stride(1), a_list[0].stride(2),
-        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
-        rank_stride,
+        *x.stride(), *a_list[0].stride(), *out.stride(), rank_stride,
         HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_F32=_dot_f32(x.dtype, x.device), num_warps=tiling.shrink_warps,
@@ -424,10 +417,10 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
 
     max_out = max(b.shape[1] for b in b_list)
     tiling = tiling or choose_tiling(meta, R, max_out, n_slices, y.device)
-    block_r = max(16, triton.next_power_of_2(R))  # the whole rank in one tile
+    block_r = max(16, next_power_of_2(R))  # the whole rank in one tile
     block_n = tiling.block_n
-    n_span = max(block_n, triton.cdiv(tiling.n_span, block_n) * block_n)
-    n_programs = triton.cdiv(max_out, n_span)
+    n_span = max(block_n, cdiv(tiling.n_span, block_n) * block_n)
+    n_programs = cdiv(max_out, n_span)
     ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, h)
     seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
     grid = (tiling.grid_m(meta), meta.num_segments, n_slices * n_programs)
@@ -435,10 +428,7 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
         h, b_list[0], table, y, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
         seg_table, R, n_programs, n_span, tiling.rows(meta), splits, stride_seg, col,
-        h.stride(0), h.stride(1), h.stride(2), h.stride(3),
-        b_list[0].stride(1), b_list[0].stride(2),
-        y.stride(0), y.stride(1),
-        rank_stride,
+        *h.stride(), *b_list[0].stride()[1:], *y.stride(), rank_stride,
         HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_F32=_dot_f32(b_list[0].dtype, y.device), ACCUMULATE=accumulate,

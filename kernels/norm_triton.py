@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
+
 from .lora_delta import LoraDelta
 
 
@@ -91,8 +93,8 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
         hidden, out, weight, new_hidden, x, *lora, eps, R,
         hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
         H=H, SPLITS=splits, HAS_LORA=delta is not None,
-        BLOCK_H=min(block_h or default_block, triton.next_power_of_2(H)),
-        BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_H=min(block_h or default_block, next_power_of_2(H)),
+        BLOCK_R=max(16, next_power_of_2(R)),
         num_warps=num_warps or (8 if delta is not None else 4),
     )
     return new_hidden, x

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2, num_sms
+
 from .lora_triton import interpreting
 
 _LOG2E = 1.4426950408889634
@@ -153,9 +155,9 @@ def _auto_splits(device: torch.device, programs: int, max_query_len: int,
     """Split the keys only for decode-like batches that would not fill the GPU otherwise."""
     if device.type != "cuda" or max_query_len > 16 or max_seq_len <= 512:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_sms(device)
     want = (2 * sms + programs - 1) // programs
-    return max(1, min(want, triton.cdiv(max_seq_len, 256), 64))
+    return max(1, min(want, cdiv(max_seq_len, 256), 64))
 
 
 def paged_attention_triton_impl(
@@ -174,19 +176,19 @@ def paged_attention_triton_impl(
     if T == 0 or batch == 0 or max_query_len <= 0:
         return out
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    group_pad = next_power_of_2(group)
+    block_d = max(16, next_power_of_2(head_dim))
     target_m = 64 if max_query_len > 16 else 16
     block_q = max(1, target_m // group_pad)
-    block_q = min(block_q, triton.next_power_of_2(max_query_len))
-    block_q = max(block_q, triton.cdiv(16, group_pad))  # tl.dot needs >= 16 rows
+    block_q = min(block_q, next_power_of_2(max_query_len))
+    block_q = max(block_q, cdiv(16, group_pad))  # tl.dot needs >= 16 rows
     if block_n is None:
         block_n = 64 if q.is_cuda and not interpreting() else 32
-    q_tiles = triton.cdiv(max_query_len, block_q)
+    q_tiles = cdiv(max_query_len, block_q)
     if num_splits is None:
         num_splits = _auto_splits(q.device, q_tiles * batch * num_kv_heads, max_query_len,
                                   max_seq_len)
-    num_splits = max(1, min(num_splits, triton.cdiv(max(max_seq_len, 1), block_n)))
+    num_splits = max(1, min(num_splits, cdiv(max(max_seq_len, 1), block_n)))
 
     if num_splits > 1:
         part_acc = torch.empty(num_splits, T, num_heads, head_dim, dtype=torch.float32,
@@ -221,7 +223,7 @@ def paged_attention_triton_impl(
             part_acc, part_m, part_l, out, head_dim,
             *p_strides,
             out.stride(0), out.stride(1), out.stride(2),
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),
             BLOCK_D=block_d,
         )
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
+
 from .lora_delta import LoraDelta
 
 
@@ -138,7 +140,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
     else:
         lora = (qkv,) * 5  # dummy pointers, never read
         R, splits, lora_strides = 1, 0, (1,) + (0,) * 8
-    q_parts = triton.cdiv(num_heads, num_kv_heads)
+    q_parts = cdiv(num_heads, num_kv_heads)
     _rope_cache_kernel[(T, q_parts + 2)](
         qkv, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, *lora,
         qkv.stride(0), q.stride(0), q.stride(1), cos_table.stride(0),
@@ -146,8 +148,8 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *lora_strides,
         num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
-        SPLITS=splits, HAS_LORA=delta is not None, BLOCK_HG=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_R=max(16, triton.next_power_of_2(R)),
+        SPLITS=splits, HAS_LORA=delta is not None, BLOCK_HG=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=max(16, next_power_of_2(R)),
         num_warps=num_warps,
     )
     return q

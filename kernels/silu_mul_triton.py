@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._host import cdiv, next_power_of_2
+
 from .lora_delta import LoraDelta
 
 
@@ -80,11 +82,11 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
     else:
         lora = (gate_up,) * 4  # dummy pointers, never read
         lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
-    block_i = min(block_i or default_block, triton.next_power_of_2(I))
-    _silu_mul_kernel[(T, triton.cdiv(I, block_i))](
+    block_i = min(block_i or default_block, next_power_of_2(I))
+    _silu_mul_kernel[(T, cdiv(I, block_i))](
         gate_up, act, *lora, I, R, gate_up.stride(0), act.stride(0), *lora_strides,
         SPLITS=splits, HAS_LORA=delta is not None, BLOCK_I=block_i,
-        BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_R=max(16, next_power_of_2(R)),
         num_warps=num_warps or (2 if delta is not None else 4),
     )
     return act

@@ -1,0 +1,35 @@
+"""Integer helpers for sizing launches on the host.
+
+triton.cdiv and triton.next_power_of_2 are wrapped as JIT functions, and a call from Python
+goes through that wrapper: about 2 us each. An eager prefill step sizes a few hundred launches
+with a dozen such calls each, on the host's critical path (prefill steps are host-bound:
+bench/prefill_profile.py), so the wrappers use these plain versions.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers (as triton.cdiv)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n, 0 for n <= 0 (as triton.next_power_of_2)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device, cpu_default: int = 4) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device: the property query
+    costs about 8 us); cpu_default elsewhere."""
+    if device.type != "cuda":
+        return cpu_default
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
