@@ -1,0 +1,167 @@
+"""Where a prefill step's time goes: the node's eager forward over prompt chunks, by kernel.
+
+serving_bench.py's TTFT column is mostly prefill: in its closed loop a wave of 64 prompts is
+prefilled in chunks of up to 2048 tokens, eagerly (no CUDA graph), and a LoRA row adds a
+shrink and an expand launch per fused projection (adapters/applier.py). This script builds such
+a chunk (sequences of one prompt length, sequence i on adapter i mod N) and prints, per
+configuration, the forward's GPU time, the host's time to queue it (a prefill step is
+host-bound when the two are close: its launches cost more host time than GPU time) and, from
+torch.profiler, its kernel families.
+
+    python bench/prefill_profile.py                      # CUDA: Llama-3.2-1B-shaped, 16 x 128 tokens
+    python bench/prefill_profile.py --seqs 8 --prompt 256 --configs base,c8
+    python bench/prefill_profile.py --device cpu --layers 2 --seqs 2 --prompt 16   # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from decode_profile import CONFIGS, family, fill_slots  # noqa: E402
+from serving_bench import LLAMA_3_2_1B, write_random_checkpoint  # noqa: E402
+
+
+def prompt_chunks(seqs: int, prompt: int, block_size: int, slots: list[int]) -> list:
+    """Whole-prompt chunks of `seqs` sequences, sequence i on slots[i % n] (none: no LoRA)."""
+    per_seq = -(-prompt // block_size)
+    chunks = []
+    for i in range(seqs):
+        req = SimpleNamespace(id=i, num_computed=0, all_token_ids=[(7 * i + j) % 1000 + 1 for j in range(prompt)],
+                              block_ids=list(range(i * per_seq, (i + 1) * per_seq)),
+                              lora_slot=slots[i % len(slots)] if slots else -1, feedback_row=-1)
+        chunks.append(SimpleNamespace(request=req, num_new_tokens=prompt, completes_prompt=True))
+    return chunks
+
+
+def timed_ms(run, reps: int, cuda: bool) -> float:
+    """Median GPU time of one call (CUDA events around each)."""
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            run()
+    return statistics.median(times) if times else float("nan")
+
+
+def host_ms(run, reps: int, cuda: bool) -> float:
+    """Host time of one call, launching only: with the GPU idle at the start and the calls not
+    waited for, this is the time the host needs to queue a forward. Where it is close to the
+    GPU time, the step is host-bound."""
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        run()
+    elapsed = time.perf_counter() - start
+    if cuda:
+        torch.cuda.synchronize()
+    return elapsed * 1e3 / reps
+
+
+def families(run, reps: int) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and launches per call, by kernel family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            fam = family(evt.name)
+            totals[fam][0] += evt.device_time / reps
+            totals[fam][1] += 1 / reps
+    return {k: (v[0], round(v[1])) for k, v in totals.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=128, help="tokens per sequence (all of them new)")
+    p.add_argument("--configs", default="base,c1,c8,c32,d32")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--no-profile", action="store_true")
+    args = p.parse_args()
+
+    from inference_node.adapters.applier import build_applier
+    from inference_node.adapters.slots import SlotBuffers
+    from inference_node.engine.batch import build_forward_batch
+    from inference_node.engine.kv_cache import KVCache
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import LlamaModel
+
+    device, dtype = torch.device(args.device), torch.bfloat16
+    cuda = device.type == "cuda"
+    config = dict(LLAMA_3_2_1B)
+    if args.layers:
+        config["num_hidden_layers"] = args.layers
+    names = [c for c in args.configs.split(",") if c]
+    block = 16
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
+        cfg = ModelConfig.from_checkpoint(ckpt)
+        model = LlamaModel.load(ckpt, device, dtype, max_positions=args.prompt + 16)
+    kv = KVCache(cfg, args.seqs * -(-args.prompt // block) + 1, block, dtype, device)
+    total_slots = sum(CONFIGS[n][0] for n in names) or 1
+    buffers = SlotBuffers(cfg, total_slots, 16, dtype, device)
+    first, plan = 0, {}
+    for n in names:
+        num, rank, targets = CONFIGS[n]
+        plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
+        first += num
+    tokens = args.seqs * args.prompt
+    print(f"device {torch.cuda.get_device_name(device) if cuda else 'CPU'}; {cfg.num_layers} layers; "
+          f"prefill of {args.seqs} x {args.prompt} = {tokens} tokens, eager")
+    results = {}
+    for n in names:
+        chunks = prompt_chunks(args.seqs, args.prompt, block, plan[n])
+        batch = build_forward_batch(chunks, block, device)
+        applier = build_applier(buffers, chunks) if plan[n] else None
+
+        def run(batch=batch, applier=applier):
+            return model.forward(batch, kv.k, kv.v, applier)
+
+        run()  # compiles
+        ms = timed_ms(run, args.reps, cuda)
+        host = host_ms(run, args.reps, cuda)
+        results[n] = ms
+        if not cuda:
+            print(f"{n}: forward ran, host {host:.1f} ms (CPU: no GPU timings)")
+            continue
+        line = (f"\n== {n}: forward {ms:.3f} ms GPU time ({tokens / ms:.0f} tokens/ms); the host "
+                f"takes {host:.3f} ms to queue it")
+        if "base" in results and n != "base":
+            line += f", +{ms - results['base']:.3f} ms over base"
+        print(line)
+        if args.no_profile:
+            continue
+        for fam, (us, count) in sorted(families(run, 3).items(), key=lambda kv: -kv[1][0])[:args.top]:
+            print(f"   {us / 1e3:8.3f} ms  {count:5d} x  {us / max(count, 1):8.1f} us  {fam}")
+
+
+if __name__ == "__main__":
+    main()
