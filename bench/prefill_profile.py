@@ -15,7 +15,6 @@ torch.profiler, its kernel families.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -106,8 +105,6 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--compare-launch", action="store_true",
-                   help="also the host time with the JIT's dispatch (LORA_FAST_LAUNCH=0) and without")
     args = p.parse_args()
 
     from inference_node.adapters.applier import build_applier
@@ -152,16 +149,6 @@ def main() -> None:
         ms = timed_ms(run, args.reps, cuda)
         host = host_ms(run, args.reps, cuda)
         results[n] = ms
-        if args.compare_launch:  # the JIT's dispatch vs compiled launches, taking turns
-            took = {"0": [], "1": []}
-            for _ in range(3):
-                for flag in took:
-                    os.environ["LORA_FAST_LAUNCH"] = flag
-                    took[flag].append(host_ms(run, args.reps, cuda))
-            os.environ.pop("LORA_FAST_LAUNCH")
-            print(f"   {n}: host time to queue a forward, median of 3 turns: JIT dispatch "
-                  f"{statistics.median(took['0']):.3f} ms, compiled launches "
-                  f"{statistics.median(took['1']):.3f} ms (kernels/_launch.py)")
         if not cuda:
             print(f"{n}: forward ran, host {host:.1f} ms (CPU: no GPU timings)")
             continue

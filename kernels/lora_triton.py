@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import fast_launch
-
 from ._host import cdiv, next_power_of_2, num_sms
 
 from .lora_meta import MAX_SPLIT_K, LoraBatchMeta
@@ -130,9 +128,6 @@ def _lora_shrink_kernel(
         tl.store(out_ptrs, acc * scale, mask=mask_m[:, None] & (offs_r < R)[None, :])
 
 
-_lora_shrink_launch = fast_launch(_lora_shrink_kernel)  # compiled: no JIT dispatch (kernels/_launch.py)
-
-
 @triton.jit
 def _lora_expand_kernel(
     h_ptr, b_ptr, table_ptr, y_ptr, ranks_ptr,
@@ -202,9 +197,6 @@ def _lora_expand_kernel(
             if ACCUMULATE:
                 acc += tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
-_lora_expand_launch = fast_launch(_lora_expand_kernel)  # compiled: no JIT dispatch (kernels/_launch.py)
 
 
 def interpreting() -> bool:
@@ -379,7 +371,7 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
     seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
     k_per_split = cdiv(k_tiles, split_k) * block_k
     grid = (m_programs, meta.num_segments, n_slices * split_k)
-    _lora_shrink_launch[grid](
+    _lora_shrink_kernel[grid](
         x, a_list[0], table, out, scaling, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
         seg_table, K, R, tiling.rows(meta), k_per_split, split_k, stride_seg, col,
@@ -432,7 +424,7 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
     ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, h)
     seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
     grid = (tiling.grid_m(meta), meta.num_segments, n_slices * n_programs)
-    _lora_expand_launch[grid](
+    _lora_expand_kernel[grid](
         h, b_list[0], table, y, ranks,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
         seg_table, R, n_programs, n_span, tiling.rows(meta), splits, stride_seg, col,
@@ -459,3 +451,4 @@ def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.
                                     tiling=tiling, workspace=workspace, rank_col=rank_col)
     lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks, tiling=tiling,
                        accumulate=accumulate, rank_col=rank_col)
+

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import fast_launch
-
 from ._host import cdiv, next_power_of_2
 
 from .lora_delta import LoraDelta
@@ -66,9 +64,6 @@ def _add_rms_norm_kernel(
         tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
 
 
-_add_rms_norm_launch = fast_launch(_add_rms_norm_kernel)  # compiled: no JIT dispatch (kernels/_launch.py)
-
-
 def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                         eps: float, delta: LoraDelta | None = None, *,
                         block_h: int | None = None, num_warps: int | None = None
@@ -94,7 +89,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     else:
         lora = (hidden,) * 3  # dummy pointers, never read
         R, lora_strides, splits, default_block = 1, (0, 0, 0, 0), 0, 2048
-    _add_rms_norm_launch[(T,)](
+    _add_rms_norm_kernel[(T,)](
         hidden, out, weight, new_hidden, x, *lora, eps, R,
         hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
         H=H, SPLITS=splits, HAS_LORA=delta is not None,

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import fast_launch
-
 from ._host import cdiv, next_power_of_2, num_sms
 
 from .lora_triton import interpreting
@@ -126,9 +124,6 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + p_row, l_i, mask=row_valid)
 
 
-_paged_attention_launch = fast_launch(_paged_attention_kernel)  # compiled: no JIT dispatch (kernels/_launch.py)
-
-
 @triton.jit
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, head_dim,
@@ -153,9 +148,6 @@ def _merge_splits_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-
-_merge_splits_launch = fast_launch(_merge_splits_kernel)  # compiled: no JIT dispatch (kernels/_launch.py)
 
 
 def _auto_splits(device: torch.device, programs: int, max_query_len: int,
@@ -209,7 +201,7 @@ def paged_attention_triton_impl(
         p_strides = (0, 0, 0)
 
     grid = (q_tiles, batch, num_kv_heads * num_splits)
-    _paged_attention_launch[grid](
+    _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         out, part_acc, part_m, part_l,
         scale * _LOG2E, head_dim,
@@ -227,7 +219,7 @@ def paged_attention_triton_impl(
         **({"num_stages": num_stages} if num_stages else {}),
     )
     if num_splits > 1:
-        _merge_splits_launch[(T, num_heads)](
+        _merge_splits_kernel[(T, num_heads)](
             part_acc, part_m, part_l, out, head_dim,
             *p_strides,
             out.stride(0), out.stride(1), out.stride(2),

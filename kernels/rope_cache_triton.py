@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import fast_launch
-
 from ._host import cdiv, next_power_of_2
 
 from .lora_delta import LoraDelta
@@ -114,9 +112,6 @@ def _rope_cache_kernel(
     tl.store(out + HALF, y2.to(dst.dtype.element_ty), mask=mask)
 
 
-_rope_cache_launch = fast_launch(_rope_cache_kernel)  # compiled: no JIT dispatch (kernels/_launch.py)
-
-
 def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table: torch.Tensor,
                           sin_table: torch.Tensor, positions: torch.Tensor,
                           slot_mapping: torch.Tensor, k_cache: torch.Tensor,
@@ -146,7 +141,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         lora = (qkv,) * 5  # dummy pointers, never read
         R, splits, lora_strides = 1, 0, (1,) + (0,) * 8
     q_parts = cdiv(num_heads, num_kv_heads)
-    _rope_cache_launch[(T, q_parts + 2)](
+    _rope_cache_kernel[(T, q_parts + 2)](
         qkv, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, *lora,
         qkv.stride(0), q.stride(0), q.stride(1), cos_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

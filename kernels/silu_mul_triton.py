@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import fast_launch
-
 from ._host import cdiv, next_power_of_2
 
 from .lora_delta import LoraDelta
@@ -59,9 +57,6 @@ def _silu_mul_kernel(
     tl.store(act_ptr + t * stride_act + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
-_silu_mul_launch = fast_launch(_silu_mul_kernel)  # compiled: no JIT dispatch (kernels/_launch.py)
-
-
 def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
                     block_i: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """As silu_mul_ref.silu_mul with delta.dense(), in one launch. block_i: columns per
@@ -88,7 +83,7 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         lora = (gate_up,) * 4  # dummy pointers, never read
         lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
     block_i = min(block_i or default_block, next_power_of_2(I))
-    _silu_mul_launch[(T, cdiv(I, block_i))](
+    _silu_mul_kernel[(T, cdiv(I, block_i))](
         gate_up, act, *lora, I, R, gate_up.stride(0), act.stride(0), *lora_strides,
         SPLITS=splits, HAS_LORA=delta is not None, BLOCK_I=block_i,
         BLOCK_R=max(16, next_power_of_2(R)),

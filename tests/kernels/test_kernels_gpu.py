@@ -68,34 +68,3 @@ def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx:
     _bf16_close(paged_attention_triton(*case.args()), ref)
     for splits in (1, 4):
         _bf16_close(paged_attention_triton_impl(*case.args(), num_splits=splits), ref)
-
-
-def test_fast_launch_reuses_compiled_kernels_and_respecializes(monkeypatch) -> None:
-    """kernels/_launch.py: a repeated launch takes the compiled kernel directly and gives the
-    JIT's bits; an argument Triton specialises differently (a tensor that is not 16-byte
-    aligned) misses the cache and is compiled for, so its result is still right."""
-    from kernels.norm_ref import add_rms_norm
-    from kernels.norm_triton import _add_rms_norm_launch, add_rms_norm_triton
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    big = torch.randn(3, 64, HIDDEN + 8, device="cuda", dtype=torch.bfloat16, generator=gen)
-    weight = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
-    aligned = (big[0, :, :HIDDEN], big[1, :, :HIDDEN])
-    shifted = (big[0, :, 1:HIDDEN + 1], big[1, :, 1:HIDDEN + 1])  # 2 bytes past alignment
-    assert shifted[0].data_ptr() % 16 != 0
-
-    _add_rms_norm_launch._cache.clear()
-    first = add_rms_norm_triton(*aligned, weight, 1e-5)
-    assert len(_add_rms_norm_launch._cache) == 1
-    again = add_rms_norm_triton(*aligned, weight, 1e-5)  # the compiled kernel, no JIT
-    monkeypatch.setenv("LORA_FAST_LAUNCH", "0")
-    jit = add_rms_norm_triton(*aligned, weight, 1e-5)
-    monkeypatch.delenv("LORA_FAST_LAUNCH")
-    for a, b, c in zip(first, again, jit):
-        assert torch.equal(a, b) and torch.equal(a, c)
-
-    out = add_rms_norm_triton(*shifted, weight, 1e-5)
-    assert len(_add_rms_norm_launch._cache) == 2, "a misaligned tensor must not reuse the aligned kernel"
-    expected = add_rms_norm(*shifted, weight, 1e-5, None)
-    for actual, ref in zip(out, expected):
-        _bf16_close(actual, ref)
