@@ -88,7 +88,13 @@ class AdapterStoreClient:
                  tls: ClientTLS | None = None, token: str | None = None) -> None:
         """`target` is HOST:PORT; `timeout_s` bounds the unary calls. `tls` (or ready-made
         `credentials`) secures the channel; `token` goes out as a bearer token on every call."""
-        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+                   # Reconnect within seconds once the store is back: gRPC's default backoff
+                   # between connection attempts grows to 120 s over an outage, longer than a
+                   # fetch's deadline (tests/store/test_client_reconnect.py). Fetches and the
+                   # catalog watch keep their own backoff on top.
+                   ("grpc.initial_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 2000)]
         if channel is None:
             channel = (grpc.secure_channel(target, credentials, options=options) if credentials
                        else open_channel(target, tls, options))
