@@ -101,16 +101,16 @@ def family(name: str) -> str:
     return name[:60]
 
 
-def profile_eager(graphs, key: tuple[int, int, int], reps: int, by_name: bool = False
-                  ) -> dict[str, tuple[float, int]]:
-    """GPU microseconds and launches per forward, by kernel family (by kernel name: by_name)."""
+def kernel_families(run, reps: int, by_name: bool = False) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and launches per call of `run`, by kernel family (by kernel name:
+    by_name), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs._forward(*key)
+    run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            graphs._forward(*key)
+            run()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():
@@ -119,6 +119,35 @@ def profile_eager(graphs, key: tuple[int, int, int], reps: int, by_name: bool = 
             totals[fam][0] += evt.device_time / reps
             totals[fam][1] += 1 / reps
     return {k: (v[0], round(v[1])) for k, v in totals.items()}
+
+
+def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int):
+    """(config, LlamaModel) of Llama-3.2-1B's shapes with random weights (`layers` of them if
+    given), through a checkpoint written to a temporary directory."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import LlamaModel
+
+    config = dict(LLAMA_3_2_1B)
+    if layers:
+        config["num_hidden_layers"] = layers
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
+        return (ModelConfig.from_checkpoint(ckpt),
+                LlamaModel.load(ckpt, device, dtype, max_positions=max_positions))
+
+
+def config_slots(cfg, names: list[str], dtype: torch.dtype, device: torch.device):
+    """(SlotBuffers, {config: its slots}): each named configuration's adapters (CONFIGS) in
+    slots of their own, rank-16 slot buffers."""
+    from inference_node.adapters.slots import SlotBuffers
+
+    buffers = SlotBuffers(cfg, sum(CONFIGS[n][0] for n in names) or 1, 16, dtype, device)
+    first, plan = 0, {}
+    for n in names:
+        num, rank, targets = CONFIGS[n]
+        plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
+        first += num
+    return buffers, plan
 
 
 def burst_ms(graph, reps: int) -> float:
@@ -153,33 +182,19 @@ def main() -> None:
 
     from inference_node.adapters.applier import StepLoraApplier
     from inference_node.adapters.overlap import LoraOverlap
-    from inference_node.adapters.slots import SlotBuffers
     from inference_node.engine.decode_graphs import MAIN_STREAM_PRIORITY, DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
-    from inference_node.model.config import ModelConfig
-    from inference_node.model.llama import LlamaModel
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
-    config = dict(LLAMA_3_2_1B)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
     names = [c for c in args.configs.split(",") if c]
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
-        cfg = ModelConfig.from_checkpoint(ckpt)
-        block = 16
-        max_len = args.context + 64
-        model = LlamaModel.load(ckpt, device, dtype, max_positions=max_len)
+    block = 16
+    max_len = args.context + 64
+    cfg, model = random_model(device, dtype, args.layers, max_len)
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
-    total_slots = sum(CONFIGS[n][0] for n in names) or 1
-    buffers = SlotBuffers(cfg, total_slots, 16, dtype, device)
-    first, plan = 0, {}
-    for n in names:
-        num, rank, targets = CONFIGS[n]
-        plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
-        first += num
+    buffers, plan = config_slots(cfg, names, dtype, device)
+    total_slots = buffers.max_loras
     high = MAIN_STREAM_PRIORITY  # CUDA stream priorities: lower is higher, 0 the default (lowest)
     ranks = buffers.module_ranks
     modes_setup = {  # mode: (applier factory, priority of the graph's main stream, segment table)
@@ -238,7 +253,8 @@ def main() -> None:
         if args.no_profile:
             continue
         for mode, graphs in all_graphs.items():
-            fams = profile_eager(graphs, keys[mode], args.reps, args.by_name)
+            fams = kernel_families(lambda g=graphs, k=keys[mode]: g._forward(*k), args.reps,
+                                   args.by_name)
             gpu_total = sum(v[0] for v in fams.values())
             launches = sum(v[1] for v in fams.values())
             print(f"\n== [{mode}] {n}: graph replay {replays[(mode, n)]:.3f} ms; eager kernels "

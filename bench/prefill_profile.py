@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,8 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from decode_profile import CONFIGS, family, fill_slots  # noqa: E402
-from serving_bench import LLAMA_3_2_1B, write_random_checkpoint  # noqa: E402
+from decode_profile import config_slots, kernel_families, random_model  # noqa: E402
 
 
 def prompt_chunks(seqs: int, prompt: int, block_size: int, slots: list[int]) -> list:
@@ -76,25 +73,6 @@ def host_ms(run, reps: int, cuda: bool) -> float:
     return elapsed * 1e3 / reps
 
 
-def families(run, reps: int) -> dict[str, tuple[float, int]]:
-    """GPU microseconds and launches per call, by kernel family."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            run()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            fam = family(evt.name)
-            totals[fam][0] += evt.device_time / reps
-            totals[fam][1] += 1 / reps
-    return {k: (v[0], round(v[1])) for k, v in totals.items()}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -108,31 +86,16 @@ def main() -> None:
     args = p.parse_args()
 
     from inference_node.adapters.applier import build_applier
-    from inference_node.adapters.slots import SlotBuffers
     from inference_node.engine.batch import build_forward_batch
     from inference_node.engine.kv_cache import KVCache
-    from inference_node.model.config import ModelConfig
-    from inference_node.model.llama import LlamaModel
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
-    config = dict(LLAMA_3_2_1B)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
     names = [c for c in args.configs.split(",") if c]
     block = 16
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
-        cfg = ModelConfig.from_checkpoint(ckpt)
-        model = LlamaModel.load(ckpt, device, dtype, max_positions=args.prompt + 16)
+    cfg, model = random_model(device, dtype, args.layers, args.prompt + 16)
     kv = KVCache(cfg, args.seqs * -(-args.prompt // block) + 1, block, dtype, device)
-    total_slots = sum(CONFIGS[n][0] for n in names) or 1
-    buffers = SlotBuffers(cfg, total_slots, 16, dtype, device)
-    first, plan = 0, {}
-    for n in names:
-        num, rank, targets = CONFIGS[n]
-        plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
-        first += num
+    buffers, plan = config_slots(cfg, names, dtype, device)
     tokens = args.seqs * args.prompt
     print(f"device {torch.cuda.get_device_name(device) if cuda else 'CPU'}; {cfg.num_layers} layers; "
           f"prefill of {args.seqs} x {args.prompt} = {tokens} tokens, eager")
@@ -159,7 +122,7 @@ def main() -> None:
         print(line)
         if args.no_profile:
             continue
-        for fam, (us, count) in sorted(families(run, 3).items(), key=lambda kv: -kv[1][0])[:args.top]:
+        for fam, (us, count) in sorted(kernel_families(run, 3).items(), key=lambda kv: -kv[1][0])[:args.top]:
             print(f"   {us / 1e3:8.3f} ms  {count:5d} x  {us / max(count, 1):8.1f} us  {fam}")
 
 
