@@ -181,7 +181,7 @@ def attention_part(batch: int, bw: float, device: torch.device) -> None:
         outputs[layout] = run(*caches[0])
         default = graph_us([lambda c=c: run(*c) for c in caches])
         results = []
-        for block_n, warps, stages in itertools.product((16, 32, 64), (2, 4), (2, 3)):
+        for block_n, warps, stages in itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 2, 3)):
             knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 us = graph_us([lambda c=c, k=knobs: run(*c, **k) for c in caches], rounds=10)
@@ -192,6 +192,8 @@ def attention_part(batch: int, bw: float, device: torch.device) -> None:
         results.sort(key=lambda r: r[0])
         print(f"  {layout}: default {default:.2f} us; best " +
               "; ".join(f"{us:.2f} us {knobs}" for us, knobs in results[:3]))
+        for us, knobs in results:
+            print(f"     {us:6.2f} us  {knobs}")
         del caches
     same = torch.equal(outputs["token-major"], outputs["head-major"])
     print(f"  outputs of the two layouts on the same values: {'identical' if same else 'DIFFER'}")

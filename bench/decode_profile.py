@@ -16,10 +16,12 @@ engine's default: LoRA on a side stream beside each base matmul, adapters/overla
 main stream at high CUDA priority, segments read from the segment table), overlap-gather (the
 same, with the kernels gathering rows through sorted ids as before the table), overlap-equal (both streams at default priority),
 overlap-side-high (the side stream high instead), overlap-carveN (the base matmuls of LoRA graphs
-leave N SMs free for LoRA, N in 8, 16, 24, 32, 48) and serial (LoRA added after each matmul).
+leave N SMs free for LoRA, N in 8, 16, 24, 32, 48), overlap-sidexN (steps of up to N distinct
+adapters run the expands on the side stream too, into delta buffers, N in 0, 2, 4, 8, 64, 128)
+and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
-c1/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
+c1/c2/c4/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ from serving_bench import LLAMA_3_2_1B, write_random_checkpoint  # noqa: E402
 CONFIGS = {  # name: (distinct adapters, rank, targets)
     "base": (0, 0, ()),
     "c1": (1, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c2": (2, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c4": (4, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c32": (32, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c64": (64, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
@@ -175,7 +179,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--modes", default="overlap,serial",
-                   help="LoRA modes: overlap, overlap-gather, overlap-equal, overlap-side-high, serial")
+                   help="LoRA modes: overlap, overlap-gather, overlap-equal, overlap-side-high, "
+                        "overlap-carveN, overlap-sidexN, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
     args = p.parse_args()
@@ -205,17 +210,15 @@ def main() -> None:
         "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high, ranks)}
     for sms in (8, 16, 24, 32, 48):  # the base matmuls of LoRA graphs leave SMs to LoRA
         modes_setup[f"overlap-carve{sms}"] = (LoraOverlap(buffers, args.batch).applier, high, ranks, sms)
-    # The same as overlap, with each layer's o weights (and the next layer's q/k/v: -qkv)
-    # prefetched into L2 during attention; -last: as evict_last lines.
-    for name, what, last in (("o", "o", False), ("olast", "o", True), ("qkv", "o,qkv", False),
-                             ("qkvlast", "o,qkv", True)):
-        modes_setup[f"overlap-prefetch-{name}"] = (LoraOverlap(buffers, args.batch).applier, high,
-                                                   ranks, 0, (what, last))
+    # The same as overlap, with steps of up to N distinct adapters expanding on the side stream
+    # (adapters/overlap.py, side_expand_segments; the engine's default is overlap's).
+    for n in (0, 2, 4, 8, 64, 128):
+        modes_setup[f"overlap-sidex{n}"] = (
+            LoraOverlap(buffers, args.batch, side_expand_segments=n).applier, high, ranks)
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:
-        factory, main_priority, table_ranks, carveout, prefetch = (modes_setup[mode] + (0, ("", False)))[:5]
-        model.prefetch, model.prefetch_evict_last = prefetch
+        factory, main_priority, table_ranks, carveout = (modes_setup[mode] + (0,))[:4]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
                               lora_applier=factory, capture_priority=main_priority,

@@ -50,14 +50,18 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
 
 def lora_expand(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
                 y: torch.Tensor, slice_offsets: Sequence[int],
-                slot_ranks: torch.Tensor | None = None) -> None:
-    """Adds h[i] @ B_i[slot].T into y's column slice i, in place."""
+                slot_ranks: torch.Tensor | None = None, *, accumulate: bool = True,
+                rank_col: int | None = None) -> None:
+    """Adds h[i] @ B_i[slot].T into y's column slice i, in place. h: [n_slices, T, R], or
+    lora_shrink_partials' [splits, n_slices, T, R]; accumulate and rank_col as for add_lora."""
     if use_triton(y):
         triton_impl = _triton_impl()
         if triton_impl is not None:
-            triton_impl.lora_expand_triton(h, b_stacked, meta, y, slice_offsets, slot_ranks)
+            triton_impl.lora_expand_triton(h, b_stacked, meta, y, slice_offsets, slot_ranks,
+                                           accumulate=accumulate, rank_col=rank_col)
             return
-    lora_expand_ref(h, b_stacked, meta, y, slice_offsets)
+    lora_expand_ref(h.sum(0) if h.dim() == 4 else h, b_stacked, meta, y, slice_offsets,
+                    accumulate=accumulate)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],

@@ -6,6 +6,10 @@ next op (RoPE with the KV-cache write, the residual add and norm, SiLU). That ne
 the projection's output row by row anyway, so it expands the delta itself: it sums the
 shrink's split partials for the row, reads the row's adapter's B columns and adds the
 product before doing its own work. No expand launch, no delta buffer.
+
+Where the projection's matmul is long enough (gate/up, down), the expand can instead run on
+the side stream right after the shrink, beside the matmul, into a float32 delta buffer: the
+next op then adds `expanded` row by row, a read of the delta instead of the adapter's B.
 """
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ class LoraDelta:
                                     # are zero (a workspace zeroed once per step)
     b: tuple[torch.Tensor, ...]     # per slice [S, out_i, R]
     token_slots: torch.Tensor       # [T] int32: each row's adapter slot, -1 for none
+    # [T, sum(out_i)] float32, or None: the delta already expanded (slices side by side,
+    # rows of slot -1 zero); an op given it adds it and ignores partials and b.
+    expanded: torch.Tensor | None = None
 
     @property
     def splits(self) -> int:
@@ -34,6 +41,8 @@ class LoraDelta:
     def dense(self) -> torch.Tensor:
         """[T, sum(out_i)] float32: the delta itself (the reference the fused ops are
         checked against, and the CPU path)."""
+        if self.expanded is not None:
+            return self.expanded
         h = self.partials.sum(0)  # [n_slices, T, R]
         slots = self.token_slots.long()
         active = (slots >= 0)[:, None, None]

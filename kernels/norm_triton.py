@@ -2,7 +2,7 @@
 
 One program per row: the row's delta is expanded from the shrink's partial sums and its
 adapter's B (kernels/lora_delta.py), added to the projection's output and to the residual
-stream, and the sum normalised. The first pass writes the new residual row and its sum of
+stream, and the sum normalised (or the delta already expanded beside the matmul is added). The first pass writes the new residual row and its sum of
 squares; after a barrier the second pass reads the row back (from cache) and writes the
 normalised one. Rows without an adapter skip the B reads.
 """
@@ -20,16 +20,16 @@ from .lora_delta import LoraDelta
 @triton.jit
 def _add_rms_norm_kernel(
     hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
-    eps, R,
+    dense_ptr, eps, R,
     stride_h, stride_o, stride_nh, stride_x,
-    stride_ps, stride_pt, stride_bs, stride_bn,
-    H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense,
+    H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
     t = tl.program_id(0).to(tl.int64)
-    if HAS_LORA:
+    if HAS_LORA and not DENSE:
         offs_r = tl.arange(0, BLOCK_R)
         slot = tl.load(slots_ptr + t)
         r_live = tl.where(slot >= 0, R, 0)  # rank columns to read; 0: no adapter, no B read
@@ -43,7 +43,10 @@ def _add_rms_norm_kernel(
         offs = c0 + tl.arange(0, BLOCK_H)
         mask = offs < H
         o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
-        if HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
+        if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
+            d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+            o = (o.to(tl.float32) + d).to(o.dtype)
+        elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
             b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
                         mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
             o = (o.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(o.dtype)
@@ -78,6 +81,9 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     x = torch.empty_like(hidden)
     if T == 0:
         return new_hidden, x
+    dense = delta is not None and delta.expanded is not None
+    if dense:
+        assert delta.expanded.shape == (T, H) and delta.expanded.stride(1) == 1
     if delta is not None:
         assert len(delta.b) == 1, "one slice: o or down"
         b, part = delta.b[0], delta.partials
@@ -90,9 +96,10 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
         lora = (hidden,) * 3  # dummy pointers, never read
         R, lora_strides, splits, default_block = 1, (0, 0, 0, 0), 0, 2048
     _add_rms_norm_kernel[(T,)](
-        hidden, out, weight, new_hidden, x, *lora, eps, R,
+        hidden, out, weight, new_hidden, x, *lora, delta.expanded if dense else hidden, eps, R,
         hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
-        H=H, SPLITS=splits, HAS_LORA=delta is not None,
+        delta.expanded.stride(0) if dense else 0,
+        H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
         BLOCK_H=min(block_h or default_block, next_power_of_2(H)),
         BLOCK_R=max(16, next_power_of_2(R)),
         num_warps=num_warps or (8 if delta is not None else 4),

@@ -21,14 +21,17 @@ from .lora_delta import LoraDelta
 
 
 @triton.jit
-def _half(qkv_row, h, b_rows, col, slice_col, mask, offs_r, r_live, stride_bn,
-          HAS_LORA: tl.constexpr):
+def _half(qkv_row, h, b_rows, dense_row, col, slice_col, mask, offs_r, r_live, stride_bn,
+          HAS_LORA: tl.constexpr, DENSE: tl.constexpr):
     """Columns `col` of one row (a half of each of the part's heads, flattened) plus their
-    delta h @ B[slice_col].T (rounded to qkv's dtype once, as the unfused path rounds), in
-    float32. r_live: the rank columns to read, 0 for a row without an adapter (it reads no B
-    and adds zero)."""
+    delta h @ B[slice_col].T, or the expanded delta's same columns (rounded to qkv's dtype
+    once, as the unfused path rounds), in float32. r_live: the rank columns to read, 0 for a
+    row without an adapter (it reads no B and adds zero)."""
     x = tl.load(qkv_row + col, mask=mask, other=0.0)
-    if HAS_LORA:
+    if DENSE:
+        d = tl.load(dense_row + col, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d).to(x.dtype)
+    elif HAS_LORA:
         b = tl.load(b_rows + slice_col[:, None] * stride_bn + offs_r[None, :],
                     mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
         x = (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
@@ -38,13 +41,13 @@ def _half(qkv_row, h, b_rows, col, slice_col, mask, offs_r, r_live, stride_bn,
 @triton.jit
 def _rope_cache_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    part_ptr, bq_ptr, bk_ptr, bv_ptr, lslots_ptr,
-    stride_qkv, stride_qo_t, stride_qo_h, stride_cos,
+    part_ptr, bq_ptr, bk_ptr, bv_ptr, lslots_ptr, dense_ptr,
+    stride_qkv, stride_dense, stride_qo_t, stride_qo_h, stride_cos,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     R, stride_ps, stride_pslice, stride_pt, stride_bqs, stride_bks, stride_bvs, stride_bn_q,
     stride_bn_kv,
     Hq, Hkv, D, HALF, PAGE, Q_PARTS,
-    SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_HG: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_HG: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -84,16 +87,18 @@ def _rope_cache_kernel(
     h = tl.zeros((BLOCK_R,), dtype=tl.float32)
     r_live = 0
     b_rows = b_base
-    if HAS_LORA:  # straight-line: the row's loads go out together
+    dense_row = dense_ptr + t * stride_dense
+    if HAS_LORA and not DENSE:  # straight-line: the row's loads go out together
         lslot = tl.load(lslots_ptr + t)
         r_live = tl.where(lslot >= 0, R, 0)
         b_rows = b_base + tl.maximum(lslot, 0).to(tl.int64) * stride_bs
         part_row = part_ptr + slice_id * stride_pslice + t * stride_pt + offs_r
         for s in tl.static_range(SPLITS):
             h += tl.load(part_row + s * stride_ps, mask=offs_r < R, other=0.0)
-    x1 = _half(qkv_row, h, b_rows, col, slice_col, mask, offs_r, r_live, stride_bn, HAS_LORA)
-    x2 = _half(qkv_row, h, b_rows, col + HALF, slice_col + HALF, mask, offs_r, r_live,
-               stride_bn, HAS_LORA)
+    x1 = _half(qkv_row, h, b_rows, dense_row, col, slice_col, mask, offs_r, r_live, stride_bn,
+               HAS_LORA, DENSE)
+    x2 = _half(qkv_row, h, b_rows, dense_row, col + HALF, slice_col + HALF, mask, offs_r,
+               r_live, stride_bn, HAS_LORA, DENSE)
     if part <= Q_PARTS:  # queries and keys rotate: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
         pos = tl.load(pos_ptr + t)
         trig = pos * stride_cos + offs_d
@@ -127,6 +132,9 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
+    dense = delta is not None and delta.expanded is not None
+    if dense:
+        assert delta.expanded.shape == qkv.shape and delta.expanded.stride(1) == 1
     if delta is not None:
         assert len(delta.b) == 3, "three slices: q, k and v"
         bq, bk, bv = delta.b
@@ -143,12 +151,13 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
     q_parts = cdiv(num_heads, num_kv_heads)
     _rope_cache_kernel[(T, q_parts + 2)](
         qkv, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, *lora,
-        qkv.stride(0), q.stride(0), q.stride(1), cos_table.stride(0),
+        delta.expanded if dense else qkv, qkv.stride(0),
+        delta.expanded.stride(0) if dense else 0, q.stride(0), q.stride(1), cos_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *lora_strides,
         num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
-        SPLITS=splits, HAS_LORA=delta is not None, BLOCK_HG=next_power_of_2(num_kv_heads),
+        SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_HG=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=max(16, next_power_of_2(R)),
         num_warps=num_warps,
     )

@@ -2,7 +2,8 @@
 
 Programs cover (row, a span of the intermediate columns): each reads its gate and up columns,
 expands the row's delta for them from the shrink's partial sums and the adapter's B columns
-(kernels/lora_delta.py), and writes the activation. Rows without an adapter skip the B reads.
+(kernels/lora_delta.py), or adds the delta already expanded, and writes the activation. Rows
+without an adapter skip the B reads.
 """
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ def _expanded(x, h, b_rows, stride_bn, offs, mask, offs_r, r_live):
 
 @triton.jit
 def _silu_mul_kernel(
-    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, slots_ptr,
+    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, slots_ptr, dense_ptr,
     I, R,
     stride_gu, stride_act, stride_ps, stride_pslice, stride_pt,
-    stride_bgs, stride_bgn, stride_bus, stride_bun,
-    SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_I: tl.constexpr,
+    stride_bgs, stride_bgn, stride_bus, stride_bun, stride_dense,
+    SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -38,7 +39,12 @@ def _silu_mul_kernel(
     mask = offs < I
     g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
     u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
-    if HAS_LORA:  # straight-line: the row's loads go out together
+    if DENSE:  # the delta, expanded beside the matmul: [T, 2I] float32
+        dg = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+        du = tl.load(dense_ptr + t * stride_dense + I + offs, mask=mask, other=0.0)
+        g = (g.to(tl.float32) + dg).to(g.dtype)
+        u = (u.to(tl.float32) + du).to(u.dtype)
+    elif HAS_LORA:  # straight-line: the row's loads go out together
         offs_r = tl.arange(0, BLOCK_R)
         slot = tl.load(slots_ptr + t)
         safe = tl.maximum(slot, 0).to(tl.int64)
@@ -69,6 +75,9 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
     act = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
         return act
+    dense = delta is not None and delta.expanded is not None
+    if dense:
+        assert delta.expanded.shape == (T, two_i) and delta.expanded.stride(1) == 1
     if delta is not None:
         assert len(delta.b) == 2, "two slices: gate and up"
         bg, bu = delta.b
@@ -78,15 +87,16 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         lora = (part, bg, bu, delta.token_slots)
         lora_strides = (part.stride(0), part.stride(1), part.stride(2), bg.stride(0), bg.stride(1),
                         bu.stride(0), bu.stride(1))
-        R, splits, default_block = part.shape[3], delta.splits, 512
+        R, splits, default_block = part.shape[3], delta.splits, 1024 if dense else 512
     else:
         lora = (gate_up,) * 4  # dummy pointers, never read
         lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
     block_i = min(block_i or default_block, next_power_of_2(I))
+    default_warps = 2 if delta is not None and not dense else 4
     _silu_mul_kernel[(T, cdiv(I, block_i))](
-        gate_up, act, *lora, I, R, gate_up.stride(0), act.stride(0), *lora_strides,
-        SPLITS=splits, HAS_LORA=delta is not None, BLOCK_I=block_i,
-        BLOCK_R=max(16, next_power_of_2(R)),
-        num_warps=num_warps or (2 if delta is not None else 4),
+        gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
+        act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
+        SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
+        BLOCK_R=max(16, next_power_of_2(R)), num_warps=num_warps or default_warps,
     )
     return act

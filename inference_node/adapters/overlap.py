@@ -8,6 +8,17 @@ expand (h @ B) needs nothing the next op does not already read row by row, so th
 op does it (kernels/lora_delta.py): RoPE with the KV-cache write for q/k/v, the residual add
 and norm for o and down, SiLU for gate/up. No expand launches, no float32 delta buffers.
 
+Except in steps with few distinct adapters (at most SIDE_EXPAND_SEGMENTS): there the expand
+also runs on the side stream, right after the shrink, into a float32 delta buffer, and the
+next op adds that delta, a read of 4 bytes a column instead of the adapter's B for every row.
+With few segments the expand kernel reads each B tile once for all of a segment's rows,
+where the fused ops read B once per row, which was most of their cost. With many adapters
+the expand kernel walks many small segments and the side stream holds SMs the matmul wants,
+so those steps keep the expand in the next op. Measured (H100, batch 64, decode_profile.py
+--modes overlap-sidex0,overlap-sidexN, graph replay over base): c1 +0.299 -> +0.223 ms, c2
++0.304 -> +0.249, c4 +0.315 -> +0.243, c8 +0.342 -> +0.327; in another run, c32 +0.494 ->
++0.707 when side-expanded too.
+
 The shrink writes its split partial sums into one static workspace (sized for the largest
 graph batch) that every group reuses: a group's shrink is queued on the side stream after
 the main stream's op that read the previous group's sums. The workspace is zeroed once per
@@ -23,26 +34,41 @@ from contextlib import nullcontext
 
 import torch
 
-from kernels.lora import lora_shrink_partials, lora_workspace_numel
+from kernels.lora import lora_expand, lora_shrink_partials, lora_workspace_numel
 from kernels.lora_delta import LoraDelta
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
 from .slots import SlotBuffers
 
+# Steps with at most this many distinct adapters expand on the side stream (module docstring).
+SIDE_EXPAND_SEGMENTS = 8
+
 
 class LoraOverlap:
     """The static buffers and the side stream that decode-graph appliers share."""
 
-    def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0) -> None:
+    def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0,
+                 side_expand_segments: int = SIDE_EXPAND_SEGMENTS) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
-        torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node."""
+        torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
+        side_expand_segments: steps with at most this many distinct adapters (segments) run
+        the expands on the side stream too (0: never)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
+        self.side_expand_segments = side_expand_segments
         device = buffers.device
         slices = max(len(m) for m in FUSED_MODULES.values())
         self.workspace = torch.empty(lora_workspace_numel(max_tokens, slices, buffers.max_rank),
                                      dtype=torch.float32, device=device)
+        # A delta buffer per group, which its layers reuse: an expand writes the rows whose
+        # adapter targets the group, the same ones in every layer, and the other rows stay as
+        # zeroed at the step's start (a buffer shared between groups would keep one group's
+        # delta in rows whose adapter leaves the other alone).
+        self.deltas = ({g: torch.empty(max_tokens, sum(b.shape[1] for b in buffers.layers[0][g].b),
+                                       dtype=torch.float32, device=device)
+                        for g in FUSED_MODULES} if side_expand_segments > 0 and buffers.layers
+                       else {})
         self.stream = (torch.cuda.Stream(device, priority=side_priority)
                        if device.type == "cuda" else None)
 
@@ -62,10 +88,15 @@ class OverlappedLoraApplier:
         self.overlap, self.meta = overlap, meta
         self.groups = frozenset(FUSED_MODULES) if groups is None else groups
         self._partials: torch.Tensor | None = None
+        self._expanded: torch.Tensor | None = None
+        self.side_expand = 0 < meta.num_segments <= overlap.side_expand_segments
         with self._side():
             # Rows without an adapter are in no segment: no shrink of this step writes them,
             # so zeroed here they stay zero for every group's sums (kernels/lora_delta.py).
             overlap.workspace.zero_()
+            if self.side_expand:  # the same for the expanded deltas' rows
+                for group in self.groups:
+                    overlap.deltas[group][:tokens].zero_()
 
     def _side(self):
         """The side stream, after all work queued so far on the current one."""
@@ -80,11 +111,16 @@ class OverlappedLoraApplier:
             return
         buffers = self.overlap.buffers
         buf = buffers.layers[layer][group]
+        rank_col = SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group]
+        self._expanded = None
         with self._side():
             self._partials = lora_shrink_partials(
                 x, buf.a, self.meta, buffers.scaling, buffers.slice_ranks[group],
-                workspace=self.overlap.workspace,
-                rank_col=SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group])
+                workspace=self.overlap.workspace, rank_col=rank_col)
+            if self.side_expand:
+                self._expanded = self.overlap.deltas[group][:self.meta.num_tokens]
+                lora_expand(self._partials, buf.b, self.meta, self._expanded, buf.offsets,
+                            buffers.slice_ranks[group], accumulate=False, rank_col=rank_col)
 
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> LoraDelta | None:
         if group not in self.groups:
@@ -93,4 +129,4 @@ class OverlappedLoraApplier:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
-                         self.meta.token_slots)
+                         self.meta.token_slots, self._expanded)

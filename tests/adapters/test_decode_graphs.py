@@ -104,6 +104,49 @@ def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(devi
         node.stop()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, tiny_llama_path,
+                                                                       tmp_path, monkeypatch) -> None:
+    """Steps whose rows share one adapter (some rows on the base model) run each LoRA expand
+    on the side stream into a delta buffer that the next op adds (adapters/overlap.py,
+    SIDE_EXPAND_SEGMENTS). Same tokens as PEFT; on CPU the expand calls are seen."""
+    from inference_node.adapters import overlap
+
+    expands = []
+    real_expand = overlap.lora_expand
+    monkeypatch.setattr(overlap, "lora_expand", lambda *a, **k: expands.append(1) or real_expand(*a, **k))
+    root = tmp_path / "adapters"
+    rank, alpha, targets, rs = ADAPTERS["all-r8"]
+    make_peft_adapter(tiny_llama_path, root / "all-r8", rank, alpha, targets, rs, seed=4, scale=3.0)
+    rng = random.Random(7)
+    jobs = [(name, [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))], rng.randrange(3, 12))
+            for name in ["all-r8", "all-r8", "", "all-r8", "", "all-r8"]]
+    folders = {"": None, "all-r8": root / "all-r8"}
+    expected = [peft_greedy(tiny_llama_path, folders[name], [prompt], max_new)[0]
+                for name, prompt, max_new in jobs]
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
+                                      num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_lora_rank=16,
+                                      adapter_dir=str(root), decode_graphs="on", max_graph_batch=8,
+                                      debug_checks=True))
+    try:
+        def run(job):
+            name, prompt, max_new = job
+            with NodeClient(node.address) as client:
+                return client.generate(client.request(adapter=name, prompt_token_ids=prompt, max_tokens=max_new,
+                                                      ignore_eos=True), timeout=300).token_ids
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(run, jobs))
+        assert got == expected
+        graphs = node.engine.decode_graphs
+        assert {k[1] for k in graphs.replays if k[1] > 0} == {1} and overlap.SIDE_EXPAND_SEGMENTS >= 1
+        if device == "cpu":  # eager: every LoRA decode step called the expand itself
+            assert expands
+        node.check_idle()
+    finally:
+        node.stop()
+
+
 def test_serial_lora_in_the_graph_path_matches_peft(tiny_llama_path, tmp_path) -> None:
     """EngineConfig.lora_overlap=False: the decode graphs add each LoRA delta after its
     matmul (StepLoraApplier) instead of beside it. Same tokens as PEFT."""

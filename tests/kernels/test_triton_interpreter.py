@@ -43,4 +43,4 @@ def test_decode_graph_steps_with_triton_kernels_match_peft_in_interpreter() -> N
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     report = proc.stdout[-8000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
-    assert "3 passed" in proc.stdout, report
+    assert "4 passed" in proc.stdout, report

@@ -7,6 +7,8 @@ subprocess with TRITON_INTERPRET=1 (run it directly with the same env var to deb
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -410,12 +412,20 @@ def random_lora_delta(gen: torch.Generator, tokens: int, outs: list[int], dtype:
     return LoraDelta(partials.to(DEVICE), b, token_slots.to(DEVICE))
 
 
+def maybe_expanded(delta, expanded: bool):
+    """The delta as the side stream hands it on when it expanded it already (expanded=True):
+    the kernels then add LoraDelta.expanded instead of expanding the partial sums."""
+    if delta is None or not expanded:
+        return delta
+    return dataclasses.replace(delta, expanded=delta.dense().contiguous())
+
+
 @HYPO
 @given(tokens=st.integers(1, 9), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4]),
-       head_dim=st.sampled_from([8, 24, 64]), with_delta=st.booleans(),
+       head_dim=st.sampled_from([8, 24, 64]), with_delta=st.booleans(), expanded=st.booleans(),
        dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16), head_major=st.booleans())
 def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int, head_dim: int,
-                                          with_delta: bool, dtype: str, seed: int,
+                                          with_delta: bool, expanded: bool, dtype: str, seed: int,
                                           head_major: bool) -> None:
     """Rotated queries and the cache slots written equal the reference, the other slots are
     untouched, with and without a LoRA delta to expand; q, k and v are
@@ -428,7 +438,7 @@ def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(tokens, width + 5, generator=gen).to(dt)[:, :width].to(DEVICE)
     outs = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    delta = random_lora_delta(gen, tokens, outs, dt) if with_delta else None
+    delta = maybe_expanded(random_lora_delta(gen, tokens, outs, dt) if with_delta else None, expanded)
     positions = torch.randint(0, 50, (tokens,), generator=gen).to(DEVICE)
     theta = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.outer(torch.arange(64).float(), theta)
@@ -460,9 +470,10 @@ def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int
 
 @HYPO
 @given(tokens=st.integers(1, 9), hidden=st.sampled_from([24, 64, 200, 2304]),
-       with_delta=st.booleans(), dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16))
-def test_add_rms_norm_matches_reference(tokens: int, hidden: int, with_delta: bool, dtype: str,
-                                        seed: int) -> None:
+       with_delta=st.booleans(), expanded=st.booleans(), dtype=st.sampled_from(list(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_add_rms_norm_matches_reference(tokens: int, hidden: int, with_delta: bool,
+                                        expanded: bool, dtype: str, seed: int) -> None:
     """The new residual stream and the normalised rows equal the reference on the expanded
     delta (a row wider than one tile takes several passes: 2304 > 2048)."""
     from kernels.norm_ref import add_rms_norm
@@ -473,7 +484,8 @@ def test_add_rms_norm_matches_reference(tokens: int, hidden: int, with_delta: bo
     res = torch.randn(tokens, hidden, generator=gen).to(dt).to(DEVICE)
     out = torch.randn(tokens, hidden + 3, generator=gen).to(dt)[:, :hidden].to(DEVICE)
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dt).to(DEVICE)
-    delta = random_lora_delta(gen, tokens, [hidden], dt) if with_delta else None
+    delta = maybe_expanded(random_lora_delta(gen, tokens, [hidden], dt) if with_delta else None,
+                           expanded)
     new, x = add_rms_norm_triton(res, out, weight, 1e-5, delta)
     new_ref, x_ref = add_rms_norm(res, out, weight, 1e-5, delta.dense() if delta else None)
     assert not new.isnan().any() and not x.isnan().any()
@@ -483,9 +495,10 @@ def test_add_rms_norm_matches_reference(tokens: int, hidden: int, with_delta: bo
 
 @HYPO
 @given(tokens=st.integers(1, 9), inter=st.sampled_from([24, 64, 200, 1536]),
-       with_delta=st.booleans(), dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16))
-def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, dtype: str,
-                                    seed: int) -> None:
+       with_delta=st.booleans(), expanded=st.booleans(), dtype=st.sampled_from(list(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, expanded: bool,
+                                    dtype: str, seed: int) -> None:
     """SiLU(gate) * up equals the reference on the expanded gate/up delta (1536 columns take
     two programs per row)."""
     from kernels.silu_mul_ref import silu_mul
@@ -494,7 +507,8 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, d
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     gate_up = (2 * torch.randn(tokens, 2 * inter + 5, generator=gen)).to(dt)[:, :2 * inter].to(DEVICE)
-    delta = random_lora_delta(gen, tokens, [inter, inter], dt) if with_delta else None
+    delta = maybe_expanded(random_lora_delta(gen, tokens, [inter, inter], dt) if with_delta else None,
+                           expanded)
     act = silu_mul_triton(gate_up, delta)
     ref = silu_mul(gate_up, delta.dense() if delta else None)
     assert not act.isnan().any()
