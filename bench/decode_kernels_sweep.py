@@ -63,6 +63,27 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _kv_read_kernel(k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, stride_kb, stride_kp, stride_kh,
+                    stride_btb, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Attention's reads alone: a program per (sequence, KV head), the same grid as the
+    decode attention, streaming the sequence's keys and values through its block table."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    length = tl.load(seq_lens_ptr + seq)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        live = offs < length
+        blk = tl.load(bt_ptr + seq * stride_btb + offs // PAGE, mask=live, other=0).to(tl.int64)
+        off = blk * stride_kb + (offs % PAGE) * stride_kp + head * stride_kh
+        k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + (seq * tl.num_programs(1) + head) * D + offs_d, tl.sum(acc, 0))
+
+
 def triton_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int,
                 stages: int, warps: int) -> None:
     M, K = x.shape
@@ -194,6 +215,17 @@ def attention_part(batch: int, bw: float, device: torch.device) -> None:
               "; ".join(f"{us:.2f} us {knobs}" for us, knobs in results[:3]))
         for us, knobs in results:
             print(f"     {us:6.2f} us  {knobs}")
+        if layout == "head-major":  # how far attention is from only reading its KV
+            sink = torch.empty(batch * Hkv * D, device=device)
+            reads = []
+            for block_n, warps in itertools.product((64, 128, 256), (4, 8)):
+                reads.append((graph_us([lambda c=c: _kv_read_kernel[(batch, Hkv)](
+                    c[0], c[1], tables, seq_lens, sink, c[0].stride(0), c[0].stride(1),
+                    c[0].stride(2), tables.stride(0), PAGE=page, BLOCK_N=block_n, D=D,
+                    num_warps=warps) for c in caches], rounds=10), block_n, warps))
+            us, block_n, warps = min(reads)
+            print(f"  only reading the same KV with the same grid: {us:.2f} us "
+                  f"({block_n} keys a tile, {warps} warps; best of {len(reads)})")
         del caches
     same = torch.equal(outputs["token-major"], outputs["head-major"])
     print(f"  outputs of the two layouts on the same values: {'identical' if same else 'DIFFER'}")

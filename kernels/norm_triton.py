@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2
+from ._host import next_power_of_2
 
 from .lora_delta import LoraDelta
 
