@@ -271,6 +271,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["decode_graphs"] = use_graphs
     if "max_graph_batch" in names:
         kw["max_graph_batch"] = args.concurrency
+    if "prefill_delay_factor" in names and args.prefill_delay_factor is not None:
+        kw["prefill_delay_factor"] = args.prefill_delay_factor
     engine = Engine(model, EngineConfig(**kw), lora=lora)
     graphs = getattr(engine, "decode_graphs", None)
     if graphs is not None:
@@ -787,6 +789,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the engine's prefix cache on (off by default: rows share prompts)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--prefill-delay-factor", type=float, default=None,
+                   help="engine admission delay, x the last prefill step (default: the engine's)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run rows a-d this many times, interleaved; report each column's median")
     p.add_argument("--control", action="store_true",

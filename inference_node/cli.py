@@ -33,6 +33,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
     serve.add_argument("--max-num-batched-tokens", type=int, default=512,
                        help="token budget of one step (chunked prefill)")
+    serve.add_argument("--prefill-delay-factor", type=float, default=0.0,
+                       help="while requests decode, hold new prompts until the oldest has waited this "
+                            "many times the last prefill step, so arrivals share prefill steps (0: admit at once)")
     serve.add_argument("--max-queue", type=int, default=1024,
                        help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens")
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,
         prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
-        max_graph_batch=args.max_graph_batch,
+        max_graph_batch=args.max_graph_batch, prefill_delay_factor=args.prefill_delay_factor,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,

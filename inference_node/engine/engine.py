@@ -18,6 +18,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
@@ -74,6 +75,7 @@ class EngineConfig:
     decode_graphs: bool = False      # decode steps through static buffers (CUDA graphs on CUDA)
     max_graph_batch: int = 64        # largest decode batch replayed from a graph
     lora_overlap: bool = True        # graph steps run LoRA beside the base matmuls (side stream)
+    prefill_delay_factor: float = 0.0  # admission waits this x the last prefill step (scheduler.py)
     debug_checks: bool = False
 
 
@@ -84,6 +86,8 @@ class LaunchedStep:
     chunks: list[ScheduledChunk]
     sampling: list[Request]
     tokens: SampledTokens
+    started: float = 0.0             # time.monotonic() when it was scheduled
+    prefill: bool = False            # it carries prompt tokens
 
 
 @dataclass
@@ -121,7 +125,8 @@ class Engine:
                 groups_of=lora.groups_of if lora is not None else None,
                 module_ranks=lora.module_ranks if lora is not None else None)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                                    max_num_batched_tokens=config.max_num_batched_tokens)
+                                    max_num_batched_tokens=config.max_num_batched_tokens,
+                                    prefill_delay_factor=config.prefill_delay_factor)
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
         self.scheduler = Scheduler(sched_cfg, self.allocator, lora, self.prefix_cache)
         if lora is not None and self.prefix_cache is not None:
@@ -253,6 +258,7 @@ class Engine:
 
     def _step(self) -> None:
         """Launches the next step, then reads and streams the previous one's tokens."""
+        started = time.monotonic()
         chunks = self.scheduler.schedule()
         if not chunks:  # e.g. every running request waits for its last token, or for an adapter
             if self._launched is not None:
@@ -260,7 +266,10 @@ class Engine:
             else:
                 self._drain_commands(block=True, timeout=0.005)
             return
+        prefill = any(c.request.num_computed < len(c.request.prompt_token_ids) for c in chunks)
         launched = self._launch(chunks)
+        if launched is not None:
+            launched.started, launched.prefill = started, prefill
         if self._launched is not None:
             self._resolve()
         self._launched = launched
@@ -317,6 +326,8 @@ class Engine:
             for c in step.chunks:
                 self._finish(c.request, "error", error=exc)
             return
+        if step.prefill:
+            self.scheduler.note_prefill_step(time.monotonic() - step.started)
         for req, token in zip(step.sampling, tokens):
             if req.status is Status.FINISHED:
                 continue

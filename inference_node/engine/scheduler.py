@@ -7,6 +7,12 @@ Policy (one step = one forward pass):
    limit and free KV blocks allow, and while their adapter can be bound to a device slot
    (a request whose adapter is not resident is skipped, not blocking the others). An
    admitted request starts from the longest cached prefix of its own KV namespace.
+   With `prefill_delay_factor` > 0, while requests are decoding, admission waits until the
+   oldest waiting request has waited that many times the last prefill step's duration (or
+   the waiting prompts fill the step's token budget). A step that carries a prompt runs
+   eagerly for every row, at a host cost that hardly depends on its token count; under a
+   trickle of arrivals, admitting each one at once turns most steps into such steps. The
+   delay gathers arrivals into fewer prefill steps (vLLM's scheduler delay factor).
 When a running request needs a KV block and none is free, the latest-arrived running
 request is preempted: its blocks are released (its full blocks stay as prefix cache) and
 it is recomputed later from its prompt plus the tokens it already streamed, under the same
@@ -18,9 +24,10 @@ counts its pending token, and a request whose pending token is its last by lengt
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .kv_cache import BlockAllocator
 from .prefix_cache import PrefixCache
@@ -49,6 +56,7 @@ class SchedulerConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    prefill_delay_factor: float = 0.0  # 0: admit waiting requests as soon as they fit
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,12 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
-                 binder: AdapterBinder | None = None, prefix_cache: PrefixCache | None = None) -> None:
+                 binder: AdapterBinder | None = None, prefix_cache: PrefixCache | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """clock: the time base of Request.arrival (tests pass a fake one)."""
         self.config = config
+        self.clock = clock
+        self.last_prefill_seconds = 0.0  # the latest step with prompt tokens, launch to tokens
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.binder: AdapterBinder = binder or BaseModelOnly()
@@ -111,7 +123,8 @@ class Scheduler:
             scheduled.add(req.id)
             budget -= n
 
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
+        admit = self._admission_due(budget)
+        while (admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
             picked = self._next_admissible()
             if picked is None:
                 break
@@ -138,6 +151,23 @@ class Scheduler:
             scheduled.add(req.id)
             budget -= n
         return plan
+
+    def note_prefill_step(self, seconds: float) -> None:
+        """The engine reports how long a step carrying prompt tokens took."""
+        self.last_prefill_seconds = seconds
+
+    def _admission_due(self, budget: int) -> bool:
+        """Whether waiting requests may be admitted in this step (prefill_delay_factor)."""
+        factor = self.config.prefill_delay_factor
+        if factor <= 0 or not self.waiting:
+            return True
+        if not any(r.status is Status.RUNNING and r.num_computed >= len(r.prompt_token_ids)
+                   for r in self.running):
+            return True  # nothing is decoding: there is nothing to keep in fast steps
+        if sum(r.num_tokens - r.num_computed for r in self.waiting) >= budget:
+            return True  # a full step's worth of prompt is waiting
+        oldest = min(r.arrival for r in self.waiting)
+        return self.clock() - oldest >= factor * self.last_prefill_seconds
 
     def _next_admissible(self) -> tuple[Request, bool] | None:
         """Oldest waiting request whose adapter is bound (a preempted one) or can be bound

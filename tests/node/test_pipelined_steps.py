@@ -133,3 +133,30 @@ def test_preemption_with_tokens_in_flight_keeps_every_output(tiny_model, tiny_ll
     for (prompt, n), out in zip(jobs, outs):
         assert out.tokens == hf_greedy(tiny_llama_hf, prompt, n, eos=False) and out.reason == "length"
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+def test_prefill_delay_gathers_arrivals_into_one_prefill_step(tiny_model, tiny_llama_hf, graphs) -> None:
+    """With a prefill delay, requests arriving one per step while another decodes are held
+    and then admitted in one step; every output still equals the reference and the engine
+    ends idle."""
+    engine = make_engine(tiny_model, graphs=graphs, prefill_delay_factor=1e6)
+    first_prompt, *later_prompts = prompts(4, 7)
+    _, first_out = submit(engine, first_prompt, 8)
+    engine.run_once(block=False)  # nothing decodes yet: the first prompt is admitted at once
+    engine.run_once(block=False)
+    engine.scheduler.last_prefill_seconds = 1.0  # a huge delay: only the budget rule admits
+    later = []
+    for prompt in later_prompts:
+        later.append((prompt, *submit(engine, prompt, 8)))
+        engine.run_once(block=False)
+        assert all(r.num_computed == 0 for _, r, _ in later), "admitted before the delay ran out"
+    for _, r, _ in later:  # the delay runs out: all three are admitted in the same step
+        r.arrival -= 1e7
+    engine.run_once(block=False)
+    assert all(r.num_computed == len(p) for p, r, _ in later)
+    drain(engine)
+    assert first_out.tokens == hf_greedy(tiny_llama_hf, first_prompt, 8, eos=False)
+    for prompt, _, out in later:
+        assert out.tokens == hf_greedy(tiny_llama_hf, prompt, 8, eos=False) and out.reason == "length"
+    assert_idle(engine)

@@ -97,3 +97,76 @@ def test_remove_frees_everything() -> None:
     s.remove(r)
     assert not s.has_work()
     s.allocator.check_idle()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def delayed(factor: float, budget: int = 32) -> tuple[Scheduler, FakeClock]:
+    clock = FakeClock()
+    cfg = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=budget,
+                          prefill_delay_factor=factor)
+    return Scheduler(cfg, BlockAllocator(64), clock=clock), clock
+
+
+def arriving(clock: FakeClock, prompt_len: int) -> Request:
+    r = req(prompt_len, max_tokens=100)
+    r.arrival = clock.now
+    return r
+
+
+def test_prefill_delay_holds_a_trickle_of_arrivals_while_others_decode() -> None:
+    """factor 1 and a last prefill step of 0.125 s: a request arriving while another decodes
+    is admitted once it has waited 0.125 s, together with a later arrival."""
+    s, clock = delayed(1.0)
+    first = arriving(clock, 5)
+    s.add(first)
+    advance(s.schedule())  # nothing decoding yet: admitted at once
+    s.note_prefill_step(0.125)
+    second = arriving(clock, 6)
+    s.add(second)
+    clock.now += 0.0625
+    third = arriving(clock, 7)
+    s.add(third)
+    plan = s.schedule()
+    assert [c.request for c in plan] == [first]  # decode only
+    advance(plan)
+    clock.now += 0.0625  # second has waited 0.125 s
+    plan = s.schedule()
+    assert [(c.request, c.num_new_tokens) for c in plan] == [(first, 1), (second, 6), (third, 7)]
+
+
+def test_prefill_delay_admits_at_once_when_nothing_decodes_or_the_budget_is_full() -> None:
+    s, clock = delayed(1.0, budget=16)
+    s.note_prefill_step(10.0)
+    a = arriving(clock, 5)
+    s.add(a)
+    assert [c.request for c in s.schedule()] == [a]  # nothing is decoding
+    s2, clock2 = delayed(1.0, budget=16)
+    b = arriving(clock2, 5)
+    s2.add(b)
+    advance(s2.schedule())
+    s2.note_prefill_step(10.0)
+    small = arriving(clock2, 6)
+    s2.add(small)
+    assert [c.request for c in s2.schedule()] == [b]  # 6 tokens waiting: held
+    big = arriving(clock2, 20)
+    s2.add(big)
+    plan = s2.schedule()  # 26 tokens waiting >= the 16-token budget: admitted
+    assert [c.request for c in plan][:2] == [b, small]
+
+
+def test_no_prefill_delay_by_default() -> None:
+    s, clock = delayed(0.0)
+    a = arriving(clock, 5)
+    s.add(a)
+    advance(s.schedule())
+    s.note_prefill_step(10.0)
+    b = arriving(clock, 5)
+    s.add(b)
+    assert [c.request for c in s.schedule()] == [a, b]
