@@ -177,6 +177,7 @@ class Row:
     lora: bool                 # runs on the engine with LoRA slots
     pool: list[str]            # adapter names (empty: every request uses the base model)
     peft: bool = False
+    delay: float | None = None  # the scheduler's prefill_delay_factor for this row (None: the engine's)
 
     def adapter_of(self, spec: Spec, poisson: bool, alpha: float) -> str:
         if not self.pool:
@@ -271,8 +272,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["decode_graphs"] = use_graphs
     if "max_graph_batch" in names:
         kw["max_graph_batch"] = args.concurrency
-    if "prefill_delay_factor" in names and args.prefill_delay_factor is not None:
-        kw["prefill_delay_factor"] = args.prefill_delay_factor
+    if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
+        kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
     engine = Engine(model, EngineConfig(**kw), lora=lora)
     graphs = getattr(engine, "decode_graphs", None)
     if graphs is not None:
@@ -508,6 +509,8 @@ def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) 
 
 def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.device) -> RowResult:
     result = RowResult(row.key, row.label)
+    if row.delay is not None:  # rows compared by prefill delay share one engine
+        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_delay_factor=row.delay)
     trace = args.trace / f"{row.key}.json" if args.trace else None
     driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson), trace=trace)
     adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
@@ -789,8 +792,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the engine's prefix cache on (off by default: rows share prompts)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--prefill-delay-factor", type=float, default=None,
-                   help="engine admission delay, x the last prefill step (default: the engine's)")
+    p.add_argument("--prefill-delay-factor", type=lambda t: [float(x) for x in t.split(",")], default=[],
+                   help="engine admission delay, x the last prefill step (default: the engine's); "
+                        "several, comma-separated: each engine row runs once per factor, as ROW@FACTOR")
     p.add_argument("--rounds", type=int, default=1,
                    help="run rows a-d this many times, interleaved; report each column's median")
     p.add_argument("--control", action="store_true",
@@ -902,6 +906,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
             rows.append(Row(f"c-{n}", f"{n} adapters r16, all 7 projections", True, r16[:n]))
     if "d" in wanted:
         rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
+    if len(args.prefill_delay_factor) > 1:  # side by side: each engine row once per factor
+        rows = [dataclasses.replace(r, key=f"{r.key}@{f:g}", label=f"{r.label[:26]}, delay {f:g}", delay=f)
+                for r in rows for f in args.prefill_delay_factor]
     control = Row("a2", "base again, after b-d (control)", False, []) if args.control and "a" in wanted else None
     if "e" in wanted:
         rows.append(Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False,
