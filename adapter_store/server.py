@@ -30,7 +30,7 @@ from .metrics import StoreMetrics
 from .names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
 from .s3 import LocalWriteFailed, ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
-from .tls import ServerTLS, add_port
+from .tls import EXCLUSIVE_PORT, ServerTLS, add_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
@@ -315,7 +315,7 @@ class StoreServer:
 
     async def start(self) -> None:
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", 1 << 20)]
+                   ("grpc.max_receive_message_length", 1 << 20), EXCLUSIVE_PORT]
         interceptors = [store_token_auth(self.settings.token)] if self.settings.token else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_AdapterStoreServicer_to_server(self.service, server)
@@ -325,8 +325,6 @@ class StoreServer:
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server)
         self.port = add_port(server, f"{self.settings.host}:{self.settings.port}", self.settings.tls)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {self.settings.host}:{self.settings.port}")
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()

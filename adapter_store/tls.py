@@ -103,12 +103,26 @@ class ClientTLS:
         return "plaintext" if not self.on else ("mutual TLS" if self.cert else "TLS")
 
 
+# gRPC servers listen with SO_REUSEPORT by default, so a second server started on a port that
+# is already served binds it too and the kernel splits the connections between the two: a
+# client then gets UNIMPLEMENTED from whichever service answered. Both servers pass this
+# option, so a port in use fails at startup with a message instead.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
 def add_port(server: grpc.aio.Server | grpc.Server, address: str, tls: ServerTLS | None) -> int:
-    """Listens on `address` with TLS when configured; returns the port (0 on failure)."""
+    """Listens on `address` with TLS when configured; returns the port. A port that cannot be
+    bound (in use, or an address not on this host) raises OSError naming it."""
     credentials = tls.credentials() if tls is not None else None
-    if credentials is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, credentials)
+    try:
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
+    except RuntimeError:  # grpcio raises on a failed bind; older versions returned 0
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is not "
+                      "on this host; choose another --host/--port")
+    return port
 
 
 def open_channel(target: str, tls: ClientTLS | None = None,

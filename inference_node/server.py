@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from adapter_store.tls import add_port
+from adapter_store.tls import EXCLUSIVE_PORT, add_port
 from lora.v1 import inference_pb2, inference_pb2_grpc
 
 from .engine.engine import EngineStopped, InvalidRequest, QueueFull
@@ -239,6 +239,7 @@ class NodeServer:
             # A larger request is refused by gRPC itself with RESOURCE_EXHAUSTED (--max-request-bytes).
             ("grpc.max_receive_message_length", settings.limits.max_request_bytes),
             ("grpc.max_send_message_length", 16 << 20),
+            EXCLUSIVE_PORT,
         ])
         inference_pb2_grpc.add_InferenceNodeServicer_to_server(InferenceNodeService(self.node, self.metrics), server)
         self.health = health_aio.HealthServicer()
@@ -247,8 +248,6 @@ class NodeServer:
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], server)
         self.port = add_port(server, f"{self.host}:{self.requested_port}", settings.tls)
-        if self.port == 0:
-            raise RuntimeError(f"could not listen on {self.host}:{self.requested_port}")
         self.address = f"{self.host}:{self.port}"
         return server
 

@@ -158,3 +158,20 @@ def test_preemption_under_a_tiny_kv_cache_keeps_outputs(tiny_llama_path, tiny_ll
         node.check_idle()
     finally:
         node.stop()
+
+
+def test_a_second_server_on_a_taken_port_fails_instead_of_sharing_it(node) -> None:
+    """gRPC's default SO_REUSEPORT would let a second server bind the node's port and take
+    half of its connections (clients then get UNIMPLEMENTED); the node listens exclusively."""
+    import asyncio
+
+    from inference_node.server import NodeServer
+
+    port = int(node.address.rsplit(":", 1)[1])
+    second = NodeServer(node.node, "127.0.0.1", port)
+
+    async def build() -> None:
+        second._build()
+
+    with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+        asyncio.run(build())

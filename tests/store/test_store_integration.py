@@ -317,3 +317,12 @@ def test_an_adapter_pushed_a_moment_ago_is_found_without_waiting_for_the_poll(s3
         with pytest.raises(StoreError) as err:
             client.get_manifest("never-pushed")
         assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_second_store_on_a_taken_port_fails_instead_of_sharing_it(make_store) -> None:
+    """Without an exclusive listen, gRPC's default SO_REUSEPORT lets a second store (or any
+    gRPC server) bind the same port and the kernel splits connections between them."""
+    first = make_store()
+    port = int(first.address.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+        make_store(port=port, host="127.0.0.1")
