@@ -50,9 +50,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from compile_watch import CompileWatch  # noqa: E402
 from kernels_bench import copy_bandwidth  # noqa: E402
 
 log = logging.getLogger("serving_bench")
+COMPILES = CompileWatch()  # installed by _run; every row reports what compiled in its timed run
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QV = ("q_proj", "v_proj")
@@ -217,6 +219,7 @@ class RowResult:
     records: list[ReqRecord] = field(default_factory=list)
     steps: list[DecodeStep] = field(default_factory=list)
     graph_steps: int | None = None
+    compiles: list[str] = field(default_factory=list)  # JIT compiles during the timed run
     error: str | None = None
 
 
@@ -526,10 +529,14 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
     gc.collect()
     gc.freeze()
     graph_before = getattr(engine.stats, "graph_steps", None)
+    mark = COMPILES.mark()
     try:
         result.records, result.steps = driver.run(specs, adapter_of)
     finally:
         gc.unfreeze()
+    result.compiles = COMPILES.since(mark)
+    for what in result.compiles:
+        log.warning("row %s: compiled during the timed run: %s", row.key, what[:300])
     if graph_before is not None:
         result.graph_steps = engine.stats.graph_steps - graph_before
     return result
@@ -640,6 +647,7 @@ class Summary:
     # step (that launch's host work lands in the call's time); all_steps_tps counts them all.
     steady_steps: int = 0
     all_steps_tps: float = float("nan")
+    compiles: list = field(default_factory=list)  # JIT compiles during the timed run
     step_seconds: list = field(default_factory=list)  # per decode step, in order (--json)
     step_boundary: list = field(default_factory=list)
 
@@ -648,6 +656,7 @@ def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
     s = Summary(res.key, res.label, res.error)
     if res.error:
         return s
+    s.compiles = list(res.compiles)
     recs = res.records
     s.output_tokens = sum(r.tokens for r in recs)
     wall = max(r.done for r in recs) - min(r.submit for r in recs)
@@ -850,6 +859,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.model.llama import LlamaModel
 
     cuda = device.type == "cuda"
+    COMPILES.install()
     started = time.perf_counter()
     model_arg = args.model or ("llama-1b-random" if cuda else "embedded")
     if model_arg == "llama-1b-random":
@@ -1022,6 +1032,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
         for key, runs in per_round.items():
             if len(runs) > 1:
                 print(f"  {key:<6} " + "  ".join(f"{r.decode_tps:9.1f}" for r in runs))
+    print("JIT compiles during timed runs (Triton kernels, torch.compile graphs; each stalls the step "
+          "it lands in): " + ", ".join(f"{k} {sum(len(r.compiles) for r in results.get(k, []))}"
+                                      for k in summaries if k != "e"))
     graphs = {k: s.graph_steps for k, s in summaries.items() if s.graph_steps is not None}
     if graphs:
         print("decode steps replayed from CUDA graphs: " + ", ".join(
