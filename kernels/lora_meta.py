@@ -7,6 +7,7 @@ read device memory back to size its launch grid.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,6 +22,8 @@ MAX_SPLIT_K = 16  # the most H_in splits a Triton shrink writes partial sums for
 # Columns of LoraBatchMeta.segment_table: slot, first batch row, length, then the slot's rank
 # on each module (a caller-defined order; a projection passes where its slices' ranks start).
 SEGMENT_TABLE_RANKS = 3
+
+_ALIGN_INT32 = 4  # int32 elements in 16 bytes, the alignment Triton specialises pointers on
 
 
 @dataclass(frozen=True)
@@ -71,14 +74,19 @@ class LoraBatchMeta:
             contiguous = ids_list[start + length - 1] - first == length - 1  # ids increase
             segments.append((slot, start, length, first if contiguous else -1))
 
-        # One packed host tensor, one copy, then views: a single H2D transfer per step.
+        # One packed host tensor, one copy, then views: a single H2D transfer per step. Each
+        # part starts on a 16-byte boundary: Triton specialises a kernel on its pointers'
+        # alignment, and views at offsets that follow the step's counts would make kernels
+        # compile new variants mid-serving.
         parts = [slots, sorted_ids, seg_slots, seg_starts, seg_lens]
-        packed = torch.cat(parts)
+        padded = [torch.nn.functional.pad(p, (0, -p.numel() % _ALIGN_INT32)) for p in parts]
+        packed = torch.cat(padded)
         if device.type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
             packed = packed.to(device)
-        views = torch.split(packed, [p.numel() for p in parts])
+        offsets = list(itertools.accumulate((p.numel() for p in padded), initial=0))
+        views = [packed[o:o + p.numel()] for o, p in zip(offsets, parts)]
         return LoraBatchMeta(
             token_slots=views[0], sorted_token_ids=views[1], segment_slots=views[2],
             segment_starts=views[3], segment_lens=views[4],

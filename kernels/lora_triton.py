@@ -67,7 +67,16 @@ def _segment_rows(sorted_ids_ptr, start, offs_m, mask_m, PACKED: tl.constexpr):
     return tok
 
 
-@triton.jit
+# Triton compiles a new variant of a kernel for each new "specialisation" of its integer
+# arguments (== 1, divisible by 16). Those that follow a step's batch composition (rows per
+# segment, splits of H_in, output programs) would then compile mid-serving, under Poisson
+# arrivals, for seconds each while every request waits; they are left unspecialised, so a
+# kernel's variants are only its constexpr tilings, which a warm-up covers.
+_SHRINK_DYNAMIC = ["ROWS", "SPLIT_K"]
+_EXPAND_DYNAMIC = ["N_PROGRAMS", "ROWS", "SPLIT_K"]
+
+
+@triton.jit(do_not_specialize=_SHRINK_DYNAMIC)
 def _lora_shrink_kernel(
     x_ptr, a_ptr, table_ptr, out_ptr, scaling_ptr, ranks_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, seg_table_ptr,
@@ -128,7 +137,7 @@ def _lora_shrink_kernel(
         tl.store(out_ptrs, acc * scale, mask=mask_m[:, None] & (offs_r < R)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_EXPAND_DYNAMIC)
 def _lora_expand_kernel(
     h_ptr, b_ptr, table_ptr, y_ptr, ranks_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, seg_table_ptr,

@@ -43,6 +43,20 @@ def test_meta_is_one_device_buffer() -> None:
     assert meta.segments == ((0, 0, 1, 3), (1, 1, 2, 0))  # contiguous runs keep their start
 
 
+def test_meta_views_start_16_byte_aligned_whatever_the_counts() -> None:
+    """Triton specialises kernels on pointer alignment: views at offsets that follow a step's
+    token and segment counts would compile new kernel variants in the middle of serving."""
+    gen = torch.Generator().manual_seed(3)
+    for tokens in range(1, 40):
+        slots = torch.randint(-1, 9, (tokens,), generator=gen)
+        meta = LoraBatchMeta.build(slots, torch.device("cpu"))
+        for t in (meta.token_slots, meta.sorted_token_ids, meta.segment_slots,
+                  meta.segment_starts, meta.segment_lens):
+            assert t.data_ptr() % 16 == 0, (tokens, meta)
+        assert meta.token_slots.tolist() == slots.tolist()
+        assert meta.segment_lens.sum().item() == meta.num_active_tokens == meta.sorted_token_ids.numel()
+
+
 @pytest.mark.parametrize("slots", [[], [-1, -1, -1]])
 def test_meta_without_active_tokens(slots: list[int]) -> None:
     meta = LoraBatchMeta.build(slots, "cpu")
