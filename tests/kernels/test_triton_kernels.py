@@ -292,6 +292,59 @@ def test_lora_unaligned_slice_buffers_and_strided_views() -> None:
     check_lora(case, torch.float32, use_ranks=False, split_k=None)
 
 
+def _specialisation(value: object, dynamic: bool) -> tuple:
+    """What Triton specialises a launch argument on: an int's width and (unless it is
+    do_not_specialize) whether it is 1 or a multiple of 16; a tensor's dtype and whether its
+    pointer is 16-byte aligned."""
+    if isinstance(value, torch.Tensor):
+        return ("ptr", value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int):
+        wide = not -2**31 <= value < 2**31
+        return ("int", wide) if dynamic else ("int", wide, value == 1, value % 16 == 0)
+    return (type(value).__name__,)
+
+
+def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -> None:
+    """Under Poisson arrivals each step mixes sequences and adapters differently; a launch
+    argument that Triton specialises and that follows the mix (rows per segment, H_in splits,
+    metadata pointers) compiles a new kernel variant in the middle of serving, for seconds
+    while every request waits. Only the constexpr tilings may differ between steps."""
+    from kernels import lora_triton
+    from kernels.lora_triton import add_lora_triton
+
+    keys: dict[str, dict[tuple, set]] = {}
+    for name, dynamic in (("_lora_shrink_kernel", lora_triton._SHRINK_DYNAMIC),
+                          ("_lora_expand_kernel", lora_triton._EXPAND_DYNAMIC)):
+        kernel = getattr(lora_triton, name)
+        original = kernel.run
+
+        def run(*args, grid, warmup, _kernel=kernel, _name=name, _dynamic=frozenset(dynamic),
+                _original=original, **kwargs):
+            runtime = tuple(_specialisation(v, n in _dynamic) for n, v in zip(_kernel.arg_names, args))
+            tiling = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+            keys.setdefault(_name, {}).setdefault(tiling, set()).add(runtime)
+            return _original(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+
+    gen = torch.Generator().manual_seed(11)
+    sizes = [1, 2, 3, 5, 16, 17, 31, 64, 100, 257, 300]
+    for step, tokens in enumerate(sizes + [int(t) for t in torch.randint(1, 300, (6,), generator=gen)]):
+        used = [int(s) for s in torch.randperm(8, generator=gen)[:1 + step % 8]]
+        slots = random_slots(gen, tokens, 8, used)
+        if not any(s >= 0 for s in slots):
+            slots[0] = used[0]
+        case = make_lora_case(token_slots=slots, num_slots=8, max_rank=16, h_in=64, outs=[64, 32, 32],
+                              device=DEVICE, seed=step)
+        add_lora_triton(case.x, case.y, case.a, case.b, case.meta, case.scaling, case.offsets, case.ranks)
+    assert set(keys) == {"_lora_shrink_kernel", "_lora_expand_kernel"}
+    for name, by_tiling in keys.items():
+        for tiling, runtime in by_tiling.items():
+            assert len(runtime) == 1, (name, dict(tiling), runtime)
+
+
 def test_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     import kernels.lora as lora
     from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
