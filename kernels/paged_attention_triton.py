@@ -23,11 +23,19 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2 of a difference stays 0/1
 
 
-@triton.jit
+# Launch arguments that follow a step's batch (the split count, the block table's width, the
+# token count in the partials' stride) are not specialised: Triton would otherwise compile a
+# new variant of the kernel for each new value class mid-serving (seconds, every request
+# waiting). Whether the keys are split at all is a constexpr: two variants.
+_ATTENTION_DYNAMIC = ["NUM_SPLITS", "stride_btb", "stride_ps"]
+_MERGE_DYNAMIC = ["NUM_SPLITS", "stride_ps"]
+
+
+@triton.jit(do_not_specialize=_ATTENTION_DYNAMIC)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, head_dim,
+    qk_scale, head_dim, NUM_SPLITS,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kp, stride_kh, stride_kd,
     stride_vb, stride_vp, stride_vh, stride_vd,
@@ -36,7 +44,7 @@ def _paged_attention_kernel(
     stride_ps, stride_pt, stride_ph,
     PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # Row r of the tile: query q0 + r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD.
     pid_q = tl.program_id(0)
@@ -113,7 +121,7 @@ def _paged_attention_kernel(
             acc += tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -124,12 +132,12 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + p_row, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_MERGE_DYNAMIC)
 def _merge_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, head_dim,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, head_dim, NUM_SPLITS,
     stride_ps, stride_pt, stride_ph,
     stride_ot, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -204,7 +212,7 @@ def paged_attention_triton_impl(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         out, part_acc, part_m, part_l,
-        scale * _LOG2E, head_dim,
+        scale * _LOG2E, head_dim, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -213,17 +221,17 @@ def paged_attention_triton_impl(
         *p_strides,
         PAGE=page, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         DOT_F32=q.dtype == torch.float32 or not q.is_cuda or interpreting(),
         num_warps=num_warps or (4 if block_q * group_pad * block_d <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),
     )
     if num_splits > 1:
         _merge_splits_kernel[(T, num_heads)](
-            part_acc, part_m, part_l, out, head_dim,
+            part_acc, part_m, part_l, out, head_dim, num_splits,
             *p_strides,
             out.stride(0), out.stride(1), out.stride(2),
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
             BLOCK_D=block_d,
         )
     return out

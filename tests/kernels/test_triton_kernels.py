@@ -306,6 +306,32 @@ def _specialisation(value: object, dynamic: bool) -> tuple:
     return (type(value).__name__,)
 
 
+def record_specialisations(monkeypatch, module, kernels: dict[str, list[str]]
+                           ) -> dict[str, dict[tuple, set]]:
+    """Wraps each named kernel's launch: {kernel: {its constexpr kwargs: {the run-time
+    arguments' specialisations}}}. kernels maps a name to its do_not_specialize list."""
+    keys: dict[str, dict[tuple, set]] = {}
+    for name, dynamic in kernels.items():
+        kernel = getattr(module, name)
+
+        def run(*args, grid, warmup, _kernel=kernel, _name=name, _dynamic=frozenset(dynamic),
+                _original=kernel.run, **kwargs):
+            runtime = tuple(_specialisation(v, n in _dynamic) for n, v in zip(_kernel.arg_names, args))
+            tiling = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+            keys.setdefault(_name, {}).setdefault(tiling, set()).add(runtime)
+            return _original(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    return keys
+
+
+def assert_one_variant_per_tiling(keys: dict[str, dict[tuple, set]], names: set[str]) -> None:
+    assert set(keys) == names
+    for name, by_tiling in keys.items():
+        for tiling, runtime in by_tiling.items():
+            assert len(runtime) == 1, (name, dict(tiling), runtime)
+
+
 def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -> None:
     """Under Poisson arrivals each step mixes sequences and adapters differently; a launch
     argument that Triton specialises and that follows the mix (rows per segment, H_in splits,
@@ -314,21 +340,9 @@ def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -
     from kernels import lora_triton
     from kernels.lora_triton import add_lora_triton
 
-    keys: dict[str, dict[tuple, set]] = {}
-    for name, dynamic in (("_lora_shrink_kernel", lora_triton._SHRINK_DYNAMIC),
-                          ("_lora_expand_kernel", lora_triton._EXPAND_DYNAMIC)):
-        kernel = getattr(lora_triton, name)
-        original = kernel.run
-
-        def run(*args, grid, warmup, _kernel=kernel, _name=name, _dynamic=frozenset(dynamic),
-                _original=original, **kwargs):
-            runtime = tuple(_specialisation(v, n in _dynamic) for n, v in zip(_kernel.arg_names, args))
-            tiling = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
-            keys.setdefault(_name, {}).setdefault(tiling, set()).add(runtime)
-            return _original(*args, grid=grid, warmup=warmup, **kwargs)
-
-        monkeypatch.setattr(kernel, "run", run)
-
+    keys = record_specialisations(monkeypatch, lora_triton, {
+        "_lora_shrink_kernel": lora_triton._SHRINK_DYNAMIC,
+        "_lora_expand_kernel": lora_triton._EXPAND_DYNAMIC})
     gen = torch.Generator().manual_seed(11)
     sizes = [1, 2, 3, 5, 16, 17, 31, 64, 100, 257, 300]
     for step, tokens in enumerate(sizes + [int(t) for t in torch.randint(1, 300, (6,), generator=gen)]):
@@ -339,10 +353,7 @@ def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -
         case = make_lora_case(token_slots=slots, num_slots=8, max_rank=16, h_in=64, outs=[64, 32, 32],
                               device=DEVICE, seed=step)
         add_lora_triton(case.x, case.y, case.a, case.b, case.meta, case.scaling, case.offsets, case.ranks)
-    assert set(keys) == {"_lora_shrink_kernel", "_lora_expand_kernel"}
-    for name, by_tiling in keys.items():
-        for tiling, runtime in by_tiling.items():
-            assert len(runtime) == 1, (name, dict(tiling), runtime)
+    assert_one_variant_per_tiling(keys, {"_lora_shrink_kernel", "_lora_expand_kernel"})
 
 
 def test_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -425,6 +436,28 @@ def test_paged_attention_random(problem: dict, dtype: str, num_splits: int | Non
                                 block_n: int) -> None:
     case = make_attention_case(**problem, dtype=DTYPES[dtype], device=DEVICE)
     check_attention(case, DTYPES[dtype], num_splits=num_splits, block_n=block_n)
+
+
+def test_attention_compiles_no_new_variant_as_the_batch_changes(monkeypatch) -> None:
+    """Split counts, block-table widths and token counts change from step to step; only the
+    constexpr tilings (query tile, split or not) may give the kernels new variants."""
+    from kernels import paged_attention_triton as pat
+
+    keys = record_specialisations(monkeypatch, pat, {
+        "_paged_attention_kernel": pat._ATTENTION_DYNAMIC, "_merge_splits_kernel": pat._MERGE_DYNAMIC})
+    gen = torch.Generator().manual_seed(5)
+    for step in range(12):
+        batch = 1 + step % 5
+        seq_lens = [int(n) for n in torch.randint(1, 120, (batch,), generator=gen)]
+        q_lens = [1] * batch  # decode-shaped: the query tile stays the same
+        case = make_attention_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=4, num_kv_heads=2,
+                                   head_dim=16, page=4, device=DEVICE, seed=step)
+        for splits in (1, 2 + step % 3, 5 + step % 4):  # 2-4 and 5-8: one merge tile each
+            check_attention(case, torch.float32, num_splits=splits)
+    assert_one_variant_per_tiling(keys, {"_paged_attention_kernel", "_merge_splits_kernel"})
+    # The split count is not a tiling: split or not, and the merge's power-of-two tile.
+    assert len(keys["_paged_attention_kernel"]) == 2, list(keys["_paged_attention_kernel"])
+    assert len(keys["_merge_splits_kernel"]) <= 3, list(keys["_merge_splits_kernel"])
 
 
 def test_attention_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
