@@ -36,6 +36,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--prefill-delay-factor", type=float, default=0.0,
                        help="while requests decode, hold new prompts until the oldest has waited this "
                             "many times the last prefill step, so arrivals share prefill steps (0: admit at once)")
+    serve.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                       help="before serving, run synthetic eager steps so their Triton kernels compile "
+                            "now rather than under the first requests (auto: on CUDA)")
     serve.add_argument("--max-queue", type=int, default=1024,
                        help="waiting requests before RESOURCE_EXHAUSTED")
     serve.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens")
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,
         prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
         max_graph_batch=args.max_graph_batch, prefill_delay_factor=args.prefill_delay_factor,
+        warmup=args.warmup,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,

@@ -44,6 +44,7 @@ class NodeSettings:
     decode_graphs: str = "auto"        # auto: CUDA graphs for decode on CUDA; on: also on CPU (tests)
     max_graph_batch: int = 64          # largest decode batch replayed from a graph
     prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
+    warmup: str = "auto"  # compile eager steps' kernels before serving (engine/warmup.py); auto: on CUDA
     debug_checks: bool = False
     max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
     max_lora_rank: int = 16
@@ -122,6 +123,7 @@ def build_node(settings: NodeSettings) -> Node:
         max_model_len=model_len, prefix_caching=settings.prefix_caching,
         decode_graphs=settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda"),
         max_graph_batch=settings.max_graph_batch, prefill_delay_factor=settings.prefill_delay_factor,
+        warmup=settings.warmup,
         debug_checks=settings.debug_checks))
     cfg = model.config
     log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters) on %s as %s "

@@ -17,13 +17,13 @@ from inference_node.server import NodeServer
 class InProcessNode:
     """A real NodeServer on a free loopback port, its event loop on a background thread."""
 
-    def __init__(self, settings: NodeSettings) -> None:
+    def __init__(self, settings: NodeSettings, start_timeout: float = 60.0) -> None:
         self.node = build_node(settings)
         self.server = NodeServer(self.node, "127.0.0.1", 0, drain_seconds=2.0)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(60)
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(start_timeout)
         self.address = self.server.address
         self.engine = self.node.engine
 

@@ -420,6 +420,14 @@ class AdapterManager:
         from .applier import build_applier  # the kernels are only needed once adapters run
         return build_applier(self.buffers, chunks)
 
+    def warmup_applier(self, token_slots: list[int]):
+        """An eager applier over the given slots for every fused group, whatever the slots
+        hold (empty slots have rank 0): it launches each kernel an eager step can (warmup.py)."""
+        from kernels.lora_meta import LoraBatchMeta
+
+        from .applier import StepLoraApplier
+        return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
+
     # -- introspection ---------------------------------------------------------------------------------
     def entries(self) -> list[AdapterEntry]:
         return list(self.current.values()) + list(self.retired)

@@ -32,6 +32,7 @@ from .request import Request, Status, StreamEvent
 from .sampler import sample_on_device
 from .scheduler import AdapterBinder, ScheduledChunk, Scheduler, SchedulerConfig
 from .token_feedback import SampledTokens, TokenFeedback
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class LoraProvider(AdapterBinder, Protocol):
     def prepare(self, waiting: Iterable[Request]) -> None: ...
     def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, Exception]]: ...
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
+    def warmup_applier(self, token_slots: list[int]) -> LoraApplier: ...
     def check_consistency(self, live: Iterable[Request]) -> None: ...
     def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
     def graph_appliers(self, max_tokens: int, overlap: bool = True) -> Callable[..., LoraApplier]: ...
@@ -76,6 +78,7 @@ class EngineConfig:
     max_graph_batch: int = 64        # largest decode batch replayed from a graph
     lora_overlap: bool = True        # graph steps run LoRA beside the base matmuls (side stream)
     prefill_delay_factor: float = 0.0  # admission waits this x the last prefill step (scheduler.py)
+    warmup: str = "auto"             # compile eager steps' kernels at start (warmup.py): auto = on CUDA
     debug_checks: bool = False
 
 
@@ -110,6 +113,8 @@ class Engine:
         self.lora = lora
         self.allocator = BlockAllocator(config.num_kv_blocks)
         # One block more than the allocator hands out: the scratch block of padded graph rows.
+        self.scratch_block = config.num_kv_blocks
+        self.warmup_forwards = 0  # synthetic eager forwards run at start (warmup.py)
         self.kv = KVCache(model.config, config.num_kv_blocks + 1, config.block_size, model.dtype, model.device)
         self.feedback = TokenFeedback(config.max_num_seqs, model.device)
         self._launched: LaunchedStep | None = None
@@ -117,7 +122,7 @@ class Engine:
         if config.decode_graphs:
             max_batch = min(config.max_num_seqs, config.max_graph_batch)
             self.decode_graphs = DecodeGraphs(
-                model, self.kv, scratch_block=config.num_kv_blocks, max_model_len=config.max_model_len,
+                model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
                 max_batch=max_batch, max_loras=lora.max_loras if lora is not None else 0,
                 lora_applier=(lora.graph_appliers(max_batch, config.lora_overlap)
                               if lora is not None else None),
@@ -143,6 +148,8 @@ class Engine:
 
     # -- public, thread-safe -----------------------------------------------------------------
     def start(self) -> None:
+        if self.config.warmup == "on" or (self.config.warmup == "auto" and self.model.device.type == "cuda"):
+            self.warmup_forwards = warm_up(self)
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
         # Start-up objects (the model, torch, the graphs: hundreds of thousands) live as long as

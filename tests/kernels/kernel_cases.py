@@ -170,3 +170,47 @@ def naive_attention(case: AttentionCase) -> torch.Tensor:
                 out[t, h] = torch.softmax(scores, 0) @ values[:pos + 1, h // group]
             t += 1
     return out.to(case.q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# What Triton compiles: launches recorded by their specialisation
+
+def specialisation(value: object, dynamic: bool) -> tuple:
+    """What Triton specialises a launch argument on: an int's width and (unless it is
+    do_not_specialize) whether it is 1 or a multiple of 16; a tensor's dtype and whether its
+    pointer is 16-byte aligned."""
+    if isinstance(value, torch.Tensor):
+        return ("ptr", value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, int):
+        wide = not -2**31 <= value < 2**31
+        return ("int", wide) if dynamic else ("int", wide, value == 1, value % 16 == 0)
+    return (type(value).__name__,)
+
+
+def record_specialisations(monkeypatch, module, kernels: dict[str, list[str]],
+                           keys: dict[str, dict[tuple, set]] | None = None) -> dict[str, dict[tuple, set]]:
+    """Wraps each named kernel's launch: {kernel: {its constexpr kwargs: {the run-time
+    arguments' specialisations}}}, in `keys` if given. kernels maps a name to its
+    do_not_specialize list."""
+    keys = {} if keys is None else keys
+    for name, dynamic in kernels.items():
+        kernel = getattr(module, name)
+
+        def run(*args, grid, warmup, _kernel=kernel, _name=name, _dynamic=frozenset(dynamic),
+                _original=kernel.run, **kwargs):
+            runtime = tuple(specialisation(v, n in _dynamic) for n, v in zip(_kernel.arg_names, args))
+            tiling = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+            keys.setdefault(_name, {}).setdefault(tiling, set()).add(runtime)
+            return _original(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", run)
+    return keys
+
+
+def assert_one_variant_per_tiling(keys: dict[str, dict[tuple, set]], names: set[str]) -> None:
+    assert set(keys) == names
+    for name, by_tiling in keys.items():
+        for tiling, runtime in by_tiling.items():
+            assert len(runtime) == 1, (name, dict(tiling), runtime)

@@ -44,3 +44,16 @@ def test_decode_graph_steps_with_triton_kernels_match_peft_in_interpreter() -> N
     report = proc.stdout[-8000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
     assert "4 passed" in proc.stdout, report
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_after_the_start_up_warm_up_serving_compiles_nothing_new_in_interpreter() -> None:
+    """The node's warm-up (engine/warmup.py) launches every kernel variant that a mixed
+    workload then launches: on a GPU, nothing compiles under the first requests."""
+    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+           "-k", "interpreted", str(ROOT / "tests" / "node" / "test_warmup.py")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    report = proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    assert "1 passed" in proc.stdout, report

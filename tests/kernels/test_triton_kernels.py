@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel_cases import make_attention_case, make_lora_case, random_slots
+from kernel_cases import (assert_one_variant_per_tiling, make_attention_case, make_lora_case, random_slots,
+                          record_specialisations)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -290,46 +291,6 @@ def test_lora_unaligned_slice_buffers_and_strided_views() -> None:
     case.y = wide_y[:, 2:34]
     case.meta = LoraBatchMeta.build(case.token_slots, DEVICE)
     check_lora(case, torch.float32, use_ranks=False, split_k=None)
-
-
-def _specialisation(value: object, dynamic: bool) -> tuple:
-    """What Triton specialises a launch argument on: an int's width and (unless it is
-    do_not_specialize) whether it is 1 or a multiple of 16; a tensor's dtype and whether its
-    pointer is 16-byte aligned."""
-    if isinstance(value, torch.Tensor):
-        return ("ptr", value.dtype, value.data_ptr() % 16 == 0)
-    if isinstance(value, bool):
-        return ("bool", value)
-    if isinstance(value, int):
-        wide = not -2**31 <= value < 2**31
-        return ("int", wide) if dynamic else ("int", wide, value == 1, value % 16 == 0)
-    return (type(value).__name__,)
-
-
-def record_specialisations(monkeypatch, module, kernels: dict[str, list[str]]
-                           ) -> dict[str, dict[tuple, set]]:
-    """Wraps each named kernel's launch: {kernel: {its constexpr kwargs: {the run-time
-    arguments' specialisations}}}. kernels maps a name to its do_not_specialize list."""
-    keys: dict[str, dict[tuple, set]] = {}
-    for name, dynamic in kernels.items():
-        kernel = getattr(module, name)
-
-        def run(*args, grid, warmup, _kernel=kernel, _name=name, _dynamic=frozenset(dynamic),
-                _original=kernel.run, **kwargs):
-            runtime = tuple(_specialisation(v, n in _dynamic) for n, v in zip(_kernel.arg_names, args))
-            tiling = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
-            keys.setdefault(_name, {}).setdefault(tiling, set()).add(runtime)
-            return _original(*args, grid=grid, warmup=warmup, **kwargs)
-
-        monkeypatch.setattr(kernel, "run", run)
-    return keys
-
-
-def assert_one_variant_per_tiling(keys: dict[str, dict[tuple, set]], names: set[str]) -> None:
-    assert set(keys) == names
-    for name, by_tiling in keys.items():
-        for tiling, runtime in by_tiling.items():
-            assert len(runtime) == 1, (name, dict(tiling), runtime)
 
 
 def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -> None:
