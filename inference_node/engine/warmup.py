@@ -108,12 +108,11 @@ def warm_up(engine: "Engine") -> int:
     max_loras = engine.lora.max_loras if engine.lora is not None else 0
     steps = plan(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, max_loras)
     started = time.monotonic()
-    with torch.inference_mode():
-        for step in steps:
-            batch = scratch_batch(step, config.block_size, engine.scratch_block, model.device)
-            applier = (engine.lora.warmup_applier(list(step.token_slots))
-                       if step.token_slots is not None and engine.lora is not None else None)
-            model.forward(batch, engine.kv.k, engine.kv.v, applier)
+    for step in steps:  # model.forward runs in inference mode, as in serving
+        batch = scratch_batch(step, config.block_size, engine.scratch_block, model.device)
+        applier = (engine.lora.warmup_applier(list(step.token_slots))
+                   if step.token_slots is not None and engine.lora is not None else None)
+        model.forward(batch, engine.kv.k, engine.kv.v, applier)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     log.info("warm-up: %d eager forwards in %.1f s", len(steps), time.monotonic() - started)
