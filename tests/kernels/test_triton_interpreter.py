@@ -8,7 +8,9 @@ engine's fixtures are not needed), keeps the switch local to these kernels.
 The second test runs the engine's decode-graph path the same way: the node's CPU graph steps
 with the Triton kernels (interpreted) instead of the PyTorch reference, so the seam between
 the engine (rows ordered by adapter, the segment table it fills) and the kernels that read it
-is checked against PEFT without a GPU.
+is checked against PEFT without a GPU. The third runs the node's start-up warm-up and then a
+mixed workload the same way, and checks that the workload launches no kernel variant the
+warm-up did not (so on a GPU nothing compiles under requests).
 """
 from __future__ import annotations
 
@@ -24,36 +26,35 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+
+
+def run_interpreted(*args: str, timeout: float = 600) -> str:
+    """A child pytest with Triton's interpreter and the Triton kernels on; asserts it passed
+    and returns its output."""
+    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    report = proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    return proc.stdout
+
+
+@NEEDS_TRITON
 def test_triton_kernels_match_reference_in_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           f"--confcutdir={HERE}", "-rfEs", str(HERE / "test_triton_kernels.py")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    report = proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+    out = run_interpreted(f"--confcutdir={HERE}", str(HERE / "test_triton_kernels.py"))
+    assert " passed" in out and "skipped" not in out, out[-8000:]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+@NEEDS_TRITON
 def test_decode_graph_steps_with_triton_kernels_match_peft_in_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-           "-k", "cpu or serial", str(ROOT / "tests" / "adapters" / "test_decode_graphs.py")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    report = proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    assert "4 passed" in proc.stdout, report
+    out = run_interpreted("-k", "cpu or serial", str(ROOT / "tests" / "adapters" / "test_decode_graphs.py"))
+    assert "4 passed" in out, out[-8000:]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+@NEEDS_TRITON
 def test_after_the_start_up_warm_up_serving_compiles_nothing_new_in_interpreter() -> None:
     """The node's warm-up (engine/warmup.py) launches every kernel variant that a mixed
     workload then launches: on a GPU, nothing compiles under the first requests."""
-    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-           "-k", "interpreted", str(ROOT / "tests" / "node" / "test_warmup.py")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    report = proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, report
-    assert "1 passed" in proc.stdout, report
+    out = run_interpreted("-k", "interpreted", str(ROOT / "tests" / "node" / "test_warmup.py"), timeout=900)
+    assert "1 passed" in out, out[-8000:]
