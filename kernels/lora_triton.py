@@ -245,7 +245,7 @@ class LoraTiling:
         return cdiv(max(1, meta.max_segment_len), self.rows(meta))
 
 
-_DECODE_TOKENS = 256  # steps up to this many LoRA tokens are decode-shaped
+DECODE_SHAPED_TOKENS = 256  # steps up to this many LoRA tokens are decode-shaped
 
 
 def choose_tiling(meta: LoraBatchMeta, rank: int, max_out: int = 0, n_slices: int = 1,
@@ -262,7 +262,7 @@ def choose_tiling(meta: LoraBatchMeta, rank: int, max_out: int = 0, n_slices: in
     block_k = 64 if block_r <= 128 else 32
     block_n = 128 if block_r <= 32 else 64 if block_r <= 64 else 32
     longest = max(1, meta.max_segment_len)
-    if meta.num_active_tokens <= _DECODE_TOKENS:
+    if meta.num_active_tokens <= DECODE_SHAPED_TOKENS:
         per_segment = meta.num_active_tokens / max(1, meta.num_segments) <= 16
         n_span = block_n
         if per_segment and max_out:

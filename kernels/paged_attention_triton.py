@@ -158,10 +158,13 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+SPLIT_KEYS_PAST = 512  # decode-like batches split a context's keys only past this many
+
+
 def _auto_splits(device: torch.device, programs: int, max_query_len: int,
                  max_seq_len: int) -> int:
     """Split the keys only for decode-like batches that would not fill the GPU otherwise."""
-    if device.type != "cuda" or max_query_len > 16 or max_seq_len <= 512:
+    if device.type != "cuda" or max_query_len > 16 or max_seq_len <= SPLIT_KEYS_PAST:
         return 1
     sms = num_sms(device)
     want = (2 * sms + programs - 1) // programs

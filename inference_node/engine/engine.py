@@ -112,9 +112,10 @@ class Engine:
         self.config = config
         self.lora = lora
         self.allocator = BlockAllocator(config.num_kv_blocks)
-        # One block more than the allocator hands out: the scratch block of padded graph rows.
-        self.scratch_block = config.num_kv_blocks
         self.warmup_forwards = 0  # synthetic eager forwards run at start (warmup.py)
+        # One block more than the allocator hands out: the scratch block of padded graph rows
+        # (and of the warm-up's forwards).
+        self.scratch_block = config.num_kv_blocks
         self.kv = KVCache(model.config, config.num_kv_blocks + 1, config.block_size, model.dtype, model.device)
         self.feedback = TokenFeedback(config.max_num_seqs, model.device)
         self._launched: LaunchedStep | None = None

@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PREFILL_LORA_TOKENS = 272  # past kernels/lora_triton._DECODE_TOKENS (256): prefill tilings
-_SPLIT_CONTEXT = 513        # kernels/paged_attention_triton._auto_splits splits past 512 keys
 
 
 @dataclass(frozen=True)
@@ -46,6 +44,12 @@ class WarmupStep:
 def plan(max_num_seqs: int, max_tokens: int, max_model_len: int, max_loras: int) -> list[WarmupStep]:
     """The steps that reach every eager tiling these limits allow (each once with LoRA when
     max_loras > 0, and once without)."""
+    # The shape thresholds of the kernels' tiling choices (imported here: the kernels load
+    # Triton, which only a warm-up, not the engine's import, needs).
+    from kernels.lora_triton import DECODE_SHAPED_TOKENS
+    from kernels.paged_attention_triton import SPLIT_KEYS_PAST
+
+    prefill_lora_tokens = DECODE_SHAPED_TOKENS + 16  # past it: prefill-shaped LoRA tilings
     shapes: list[tuple[list[int], list[int], list[int]]] = []  # q_lens, seq_lens, slot per sequence
 
     def fresh(q_lens: list[int], slots: list[int]) -> None:
@@ -60,11 +64,11 @@ def plan(max_num_seqs: int, max_tokens: int, max_model_len: int, max_loras: int)
     fresh([min(longest, 200)], [0])                      # a prompt of one adapter, under 256 tokens
     fresh([min(longest, 512)], [0])                      # past 256 tokens: 64-row LoRA tiles
     for rows in (16, 32):                                # 16- and 32-row tiles: many short prompts
-        count = math.ceil(_PREFILL_LORA_TOKENS / rows)
-        if max_tokens >= _PREFILL_LORA_TOKENS and count <= min(max_num_seqs, max_loras) and rows < max_model_len:
+        count = math.ceil(prefill_lora_tokens / rows)
+        if max_tokens >= prefill_lora_tokens and count <= min(max_num_seqs, max_loras) and rows < max_model_len:
             fresh([rows] * count, list(range(count)))
-    if max_model_len > _SPLIT_CONTEXT:                   # decode over long contexts: split keys
-        shapes.append(([1], [min(max_model_len, 4 * _SPLIT_CONTEXT)], [0]))
+    if max_model_len > SPLIT_KEYS_PAST:                  # decode over long contexts: split keys
+        shapes.append(([1], [min(max_model_len, 4 * SPLIT_KEYS_PAST)], [0]))
 
     steps: list[WarmupStep] = []
     for q_lens, seq_lens, slots in shapes:

@@ -237,12 +237,12 @@ def test_lora_every_tiling_matches_reference(per_segment: bool) -> None:
 
 def test_lora_prefill_sized_step_uses_row_tiles() -> None:
     """More tokens than the decode tiling takes: 64-row tiles, one per program."""
-    from kernels.lora_triton import _DECODE_TOKENS, choose_tiling
+    from kernels.lora_triton import DECODE_SHAPED_TOKENS, choose_tiling
 
     slots = [0] * 150 + [1] * 130 + [-1] * 5
     case = make_lora_case(token_slots=slots, num_slots=2, max_rank=8, h_in=48, outs=[40, 24],
                           device=DEVICE)
-    assert case.meta.num_active_tokens > _DECODE_TOKENS
+    assert case.meta.num_active_tokens > DECODE_SHAPED_TOKENS
     tiling = choose_tiling(case.meta, 8, 40)
     assert (tiling.block_m, tiling.per_segment) == (64, False)
     check_lora(case, torch.float32, use_ranks=True, split_k=None, slice_off=[(1, 1)])
