@@ -278,6 +278,16 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
     engine = Engine(model, EngineConfig(**kw), lora=lora)
+    if args.warmup == "engine":
+        # The node's start-up warm-up (what Engine.start runs before serving), instead of
+        # running each row's workload untimed: the timed runs' compile counts then say
+        # whether the warm-up alone leaves anything to compile under requests.
+        from inference_node.engine.warmup import warm_up
+
+        started = time.perf_counter()
+        engine.warmup_forwards = warm_up(engine)
+        engine.warmup_seconds = time.perf_counter() - started
+        log.info("engine warm-up: %d forwards in %.1fs", engine.warmup_forwards, engine.warmup_seconds)
     graphs = getattr(engine, "decode_graphs", None)
     if graphs is not None:
         # What Engine.start does before its loop (this benchmark drives run_once itself).
@@ -518,10 +528,11 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
     driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson), trace=trace)
     adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
     # Warm-up, untimed: "full" runs the row's whole workload once (every prefill/decode shape
-    # the timed run meets, so no Triton compile lands in it); "short": one batch, few tokens.
+    # the timed run meets, so no Triton compile lands in it); "short": one batch, few tokens;
+    # "engine": none here (build_engine ran the node's start-up warm-up).
     if args.warmup == "full":
         Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs, adapter_of)
-    else:
+    elif args.warmup == "short":
         Driver(engine, device, args.concurrency, poisson=False).run(
             specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
     # Engine.start freezes start-up objects out of the garbage collector; this process's own
@@ -808,9 +819,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="run rows a-d this many times, interleaved; report each column's median")
     p.add_argument("--control", action="store_true",
                    help="run row a again after rows b-d (a2) on a fresh engine: shows order/drift effects")
-    p.add_argument("--warmup", choices=["full", "short"], default=None,
+    p.add_argument("--warmup", choices=["full", "short", "engine"], default=None,
                    help="per row, untimed: the whole workload once (CUDA default: JIT-compiles every "
-                        "shape) or one batch of --warmup-tokens tokens (CPU default)")
+                        "shape) or one batch of --warmup-tokens tokens (CPU default); 'engine': only "
+                        "the node's start-up warm-up, once per engine (the timed runs count what it missed)")
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and adapters here")
