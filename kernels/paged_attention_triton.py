@@ -159,6 +159,10 @@ def _merge_splits_kernel(
 
 
 SPLIT_KEYS_PAST = 512  # decode-like batches split a context's keys only past this many
+# The most key splits a launch takes. The merge always walks a tile of this many splits
+# (masked past the real count): one compiled merge for every split count, so no count first
+# met under requests compiles (the start-up warm-up cannot reach them all).
+MAX_SPLITS = 64
 
 
 def _auto_splits(device: torch.device, programs: int, max_query_len: int,
@@ -168,7 +172,7 @@ def _auto_splits(device: torch.device, programs: int, max_query_len: int,
         return 1
     sms = num_sms(device)
     want = (2 * sms + programs - 1) // programs
-    return max(1, min(want, cdiv(max_seq_len, 256), 64))
+    return max(1, min(want, cdiv(max_seq_len, 256), MAX_SPLITS))
 
 
 def paged_attention_triton_impl(
@@ -199,7 +203,7 @@ def paged_attention_triton_impl(
     if num_splits is None:
         num_splits = _auto_splits(q.device, q_tiles * batch * num_kv_heads, max_query_len,
                                   max_seq_len)
-    num_splits = max(1, min(num_splits, cdiv(max(max_seq_len, 1), block_n)))
+    num_splits = max(1, min(num_splits, cdiv(max(max_seq_len, 1), block_n), MAX_SPLITS))
 
     if num_splits > 1:
         part_acc = torch.empty(num_splits, T, num_heads, head_dim, dtype=torch.float32,
@@ -234,7 +238,7 @@ def paged_attention_triton_impl(
             part_acc, part_m, part_l, out, head_dim, num_splits,
             *p_strides,
             out.stride(0), out.stride(1), out.stride(2),
-            SPLITS_PAD=max(2, next_power_of_2(num_splits)),
+            SPLITS_PAD=MAX_SPLITS,
             BLOCK_D=block_d,
         )
     return out
