@@ -73,6 +73,29 @@ def host_ms(run, reps: int, cuda: bool) -> float:
     return elapsed * 1e3 / reps
 
 
+def host_profile(run, reps: int, top: int, cuda: bool) -> None:
+    """cProfile of `reps` forwards, by own time: which Python functions the host's queueing
+    time is spent in (Triton's launcher, the wrappers, torch's dispatch)."""
+    import cProfile
+    import pstats
+
+    if cuda:
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        run()
+    profiler.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    print(f"   host profile, {reps} forwards, per forward: own ms, calls, cumulative ms, function")
+    for (file, line, name), (_, calls, own, cumulative, _) in rows:
+        print(f"   {own * 1e3 / reps:8.3f} {calls // reps:6d} {cumulative * 1e3 / reps:8.3f}  "
+              f"{Path(file).name}:{line} {name}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -83,6 +106,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also print the host's Python profile of N forwards (where queueing time goes)")
     args = p.parse_args()
 
     from inference_node.adapters.applier import build_applier
@@ -120,6 +145,8 @@ def main() -> None:
         if "base" in results and n != "base":
             line += f", +{ms - results['base']:.3f} ms over base"
         print(line)
+        if args.cprofile:
+            host_profile(run, args.cprofile, args.top, cuda)
         if args.no_profile:
             continue
         for fam, (us, count) in sorted(kernel_families(run, 3).items(), key=lambda kv: -kv[1][0])[:args.top]:
