@@ -294,10 +294,9 @@ class DecodeGraphs:
     def _forward(self, size: int, segments: int, variant: int = 0) -> torch.Tensor:
         """One padded decode forward; `segments` LoRA segments (0: the base path), applying
         the fused groups of group_variants[variant]."""
-        rows = self.feedback_rows[:size]
-        input_ids = torch.where(rows >= 0, self.feedback[rows.clamp(min=0)], self.input_ids[:size])
         batch = ForwardBatch(
-            input_ids=input_ids, positions=self.positions[:size],
+            input_ids=self.input_ids[:size], feedback=self.feedback,
+            feedback_rows=self.feedback_rows[:size], positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             logits_indices=None, max_query_len=1, max_seq_len=self.max_seq_len)  # every row samples

@@ -19,6 +19,7 @@ import os
 import torch
 
 from kernels.attention import paged_attention
+from kernels.embedding import embed_tokens
 from kernels.lora_delta import LoraDelta
 from kernels.norm import add_rms_norm_lora
 from kernels.norm_ref import add_rms_norm, rms_norm
@@ -66,6 +67,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None  # [N] int64: rows whose logits are needed; None: all
     max_query_len: int
     max_seq_len: int
+    # A decode graph's tokens: where feedback_rows[t] >= 0, token t is feedback[that row] (the
+    # previous step's sample, never read back by the host) instead of input_ids[t].
+    feedback: torch.Tensor | None = None        # [rows] int64
+    feedback_rows: torch.Tensor | None = None   # [T] int64
 
 
 @dataclass
@@ -205,7 +210,7 @@ class LlamaModel:
         dtype (the sampler widens only the rows it samples from: a greedy argmax needs no
         float32 copy of 64 x vocab logits)."""
         cfg, ops = self.config, self.ops
-        hidden = self.embed[batch.input_ids]
+        hidden = embed_tokens(self.embed, batch.input_ids, batch.feedback, batch.feedback_rows)
         x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             qkv, delta = self._project(lora, i, "qkv", x, layer.qkv, layer.qkv_bias)

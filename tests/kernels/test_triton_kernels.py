@@ -589,3 +589,59 @@ def test_shrink_partials_are_zero_past_each_rank_and_on_slices_switched_off() ->
         for i in range(3):
             live = int(per_slice[i, slot])
             assert torch.equal(got[:, i, row, live:], torch.zeros_like(got[:, i, row, live:]))
+
+
+# -- greedy argmax --------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows,vocab,chunks", [(1, 5, None), (3, 2048, 1), (7, 6001, 3), (64, 49152, None),
+                                               (5, 40000, 64), (2, 130, 5)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_argmax_takes_the_first_maximum_like_torch(rows: int, vocab: int, chunks: int | None,
+                                                   dtype: str) -> None:
+    """Small integer logits tie within and across chunks: the first index of the maximum, as
+    torch.argmax, whichever chunk it lies in; a row of equal values gives 0, a row of -inf too."""
+    from kernels.argmax_triton import first_argmax_triton
+
+    gen = torch.Generator().manual_seed(vocab + rows)
+    logits = torch.randint(0, 4, (rows, vocab), generator=gen).to(DTYPES[dtype])
+    logits[0, -1] = 9  # the maximum in the last chunk's last block
+    if rows > 2:
+        logits[1] = 0
+        logits[2] = float("-inf")
+    logits = logits.to(DEVICE)
+    got = first_argmax_triton(logits, chunks)
+    assert got.dtype == torch.int64
+    assert torch.equal(got.cpu(), logits.cpu().argmax(dim=-1))
+
+
+def test_argmax_reads_rows_of_a_strided_view() -> None:
+    """Decode graphs pass logits[:n] of a padded buffer; a row stride past the vocabulary."""
+    from kernels.argmax_triton import first_argmax_triton
+
+    base = torch.randn(6, 3000, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    view = base[1:5, :2500]
+    assert torch.equal(first_argmax_triton(view).cpu(), view.cpu().argmax(dim=-1))
+
+
+# -- token embedding --------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_transposed_view", "contiguous"])
+@pytest.mark.parametrize("with_feedback", [True, False])
+def test_embedding_gather_matches_the_reference(tied: bool, with_feedback: bool) -> None:
+    """Rows of a [vocab, hidden] weight, contiguous or the LM head seen transposed; tokens from
+    the ids, or from the feedback buffer where a row is given."""
+    from kernels.embedding import embed_tokens_ref
+    from kernels.embedding_triton import embed_tokens_triton
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, hidden, T = 1000, 600, 9  # hidden spans two programs, the second one partial
+    weight = torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16)
+    weight = (weight.t().contiguous().t() if tied else weight).to(DEVICE)
+    ids = torch.randint(0, vocab, (T,), generator=gen)
+    feedback = rows = None
+    if with_feedback:
+        feedback = torch.randint(0, vocab, (5,), generator=gen).to(DEVICE)
+        rows = torch.tensor([-1, 0, 4, -1, 2, 2, -1, 3, 1]).to(DEVICE)
+        ids[rows.cpu() >= 0] = -1  # never read where the feedback serves (PENDING_TOKEN)
+    ids = ids.to(DEVICE)
+    got = embed_tokens_triton(weight, ids, feedback, rows)
+    expected = embed_tokens_ref(weight, ids.clamp(min=0), feedback, rows)
+    assert torch.equal(got.cpu(), expected.cpu())

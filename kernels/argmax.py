@@ -1,0 +1,37 @@
+"""Greedy argmax dispatcher: the Triton kernels on CUDA (kernels/argmax_triton.py), the
+PyTorch reference elsewhere. Both return torch.argmax's index: the first maximum."""
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import use_triton
+
+
+def first_argmax_ref(logits: torch.Tensor, chunks: int = 64, two_pass: bool | None = None) -> torch.Tensor:
+    """argmax over the last dim (the first index of the maximum, as torch.argmax), in two
+    passes when the vocabulary splits into `chunks` equal parts: a batch of decode rows is
+    then reduced by rows x chunks blocks in parallel instead of one block per row (two_pass:
+    None = on CUDA only)."""
+    rows, vocab = logits.shape
+    while chunks > 1 and vocab % chunks:
+        chunks //= 2
+    if two_pass is None:
+        two_pass = logits.device.type == "cuda"
+    if chunks <= 1 or not two_pass:
+        return logits.argmax(dim=-1)
+    parts = logits.view(rows, chunks, vocab // chunks)
+    inner = parts.argmax(dim=-1)                                   # first max in each chunk
+    best = parts.gather(-1, inner.unsqueeze(-1)).squeeze(-1).argmax(dim=-1)  # first chunk
+    return best * (vocab // chunks) + inner.gather(-1, best.unsqueeze(-1)).squeeze(-1)
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] int64, the first index of each row's maximum, left on the logits' device."""
+    if use_triton(logits) and logits.stride(-1) == 1:
+        try:
+            from .argmax_triton import first_argmax_triton
+        except ImportError:  # Triton absent: the reference serves
+            pass
+        else:
+            return first_argmax_triton(logits)
+    return first_argmax_ref(logits)
