@@ -15,9 +15,10 @@ import triton.language as tl
 from ._host import cdiv
 
 _BLOCK_H = 512
+_DYNAMIC = ["hidden", "stride_v", "stride_h", "stride_o"]
 
 
-@triton.jit(do_not_specialize=["hidden", "stride_v", "stride_h", "stride_o"])
+@triton.jit(do_not_specialize=_DYNAMIC)
 def _embed_kernel(ids_ptr, rows_ptr, feedback_ptr, weight_ptr, out_ptr, hidden,
                   stride_v, stride_h, stride_o,
                   HAS_FEEDBACK: tl.constexpr, BLOCK_H: tl.constexpr):

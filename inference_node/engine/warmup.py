@@ -10,7 +10,8 @@ adapter slots allow them), one- and many-token attention tiles, with and without
 attention's split-key variants for contexts long enough to split.
 
 The forwards read and write only the KV cache's scratch block (the one padded graph rows
-use), so no request's state is touched; they sample nothing.
+use), so no request's state is touched; they sample nothing (the greedy argmax runs on their
+logits only to compile its kernels).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from kernels.argmax import first_argmax
 
 from ..model.llama import ForwardBatch
 
@@ -116,7 +119,8 @@ def warm_up(engine: "Engine") -> int:
         batch = scratch_batch(step, config.block_size, engine.scratch_block, model.device)
         applier = (engine.lora.warmup_applier(list(step.token_slots))
                    if step.token_slots is not None and engine.lora is not None else None)
-        model.forward(batch, engine.kv.k, engine.kv.v, applier)
+        logits = model.forward(batch, engine.kv.k, engine.kv.v, applier)
+        first_argmax(logits)  # the sampler's greedy pick: its kernels compile here too
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     log.info("warm-up: %d eager forwards in %.1f s", len(steps), time.monotonic() - started)

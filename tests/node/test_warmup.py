@@ -111,7 +111,7 @@ def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(to
     One layer: launches repeat per layer, and the interpreter is slow."""
     assert os.environ.get("LORA_KERNELS") == "triton"
     tiny_llama_path = make_tiny_llama(tmp_path / "one-layer", tokenizer_dir, num_hidden_layers=1)
-    from kernels import lora_triton, paged_attention_triton, rope_cache_triton
+    from kernels import argmax_triton, embedding_triton, lora_triton, paged_attention_triton, rope_cache_triton
 
     keys: dict = {}
     record_specialisations(monkeypatch, lora_triton, {
@@ -121,10 +121,14 @@ def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(to
         "_paged_attention_kernel": paged_attention_triton._ATTENTION_DYNAMIC,
         "_merge_splits_kernel": paged_attention_triton._MERGE_DYNAMIC}, keys)
     record_specialisations(monkeypatch, rope_cache_triton, {"_rope_cache_kernel": []}, keys)
+    record_specialisations(monkeypatch, embedding_triton, {"_embed_kernel": embedding_triton._DYNAMIC}, keys)
+    record_specialisations(monkeypatch, argmax_triton, {"_chunk_max_kernel": argmax_triton._DYNAMIC,
+                                                        "_row_pick_kernel": ["n_chunks"]}, keys)
     node = start_node(tiny_llama_path, tmp_path / "adapters", "on")
     try:
         warmed = copy.deepcopy(keys)
-        assert {"_lora_shrink_kernel", "_lora_expand_kernel", "_paged_attention_kernel"} <= set(warmed)
+        assert {"_lora_shrink_kernel", "_lora_expand_kernel", "_paged_attention_kernel", "_embed_kernel",
+                "_chunk_max_kernel", "_row_pick_kernel"} <= set(warmed)
         run_mixed_workload(node, tmp_path / "adapters", tiny_llama_path, seed=2)
     finally:
         node.stop()
