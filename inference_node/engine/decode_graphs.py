@@ -30,11 +30,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from kernels.argmax import first_argmax
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+
 from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
-from .sampler import first_argmax
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
