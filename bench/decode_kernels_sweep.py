@@ -16,6 +16,7 @@ a real step where every layer reads its own:
 
     python bench/decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
     python bench/decode_kernels_sweep.py --parts gemm    # one part
+    python bench/decode_kernels_sweep.py --parts pdl     # the decode GEMM after its norm, PDL on/off
 """
 from __future__ import annotations
 
@@ -320,6 +321,70 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
                   f"B bytes' floor {floor:.2f}")
 
 
+def pdl_part(batch: int, bw: float, device: torch.device) -> None:
+    """The decode GEMM (kernels/decode_gemm_triton.py) after the kernel before it in a layer,
+    as the step runs them: pairs (add + norm, projection) back to back in one graph, each
+    pair on its own weights. Plain launches (cuBLAS on [K, N]; the Triton GEMM over tilings)
+    against the Triton GEMM launched with programmatic dependent launch, asking L2 for its
+    first PREFETCH_K columns before it waits for the norm."""
+    from kernels.decode_gemm_triton import decode_gemm_triton
+    from kernels.norm_triton import add_rms_norm_triton
+
+    print(f"\n== decode GEMM after an add + norm at batch {batch}: us per (norm, GEMM) pair; "
+          "floor = weight bytes / copy bandwidth")
+    tilings = list(itertools.product((16, 32), (128, 256), (3, 4, 6)))
+    for name in ("qkv", "o", "down", "gate_up"):
+        N, K = GEMMS[name]
+        nbytes = N * K * 2
+        n = copies_for(nbytes)
+        w_out_in = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+        w_views = [w.t() for w in w_out_in]            # [K, N] views of [N, K]: the GEMM's layout
+        hidden = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        out = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        norm_w = torch.ones(K, device=device, dtype=torch.bfloat16)
+
+        def pairs(gemm):
+            def pair(w):
+                _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
+                gemm(x, w)
+            return pair
+
+        norm_alone = graph_us([lambda: add_rms_norm_triton(hidden, out, norm_w, 1e-5)] * n)
+        results = []
+        w_kn = [w.t().contiguous() for w in w_out_in[: max(2, n // 2)]]
+        results.append(("cuBLAS [K,N]", graph_us([lambda w=w: pairs(torch.mm)(w) for w in w_kn])))
+        del w_kn
+        best = (float("inf"), None)
+        for block_n, block_k, stages in tilings:
+            if K % block_k or N % block_n:
+                continue
+            cfg = dict(block_n=block_n, block_k=block_k, num_stages=stages)
+            try:
+                us = graph_us([lambda w=w, c=cfg: pairs(lambda x, ww: decode_gemm_triton(x, ww, **c))(w)
+                               for w in w_views], rounds=10)
+            except Exception as exc:  # a tiling the compiler refuses (shared memory)
+                print(f"   {cfg}: {type(exc).__name__}")
+                continue
+            best = min(best, (us, tuple(cfg.items())), key=lambda b: b[0])
+        cfg = dict(best[1])
+        results.append((f"Triton {cfg['block_n']}x{cfg['block_k']}/{cfg['num_stages']}", best[0]))
+        for prefetch in (0, 512, 1024, 2048, K):
+            if prefetch > K or (prefetch == K and K <= 2048):
+                continue
+            c = dict(cfg, pdl=True, prefetch_k=prefetch)
+            results.append((f"PDL pf{prefetch}", graph_us(
+                [lambda w=w: pairs(lambda x, ww: decode_gemm_triton(x, ww, **c))(w) for w in w_views])))
+        x = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        ref = torch.mm(x, w_views[0])
+        y = decode_gemm_triton(x, w_views[0], **c)
+        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+        floor = nbytes / bw * 1e6
+        print(f"{name:8} N {N} K {K}: floor {floor:.2f}, norm alone {norm_alone:.2f}; "
+              + ", ".join(f"{label} {us:.2f}" for label, us in results) + f" (rel err {err:.1e})")
+        del w_out_in, w_views
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
@@ -337,6 +402,8 @@ def main() -> None:
         attention_part(args.batch, bw, device)
     if "gemm" in parts:
         gemm_part(args.batch, bw, device)
+    if "pdl" in parts:
+        pdl_part(args.batch, bw, device)
     if "fused" in parts:
         fused_part(args.batch, bw, device, [int(a) for a in args.adapters.split(",")])
 

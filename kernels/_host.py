@@ -7,6 +7,7 @@ bench/prefill_profile.py), so the wrappers use these plain versions.
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -33,3 +34,28 @@ def num_sms(device: torch.device, cpu_default: int = 4) -> int:
     if device.type != "cuda":
         return cpu_default
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether the decode step's Triton kernels on t's device are launched with programmatic
+    dependent launch: each lets the next one launch at its start (gdc_launch_dependents) and
+    waits for the one before (gdc_wait) before reading its output, so a launch's latency, and
+    the decode GEMM's first weight loads, overlap the kernel ahead. CUDA on Hopper or newer,
+    not Triton's interpreter, LORA_PDL not 0."""
+    if not t.is_cuda or os.environ.get("LORA_PDL", "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9
+
+
+def pdl_launch(enabled: bool) -> dict[str, bool]:
+    """The launch keyword for a kernel launched with programmatic dependent launch (none
+    otherwise: the interpreter takes no such keyword)."""
+    return {"launch_pdl": True} if enabled else {}

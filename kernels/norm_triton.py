@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import next_power_of_2
+from ._host import next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
 
@@ -24,8 +24,11 @@ def _add_rms_norm_kernel(
     stride_h, stride_o, stride_nh, stride_x,
     stride_ps, stride_pt, stride_bs, stride_bn, stride_dense,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
+        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
     t = tl.program_id(0).to(tl.int64)
@@ -95,13 +98,14 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     else:
         lora = (hidden,) * 3  # dummy pointers, never read
         R, lora_strides, splits, default_block = 1, (0, 0, 0, 0), 0, 2048
+    pdl = pdl_enabled(hidden)
     _add_rms_norm_kernel[(T,)](
         hidden, out, weight, new_hidden, x, *lora, delta.expanded if dense else hidden, eps, R,
         hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
         delta.expanded.stride(0) if dense else 0,
         H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
         BLOCK_H=min(block_h or default_block, next_power_of_2(H)),
-        BLOCK_R=max(16, next_power_of_2(R)),
+        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
         num_warps=num_warps or (8 if delta is not None else 4),
     )
     return new_hidden, x

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2, num_sms
+from ._host import cdiv, next_power_of_2, num_sms, pdl_enabled, pdl_launch
 
 from .lora_triton import interpreting
 
@@ -45,7 +45,11 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
+        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     # Row r of the tile: query q0 + r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD.
     pid_q = tl.program_id(0)
     seq = tl.program_id(1)
@@ -137,8 +141,11 @@ def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, head_dim, NUM_SPLITS,
     stride_ps, stride_pt, stride_ph,
     stride_ot, stride_oh, stride_od,
-    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
+        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -216,6 +223,7 @@ def paged_attention_triton_impl(
         p_strides = (0, 0, 0)
 
     grid = (q_tiles, batch, num_kv_heads * num_splits)
+    pdl = pdl_enabled(q)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         out, part_acc, part_m, part_l,
@@ -228,7 +236,7 @@ def paged_attention_triton_impl(
         *p_strides,
         PAGE=page, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT=num_splits > 1,
+        SPLIT=num_splits > 1, PDL=pdl, **pdl_launch(pdl),
         DOT_F32=q.dtype == torch.float32 or not q.is_cuda or interpreting(),
         num_warps=num_warps or (4 if block_q * group_pad * block_d <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),
@@ -239,7 +247,7 @@ def paged_attention_triton_impl(
             *p_strides,
             out.stride(0), out.stride(1), out.stride(2),
             SPLITS_PAD=MAX_SPLITS,
-            BLOCK_D=block_d,
+            BLOCK_D=block_d, PDL=pdl, **pdl_launch(pdl),
         )
     return out
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
 
@@ -48,8 +48,11 @@ def _rope_cache_kernel(
     stride_bn_kv,
     Hq, Hkv, D, HALF, PAGE, Q_PARTS,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_HG: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
+        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     q_cols = Hq * D
@@ -149,6 +152,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         lora = (qkv,) * 5  # dummy pointers, never read
         R, splits, lora_strides = 1, 0, (1,) + (0,) * 8
     q_parts = cdiv(num_heads, num_kv_heads)
+    pdl = pdl_enabled(qkv)
     _rope_cache_kernel[(T, q_parts + 2)](
         qkv, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, *lora,
         delta.expanded if dense else qkv, qkv.stride(0),
@@ -159,6 +163,6 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_HG=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=max(16, next_power_of_2(R)),
-        num_warps=num_warps,
+        PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
     )
     return q

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2
+from ._host import cdiv, next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
 
@@ -32,8 +32,11 @@ def _silu_mul_kernel(
     stride_gu, stride_act, stride_ps, stride_pslice, stride_pt,
     stride_bgs, stride_bgn, stride_bus, stride_bun, stride_dense,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
+        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = offs < I
@@ -93,10 +96,12 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
     block_i = min(block_i or default_block, next_power_of_2(I))
     default_warps = 2 if delta is not None and not dense else 4
+    pdl = pdl_enabled(gate_up)
     _silu_mul_kernel[(T, cdiv(I, block_i))](
         gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
         act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
-        BLOCK_R=max(16, next_power_of_2(R)), num_warps=num_warps or default_warps,
+        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
+        num_warps=num_warps or default_warps,
     )
     return act

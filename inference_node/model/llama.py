@@ -19,6 +19,7 @@ import os
 import torch
 
 from kernels.attention import paged_attention
+from kernels.decode_gemm import DecodeGemm
 from kernels.embedding import embed_tokens
 from kernels.lora_delta import LoraDelta
 from kernels.norm import add_rms_norm_lora
@@ -77,7 +78,9 @@ class ForwardBatch:
 class LayerWeights:
     """One decoder layer. Projection weights are kept [in, out] (transposed from the
     checkpoint's [out, in]): at decode batch sizes cuBLAS's kernels for x @ W in that layout ran
-    up to 16% faster on an H100 (bench/decode_kernels_sweep.py, docs/PERFORMANCE.md)."""
+    up to 16% faster on an H100 (bench/decode_kernels_sweep.py, docs/PERFORMANCE.md). With
+    the Triton decode GEMM (kernels/decode_gemm.py) the projections it serves are transposed
+    views of [out, in] matrices instead: each of its programs then streams contiguous rows."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -131,8 +134,9 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, layers: list[LayerWeights], embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
-                 max_positions: int) -> None:
+                 max_positions: int, gemm: DecodeGemm | None = None) -> None:
         self.config = config
+        self.gemm = gemm or DecodeGemm(device)
         self.layers = layers
         self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
         self.final_norm = final_norm
@@ -153,6 +157,7 @@ class LlamaModel:
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
              max_positions: int | None = None) -> "LlamaModel":
         config = ModelConfig.from_checkpoint(path)
+        gemm = DecodeGemm(device)
         tensors = {name.removeprefix("model."): t for name, t in iter_tensors(path)}
 
         def take(name: str) -> torch.Tensor:
@@ -163,9 +168,13 @@ class LlamaModel:
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in tensors else None
 
-        def projection(*names: str) -> torch.Tensor:
-            """The named [out, in] weights side by side as one [in, sum(out)] matrix."""
-            return torch.cat([take(n) for n in names]).t().contiguous()
+        def projection(*names: str, decode_gemm: bool = False) -> torch.Tensor:
+            """The named [out, in] weights side by side as one [in, sum(out)] matrix (a view
+            of an [out, in] one where the decode GEMM serves it and prefers that layout)."""
+            stacked = torch.cat([take(n) for n in names])
+            if decode_gemm and gemm.weights_out_in:
+                return stacked.contiguous().t()
+            return stacked.t().contiguous()
 
         layers = []
         for i in range(config.num_layers):
@@ -175,12 +184,14 @@ class LlamaModel:
                 qkv_bias = torch.cat([take(p + f"self_attn.{m}.bias") for m in FUSED_MODULES["qkv"]])
             layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=projection(*(p + f"self_attn.{m}.weight" for m in FUSED_MODULES["qkv"])),
+                qkv=projection(*(p + f"self_attn.{m}.weight" for m in FUSED_MODULES["qkv"]),
+                               decode_gemm=gemm.serves("qkv")),
                 qkv_bias=qkv_bias,
-                o=projection(p + "self_attn.o_proj.weight"),
+                o=projection(p + "self_attn.o_proj.weight", decode_gemm=gemm.serves("o")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=projection(*(p + f"mlp.{m}.weight" for m in FUSED_MODULES["gate_up"])),
-                down=projection(p + "mlp.down_proj.weight"),
+                gate_up=projection(*(p + f"mlp.{m}.weight" for m in FUSED_MODULES["gate_up"]),
+                                   decode_gemm=gemm.serves("gate_up")),
+                down=projection(p + "mlp.down_proj.weight", decode_gemm=gemm.serves("down")),
             ))
         if "lm_head.weight" in tensors:
             lm_head = projection("lm_head.weight")
@@ -193,7 +204,7 @@ class LlamaModel:
         else:
             raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
         positions = max_positions or config.max_position_embeddings
-        return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions)
+        return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions, gemm)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
@@ -235,18 +246,14 @@ class LlamaModel:
         last = x if batch.logits_indices is None else x[batch.logits_indices]
         return torch.mm(last, self.lm_head)
 
-    @staticmethod
-    def _project(lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
+    def _project(self, lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, LoraDelta | None]:
-        """A fused projection with its LoRA: (output, a delta left for the next op or None)."""
+        """A fused projection with its LoRA: (output, a delta left for the next op or None).
+        weight is [in, out]; the decode GEMM serves decode-shaped x where configured."""
+        gemm = self.gemm if self.gemm.serves(group) else DecodeGemm.cublas
         if lora is None:
-            return _linear(x, weight, bias), None
+            return gemm(x, weight, bias, group), None
         lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
-        y = _linear(x, weight, bias)
+        y = gemm(x, weight, bias, group)
         return y, lora.end(layer, group, x, y)
-
-
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) for a weight kept transposed, [in, out]."""
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)

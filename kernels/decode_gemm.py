@@ -1,0 +1,82 @@
+"""Which kernel computes a projection x @ W: the decode GEMM (kernels/decode_gemm_triton.py)
+for decode-shaped inputs on CUDA, cuBLAS for everything else (prefill, CPU, shapes its
+tiles do not divide).
+
+LORA_DECODE_GEMM picks: "triton-pdl" (the default: the Triton decode GEMM launched with
+programmatic dependent launch on Hopper or newer, asking L2 for LORA_DECODE_PREFETCH columns
+of its weights before it waits), "triton" (launched plainly) or "cublas" (torch.mm for every
+shape). LORA_DECODE_GEMM_GROUPS names the fused projections it serves.
+
+Why the default: on an H100 at batch 64 (Llama-3.2-1B shapes), serving_bench.py rows a, c-32
+and d, cuBLAS and triton-pdl alternated twice: step p50 a 1.56/1.55 -> 1.53/1.55 ms, c-32
+2.02/2.03 -> 2.01/2.01, d 1.64/1.64 -> 1.62/1.62. Launched plainly the same GEMM is slower
+than cuBLASLt (decode graph 1.507 -> 1.564 ms); the early start is what pays
+(docs/PERFORMANCE.md).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._host import pdl_enabled
+from .decode_gemm_triton import MAX_ROWS, decode_gemm_triton
+
+MODES = ("cublas", "triton", "triton-pdl")
+# (block_n, block_k, stages) per fused projection: the best of bench/decode_kernels_sweep.py
+# --parts pdl on an H100 at batch 64 (Llama-3.2-1B shapes); other shapes take the default.
+TILINGS: dict[str, tuple[int, int, int]] = {
+    "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 256, 4), "gate_up": (32, 128, 4)}
+DEFAULT_TILING = (16, 128, 4)
+
+
+class DecodeGemm:
+    """x @ W for the model's projections, W given as [in, out] (possibly a transposed view)."""
+
+    def __init__(self, device: torch.device, mode: str | None = None) -> None:
+        mode = mode or os.environ.get("LORA_DECODE_GEMM", "triton-pdl")
+        if mode not in MODES:
+            raise ValueError(f"LORA_DECODE_GEMM={mode!r}: expected one of {', '.join(MODES)}")
+        self.mode = mode if device.type == "cuda" else "cublas"
+        self.prefetch_k = int(os.environ.get("LORA_DECODE_PREFETCH", "512"))
+        groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
+        self.groups = frozenset(g for g in groups.split(",") if g)
+
+    def serves(self, group: str) -> bool:
+        """Whether this GEMM (rather than cuBLAS) computes the fused projection `group`."""
+        return self.mode != "cublas" and group in self.groups
+
+    @staticmethod
+    def cublas(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               group: str | None = None) -> torch.Tensor:
+        return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+    @property
+    def weights_out_in(self) -> bool:
+        """Whether weights are best kept [out, in] (each program's slab contiguous) rather
+        than [in, out] (cuBLAS's faster layout at decode batch sizes)."""
+        return self.mode != "cublas"
+
+    @staticmethod
+    def tiling(w: torch.Tensor, group: str | None) -> tuple[int, int, int] | None:
+        """(block_n, block_k, stages) for w [K, N], None where no tiling divides it (the
+        group's own, else 64-column K steps: SmolLM2's hidden size is 576)."""
+        block_n, block_k, stages = TILINGS.get(group, DEFAULT_TILING)
+        if w.shape[0] % block_k:
+            block_k = 64
+        if w.shape[1] % block_n or w.shape[0] % block_k:
+            return None
+        return block_n, block_k, stages
+
+    def applies(self, x: torch.Tensor, w: torch.Tensor, group: str | None = None) -> bool:
+        return (self.mode != "cublas" and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS
+                and x.stride(1) == 1 and self.tiling(w, group) is not None)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 group: str | None = None) -> torch.Tensor:
+        if bias is None and self.applies(x, w, group):
+            block_n, block_k, stages = self.tiling(w, group)
+            pdl = self.mode == "triton-pdl" and pdl_enabled(x)
+            return decode_gemm_triton(x, w, pdl=pdl, prefetch_k=self.prefetch_k,
+                                      block_n=block_n, block_k=block_k, num_stages=stages)
+        return self.cublas(x, w, bias)

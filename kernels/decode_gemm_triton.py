@@ -1,0 +1,94 @@
+"""x @ W for a decode batch (at most 64 rows): a weight stream, one output tile per program.
+
+At decode a projection reads megabytes of weights for 64 rows of input, so its time is the
+weight stream plus a fixed cost: the first loads' latency and the gap after the kernel before
+it. cuBLASLt's kernel for the smaller projections (q/k/v, o, down) sits 3 to 5 us above its
+bytes (docs/PERFORMANCE.md). This kernel gives each program a [BLOCK_N, K] slab of W (one
+output tile, no split-K, no reduction launch), and with programmatic dependent launch
+(PDL=True, Hopper) it starts before the kernel ahead of it has finished: the weights do not
+depend on that kernel, so the program asks L2 for the first PREFETCH_K columns of its slab,
+then waits (gdc_wait) for the input rows. The kernels ahead of it (add + norm, attention,
+SiLU) let it launch early by calling gdc_launch_dependents at their start.
+
+W is addressed through strides: [out, in] with `in` contiguous (a slab is BLOCK_N contiguous
+rows) or [in, out] with `out` contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._host import cdiv, next_power_of_2, pdl_launch
+
+MAX_ROWS = 64  # decode batches; larger (prefill) matmuls stay with cuBLAS
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at `ptrs` (no registers filled, nothing waited for)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _decode_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, M,
+    stride_xm, stride_wn, stride_wk, stride_ym,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    if PDL:
+        if PREFETCH_K > 0:
+            # One prefetch per 128-byte line of the slab's first PREFETCH_K columns (W is
+            # [out, in] here: each of the slab's rows is contiguous).
+            lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+            _prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :] * stride_wk)
+        tl.extra.cuda.gdc_wait()  # the input rows are the previous kernel's output
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [K, N] tile
+    mask_m = offs_m[:, None] < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=mask_m, other=0.0)
+        w = tl.load(w_ptrs)
+        if DOT_F32:  # the interpreter (CPU) multiplies bfloat16 wrongly; float32 is exact
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if PDL:  # the next kernel may launch now (it waits for this one before reading y)
+        tl.extra.cuda.gdc_launch_dependents()
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m)
+
+
+def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                       pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
+                       block_k: int = 128, num_warps: int = 4, num_stages: int = 4
+                       ) -> torch.Tensor:
+    """x [M, K] @ w [K, N] for M <= MAX_ROWS (w may be a transposed view of an [N, K] matrix).
+    pdl: launch with programmatic dependent launch (CUDA, Hopper or newer only); prefetch_k:
+    columns of each program's slab asked of L2 before the wait (a multiple of 64)."""
+    M, K = x.shape
+    N = w.shape[1]
+    assert w.shape[0] == K and x.stride(1) == 1 and M <= MAX_ROWS
+    assert N % block_n == 0 and K % block_k == 0, "tiles must divide the weight"
+    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    line = 128 // w.element_size()
+    if w.stride(0) != 1:  # [in, out] layout: a slab's rows are not contiguous lines
+        prefetch_k = 0
+    _decode_gemm_kernel[(cdiv(N, block_n),)](
+        x, w, y, M, x.stride(0), w.stride(1), w.stride(0), y.stride(0),
+        K=K, BLOCK_M=max(16, next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=pdl, PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=line, DOT_F32=not x.is_cuda or x.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
+    )
+    return y
