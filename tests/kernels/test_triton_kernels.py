@@ -678,7 +678,9 @@ def test_decode_gemm_serves_only_decode_shapes(monkeypatch: pytest.MonkeyPatch) 
         x = torch.randn(rows, 256, device=DEVICE)
         assert gemm.applies(x, w) == (DEVICE == "cuda" and rows <= 64)
         assert_close_scaled(gemm(x, w), x @ w, torch.float32)
-    assert gemm.serves("qkv") == (DEVICE == "cuda") and not gemm.serves("gate_up")
+    assert gemm.serves("qkv") == (DEVICE == "cuda") and not gemm.serves("lm_head")
+    monkeypatch.setenv("LORA_DECODE_GEMM_GROUPS", "o")
+    assert not DecodeGemm(torch.device(DEVICE)).serves("qkv")
     with pytest.raises(ValueError, match="LORA_DECODE_GEMM"):
         DecodeGemm(torch.device(DEVICE), "cutlass")
 
