@@ -68,3 +68,38 @@ def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx:
     _bf16_close(paged_attention_triton(*case.args()), ref)
     for splits in (1, 4):
         _bf16_close(paged_attention_triton_impl(*case.args(), num_splits=splits), ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs Hopper or newer")
+@pytest.mark.parametrize("prefetch_k", [0, 512, 2048])
+def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int) -> None:
+    """Launched with programmatic dependent launch right after the add + norm that writes its
+    input (which lets it start early), replayed from a CUDA graph: it must still read the
+    norm's new output, never the stale one."""
+    from kernels.decode_gemm_triton import decode_gemm_triton
+    from kernels.norm_triton import add_rms_norm_triton
+
+    K, N = 2048, 2048
+    w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 32).t()
+    hidden = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
+    out = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(64, N, device="cuda", dtype=torch.bfloat16)
+    x_seen = torch.empty(64, K, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
+        decode_gemm_triton(x, w, y, pdl=True, prefetch_k=prefetch_k)
+        x_seen.copy_(x)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        out.normal_()  # a new input each replay: a GEMM that ran ahead would read the old x
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y.float(), (x_seen.float() @ w.float()).to(torch.bfloat16).float(),
+                                   rtol=2e-2, atol=2e-2)
