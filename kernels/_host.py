@@ -41,15 +41,25 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def interpreting() -> bool:
+    """Whether Triton runs in its interpreter (TRITON_INTERPRET, CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a kernel's tl.dot takes float32 operands: exact fp32 products (no TF32) so fp32
+    results match the reference; also on CPU/in the interpreter, whose tl.dot reads bf16 as
+    raw uint16 (triton 3.9)."""
+    return dtype == torch.float32 or device.type != "cuda" or interpreting()
+
+
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether the decode step's Triton kernels on t's device are launched with programmatic
     dependent launch: each lets the next one launch at its start (gdc_launch_dependents) and
     waits for the one before (gdc_wait) before reading its output, so a launch's latency, and
     the decode GEMM's first weight loads, overlap the kernel ahead. CUDA on Hopper or newer,
     not Triton's interpreter, LORA_PDL not 0."""
-    if not t.is_cuda or os.environ.get("LORA_PDL", "1") == "0":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"):
+    if not t.is_cuda or os.environ.get("LORA_PDL", "1") == "0" or interpreting():
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2, pdl_launch
+from ._host import cdiv, dot_f32, next_power_of_2, pdl_launch
 
 MAX_ROWS = 64  # decode batches; larger (prefill) matmuls stay with cuBLAS
 
@@ -56,7 +56,7 @@ def _decode_gemm_kernel(
     for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m, other=0.0)
         w = tl.load(w_ptrs)
-        if DOT_F32:  # the interpreter (CPU) multiplies bfloat16 wrongly; float32 is exact
+        if DOT_F32:  # kernels/_host.py: dot_f32
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w)
@@ -88,7 +88,8 @@ def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | Non
     _decode_gemm_kernel[(cdiv(N, block_n),)](
         x, w, y, M, x.stride(0), w.stride(1), w.stride(0), y.stride(0),
         K=K, BLOCK_M=max(16, next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=line, DOT_F32=not x.is_cuda or x.dtype == torch.float32,
+        PDL=pdl, PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=line,
+        DOT_F32=dot_f32(x.dtype, x.device),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

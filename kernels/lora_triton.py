@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2, num_sms
+from ._host import cdiv, dot_f32, interpreting, next_power_of_2, num_sms
 
 from .lora_meta import MAX_SPLIT_K, LoraBatchMeta
 
@@ -208,16 +208,6 @@ def _lora_expand_kernel(
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
-    """fp32 operands: exact fp32 products (no TF32) so fp32 results match the reference.
-    Also on CPU/in the interpreter, whose tl.dot reads bf16 as raw uint16 (triton 3.9)."""
-    return dtype == torch.float32 or device.type != "cuda" or interpreting()
-
-
 @dataclass(frozen=True)
 class LoraTiling:
     """How the shrink and expand launches tile a step (bench/lora_tune.py sweeps these).
@@ -387,7 +377,7 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
         *x.stride(), *a_list[0].stride(), *out.stride(), rank_stride,
         HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_F32=_dot_f32(x.dtype, x.device), num_warps=tiling.shrink_warps,
+        DOT_F32=dot_f32(x.dtype, x.device), num_warps=tiling.shrink_warps,
     )
     return out
 
@@ -440,7 +430,7 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
         *h.stride(), *b_list[0].stride()[1:], *y.stride(), rank_stride,
         HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_F32=_dot_f32(b_list[0].dtype, y.device), ACCUMULATE=accumulate,
+        DOT_F32=dot_f32(b_list[0].dtype, y.device), ACCUMULATE=accumulate,
         num_warps=tiling.expand_warps,
     )
 

@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2, num_sms, pdl_enabled, pdl_launch
+from ._host import cdiv, dot_f32, interpreting, next_power_of_2, num_sms, pdl_enabled, pdl_launch
 
-from .lora_triton import interpreting
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2 of a difference stays 0/1
@@ -237,7 +236,7 @@ def paged_attention_triton_impl(
         PAGE=page, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         SPLIT=num_splits > 1, PDL=pdl, **pdl_launch(pdl),
-        DOT_F32=q.dtype == torch.float32 or not q.is_cuda or interpreting(),
+        DOT_F32=dot_f32(q.dtype, q.device),
         num_warps=num_warps or (4 if block_q * group_pad * block_d <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),
     )
