@@ -17,6 +17,7 @@ a real step where every layer reads its own:
     python bench/decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
     python bench/decode_kernels_sweep.py --parts gemm    # one part
     python bench/decode_kernels_sweep.py --parts pdl     # the decode GEMM after its norm, PDL on/off
+    python bench/decode_kernels_sweep.py --parts warps   # its tilings with 8 warps, deeper pipelines
 """
 from __future__ import annotations
 
@@ -385,6 +386,53 @@ def pdl_part(batch: int, bw: float, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+PDL_TILINGS = {  # (block_n, block_k, stages, warps) per projection; the first is the default
+    "qkv": [(32, 256, 4, 4), (32, 256, 4, 8), (32, 128, 6, 8), (64, 128, 4, 8), (32, 512, 2, 8),
+            (16, 256, 4, 8), (16, 512, 3, 4)],
+    "o": [(16, 256, 4, 4), (16, 256, 4, 8), (16, 128, 6, 8), (16, 512, 3, 8), (32, 256, 4, 8),
+          (16, 512, 2, 4)],
+    "down": [(16, 256, 4, 4), (16, 256, 4, 8), (16, 128, 6, 8), (16, 512, 3, 8), (32, 256, 4, 8),
+             (16, 512, 2, 4), (32, 128, 6, 8)],
+    "gate_up": [(32, 128, 4, 4), (32, 128, 4, 8), (32, 256, 3, 8), (64, 128, 4, 8), (32, 128, 6, 8),
+                (64, 64, 6, 4), (128, 64, 4, 8)],
+}
+
+
+def warps_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 512) -> None:
+    """The PDL-launched decode GEMM after its add + norm (as in the step) over tilings that
+    include 8 warps and deeper pipelines: more loads in flight per SM for the weight stream."""
+    from kernels.decode_gemm_triton import decode_gemm_triton
+    from kernels.norm_triton import add_rms_norm_triton
+
+    print(f"\n== decode GEMM tilings after an add + norm at batch {batch}, PDL, {prefetch_k} columns "
+          "prefetched: us per (norm, GEMM) pair (block_n x block_k / stages, warps)")
+    for name in ("qkv", "o", "down", "gate_up"):
+        N, K = GEMMS[name]
+        nbytes = N * K * 2
+        w_views = [(torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02).t()
+                   for _ in range(copies_for(nbytes))]
+        hidden = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        out = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        norm_w = torch.ones(K, device=device, dtype=torch.bfloat16)
+        results = []
+        for block_n, block_k, stages, warps in PDL_TILINGS[name]:
+            cfg = dict(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps,
+                       pdl=True, prefetch_k=prefetch_k)
+
+            def pair(w, c=cfg):
+                _, xn = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
+                decode_gemm_triton(xn, w, **c)
+            try:
+                results.append((f"{block_n}x{block_k}/{stages} w{warps}",
+                                graph_us([lambda w=w: pair(w) for w in w_views])))
+            except Exception as exc:  # a tiling the compiler refuses (shared memory)
+                print(f"   {block_n}x{block_k}/{stages} w{warps}: {type(exc).__name__}")
+        print(f"{name:8} N {N} K {K}: floor {nbytes / bw * 1e6:.2f}; "
+              + ", ".join(f"{label} {us:.2f}" for label, us in sorted(results, key=lambda r: r[1])))
+        del w_views
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
@@ -404,6 +452,8 @@ def main() -> None:
         gemm_part(args.batch, bw, device)
     if "pdl" in parts:
         pdl_part(args.batch, bw, device)
+    if "warps" in parts:
+        warps_part(args.batch, bw, device)
     if "fused" in parts:
         fused_part(args.batch, bw, device, [int(a) for a in args.adapters.split(",")])
 
