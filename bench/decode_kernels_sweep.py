@@ -433,6 +433,57 @@ def warps_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 51
         torch.cuda.empty_cache()
 
 
+TMA_TILINGS = {  # (block_n, block_k, stages, warps)
+    "qkv": [(32, 256, 4, 4), (32, 128, 4, 4), (32, 128, 6, 4), (64, 128, 4, 4), (32, 64, 8, 4)],
+    "o": [(16, 256, 4, 4), (16, 128, 6, 4), (16, 128, 8, 4), (32, 128, 4, 4), (16, 64, 8, 4)],
+    "down": [(16, 256, 4, 4), (16, 128, 6, 4), (16, 128, 8, 4), (32, 128, 4, 4), (16, 64, 8, 4),
+             (32, 256, 3, 4)],
+    "gate_up": [(32, 128, 4, 4), (32, 128, 6, 4), (64, 128, 4, 4), (64, 64, 6, 4), (128, 64, 4, 4)],
+}
+
+
+def tma_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 512) -> None:
+    """The decode GEMM with TMA tile loads against the pointer-load one (its default tiling),
+    both PDL-launched after an add + norm (pairs back to back in a graph, own weights)."""
+    from kernels.decode_gemm import TILINGS
+    from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton
+    from kernels.norm_triton import add_rms_norm_triton
+
+    print(f"\n== decode GEMM, TMA tile loads, after an add + norm at batch {batch}, PDL: us per pair")
+    for name in ("qkv", "o", "down", "gate_up"):
+        N, K = GEMMS[name]
+        nbytes = N * K * 2
+        w_views = [(torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02).t()
+                   for _ in range(copies_for(nbytes))]
+        hidden = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        out = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        norm_w = torch.ones(K, device=device, dtype=torch.bfloat16)
+        x = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
+        ref = (x.float() @ w_views[0].float())
+        bn, bk, st = TILINGS[name]
+        results = []
+        variants = [("pointer loads", decode_gemm_triton, dict(block_n=bn, block_k=bk, num_stages=st))]
+        variants += [(f"TMA {b}x{k}/{s} w{wp}", decode_gemm_tma,
+                      dict(block_n=b, block_k=k, num_stages=s, num_warps=wp))
+                     for b, k, s, wp in TMA_TILINGS[name]]
+        for label, fn, cfg in variants:
+            cfg = dict(cfg, pdl=True, prefetch_k=prefetch_k)
+
+            def pair(w, fn=fn, c=cfg):
+                _, xn = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
+                fn(xn, w, **c)
+            try:
+                us = graph_us([lambda w=w: pair(w) for w in w_views])
+                err = ((fn(x, w_views[0], **cfg).float() - ref).norm() / ref.norm()).item()
+                results.append((label, us, err))
+            except Exception as exc:
+                print(f"   {label}: {type(exc).__name__}: {str(exc)[:200]}")
+        print(f"{name:8} N {N} K {K}: floor {nbytes / bw * 1e6:.2f}; "
+              + ", ".join(f"{lb} {us:.2f} (err {e:.0e})" for lb, us, e in sorted(results, key=lambda r: r[1])))
+        del w_views
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
@@ -454,6 +505,8 @@ def main() -> None:
         pdl_part(args.batch, bw, device)
     if "warps" in parts:
         warps_part(args.batch, bw, device)
+    if "tma" in parts:
+        tma_part(args.batch, bw, device)
     if "fused" in parts:
         fused_part(args.batch, bw, device, [int(a) for a in args.adapters.split(",")])
 

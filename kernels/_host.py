@@ -69,3 +69,12 @@ def pdl_launch(enabled: bool) -> dict[str, bool]:
     """The launch keyword for a kernel launched with programmatic dependent launch (none
     otherwise: the interpreter takes no such keyword)."""
     return {"launch_pdl": True} if enabled else {}
+
+
+def tma_enabled(t: torch.Tensor) -> bool:
+    """Whether the decode GEMM fetches its tiles with the tensor memory accelerator: CUDA on
+    Hopper or newer, not Triton's interpreter, LORA_DECODE_TMA not 0."""
+    if not t.is_cuda or os.environ.get("LORA_DECODE_TMA", "1") == "0" or interpreting():
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9

@@ -12,6 +12,10 @@ and d, cuBLAS and triton-pdl alternated twice: step p50 a 1.56/1.55 -> 1.53/1.55
 2.02/2.03 -> 2.01/2.01, d 1.64/1.64 -> 1.62/1.62. Launched plainly the same GEMM is slower
 than cuBLASLt (decode graph 1.507 -> 1.564 ms); the early start is what pays
 (docs/PERFORMANCE.md).
+
+On Hopper the GEMM fetches its tiles with TMA (decode_gemm_tma; LORA_DECODE_TMA=0: pointer
+loads): the pointer loads left its SMs issue-bound, and TMA took 0.6-2.4 us off each
+(add + norm, projection) pair (bench/decode_kernels_sweep.py --parts tma).
 """
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ import os
 
 import torch
 
-from ._host import pdl_enabled
-from .decode_gemm_triton import MAX_ROWS, decode_gemm_triton
+from ._host import pdl_enabled, tma_enabled
+from .decode_gemm_triton import MAX_ROWS, decode_gemm_tma, decode_gemm_triton, tma_fits
 
 MODES = ("cublas", "triton", "triton-pdl")
 # (block_n, block_k, stages) per fused projection: the best of bench/decode_kernels_sweep.py
@@ -28,6 +32,10 @@ MODES = ("cublas", "triton", "triton-pdl")
 TILINGS: dict[str, tuple[int, int, int]] = {
     "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 256, 4), "gate_up": (32, 128, 4)}
 DEFAULT_TILING = (16, 128, 4)
+# The same with TMA tile loads (bench/decode_kernels_sweep.py --parts tma, H100, batch 64).
+TMA_TILINGS: dict[str, tuple[int, int, int]] = {
+    "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 128, 8), "gate_up": (32, 128, 4)}
+SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
 class DecodeGemm:
@@ -58,15 +66,18 @@ class DecodeGemm:
         return self.mode != "cublas"
 
     @staticmethod
-    def tiling(w: torch.Tensor, group: str | None) -> tuple[int, int, int] | None:
+    def tiling(w: torch.Tensor, group: str | None, tma: bool = False
+               ) -> tuple[int, int, int] | None:
         """(block_n, block_k, stages) for w [K, N], None where no tiling divides it (the
-        group's own, else 64-column K steps: SmolLM2's hidden size is 576)."""
-        block_n, block_k, stages = TILINGS.get(group, DEFAULT_TILING)
+        group's own, else 64-column K steps: SmolLM2's hidden size is 576), with no more
+        stages than shared memory holds (float32 tiles are twice as large)."""
+        block_n, block_k, stages = (TMA_TILINGS if tma else TILINGS).get(group, DEFAULT_TILING)
         if w.shape[0] % block_k:
             block_k = 64
         if w.shape[1] % block_n or w.shape[0] % block_k:
             return None
-        return block_n, block_k, stages
+        per_stage = (64 + block_n) * block_k * w.element_size()
+        return block_n, block_k, max(2, min(stages, SHARED_MEMORY // per_stage))
 
     def applies(self, x: torch.Tensor, w: torch.Tensor, group: str | None = None) -> bool:
         return (self.mode != "cublas" and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS
@@ -75,8 +86,11 @@ class DecodeGemm:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  group: str | None = None) -> torch.Tensor:
         if bias is None and self.applies(x, w, group):
-            block_n, block_k, stages = self.tiling(w, group)
             pdl = self.mode == "triton-pdl" and pdl_enabled(x)
-            return decode_gemm_triton(x, w, pdl=pdl, prefetch_k=self.prefetch_k,
-                                      block_n=block_n, block_k=block_k, num_stages=stages)
+            tma = (tma_enabled(x) and tma_fits(x, w)
+                   and self.tiling(w, group, tma=True) is not None)
+            block_n, block_k, stages = self.tiling(w, group, tma)
+            gemm = decode_gemm_tma if tma else decode_gemm_triton
+            return gemm(x, w, pdl=pdl, prefetch_k=self.prefetch_k, block_n=block_n,
+                        block_k=block_k, num_stages=stages)
         return self.cublas(x, w, bias)

@@ -72,12 +72,12 @@ def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs Hopper or newer")
-@pytest.mark.parametrize("prefetch_k", [0, 512, 2048])
-def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int) -> None:
+@pytest.mark.parametrize("prefetch_k,tma", [(0, False), (512, False), (2048, False), (0, True), (512, True)])
+def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int, tma: bool) -> None:
     """Launched with programmatic dependent launch right after the add + norm that writes its
     input (which lets it start early), replayed from a CUDA graph: it must still read the
-    norm's new output, never the stale one."""
-    from kernels.decode_gemm_triton import decode_gemm_triton
+    norm's new output, never the stale one (with pointer loads and with TMA tile loads)."""
+    from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton
     from kernels.norm_triton import add_rms_norm_triton
 
     K, N = 2048, 2048
@@ -90,7 +90,7 @@ def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int) -> None:
 
     def step():
         _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
-        decode_gemm_triton(x, w, y, pdl=True, prefetch_k=prefetch_k)
+        (decode_gemm_tma if tma else decode_gemm_triton)(x, w, y, pdl=True, prefetch_k=prefetch_k)
         x_seen.copy_(x)
 
     step()
@@ -103,3 +103,27 @@ def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int) -> None:
         torch.cuda.synchronize()
         torch.testing.assert_close(y.float(), (x_seen.float() @ w.float()).to(torch.bfloat16).float(),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="TMA needs Hopper or newer")
+@pytest.mark.parametrize("rows", [1, 7, 33, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_gemm_tma_matches_torch_mm(rows: int, dtype: torch.dtype) -> None:
+    """TMA tile loads: y = x @ W over [out, in] weights, rows past the batch read as zero
+    (not stale memory) and left unwritten in the output, float32 exact to fp32 products."""
+    from kernels.decode_gemm_triton import decode_gemm_tma, tma_fits
+
+    torch.manual_seed(rows)
+    K, N = 1024, 96
+    x_full = torch.randn(64, K, device="cuda", dtype=dtype)
+    x = x_full[:rows]
+    x_full[rows:] = float("nan")  # a kernel reading past the batch would spread these
+    w = (torch.randn(N, K, device="cuda", dtype=dtype) / 32).t()
+    assert tma_fits(x, w)
+    out = torch.full((rows + 3, N), 7.0, device="cuda", dtype=dtype)
+    decode_gemm_tma(x, w, out[:rows], block_n=16, block_k=128, num_stages=3)
+    expected = x.float() @ w.float()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[:rows].float(), expected, **tol)
+    assert bool((out[rows:] == 7.0).all()), "rows past the batch were written"
