@@ -398,38 +398,50 @@ PDL_TILINGS = {  # (block_n, block_k, stages, warps) per projection; the first i
 }
 
 
+class NormGemmPairs:
+    """One projection's inputs for timing (add + norm, decode GEMM) pairs as the step runs
+    them: enough weight copies that the graph streams them from memory, not L2."""
+
+    def __init__(self, name: str, batch: int, device: torch.device) -> None:
+        self.N, self.K = GEMMS[name]
+        self.nbytes = self.N * self.K * 2
+        self.w_views = [(torch.randn(self.N, self.K, device=device, dtype=torch.bfloat16) * 0.02).t()
+                        for _ in range(copies_for(self.nbytes))]
+        self.hidden = torch.randn(batch, self.K, device=device, dtype=torch.bfloat16)
+        self.out = torch.randn(batch, self.K, device=device, dtype=torch.bfloat16)
+        self.norm_w = torch.ones(self.K, device=device, dtype=torch.bfloat16)
+
+    def time(self, gemm: Callable[..., object], cfg: dict) -> float:
+        """GPU us per pair, gemm(x, w, **cfg) after the norm that writes x."""
+        from kernels.norm_triton import add_rms_norm_triton
+
+        def pair(w):
+            _, x = add_rms_norm_triton(self.hidden, self.out, self.norm_w, 1e-5)
+            gemm(x, w, **cfg)
+        return graph_us([lambda w=w: pair(w) for w in self.w_views])
+
+
 def warps_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 512) -> None:
     """The PDL-launched decode GEMM after its add + norm (as in the step) over tilings that
     include 8 warps and deeper pipelines: more loads in flight per SM for the weight stream."""
     from kernels.decode_gemm_triton import decode_gemm_triton
-    from kernels.norm_triton import add_rms_norm_triton
 
     print(f"\n== decode GEMM tilings after an add + norm at batch {batch}, PDL, {prefetch_k} columns "
           "prefetched: us per (norm, GEMM) pair (block_n x block_k / stages, warps)")
     for name in ("qkv", "o", "down", "gate_up"):
-        N, K = GEMMS[name]
-        nbytes = N * K * 2
-        w_views = [(torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02).t()
-                   for _ in range(copies_for(nbytes))]
-        hidden = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
-        out = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
-        norm_w = torch.ones(K, device=device, dtype=torch.bfloat16)
+        pairs = NormGemmPairs(name, batch, device)
         results = []
         for block_n, block_k, stages, warps in PDL_TILINGS[name]:
             cfg = dict(block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps,
                        pdl=True, prefetch_k=prefetch_k)
-
-            def pair(w, c=cfg):
-                _, xn = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
-                decode_gemm_triton(xn, w, **c)
             try:
                 results.append((f"{block_n}x{block_k}/{stages} w{warps}",
-                                graph_us([lambda w=w: pair(w) for w in w_views])))
+                                pairs.time(decode_gemm_triton, cfg)))
             except Exception as exc:  # a tiling the compiler refuses (shared memory)
                 print(f"   {block_n}x{block_k}/{stages} w{warps}: {type(exc).__name__}")
-        print(f"{name:8} N {N} K {K}: floor {nbytes / bw * 1e6:.2f}; "
+        print(f"{name:8} N {pairs.N} K {pairs.K}: floor {pairs.nbytes / bw * 1e6:.2f}; "
               + ", ".join(f"{label} {us:.2f}" for label, us in sorted(results, key=lambda r: r[1])))
-        del w_views
+        del pairs
         torch.cuda.empty_cache()
 
 
@@ -447,40 +459,29 @@ def tma_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 512)
     both PDL-launched after an add + norm (pairs back to back in a graph, own weights)."""
     from kernels.decode_gemm import TILINGS
     from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton
-    from kernels.norm_triton import add_rms_norm_triton
 
     print(f"\n== decode GEMM, TMA tile loads, after an add + norm at batch {batch}, PDL: us per pair")
     for name in ("qkv", "o", "down", "gate_up"):
-        N, K = GEMMS[name]
-        nbytes = N * K * 2
-        w_views = [(torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02).t()
-                   for _ in range(copies_for(nbytes))]
-        hidden = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
-        out = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
-        norm_w = torch.ones(K, device=device, dtype=torch.bfloat16)
-        x = torch.randn(batch, K, device=device, dtype=torch.bfloat16)
-        ref = (x.float() @ w_views[0].float())
+        pairs = NormGemmPairs(name, batch, device)
+        x = torch.randn(batch, pairs.K, device=device, dtype=torch.bfloat16)
+        ref = x.float() @ pairs.w_views[0].float()
         bn, bk, st = TILINGS[name]
-        results = []
         variants = [("pointer loads", decode_gemm_triton, dict(block_n=bn, block_k=bk, num_stages=st))]
         variants += [(f"TMA {b}x{k}/{s} w{wp}", decode_gemm_tma,
                       dict(block_n=b, block_k=k, num_stages=s, num_warps=wp))
                      for b, k, s, wp in TMA_TILINGS[name]]
-        for label, fn, cfg in variants:
+        results = []
+        for label, gemm, cfg in variants:
             cfg = dict(cfg, pdl=True, prefetch_k=prefetch_k)
-
-            def pair(w, fn=fn, c=cfg):
-                _, xn = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
-                fn(xn, w, **c)
             try:
-                us = graph_us([lambda w=w: pair(w) for w in w_views])
-                err = ((fn(x, w_views[0], **cfg).float() - ref).norm() / ref.norm()).item()
+                us = pairs.time(gemm, cfg)
+                err = ((gemm(x, pairs.w_views[0], **cfg).float() - ref).norm() / ref.norm()).item()
                 results.append((label, us, err))
-            except Exception as exc:
+            except Exception as exc:  # a tiling the compiler refuses (shared memory)
                 print(f"   {label}: {type(exc).__name__}: {str(exc)[:200]}")
-        print(f"{name:8} N {N} K {K}: floor {nbytes / bw * 1e6:.2f}; "
+        print(f"{name:8} N {pairs.N} K {pairs.K}: floor {pairs.nbytes / bw * 1e6:.2f}; "
               + ", ".join(f"{lb} {us:.2f} (err {e:.0e})" for lb, us, e in sorted(results, key=lambda r: r[1])))
-        del w_views
+        del pairs
         torch.cuda.empty_cache()
 
 
