@@ -59,10 +59,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     waits for the one before (gdc_wait) before reading its output, so a launch's latency, and
     the decode GEMM's first weight loads, overlap the kernel ahead. CUDA on Hopper or newer,
     not Triton's interpreter, LORA_PDL not 0."""
-    if not t.is_cuda or os.environ.get("LORA_PDL", "1") == "0" or interpreting():
-        return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] >= 9
+    return _hopper_feature(t, "LORA_PDL")
 
 
 def pdl_launch(enabled: bool) -> dict[str, bool]:
@@ -74,7 +71,13 @@ def pdl_launch(enabled: bool) -> dict[str, bool]:
 def tma_enabled(t: torch.Tensor) -> bool:
     """Whether the decode GEMM fetches its tiles with the tensor memory accelerator: CUDA on
     Hopper or newer, not Triton's interpreter, LORA_DECODE_TMA not 0."""
-    if not t.is_cuda or os.environ.get("LORA_DECODE_TMA", "1") == "0" or interpreting():
+    return _hopper_feature(t, "LORA_DECODE_TMA")
+
+
+def _hopper_feature(t: torch.Tensor, switch: str) -> bool:
+    """A Hopper-only launch feature for kernels on t's device: compiled CUDA (not Triton's
+    interpreter) on compute capability 9 or newer, unless the env var `switch` is 0."""
+    if not t.is_cuda or os.environ.get(switch, "1") == "0" or interpreting():
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9

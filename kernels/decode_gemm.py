@@ -87,10 +87,10 @@ class DecodeGemm:
                  group: str | None = None) -> torch.Tensor:
         if bias is None and self.applies(x, w, group):
             pdl = self.mode == "triton-pdl" and pdl_enabled(x)
-            tma = (tma_enabled(x) and tma_fits(x, w)
-                   and self.tiling(w, group, tma=True) is not None)
-            block_n, block_k, stages = self.tiling(w, group, tma)
-            gemm = decode_gemm_tma if tma else decode_gemm_triton
+            tma_tiling = (self.tiling(w, group, tma=True)
+                          if tma_enabled(x) and tma_fits(x, w) else None)
+            gemm = decode_gemm_tma if tma_tiling else decode_gemm_triton
+            block_n, block_k, stages = tma_tiling or self.tiling(w, group)
             return gemm(x, w, pdl=pdl, prefetch_k=self.prefetch_k, block_n=block_n,
                         block_k=block_k, num_stages=stages)
         return self.cublas(x, w, bias)
