@@ -12,7 +12,8 @@ a real step where every layer reads its own:
 - paged attention at batch 64 over the serving benchmark's contexts, across tilings;
 - RoPE + KV-cache write: the fused kernel against the compiled RoPE plus two index_copy_;
 - the ops that expand a LoRA delta (RoPE + KV write, residual add + norm, SiLU * up) with
-  rows spread over N adapters, across their tilings, against their B bytes' floor.
+  rows spread over N adapters, across their tilings, against their B bytes' floor (the add +
+  norm also with each row spread over programs of 128-1024 columns: `split=`).
 
     python bench/decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
     python bench/decode_kernels_sweep.py --parts gemm    # one part
@@ -22,6 +23,7 @@ a real step where every layer reads its own:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import sys
@@ -268,11 +270,14 @@ def rope_part(batch: int, device: torch.device) -> None:
           f"fused kernel {t_new:.2f} (with a LoRA delta: --parts fused)")
 
 
+SPLIT_COLUMNS = (128, 256, 512, 1024)  # columns a program of the add + norm split over columns
+
+
 def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int]) -> None:
     """The ops that expand a LoRA delta (kernels/lora_delta.py) at rank 16 with batch rows
     spread over N adapters, against the same op without LoRA and against the floor of the B
     bytes they read, over the tilings each one takes."""
-    from kernels.lora_delta import LoraDelta
+    from kernels.lora_delta import ColumnSplit, LoraDelta
     from kernels.norm_triton import add_rms_norm_triton
     from kernels.rope_cache_triton import rope_and_cache_triton
     from kernels.silu_mul_triton import silu_mul_triton
@@ -299,10 +304,18 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
         cos, sin = emb.cos(), emb.sin()
         pos = torch.randint(0, 300, (batch,), device=device)
         kv_slots = torch.randperm(batch * 20 * page, device=device)[:batch]
+        # The add + norm over programs of `split` columns a row (kernels/norm_triton.py).
+        column_splits = {c: ColumnSplit.allocate(c, batch, H, device) for c in SPLIT_COLUMNS}
+
+        def norm(d, split: int = 0, **k):
+            if split and d is not None:
+                d = dataclasses.replace(d, column_split=column_splits[split])
+            return add_rms_norm_triton(hidden, out, w, 1e-5, d, **k)
+
         runs = {
-            "norm": (lambda d, **k: add_rms_norm_triton(hidden, out, w, 1e-5, d, **k),
-                     lambda sl: LoraDelta(partials[:, :1], (b["o"],), sl),
-                     [dict(block_h=bh, num_warps=nw) for bh in (256, 512, 1024, 2048) for nw in (4, 8)]),
+            "norm": (norm, lambda sl: LoraDelta(partials[:, :1], (b["o"],), sl),
+                     [dict(block_h=bh, num_warps=nw) for bh in (256, 512, 1024, 2048) for nw in (4, 8)]
+                     + [dict(split=c, num_warps=nw) for c in SPLIT_COLUMNS for nw in (2, 4, 8)]),
             "silu": (lambda d, **k: silu_mul_triton(gate_up, d, **k),
                      lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl),
                      [dict(block_i=bi, num_warps=nw) for bi in (64, 128, 256, 512, 1024) for nw in (2, 4, 8)]),
@@ -314,7 +327,8 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
         for name, (op, make, knobs) in runs.items():
             base = graph_us([lambda: op(None)] * copies)
             deltas = [make(sl) for sl in slot_rows]
-            timed = sorted((graph_us([lambda d=d, k=k: op(d, **k) for d in deltas], rounds=10), k) for k in knobs)
+            timed = sorted(((graph_us([lambda d=d, k=k: op(d, **k) for d in deltas], rounds=10), k)
+                            for k in knobs), key=lambda timing: timing[0])  # ties: knob order
             floor = b_bytes[name] / bw * 1e6
             best = ", ".join(f"{us:.2f} {k}" for us, k in timed[:3])
             default = graph_us([lambda d=d: op(d) for d in deltas])

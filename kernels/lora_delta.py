@@ -10,12 +10,43 @@ product before doing its own work. No expand launch, no delta buffer.
 Where the projection's matmul is long enough (gate/up, down), the expand can instead run on
 the side stream right after the shrink, beside the matmul, into a float32 delta buffer: the
 next op then adds `expanded` row by row, a read of the delta instead of the adapter's B.
+
+The residual add + norm after o and down reduces over a whole row, so it runs one program per
+row: at decode batch that is 64 programs, each reading its adapter's whole B slice, on a chip
+of 132 SMs. A `ColumnSplit` lets it spread each row over several programs instead
+(kernels/norm_triton.py): each program expands and adds its columns and leaves its part of the
+row's sum of squares; the last one of the row to arrive normalises the row.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class ColumnSplit:
+    """Scratch for an op that reduces over whole rows (the add + norm) to cover each row with
+    several programs of `block` columns. `arrivals` counts the programs of a row that are done;
+    it is zero between launches (the row's last program resets it), so one launch after
+    another, and a CUDA graph's replays, need no clearing. `sums` holds each program's partial
+    sum, added in column order by the last one (deterministic: no float atomics)."""
+
+    block: int                  # columns per program (a power of 2)
+    arrivals: torch.Tensor      # [max rows] int32, zero between launches
+    sums: torch.Tensor          # [max rows, max chunks] float32
+
+    @classmethod
+    def allocate(cls, block: int, max_rows: int, max_columns: int,
+                 device: torch.device) -> "ColumnSplit":
+        assert block > 0 and block & (block - 1) == 0, "block must be a power of 2"
+        chunks = -(-max_columns // block)
+        return cls(block, torch.zeros(max_rows, dtype=torch.int32, device=device),
+                   torch.zeros(max_rows, chunks, dtype=torch.float32, device=device))
+
+    def fits(self, rows: int, columns: int) -> bool:
+        """Whether a launch over rows x columns fits this scratch (else: one program a row)."""
+        return rows <= self.arrivals.shape[0] and -(-columns // self.block) <= self.sums.shape[1]
 
 
 @dataclass(frozen=True)
@@ -33,6 +64,9 @@ class LoraDelta:
     # [T, sum(out_i)] float32, or None: the delta already expanded (slices side by side,
     # rows of slot -1 zero); an op given it adds it and ignores partials and b.
     expanded: torch.Tensor | None = None
+    # Scratch that lets the add + norm after o and down spread a row over several programs
+    # (None: one program a row). Ops that work column by column ignore it.
+    column_split: ColumnSplit | None = None
 
     @property
     def splits(self) -> int:

@@ -2,9 +2,16 @@
 
 One program per row: the row's delta is expanded from the shrink's partial sums and its
 adapter's B (kernels/lora_delta.py), added to the projection's output and to the residual
-stream, and the sum normalised (or the delta already expanded beside the matmul is added). The first pass writes the new residual row and its sum of
-squares; after a barrier the second pass reads the row back (from cache) and writes the
-normalised one. Rows without an adapter skip the B reads.
+stream, and the sum normalised (or the delta already expanded beside the matmul is added).
+The first pass writes the new residual row and its sum of squares; after a barrier the second
+pass reads the row back (from cache) and writes the normalised one. Rows without an adapter
+skip the B reads.
+
+At decode batch one program a row leaves half of an H100's SMs idle while each of the others
+reads a whole B slice (64 KB at Llama-3.2-1B's width): the LoRA add + norm took 5.8 us against
+2.0 without LoRA. Given a ColumnSplit (kernels/lora_delta.py) the LoRA kernel spreads each row
+over programs of a few hundred columns, and the row's last program to finish (an arrival count
+per row) normalises it; the count is reset by that program, so graph replays need no clearing.
 """
 from __future__ import annotations
 
@@ -12,9 +19,65 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import next_power_of_2, pdl_enabled, pdl_launch
+from ._host import cdiv, next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
+
+
+@triton.jit
+def _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt, stride_bs,
+              SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row t's LoRA inputs: its shrink sums h (the split partials added), its adapter's B rows
+    and the rank columns to read (0 for a row without an adapter: no B read, zero added)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    slot = tl.load(slots_ptr + t)
+    r_live = tl.where(slot >= 0, R, 0)
+    b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        h += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_r, mask=offs_r < R, other=0.0)
+    return h, b_rows, r_live
+
+
+@triton.jit
+def _new_residual(hidden_ptr, out_ptr, new_hidden_ptr, dense_ptr, t, offs, mask, h, b_rows,
+                  r_live, stride_h, stride_o, stride_nh, stride_dense, stride_bn,
+                  HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row t's columns `offs` of the new residual stream, hidden + out + the LoRA delta
+    (expanded here from h and B, or read from the delta expanded beside the matmul), stored
+    and returned in float32."""
+    o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+    if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
+        d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+        o = (o.to(tl.float32) + d).to(o.dtype)
+    elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
+        offs_r = tl.arange(0, BLOCK_R)
+        b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
+                    mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+        o = (o.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(o.dtype)
+    res = tl.load(hidden_ptr + t * stride_h + offs, mask=mask, other=0.0)
+    new = (res.to(tl.float32) + o.to(tl.float32)).to(res.dtype)
+    tl.store(new_hidden_ptr + t * stride_nh + offs, new, mask=mask)
+    return new.to(tl.float32)
+
+
+@triton.jit
+def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr):
+    """Reads row t of the new residual stream back and writes it normalised and weighted.
+    CG: load through L2 only (rows other programs wrote)."""
+    for c0 in tl.static_range(0, H, BLOCK_H):
+        offs = c0 + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        if CG:
+            new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0,
+                          cache_modifier=".cg")
+        else:
+            new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
+        normed = (new.to(tl.float32) * rstd).to(new.dtype)
+        w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+        x = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
 
 
 @triton.jit
@@ -32,42 +95,65 @@ def _add_rms_norm_kernel(
     # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
     t = tl.program_id(0).to(tl.int64)
+    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    b_rows, r_live = b_ptr, 0
     if HAS_LORA and not DENSE:
-        offs_r = tl.arange(0, BLOCK_R)
-        slot = tl.load(slots_ptr + t)
-        r_live = tl.where(slot >= 0, R, 0)  # rank columns to read; 0: no adapter, no B read
-        b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
-        h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            h += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_r, mask=offs_r < R,
-                         other=0.0)
+        h, b_rows, r_live = _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt,
+                                      stride_bs, SPLITS, BLOCK_R)
     sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
-        mask = offs < H
-        o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
-        if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
-            d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
-            o = (o.to(tl.float32) + d).to(o.dtype)
-        elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
-            b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
-                        mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-            o = (o.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(o.dtype)
-        res = tl.load(hidden_ptr + t * stride_h + offs, mask=mask, other=0.0)
-        new = (res.to(tl.float32) + o.to(tl.float32)).to(res.dtype)
-        tl.store(new_hidden_ptr + t * stride_nh + offs, new, mask=mask)
-        newf = new.to(tl.float32)
+        newf = _new_residual(hidden_ptr, out_ptr, new_hidden_ptr, dense_ptr, t, offs, offs < H,
+                             h, b_rows, r_live, stride_h, stride_o, stride_nh, stride_dense,
+                             stride_bn, HAS_LORA, DENSE, BLOCK_R)
         sumsq += newf * newf
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
     tl.debug_barrier()  # the row's stores above, by every thread, before it is read back
-    for c0 in tl.static_range(0, H, BLOCK_H):
-        offs = c0 + tl.arange(0, BLOCK_H)
-        mask = offs < H
-        new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
-        normed = (new.to(tl.float32) * rstd).to(new.dtype)
-        w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-        x = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+    _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H, BLOCK_H,
+                   False)
+
+
+@triton.jit
+def _add_rms_norm_split_kernel(
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
+    dense_ptr, arrivals_ptr, sums_ptr, eps, R,
+    stride_h, stride_o, stride_nh, stride_x,
+    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense, stride_sums,
+    H: tl.constexpr, SPLITS: tl.constexpr, DENSE: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """The LoRA add + norm with each row spread over CHUNKS programs of BLOCK_H columns
+    (grid: row, chunk): a program expands and adds its columns, stores them and its part of
+    the row's sum of squares, and counts itself in; the row's last program adds the parts in
+    column order, resets the count and writes the whole row normalised."""
+    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    b_rows, r_live = b_ptr, 0
+    if not DENSE:
+        h, b_rows, r_live = _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt,
+                                      stride_bs, SPLITS, BLOCK_R)
+    offs = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    newf = _new_residual(hidden_ptr, out_ptr, new_hidden_ptr, dense_ptr, t, offs, offs < H, h,
+                         b_rows, r_live, stride_h, stride_o, stride_nh, stride_dense, stride_bn,
+                         True, DENSE, BLOCK_R)
+    tl.store(sums_ptr + t * stride_sums + chunk, tl.sum(newf * newf, axis=0))
+    # Every thread's stores above before the count (a release at GPU scope): the program that
+    # sees the full count then sees this program's columns and sum.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == CHUNKS - 1:
+        tl.atomic_xchg(arrivals_ptr + t, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        offs_c = tl.arange(0, BLOCK_CHUNKS)
+        parts = tl.load(sums_ptr + t * stride_sums + offs_c, mask=offs_c < CHUNKS, other=0.0,
+                        cache_modifier=".cg")
+        rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / H + eps)
+        _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H,
+                       NORM_BLOCK, True)
 
 
 def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
@@ -77,7 +163,9 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     """As norm_ref.add_rms_norm with delta.dense(), in one launch. block_h: columns per
     unrolled chunk. With a delta the defaults (2048 columns, 8 warps) are the sweep's best
     on an H100 at batch 64: 6.3 -> 4.1 us against 512 columns and 4 warps
-    (bench/decode_kernels_sweep.py --parts fused)."""
+    (bench/decode_kernels_sweep.py --parts fused). A delta that carries a ColumnSplit covers
+    each row with programs of split.block columns instead (block_h then sizes only the
+    normalising pass)."""
     T, H = hidden.shape
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
@@ -99,13 +187,26 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
         lora = (hidden,) * 3  # dummy pointers, never read
         R, lora_strides, splits, default_block = 1, (0, 0, 0, 0), 0, 2048
     pdl = pdl_enabled(hidden)
+    dense_args = (delta.expanded if dense else hidden, delta.expanded.stride(0) if dense else 0)
+    block_h = min(block_h or default_block, next_power_of_2(H))
+    split = delta.column_split if delta is not None else None
+    if split is not None and split.block < H and split.fits(T, H):
+        chunks = cdiv(H, split.block)
+        _add_rms_norm_split_kernel[(T, chunks)](
+            hidden, out, weight, new_hidden, x, *lora, dense_args[0], split.arrivals, split.sums,
+            eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0),
+            *lora_strides, dense_args[1], split.sums.stride(0),
+            H=H, SPLITS=splits, DENSE=dense, CHUNKS=chunks, BLOCK_H=split.block,
+            BLOCK_R=max(16, next_power_of_2(R)), BLOCK_CHUNKS=max(2, next_power_of_2(chunks)),
+            NORM_BLOCK=block_h, PDL=pdl, **pdl_launch(pdl), num_warps=num_warps or 4,
+        )
+        return new_hidden, x
     _add_rms_norm_kernel[(T,)](
-        hidden, out, weight, new_hidden, x, *lora, delta.expanded if dense else hidden, eps, R,
+        hidden, out, weight, new_hidden, x, *lora, dense_args[0], eps, R,
         hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
-        delta.expanded.stride(0) if dense else 0,
+        dense_args[1],
         H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
-        BLOCK_H=min(block_h or default_block, next_power_of_2(H)),
-        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
+        BLOCK_H=block_h, BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
         num_warps=num_warps or (8 if delta is not None else 4),
     )
     return new_hidden, x

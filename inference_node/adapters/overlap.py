@@ -30,12 +30,13 @@ order, and the fused ops expand the sums with the PyTorch reference.
 """
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
 
 from kernels.lora import lora_expand, lora_shrink_partials, lora_workspace_numel
-from kernels.lora_delta import LoraDelta
+from kernels.lora_delta import ColumnSplit, LoraDelta
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
@@ -45,15 +46,26 @@ from .slots import SlotBuffers
 SIDE_EXPAND_SEGMENTS = 8
 
 
+def norm_split_columns() -> int:
+    """LORA_NORM_SPLIT: columns per program of the LoRA add + norm after o and down in graph
+    steps (kernels/norm_triton.py: each row spread over several programs, the last one to
+    finish normalising it); 0, the default, keeps one program a row. Off until measured on
+    a GPU against one program a row (docs/PERFORMANCE.md)."""
+    return int(os.environ.get("LORA_NORM_SPLIT", "0"))
+
+
 class LoraOverlap:
     """The static buffers and the side stream that decode-graph appliers share."""
 
     def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0,
-                 side_expand_segments: int = SIDE_EXPAND_SEGMENTS) -> None:
+                 side_expand_segments: int = SIDE_EXPAND_SEGMENTS,
+                 norm_split: int | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
-        the expands on the side stream too (0: never)."""
+        the expands on the side stream too (0: never). norm_split: columns per program of
+        the add + norm that expands o's and down's deltas (0: one program a row; None:
+        LORA_NORM_SPLIT)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
@@ -71,6 +83,13 @@ class LoraOverlap:
                        else {})
         self.stream = (torch.cuda.Stream(device, priority=side_priority)
                        if device.type == "cuda" else None)
+        # The add + norm's per-row arrival counts and partial sums, shared by every o and
+        # down of a step: those launches run one after another on the main stream.
+        norm_split = norm_split_columns() if norm_split is None else norm_split
+        width = max((b.shape[1] for g in ("o", "down") for b in buffers.layers[0][g].b), default=0) \
+            if buffers.layers else 0
+        self.column_split = (ColumnSplit.allocate(norm_split, max_tokens, width, device)
+                             if norm_split > 0 and width else None)
 
     def applier(self, meta: LoraBatchMeta, groups: frozenset[str] | None = None) -> "OverlappedLoraApplier":
         return OverlappedLoraApplier(self, meta, groups)
@@ -129,4 +148,4 @@ class OverlappedLoraApplier:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
-                         self.meta.token_slots, self._expanded)
+                         self.meta.token_slots, self._expanded, self.overlap.column_split)

@@ -27,8 +27,22 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
     assert graph_batch_sizes(1) == [1]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_graph_decode_matches_peft_for_mixed_adapters(device, tiny_llama_path, tmp_path) -> None:
+@pytest.mark.parametrize("device,norm_split", [
+    ("cpu", 0), ("cpu", 16), pytest.param("cuda", 0, marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, marks=pytest.mark.gpu)], ids=["cpu", "cpu-split", "cuda", "cuda-split"])
+def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, tiny_llama_path, tmp_path,
+                                                      monkeypatch) -> None:
+    """norm_split: the LoRA add + norm after o and down spreads each row over programs of that
+    many columns (kernels/norm_triton.py, LORA_NORM_SPLIT), with the expands left to it (no
+    side-stream expand), as in steps of many adapters. It runs in Triton (natively, or
+    interpreted by test_triton_interpreter.py); the CPU reference ignores it."""
+    if norm_split:
+        import functools
+
+        from inference_node.adapters import overlap
+
+        monkeypatch.setattr(overlap, "LoraOverlap", functools.partial(
+            overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split))
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
@@ -56,6 +70,14 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, tiny_llama_path, t
         assert got == expected
         snap = node.check_idle()
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
+        if norm_split:
+            from kernels._dispatch import use_triton
+
+            split = node.engine.decode_graphs.lora_applier.__self__.column_split
+            assert split is not None and split.block == norm_split
+            assert int(split.arrivals.count_nonzero()) == 0  # every row's count reset
+            if use_triton(split.sums):  # the split kernel ran (the reference ignores it)
+                assert int(split.sums.count_nonzero()) > 0
     finally:
         node.stop()
 
