@@ -40,21 +40,19 @@ def _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt, stride_bs,
 
 
 @triton.jit
-def _new_residual(hidden_ptr, out_ptr, new_hidden_ptr, dense_ptr, t, offs, mask, h, b_rows,
-                  r_live, stride_h, stride_o, stride_nh, stride_dense, stride_bn,
-                  HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Row t's columns `offs` of the new residual stream, hidden + out + the LoRA delta
-    (expanded here from h and B, or read from the delta expanded beside the matmul), stored
-    and returned in float32."""
-    o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
-    if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
-        d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
-        o = (o.to(tl.float32) + d).to(o.dtype)
-    elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
-        offs_r = tl.arange(0, BLOCK_R)
-        b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
-                    mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-        o = (o.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(o.dtype)
+def _expand(h, b_rows, r_live, offs, mask, stride_bn, BLOCK_R: tl.constexpr):
+    """The delta h @ B[offs].T of one row on columns `offs`, float32 (zero for a row without
+    an adapter: r_live 0, no B read)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
+                mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+    return tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+
+
+@triton.jit
+def _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh):
+    """Row t's columns `offs` of the new residual stream, hidden + o (o already holding its
+    delta), stored and returned in float32."""
     res = tl.load(hidden_ptr + t * stride_h + offs, mask=mask, other=0.0)
     new = (res.to(tl.float32) + o.to(tl.float32)).to(res.dtype)
     tl.store(new_hidden_ptr + t * stride_nh + offs, new, mask=mask)
@@ -103,9 +101,15 @@ def _add_rms_norm_kernel(
     sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
-        newf = _new_residual(hidden_ptr, out_ptr, new_hidden_ptr, dense_ptr, t, offs, offs < H,
-                             h, b_rows, r_live, stride_h, stride_o, stride_nh, stride_dense,
-                             stride_bn, HAS_LORA, DENSE, BLOCK_R)
+        mask = offs < H
+        o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+        if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
+            d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+            o = (o.to(tl.float32) + d).to(o.dtype)
+        elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
+            o = (o.to(tl.float32) + _expand(h, b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+                 ).to(o.dtype)
+        newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
         sumsq += newf * newf
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
     tl.debug_barrier()  # the row's stores above, by every thread, before it is read back
@@ -121,26 +125,36 @@ def _add_rms_norm_split_kernel(
     stride_ps, stride_pt, stride_bs, stride_bn, stride_dense, stride_sums,
     H: tl.constexpr, SPLITS: tl.constexpr, DENSE: tl.constexpr, CHUNKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """The LoRA add + norm with each row spread over CHUNKS programs of BLOCK_H columns
     (grid: row, chunk): a program expands and adds its columns, stores them and its part of
     the row's sum of squares, and counts itself in; the row's last program adds the parts in
-    column order, resets the count and writes the whole row normalised."""
-    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    column order, resets the count and writes the whole row normalised.
+
+    EARLY (with PDL): the delta is computed before the wait for the kernel ahead (the
+    projection's GEMM), overlapping its tail. Nothing it reads is that kernel's output: the
+    row's slot is a step input, the shrink's sums (or the expanded delta) come from the side
+    stream, joined before this launch, and B is the slot's weights."""
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    b_rows, r_live = b_ptr, 0
-    if not DENSE:
+    offs = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
+        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_wait()
+    if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
+        d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+    else:
         h, b_rows, r_live = _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt,
                                       stride_bs, SPLITS, BLOCK_R)
-    offs = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
-    newf = _new_residual(hidden_ptr, out_ptr, new_hidden_ptr, dense_ptr, t, offs, offs < H, h,
-                         b_rows, r_live, stride_h, stride_o, stride_nh, stride_dense, stride_bn,
-                         True, DENSE, BLOCK_R)
+        d = _expand(h, b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_wait()  # before reading the projection's output
+    o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+    o = (o.to(tl.float32) + d).to(o.dtype)
+    newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
     tl.store(sums_ptr + t * stride_sums + chunk, tl.sum(newf * newf, axis=0))
     # Every thread's stores above before the count (a release at GPU scope): the program that
     # sees the full count then sees this program's columns and sum.
@@ -158,14 +172,15 @@ def _add_rms_norm_split_kernel(
 
 def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                         eps: float, delta: LoraDelta | None = None, *,
-                        block_h: int | None = None, num_warps: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_h: int | None = None, num_warps: int | None = None,
+                        early_delta: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """As norm_ref.add_rms_norm with delta.dense(), in one launch. block_h: columns per
     unrolled chunk. With a delta the defaults (2048 columns, 8 warps) are the sweep's best
     on an H100 at batch 64: 6.3 -> 4.1 us against 512 columns and 4 warps
     (bench/decode_kernels_sweep.py --parts fused). A delta that carries a ColumnSplit covers
     each row with programs of split.block columns instead (block_h then sizes only the
-    normalising pass)."""
+    normalising pass; early_delta: with PDL, the delta is computed before the wait for the
+    projection, see _add_rms_norm_split_kernel)."""
     T, H = hidden.shape
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
@@ -198,7 +213,8 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, DENSE=dense, CHUNKS=chunks, BLOCK_H=split.block,
             BLOCK_R=max(16, next_power_of_2(R)), BLOCK_CHUNKS=max(2, next_power_of_2(chunks)),
-            NORM_BLOCK=block_h, PDL=pdl, **pdl_launch(pdl), num_warps=num_warps or 4,
+            NORM_BLOCK=block_h, EARLY=early_delta, PDL=pdl, **pdl_launch(pdl),
+            num_warps=num_warps or 4,
         )
         return new_hidden, x
     _add_rms_norm_kernel[(T,)](

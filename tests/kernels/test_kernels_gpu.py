@@ -129,13 +129,19 @@ def test_decode_gemm_tma_matches_torch_mm(rows: int, dtype: torch.dtype) -> None
     assert bool((out[rows:] == 7.0).all()), "rows past the batch were written"
 
 
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("block", [128, 512])
 @pytest.mark.parametrize("adapters", [1, 32])
-def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -> None:
+def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int, early: bool) -> None:
     """The LoRA add + norm with each row spread over programs (a ColumnSplit), at Llama-3.2-1B's
-    width and decode batch, between two kernels as in a step and replayed from one CUDA graph:
-    every replay, on new inputs, equals the reference, and leaves every arrival count at zero
-    (a count left over would make the next replay normalise a row before all of it is in)."""
+    width and decode batch, right after the projection's GEMM that writes its input (both
+    PDL-launched on Hopper, as in a step), replayed from one CUDA graph: every replay, on new
+    inputs, equals the reference on the GEMM's new output (a kernel that read it before its
+    wait would see the last replay's), and leaves every arrival count at zero (a count left
+    over would make the next replay normalise a row before all of it is in). early: the
+    delta computed before the wait for the GEMM."""
+    from kernels._host import pdl_enabled
+    from kernels.decode_gemm_triton import decode_gemm_triton
     from kernels.lora_delta import ColumnSplit, LoraDelta
     from kernels.norm_ref import add_rms_norm
     from kernels.norm_triton import add_rms_norm_triton
@@ -146,26 +152,32 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -
     b = torch.randn(adapters, HIDDEN, R, generator=gen, **bf16) * 0.05
     slots = torch.sort(torch.randint(-1, adapters, (T,), generator=gen, device="cuda")).values.int()
     partials = torch.randn(4, 1, T, R, generator=gen, device="cuda")
-    hidden, out = (torch.randn(T, HIDDEN, generator=gen, **bf16) for _ in range(2))
+    x_in = torch.randn(T, Q, generator=gen, **bf16)
+    w = (torch.randn(HIDDEN, Q, generator=gen, **bf16) / 32).t()  # o: [in, out] view of [out, in]
+    hidden, out = torch.randn(T, HIDDEN, generator=gen, **bf16), torch.empty(T, HIDDEN, **bf16)
     weight = 1 + 0.1 * torch.randn(HIDDEN, generator=gen, **bf16)
     split = ColumnSplit.allocate(block, T, HIDDEN, torch.device("cuda"))
     delta = LoraDelta(partials, (b,), slots, column_split=split)
     results = {}
 
     def step():
-        hidden.mul_(1.0)  # a kernel before it, as in a step
-        results["new"], results["x"] = add_rms_norm_triton(hidden, out, weight, 1e-5, delta)
+        decode_gemm_triton(x_in, w, out, pdl=pdl_enabled(x_in), prefetch_k=512, block_n=16,
+                           block_k=256)
+        results["new"], results["x"] = add_rms_norm_triton(hidden, out, weight, 1e-5, delta,
+                                                           early_delta=early)
 
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
     for _ in range(4):
-        out.normal_(generator=gen)
+        x_in.normal_(generator=gen)
         partials.normal_(generator=gen)
         partials[:, :, slots < 0] = 0.0  # rows without an adapter: zero sums (lora_delta.py)
         graph.replay()
         torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), (x_in.float() @ w.float()).to(torch.bfloat16).float(),
+                                   rtol=2e-2, atol=2e-2)
         new_ref, x_ref = add_rms_norm(hidden, out, weight, 1e-5, delta.dense())
         _bf16_close(results["new"], new_ref)
         _bf16_close(results["x"], x_ref)
