@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._host import cdiv
+
 
 @dataclass(frozen=True)
 class ColumnSplit:
@@ -40,13 +42,12 @@ class ColumnSplit:
     def allocate(cls, block: int, max_rows: int, max_columns: int,
                  device: torch.device) -> "ColumnSplit":
         assert block > 0 and block & (block - 1) == 0, "block must be a power of 2"
-        chunks = -(-max_columns // block)
         return cls(block, torch.zeros(max_rows, dtype=torch.int32, device=device),
-                   torch.zeros(max_rows, chunks, dtype=torch.float32, device=device))
+                   torch.zeros(max_rows, cdiv(max_columns, block), dtype=torch.float32, device=device))
 
     def fits(self, rows: int, columns: int) -> bool:
         """Whether a launch over rows x columns fits this scratch (else: one program a row)."""
-        return rows <= self.arrivals.shape[0] and -(-columns // self.block) <= self.sums.shape[1]
+        return rows <= self.arrivals.shape[0] and cdiv(columns, self.block) <= self.sums.shape[1]
 
 
 @dataclass(frozen=True)

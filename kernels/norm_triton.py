@@ -93,8 +93,6 @@ def _add_rms_norm_kernel(
     # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
     t = tl.program_id(0).to(tl.int64)
-    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    b_rows, r_live = b_ptr, 0
     if HAS_LORA and not DENSE:
         h, b_rows, r_live = _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt,
                                       stride_bs, SPLITS, BLOCK_R)

@@ -83,13 +83,13 @@ class LoraOverlap:
                        else {})
         self.stream = (torch.cuda.Stream(device, priority=side_priority)
                        if device.type == "cuda" else None)
-        # The add + norm's per-row arrival counts and partial sums, shared by every o and
-        # down of a step: those launches run one after another on the main stream.
+        # The add + norm's per-row arrival counts and partial sums over the hidden width (o's
+        # output), shared by every o and down of a step: those launches run one after
+        # another on the main stream.
         norm_split = norm_split_columns() if norm_split is None else norm_split
-        width = max((b.shape[1] for g in ("o", "down") for b in buffers.layers[0][g].b), default=0) \
-            if buffers.layers else 0
-        self.column_split = (ColumnSplit.allocate(norm_split, max_tokens, width, device)
-                             if norm_split > 0 and width else None)
+        self.column_split = (ColumnSplit.allocate(norm_split, max_tokens,
+                                                  buffers.layers[0]["o"].b[0].shape[1], device)
+                             if norm_split > 0 and buffers.layers else None)
 
     def applier(self, meta: LoraBatchMeta, groups: frozenset[str] | None = None) -> "OverlappedLoraApplier":
         return OverlappedLoraApplier(self, meta, groups)
