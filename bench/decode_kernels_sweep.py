@@ -20,6 +20,7 @@ a real step where every layer reads its own:
     python bench/decode_kernels_sweep.py --parts gemm    # one part
     python bench/decode_kernels_sweep.py --parts pdl     # the decode GEMM after its norm, PDL on/off
     python bench/decode_kernels_sweep.py --parts warps   # its tilings with 8 warps, deeper pipelines
+    python bench/decode_kernels_sweep.py --parts argmax  # greedy sampling's argmax, its tilings
 """
 from __future__ import annotations
 
@@ -501,6 +502,33 @@ def tma_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 512)
         torch.cuda.empty_cache()
 
 
+def argmax_part(batch: int, bw: float, device: torch.device) -> None:
+    """Greedy sampling's argmax over the LM head's logits (Llama-3.2-1B's vocabulary), the
+    chunk pass across its tilings, against torch.argmax and the logits' bytes' floor. Timed on
+    one logits tensor (the LM head has just written it: mostly in L2) and walked over four."""
+    from kernels.argmax_triton import _BLOCK, _WARPS, chunks_for, first_argmax_triton
+
+    vocab = GEMMS["lm_head"][0]
+    logits = [torch.randn(batch, vocab, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    want = logits[0].argmax(-1)
+    default = chunks_for(batch, vocab, device)
+    floor = logits[0].numel() * logits[0].element_size() / bw * 1e6
+    knobs = [dict(chunks=c, block=b, num_warps=w) for c in sorted({default, 9, 16, 24, 32, 48, 64})
+             for b in (1024, 2048, 4096) for w in (4, 8)]
+    for copies in (1, 4):
+        torch_us = graph_us([lambda i=i: logits[i % copies].argmax(-1) for i in range(4)])
+        results = []
+        for k in knobs:
+            assert torch.equal(first_argmax_triton(logits[0], **k), want), k
+            results.append((graph_us([lambda i=i, k=k: first_argmax_triton(logits[i % copies], **k)
+                                      for i in range(4)]), k))
+        results.sort(key=lambda r: r[0])
+        now = next(us for us, k in results if k == dict(chunks=default, block=_BLOCK, num_warps=_WARPS))
+        print(f"argmax [{batch}, {vocab}] over {copies} logits tensor(s), us: floor {floor:.2f}, "
+              f"torch {torch_us:.2f}, default ({default} chunks, {_BLOCK}, {_WARPS} warps) {now:.2f}; best "
+              + ", ".join(f"{us:.2f} {k}" for us, k in results[:4]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
@@ -524,6 +552,8 @@ def main() -> None:
         warps_part(args.batch, bw, device)
     if "tma" in parts:
         tma_part(args.batch, bw, device)
+    if "argmax" in parts:
+        argmax_part(args.batch, bw, device)
     if "fused" in parts:
         fused_part(args.batch, bw, device, [int(a) for a in args.adapters.split(",")])
 

@@ -15,7 +15,12 @@ import triton.language as tl
 from ._host import cdiv, num_sms
 
 MAX_CHUNKS = 64  # the row pass walks a tile this wide: one compiled variant for any count
-_BLOCK = 2048
+# The chunk pass's tiling: at 64 x 128256 bf16 on an H100, 32 chunks of 4096-column blocks
+# with 4 warps take 11.7 us walked past L2 (10.0 in it) against 16.2 (15.0) for 9 chunks of
+# 2048 with 8 warps (bench/decode_kernels_sweep.py --parts argmax; floor 5.5).
+_BLOCK = 4096
+_WARPS = 4
+_PROGRAMS_PER_SM = 16
 _DYNAMIC = ["n_cols", "stride_row", "chunk_len", "n_chunks"]
 
 
@@ -55,25 +60,29 @@ def _row_pick_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_PAD: tl.constex
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def chunks_for(rows: int, n_cols: int, device: torch.device) -> int:
-    """Vocabulary chunks per row: about four programs per SM, at least a block each."""
-    want = cdiv(4 * num_sms(device), max(rows, 1))
-    return max(1, min(MAX_CHUNKS, want, cdiv(n_cols, _BLOCK)))
+def chunks_for(rows: int, n_cols: int, device: torch.device, block: int = _BLOCK) -> int:
+    """Vocabulary chunks per row: about _PROGRAMS_PER_SM programs per SM, at least a block
+    each."""
+    want = cdiv(_PROGRAMS_PER_SM * num_sms(device), max(rows, 1))
+    return max(1, min(MAX_CHUNKS, want, cdiv(n_cols, block)))
 
 
-def first_argmax_triton(logits: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
-    """[rows] int64: the first index of each row's maximum (as torch.argmax(dim=-1))."""
+def first_argmax_triton(logits: torch.Tensor, chunks: int | None = None, *,
+                        block: int = _BLOCK, num_warps: int = _WARPS) -> torch.Tensor:
+    """[rows] int64: the first index of each row's maximum (as torch.argmax(dim=-1)).
+    chunks, block, num_warps: the chunk pass's tiling (bench/decode_kernels_sweep.py
+    --parts argmax)."""
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    n_chunks = max(1, min(chunks or chunks_for(rows, n_cols, logits.device), MAX_CHUNKS))
-    chunk_len = cdiv(cdiv(n_cols, n_chunks), _BLOCK) * _BLOCK
+    n_chunks = max(1, min(chunks or chunks_for(rows, n_cols, logits.device, block), MAX_CHUNKS))
+    chunk_len = cdiv(cdiv(n_cols, n_chunks), block) * block
     n_chunks = cdiv(n_cols, chunk_len)  # no empty chunk
     vals = torch.empty(rows, n_chunks, dtype=torch.float32, device=logits.device)
     idxs = torch.empty(rows, n_chunks, dtype=torch.int32, device=logits.device)
     _chunk_max_kernel[(rows, n_chunks)](logits, vals, idxs, n_cols, logits.stride(0), chunk_len,
-                                        n_chunks, BLOCK=_BLOCK, num_warps=8)
+                                        n_chunks, BLOCK=block, num_warps=num_warps)
     _row_pick_kernel[(rows,)](vals, idxs, out, n_chunks, CHUNKS_PAD=MAX_CHUNKS, num_warps=2)
     return out
