@@ -125,6 +125,72 @@ def kernel_families(run, reps: int, by_name: bool = False) -> dict[str, tuple[fl
     return {k: (v[0], round(v[1])) for k, v in totals.items()}
 
 
+def graph_timeline(graph, reps: int) -> list[dict]:
+    """The kernels of `reps` replays of one captured graph, from a torch.profiler trace (CUPTI
+    records a graph's kernel nodes): dicts with name, stream, start and end in us, sorted by
+    start. The eager profile above cannot show where the main stream waits for the side one."""
+    import json
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    kernels = [dict(name=e["name"], stream=e.get("args", {}).get("stream", e.get("tid")),
+                    start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))
+               for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    return sorted(kernels, key=lambda k: k["start"])
+
+
+SIDE_FAMILIES = ("lora_shrink", "lora_expand")  # what the side stream runs (adapters/overlap.py)
+
+
+def print_timeline(label: str, kernels: list[dict], reps: int) -> None:
+    """Per replay: the time the step's chain (every kernel but the side stream's shrinks and
+    expands) has nothing running, summed by the kernel that ends the gap, and the side work
+    that runs while it waits. CUPTI gives a graph's branches stream ids of their own, so the
+    chain is told apart by kernel, not by stream."""
+    if not kernels:
+        print(f"\n== {label}: the trace holds no kernels (CUPTI did not record the graph's)")
+        return
+    side = [k for k in kernels if family(k["name"]) in SIDE_FAMILIES]
+    chain = [k for k in kernels if family(k["name"]) not in SIDE_FAMILIES]
+    span = (kernels[-1]["end"] - kernels[0]["start"]) / reps
+    busy = sum(k["end"] - k["start"] for k in chain) / reps
+    side_busy = sum(k["end"] - k["start"] for k in side) / reps
+    print(f"\n== {label}: {len(kernels) / reps:.0f} kernels a replay ({len(side) / reps:.0f} side), "
+          f"{span / 1e3:.3f} ms a replay (traced, first start to last end); chain kernels' own "
+          f"time {busy / 1e3:.3f} ms, side kernels' {side_busy / 1e3:.3f} ms")
+    gaps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    prev_end = None
+    for k in chain:
+        if prev_end is not None and k["start"] > prev_end:
+            g = gaps[family(k["name"])]
+            g[0] += k["start"] - prev_end
+            g[1] += 1
+            g[2] += sum(max(0.0, min(s["end"], k["start"]) - max(s["start"], prev_end))
+                        for s in side)
+        prev_end = k["end"] if prev_end is None else max(prev_end, k["end"])
+    total = sum(g[0] for g in gaps.values()) / reps
+    print(f"   chain idle {total / 1e3:.3f} ms a replay; by the kernel that ends the gap "
+          f"(us a replay, gaps a replay, side kernels' time inside the gaps):")
+    for fam, (us, n, side_us) in sorted(gaps.items(), key=lambda kv: -kv[1][0]):
+        print(f"      {us / reps:8.1f} us  {n / reps:5.1f}  {side_us / reps:8.1f} us  {fam}")
+    spans: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in chain:
+        f = spans[family(k["name"])]
+        f[0] += k["end"] - k["start"]
+        f[1] += 1
+    print("   chain kernels in the graph (us a replay, launches, us each):")
+    for fam, (us, n) in sorted(spans.items(), key=lambda kv: -kv[1][0]):
+        print(f"      {us / reps:8.1f} us  {n / reps:5.0f}  {us / n:6.1f}  {fam}")
+
+
 def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int):
     """(config, LlamaModel) of Llama-3.2-1B's shapes with random weights (`layers` of them if
     given), through a checkpoint written to a temporary directory."""
@@ -183,6 +249,8 @@ def main() -> None:
                         "overlap-carveN, overlap-sidexN, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
+    p.add_argument("--timeline", action="store_true",
+                   help="trace graph replays: streams' busy time, the main stream's idle gaps")
     args = p.parse_args()
 
     from inference_node.adapters.applier import StepLoraApplier
@@ -253,6 +321,10 @@ def main() -> None:
                 bursts[mode].append(burst_ms(graphs._graphs[keys[mode]][0], args.reps))
         for mode in modes:
             replays[(mode, n)] = statistics.median(bursts[mode])
+        if args.timeline:
+            for mode, graphs in all_graphs.items():
+                print_timeline(f"[{mode}] {n} graph", graph_timeline(
+                    graphs._graphs[keys[mode]][0], args.reps), args.reps)
         if args.no_profile:
             continue
         for mode, graphs in all_graphs.items():
