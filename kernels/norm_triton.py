@@ -171,14 +171,14 @@ def _add_rms_norm_split_kernel(
 def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                         eps: float, delta: LoraDelta | None = None, *,
                         block_h: int | None = None, num_warps: int | None = None,
-                        early_delta: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        early_delta: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As norm_ref.add_rms_norm with delta.dense(), in one launch. block_h: columns per
     unrolled chunk. With a delta the defaults (2048 columns, 8 warps) are the sweep's best
     on an H100 at batch 64: 6.3 -> 4.1 us against 512 columns and 4 warps
     (bench/decode_kernels_sweep.py --parts fused). A delta that carries a ColumnSplit covers
     each row with programs of split.block columns instead (block_h then sizes only the
     normalising pass; early_delta: with PDL, the delta is computed before the wait for the
-    projection, see _add_rms_norm_split_kernel)."""
+    projection, see _add_rms_norm_split_kernel; None: the split's own setting)."""
     T, H = hidden.shape
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
@@ -211,7 +211,8 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, DENSE=dense, CHUNKS=chunks, BLOCK_H=split.block,
             BLOCK_R=max(16, next_power_of_2(R)), BLOCK_CHUNKS=max(2, next_power_of_2(chunks)),
-            NORM_BLOCK=block_h, EARLY=early_delta, PDL=pdl, **pdl_launch(pdl),
+            NORM_BLOCK=block_h, EARLY=split.early if early_delta is None else early_delta,
+            PDL=pdl, **pdl_launch(pdl),
             num_warps=num_warps or 4,
         )
         return new_hidden, x

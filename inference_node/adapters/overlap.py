@@ -54,6 +54,13 @@ def norm_split_columns() -> int:
     return int(os.environ.get("LORA_NORM_SPLIT", "0"))
 
 
+def norm_split_early() -> bool:
+    """LORA_NORM_SPLIT_EARLY=0: the split add + norm computes its delta after the wait for
+    the projection's GEMM, not in its PDL prologue (its programs then do not sit on the SMs
+    beside the GEMM's). On by default."""
+    return os.environ.get("LORA_NORM_SPLIT_EARLY", "1") != "0"
+
+
 class LoraOverlap:
     """The static buffers and the side stream that decode-graph appliers share."""
 
@@ -88,7 +95,8 @@ class LoraOverlap:
         # another on the main stream.
         norm_split = norm_split_columns() if norm_split is None else norm_split
         self.column_split = (ColumnSplit.allocate(norm_split, max_tokens,
-                                                  buffers.layers[0]["o"].b[0].shape[1], device)
+                                                  buffers.layers[0]["o"].b[0].shape[1], device,
+                                                  norm_split_early())
                              if norm_split > 0 and buffers.layers else None)
 
     def applier(self, meta: LoraBatchMeta, groups: frozenset[str] | None = None) -> "OverlappedLoraApplier":
