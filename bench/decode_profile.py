@@ -94,7 +94,7 @@ def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> 
 def family(name: str) -> str:
     """Groups kernel names: cuBLAS GEMMs, our Triton kernels by name, torch.compile fusions."""
     if re.search(r"gemm|cutlass|sm90_|nvjet|cublas", name, re.I):
-        return "GEMM (cuBLAS)"
+        return "GEMM (cuBLAS or the Triton decode GEMM)"
     m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?|add_rms_norm|silu_mul|rope_cache)_kernel", name)
     if m:
         return m.group(1)

@@ -35,3 +35,31 @@ def test_prefill_profile_runs_on_cpu() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     for config in ("base", "c1", "d32"):
         assert f"{config}: forward ran, host" in proc.stdout, proc.stdout
+
+
+def test_decode_profile_timeline_counts_the_chains_idle_gaps(capsys: pytest.CaptureFixture) -> None:
+    """decode_profile --timeline: a gap in the chain (every kernel but the side stream's) is
+    charged to the kernel that ends it, with the side work inside it; a chain kernel that
+    starts before the one ahead ends (PDL) leaves no gap, and side kernels are no chain."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import decode_profile
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def k(name: str, start: float, end: float) -> dict:
+        return dict(name=name, stream=0, start=start, end=end)
+
+    replay = [k("_decode_gemm_tma_kernel", 0, 10), k("_lora_shrink_kernel", 8, 14),
+              k("_rope_cache_kernel", 15, 17), k("_paged_attention_kernel", 16, 30),
+              k("_add_rms_norm_kernel", 31, 33)]
+    decode_profile.print_timeline("t", replay + [dict(x, start=x["start"] + 35, end=x["end"] + 35)
+                                                 for x in replay], reps=2)
+    out = capsys.readouterr().out
+    # 5 us before RoPE and 1 before the norm in each replay, 2 between the replays
+    assert "chain idle 0.007 ms a replay" in out, out
+    gap_lines = out.split("chain idle")[1].split("chain kernels in the graph")[0]
+    assert "     5.0 us    1.0       4.0 us  rope_cache" in gap_lines, out
+    assert "     1.0 us    1.0       0.0 us  add_rms_norm" in gap_lines, out
+    assert "     1.0 us    0.5       0.0 us  GEMM (cuBLAS or the Triton decode GEMM)" in gap_lines, out
+    assert "paged_attention" not in gap_lines and "lora_shrink" not in gap_lines, out
