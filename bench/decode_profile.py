@@ -127,8 +127,8 @@ def kernel_families(run, reps: int, by_name: bool = False) -> dict[str, tuple[fl
 
 def graph_timeline(graph, reps: int) -> list[dict]:
     """The kernels of `reps` replays of one captured graph, from a torch.profiler trace (CUPTI
-    records a graph's kernel nodes): dicts with name, stream, start and end in us, sorted by
-    start. The eager profile above cannot show where the main stream waits for the side one."""
+    records a graph's kernel nodes): dicts with name, start and end in us, sorted by start.
+    The eager profile above cannot show where the step's chain waits for the side stream."""
     import json
     from torch.profiler import ProfilerActivity, profile
 
@@ -141,8 +141,7 @@ def graph_timeline(graph, reps: int) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
-    kernels = [dict(name=e["name"], stream=e.get("args", {}).get("stream", e.get("tid")),
-                    start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))
+    kernels = [dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))
                for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     return sorted(kernels, key=lambda k: k["start"])
 
@@ -250,7 +249,7 @@ def main() -> None:
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
     p.add_argument("--timeline", action="store_true",
-                   help="trace graph replays: streams' busy time, the main stream's idle gaps")
+                   help="trace graph replays: where the step's chain of kernels idles, and why")
     args = p.parse_args()
 
     from inference_node.adapters.applier import StepLoraApplier

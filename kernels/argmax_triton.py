@@ -16,7 +16,7 @@ from ._host import cdiv, num_sms
 
 MAX_CHUNKS = 64  # the row pass walks a tile this wide: one compiled variant for any count
 # The chunk pass's tiling: at 64 x 128256 bf16 on an H100, 32 chunks of 4096-column blocks
-# with 4 warps take 11.7 us walked past L2 (10.0 in it) against 16.2 (15.0) for 9 chunks of
+# with 4 warps take 12.3 us walked past L2 (10.6 in it) against 16.2 (15.0) for 9 chunks of
 # 2048 with 8 warps (bench/decode_kernels_sweep.py --parts argmax; floor 5.5).
 _BLOCK = 4096
 _WARPS = 4

@@ -37,8 +37,8 @@ class ColumnSplit:
     block: int                  # columns per program (a power of 2)
     arrivals: torch.Tensor      # [max rows] int32, zero between launches
     sums: torch.Tensor          # [max rows, max chunks] float32
-    # Compute the delta before the wait for the projection's GEMM (PDL prologue): it then
-    # overlaps the GEMM's tail, but its programs sit on the SMs beside the GEMM's.
+    # Compute the delta before the wait for the projection's GEMM (PDL prologue), so that it
+    # overlaps the GEMM's tail; False: after the wait.
     early: bool = True
 
     @classmethod

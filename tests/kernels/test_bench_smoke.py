@@ -48,7 +48,7 @@ def test_decode_profile_timeline_counts_the_chains_idle_gaps(capsys: pytest.Capt
         sys.path.remove(str(ROOT / "bench"))
 
     def k(name: str, start: float, end: float) -> dict:
-        return dict(name=name, stream=0, start=start, end=end)
+        return dict(name=name, start=start, end=end)
 
     replay = [k("_decode_gemm_tma_kernel", 0, 10), k("_lora_shrink_kernel", 8, 14),
               k("_rope_cache_kernel", 15, 17), k("_paged_attention_kernel", 16, 30),
