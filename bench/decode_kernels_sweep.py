@@ -280,7 +280,6 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
     spread over N adapters, against the same op without LoRA and against the floor of the B
     bytes they read, over the tilings each one takes."""
     from kernels.lora_delta import ColumnSplit, LoraDelta
-    from kernels.lora_meta import LoraBatchMeta
     from kernels.norm_triton import add_rms_norm_triton
     from kernels.rope_cache_triton import rope_and_cache_triton
     from kernels.silu_mul_triton import silu_mul_triton
@@ -289,7 +288,6 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
     bf16 = dict(device=device, dtype=torch.bfloat16)
     for n in adapters:
         b_bytes = {"norm": n * H * R * 2, "silu": n * 2 * I * R * 2, "rope": n * (Hq + 2 * Hkv) * D * R * 2}
-        b_bytes["silu-seg"] = b_bytes["silu"]
         copies = copies_for(b_bytes["silu"])
         S = n * copies
         b = {"o": torch.randn(S, H, R, **bf16) * 0.02, "g": torch.randn(S, I, R, **bf16) * 0.02,
@@ -308,10 +306,6 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
         cos, sin = emb.cos(), emb.sin()
         pos = torch.randint(0, 300, (batch,), device=device)
         kv_slots = torch.randperm(batch * 20 * page, device=device)[:batch]
-        def segment_table(sl: torch.Tensor) -> torch.Tensor:
-            """The rows' segment table (kernels/lora_meta.py), as a decode graph fills it."""
-            return LoraBatchMeta.build(sl, device).with_segment_table([[R]] * S).segment_table
-
         # The add + norm over programs of `split` columns a row (kernels/norm_triton.py).
         column_splits = {c: ColumnSplit.allocate(c, batch, H, device) for c in SPLIT_COLUMNS}
 
@@ -328,11 +322,6 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
             "silu": (lambda d, **k: silu_mul_triton(gate_up, d, **k),
                      lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl),
                      [dict(block_i=bi, num_warps=nw) for bi in (64, 128, 256, 512, 1024) for nw in (2, 4, 8)]),
-            # The same with the segment table: each adapter's B read once for its rows.
-            "silu-seg": (lambda d, **k: silu_mul_triton(gate_up, d, **k),
-                         lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl,
-                                              segment_table=segment_table(sl)),
-                         [dict(block_i=bi, num_warps=nw) for bi in (64, 128, 256, 512) for nw in (2, 4, 8)]),
             "rope": (lambda d, **k: rope_and_cache_triton(qkv, d, cos, sin, pos, kv_slots, kc, vc, Hq, Hkv, D, **k),
                      lambda sl: LoraDelta(partials, (b["q"], b["k"], b["v"]), sl),
                      [dict(num_warps=nw) for nw in (1, 2, 4, 8)])}

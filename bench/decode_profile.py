@@ -17,9 +17,7 @@ main stream at high CUDA priority, segments read from the segment table), overla
 same, with the kernels gathering rows through sorted ids as before the table), overlap-equal (both streams at default priority),
 overlap-side-high (the side stream high instead), overlap-carveN (the base matmuls of LoRA graphs
 leave N SMs free for LoRA, N in 8, 16, 24, 32, 48), overlap-sidexN (steps of up to N distinct
-adapters run the expands on the side stream too, into delta buffers, N in 0, 2, 4, 8, 64, 128),
-overlap-seg / overlap-noseg (the ops after the projections expand each adapter's delta once
-for its rows where they can, or once per row: adapters/overlap.py, SEGMENT_EXPAND_GROUPS)
+adapters run the expands on the side stream too, into delta buffers, N in 0, 2, 4, 8, 64, 128)
 and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -97,7 +95,7 @@ def family(name: str) -> str:
     """Groups kernel names: cuBLAS GEMMs, our Triton kernels by name, torch.compile fusions."""
     if re.search(r"gemm|cutlass|sm90_|nvjet|cublas", name, re.I):
         return "GEMM (cuBLAS or the Triton decode GEMM)"
-    m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?|add_rms_norm\w*?|silu_mul\w*?|rope_cache\w*?)_kernel", name)
+    m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?|add_rms_norm|silu_mul|rope_cache)_kernel", name)
     if m:
         return m.group(1)
     if name.startswith("triton_"):
@@ -247,7 +245,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--modes", default="overlap,serial",
                    help="LoRA modes: overlap, overlap-gather, overlap-equal, overlap-side-high, "
-                        "overlap-carveN, overlap-sidexN, overlap-seg, overlap-noseg, serial")
+                        "overlap-carveN, overlap-sidexN, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
     p.add_argument("--timeline", action="store_true",
@@ -255,7 +253,7 @@ def main() -> None:
     args = p.parse_args()
 
     from inference_node.adapters.applier import StepLoraApplier
-    from inference_node.adapters.overlap import SEGMENT_EXPAND_GROUPS, LoraOverlap
+    from inference_node.adapters.overlap import LoraOverlap
     from inference_node.engine.decode_graphs import MAIN_STREAM_PRIORITY, DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
 
@@ -284,11 +282,6 @@ def main() -> None:
     for n in (0, 2, 4, 8, 64, 128):
         modes_setup[f"overlap-sidex{n}"] = (
             LoraOverlap(buffers, args.batch, side_expand_segments=n).applier, high, ranks)
-    # The same as overlap, with the ops after each projection expanding by segment where they
-    # can (seg) or per row (noseg), whatever LORA_SEGMENT_EXPAND says.
-    for name, groups in (("seg", SEGMENT_EXPAND_GROUPS), ("noseg", frozenset())):
-        modes_setup[f"overlap-{name}"] = (
-            LoraOverlap(buffers, args.batch, segment_groups=groups).applier, high, ranks)
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:

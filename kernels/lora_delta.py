@@ -72,13 +72,6 @@ class LoraDelta:
     # Scratch that lets the add + norm after o and down spread a row over several programs
     # (None: one program a row). Ops that work column by column ignore it.
     column_split: ColumnSplit | None = None
-    # The step's segment table (kernels.lora_meta: rows of slot, first batch row, length; the
-    # rows of a slot one contiguous run; padding rows of length 0), or None. With it an op
-    # that works column by column covers each adapter's rows with one program per column
-    # block, which reads the adapter's B columns once for all of them instead of once per
-    # row (at decode batch B traffic through L2 halves for two rows an adapter). Rows without
-    # an adapter are in no segment; such ops cover them with row tiles of their own.
-    segment_table: torch.Tensor | None = None
 
     @property
     def splits(self) -> int:

@@ -46,18 +46,6 @@ from .slots import SlotBuffers
 SIDE_EXPAND_SEGMENTS = 8
 
 
-# The fused groups whose next op can expand by segment (kernels/lora_delta.py: segment_table):
-# gate/up's SiLU.
-SEGMENT_EXPAND_GROUPS = frozenset({"gate_up"})
-
-
-def segment_expand_groups() -> frozenset[str]:
-    """LORA_SEGMENT_EXPAND=1: in graph steps (rows grouped by adapter, a segment table), the
-    ops after the groups of SEGMENT_EXPAND_GROUPS expand each adapter's delta once for its
-    rows instead of once per row; 0, the default, expands per row."""
-    return SEGMENT_EXPAND_GROUPS if os.environ.get("LORA_SEGMENT_EXPAND", "0") != "0" else frozenset()
-
-
 def norm_split_columns() -> int:
     """LORA_NORM_SPLIT: columns per program of the LoRA add + norm after o and down in graph
     steps (kernels/norm_triton.py: each row spread over several programs, the last one to
@@ -79,18 +67,14 @@ class LoraOverlap:
 
     def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0,
                  side_expand_segments: int = SIDE_EXPAND_SEGMENTS,
-                 norm_split: int | None = None,
-                 segment_groups: frozenset[str] | None = None) -> None:
+                 norm_split: int | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
         the expands on the side stream too (0: never). norm_split: columns per program of
         the add + norm that expands o's and down's deltas (0: one program a row; None:
-        LORA_NORM_SPLIT). segment_groups: the groups whose next op expands by segment when
-        the step has a segment table (None: segment_expand_groups())."""
+        LORA_NORM_SPLIT)."""
         self.buffers = buffers
-        self.segment_groups = (segment_expand_groups() if segment_groups is None
-                               else segment_groups & SEGMENT_EXPAND_GROUPS)
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
         device = buffers.device
@@ -172,7 +156,5 @@ class OverlappedLoraApplier:
         if self.overlap.stream is not None:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
-        by_segment = group in self.overlap.segment_groups and self._expanded is None
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
-                         self.meta.token_slots, self._expanded, self.overlap.column_split,
-                         self.meta.segment_table if by_segment else None)
+                         self.meta.token_slots, self._expanded, self.overlap.column_split)

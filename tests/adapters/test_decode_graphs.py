@@ -27,29 +27,22 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
     assert graph_batch_sizes(1) == [1]
 
 
-@pytest.mark.parametrize("device,norm_split,by_segment", [
-    ("cpu", 0, False), ("cpu", 16, False), ("cpu", 0, True),
-    pytest.param("cuda", 0, False, marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, marks=pytest.mark.gpu),
-    pytest.param("cuda", 0, True, marks=pytest.mark.gpu)],
-    ids=["cpu", "cpu-split", "cpu-seg", "cuda", "cuda-split", "cuda-seg"])
-def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, by_segment, tiny_llama_path,
-                                                      tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("device,norm_split", [
+    ("cpu", 0), ("cpu", 16), pytest.param("cuda", 0, marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, marks=pytest.mark.gpu)], ids=["cpu", "cpu-split", "cuda", "cuda-split"])
+def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, tiny_llama_path, tmp_path,
+                                                      monkeypatch) -> None:
     """norm_split: the LoRA add + norm after o and down spreads each row over programs of that
-    many columns (kernels/norm_triton.py, LORA_NORM_SPLIT); by_segment: the ops that can
-    expand each adapter's delta once for its rows from the step's segment table
-    (adapters/overlap.py, SEGMENT_EXPAND_GROUPS), or none (per row). Either way the expands
-    are left to those ops (no side-stream expand), as in steps of many adapters. They run in
-    Triton (natively, or interpreted by test_triton_interpreter.py); the CPU reference
-    ignores both."""
-    import functools
+    many columns (kernels/norm_triton.py, LORA_NORM_SPLIT), with the expands left to it (no
+    side-stream expand), as in steps of many adapters. It runs in Triton (natively, or
+    interpreted by test_triton_interpreter.py); the CPU reference ignores it."""
+    if norm_split:
+        import functools
 
-    from inference_node.adapters import overlap
+        from inference_node.adapters import overlap
 
-    if norm_split or by_segment:
         monkeypatch.setattr(overlap, "LoraOverlap", functools.partial(
-            overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split,
-            segment_groups=overlap.SEGMENT_EXPAND_GROUPS if by_segment else frozenset()))
+            overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split))
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
@@ -77,14 +70,10 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, by_seg
         assert got == expected
         snap = node.check_idle()
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
-        applier_owner = node.engine.decode_graphs.lora_applier.__self__
-        if by_segment:
-            assert applier_owner.segment_groups == overlap.SEGMENT_EXPAND_GROUPS
-            assert node.engine.decode_graphs.module_ranks is not None  # steps have a table
         if norm_split:
             from kernels._dispatch import use_triton
 
-            split = applier_owner.column_split
+            split = node.engine.decode_graphs.lora_applier.__self__.column_split
             assert split is not None and split.block == norm_split
             assert int(split.arrivals.count_nonzero()) == 0  # every row's count reset
             if use_triton(split.sums):  # the split kernel ran (the reference ignores it)

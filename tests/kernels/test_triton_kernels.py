@@ -460,26 +460,6 @@ def random_lora_delta(gen: torch.Generator, tokens: int, outs: list[int], dtype:
     return LoraDelta(partials.to(DEVICE), b, token_slots.to(DEVICE))
 
 
-def grouped_lora_delta(gen: torch.Generator, slot_runs: list[int], outs: list[int],
-                       dtype: torch.dtype, base_rows: int, padding_rows: int, empty_segments: int):
-    """A LoraDelta with the segment table of a decode graph's step: `base_rows` rows without
-    an adapter first, then slot_runs[i] rows of slot i (DecodeGraphs.ordered), then padding
-    rows (slot -1) up to the graph's batch; `empty_segments` padding rows in the table."""
-    from kernels.lora_meta import LoraBatchMeta
-
-    slots = ([-1] * base_rows + [s for s, n in enumerate(slot_runs) for _ in range(n)]
-             + [-1] * padding_rows)
-    delta = random_lora_delta(gen, len(slots), outs, dtype, slots=max(1, len(slot_runs)))
-    token_slots = torch.tensor(slots, dtype=torch.int32)
-    partials = delta.partials.cpu().clone()
-    partials[:, :, token_slots < 0] = 0.0  # a zeroed workspace: rows no shrink writes
-    meta = LoraBatchMeta.build(token_slots, DEVICE).with_segment_table(
-        [[16]] * max(1, len(slot_runs)), len(slot_runs) + empty_segments)
-    return dataclasses.replace(delta, partials=partials.to(DEVICE),
-                               token_slots=token_slots.to(DEVICE),
-                               segment_table=meta.segment_table)
-
-
 def maybe_expanded(delta, expanded: bool):
     """The delta as the side stream hands it on when it expanded it already (expanded=True):
     the kernels then add LoraDelta.expanded instead of expanding the partial sums."""
@@ -627,34 +607,6 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, e
     ref = silu_mul(gate_up, delta.dense() if delta else None)
     assert not act.isnan().any()
     assert_close_scaled(act, ref, dt)  # bf16: g + delta may round a step apart, times up
-
-
-@HYPO
-@given(slot_runs=st.lists(st.integers(1, 20), min_size=1, max_size=5),
-       base_rows=st.integers(0, 3), padding_rows=st.integers(0, 18),
-       empty_segments=st.integers(0, 3), inter=st.sampled_from([24, 200, 1536]),
-       dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16))
-def test_silu_mul_by_segments_matches_reference(slot_runs: list[int], base_rows: int,
-                                                padding_rows: int, empty_segments: int,
-                                                inter: int, dtype: str, seed: int) -> None:
-    """With the step's segment table SiLU(gate) * up expands each adapter's B once for its
-    rows: segments longer than a row tile (16), rows without an adapter before the segments
-    and after them, and empty table rows, all match the reference."""
-    from kernels.silu_mul_ref import silu_mul
-    from kernels.silu_mul_triton import silu_mul_triton
-
-    gen = torch.Generator().manual_seed(seed)
-    dt = DTYPES[dtype]
-    delta = grouped_lora_delta(gen, slot_runs, [inter, inter], dt, base_rows, padding_rows,
-                               empty_segments)
-    tokens = delta.token_slots.shape[0]
-    gate_up = (2 * torch.randn(tokens, 2 * inter, generator=gen)).to(dt).to(DEVICE)
-    act = silu_mul_triton(gate_up, delta, block_i=128 if inter > 128 else None)
-    ref = silu_mul(gate_up, delta.dense())
-    assert not act.isnan().any()
-    assert_close_scaled(act, ref, dt)
-    unexpanded = silu_mul_triton(gate_up, dataclasses.replace(delta, segment_table=None))
-    assert_close_scaled(act, unexpanded, dt)
 
 
 def test_shrink_partials_are_zero_past_each_rank_and_on_slices_switched_off() -> None:
