@@ -17,11 +17,13 @@ main stream at high CUDA priority, segments read from the segment table), overla
 same, with the kernels gathering rows through sorted ids as before the table), overlap-equal (both streams at default priority),
 overlap-side-high (the side stream high instead), overlap-carveN (the base matmuls of LoRA graphs
 leave N SMs free for LoRA, N in 8, 16, 24, 32, 48), overlap-sidexN (steps of up to N distinct
-adapters run the expands on the side stream too, into delta buffers, N in 0, 2, 4, 8, 64, 128)
+adapters run the expands on the side stream too, into delta buffers, N in 0, 2, 4, 8, 64, 128,
+and no group's own bound), overlap-sidedownN (down's own bound N in 0, 16, 64),
+overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 adapters too)
 and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
-c1/c2/c4/c8/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
+c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ CONFIGS = {  # name: (distinct adapters, rank, targets)
     "c2": (2, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c4": (4, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c16": (16, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c32": (32, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c64": (64, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "d32": (32, 8, ("q_proj", "v_proj")),
@@ -245,7 +248,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--modes", default="overlap,serial",
                    help="LoRA modes: overlap, overlap-gather, overlap-equal, overlap-side-high, "
-                        "overlap-carveN, overlap-sidexN, serial")
+                        "overlap-carveN, overlap-sidexN, overlap-sidedownN, "
+                        "overlap-side{gate_up,o,qkv}32, serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
     p.add_argument("--timeline", action="store_true",
@@ -253,7 +257,7 @@ def main() -> None:
     args = p.parse_args()
 
     from inference_node.adapters.applier import StepLoraApplier
-    from inference_node.adapters.overlap import LoraOverlap
+    from inference_node.adapters.overlap import SIDE_EXPAND_GROUP_SEGMENTS, LoraOverlap
     from inference_node.engine.decode_graphs import MAIN_STREAM_PRIORITY, DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
 
@@ -281,7 +285,19 @@ def main() -> None:
     # (adapters/overlap.py, side_expand_segments; the engine's default is overlap's).
     for n in (0, 2, 4, 8, 64, 128):
         modes_setup[f"overlap-sidex{n}"] = (
-            LoraOverlap(buffers, args.batch, side_expand_segments=n).applier, high, ranks)
+            LoraOverlap(buffers, args.batch, side_expand_segments=n,
+                        side_expand_group_segments={}).applier, high, ranks)
+    # The same as overlap, with one group's own bound changed (SIDE_EXPAND_GROUP_SEGMENTS):
+    # down expanded beside its matmul up to N segments (0: only in overlap's few-adapter
+    # steps), or gate/up, o, q/k/v up to 32.
+    for n in (0, 16, 64):
+        modes_setup[f"overlap-sidedown{n}"] = (
+            LoraOverlap(buffers, args.batch, side_expand_group_segments={"down": n}).applier,
+            high, ranks)
+    for group in ("gate_up", "o", "qkv"):
+        modes_setup[f"overlap-side{group}32"] = (
+            LoraOverlap(buffers, args.batch, side_expand_group_segments={
+                **SIDE_EXPAND_GROUP_SEGMENTS, group: 32}).applier, high, ranks)
     modes = [m for m in args.modes.split(",") if m]
     all_graphs = {}
     for mode in modes:

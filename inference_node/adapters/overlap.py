@@ -17,7 +17,9 @@ the expand kernel walks many small segments and the side stream holds SMs the ma
 so those steps keep the expand in the next op. Measured (H100, batch 64, decode_profile.py
 --modes overlap-sidex0,overlap-sidexN, graph replay over base): c1 +0.299 -> +0.223 ms, c2
 +0.304 -> +0.249, c4 +0.315 -> +0.243, c8 +0.342 -> +0.327; in another run, c32 +0.494 ->
-+0.707 when side-expanded too.
++0.707 when side-expanded too. One group has a higher bound of its own
+(SIDE_EXPAND_GROUP_SEGMENTS): down, whose matmul is long enough to hide its expand up to 32
+adapters.
 
 The shrink writes its split partial sums into one static workspace (sized for the largest
 graph batch) that every group reuses: a group's shrink is queued on the side stream after
@@ -31,6 +33,7 @@ order, and the fused ops expand the sums with the PyTorch reference.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from contextlib import nullcontext
 
 import torch
@@ -44,6 +47,12 @@ from .slots import SlotBuffers
 
 # Steps with at most this many distinct adapters expand on the side stream (module docstring).
 SIDE_EXPAND_SEGMENTS = 8
+# Per group, a higher such bound: down's matmul is long enough (it reads 4x o's weights) that
+# its shrink and expand both fit beside it up to 32 adapters, and the add + norm after it then
+# reads the delta instead of expanding it per row. H100, batch 64 (decode_profile.py, graph
+# replay over base): c32 +0.480 -> +0.444 ms; o with it +0.455, gate/up +0.619; c64 loses
+# (+0.695 -> +0.728), hence the bound.
+SIDE_EXPAND_GROUP_SEGMENTS: dict[str, int] = {"down": 32}
 
 
 def norm_split_columns() -> int:
@@ -67,16 +76,22 @@ class LoraOverlap:
 
     def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0,
                  side_expand_segments: int = SIDE_EXPAND_SEGMENTS,
-                 norm_split: int | None = None) -> None:
+                 norm_split: int | None = None,
+                 side_expand_group_segments: Mapping[str, int] | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
         the expands on the side stream too (0: never). norm_split: columns per program of
         the add + norm that expands o's and down's deltas (0: one program a row; None:
-        LORA_NORM_SPLIT)."""
+        LORA_NORM_SPLIT). side_expand_group_segments: per group, steps with at most this many
+        segments expand that group on the side stream even above side_expand_segments (None:
+        SIDE_EXPAND_GROUP_SEGMENTS)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
+        self.side_expand_group_segments = dict(SIDE_EXPAND_GROUP_SEGMENTS
+                                               if side_expand_group_segments is None
+                                               else side_expand_group_segments)
         device = buffers.device
         slices = max(len(m) for m in FUSED_MODULES.values())
         self.workspace = torch.empty(lora_workspace_numel(max_tokens, slices, buffers.max_rank),
@@ -87,8 +102,9 @@ class LoraOverlap:
         # delta in rows whose adapter leaves the other alone).
         self.deltas = ({g: torch.empty(max_tokens, sum(b.shape[1] for b in buffers.layers[0][g].b),
                                        dtype=torch.float32, device=device)
-                        for g in FUSED_MODULES} if side_expand_segments > 0 and buffers.layers
-                       else {})
+                        for g in FUSED_MODULES}
+                       if max([side_expand_segments, *self.side_expand_group_segments.values()]) > 0
+                       and buffers.layers else {})
         self.stream = (torch.cuda.Stream(device, priority=side_priority)
                        if device.type == "cuda" else None)
         # The add + norm's per-row arrival counts and partial sums over the hidden width (o's
@@ -117,14 +133,17 @@ class OverlappedLoraApplier:
         self.groups = frozenset(FUSED_MODULES) if groups is None else groups
         self._partials: torch.Tensor | None = None
         self._expanded: torch.Tensor | None = None
-        self.side_expand = 0 < meta.num_segments <= overlap.side_expand_segments
+        # The groups whose expand runs on the side stream in this step.
+        self.side_expand = frozenset(
+            g for g in self.groups
+            if 0 < meta.num_segments <= max(overlap.side_expand_segments,
+                                            overlap.side_expand_group_segments.get(g, 0)))
         with self._side():
             # Rows without an adapter are in no segment: no shrink of this step writes them,
             # so zeroed here they stay zero for every group's sums (kernels/lora_delta.py).
             overlap.workspace.zero_()
-            if self.side_expand:  # the same for the expanded deltas' rows
-                for group in self.groups:
-                    overlap.deltas[group][:tokens].zero_()
+            for group in self.side_expand:  # the same for the expanded deltas' rows
+                overlap.deltas[group][:tokens].zero_()
 
     def _side(self):
         """The side stream, after all work queued so far on the current one."""
@@ -145,7 +164,7 @@ class OverlappedLoraApplier:
             self._partials = lora_shrink_partials(
                 x, buf.a, self.meta, buffers.scaling, buffers.slice_ranks[group],
                 workspace=self.overlap.workspace, rank_col=rank_col)
-            if self.side_expand:
+            if group in self.side_expand:
                 self._expanded = self.overlap.deltas[group][:self.meta.num_tokens]
                 lora_expand(self._partials, buf.b, self.meta, self._expanded, buf.offsets,
                             buffers.slice_ranks[group], accumulate=False, rank_col=rank_col)

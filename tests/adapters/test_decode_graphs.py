@@ -27,22 +27,33 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
     assert graph_batch_sizes(1) == [1]
 
 
-@pytest.mark.parametrize("device,norm_split", [
-    ("cpu", 0), ("cpu", 16), pytest.param("cuda", 0, marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, marks=pytest.mark.gpu)], ids=["cpu", "cpu-split", "cuda", "cuda-split"])
-def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, tiny_llama_path, tmp_path,
-                                                      monkeypatch) -> None:
+@pytest.mark.parametrize("device,norm_split,side_down", [
+    ("cpu", 0, False), ("cpu", 16, False), ("cpu", 0, True),
+    pytest.param("cuda", 0, False, marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, False, marks=pytest.mark.gpu),
+    pytest.param("cuda", 0, True, marks=pytest.mark.gpu)],
+    ids=["cpu", "cpu-split", "cpu-down", "cuda", "cuda-split", "cuda-down"])
+def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, tiny_llama_path,
+                                                      tmp_path, monkeypatch) -> None:
     """norm_split: the LoRA add + norm after o and down spreads each row over programs of that
     many columns (kernels/norm_triton.py, LORA_NORM_SPLIT), with the expands left to it (no
-    side-stream expand), as in steps of many adapters. It runs in Triton (natively, or
-    interpreted by test_triton_interpreter.py); the CPU reference ignores it."""
-    if norm_split:
+    side-stream expand), as in steps of many adapters. side_down: only down's expand runs on
+    the side stream and the other groups' are left to the ops after them, as in steps of 9 to
+    32 adapters (adapters/overlap.py, SIDE_EXPAND_GROUP_SEGMENTS). They run in Triton
+    (natively, or interpreted by test_triton_interpreter.py); the CPU reference ignores the
+    split."""
+    from inference_node.adapters import overlap
+
+    if norm_split or side_down:
         import functools
 
-        from inference_node.adapters import overlap
-
         monkeypatch.setattr(overlap, "LoraOverlap", functools.partial(
-            overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split))
+            overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split,
+            side_expand_group_segments={"down": 64} if side_down else {}))
+        expands = []
+        real_expand = overlap.lora_expand
+        monkeypatch.setattr(overlap, "lora_expand",
+                            lambda *a, **k: expands.append(a[1]) or real_expand(*a, **k))
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
@@ -70,6 +81,10 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, tiny_l
         assert got == expected
         snap = node.check_idle()
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
+        if norm_split or side_down:  # the side stream expanded down's deltas, or none
+            buffers = node.engine.decode_graphs.lora_applier.__self__.buffers
+            downs = {id(layer["down"].b) for layer in buffers.layers}
+            assert {id(b) in downs for b in expands} == ({True} if side_down else set())
         if norm_split:
             from kernels._dispatch import use_triton
 
