@@ -19,8 +19,9 @@ overlap-side-high (the side stream high instead), overlap-carveN (the base matmu
 leave N SMs free for LoRA, N in 8, 16, 24, 32, 48), overlap-sidexN (steps of up to N distinct
 adapters run the expands on the side stream too, into delta buffers, N in 0, 2, 4, 8, 64, 128,
 and no group's own bound), overlap-sidedownN (down's own bound N in 0, 16, 64),
-overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 adapters too)
-and serial (LoRA added after each matmul).
+overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 adapters too),
+overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their matmuls,
+kernels/lora_gemm.py) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
@@ -260,6 +261,7 @@ def main() -> None:
     from inference_node.adapters.overlap import SIDE_EXPAND_GROUP_SEGMENTS, LoraOverlap
     from inference_node.engine.decode_graphs import MAIN_STREAM_PRIORITY, DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
+    from inference_node.model.llama import FUSED_MODULES
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
@@ -299,6 +301,14 @@ def main() -> None:
             LoraOverlap(buffers, args.batch, side_expand_group_segments={
                 **SIDE_EXPAND_GROUP_SEGMENTS, group: 32}).applier, high, ranks)
     modes = [m for m in args.modes.split(",") if m]
+    # The same as overlap, with the named groups' LoRA folded into their matmuls
+    # (kernels/lora_gemm.py): overlap-fold-all, overlap-fold-gate_up+o, ...
+    for mode in modes:
+        if mode.startswith("overlap-fold-"):
+            named = mode.removeprefix("overlap-fold-")
+            fold = frozenset(FUSED_MODULES) if named == "all" else frozenset(named.split("+"))
+            modes_setup[mode] = (LoraOverlap(buffers, args.batch, fold_groups=fold).applier,
+                                 high, ranks)
     all_graphs = {}
     for mode in modes:
         factory, main_priority, table_ranks, carveout = (modes_setup[mode] + (0,))[:4]

@@ -25,6 +25,7 @@ import torch
 
 from ._host import pdl_enabled, tma_enabled
 from .decode_gemm_triton import MAX_ROWS, decode_gemm_tma, decode_gemm_triton, tma_fits
+from .lora_gemm import GemmLora, decode_gemm_lora
 
 MODES = ("cublas", "triton", "triton-pdl")
 # (block_n, block_k, stages) per fused projection: the best of bench/decode_kernels_sweep.py
@@ -35,7 +36,23 @@ DEFAULT_TILING = (16, 128, 4)
 # The same with TMA tile loads (bench/decode_kernels_sweep.py --parts tma, H100, batch 64).
 TMA_TILINGS: dict[str, tuple[int, int, int]] = {
     "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 128, 8), "gate_up": (32, 128, 4)}
+# With LoRA folded in (kernels/lora_gemm.py), pointer or TMA loads alike: at most 96 KB of
+# pipeline a program, so two share an SM and the shrink programs the fold adds (one per
+# adapter and slice) do not push the tiles into another wave.
+FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
+    "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (32, 128, 4)}
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
+
+
+def fold_tiling_overrides() -> dict[str, tuple[int, int, int]]:
+    """LORA_FOLD_TILINGS="group:block_n,block_k,stages;...": FOLD_TILINGS entries replaced
+    (for bench/decode_profile.py sweeps)."""
+    out = {}
+    for item in filter(None, os.environ.get("LORA_FOLD_TILINGS", "").split(";")):
+        group, _, values = item.partition(":")
+        block_n, block_k, stages = (int(v) for v in values.split(","))
+        out[group] = (block_n, block_k, stages)
+    return out
 
 
 class DecodeGemm:
@@ -49,6 +66,7 @@ class DecodeGemm:
         self.prefetch_k = int(os.environ.get("LORA_DECODE_PREFETCH", "512"))
         groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
         self.groups = frozenset(g for g in groups.split(",") if g)
+        self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
 
     def serves(self, group: str) -> bool:
         """Whether this GEMM (rather than cuBLAS) computes the fused projection `group`."""
@@ -66,12 +84,14 @@ class DecodeGemm:
         return self.mode != "cublas"
 
     @staticmethod
-    def tiling(w: torch.Tensor, group: str | None, tma: bool = False
-               ) -> tuple[int, int, int] | None:
+    def tiling(w: torch.Tensor, group: str | None, tma: bool = False,
+               fold: dict[str, tuple[int, int, int]] | None = None) -> tuple[int, int, int] | None:
         """(block_n, block_k, stages) for w [K, N], None where no tiling divides it (the
         group's own, else 64-column K steps: SmolLM2's hidden size is 576), with no more
-        stages than shared memory holds (float32 tiles are twice as large)."""
-        block_n, block_k, stages = (TMA_TILINGS if tma else TILINGS).get(group, DEFAULT_TILING)
+        stages than shared memory holds (float32 tiles are twice as large). fold: the
+        tilings of the GEMM with LoRA folded in (FOLD_TILINGS and its overrides)."""
+        table = fold if fold is not None else TMA_TILINGS if tma else TILINGS
+        block_n, block_k, stages = table.get(group, DEFAULT_TILING)
         if w.shape[0] % block_k:
             block_k = 64
         if w.shape[1] % block_n or w.shape[0] % block_k:
@@ -84,7 +104,10 @@ class DecodeGemm:
                 and x.stride(1) == 1 and self.tiling(w, group) is not None)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                 group: str | None = None) -> torch.Tensor:
+                 group: str | None = None, lora: GemmLora | None = None) -> torch.Tensor:
+        """x @ w (+ bias), plus `lora`'s delta folded into the same launch where given."""
+        if lora is not None:
+            return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):
             pdl = self.mode == "triton-pdl" and pdl_enabled(x)
             tma_tiling = (self.tiling(w, group, tma=True)
@@ -94,3 +117,20 @@ class DecodeGemm:
             return gemm(x, w, pdl=pdl, prefetch_k=self.prefetch_k, block_n=block_n,
                         block_k=block_k, num_stages=stages)
         return self.cublas(x, w, bias)
+
+    def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                  group: str | None, lora: GemmLora) -> torch.Tensor:
+        """The matmul with its LoRA folded in (kernels/lora_gemm.py): this GEMM's tiling and
+        launch where it serves the shape, the same kernel plainly launched where Triton runs
+        otherwise (the interpreter), the reference elsewhere."""
+        tiling = self.tiling(w, group, fold=self.fold_tilings)
+        if tiling is None or bias is not None:
+            y = torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+            return (y.float() + lora.delta(x)).to(x.dtype)
+        tma = pdl = False
+        if self.serves(group) and self.applies(x, w, group):
+            pdl = self.mode == "triton-pdl" and pdl_enabled(x)
+            tma = tma_enabled(x) and tma_fits(x, w)
+        block_n, block_k, stages = tiling
+        return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=self.prefetch_k,
+                                block_n=block_n, block_k=block_k, num_stages=stages)

@@ -1,5 +1,6 @@
 """LoRA beside the base matmuls: decode steps run each fused projection's LoRA shrink on a
 side CUDA stream while the base matmul runs, and the fused op after the matmul expands it.
+(Or, for the groups in FOLD_GROUPS, inside the matmul itself: kernels/lora_gemm.py.)
 
 In a decode step the LoRA kernels are short and many. The shrink (x @ A) needs only the
 matmul's input, so it runs on a second stream from the moment that input exists, sharing the
@@ -40,11 +41,22 @@ import torch
 
 from kernels.lora import lora_expand, lora_shrink_partials, lora_workspace_numel
 from kernels.lora_delta import ColumnSplit, LoraDelta
+from kernels.lora_gemm import GemmLora
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
 from .slots import SlotBuffers
 
+GROUP_INDEX = {g: i for i, g in enumerate(FUSED_MODULES)}
+# Groups whose LoRA their decode matmul adds in the same launch (kernels/lora_gemm.py): the
+# shrink as more programs of the GEMM, each row's B read beside the weight stream, no side
+# stream and no expand in the add + norm after it. H100, batch 64 (decode_profile.py, graph
+# replay over base, modes overlap and overlap-fold-o): c1 +0.219 -> +0.211 ms, c8 +0.294 ->
+# +0.294, c32 +0.442 -> +0.425, c64 +0.693 -> +0.675. Folding q/k/v too lost at 32 and 64
+# adapters (+0.447, +0.780), gate/up lost everywhere (c32 +0.503): their shrink programs
+# (one per adapter and slice) and the tail after the matmul cost more than the op after it
+# saves.
+FOLD_GROUPS: tuple[str, ...] = ("o",)
 # Steps with at most this many distinct adapters expand on the side stream (module docstring).
 SIDE_EXPAND_SEGMENTS = 8
 # Per group, a higher such bound: down's matmul is long enough (it reads 4x o's weights) that
@@ -53,6 +65,19 @@ SIDE_EXPAND_SEGMENTS = 8
 # replay over base): c32 +0.480 -> +0.444 ms; o with it +0.455, gate/up +0.619; c64 loses
 # (+0.695 -> +0.728), hence the bound.
 SIDE_EXPAND_GROUP_SEGMENTS: dict[str, int] = {"down": 32}
+
+
+def gemm_fold_groups() -> frozenset[str]:
+    """LORA_GEMM_FOLD: the fused groups whose LoRA the decode graphs fold into the group's
+    matmul (kernels/lora_gemm.py), comma-separated, "all" for every group, "none" for none;
+    default FOLD_GROUPS."""
+    raw = os.environ.get("LORA_GEMM_FOLD", ",".join(FOLD_GROUPS))
+    names = FUSED_MODULES if raw == "all" else [g for g in raw.split(",") if g and g != "none"]
+    unknown = set(names) - set(FUSED_MODULES)
+    if unknown:
+        raise ValueError(f"LORA_GEMM_FOLD names unknown groups {sorted(unknown)}: expected "
+                         f"some of {', '.join(FUSED_MODULES)} or all")
+    return frozenset(names)
 
 
 def norm_split_columns() -> int:
@@ -77,7 +102,8 @@ class LoraOverlap:
     def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0,
                  side_expand_segments: int = SIDE_EXPAND_SEGMENTS,
                  norm_split: int | None = None,
-                 side_expand_group_segments: Mapping[str, int] | None = None) -> None:
+                 side_expand_group_segments: Mapping[str, int] | None = None,
+                 fold_groups: frozenset[str] | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
@@ -85,7 +111,8 @@ class LoraOverlap:
         the add + norm that expands o's and down's deltas (0: one program a row; None:
         LORA_NORM_SPLIT). side_expand_group_segments: per group, steps with at most this many
         segments expand that group on the side stream even above side_expand_segments (None:
-        SIDE_EXPAND_GROUP_SEGMENTS)."""
+        SIDE_EXPAND_GROUP_SEGMENTS). fold_groups: the groups whose LoRA their matmul adds in
+        the same launch in steps with a segment table (None: LORA_GEMM_FOLD)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
@@ -105,6 +132,19 @@ class LoraOverlap:
                         for g in FUSED_MODULES}
                        if max([side_expand_segments, *self.side_expand_group_segments.values()]) > 0
                        and buffers.layers else {})
+        # Folded groups: their shrink's rows (one group at a time: a folded matmul writes them
+        # after the kernel before it has finished) and the counters of each launch site and
+        # grid size (by the step's segment bucket).
+        self.fold_groups = gemm_fold_groups() if fold_groups is None else frozenset(fold_groups)
+        rank = buffers.max_rank
+        if rank < 16 or rank & (rank - 1):  # the kernel's tensor-core tiles need these ranks
+            self.fold_groups = frozenset()
+        ranks = slices * buffers.max_rank
+        self.fold_xa = (torch.empty(max_tokens, ranks, dtype=torch.float32, device=device)
+                        if self.fold_groups else None)
+        self.fold_sync = (torch.zeros(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES), 2,
+                                      dtype=torch.int64, device=device)
+                          if self.fold_groups else None)
         self.stream = (torch.cuda.Stream(device, priority=side_priority)
                        if device.type == "cuda" else None)
         # The add + norm's per-row arrival counts and partial sums over the hidden width (o's
@@ -131,13 +171,18 @@ class OverlappedLoraApplier:
         assert tokens <= overlap.max_tokens, f"{tokens} tokens, the workspace holds {overlap.max_tokens}"
         self.overlap, self.meta = overlap, meta
         self.groups = frozenset(FUSED_MODULES) if groups is None else groups
+        # The groups whose matmul adds their LoRA itself (rows grouped by adapter only).
+        self.folded = (self.groups & overlap.fold_groups
+                       if meta.segment_table is not None and meta.num_segments > 0 else frozenset())
         self._partials: torch.Tensor | None = None
         self._expanded: torch.Tensor | None = None
         # The groups whose expand runs on the side stream in this step.
         self.side_expand = frozenset(
-            g for g in self.groups
+            g for g in self.groups - self.folded
             if 0 < meta.num_segments <= max(overlap.side_expand_segments,
                                             overlap.side_expand_group_segments.get(g, 0)))
+        if not self.groups - self.folded:
+            return  # every group's matmul adds its own LoRA: no side work this step
         with self._side():
             # Rows without an adapter are in no segment: no shrink of this step writes them,
             # so zeroed here they stay zero for every group's sums (kernels/lora_delta.py).
@@ -152,6 +197,16 @@ class OverlappedLoraApplier:
             return nullcontext()
         stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(stream)
+
+    def fold(self, layer: int, group: str) -> GemmLora | None:
+        if group not in self.folded:
+            return None
+        overlap = self.overlap
+        buf = overlap.buffers.layers[layer][group]
+        segments = self.meta.num_segments
+        return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
+                        self.meta.segment_table, segments, self.meta.token_slots, overlap.fold_xa,
+                        overlap.fold_sync[segments, layer, GROUP_INDEX[group]])
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         if group not in self.groups:

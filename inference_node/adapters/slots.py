@@ -19,9 +19,17 @@ from .weights import AdapterWeights
 
 @dataclass
 class GroupBuffers:
-    a: list[torch.Tensor]       # one per slice: [S, R, in]
-    b: list[torch.Tensor]       # one per slice: [S, out, R]
+    """A fused group's slots. Each slot's slices lie side by side (`a_all`, `b_all`), as the
+    fused projection's weights do, so a kernel that folds LoRA into the projection's matmul
+    (kernels/decode_gemm_lora_triton.py) reads a slot's A as one [slices x R, in] matrix
+    and the B rows of any output column at that column's index; `a` and `b` are per-slice
+    views of the same memory."""
+
+    a: list[torch.Tensor]       # one per slice: [S, R, in] (views of a_all)
+    b: list[torch.Tensor]       # one per slice: [S, out, R] (views of b_all)
     offsets: list[int]          # column offset of each slice in the fused output
+    a_all: torch.Tensor         # [S, slices x R, in]: slice i's A in rows i*R .. i*R+R-1
+    b_all: torch.Tensor         # [S, sum(out), R]: slice i's B at its columns' offsets
 
 
 class SlotBuffers:
@@ -35,14 +43,18 @@ class SlotBuffers:
         for _ in range(config.num_layers):
             groups = {}
             for group, modules in FUSED_MODULES.items():
-                offsets, a, b, col = [], [], [], 0
-                for m in modules:
-                    fan_in, fan_out = shapes[m]
-                    a.append(torch.zeros(max_loras, max_rank, fan_in, dtype=dtype, device=device))
-                    b.append(torch.zeros(max_loras, fan_out, max_rank, dtype=dtype, device=device))
-                    offsets.append(col)
-                    col += fan_out
-                groups[group] = GroupBuffers(a, b, offsets)
+                fan_in = shapes[modules[0]][0]
+                assert all(shapes[m][0] == fan_in for m in modules), "a group's slices share x"
+                offsets = [0]
+                for m in modules[:-1]:
+                    offsets.append(offsets[-1] + shapes[m][1])
+                total_out = offsets[-1] + shapes[modules[-1]][1]
+                a_all = torch.zeros(max_loras, len(modules) * max_rank, fan_in, dtype=dtype,
+                                    device=device)
+                b_all = torch.zeros(max_loras, total_out, max_rank, dtype=dtype, device=device)
+                a = [a_all[:, i * max_rank:(i + 1) * max_rank] for i in range(len(modules))]
+                b = [b_all[:, off:off + shapes[m][1]] for off, m in zip(offsets, modules)]
+                groups[group] = GroupBuffers(a, b, offsets, a_all, b_all)
             self.layers.append(groups)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=device)
         # Per fused group, [slices, slots]: the slot's rank on each module its adapter targets,
@@ -60,7 +72,7 @@ class SlotBuffers:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for g in layer.values()
-                   for t in g.a + g.b)
+                   for t in (g.a_all, g.b_all))
 
     def write(self, slot: int, weights: AdapterWeights) -> torch.cuda.Event | None:
         """Copies an adapter into a slot (zeroing modules it does not target)."""

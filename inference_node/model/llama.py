@@ -22,6 +22,7 @@ from kernels.attention import paged_attention
 from kernels.decode_gemm import DecodeGemm
 from kernels.embedding import embed_tokens
 from kernels.lora_delta import LoraDelta
+from kernels.lora_gemm import GemmLora
 from kernels.norm import add_rms_norm_lora
 from kernels.norm_ref import add_rms_norm, rms_norm
 from kernels.rope_cache import rope_and_cache
@@ -53,6 +54,10 @@ class LoraApplier(Protocol):
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> LoraDelta | None:
         """Called after it: adds the delta into y (returns None), or returns it unexpanded
         for the next fused op to expand and add."""
+
+    def fold(self, layer: int, group: str) -> GemmLora | None:
+        """The group's LoRA for its matmul to add in the same launch (kernels/lora_gemm.py),
+        or None: then begin and end apply it."""
 
 
 @dataclass
@@ -254,6 +259,9 @@ class LlamaModel:
         gemm = self.gemm if self.gemm.serves(group) else DecodeGemm.cublas
         if lora is None:
             return gemm(x, weight, bias, group), None
+        fold = lora.fold(layer, group)
+        if fold is not None:
+            return self.gemm(x, weight, bias, group, lora=fold), None
         lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
         y = gemm(x, weight, bias, group)
         return y, lora.end(layer, group, x, y)

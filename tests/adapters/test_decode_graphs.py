@@ -27,33 +27,48 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
     assert graph_batch_sizes(1) == [1]
 
 
-@pytest.mark.parametrize("device,norm_split,side_down", [
-    ("cpu", 0, False), ("cpu", 16, False), ("cpu", 0, True),
-    pytest.param("cuda", 0, False, marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, marks=pytest.mark.gpu),
-    pytest.param("cuda", 0, True, marks=pytest.mark.gpu)],
-    ids=["cpu", "cpu-split", "cpu-down", "cuda", "cuda-split", "cuda-down"])
-def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, tiny_llama_path,
+@pytest.mark.parametrize("device,norm_split,side_down,fold", [
+    ("cpu", 0, False, None), ("cpu", 16, False, ()), ("cpu", 0, True, ()), ("cpu", 0, False, "all"),
+    pytest.param("cuda", 0, False, None, marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, False, (), marks=pytest.mark.gpu),
+    pytest.param("cuda", 0, True, (), marks=pytest.mark.gpu),
+    pytest.param("cuda", 0, False, "all", marks=pytest.mark.gpu)],
+    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cuda", "cuda-split", "cuda-down", "cuda-fold"])
+def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, fold, tiny_llama_path,
                                                       tmp_path, monkeypatch) -> None:
     """norm_split: the LoRA add + norm after o and down spreads each row over programs of that
     many columns (kernels/norm_triton.py, LORA_NORM_SPLIT), with the expands left to it (no
     side-stream expand), as in steps of many adapters. side_down: only down's expand runs on
     the side stream and the other groups' are left to the ops after them, as in steps of 9 to
-    32 adapters (adapters/overlap.py, SIDE_EXPAND_GROUP_SEGMENTS). They run in Triton
-    (natively, or interpreted by test_triton_interpreter.py); the CPU reference ignores the
-    split."""
+    32 adapters (adapters/overlap.py, SIDE_EXPAND_GROUP_SEGMENTS). fold: the groups whose
+    matmul adds their LoRA in the same launch (kernels/lora_gemm.py; None: the default,
+    FOLD_GROUPS; "all": every group). They run in Triton (natively, or interpreted by
+    test_triton_interpreter.py); the CPU reference ignores the split."""
     from inference_node.adapters import overlap
+    from inference_node.model.llama import FUSED_MODULES
 
-    if norm_split or side_down:
+    fold_groups = set(overlap.FOLD_GROUPS if fold is None else FUSED_MODULES if fold == "all" else fold)
+    if norm_split or side_down or fold is not None:
         import functools
 
         monkeypatch.setattr(overlap, "LoraOverlap", functools.partial(
             overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split,
-            side_expand_group_segments={"down": 64} if side_down else {}))
+            side_expand_group_segments={"down": 64} if side_down else {},
+            fold_groups=frozenset(fold_groups)))
         expands = []
         real_expand = overlap.lora_expand
         monkeypatch.setattr(overlap, "lora_expand",
                             lambda *a, **k: expands.append(a[1]) or real_expand(*a, **k))
+    folded = set()
+    real_fold = overlap.OverlappedLoraApplier.fold
+
+    def spy_fold(self, layer, group):
+        lora = real_fold(self, layer, group)
+        if lora is not None:
+            folded.add(group)
+        return lora
+
+    monkeypatch.setattr(overlap.OverlappedLoraApplier, "fold", spy_fold)
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
@@ -81,6 +96,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         assert got == expected
         snap = node.check_idle()
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
+        assert folded == fold_groups  # every group the test's adapters target is in a step
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
             buffers = node.engine.decode_graphs.lora_applier.__self__.buffers
             downs = {id(layer["down"].b) for layer in buffers.layers}

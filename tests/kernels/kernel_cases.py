@@ -1,6 +1,7 @@
 """Random problem builders and obviously-correct (per-token loop) oracles for the kernel tests."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -80,6 +81,42 @@ def naive_expand(case: LoraCase, h: torch.Tensor) -> torch.Tensor:
             delta = b[slot].float().cpu() @ h[i, t].float().cpu()
             y[t, off:off + n] = (y[t, off:off + n].float() + delta).to(y.dtype)
     return y
+
+
+def naive_delta(case: LoraCase) -> torch.Tensor:
+    """[T, sum(out_i)] float32: every token's LoRA delta alone (naive_expand into zeros)."""
+    zero = torch.zeros(len(case.token_slots), sum(b.shape[1] for b in case.b))
+    return naive_expand(dataclasses.replace(case, y=zero), naive_shrink(case))
+
+
+def grouped_slots(gen: torch.Generator, T: int, used: Sequence[int]) -> list[int]:
+    """Tokens of each used slot in one contiguous run of 1 to 3 rows (as a decode graph orders
+    a step's rows), rows without an adapter (-1) scattered between the runs up to T rows."""
+    runs = [[int(s)] * (1 + int(torch.randint(3, (1,), generator=gen))) for s in used]
+    gaps = [0] * (len(runs) + 1)
+    for _ in range(T - sum(map(len, runs))):
+        gaps[int(torch.randint(len(gaps), (1,), generator=gen))] += 1
+    slots = [-1] * gaps[0]
+    for run, gap in zip(runs, gaps[1:]):
+        slots += run + [-1] * gap
+    return slots
+
+
+def make_gemm_lora(case: LoraCase, segments: int):
+    """The case as kernels.lora_gemm.GemmLora sees it (slices side by side as in the slot
+    pool), its segment table padded with empty segments up to `segments` rows, and a
+    scratch full of NaN (a kernel reading rows no shrink wrote would spread them)."""
+    from kernels.lora_gemm import GemmLora
+
+    device = case.x.device
+    n = len(case.a)
+    table_meta = case.meta.with_segment_table([[int(r)] * n for r in case.ranks.tolist()], segments)
+    return GemmLora(
+        a_all=torch.cat(case.a, dim=1), b_all=torch.cat(case.b, dim=1), scaling=case.scaling,
+        slice_offsets=tuple(case.offsets), segment_table=table_meta.segment_table,
+        segments=segments, token_slots=case.meta.token_slots,
+        xa=torch.full((len(case.token_slots), n * case.a[0].shape[1]), float("nan"), device=device),
+        sync=torch.zeros(2, dtype=torch.int64, device=device))
 
 
 def random_slots(gen: torch.Generator, T: int, num_slots: int, used: Sequence[int],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import make_attention_case, make_lora_case, random_slots
+from kernel_cases import make_attention_case, make_gemm_lora, make_lora_case, naive_delta, random_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -182,3 +182,47 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int, e
         _bf16_close(results["new"], new_ref)
         _bf16_close(results["x"], x_ref)
         assert int(split.arrivals.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("adapters,segments", [(1, 1), (32, 32), (20, 32), (64, 64)])
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, segments: int) -> None:
+    """The decode GEMM with LoRA folded in (kernels/lora_gemm.py) as the decode graphs launch
+    it: the engine's tiling, TMA and PDL on Hopper, right after the add + norm that writes
+    its input (which lets it start early), captured and replayed with new inputs; 64 rows
+    over `adapters` adapters in a bucket of `segments` (empty segments after the real ones).
+    Each replay: the norm's new output @ W plus every row's delta, the shrinks counted."""
+    from kernels.decode_gemm import DecodeGemm
+    from kernels.norm_triton import add_rms_norm_triton
+
+    k, outs = GROUPS[group]
+    none = 4 if adapters < 32 else 0  # a few rows on the base model
+    slots = [-1] * none + sorted(i % adapters for i in range(64 - none))
+    case = make_lora_case(token_slots=slots, num_slots=64, max_rank=16, h_in=k, outs=outs,
+                          dtype=torch.bfloat16, device="cuda", seed=adapters)
+    lora = make_gemm_lora(case, segments)
+    w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
+    gemm = DecodeGemm(torch.device("cuda"))
+    hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(64, sum(outs), device="cuda", dtype=torch.bfloat16)
+    x_seen = torch.empty(64, k, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
+        y.copy_(gemm(x, w, group=group, lora=lora))
+        x_seen.copy_(x)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(3):
+        out.normal_()  # a new input each replay: a GEMM that ran ahead would read the old x
+        graph.replay()
+        torch.cuda.synchronize()
+        case.x = x_seen.clone()
+        expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
+        _bf16_close(y.cpu(), expected)
+        assert lora.sync[1].item() == (i + 2) * segments * len(outs), f"replay {i}: shrinks counted"

@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel_cases import (assert_one_variant_per_tiling, make_attention_case, make_lora_case, random_slots,
-                          record_specialisations)
+from kernel_cases import (assert_one_variant_per_tiling, grouped_slots, make_attention_case, make_gemm_lora,
+                          make_lora_case, naive_delta, random_slots, record_specialisations)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -729,4 +729,32 @@ def test_decode_gemm_serves_only_decode_shapes(monkeypatch: pytest.MonkeyPatch) 
     assert not DecodeGemm(torch.device(DEVICE)).serves("qkv")
     with pytest.raises(ValueError, match="LORA_DECODE_GEMM"):
         DecodeGemm(torch.device(DEVICE), "cutlass")
+
+
+@pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
+@pytest.mark.parametrize("outs", [[64], [32, 32], [64, 32, 32]], ids=["o", "gate_up", "qkv"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments: int,
+                                            outs: list[int], dtype: str) -> None:
+    """The decode GEMM with LoRA folded in (kernels/lora_gemm.py): x @ W plus every row's
+    delta, slices side by side, rows without an adapter and empty padding segments left
+    alone, ranks below the slot pool's; launched three times on the same counters (tickets and
+    finished shrinks only grow: each launch must find its own)."""
+    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
+    from kernels.lora_gemm import gemm_lora_fits
+
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(rows)
+    slots = grouped_slots(gen, rows, used)
+    case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
+                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows)
+    lora = make_gemm_lora(case, segments)
+    w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
+    assert gemm_lora_fits(lora, sum(outs), 16)
+    expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
+    programs = segments * len(outs) + sum(outs) // 16
+    for launch in range(1, 4):
+        y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
+        assert_close_scaled(y, expected, dt)
+        assert lora.sync.tolist() == [launch * programs, launch * segments * len(outs)]
 
