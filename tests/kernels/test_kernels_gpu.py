@@ -72,6 +72,21 @@ def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs Hopper or newer")
+def _replays_after_a_new_norm_input(step, out: torch.Tensor, times: int = 3):
+    """Runs `step` (an add + norm of `out`, then a GEMM launched with PDL) once, captures it
+    in a CUDA graph, then replays it `times` times, each with a new `out`, yielding the
+    replay's index after each: a GEMM that ran ahead of the norm would read the old x."""
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(times):
+        out.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i
+
+
 @pytest.mark.parametrize("prefetch_k,tma", [(0, False), (512, False), (2048, False), (0, True), (512, True)])
 def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int, tma: bool) -> None:
     """Launched with programmatic dependent launch right after the add + norm that writes its
@@ -93,14 +108,7 @@ def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int, tma: bool) -> 
         (decode_gemm_tma if tma else decode_gemm_triton)(x, w, y, pdl=True, prefetch_k=prefetch_k)
         x_seen.copy_(x)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        out.normal_()  # a new input each replay: a GEMM that ran ahead would read the old x
-        graph.replay()
-        torch.cuda.synchronize()
+    for _ in _replays_after_a_new_norm_input(step, out):
         torch.testing.assert_close(y.float(), (x_seen.float() @ w.float()).to(torch.bfloat16).float(),
                                    rtol=2e-2, atol=2e-2)
 
@@ -214,14 +222,7 @@ def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, seg
         y.copy_(gemm(x, w, group=group, lora=lora))
         x_seen.copy_(x)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for i in range(3):
-        out.normal_()  # a new input each replay: a GEMM that ran ahead would read the old x
-        graph.replay()
-        torch.cuda.synchronize()
+    for i in _replays_after_a_new_norm_input(step, out):
         case.x = x_seen.clone()
         expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
         _bf16_close(y.cpu(), expected)
