@@ -5,9 +5,11 @@ Why: at decode a step's adapters add bytes (A and B of each distinct adapter) to
 that is itself a stream of weight bytes. Run as kernels of their own, or inside the op after
 the matmul, the LoRA parts are short launches bound by latency, not bytes: on an H100 with
 32 adapters the ops that expanded B took 0.33 ms a step for 0.13 ms of B
-(docs/PERFORMANCE.md). Folded in, A and B are more tiles of the same stream: the shrink
-programs read each adapter's A once, and each output tile reads its columns of each
-adapter's B once, as one more K loop over the step's segments.
+(docs/PERFORMANCE.md). Folded in, A and B are read beside the weight stream: the shrink
+programs read each adapter's A once, and each output tile reads its rows' B columns while
+it streams W, leaving a short tail (a wait for the shrinks, a read of their rows) after the
+matmul. That tail and the shrink programs cost a few microseconds per wave of tiles, so it
+pays for o (one wave), not for gate/up or q/k/v (adapters/overlap.py, FOLD_GROUPS).
 """
 from __future__ import annotations
 
