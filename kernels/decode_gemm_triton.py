@@ -42,6 +42,7 @@ def _decode_gemm_kernel(
     stride_xm, stride_wn, stride_wk, stride_ym,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs_n = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -54,6 +55,8 @@ def _decode_gemm_kernel(
             lines = tl.arange(0, PREFETCH_K // LINE) * LINE
             _prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :] * stride_wk)
         tl.extra.cuda.gdc_wait()  # the input rows are the previous kernel's output
+        if EARLY_TRIGGER:  # every program runs: the next kernel may launch and wait
+            tl.extra.cuda.gdc_launch_dependents()
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [K, N] tile
     mask_m = offs_m[:, None] < M
@@ -67,7 +70,7 @@ def _decode_gemm_kernel(
             acc += tl.dot(x, w)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if PDL:  # the next kernel may launch now (it waits for this one before reading y)
+    if PDL and not EARLY_TRIGGER:  # the next kernel may launch now (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m)
@@ -78,6 +81,7 @@ def _decode_gemm_tma_kernel(
     x_desc, w_desc, w_ptr, y_ptr, M, stride_wn, stride_ym,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     """The same product with the tiles fetched by the tensor memory accelerator (Hopper): one
     copy instruction a tile, where the pointer loads issue one per 16 bytes per thread and
@@ -91,6 +95,8 @@ def _decode_gemm_tma_kernel(
             lines = tl.arange(0, PREFETCH_K // LINE) * LINE
             _prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :])
         tl.extra.cuda.gdc_wait()
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = x_desc.load([0, k0])
@@ -99,7 +105,7 @@ def _decode_gemm_tma_kernel(
             acc += tl.dot(x, w.T, input_precision="ieee")
         else:
             acc += tl.dot(x, w.T)
-    if PDL:
+    if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -117,7 +123,8 @@ def tma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                     pdl: bool = False, prefetch_k: int = 0, block_n: int = 16, block_k: int = 128,
-                    num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int = 4,
+                    early_trigger: bool = False) -> torch.Tensor:
     """decode_gemm_triton with TMA tile loads (CUDA, Hopper or newer; tma_fits(x, w))."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -136,7 +143,7 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
         x_desc, w_desc, w_out_in, y, M, K, y.stride(0),
         K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=128 // w.element_size(),
-        DOT_F32=dot_f32(x.dtype, x.device),
+        DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y
@@ -144,11 +151,13 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
 
 def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                        pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
-                       block_k: int = 128, num_warps: int = 4, num_stages: int = 4
-                       ) -> torch.Tensor:
+                       block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
+                       early_trigger: bool = False) -> torch.Tensor:
     """x [M, K] @ w [K, N] for M <= MAX_ROWS (w may be a transposed view of an [N, K] matrix).
     pdl: launch with programmatic dependent launch (CUDA, Hopper or newer only); prefetch_k:
-    columns of each program's slab asked of L2 before the wait (a multiple of 64)."""
+    columns of each program's slab asked of L2 before the wait (a multiple of 64);
+    early_trigger (with pdl): the next kernel may launch once every program is past its wait
+    (with several waves of tiles: once the last wave has started), not after the main loops."""
     M, K = x.shape
     N = w.shape[1]
     assert w.shape[0] == K and x.stride(1) == 1 and M <= MAX_ROWS
@@ -163,7 +172,7 @@ def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | Non
         x, w, y, M, x.stride(0), w.stride(1), w.stride(0), y.stride(0),
         K=K, BLOCK_M=max(16, next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
         PDL=pdl, PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=line,
-        DOT_F32=dot_f32(x.dtype, x.device),
+        DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

@@ -11,6 +11,8 @@ while a few programs walk long contexts: those split the keys into NUM_SPLITS ra
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,27 @@ _ATTENTION_DYNAMIC = ["NUM_SPLITS", "stride_btb", "stride_ps"]
 _MERGE_DYNAMIC = ["NUM_SPLITS", "stride_ps"]
 
 
+@triton.jit
+def _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One key tile of the online softmax: the running (max, sum, acc) after keys offs_n."""
+    if DOT_F32:
+        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+    visible = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
+    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DOT_F32:
+        acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=_ATTENTION_DYNAMIC)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
@@ -44,14 +67,17 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_KV: tl.constexpr,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
-        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
+        if not EARLY_KV:
+            tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     # Row r of the tile: query q0 + r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD.
     # A sequence's KV heads (and splits) launch side by side: they read the same pages (a
     # page holds every head's keys of its positions), so together they read whole pages.
+    # The step's metadata (query starts, lengths, block tables) is written before the step's
+    # first kernel, so it may be read before the wait.
     pid_q = tl.program_id(0)
     pid_2 = tl.program_id(1)
     seq = tl.program_id(2)
@@ -76,10 +102,6 @@ def _paged_attention_kernel(
     mask_d = offs_d < head_dim
     tok = (q_start + qi).to(tl.int64)
     qmask = row_valid[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
-                + offs_d[None, :] * stride_qd, mask=qmask, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
 
     # Keys this tile needs: up to its last query's position; this split's share of them (the
     # splits divide each sequence's own keys, so a graph sized for the longest context allowed
@@ -88,16 +110,42 @@ def _paged_attention_kernel(
     split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_end, kv_lo + split_len)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+
+    # The first key tile. Keys before ctx0 were written by earlier steps, not by the kernel
+    # ahead (RoPE + KV write writes the new tokens' slots only): with EARLY_KV they are
+    # loaded before the wait, so their latency (block table, then keys) overlaps that
+    # kernel; the new tokens' keys in the tile are loaded after it.
+    offs_n = kv_lo + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < kv_hi
+    blk = tl.load(bt_row + (offs_n // PAGE) * stride_btn, mask=mask_n, other=0).to(tl.int64)
+    in_blk = (offs_n % PAGE).to(tl.int64)
+    k_ptrs = k_ptr + (blk * stride_kb + in_blk * stride_kp + kv_head * stride_kh)[:, None] \
+        + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + (blk * stride_vb + in_blk * stride_vp + kv_head * stride_vh)[:, None] \
+        + offs_d[None, :] * stride_vd
+    old = (mask_n & (offs_n < ctx0))[:, None] & mask_d[None, :]
+    k = tl.load(k_ptrs, mask=old, other=0.0)
+    v = tl.load(v_ptrs, mask=old, other=0.0)
+    # Block ids are read one tile ahead: a tile's keys then wait for one memory latency, not
+    # for the block-table read and then the keys.
+    ahead = offs_n + BLOCK_N
+    next_blk = tl.load(bt_row + (ahead // PAGE) * stride_btn, mask=ahead < kv_hi, other=0)
+    if PDL and EARLY_KV:
+        tl.extra.cuda.gdc_wait()  # q and the new tokens' keys are the kernel ahead's output
+    new = (mask_n & (offs_n >= ctx0))[:, None] & mask_d[None, :]
+    k = tl.where(new, tl.load(k_ptrs, mask=new, other=0.0), k)
+    v = tl.where(new, tl.load(v_ptrs, mask=new, other=0.0), v)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=qmask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
 
     m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-    # Block ids are read one tile ahead: a tile's keys then wait for one memory latency, not
-    # for the block-table read and then the keys.
-    first = kv_lo + tl.arange(0, BLOCK_N)
-    next_blk = tl.load(bt_row + (first // PAGE) * stride_btn, mask=first < kv_hi, other=0)
-    for n0 in range(kv_lo, kv_hi, BLOCK_N):
+    m_i, l_i, acc = _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, DOT_F32)
+    for n0 in range(kv_lo + BLOCK_N, kv_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_hi
         blk = next_blk.to(tl.int64)
@@ -109,22 +157,8 @@ def _paged_attention_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)))
-        visible = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if DOT_F32:
-            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc,
+                                     DOT_F32)
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -188,9 +222,11 @@ def paged_attention_triton_impl(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, max_query_len: int, max_seq_len: int, *,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, early_kv: bool | None = None,
 ) -> torch.Tensor:
-    """paged_attention_triton with the tiling knobs exposed (tests force splits and tiles)."""
+    """paged_attention_triton with the tiling knobs exposed (tests force splits and tiles).
+    early_kv: with PDL, load the first tile's older keys before waiting for the kernel ahead
+    (default: on unless LORA_ATTN_EARLY_KV is 0)."""
     T, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     batch = block_tables.shape[0]
@@ -240,6 +276,8 @@ def paged_attention_triton_impl(
         PAGE=page, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         SPLIT=num_splits > 1, PDL=pdl, **pdl_launch(pdl),
+        EARLY_KV=pdl and (early_kv if early_kv is not None
+                          else os.environ.get("LORA_ATTN_EARLY_KV", "1") != "0"),
         DOT_F32=dot_f32(q.dtype, q.device),
         num_warps=num_warps or (4 if block_q * group_pad * block_d <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),

@@ -70,12 +70,11 @@ def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx:
         _bf16_close(paged_attention_triton_impl(*case.args(), num_splits=splits), ref)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs Hopper or newer")
-def _replays_after_a_new_norm_input(step, out: torch.Tensor, times: int = 3):
-    """Runs `step` (an add + norm of `out`, then a GEMM launched with PDL) once, captures it
-    in a CUDA graph, then replays it `times` times, each with a new `out`, yielding the
-    replay's index after each: a GEMM that ran ahead of the norm would read the old x."""
+def _replays_with_a_new_input(step, out: torch.Tensor, times: int = 3):
+    """Runs `step` (a kernel writing from `out`, then kernels launched with PDL after it)
+    once, captures it in a CUDA graph, then replays it `times` times, each with a new `out`,
+    yielding the replay's index after each: a kernel that read its predecessor's output
+    before its wait would see the last replay's."""
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -87,6 +86,12 @@ def _replays_after_a_new_norm_input(step, out: torch.Tensor, times: int = 3):
         yield i
 
 
+_NEEDS_PDL = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs Hopper or newer")
+
+
+@_NEEDS_PDL
 @pytest.mark.parametrize("prefetch_k,tma", [(0, False), (512, False), (2048, False), (0, True), (512, True)])
 def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int, tma: bool) -> None:
     """Launched with programmatic dependent launch right after the add + norm that writes its
@@ -108,9 +113,58 @@ def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int, tma: bool) -> 
         (decode_gemm_tma if tma else decode_gemm_triton)(x, w, y, pdl=True, prefetch_k=prefetch_k)
         x_seen.copy_(x)
 
-    for _ in _replays_after_a_new_norm_input(step, out):
+    for _ in _replays_with_a_new_input(step, out):
         torch.testing.assert_close(y.float(), (x_seen.float() @ w.float()).to(torch.bfloat16).float(),
                                    rtol=2e-2, atol=2e-2)
+
+
+@_NEEDS_PDL
+@pytest.mark.parametrize("early_kv", [True, False])
+@pytest.mark.parametrize("tma", [True, False])
+def test_attention_after_rope_and_the_qkv_gemm_in_a_graph(early_kv: bool, tma: bool) -> None:
+    """A decode layer's chain as the step runs it, each launched with PDL and replayed from a
+    CUDA graph: the q/k/v GEMM (letting RoPE launch as soon as its programs start), RoPE +
+    KV write (the new token's q, and its key and value into the cache), then attention
+    (early_kv: the older keys of its first tile read before its wait). Each replay, on a
+    new input, must equal the reference over the new q and the cache as RoPE left it: an
+    attention that read q or the new token's key or value before its wait would see the last
+    replay's. Contexts from 1 to 150 keys put the new token in the first key tile and in later
+    ones."""
+    from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton
+    from kernels.paged_attention_ref import paged_attention_ref
+    from kernels.paged_attention_triton import paged_attention_triton_impl
+    from kernels.rope_cache_triton import rope_and_cache_triton
+    from inference_node.model.rope import RotaryEmbedding
+
+    heads, kv_heads, dim, page = 32, 8, 64, 16
+    lens = [1 + (37 * i) % 150 for i in range(64)]
+    case = make_attention_case(q_lens=[1] * 64, seq_lens=lens, num_heads=heads,
+                               num_kv_heads=kv_heads, head_dim=dim, page=page,
+                               dtype=torch.bfloat16, device="cuda", seed=3)
+    seq_lens = case.seq_lens.long()
+    positions = seq_lens - 1
+    blocks = case.block_tables.long().gather(1, (positions // page)[:, None])[:, 0]
+    slots = blocks * page + positions % page
+    rope = RotaryEmbedding(dim, 256, 500000.0, None, torch.device("cuda"))
+    x = torch.randn(64, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(Q + 2 * KV, HIDDEN, device="cuda", dtype=torch.bfloat16) / 32).t()
+    out = torch.empty(64, heads, dim, device="cuda", dtype=torch.bfloat16)
+    q_seen = torch.empty_like(out)
+
+    def step():
+        qkv = (decode_gemm_tma if tma else decode_gemm_triton)(
+            x, w, pdl=True, prefetch_k=512, block_n=32, block_k=256, early_trigger=True)
+        q = rope_and_cache_triton(qkv, None, rope.cos, rope.sin, positions, slots,
+                                  case.k_cache, case.v_cache, heads, kv_heads, dim)
+        out.copy_(paged_attention_triton_impl(
+            q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc,
+            case.seq_lens, case.scale, 1, max(lens), early_kv=early_kv))
+        q_seen.copy_(q)
+
+    for _ in _replays_with_a_new_input(step, x):
+        _bf16_close(out, paged_attention_ref(q_seen, case.k_cache, case.v_cache,
+                                             case.block_tables, case.query_start_loc,
+                                             case.seq_lens, case.scale, 1, max(lens)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -222,7 +276,7 @@ def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, seg
         y.copy_(gemm(x, w, group=group, lora=lora))
         x_seen.copy_(x)
 
-    for i in _replays_after_a_new_norm_input(step, out):
+    for i in _replays_with_a_new_input(step, out):
         case.x = x_seen.clone()
         expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
         _bf16_close(y.cpu(), expected)
