@@ -39,7 +39,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamEvent:
     """New tokens and text of one request since its previous event; `finish_reason` on the last."""
 

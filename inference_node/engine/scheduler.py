@@ -59,15 +59,19 @@ class SchedulerConfig:
     prefill_delay_factor: float = 0.0  # 0: admit waiting requests as soon as they fit
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     request: Request
     num_new_tokens: int
+    # After this chunk every known token has KV, so the step samples a new token. Fixed when
+    # the chunk is planned: the engine moves the request's counters on once it launches the
+    # step, and a decode step asks this of every row several times on the host.
+    completes_prompt: bool
 
-    @property
-    def completes_prompt(self) -> bool:
-        """After this chunk every known token has KV, so the step samples a new token."""
-        return self.request.num_computed + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def plan(cls, request: Request, num_new_tokens: int) -> "ScheduledChunk":
+        return cls(request, num_new_tokens,
+                   request.num_computed + num_new_tokens == request.num_tokens)
 
 
 class Scheduler:
@@ -111,15 +115,19 @@ class Scheduler:
         plan: list[ScheduledChunk] = []
         scheduled: set[int] = set()
 
+        block_size = self.config.block_size
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not Status.RUNNING or req.last_token_pending:
                 continue  # preempted earlier in this loop, or its last token is being sampled
-            n = min(req.num_tokens - req.num_computed, budget)
-            if not self._reserve(req, n, scheduled):
+            left = req.num_tokens - req.num_computed
+            n = min(left, budget)
+            # Most decode rows: one token whose slot the last block still has (no allocation).
+            fits = req.num_computed + n <= len(req.block_ids) * block_size
+            if not fits and not self._reserve(req, n, scheduled):
                 continue
-            plan.append(ScheduledChunk(req, n))
+            plan.append(ScheduledChunk(req, n, n == left))
             scheduled.add(req.id)
             budget -= n
 
@@ -147,7 +155,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
-            plan.append(ScheduledChunk(req, n))
+            plan.append(ScheduledChunk.plan(req, n))
             scheduled.add(req.id)
             budget -= n
         return plan
