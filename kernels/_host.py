@@ -68,6 +68,13 @@ def pdl_launch(enabled: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if enabled else {}
 
 
+def early_kv_enabled(t: torch.Tensor) -> bool:
+    """Whether paged attention, PDL-launched, reads its first tile's older keys (written by
+    earlier steps) before waiting for the kernel ahead: where PDL is on, LORA_ATTN_EARLY_KV
+    not 0."""
+    return pdl_enabled(t) and _hopper_feature(t, "LORA_ATTN_EARLY_KV")
+
+
 def tma_enabled(t: torch.Tensor) -> bool:
     """Whether the decode GEMM fetches its tiles with the tensor memory accelerator: CUDA on
     Hopper or newer, not Triton's interpreter, LORA_DECODE_TMA not 0."""

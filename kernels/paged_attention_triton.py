@@ -11,13 +11,12 @@ while a few programs walk long contexts: those split the keys into NUM_SPLITS ra
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, dot_f32, interpreting, next_power_of_2, num_sms, pdl_enabled, pdl_launch
+from ._host import (cdiv, dot_f32, early_kv_enabled, interpreting, next_power_of_2, num_sms,
+                    pdl_enabled, pdl_launch)
 
 
 _LOG2E = 1.4426950408889634
@@ -276,8 +275,7 @@ def paged_attention_triton_impl(
         PAGE=page, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         SPLIT=num_splits > 1, PDL=pdl, **pdl_launch(pdl),
-        EARLY_KV=pdl and (early_kv if early_kv is not None
-                          else os.environ.get("LORA_ATTN_EARLY_KV", "1") != "0"),
+        EARLY_KV=pdl and (early_kv if early_kv is not None else early_kv_enabled(q)),
         DOT_F32=dot_f32(q.dtype, q.device),
         num_warps=num_warps or (4 if block_q * group_pad * block_d <= 64 * 128 else 8),
         **({"num_stages": num_stages} if num_stages else {}),

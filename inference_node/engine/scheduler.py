@@ -115,19 +115,16 @@ class Scheduler:
         plan: list[ScheduledChunk] = []
         scheduled: set[int] = set()
 
-        block_size = self.config.block_size
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not Status.RUNNING or req.last_token_pending:
                 continue  # preempted earlier in this loop, or its last token is being sampled
-            left = req.num_tokens - req.num_computed
-            n = min(left, budget)
-            # Most decode rows: one token whose slot the last block still has (no allocation).
-            fits = req.num_computed + n <= len(req.block_ids) * block_size
-            if not fits and not self._reserve(req, n, scheduled):
+            n = min(req.num_tokens - req.num_computed, budget)
+            needed = self._blocks_needed(req, n)  # 0 for most decode rows: the last block has room
+            if needed and not self._reserve(req, needed, scheduled):
                 continue
-            plan.append(ScheduledChunk(req, n, n == left))
+            plan.append(ScheduledChunk.plan(req, n))
             scheduled.add(req.id)
             budget -= n
 
@@ -193,11 +190,9 @@ class Scheduler:
         total = -(-(req.num_computed + num_new) // self.config.block_size)
         return max(total - len(req.block_ids), 0)
 
-    def _reserve(self, req: Request, num_new: int, scheduled: set[int]) -> bool:
-        """Allocates blocks for req's next chunk, preempting later arrivals if needed."""
-        needed = self._blocks_needed(req, num_new)
-        if needed == 0:  # most decode steps: the last block still has room
-            return True
+    def _reserve(self, req: Request, needed: int, scheduled: set[int]) -> bool:
+        """Allocates `needed` more blocks for req's next chunk, preempting later arrivals if
+        the pool is short."""
         while needed > self.allocator.num_free:
             candidates = [r for r in self.running if r.id not in scheduled and r is not req]
             victim = max(candidates, key=lambda r: (r.arrival, r.id)) if candidates else None
