@@ -309,6 +309,15 @@ def main() -> None:
             fold = frozenset(FUSED_MODULES) if named == "all" else frozenset(named.split("+"))
             modes_setup[mode] = (LoraOverlap(buffers, args.batch, fold_groups=fold).applier,
                                  high, ranks)
+    # The same as overlap, with the named groups' shrink folded into their matmuls and the
+    # op after it expanding (GemmLora.expand False): overlap-sfold-qkv, overlap-sfold-none (every
+    # shrink on the side stream), ...
+    for mode in modes:
+        if mode.startswith("overlap-sfold-"):
+            named = mode.removeprefix("overlap-sfold-")
+            named = frozenset() if named == "none" else frozenset(named.split("+"))
+            modes_setup[mode] = (LoraOverlap(buffers, args.batch, shrink_fold_groups=named).applier,
+                                 high, ranks)
     all_graphs = {}
     for mode in modes:
         factory, main_priority, table_ranks, carveout = (modes_setup[mode] + (0,))[:4]

@@ -75,6 +75,13 @@ def early_kv_enabled(t: torch.Tensor) -> bool:
     return pdl_enabled(t) and _hopper_feature(t, "LORA_ATTN_EARLY_KV")
 
 
+def early_b_enabled(t: torch.Tensor) -> bool:
+    """Whether the ops that expand a LoRA delta after a projection (RoPE + KV write, SiLU),
+    PDL-launched, read their rows' B before waiting for the kernel ahead: B and the rows'
+    slots are not written by it. Where PDL is on, LORA_EXPAND_EARLY_B not 0."""
+    return pdl_enabled(t) and _hopper_feature(t, "LORA_EXPAND_EARLY_B")
+
+
 def tma_enabled(t: torch.Tensor) -> bool:
     """Whether the decode GEMM fetches its tiles with the tensor memory accelerator: CUDA on
     Hopper or newer, not Triton's interpreter, LORA_DECODE_TMA not 0."""

@@ -132,6 +132,9 @@ class DecodeGemm:
         tiling = self.tiling(w, group, fold=self.fold_tilings)
         if tiling is None or bias is not None:
             y = torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+            if not lora.expand:
+                lora.store_shrink(x)
+                return y
             return (y.float() + lora.delta(x)).to(x.dtype)
         tma = pdl = False
         if self.serves(group) and self.applies(x, w, group):

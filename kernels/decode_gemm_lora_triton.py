@@ -41,8 +41,9 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
                     stride_xa, stride_seg, ticket,
                     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                    PDL: tl.constexpr, DOT_F32: tl.constexpr):
-    """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s]."""
+                    PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+    """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s].
+    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input."""
     seg = ticket // N_SLICES
     slc = ticket % N_SLICES
     slot = tl.load(table_ptr + seg * stride_seg)
@@ -55,6 +56,8 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
         offs_k = tl.arange(0, BLOCK_K)
         if PDL:
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+            if EARLY_TRIGGER:
+                tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
@@ -110,23 +113,30 @@ def _decode_gemm_lora_kernel(
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
+    EXPAND: tl.constexpr = True,
 ):
     NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
-    # Tickets and finished shrinks only ever grow (int64): launch i of this site takes
-    # tickets i*programs .. (i+1)*programs-1 and waits for (i+1)*NUM_SHRINK finished shrinks.
-    programs = tl.num_programs(0).to(tl.int64)
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    launch = ticket // programs
-    role = ticket - launch * programs
+    if EXPAND:
+        # Tickets and finished shrinks only ever grow (int64): launch i of this site takes
+        # tickets i*programs .. (i+1)*programs-1 and waits for (i+1)*NUM_SHRINK finished
+        # shrinks.
+        programs = tl.num_programs(0).to(tl.int64)
+        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        launch = ticket // programs
+        role = ticket - launch * programs
+    else:  # no tile waits for the shrinks: a program's id is its role
+        launch = 0
+        role = tl.program_id(0).to(tl.int64)
     if role < NUM_SHRINK:
         _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
                         stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
-                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        # Every thread's stores of xa above before the count (a release at GPU scope).
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND)
+        if EXPAND:
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+            # Every thread's stores of xa above before the count (a release at GPU scope).
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
     else:
         n0 = (role - NUM_SHRINK).to(tl.int32) * BLOCK_N
         offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -134,12 +144,16 @@ def _decode_gemm_lora_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         # The rows' adapters come from the host (copied before the step), not from the kernel
         # before: their B columns are read into registers while that kernel and W's stream run.
-        b_rows, has = _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R, BLOCK_M, BLOCK_N)
+        if EXPAND:
+            b_rows, has = _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R, BLOCK_M,
+                                 BLOCK_N)
         if PDL:
             if PREFETCH_K > 0:  # as in decode_gemm_triton: W does not depend on the kernel before
                 lines = tl.arange(0, PREFETCH_K // LINE) * LINE
                 _prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :] * stride_wk)
             tl.extra.cuda.gdc_wait()
+            if not EXPAND:  # as decode_gemm_triton's early trigger
+                tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
@@ -153,14 +167,15 @@ def _decode_gemm_lora_kernel(
                 acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
-        if PDL:  # the next kernel may launch now (it waits for this one before reading y)
-            tl.extra.cuda.gdc_launch_dependents()
-        # Every shrink program's rows of xa stored (their tickets are taken: they are running).
-        target = (launch + 1) * NUM_SHRINK
-        arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-        while arrived < target:
+        if EXPAND:
+            if PDL:  # the next kernel may launch now (it waits for this one before reading y)
+                tl.extra.cuda.gdc_launch_dependents()
+            # Every shrink program's rows of xa stored (their tickets are taken: they run).
+            target = (launch + 1) * NUM_SHRINK
             arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-        acc += _row_delta(b_rows, has, xa_ptr, n0, stride_xa, off1, off2, R, BLOCK_M)
+            while arrived < target:
+                arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+            acc += _row_delta(b_rows, has, xa_ptr, n0, stride_xa, off1, off2, R, BLOCK_M)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
 
@@ -203,7 +218,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         K=K, R=r, N_SLICES=slices, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
-        LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device),
+        LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

@@ -82,8 +82,9 @@ class LoraDelta:
         checked against, and the CPU path)."""
         if self.expanded is not None:
             return self.expanded
-        h = self.partials.sum(0)  # [n_slices, T, R]
         slots = self.token_slots.long()
+        # Rows without an adapter: their sums may be unwritten (GemmLora.unexpanded).
+        h = torch.where((slots >= 0)[None, :, None], self.partials.sum(0), 0.0)  # [n_slices, T, R]
         active = (slots >= 0)[:, None, None]
         safe = slots.clamp(min=0)
         outs = [torch.einsum("tr,tor->to", h[i], torch.where(active, b[safe].float(), 0.0))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ._dispatch import use_triton
+from .lora_delta import LoraDelta
 
 
 
@@ -36,6 +37,9 @@ class GemmLora:
     xa: torch.Tensor             # [>= T, slices x R] float32 scratch for the shrink's rows
     sync: torch.Tensor           # [2] int64 counters of one launch site and grid size, zero
                                  # before its first launch (tickets, finished shrinks)
+    # False: the launch only shrinks beside the matmul (y = x @ W, xa's rows stored) and the
+    # op after it expands (unexpanded()): the fold of a group whose next op reads B anyway.
+    expand: bool = True
 
     @property
     def rank(self) -> int:
@@ -45,18 +49,39 @@ class GemmLora:
     def slices(self) -> int:
         return len(self.slice_offsets)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, N] float32: every row's delta (the reference the kernel is checked against)."""
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, slices x R] float32: every row's x @ A.T, scaled, zero for rows without an
+        adapter (the reference of the kernel's xa)."""
         slots = self.token_slots.long()
         active = slots >= 0
         safe = slots.clamp(min=0)
         scale = torch.where(active, self.scaling[safe], 0.0)[:, None]
-        xa = torch.einsum("tk,tjk->tj", x.float(), self.a_all[safe].float()) * scale
-        b = self.b_all[safe].float()  # [T, N, R]
-        bounds = [*self.slice_offsets, b.shape[1]]
+        return torch.einsum("tk,tjk->tj", x.float(), self.a_all[safe].float()) * scale
+
+    def store_shrink(self, x: torch.Tensor) -> None:
+        """expand=False on the reference path: xa's rows as the kernel stores them."""
+        self.xa[:x.shape[0], :self.slices * self.rank] = self.shrink(x)
+
+    def b_slices(self) -> tuple[torch.Tensor, ...]:
+        """Each slice's B, [S, out_i, R] views of b_all."""
+        bounds = [*self.slice_offsets, self.b_all.shape[1]]
+        return tuple(self.b_all[:, lo:hi] for lo, hi in zip(bounds, bounds[1:]))
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, N] float32: every row's delta (the reference the kernel is checked against)."""
+        xa = self.shrink(x)
+        safe = self.token_slots.long().clamp(min=0)
         r = self.rank
-        return torch.cat([torch.einsum("tr,tnr->tn", xa[:, i * r:(i + 1) * r], b[:, lo:hi])
-                          for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], dim=1)
+        return torch.cat([torch.einsum("tr,tnr->tn", xa[:, i * r:(i + 1) * r], b[safe].float())
+                          for i, b in enumerate(self.b_slices())], dim=1)
+
+    def unexpanded(self, rows: int) -> LoraDelta:
+        """expand=False: the shrink's rows of xa (stored by the launch) as a one-split
+        LoraDelta, for the op after the matmul to expand. Rows without an adapter are not
+        stored; the ops expanding it read no sums for them."""
+        r, n = self.rank, self.slices
+        partials = self.xa[:rows, :n * r].view(rows, n, r).permute(1, 0, 2).unsqueeze(0)
+        return LoraDelta(partials, self.b_slices(), self.token_slots[:rows])
 
 
 def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:
@@ -68,6 +93,14 @@ def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:
             and lora.segment_table.shape[0] >= lora.segments)
 
 
+def reference_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora) -> torch.Tensor:
+    """x @ w plus the delta, in x's dtype; with expand=False, x @ w with xa's rows stored."""
+    if not lora.expand:
+        lora.store_shrink(x)
+        return torch.mm(x, w)
+    return (torch.mm(x, w).float() + lora.delta(x)).to(x.dtype)
+
+
 def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: bool = False,
                      pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
                      block_k: int = 128, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
@@ -76,7 +109,7 @@ def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: b
     M, K = x.shape
     N = w.shape[1]
     if not (use_triton(x) and gemm_lora_fits(lora, N, block_n) and K % block_k == 0):
-        return (torch.mm(x, w).float() + lora.delta(x)).to(x.dtype)
+        return reference_gemm_lora(x, w, lora)
     from .decode_gemm_lora_triton import decode_gemm_lora_triton
 
     return decode_gemm_lora_triton(x, w, lora, tma=tma, pdl=pdl, prefetch_k=prefetch_k,

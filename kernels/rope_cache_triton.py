@@ -15,25 +15,29 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2, pdl_enabled, pdl_launch
+from ._host import cdiv, early_b_enabled, next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
 
 
 @triton.jit
-def _half(qkv_row, h, b_rows, dense_row, col, slice_col, mask, offs_r, r_live, stride_bn,
-          HAS_LORA: tl.constexpr, DENSE: tl.constexpr):
+def _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn):
+    """The B rows of a half's columns [columns, rank]: zero past r_live (0 for a row without
+    an adapter: nothing read)."""
+    return tl.load(b_rows + slice_col[:, None] * stride_bn + offs_r[None, :],
+                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+
+
+@triton.jit
+def _half(qkv_row, h, b, dense_row, col, mask, HAS_LORA: tl.constexpr, DENSE: tl.constexpr):
     """Columns `col` of one row (a half of each of the part's heads, flattened) plus their
-    delta h @ B[slice_col].T, or the expanded delta's same columns (rounded to qkv's dtype
-    once, as the unfused path rounds), in float32. r_live: the rank columns to read, 0 for a
-    row without an adapter (it reads no B and adds zero)."""
+    delta h @ b.T (b: _b_half), or the expanded delta's same columns (rounded to qkv's dtype
+    once, as the unfused path rounds), in float32."""
     x = tl.load(qkv_row + col, mask=mask, other=0.0)
     if DENSE:
         d = tl.load(dense_row + col, mask=mask, other=0.0)
         x = (x.to(tl.float32) + d).to(x.dtype)
     elif HAS_LORA:
-        b = tl.load(b_rows + slice_col[:, None] * stride_bn + offs_r[None, :],
-                    mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
         x = (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
     return x.to(tl.float32)
 
@@ -49,10 +53,10 @@ def _rope_cache_kernel(
     Hq, Hkv, D, HALF, PAGE, Q_PARTS,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_HG: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    EARLY_B: tl.constexpr = False,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
-        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     q_cols = Hq * D
@@ -88,20 +92,33 @@ def _rope_cache_kernel(
     qkv_row = qkv_ptr + t * stride_qkv
     offs_r = tl.arange(0, BLOCK_R)
     h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    r_live = 0
-    b_rows = b_base
     dense_row = dense_ptr + t * stride_dense
-    if HAS_LORA and not DENSE:  # straight-line: the row's loads go out together
+    b1 = tl.zeros((BLOCK_HG * BLOCK_HALF, BLOCK_R), dtype=tl.float32)
+    b2 = b1
+    if HAS_LORA and not DENSE:
+        # The rows' adapter slots come from the host (copied before the step) and B from the
+        # slot pool: neither is written by the kernel ahead, so with EARLY_B they are read
+        # before the wait, while the projection's GEMM still streams its weights.
         lslot = tl.load(lslots_ptr + t)
         r_live = tl.where(lslot >= 0, R, 0)
         b_rows = b_base + tl.maximum(lslot, 0).to(tl.int64) * stride_bs
+        if EARLY_B:
+            b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn)
+            b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_bn)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
+        if not EARLY_B:  # straight-line: the row's loads go out together
+            b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn)
+            b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_bn)
+        # No sums are read for a row without an adapter: they may be unwritten
+        # (kernels/lora_gemm.py: GemmLora.unexpanded).
         part_row = part_ptr + slice_id * stride_pslice + t * stride_pt + offs_r
         for s in tl.static_range(SPLITS):
-            h += tl.load(part_row + s * stride_ps, mask=offs_r < R, other=0.0)
-    x1 = _half(qkv_row, h, b_rows, dense_row, col, slice_col, mask, offs_r, r_live, stride_bn,
-               HAS_LORA, DENSE)
-    x2 = _half(qkv_row, h, b_rows, dense_row, col + HALF, slice_col + HALF, mask, offs_r,
-               r_live, stride_bn, HAS_LORA, DENSE)
+            h += tl.load(part_row + s * stride_ps, mask=offs_r < r_live, other=0.0)
+    elif PDL:
+        tl.extra.cuda.gdc_wait()
+    x1 = _half(qkv_row, h, b1, dense_row, col, mask, HAS_LORA, DENSE)
+    x2 = _half(qkv_row, h, b2, dense_row, col + HALF, mask, HAS_LORA, DENSE)
     if part <= Q_PARTS:  # queries and keys rotate: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
         pos = tl.load(pos_ptr + t)
         trig = pos * stride_cos + offs_d
@@ -163,6 +180,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_HG=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=max(16, next_power_of_2(R)),
-        PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
+        PDL=pdl, EARLY_B=pdl and early_b_enabled(qkv),
+        num_warps=num_warps, **pdl_launch(pdl),
     )
     return q

@@ -11,17 +11,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, next_power_of_2, pdl_enabled, pdl_launch
+from ._host import cdiv, early_b_enabled, next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
 
 
 @triton.jit
-def _expanded(x, h, b_rows, stride_bn, offs, mask, offs_r, r_live):
-    """x (a row's columns `offs` of one slice) plus h @ B[offs].T, rounded once to x's dtype.
-    r_live: the rank columns to read, 0 for a row without an adapter (no B read, zero added)."""
-    b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
-                mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+def _b_tile(b_rows, stride_bn, offs, mask, offs_r, r_live):
+    """B's rows for columns `offs` [columns, rank]; r_live: the rank columns to read, 0 for a
+    row without an adapter (nothing read, zeros)."""
+    return tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
+                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+
+
+@triton.jit
+def _expanded(x, h, b):
+    """x (a row's columns of one slice) plus h @ b.T (b: _b_tile), rounded once to x's dtype."""
     return (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
 
 
@@ -32,34 +37,52 @@ def _silu_mul_kernel(
     stride_gu, stride_act, stride_ps, stride_pslice, stride_pt,
     stride_bgs, stride_bgn, stride_bus, stride_bun, stride_dense,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY_B: tl.constexpr = False,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
-        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = offs < I
-    g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
-    u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
-    if DENSE:  # the delta, expanded beside the matmul: [T, 2I] float32
-        dg = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
-        du = tl.load(dense_ptr + t * stride_dense + I + offs, mask=mask, other=0.0)
-        g = (g.to(tl.float32) + dg).to(g.dtype)
-        u = (u.to(tl.float32) + du).to(u.dtype)
-    elif HAS_LORA:  # straight-line: the row's loads go out together
+    if HAS_LORA and not DENSE:  # straight-line: the row's loads go out together
         offs_r = tl.arange(0, BLOCK_R)
+        # The row's adapter slot comes from the host (copied before the step) and B from the
+        # slot pool: neither is written by the kernel ahead, so with EARLY_B they are read
+        # before the wait, while the gate/up GEMM still streams its weights.
         slot = tl.load(slots_ptr + t)
         safe = tl.maximum(slot, 0).to(tl.int64)
+        r_live = tl.where(slot >= 0, R, 0)
+        if EARLY_B:
+            b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
+            b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
+        if not EARLY_B:
+            b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
+            b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
         h_g = tl.zeros((BLOCK_R,), dtype=tl.float32)
         h_u = tl.zeros((BLOCK_R,), dtype=tl.float32)
         part_row = part_ptr + t * stride_pt + offs_r
+        # No sums are read for a row without an adapter: they may be unwritten
+        # (kernels/lora_gemm.py: GemmLora.unexpanded).
         for s in tl.static_range(SPLITS):
-            h_g += tl.load(part_row + s * stride_ps, mask=offs_r < R, other=0.0)
-            h_u += tl.load(part_row + s * stride_ps + stride_pslice, mask=offs_r < R, other=0.0)
-        r_live = tl.where(slot >= 0, R, 0)
-        g = _expanded(g, h_g, bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
-        u = _expanded(u, h_u, bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
+            h_g += tl.load(part_row + s * stride_ps, mask=offs_r < r_live, other=0.0)
+            h_u += tl.load(part_row + s * stride_ps + stride_pslice, mask=offs_r < r_live,
+                           other=0.0)
+        g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
+        u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
+        g = _expanded(g, h_g, b_g)
+        u = _expanded(u, h_u, b_u)
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
+        u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
+        if DENSE:  # the delta, expanded beside the matmul: [T, 2I] float32
+            dg = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+            du = tl.load(dense_ptr + t * stride_dense + I + offs, mask=mask, other=0.0)
+            g = (g.to(tl.float32) + dg).to(g.dtype)
+            u = (u.to(tl.float32) + du).to(u.dtype)
     gf = g.to(tl.float32)
     silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded as F.silu rounds
     act = silu.to(tl.float32) * u.to(tl.float32)
@@ -101,7 +124,8 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
         act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
-        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
+        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl,
+        EARLY_B=pdl and early_b_enabled(gate_up), **pdl_launch(pdl),
         num_warps=num_warps or default_warps,
     )
     return act

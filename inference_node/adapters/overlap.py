@@ -1,6 +1,7 @@
 """LoRA beside the base matmuls: decode steps run each fused projection's LoRA shrink on a
 side CUDA stream while the base matmul runs, and the fused op after the matmul expands it.
-(Or, for the groups in FOLD_GROUPS, inside the matmul itself: kernels/lora_gemm.py.)
+(Or, for the groups in FOLD_GROUPS, inside the matmul itself: kernels/lora_gemm.py; and for
+those in SHRINK_FOLD_GROUPS, the shrink inside the matmul and the expand in the op after it.)
 
 In a decode step the LoRA kernels are short and many. The shrink (x @ A) needs only the
 matmul's input, so it runs on a second stream from the moment that input exists, sharing the
@@ -80,6 +81,32 @@ def gemm_fold_groups() -> frozenset[str]:
     return frozenset(names)
 
 
+# Groups whose next op reads no shrink sums for rows without an adapter (which a shrink-only
+# fold leaves unwritten): RoPE + KV write for q/k/v, SiLU for gate/up.
+SHRINK_FOLD_READY: tuple[str, ...] = ("qkv", "gate_up")
+# Groups whose shrink their decode matmul computes in the same launch (more programs of the
+# GEMM, no side stream) while the op after it expands, in steps that do not expand them on
+# the side stream. No graph edge from a side stream then holds that op back: launched early
+# (PDL) it reads its rows' B while the GEMM streams its weights (kernels/_host.py:
+# early_b_enabled). H100, batch 64 (decode_profile.py, graph replay over base, one process):
+# c32 +0.484 (side stream) -> +0.451 (q/k/v) -> +0.395 ms (q/k/v and gate/up), c64 +0.703 ->
+# +0.685 -> +0.641; gate/up alone +0.429 / +0.661.
+SHRINK_FOLD_GROUPS: tuple[str, ...] = ("qkv", "gate_up")
+
+
+def gemm_shrink_fold_groups() -> frozenset[str]:
+    """LORA_GEMM_SHRINK_FOLD: the fused groups whose shrink the decode graphs fold into the
+    group's matmul while the op after it expands (GemmLora.expand False), comma-separated,
+    "none" for none; default SHRINK_FOLD_GROUPS."""
+    raw = os.environ.get("LORA_GEMM_SHRINK_FOLD", ",".join(SHRINK_FOLD_GROUPS))
+    names = [g for g in raw.split(",") if g and g != "none"]
+    unknown = set(names) - set(SHRINK_FOLD_READY)
+    if unknown:
+        raise ValueError(f"LORA_GEMM_SHRINK_FOLD names {sorted(unknown)}: only "
+                         f"{', '.join(SHRINK_FOLD_READY)} can")
+    return frozenset(names)
+
+
 def norm_split_columns() -> int:
     """LORA_NORM_SPLIT: columns per program of the LoRA add + norm after o and down in graph
     steps (kernels/norm_triton.py: each row spread over several programs, the last one to
@@ -103,7 +130,8 @@ class LoraOverlap:
                  side_expand_segments: int = SIDE_EXPAND_SEGMENTS,
                  norm_split: int | None = None,
                  side_expand_group_segments: Mapping[str, int] | None = None,
-                 fold_groups: frozenset[str] | None = None) -> None:
+                 fold_groups: frozenset[str] | None = None,
+                 shrink_fold_groups: frozenset[str] | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
@@ -136,15 +164,22 @@ class LoraOverlap:
         # after the kernel before it has finished) and the counters of each launch site and
         # grid size (by the step's segment bucket).
         self.fold_groups = gemm_fold_groups() if fold_groups is None else frozenset(fold_groups)
+        self.shrink_fold_groups = ((gemm_shrink_fold_groups() if shrink_fold_groups is None
+                                    else frozenset(shrink_fold_groups)) - self.fold_groups)
         rank = buffers.max_rank
         if rank < 16 or rank & (rank - 1):  # the kernel's tensor-core tiles need these ranks
-            self.fold_groups = frozenset()
+            self.fold_groups = self.shrink_fold_groups = frozenset()
         ranks = slices * buffers.max_rank
+        any_fold = bool(self.fold_groups or self.shrink_fold_groups)
         self.fold_xa = (torch.empty(max_tokens, ranks, dtype=torch.float32, device=device)
                         if self.fold_groups else None)
+        # The shrink-only folds' rows, read by the op after the matmul: a buffer of their own,
+        # so no full fold's launch overwrites them before that op has read them.
+        self.shrink_fold_xa = (torch.empty(max_tokens, ranks, dtype=torch.float32, device=device)
+                               if self.shrink_fold_groups else None)
         self.fold_sync = (torch.zeros(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES), 2,
                                       dtype=torch.int64, device=device)
-                          if self.fold_groups else None)
+                          if any_fold else None)
         self.stream = (torch.cuda.Stream(device, priority=side_priority)
                        if device.type == "cuda" else None)
         # The add + norm's per-row arrival counts and partial sums over the hidden width (o's
@@ -181,7 +216,11 @@ class OverlappedLoraApplier:
             g for g in self.groups - self.folded
             if 0 < meta.num_segments <= max(overlap.side_expand_segments,
                                             overlap.side_expand_group_segments.get(g, 0)))
-        if not self.groups - self.folded:
+        # The groups whose matmul shrinks for the op after it to expand (not those expanded
+        # on the side stream in this step).
+        self.shrink_folded = (self.groups & overlap.shrink_fold_groups) - self.side_expand \
+            if meta.segment_table is not None and meta.num_segments > 0 else frozenset()
+        if not self.groups - self.folded - self.shrink_folded:
             return  # every group's matmul adds its own LoRA: no side work this step
         with self._side():
             # Rows without an adapter are in no segment: no shrink of this step writes them,
@@ -199,14 +238,16 @@ class OverlappedLoraApplier:
         return torch.cuda.stream(stream)
 
     def fold(self, layer: int, group: str) -> GemmLora | None:
-        if group not in self.folded:
+        expand = group in self.folded
+        if not expand and group not in self.shrink_folded:
             return None
         overlap = self.overlap
         buf = overlap.buffers.layers[layer][group]
         segments = self.meta.num_segments
         return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
-                        self.meta.segment_table, segments, self.meta.token_slots, overlap.fold_xa,
-                        overlap.fold_sync[segments, layer, GROUP_INDEX[group]])
+                        self.meta.segment_table, segments, self.meta.token_slots,
+                        overlap.fold_xa if expand else overlap.shrink_fold_xa,
+                        overlap.fold_sync[segments, layer, GROUP_INDEX[group]], expand)
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         if group not in self.groups:

@@ -57,7 +57,8 @@ class LoraApplier(Protocol):
 
     def fold(self, layer: int, group: str) -> GemmLora | None:
         """The group's LoRA for its matmul to add in the same launch (kernels/lora_gemm.py),
-        or None: then begin and end apply it."""
+        or only to shrink in it (GemmLora.expand False: the next op expands), or None: then
+        begin and end apply it."""
 
 
 @dataclass
@@ -260,8 +261,9 @@ class LlamaModel:
         if lora is None:
             return gemm(x, weight, bias, group), None
         fold = lora.fold(layer, group)
-        if fold is not None:
-            return self.gemm(x, weight, bias, group, lora=fold), None
+        if fold is not None:  # the delta added in the matmul, or left for the next op
+            y = self.gemm(x, weight, bias, group, lora=fold)
+            return y, None if fold.expand else fold.unexpanded(x.shape[0])
         lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
         y = gemm(x, weight, bias, group)
         return y, lora.end(layer, group, x, y)

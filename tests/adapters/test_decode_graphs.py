@@ -42,7 +42,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     the side stream and the other groups' are left to the ops after them, as in steps of 9 to
     32 adapters (adapters/overlap.py, SIDE_EXPAND_GROUP_SEGMENTS). fold: the groups whose
     matmul adds their LoRA in the same launch (kernels/lora_gemm.py; None: the default,
-    FOLD_GROUPS; "all": every group). They run in Triton (natively, or interpreted by
+    FOLD_GROUPS; "all": every group); the others of SHRINK_FOLD_GROUPS shrink in their matmul. They run in Triton (natively, or interpreted by
     test_triton_interpreter.py); the CPU reference ignores the split."""
     from inference_node.adapters import overlap
     from inference_node.model.llama import FUSED_MODULES
@@ -59,13 +59,13 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         real_expand = overlap.lora_expand
         monkeypatch.setattr(overlap, "lora_expand",
                             lambda *a, **k: expands.append(a[1]) or real_expand(*a, **k))
-    folded = set()
+    folded, shrink_folded = set(), set()
     real_fold = overlap.OverlappedLoraApplier.fold
 
     def spy_fold(self, layer, group):
         lora = real_fold(self, layer, group)
         if lora is not None:
-            folded.add(group)
+            (folded if lora.expand else shrink_folded).add(group)
         return lora
 
     monkeypatch.setattr(overlap.OverlappedLoraApplier, "fold", spy_fold)
@@ -97,6 +97,11 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         snap = node.check_idle()
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
         assert folded == fold_groups  # every group the test's adapters target is in a step
+        # The shrink folded into q/k/v's and gate/up's matmuls, RoPE and SiLU expanding, in
+        # steps whose expands are not on the side stream (here: every step but the default's,
+        # whose few adapters expand there).
+        shrink = set(overlap.SHRINK_FOLD_GROUPS) - fold_groups if fold is not None else set()
+        assert shrink_folded == shrink
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
             buffers = node.engine.decode_graphs.lora_applier.__self__.buffers
             downs = {id(layer["down"].b) for layer in buffers.layers}

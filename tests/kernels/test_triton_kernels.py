@@ -758,3 +758,56 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
         assert_close_scaled(y, expected, dt)
         assert lora.sync.tolist() == [launch * programs, launch * segments * len(outs)]
 
+
+@pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
+@pytest.mark.parametrize("group", ["qkv", "gate_up"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list[int], segments: int,
+                                                           group: str, dtype: str) -> None:
+    """GemmLora(expand=False): the GEMM only shrinks beside its matmul (y = x @ W, each adapter
+    row's x @ A stored in xa, no counters taken) and the op after it expands
+    GemmLora.unexpanded: RoPE + KV write after q/k/v, SiLU after gate/up. Rows without an
+    adapter keep xa's NaN (never written): the op must read no sums for them. Its output
+    equals the reference over x @ W + every delta."""
+    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
+    from kernels.rope_cache_ref import rope_and_cache_ref
+    from kernels.rope_cache_triton import rope_and_cache_triton
+    from kernels.silu_mul_ref import silu_mul as silu_mul_ref
+    from kernels.silu_mul_triton import silu_mul_triton
+
+    dt = DTYPES[dtype]
+    heads, kv_heads, head_dim = 4, 2, 16
+    outs = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim] if group == "qkv" else [64, 64]
+    gen = torch.Generator().manual_seed(rows)
+    slots = grouped_slots(gen, rows, used)
+    tokens = len(slots)  # the rows with gaps of rows without an adapter between them
+    case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
+                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows)
+    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False)
+    w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
+    y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
+    assert_close_scaled(y, case.x.float().cpu() @ w.float().cpu(), dt)
+    assert lora.sync.tolist() == [0, 0]
+    active = torch.tensor(slots) >= 0
+    assert torch.isnan(lora.xa.cpu()[~active]).all()
+    with_delta = (y.float().cpu() + naive_delta(case)).to(dt).to(DEVICE)
+    rel = 1e-4 if dt == torch.float32 else 3e-2  # bf16: the delta rounded in once, or twice
+    if group == "gate_up":
+        got = silu_mul_triton(y, lora.unexpanded(tokens))
+        torch.testing.assert_close(got.float().cpu(), silu_mul_ref(with_delta).float().cpu(),
+                                   rtol=rel, atol=rel)
+        return
+    positions = torch.randint(0, 50, (tokens,), generator=gen).to(DEVICE)
+    theta = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.outer(torch.arange(64).float(), theta).repeat(1, 2)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    cache_slots = torch.randperm(16 * 4, generator=gen)[:tokens].to(DEVICE)
+    caches = [torch.zeros(16, 4, kv_heads, head_dim, dtype=dt, device=DEVICE) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q = rope_and_cache_triton(y, lora.unexpanded(tokens), cos, sin, positions, cache_slots,
+                              *caches, heads, kv_heads, head_dim)
+    q_ref = rope_and_cache_ref(with_delta, None, cos, sin, positions, cache_slots, *ref_caches,
+                               heads, kv_heads, head_dim)
+    torch.testing.assert_close(q.float().cpu(), q_ref.float().cpu(), rtol=rel, atol=rel)
+    for got, want in zip(caches, ref_caches):
+        torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=rel, atol=rel)
