@@ -16,6 +16,10 @@ the step's segments instead, each adapter's B read once per tile by a tensor-cor
 measured slower on an H100: its steps, each a dependent read, made a longer tail; o with 32
 adapters 16.6 us against 11.6 alone, bench/lora_gemm_sweep.py.)
 
+With GemmLora.expand False the launch only shrinks beside the matmul: the tiles are plain
+GEMM tiles (no B, no wait), each program's id is its role, and the op after the matmul
+expands the stored rows (GemmLora.unexpanded).
+
 Which kind a program is follows the order programs start, not its id: each takes a ticket
 from an atomic counter, and the first tickets shrink. A tile program only waits for tickets
 already taken, by programs that are running and wait on nothing but the kernel before this

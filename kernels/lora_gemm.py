@@ -10,6 +10,10 @@ programs read each adapter's A once, and each output tile reads its rows' B colu
 it streams W, leaving a short tail (a wait for the shrinks, a read of their rows) after the
 matmul. That tail and the shrink programs cost a few microseconds per wave of tiles, so it
 pays for o (one wave), not for gate/up or q/k/v (adapters/overlap.py, FOLD_GROUPS).
+
+For q/k/v and gate/up the launch only shrinks (expand=False): the op after the matmul (RoPE,
+SiLU) reads the rows' B anyway, and with no side-stream edge before it, it launches early
+and reads B while the matmul streams its weights (adapters/overlap.py, SHRINK_FOLD_GROUPS).
 """
 from __future__ import annotations
 
