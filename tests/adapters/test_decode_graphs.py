@@ -252,3 +252,20 @@ def test_serial_lora_in_the_graph_path_matches_peft(tiny_llama_path, tmp_path) -
     assert [outputs[i] for i in range(len(jobs))] == expected
     assert any(segments > 0 for _, segments, _ in engine.decode_graphs.replays)
     engine.check_consistency()
+
+
+def test_shrink_fold_switch_names_only_groups_whose_next_op_can_expand(monkeypatch) -> None:
+    """LORA_GEMM_SHRINK_FOLD: the default is SHRINK_FOLD_GROUPS, "none" is none, and a group
+    whose next op would read the unwritten sums of rows without an adapter (o, down: the add
+    + norm) is refused with a message naming the ones that can."""
+    from inference_node.adapters import overlap
+
+    monkeypatch.delenv("LORA_GEMM_SHRINK_FOLD", raising=False)
+    assert overlap.gemm_shrink_fold_groups() == frozenset(overlap.SHRINK_FOLD_GROUPS)
+    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "none")
+    assert overlap.gemm_shrink_fold_groups() == frozenset()
+    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv")
+    assert overlap.gemm_shrink_fold_groups() == frozenset({"qkv"})
+    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv,down")
+    with pytest.raises(ValueError, match="down.*qkv, gate_up"):
+        overlap.gemm_shrink_fold_groups()
