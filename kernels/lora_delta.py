@@ -83,9 +83,9 @@ class LoraDelta:
         if self.expanded is not None:
             return self.expanded
         slots = self.token_slots.long()
-        # Rows without an adapter: their sums may be unwritten (GemmLora.unexpanded).
-        h = torch.where((slots >= 0)[None, :, None], self.partials.sum(0), 0.0)  # [n_slices, T, R]
         active = (slots >= 0)[:, None, None]
+        # Rows without an adapter: their sums may be unwritten (GemmLora.unexpanded).
+        h = torch.where(active[None, :, :, 0], self.partials.sum(0), 0.0)  # [n_slices, T, R]
         safe = slots.clamp(min=0)
         outs = [torch.einsum("tr,tor->to", h[i], torch.where(active, b[safe].float(), 0.0))
                 for i, b in enumerate(self.b)]

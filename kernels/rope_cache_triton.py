@@ -93,6 +93,7 @@ def _rope_cache_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     h = tl.zeros((BLOCK_R,), dtype=tl.float32)
     dense_row = dense_ptr + t * stride_dense
+    # No B without a delta to expand from it (_half reads none then: a placeholder).
     b1 = tl.zeros((BLOCK_HG * BLOCK_HALF, BLOCK_R), dtype=tl.float32)
     b2 = b1
     if HAS_LORA and not DENSE:
@@ -102,14 +103,12 @@ def _rope_cache_kernel(
         lslot = tl.load(lslots_ptr + t)
         r_live = tl.where(lslot >= 0, R, 0)
         b_rows = b_base + tl.maximum(lslot, 0).to(tl.int64) * stride_bs
-        if EARLY_B:
-            b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn)
-            b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_bn)
-        if PDL:
+        if PDL and not EARLY_B:
             tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-        if not EARLY_B:  # straight-line: the row's loads go out together
-            b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn)
-            b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_bn)
+        b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn)
+        b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_bn)
+        if PDL and EARLY_B:
+            tl.extra.cuda.gdc_wait()
         # No sums are read for a row without an adapter: they may be unwritten
         # (kernels/lora_gemm.py: GemmLora.unexpanded).
         part_row = part_ptr + slice_id * stride_pslice + t * stride_pt + offs_r
@@ -180,7 +179,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_HG=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=max(16, next_power_of_2(R)),
-        PDL=pdl, EARLY_B=pdl and early_b_enabled(qkv),
+        PDL=pdl, EARLY_B=early_b_enabled(qkv),
         num_warps=num_warps, **pdl_launch(pdl),
     )
     return q

@@ -52,14 +52,12 @@ def _silu_mul_kernel(
         slot = tl.load(slots_ptr + t)
         safe = tl.maximum(slot, 0).to(tl.int64)
         r_live = tl.where(slot >= 0, R, 0)
-        if EARLY_B:
-            b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
-            b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
-        if PDL:
+        if PDL and not EARLY_B:
             tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-        if not EARLY_B:
-            b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
-            b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
+        b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
+        b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
+        if PDL and EARLY_B:
+            tl.extra.cuda.gdc_wait()
         h_g = tl.zeros((BLOCK_R,), dtype=tl.float32)
         h_u = tl.zeros((BLOCK_R,), dtype=tl.float32)
         part_row = part_ptr + t * stride_pt + offs_r
@@ -125,7 +123,7 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
         BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl,
-        EARLY_B=pdl and early_b_enabled(gate_up), **pdl_launch(pdl),
+        EARLY_B=early_b_enabled(gate_up), **pdl_launch(pdl),
         num_warps=num_warps or default_warps,
     )
     return act
