@@ -21,7 +21,8 @@ adapters run the expands on the side stream too, into delta buffers, N in 0, 2, 
 and no group's own bound), overlap-sidedownN (down's own bound N in 0, 16, 64),
 overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 adapters too),
 overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their matmuls,
-kernels/lora_gemm.py) and serial (LoRA added after each matmul).
+kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
+(any mix: fold, sfold, sidedown, nsplit) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
@@ -237,6 +238,22 @@ def burst_ms(graph, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+def overlap_options(mode: str) -> dict:
+    """LoraOverlap's keyword arguments from an overlap-x/key=value/... mode name."""
+    groups = lambda v: frozenset() if v == "none" else frozenset(v.split("+"))  # noqa: E731
+    parse = {"fold": ("fold_groups", groups), "sfold": ("shrink_fold_groups", groups),
+             "sidedown": ("side_expand_group_segments", lambda v: {"down": int(v)}),
+             "nsplit": ("norm_split", int)}
+    options = {}
+    for item in mode.removeprefix("overlap-x/").split("/"):
+        key, _, value = item.partition("=")
+        if key not in parse:
+            raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
+        name, convert = parse[key]
+        options[name] = convert(value)
+    return options
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -317,6 +334,12 @@ def main() -> None:
             named = mode.removeprefix("overlap-sfold-")
             named = frozenset() if named == "none" else frozenset(named.split("+"))
             modes_setup[mode] = (LoraOverlap(buffers, args.batch, shrink_fold_groups=named).applier,
+                                 high, ranks)
+    # Any mix of the above: overlap-x/fold=none/sfold=qkv+gate_up+o/sidedown=0/nsplit=512
+    # (LoraOverlap's fold_groups, shrink_fold_groups, down's side-expand bound, norm_split).
+    for mode in modes:
+        if mode.startswith("overlap-x/"):
+            modes_setup[mode] = (LoraOverlap(buffers, args.batch, **overlap_options(mode)).applier,
                                  high, ranks)
     all_graphs = {}
     for mode in modes:

@@ -72,6 +72,10 @@ class LoraDelta:
     # Scratch that lets the add + norm after o and down spread a row over several programs
     # (None: one program a row). Ops that work column by column ignore it.
     column_split: ColumnSplit | None = None
+    # The sums are written by the kernel just ahead of the op (a shrink-only fold,
+    # GemmLora.unexpanded), not by the side stream: an op launched early under PDL reads
+    # them only after its wait (B it may read before).
+    sums_after_wait: bool = False
 
     @property
     def splits(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ._dispatch import use_triton
-from .lora_delta import LoraDelta
+from .lora_delta import ColumnSplit, LoraDelta
 
 
 
@@ -44,6 +44,9 @@ class GemmLora:
     # False: the launch only shrinks beside the matmul (y = x @ W, xa's rows stored) and the
     # op after it expands (unexpanded()): the fold of a group whose next op reads B anyway.
     expand: bool = True
+    # expand=False for o or down: the add + norm's scratch to spread each row over several
+    # programs (LoraDelta.column_split), which then read their B columns before their wait.
+    column_split: ColumnSplit | None = None
 
     @property
     def rank(self) -> int:
@@ -85,7 +88,8 @@ class GemmLora:
         stored; the ops expanding it read no sums for them."""
         r, n = self.rank, self.slices
         partials = self.xa[:rows, :n * r].view(rows, n, r).permute(1, 0, 2).unsqueeze(0)
-        return LoraDelta(partials, self.b_slices(), self.token_slots[:rows])
+        return LoraDelta(partials, self.b_slices(), self.token_slots[:rows],
+                         column_split=self.column_split, sums_after_wait=True)
 
 
 def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:

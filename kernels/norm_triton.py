@@ -27,27 +27,39 @@ from .lora_delta import LoraDelta
 
 
 @triton.jit
-def _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt, stride_bs,
-              SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Row t's LoRA inputs: its shrink sums h (the split partials added), its adapter's B rows
-    and the rank columns to read (0 for a row without an adapter: no B read, zero added)."""
-    offs_r = tl.arange(0, BLOCK_R)
+def _lora_slot(b_ptr, slots_ptr, t, R, stride_bs):
+    """Row t's adapter B rows and the rank columns to read: R, or 0 for a row without an
+    adapter (no B read, no sums read, zero added). A step input and the slot pool's weights:
+    nothing the kernel ahead writes, so a PDL launch may read them before its wait."""
     slot = tl.load(slots_ptr + t)
     r_live = tl.where(slot >= 0, R, 0)
-    b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
-    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        h += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_r, mask=offs_r < R, other=0.0)
-    return h, b_rows, r_live
+    return b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs, r_live
 
 
 @triton.jit
-def _expand(h, b_rows, r_live, offs, mask, stride_bn, BLOCK_R: tl.constexpr):
-    """The delta h @ B[offs].T of one row on columns `offs`, float32 (zero for a row without
-    an adapter: r_live 0, no B read)."""
+def _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """Row t's shrink sums h (the split partials added); none read for a row without an
+    adapter, whose sums may be unwritten (kernels/lora_gemm.py: GemmLora.unexpanded)."""
     offs_r = tl.arange(0, BLOCK_R)
-    b = tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
-                mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        h += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_r, mask=offs_r < r_live,
+                     other=0.0)
+    return h
+
+
+@triton.jit
+def _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R: tl.constexpr):
+    """B's rows for columns `offs` [columns, rank] (zeros for a row without an adapter)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
+                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+
+
+@triton.jit
+def _expand(h, b):
+    """The delta h @ b.T of one row on b's columns, float32."""
     return tl.sum(b.to(tl.float32) * h[None, :], axis=1)
 
 
@@ -96,8 +108,8 @@ def _add_rms_norm_kernel(
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
     t = tl.program_id(0).to(tl.int64)
     if HAS_LORA and not DENSE:
-        h, b_rows, r_live = _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt,
-                                      stride_bs, SPLITS, BLOCK_R)
+        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
+        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
     sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
@@ -107,8 +119,8 @@ def _add_rms_norm_kernel(
             d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
             o = (o.to(tl.float32) + d).to(o.dtype)
         elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
-            o = (o.to(tl.float32) + _expand(h, b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
-                 ).to(o.dtype)
+            b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+            o = (o.to(tl.float32) + _expand(h, b)).to(o.dtype)
         newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
         sumsq += newf * newf
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
@@ -125,17 +137,20 @@ def _add_rms_norm_split_kernel(
     stride_ps, stride_pt, stride_bs, stride_bn, stride_dense, stride_sums,
     H: tl.constexpr, SPLITS: tl.constexpr, DENSE: tl.constexpr, CHUNKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, EARLY: tl.constexpr, EARLY_SUMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The LoRA add + norm with each row spread over CHUNKS programs of BLOCK_H columns
     (grid: row, chunk): a program expands and adds its columns, stores them and its part of
     the row's sum of squares, and counts itself in; the row's last program adds the parts in
     column order, resets the count and writes the whole row normalised.
 
-    EARLY (with PDL): the delta is computed before the wait for the kernel ahead (the
-    projection's GEMM), overlapping its tail. Nothing it reads is that kernel's output: the
-    row's slot is a step input, the shrink's sums (or the expanded delta) come from the side
-    stream, joined before this launch, and B is the slot's weights."""
+    EARLY (with PDL): the program reads its B columns (or the expanded delta) before the wait
+    for the kernel ahead (the projection's GEMM), overlapping its weight stream: the row's
+    slot is a step input, B the slot's weights, and the delta comes from the side stream,
+    joined before this launch. EARLY_SUMS: the shrink's sums too, and the delta is computed
+    before the wait; not where the GEMM itself writes them (a shrink-only fold,
+    LoraDelta.sums_after_wait)."""
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -146,12 +161,17 @@ def _add_rms_norm_split_kernel(
             tl.extra.cuda.gdc_wait()
     if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
         d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+        if PDL and EARLY:
+            tl.extra.cuda.gdc_wait()  # before reading the projection's output
     else:
-        h, b_rows, r_live = _lora_row(part_ptr, b_ptr, slots_ptr, t, R, stride_ps, stride_pt,
-                                      stride_bs, SPLITS, BLOCK_R)
-        d = _expand(h, b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
-    if PDL and EARLY:
-        tl.extra.cuda.gdc_wait()  # before reading the projection's output
+        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
+        b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+        if PDL and EARLY and not EARLY_SUMS:
+            tl.extra.cuda.gdc_wait()  # the sums are the GEMM's output
+        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
+        d = _expand(h, b)
+        if PDL and EARLY and EARLY_SUMS:
+            tl.extra.cuda.gdc_wait()
     o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
     o = (o.to(tl.float32) + d).to(o.dtype)
     newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
@@ -207,13 +227,14 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     split = delta.column_split if delta is not None else None
     if split is not None and split.block < H and split.fits(T, H):
         chunks = cdiv(H, split.block)
+        early = split.early if early_delta is None else early_delta
         _add_rms_norm_split_kernel[(T, chunks)](
             hidden, out, weight, new_hidden, x, *lora, dense_args[0], split.arrivals, split.sums,
             eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0),
             *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, DENSE=dense, CHUNKS=chunks, BLOCK_H=split.block,
             BLOCK_R=max(16, next_power_of_2(R)), BLOCK_CHUNKS=max(2, next_power_of_2(chunks)),
-            NORM_BLOCK=block_h, EARLY=split.early if early_delta is None else early_delta,
+            NORM_BLOCK=block_h, EARLY=early, EARLY_SUMS=early and not delta.sums_after_wait,
             PDL=pdl, **pdl_launch(pdl),
             num_warps=num_warps or 4,
         )

@@ -81,9 +81,6 @@ def gemm_fold_groups() -> frozenset[str]:
     return frozenset(names)
 
 
-# Groups whose next op reads no shrink sums for rows without an adapter (which a shrink-only
-# fold leaves unwritten): RoPE + KV write for q/k/v, SiLU for gate/up.
-SHRINK_FOLD_READY: tuple[str, ...] = ("qkv", "gate_up")
 # Groups whose shrink their decode matmul computes in the same launch (more programs of the
 # GEMM, no side stream) while the op after it expands, in steps that do not expand them on
 # the side stream. No graph edge from a side stream then holds that op back: launched early
@@ -97,13 +94,15 @@ SHRINK_FOLD_GROUPS: tuple[str, ...] = ("qkv", "gate_up")
 def gemm_shrink_fold_groups() -> frozenset[str]:
     """LORA_GEMM_SHRINK_FOLD: the fused groups whose shrink the decode graphs fold into the
     group's matmul while the op after it expands (GemmLora.expand False), comma-separated,
-    "none" for none; default SHRINK_FOLD_GROUPS."""
+    "all" for every group, "none" for none; default SHRINK_FOLD_GROUPS. Every op after a
+    matmul (RoPE + KV write, SiLU, the add + norm) reads no sums for rows without an adapter,
+    which a shrink-only fold leaves unwritten."""
     raw = os.environ.get("LORA_GEMM_SHRINK_FOLD", ",".join(SHRINK_FOLD_GROUPS))
-    names = [g for g in raw.split(",") if g and g != "none"]
-    unknown = set(names) - set(SHRINK_FOLD_READY)
+    names = FUSED_MODULES if raw == "all" else [g for g in raw.split(",") if g and g != "none"]
+    unknown = set(names) - set(FUSED_MODULES)
     if unknown:
-        raise ValueError(f"LORA_GEMM_SHRINK_FOLD names {sorted(unknown)}: only "
-                         f"{', '.join(SHRINK_FOLD_READY)} can")
+        raise ValueError(f"LORA_GEMM_SHRINK_FOLD names unknown groups {sorted(unknown)}: "
+                         f"expected some of {', '.join(FUSED_MODULES)} or all")
     return frozenset(names)
 
 
@@ -247,7 +246,8 @@ class OverlappedLoraApplier:
         return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
                         self.meta.segment_table, segments, self.meta.token_slots,
                         overlap.fold_xa if expand else overlap.shrink_fold_xa,
-                        overlap.fold_sync[segments, layer, GROUP_INDEX[group]], expand)
+                        overlap.fold_sync[segments, layer, GROUP_INDEX[group]], expand,
+                        None if expand else overlap.column_split)
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         if group not in self.groups:

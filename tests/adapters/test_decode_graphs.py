@@ -27,34 +27,40 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
     assert graph_batch_sizes(1) == [1]
 
 
-@pytest.mark.parametrize("device,norm_split,side_down,fold", [
-    ("cpu", 0, False, None), ("cpu", 16, False, ()), ("cpu", 0, True, ()), ("cpu", 0, False, "all"),
-    pytest.param("cuda", 0, False, None, marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, (), marks=pytest.mark.gpu),
-    pytest.param("cuda", 0, True, (), marks=pytest.mark.gpu),
-    pytest.param("cuda", 0, False, "all", marks=pytest.mark.gpu)],
-    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cuda", "cuda-split", "cuda-down", "cuda-fold"])
-def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, fold, tiny_llama_path,
-                                                      tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("device,norm_split,side_down,fold,sfold", [
+    ("cpu", 0, False, None, None), ("cpu", 16, False, (), None), ("cpu", 0, True, (), None),
+    ("cpu", 0, False, "all", None), ("cpu", 16, False, (), "all"),
+    pytest.param("cuda", 0, False, None, None, marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, False, (), None, marks=pytest.mark.gpu),
+    pytest.param("cuda", 0, True, (), None, marks=pytest.mark.gpu),
+    pytest.param("cuda", 0, False, "all", None, marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, False, (), "all", marks=pytest.mark.gpu)],
+    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold", "cuda", "cuda-split",
+         "cuda-down", "cuda-fold", "cuda-sfold"])
+def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, fold, sfold,
+                                                      tiny_llama_path, tmp_path, monkeypatch) -> None:
     """norm_split: the LoRA add + norm after o and down spreads each row over programs of that
     many columns (kernels/norm_triton.py, LORA_NORM_SPLIT), with the expands left to it (no
     side-stream expand), as in steps of many adapters. side_down: only down's expand runs on
     the side stream and the other groups' are left to the ops after them, as in steps of 9 to
     32 adapters (adapters/overlap.py, SIDE_EXPAND_GROUP_SEGMENTS). fold: the groups whose
     matmul adds their LoRA in the same launch (kernels/lora_gemm.py; None: the default,
-    FOLD_GROUPS; "all": every group); the others of SHRINK_FOLD_GROUPS shrink in their matmul. They run in Triton (natively, or interpreted by
+    FOLD_GROUPS; "all": every group); the others of the shrink-fold groups (sfold: None for
+    SHRINK_FOLD_GROUPS, "all" for every group, o and down then expanded by the split add +
+    norm) shrink in their matmul. They run in Triton (natively, or interpreted by
     test_triton_interpreter.py); the CPU reference ignores the split."""
     from inference_node.adapters import overlap
     from inference_node.model.llama import FUSED_MODULES
 
     fold_groups = set(overlap.FOLD_GROUPS if fold is None else FUSED_MODULES if fold == "all" else fold)
+    sfold_groups = set(overlap.SHRINK_FOLD_GROUPS if sfold is None else FUSED_MODULES)
     if norm_split or side_down or fold is not None:
         import functools
 
         monkeypatch.setattr(overlap, "LoraOverlap", functools.partial(
             overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split,
             side_expand_group_segments={"down": 64} if side_down else {},
-            fold_groups=frozenset(fold_groups)))
+            fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups)))
         expands = []
         real_expand = overlap.lora_expand
         monkeypatch.setattr(overlap, "lora_expand",
@@ -97,10 +103,12 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         snap = node.check_idle()
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
         assert folded == fold_groups  # every group the test's adapters target is in a step
-        # The shrink folded into q/k/v's and gate/up's matmuls, RoPE and SiLU expanding, in
-        # steps whose expands are not on the side stream (here: every step but the default's,
-        # whose few adapters expand there).
-        shrink = set(overlap.SHRINK_FOLD_GROUPS) - fold_groups if fold is not None else set()
+        # The shrink folded into the matmuls of sfold's groups, the op after each expanding
+        # (RoPE, SiLU, the add + norm), in steps whose expands are not on the side stream
+        # (here: every step but the default's, whose few adapters expand there).
+        shrink = sfold_groups - fold_groups if fold is not None else set()
+        if side_down:
+            shrink -= {"down"}
         assert shrink_folded == shrink
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
             buffers = node.engine.decode_graphs.lora_applier.__self__.buffers
@@ -254,18 +262,21 @@ def test_serial_lora_in_the_graph_path_matches_peft(tiny_llama_path, tmp_path) -
     engine.check_consistency()
 
 
-def test_shrink_fold_switch_names_only_groups_whose_next_op_can_expand(monkeypatch) -> None:
-    """LORA_GEMM_SHRINK_FOLD: the default is SHRINK_FOLD_GROUPS, "none" is none, and a group
-    whose next op would read the unwritten sums of rows without an adapter (o, down: the add
-    + norm) is refused with a message naming the ones that can."""
+def test_shrink_fold_switch_takes_groups_all_or_none(monkeypatch) -> None:
+    """LORA_GEMM_SHRINK_FOLD: the default is SHRINK_FOLD_GROUPS, "none" is none, "all" every
+    fused group (each op after a matmul reads no sums for rows without an adapter), and a
+    name that is no group is refused with a message naming the ones there are."""
     from inference_node.adapters import overlap
+    from inference_node.model.llama import FUSED_MODULES
 
     monkeypatch.delenv("LORA_GEMM_SHRINK_FOLD", raising=False)
     assert overlap.gemm_shrink_fold_groups() == frozenset(overlap.SHRINK_FOLD_GROUPS)
     monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "none")
     assert overlap.gemm_shrink_fold_groups() == frozenset()
-    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv")
-    assert overlap.gemm_shrink_fold_groups() == frozenset({"qkv"})
     monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv,down")
-    with pytest.raises(ValueError, match="down.*qkv, gate_up"):
+    assert overlap.gemm_shrink_fold_groups() == frozenset({"qkv", "down"})
+    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "all")
+    assert overlap.gemm_shrink_fold_groups() == frozenset(FUSED_MODULES)
+    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv,attn")
+    with pytest.raises(ValueError, match="attn.*qkv, o, gate_up, down or all"):
         overlap.gemm_shrink_fold_groups()

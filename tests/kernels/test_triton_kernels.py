@@ -760,16 +760,20 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
 
 
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
-@pytest.mark.parametrize("group", ["qkv", "gate_up"])
+@pytest.mark.parametrize("group", ["qkv", "gate_up", "o", "o-split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list[int], segments: int,
                                                            group: str, dtype: str) -> None:
     """GemmLora(expand=False): the GEMM only shrinks beside its matmul (y = x @ W, each adapter
     row's x @ A stored in xa, no counters taken) and the op after it expands
-    GemmLora.unexpanded: RoPE + KV write after q/k/v, SiLU after gate/up. Rows without an
-    adapter keep xa's NaN (never written): the op must read no sums for them. Its output
-    equals the reference over x @ W + every delta."""
+    GemmLora.unexpanded: RoPE + KV write after q/k/v, SiLU after gate/up, the residual add +
+    norm after o (one program a row, or spread over programs of 16 columns by a ColumnSplit).
+    Rows without an adapter keep xa's NaN (never written): the op must read no sums for them.
+    Its output equals the reference over x @ W + every delta."""
     from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
+    from kernels.lora_delta import ColumnSplit
+    from kernels.norm_ref import add_rms_norm as add_rms_norm_ref
+    from kernels.norm_triton import add_rms_norm_triton
     from kernels.rope_cache_ref import rope_and_cache_ref
     from kernels.rope_cache_triton import rope_and_cache_triton
     from kernels.silu_mul_ref import silu_mul as silu_mul_ref
@@ -777,13 +781,15 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
 
     dt = DTYPES[dtype]
     heads, kv_heads, head_dim = 4, 2, 16
-    outs = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim] if group == "qkv" else [64, 64]
+    outs = {"qkv": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
+            "gate_up": [64, 64]}.get(group, [64])
     gen = torch.Generator().manual_seed(rows)
     slots = grouped_slots(gen, rows, used)
     tokens = len(slots)  # the rows with gaps of rows without an adapter between them
     case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
                           h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows)
-    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False)
+    split = ColumnSplit.allocate(16, tokens, 64, torch.device(DEVICE)) if group == "o-split" else None
+    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False, column_split=split)
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
     y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
     assert_close_scaled(y, case.x.float().cpu() @ w.float().cpu(), dt)
@@ -796,6 +802,16 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
         got = silu_mul_triton(y, lora.unexpanded(tokens))
         torch.testing.assert_close(got.float().cpu(), silu_mul_ref(with_delta).float().cpu(),
                                    rtol=rel, atol=rel)
+        return
+    if group.startswith("o"):
+        hidden = torch.randn(tokens, 64, generator=gen).to(dt).to(DEVICE)
+        weight = (1 + torch.randn(64, generator=gen) / 4).to(dt).to(DEVICE)
+        got = add_rms_norm_triton(hidden, y, weight, 1e-5, lora.unexpanded(tokens))
+        want = add_rms_norm_ref(hidden, with_delta, weight, 1e-5)
+        for g, w_ in zip(got, want):
+            torch.testing.assert_close(g.float().cpu(), w_.float().cpu(), rtol=rel, atol=rel)
+        if split is not None:  # each row's count back to zero for the next launch
+            assert not split.arrivals.any()
         return
     positions = torch.randint(0, 50, (tokens,), generator=gen).to(DEVICE)
     theta = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
