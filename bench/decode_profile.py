@@ -22,10 +22,12 @@ and no group's own bound), overlap-sidedownN (down's own bound N in 0, 16, 64),
 overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 adapters too),
 overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their matmuls,
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
-(any mix: fold, sfold, sidedown, nsplit) and serial (LoRA added after each matmul).
+(any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), tile=qkv:32.256.4+... for the folds' GEMM
+tilings) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
-c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones).
+c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones),
+qkv32/o32/gu32/down32 (32 rank-16 ones on one fused group: that group's share of c32).
 """
 from __future__ import annotations
 
@@ -57,7 +59,14 @@ CONFIGS = {  # name: (distinct adapters, rank, targets)
     "c32": (32, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "c64": (64, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "d32": (32, 8, ("q_proj", "v_proj")),
+    # 32 rank-16 adapters on one fused group each: what each group's LoRA adds to the step
+    # (their graphs apply that group alone: SINGLE_GROUP_VARIANTS).
+    "qkv32": (32, 16, ("q_proj", "k_proj", "v_proj")),
+    "o32": (32, 16, ("o_proj",)),
+    "gu32": (32, 16, ("gate_proj", "up_proj")),
+    "down32": (32, 16, ("down_proj",)),
 }
+SINGLE_GROUP_CONFIGS = ("qkv32", "o32", "gu32", "down32")
 
 
 def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: int) -> list[int]:
@@ -238,15 +247,41 @@ def burst_ms(graph, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+def single_group_variants(names: list[str]) -> dict:
+    """DecodeGraphs' group_variants with one variant per fused group added, where a config
+    of adapters on one group is profiled (else the default variants)."""
+    from inference_node.engine.decode_graphs import LORA_GROUP_VARIANTS
+    from inference_node.model.llama import FUSED_MODULES
+
+    if not set(names) & set(SINGLE_GROUP_CONFIGS):
+        return {}
+    singles = tuple(frozenset({g}) for g in FUSED_MODULES if frozenset({g}) not in LORA_GROUP_VARIANTS)
+    return {"group_variants": singles + LORA_GROUP_VARIANTS}
+
+
+def fold_tilings(mode: str) -> dict[str, tuple[int, int, int]]:
+    """An overlap-x mode's tile=group:block_n.block_k.stages+... (kernels/decode_gemm.py:
+    FOLD_TILINGS entries replaced while its graphs are captured)."""
+    out = {}
+    for item in mode.removeprefix("overlap-x/").split("/"):
+        key, _, value = item.partition("=")
+        for entry in value.split("+") if key == "tile" else ():
+            group, _, sizes = entry.partition(":")
+            out[group] = tuple(int(v) for v in sizes.split("."))
+    return out
+
+
 def overlap_options(mode: str) -> dict:
     """LoraOverlap's keyword arguments from an overlap-x/key=value/... mode name."""
     groups = lambda v: frozenset() if v == "none" else frozenset(v.split("+"))  # noqa: E731
     parse = {"fold": ("fold_groups", groups), "sfold": ("shrink_fold_groups", groups),
              "sidedown": ("side_expand_group_segments", lambda v: {"down": int(v)}),
-             "nsplit": ("norm_split", int)}
+             "nsplit": ("norm_split", int), "nsplitg": ("split_groups", groups)}
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
+        if key == "tile":  # the model's GEMM takes these, below
+            continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
         name, convert = parse[key]
@@ -348,10 +383,13 @@ def main() -> None:
                               max_batch=args.batch, max_loras=total_slots,
                               lora_applier=factory, capture_priority=main_priority,
                               groups_of=buffers.groups_of, module_ranks=table_ranks,
-                              lora_sm_carveout=carveout)
+                              lora_sm_carveout=carveout, **single_group_variants(names))
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
+        default_tilings = model.gemm.fold_tilings
+        model.gemm.fold_tilings = {**default_tilings, **fold_tilings(mode)}
         graphs.capture_all()
+        model.gemm.fold_tilings = default_tilings
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "

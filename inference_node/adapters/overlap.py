@@ -115,6 +115,16 @@ def norm_split_columns() -> int:
     return int(os.environ.get("LORA_NORM_SPLIT", "0"))
 
 
+def norm_split_groups() -> frozenset[str]:
+    """LORA_NORM_SPLIT_GROUPS: the groups (o, down) whose add + norm takes the column split
+    where LORA_NORM_SPLIT sets one, comma-separated; default both."""
+    names = frozenset(g for g in os.environ.get("LORA_NORM_SPLIT_GROUPS", "o,down").split(",") if g)
+    if names - {"o", "down"}:
+        raise ValueError(f"LORA_NORM_SPLIT_GROUPS names {sorted(names - {'o', 'down'})}: "
+                         f"only o and down are followed by an add + norm")
+    return names
+
+
 def norm_split_early() -> bool:
     """LORA_NORM_SPLIT_EARLY=0: the split add + norm computes its delta after the wait for
     the projection's GEMM, not in its PDL prologue (it still launches early and waits). On by
@@ -130,7 +140,8 @@ class LoraOverlap:
                  norm_split: int | None = None,
                  side_expand_group_segments: Mapping[str, int] | None = None,
                  fold_groups: frozenset[str] | None = None,
-                 shrink_fold_groups: frozenset[str] | None = None) -> None:
+                 shrink_fold_groups: frozenset[str] | None = None,
+                 split_groups: frozenset[str] | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
@@ -139,7 +150,9 @@ class LoraOverlap:
         LORA_NORM_SPLIT). side_expand_group_segments: per group, steps with at most this many
         segments expand that group on the side stream even above side_expand_segments (None:
         SIDE_EXPAND_GROUP_SEGMENTS). fold_groups: the groups whose LoRA their matmul adds in
-        the same launch in steps with a segment table (None: LORA_GEMM_FOLD)."""
+        the same launch in steps with a segment table (None: LORA_GEMM_FOLD). split_groups:
+        of o and down, those whose add + norm takes the column split (None:
+        LORA_NORM_SPLIT_GROUPS)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
@@ -189,6 +202,11 @@ class LoraOverlap:
                                                   buffers.layers[0]["o"].b[0].shape[1], device,
                                                   norm_split_early())
                              if norm_split > 0 and buffers.layers else None)
+        self.split_groups = norm_split_groups() if split_groups is None else frozenset(split_groups)
+
+    def split_for(self, group: str) -> ColumnSplit | None:
+        """The column split of the add + norm after `group`'s matmul, if it takes one."""
+        return self.column_split if group in self.split_groups else None
 
     def applier(self, meta: LoraBatchMeta, groups: frozenset[str] | None = None) -> "OverlappedLoraApplier":
         return OverlappedLoraApplier(self, meta, groups)
@@ -247,7 +265,7 @@ class OverlappedLoraApplier:
                         self.meta.segment_table, segments, self.meta.token_slots,
                         overlap.fold_xa if expand else overlap.shrink_fold_xa,
                         overlap.fold_sync[segments, layer, GROUP_INDEX[group]], expand,
-                        None if expand else overlap.column_split)
+                        None if expand else overlap.split_for(group))
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         if group not in self.groups:
@@ -272,4 +290,4 @@ class OverlappedLoraApplier:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
-                         self.meta.token_slots, self._expanded, self.overlap.column_split)
+                         self.meta.token_slots, self._expanded, self.overlap.split_for(group))
