@@ -22,7 +22,8 @@ and no group's own bound), overlap-sidedownN (down's own bound N in 0, 16, 64),
 overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 adapters too),
 overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their matmuls,
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
-(any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), tile=qkv:32.256.4+... for the folds' GEMM
+(any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
+shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
 tilings) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -276,7 +277,8 @@ def overlap_options(mode: str) -> dict:
     groups = lambda v: frozenset() if v == "none" else frozenset(v.split("+"))  # noqa: E731
     parse = {"fold": ("fold_groups", groups), "sfold": ("shrink_fold_groups", groups),
              "sidedown": ("side_expand_group_segments", lambda v: {"down": int(v)}),
-             "nsplit": ("norm_split", int), "nsplitg": ("split_groups", groups)}
+             "nsplit": ("norm_split", int), "nsplitg": ("split_groups", groups),
+             "nshrink": ("norm_shrink", groups)}
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")

@@ -54,6 +54,18 @@ class ColumnSplit:
         return rows <= self.arrivals.shape[0] and cdiv(columns, self.block) <= self.sums.shape[1]
 
 
+def scaled_shrink(x: torch.Tensor, a_all: torch.Tensor, scaling: torch.Tensor,
+                  token_slots: torch.Tensor) -> torch.Tensor:
+    """[T, slices x R] float32: every row's x @ A.T (a_all [S, slices x R, K], a slot's A
+    slice by slice), scaled, zero for rows without an adapter: the reference of the kernels
+    that store the shrink's rows for the next op to expand."""
+    slots = token_slots.long()
+    active = slots >= 0
+    safe = slots.clamp(min=0)
+    scale = torch.where(active, scaling[safe], 0.0)[:, None]
+    return torch.einsum("tk,tjk->tj", x.float(), a_all[safe].float()) * scale
+
+
 @dataclass(frozen=True)
 class LoraDelta:
     """partials[:, i, t] summed, times B_i[slot_t].T, is the delta of row t on slice i of the
@@ -76,6 +88,18 @@ class LoraDelta:
     # GemmLora.unexpanded), not by the side stream: an op launched early under PDL reads
     # them only after its wait (B it may read before).
     sums_after_wait: bool = False
+
+    @classmethod
+    def from_rows(cls, xa: torch.Tensor, rows: int, rank: int, b: tuple[torch.Tensor, ...],
+                  token_slots: torch.Tensor, column_split: ColumnSplit | None = None
+                  ) -> "LoraDelta":
+        """The shrink's rows stored by the kernel ahead of the op (xa [>= rows, slices x
+        rank], slice by slice; rows without an adapter unwritten) as a one-split delta whose
+        sums that op reads only after its PDL wait."""
+        n = len(b)
+        partials = xa[:rows, :n * rank].view(rows, n, rank).permute(1, 0, 2).unsqueeze(0)
+        return cls(partials, b, token_slots[:rows], column_split=column_split,
+                   sums_after_wait=True)
 
     @property
     def splits(self) -> int:

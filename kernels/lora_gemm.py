@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ._dispatch import use_triton
-from .lora_delta import ColumnSplit, LoraDelta
+from .lora_delta import ColumnSplit, LoraDelta, scaled_shrink
 
 
 
@@ -59,11 +59,7 @@ class GemmLora:
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
         """[T, slices x R] float32: every row's x @ A.T, scaled, zero for rows without an
         adapter (the reference of the kernel's xa)."""
-        slots = self.token_slots.long()
-        active = slots >= 0
-        safe = slots.clamp(min=0)
-        scale = torch.where(active, self.scaling[safe], 0.0)[:, None]
-        return torch.einsum("tk,tjk->tj", x.float(), self.a_all[safe].float()) * scale
+        return scaled_shrink(x, self.a_all, self.scaling, self.token_slots)
 
     def store_shrink(self, x: torch.Tensor) -> None:
         """expand=False on the reference path: xa's rows as the kernel stores them."""
@@ -86,10 +82,8 @@ class GemmLora:
         """expand=False: the shrink's rows of xa (stored by the launch) as a one-split
         LoraDelta, for the op after the matmul to expand. Rows without an adapter are not
         stored; the ops expanding it read no sums for them."""
-        r, n = self.rank, self.slices
-        partials = self.xa[:rows, :n * r].view(rows, n, r).permute(1, 0, 2).unsqueeze(0)
-        return LoraDelta(partials, self.b_slices(), self.token_slots[:rows],
-                         column_split=self.column_split, sums_after_wait=True)
+        return LoraDelta.from_rows(self.xa, rows, self.rank, self.b_slices(), self.token_slots,
+                                   self.column_split)
 
 
 def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:

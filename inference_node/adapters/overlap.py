@@ -44,6 +44,7 @@ from kernels.lora import lora_expand, lora_shrink_partials, lora_workspace_numel
 from kernels.lora_delta import ColumnSplit, LoraDelta
 from kernels.lora_gemm import GemmLora
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+from kernels.norm_shrink import NormShrink
 
 from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
 from .slots import SlotBuffers
@@ -125,6 +126,25 @@ def norm_split_groups() -> frozenset[str]:
     return names
 
 
+# Groups whose shrink the add + norm before their matmul computes (kernels/norm_shrink.py),
+# where that add + norm is split into column programs (LORA_NORM_SPLIT), in steps that would
+# otherwise shrink them in their matmul: gate/up (the add + norm after o). Their matmul then
+# runs plain.
+NORM_SHRINK_READY: tuple[str, ...] = ("gate_up",)
+NORM_SHRINK_GROUPS: tuple[str, ...] = ()
+
+
+def norm_shrink_groups() -> frozenset[str]:
+    """LORA_NORM_SHRINK: the groups whose shrink the add + norm before their matmul computes,
+    comma-separated, "none" for none; default NORM_SHRINK_GROUPS."""
+    raw = os.environ.get("LORA_NORM_SHRINK", ",".join(NORM_SHRINK_GROUPS))
+    names = frozenset(g for g in raw.split(",") if g and g != "none")
+    if names - set(NORM_SHRINK_READY):
+        raise ValueError(f"LORA_NORM_SHRINK names {sorted(names - set(NORM_SHRINK_READY))}: "
+                         f"only {', '.join(NORM_SHRINK_READY)} follow a split add + norm")
+    return names
+
+
 def norm_split_early() -> bool:
     """LORA_NORM_SPLIT_EARLY=0: the split add + norm computes its delta after the wait for
     the projection's GEMM, not in its PDL prologue (it still launches early and waits). On by
@@ -141,7 +161,8 @@ class LoraOverlap:
                  side_expand_group_segments: Mapping[str, int] | None = None,
                  fold_groups: frozenset[str] | None = None,
                  shrink_fold_groups: frozenset[str] | None = None,
-                 split_groups: frozenset[str] | None = None) -> None:
+                 split_groups: frozenset[str] | None = None,
+                 norm_shrink: frozenset[str] | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
@@ -152,7 +173,8 @@ class LoraOverlap:
         SIDE_EXPAND_GROUP_SEGMENTS). fold_groups: the groups whose LoRA their matmul adds in
         the same launch in steps with a segment table (None: LORA_GEMM_FOLD). split_groups:
         of o and down, those whose add + norm takes the column split (None:
-        LORA_NORM_SPLIT_GROUPS)."""
+        LORA_NORM_SPLIT_GROUPS). norm_shrink: the groups whose shrink the split add + norm
+        before their matmul computes (None: LORA_NORM_SHRINK)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
@@ -203,6 +225,15 @@ class LoraOverlap:
                                                   norm_split_early())
                              if norm_split > 0 and buffers.layers else None)
         self.split_groups = norm_split_groups() if split_groups is None else frozenset(split_groups)
+        # The rows of the add + norm's shrink (read by SiLU, after the gate/up matmul) and its
+        # programs' partial sums: buffers of their own (that add + norm also reads o's rows).
+        self.norm_shrink = ((norm_shrink_groups() if norm_shrink is None else frozenset(norm_shrink))
+                            & self.shrink_fold_groups if self.column_split is not None else frozenset())
+        if self.norm_shrink:
+            width = len(FUSED_MODULES["gate_up"]) * rank
+            self.norm_shrink_xa = torch.empty(max_tokens, width, dtype=torch.float32, device=device)
+            self.norm_shrink_partials = torch.empty(max_tokens, self.column_split.sums.shape[1],
+                                                    width, dtype=torch.float32, device=device)
 
     def split_for(self, group: str) -> ColumnSplit | None:
         """The column split of the add + norm after `group`'s matmul, if it takes one."""
@@ -237,6 +268,8 @@ class OverlappedLoraApplier:
         # on the side stream in this step).
         self.shrink_folded = (self.groups & overlap.shrink_fold_groups) - self.side_expand \
             if meta.segment_table is not None and meta.num_segments > 0 else frozenset()
+        # Of those, the groups whose shrink the add + norm before their matmul computes.
+        self.norm_shrunk = self.shrink_folded & overlap.norm_shrink
         if not self.groups - self.folded - self.shrink_folded:
             return  # every group's matmul adds its own LoRA: no side work this step
         with self._side():
@@ -254,9 +287,18 @@ class OverlappedLoraApplier:
         stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(stream)
 
+    def pre_shrink(self, layer: int, group: str) -> NormShrink | None:
+        if group not in self.norm_shrunk:
+            return None
+        overlap = self.overlap
+        buf = overlap.buffers.layers[layer][group]
+        return NormShrink(buf.a_all, overlap.buffers.scaling, self.meta.token_slots,
+                          tuple(buf.b), overlap.norm_shrink_xa, overlap.norm_shrink_partials,
+                          overlap.column_split)
+
     def fold(self, layer: int, group: str) -> GemmLora | None:
         expand = group in self.folded
-        if not expand and group not in self.shrink_folded:
+        if not expand and (group not in self.shrink_folded or group in self.norm_shrunk):
             return None
         overlap = self.overlap
         buf = overlap.buffers.layers[layer][group]
@@ -268,7 +310,7 @@ class OverlappedLoraApplier:
                         None if expand else overlap.split_for(group))
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
-        if group not in self.groups:
+        if group not in self.groups or group in self.norm_shrunk:
             return
         buffers = self.overlap.buffers
         buf = buffers.layers[layer][group]
@@ -286,6 +328,8 @@ class OverlappedLoraApplier:
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> LoraDelta | None:
         if group not in self.groups:
             return None
+        if group in self.norm_shrunk:  # the add + norm before the matmul stored the rows
+            return self.pre_shrink(layer, group).unexpanded(self.meta.num_tokens)
         if self.overlap.stream is not None:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers

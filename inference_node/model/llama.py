@@ -24,6 +24,7 @@ from kernels.embedding import embed_tokens
 from kernels.lora_delta import LoraDelta
 from kernels.lora_gemm import GemmLora
 from kernels.norm import add_rms_norm_lora
+from kernels.norm_shrink import NormShrink
 from kernels.norm_ref import add_rms_norm, rms_norm
 from kernels.rope_cache import rope_and_cache
 from kernels.silu_mul import silu_mul_lora
@@ -59,6 +60,10 @@ class LoraApplier(Protocol):
         """The group's LoRA for its matmul to add in the same launch (kernels/lora_gemm.py),
         or only to shrink in it (GemmLora.expand False: the next op expands), or None: then
         begin and end apply it."""
+
+    def pre_shrink(self, layer: int, group: str) -> NormShrink | None:
+        """The group's shrink for the add + norm that writes its input to store
+        (kernels/norm_shrink.py; end then returns it for the next op to expand), or None."""
 
 
 @dataclass
@@ -123,10 +128,12 @@ class ElementwiseOps:
         return self._rms_norm(x, weight, eps)
 
     def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
-                     eps: float, delta: LoraDelta | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + out (+ its LoRA delta), that normalised)."""
-        if delta is not None or self.triton:
-            return add_rms_norm_lora(hidden, out, weight, eps, delta)
+                     eps: float, delta: LoraDelta | None, next_shrink: NormShrink | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + out (+ its LoRA delta), that normalised); next_shrink: the next group's
+        shrink of the normalised rows stored too."""
+        if delta is not None or next_shrink is not None or self.triton:
+            return add_rms_norm_lora(hidden, out, weight, eps, delta, next_shrink)
         return self._add_rms_norm(hidden, out, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None) -> torch.Tensor:
@@ -240,7 +247,9 @@ class LlamaModel:
                                    batch.seq_lens, self.scale, batch.max_query_len,
                                    batch.max_seq_len).reshape(-1, cfg.q_size)
             out, delta = self._project(lora, i, "o", attn, layer.o)
-            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
+            shrink = lora.pre_shrink(i, "gate_up") if lora is not None else None
+            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta,
+                                         shrink)
             gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
             act = ops.silu_mul(gate_up, delta)
             down, delta = self._project(lora, i, "down", act, layer.down)

@@ -827,3 +827,65 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     torch.testing.assert_close(q.float().cpu(), q_ref.float().cpu(), rtol=rel, atol=rel)
     for got, want in zip(caches, ref_caches):
         torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=rel, atol=rel)
+
+
+@pytest.mark.parametrize("rows,used", [(1, [2]), (9, [3, 0, 2]), (33, [1, 4, 0, 5, 2, 6])])
+@pytest.mark.parametrize("with_delta", [False, True], ids=["o-plain", "o-lora"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_split_add_norm_stores_the_next_groups_shrink(rows: int, used: list[int], with_delta: bool,
+                                                      dtype: str) -> None:
+    """kernels/norm_shrink.py: the add + norm after o, spread over programs of 16 columns,
+    also stores gate/up's shrink of the rows it normalises (their programs' partials of
+    (new row * weight) @ A.T, scaled by the row's 1/rms and the adapter's scaling), with or
+    without o's own delta to expand. Rows without an adapter keep xa's NaN: nothing stored.
+    SiLU then expands it (NormShrink.unexpanded) as the reference expands the shrink of the
+    normalised rows."""
+    from kernels.lora_delta import ColumnSplit, LoraDelta
+    from kernels.norm_ref import add_rms_norm as add_rms_norm_ref
+    from kernels.norm_shrink import NormShrink
+    from kernels.norm_triton import add_rms_norm_triton
+    from kernels.silu_mul_ref import silu_mul as silu_mul_ref
+    from kernels.silu_mul_triton import silu_mul_triton
+
+    dt = DTYPES[dtype]
+    H, I, R, S = 64, 32, 16, 7
+    gen = torch.Generator().manual_seed(rows)
+    slots = torch.tensor(grouped_slots(gen, rows, used), dtype=torch.int32)
+    T = len(slots)
+    a_all = (torch.randn(S, 2 * R, H, generator=gen) / 8).to(dt)
+    b = tuple((torch.randn(S, I, R, generator=gen) / 4).to(dt) for _ in range(2))
+    scaling = torch.rand(S, generator=gen) + 0.5
+    hidden = torch.randn(T, H, generator=gen).to(dt)
+    out = torch.randn(T, H, generator=gen).to(dt)
+    weight = (1 + torch.randn(H, generator=gen) / 4).to(dt)
+    dev = torch.device(DEVICE)
+    split = ColumnSplit.allocate(16, T, H, dev)
+    shrink = NormShrink(a_all.to(dev), scaling.to(dev), slots.to(dev), tuple(x.to(dev) for x in b),
+                        torch.full((T, 2 * R), float("nan"), device=dev),
+                        torch.zeros(T, 4, 2 * R, device=dev), split)
+    delta = None
+    o_delta = None
+    if with_delta:
+        b_o = (torch.randn(S, H, R, generator=gen) / 4).to(dt)
+        part = torch.randn(1, 1, T, R, generator=gen)
+        delta = LoraDelta(part.to(dev), (b_o.to(dev),), slots.to(dev), column_split=split)
+        o_delta = LoraDelta(part, (b_o,), slots).dense()
+    got_hidden, got_x = add_rms_norm_triton(hidden.to(dev), out.to(dev), weight.to(dev), 1e-5, delta,
+                                            next_shrink=shrink)
+    want_hidden, want_x = add_rms_norm_ref(hidden, out, weight, 1e-5, o_delta)
+    assert_close_scaled(got_hidden, want_hidden, dt)
+    assert_close_scaled(got_x, want_x, dt)
+    assert not split.arrivals.any()  # each row's count back to zero for the next launch
+    active = slots >= 0
+    xa = shrink.xa.cpu()
+    assert torch.isnan(xa[~active]).all()
+    safe = slots.long().clamp(min=0)
+    want_xa = torch.einsum("th,tjh->tj", want_x.float(), a_all[safe].float()) * scaling[safe][:, None]
+    rel = 1e-4 if dt == torch.float32 else 3e-2  # bf16: the row is not rounded before A
+    torch.testing.assert_close(xa[active], want_xa[active], rtol=rel, atol=rel)
+    gate_up = torch.randn(T, 2 * I, generator=gen).to(dt)
+    got = silu_mul_triton(gate_up.to(dev), shrink.unexpanded(T))
+    dense = torch.cat([torch.einsum("tr,tir->ti", torch.where(active[:, None], want_xa[:, k * R:(k + 1) * R], 0.0),
+                                    b[k][safe].float()) for k in range(2)], dim=1)
+    want = silu_mul_ref((gate_up.float() + dense).to(dt))
+    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=rel, atol=rel)
