@@ -12,8 +12,10 @@ reads a whole B slice (64 KB at Llama-3.2-1B's width): the LoRA add + norm took 
 2.0 without LoRA. Given a ColumnSplit (kernels/lora_delta.py) the LoRA kernel spreads each row
 over programs of a few hundred columns, and the row's last program to finish (an arrival count
 per row) normalises it; the count is reset by that program, so graph replays need no clearing.
-Alone it is faster (4.2 -> 3.0 us at 32 adapters), in the decode graph it is not, so it is off
-by default (inference_node/adapters/overlap.py: norm_split_columns).
+Alone it is faster (4.2 -> 3.0 us at 32 adapters). In the decode graph it pays after o, whose
+shrink runs in o's GEMM: the programs, launched early (PDL), read their B columns while that
+GEMM runs, which one program holding a whole row's B could not (inference_node/adapters/
+overlap.py: NORM_SPLIT_GROUPS).
 """
 from __future__ import annotations
 

@@ -88,8 +88,12 @@ def gemm_fold_groups() -> frozenset[str]:
 # (PDL) it reads its rows' B while the GEMM streams its weights (kernels/_host.py:
 # early_b_enabled). H100, batch 64 (decode_profile.py, graph replay over base, one process):
 # c32 +0.484 (side stream) -> +0.451 (q/k/v) -> +0.395 ms (q/k/v and gate/up), c64 +0.703 ->
-# +0.685 -> +0.641; gate/up alone +0.429 / +0.661.
-SHRINK_FOLD_GROUPS: tuple[str, ...] = ("qkv", "gate_up")
+# +0.685 -> +0.641; gate/up alone +0.429 / +0.661. o is in FOLD_GROUPS too: it folds whole in
+# steps of at most SIDE_EXPAND_SEGMENTS adapters and only its shrink in the rest, the split
+# add + norm after it (NORM_SPLIT_GROUPS) reading B before its wait: c16 +0.299 -> +0.285,
+# c32 +0.395 -> +0.387 (32 adapters on o alone +0.063 -> +0.055), while c1 and c8 lost 0.02
+# without the whole fold (+0.234 -> +0.251, +0.302 -> +0.325).
+SHRINK_FOLD_GROUPS: tuple[str, ...] = ("qkv", "gate_up", "o")
 
 
 def gemm_shrink_fold_groups() -> frozenset[str]:
@@ -107,29 +111,41 @@ def gemm_shrink_fold_groups() -> frozenset[str]:
     return frozenset(names)
 
 
+# The LoRA add + norm after these groups' matmuls spreads each row over programs of
+# NORM_SPLIT_COLUMNS columns (kernels/norm_triton.py: the row's last program to finish
+# normalises it). For o with its shrink in its GEMM, each program reads its B columns before
+# its wait (a whole row's B is too much for one program to hold), H100, batch 64, graph
+# replay over base, one process: 32 adapters on o alone +0.064 (one program a row) -> +0.055
+# (512) / +0.055 (1024) / +0.065 (256); c32 +0.397 -> +0.385 / +0.389 / +0.397. Down's
+# add + norm, adding a delta expanded on the side stream, lost with it (c32 +0.398 ->
+# +0.404; 32 adapters on down alone +0.077 -> +0.093).
+NORM_SPLIT_COLUMNS = 512
+NORM_SPLIT_GROUPS: tuple[str, ...] = ("o",)
+
+
 def norm_split_columns() -> int:
-    """LORA_NORM_SPLIT: columns per program of the LoRA add + norm after o and down in graph
-    steps (kernels/norm_triton.py: each row spread over several programs, the last one to
-    finish normalising it); 0, the default, keeps one program a row. Off: faster alone, but
-    on an H100 the decode graph of 32 adapters was 0.12 ms slower at 1024 columns and the
-    same at 512 (docs/PERFORMANCE.md)."""
-    return int(os.environ.get("LORA_NORM_SPLIT", "0"))
+    """LORA_NORM_SPLIT: columns per program of the LoRA add + norm after the groups of
+    LORA_NORM_SPLIT_GROUPS in graph steps; 0 keeps one program a row; default
+    NORM_SPLIT_COLUMNS."""
+    return int(os.environ.get("LORA_NORM_SPLIT", str(NORM_SPLIT_COLUMNS)))
 
 
 def norm_split_groups() -> frozenset[str]:
     """LORA_NORM_SPLIT_GROUPS: the groups (o, down) whose add + norm takes the column split
-    where LORA_NORM_SPLIT sets one, comma-separated; default both."""
-    names = frozenset(g for g in os.environ.get("LORA_NORM_SPLIT_GROUPS", "o,down").split(",") if g)
+    where LORA_NORM_SPLIT sets one, comma-separated; default NORM_SPLIT_GROUPS."""
+    raw = os.environ.get("LORA_NORM_SPLIT_GROUPS", ",".join(NORM_SPLIT_GROUPS))
+    names = frozenset(g for g in raw.split(",") if g)
     if names - {"o", "down"}:
         raise ValueError(f"LORA_NORM_SPLIT_GROUPS names {sorted(names - {'o', 'down'})}: "
                          f"only o and down are followed by an add + norm")
     return names
 
 
-# Groups whose shrink the add + norm before their matmul computes (kernels/norm_shrink.py),
+# Groups whose shrink the add + norm before their matmul can compute (kernels/norm_shrink.py),
 # where that add + norm is split into column programs (LORA_NORM_SPLIT), in steps that would
 # otherwise shrink them in their matmul: gate/up (the add + norm after o). Their matmul then
-# runs plain.
+# runs plain. Off by default: H100, batch 64, graph replay over base, one process, 32
+# adapters on gate/up alone +0.185 (shrink in the GEMM) -> +0.196 ms, c32 +0.383 -> +0.392.
 NORM_SHRINK_READY: tuple[str, ...] = ("gate_up",)
 NORM_SHRINK_GROUPS: tuple[str, ...] = ()
 
@@ -198,8 +214,8 @@ class LoraOverlap:
         # after the kernel before it has finished) and the counters of each launch site and
         # grid size (by the step's segment bucket).
         self.fold_groups = gemm_fold_groups() if fold_groups is None else frozenset(fold_groups)
-        self.shrink_fold_groups = ((gemm_shrink_fold_groups() if shrink_fold_groups is None
-                                    else frozenset(shrink_fold_groups)) - self.fold_groups)
+        self.shrink_fold_groups = (gemm_shrink_fold_groups() if shrink_fold_groups is None
+                                   else frozenset(shrink_fold_groups))
         rank = buffers.max_rank
         if rank < 16 or rank & (rank - 1):  # the kernel's tensor-core tiles need these ranks
             self.fold_groups = self.shrink_fold_groups = frozenset()
@@ -254,8 +270,12 @@ class OverlappedLoraApplier:
         assert tokens <= overlap.max_tokens, f"{tokens} tokens, the workspace holds {overlap.max_tokens}"
         self.overlap, self.meta = overlap, meta
         self.groups = frozenset(FUSED_MODULES) if groups is None else groups
-        # The groups whose matmul adds their LoRA itself (rows grouped by adapter only).
-        self.folded = (self.groups & overlap.fold_groups
+        # The groups whose matmul adds their LoRA itself (rows grouped by adapter only). A
+        # group in both fold sets folds whole only in steps of few adapters (those whose other
+        # groups expand on the side stream), and only its shrink in the rest.
+        few = meta.num_segments <= overlap.side_expand_segments
+        self.folded = (self.groups & (overlap.fold_groups if few else
+                                      overlap.fold_groups - overlap.shrink_fold_groups)
                        if meta.segment_table is not None and meta.num_segments > 0 else frozenset())
         self._partials: torch.Tensor | None = None
         self._expanded: torch.Tensor | None = None
@@ -267,7 +287,7 @@ class OverlappedLoraApplier:
         # The groups whose matmul shrinks for the op after it to expand (not those expanded
         # on the side stream in this step).
         self.shrink_folded = (self.groups & overlap.shrink_fold_groups) - self.side_expand \
-            if meta.segment_table is not None and meta.num_segments > 0 else frozenset()
+            - self.folded if meta.segment_table is not None and meta.num_segments > 0 else frozenset()
         # Of those, the groups whose shrink the add + norm before their matmul computes.
         self.norm_shrunk = self.shrink_folded & overlap.norm_shrink
         if not self.groups - self.folded - self.shrink_folded:
