@@ -23,8 +23,7 @@ overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 ad
 overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their matmuls,
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
-shrinks in the add + norm before), segrows=16 (x rows a fold's shrink program reads at a
-time), tile=qkv:32.256.4+... for the folds' GEMM
+shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
 tilings) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -283,7 +282,7 @@ def overlap_options(mode: str) -> dict:
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "segrows"):  # the model's GEMM takes these, below
+        if key == "tile":  # the model's GEMM takes these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -391,11 +390,8 @@ def main() -> None:
         t = time.perf_counter()
         default_tilings = model.gemm.fold_tilings
         model.gemm.fold_tilings = {**default_tilings, **fold_tilings(mode)}
-        default_seg_rows = model.gemm.shrink_seg_rows
-        if "/segrows=" in mode:
-            model.gemm.shrink_seg_rows = int(mode.split("/segrows=")[1].split("/")[0])
         graphs.capture_all()
-        model.gemm.fold_tilings, model.gemm.shrink_seg_rows = default_tilings, default_seg_rows
+        model.gemm.fold_tilings = default_tilings
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "

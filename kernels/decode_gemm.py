@@ -41,7 +41,6 @@ TMA_TILINGS: dict[str, tuple[int, int, int]] = {
 # adapter and slice) do not push the tiles into another wave.
 FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
     "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (32, 128, 4)}
-SHRINK_SEG_ROWS = 0
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
@@ -68,9 +67,6 @@ class DecodeGemm:
         groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
         self.groups = frozenset(g for g in groups.split(",") if g)
         self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
-        # Rows of x the fold's shrink programs read at a time from their segment's first
-        # (LORA_SHRINK_SEG_ROWS; 0: all the tile's rows, kernels/decode_gemm_lora_triton.py).
-        self.shrink_seg_rows = int(os.environ.get("LORA_SHRINK_SEG_ROWS", str(SHRINK_SEG_ROWS)))
         # With PDL: let the next kernel launch once every program has its input rows, rather
         # than after the main loops, so its launch and its own work before its wait (attention
         # reading older keys, a GEMM asking L2 for its weights) overlap this GEMM (H100 decode
@@ -146,5 +142,4 @@ class DecodeGemm:
             tma = tma_enabled(x) and tma_fits(x, w)
         block_n, block_k, stages = tiling
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=self.prefetch_k,
-                                block_n=block_n, block_k=block_k, num_stages=stages,
-                                seg_rows=self.shrink_seg_rows)
+                                block_n=block_n, block_k=block_k, num_stages=stages)

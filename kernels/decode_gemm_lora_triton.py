@@ -45,12 +45,9 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
                     stride_xa, stride_seg, ticket,
                     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                    PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-                    SEG_ROWS: tl.constexpr):
+                    PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
     """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s].
-    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input.
-    SEG_ROWS > 0: x is read SEG_ROWS rows at a time from the segment's first row, not all of
-    the tile's rows (a decode segment is a row or two: the tile's rows were 4x the bytes of A)."""
+    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input."""
     seg = ticket // N_SLICES
     slc = ticket % N_SLICES
     slot = tl.load(table_ptr + seg * stride_seg)
@@ -58,51 +55,31 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
     length = tl.load(table_ptr + seg * stride_seg + 2)
     if length > 0:
         a_row = (slot * N_SLICES + slc) * R  # A of a slot: [slices x R, K], slice by slice
+        offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
         offs_k = tl.arange(0, BLOCK_K)
         if PDL:
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             if EARLY_TRIGGER:
                 tl.extra.cuda.gdc_launch_dependents()
-        scale = tl.load(scaling_ptr + slot)
-        if SEG_ROWS > 0:
-            for m0 in range(first, first + length, SEG_ROWS):
-                offs_m = m0 + tl.arange(0, SEG_ROWS)
-                in_segment = (offs_m < first + length) & (offs_m < M)
-                acc = tl.zeros((SEG_ROWS, R), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                mask=in_segment[:, None], other=0.0)
-                    if TMA:
-                        a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
-                    else:
-                        a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                                    + (k0 + offs_k)[None, :])
-                    if DOT_F32:
-                        acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-                    else:
-                        acc += tl.dot(x, a.T)
-                tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :],
-                         acc * scale, mask=in_segment[:, None])
-        else:
-            offs_m = tl.arange(0, BLOCK_M)
-            acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if TMA:
-                    x = x_desc.load([0, k0])
-                    a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
-                else:
-                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                mask=offs_m[:, None] < M, other=0.0)
-                    a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                                + (k0 + offs_k)[None, :])
-                if DOT_F32:
-                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-                else:
-                    acc += tl.dot(x, a.T)
-            in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
-            tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :],
-                     acc * scale, mask=in_segment[:, None])
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                x = x_desc.load([0, k0])
+                a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=offs_m[:, None] < M, other=0.0)
+                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                            + (k0 + offs_k)[None, :])
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+            else:
+                acc += tl.dot(x, a.T)
+        acc = acc * tl.load(scaling_ptr + slot)
+        in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
+        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
+                 mask=in_segment[:, None])
 
 
 @triton.jit
@@ -140,7 +117,7 @@ def _decode_gemm_lora_kernel(
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
-    EXPAND: tl.constexpr = True, SEG_ROWS: tl.constexpr = 0,
+    EXPAND: tl.constexpr = True,
 ):
     NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
     if EXPAND:
@@ -157,7 +134,7 @@ def _decode_gemm_lora_kernel(
     if role < NUM_SHRINK:
         _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
                         stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
-                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, SEG_ROWS)
+                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND)
         if EXPAND:
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -210,12 +187,10 @@ def _decode_gemm_lora_kernel(
 def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
                             tma: bool = False, pdl: bool = False, prefetch_k: int = 0,
                             block_n: int = 16, block_k: int = 128, num_warps: int = 4,
-                            num_stages: int = 4, seg_rows: int = 0) -> torch.Tensor:
+                            num_stages: int = 4) -> torch.Tensor:
     """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
     block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
-    view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. seg_rows:
-    rows of x a shrink program reads at a time from its segment's first (0: all of the
-    tile's rows)."""
+    view of a contiguous [N, K]; pdl: launched with programmatic dependent launch."""
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
@@ -248,7 +223,6 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
-        SEG_ROWS=min(block_m, seg_rows),
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y
