@@ -11,9 +11,10 @@ it streams W, leaving a short tail (a wait for the shrinks, a read of their rows
 matmul. That tail and the shrink programs cost a few microseconds per wave of tiles, so it
 pays for o (one wave), not for gate/up or q/k/v (adapters/overlap.py, FOLD_GROUPS).
 
-For q/k/v and gate/up the launch only shrinks (expand=False): the op after the matmul (RoPE,
-SiLU) reads the rows' B anyway, and with no side-stream edge before it, it launches early
-and reads B while the matmul streams its weights (adapters/overlap.py, SHRINK_FOLD_GROUPS).
+For q/k/v, gate/up and (in steps of many adapters) o the launch only shrinks (expand=False):
+the op after the matmul (RoPE, SiLU, the split add + norm) reads the rows' B anyway, and
+with no side-stream edge before it, it launches early and reads B while the matmul streams
+its weights (adapters/overlap.py, SHRINK_FOLD_GROUPS).
 """
 from __future__ import annotations
 
