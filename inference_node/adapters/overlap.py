@@ -69,17 +69,23 @@ SIDE_EXPAND_SEGMENTS = 8
 SIDE_EXPAND_GROUP_SEGMENTS: dict[str, int] = {"down": 32}
 
 
+def env_groups(var: str, default: tuple[str, ...],
+               allowed: tuple[str, ...] = tuple(FUSED_MODULES)) -> frozenset[str]:
+    """A set of fused groups from environment variable `var`: comma-separated names of
+    `allowed`, "all" for every one of them, "none" for none; unset: `default`."""
+    raw = os.environ.get(var, ",".join(default))
+    names = allowed if raw == "all" else [g for g in raw.split(",") if g and g != "none"]
+    unknown = set(names) - set(allowed)
+    if unknown:
+        raise ValueError(f"{var} names groups {sorted(unknown)} it cannot take: expected some "
+                         f"of {', '.join(allowed)} or all")
+    return frozenset(names)
+
+
 def gemm_fold_groups() -> frozenset[str]:
     """LORA_GEMM_FOLD: the fused groups whose LoRA the decode graphs fold into the group's
-    matmul (kernels/lora_gemm.py), comma-separated, "all" for every group, "none" for none;
-    default FOLD_GROUPS."""
-    raw = os.environ.get("LORA_GEMM_FOLD", ",".join(FOLD_GROUPS))
-    names = FUSED_MODULES if raw == "all" else [g for g in raw.split(",") if g and g != "none"]
-    unknown = set(names) - set(FUSED_MODULES)
-    if unknown:
-        raise ValueError(f"LORA_GEMM_FOLD names unknown groups {sorted(unknown)}: expected "
-                         f"some of {', '.join(FUSED_MODULES)} or all")
-    return frozenset(names)
+    matmul (kernels/lora_gemm.py); default FOLD_GROUPS."""
+    return env_groups("LORA_GEMM_FOLD", FOLD_GROUPS)
 
 
 # Groups whose shrink their decode matmul computes in the same launch (more programs of the
@@ -98,17 +104,10 @@ SHRINK_FOLD_GROUPS: tuple[str, ...] = ("qkv", "gate_up", "o")
 
 def gemm_shrink_fold_groups() -> frozenset[str]:
     """LORA_GEMM_SHRINK_FOLD: the fused groups whose shrink the decode graphs fold into the
-    group's matmul while the op after it expands (GemmLora.expand False), comma-separated,
-    "all" for every group, "none" for none; default SHRINK_FOLD_GROUPS. Every op after a
-    matmul (RoPE + KV write, SiLU, the add + norm) reads no sums for rows without an adapter,
-    which a shrink-only fold leaves unwritten."""
-    raw = os.environ.get("LORA_GEMM_SHRINK_FOLD", ",".join(SHRINK_FOLD_GROUPS))
-    names = FUSED_MODULES if raw == "all" else [g for g in raw.split(",") if g and g != "none"]
-    unknown = set(names) - set(FUSED_MODULES)
-    if unknown:
-        raise ValueError(f"LORA_GEMM_SHRINK_FOLD names unknown groups {sorted(unknown)}: "
-                         f"expected some of {', '.join(FUSED_MODULES)} or all")
-    return frozenset(names)
+    group's matmul while the op after it expands (GemmLora.expand False); default
+    SHRINK_FOLD_GROUPS. Every op after a matmul (RoPE + KV write, SiLU, the add + norm) reads
+    no sums for rows without an adapter, which a shrink-only fold leaves unwritten."""
+    return env_groups("LORA_GEMM_SHRINK_FOLD", SHRINK_FOLD_GROUPS)
 
 
 # The LoRA add + norm after these groups' matmuls spreads each row over programs of
@@ -131,14 +130,9 @@ def norm_split_columns() -> int:
 
 
 def norm_split_groups() -> frozenset[str]:
-    """LORA_NORM_SPLIT_GROUPS: the groups (o, down) whose add + norm takes the column split
-    where LORA_NORM_SPLIT sets one, comma-separated; default NORM_SPLIT_GROUPS."""
-    raw = os.environ.get("LORA_NORM_SPLIT_GROUPS", ",".join(NORM_SPLIT_GROUPS))
-    names = frozenset(g for g in raw.split(",") if g)
-    if names - {"o", "down"}:
-        raise ValueError(f"LORA_NORM_SPLIT_GROUPS names {sorted(names - {'o', 'down'})}: "
-                         f"only o and down are followed by an add + norm")
-    return names
+    """LORA_NORM_SPLIT_GROUPS: the groups (o, down: those an add + norm follows) whose add +
+    norm takes the column split where LORA_NORM_SPLIT sets one; default NORM_SPLIT_GROUPS."""
+    return env_groups("LORA_NORM_SPLIT_GROUPS", NORM_SPLIT_GROUPS, ("o", "down"))
 
 
 # Groups whose shrink the add + norm before their matmul can compute (kernels/norm_shrink.py),
@@ -151,14 +145,9 @@ NORM_SHRINK_GROUPS: tuple[str, ...] = ()
 
 
 def norm_shrink_groups() -> frozenset[str]:
-    """LORA_NORM_SHRINK: the groups whose shrink the add + norm before their matmul computes,
-    comma-separated, "none" for none; default NORM_SHRINK_GROUPS."""
-    raw = os.environ.get("LORA_NORM_SHRINK", ",".join(NORM_SHRINK_GROUPS))
-    names = frozenset(g for g in raw.split(",") if g and g != "none")
-    if names - set(NORM_SHRINK_READY):
-        raise ValueError(f"LORA_NORM_SHRINK names {sorted(names - set(NORM_SHRINK_READY))}: "
-                         f"only {', '.join(NORM_SHRINK_READY)} follow a split add + norm")
-    return names
+    """LORA_NORM_SHRINK: the groups whose shrink the add + norm before their matmul computes
+    (of NORM_SHRINK_READY); default NORM_SHRINK_GROUPS."""
+    return env_groups("LORA_NORM_SHRINK", NORM_SHRINK_GROUPS, NORM_SHRINK_READY)
 
 
 def norm_split_early() -> bool:
