@@ -41,6 +41,8 @@ TMA_TILINGS: dict[str, tuple[int, int, int]] = {
 # adapter and slice) do not push the tiles into another wave.
 FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
     "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (32, 128, 4)}
+# Columns of A a fold's shrink programs ask of L2 before their PDL wait (0: none).
+SHRINK_PREFETCH = 0
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
@@ -64,6 +66,9 @@ class DecodeGemm:
             raise ValueError(f"LORA_DECODE_GEMM={mode!r}: expected one of {', '.join(MODES)}")
         self.mode = mode if device.type == "cuda" else "cublas"
         self.prefetch_k = int(os.environ.get("LORA_DECODE_PREFETCH", "512"))
+        # With LoRA folded in and PDL: columns of each adapter's A the shrink programs ask of
+        # L2 before their wait, as the tiles ask for their W (LORA_SHRINK_PREFETCH).
+        self.shrink_prefetch = int(os.environ.get("LORA_SHRINK_PREFETCH", str(SHRINK_PREFETCH)))
         groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
         self.groups = frozenset(g for g in groups.split(",") if g)
         self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
@@ -142,4 +147,5 @@ class DecodeGemm:
             tma = tma_enabled(x) and tma_fits(x, w)
         block_n, block_k, stages = tiling
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=self.prefetch_k,
-                                block_n=block_n, block_k=block_k, num_stages=stages)
+                                block_n=block_n, block_k=block_k, num_stages=stages,
+                                prefetch_a=self.shrink_prefetch)

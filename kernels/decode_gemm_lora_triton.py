@@ -45,9 +45,12 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
                     stride_xa, stride_seg, ticket,
                     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
-                    PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
+                    PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+                    PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
     """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s].
-    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input."""
+    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input.
+    PREFETCH_A (with PDL): columns of the slice's A asked of L2 before the wait, as the tiles
+    ask for their W: A does not depend on the kernel before, x does."""
     seg = ticket // N_SLICES
     slc = ticket % N_SLICES
     slot = tl.load(table_ptr + seg * stride_seg)
@@ -59,6 +62,9 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
         offs_r = tl.arange(0, R)
         offs_k = tl.arange(0, BLOCK_K)
         if PDL:
+            if PREFETCH_A > 0:  # one prefetch per 128-byte line of A's R rows
+                lines = tl.arange(0, PREFETCH_A // LINE) * LINE
+                _prefetch_l2(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + lines[None, :])
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             if EARLY_TRIGGER:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -117,7 +123,7 @@ def _decode_gemm_lora_kernel(
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
-    EXPAND: tl.constexpr = True,
+    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
 ):
     NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
     if EXPAND:
@@ -134,7 +140,7 @@ def _decode_gemm_lora_kernel(
     if role < NUM_SHRINK:
         _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
                         stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
-                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND)
+                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A, LINE)
         if EXPAND:
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -187,10 +193,12 @@ def _decode_gemm_lora_kernel(
 def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
                             tma: bool = False, pdl: bool = False, prefetch_k: int = 0,
                             block_n: int = 16, block_k: int = 128, num_warps: int = 4,
-                            num_stages: int = 4) -> torch.Tensor:
+                            num_stages: int = 4, prefetch_a: int = 0) -> torch.Tensor:
     """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
     block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
-    view of a contiguous [N, K]; pdl: launched with programmatic dependent launch."""
+    view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. prefetch_a
+    (with pdl): columns of A each shrink program asks of L2 before its wait (a multiple of 64;
+    at most K)."""
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
@@ -223,6 +231,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
+        PREFETCH_A=min(prefetch_a, K) if pdl else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y
