@@ -43,8 +43,6 @@ FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
     "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (32, 128, 4)}
 # Columns of A a fold's shrink programs ask of L2 before their PDL wait (0: none).
 SHRINK_PREFETCH = 0
-# Rows of x a fold's shrink program reads when its segment has no more (0: the tile's rows).
-SHRINK_WINDOW = 0
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
@@ -71,9 +69,6 @@ class DecodeGemm:
         # With LoRA folded in and PDL: columns of each adapter's A the shrink programs ask of
         # L2 before their wait, as the tiles ask for their W (LORA_SHRINK_PREFETCH).
         self.shrink_prefetch = int(os.environ.get("LORA_SHRINK_PREFETCH", str(SHRINK_PREFETCH)))
-        # With LoRA folded in: the rows of x a shrink program of a short segment reads
-        # (LORA_SHRINK_WINDOW; 0: all of the tile's rows).
-        self.shrink_window = int(os.environ.get("LORA_SHRINK_WINDOW", str(SHRINK_WINDOW)))
         groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
         self.groups = frozenset(g for g in groups.split(",") if g)
         self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
@@ -153,4 +148,4 @@ class DecodeGemm:
         block_n, block_k, stages = tiling
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=self.prefetch_k,
                                 block_n=block_n, block_k=block_k, num_stages=stages,
-                                prefetch_a=self.shrink_prefetch, window=self.shrink_window)
+                                prefetch_a=self.shrink_prefetch)

@@ -41,56 +41,16 @@ from .lora_gemm import GemmLora, gemm_lora_fits
 
 
 @triton.jit
-def _shrink_rows(x_desc, x_ptr, a_desc, a_ptr, a_row, m0, M, stride_xm,
-                 K: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TMA: tl.constexpr, DOT_F32: tl.constexpr):
-    """[ROWS, R] float32: rows m0 .. m0 + ROWS - 1 of x (zero past M) @ A's R rows from a_row
-    on, over the whole K. With TMA, x_desc's tiles are [ROWS, BLOCK_K]."""
-    offs_m = m0 + tl.arange(0, ROWS)
-    offs_r = tl.arange(0, R)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((ROWS, R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if TMA:
-            x = x_desc.load([m0, k0])
-            a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                        mask=offs_m[:, None] < M, other=0.0)
-            a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                        + (k0 + offs_k)[None, :])
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-        else:
-            acc += tl.dot(x, a.T)
-    return acc
-
-
-@triton.jit
-def _store_segment_rows(xa_ptr, acc, m0, first, length, M, slc, stride_xa, R: tl.constexpr,
-                        ROWS: tl.constexpr):
-    """acc's rows (x rows m0 ..) that belong to the segment, into xa's slice columns."""
-    offs_m = m0 + tl.arange(0, ROWS)
-    offs_r = tl.arange(0, R)
-    in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
-    tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
-             mask=in_segment[:, None])
-
-
-@triton.jit
-def _shrink_program(x_desc, xw_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
-                    stride_xm, stride_xa, stride_seg, ticket,
+def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
+                    stride_xa, stride_seg, ticket,
                     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                     PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-                    PREFETCH_A: tl.constexpr, LINE: tl.constexpr, WINDOW: tl.constexpr):
+                    PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
     """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s].
     EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input.
     PREFETCH_A (with PDL): columns of the slice's A asked of L2 before the wait, as the tiles
-    ask for their W: A does not depend on the kernel before, x does. WINDOW > 0: a segment of
-    at most WINDOW rows reads only the WINDOW rows of x from its first (xw_desc's tiles with
-    TMA), not all of the tile's BLOCK_M: at decode a segment is a row or two, and the tile's
-    rows of x were 4x the bytes of the slice's A."""
+    ask for their W: A does not depend on the kernel before, x does."""
     seg = ticket // N_SLICES
     slc = ticket % N_SLICES
     slot = tl.load(table_ptr + seg * stride_seg)
@@ -98,25 +58,34 @@ def _shrink_program(x_desc, xw_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, 
     length = tl.load(table_ptr + seg * stride_seg + 2)
     if length > 0:
         a_row = (slot * N_SLICES + slc) * R  # A of a slot: [slices x R, K], slice by slice
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, R)
+        offs_k = tl.arange(0, BLOCK_K)
         if PDL:
             if PREFETCH_A > 0:  # one prefetch per 128-byte line of A's R rows
                 lines = tl.arange(0, PREFETCH_A // LINE) * LINE
-                _prefetch_l2(a_ptr + (a_row + tl.arange(0, R))[:, None].to(tl.int64) * K
-                             + lines[None, :])
+                _prefetch_l2(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + lines[None, :])
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             if EARLY_TRIGGER:
                 tl.extra.cuda.gdc_launch_dependents()
-        scale = tl.load(scaling_ptr + slot)
-        if WINDOW > 0 and length <= WINDOW:
-            acc = _shrink_rows(xw_desc, x_ptr, a_desc, a_ptr, a_row, first, M, stride_xm, K, R,
-                               WINDOW, BLOCK_K, TMA, DOT_F32)
-            _store_segment_rows(xa_ptr, acc * scale, first, first, length, M, slc, stride_xa, R,
-                                WINDOW)
-        else:
-            acc = _shrink_rows(x_desc, x_ptr, a_desc, a_ptr, a_row, 0, M, stride_xm, K, R,
-                               BLOCK_M, BLOCK_K, TMA, DOT_F32)
-            _store_segment_rows(xa_ptr, acc * scale, 0, first, length, M, slc, stride_xa, R,
-                                BLOCK_M)
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                x = x_desc.load([0, k0])
+                a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=offs_m[:, None] < M, other=0.0)
+                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                            + (k0 + offs_k)[None, :])
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+            else:
+                acc += tl.dot(x, a.T)
+        acc = acc * tl.load(scaling_ptr + slot)
+        in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
+        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
+                 mask=in_segment[:, None])
 
 
 @triton.jit
@@ -148,13 +117,13 @@ def _row_delta(b, has, xa_ptr, n0, stride_xa, off1, off2, R: tl.constexpr, BLOCK
 
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_lora_kernel(
-    x_desc, xw_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
+    x_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
     slots_ptr, sync_ptr, M, off1, off2, stride_xm, stride_wn, stride_wk, stride_ym, stride_bs, stride_bn,
     stride_xa, stride_seg,
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
-    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
+    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
 ):
     NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
     if EXPAND:
@@ -169,9 +138,9 @@ def _decode_gemm_lora_kernel(
         launch = 0
         role = tl.program_id(0).to(tl.int64)
     if role < NUM_SHRINK:
-        _shrink_program(x_desc, xw_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr,
-                        M, stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
-                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A, LINE, WINDOW)
+        _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
+                        stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
+                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A, LINE)
         if EXPAND:
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -224,15 +193,12 @@ def _decode_gemm_lora_kernel(
 def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
                             tma: bool = False, pdl: bool = False, prefetch_k: int = 0,
                             block_n: int = 16, block_k: int = 128, num_warps: int = 4,
-                            num_stages: int = 4, prefetch_a: int = 0,
-                            window: int = 0) -> torch.Tensor:
+                            num_stages: int = 4, prefetch_a: int = 0) -> torch.Tensor:
     """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
     block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
     view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. prefetch_a
     (with pdl): columns of A each shrink program asks of L2 before its wait (a multiple of 64;
-    at most K). window: a shrink program whose segment has at most this many rows reads only
-    those rows' window of x (a power of 2, 16 or more; 0 or at least the tile's rows: all of
-    them)."""
+    at most K)."""
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
@@ -241,8 +207,6 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         return y
     r, slices = lora.rank, lora.slices
     block_m = max(16, next_power_of_2(M))
-    window = window if 16 <= window < block_m else 0
-    assert window & (window - 1) == 0, "window must be a power of 2"
     a2d = lora.a_all.reshape(-1, K)
     assert a2d.stride(1) == 1 and lora.b_all.stride(2) == 1 and lora.xa.stride(1) == 1
     if tma:
@@ -251,24 +215,23 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         w_out_in = w.t()
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
                  TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k]),
-                 TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]),
-                 TensorDescriptor(x, [M, K], [x.stride(0), 1], [window or block_m, block_k]))
+                 TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]))
         w_arg, stride_wn, stride_wk = w_out_in, K, 1
     else:
-        descs = (x, w, a2d, x)
+        descs = (x, w, a2d)
         w_arg, stride_wn, stride_wk = w, w.stride(1), w.stride(0)
     offs = [*lora.slice_offsets[1:], N, N][:2]
     table = lora.segment_table
     grid = (lora.segments * slices + N // block_n,)
     _decode_gemm_lora_kernel[grid](
-        descs[0], descs[3], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
+        descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
         lora.token_slots, lora.sync, M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk, y.stride(0),
         lora.b_all.stride(0), lora.b_all.stride(1), lora.xa.stride(0), table.stride(0),
         K=K, R=r, N_SLICES=slices, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
-        PREFETCH_A=min(prefetch_a, K) if pdl else 0, WINDOW=window,
+        PREFETCH_A=min(prefetch_a, K) if pdl else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

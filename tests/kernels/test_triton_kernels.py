@@ -889,38 +889,3 @@ def test_split_add_norm_stores_the_next_groups_shrink(rows: int, used: list[int]
                                     b[k][safe].float()) for k in range(2)], dim=1)
     want = silu_mul_ref((gate_up.float() + dense).to(dt))
     torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=rel, atol=rel)
-
-
-@pytest.mark.parametrize("window", [0, 16])
-@pytest.mark.parametrize("expand", [True, False], ids=["fold", "shrink-only"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_shrink_programs_read_a_window_of_x_for_short_segments(window: int, expand: bool,
-                                                               dtype: str) -> None:
-    """The fold's shrink programs reading only a 16-row window of x from a short segment's
-    first row (window 16) instead of all the tile's rows (0): a segment of 20 rows is longer
-    than the window and reads them all; a one-row segment's window holds the next segment's
-    rows, which are not its own; the last segment's window runs past the batch's rows. x @ W
-    plus every delta either way; the shrink-only launch stores the same rows of xa (rows
-    without an adapter left NaN)."""
-    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
-
-    dt = DTYPES[dtype]
-    slots = [-1] * 3 + [2] * 20 + [-1] * 2 + [0] + [5] * 3
-    outs = [32, 32]
-    case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
-                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=5)
-    lora = dataclasses.replace(make_gemm_lora(case, 4), expand=expand)
-    gen = torch.Generator().manual_seed(5)
-    w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
-    y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2,
-                                window=window)
-    base = case.x.float().cpu() @ w.float().cpu()
-    if expand:
-        assert_close_scaled(y, base + naive_delta(case), dt)
-        return
-    assert_close_scaled(y, base, dt)
-    active = torch.tensor(slots) >= 0
-    xa = lora.xa.cpu()[:len(slots), :2 * 16]
-    assert torch.isnan(xa[~active]).all()
-    torch.testing.assert_close(xa[active], lora.shrink(case.x).cpu()[active],
-                               rtol=1e-4 if dt == torch.float32 else 2e-2, atol=1e-3)
