@@ -41,8 +41,12 @@ TMA_TILINGS: dict[str, tuple[int, int, int]] = {
 # adapter and slice) do not push the tiles into another wave.
 FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
     "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (32, 128, 4)}
-# Columns of A a fold's shrink programs ask of L2 before their PDL wait (0: none).
-SHRINK_PREFETCH = 0
+# Columns of A the shrink programs of a whole fold (whose tiles wait for them: o in steps of
+# few adapters) ask of L2 before their PDL wait (0: none). H100, batch 64, graph replay over
+# base (bench/decode_profile.py, one process): c1 +0.232 -> +0.212 ms, c8 +0.299 -> +0.286
+# with all of A (2048 columns); 512 columns changed nothing. Shrink-only folds do not take it:
+# there it cost c32 +0.383 -> +0.393 and c64 +0.634 -> +0.660.
+SHRINK_PREFETCH = 2048
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
@@ -66,8 +70,8 @@ class DecodeGemm:
             raise ValueError(f"LORA_DECODE_GEMM={mode!r}: expected one of {', '.join(MODES)}")
         self.mode = mode if device.type == "cuda" else "cublas"
         self.prefetch_k = int(os.environ.get("LORA_DECODE_PREFETCH", "512"))
-        # With LoRA folded in and PDL: columns of each adapter's A the shrink programs ask of
-        # L2 before their wait, as the tiles ask for their W (LORA_SHRINK_PREFETCH).
+        # With LoRA folded in whole and PDL: columns of each adapter's A the shrink programs
+        # ask of L2 before their wait, as the tiles ask for their W (LORA_SHRINK_PREFETCH).
         self.shrink_prefetch = int(os.environ.get("LORA_SHRINK_PREFETCH", str(SHRINK_PREFETCH)))
         groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
         self.groups = frozenset(g for g in groups.split(",") if g)
