@@ -24,8 +24,7 @@ overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their mat
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
-tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait,
-spairs=1 for SiLU taking rows two to a program) and serial (LoRA added after each matmul).
+tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones),
@@ -34,14 +33,12 @@ qkv32/o32/gu32/down32 (32 rank-16 ones on one fused group: that group's share of
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -285,28 +282,6 @@ def shrink_prefetch(mode: str, default: int) -> int:
     return default
 
 
-# overlap-x options that set a kernel switch read from the environment at launch, while that
-# mode's graphs are captured: spairs=1 (SiLU takes rows two to a program), swarps=N (its
-# programs' warps with a delta to expand).
-CAPTURE_ENV = {"spairs": "LORA_SILU_PAIRS", "swarps": "LORA_SILU_WARPS"}
-
-
-@contextmanager
-def capture_env(mode: str):
-    """The environment switches an overlap-x mode names (CAPTURE_ENV), set while its graphs
-    are captured, then restored."""
-    saved = dict(os.environ)
-    for item in mode.removeprefix("overlap-x/").split("/") if mode.startswith("overlap-x/") else ():
-        key, _, value = item.partition("=")
-        if key in CAPTURE_ENV:
-            os.environ[CAPTURE_ENV[key]] = value
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def overlap_options(mode: str) -> dict:
     """LoraOverlap's keyword arguments from an overlap-x/key=value/... mode name."""
     groups = lambda v: frozenset() if v == "none" else frozenset(v.split("+"))  # noqa: E731
@@ -317,7 +292,7 @@ def overlap_options(mode: str) -> dict:
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "apf") or key in CAPTURE_ENV:  # taken while capturing, below
+        if key in ("tile", "apf"):  # the model's GEMM takes these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -426,8 +401,7 @@ def main() -> None:
         default_tilings, default_prefetch = model.gemm.fold_tilings, model.gemm.shrink_prefetch
         model.gemm.fold_tilings = {**default_tilings, **fold_tilings(mode)}
         model.gemm.shrink_prefetch = shrink_prefetch(mode, default_prefetch)
-        with capture_env(mode):
-            graphs.capture_all()
+        graphs.capture_all()
         model.gemm.fold_tilings, model.gemm.shrink_prefetch = default_tilings, default_prefetch
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "

@@ -590,12 +590,11 @@ def test_column_split_fits_only_what_its_scratch_holds() -> None:
 @HYPO
 @given(tokens=st.integers(1, 9), inter=st.sampled_from([24, 64, 200, 1536]),
        with_delta=st.booleans(), expanded=st.booleans(), dtype=st.sampled_from(list(DTYPES)),
-       seed=st.integers(0, 2**16), pairs=st.booleans())
+       seed=st.integers(0, 2**16))
 def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, expanded: bool,
-                                    dtype: str, seed: int, pairs: bool) -> None:
+                                    dtype: str, seed: int) -> None:
     """SiLU(gate) * up equals the reference on the expanded gate/up delta (1536 columns take
-    two programs per row), also with rows two to a program (pairs: neighbours on the same
-    adapter, on another, on none, an odd row count's last row alone)."""
+    two programs per row)."""
     from kernels.silu_mul_ref import silu_mul
     from kernels.silu_mul_triton import silu_mul_triton
 
@@ -604,7 +603,7 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, e
     gate_up = (2 * torch.randn(tokens, 2 * inter + 5, generator=gen)).to(dt)[:, :2 * inter].to(DEVICE)
     delta = maybe_expanded(random_lora_delta(gen, tokens, [inter, inter], dt) if with_delta else None,
                            expanded)
-    act = silu_mul_triton(gate_up, delta, pairs=pairs)
+    act = silu_mul_triton(gate_up, delta)
     ref = silu_mul(gate_up, delta.dense() if delta else None)
     assert not act.isnan().any()
     assert_close_scaled(act, ref, dt)  # bf16: g + delta may round a step apart, times up
@@ -800,10 +799,9 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     with_delta = (y.float().cpu() + naive_delta(case)).to(dt).to(DEVICE)
     rel = 1e-4 if dt == torch.float32 else 3e-2  # bf16: the delta rounded in once, or twice
     if group == "gate_up":
-        for pairs in (False, True):  # rows one or two to a program
-            got = silu_mul_triton(y, lora.unexpanded(tokens), pairs=pairs)
-            torch.testing.assert_close(got.float().cpu(), silu_mul_ref(with_delta).float().cpu(),
-                                       rtol=rel, atol=rel)
+        got = silu_mul_triton(y, lora.unexpanded(tokens))
+        torch.testing.assert_close(got.float().cpu(), silu_mul_ref(with_delta).float().cpu(),
+                                   rtol=rel, atol=rel)
         return
     if group.startswith("o"):
         hidden = torch.randn(tokens, 64, generator=gen).to(dt).to(DEVICE)
