@@ -24,8 +24,7 @@ overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their mat
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
-tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait,
-fuse=G+G.. for the groups whose shrink programs take all of a segment's slices) and serial (LoRA added after each matmul).
+tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones),
@@ -273,24 +272,13 @@ def fold_tilings(mode: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def gemm_option(mode: str, key: str, default: int) -> int:
-    """An overlap-x mode's integer option for the model's GEMM while its graphs are captured:
-    apf=N (DecodeGemm.shrink_prefetch: columns of A a whole fold's shrink programs ask of L2
-    before their wait)."""
+def shrink_prefetch(mode: str, default: int) -> int:
+    """An overlap-x mode's apf=N: columns of A the folds' shrink programs ask of L2 before
+    their wait (DecodeGemm.shrink_prefetch while its graphs are captured)."""
     for item in mode.removeprefix("overlap-x/").split("/"):
-        name, _, value = item.partition("=")
-        if name == key:
+        key, _, value = item.partition("=")
+        if key == "apf":
             return int(value)
-    return default
-
-
-def fuse_groups(mode: str, default: frozenset[str]) -> frozenset[str]:
-    """An overlap-x mode's fuse=G+G.. or none (DecodeGemm.shrink_fuse: the groups whose
-    shrink programs take all of a segment's slices at once)."""
-    for item in mode.removeprefix("overlap-x/").split("/"):
-        name, _, value = item.partition("=")
-        if name == "fuse":
-            return frozenset() if value == "none" else frozenset(value.split("+"))
     return default
 
 
@@ -304,7 +292,7 @@ def overlap_options(mode: str) -> dict:
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "apf", "fuse"):  # the model's GEMM takes these, below
+        if key in ("tile", "apf"):  # the model's GEMM takes these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -410,13 +398,11 @@ def main() -> None:
                               lora_sm_carveout=carveout, **single_group_variants(names))
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
-        gemm = model.gemm
-        defaults = gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_fuse
-        gemm.fold_tilings = {**defaults[0], **fold_tilings(mode)}
-        gemm.shrink_prefetch = gemm_option(mode, "apf", defaults[1])
-        gemm.shrink_fuse = fuse_groups(mode, defaults[2])
+        default_tilings, default_prefetch = model.gemm.fold_tilings, model.gemm.shrink_prefetch
+        model.gemm.fold_tilings = {**default_tilings, **fold_tilings(mode)}
+        model.gemm.shrink_prefetch = shrink_prefetch(mode, default_prefetch)
         graphs.capture_all()
-        gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_fuse = defaults
+        model.gemm.fold_tilings, model.gemm.shrink_prefetch = default_tilings, default_prefetch
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "

@@ -47,9 +47,6 @@ FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
 # with all of A (2048 columns); 512 columns changed nothing. Shrink-only folds do not take it:
 # there it cost c32 +0.383 -> +0.393 and c64 +0.634 -> +0.660.
 SHRINK_PREFETCH = 2048
-# The groups whose fold's shrink programs take all of a segment's slices at once (one program
-# a segment, not one a segment and slice).
-SHRINK_FUSE_SLICES: tuple[str, ...] = ()
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
@@ -76,10 +73,6 @@ class DecodeGemm:
         # With LoRA folded in whole and PDL: columns of each adapter's A the shrink programs
         # ask of L2 before their wait, as the tiles ask for their W (LORA_SHRINK_PREFETCH).
         self.shrink_prefetch = int(os.environ.get("LORA_SHRINK_PREFETCH", str(SHRINK_PREFETCH)))
-        # With LoRA folded in: the groups whose shrink programs take all of a segment's slices
-        # (LORA_SHRINK_FUSE_SLICES: comma-separated groups, or none).
-        raw = os.environ.get("LORA_SHRINK_FUSE_SLICES", ",".join(SHRINK_FUSE_SLICES))
-        self.shrink_fuse = frozenset(g for g in raw.split(",") if g and g != "none")
         groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
         self.groups = frozenset(g for g in groups.split(",") if g)
         self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
@@ -159,5 +152,4 @@ class DecodeGemm:
         block_n, block_k, stages = tiling
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=self.prefetch_k,
                                 block_n=block_n, block_k=block_k, num_stages=stages,
-                                prefetch_a=self.shrink_prefetch,
-                                fuse_slices=group in self.shrink_fuse)
+                                prefetch_a=self.shrink_prefetch)

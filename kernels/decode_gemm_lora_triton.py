@@ -43,54 +43,49 @@ from .lora_gemm import GemmLora, gemm_lora_fits
 @triton.jit
 def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
                     stride_xa, stride_seg, ticket,
-                    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, PER: tl.constexpr,
-                    A_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    TMA: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr,
-                    EARLY_TRIGGER: tl.constexpr, PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
-    """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s]
-    for PER slices side by side (A_ROWS: PER x R rounded up to a power of 2; rows past them
-    are read where TMA reads whole tiles, never stored). EARLY_TRIGGER (with PDL): the next
-    kernel may launch once this program has its input. PREFETCH_A (with PDL): columns of A
-    asked of L2 before the wait, as the tiles ask for their W: A does not depend on the
-    kernel before, x does."""
-    GROUPS: tl.constexpr = N_SLICES // PER
-    seg = ticket // GROUPS
-    slc = ticket % GROUPS * PER  # the first slice of this program's
+                    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                    PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+                    PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
+    """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s].
+    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input.
+    PREFETCH_A (with PDL): columns of the slice's A asked of L2 before the wait, as the tiles
+    ask for their W: A does not depend on the kernel before, x does."""
+    seg = ticket // N_SLICES
+    slc = ticket % N_SLICES
     slot = tl.load(table_ptr + seg * stride_seg)
     first = tl.load(table_ptr + seg * stride_seg + 1)
     length = tl.load(table_ptr + seg * stride_seg + 2)
     if length > 0:
         a_row = (slot * N_SLICES + slc) * R  # A of a slot: [slices x R, K], slice by slice
         offs_m = tl.arange(0, BLOCK_M)
-        offs_c = tl.arange(0, A_ROWS)
-        own = offs_c < PER * R
+        offs_r = tl.arange(0, R)
         offs_k = tl.arange(0, BLOCK_K)
         if PDL:
-            if PREFETCH_A > 0:  # one prefetch per 128-byte line of A's rows
+            if PREFETCH_A > 0:  # one prefetch per 128-byte line of A's R rows
                 lines = tl.arange(0, PREFETCH_A // LINE) * LINE
-                rows = a_row + tl.minimum(offs_c, PER * R - 1)  # (none past this slot's)
-                _prefetch_l2(a_ptr + rows[:, None].to(tl.int64) * K + lines[None, :])
+                _prefetch_l2(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + lines[None, :])
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             if EARLY_TRIGGER:
                 tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_M, A_ROWS), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
                 x = x_desc.load([0, k0])
-                a = a_desc.load([a_row, k0])  # [A_ROWS, BLOCK_K]
+                a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                             mask=offs_m[:, None] < M, other=0.0)
-                a = tl.load(a_ptr + (a_row + offs_c)[:, None].to(tl.int64) * K
-                            + (k0 + offs_k)[None, :], mask=own[:, None], other=0.0)
+                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                            + (k0 + offs_k)[None, :])
             if DOT_F32:
                 acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
             else:
                 acc += tl.dot(x, a.T)
         acc = acc * tl.load(scaling_ptr + slot)
         in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
-        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_c)[None, :], acc,
-                 mask=in_segment[:, None] & own[None, :])
+        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
+                 mask=in_segment[:, None])
 
 
 @triton.jit
@@ -128,10 +123,9 @@ def _decode_gemm_lora_kernel(
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
-    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0, PER: tl.constexpr = 1,
-    A_ROWS: tl.constexpr = 16,
+    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
 ):
-    NUM_SHRINK: tl.constexpr = SEGMENTS * (N_SLICES // PER)
+    NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
     if EXPAND:
         # Tickets and finished shrinks only ever grow (int64): launch i of this site takes
         # tickets i*programs .. (i+1)*programs-1 and waits for (i+1)*NUM_SHRINK finished
@@ -146,8 +140,7 @@ def _decode_gemm_lora_kernel(
     if role < NUM_SHRINK:
         _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
                         stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
-                        PER, A_ROWS, BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A,
-                        LINE)
+                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A, LINE)
         if EXPAND:
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -197,24 +190,15 @@ def _decode_gemm_lora_kernel(
                  acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
 
 
-def shrink_programs(lora: GemmLora, fuse_slices: bool) -> int:
-    """The shrink programs of a launch: one per segment and slice, or with fuse_slices one per
-    segment that reads the slot's A for every slice at once (as many k-steps, each a taller
-    tile of A: at decode a shrink program's time is its chain of k-steps, not its bytes)."""
-    return lora.segments * (1 if fuse_slices else lora.slices)
-
-
 def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
                             tma: bool = False, pdl: bool = False, prefetch_k: int = 0,
                             block_n: int = 16, block_k: int = 128, num_warps: int = 4,
-                            num_stages: int = 4, prefetch_a: int = 0,
-                            fuse_slices: bool = False) -> torch.Tensor:
+                            num_stages: int = 4, prefetch_a: int = 0) -> torch.Tensor:
     """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
     block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
     view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. prefetch_a
     (with pdl, where the launch expands: its tiles wait for the shrinks): columns of A each
-    shrink program asks of L2 before its wait (a multiple of 64; at most K). fuse_slices: one
-    shrink program a segment for all slices (shrink_programs)."""
+    shrink program asks of L2 before its wait (a multiple of 64; at most K)."""
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
@@ -222,8 +206,6 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
     if M == 0:
         return y
     r, slices = lora.rank, lora.slices
-    per = slices if fuse_slices else 1
-    a_rows = next_power_of_2(per * r)
     block_m = max(16, next_power_of_2(M))
     a2d = lora.a_all.reshape(-1, K)
     assert a2d.stride(1) == 1 and lora.b_all.stride(2) == 1 and lora.xa.stride(1) == 1
@@ -233,14 +215,14 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         w_out_in = w.t()
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
                  TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k]),
-                 TensorDescriptor(a2d, list(a2d.shape), [K, 1], [a_rows, block_k]))
+                 TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]))
         w_arg, stride_wn, stride_wk = w_out_in, K, 1
     else:
         descs = (x, w, a2d)
         w_arg, stride_wn, stride_wk = w, w.stride(1), w.stride(0)
     offs = [*lora.slice_offsets[1:], N, N][:2]
     table = lora.segment_table
-    grid = (shrink_programs(lora, fuse_slices) + N // block_n,)
+    grid = (lora.segments * slices + N // block_n,)
     _decode_gemm_lora_kernel[grid](
         descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
         lora.token_slots, lora.sync, M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk, y.stride(0),
@@ -249,7 +231,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
-        PREFETCH_A=min(prefetch_a, K) if pdl and lora.expand else 0, PER=per, A_ROWS=a_rows,
+        PREFETCH_A=min(prefetch_a, K) if pdl and lora.expand else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

@@ -246,21 +246,18 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int, e
         assert int(split.arrivals.count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("prefetch_a,fuse", [(0, False), (2048, False), (2048, True)],
-                         ids=["plain", "prefetch-a", "fused-slices"])
+@pytest.mark.parametrize("prefetch_a", [0, 2048])
 @pytest.mark.parametrize("adapters,segments", [(1, 1), (32, 32), (20, 32), (64, 64)])
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, segments: int,
-                                                  prefetch_a: int, fuse: bool) -> None:
+                                                  prefetch_a: int) -> None:
     """The decode GEMM with LoRA folded in (kernels/lora_gemm.py) as the decode graphs launch
     it: the engine's tiling, TMA and PDL on Hopper, right after the add + norm that writes
     its input (which lets it start early), captured and replayed with new inputs; 64 rows
     over `adapters` adapters in a bucket of `segments` (empty segments after the real ones),
-    the shrink programs asking L2 for `prefetch_a` columns of A before their wait (or none),
-    one a segment and slice or (fuse) one a segment.
+    the shrink programs asking L2 for `prefetch_a` columns of A before their wait (or none).
     Each replay: the norm's new output @ W plus every row's delta, the shrinks counted."""
     from kernels.decode_gemm import DecodeGemm
-    from kernels.decode_gemm_lora_triton import shrink_programs
     from kernels.norm_triton import add_rms_norm_triton
 
     k, outs = GROUPS[group]
@@ -271,7 +268,7 @@ def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, seg
     lora = make_gemm_lora(case, segments)
     w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
     gemm = DecodeGemm(torch.device("cuda"))
-    gemm.shrink_prefetch, gemm.shrink_fuse = prefetch_a, frozenset({group} if fuse else ())
+    gemm.shrink_prefetch = prefetch_a
     hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
@@ -287,5 +284,4 @@ def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, seg
         case.x = x_seen.clone()
         expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
         _bf16_close(y.cpu(), expected)
-        shrinks = shrink_programs(lora, fuse)
-        assert lora.sync[1].item() == (i + 2) * shrinks, f"replay {i}: shrinks counted"
+        assert lora.sync[1].item() == (i + 2) * segments * len(outs), f"replay {i}: shrinks counted"

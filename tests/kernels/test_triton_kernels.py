@@ -734,15 +734,13 @@ def test_decode_gemm_serves_only_decode_shapes(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
 @pytest.mark.parametrize("outs", [[64], [32, 32], [64, 32, 32]], ids=["o", "gate_up", "qkv"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("fuse", [False, True], ids=["per-slice", "fused-slices"])
 def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments: int,
-                                            outs: list[int], dtype: str, fuse: bool) -> None:
+                                            outs: list[int], dtype: str) -> None:
     """The decode GEMM with LoRA folded in (kernels/lora_gemm.py): x @ W plus every row's
     delta, slices side by side, rows without an adapter and empty padding segments left
     alone, ranks below the slot pool's; launched three times on the same counters (tickets and
-    finished shrinks only grow: each launch must find its own). fuse: one shrink program a
-    segment for all slices (three slices: a tile of A taller than theirs, 48 of 64 rows)."""
-    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton, shrink_programs
+    finished shrinks only grow: each launch must find its own)."""
+    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
     from kernels.lora_gemm import gemm_lora_fits
 
     dt = DTYPES[dtype]
@@ -754,30 +752,24 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
     assert gemm_lora_fits(lora, sum(outs), 16)
     expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
-    shrinks = shrink_programs(lora, fuse)
-    assert shrinks == segments * (1 if fuse else len(outs))
-    programs = shrinks + sum(outs) // 16
+    programs = segments * len(outs) + sum(outs) // 16
     for launch in range(1, 4):
-        y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2,
-                                    fuse_slices=fuse)
+        y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
         assert_close_scaled(y, expected, dt)
-        assert lora.sync.tolist() == [launch * programs, launch * shrinks]
+        assert lora.sync.tolist() == [launch * programs, launch * segments * len(outs)]
 
 
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
 @pytest.mark.parametrize("group", ["qkv", "gate_up", "o", "o-split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("fuse", [False, True], ids=["per-slice", "fused-slices"])
 def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list[int], segments: int,
-                                                           group: str, dtype: str,
-                                                           fuse: bool) -> None:
+                                                           group: str, dtype: str) -> None:
     """GemmLora(expand=False): the GEMM only shrinks beside its matmul (y = x @ W, each adapter
     row's x @ A stored in xa, no counters taken) and the op after it expands
     GemmLora.unexpanded: RoPE + KV write after q/k/v, SiLU after gate/up, the residual add +
     norm after o (one program a row, or spread over programs of 16 columns by a ColumnSplit).
     Rows without an adapter keep xa's NaN (never written): the op must read no sums for them.
-    Its output equals the reference over x @ W + every delta; with fuse, from one shrink
-    program a segment for all slices."""
+    Its output equals the reference over x @ W + every delta."""
     from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
     from kernels.lora_delta import ColumnSplit
     from kernels.norm_ref import add_rms_norm as add_rms_norm_ref
@@ -799,8 +791,7 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     split = ColumnSplit.allocate(16, tokens, 64, torch.device(DEVICE)) if group == "o-split" else None
     lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False, column_split=split)
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
-    y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2,
-                                fuse_slices=fuse)
+    y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
     assert_close_scaled(y, case.x.float().cpu() @ w.float().cpu(), dt)
     assert lora.sync.tolist() == [0, 0]
     active = torch.tensor(slots) >= 0
