@@ -24,7 +24,8 @@ overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their mat
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
-tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait) and serial (LoRA added after each matmul).
+tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait
+in whole folds and in the shrink-only folds of apfg=G+G..) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones),
@@ -274,11 +275,22 @@ def fold_tilings(mode: str) -> dict[str, tuple[int, int, int]]:
 
 def shrink_prefetch(mode: str, default: int) -> int:
     """An overlap-x mode's apf=N: columns of A the folds' shrink programs ask of L2 before
-    their wait (DecodeGemm.shrink_prefetch while its graphs are captured)."""
+    their wait, in whole folds and apfg's groups (DecodeGemm.shrink_prefetch while its graphs
+    are captured)."""
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
         if key == "apf":
             return int(value)
+    return default
+
+
+def prefetch_groups(mode: str, default: frozenset[str]) -> frozenset[str]:
+    """An overlap-x mode's apfg=G+G.. or none (DecodeGemm.shrink_prefetch_groups: the groups
+    whose shrink-only folds ask L2 for their A before their wait too)."""
+    for item in mode.removeprefix("overlap-x/").split("/"):
+        name, _, value = item.partition("=")
+        if name == "apfg":
+            return frozenset() if value == "none" else frozenset(value.split("+"))
     return default
 
 
@@ -292,7 +304,7 @@ def overlap_options(mode: str) -> dict:
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "apf"):  # the model's GEMM takes these, below
+        if key in ("tile", "apf", "apfg"):  # the model's GEMM takes these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -398,11 +410,13 @@ def main() -> None:
                               lora_sm_carveout=carveout, **single_group_variants(names))
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
-        default_tilings, default_prefetch = model.gemm.fold_tilings, model.gemm.shrink_prefetch
-        model.gemm.fold_tilings = {**default_tilings, **fold_tilings(mode)}
-        model.gemm.shrink_prefetch = shrink_prefetch(mode, default_prefetch)
+        gemm = model.gemm
+        defaults = gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups
+        gemm.fold_tilings = {**defaults[0], **fold_tilings(mode)}
+        gemm.shrink_prefetch = shrink_prefetch(mode, defaults[1])
+        gemm.shrink_prefetch_groups = prefetch_groups(mode, defaults[2])
         graphs.capture_all()
-        model.gemm.fold_tilings, model.gemm.shrink_prefetch = default_tilings, default_prefetch
+        gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups = defaults
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "

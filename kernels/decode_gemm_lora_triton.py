@@ -197,8 +197,8 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
     """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
     block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
     view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. prefetch_a
-    (with pdl, where the launch expands: its tiles wait for the shrinks): columns of A each
-    shrink program asks of L2 before its wait (a multiple of 64; at most K)."""
+    (with pdl): columns of A each shrink program asks of L2 before its wait (a multiple of 64;
+    at most K)."""
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
@@ -231,7 +231,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
-        PREFETCH_A=min(prefetch_a, K) if pdl and lora.expand else 0,
+        PREFETCH_A=min(prefetch_a, K) if pdl else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y
