@@ -148,8 +148,8 @@ def _decode_gemm_lora_kernel(
     EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
     SPREAD: tl.constexpr = 0,
 ):
-    # SPREAD > 0 (shrink-only): no shrink programs; the tiles compute the shrink in their K
-    # loop instead (_spread_task), each (segment, slice) over SPREAD tiles of K // SPREAD.
+    # SPREAD > 0 (shrink-only): no shrink programs; the tiles compute the shrink instead
+    # (_spread_task), each (segment, slice) over SPREAD tiles of K // SPREAD columns.
     NUM_SHRINK: tl.constexpr = 0 if SPREAD > 0 else SEGMENTS * N_SLICES
     if EXPAND:
         # Tickets and finished shrinks only ever grow (int64): launch i of this site takes
@@ -182,6 +182,16 @@ def _decode_gemm_lora_kernel(
         if EXPAND:
             b_rows, has = _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R, BLOCK_M,
                                  BLOCK_N)
+        if SPREAD > 0:
+            # The tile's part of its task's A does not depend on the kernel before: read before
+            # the wait. Its columns of x are read after it and used after the main loop, so
+            # neither load holds the weight stream up.
+            task_live, a_row, k_first, slot, first, length, slc, part = _spread_task(
+                table_ptr, role, stride_seg, R, N_SLICES, SEGMENTS, SPREAD, K)
+            offs_r = tl.arange(0, R)
+            offs_p = k_first + tl.arange(0, K // SPREAD)
+            a_part = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + offs_p[None, :],
+                             mask=offs_r[:, None] < tl.where(task_live, R, 0), other=0.0)
         if PDL:
             if PREFETCH_K > 0:  # as in decode_gemm_triton: W does not depend on the kernel before
                 lines = tl.arange(0, PREFETCH_K // LINE) * LINE
@@ -190,10 +200,8 @@ def _decode_gemm_lora_kernel(
             if not EXPAND:  # as decode_gemm_triton's early trigger
                 tl.extra.cuda.gdc_launch_dependents()
         if SPREAD > 0:
-            task_live, a_row, k_first, slot, first, length, slc, part = _spread_task(
-                table_ptr, role, stride_seg, R, N_SLICES, SEGMENTS, SPREAD, K)
-            offs_r = tl.arange(0, R)
-            acc_s = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+            x_part = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
+                             mask=offs_m[:, None] < tl.where(task_live, M, 0), other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
@@ -207,19 +215,13 @@ def _decode_gemm_lora_kernel(
                 acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
-            if SPREAD > 0:
-                # This k-step's slice of the task's A where it is this tile's (a masked load
-                # reads nothing elsewhere), times the x the tile has already loaded.
-                r_take = tl.where(task_live & (k0 >= k_first) & (k0 < k_first + K // SPREAD),
-                                  R, 0)
-                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                            + (k0 + offs_k)[None, :], mask=offs_r[:, None] < r_take, other=0.0)
-                if DOT_F32:
-                    acc_s += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-                else:
-                    acc_s += tl.dot(x, a.T)
         if SPREAD > 0:
             if task_live:
+                if DOT_F32:
+                    acc_s = tl.dot(x_part.to(tl.float32), a_part.to(tl.float32).T,
+                                   input_precision="ieee")
+                else:
+                    acc_s = tl.dot(x_part, a_part.T)
                 acc_s = acc_s * tl.load(scaling_ptr + slot)
                 in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
                 tl.store(part_ptr + part * stride_ps + slc * stride_pslice
@@ -238,19 +240,23 @@ def _decode_gemm_lora_kernel(
                  acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
 
 
-def spread_splits(lora: GemmLora, tiles: int, k_steps: int) -> int:
+# The most columns of x and A a tile of a spread launch holds for its part of a shrink.
+SPREAD_COLUMNS = 256
+
+
+def spread_splits(lora: GemmLora, tiles: int, k_steps: int, block_k: int) -> int:
     """How many tiles share each (segment, slice)'s shrink in a spread launch (each a K //
-    splits part, its partial sums one split of the delta): the most, a power of 2 dividing
-    k_steps, that the tiles hold; 0 where the launch does not spread (GemmLora.spread unset,
-    expand, or fewer tiles than segments x slices)."""
+    splits part, its partial sums one split of the delta): the fewest, a power of 2 dividing
+    k_steps, whose parts are at most SPREAD_COLUMNS wide; 0 where the launch does not spread
+    (GemmLora.spread unset, expand, or too few tiles for segments x slices x splits)."""
     if lora.spread is None or lora.expand:
         return 0
-    per_task = min(tiles // (lora.segments * lora.slices), k_steps, lora.spread.max_splits)
-    if per_task < 1:
+    splits = 1
+    while splits < k_steps and k_steps // splits * block_k > SPREAD_COLUMNS:
+        splits *= 2
+    if (k_steps % splits or splits > lora.spread.max_splits
+            or lora.segments * lora.slices * splits > tiles):
         return 0
-    splits = 1 << (per_task.bit_length() - 1)
-    while k_steps % splits:
-        splits //= 2
     return splits
 
 
@@ -286,7 +292,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         w_arg, stride_wn, stride_wk = w, w.stride(1), w.stride(0)
     offs = [*lora.slice_offsets[1:], N, N][:2]
     table = lora.segment_table
-    spread = spread_splits(lora, N // block_n, K // block_k)
+    spread = spread_splits(lora, N // block_n, K // block_k, block_k)
     if lora.spread is not None:  # what GemmLora.unexpanded reads: 0 is xa (shrink programs)
         lora.spread.splits = spread
     part = lora.spread.partials if spread else lora.xa[None, None]
