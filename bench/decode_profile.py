@@ -24,8 +24,7 @@ overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their mat
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
-tilings, spread=G+G.. for the shrink-only folds whose tiles compute the shrink,
-apf=N for the columns of A their shrink programs ask of L2 before their wait
+tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait
 in whole folds and in the shrink-only folds of apfg=G+G..) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -301,7 +300,7 @@ def overlap_options(mode: str) -> dict:
     parse = {"fold": ("fold_groups", groups), "sfold": ("shrink_fold_groups", groups),
              "sidedown": ("side_expand_group_segments", lambda v: {"down": int(v)}),
              "nsplit": ("norm_split", int), "nsplitg": ("split_groups", groups),
-             "nshrink": ("norm_shrink", groups), "spread": ("spread", groups)}
+             "nshrink": ("norm_shrink", groups)}
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")

@@ -89,28 +89,6 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
 
 
 @triton.jit
-def _spread_task(table_ptr, tile, stride_seg, R: tl.constexpr, N_SLICES: tl.constexpr,
-                 SEGMENTS: tl.constexpr, SPREAD: tl.constexpr, K: tl.constexpr):
-    """The shrink work of tile `tile` in a spread launch: tiles SPREAD*t .. SPREAD*t +
-    SPREAD - 1 share task t = (segment, slice), tile `part` of them its K // SPREAD columns
-    from k_first. Returns (whether the tile has a task with rows, the task's first row of A,
-    k_first, slot, the segment's first row and length, slice, part)."""
-    task = tile // SPREAD
-    part = (tile % SPREAD).to(tl.int32)
-    has_task = task < SEGMENTS * N_SLICES
-    safe = tl.where(has_task, task, 0).to(tl.int32)
-    seg = safe // N_SLICES
-    slc = safe % N_SLICES
-    slot = tl.load(table_ptr + seg * stride_seg)
-    first = tl.load(table_ptr + seg * stride_seg + 1)
-    length = tl.load(table_ptr + seg * stride_seg + 2)
-    live = has_task & (length > 0)
-    a_row = (tl.maximum(slot, 0) * N_SLICES + slc) * R
-    k_first = part * (K // SPREAD)
-    return live, a_row, k_first, slot, first, length, slc, part
-
-
-@triton.jit
 def _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N, R]: each row's adapter's B over the tile's columns (zero for rows
@@ -141,16 +119,13 @@ def _row_delta(b, has, xa_ptr, n0, stride_xa, off1, off2, R: tl.constexpr, BLOCK
 def _decode_gemm_lora_kernel(
     x_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
     slots_ptr, sync_ptr, M, off1, off2, stride_xm, stride_wn, stride_wk, stride_ym, stride_bs, stride_bn,
-    stride_xa, stride_seg, part_ptr, stride_ps, stride_pslice, stride_pt,
+    stride_xa, stride_seg,
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
-    SPREAD: tl.constexpr = 0,
 ):
-    # SPREAD > 0 (shrink-only): no shrink programs; the tiles compute the shrink instead
-    # (_spread_task), each (segment, slice) over SPREAD tiles of K // SPREAD columns.
-    NUM_SHRINK: tl.constexpr = 0 if SPREAD > 0 else SEGMENTS * N_SLICES
+    NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
     if EXPAND:
         # Tickets and finished shrinks only ever grow (int64): launch i of this site takes
         # tickets i*programs .. (i+1)*programs-1 and waits for (i+1)*NUM_SHRINK finished
@@ -182,16 +157,6 @@ def _decode_gemm_lora_kernel(
         if EXPAND:
             b_rows, has = _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R, BLOCK_M,
                                  BLOCK_N)
-        if SPREAD > 0:
-            # The tile's part of its task's A does not depend on the kernel before: read before
-            # the wait. Its columns of x are read after it and used after the main loop, so
-            # neither load holds the weight stream up.
-            task_live, a_row, k_first, slot, first, length, slc, part = _spread_task(
-                table_ptr, role, stride_seg, R, N_SLICES, SEGMENTS, SPREAD, K)
-            offs_r = tl.arange(0, R)
-            offs_p = k_first + tl.arange(0, K // SPREAD)
-            a_part = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + offs_p[None, :],
-                             mask=offs_r[:, None] < tl.where(task_live, R, 0), other=0.0)
         if PDL:
             if PREFETCH_K > 0:  # as in decode_gemm_triton: W does not depend on the kernel before
                 lines = tl.arange(0, PREFETCH_K // LINE) * LINE
@@ -199,9 +164,6 @@ def _decode_gemm_lora_kernel(
             tl.extra.cuda.gdc_wait()
             if not EXPAND:  # as decode_gemm_triton's early trigger
                 tl.extra.cuda.gdc_launch_dependents()
-        if SPREAD > 0:
-            x_part = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_p[None, :],
-                             mask=offs_m[:, None] < tl.where(task_live, M, 0), other=0.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
@@ -215,18 +177,6 @@ def _decode_gemm_lora_kernel(
                 acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
-        if SPREAD > 0:
-            if task_live:
-                if DOT_F32:
-                    acc_s = tl.dot(x_part.to(tl.float32), a_part.to(tl.float32).T,
-                                   input_precision="ieee")
-                else:
-                    acc_s = tl.dot(x_part, a_part.T)
-                acc_s = acc_s * tl.load(scaling_ptr + slot)
-                in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
-                tl.store(part_ptr + part * stride_ps + slc * stride_pslice
-                         + offs_m[:, None] * stride_pt + offs_r[None, :], acc_s,
-                         mask=in_segment[:, None])
         if EXPAND:
             if PDL:  # the next kernel may launch now (it waits for this one before reading y)
                 tl.extra.cuda.gdc_launch_dependents()
@@ -238,26 +188,6 @@ def _decode_gemm_lora_kernel(
             acc += _row_delta(b_rows, has, xa_ptr, n0, stride_xa, off1, off2, R, BLOCK_M)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
-
-
-# The most columns of x and A a tile of a spread launch holds for its part of a shrink.
-SPREAD_COLUMNS = 256
-
-
-def spread_splits(lora: GemmLora, tiles: int, k_steps: int, block_k: int) -> int:
-    """How many tiles share each (segment, slice)'s shrink in a spread launch (each a K //
-    splits part, its partial sums one split of the delta): the fewest, a power of 2 dividing
-    k_steps, whose parts are at most SPREAD_COLUMNS wide; 0 where the launch does not spread
-    (GemmLora.spread unset, expand, or too few tiles for segments x slices x splits)."""
-    if lora.spread is None or lora.expand:
-        return 0
-    splits = 1
-    while splits < k_steps and k_steps // splits * block_k > SPREAD_COLUMNS:
-        splits *= 2
-    if (k_steps % splits or splits > lora.spread.max_splits
-            or lora.segments * lora.slices * splits > tiles):
-        return 0
-    return splits
 
 
 def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
@@ -292,11 +222,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         w_arg, stride_wn, stride_wk = w, w.stride(1), w.stride(0)
     offs = [*lora.slice_offsets[1:], N, N][:2]
     table = lora.segment_table
-    spread = spread_splits(lora, N // block_n, K // block_k, block_k)
-    if lora.spread is not None:  # what GemmLora.unexpanded reads: 0 is xa (shrink programs)
-        lora.spread.splits = spread
-    part = lora.spread.partials if spread else lora.xa[None, None]
-    grid = ((0 if spread else lora.segments * slices) + N // block_n,)
+    grid = (lora.segments * slices + N // block_n,)
     _decode_gemm_lora_kernel[grid](
         descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
         lora.token_slots, lora.sync, M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk, y.stride(0),
@@ -306,8 +232,6 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
         PREFETCH_A=min(prefetch_a, K) if pdl else 0,
-        part_ptr=part, stride_ps=part.stride(0), stride_pslice=part.stride(1),
-        stride_pt=part.stride(2), SPREAD=spread,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

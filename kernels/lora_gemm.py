@@ -27,22 +27,6 @@ from .lora_delta import ColumnSplit, LoraDelta, scaled_shrink
 
 
 
-@dataclass
-class ShrinkSpread:
-    """Scratch of a shrink-only fold whose tiles compute the shrink in their K loop (no
-    shrink programs, kernels/decode_gemm_lora_triton.py: spread_splits): each (segment,
-    slice) over `splits` tiles, each tile's partial sums one split of the delta. The launch
-    sets `splits` (0: it ran shrink programs into GemmLora.xa instead), which
-    GemmLora.unexpanded reads."""
-
-    partials: torch.Tensor  # [max splits, max slices, max rows, R] float32
-    splits: int = 0
-
-    @property
-    def max_splits(self) -> int:
-        return self.partials.shape[0]
-
-
 @dataclass(frozen=True)
 class GemmLora:
     """What the matmul of one fused group needs to add its LoRA (adapters/slots.py layout)."""
@@ -64,8 +48,6 @@ class GemmLora:
     # expand=False for o or down: the add + norm's scratch to spread each row over several
     # programs (LoraDelta.column_split), which then read their B columns before their wait.
     column_split: ColumnSplit | None = None
-    # expand=False: the tiles may compute the shrink themselves, into this scratch.
-    spread: ShrinkSpread | None = None
 
     @property
     def rank(self) -> int:
@@ -82,8 +64,6 @@ class GemmLora:
 
     def store_shrink(self, x: torch.Tensor) -> None:
         """expand=False on the reference path: xa's rows as the kernel stores them."""
-        if self.spread is not None:
-            self.spread.splits = 0
         self.xa[:x.shape[0], :self.slices * self.rank] = self.shrink(x)
 
     def b_slices(self) -> tuple[torch.Tensor, ...]:
@@ -102,12 +82,7 @@ class GemmLora:
     def unexpanded(self, rows: int) -> LoraDelta:
         """expand=False: the shrink's rows of xa (stored by the launch) as a one-split
         LoraDelta, for the op after the matmul to expand. Rows without an adapter are not
-        stored; the ops expanding it read no sums for them. A spread launch leaves its
-        splits' partial sums instead."""
-        if self.spread is not None and self.spread.splits:
-            partials = self.spread.partials[:self.spread.splits, :self.slices, :rows, :self.rank]
-            return LoraDelta(partials, self.b_slices(), self.token_slots[:rows],
-                             column_split=self.column_split, sums_after_wait=True)
+        stored; the ops expanding it read no sums for them."""
         return LoraDelta.from_rows(self.xa, rows, self.rank, self.b_slices(), self.token_slots,
                                    self.column_split)
 

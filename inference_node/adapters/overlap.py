@@ -42,7 +42,7 @@ import torch
 
 from kernels.lora import lora_expand, lora_shrink_partials, lora_workspace_numel
 from kernels.lora_delta import ColumnSplit, LoraDelta
-from kernels.lora_gemm import GemmLora, ShrinkSpread
+from kernels.lora_gemm import GemmLora
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 from kernels.norm_shrink import NormShrink
 
@@ -135,19 +135,6 @@ def norm_split_groups() -> frozenset[str]:
     return env_groups("LORA_NORM_SPLIT_GROUPS", NORM_SPLIT_GROUPS, ("o", "down"))
 
 
-# Groups whose shrink-only fold computes the shrink in its tiles' K loop rather than in
-# programs of its own (kernels/lora_gemm.py: ShrinkSpread), each (segment, slice) over up to
-# SPREAD_MAX_SPLITS tiles, its partial sums as many splits for the op after the matmul.
-SPREAD_GROUPS: tuple[str, ...] = ()
-SPREAD_MAX_SPLITS = 16
-
-
-def spread_groups() -> frozenset[str]:
-    """LORA_SHRINK_SPREAD: the groups whose shrink-only fold spreads its shrink over the
-    tiles; default SPREAD_GROUPS."""
-    return env_groups("LORA_SHRINK_SPREAD", SPREAD_GROUPS)
-
-
 # Groups whose shrink the add + norm before their matmul can compute (kernels/norm_shrink.py),
 # where that add + norm is split into column programs (LORA_NORM_SPLIT), in steps that would
 # otherwise shrink them in their matmul: gate/up (the add + norm after o). Their matmul then
@@ -180,8 +167,7 @@ class LoraOverlap:
                  fold_groups: frozenset[str] | None = None,
                  shrink_fold_groups: frozenset[str] | None = None,
                  split_groups: frozenset[str] | None = None,
-                 norm_shrink: frozenset[str] | None = None,
-                 spread: frozenset[str] | None = None) -> None:
+                 norm_shrink: frozenset[str] | None = None) -> None:
         """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
         torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
         side_expand_segments: steps with at most this many distinct adapters (segments) run
@@ -193,8 +179,7 @@ class LoraOverlap:
         the same launch in steps with a segment table (None: LORA_GEMM_FOLD). split_groups:
         of o and down, those whose add + norm takes the column split (None:
         LORA_NORM_SPLIT_GROUPS). norm_shrink: the groups whose shrink the split add + norm
-        before their matmul computes (None: LORA_NORM_SHRINK). spread: the groups whose
-        shrink-only fold computes the shrink in its tiles (None: LORA_SHRINK_SPREAD)."""
+        before their matmul computes (None: LORA_NORM_SHRINK)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
@@ -231,13 +216,6 @@ class LoraOverlap:
         # so no full fold's launch overwrites them before that op has read them.
         self.shrink_fold_xa = (torch.empty(max_tokens, ranks, dtype=torch.float32, device=device)
                                if self.shrink_fold_groups else None)
-        # The spread folds' split partial sums, read by the op after the matmul (one group at
-        # a time, as shrink_fold_xa).
-        self.spread_groups = ((spread_groups() if spread is None else frozenset(spread))
-                              & self.shrink_fold_groups)
-        self.spread_partials = (torch.empty(SPREAD_MAX_SPLITS, slices, max_tokens, rank,
-                                            dtype=torch.float32, device=device)
-                                if self.spread_groups else None)
         self.fold_sync = (torch.zeros(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES), 2,
                                       dtype=torch.int64, device=device)
                           if any_fold else None)
@@ -334,13 +312,11 @@ class OverlappedLoraApplier:
         overlap = self.overlap
         buf = overlap.buffers.layers[layer][group]
         segments = self.meta.num_segments
-        spread = (ShrinkSpread(overlap.spread_partials)
-                  if not expand and group in overlap.spread_groups else None)
         return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
                         self.meta.segment_table, segments, self.meta.token_slots,
                         overlap.fold_xa if expand else overlap.shrink_fold_xa,
                         overlap.fold_sync[segments, layer, GROUP_INDEX[group]], expand,
-                        None if expand else overlap.split_for(group), spread)
+                        None if expand else overlap.split_for(group))
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         if group not in self.groups or group in self.norm_shrunk:

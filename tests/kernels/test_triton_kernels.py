@@ -762,24 +762,16 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
 @pytest.mark.parametrize("group", ["qkv", "gate_up", "o", "o-split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("spread", [0, 128, 64], ids=["shrink-programs", "spread", "spread2"])
 def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list[int], segments: int,
-                                                           group: str, dtype: str, spread: int,
-                                                           monkeypatch) -> None:
+                                                           group: str, dtype: str) -> None:
     """GemmLora(expand=False): the GEMM only shrinks beside its matmul (y = x @ W, each adapter
     row's x @ A stored in xa, no counters taken) and the op after it expands
     GemmLora.unexpanded: RoPE + KV write after q/k/v, SiLU after gate/up, the residual add +
     norm after o (one program a row, or spread over programs of 16 columns by a ColumnSplit).
     Rows without an adapter keep xa's NaN (never written): the op must read no sums for them.
-    Its output equals the reference over x @ W + every delta. spread: the tiles compute the
-    shrink (kernels/lora_gemm.py: ShrinkSpread), each (segment, slice) over tiles of `spread`
-    columns of K (128: one tile, 64: two), into split partials that start as NaN; where the
-    tiles are too few for the (segment, slice) pairs, shrink programs into xa instead."""
-    import kernels.decode_gemm_lora_triton as fold_kernel
-
-    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton, spread_splits
+    Its output equals the reference over x @ W + every delta."""
+    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
     from kernels.lora_delta import ColumnSplit
-    from kernels.lora_gemm import ShrinkSpread
     from kernels.norm_ref import add_rms_norm as add_rms_norm_ref
     from kernels.norm_triton import add_rms_norm_triton
     from kernels.rope_cache_ref import rope_and_cache_ref
@@ -797,23 +789,13 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
                           h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows)
     split = ColumnSplit.allocate(16, tokens, 64, torch.device(DEVICE)) if group == "o-split" else None
-    monkeypatch.setattr(fold_kernel, "SPREAD_COLUMNS", spread or 128)
-    scratch = (ShrinkSpread(torch.full((4, 3, tokens, 16), float("nan"), device=DEVICE))
-               if spread else None)
-    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False, column_split=split,
-                               spread=scratch)
+    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False, column_split=split)
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
     y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
     assert_close_scaled(y, case.x.float().cpu() @ w.float().cpu(), dt)
     assert lora.sync.tolist() == [0, 0]
     active = torch.tensor(slots) >= 0
     assert torch.isnan(lora.xa.cpu()[~active]).all()
-    if spread:  # K is 128 here, 2 steps of 64
-        splits = 128 // spread
-        assert scratch.splits == spread_splits(lora, sum(outs) // 16, 2, 64)
-        assert scratch.splits == (0 if segments * len(outs) * splits > sum(outs) // 16 else splits)
-        if scratch.splits:  # rows without an adapter unwritten in every split
-            assert torch.isnan(scratch.partials.cpu()[:splits, :len(outs)][:, :, ~active]).all()
     with_delta = (y.float().cpu() + naive_delta(case)).to(dt).to(DEVICE)
     rel = 1e-4 if dt == torch.float32 else 3e-2  # bf16: the delta rounded in once, or twice
     if group == "gate_up":
