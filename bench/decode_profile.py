@@ -25,7 +25,8 @@ kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=va
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
 tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait
-in whole folds and in the shrink-only folds of apfg=G+G..) and serial (LoRA added after each matmul).
+in whole folds and in the shrink-only folds of apfg=G+G..) and serial (LoRA added after
+each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones),
