@@ -274,34 +274,28 @@ def fold_tilings(mode: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def shrink_prefetch(mode: str, default: int) -> int:
-    """An overlap-x mode's apf=N: columns of A the folds' shrink programs ask of L2 before
-    their wait, in whole folds and apfg's groups (DecodeGemm.shrink_prefetch while its graphs
-    are captured)."""
-    for item in mode.removeprefix("overlap-x/").split("/"):
-        key, _, value = item.partition("=")
-        if key == "apf":
-            return int(value)
-    return default
-
-
-def prefetch_groups(mode: str, default: frozenset[str]) -> frozenset[str]:
-    """An overlap-x mode's apfg=G+G.. or none (DecodeGemm.shrink_prefetch_groups: the groups
-    whose shrink-only folds ask L2 for their A before their wait too)."""
+def mode_option(mode: str, key: str) -> str | None:
+    """The value of an overlap-x mode's key=value option, None where the mode has none (the
+    model GEMM's options while its graphs are captured: apf=N, DecodeGemm.shrink_prefetch;
+    apfg=G+G.. or none, DecodeGemm.shrink_prefetch_groups)."""
     for item in mode.removeprefix("overlap-x/").split("/"):
         name, _, value = item.partition("=")
-        if name == "apfg":
-            return frozenset() if value == "none" else frozenset(value.split("+"))
-    return default
+        if name == key:
+            return value
+    return None
+
+
+def group_set(value: str) -> frozenset[str]:
+    """G+G.. or none, as a set of fused groups."""
+    return frozenset() if value == "none" else frozenset(value.split("+"))
 
 
 def overlap_options(mode: str) -> dict:
     """LoraOverlap's keyword arguments from an overlap-x/key=value/... mode name."""
-    groups = lambda v: frozenset() if v == "none" else frozenset(v.split("+"))  # noqa: E731
-    parse = {"fold": ("fold_groups", groups), "sfold": ("shrink_fold_groups", groups),
+    parse = {"fold": ("fold_groups", group_set), "sfold": ("shrink_fold_groups", group_set),
              "sidedown": ("side_expand_group_segments", lambda v: {"down": int(v)}),
-             "nsplit": ("norm_split", int), "nsplitg": ("split_groups", groups),
-             "nshrink": ("norm_shrink", groups)}
+             "nsplit": ("norm_split", int), "nsplitg": ("split_groups", group_set),
+             "nshrink": ("norm_shrink", group_set)}
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
@@ -414,8 +408,9 @@ def main() -> None:
         gemm = model.gemm
         defaults = gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups
         gemm.fold_tilings = {**defaults[0], **fold_tilings(mode)}
-        gemm.shrink_prefetch = shrink_prefetch(mode, defaults[1])
-        gemm.shrink_prefetch_groups = prefetch_groups(mode, defaults[2])
+        apf, apfg = mode_option(mode, "apf"), mode_option(mode, "apfg")
+        gemm.shrink_prefetch = defaults[1] if apf is None else int(apf)
+        gemm.shrink_prefetch_groups = defaults[2] if apfg is None else group_set(apfg)
         graphs.capture_all()
         gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups = defaults
         all_graphs[mode] = graphs

@@ -55,6 +55,13 @@ SHRINK_PREFETCH_GROUPS: tuple[str, ...] = ()
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
+def env_group_set(var: str, default: tuple[str, ...]) -> frozenset[str]:
+    """Comma-separated fused groups from environment variable `var` ("none": none);
+    unset: `default`."""
+    raw = os.environ.get(var, ",".join(default))
+    return frozenset(g for g in raw.split(",") if g and g != "none")
+
+
 def fold_tiling_overrides() -> dict[str, tuple[int, int, int]]:
     """LORA_FOLD_TILINGS="group:block_n,block_k,stages;...": FOLD_TILINGS entries replaced
     (for bench/decode_profile.py sweeps)."""
@@ -79,10 +86,9 @@ class DecodeGemm:
         # ask of L2 before their wait, as the tiles ask for their W (LORA_SHRINK_PREFETCH).
         self.shrink_prefetch = int(os.environ.get("LORA_SHRINK_PREFETCH", str(SHRINK_PREFETCH)))
         # ... and the groups whose shrink-only folds ask for it too (LORA_SHRINK_PREFETCH_GROUPS).
-        raw = os.environ.get("LORA_SHRINK_PREFETCH_GROUPS", ",".join(SHRINK_PREFETCH_GROUPS))
-        self.shrink_prefetch_groups = frozenset(g for g in raw.split(",") if g and g != "none")
-        groups = os.environ.get("LORA_DECODE_GEMM_GROUPS", "qkv,o,gate_up,down")
-        self.groups = frozenset(g for g in groups.split(",") if g)
+        self.shrink_prefetch_groups = env_group_set("LORA_SHRINK_PREFETCH_GROUPS",
+                                                    SHRINK_PREFETCH_GROUPS)
+        self.groups = env_group_set("LORA_DECODE_GEMM_GROUPS", ("qkv", "o", "gate_up", "down"))
         self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
         # With PDL: let the next kernel launch once every program has its input rows, rather
         # than after the main loops, so its launch and its own work before its wait (attention
