@@ -25,10 +25,7 @@ kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=va
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
 tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait
-in whole folds and in the shrink-only folds of apfg=G+G.., fet=1 for whole folds letting the
-next kernel launch once past their wait, slast=G+G.. for those groups' shrink-only folds
-running their shrink programs last, silup=P.C.W for SiLU's persistent form: P programs an
-SM, C columns an item, W warps; 0 off) and serial (LoRA added after
+in whole folds and in the shrink-only folds of apfg=G+G..) and serial (LoRA added after
 each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -280,8 +277,7 @@ def fold_tilings(mode: str) -> dict[str, tuple[int, int, int]]:
 def mode_option(mode: str, key: str) -> str | None:
     """The value of an overlap-x mode's key=value option, None where the mode has none (the
     model GEMM's options while its graphs are captured: apf=N, DecodeGemm.shrink_prefetch;
-    apfg=G+G.. or none, DecodeGemm.shrink_prefetch_groups; fet=0|1,
-    DecodeGemm.fold_early_trigger; slast=G+G.. or none, DecodeGemm.shrink_last)."""
+    apfg=G+G.. or none, DecodeGemm.shrink_prefetch_groups)."""
     for item in mode.removeprefix("overlap-x/").split("/"):
         name, _, value = item.partition("=")
         if name == key:
@@ -303,7 +299,7 @@ def overlap_options(mode: str) -> dict:
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "apf", "apfg", "fet", "slast", "silup"):  # the model's kernels take these
+        if key in ("tile", "apf", "apfg"):  # the model's GEMM takes these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -337,7 +333,6 @@ def main() -> None:
     from inference_node.engine.decode_graphs import MAIN_STREAM_PRIORITY, DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
     from inference_node.model.llama import FUSED_MODULES
-    import kernels.silu_mul_triton as silu_kernel
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
@@ -411,23 +406,13 @@ def main() -> None:
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
         gemm = model.gemm
-        defaults = (gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups,
-                    gemm.fold_early_trigger, gemm.shrink_last)
+        defaults = gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups
         gemm.fold_tilings = {**defaults[0], **fold_tilings(mode)}
         apf, apfg = mode_option(mode, "apf"), mode_option(mode, "apfg")
-        fet, slast = mode_option(mode, "fet"), mode_option(mode, "slast")
         gemm.shrink_prefetch = defaults[1] if apf is None else int(apf)
         gemm.shrink_prefetch_groups = defaults[2] if apfg is None else group_set(apfg)
-        gemm.fold_early_trigger = defaults[3] if fet is None else fet != "0"
-        gemm.shrink_last = defaults[4] if slast is None else group_set(slast)
-        silup = mode_option(mode, "silup")
-        silu_default = silu_kernel.PERSISTENT
-        if silup is not None:
-            silu_kernel.PERSISTENT = silu_kernel.persistent_setting(silup.replace(".", ","))
         graphs.capture_all()
-        silu_kernel.PERSISTENT = silu_default
-        (gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups,
-         gemm.fold_early_trigger, gemm.shrink_last) = defaults
+        gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups = defaults
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "

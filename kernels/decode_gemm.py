@@ -95,12 +95,6 @@ class DecodeGemm:
         # reading older keys, a GEMM asking L2 for its weights) overlap this GEMM (H100 decode
         # graph, base: 1.430 -> 1.416 ms). LORA_GEMM_EARLY_TRIGGER=0 turns it off.
         self.early_trigger = os.environ.get("LORA_GEMM_EARLY_TRIGGER", "1") != "0"
-        # The same for a whole fold (GemmLora.expand): its tiles let the next kernel launch
-        # once past their wait, not after their main loops (LORA_FOLD_EARLY_TRIGGER).
-        self.fold_early_trigger = os.environ.get("LORA_FOLD_EARLY_TRIGGER", "0") != "0"
-        # Groups whose shrink-only folds give the shrink programs the grid's last ids, so
-        # they run in the tiles' last wave (LORA_SHRINK_LAST).
-        self.shrink_last = env_group_set("LORA_SHRINK_LAST", ())
 
     def serves(self, group: str) -> bool:
         """Whether this GEMM (rather than cuBLAS) computes the fused projection `group`."""
@@ -173,6 +167,4 @@ class DecodeGemm:
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=self.prefetch_k,
                                 block_n=block_n, block_k=block_k, num_stages=stages,
                                 prefetch_a=self.shrink_prefetch if lora.expand
-                                or group in self.shrink_prefetch_groups else 0,
-                                fold_early_trigger=self.fold_early_trigger,
-                                shrink_last=group in self.shrink_last)
+                                or group in self.shrink_prefetch_groups else 0)

@@ -124,7 +124,6 @@ def _decode_gemm_lora_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
-    FOLD_EARLY_TRIGGER: tl.constexpr = False, SHRINK_LAST: tl.constexpr = False,
 ):
     NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
     if EXPAND:
@@ -138,15 +137,12 @@ def _decode_gemm_lora_kernel(
     else:  # no tile waits for the shrinks: a program's id is its role
         launch = 0
         role = tl.program_id(0).to(tl.int64)
-        if SHRINK_LAST:  # the tiles first, the shrinks in the tiles' last wave
-            role = (role + NUM_SHRINK) % tl.num_programs(0)
     if role < NUM_SHRINK:
         _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
                         stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
-                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND or FOLD_EARLY_TRIGGER,
-                        PREFETCH_A, LINE)
+                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A, LINE)
         if EXPAND:
-            if PDL and not FOLD_EARLY_TRIGGER:
+            if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
             # Every thread's stores of xa above before the count (a release at GPU scope).
             tl.debug_barrier()
@@ -166,7 +162,7 @@ def _decode_gemm_lora_kernel(
                 lines = tl.arange(0, PREFETCH_K // LINE) * LINE
                 _prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :] * stride_wk)
             tl.extra.cuda.gdc_wait()
-            if not EXPAND or FOLD_EARLY_TRIGGER:  # as decode_gemm_triton's early trigger
+            if not EXPAND:  # as decode_gemm_triton's early trigger
                 tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -182,8 +178,8 @@ def _decode_gemm_lora_kernel(
             else:
                 acc += tl.dot(x, w)
         if EXPAND:
-            if PDL and not FOLD_EARLY_TRIGGER:  # the next kernel may launch now (it waits
-                tl.extra.cuda.gdc_launch_dependents()  # for this one before reading y)
+            if PDL:  # the next kernel may launch now (it waits for this one before reading y)
+                tl.extra.cuda.gdc_launch_dependents()
             # Every shrink program's rows of xa stored (their tickets are taken: they run).
             target = (launch + 1) * NUM_SHRINK
             arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
@@ -197,17 +193,12 @@ def _decode_gemm_lora_kernel(
 def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
                             tma: bool = False, pdl: bool = False, prefetch_k: int = 0,
                             block_n: int = 16, block_k: int = 128, num_warps: int = 4,
-                            num_stages: int = 4, prefetch_a: int = 0,
-                            fold_early_trigger: bool = False,
-                            shrink_last: bool = False) -> torch.Tensor:
+                            num_stages: int = 4, prefetch_a: int = 0) -> torch.Tensor:
     """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
     block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
     view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. prefetch_a
     (with pdl): columns of A each shrink program asks of L2 before its wait (a multiple of 64;
-    at most K). fold_early_trigger (with pdl, lora.expand): the next kernel may launch once
-    every program is past its wait, not after the tiles' main loops. shrink_last (not
-    lora.expand): the shrink programs take the grid's last ids, so they run in the tiles'
-    last wave rather than ahead of the first."""
+    at most K)."""
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
@@ -241,8 +232,6 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
         PREFETCH_A=min(prefetch_a, K) if pdl else 0,
-        FOLD_EARLY_TRIGGER=pdl and fold_early_trigger and lora.expand,
-        SHRINK_LAST=shrink_last and not lora.expand,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

@@ -107,12 +107,10 @@ def reference_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora) -> tor
 def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: bool = False,
                      pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
                      block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
-                     prefetch_a: int = 0, fold_early_trigger: bool = False,
-                     shrink_last: bool = False) -> torch.Tensor:
+                     prefetch_a: int = 0) -> torch.Tensor:
     """x [M, K] @ w [K, N] (w a transposed view of [N, K] for tma) plus the LoRA delta, in
     x's dtype. Triton where it runs and the fold fits, else the reference. prefetch_a (with
-    pdl): columns of A the shrink programs ask of L2 before their wait; fold_early_trigger,
-    shrink_last: decode_gemm_lora_triton's."""
+    pdl): columns of A the shrink programs ask of L2 before their wait."""
     M, K = x.shape
     N = w.shape[1]
     if not (use_triton(x) and gemm_lora_fits(lora, N, block_n) and K % block_k == 0):
@@ -121,6 +119,4 @@ def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: b
 
     return decode_gemm_lora_triton(x, w, lora, tma=tma, pdl=pdl, prefetch_k=prefetch_k,
                                    block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                   num_stages=num_stages, prefetch_a=prefetch_a,
-                                   fold_early_trigger=fold_early_trigger,
-                                   shrink_last=shrink_last)
+                                   num_stages=num_stages, prefetch_a=prefetch_a)

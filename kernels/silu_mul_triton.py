@@ -11,23 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-import os
-
-from ._host import cdiv, early_b_enabled, next_power_of_2, num_sms, pdl_enabled, pdl_launch
+from ._host import cdiv, early_b_enabled, next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
-
-
-def persistent_setting(raw: str) -> tuple[int, int, int]:
-    """LORA_SILU_PERSISTENT="programs per SM[,columns per item[,warps]]" ("0": off)."""
-    values = [int(v) for v in raw.split(",") if v]
-    per_sm, block, warps = (values + [0, 256, 2][len(values):])[:3]
-    return per_sm, block, warps
-
-
-# With an unexpanded delta: (programs per SM, columns per item, warps) of the persistent form
-# (_silu_mul_lora_persistent_kernel), programs per SM 0 for one program per (row, columns).
-PERSISTENT = persistent_setting(os.environ.get("LORA_SILU_PERSISTENT", "0"))
 
 
 @triton.jit
@@ -101,89 +87,12 @@ def _silu_mul_kernel(
     tl.store(act_ptr + t * stride_act + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
-
-@triton.jit
-def _item_b(item, items, blocks, I, slots_ptr, bg_ptr, bu_ptr, stride_bgs, stride_bgn,
-            stride_bus, stride_bun, R, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Item `item`'s (row, columns) gate and up B tiles and the row's slot (-1, nothing read,
-    for an item past the last or a row without an adapter)."""
-    live = item < items
-    t = tl.minimum(item, items - 1) // blocks
-    slot = tl.where(live, tl.load(slots_ptr + t), -1)
-    safe = tl.maximum(slot, 0).to(tl.int64)
-    r_live = tl.where(slot >= 0, R, 0)
-    offs = (item % blocks) * BLOCK_I + tl.arange(0, BLOCK_I)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask = offs < I
-    b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
-    b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
-    return b_g, b_u, slot
-
-
-@triton.jit
-def _silu_mul_lora_persistent_kernel(
-    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, slots_ptr,
-    T, I, R,
-    stride_gu, stride_act, stride_ps, stride_pslice, stride_pt,
-    stride_bgs, stride_bgn, stride_bus, stride_bun,
-    SPLITS: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
-    EARLY_B: tl.constexpr = False,
-):
-    """_silu_mul_kernel's unexpanded-delta path with a fixed grid: each program walks items
-    (row, BLOCK_I columns) a grid apart, and loads the next item's B while it expands the
-    current one. Why: one program an item holds its whole B tile in registers and reads it in
-    one burst, so only a few programs fit on an SM and the loads come in waves (SiLU with 32
-    adapters took 9.7 us for 5.6 us of B, docs/PERFORMANCE.md); here each program keeps one
-    item's B in flight behind the one it computes."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    blocks = tl.cdiv(I, BLOCK_I)
-    items = T * blocks
-    offs_r = tl.arange(0, BLOCK_R)
-    if PDL and not EARLY_B:
-        tl.extra.cuda.gdc_wait()
-    b_g, b_u, slot = _item_b(pid, items, blocks, I, slots_ptr, bg_ptr, bu_ptr, stride_bgs,
-                             stride_bgn, stride_bus, stride_bun, R, BLOCK_I, BLOCK_R)
-    if PDL and EARLY_B:
-        tl.extra.cuda.gdc_wait()
-    for item in range(pid, items, programs):
-        # The next item's B goes out before this item's work, and is waited for only there.
-        next_g, next_u, next_slot = _item_b(item + programs, items, blocks, I, slots_ptr,
-                                            bg_ptr, bu_ptr, stride_bgs, stride_bgn, stride_bus,
-                                            stride_bun, R, BLOCK_I, BLOCK_R)
-        t = (item // blocks).to(tl.int64)
-        offs = (item % blocks) * BLOCK_I + tl.arange(0, BLOCK_I)
-        mask = offs < I
-        r_live = tl.where(slot >= 0, R, 0)
-        h_g = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        h_u = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        part_row = part_ptr + t * stride_pt + offs_r
-        for s in tl.static_range(SPLITS):  # no sums read for a row without an adapter
-            h_g += tl.load(part_row + s * stride_ps, mask=offs_r < r_live, other=0.0)
-            h_u += tl.load(part_row + s * stride_ps + stride_pslice, mask=offs_r < r_live,
-                           other=0.0)
-        g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
-        u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
-        g = _expanded(g, h_g, b_g)
-        u = _expanded(u, h_u, b_u)
-        gf = g.to(tl.float32)
-        silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded as F.silu rounds
-        act = silu.to(tl.float32) * u.to(tl.float32)
-        tl.store(act_ptr + t * stride_act + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
-        b_g, b_u, slot = next_g, next_u, next_slot
-
-
 def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
-                    block_i: int | None = None, num_warps: int | None = None,
-                    persistent: tuple[int, int, int] | None = None) -> torch.Tensor:
+                    block_i: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """As silu_mul_ref.silu_mul with delta.dense(), in one launch. block_i: columns per
     program. With a delta the defaults (512 columns, 2 warps) are the sweep's best for 32
     adapters on an H100 at batch 64: 11.6 -> 10.4 us against 256 columns and 4 warps
-    (bench/decode_kernels_sweep.py --parts fused). persistent: (programs per SM, columns per
-    item, warps) of the persistent form for an unexpanded delta (None: PERSISTENT; programs
-    per SM 0: off)."""
+    (bench/decode_kernels_sweep.py --parts fused)."""
     T, two_i = gate_up.shape
     I = two_i // 2
     assert gate_up.stride(1) == 1
@@ -206,20 +115,9 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
     else:
         lora = (gate_up,) * 4  # dummy pointers, never read
         lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
-    pdl = pdl_enabled(gate_up)
-    per_sm, item_block, item_warps = PERSISTENT if persistent is None else persistent
-    if delta is not None and not dense and per_sm > 0:
-        item_block = min(item_block, next_power_of_2(I))
-        items = T * cdiv(I, item_block)
-        _silu_mul_lora_persistent_kernel[(min(items, per_sm * num_sms(gate_up.device)),)](
-            gate_up, act, *lora, T, I, R, gate_up.stride(0), act.stride(0), *lora_strides,
-            SPLITS=splits, BLOCK_I=item_block, BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl,
-            EARLY_B=early_b_enabled(gate_up), **pdl_launch(pdl), num_warps=item_warps,
-            num_stages=1,
-        )
-        return act
     block_i = min(block_i or default_block, next_power_of_2(I))
     default_warps = 2 if delta is not None and not dense else 4
+    pdl = pdl_enabled(gate_up)
     _silu_mul_kernel[(T, cdiv(I, block_i))](
         gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
         act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
