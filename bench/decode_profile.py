@@ -25,7 +25,8 @@ kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=va
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
 tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait
-in whole folds and in the shrink-only folds of apfg=G+G..) and serial (LoRA added after
+in whole folds and in the shrink-only folds of apfg=G+G.., silub=C.W for the columns and
+warps of a SiLU program expanding gate/up's delta) and serial (LoRA added after
 each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
@@ -277,7 +278,8 @@ def fold_tilings(mode: str) -> dict[str, tuple[int, int, int]]:
 def mode_option(mode: str, key: str) -> str | None:
     """The value of an overlap-x mode's key=value option, None where the mode has none (the
     model GEMM's options while its graphs are captured: apf=N, DecodeGemm.shrink_prefetch;
-    apfg=G+G.. or none, DecodeGemm.shrink_prefetch_groups)."""
+    apfg=G+G.. or none, DecodeGemm.shrink_prefetch_groups; silub=C.W,
+    kernels/silu_mul_triton.py: ROW_TILE)."""
     for item in mode.removeprefix("overlap-x/").split("/"):
         name, _, value = item.partition("=")
         if name == key:
@@ -299,7 +301,7 @@ def overlap_options(mode: str) -> dict:
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "apf", "apfg"):  # the model's GEMM takes these, below
+        if key in ("tile", "apf", "apfg", "silub"):  # the model's kernels take these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -333,6 +335,7 @@ def main() -> None:
     from inference_node.engine.decode_graphs import MAIN_STREAM_PRIORITY, DecodeGraphs
     from inference_node.engine.kv_cache import KVCache
     from inference_node.model.llama import FUSED_MODULES
+    import kernels.silu_mul_triton as silu_kernel
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
@@ -411,8 +414,13 @@ def main() -> None:
         apf, apfg = mode_option(mode, "apf"), mode_option(mode, "apfg")
         gemm.shrink_prefetch = defaults[1] if apf is None else int(apf)
         gemm.shrink_prefetch_groups = defaults[2] if apfg is None else group_set(apfg)
+        silub = mode_option(mode, "silub")
+        silu_default = silu_kernel.ROW_TILE
+        if silub is not None:
+            silu_kernel.ROW_TILE = tuple(int(v) for v in silub.split("."))
         graphs.capture_all()
         gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups = defaults
+        silu_kernel.ROW_TILE = silu_default
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "
               f"{args.batch}, context {args.context}, {cfg.num_layers} layers; graphs captured in "

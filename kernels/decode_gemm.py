@@ -38,9 +38,16 @@ TMA_TILINGS: dict[str, tuple[int, int, int]] = {
     "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 128, 8), "gate_up": (32, 128, 4)}
 # With LoRA folded in (kernels/lora_gemm.py), pointer or TMA loads alike: at most 96 KB of
 # pipeline a program, so two share an SM and the shrink programs the fold adds (one per
-# adapter and slice) do not push the tiles into another wave.
+# adapter and slice) do not push the tiles into another wave. Gate/up's 16384 columns: 256
+# tiles of 64 with 2 stages of 128 (64 KB, three programs an SM), which with 64 shrink programs
+# (32 adapters) run in one wave of 396, where 512 tiles of 32 at 4 stages (two an SM) made
+# 576 programs over 264. H100, batch 64, decode graph replay over base (bench/decode_profile.py
+# --modes overlap,overlap-x/tile=gate_up:64.128.2, one process, rounds 10): gu32 +0.188 ->
+# +0.151 ms, c16 +0.286 -> +0.274, c32 +0.385 -> +0.369, c64 +0.636 -> +0.609; (64, 64, 4)
+# alike; (64, 64, 3) (four an SM) +0.396, (64, 128, 3) (two) +0.396, (64, 64, 2) +0.510,
+# (128, 64, 2) +0.531, (32, 64, 4) +0.433 at c32. Two stages lost for q/k/v and o (c32 +0.470).
 FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
-    "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (32, 128, 4)}
+    "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (64, 128, 2)}
 # Columns of A the shrink programs of a whole fold (whose tiles wait for them: o in steps of
 # few adapters) ask of L2 before their PDL wait (0: none). H100, batch 64, graph replay over
 # base (bench/decode_profile.py, one process): c1 +0.232 -> +0.212 ms, c8 +0.299 -> +0.286

@@ -15,6 +15,14 @@ from ._host import cdiv, early_b_enabled, next_power_of_2, pdl_enabled, pdl_laun
 
 from .lora_delta import LoraDelta
 
+# With a delta to expand: (columns, warps) a program. H100, batch 64, decode graph replay over
+# base with gate/up's fold tiled (64, 128, 2) (bench/decode_profile.py, one process, rounds
+# 10): c32 +0.373 (512, 2), +0.364 (256, 2), +0.369 (512, 4), +0.373 (256, 1), +0.375
+# (1024, 4); in a second process +0.360 (256, 2), +0.355 (128, 2), +0.359 (128, 1), +0.362
+# (256, 4). Alone, (512, 2) was the sweep's best (below): in the graph a program's B, read
+# before its wait, is less to hold while the gate/up GEMM still runs.
+ROW_TILE = (256, 2)
+
 
 @triton.jit
 def _b_tile(b_rows, stride_bn, offs, mask, offs_r, r_live):
@@ -90,9 +98,9 @@ def _silu_mul_kernel(
 def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
                     block_i: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """As silu_mul_ref.silu_mul with delta.dense(), in one launch. block_i: columns per
-    program. With a delta the defaults (512 columns, 2 warps) are the sweep's best for 32
-    adapters on an H100 at batch 64: 11.6 -> 10.4 us against 256 columns and 4 warps
-    (bench/decode_kernels_sweep.py --parts fused)."""
+    program. With a delta to expand the defaults are ROW_TILE, the decode graph's best; alone
+    (512 columns, 2 warps) was the sweep's best for 32 adapters on an H100 at batch 64: 11.6
+    -> 10.4 us against 256 columns and 4 warps (bench/decode_kernels_sweep.py --parts fused)."""
     T, two_i = gate_up.shape
     I = two_i // 2
     assert gate_up.stride(1) == 1
@@ -111,12 +119,12 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         lora = (part, bg, bu, delta.token_slots)
         lora_strides = (part.stride(0), part.stride(1), part.stride(2), bg.stride(0), bg.stride(1),
                         bu.stride(0), bu.stride(1))
-        R, splits, default_block = part.shape[3], delta.splits, 1024 if dense else 512
+        R, splits, default_block = part.shape[3], delta.splits, 1024 if dense else ROW_TILE[0]
     else:
         lora = (gate_up,) * 4  # dummy pointers, never read
         lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
     block_i = min(block_i or default_block, next_power_of_2(I))
-    default_warps = 2 if delta is not None and not dense else 4
+    default_warps = ROW_TILE[1] if delta is not None and not dense else 4
     pdl = pdl_enabled(gate_up)
     _silu_mul_kernel[(T, cdiv(I, block_i))](
         gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
