@@ -24,7 +24,7 @@ overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their mat
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
 shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
-tilings, apf=N for the columns of A their shrink programs ask of L2 before their wait
+tilings, btile=... for the plain TMA GEMM's (base graphs too), apf=N for the columns of A their shrink programs ask of L2 before their wait
 in whole folds and in the shrink-only folds of apfg=G+G.., silub=C.W for the columns and
 warps of a SiLU program expanding gate/up's delta) and serial (LoRA added after
 each matmul).
@@ -263,13 +263,14 @@ def single_group_variants(names: list[str]) -> dict:
     return {"group_variants": singles + LORA_GROUP_VARIANTS}
 
 
-def fold_tilings(mode: str) -> dict[str, tuple[int, int, int]]:
+def fold_tilings(mode: str, option: str = "tile") -> dict[str, tuple[int, int, int]]:
     """An overlap-x mode's tile=group:block_n.block_k.stages+... (kernels/decode_gemm.py:
-    FOLD_TILINGS entries replaced while its graphs are captured)."""
+    FOLD_TILINGS entries replaced while its graphs are captured; option btile: the plain
+    TMA GEMM's TMA_TILINGS, base graphs included)."""
     out = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        for entry in value.split("+") if key == "tile" else ():
+        for entry in value.split("+") if key == option else ():
             group, _, sizes = entry.partition(":")
             out[group] = tuple(int(v) for v in sizes.split("."))
     return out
@@ -301,7 +302,7 @@ def overlap_options(mode: str) -> dict:
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "apf", "apfg", "silub"):  # the model's kernels take these, below
+        if key in ("tile", "btile", "apf", "apfg", "silub"):  # the model's kernels take these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -410,7 +411,9 @@ def main() -> None:
         t = time.perf_counter()
         gemm = model.gemm
         defaults = gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups
+        tma_default = gemm.tma_tilings
         gemm.fold_tilings = {**defaults[0], **fold_tilings(mode)}
+        gemm.tma_tilings = {**tma_default, **fold_tilings(mode, "btile")}
         apf, apfg = mode_option(mode, "apf"), mode_option(mode, "apfg")
         gemm.shrink_prefetch = defaults[1] if apf is None else int(apf)
         gemm.shrink_prefetch_groups = defaults[2] if apfg is None else group_set(apfg)
@@ -420,6 +423,7 @@ def main() -> None:
             silu_kernel.ROW_TILE = tuple(int(v) for v in silub.split("."))
         graphs.capture_all()
         gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups = defaults
+        gemm.tma_tilings = tma_default
         silu_kernel.ROW_TILE = silu_default
         all_graphs[mode] = graphs
         print(f"[{mode}] device {torch.cuda.get_device_name(device) if cuda else 'CPU'}, batch "

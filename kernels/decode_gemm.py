@@ -97,6 +97,7 @@ class DecodeGemm:
                                                     SHRINK_PREFETCH_GROUPS)
         self.groups = env_group_set("LORA_DECODE_GEMM_GROUPS", ("qkv", "o", "gate_up", "down"))
         self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
+        self.tma_tilings = dict(TMA_TILINGS)  # the plain TMA GEMM's (decode_profile sweeps them)
         # With PDL: let the next kernel launch once every program has its input rows, rather
         # than after the main loops, so its launch and its own work before its wait (attention
         # reading older keys, a GEMM asking L2 for its weights) overlap this GEMM (H100 decode
@@ -145,7 +146,7 @@ class DecodeGemm:
             return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):
             pdl = self.mode == "triton-pdl" and pdl_enabled(x)
-            tma_tiling = (self.tiling(w, group, tma=True)
+            tma_tiling = (self.tiling(w, group, fold=self.tma_tilings)
                           if tma_enabled(x) and tma_fits(x, w) else None)
             gemm = decode_gemm_tma if tma_tiling else decode_gemm_triton
             block_n, block_k, stages = tma_tiling or self.tiling(w, group)
