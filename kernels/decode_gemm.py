@@ -120,13 +120,13 @@ class DecodeGemm:
         return self.mode != "cublas"
 
     @staticmethod
-    def tiling(w: torch.Tensor, group: str | None, tma: bool = False,
-               fold: dict[str, tuple[int, int, int]] | None = None) -> tuple[int, int, int] | None:
+    def tiling(w: torch.Tensor, group: str | None,
+               table: dict[str, tuple[int, int, int]] = TILINGS) -> tuple[int, int, int] | None:
         """(block_n, block_k, stages) for w [K, N], None where no tiling divides it (the
         group's own, else 64-column K steps: SmolLM2's hidden size is 576), with no more
-        stages than shared memory holds (float32 tiles are twice as large). fold: the
-        tilings of the GEMM with LoRA folded in (FOLD_TILINGS and its overrides)."""
-        table = fold if fold is not None else TMA_TILINGS if tma else TILINGS
+        stages than shared memory holds (float32 tiles are twice as large). table: the
+        group's tilings (TILINGS for pointer loads; DecodeGemm.tma_tilings with TMA,
+        DecodeGemm.fold_tilings with LoRA folded in)."""
         block_n, block_k, stages = table.get(group, DEFAULT_TILING)
         if w.shape[0] % block_k:
             block_k = 64
@@ -146,7 +146,7 @@ class DecodeGemm:
             return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):
             pdl = self.mode == "triton-pdl" and pdl_enabled(x)
-            tma_tiling = (self.tiling(w, group, fold=self.tma_tilings)
+            tma_tiling = (self.tiling(w, group, self.tma_tilings)
                           if tma_enabled(x) and tma_fits(x, w) else None)
             gemm = decode_gemm_tma if tma_tiling else decode_gemm_triton
             block_n, block_k, stages = tma_tiling or self.tiling(w, group)
@@ -160,7 +160,7 @@ class DecodeGemm:
         """The matmul with its LoRA folded in (kernels/lora_gemm.py): this GEMM's tiling and
         launch where it serves the shape, the same kernel plainly launched where Triton runs
         otherwise (the interpreter), the reference elsewhere."""
-        tiling = self.tiling(w, group, fold=self.fold_tilings)
+        tiling = self.tiling(w, group, self.fold_tilings)
         if tiling is None or bias is not None:
             y = torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
             if not lora.expand:
