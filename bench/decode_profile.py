@@ -23,11 +23,11 @@ overlap-side{gate_up,o,qkv}32 (that group's expand beside its matmul up to 32 ad
 overlap-fold-G+G.. or overlap-fold-all (those groups' LoRA folded into their matmuls,
 kernels/lora_gemm.py), overlap-sfold-G+G.. (their shrink only), overlap-x/key=value/...
 (any mix: fold, sfold, sidedown, nsplit, nsplitg (the add + norms split), nshrink (the
-shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM
-tilings, btile=... for the plain TMA GEMM's (base graphs too), apf=N for the columns of A their shrink programs ask of L2 before their wait
-in whole folds and in the shrink-only folds of apfg=G+G.., silub=C.W for the columns and
-warps of a SiLU program expanding gate/up's delta) and serial (LoRA added after
-each matmul).
+shrinks in the add + norm before), tile=qkv:32.256.4+... for the folds' GEMM tilings,
+btile=... for the plain TMA GEMM's (base graphs too), apf=N for the columns of A their
+shrink programs ask of L2 before their wait in whole folds and in the shrink-only folds of
+apfg=G+G.., silub=C.W for the columns and warps of a SiLU program expanding gate/up's
+delta) and serial (LoRA added after each matmul).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones),
@@ -263,7 +263,7 @@ def single_group_variants(names: list[str]) -> dict:
     return {"group_variants": singles + LORA_GROUP_VARIANTS}
 
 
-def fold_tilings(mode: str, option: str = "tile") -> dict[str, tuple[int, int, int]]:
+def tilings_option(mode: str, option: str = "tile") -> dict[str, tuple[int, int, int]]:
     """An overlap-x mode's tile=group:block_n.block_k.stages+... (kernels/decode_gemm.py:
     FOLD_TILINGS entries replaced while its graphs are captured; option btile: the plain
     TMA GEMM's TMA_TILINGS, base graphs included)."""
@@ -412,8 +412,8 @@ def main() -> None:
         gemm = model.gemm
         defaults = gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups
         tma_default = gemm.tma_tilings
-        gemm.fold_tilings = {**defaults[0], **fold_tilings(mode)}
-        gemm.tma_tilings = {**tma_default, **fold_tilings(mode, "btile")}
+        gemm.fold_tilings = {**defaults[0], **tilings_option(mode)}
+        gemm.tma_tilings = {**tma_default, **tilings_option(mode, "btile")}
         apf, apfg = mode_option(mode, "apf"), mode_option(mode, "apfg")
         gemm.shrink_prefetch = defaults[1] if apf is None else int(apf)
         gemm.shrink_prefetch_groups = defaults[2] if apfg is None else group_set(apfg)
