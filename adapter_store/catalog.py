@@ -22,10 +22,10 @@ from typing import Callable
 
 from .cache import Blob, BlobReader, DiskCache
 from .metrics import StoreMetrics
-from .names import CONFIG_FILE, WEIGHTS_FILE, split_key
+from lora_common.names import CONFIG_FILE, WEIGHTS_FILE, split_key
 from .records import ADDED, DELETED, UPDATED, AdapterInfo, CatalogEvent, FileEntry, Manifest, adapter_digest
 from .s3 import ObjectInfo, S3Error, S3Store
-from .validation import (DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_RANK, AdapterInvalid,
+from lora_common.validation import (DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_RANK, AdapterInvalid,
                          LoraConfig, parse_adapter_config, parse_safetensors_header, validate_weights)
 
 log = logging.getLogger(__name__)

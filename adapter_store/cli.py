@@ -13,10 +13,10 @@ import sys
 import time
 from typing import Sequence
 
-from .envargs import EnvArgumentParser
-from .names import InvalidName, normalize_prefix
+from lora_common.envargs import EnvArgumentParser
+from lora_common.names import InvalidName, normalize_prefix
 from .s3 import S3Store, make_client
-from .tls import TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args, server_tls_from_args
+from lora_common.tls import TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args, server_tls_from_args
 
 log = logging.getLogger("adapter_store")
 

@@ -20,10 +20,10 @@ import grpc
 from lora.v1 import adapter_store_pb2 as pb
 from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
-from .auth import bearer_metadata
+from lora_common.auth import bearer_metadata
 from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, Manifest,
                       adapter_digest)
-from .tls import ClientTLS, open_channel
+from lora_common.tls import ClientTLS, open_channel
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .names import CONFIG_FILE, WEIGHTS_FILE, check_name, object_key
+from lora_common.names import CONFIG_FILE, WEIGHTS_FILE, check_name, object_key
 from .s3 import MULTIPART_BYTES, ObjectInfo, S3Store
-from .validation import AdapterInvalid, AdapterSpec, validate_adapter
+from lora_common.validation import AdapterInvalid, AdapterSpec, validate_adapter
 
 log = logging.getLogger(__name__)
 

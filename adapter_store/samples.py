@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 from safetensors.numpy import save_file
 
-from .validation import MODULE_PARENT
+from lora_common.validation import MODULE_PARENT
 
 
 def module_dims(module: str, hidden: int, intermediate: int, kv_dim: int) -> tuple[int, int]:

@@ -27,10 +27,10 @@ from .auth import store_token_auth
 from .cache import BlobReader, CacheCorrupt, DiskCache
 from .catalog import Catalog, CatalogEntry, Limits
 from .metrics import StoreMetrics
-from .names import InvalidName, check_name, normalize_prefix
+from lora_common.names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
 from .s3 import LocalWriteFailed, ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
-from .tls import EXCLUSIVE_PORT, ServerTLS, add_port
+from lora_common.tls import EXCLUSIVE_PORT, ServerTLS, add_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name

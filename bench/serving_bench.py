@@ -113,7 +113,7 @@ def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[s
     from safetensors.torch import save_file
 
     from adapter_store.samples import adapter_config
-    from adapter_store.validation import MODULE_PARENT
+    from lora_common.validation import MODULE_PARENT
 
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)

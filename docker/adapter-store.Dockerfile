@@ -4,6 +4,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY protos ./protos
 COPY lora ./lora
+COPY lora_common ./lora_common
 COPY adapter_store ./adapter_store
 COPY inference_node ./inference_node
 COPY kernels ./kernels

@@ -3,11 +3,11 @@
 Loading and unloading adapters is an administrative act: when an admin token is set,
 LoadAdapter and UnloadAdapter need `authorization: Bearer <token>` metadata. Generate can
 require its own token. Tokens are compared in constant time and never logged (the
-mechanics are shared with the store, in adapter_store.auth).
+mechanics are shared with the store, in lora_common.auth).
 """
 from __future__ import annotations
 
-from adapter_store.auth import BearerAuth, method_tokens
+from lora_common.auth import BearerAuth, method_tokens
 
 ADMIN_METHODS = frozenset({"LoadAdapter", "UnloadAdapter"})
 GENERATE_METHODS = frozenset({"Generate"})

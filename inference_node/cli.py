@@ -5,8 +5,8 @@ import asyncio
 import logging
 import sys
 
-from adapter_store.envargs import EnvArgumentParser
-from adapter_store.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
+from lora_common.envargs import EnvArgumentParser
+from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
                                server_tls_from_args)
 from .limits import RequestLimits
 from .node import NodeSettings, build_node

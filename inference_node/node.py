@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from adapter_store.tls import ClientTLS, ServerTLS
+from lora_common.tls import ClientTLS, ServerTLS
 
 from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from adapter_store.tls import EXCLUSIVE_PORT, add_port
+from lora_common.tls import EXCLUSIVE_PORT, add_port
 from lora.v1 import inference_pb2, inference_pb2_grpc
 
 from .engine.engine import EngineStopped, InvalidRequest, QueueFull

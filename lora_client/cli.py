@@ -6,8 +6,8 @@ import sys
 
 import grpc
 
-from adapter_store.envargs import EnvArgumentParser
-from adapter_store.tls import TLSConfigError, add_client_flags, client_tls_from_args
+from lora_common.envargs import EnvArgumentParser
+from lora_common.tls import TLSConfigError, add_client_flags, client_tls_from_args
 from lora.v1 import inference_pb2 as pb
 
 from .node_client import NodeClient

@@ -12,8 +12,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from adapter_store.envargs import EnvArgumentParser
-from adapter_store.tls import TLSConfigError, add_client_flags, client_tls_from_args, open_channel
+from lora_common.envargs import EnvArgumentParser
+from lora_common.tls import TLSConfigError, add_client_flags, client_tls_from_args, open_channel
 
 
 def parser() -> EnvArgumentParser:

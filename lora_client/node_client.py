@@ -6,8 +6,8 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from adapter_store.auth import bearer_metadata
-from adapter_store.tls import ClientTLS, open_channel
+from lora_common.auth import bearer_metadata
+from lora_common.tls import ClientTLS, open_channel
 from lora.v1 import inference_pb2, inference_pb2_grpc
 
 

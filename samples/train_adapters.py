@@ -239,7 +239,7 @@ def save(model, folder: Path) -> None:
         if extra.name not in ("adapter_config.json", "adapter_model.safetensors"):
             extra.unlink()
     try:  # the serving side's own checks, when the repository's packages are importable
-        from adapter_store.validation import validate_adapter
+        from lora_common.validation import validate_adapter
     except ImportError:
         return
     spec = validate_adapter((folder / "adapter_config.json").read_bytes(),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from adapter_store.names import InvalidName, check_name
-from adapter_store.validation import AdapterInvalid, TensorInfo, validate_adapter
+from lora_common.names import InvalidName, check_name
+from lora_common.validation import AdapterInvalid, TensorInfo, validate_adapter
 
 from ..model.config import ModelConfig
 from .errors import AdapterNotFound, AdapterRejected

@@ -7,9 +7,8 @@ from typing import Callable
 
 import grpc
 
-from adapter_store.client import AdapterStoreClient, AdapterTooLarge, StoreError, StoreTLSRefused
-from adapter_store.records import DELETED, UPDATED
-from adapter_store.tls import ClientTLS
+from adapter_store.client import DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, StoreError, StoreTLSRefused
+from lora_common.tls import ClientTLS
 
 from ..model.config import ModelConfig
 from .errors import (AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,

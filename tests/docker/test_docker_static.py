@@ -132,7 +132,7 @@ def test_made_certificates_carry_mutual_tls_for_a_health_check(tmp_path: Path) -
     from concurrent import futures
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from adapter_store.tls import ServerTLS, add_port
+    from lora_common.tls import ServerTLS, add_port
     from lora_client.healthcheck import main as healthcheck
 
     certs = _make_certs(tmp_path / "certs")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from adapter_store.tls import ClientTLS, ServerTLS, TLSConfigError
+from lora_common.tls import ClientTLS, ServerTLS, TLSConfigError
 from harness import InProcessNode
 from inference_node.node import NodeSettings
 from lora_client import cli, healthcheck

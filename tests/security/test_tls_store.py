@@ -17,7 +17,7 @@ from adapter_store.push import push_adapter
 from adapter_store.s3 import S3Store
 from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore, StoreSettings
-from adapter_store.tls import ClientTLS, ServerTLS
+from lora_common.tls import ClientTLS, ServerTLS
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.node import NodeSettings
 from lora_client import healthcheck

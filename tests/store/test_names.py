@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from adapter_store.names import InvalidName, check_name, normalize_prefix, object_key, split_key
+from lora_common.names import InvalidName, check_name, normalize_prefix, object_key, split_key
 
 
 @pytest.mark.parametrize("name", ["support-bot", "a", "Llama3.2_sql-v2", "x" * 128, "0day"])

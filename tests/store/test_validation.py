@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 from adapter_store.push import check_local_adapter
 from adapter_store.samples import adapter_config, lora_tensors, write_adapter
-from adapter_store.validation import (LORA_MODULES, AdapterInvalid, check_finite, parse_adapter_config,
+from lora_common.validation import (LORA_MODULES, AdapterInvalid, check_finite, parse_adapter_config,
                                       parse_safetensors_header, validate_adapter, validate_weights)
 from store_corpus import BAD_ADAPTERS, raw_safetensors
 
