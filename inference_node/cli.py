@@ -1,16 +1,15 @@
 """`inference-node serve`: the node's command line (every flag also an environment variable)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
 from lora_common.envargs import EnvArgumentParser
 from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
                                server_tls_from_args)
+from .launcher import ServeOptions, serve as serve_node
 from .limits import RequestLimits
-from .node import NodeSettings, build_node
-from .server import NodeServer
+from .node import NodeSettings
 
 
 def parser() -> EnvArgumentParser:
@@ -87,6 +86,11 @@ def parser() -> EnvArgumentParser:
                             "(FAILED_PRECONDITION above)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
+    serve.add_argument("--cpu-threads", type=int, default=0,
+                       help="torch threads of an engine on the CPU (0: the cores less one, left to the front end)")
+    serve.add_argument("--api-processes", type=int, default=1,
+                       help="front-end processes serving gRPC on the port (tokenising, detokenising, "
+                            "streaming); the engine always runs in a process of its own")
     serve.add_argument("--debug-checks", action="store_true",
                        help="check the engine's invariants after every step (slow)")
     serve.add_argument("--log-level", default="INFO")
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
-        store_token=args.store_token, adapter_fetch_timeout_s=args.adapter_fetch_timeout, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+        store_token=args.store_token, cpu_threads=args.cpu_threads, adapter_fetch_timeout_s=args.adapter_fetch_timeout, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,
@@ -121,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     except TLSConfigError as exc:
         print(f"inference-node serve: {exc}", file=sys.stderr)
         return 2
-    node = build_node(settings)
-    server = NodeServer(node, args.host, args.port, drain_seconds=args.drain_seconds)
-    asyncio.run(server.serve_until_signalled())
-    return 0
+    if args.api_processes < 1:
+        print("inference-node serve: --api-processes must be at least 1", file=sys.stderr)
+        return 2
+    return serve_node(settings, ServeOptions(host=args.host, port=args.port, drain_seconds=args.drain_seconds,
+                                        api_processes=args.api_processes, log_level=args.log_level))
 
 
 if __name__ == "__main__":

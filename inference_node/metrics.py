@@ -31,13 +31,27 @@ class NodeMetrics:
         self.token_latency = Histogram("lora_node_time_per_output_token_seconds",
                                        "time between streamed tokens", buckets=LATENCY_BUCKETS,
                                        registry=self.registry)
+        self.cut_short = Counter("lora_node_requests_cut_short",
+                                 "answers ended part-way because the node shut down (drain deadline)",
+                                 registry=self.registry)
         self.admin_calls = Counter("lora_node_admin_calls", "adapter admin RPCs by method and outcome",
                                    ["method", "outcome"], registry=self.registry)
-        if snapshot is not None:
-            self.registry.register(_EngineCollector(snapshot))
+        self.engine_collector = _EngineCollector(snapshot) if snapshot is not None else None
+        if self.engine_collector is not None:
+            self.registry.register(self.engine_collector)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0", multiprocess_dir: str | None = None) -> None:
+        """With several front-end processes (`multiprocess_dir`, prometheus_client's
+        multiprocess mode), the counters and histograms of all of them are summed."""
+        registry = self.registry
+        if multiprocess_dir:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)
+            if self.engine_collector is not None:
+                registry.register(self.engine_collector)
+        start_http_server(port, addr=host, registry=registry)
         log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
 
 

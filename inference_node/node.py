@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ class NodeSettings:
     adapter_fetch_timeout_s: float = 60.0  # a load retries the store this long, then UNAVAILABLE
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_adapter_bytes: int = 1 << 30   # adapters fetched from the store or read from --adapter-dir
+    cpu_threads: int = 0               # torch threads of a CPU engine; 0: the cores less one for the front end
 
 
 @dataclass
@@ -103,8 +105,20 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
+def cpu_threads(settings: NodeSettings) -> int:
+    """A CPU engine's torch threads. The front end needs a core of its own: an engine whose
+    threads spin on every core stalls each op while the front end runs (OpenMP waits for
+    its slowest thread), several times slower on a loaded machine."""
+    if settings.cpu_threads > 0:
+        return settings.cpu_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores - 1, 1)
+
+
 def build_node(settings: NodeSettings) -> Node:
     device = resolve_device(settings.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(settings))
     dtype_name = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()

@@ -1,14 +1,13 @@
-"""Checks a GenerateRequest and turns it into an engine Request (INVALID_ARGUMENT on bad input)."""
+"""Checks a GenerateRequest and turns it into what the engine core takes (INVALID_ARGUMENT on
+bad input), in the front end: the engine never sees a request it would refuse as malformed."""
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable
 
 from lora.v1 import inference_pb2
 
-from .engine.detokenizer import TextStream
-from .engine.request import Request, SamplingParams, StreamEvent
+from .core.protocol import CoreInfo, GenerateSpec
 from .tokenizer import ChatTemplateError, TextCodec
 
 MAX_STOP_STRINGS = 16
@@ -21,9 +20,10 @@ class BadRequest(ValueError):
     """A client error; the message is shown to the caller."""
 
 
-def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, vocab_size: int,
-                  max_model_len: int, default_max_tokens: int,
-                  emit: Callable[[StreamEvent], None]) -> Request:
+def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: CoreInfo,
+                  default_max_tokens: int, request_id: int) -> tuple[GenerateSpec, tuple[str, ...]]:
+    """The engine's request and the stop strings the front end watches for."""
+    vocab_size, max_model_len = core.vocab_size, core.max_model_len
     if msg.adapter and not ADAPTER_NAME.match(msg.adapter):
         raise BadRequest("adapter names are 1-128 characters of letters, digits, '.', '_' and '-', "
                          "starting with a letter or digit")
@@ -59,13 +59,15 @@ def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, vocab_si
         raise BadRequest("the prompt encodes to no tokens")
     if len(ids) >= max_model_len:
         raise BadRequest(f"the prompt has {len(ids)} tokens; the limit is {max_model_len - 1}")
+    if len(ids) + 1 > core.kv_capacity_tokens:
+        raise BadRequest(f"the prompt needs {len(ids) + 1} KV slots; the whole KV cache holds "
+                         f"{core.kv_capacity_tokens}")
 
     room = max_model_len - len(ids)
     max_tokens = min(msg.max_tokens or default_max_tokens, room)
     top_p = msg.top_p if msg.top_p > 0 else 1.0
-    params = SamplingParams(max_tokens=max_tokens, temperature=msg.temperature, top_p=top_p,
-                            top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
-                            stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)
-    request = Request(ids, params, emit, adapter=msg.adapter, request_id=msg.request_id)
-    request.text = TextStream(codec.decode, params.stop)
-    return request
+    spec = GenerateSpec(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens,
+                        temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
+                        seed=msg.seed if msg.HasField("seed") else None, ignore_eos=msg.ignore_eos,
+                        adapter=msg.adapter, client_request_id=msg.request_id)
+    return spec, tuple(s for s in msg.stop if s)

@@ -1,8 +1,10 @@
-"""gRPC surface of the node: InferenceNode, standard health checking and reflection.
+"""gRPC surface of the node, served by each front-end process: InferenceNode, standard health
+checking and reflection.
 
-Handlers run on asyncio; they validate, hand work to the engine thread and relay its
-events. A client that goes away (or whose deadline passes) aborts its request, which
-frees its KV blocks at the engine's next step.
+Handlers validate and tokenise, hand requests to the engine core (EngineClient) and turn
+its token ids into text (detokenising and watching stop strings here, never in the engine's
+process). A client that goes away, or whose deadline passes, aborts its request: the core
+frees its KV blocks and adapter reference at its next step.
 """
 from __future__ import annotations
 
@@ -10,37 +12,58 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from lora_common.tls import EXCLUSIVE_PORT, add_port
 from lora.v1 import inference_pb2, inference_pb2_grpc
+from lora_common.tls import EXCLUSIVE_PORT, add_port
 
-from .engine.engine import EngineStopped, InvalidRequest, QueueFull
-from .engine.request import StreamEvent
-from .node import Node
-from .adapters.errors import AdapterError
 from .auth import TokenAuth
+from .core.protocol import CoreInfo, ErrorKind
+from .frontend.detokenizer import TextStream
+from .frontend.engine_client import CoreError, EngineClient
 from .limits import StreamSlots, check_message, check_prompt_tokens
 from .metrics import NodeMetrics
+from .node import NodeSettings
 from .request_builder import ADAPTER_NAME, BadRequest, build_request
+from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceNode"].full_name
+TIERS = {"gpu": inference_pb2.ADAPTER_TIER_GPU, "host": inference_pb2.ADAPTER_TIER_HOST,
+         "loading": inference_pb2.ADAPTER_TIER_LOADING}
+DRAINING = "this node is draining and takes no new requests: retry on another node"
+
+
+@dataclass
+class Frontend:
+    """What the handlers of one front-end process share."""
+
+    settings: NodeSettings
+    client: EngineClient
+    info: CoreInfo
+    codec: TextCodec
+    metrics: NodeMetrics
+    draining: bool = False
 
 
 class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
-    def __init__(self, node: Node, metrics: NodeMetrics) -> None:
-        self.node = node
-        self.metrics = metrics
-        self.streams = StreamSlots(node.settings.limits.max_concurrent_streams)
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.metrics = frontend.metrics
+        self.streams = StreamSlots(frontend.settings.limits.max_concurrent_streams)
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        kind = "adapter" if request.adapter else "base"
+        if self.frontend.draining:
+            self.metrics.requests.labels(outcome="unavailable", kind=kind).inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         if not self.streams.try_acquire():
-            kind = "adapter" if request.adapter else "base"
             self.metrics.requests.labels(outcome="resource_exhausted", kind=kind).inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.streams.refusal())
         stream = self._generate(request, context)
@@ -54,184 +77,169 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                 self.streams.release()
 
     async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        node = self.node
-        limits = node.settings.limits
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-
-        def emit(event: StreamEvent) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
+        frontend = self.frontend
+        client, limits = frontend.client, frontend.settings.limits
+        kind = "adapter" if request.adapter else "base"
         try:
             check_message(request, limits)
-            req = build_request(request, node.codec, node.model.config.vocab_size,
-                                node.engine.config.max_model_len,
-                                limits.default_max_tokens(node.settings.default_max_tokens), emit)
-            check_prompt_tokens(len(req.prompt_token_ids), limits)
-            if req.adapter and node.adapters is None:
-                await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"adapter {req.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
-            node.engine.submit(req)
-        except (BadRequest, InvalidRequest) as exc:
+            spec, stop = build_request(request, frontend.codec, frontend.info,
+                                       limits.default_max_tokens(frontend.settings.default_max_tokens),
+                                       client.new_request_id())
+            check_prompt_tokens(len(spec.prompt_token_ids), limits)
+        except BadRequest as exc:
+            self.metrics.requests.labels(outcome="invalid_argument", kind=kind).inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-
-        finished = False
+        stream = client.submit(spec)
+        text = TextStream(frontend.codec.decode, stop)
+        output_ids: list[int] = []
+        finish_reason: str | None = None
         outcome = "cancelled"
         started = last = time.monotonic()
         first_token_at = None
-        kind = "adapter" if req.adapter else "base"
         try:
-            while not finished:
-                event = await events.get()
-                finished = event.finish_reason is not None
+            while finish_reason is None:
+                new_ids = await stream.next()
+                if stream.error is not None:
+                    error = stream.error
+                    outcome = error.code.name.lower()
+                    if error.kind == ErrorKind.CUT_SHORT:
+                        self.metrics.cut_short.inc()
+                        log.warning("request %s cut short at shutdown after %d tokens",
+                                    spec.client_request_id or spec.request_id, len(output_ids))
+                    await context.abort(error.code, error.message)
+                finish_reason = stream.finish_reason
+                if stop:  # token by token: the answer ends with the token that completed a stop string
+                    for i, token in enumerate(new_ids):
+                        output_ids.append(token)
+                        text.add(output_ids)
+                        if text.stopped:
+                            new_ids, finish_reason = new_ids[:i + 1], "stop"
+                            client.abort(spec.request_id)
+                            break
+                elif new_ids:
+                    output_ids.extend(new_ids)
+                    text.add(output_ids)
                 now = time.monotonic()
-                if event.token_ids:
+                if new_ids:
                     if first_token_at is None:
                         first_token_at = now
                         self.metrics.ttft.observe(now - started)
                     else:
-                        self.metrics.token_latency.observe((now - last) / len(event.token_ids))
+                        self.metrics.token_latency.observe((now - last) / len(new_ids))
                     last = now
-                    self.metrics.generated_tokens.inc(len(event.token_ids))
-                if event.error is not None:
-                    code, message = _status_of(event)
-                    outcome = code.name.lower()
-                    await context.abort(code, message)
-                if finished:
-                    outcome = event.finish_reason
-                    self.metrics.prompt_tokens.inc(event.prompt_tokens)
-                    log.info("request %s adapter=%s finished=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs",
-                             req.request_id or req.id, req.adapter or "-", event.finish_reason,
-                             event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens,
-                             (first_token_at or now) - started, now - started)
-                yield inference_pb2.GenerateResponse(
-                    token_ids=event.token_ids, text=event.text,
-                    finish_reason=event.finish_reason or "",
-                    prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                    cached_prompt_tokens=event.cached_prompt_tokens,
-                    adapter_version=event.adapter_version)
+                    self.metrics.generated_tokens.inc(len(new_ids))
+                reply = inference_pb2.GenerateResponse(token_ids=new_ids,
+                                                       text=text.take(final=finish_reason is not None))
+                if finish_reason is not None:
+                    outcome = finish_reason
+                    self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
+                    reply.finish_reason = finish_reason
+                    reply.prompt_tokens = len(spec.prompt_token_ids)
+                    reply.completion_tokens = len(output_ids)
+                    reply.cached_prompt_tokens = stream.cached_prompt_tokens
+                    reply.adapter_version = stream.adapter_version
+                    log.info("request %s adapter=%s finished=%s prompt=%d completion=%d cached=%d "
+                             "ttft=%.3fs total=%.3fs", spec.client_request_id or spec.request_id,
+                             spec.adapter or "-", finish_reason, len(spec.prompt_token_ids), len(output_ids),
+                             stream.cached_prompt_tokens, (first_token_at or now) - started, now - started)
+                if new_ids or reply.text or finish_reason is not None:
+                    yield reply
         finally:
             self.metrics.requests.labels(outcome=outcome, kind=kind).inc()
-            if not finished:  # the client went away or the deadline passed
-                node.engine.abort(req.id)
+            if finish_reason is None:  # the client went away or the deadline passed
+                client.abort(spec.request_id)
 
     async def LoadAdapter(self, request: inference_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext):
-        manager = await self._adapters(request.name, context)
-        loop = asyncio.get_running_loop()
-        result: asyncio.Future = loop.create_future()
-
-        def done(entry, error) -> None:  # engine thread
-            outcome = (entry.version, entry.tier) if entry is not None else None
-            loop.call_soon_threadsafe(lambda: result.done() or result.set_result((outcome, error)))
-
-        self.node.engine.call(lambda: manager.load(request.name, request.version, request.pin, done))
-        outcome, error = await result
-        self.metrics.admin_calls.labels(method="LoadAdapter", outcome=error.status.name if error else "OK").inc()
-        if error is not None:
-            await context.abort(error.status, str(error))
-        version, tier = outcome
+        await self._check_name(request.name, context)
+        try:
+            version, tier = await self.frontend.client.call(
+                "load_adapter", name=request.name, version=request.version, pin=request.pin)
+        except CoreError as exc:
+            self.metrics.admin_calls.labels(method="LoadAdapter", outcome=exc.code.name).inc()
+            await context.abort(exc.code, exc.message)
+        self.metrics.admin_calls.labels(method="LoadAdapter", outcome="OK").inc()
         return inference_pb2.LoadAdapterResponse(name=request.name, version=version, tier=TIERS[tier])
 
     async def UnloadAdapter(self, request: inference_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
-        manager = await self._adapters(request.name, context)
+        await self._check_name(request.name, context)
         try:
-            deferred = await asyncio.wrap_future(self.node.engine.call(lambda: manager.unload(request.name)))
-        except AdapterError as exc:
-            self.metrics.admin_calls.labels(method="UnloadAdapter", outcome=exc.status.name).inc()
-            await context.abort(exc.status, str(exc))
+            deferred = await self.frontend.client.call("unload_adapter", name=request.name)
+        except CoreError as exc:
+            self.metrics.admin_calls.labels(method="UnloadAdapter", outcome=exc.code.name).inc()
+            await context.abort(exc.code, exc.message)
         self.metrics.admin_calls.labels(method="UnloadAdapter", outcome="OK").inc()
         return inference_pb2.UnloadAdapterResponse(deferred=deferred)
 
     async def ListAdapters(self, request: inference_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext):
-        manager = self.node.adapters
+        info = self.frontend.info
         reply = inference_pb2.ListAdaptersResponse()
-        if manager is None:
+        if not info.lora_enabled:
             return reply
-        reply.max_loras, reply.max_cpu_loras = manager.max_loras, manager.max_cpu_loras
-
-        cache = self.node.engine.prefix_cache
-
-        def snapshot() -> list[inference_pb2.AdapterStatus]:
-            replies = []
-            for e in manager.entries():
-                stats = cache.stats.get(e.namespace) if cache is not None else None
-                replies.append(inference_pb2.AdapterStatus(
-                    name=e.name, version=e.version, tier=TIERS[e.tier], pinned=e.pinned, ref_count=e.refs,
-                    pending_eviction=e.draining or e.retired, slot=e.slot,
-                    rank=e.weights.rank if e.weights else 0,
-                    target_modules=list(e.weights.target_modules) if e.weights else [],
-                    cache_hit_tokens=stats.hit_tokens if stats else 0, cache_blocks=stats.blocks if stats else 0))
-            return replies
-
-        reply.adapters.extend(await asyncio.wrap_future(self.node.engine.call(snapshot)))
+        reply.max_loras, reply.max_cpu_loras = info.max_loras, info.max_cpu_loras
+        rows = await self._core_call("list_adapters", context)
+        reply.adapters.extend(inference_pb2.AdapterStatus(**(row | {"tier": TIERS[row["tier"]]})) for row in rows)
         return reply
 
-    async def _adapters(self, name: str, context: grpc.aio.ServicerContext):
-        if not ADAPTER_NAME.match(name):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"adapter name {name!r} is not allowed: 1-128 letters, digits, '.', '_', '-'")
-        if self.node.adapters is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "LoRA is disabled on this node (--max-loras 0)")
-        return self.node.adapters
-
     async def GetStats(self, request: inference_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
-        engine = self.node.engine
-
-        def read() -> tuple[dict[str, int], list[inference_pb2.PrefixCacheStats]]:
-            rows = [inference_pb2.PrefixCacheStats(adapter=adapter, version=version, lookups=s.lookups, hits=s.hits,
-                                                   hit_tokens=s.hit_tokens, blocks=s.blocks)
-                    for (adapter, version), s in engine.prefix_cache_rows()]
-            return engine.snapshot(), rows
-
-        snap, rows = await asyncio.wrap_future(engine.call(read))
+        snap = await self._core_call("stats", context)
+        rows = [inference_pb2.PrefixCacheStats(adapter=adapter, version=version, lookups=lookups, hits=hits,
+                                               hit_tokens=hit_tokens, blocks=blocks)
+                for adapter, version, lookups, hits, hit_tokens, blocks in snap["prefix_cache"]]
         return inference_pb2.GetStatsResponse(
             kv_blocks_total=snap["kv_blocks_total"], kv_blocks_free=snap["kv_blocks_free"],
             kv_blocks_cached=snap["kv_blocks_cached"],
             running_requests=snap["running"], waiting_requests=snap["waiting"],
             steps=snap["steps"], generated_tokens=snap["generated_tokens"],
             prompt_tokens=snap["prompt_tokens"], cached_prompt_tokens=snap["cached_prompt_tokens"],
-            block_size=engine.config.block_size, model=self.node.model_name,
+            block_size=self.frontend.info.block_size, model=self.frontend.info.model_name,
             preemptions=snap["preemptions"], prefix_cache=rows)
 
+    async def _core_call(self, method: str, context: grpc.aio.ServicerContext, **args):
+        try:
+            return await self.frontend.client.call(method, **args)
+        except CoreError as exc:
+            await context.abort(exc.code, exc.message)
 
-TIERS = {"gpu": inference_pb2.ADAPTER_TIER_GPU, "host": inference_pb2.ADAPTER_TIER_HOST,
-         "loading": inference_pb2.ADAPTER_TIER_LOADING}
-
-
-def _status_of(event: StreamEvent) -> tuple[grpc.StatusCode, str]:
-    error = event.error
-    if isinstance(error, AdapterError):
-        return error.status, str(error)
-    if isinstance(error, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, EngineStopped):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    return grpc.StatusCode.INTERNAL, f"generation failed: {error}"
+    async def _check_name(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        if not ADAPTER_NAME.match(name):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"adapter name {name!r} is not allowed: 1-128 letters, digits, '.', '_', '-'")
+        if not self.frontend.info.lora_enabled:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "LoRA is disabled on this node (--max-loras 0)")
 
 
 class NodeServer:
-    """Owns the grpc.aio server, health state and graceful shutdown."""
+    """One front end's grpc.aio server, health state and graceful shutdown.
 
-    def __init__(self, node: Node, host: str, port: int, drain_seconds: float = 10.0) -> None:
-        self.node = node
+    The front end that owns the core (`owns_core`) drains it on stop: the core refuses what
+    has not started, running answers finish within drain_seconds, and only those still
+    running at the deadline are cut (and counted). Other front ends only stop taking work and
+    wait for their streams to end."""
+
+    def __init__(self, settings: NodeSettings, client: EngineClient, host: str, port: int,
+                 drain_seconds: float = 10.0, owns_core: bool = True, reuse_port: bool = False,
+                 metrics_dir: str | None = None) -> None:
+        self.settings = settings
+        self.client = client
         self.host = host
         self.requested_port = port
         self.drain_seconds = drain_seconds
+        self.owns_core = owns_core
+        self.reuse_port = reuse_port
+        self.metrics_dir = metrics_dir   # several front ends: their metrics summed from here
         self.server: grpc.aio.Server | None = None
-        self.health = None
-        self.metrics = NodeMetrics(lambda: node.engine.call(node.snapshot).result(2.0))
+        self.health: health_aio.HealthServicer | None = None
+        self.frontend: Frontend | None = None
         self.port = 0
         self.address = ""
+        self.core_failed = False
         self._stopped = False
+        self._stop_requested: asyncio.Event | None = None
 
     def _build(self) -> grpc.aio.Server:
         """Creates the grpc.aio server (it must be made inside the running event loop)."""
-        settings = self.node.settings
+        settings = self.settings
         interceptors = []
         if settings.admin_token or settings.generate_token:
             interceptors.append(TokenAuth(settings.admin_token, settings.generate_token))
@@ -239,9 +247,11 @@ class NodeServer:
             # A larger request is refused by gRPC itself with RESOURCE_EXHAUSTED (--max-request-bytes).
             ("grpc.max_receive_message_length", settings.limits.max_request_bytes),
             ("grpc.max_send_message_length", 16 << 20),
-            EXCLUSIVE_PORT,
+            # Several front-end processes share one port (the kernel spreads connections);
+            # one alone holds it exclusively, so a second node on the port fails to start.
+            ("grpc.so_reuseport", 1) if self.reuse_port else EXCLUSIVE_PORT,
         ])
-        inference_pb2_grpc.add_InferenceNodeServicer_to_server(InferenceNodeService(self.node, self.metrics), server)
+        inference_pb2_grpc.add_InferenceNodeServicer_to_server(InferenceNodeService(self.frontend), server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -251,43 +261,81 @@ class NodeServer:
         self.address = f"{self.host}:{self.port}"
         return server
 
-    async def start(self) -> None:
+    async def start(self, metrics: NodeMetrics | None = None, serving: bool = True) -> None:
+        """Listens; health says SERVING now, or at `set_serving` (once other front ends are up)."""
+        loop = asyncio.get_running_loop()
+        self._stop_requested = asyncio.Event()
+        info = self.client.info
+        if metrics is None:
+            metrics = NodeMetrics(lambda: asyncio.run_coroutine_threadsafe(
+                self.client.call("snapshot"), loop).result(2.0))
+        self.frontend = Frontend(self.settings, self.client, info, TextCodec(Path(info.checkpoint)), metrics)
+        self.client.watch_core(info.pid)
+        self.client.on_core_exit = self._on_core_exit
         self.server = self._build()
-        self.node.engine.start()
-        if self.node.catalog is not None:
-            self.node.catalog.start()
         await self.server.start()
-        if self.node.settings.metrics_port:
-            self.metrics.serve(self.node.settings.metrics_port, self.host)
+        if self.settings.metrics_port and self.owns_core:
+            metrics.serve(self.settings.metrics_port, self.host, self.metrics_dir)
+        if serving:
+            await self.set_serving()
+        else:  # grpc's health servicer starts the whole server as SERVING
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def set_serving(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("inference node serving on %s (%s)", self.address, self.settings.tls.describe())
+
+    async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("inference node serving on %s (%s)", self.address, self.node.settings.tls.describe())
+            await self.health.set(service, status)
+
+    def _on_core_exit(self, error: CoreError) -> None:
+        self.core_failed = True
+        self.frontend.draining = True
+        asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        if self._stop_requested is not None:
+            self._stop_requested.set()
 
     async def stop(self) -> None:
         """Refuses new work, lets running requests finish (up to drain_seconds), then exits."""
         if self._stopped or self.server is None:
             return
         self._stopped = True
-        log.info("shutting down: draining %d requests", self.node.engine.num_inflight())
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.node.engine.stop_accepting()
-        deadline = asyncio.get_running_loop().time() + self.drain_seconds
-        while self.node.engine.num_inflight() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        if self.node.catalog is not None:
-            self.node.catalog.stop()
-        if self.node.adapters is not None:
-            self.node.adapters.shutdown()
-        self.node.engine.shutdown()
+        self.frontend.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_seconds
+        if self.owns_core and not self.core_failed:
+            await self._drain_core(deadline)
+        while self.client.streams and loop.time() < deadline + 2.0:  # their last messages
+            await asyncio.sleep(0.02)
         await self.server.stop(grace=1.0)
-        log.info("inference node stopped")
+        self.client.close()
+        log.info("inference node front end stopped")
+
+    async def _drain_core(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await self.client.call("drain", timeout=5.0)
+            inflight = await self.client.call("inflight", timeout=5.0)
+            log.info("draining: %d requests still running", inflight)
+            while inflight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+                inflight = await self.client.call("inflight", timeout=5.0)
+            await self.client.call("shutdown", timeout=5.0)
+        except (CoreError, asyncio.TimeoutError) as exc:
+            log.error("the engine core did not drain cleanly: %s", exc)
+
+    async def wait_for_stop(self) -> None:
+        await self._stop_requested.wait()
 
     async def serve_until_signalled(self) -> None:
         await self.start()
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.wait_for_stop()
         await self.stop()

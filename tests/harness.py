@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -10,27 +11,45 @@ from typing import Sequence
 
 import torch
 
+from inference_node.core.engine_core import EngineCore
+from inference_node.frontend.engine_client import EngineClient
 from inference_node.node import NodeSettings, build_node
 from inference_node.server import NodeServer
 
 
 class InProcessNode:
-    """A real NodeServer on a free loopback port, its event loop on a background thread."""
+    """A real node on a free loopback port, its engine core on one thread and its front end's
+    event loop on another: the same ZeroMQ path as the processes of `inference-node serve`,
+    with the engine in reach of the test (tests/node/test_node_processes.py runs the real
+    processes)."""
 
-    def __init__(self, settings: NodeSettings, start_timeout: float = 60.0) -> None:
+    def __init__(self, settings: NodeSettings, start_timeout: float = 60.0, drain_seconds: float = 2.0) -> None:
         self.node = build_node(settings)
-        self.server = NodeServer(self.node, "127.0.0.1", 0, drain_seconds=2.0)
+        self.engine = self.node.engine
+        self.ipc_dir = tempfile.mkdtemp(prefix="lora-test-node-")
+        self.core = EngineCore(self.node, f"ipc://{self.ipc_dir}/core")
+        self.core_thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
+        self.core_thread.start()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(start_timeout)
+        self.client = EngineClient(self.core.address, f"ipc://{self.ipc_dir}/frontend-0", "frontend-0")
+        self.server = NodeServer(settings, self.client, "127.0.0.1", 0, drain_seconds=drain_seconds)
+
+        async def start() -> None:
+            await self.client.connect(start_timeout)
+            await self.server.start()
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(start_timeout)
         self.address = self.server.address
-        self.engine = self.node.engine
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
+        self.core.stop()
+        self.core_thread.join(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     def check_idle(self) -> dict[str, int]:
         """Asserts that no request, KV block or reference is left; returns the counters."""

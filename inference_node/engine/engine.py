@@ -1,8 +1,10 @@
 """The engine loop: a single thread owns the model, the KV cache and the scheduler.
 
-Other threads (gRPC handlers) only talk to it through a command queue (`submit`, `abort`,
-`call`), and receive results through each request's `emit` callback, so no lock guards
-model state.
+Other threads only talk to it through a command queue (`submit`, `abort`, `call`), and
+receive results through each request's `emit` callback, so no lock guards model state. The
+engine streams token ids: text, stop strings and everything else per request belong to the
+front end (inference_node/frontend), which runs in other processes and aborts a request
+once its text hits a stop string.
 
 Steps are pipelined one deep: the loop schedules and launches step n+1, then waits for step
 n's sampled tokens and streams them while the GPU runs step n+1. Step n+1 reads the tokens
@@ -47,6 +49,14 @@ class QueueFull(RuntimeError):
 
 class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new work (UNAVAILABLE)."""
+
+
+class NotStarted(EngineStopped):
+    """A drain refused a request that had streamed nothing yet: safe to retry on another node."""
+
+
+class CutShort(EngineStopped):
+    """The drain deadline ended a request that had already streamed part of its answer."""
 
 
 class LoraProvider(AdapterBinder, Protocol):
@@ -102,6 +112,9 @@ class EngineStats:
     preemptions: int = 0
     max_adapters_in_step: int = 0
     graph_steps: int = 0             # decode steps replayed from CUDA graphs (static buffers)
+    eager_decode_steps: int = 0      # decode-only steps that ran eagerly (larger than the graphs)
+    mixed_steps: int = 0             # steps with prompt tokens (prefill chunks, maybe beside decodes)
+    cut_short: int = 0               # answers ended part-way by shutdown
 
 
 class Engine:
@@ -149,6 +162,13 @@ class Engine:
 
     # -- public, thread-safe -----------------------------------------------------------------
     def start(self) -> None:
+        """Prepares the engine and runs its loop on a thread of its own."""
+        self.prepare()
+        self._thread = threading.Thread(target=self.run_forever, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def prepare(self) -> None:
+        """Compiles, captures and freezes what the loop needs, before it runs."""
         if self.config.warmup == "on" or (self.config.warmup == "auto" and self.model.device.type == "cuda"):
             self.warmup_forwards = warm_up(self)
         if self.decode_graphs is not None:
@@ -158,8 +178,6 @@ class Engine:
         # took 160-180 ms on the development CPU, a stall of dozens of decode steps.
         gc.collect()
         gc.freeze()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
 
     def validate(self, prompt_len: int, max_tokens: int) -> None:
         cfg = self.config
@@ -175,7 +193,7 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         if not self._accepting:
-            raise EngineStopped("the node is shutting down")
+            raise NotStarted("the node is draining and takes no new requests: retry on another node")
         self.validate(len(request.prompt_token_ids), request.params.max_tokens)
         with self._inflight_lock:
             if self._inflight >= self.config.max_queue + self.config.max_num_seqs:
@@ -196,6 +214,13 @@ class Engine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
+    def drain(self) -> None:
+        """Takes no new work and refuses every request that has streamed nothing yet (waiting,
+        loading its adapter, or in its prefill) with NotStarted; running answers go on. The
+        caller waits for num_inflight() to reach zero, then calls shutdown()."""
+        self._accepting = False
+        self._commands.put(("drain", None))
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._accepting = False
         self._stop.set()
@@ -209,13 +234,23 @@ class Engine:
             return self._inflight
 
     # -- loop thread ---------------------------------------------------------------------------
-    def _run(self) -> None:
+    def run_forever(self, after_each: Callable[[], None] = lambda: None) -> None:
+        """Runs loop iterations until shutdown; after_each runs after every one (the engine
+        core process sends the step's output there). Requests still running at shutdown end
+        with CutShort (they streamed part of an answer) or EngineStopped."""
         log.info("engine loop started: %d KV blocks of %d tokens", self.config.num_kv_blocks,
                  self.config.block_size)
         while not self._stop.is_set():
             self.run_once()
+            after_each()
         for req in list(self._requests.values()):
-            self._finish(req, "cancelled", error=EngineStopped("the node shut down"))
+            if req.emitted_tokens:
+                self.stats.cut_short += 1
+                self._finish(req, "cancelled", error=CutShort(
+                    f"the node shut down after {req.emitted_tokens} tokens of this answer"))
+            else:
+                self._finish(req, "cancelled", error=EngineStopped("the node shut down"))
+        after_each()
 
     def run_once(self, block: bool = True) -> None:
         """One loop iteration: commands, adapter progress, one step. The loop thread calls it;
@@ -250,6 +285,11 @@ class Engine:
             req = self._requests.get(arg)
             if req is not None:
                 self._finish(req, "cancelled")
+        elif kind == "drain":
+            for req in list(self._requests.values()):
+                if not req.emitted_tokens:
+                    self._finish(req, "cancelled", error=NotStarted(
+                        "the node is draining and this request had not started: retry it on another node"))
         elif kind == "call":
             fn, future = arg
             if future.set_running_or_notify_cancel():
@@ -298,6 +338,10 @@ class Engine:
                 logits, greedy = self.decode_graphs.run(chunks)
                 self.stats.graph_steps += 1
             else:
+                if any(c.request.in_prefill for c in chunks):
+                    self.stats.mixed_steps += 1
+                else:
+                    self.stats.eager_decode_steps += 1
                 batch = build_forward_batch(chunks, self.config.block_size, self.model.device,
                                             self.feedback.tokens)
                 applier = self.lora.applier(chunks) if self.lora is not None else None
@@ -354,10 +398,7 @@ class Engine:
         self.stats.generated_tokens += 1
         token = req.output_token_ids[-1]
         reason = None
-        is_eos = token in self.eos_ids and not req.params.ignore_eos
-        if req.text is not None and not is_eos:
-            req.text.add(req.output_token_ids)
-        if is_eos or (req.text is not None and req.text.stopped):
+        if token in self.eos_ids and not req.params.ignore_eos:
             reason = "stop"
         elif (len(req.output_token_ids) >= req.params.max_tokens
               or req.num_known_tokens >= self.config.max_model_len):
@@ -369,15 +410,16 @@ class Engine:
 
     def _emit(self, req: Request, reason: str | None, error: BaseException | None = None) -> None:
         new_ids = req.output_token_ids[req.emitted_tokens:]
+        first = req.emitted_tokens == 0
         req.emitted_tokens = len(req.output_token_ids)
-        text = req.text.take(final=reason is not None) if req.text is not None else ""
-        event = StreamEvent(token_ids=new_ids, text=text, finish_reason=reason, error=error)
+        event = StreamEvent(token_ids=new_ids, finish_reason=reason, error=error)
+        if first or reason is not None:  # what the answer was computed with, known from its start
+            event.cached_prompt_tokens = req.num_cached_prompt_tokens
+            event.adapter_version = req.adapter_version
         if reason is not None:
             event.prompt_tokens = len(req.prompt_token_ids)
             event.completion_tokens = len(req.output_token_ids)
-            event.cached_prompt_tokens = req.num_cached_prompt_tokens
-            event.adapter_version = req.adapter_version
-        if new_ids or text or reason is not None:
+        if new_ids or reason is not None:
             try:
                 req.emit(event)
             except Exception:  # a broken consumer must not stop the loop
@@ -441,4 +483,7 @@ class Engine:
             "live_requests": len(self._requests),
             "max_adapters_in_step": self.stats.max_adapters_in_step,
             "graph_steps": self.stats.graph_steps,
+            "eager_decode_steps": self.stats.eager_decode_steps,
+            "mixed_steps": self.stats.mixed_steps,
+            "cut_short": self.stats.cut_short,
         }

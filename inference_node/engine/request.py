@@ -9,8 +9,6 @@ from typing import Any, Callable
 
 import torch
 
-from .detokenizer import TextStream
-
 _ids = itertools.count(1)
 
 # token_at's answer for a position whose token was sampled but is still on the device: the
@@ -25,7 +23,6 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
     @property
@@ -41,10 +38,10 @@ class Status(enum.Enum):
 
 @dataclass(slots=True)
 class StreamEvent:
-    """New tokens and text of one request since its previous event; `finish_reason` on the last."""
+    """New tokens of one request since its previous event; `finish_reason` on the last. The
+    first and the last carry what the answer is computed with (cached prompt, adapter version)."""
 
     token_ids: list[int]
-    text: str
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -74,9 +71,8 @@ class Request:
     cache_namespace: str = ""
     block_hashes: list[bytes] = field(default_factory=list)
     num_indexed_blocks: int = 0
-    # Streaming state: tokens already sent, and the text decoder.
+    # Streaming state: tokens already sent.
     emitted_tokens: int = 0
-    text: "TextStream | None" = None
     generator: torch.Generator | None = None
     # Set by the adapter layer: the slot and version this request is bound to while running.
     lora_slot: int = -1

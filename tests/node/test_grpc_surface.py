@@ -168,7 +168,8 @@ def test_a_second_server_on_a_taken_port_fails_instead_of_sharing_it(node) -> No
     from inference_node.server import NodeServer
 
     port = int(node.address.rsplit(":", 1)[1])
-    second = NodeServer(node.node, "127.0.0.1", port)
+    second = NodeServer(node.server.settings, node.client, "127.0.0.1", port)
+    second.frontend = node.server.frontend
 
     async def build() -> None:
         second._build()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from inference_node.engine.detokenizer import TextStream
+from inference_node.frontend.detokenizer import TextStream
 from inference_node.engine.request import Request, SamplingParams
 from inference_node.engine.sampler import filter_logits, sample_on_device
 

@@ -1,0 +1,282 @@
+"""The engine core: one loop owns the model, the KV cache, the scheduler and the adapter tiers,
+and talks to front ends only through ZeroMQ (inference_node.core.protocol).
+
+Its main thread runs the engine loop; after every iteration it sends each front end one
+message with everything that happened for it (new tokens, finished requests, call replies),
+so the cost of streaming is one msgpack encode per front end per step, whatever the number
+of requests. A second thread only receives: it unpacks front-end messages and hands them to
+the engine as commands, so the loop never waits on a socket.
+
+It runs as a process of its own (`run_engine_core_process`, started by the launcher), or on
+a thread of the caller's process (tests and benchmarks that want to look inside the engine).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from functools import partial
+from typing import Any, Callable
+
+import grpc
+import zmq
+
+from ..adapters.errors import AdapterError, AdapterNotFound
+from ..engine.engine import (CutShort, EngineStopped, InvalidRequest, NotStarted, QueueFull)
+from ..engine.request import Request, SamplingParams, StreamEvent
+from ..node import Node, NodeSettings, build_node
+from ..parent_watch import die_with_parent, parent_alive
+from . import protocol as wire
+from .protocol import CoreInfo, ErrorKind, GenerateSpec
+
+log = logging.getLogger(__name__)
+
+
+def error_fields(error: BaseException) -> list[str]:
+    """[grpc status name, message, ErrorKind] of an error that ended a request or a call."""
+    if isinstance(error, NotStarted):
+        return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.NOT_STARTED]
+    if isinstance(error, CutShort):
+        return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.CUT_SHORT]
+    if isinstance(error, AdapterError):
+        return [error.status.name, str(error), ErrorKind.FAILED]
+    if isinstance(error, InvalidRequest):
+        return [grpc.StatusCode.INVALID_ARGUMENT.name, str(error), ErrorKind.FAILED]
+    if isinstance(error, QueueFull):
+        return [grpc.StatusCode.RESOURCE_EXHAUSTED.name, str(error), ErrorKind.FAILED]
+    if isinstance(error, EngineStopped):
+        return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.FAILED]
+    return [grpc.StatusCode.INTERNAL.name, f"generation failed: {error}", ErrorKind.FAILED]
+
+
+TIER_NAMES = ("gpu", "host", "loading")
+
+
+class EngineCore:
+    """Serves one node's engine to front ends over `address` (a ZeroMQ PULL endpoint)."""
+
+    def __init__(self, node: Node, address: str, context: zmq.Context | None = None) -> None:
+        self.node = node
+        self.engine = node.engine
+        self.address = address
+        self.context = context or zmq.Context.instance()
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(address)
+        self.outputs: dict[str, zmq.Socket] = {}               # front end -> its PULL socket
+        # Filled and sent by the loop thread.
+        self.outbox: dict[str, deque] = {}
+        self.replies: dict[str, deque] = {}
+        self.requests: dict[tuple[str, int], int] = {}        # (front end, its id) -> engine id
+        # The receiver's own sockets to the front ends: a refusal goes out at once, even while
+        # the loop thread is busy with a step.
+        self.refusals: dict[str, zmq.Socket] = {}
+        self._receiver = threading.Thread(target=self._receive, name="core-inbox", daemon=True)
+        self._stopping = threading.Event()
+        self.watch_parent = False                             # set by the process entry point
+        self.calls: dict[str, Callable[..., Any]] = {
+            "list_adapters": self._list_adapters, "stats": self._stats, "snapshot": node.snapshot,
+            "check_consistency": self._check_consistency, "drain": self._drain,
+            "inflight": self.engine.num_inflight, "unload_adapter": self._unload_adapter,
+            "shutdown": self._shutdown,
+        }
+
+    def info(self) -> CoreInfo:
+        node, cfg = self.node, self.engine.config
+        return CoreInfo(
+            model_name=node.model_name, checkpoint=str(node.checkpoint),
+            vocab_size=node.model.config.vocab_size, max_model_len=cfg.max_model_len,
+            kv_capacity_tokens=cfg.num_kv_blocks * cfg.block_size, block_size=cfg.block_size,
+            lora_enabled=node.adapters is not None,
+            max_loras=node.adapters.max_loras if node.adapters is not None else 0,
+            max_cpu_loras=node.adapters.max_cpu_loras if node.adapters is not None else 0,
+            pid=os.getpid())
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Prepares the engine, then runs its loop on this thread until `shutdown`."""
+        self.engine.prepare()
+        if self.node.catalog is not None:
+            self.node.catalog.start()
+        self._receiver.start()
+        try:
+            self.engine.run_forever(after_each=self.flush)
+        finally:
+            self._stopping.set()
+            if self.node.catalog is not None:
+                self.node.catalog.stop()
+            if self.node.adapters is not None:
+                self.node.adapters.shutdown()
+            self._receiver.join(2.0)
+            for sock in [*self.outputs.values(), *self.refusals.values()]:
+                sock.close(linger=1000)  # the last batch (cut answers) still goes out
+            self.inbox.close()
+
+    def stop(self) -> None:
+        """From another thread: ends the loop (running requests end as at shutdown)."""
+        self.engine.shutdown(timeout=0)
+
+    # -- the loop thread ------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Sends each front end what happened for it since the last flush, as one message."""
+        for frontend, sock in self.outputs.items():
+            outputs, replies = self.outbox[frontend], self.replies[frontend]
+            if not outputs and not replies:
+                continue
+            batch = [outputs.popleft() for _ in range(len(outputs))]
+            answered = [replies.popleft() for _ in range(len(replies))]
+            sock.send(wire.pack([wire.BATCH, batch, answered]))
+
+    def _emit(self, frontend: str, request_id: int, event: StreamEvent) -> None:
+        error = error_fields(event.error) if event.error is not None else None
+        self.outbox[frontend].append([request_id, event.token_ids, event.finish_reason, error,
+                                      event.cached_prompt_tokens, event.adapter_version])
+        if event.finish_reason is not None:
+            self.requests.pop((frontend, request_id), None)
+
+    def _connect(self, frontend: str, address: str) -> None:
+        if frontend not in self.outputs:
+            sock = self.context.socket(zmq.PUSH)
+            # The loop never blocks on a slow front end: messages queue in ZeroMQ instead.
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(address)
+            self.outbox[frontend], self.replies[frontend] = deque(), deque()
+            self.outputs[frontend] = sock
+        log.info("front end %s connected", frontend)
+        self.outputs[frontend].send(wire.pack([wire.WELCOME, vars(self.info())]))
+
+    def _call(self, frontend: str, call_id: int, method: str, args: dict[str, Any]) -> None:
+        if method == "load_adapter":
+            self._load_adapter(frontend, call_id, **args)
+            return
+        try:
+            result = self.calls[method](**args)
+        except Exception as exc:  # handed to the caller as its status
+            self.replies[frontend].append([call_id, False, error_fields(exc)[:2]])
+            if not isinstance(exc, AdapterError):
+                log.exception("core call %s failed", method)
+            return
+        self.replies[frontend].append([call_id, True, result])
+
+    # -- the receiver thread ------------------------------------------------------------------
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(500):
+                if self.watch_parent and not parent_alive():
+                    log.error("the node's launcher is gone: stopping the engine core")
+                    os._exit(1)
+                continue
+            while True:
+                try:
+                    kind, frontend, payload = wire.unpack(self.inbox.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                self._dispatch(kind, frontend, payload)
+
+    def _dispatch(self, kind: str, frontend: str, payload: Any) -> None:
+        if kind == wire.ADD:
+            self._add(frontend, GenerateSpec.unpack(payload))
+        elif kind == wire.ABORT:
+            engine_id = self.requests.get((frontend, payload))
+            if engine_id is not None:
+                self.engine.abort(engine_id)
+        elif kind == wire.CALL:
+            call_id, method, args = payload
+            self.engine.call(partial(self._call, frontend, call_id, method, args or {}))
+        elif kind == wire.HELLO:
+            if frontend not in self.refusals:
+                sock = self.context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.connect(payload)
+                self.refusals[frontend] = sock
+            self.engine.call(partial(self._connect, frontend, payload))
+
+    def _add(self, frontend: str, spec: GenerateSpec) -> None:
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                                top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
+                                ignore_eos=spec.ignore_eos)
+        request = Request(spec.prompt_token_ids, params, partial(self._emit, frontend, spec.request_id),
+                          adapter=spec.adapter, request_id=spec.client_request_id)
+        try:
+            if spec.adapter and self.node.adapters is None:
+                raise AdapterNotFound(f"adapter {spec.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
+            self.requests[(frontend, spec.request_id)] = request.id
+            self.engine.submit(request)
+        except Exception as exc:  # refused before it started: tell the front end at once
+            self.requests.pop((frontend, spec.request_id), None)
+            refusal = [spec.request_id, [], "error", error_fields(exc), 0, ""]
+            self.refusals[frontend].send(wire.pack([wire.BATCH, [refusal], []]))
+
+    # -- calls, on the loop thread --------------------------------------------------------------
+    def _load_adapter(self, frontend: str, call_id: int, name: str, version: str = "", pin: bool = False) -> None:
+        manager = self._manager()
+
+        def done(entry, error) -> None:  # the loop thread
+            if error is not None:
+                self.replies[frontend].append([call_id, False, [error.status.name, str(error)]])
+            else:
+                self.replies[frontend].append([call_id, True, [entry.version, entry.tier]])
+
+        manager.load(name, version, pin, done)
+
+    def _unload_adapter(self, name: str) -> bool:
+        return self._manager().unload(name)
+
+    def _manager(self):
+        if self.node.adapters is None:
+            raise AdapterError("LoRA is disabled on this node (--max-loras 0)")
+        return self.node.adapters
+
+    def _list_adapters(self) -> list[dict[str, Any]]:
+        manager = self.node.adapters
+        if manager is None:
+            return []
+        cache = self.engine.prefix_cache
+        rows = []
+        for e in manager.entries():
+            stats = cache.stats.get(e.namespace) if cache is not None else None
+            rows.append({
+                "name": e.name, "version": e.version, "tier": e.tier, "pinned": e.pinned,
+                "ref_count": e.refs, "pending_eviction": e.draining or e.retired, "slot": e.slot,
+                "rank": e.weights.rank if e.weights else 0,
+                "target_modules": list(e.weights.target_modules) if e.weights else [],
+                "cache_hit_tokens": stats.hit_tokens if stats else 0,
+                "cache_blocks": stats.blocks if stats else 0})
+        return rows
+
+    def _stats(self) -> dict[str, Any]:
+        snap: dict[str, Any] = self.engine.snapshot()
+        snap["prefix_cache"] = [[adapter, version, s.lookups, s.hits, s.hit_tokens, s.blocks]
+                                for (adapter, version), s in self.engine.prefix_cache_rows()]
+        return snap
+
+    def _check_consistency(self) -> dict[str, Any]:
+        self.engine.check_consistency()
+        return self.engine.snapshot()
+
+    def _drain(self) -> None:
+        self.engine.drain()
+
+    def _shutdown(self) -> None:
+        self.engine.shutdown(timeout=0)
+
+
+def run_engine_core_process(settings: NodeSettings, address: str, log_level: str) -> None:
+    """The engine core process: builds the node, then serves until the launcher says stop.
+
+    It ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and the launcher
+    decides how the node drains; if the launcher dies, the receiver notices and exits."""
+    import signal
+
+    die_with_parent(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    core = EngineCore(build_node(settings), address)
+    core.watch_parent = True
+    log.info("engine core started (pid %d)", os.getpid())
+    core.run()
+    log.info("engine core stopped")

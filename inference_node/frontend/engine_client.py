@@ -1,0 +1,230 @@
+"""A front end's connection to the engine core (asyncio, ZeroMQ).
+
+Requests go out as they come; outputs come back as one message per engine step, which a
+reader task spreads over the requests' streams. A stream keeps what arrived since its
+reader last looked, so a handler that falls behind sends several tokens in one message
+instead of falling further behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from typing import Any, Callable
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from ..core import protocol as wire
+from ..core.protocol import CoreInfo, ErrorKind, GenerateSpec
+
+log = logging.getLogger(__name__)
+
+
+class CoreError(Exception):
+    """A request or call the engine core refused or ended with an error."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, kind: str = ErrorKind.FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.kind = kind
+
+    @classmethod
+    def from_wire(cls, fields: list[str]) -> "CoreError":
+        code = getattr(grpc.StatusCode, fields[0], grpc.StatusCode.INTERNAL)
+        return cls(code, fields[1], fields[2] if len(fields) > 2 else ErrorKind.FAILED)
+
+
+class RequestStream:
+    """One request's outputs as they arrive from the core."""
+
+    __slots__ = ("request_id", "_token_ids", "finish_reason", "error", "cached_prompt_tokens",
+                 "adapter_version", "_ready")
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self._token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: CoreError | None = None
+        self.cached_prompt_tokens = 0
+        self.adapter_version = ""
+        self._ready = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, token_ids: list[int], finish_reason: str | None, error: CoreError | None,
+             cached_prompt_tokens: int, adapter_version: str) -> None:
+        self._token_ids.extend(token_ids)
+        if adapter_version:
+            self.cached_prompt_tokens, self.adapter_version = cached_prompt_tokens, adapter_version
+        if finish_reason is not None:
+            self.cached_prompt_tokens = max(self.cached_prompt_tokens, cached_prompt_tokens)
+            self.finish_reason, self.error = finish_reason, error
+        self._ready.set()
+
+    async def next(self) -> list[int]:
+        """The tokens that arrived since the last call (waits for at least one, or the end)."""
+        await self._ready.wait()
+        self._ready.clear()
+        token_ids, self._token_ids = self._token_ids, []
+        return token_ids
+
+
+class EngineClient:
+    """Sends requests and calls to the core at `core_address`; receives at `output_address`."""
+
+    def __init__(self, core_address: str, output_address: str, frontend_id: str) -> None:
+        self.core_address = core_address
+        self.output_address = output_address
+        self.frontend_id = frontend_id
+        self.context = zmq.asyncio.Context()
+        self._to_core = self.context.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
+        self._from_core = self.context.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.LINGER, 0)
+        self._from_core.setsockopt(zmq.RCVHWM, 0)
+        self.streams: dict[int, RequestStream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._reader: asyncio.Task | None = None
+        self.info: CoreInfo | None = None
+        self.dead: CoreError | None = None   # set once the core is gone: everything fails with it
+        self.on_core_exit: Callable[[CoreError], None] = lambda error: None
+        self._watch_fd: int | None = None
+
+    async def connect(self, timeout: float) -> CoreInfo:
+        """Says hello and waits for the core's welcome (its limits), then starts reading."""
+        self._from_core.bind(self.output_address)
+        self._to_core.connect(self.core_address)
+        await self._to_core.send(wire.pack([wire.HELLO, self.frontend_id, self.output_address]))
+        while True:
+            if not await self._from_core.poll(timeout * 1000):
+                raise TimeoutError(f"the engine core did not answer within {timeout:.0f}s")
+            kind, *payload = wire.unpack(await self._from_core.recv())
+            if kind == wire.WELCOME:
+                self.info = CoreInfo(**payload[0])
+                break
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        return self.info
+
+    def watch_core(self, pid: int) -> None:
+        """Fails every stream and call with UNAVAILABLE as soon as the core process exits."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._watch_fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd (not Linux): look twice a second
+            async def poll() -> None:
+                while self.dead is None:
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        self._core_exited(pid)
+                        return
+                    await asyncio.sleep(0.5)
+            loop.create_task(poll())
+            return
+        loop.add_reader(self._watch_fd, self._core_exited, pid)
+
+    def _core_exited(self, pid: int) -> None:
+        if self._watch_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._watch_fd)
+            os.close(self._watch_fd)
+            self._watch_fd = None
+        if self.dead is not None:
+            return
+        error = CoreError(grpc.StatusCode.UNAVAILABLE,
+                          f"the node's engine process (pid {pid}) exited; this node is going down: "
+                          "retry on another node")
+        log.error("%s", error.message)
+        self.fail_all(error)
+        self.on_core_exit(error)
+
+    def fail_all(self, error: CoreError) -> None:
+        self.dead = error
+        for stream in self.streams.values():
+            if not stream.finished:
+                stream.feed([], "error", error, 0, "")
+        self.streams.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+
+    # -- requests and calls --------------------------------------------------------------------
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, spec: GenerateSpec) -> RequestStream:
+        stream = RequestStream(spec.request_id)
+        if self.dead is not None:
+            stream.feed([], "error", self.dead, 0, "")
+            return stream
+        self.streams[spec.request_id] = stream
+        self._to_core.send(wire.pack([wire.ADD, self.frontend_id, spec.pack()]))
+        return stream
+
+    def abort(self, request_id: int) -> None:
+        """The client went away: the core frees the request's KV blocks and adapter reference."""
+        if self.streams.pop(request_id, None) is not None and self.dead is None:
+            self._to_core.send(wire.pack([wire.ABORT, self.frontend_id, request_id]))
+
+    async def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
+        """Runs `method` on the core between steps; raises CoreError with its status."""
+        if self.dead is not None:
+            raise self.dead
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        await self._to_core.send(wire.pack([wire.CALL, self.frontend_id, [call_id, method, args]]))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    # -- the reader task -------------------------------------------------------------------------
+    async def _read(self) -> None:
+        streams, calls = self.streams, self._calls
+        while True:
+            try:
+                kind, *payload = wire.unpack(await self._from_core.recv())
+            except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
+                return
+            if kind != wire.BATCH:
+                continue
+            outputs, replies = payload
+            for request_id, token_ids, finish_reason, error, cached, version in outputs:
+                stream = streams.get(request_id)
+                if stream is None:  # aborted here already
+                    continue
+                if finish_reason is not None:
+                    del streams[request_id]
+                stream.feed(token_ids, finish_reason, CoreError.from_wire(error) if error else None,
+                            cached, version)
+            for call_id, ok, result in replies:
+                future = calls.get(call_id)
+                if future is None or future.done():
+                    continue
+                if ok:
+                    future.set_result(result)
+                else:
+                    future.set_exception(CoreError.from_wire(result))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._watch_fd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._watch_fd)
+            except RuntimeError:
+                pass
+            os.close(self._watch_fd)
+            self._watch_fd = None
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self.context.term()

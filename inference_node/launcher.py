@@ -1,0 +1,207 @@
+"""Starts a node as processes and stops them together.
+
+`inference-node serve` runs here: it starts the engine core process (the GPU loop), waits
+for its welcome, then serves gRPC from this process and from `api_processes - 1` more front
+ends sharing the port. On SIGTERM or Ctrl-C this process drains the node (the others stop
+taking work); if the engine core dies, every front end answers its open streams with
+UNAVAILABLE, reports NOT_SERVING and the node exits non-zero. Children never outlive it:
+the core and the front ends watch their parent and exit when it is gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .core.engine_core import run_engine_core_process
+from .frontend.engine_client import EngineClient
+from .model.embedded import default_checkpoint
+from .node import NodeSettings
+from .parent_watch import die_with_parent, parent_alive
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 3600.0  # loading, warming up and capturing a large model's graphs takes minutes
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    drain_seconds: float = 10.0
+    api_processes: int = 1
+    log_level: str = "INFO"
+
+
+class NodeStartError(RuntimeError):
+    """The engine core exited before it was ready."""
+
+
+def resolve_checkpoint(settings: NodeSettings) -> NodeSettings:
+    """The checkpoint as a directory, the embedded model converted here once, so the core and
+    the front ends (which read its tokenizer) agree and never convert it twice at once."""
+    return dataclasses.replace(settings, model=str(Path(settings.model) if settings.model else default_checkpoint()))
+
+
+class Processes:
+    """The node's child processes, started with `spawn` (CUDA cannot follow a fork)."""
+
+    def __init__(self) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.ipc_dir = tempfile.mkdtemp(prefix="lora-node-")
+        self.core_address = f"ipc://{self.ipc_dir}/core"
+        self.core: multiprocessing.Process | None = None
+        self.frontends: list[multiprocessing.Process] = []
+
+    def output_address(self, index: int) -> str:
+        return f"ipc://{self.ipc_dir}/frontend-{index}"
+
+    def start_core(self, settings: NodeSettings, log_level: str) -> None:
+        self.core = self.context.Process(target=run_engine_core_process, name="engine-core",
+                                         args=(settings, self.core_address, log_level))
+        self.core.start()
+
+    def start_frontends(self, count: int, settings: NodeSettings, options: ServeOptions, port: int) -> None:
+        """Starts front ends 1..count-1 and waits until each serves (or one dies)."""
+        ready = [self.context.Event() for _ in range(1, count)]
+        for index, event in enumerate(ready, start=1):
+            proc = self.context.Process(target=run_frontend_process, name=f"frontend-{index}",
+                                        args=(index, settings, options, port, self.core_address,
+                                              self.output_address(index), event))
+            proc.start()
+            self.frontends.append(proc)
+        for proc, event in zip(self.frontends, ready):
+            while not event.wait(0.2):
+                if not proc.is_alive():
+                    raise NodeStartError(f"{proc.name} exited with code {proc.exitcode} while starting")
+
+    def stop_frontends(self) -> None:
+        for proc in self.frontends:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def join(self, timeout: float) -> None:
+        """Waits for every child; kills what is still there after `timeout`."""
+        for proc in [*self.frontends, *([self.core] if self.core is not None else [])]:
+            proc.join(timeout)
+            if proc.is_alive():
+                log.error("%s did not stop in %.0fs: killing it", proc.name, timeout)
+                proc.kill()
+                proc.join(5.0)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+async def _connect(client: EngineClient, core: multiprocessing.Process) -> None:
+    """Waits for the core's welcome; fails at once if the core dies while it loads."""
+    loop = asyncio.get_running_loop()
+    died = loop.create_future()
+    loop.add_reader(core.sentinel, lambda: died.done() or died.set_result(None))
+    connect = loop.create_task(client.connect(START_TIMEOUT_S))
+    try:
+        await asyncio.wait({connect, died}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        loop.remove_reader(core.sentinel)
+    if not connect.done():
+        connect.cancel()
+        core.join(1.0)
+        raise NodeStartError(f"the engine process exited with code {core.exitcode} while starting "
+                             "(its error is logged above)")
+    connect.result()
+
+
+async def run_node(settings: NodeSettings, options: ServeOptions,
+                   on_ready=lambda server: None) -> int:
+    """Runs the node until SIGTERM/SIGINT (0) or until its engine core dies (1)."""
+    settings = resolve_checkpoint(settings)
+    procs = Processes()
+    metrics_dir = None
+    if options.api_processes > 1 and "prometheus_client" not in sys.modules:
+        # prometheus_client picks its multiprocess mode when first imported, here and in the
+        # front ends spawned later (they inherit the environment).
+        metrics_dir = os.path.join(procs.ipc_dir, "metrics")
+        os.makedirs(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    from .server import NodeServer
+
+    procs.start_core(settings, options.log_level)
+    client = EngineClient(procs.core_address, procs.output_address(0), "frontend-0")
+    server = None
+    try:
+        try:
+            await _connect(client, procs.core)
+        except NodeStartError as exc:
+            log.error("%s", exc)
+            return 1
+        server = NodeServer(settings, client, options.host, options.port, options.drain_seconds,
+                            owns_core=True, reuse_port=options.api_processes > 1, metrics_dir=metrics_dir)
+        await server.start(serving=options.api_processes == 1)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.request_stop)
+        if options.api_processes > 1:
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, procs.start_frontends, options.api_processes, settings, options, server.port)
+            except NodeStartError as exc:
+                log.error("%s", exc)
+                server.request_stop()
+            await server.set_serving()
+        on_ready(server)
+        await server.wait_for_stop()
+        procs.stop_frontends()
+        await server.stop()
+        return 1 if server.core_failed else 0
+    finally:
+        if server is None:
+            client.close()
+        await asyncio.get_running_loop().run_in_executor(None, procs.join, options.drain_seconds + 10.0)
+        log.info("inference node stopped")
+
+
+def serve(settings: NodeSettings, options: ServeOptions) -> int:
+    return asyncio.run(run_node(settings, options))
+
+
+def run_frontend_process(index: int, settings: NodeSettings, options: ServeOptions, port: int,
+                         core_address: str, output_address: str, ready) -> None:
+    """An extra front end: serves the same port until SIGTERM from the launcher."""
+    die_with_parent(signal.SIGTERM)  # a drain of its own: it refuses new work, ends its streams
+    logging.basicConfig(level=options.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s frontend-{index} %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the launcher decides
+    raise SystemExit(asyncio.run(_frontend(index, settings, options, port, core_address, output_address, ready)))
+
+
+async def _frontend(index: int, settings: NodeSettings, options: ServeOptions, port: int,
+                    core_address: str, output_address: str, ready) -> int:
+    from .server import NodeServer
+
+    client = EngineClient(core_address, output_address, f"frontend-{index}")
+    await client.connect(60.0)
+    server = NodeServer(settings, client, options.host, port, options.drain_seconds,
+                        owns_core=False, reuse_port=True)
+    await server.start()
+    ready.set()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, server.request_stop)
+    async def watch_parent() -> None:
+        while parent_alive():
+            await asyncio.sleep(0.5)
+        log.error("the node's launcher is gone: stopping")
+        server.request_stop()
+
+    watcher = loop.create_task(watch_parent())
+    await server.wait_for_stop()
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    await server.stop()
+    return 1 if server.core_failed else 0
