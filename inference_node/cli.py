@@ -26,10 +26,18 @@ def parser() -> EnvArgumentParser:
                        help="auto = cuda when available")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                        help="auto = bfloat16 on cuda, float32 on cpu")
-    serve.add_argument("--kv-cache-gb", type=float, default=0.5, help="KV cache memory")
+    serve.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
+                       help="dummy: random weights of the shapes in the checkpoint's config.json, made on "
+                            "the device (benchmarks of models whose weights are not at hand)")
+    serve.add_argument("--kv-cache-gb", type=float, default=0.0,
+                       help="KV cache memory (0: on CUDA what --gpu-memory-utilization leaves, on CPU 0.5)")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA: the share of the device's memory the node may take; the KV cache gets "
+                            "what the weights, adapter slots and the largest step's activations leave")
     serve.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (overrides --kv-cache-gb)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
+    serve.add_argument("--max-num-seqs", type=int, default=0,
+                       help="running requests per step (0: 256 on CUDA, 64 on CPU)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=512,
                        help="token budget of one step (chunked prefill)")
     serve.add_argument("--prefill-delay-factor", type=float, default=0.0,
@@ -45,8 +53,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto",
                        help="replay decode steps from CUDA graphs (auto: on CUDA; on: also on CPU, "
                             "eagerly through the same static buffers, for tests)")
-    serve.add_argument("--max-graph-batch", type=int, default=64,
-                       help="largest decode batch replayed from a graph (larger ones run eagerly)")
+    serve.add_argument("--max-graph-batch", type=int, default=0,
+                       help="largest decode batch replayed from a graph, larger ones run eagerly "
+                            "(0: --max-num-seqs)")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="turn off the prefix cache (KV reuse of shared prompt prefixes, per adapter)")
     serve.add_argument("--max-loras", type=int, default=8,
@@ -103,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = NodeSettings(
         model=args.model, device=None if args.device == "auto" else args.device, dtype=args.dtype,
-        kv_cache_gb=args.kv_cache_gb, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        load_format=args.load_format, kv_cache_gb=args.kv_cache_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,

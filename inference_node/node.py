@@ -16,6 +16,7 @@ from .adapters.slots import SlotBuffers
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
+from .engine.kv_budget import kv_blocks_for_memory
 from .engine.kv_cache import KVCache
 from .limits import RequestLimits
 from .model.checkpoint import validate_checkpoint_dir
@@ -33,17 +34,19 @@ class NodeSettings:
     model: str | None = None           # checkpoint directory; None = the embedded SmolLM2
     device: str | None = None          # None = cuda when available
     dtype: str = "auto"                # auto = bfloat16 on cuda, float32 on cpu
-    kv_cache_gb: float = 0.5
+    load_format: str = "safetensors"   # dummy: random weights of config.json's shapes (benchmarks)
+    kv_cache_gb: float = 0.0           # 0: CUDA sizes it by gpu_memory_utilization, CPU takes 0.5 GB
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device's memory the node may use
     num_kv_blocks: int = 0             # overrides kv_cache_gb when > 0
     block_size: int = 16
-    max_num_seqs: int = 64
+    max_num_seqs: int = 0              # 0: 256 on CUDA, 64 on CPU
     max_num_batched_tokens: int = 512
     max_queue: int = 1024
     max_model_len: int = 4096
     default_max_tokens: int = 256
     prefix_caching: bool = True        # reuse KV of cached prefixes, per adapter namespace
     decode_graphs: str = "auto"        # auto: CUDA graphs for decode on CUDA; on: also on CPU (tests)
-    max_graph_batch: int = 64          # largest decode batch replayed from a graph
+    max_graph_batch: int = 0           # largest decode batch replayed from a graph; 0: max_num_seqs
     prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
     warmup: str = "auto"  # compile eager steps' kernels before serving (engine/warmup.py); auto: on CUDA
     debug_checks: bool = False
@@ -122,21 +125,28 @@ def build_node(settings: NodeSettings) -> Node:
     dtype_name = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()
-    validate_checkpoint_dir(checkpoint)
+    validate_checkpoint_dir(checkpoint, settings.load_format)
     started = time.monotonic()
     model_len = settings.max_model_len
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, load_format=settings.load_format)
     model_len = min(model_len, model.config.max_position_embeddings)
     codec = TextCodec(checkpoint)
+    max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
     per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
-    blocks = settings.num_kv_blocks or max(int(settings.kv_cache_gb * (1 << 30)) // per_block, 1)
     adapters = build_adapter_manager(settings, model, device, dtype)
+    if settings.num_kv_blocks:
+        blocks = settings.num_kv_blocks
+    elif settings.kv_cache_gb or device.type != "cuda":
+        blocks = max(int((settings.kv_cache_gb or 0.5) * (1 << 30)) // per_block, 1)
+    else:
+        blocks = kv_blocks_for_memory(model, settings.gpu_memory_utilization, settings.block_size,
+                                      settings.max_num_batched_tokens, max_num_seqs)
     engine = Engine(model, lora=adapters, config=EngineConfig(
-        num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+        num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, prefix_caching=settings.prefix_caching,
         decode_graphs=settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda"),
-        max_graph_batch=settings.max_graph_batch, prefill_delay_factor=settings.prefill_delay_factor,
+        max_graph_batch=settings.max_graph_batch or max_num_seqs, prefill_delay_factor=settings.prefill_delay_factor,
         warmup=settings.warmup,
         debug_checks=settings.debug_checks))
     cfg = model.config

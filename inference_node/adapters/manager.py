@@ -397,12 +397,14 @@ class AdapterManager:
 
     def graph_appliers(self, max_tokens: int, overlap: bool = True):
         """Applier factory for decode graphs (metadata in static buffers, up to `max_tokens`
-        rows): LoRA beside the base matmuls (overlap.py), or after them (overlap=False)."""
+        rows): LoRA beside the base matmuls (overlap.py), or after them (overlap=False). The
+        overlap's kernels are built for decode GEMM batches (kernels.decode_gemm_triton
+        MAX_ROWS); graphs of more rows, whose base matmuls are cuBLAS's, add LoRA after them."""
+        from .applier import StepLoraApplier
+
         if not overlap:
-            from .applier import StepLoraApplier
             return lambda meta, groups=None: StepLoraApplier(self.buffers, meta, groups)
-        from .overlap import LoraOverlap
-        return LoraOverlap(self.buffers, max_tokens).applier
+        return GraphAppliers(self.buffers, max_tokens).applier
 
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
         """The fused projection groups the adapters in these slots target."""
@@ -452,3 +454,23 @@ class AdapterManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GraphAppliers:
+    """Decode graphs' appliers: beside the base matmuls up to the decode GEMM's rows, after
+    them beyond."""
+
+    def __init__(self, buffers: SlotBuffers, max_tokens: int) -> None:
+        from kernels.decode_gemm_triton import MAX_ROWS
+
+        from .overlap import LoraOverlap
+
+        self.buffers = buffers
+        self.max_rows = MAX_ROWS
+        self.beside = LoraOverlap(buffers, min(max_tokens, MAX_ROWS))
+
+    def applier(self, meta, groups: frozenset[str] | None = None):
+        if meta.num_active_tokens <= self.max_rows:
+            return self.beside.applier(meta, groups)
+        from .applier import StepLoraApplier
+        return StepLoraApplier(self.buffers, meta, groups)

@@ -105,8 +105,10 @@ def sm_carveout(sms: int) -> Iterator[None]:
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 8: a decode step pads to the next size up."""
-    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 128, every 32 beyond: a decode step
+    pads to the next size up (a padded row costs compute, not another read of the weights)."""
+    sizes = ([s for s in (1, 2, 4) if s < max_batch] + list(range(8, min(max_batch, 64), 8))
+             + list(range(64, min(max_batch, 128), 16)) + list(range(128, max_batch, 32)))
     return sorted(set(sizes + [max_batch]))
 
 

@@ -1,4 +1,6 @@
-"""Reads a Hugging Face safetensors checkpoint directory (never pickle)."""
+"""Reads a Hugging Face safetensors checkpoint directory (never pickle), or makes up its
+weights (`--load-format dummy`: random weights of the shapes config.json names, generated on
+the device; for benchmarks of models whose weights are not at hand, as vLLM's dummy format)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +9,10 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
+
+from .config import ModelConfig
+
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 class CheckpointError(ValueError):
@@ -34,10 +40,44 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def validate_checkpoint_dir(path: Path) -> None:
+class DummyTensors:
+    """The checkpoint's tensor names, each made on first `pop` (random normal * std, norms
+    one), so no more than one tensor beyond the model's own is ever alive."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 std: float = 0.02) -> None:
+        self.device, self.dtype, self.std = device, dtype, std
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        h, shapes = config.hidden_size, config.module_shapes()
+        self.shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, h), "norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            self.shapes["lm_head.weight"] = (config.vocab_size, h)
+        for i in range(config.num_layers):
+            p = f"layers.{i}."
+            self.shapes[p + "input_layernorm.weight"] = (h,)
+            self.shapes[p + "post_attention_layernorm.weight"] = (h,)
+            for module, (fan_in, fan_out) in shapes.items():
+                parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                self.shapes[f"{p}{parent}.{module}.weight"] = (fan_out, fan_in)
+                if config.attention_bias and module in ("q_proj", "k_proj", "v_proj"):
+                    self.shapes[f"{p}{parent}.{module}.bias"] = (fan_out,)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def pop(self, name: str) -> torch.Tensor:
+        shape = self.shapes.pop(name)
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return out.normal_(0.0, self.std, generator=self.generator)
+
+
+def validate_checkpoint_dir(path: Path, load_format: str = "safetensors") -> None:
     if not path.is_dir():
         raise CheckpointError(f"model path {path} is not a directory")
     for needed in ("config.json", "tokenizer.json"):
         if not (path / needed).exists():
             raise CheckpointError(f"{path} has no {needed}")
-    safetensors_files(path)
+    if load_format == "safetensors":
+        safetensors_files(path)

@@ -29,7 +29,7 @@ from kernels.norm_ref import add_rms_norm, rms_norm
 from kernels.rope_cache import rope_and_cache
 from kernels.silu_mul import silu_mul_lora
 from kernels.silu_mul_ref import silu_mul
-from .checkpoint import CheckpointError, iter_tensors
+from .checkpoint import CheckpointError, DummyTensors, iter_tensors
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -168,10 +168,13 @@ class LlamaModel:
 
     @classmethod
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int | None = None) -> "LlamaModel":
+             max_positions: int | None = None, load_format: str = "safetensors") -> "LlamaModel":
         config = ModelConfig.from_checkpoint(path)
         gemm = DecodeGemm(device)
-        tensors = {name.removeprefix("model."): t for name, t in iter_tensors(path)}
+        if load_format == "dummy":
+            tensors = DummyTensors(config, device, dtype)
+        else:
+            tensors = {name.removeprefix("model."): t for name, t in iter_tensors(path)}
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:

@@ -302,3 +302,66 @@ def test_shrink_fold_switch_takes_groups_all_or_none(monkeypatch) -> None:
     monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv,attn")
     with pytest.raises(ValueError, match="attn.*qkv, o, gate_up, down or all"):
         overlap.gemm_shrink_fold_groups()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, tiny_llama_path, tmp_path,
+                                                                      monkeypatch) -> None:
+    """Decode graphs of more rows than the decode GEMM takes (kernels.decode_gemm_triton
+    MAX_ROWS, 64: on CPU lowered to 8 so the test stays small) run cuBLAS matmuls with the
+    LoRA deltas added after them, and still match PEFT."""
+    from inference_node.adapters import applier as plain
+    from inference_node.adapters import overlap
+
+    rows = 96 if device == "cuda" else 16
+    if device == "cpu":
+        import kernels.decode_gemm_triton
+
+        monkeypatch.setattr(kernels.decode_gemm_triton, "MAX_ROWS", 8)
+    sizes_after: set[int] = set()
+    real_init = plain.StepLoraApplier.__init__
+
+    def spy(self, buffers, meta, groups=None):
+        sizes_after.add(meta.num_active_tokens)
+        real_init(self, buffers, meta, groups)
+
+    monkeypatch.setattr(plain.StepLoraApplier, "__init__", spy)
+    sizes_beside: set[int] = set()
+    real_applier = overlap.LoraOverlap.applier
+    monkeypatch.setattr(overlap.LoraOverlap, "applier",
+                        lambda self, meta, groups=None: sizes_beside.add(meta.num_active_tokens)
+                        or real_applier(self, meta, groups))
+    root = tmp_path / "adapters"
+    names = list(ADAPTERS)[:2]
+    for seed, name in enumerate(names):
+        rank, alpha, targets, rs = ADAPTERS[name]
+        make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
+    rng = random.Random(5)
+    # Lengths that end at different times: the batch shrinks below the limit as they finish.
+    jobs = [(["", *names][i % 3], [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 12))],
+             rng.randrange(2, 16)) for i in range(rows)]
+    folders = {"": None, **{n: root / n for n in names}}
+    expected = {}
+    for name in folders:
+        mine = [(i, job) for i, job in enumerate(jobs) if job[0] == name]
+        for i, job in mine:
+            expected[i] = peft_greedy(tiny_llama_path, folders[name], [job[1]], job[2])[0]
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
+                                      num_kv_blocks=256, max_num_seqs=rows, max_loras=2, max_lora_rank=16,
+                                      adapter_dir=str(root), decode_graphs="on", debug_checks=True))
+    try:
+        def run(job):
+            name, prompt, max_new = job
+            with NodeClient(node.address) as client:
+                return client.generate(client.request(adapter=name, prompt_token_ids=prompt, max_tokens=max_new,
+                                                      ignore_eos=True), timeout=300).token_ids
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(run, jobs))
+        assert got == [expected[i] for i in range(rows)]
+        node.check_idle()
+        limit = 8 if device == "cpu" else 64
+        assert any(size > limit for size in sizes_after), (sizes_after, sizes_beside)
+        assert sizes_beside and all(size <= limit for size in sizes_beside)
+    finally:
+        node.stop()
