@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 # The packages the GPU image lacks, or has older than the generated protobuf code accepts.
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "boto3", "botocore",
-          "s3transfer", "jmespath")
+          "s3transfer", "jmespath", "pyzmq", "msgpack", "prometheus-client", "python-dateutil", "urllib3", "six")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "any")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -83,12 +83,12 @@ class Result:
 
 
 # -- the model and adapters ------------------------------------------------------------------------------
-def prepare_checkpoint(work: Path, shape: str | None) -> Path:
+def prepare_checkpoint(work: Path, shape: str | None, tokenizer: Path | None) -> Path:
     """config.json of the named shape beside the embedded model's tokenizer (dummy weights),
     or the embedded model itself (shape None: its real weights, for CPU runs)."""
     from inference_node.model.embedded import default_checkpoint
 
-    embedded = default_checkpoint()
+    embedded = tokenizer or default_checkpoint()
     if shape is None:
         return embedded
     out = work / f"llama-{shape}-dummy"
@@ -367,6 +367,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=None, help="the node's (CUDA 2048, CPU 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: the node's default sizing")
     p.add_argument("--paths", default="grpc,engine", help="which paths to run")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="folder of SmolLM2's tokenizer files (default: the converted embedded model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -391,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="grpc-bench-") as tmp:
         work = args.workdir or Path(tmp)
         dummy = shape != "embedded"
-        checkpoint = prepare_checkpoint(work, shape if dummy else None)
+        checkpoint = prepare_checkpoint(work, shape if dummy else None, args.tokenizer)
         adapter_root = prepare_adapters(work, checkpoint, args.adapters, cuda)
         names = [f"r16-{k:03d}" for k in range(args.adapters)]
         from inference_node.model.config import ModelConfig
