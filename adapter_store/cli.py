@@ -15,6 +15,7 @@ from typing import Sequence
 
 from lora_common.envargs import EnvArgumentParser
 from lora_common.names import InvalidName, normalize_prefix
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 from .s3 import S3Store, make_client
 from lora_common.tls import TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args, server_tls_from_args
 
@@ -28,6 +29,12 @@ def _add_s3_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default="adapters/", help="key prefix: <prefix><name>/adapter_config.json")
     parser.add_argument("--region", default=None, help="S3 region (default: from the AWS environment)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+
+def _add_weight_bound(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-weight-abs", type=float, default=DEFAULT_MAX_WEIGHT_ABS,
+                        help="largest |value| of a LoRA weight; adapters with larger ones are refused as "
+                             "numerically unsafe (0: no bound; the overflow probe still runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between listings of the bucket (changes show up within this)")
     serve.add_argument("--max-adapter-mb", type=float, default=4096.0, help="largest safetensors file accepted")
     serve.add_argument("--shard-kb", type=int, default=1024, help="default shard size of FetchAdapter")
+    _add_weight_bound(serve)
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: off)")
     add_server_flags(serve, "store")
     serve.add_argument("--token", default=None, secret=True,
@@ -56,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--name", required=True, help="adapter name in the catalog")
     push.add_argument("--no-validate", action="store_true", help="upload without checking the adapter first")
     push.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_weight_bound(push)
 
     ls = sub.add_parser("ls", help="list adapters")
     ls.add_argument("--store", default="", help="HOST:PORT of a running store (full, validated view); "
@@ -86,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              cache_max_bytes=int(args.cache_max_gb * (1 << 30)), host=args.host, port=args.port,
                              poll_interval_s=args.poll_interval, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
                              shard_bytes=args.shard_kb << 10, metrics_port=args.metrics_port,
+                             max_weight_abs=args.max_weight_abs,
                              tls=server_tls_from_args(args), token=args.token)
     try:
         settings.tls.credentials()  # a bad TLS setting fails here, with its flag named
@@ -98,12 +108,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from .push import push_adapter
-    from .validation import AdapterInvalid
+    from lora_common.validation import AdapterInvalid
 
     s3 = S3Store(args.bucket, make_client(args.s3_endpoint, args.region))
     try:
         pushed = push_adapter(args.dir, args.name, s3, normalize_prefix(args.prefix),
-                              validate=not args.no_validate, progress=not args.no_progress)
+                              validate=not args.no_validate, progress=not args.no_progress,
+                              max_weight_abs=args.max_weight_abs)
     except (AdapterInvalid, InvalidName) as exc:
         print(f"adapter-store push: refused: {exc}", file=sys.stderr)
         return 2
@@ -137,7 +148,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print("adapter-store ls: give --store HOST:PORT or --bucket", file=sys.stderr)
             return 2
         from .catalog import PICKLE_SUFFIXES
-        from .names import split_key
+        from lora_common.names import split_key
 
         prefix = normalize_prefix(args.prefix)
         grouped: dict[str, dict] = {}

@@ -6,6 +6,7 @@ import logging
 import sys
 
 from lora_common.envargs import EnvArgumentParser
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
                                server_tls_from_args)
 from .limits import RequestLimits
@@ -85,6 +86,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--max-adapter-mb", type=float, default=1024.0,
                        help="largest adapter fetched from the store or read from --adapter-dir "
                             "(FAILED_PRECONDITION above)")
+    serve.add_argument("--max-weight-abs", type=float, default=DEFAULT_MAX_WEIGHT_ABS,
+                       help="largest |value| of a LoRA weight; adapters with larger ones are refused as "
+                            "numerically unsafe, FAILED_PRECONDITION (0: no bound; the overflow probe still runs)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
     serve.add_argument("--debug-checks", action="store_true",
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
         store_token=args.store_token, adapter_fetch_timeout_s=args.adapter_fetch_timeout, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+        max_weight_abs=args.max_weight_abs,
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

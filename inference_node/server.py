@@ -164,7 +164,8 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                     pending_eviction=e.draining or e.retired, slot=e.slot,
                     rank=e.weights.rank if e.weights else 0,
                     target_modules=list(e.weights.target_modules) if e.weights else [],
-                    cache_hit_tokens=stats.hit_tokens if stats else 0, cache_blocks=stats.blocks if stats else 0))
+                    cache_hit_tokens=stats.hit_tokens if stats else 0, cache_blocks=stats.blocks if stats else 0,
+                    unhealthy=manager.health_of(e) > 0, numerical_faults=manager.health_of(e)))
             return replies
 
         reply.adapters.extend(await asyncio.wrap_future(self.node.engine.call(snapshot)))
