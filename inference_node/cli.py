@@ -65,6 +65,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--generate-token", default=None, secret=True,
                        help="bearer token that Generate requires (off when unset)")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    serve.add_argument("--metrics-max-adapters", type=int, default=32,
+                       help="adapters with their own `adapter` label in the metrics, the busiest by "
+                            "requests; the others share adapter=\"_other\" (bounds the series count)")
     add_server_flags(serve, "node")
     add_client_flags(serve, "store-tls", "adapter store")
     serve.add_argument("--store-token", default=None, secret=True,
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
+        metrics_max_adapters=args.metrics_max_adapters,
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
         store_token=args.store_token, adapter_fetch_timeout_s=args.adapter_fetch_timeout, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
         max_weight_abs=args.max_weight_abs,

@@ -55,6 +55,7 @@ class NodeSettings:
     admin_token: str | None = field(default=None, repr=False)     # secrets: never in logs
     generate_token: str | None = field(default=None, repr=False)
     metrics_port: int = 0
+    metrics_max_adapters: int = 32     # adapters with their own metric labels; the rest share "_other"
     tls: ServerTLS = field(default_factory=ServerTLS)                # the gRPC server's TLS / mTLS
     store_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flag="--store-tls"))  # to the store
     store_token: str | None = field(default=None, repr=False)       # bearer token sent to the store

@@ -40,8 +40,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self.streams.try_acquire():
-            kind = "adapter" if request.adapter else "base"
-            self.metrics.requests.labels(outcome="resource_exhausted", kind=kind).inc()
+            self.metrics.request_finished(request.adapter, "resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.streams.refusal())
         stream = self._generate(request, context)
         try:
@@ -62,6 +61,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
         def emit(event: StreamEvent) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
+        refused = None
         try:
             check_message(request, limits)
             req = build_request(request, node.codec, node.model.config.vocab_size,
@@ -69,21 +69,25 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                                 limits.default_max_tokens(node.settings.default_max_tokens), emit)
             check_prompt_tokens(len(req.prompt_token_ids), limits)
             if req.adapter and node.adapters is None:
-                await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"adapter {req.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
-            node.engine.submit(req)
+                refused = (grpc.StatusCode.NOT_FOUND,
+                           f"adapter {req.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
+            else:
+                node.engine.submit(req)
         except (BadRequest, InvalidRequest) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            refused = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            refused = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            refused = (grpc.StatusCode.UNAVAILABLE, str(exc))
+        if refused is not None:
+            self.metrics.request_finished(request.adapter, refused[0].name.lower())
+            await context.abort(*refused)
 
         finished = False
         outcome = "cancelled"
         started = last = time.monotonic()
         first_token_at = None
-        kind = "adapter" if req.adapter else "base"
+        prompt_tokens = output_tokens = 0
         try:
             while not finished:
                 event = await events.get()
@@ -92,18 +96,18 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                 if event.token_ids:
                     if first_token_at is None:
                         first_token_at = now
-                        self.metrics.ttft.observe(now - started)
+                        self.metrics.first_token(req.adapter, now - started, len(event.token_ids))
                     else:
-                        self.metrics.token_latency.observe((now - last) / len(event.token_ids))
+                        self.metrics.tokens_streamed(req.adapter, len(event.token_ids), now - last)
                     last = now
-                    self.metrics.generated_tokens.inc(len(event.token_ids))
+                    output_tokens += len(event.token_ids)
                 if event.error is not None:
                     code, message = _status_of(event)
                     outcome = code.name.lower()
                     await context.abort(code, message)
                 if finished:
                     outcome = event.finish_reason
-                    self.metrics.prompt_tokens.inc(event.prompt_tokens)
+                    prompt_tokens = event.prompt_tokens
                     log.info("request %s adapter=%s finished=%s prompt=%d completion=%d cached=%d ttft=%.3fs total=%.3fs",
                              req.request_id or req.id, req.adapter or "-", event.finish_reason,
                              event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens,
@@ -115,7 +119,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                     cached_prompt_tokens=event.cached_prompt_tokens,
                     adapter_version=event.adapter_version)
         finally:
-            self.metrics.requests.labels(outcome=outcome, kind=kind).inc()
+            self.metrics.request_finished(req.adapter, outcome, prompt_tokens, output_tokens)
             if not finished:  # the client went away or the deadline passed
                 node.engine.abort(req.id)
 
@@ -225,7 +229,8 @@ class NodeServer:
         self.drain_seconds = drain_seconds
         self.server: grpc.aio.Server | None = None
         self.health = None
-        self.metrics = NodeMetrics(lambda: node.engine.call(node.snapshot).result(2.0))
+        self.metrics = NodeMetrics(lambda: node.engine.call(node.snapshot).result(2.0),
+                                   max_adapter_labels=node.settings.metrics_max_adapters)
         self.port = 0
         self.address = ""
         self._stopped = False

@@ -6,6 +6,7 @@ the eager path and the decode graphs' static-buffer path alike."""
 from __future__ import annotations
 
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from inference_node.model.config import ModelConfig
 from inference_node.node import NodeSettings
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
+from lora_client.processes import free_port
 
 PROMPTS = {"base": [5, 6, 7, 8], "good": [9, 10, 11, 12], "broken": [13, 14, 15, 16]}
 
@@ -48,7 +50,7 @@ class OverflowAfterValidation:
 def start_node(tiny_llama_path, adapter_root, decode_graphs: str) -> InProcessNode:
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=4,
                                       adapter_dir=str(adapter_root), decode_graphs=decode_graphs,
-                                      prefix_caching=False))
+                                      prefix_caching=False, metrics_port=free_port()))
     node.node.adapters.source = OverflowAfterValidation(node.node.adapters.source)
     return node
 
@@ -92,6 +94,11 @@ def test_a_non_finite_row_fails_its_request_and_spares_the_batch(tiny_llama_path
             assert adapters["broken"].unhealthy and adapters["broken"].numerical_faults == 2
             assert not adapters["good"].unhealthy and adapters["good"].numerical_faults == 0
             assert alone(client, "good") == expected["good"]  # the node keeps serving
+        port = node.node.settings.metrics_port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'lora_node_adapter_numerical_faults_total{adapter="broken"} 2.0' in text
+        assert 'lora_node_requests_total{adapter="broken",status="data_loss"} 2.0' in text
+        assert "lora_node_non_finite_rows 2.0" in text
         wait_for(lambda: node.engine.call(node.engine.snapshot).result(10)["live_requests"] == 0, 30, "idle")
         snap = node.check_idle()
         assert snap["non_finite_rows"] == 2
