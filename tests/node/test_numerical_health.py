@@ -47,8 +47,14 @@ class OverflowAfterValidation:
         return weights
 
 
+GRAPH_MODES = ["off", "on", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: captured CUDA graphs
+
+
 def start_node(tiny_llama_path, adapter_root, decode_graphs: str) -> InProcessNode:
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=4,
+    device = "cuda" if decode_graphs == "cuda" else "cpu"
+    decode_graphs = "on" if decode_graphs == "cuda" else decode_graphs
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
+                                      num_kv_blocks=64, max_loras=4,
                                       adapter_dir=str(adapter_root), decode_graphs=decode_graphs,
                                       prefix_caching=False, metrics_port=free_port()))
     node.node.adapters.source = OverflowAfterValidation(node.node.adapters.source)
@@ -61,7 +67,7 @@ def alone(client: NodeClient, name: str, temperature: float = 0.0) -> list[int]:
                                           ignore_eos=True, temperature=temperature, seed=7), 60).token_ids
 
 
-@pytest.mark.parametrize("decode_graphs", ["off", "on"])
+@pytest.mark.parametrize("decode_graphs", GRAPH_MODES)
 def test_a_non_finite_row_fails_its_request_and_spares_the_batch(tiny_llama_path, adapter_root, decode_graphs):
     node = start_node(tiny_llama_path, adapter_root, decode_graphs)
     try:
@@ -106,7 +112,7 @@ def test_a_non_finite_row_fails_its_request_and_spares_the_batch(tiny_llama_path
         node.stop()
 
 
-@pytest.mark.parametrize("decode_graphs", ["off", "on"])
+@pytest.mark.parametrize("decode_graphs", GRAPH_MODES)
 def test_a_base_row_gone_non_finite_in_decode_is_internal(tiny_llama_path, adapter_root, decode_graphs):
     """NaN written into one request's KV blocks after its prefill: its next decode step (a
     graph step when graphs are on) yields NaN logits for that row only."""
