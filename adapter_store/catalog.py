@@ -25,7 +25,8 @@ from .metrics import StoreMetrics
 from lora_common.names import CONFIG_FILE, WEIGHTS_FILE, split_key
 from .records import ADDED, DELETED, UPDATED, AdapterInfo, CatalogEvent, FileEntry, Manifest, adapter_digest
 from .s3 import ObjectInfo, S3Error, S3Store
-from lora_common.validation import (DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_RANK, AdapterInvalid,
+from lora_common.validation import (DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_RANK,
+                                    DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid,
                          LoraConfig, parse_adapter_config, parse_safetensors_header, validate_weights)
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Limits:
     max_config_bytes: int = DEFAULT_MAX_CONFIG_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_rank: int = DEFAULT_MAX_RANK
+    max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS  # 0: no bound (the overflow probe still runs)
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ class Catalog:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             header = parse_safetensors_header(data, max_header_bytes=self.limits.max_header_bytes)
-            return validate_weights(config, header, data)
+            return validate_weights(config, header, data, self.limits.max_weight_abs)
         finally:
             try:
                 data.close()

@@ -13,7 +13,7 @@ from typing import Callable
 
 from lora_common.names import CONFIG_FILE, WEIGHTS_FILE, check_name, object_key
 from .s3 import MULTIPART_BYTES, ObjectInfo, S3Store
-from lora_common.validation import AdapterInvalid, AdapterSpec, validate_adapter
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid, AdapterSpec, validate_adapter
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class Pushed:
     spec: AdapterSpec | None
 
 
-def check_local_adapter(folder: Path) -> AdapterSpec:
+def check_local_adapter(folder: Path, max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS) -> AdapterSpec:
     """Validates a local adapter folder as the store would; raises AdapterInvalid."""
     config, weights = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     if not weights.is_file():
@@ -41,7 +41,7 @@ def check_local_adapter(folder: Path) -> AdapterSpec:
     with open(weights, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return validate_adapter(config.read_bytes(), data)
+        return validate_adapter(config.read_bytes(), data, max_weight_abs=max_weight_abs)
     finally:
         try:
             data.close()
@@ -51,12 +51,13 @@ def check_local_adapter(folder: Path) -> AdapterSpec:
 
 def push_adapter(folder: str | Path, name: str, s3: S3Store, prefix: str, *, validate: bool = True,
                  progress: bool = True, on_bytes: Callable[[int], None] | None = None,
-                 multipart_bytes: int = MULTIPART_BYTES) -> Pushed:
+                 multipart_bytes: int = MULTIPART_BYTES,
+                 max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS) -> Pushed:
     """Uploads `<folder>/adapter_model.safetensors` and `adapter_config.json` to
     `<prefix><name>/` (multipart for large files), with a progress bar when asked."""
     folder = Path(folder)
     check_name(name)
-    spec = check_local_adapter(folder) if validate else None
+    spec = check_local_adapter(folder, max_weight_abs) if validate else None
     files = [folder / WEIGHTS_FILE, folder / CONFIG_FILE]
     for path in files:
         if not path.is_file():

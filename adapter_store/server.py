@@ -31,6 +31,7 @@ from lora_common.names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
 from .s3 import LocalWriteFailed, ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
 from lora_common.tls import EXCLUSIVE_PORT, ServerTLS, add_port
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
@@ -57,6 +58,7 @@ class StoreSettings:
     settle_s: float = 1.0  # a change must be stable this long before it is published
     max_adapter_bytes: int = 4 << 30
     max_header_bytes: int = 16 << 20
+    max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS  # larger LoRA weights are listed invalid (0: no bound)
     shard_bytes: int = DEFAULT_SHARD_BYTES
     fetch_timeout_s: float = 600.0  # S3 downloads of a fetch without a client deadline
     validate_workers: int = 2
@@ -298,7 +300,8 @@ class StoreServer:
             self.s3.on_retry = lambda exc: self.metrics.s3_retries.inc()
         self.cache = DiskCache(Path(settings.cache_dir), settings.cache_max_bytes,
                                on_hit=self.metrics.cache_hits.inc, on_miss=self.metrics.cache_misses.inc)
-        limits = Limits(max_adapter_bytes=settings.max_adapter_bytes, max_header_bytes=settings.max_header_bytes)
+        limits = Limits(max_adapter_bytes=settings.max_adapter_bytes, max_header_bytes=settings.max_header_bytes,
+                        max_weight_abs=settings.max_weight_abs)
         self.catalog = Catalog(self.s3, self.cache, normalize_prefix(settings.prefix),
                                poll_interval_s=settings.poll_interval_s, limits=limits,
                                workers=settings.validate_workers, settle_s=settings.settle_s,

@@ -5,6 +5,7 @@ import logging
 import sys
 
 from lora_common.envargs import EnvArgumentParser
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
                                server_tls_from_args)
 from .launcher import ServeOptions, serve as serve_node
@@ -72,6 +73,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--generate-token", default=None, secret=True,
                        help="bearer token that Generate requires (off when unset)")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
+    serve.add_argument("--metrics-max-adapters", type=int, default=32,
+                       help="adapters with their own `adapter` label in the metrics, the busiest by "
+                            "requests; the others share adapter=\"_other\" (bounds the series count)")
     add_server_flags(serve, "node")
     add_client_flags(serve, "store-tls", "adapter store")
     serve.add_argument("--store-token", default=None, secret=True,
@@ -93,6 +97,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--max-adapter-mb", type=float, default=1024.0,
                        help="largest adapter fetched from the store or read from --adapter-dir "
                             "(FAILED_PRECONDITION above)")
+    serve.add_argument("--max-weight-abs", type=float, default=DEFAULT_MAX_WEIGHT_ABS,
+                       help="largest |value| of a LoRA weight; adapters with larger ones are refused as "
+                            "numerically unsafe, FAILED_PRECONDITION (0: no bound; the overflow probe still runs)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
     serve.add_argument("--cpu-threads", type=int, default=0,
@@ -123,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
+        metrics_max_adapters=args.metrics_max_adapters,
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
-        store_token=args.store_token, cpu_threads=args.cpu_threads, adapter_fetch_timeout_s=args.adapter_fetch_timeout, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
+        store_token=args.store_token, cpu_threads=args.cpu_threads, adapter_fetch_timeout_s=args.adapter_fetch_timeout,
+        max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)), max_weight_abs=args.max_weight_abs,
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

@@ -1,48 +1,155 @@
 """Prometheus metrics of the node, served on their own HTTP port (`--metrics-port`).
 
-Counters and histograms are updated where things happen (the gRPC handlers); gauges that
-describe engine state (queue depth, KV blocks, adapter tiers) are read from the engine
-when Prometheus scrapes, through `Engine.call`, so the engine thread stays the only owner.
+Request metrics are labelled per adapter, as each adapter is usually a customer or a
+product. The front end that handles a request reports it through three calls:
+
+    metrics.first_token(adapter, ttft_s, count)      # the first streamed tokens
+    metrics.tokens_streamed(adapter, count, gap_s)   # each later message of tokens
+    metrics.request_finished(adapter, status, prompt_tokens, output_tokens)  # once, however it ended
+
+Engine state (queue depth, KV blocks, adapter tiers, per-adapter loads, evictions, load time
+and numerical faults) is read from a snapshot of the engine when Prometheus scrapes
+(`Node.snapshot()`, through the call the front end has to the engine), so the engine stays
+the only owner of its state.
+
+Label cardinality is bounded: at most `max_adapter_labels` adapters have their own `adapter`
+label value, chosen by traffic; the others share OTHER. The base model is adapter="".
 """
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# The label of adapters without their own: no adapter name can start with "_" (ADAPTER_NAME).
+OTHER = "_other"
+BASE = ""
+DEFAULT_MAX_ADAPTER_LABELS = 32
+# Statuses of requests that never reached their adapter (it may not even exist): they count
+# under their adapter's label if it has one, but never win it one.
+UNRESOLVED = frozenset({"not_found", "invalid_argument", "unauthenticated", "permission_denied",
+                        "resource_exhausted", "unavailable"})
+
+
+class AdapterLabels:
+    """Which adapters get their own label value: at most `limit` of them, by traffic.
+
+    An adapter is admitted while there is room; once full, an adapter with more than twice
+    the finished requests of the least busy labelled one takes its place, and that one's
+    series are removed (`on_evict`), so every series stays monotonic and their number
+    bounded. Only adapters that a request reached are admitted, so names that clients
+    invent (unknown adapters) never take a label. Thread-safe: handlers of several threads
+    or loops may report."""
+
+    def __init__(self, limit: int, on_evict: Callable[[str], None] = lambda name: None) -> None:
+        self.limit = max(limit, 0)
+        self.on_evict = on_evict
+        self.labelled: set[str] = set()
+        self.traffic: dict[str, int] = {}  # finished requests per name, bounded (_track)
+        self._lock = threading.Lock()
+
+    def label(self, adapter: str, admit: bool = False) -> str:
+        if adapter == BASE:
+            return BASE
+        with self._lock:
+            if adapter in self.labelled:
+                return adapter
+            if admit and self._admit(adapter):
+                return adapter
+            return OTHER
+
+    def count(self, adapter: str) -> None:
+        """One finished request of this adapter (its traffic rank)."""
+        if adapter == BASE:
+            return
+        with self._lock:
+            self.traffic[adapter] = self.traffic.get(adapter, 0) + 1
+            if len(self.traffic) > 8 * max(self.limit, 1):  # forget the quietest unlabelled name
+                quiet = min((n for n in self.traffic if n not in self.labelled), key=self.traffic.__getitem__)
+                del self.traffic[quiet]
+
+    def current(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self.labelled)
+
+    def _admit(self, adapter: str) -> bool:
+        if len(self.labelled) < self.limit:
+            self.labelled.add(adapter)
+            return True
+        if not self.labelled:
+            return False
+        weakest = min(self.labelled, key=lambda n: self.traffic.get(n, 0))
+        if self.traffic.get(adapter, 0) <= 2 * self.traffic.get(weakest, 0):
+            return False
+        self.labelled.discard(weakest)
+        self.labelled.add(adapter)
+        self.on_evict(weakest)
+        return True
 
 
 class NodeMetrics:
-    def __init__(self, snapshot: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(self, snapshot: Callable[[], dict] | None = None,
+                 max_adapter_labels: int = DEFAULT_MAX_ADAPTER_LABELS) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("lora_node_requests", "Generate requests by outcome and adapter kind",
-                                ["outcome", "kind"], registry=self.registry)
+        r = self.registry
+        self.requests = Counter("lora_node_requests", "Generate requests by how they ended (finish reason "
+                                "or gRPC status) and adapter", ["adapter", "status"], registry=r)
         self.prompt_tokens = Counter("lora_node_prompt_tokens", "prompt tokens of finished requests",
-                                     registry=self.registry)
+                                     ["adapter"], registry=r)
         self.generated_tokens = Counter("lora_node_generated_tokens", "tokens streamed to clients",
-                                        registry=self.registry)
+                                        ["adapter"], registry=r)
         self.ttft = Histogram("lora_node_time_to_first_token_seconds", "time to the first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+                              ["adapter"], buckets=LATENCY_BUCKETS, registry=r)
         self.token_latency = Histogram("lora_node_time_per_output_token_seconds",
-                                       "time between streamed tokens", buckets=LATENCY_BUCKETS,
-                                       registry=self.registry)
+                                       "time between streamed tokens", ["adapter"], buckets=LATENCY_BUCKETS,
+                                       registry=r)
         self.cut_short = Counter("lora_node_requests_cut_short",
-                                 "answers ended part-way because the node shut down (drain deadline)",
-                                 registry=self.registry)
+                                 "answers ended part-way because the node shut down (drain deadline)", registry=r)
         self.admin_calls = Counter("lora_node_admin_calls", "adapter admin RPCs by method and outcome",
-                                   ["method", "outcome"], registry=self.registry)
-        self.engine_collector = _EngineCollector(snapshot) if snapshot is not None else None
+                                   ["method", "outcome"], registry=r)
+        self.labels = AdapterLabels(max_adapter_labels, on_evict=self._remove_series)
+        self._statuses: dict[str, set[str]] = {}  # label -> statuses seen (to remove its series)
+        self.engine_collector = _EngineCollector(snapshot, self.labels) if snapshot is not None else None
         if self.engine_collector is not None:
             self.registry.register(self.engine_collector)
 
+    # -- what the front end reports --------------------------------------------------------------
+    def first_token(self, adapter: str, ttft_s: float, count: int = 1) -> None:
+        """The first message of tokens of a request, ttft_s after it arrived."""
+        label = self.labels.label(adapter, admit=True)
+        self.ttft.labels(label).observe(ttft_s)
+        self.generated_tokens.labels(label).inc(count)
+
+    def tokens_streamed(self, adapter: str, count: int, gap_s: float) -> None:
+        """A later message of `count` tokens, gap_s after the previous one."""
+        label = self.labels.label(adapter)
+        if count:
+            self.token_latency.labels(label).observe(gap_s / count)
+            self.generated_tokens.labels(label).inc(count)
+
+    def request_finished(self, adapter: str, status: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        """Once per request, however it ended: status is its finish reason (stop, length,
+        cancelled) or its gRPC status in lower case (invalid_argument, not_found, data_loss...)."""
+        resolved = status not in UNRESOLVED or output_tokens > 0
+        if resolved:
+            self.labels.count(adapter)
+        label = self.labels.label(adapter, admit=resolved)
+        self._statuses.setdefault(label, set()).add(status)
+        self.requests.labels(label, status).inc()
+        if prompt_tokens:
+            self.prompt_tokens.labels(label).inc(prompt_tokens)
+
+    # -- serving ------------------------------------------------------------------------------------
     def serve(self, port: int, host: str = "0.0.0.0", multiprocess_dir: str | None = None) -> None:
         """With several front-end processes (`multiprocess_dir`, prometheus_client's
-        multiprocess mode), the counters and histograms of all of them are summed."""
+        multiprocess mode), the counters and histograms of all of them are summed (each
+        process bounds its own adapter labels)."""
         registry = self.registry
         if multiprocess_dir:
             from prometheus_client import multiprocess
@@ -54,9 +161,22 @@ class NodeMetrics:
         start_http_server(port, addr=host, registry=registry)
         log.info("Prometheus metrics on http://%s:%d/metrics", host, port)
 
+    def _remove_series(self, label: str) -> None:
+        """An adapter lost its label: its series go (later traffic counts under OTHER)."""
+        for metric in (self.prompt_tokens, self.generated_tokens, self.ttft, self.token_latency):
+            try:
+                metric.remove(label)
+            except KeyError:
+                pass
+        for status in self._statuses.pop(label, set()):
+            try:
+                self.requests.remove(label, status)
+            except KeyError:
+                pass
+
 
 class _EngineCollector:
-    """Engine gauges read at scrape time."""
+    """Engine state read at scrape time."""
 
     GAUGES = {
         "kv_blocks_total": "KV cache blocks",
@@ -71,10 +191,12 @@ class _EngineCollector:
         "preemptions": "requests preempted (total)",
         "kv_blocks_cached": "KV blocks indexed by the prefix cache (in use or idle)",
         "cached_prompt_tokens": "prompt tokens served from the prefix cache (total)",
+        "non_finite_rows": "sampled rows whose logits held NaN or Inf; their requests failed (total)",
     }
 
-    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict], labels: AdapterLabels | None = None) -> None:
         self.snapshot = snapshot
+        self.labels = labels or AdapterLabels(DEFAULT_MAX_ADAPTER_LABELS)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         try:
@@ -86,17 +208,49 @@ class _EngineCollector:
             if key in values:
                 yield GaugeMetricFamily(f"lora_node_{key}", text, value=float(values[key]))
         yield from self._prefix_cache(values.get("prefix_cache", {}))
+        yield from self._adapters(values.get("adapter_counters", {}))
 
-    @staticmethod
-    def _prefix_cache(rows: dict[str, dict[str, int]]) -> Iterator[GaugeMetricFamily]:
-        """Per adapter name (all its live versions; "" is the base model), so the label set
-        stays as small as the adapter catalog."""
+    def _fold(self, rows: dict[str, dict]) -> dict[str, list[dict]]:
+        """Rows per label: labelled adapters alone, every other one under OTHER."""
+        labelled = self.labels.current()
+        folded: dict[str, list[dict]] = {}
+        for name, row in rows.items():
+            folded.setdefault(name if name in labelled or name == BASE else OTHER, []).append(row)
+        return folded
+
+    def _adapters(self, rows: dict[str, dict]) -> Iterator:
+        """Per adapter (bounded labels): loads and evictions per tier, load time, faults."""
+        folded = self._fold(rows)
+        loads = CounterMetricFamily("lora_node_adapter_tier_loads", "adapter loads into a tier (host: fetched "
+                                    "and validated; gpu: copied into a slot), per adapter", labels=["adapter", "tier"])
+        evictions = CounterMetricFamily("lora_node_adapter_tier_evictions", "adapters dropped from a tier, per "
+                                        "adapter", labels=["adapter", "tier"])
+        faults = CounterMetricFamily("lora_node_adapter_numerical_faults", "requests whose logits were not finite "
+                                     "(ended with DATA_LOSS), per adapter", labels=["adapter"])
+        seconds = HistogramMetricFamily("lora_node_adapter_load_seconds", "time to fetch, validate and probe an "
+                                        "adapter into host memory, per adapter", labels=["adapter"])
+        for label, group in sorted(folded.items()):
+            for tier in ("host", "gpu"):
+                loads.add_metric([label, tier], sum(r["loads"][tier] for r in group))
+                evictions.add_metric([label, tier], sum(r["evictions"][tier] for r in group))
+            faults.add_metric([label], sum(r["numerical_faults"] for r in group))
+            bounds = [b for b, _ in group[0]["load_seconds"]["buckets"]]  # cumulative counts
+            buckets = [(repr(float(bound)), sum(r["load_seconds"]["buckets"][i][1] for r in group))
+                       for i, bound in enumerate(bounds)]
+            count = sum(r["load_seconds"]["count"] for r in group)
+            buckets.append(("+Inf", count))
+            seconds.add_metric([label], buckets, sum(r["load_seconds"]["sum"] for r in group))
+        yield from (loads, evictions, faults, seconds)
+
+    def _prefix_cache(self, rows: dict[str, dict[str, int]]) -> Iterator[GaugeMetricFamily]:
+        """Per adapter (bounded labels, "" is the base model), over its live versions."""
+        folded = self._fold(rows)
         for field, text in (("hit_tokens", "prompt tokens whose prefill the prefix cache skipped"),
                             ("hits", "admissions that reused a cached prefix"),
                             ("lookups", "admissions that looked for a cached prefix"),
                             ("blocks", "KV blocks the prefix cache indexes")):
             family = GaugeMetricFamily(f"lora_node_prefix_cache_{field}",
                                        f"{text}, per adapter, over its live versions", labels=["adapter"])
-            for adapter, counters in sorted(rows.items()):
-                family.add_metric([adapter], float(counters[field]))
+            for label, group in sorted(folded.items()):
+                family.add_metric([label], float(sum(r[field] for r in group)))
             yield family

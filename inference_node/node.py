@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lora_common.tls import ClientTLS, ServerTLS
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers
@@ -58,6 +59,7 @@ class NodeSettings:
     admin_token: str | None = field(default=None, repr=False)     # secrets: never in logs
     generate_token: str | None = field(default=None, repr=False)
     metrics_port: int = 0
+    metrics_max_adapters: int = 32     # adapters with their own metric labels; the rest share "_other"
     tls: ServerTLS = field(default_factory=ServerTLS)                # the gRPC server's TLS / mTLS
     store_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flag="--store-tls"))  # to the store
     store_token: str | None = field(default=None, repr=False)       # bearer token sent to the store
@@ -65,6 +67,7 @@ class NodeSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_adapter_bytes: int = 1 << 30   # adapters fetched from the store or read from --adapter-dir
     cpu_threads: int = 0               # torch threads of a CPU engine; 0: the cores less one for the front end
+    max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS  # larger LoRA weights are refused (0: no bound)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Node:
             snap["adapter_loads"] = self.adapters.stats["loads"]
             snap["adapter_evictions"] = self.adapters.stats["evictions"]
             snap["adapter_fetch_errors"] = self.adapters.stats["fetch_errors"]
+            snap["adapter_counters"] = {name: c.as_dict() for name, c in self.adapters.per_adapter.items()}
         return snap
 
 
@@ -175,9 +179,11 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
     if settings.adapter_store:
         source = StoreSource(settings.adapter_store, model.config, settings.max_lora_rank, tls=settings.store_tls,
                              token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes,
-                             fetch_deadline_s=settings.adapter_fetch_timeout_s)
+                             fetch_deadline_s=settings.adapter_fetch_timeout_s,
+                             max_weight_abs=settings.max_weight_abs, dtype=dtype)
     elif settings.adapter_dir:
         source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank,
-                                max_bytes=settings.max_adapter_bytes)
+                                max_bytes=settings.max_adapter_bytes, max_weight_abs=settings.max_weight_abs,
+                                dtype=dtype)
     buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
     return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=device.type == "cuda")

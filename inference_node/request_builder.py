@@ -20,6 +20,18 @@ class BadRequest(ValueError):
     """A client error; the message is shown to the caller."""
 
 
+def output_budget(asked: int, prompt_len: int, max_model_len: int, default: int) -> int:
+    """The tokens a request may generate. An explicit max_tokens that the context cannot hold
+    is refused, never quietly shortened: a client asking for 10**9 tokens would otherwise hold
+    a sequence slot until the context is full. 0 takes the default, cut to what is left."""
+    room = max_model_len - prompt_len
+    if asked > room:
+        raise BadRequest(f"max_tokens {asked} does not fit: this node's limit is {max_model_len} tokens of "
+                         f"prompt + output (--max-model-len) and the prompt has {prompt_len}, so at most "
+                         f"{room} (0 asks for the default)")
+    return asked or min(default, room)
+
+
 def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: CoreInfo,
                   default_max_tokens: int, request_id: int) -> tuple[GenerateSpec, tuple[str, ...]]:
     """The engine's request and the stop strings the front end watches for."""
@@ -63,8 +75,7 @@ def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: Co
         raise BadRequest(f"the prompt needs {len(ids) + 1} KV slots; the whole KV cache holds "
                          f"{core.kv_capacity_tokens}")
 
-    room = max_model_len - len(ids)
-    max_tokens = min(msg.max_tokens or default_max_tokens, room)
+    max_tokens = output_budget(msg.max_tokens, len(ids), max_model_len, default_max_tokens)
     top_p = msg.top_p if msg.top_p > 0 else 1.0
     spec = GenerateSpec(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens,
                         temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,

@@ -59,12 +59,11 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
         self.streams = StreamSlots(frontend.settings.limits.max_concurrent_streams)
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        kind = "adapter" if request.adapter else "base"
         if self.frontend.draining:
-            self.metrics.requests.labels(outcome="unavailable", kind=kind).inc()
+            self.metrics.request_finished(request.adapter, "unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         if not self.streams.try_acquire():
-            self.metrics.requests.labels(outcome="resource_exhausted", kind=kind).inc()
+            self.metrics.request_finished(request.adapter, "resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.streams.refusal())
         stream = self._generate(request, context)
         try:
@@ -79,7 +78,6 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
     async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         frontend = self.frontend
         client, limits = frontend.client, frontend.settings.limits
-        kind = "adapter" if request.adapter else "base"
         try:
             check_message(request, limits)
             spec, stop = build_request(request, frontend.codec, frontend.info,
@@ -87,7 +85,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                                        client.new_request_id())
             check_prompt_tokens(len(spec.prompt_token_ids), limits)
         except BadRequest as exc:
-            self.metrics.requests.labels(outcome="invalid_argument", kind=kind).inc()
+            self.metrics.request_finished(request.adapter, "invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stream = client.submit(spec)
         text = TextStream(frontend.codec.decode, stop)
@@ -123,16 +121,14 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                 if new_ids:
                     if first_token_at is None:
                         first_token_at = now
-                        self.metrics.ttft.observe(now - started)
+                        self.metrics.first_token(spec.adapter, now - started, len(new_ids))
                     else:
-                        self.metrics.token_latency.observe((now - last) / len(new_ids))
+                        self.metrics.tokens_streamed(spec.adapter, len(new_ids), now - last)
                     last = now
-                    self.metrics.generated_tokens.inc(len(new_ids))
                 reply = inference_pb2.GenerateResponse(token_ids=new_ids,
                                                        text=text.take(final=finish_reason is not None))
                 if finish_reason is not None:
                     outcome = finish_reason
-                    self.metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
                     reply.finish_reason = finish_reason
                     reply.prompt_tokens = len(spec.prompt_token_ids)
                     reply.completion_tokens = len(output_ids)
@@ -145,7 +141,8 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                 if new_ids or reply.text or finish_reason is not None:
                     yield reply
         finally:
-            self.metrics.requests.labels(outcome=outcome, kind=kind).inc()
+            self.metrics.request_finished(spec.adapter, outcome,
+                                          len(spec.prompt_token_ids) if finish_reason else 0, len(output_ids))
             if finish_reason is None:  # the client went away or the deadline passed
                 client.abort(spec.request_id)
 
@@ -268,8 +265,8 @@ class NodeServer:
         self._stop_requested = asyncio.Event()
         info = self.client.info
         if metrics is None:
-            metrics = NodeMetrics(lambda: asyncio.run_coroutine_threadsafe(
-                self.client.call("snapshot"), loop).result(2.0))
+            metrics = NodeMetrics(lambda: asyncio.run_coroutine_threadsafe(self.client.call("snapshot"), loop).result(2.0),
+                                  max_adapter_labels=self.settings.metrics_max_adapters)
         self.frontend = Frontend(self.settings, self.client, info, TextCodec(Path(info.checkpoint)), metrics)
         self.client.watch_core(info.pid)
         self.client.on_core_exit = self._on_core_exit

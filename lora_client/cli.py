@@ -1,4 +1,9 @@
-"""`lora-client`: talk to a node (generate, load, unload, ls, stats) or a store (store-ls, push)."""
+"""`lora-client`: talk to a node (generate, load, unload, ls, stats) or a store (store-ls, push).
+
+Global options (--node, --timeout, --token, --tls-*) go before or after the command. Expected
+failures (an unreachable node, a refused request, missing S3 credentials) print one line
+naming the program, the command and the fix, never a traceback.
+"""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +25,9 @@ TIER_NAMES = {pb.ADAPTER_TIER_GPU: "gpu", pb.ADAPTER_TIER_HOST: "host", pb.ADAPT
               pb.ADAPTER_TIER_LOADING: "loading"}
 
 
+DEFAULT_MAX_TOKENS = 128  # an interactive answer: a few paragraphs, not a wait for 256 tokens on a CPU
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     with _client(args) as client:
         request = client.request(args.prompt, adapter=args.adapter, chat=not args.raw,
@@ -35,6 +43,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if last is not None and args.verbose:
             print(f"[{last.finish_reason}: {last.prompt_tokens} prompt + {last.completion_tokens} "
                   f"completion tokens, adapter version {last.adapter_version[:12] or '-'}]", file=sys.stderr)
+        elif last is not None and last.finish_reason == "length":
+            print(f"[cut at {last.completion_tokens} tokens: --max-tokens N for a longer answer]", file=sys.stderr)
     return 0
 
 
@@ -76,33 +86,40 @@ STORE_COMMANDS = {"push": "push", "store-ls": "ls"}
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = EnvArgumentParser(prog="lora-client", description=__doc__, env_prefix="LORA_CLIENT")
-    ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per call")
+    ap = EnvArgumentParser(prog="lora-client", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter, env_prefix="LORA_CLIENT")
+    ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT (default 127.0.0.1:50051)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per call (default 300)")
     ap.add_argument("--token", default=None, secret=True, help="bearer token for nodes that require one")
     add_client_flags(ap, "tls", "node")
     # Subcommand flags are per call: no environment variables for them.
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser)
-    gen = sub.add_parser("generate", help="stream a completion to the terminal")
-    gen.add_argument("prompt")
-    gen.add_argument("--adapter", default="", help="adapter name (default: the base model)")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser,
+                            metavar="COMMAND")
+    gen = sub.add_parser("generate", help="stream a completion to the terminal",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt", help="the user message (or, with --raw, the whole prompt)")
+    gen.add_argument("--adapter", default="", help="adapter name (empty: the base model)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="system message (chat)")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("-v", "--verbose", action="store_true")
+    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                     help="most tokens to generate (0: the node's --default-max-tokens)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=0.0,
+                     help="nucleus sampling: keep the most likely tokens up to this probability mass (0 or 1: off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of a sampled answer, for a reproducible one")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the answer before this text (repeat for several)")
+    gen.add_argument("-v", "--verbose", action="store_true",
+                     help="print the finish reason, token counts and adapter version to stderr")
     gen.set_defaults(func=cmd_generate)
     load = sub.add_parser("load", help="make an adapter resident on the node")
-    load.add_argument("name")
-    load.add_argument("--version", default="")
-    load.add_argument("--pin", action="store_true")
+    load.add_argument("name", help="adapter name")
+    load.add_argument("--version", default="", help="a version the store holds (default: its current one)")
+    load.add_argument("--pin", action="store_true", help="never evict it from its GPU slot")
     load.set_defaults(func=cmd_load)
     unload = sub.add_parser("unload", help="unload an adapter (deferred while in use)")
-    unload.add_argument("name")
+    unload.add_argument("name", help="adapter name")
     unload.set_defaults(func=cmd_unload)
     sub.add_parser("ls", help="adapters on the node").set_defaults(func=cmd_ls)
     sub.add_parser("stats", help="engine counters").set_defaults(func=cmd_stats)
@@ -112,20 +129,66 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def globals_first(argv: list[str], ap: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """The global options (with their values), and the rest of argv: moved before the
+    command, they may be written anywhere (`lora-client ls --node H:P` = `lora-client --node
+    H:P ls`). Everything after `--` stays in the rest."""
+    takes_value = {flag: action.nargs != 0 for action in ap._actions for flag in action.option_strings
+                   if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction))}
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest += argv[i:]
+            break
+        name = arg.split("=", 1)[0]
+        if name in takes_value:
+            front.append(arg)
+            if takes_value[name] and "=" not in arg and i + 1 < len(argv):
+                front.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return front, rest
+
+
+def failure(args: argparse.Namespace, exc: grpc.RpcError) -> str:
+    """One line: what failed, and what to do about it."""
+    code, details = exc.code(), exc.details() or ""
+    prog = f"lora-client {args.command}"
+    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "resolve" in details.lower()):
+        return (f"{prog}: cannot reach the node at {args.node} ({details.splitlines()[0]}); is it running? "
+                "point --node HOST:PORT (or LORA_CLIENT_NODE) at it")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{prog}: no answer from {args.node} within {args.timeout:g}s (--timeout)"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{prog}: {details} (pass --token or set LORA_CLIENT_TOKEN)"
+    return f"{prog}: {code.name}: {details}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in STORE_COMMANDS:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = parser()
+    front, rest = globals_first(argv, ap)
+    if rest and rest[0] in STORE_COMMANDS:  # the store's own CLI; node options do not apply to it
         from adapter_store.cli import main as store_main
-        return store_main([STORE_COMMANDS[argv[0]], *argv[1:]])
-    args = parser().parse_args(argv)
+        return store_main([STORE_COMMANDS[rest[0]], *rest[1:]], prog="lora-client",
+                          command_names={v: k for k, v in STORE_COMMANDS.items()})
+    args = ap.parse_args(front + rest)
     try:
         return args.func(args)
     except TLSConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"lora-client {args.command}: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(failure(args, exc), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

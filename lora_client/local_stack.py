@@ -5,13 +5,17 @@ mixes every sample adapter and the base model in one batch.
     python -m lora_client.local_stack              # demo, then stop everything
     python -m lora_client.local_stack --serve      # demo, then keep serving until Ctrl-C
 
-Ctrl-C (or the end of the demo) stops every process it started.
+Ctrl-C (or the end of the demo) stops every process it started. Once up it prints where
+everything is: the node, the store, their Prometheus metrics, the S3 endpoint, bucket and
+credentials, and a push command that works as pasted. If a process dies it names it, with
+its exit code and the last lines of its log, stops the rest and exits with status 1.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -20,7 +24,7 @@ import uuid
 from pathlib import Path
 
 from .demo import Answer, print_answers, run_burst
-from .processes import Child, console_script, free_port, wait_healthy
+from .processes import Child, ChildDied, console_script, free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,10 +39,12 @@ def sample_behaviours():
 
 class LocalStack:
     def __init__(self, work_dir: Path, node_port: int, store_port: int, max_loras: int,
-                 node_args: list[str]) -> None:
+                 node_args: list[str], node_metrics_port: int = 0, store_metrics_port: int = 0) -> None:
         self.work_dir = work_dir
         self.node_port = node_port or free_port()
         self.store_port = store_port or free_port()
+        self.node_metrics_port = node_metrics_port or free_port()
+        self.store_metrics_port = store_metrics_port or free_port()
         self.max_loras = max_loras
         self.node_args = node_args
         self.seaweed = None
@@ -74,6 +80,7 @@ class LocalStack:
 
         store = Child("adapter-store", console_script("adapter-store") + [
             "serve", "--host", "127.0.0.1", "--port", str(self.store_port),
+            "--metrics-port", str(self.store_metrics_port),
             "--s3-endpoint", self.seaweed.endpoint_url, "--bucket", self.bucket,
             "--cache-dir", str(self.work_dir / "store-cache")], logs / "adapter-store.log", env)
         self.children.append(store)
@@ -82,12 +89,42 @@ class LocalStack:
 
         node = Child("inference-node", console_script("inference-node") + [
             "serve", "--host", "127.0.0.1", "--port", str(self.node_port),
-            "--adapter-store", self.store_target, "--max-loras", str(self.max_loras),
+            "--metrics-port", str(self.node_metrics_port), "--adapter-store", self.store_target, "--max-loras", str(self.max_loras),
             *self.node_args], logs / "inference-node.log", env)
         self.children.append(node)
         wait_healthy(self.node_target, 600, node)
         print(f"[stack] inference node on {self.node_target} (log: {logs / 'inference-node.log'})", flush=True)
+        print(self.summary(samples / names[0] if names else samples), flush=True)
         return names
+
+    def summary(self, example: Path) -> str:
+        """Where everything is, once up, with a push command that works as pasted."""
+        env = self.seaweed.env()
+        credentials = " ".join(f"{k}={shlex.quote(env[k])}" for k in
+                               ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"))
+        push = " ".join(shlex.quote(a) for a in console_script("adapter-store") + [
+            "push", str(example.resolve()), "--name", "my-adapter",
+            "--s3-endpoint", self.seaweed.endpoint_url, "--bucket", self.bucket])
+        client = " ".join(shlex.quote(a) for a in console_script("lora-client"))
+        return "\n".join([
+            "[stack] up:",
+            f"  inference node  {self.node_target}   metrics http://127.0.0.1:{self.node_metrics_port}/metrics",
+            f"  adapter store   {self.store_target}   metrics http://127.0.0.1:{self.store_metrics_port}/metrics",
+            f"  S3              {self.seaweed.endpoint_url}   bucket {self.bucket}   prefix adapters/",
+            f"  credentials     {credentials}",
+            "  push an adapter (then it is served by name within a few seconds):",
+            f"    {credentials} {push}",
+            f"    {client} --node {self.node_target} generate --adapter my-adapter \"Hello!\"",
+        ])
+
+    def check_alive(self) -> None:
+        """Raises ChildDied for the first process of the stack that is no longer running."""
+        if self.seaweed is not None and not self.seaweed.running:
+            process = self.seaweed.process
+            raise ChildDied("seaweedfs (S3)", process.returncode if process else None, self.seaweed.log_path)
+        for child in self.children:
+            if not child.alive():
+                raise child.died()
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -135,37 +172,55 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve", action="store_true", help="keep the stack running after the demo")
     ap.add_argument("--work-dir", default=None, help="data and logs (default: a temporary directory)")
-    ap.add_argument("--node-port", type=int, default=int(os.environ.get("STACK_NODE_PORT", 0)))
-    ap.add_argument("--store-port", type=int, default=int(os.environ.get("STACK_STORE_PORT", 0)))
-    ap.add_argument("--samples", default=str(REPO / "samples" / "adapters"))
-    ap.add_argument("--max-loras", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--node-port", type=int, default=int(os.environ.get("STACK_NODE_PORT", 0)),
+                    help="inference node gRPC port (0: a free one)")
+    ap.add_argument("--store-port", type=int, default=int(os.environ.get("STACK_STORE_PORT", 0)),
+                    help="adapter store gRPC port (0: a free one)")
+    ap.add_argument("--node-metrics-port", type=int, default=int(os.environ.get("STACK_NODE_METRICS_PORT", 0)),
+                    help="the node's Prometheus metrics port (0: a free one; printed once up)")
+    ap.add_argument("--store-metrics-port", type=int, default=int(os.environ.get("STACK_STORE_METRICS_PORT", 0)),
+                    help="the store's Prometheus metrics port (0: a free one; printed once up)")
+    ap.add_argument("--samples", default=str(REPO / "samples" / "adapters"), help="adapters pushed at start")
+    ap.add_argument("--max-loras", type=int, default=4, help="the node's GPU adapter slots")
+    ap.add_argument("--max-tokens", type=int, default=40, help="tokens per answer of the demo burst")
     ap.add_argument("--report", default=None, help="write the demo's answers and checks as JSON here")
+    ap.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo burst")
     ap.add_argument("node_args", nargs="*", help="extra inference-node flags (after --)")
     args = ap.parse_args(argv)
     _stop_on_signals()
     # Every process this stack starts inherits this marker, so leftovers can be found.
     os.environ.setdefault("LORA_STACK_ID", uuid.uuid4().hex)
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="lora-stack-"))
-    stack = LocalStack(work_dir, args.node_port, args.store_port, args.max_loras, args.node_args)
+    stack = LocalStack(work_dir, args.node_port, args.store_port, args.max_loras, args.node_args,
+                       args.node_metrics_port, args.store_metrics_port)
+    status = 0
     try:
         names = stack.start(Path(args.samples))
-        results = demo(stack.node_target, names, args.max_tokens)
+        try:
+            results = demo(stack.node_target, names, args.max_tokens) if args.demo else []
+        except Exception:
+            stack.check_alive()  # a dead process explains a failed demo better than its symptom
+            raise
         if args.report:
             Path(args.report).write_text(json.dumps([
                 {"behaviour": b, "adapter": a.adapter, "prompt": a.prompt, "text": a.text, "shown": shown,
                  "tokens": a.tokens, "seconds": round(a.total, 3)} for b, a, shown in results], indent=2))
         if args.serve:
-            print(f"\n[stack] serving; try:\n  .venv/bin/lora-client --node {stack.node_target} generate "
-                  f"--adapter {names[0]} \"Tell me about the sea.\"\n  .venv/bin/lora-client --node "
+            client = " ".join(shlex.quote(a) for a in console_script("lora-client"))
+            print(f"\n[stack] serving; try:\n  {client} --node {stack.node_target} generate "
+                  f"--adapter {names[0]} \"Tell me about the sea.\"\n  {client} --node "
                   f"{stack.node_target} ls\n[stack] Ctrl-C stops everything.", flush=True)
-            while all(c.alive() for c in stack.children):
+            while True:
+                stack.check_alive()
                 time.sleep(0.5)
     except KeyboardInterrupt:
         print("\n[stack] interrupted", flush=True)
+    except ChildDied as exc:
+        print(f"\n[stack] {exc}\n[stack] stopping the rest", flush=True)
+        status = 1
     finally:
         stack.stop()
-    return 0
+    return status
 
 
 if __name__ == "__main__":

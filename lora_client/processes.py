@@ -37,10 +37,53 @@ def free_port() -> int:
                 return port
 
 
+def describe_exit(code: int | None) -> str:
+    """'code 1', or 'signal 9 (SIGKILL)' for a process a signal ended (Popen's negative codes)."""
+    if code is None:
+        return "no exit code (still running)"
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def tail(path: Path | None, lines: int = 20) -> str:
+    """The last lines of a log file ('' when there is none)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))  # logs can be large: the end is enough
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def death_report(name: str, code: int | None, log_path: Path | None, lines: int = 20) -> str:
+    """What a person needs when a child died: which one, how, and the end of its log."""
+    report = f"{name} exited with {describe_exit(code)}"
+    last = tail(log_path, lines)
+    if log_path is not None:
+        report += f"; last lines of {log_path}:\n" + ("\n".join(f"  | {line}" for line in last.splitlines())
+                                                      or "  | (empty)")
+    return report
+
+
+class ChildDied(RuntimeError):
+    """A child exited while it should be serving; str() is its death_report."""
+
+    def __init__(self, name: str, code: int | None, log_path: Path | None) -> None:
+        super().__init__(death_report(name, code, log_path))
+        self.name, self.code, self.log_path = name, code, log_path
+
+
 class Child:
     def __init__(self, name: str, argv: Sequence[str], log_path: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.log_path = log_path
         self.log_file = open(log_path, "ab") if log_path else None
         out = self.log_file if self.log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
@@ -48,6 +91,9 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def died(self) -> ChildDied:
+        return ChildDied(self.name, self.proc.poll(), self.log_path)
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM to the whole group, then SIGKILL if it does not exit in time."""
@@ -78,7 +124,7 @@ def wait_healthy(target: str, timeout: float, child: Child | None = None, servic
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if child is not None and not child.alive():
-                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}")
+                raise child.died()
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:

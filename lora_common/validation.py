@@ -22,6 +22,10 @@ DEFAULT_MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_MAX_HEADER_BYTES = 16 << 20
 DEFAULT_MAX_RANK = 4096
 MAX_TENSORS = 100_000
+# The largest |value| a LoRA weight may hold (--max-weight-abs on the store and the node; 0:
+# no bound). Trained adapters hold values well under 1 (the samples: at most 0.15); values
+# far above this make the forward overflow (a finite 1e30 still turns the logits into NaN).
+DEFAULT_MAX_WEIGHT_ABS = 1000.0
 # safetensors dtypes and their sizes; only the float ones are accepted as LoRA weights.
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -282,9 +286,11 @@ def _check_tiling(tensors: Mapping[str, TensorInfo], data_offset: int, size: int
 # ----------------------------------------------------------------------------- weights
 
 
-def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer | None = None) -> AdapterSpec:
-    """Checks every tensor against the config; with `data` (the whole file) also that no
-    weight is NaN or Inf."""
+def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer | None = None,
+                     max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS) -> AdapterSpec:
+    """Checks every tensor against the config; with `data` (the whole file) also the values:
+    no NaN or Inf, none larger than max_weight_abs (0: no bound), and each module's LoRA
+    path finite on a probe input (probe_lora_path)."""
     pairs: dict[tuple[int, str], dict[str, TensorInfo]] = {}
     for name, info in header.tensors.items():
         match = _TENSOR_NAME.fullmatch(name)
@@ -330,11 +336,13 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
         absent = [m for m in config.target_modules if m not in shapes]
         if absent:
             raise AdapterInvalid(f"the config targets {', '.join(absent)} but the weights hold none for it")
-    if data is not None:
-        check_finite(header, data)
     dtypes = tuple(sorted({t.dtype for t in header.tensors.values()}))
     nbytes = sum(t.nbytes for t in header.tensors.values())
-    return AdapterSpec(config, modules, present, max(layer for layer, _ in modules) + 1, dtypes, nbytes)
+    spec = AdapterSpec(config, modules, present, max(layer for layer, _ in modules) + 1, dtypes, nbytes)
+    if data is not None:
+        check_finite(header, data, max_weight_abs)
+        probe_lora_path(spec, data)
+    return spec
 
 
 def _unexpected_tensor(name: str) -> str:
@@ -349,14 +357,22 @@ def _unexpected_tensor(name: str) -> str:
             f"(expected base_model.model.model.layers.N.self_attn|mlp.<module>.lora_A|lora_B.weight)")
 
 
-def check_finite(header: SafetensorsHeader, data: Buffer) -> None:
-    """Refuses NaN or Inf in any float tensor, by testing the exponent bits in chunks."""
+def check_finite(header: SafetensorsHeader, data: Buffer, max_abs: float = 0.0) -> None:
+    """Refuses NaN or Inf in any float tensor (testing the exponent bits), and with max_abs > 0
+    any value whose magnitude is above it; both in chunks, to bound temporary memory."""
     with memoryview(data) as whole, whole.cast("B") as view:
         if len(view) < header.file_size:
             raise AdapterInvalid(f"safetensors data is truncated: {len(view)} of {header.file_size} bytes")
-        bad = next((info for info in header.tensors.values() if not _all_finite(view, info)), None)
-    if bad is not None:
-        raise AdapterInvalid(f"tensor {bad.name[:200]!r} holds NaN or Inf values")
+        for info in header.tensors.values():
+            if not _all_finite(view, info):
+                raise AdapterInvalid(f"tensor {info.name[:200]!r} holds NaN or Inf values")
+            if max_abs > 0:
+                largest = _max_abs(view, info)
+                if largest > max_abs:
+                    raise AdapterInvalid(
+                        f"tensor {info.name[:200]!r} holds a value of magnitude {largest:.3g}; LoRA weights "
+                        f"above {max_abs:g} make the forward overflow (trained adapters stay well under 1); "
+                        "the bound is --max-weight-abs")
 
 
 def _all_finite(view: memoryview, info: TensorInfo) -> bool:
@@ -376,11 +392,53 @@ def _all_finite(view: memoryview, info: TensorInfo) -> bool:
     return True
 
 
+def _as_float(view: memoryview, info: TensorInfo, first: int = 0, count: int | None = None) -> np.ndarray:
+    """Elements [first, first + count) of a float tensor as a new float32/float64 array
+    (BF16 widened exactly through its bit pattern)."""
+    itemsize = DTYPE_SIZES[info.dtype]
+    count = info.nbytes // itemsize - first if count is None else count
+    offset = info.start + first * itemsize
+    if info.dtype == "BF16":
+        raw = np.frombuffer(view, dtype=np.uint16, count=count, offset=offset)
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    native = {"F16": np.float16, "F32": np.float32, "F64": np.float64}[info.dtype]
+    raw = np.frombuffer(view, dtype=native, count=count, offset=offset)
+    return raw.astype(np.float64 if info.dtype == "F64" else np.float32)
+
+
+def _max_abs(view: memoryview, info: TensorInfo) -> float:
+    count = info.nbytes // DTYPE_SIZES[info.dtype]
+    largest = 0.0
+    for first in range(0, count, _FINITE_CHUNK):
+        values = _as_float(view, info, first, min(_FINITE_CHUNK, count - first))
+        largest = max(largest, float(np.abs(values).max(initial=0.0)))
+    return largest
+
+
+def probe_lora_path(spec: AdapterSpec, data: Buffer) -> None:
+    """Each module's LoRA update, scaling * B @ (A @ x), at its largest over inputs whose
+    entries are at most 1 in magnitude (the scale the base model's norms give), must be
+    finite in float32, the widest dtype a node serves in (bfloat16 has its range): weights
+    that are finite one by one can still overflow together. Taken over |A| and |B|, so
+    weights of opposite signs cannot hide an overflow. Nodes probe again in their own dtype."""
+    scaling = np.float32(spec.config.scaling)
+    with memoryview(data) as whole, whole.cast("B") as view:
+        for (layer, module), m in spec.modules.items():
+            a = np.abs(_as_float(view, m.a).astype(np.float32)).reshape(m.a.shape)
+            b = np.abs(_as_float(view, m.b).astype(np.float32)).reshape(m.b.shape)
+            with np.errstate(over="ignore", invalid="ignore"):
+                largest = float((b @ a.sum(axis=1, dtype=np.float32)).max() * scaling)
+            if not np.isfinite(largest):
+                raise AdapterInvalid(f"layer {layer} {module}: the LoRA update of a unit input overflows "
+                                     "float32 (the weights are too large to serve)")
+
+
 def validate_adapter(config_json: str | bytes | bytearray, weights: Buffer,
                      max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                      max_config_bytes: int = DEFAULT_MAX_CONFIG_BYTES,
-                     max_rank: int = DEFAULT_MAX_RANK, check_values: bool = True) -> AdapterSpec:
+                     max_rank: int = DEFAULT_MAX_RANK, check_values: bool = True,
+                     max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS) -> AdapterSpec:
     """The whole check: config, safetensors header, names and shapes, and (by default) values."""
     config = parse_adapter_config(config_json, max_config_bytes, max_rank)
     header = parse_safetensors_header(weights, max_header_bytes=max_header_bytes)
-    return validate_weights(config, header, weights if check_values else None)
+    return validate_weights(config, header, weights if check_values else None, max_weight_abs)

@@ -32,3 +32,10 @@ class NoSlotAvailable(AdapterError):
     """Every GPU slot is pinned, so the adapter can never become resident."""
 
     status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class AdapterNumericalFault(AdapterError):
+    """The adapter's forward gave logits that are not finite (NaN or Inf) for a request: its
+    weights make the model overflow. Retrying the same version cannot help."""
+
+    status = grpc.StatusCode.DATA_LOSS

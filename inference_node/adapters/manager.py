@@ -30,7 +30,7 @@ import torch
 
 from ..engine.request import Request
 from ..engine.scheduler import ScheduledChunk
-from .errors import AdapterError, AdapterNotFound, NoSlotAvailable
+from .errors import AdapterError, AdapterNotFound, AdapterNumericalFault, NoSlotAvailable
 from .slots import SlotBuffers
 from .weights import AdapterWeights
 
@@ -76,6 +76,35 @@ class AdapterEntry:
 
 Done = Callable[[AdapterEntry | None, AdapterError | None], None]
 
+# Buckets (seconds) of an adapter's load time: fetch, validation and probe, into host memory.
+LOAD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class AdapterCounters:
+    """Per adapter name, over all its versions and loads; read through Node.snapshot() by the
+    metrics collector (totals, so a scrape may come at any time)."""
+
+    loads: dict[str, int] = field(default_factory=lambda: {"host": 0, "gpu": 0})      # into each tier
+    evictions: dict[str, int] = field(default_factory=lambda: {"host": 0, "gpu": 0})  # out of each tier
+    load_seconds_buckets: list[int] = field(default_factory=lambda: [0] * len(LOAD_SECONDS_BUCKETS))
+    load_seconds_count: int = 0
+    load_seconds_sum: float = 0.0
+    numerical_faults: int = 0
+
+    def observe_load(self, seconds: float) -> None:
+        self.load_seconds_count += 1
+        self.load_seconds_sum += seconds
+        for i, bound in enumerate(LOAD_SECONDS_BUCKETS):
+            if seconds <= bound:
+                self.load_seconds_buckets[i] += 1
+
+    def as_dict(self) -> dict:
+        return {"loads": dict(self.loads), "evictions": dict(self.evictions),
+                "load_seconds": {"buckets": list(zip(LOAD_SECONDS_BUCKETS, self.load_seconds_buckets)),
+                                 "count": self.load_seconds_count, "sum": self.load_seconds_sum},
+                "numerical_faults": self.numerical_faults}
+
 
 class AdapterManager:
     def __init__(self, buffers: SlotBuffers, source: AdapterSource | None, max_cpu_loras: int,
@@ -97,6 +126,9 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
         self._generation = 0
         self.stats = {"loads": 0, "evictions": 0, "fetch_errors": 0}
+        self.per_adapter: dict[str, AdapterCounters] = {}     # names that loaded at least once
+        # (name, version) -> requests whose logits were not finite: that version is unhealthy.
+        self.numerical_faults: dict[tuple[str, str], int] = {}
         self._on_namespace_dropped: Callable[[str], object] = lambda namespace: None
 
     def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None:
@@ -236,11 +268,13 @@ class AdapterManager:
             self.jobs[key].append(waiter)
 
     def _fetch(self, name: str, version: str) -> None:  # background thread
+        started = time.monotonic()
         try:
             weights = self.source.load(name, version)
             if self.pin_host_memory:
                 weights.tensors = {k: (a.pin_memory(), b.pin_memory())
                                    for k, (a, b) in weights.tensors.items()}
+            weights.load_seconds = time.monotonic() - started
             self._completions.put(((name, version), weights, None))
         except AdapterError as exc:
             self._completions.put(((name, version), None, exc))
@@ -265,6 +299,7 @@ class AdapterManager:
                 self._failed[name] = error
             elif target is not None and target.version == weights.version:
                 target.weights = weights      # the same entry gets its host copy back
+                self._count_load(weights)
                 self._touch_host(target)
                 entry = target
             else:
@@ -274,6 +309,7 @@ class AdapterManager:
 
     def _install(self, weights: AdapterWeights) -> AdapterEntry:
         old = self.current.get(weights.name)
+        self._count_load(weights)
         if old is not None and old.version == weights.version:
             old.weights = weights
             self._touch_host(old)
@@ -290,6 +326,14 @@ class AdapterManager:
                  entry.version[:12], weights.rank, ",".join(weights.target_modules), weights.nbytes / 1e6)
         return entry
 
+    def counters(self, name: str) -> AdapterCounters:
+        return self.per_adapter.setdefault(name, AdapterCounters())
+
+    def _count_load(self, weights: AdapterWeights) -> None:
+        counters = self.counters(weights.name)
+        counters.loads["host"] += 1
+        counters.observe_load(getattr(weights, "load_seconds", 0.0))
+
     def _touch_host(self, entry: AdapterEntry) -> None:
         self.host_lru[id(entry)] = entry
         self.host_lru.move_to_end(id(entry))
@@ -299,6 +343,7 @@ class AdapterManager:
                 return
             self.host_lru.pop(id(victim))
             victim.weights = None  # a GPU slot keeps serving; a later promotion refetches
+            self.counters(victim.name).evictions["host"] += 1
             if victim.slot < 0 and self.current.get(victim.name) is victim:
                 del self.current[victim.name]  # no copy left on this node: the source has it
                 self._on_namespace_dropped(victim.namespace)
@@ -329,6 +374,7 @@ class AdapterManager:
         self.slots[slot] = entry
         entry.slot = slot
         entry.copying = True
+        self.counters(entry.name).loads["gpu"] += 1
         entry.copy_done = self.buffers.write(slot, entry.weights)
         entry.last_used = time.monotonic()
         self._touch_host(entry)
@@ -369,6 +415,7 @@ class AdapterManager:
         entry.slot = -1
         entry.draining = False
         self.stats["evictions"] += 1
+        self.counters(entry.name).evictions["gpu"] += 1
         if entry.weights is None and self.current.get(entry.name) is entry:
             del self.current[entry.name]  # no copy left on this node
             self._on_namespace_dropped(entry.namespace)
@@ -429,6 +476,26 @@ class AdapterManager:
 
         from .applier import StepLoraApplier
         return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
+
+    # -- numerical health ------------------------------------------------------------------------------
+    def numerical_fault(self, request: Request) -> AdapterNumericalFault:
+        """A request of this adapter got logits that are not finite: its version is marked
+        unhealthy (ListAdapters, metrics) and the request's error names it."""
+        entry: AdapterEntry = request.adapter_entry
+        key = (entry.name, entry.version)
+        self.numerical_faults[key] = self.numerical_faults.get(key, 0) + 1
+        self.counters(entry.name).numerical_faults += 1
+        if self.numerical_faults[key] == 1:
+            log.error("adapter %s version %s marked unhealthy: its forward gave NaN or Inf logits",
+                      entry.name, entry.version[:12])
+        return AdapterNumericalFault(
+            f"adapter {entry.name!r} version {entry.version[:12]}: the logits were not finite (NaN or Inf) at "
+            f"output token {len(request.output_token_ids) + 1}: the adapter's weights make the forward "
+            "overflow; it is marked unhealthy on this node (ListAdapters); push a fixed version")
+
+    def health_of(self, entry: AdapterEntry) -> int:
+        """Requests of this version whose logits were not finite (0: healthy)."""
+        return self.numerical_faults.get((entry.name, entry.version), 0)
 
     # -- introspection ---------------------------------------------------------------------------------
     def entries(self) -> list[AdapterEntry]:

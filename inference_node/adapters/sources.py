@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from lora_common.names import InvalidName, check_name
-from lora_common.validation import AdapterInvalid, TensorInfo, validate_adapter
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid, TensorInfo, validate_adapter
 
 from ..model.config import ModelConfig
 from .errors import AdapterNotFound, AdapterRejected
-from .weights import AdapterIncompatible, AdapterWeights, build_adapter_weights
+from .weights import AdapterIncompatible, AdapterWeights, build_adapter_weights, probe_in_dtype
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -24,16 +24,20 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
 
 
 def weights_from_files(name: str, version: str, config_text: str | bytes, weights: bytearray,
-                       model: ModelConfig, max_rank: int) -> AdapterWeights:
-    """Validates a PEFT adapter (config + safetensors bytes) and fits it to this base model."""
-    try:
-        spec = validate_adapter(config_text, weights)  # the store's rules; the rank limit is ours
+                       model: ModelConfig, max_rank: int, *, max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS,
+                       dtype: torch.dtype = torch.float32) -> AdapterWeights:
+    """Validates a PEFT adapter (config + safetensors bytes) and fits it to this base model
+    and to the dtype it serves in."""
+    try:  # the store's rules; the rank limit and the weight bound are this node's
+        spec = validate_adapter(config_text, weights, max_weight_abs=max_weight_abs)
     except AdapterInvalid as exc:
         raise AdapterRejected(f"adapter {name!r}: {exc}") from exc
     pairs = {key: (_view(weights, m.a), _view(weights, m.b)) for key, m in spec.modules.items()}
     try:
-        return build_adapter_weights(name, version, spec.config.r, spec.config.lora_alpha,
-                                     spec.config.use_rslora, pairs, model, max_rank)
+        built = build_adapter_weights(name, version, spec.config.r, spec.config.lora_alpha,
+                                      spec.config.use_rslora, pairs, model, max_rank)
+        probe_in_dtype(built, dtype)
+        return built
     except AdapterIncompatible as exc:
         raise AdapterRejected(str(exc)) from exc
 
@@ -63,12 +67,16 @@ class LocalDirSource:
     The version is derived from the files' content, so replacing the files is a new version.
     """
 
-    def __init__(self, root: Path, model: ModelConfig, max_rank: int, max_bytes: int = 0) -> None:
-        """max_bytes > 0: larger adapters are refused before they are read into memory."""
+    def __init__(self, root: Path, model: ModelConfig, max_rank: int, max_bytes: int = 0, *,
+                 max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32) -> None:
+        """max_bytes > 0: larger adapters are refused before they are read into memory;
+        max_weight_abs, dtype: the numerical checks (weights_from_files)."""
         self.root = root.resolve()
         self.model = model
         self.max_rank = max_rank
         self.max_bytes = max_bytes
+        self.max_weight_abs = max_weight_abs
+        self.dtype = dtype
 
     def load(self, name: str, version: str) -> AdapterWeights:
         try:
@@ -100,4 +108,5 @@ class LocalDirSource:
         content_version = content_hash([config_bytes, weights])
         if version and version != content_version:
             raise AdapterNotFound(f"adapter {name!r} has version {content_version}, not {version}")
-        return weights_from_files(name, content_version, config_bytes, weights, self.model, self.max_rank)
+        return weights_from_files(name, content_version, config_bytes, weights, self.model, self.max_rank,
+                                  max_weight_abs=self.max_weight_abs, dtype=self.dtype)

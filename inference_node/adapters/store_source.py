@@ -6,9 +6,11 @@ import threading
 from typing import Callable
 
 import grpc
+import torch
 
 from adapter_store.client import DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, StoreError, StoreTLSRefused
 from lora_common.tls import ClientTLS
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from ..model.config import ModelConfig
 from .errors import (AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
@@ -37,13 +39,16 @@ _HINTS = {
 
 class StoreSource:
     def __init__(self, target: str, model: ModelConfig, max_rank: int, fetch_deadline_s: float = 60.0, *,
-                 tls: ClientTLS | None = None, token: str | None = None, max_adapter_bytes: int = 0) -> None:
+                 tls: ClientTLS | None = None, token: str | None = None, max_adapter_bytes: int = 0,
+                 max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32) -> None:
         self.target = target
         self.client = AdapterStoreClient(target, tls=tls, token=token)
         self.model = model
         self.max_rank = max_rank
         self.fetch_deadline_s = fetch_deadline_s
         self.max_adapter_bytes = max_adapter_bytes
+        self.max_weight_abs = max_weight_abs
+        self.dtype = dtype
 
     def load(self, name: str, version: str) -> AdapterWeights:
         try:
@@ -60,7 +65,8 @@ class StoreSource:
                         f"{_HINTS.get(exc.code, '')}") from exc
         manifest = fetched.manifest
         return weights_from_files(name, manifest.info.version, manifest.config_json,
-                                  fetched.files[WEIGHTS_FILE], self.model, self.max_rank)
+                                  fetched.files[WEIGHTS_FILE], self.model, self.max_rank,
+                                  max_weight_abs=self.max_weight_abs, dtype=self.dtype)
 
     def close(self) -> None:
         self.client.close()

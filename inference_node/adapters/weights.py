@@ -24,6 +24,7 @@ class AdapterWeights:
     target_modules: tuple[str, ...]
     # (layer, module) -> (A [r, in], B [out, r]) on the host
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    load_seconds: float = 0.0  # fetch, validation and probe (AdapterManager's load-time metric)
 
     @property
     def nbytes(self) -> int:
@@ -60,3 +61,25 @@ def build_adapter_weights(name: str, version: str, rank: int, alpha: float, use_
         raise AdapterIncompatible(f"adapter {name!r} has no LoRA weights")
     modules = tuple(m for m in LORA_MODULES if any(mod == m for _, mod in pairs))
     return AdapterWeights(name, version, rank, lora_scaling(rank, alpha, use_rslora), modules, dict(pairs))
+
+
+def probe_in_dtype(weights: AdapterWeights, dtype: torch.dtype) -> None:
+    """The shared validation probes each module's LoRA update in float32; the node serves in
+    `dtype`, whose range may be narrower (float16 overflows at 65504). Casts the weights as
+    the GPU slots will, then takes the update's largest value for an input with entries at
+    most 1 in magnitude (over |A| and |B|, so signs cannot hide it). Raises
+    AdapterIncompatible when it is not finite."""
+    for (layer, module), (a, b) in sorted(weights.tensors.items()):
+        a_cast, b_cast = a.to(dtype), b.to(dtype)
+        if not (torch.isfinite(a_cast).all() and torch.isfinite(b_cast).all()):
+            raise AdapterIncompatible(f"adapter {weights.name!r}: layer {layer} {module} has weights that "
+                                      f"overflow {_dtype_name(dtype)}, the dtype this node serves in")
+        inner = a_cast.abs().sum(dim=1, dtype=torch.float32).to(dtype)      # |A| @ 1, as the slots hold it
+        update = (b_cast.abs().float() @ inner.float()).to(dtype) * weights.scaling
+        if not torch.isfinite(inner).all() or not torch.isfinite(update).all():
+            raise AdapterIncompatible(f"adapter {weights.name!r}: layer {layer} {module}: the LoRA update of "
+                                      f"a unit input overflows {_dtype_name(dtype)}, the dtype this node serves in")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -23,7 +23,7 @@ import grpc
 import zmq
 
 from ..adapters.errors import AdapterError, AdapterNotFound
-from ..engine.engine import (CutShort, EngineStopped, InvalidRequest, NotStarted, QueueFull)
+from ..engine.engine import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
 from ..engine.request import Request, SamplingParams, StreamEvent
 from ..node import Node, NodeSettings, build_node
 from ..parent_watch import die_with_parent, parent_alive
@@ -47,6 +47,8 @@ def error_fields(error: BaseException) -> list[str]:
         return [grpc.StatusCode.RESOURCE_EXHAUSTED.name, str(error), ErrorKind.FAILED]
     if isinstance(error, EngineStopped):
         return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.FAILED]
+    if isinstance(error, NonFiniteLogits):
+        return [grpc.StatusCode.INTERNAL.name, str(error), ErrorKind.FAILED]
     return [grpc.StatusCode.INTERNAL.name, f"generation failed: {error}", ErrorKind.FAILED]
 
 
@@ -244,7 +246,8 @@ class EngineCore:
                 "rank": e.weights.rank if e.weights else 0,
                 "target_modules": list(e.weights.target_modules) if e.weights else [],
                 "cache_hit_tokens": stats.hit_tokens if stats else 0,
-                "cache_blocks": stats.blocks if stats else 0})
+                "cache_blocks": stats.blocks if stats else 0,
+                "unhealthy": manager.health_of(e) > 0, "numerical_faults": manager.health_of(e)})
         return rows
 
     def _stats(self) -> dict[str, Any]:

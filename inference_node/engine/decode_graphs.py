@@ -30,12 +30,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from kernels.argmax import first_argmax
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
+from .sampler import checked_greedy
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -171,16 +171,17 @@ class DecodeGraphs:
         self._turn = 0
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int, int],
-                           tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+                           tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
         return 0 < len(chunks) <= self.max_batch and is_decode_step(chunks)
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [len(chunks), vocab] of a decode step whose rows are `ordered`, and each
-        row's greedy token (computed inside the graph: no launches of its own)."""
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits [len(chunks), vocab] of a decode step whose rows are `ordered`, each row's
+        greedy token and whether its logits are finite (sampler.checked_greedy, computed
+        inside the graph: no launches of their own)."""
         n = len(chunks)
         size = next(s for s in self.sizes if s >= n)
         slots = {c.request.lora_slot for c in chunks if c.request.lora_slot >= 0}
@@ -192,11 +193,11 @@ class DecodeGraphs:
         key = (size, segments, variant)
         self.replays[key] = self.replays.get(key, 0) + 1
         if not self.capture:
-            logits = self._forward(*key)
-            return logits[:n], first_argmax(logits[:n])
-        graph, logits, greedy = self._graphs[key]
+            logits = self._forward(*key)[:n]
+            return (logits, *checked_greedy(logits))
+        graph, logits, greedy, finite = self._graphs[key]
         graph.replay()
-        return logits[:n], greedy[:n]
+        return logits[:n], greedy[:n], finite[:n]
 
     def variant_for(self, slots: set[int]) -> int:
         """Index of the smallest group variant that covers what these adapter slots target."""
@@ -344,8 +345,8 @@ class DecodeGraphs:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         logits = self._forward(*key)
-                        greedy = first_argmax(logits)
-                self._graphs[key] = (graph, logits, greedy)
+                        greedy, finite = checked_greedy(logits)
+                self._graphs[key] = (graph, logits, greedy, finite)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1fs", len(self._graphs),
                  ",".join(map(str, self.sizes)),

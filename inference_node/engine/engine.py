@@ -31,9 +31,9 @@ from .decode_graphs import DecodeGraphs, ordered
 from .kv_cache import BlockAllocator, KVCache
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
-from .sampler import sample_on_device
+from .sampler import row_finite, sample_on_device
 from .scheduler import AdapterBinder, ScheduledChunk, Scheduler, SchedulerConfig
-from .token_feedback import SampledTokens, TokenFeedback
+from .token_feedback import NON_FINITE, SampledTokens, TokenFeedback
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,11 @@ class CutShort(EngineStopped):
     """The drain deadline ended a request that had already streamed part of its answer."""
 
 
+class NonFiniteLogits(RuntimeError):
+    """The base model's logits were not finite for a request (INTERNAL: a fault of the node
+    or its checkpoint, not of the request)."""
+
+
 class LoraProvider(AdapterBinder, Protocol):
     """What the engine needs from the adapter layer (inference_node.adapters.AdapterManager)."""
 
@@ -71,6 +76,7 @@ class LoraProvider(AdapterBinder, Protocol):
     def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
     def graph_appliers(self, max_tokens: int, overlap: bool = True) -> Callable[..., LoraApplier]: ...
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]: ...
+    def numerical_fault(self, request: Request) -> Exception: ...
     max_loras: int
     module_ranks: Any  # numpy [slot, module]: the host mirror of the slots' ranks
 
@@ -115,6 +121,7 @@ class EngineStats:
     eager_decode_steps: int = 0      # decode-only steps that ran eagerly (larger than the graphs)
     mixed_steps: int = 0             # steps with prompt tokens (prefill chunks, maybe beside decodes)
     cut_short: int = 0               # answers ended part-way by shutdown
+    non_finite_rows: int = 0         # sampled rows whose logits held NaN or Inf (their requests failed)
 
 
 class Engine:
@@ -333,9 +340,9 @@ class Engine:
         try:
             distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
             self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
-            greedy = None
+            greedy = finite = None
             if graph_step:
-                logits, greedy = self.decode_graphs.run(chunks)
+                logits, greedy, finite = self.decode_graphs.run(chunks)
                 self.stats.graph_steps += 1
             else:
                 if any(c.request.in_prefill for c in chunks):
@@ -346,7 +353,8 @@ class Engine:
                                             self.feedback.tokens)
                 applier = self.lora.applier(chunks) if self.lora is not None else None
                 logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
-            tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy))
+                finite = row_finite(logits)
+            tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy, finite), finite)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
             log.exception("engine step failed")
             for c in chunks:
@@ -384,6 +392,9 @@ class Engine:
             if req.status is Status.FINISHED:
                 continue
             req.num_pending -= 1
+            if token == NON_FINITE:
+                self._fail_non_finite(req)
+                continue
             req.output_token_ids.append(token)
         if self.prefix_cache is not None:  # now that the blocks' tokens are known on the host
             for c in step.chunks:
@@ -392,6 +403,18 @@ class Engine:
         for req in step.sampling:
             if req.status is not Status.FINISHED:
                 self._on_token(req)
+
+    def _fail_non_finite(self, req: Request) -> None:
+        """A row whose logits held NaN or Inf: its request ends with an error, not a token
+        (other rows of the step are untouched), and its adapter version is marked unhealthy."""
+        self.stats.non_finite_rows += 1
+        if req.adapter_entry is not None and self.lora is not None:
+            error: Exception = self.lora.numerical_fault(req)
+        else:
+            error = NonFiniteLogits(f"the base model's logits were not finite (NaN or Inf) at output token "
+                                    f"{len(req.output_token_ids) + 1}; the node or its checkpoint is at fault")
+        log.error("request %s: %s", req.request_id or req.id, error)
+        self._finish(req, "error", error=error)
 
     def _on_token(self, req: Request) -> None:
         """The newest known token of req: stop checks, then stream it."""
@@ -486,4 +509,5 @@ class Engine:
             "eager_decode_steps": self.stats.eager_decode_steps,
             "mixed_steps": self.stats.mixed_steps,
             "cut_short": self.stats.cut_short,
+            "non_finite_rows": self.stats.non_finite_rows,
         }

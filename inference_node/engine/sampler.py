@@ -25,14 +25,31 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample_on_device(logits: torch.Tensor, requests: list[Request],
-                     greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """The chosen tokens [N] int64, left on the logits' device (queued, no sync). Greedy rows
-    take the argmax of the logits as they are (widening bf16 to float32 is exact, so the
-    choice is the same), or `greedy` where the caller computed it (a decode graph does);
-    sampled rows are widened to float32 first."""
-    if greedy is None:
-        greedy = first_argmax(logits)
+def row_finite(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] bool, on the device: every logit of the row is finite. One reduction: a float32
+    sum is NaN or Inf as soon as one term is (a row so large that finite terms overflow the
+    sum is no healthier)."""
+    return torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+
+
+def checked_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's greedy token and its row_finite flag. A row that is not finite gets token 0:
+    the argmax of NaNs may be any index, even past the vocabulary, and the next step reads
+    this token on the device before the host has seen the flag."""
+    finite = row_finite(logits)
+    return torch.where(finite, first_argmax(logits), 0), finite
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor | None = None,
+                     finite: torch.Tensor | None = None) -> torch.Tensor:
+    """The chosen tokens [N] int64, left on the logits' device (queued, no sync), each a valid
+    vocabulary index. Greedy rows take the argmax of the logits as they are (widening bf16 to
+    float32 is exact, so the choice is the same), or `greedy` where the caller computed it
+    with checked_greedy (a decode graph does, with `finite`); sampled rows are widened to
+    float32 first, and a row that is not finite samples from zeros instead (multinomial over
+    NaN would fail the device)."""
+    if greedy is None or finite is None:
+        greedy, finite = checked_greedy(logits)
     if all(req.params.greedy for req in requests):
         return greedy
     chosen = greedy.clone()
@@ -43,6 +60,7 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request],
             req.generator = torch.Generator(device=logits.device)
             seed = req.params.seed if req.params.seed is not None else torch.seed()
             req.generator.manual_seed(seed)
-        probs = filter_logits(logits[i].float(), req.params).softmax(-1)
+        row = torch.where(finite[i], logits[i].float(), 0.0)
+        probs = filter_logits(row, req.params).softmax(-1)
         chosen[i] = torch.multinomial(probs, 1, generator=req.generator)[0]
     return chosen

@@ -139,7 +139,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         if norm_split:
             from kernels._dispatch import use_triton
 
-            split = node.engine.decode_graphs.lora_applier.__self__.column_split
+            split = node.engine.decode_graphs.lora_applier.__self__.beside.column_split
             assert split is not None and split.block == norm_split
             assert int(split.arrivals.count_nonzero()) == 0  # every row's count reset
             if use_triton(split.sums):  # the split kernel ran (the reference ignores it)

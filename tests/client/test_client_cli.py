@@ -44,4 +44,5 @@ def test_store_commands_forward_to_the_store_cli(capsys) -> None:
     with pytest.raises(SystemExit) as done:
         main(["push", "--help"])
     assert done.value.code == 0
-    assert "adapter-store push" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "usage: lora-client push" in out and "--s3-endpoint" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import shutil
 import subprocess
@@ -52,7 +53,7 @@ def test_stack_has_its_services(compose) -> None:
 
 def test_every_service_env_name_is_read_by_the_code(compose, known_env) -> None:
     standard = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "MINIO_ROOT_USER",
-                "MINIO_ROOT_PASSWORD", "ADAPTER_BUCKET"}
+                "MINIO_ROOT_PASSWORD", "ADAPTER_BUCKET", "GF_AUTH_ANONYMOUS_ENABLED", "GF_AUTH_ANONYMOUS_ORG_ROLE"}
     for name, service in compose["services"].items():
         for var in (service.get("environment") or {}):
             if var.startswith(("INFERENCE_NODE_", "ADAPTER_STORE_")):
@@ -64,8 +65,10 @@ def test_every_service_env_name_is_read_by_the_code(compose, known_env) -> None:
 def test_ports_agree_with_the_services_settings(compose) -> None:
     services = compose["services"]
     node_env, store_env = services["inference-node"]["environment"], services["adapter-store"]["environment"]
-    assert services["inference-node"]["ports"] == [f"{node_env['INFERENCE_NODE_PORT']}:{node_env['INFERENCE_NODE_PORT']}"]
-    assert services["adapter-store"]["ports"] == [f"{store_env['ADAPTER_STORE_PORT']}:{store_env['ADAPTER_STORE_PORT']}"]
+    node_ports = [node_env["INFERENCE_NODE_PORT"], node_env["INFERENCE_NODE_METRICS_PORT"]]
+    store_ports = [store_env["ADAPTER_STORE_PORT"], store_env["ADAPTER_STORE_METRICS_PORT"]]
+    assert services["inference-node"]["ports"] == [f"{p}:{p}" for p in node_ports]
+    assert services["adapter-store"]["ports"] == [f"{p}:{p}" for p in store_ports]
     assert node_env["INFERENCE_NODE_ADAPTER_STORE"] == f"adapter-store:{store_env['ADAPTER_STORE_PORT']}"
 
 
@@ -152,3 +155,66 @@ def test_made_certificates_carry_mutual_tls_for_a_health_check(tmp_path: Path) -
         assert healthcheck([target, *trust]) == 1  # no client certificate: refused
     finally:
         server.stop(None)
+
+
+# Metrics: on by default in compose, scraped by Prometheus, read by the Grafana dashboard.
+
+def test_prometheus_scrapes_the_metrics_ports_compose_sets(compose) -> None:
+    services = compose["services"]
+    config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    targets = {job["job_name"]: [t for c in job["static_configs"] for t in c["targets"]]
+               for job in config["scrape_configs"]}
+    node_port = services["inference-node"]["environment"]["INFERENCE_NODE_METRICS_PORT"]
+    store_port = services["adapter-store"]["environment"]["ADAPTER_STORE_METRICS_PORT"]
+    assert targets == {"inference-node": [f"inference-node:{node_port}"],
+                       "adapter-store": [f"adapter-store:{store_port}"]}
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
+
+
+def test_grafana_provisions_the_dashboard_and_its_datasource(compose) -> None:
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in compose["services"]["grafana"]["volumes"])
+    assert mounts == {"./grafana/provisioning": "/etc/grafana/provisioning",
+                      "./grafana/dashboards": "/var/lib/grafana/dashboards"}
+    provider = yaml.safe_load((DOCKER / "grafana/provisioning/dashboards/lora-serving.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == mounts["./grafana/dashboards"]
+    datasource = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    uid = datasource["datasources"][0]["uid"]
+    dashboard = json.loads((DOCKER / "grafana/dashboards/lora-serving.json").read_text())
+    assert all(p["datasource"]["uid"] == uid and all(t["datasource"]["uid"] == uid for t in p["targets"])
+               for p in dashboard["panels"])
+
+
+def exported_metric_names() -> set[str]:
+    """Every family and sample name the node and the store export, the node's engine
+    collector fed a snapshot holding every key Node.snapshot() fills."""
+    from adapter_store.metrics import StoreMetrics
+    from inference_node.adapters.manager import AdapterCounters
+    from inference_node.metrics import NodeMetrics
+
+    snapshot = {key: 1 for key in ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "running", "waiting",
+                                   "adapters_gpu", "adapters_host", "adapter_loads", "adapter_evictions",
+                                   "adapter_fetch_errors", "preemptions", "cached_prompt_tokens", "non_finite_rows")}
+    snapshot["prefix_cache"] = {"a": {"hit_tokens": 1, "hits": 1, "lookups": 1, "blocks": 1}}
+    snapshot["adapter_counters"] = {"a": AdapterCounters().as_dict()}
+    node = NodeMetrics(lambda: snapshot)
+    node.first_token("a", 0.1)
+    node.tokens_streamed("a", 1, 0.01)
+    node.request_finished("a", "stop", 3, 2)
+    store = StoreMetrics()
+    names = set()
+    for registry in (node.registry, store.registry):
+        for family in registry.collect():
+            names.add(family.name)
+            names.update(s.name for s in family.samples)
+    # Counters with labels have no sample until used: their exported name is <family>_total.
+    names.update(f"{n}_total" for n in list(names))
+    return names
+
+
+def test_every_metric_the_dashboard_queries_is_exported() -> None:
+    dashboard = json.loads((DOCKER / "grafana/dashboards/lora-serving.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\b((?:lora_node|adapter_store)_[a-z_]+)", target["expr"])}
+    queried |= set(re.findall(r"\b(lora_node_[a-z_]+)", json.dumps(dashboard["templating"])))
+    assert len(queried) > 15
+    assert queried - exported_metric_names() == set()

@@ -62,7 +62,7 @@ def test_metrics_endpoint_reports_requests_latency_and_engine_state(node) -> Non
             client.generate(NodeClient.request(prompt_token_ids=shared + tail, max_tokens=2, ignore_eos=True), 30)
     port = node.node.settings.metrics_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert 'lora_node_requests_total{kind="base",outcome="length"}' in text
+    assert 'lora_node_requests_total{adapter="",status="length"}' in text
     assert "lora_node_time_to_first_token_seconds_count" in text
     assert "lora_node_time_per_output_token_seconds_bucket" in text
     assert "lora_node_kv_blocks_total 64.0" in text

@@ -56,6 +56,9 @@ def test_reflection_lists_the_service(node) -> None:
     (dict(prompt="hi", top_k=-1), "top_k"),
     (dict(prompt="hi", adapter="../etc/passwd"), "adapter names"),
     (dict(prompt_token_ids=[5] * 1024), "limit"),
+    # No --max-tokens-limit here: what the context leaves is the limit, named, never a quiet cap.
+    (dict(prompt_token_ids=[5, 6, 7], max_tokens=10**9), "max_tokens 1000000000 does not fit"),
+    (dict(prompt_token_ids=[5, 6, 7], max_tokens=1022), "so at most 1021 (0 asks for the default)"),
 ])
 def test_bad_requests_are_invalid_argument(client, fields, message) -> None:
     with pytest.raises(grpc.RpcError) as err:
@@ -71,7 +74,7 @@ def test_unknown_adapter_is_not_found(client) -> None:
 
 
 def test_cancelled_stream_frees_its_kv_blocks(node, client) -> None:
-    call = client.stream(pb.GenerateRequest(prompt_token_ids=list(range(10, 200)), max_tokens=900,
+    call = client.stream(pb.GenerateRequest(prompt_token_ids=list(range(10, 200)), max_tokens=800,
                                             ignore_eos=True), timeout=60)
     first = next(call)
     assert first.token_ids

@@ -90,6 +90,14 @@ def test_max_tokens_cap(node) -> None:
         err = refusal(client, prompt_token_ids=[5, 6], max_tokens=1001)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_tokens 1001" in err.details() and "limit of 1000 (--max-tokens-limit)" in err.details()
+        # Under the flag's limit but more than the context leaves after a 40-token prompt.
+        err = refusal(client, prompt_token_ids=list(range(10, 50)), max_tokens=1000)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "limit is 1024 tokens of prompt + output (--max-model-len)" in err.details()
+        assert "at most 984" in err.details()
+        ok = client.generate(client.request(prompt_token_ids=list(range(10, 50)), max_tokens=984,
+                                            ignore_eos=True), 60)
+        assert ok.completion_tokens == 984 and ok.finish_reason == "length"
         # max_tokens 0 takes --default-max-tokens (2000 here), itself capped by the limit.
         reply = client.generate(client.request(prompt_token_ids=[5, 6], ignore_eos=True), 60)
         assert reply.completion_tokens == 1000 and reply.finish_reason == "length"

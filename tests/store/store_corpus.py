@@ -79,6 +79,14 @@ def nan_weights(folder: Path) -> None:
     (folder / CONFIG).write_text(json.dumps(adapter_config(4, ("q_proj", "v_proj"))))
 
 
+def huge_finite_weights(folder: Path) -> None:
+    """Finite, but x1e30: served, the logits would be NaN (issue 31's broken adapter)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v * np.float32(1e30) for k, v in lora_tensors(4, 2, ("q_proj", "v_proj"), 64, 160, 32).items()}
+    save_file(tensors, str(folder / WEIGHTS))
+    (folder / CONFIG).write_text(json.dumps(adapter_config(4, ("q_proj", "v_proj"))))
+
+
 def pickle_only(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG).write_text(json.dumps(adapter_config(4, ("q_proj",))))
@@ -142,6 +150,7 @@ BAD_ADAPTERS: dict[str, tuple[Callable[[Path], None], str]] = {
     "untargeted-module": (weights_for_untargeted_module, "does not target v_proj"),
     "rank-mismatch": (rank_mismatch, "rank mismatch between lora_A"),
     "nan-weights": (nan_weights, "NaN or Inf"),
+    "huge-finite-weights": (huge_finite_weights, "above 1000 make the forward overflow"),
     "pickle-only": (pickle_only, "pickle"),
     "missing-config": (missing_config, "missing adapter_config.json"),
     "unknown-peft-type": (unknown_peft_type, "peft_type 'IA3' is not supported"),
