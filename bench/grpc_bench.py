@@ -259,6 +259,8 @@ def node_flags(args, checkpoint: Path, adapters: Path, dummy: bool) -> list[str]
         flags += ["--device", args.device]
     if args.num_kv_blocks:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.prefill_delay_factor:
+        flags += ["--prefill-delay-factor", str(args.prefill_delay_factor)]
     return flags
 
 
@@ -274,7 +276,7 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
         load_format="dummy" if dummy else "safetensors", adapter_dir=str(adapters),
         max_loras=max(args.adapters, 1), max_lora_rank=16, max_cpu_loras=max(args.adapters, 1),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens, max_model_len=1024,
-        num_kv_blocks=args.num_kv_blocks)
+        num_kv_blocks=args.num_kv_blocks, prefill_delay_factor=args.prefill_delay_factor)
     node = build_node(settings)
     engine = node.engine
     engine.prepare()
@@ -366,6 +368,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None, help="the node's (CUDA 256, CPU 16)")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="the node's (CUDA 2048, CPU 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: the node's default sizing")
+    p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's")
     p.add_argument("--paths", default="grpc,engine", help="which paths to run")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="folder of SmolLM2's tokenizer files (default: the converted embedded model)")
@@ -409,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         device_name = torch.cuda.get_device_name() if cuda else "CPU"
         print(f"device: {device_name}; model: {shape} shapes ({checkpoint.name}), "
               f"{'random bf16 weights' if dummy else 'real weights'}, vocab {vocab}; node: max_num_seqs "
-              f"{args.max_num_seqs}, {args.max_batched_tokens} tokens a step, {args.api_processes} front-end "
+              f"{args.max_num_seqs}, {args.max_batched_tokens} tokens a step, prefill delay factor "
+              f"{args.prefill_delay_factor:g}, {args.api_processes} front-end "
               f"process(es); {args.clients} gRPC client processes; "
               + (f"Poisson {args.poisson} req/s, Zipf({args.zipf_alpha})" if args.poisson else "closed loop")
               + f"; prompts {prompt_len[0]}-{prompt_len[1]}, {output} new tokens (ignore EOS)", flush=True)
