@@ -223,6 +223,11 @@ class NodeProcess:
             self.stop()
             raise RuntimeError(f"the node did not start; its log: {log_path}") from None
 
+    def processes(self) -> dict[str, int]:
+        """The launcher (front end 0) and its children (engine core, other front ends) by pid."""
+        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        return {"launcher": self.proc.pid, **{f"child-{pid}": int(pid) for pid in children}}
+
     def stats(self) -> dict[str, int]:
         from lora_client.node_client import NodeClient
 
@@ -372,6 +377,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--paths", default="grpc,engine", help="which paths to run")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="folder of SmolLM2's tokenizer files (default: the converted embedded model)")
+    p.add_argument("--profile", type=int, default=0, metavar="SECONDS",
+                   help="py-spy the node's processes this long during the first gRPC row (raw stacks to --profile-out)")
+    p.add_argument("--profile-out", type=Path, default=Path("."))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -423,10 +431,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             try:
                 if names:
                     node.pin(names)
-                for row, conc, reqs in plan:
+                for k, (row, conc, reqs) in enumerate(plan):
                     run_grpc_row(node.target, reqs[:conc], conc, args.clients, False)  # warm
                     before = node.stats()
+                    profiler = None
+                    if args.profile and k == 0:  # the node's processes, sampled by py-spy
+                        profiler = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "-d",
+                                                      str(args.profile), "-r", "250", "-f", "raw", "--nonblocking",
+                                                      "-o", str(args.profile_out / f"pyspy-{name}.txt")],
+                                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                    for name, pid in node.processes().items()]
                     records = run_grpc_row(node.target, reqs, conc, args.clients, bool(args.poisson))
+                    for p in profiler or []:
+                        p.wait(60)
                     after = node.stats()
                     results.append(Result(row, "grpc", conc, records, {k: after[k] - before[k] for k in after}))
                     print(f"# {format_row(summarize(results[-1]))}", file=sys.stderr, flush=True)
