@@ -84,7 +84,8 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--store-token", default=None, secret=True,
                        help="bearer token sent to an adapter store started with --token")
     serve.add_argument("--max-concurrent-streams", type=int, default=0,
-                       help="open Generate streams before RESOURCE_EXHAUSTED (0: only --max-queue bounds them)")
+                       help="open Generate streams and HTTP completions of a front end before RESOURCE_EXHAUSTED "
+                            "(HTTP 429; 0: only --max-queue bounds them)")
     serve.add_argument("--max-request-mb", type=float, default=16.0,
                        help="largest request message; gRPC refuses larger ones with RESOURCE_EXHAUSTED")
     serve.add_argument("--max-prompt-chars", type=int, default=1 << 20,
