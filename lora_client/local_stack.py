@@ -177,6 +177,12 @@ def curl_command(http_url: str, model: str, prompt: str, max_tokens: int) -> lis
             "-d", json.dumps(body)]
 
 
+def curl_adapter(names: list[str]) -> str:
+    """The adapter the curl demo asks: the first whose demo prompt reads well in a shell line."""
+    prompts = sample_behaviours().DEMO_PROMPTS
+    return next((n for n in names if "'" not in prompts.get(n, ["Hello!"])[0]), names[0])
+
+
 def curl_answer(http_url: str, name: str, max_tokens: int) -> Answer | None:
     """One chat answer of adapter `name` over the OpenAI-compatible API, fetched with curl
     (greedy, so it equals the burst's gRPC answer to the same prompt)."""
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         names = stack.start(Path(args.samples))
         try:
             results = demo(stack.node_target, names, args.max_tokens) if args.demo else []
-            over_http = curl_answer(stack.http_url, names[0], args.max_tokens) if args.demo and names else None
+            over_http = curl_answer(stack.http_url, curl_adapter(names), args.max_tokens) if args.demo and names else None
         except Exception:
             stack.check_alive()  # a dead process explains a failed demo better than its symptom
             raise
@@ -251,10 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             rows = [{"behaviour": b, "adapter": a.adapter, "prompt": a.prompt, "text": a.text, "shown": shown,
                      "tokens": a.tokens, "seconds": round(a.total, 3), "api": "grpc"} for b, a, shown in results]
             if over_http is not None:
-                rows.append({"behaviour": names[0], "adapter": names[0], "prompt": over_http.prompt,
+                name = over_http.adapter
+                rows.append({"behaviour": name, "adapter": name, "prompt": over_http.prompt,
                              "text": over_http.text, "tokens": over_http.tokens, "seconds": round(over_http.total, 3),
                              "api": "http", "shown": sample_behaviours().shows_behaviour(
-                                 names[0], over_http.prompt, over_http.text)})
+                                 name, over_http.prompt, over_http.text)})
             Path(args.report).write_text(json.dumps(rows, indent=2))
         if args.serve:
             client = " ".join(shlex.quote(a) for a in console_script("lora-client"))
