@@ -45,7 +45,7 @@ class InProcessNode:
 
         asyncio.run_coroutine_threadsafe(start(), self.loop).result(start_timeout)
         self.address = self.server.address
-        self.http_url = f"http://127.0.0.1:{self.server.http_port}/v1" if http else ""
+        self.http_url = f"{self.server.http.url}/v1" if http else ""  # https:// with the node's TLS
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)
