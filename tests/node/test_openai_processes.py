@@ -1,10 +1,12 @@
 """The HTTP API of the real `inference-node serve` with two front-end processes sharing the
 HTTP port (SO_REUSEPORT), as they share the gRPC port: both serve it, answers equal gRPC's,
-and a drain answers new HTTP requests 503 while it finishes the running stream.
+and a drain answers new HTTP requests 503 while it finishes the running stream. The engine's
+death ends a running event stream with an error event (and no [DONE]).
 """
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 
@@ -14,7 +16,7 @@ from harness import wait_for
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 from lora_client.processes import free_port
-from test_node_processes import ADAPTERS, NEW_TOKENS, PROMPTS, Node, adapter_dir  # noqa: F401 (fixture)
+from test_node_processes import ADAPTERS, NEW_TOKENS, PROMPTS, Node, _core_pid, adapter_dir  # noqa: F401 (fixture)
 
 
 def _completion(url: str, body: dict) -> httpx.Response:
@@ -77,6 +79,26 @@ def test_two_front_ends_share_the_http_port_and_drain_it(tmp_path, tiny_llama_pa
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
         assert node.child.proc.wait(60) == 0
+        node.assert_no_children()
+    finally:
+        node.stop()
+
+
+def test_the_engines_death_ends_an_event_stream_with_an_error_event(tmp_path, tiny_llama_path) -> None:
+    http_port = free_port()
+    node = Node(tmp_path, tiny_llama_path, "--http-port", str(http_port), "--max-model-len", "1024")
+    try:
+        body = {"model": tiny_llama_path.name, "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60) as running:
+            events = running.iter_lines()
+            assert next(e for e in events if e).startswith("data: ")
+            os.kill(_core_pid(node), signal.SIGKILL)
+            rest = [e for e in events if e]
+        assert "data: [DONE]" not in rest
+        error = json.loads(rest[-1][len("data: "):])["error"]
+        assert error["code"] == "unavailable" and "engine process" in error["message"], error
+        assert node.child.proc.wait(30) != 0
         node.assert_no_children()
     finally:
         node.stop()
