@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -47,20 +47,22 @@ def sse(obj: Any) -> str:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed as soon as the response ends, also when
-    the client went away mid-stream, so its engine request is aborted now, not at garbage
-    collection."""
+    """Server-sent events whose generators (the events' and the generation's) are closed as
+    soon as the response ends, also when the client went away mid-stream or before the
+    first event, so its engine request is aborted now, not at garbage collection."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncGenerator[str, None], generation: AsyncGenerator[Chunk, None]) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self.generation.aclose()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -164,13 +166,13 @@ class OpenAIApi:
         except ApiError as exc:
             return error_response(exc)
         stream = generate(self.frontend, parsed.generate, "http")
-        handed_over = False  # to the event stream, which closes it when the response ends
+        handed_over = False  # to the event stream, which closes it when its response ends
         try:
             first = await unless_disconnected(request, _next(stream))
             writer = ResponseWriter(parsed)
             if parsed.stream:
                 handed_over = True
-                return EventStream(self._events(stream, first, writer))
+                return EventStream(self._events(stream, first, writer), stream)
             text, last = await unless_disconnected(request, _rest(stream, first))
             return JSONResponse(writer.response(text, last))
         except GenerationError as exc:
