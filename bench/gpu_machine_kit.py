@@ -6,7 +6,7 @@ Three things do not travel with the tracked files or are missing there:
 - the generated protobuf modules (`lora/v1/*_pb2*.py`, ignored by git: generated here);
 - wheels of the Python packages the image lacks or has too old for the generated code
   (grpcio and protobuf at this environment's versions, the health and reflection services,
-  boto3 and what it needs), downloaded for the GPU machine's Python;
+  boto3, Starlette, uvicorn, httpx and what they need), downloaded for the GPU machine's Python;
 - SmolLM2's tokenizer files, which the tests' random models use (`LORA_TEST_TOKENIZER_DIR`),
   copied from the converted embedded checkpoint.
 
@@ -30,7 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 # The packages the GPU image lacks, or has older than the generated protobuf code accepts.
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "boto3", "botocore",
-          "s3transfer", "jmespath", "pyzmq", "msgpack", "prometheus-client", "python-dateutil", "urllib3", "six")
+          "s3transfer", "jmespath", "pyzmq", "msgpack", "prometheus-client", "python-dateutil", "urllib3", "six",
+          # The OpenAI-compatible HTTP API (server, and grpc_bench's HTTP clients).
+          "starlette", "uvicorn", "httptools", "click", "h11", "anyio", "sniffio", "idna", "typing_extensions",
+          "httpx", "httpcore", "certifi")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "any")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -1,6 +1,7 @@
 """The path users take: `inference-node serve` started as a subprocess and driven by several
-gRPC client processes, beside the same engine driven in-process, on the same requests and
-checkpoint, in one table.
+gRPC client processes, then by as many HTTP client processes through its OpenAI-compatible
+API (/v1/completions streamed as server-sent events), beside the same engine driven
+in-process, on the same requests and checkpoint, in one table.
 
     python bench/grpc_bench.py                          # CUDA: Llama-3.2-1B shapes; CPU: the embedded model
     python bench/grpc_bench.py --shape 8b               # Llama-3.1-8B shapes
@@ -11,7 +12,9 @@ Rows, each at every concurrency: `base` (no adapter; LoRA on, unused) and `cN` (
 rank-16 adapters on all seven projections, request i on adapter i mod N, all pinned before
 timing). Both paths run the node's own settings (`build_node` in-process, the same flags
 for the subprocess), so the ratio is what the serving path costs: gRPC, tokenising,
-detokenising, IPC, the front-end processes.
+detokenising, IPC, the front-end processes. The `http` rows send the same token-id prompts
+with the `ignore_eos` extension and count tokens from the last chunk's `usage`; their
+time to first token and per token are those of the first and last chunk carrying text.
 
 Columns: output tok/s (output tokens over the time from the first request to the last
 finish), TTFT and TPOT (the time between a request's first and last token over its tokens
@@ -135,55 +138,114 @@ def make_requests(n: int, prompt_len: tuple[int, int], output: int, vocab: int, 
     return out
 
 
-# -- gRPC clients (processes of their own) -------------------------------------------------------------
-def client_process(target: str, requests: list[Request], concurrency: int, poisson: bool, ready, start,
+# -- clients (processes of their own): gRPC, and the OpenAI-compatible HTTP API --------------------------
+@dataclass(frozen=True)
+class Endpoint:
+    api: str                    # "grpc" or "http"
+    target: str                 # HOST:PORT (gRPC) or the HTTP API's base URL
+    model: str = ""             # HTTP: the base model's name (`model` of requests without an adapter)
+
+
+def client_process(endpoint: Endpoint, requests: list[Request], concurrency: int, poisson: bool, ready, start,
                    results) -> None:
-    """Sends its requests over one connection: closed loop at `concurrency`, or at their
-    arrival times; puts its records on `results`."""
+    """Sends its requests: closed loop at `concurrency`, or at their arrival times; puts its
+    records on `results`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    results.put(asyncio.run(_client(target, requests, concurrency, poisson, ready, start)))
+    client = _grpc_client if endpoint.api == "grpc" else _http_client
+    results.put(asyncio.run(client(endpoint, requests, concurrency, poisson, ready, start)))
 
 
-async def _client(target: str, requests: list[Request], concurrency: int, poisson: bool, ready,
-                  start) -> list[Record]:
+async def _drive(requests: list[Request], concurrency: int, poisson: bool, start, one) -> list[Record]:
+    await asyncio.get_running_loop().run_in_executor(None, start.wait)
+    t0 = time.monotonic()
+    gate = asyncio.Semaphore(concurrency if not poisson else len(requests) or 1)
+
+    async def timed(req: Request) -> Record:
+        if poisson:
+            await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
+        async with gate:
+            return await one(req)
+
+    return await asyncio.gather(*(timed(r) for r in requests))
+
+
+async def _grpc_client(endpoint: Endpoint, requests: list[Request], concurrency: int, poisson: bool, ready,
+                       start) -> list[Record]:
+    """One connection, a stream per request."""
     import grpc
 
     from lora.v1 import inference_pb2 as pb
     from lora.v1 import inference_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+    async with grpc.aio.insecure_channel(endpoint.target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         stub = pb_grpc.InferenceNodeStub(channel)
         async for _ in stub.Generate(pb.GenerateRequest(prompt_token_ids=[1000, 1001], max_tokens=1)):
             pass
         ready.set()
-        await asyncio.get_running_loop().run_in_executor(None, start.wait)
-        t0 = time.monotonic()
-        gate = asyncio.Semaphore(concurrency if not poisson else len(requests) or 1)
 
         async def one(req: Request) -> Record:
-            if poisson:
-                await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
-            async with gate:
-                submit = time.monotonic()
-                first = last = None
-                tokens, error = 0, None
-                try:
-                    async for msg in stub.Generate(pb.GenerateRequest(
-                            prompt_token_ids=req.prompt, max_tokens=req.max_tokens, adapter=req.adapter,
-                            ignore_eos=True), timeout=600):
-                        if msg.token_ids:
+            submit = time.monotonic()
+            first = last = None
+            tokens, error = 0, None
+            try:
+                async for msg in stub.Generate(pb.GenerateRequest(
+                        prompt_token_ids=req.prompt, max_tokens=req.max_tokens, adapter=req.adapter,
+                        ignore_eos=True), timeout=600):
+                    if msg.token_ids:
+                        now = time.monotonic()
+                        first = first or now
+                        last = now
+                        tokens += len(msg.token_ids)
+            except grpc.aio.AioRpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+            return Record(submit, first, last, time.monotonic(), tokens, error)
+
+        return await _drive(requests, concurrency, poisson, start, one)
+
+
+async def _http_client(endpoint: Endpoint, requests: list[Request], concurrency: int, poisson: bool, ready,
+                       start) -> list[Record]:
+    """POST /v1/completions with stream: true, a connection per request in flight (HTTP/1.1);
+    the same token-id prompts with `ignore_eos`, tokens counted from the last chunk's usage."""
+    import httpx
+
+    url = f"{endpoint.target}/completions"
+    limits = httpx.Limits(max_connections=max(concurrency, 1), max_keepalive_connections=max(concurrency, 1))
+    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+        (await http.post(url, json={"model": endpoint.model, "prompt": [1000, 1001], "max_tokens": 1})).raise_for_status()
+        ready.set()
+
+        async def one(req: Request) -> Record:
+            body = {"model": req.adapter or endpoint.model, "prompt": req.prompt, "max_tokens": req.max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            submit = time.monotonic()
+            first = last = None
+            tokens, error = 0, None
+            try:
+                async with http.stream("POST", url, json=body) as reply:
+                    if reply.status_code != 200:
+                        error = f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:200]}"
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            error = event["error"]["message"]
+                        elif event["choices"] and event["choices"][0]["text"]:
                             now = time.monotonic()
                             first = first or now
                             last = now
-                            tokens += len(msg.token_ids)
-                except grpc.aio.AioRpcError as exc:
-                    error = f"{exc.code().name}: {exc.details()}"
-                return Record(submit, first, last, time.monotonic(), tokens, error)
+                        elif event.get("usage"):
+                            tokens = event["usage"]["completion_tokens"]
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            return Record(submit, first, last, time.monotonic(), tokens, error)
 
-        return await asyncio.gather(*(one(r) for r in requests))
+        return await _drive(requests, concurrency, poisson, start, one)
 
 
-def run_grpc_row(target: str, requests: list[Request], concurrency: int, clients: int, poisson: bool) -> list[Record]:
+def run_client_row(endpoint: Endpoint, requests: list[Request], concurrency: int, clients: int,
+                   poisson: bool) -> list[Record]:
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()
     shares = [requests[i::clients] for i in range(clients)]
@@ -191,7 +253,7 @@ def run_grpc_row(target: str, requests: list[Request], concurrency: int, clients
     for i, share in enumerate(shares):
         ready = ctx.Event()
         per = concurrency // clients + (1 if i < concurrency % clients else 0)
-        p = ctx.Process(target=client_process, args=(target, share, max(per, 1), poisson, ready, start, results))
+        p = ctx.Process(target=client_process, args=(endpoint, share, max(per, 1), poisson, ready, start, results))
         p.start()
         procs.append(p)
         readies.append(ready)
@@ -213,10 +275,13 @@ class NodeProcess:
         from lora_client.processes import free_port, wait_healthy
 
         self.port = free_port()
+        self.http_port = free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
         self.log_file = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "inference_node.cli", "serve", "--port", str(self.port),
-                                      *flags], stdout=self.log_file, stderr=subprocess.STDOUT)
+                                      "--http-port", str(self.http_port), *flags],
+                                     stdout=self.log_file, stderr=subprocess.STDOUT)
         try:
             wait_healthy(self.target, 1800)
         except Exception:
@@ -348,6 +413,13 @@ def comparisons(rows: list[dict]) -> list[str]:
         lines.append(f"{row} @ {conc}: gRPC/engine tok/s {g['tok_s'] / e['tok_s']:.3f} (target >= 0.9), "
                      f"TTFT p50 +{g['ttft_p50'] - e['ttft_p50']:.1f} ms (target <= +15), "
                      f"TPOT p50 x{g['tpot_p50'] / e['tpot_p50']:.3f} (target <= 1.1)")
+    for (row, conc, path), h in sorted(by.items()):
+        g = by.get((row, conc, "grpc"))
+        if path != "http" or g is None or not g["tok_s"]:
+            continue
+        tpot = f", TPOT p50 x{h['tpot_p50'] / g['tpot_p50']:.3f}" if g["tpot_p50"] else ""
+        lines.append(f"{row} @ {conc}: HTTP/gRPC tok/s {h['tok_s'] / g['tok_s']:.3f} ({h['tok_s']:.0f} vs "
+                     f"{g['tok_s']:.0f}), TTFT p50 {h['ttft_p50'] - g['ttft_p50']:+.1f} ms{tpot}")
     for row in sorted({s["row"] for s in rows}):
         grpc_by_conc = sorted((s["conc"], s["tok_s"]) for s in rows if s["row"] == row and s["path"] == "grpc")
         if len(grpc_by_conc) > 1:
@@ -368,13 +440,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="tokens per request (CUDA 128, CPU 16)")
     p.add_argument("--poisson", type=float, default=None, metavar="RATE", help="open loop at RATE requests/s")
     p.add_argument("--zipf-alpha", type=float, default=1.0)
-    p.add_argument("--clients", type=int, default=4, help="gRPC client processes")
+    p.add_argument("--clients", type=int, default=4, help="client processes (of each API)")
     p.add_argument("--api-processes", type=int, default=1, help="the node's front-end processes")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the node's (CUDA 256, CPU 16)")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="the node's (CUDA 2048, CPU 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: the node's default sizing")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's")
-    p.add_argument("--paths", default="grpc,engine", help="which paths to run")
+    p.add_argument("--paths", default="grpc,http,engine",
+                   help="which paths to run: grpc, http (the OpenAI-compatible API, /v1/completions streamed), "
+                        "engine (in-process)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="folder of SmolLM2's tokenizer files (default: the converted embedded model)")
     p.add_argument("--profile", type=int, default=0, metavar="SECONDS",
@@ -422,31 +496,34 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
               f"{'random bf16 weights' if dummy else 'real weights'}, vocab {vocab}; node: max_num_seqs "
               f"{args.max_num_seqs}, {args.max_batched_tokens} tokens a step, prefill delay factor "
               f"{args.prefill_delay_factor:g}, {args.api_processes} front-end "
-              f"process(es); {args.clients} gRPC client processes; "
+              f"process(es); {args.clients} client processes per API; "
               + (f"Poisson {args.poisson} req/s, Zipf({args.zipf_alpha})" if args.poisson else "closed loop")
               + f"; prompts {prompt_len[0]}-{prompt_len[1]}, {output} new tokens (ignore EOS)", flush=True)
         results: list[Result] = []
-        if "grpc" in args.paths:
+        apis = [api for api in ("grpc", "http") if api in args.paths]
+        if apis:
             node = NodeProcess(node_flags(args, checkpoint, adapter_root, dummy), work / "node.log")
+            endpoints = {"grpc": Endpoint("grpc", node.target), "http": Endpoint("http", node.http_url, checkpoint.name)}
             try:
                 if names:
                     node.pin(names)
                 for k, (row, conc, reqs) in enumerate(plan):
-                    run_grpc_row(node.target, reqs[:conc], conc, args.clients, False)  # warm
-                    before = node.stats()
-                    profiler = None
-                    if args.profile and k == 0:  # the node's processes, sampled by py-spy
-                        profiler = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "-d",
-                                                      str(args.profile), "-r", "250", "-f", "raw", "--nonblocking",
-                                                      "-o", str(args.profile_out / f"pyspy-{name}.txt")],
-                                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                                    for name, pid in node.processes().items()]
-                    records = run_grpc_row(node.target, reqs, conc, args.clients, bool(args.poisson))
-                    for p in profiler or []:
-                        p.wait(60)
-                    after = node.stats()
-                    results.append(Result(row, "grpc", conc, records, {k: after[k] - before[k] for k in after}))
-                    print(f"# {format_row(summarize(results[-1]))}", file=sys.stderr, flush=True)
+                    for api in apis:  # the same requests through each API, one after the other
+                        run_client_row(endpoints[api], reqs[:conc], conc, args.clients, False)  # warm
+                        before = node.stats()
+                        profiler = None
+                        if args.profile and k == 0 and api == apis[0]:  # the node's processes, by py-spy
+                            profiler = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "-d",
+                                                          str(args.profile), "-r", "250", "-f", "raw", "--nonblocking",
+                                                          "-o", str(args.profile_out / f"pyspy-{name}.txt")],
+                                                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                        for name, pid in node.processes().items()]
+                        records = run_client_row(endpoints[api], reqs, conc, args.clients, bool(args.poisson))
+                        for proc in profiler or []:
+                            proc.wait(60)
+                        after = node.stats()
+                        results.append(Result(row, api, conc, records, {k: after[k] - before[k] for k in after}))
+                        print(f"# {format_row(summarize(results[-1]))}", file=sys.stderr, flush=True)
             finally:
                 node.stop()
         if "engine" in args.paths:

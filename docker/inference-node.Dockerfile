@@ -24,7 +24,7 @@ RUN pip install --no-cache-dir torch triton \
 USER node
 ENV INFERENCE_NODE_HOST=0.0.0.0 \
     INFERENCE_NODE_PORT=50051
-EXPOSE 50051
+EXPOSE 50051 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
   CMD ["python", "-m", "lora_client.healthcheck", "127.0.0.1:50051"]
 ENTRYPOINT ["inference-node"]

@@ -72,6 +72,9 @@ def parser() -> EnvArgumentParser:
                        help="bearer token that LoadAdapter/UnloadAdapter require (off when unset)")
     serve.add_argument("--generate-token", default=None, secret=True,
                        help="bearer token that Generate requires (off when unset)")
+    serve.add_argument("--http-port", type=int, default=0,
+                       help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
+                            "/v1/models), served by every front-end process beside gRPC (0: off)")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics HTTP port (0: off)")
     serve.add_argument("--metrics-max-adapters", type=int, default=32,
                        help="adapters with their own `adapter` label in the metrics, the busiest by "
@@ -81,7 +84,8 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--store-token", default=None, secret=True,
                        help="bearer token sent to an adapter store started with --token")
     serve.add_argument("--max-concurrent-streams", type=int, default=0,
-                       help="open Generate streams before RESOURCE_EXHAUSTED (0: only --max-queue bounds them)")
+                       help="open Generate streams and HTTP completions of a front end before RESOURCE_EXHAUSTED "
+                            "(HTTP 429; 0: only --max-queue bounds them)")
     serve.add_argument("--max-request-mb", type=float, default=16.0,
                        help="largest request message; gRPC refuses larger ones with RESOURCE_EXHAUSTED")
     serve.add_argument("--max-prompt-chars", type=int, default=1 << 20,
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print("inference-node serve: --api-processes must be at least 1", file=sys.stderr)
         return 2
     return serve_node(settings, ServeOptions(host=args.host, port=args.port, drain_seconds=args.drain_seconds,
-                                        api_processes=args.api_processes, log_level=args.log_level))
+                                        api_processes=args.api_processes, log_level=args.log_level,
+                                        http_port=args.http_port))
 
 
 if __name__ == "__main__":

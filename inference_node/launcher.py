@@ -1,11 +1,12 @@
 """Starts a node as processes and stops them together.
 
 `inference-node serve` runs here: it starts the engine core process (the GPU loop), waits
-for its welcome, then serves gRPC from this process and from `api_processes - 1` more front
-ends sharing the port. On SIGTERM or Ctrl-C this process drains the node (the others stop
-taking work); if the engine core dies, every front end answers its open streams with
-UNAVAILABLE, reports NOT_SERVING and the node exits non-zero. Children never outlive it:
-the core and the front ends watch their parent and exit when it is gone.
+for its welcome, then serves gRPC (and the OpenAI-compatible HTTP API, with --http-port)
+from this process and from `api_processes - 1` more front ends sharing the ports. On SIGTERM
+or Ctrl-C this process drains the node (the others stop taking work); if the engine core
+dies, every front end answers its open streams with UNAVAILABLE, reports NOT_SERVING and the
+node exits non-zero. Children never outlive it: the core and the front ends watch their
+parent and exit when it is gone.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class ServeOptions:
     drain_seconds: float = 10.0
     api_processes: int = 1
     log_level: str = "INFO"
+    http_port: int = 0   # the OpenAI-compatible HTTP API; 0: off
 
 
 class NodeStartError(RuntimeError):
@@ -141,7 +143,8 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
             log.error("%s", exc)
             return 1
         server = NodeServer(settings, client, options.host, options.port, options.drain_seconds,
-                            owns_core=True, reuse_port=options.api_processes > 1, metrics_dir=metrics_dir)
+                            owns_core=True, reuse_port=options.api_processes > 1, metrics_dir=metrics_dir,
+                            http_port=options.http_port or None)
         await server.start(serving=options.api_processes == 1)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,7 +152,8 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
         if options.api_processes > 1:
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    None, procs.start_frontends, options.api_processes, settings, options, server.port)
+                    None, procs.start_frontends, options.api_processes, settings,
+                    dataclasses.replace(options, http_port=server.http_port), server.port)
             except NodeStartError as exc:
                 log.error("%s", exc)
                 server.request_stop()
@@ -187,7 +191,7 @@ async def _frontend(index: int, settings: NodeSettings, options: ServeOptions, p
     client = EngineClient(core_address, output_address, f"frontend-{index}")
     await client.connect(60.0)
     server = NodeServer(settings, client, options.host, port, options.drain_seconds,
-                        owns_core=False, reuse_port=True)
+                        owns_core=False, reuse_port=True, http_port=options.http_port or None)
     await server.start()
     ready.set()
     loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ from .request_builder import BadRequest
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_concurrent_streams: int = 0    # open Generate streams; 0: bounded only by --max-queue
+    max_concurrent_streams: int = 0    # open generations (gRPC and HTTP), per front end; 0: --max-queue bounds them
     max_request_bytes: int = 16 << 20  # one request message (enforced by gRPC)
     max_prompt_chars: int = 1 << 20    # `prompt`, or all `messages` contents together
     max_prompt_tokens: int = 0         # 0: --max-model-len - 1
@@ -43,7 +43,7 @@ def check_prompt_tokens(num_tokens: int, limits: RequestLimits) -> None:
 
 
 class StreamSlots:
-    """Counts open Generate streams (all on the server's event loop, so no lock)."""
+    """Counts open generations, gRPC and HTTP alike (all on the front end's event loop, so no lock)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -59,5 +59,5 @@ class StreamSlots:
         self.open -= 1
 
     def refusal(self) -> str:
-        return (f"this node serves at most {self.limit} concurrent Generate streams "
+        return (f"this node serves at most {self.limit} concurrent Generate streams and HTTP completions "
                 f"(--max-concurrent-streams) and all are in use; retry later")

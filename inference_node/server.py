@@ -1,5 +1,6 @@
 """gRPC surface of the node, served by each front-end process: InferenceNode, standard health
-checking and reflection.
+checking and reflection, and beside it the OpenAI-compatible HTTP API when --http-port is set
+(frontend/openai_api.py, on the same event loop).
 
 Handlers validate and tokenise, hand requests to the engine core (EngineClient) and turn
 its token ids into text (detokenising and watching stop strings here, never in the engine's
@@ -11,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -24,127 +23,40 @@ from lora.v1 import inference_pb2, inference_pb2_grpc
 from lora_common.tls import EXCLUSIVE_PORT, add_port
 
 from .auth import TokenAuth
-from .core.protocol import CoreInfo, ErrorKind
-from .frontend.detokenizer import TextStream
 from .frontend.engine_client import CoreError, EngineClient
-from .limits import StreamSlots, check_message, check_prompt_tokens
+from .frontend.generation import Frontend, GenerationError, generate
 from .metrics import NodeMetrics
 from .node import NodeSettings
-from .request_builder import ADAPTER_NAME, BadRequest, build_request
+from .request_builder import ADAPTER_NAME
 from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceNode"].full_name
 TIERS = {"gpu": inference_pb2.ADAPTER_TIER_GPU, "host": inference_pb2.ADAPTER_TIER_HOST,
          "loading": inference_pb2.ADAPTER_TIER_LOADING}
-DRAINING = "this node is draining and takes no new requests: retry on another node"
-
-
-@dataclass
-class Frontend:
-    """What the handlers of one front-end process share."""
-
-    settings: NodeSettings
-    client: EngineClient
-    info: CoreInfo
-    codec: TextCodec
-    metrics: NodeMetrics
-    draining: bool = False
 
 
 class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
         self.metrics = frontend.metrics
-        self.streams = StreamSlots(frontend.settings.limits.max_concurrent_streams)
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.frontend.draining:
-            self.metrics.request_finished(request.adapter, "unavailable")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
-        if not self.streams.try_acquire():
-            self.metrics.request_finished(request.adapter, "resource_exhausted")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.streams.refusal())
-        stream = self._generate(request, context)
+        stream = generate(self.frontend, request, "grpc")
         try:
-            async for reply in stream:
+            async for chunk in stream:
+                reply = inference_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+                if chunk.finish_reason is not None:
+                    reply.finish_reason = chunk.finish_reason
+                    reply.prompt_tokens = chunk.prompt_tokens
+                    reply.completion_tokens = chunk.completion_tokens
+                    reply.cached_prompt_tokens = chunk.cached_prompt_tokens
+                    reply.adapter_version = chunk.adapter_version
                 yield reply
+        except GenerationError as exc:
+            await context.abort(exc.code, exc.message)
         finally:
-            try:
-                await stream.aclose()  # now, not at garbage collection: it aborts the engine request
-            finally:
-                self.streams.release()
-
-    async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        frontend = self.frontend
-        client, limits = frontend.client, frontend.settings.limits
-        try:
-            check_message(request, limits)
-            spec, stop = build_request(request, frontend.codec, frontend.info,
-                                       limits.default_max_tokens(frontend.settings.default_max_tokens),
-                                       client.new_request_id())
-            check_prompt_tokens(len(spec.prompt_token_ids), limits)
-        except BadRequest as exc:
-            self.metrics.request_finished(request.adapter, "invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        stream = client.submit(spec)
-        text = TextStream(frontend.codec.decode, stop)
-        output_ids: list[int] = []
-        finish_reason: str | None = None
-        outcome = "cancelled"
-        started = last = time.monotonic()
-        first_token_at = None
-        try:
-            while finish_reason is None:
-                new_ids = await stream.next()
-                if stream.error is not None:
-                    error = stream.error
-                    outcome = error.code.name.lower()
-                    if error.kind == ErrorKind.CUT_SHORT:
-                        self.metrics.cut_short.inc()
-                        log.warning("request %s cut short at shutdown after %d tokens",
-                                    spec.client_request_id or spec.request_id, len(output_ids))
-                    await context.abort(error.code, error.message)
-                finish_reason = stream.finish_reason
-                if stop:  # token by token: the answer ends with the token that completed a stop string
-                    for i, token in enumerate(new_ids):
-                        output_ids.append(token)
-                        text.add(output_ids)
-                        if text.stopped:
-                            new_ids, finish_reason = new_ids[:i + 1], "stop"
-                            client.abort(spec.request_id)
-                            break
-                elif new_ids:
-                    output_ids.extend(new_ids)
-                    text.add(output_ids)
-                now = time.monotonic()
-                if new_ids:
-                    if first_token_at is None:
-                        first_token_at = now
-                        self.metrics.first_token(spec.adapter, now - started, len(new_ids))
-                    else:
-                        self.metrics.tokens_streamed(spec.adapter, len(new_ids), now - last)
-                    last = now
-                reply = inference_pb2.GenerateResponse(token_ids=new_ids,
-                                                       text=text.take(final=finish_reason is not None))
-                if finish_reason is not None:
-                    outcome = finish_reason
-                    reply.finish_reason = finish_reason
-                    reply.prompt_tokens = len(spec.prompt_token_ids)
-                    reply.completion_tokens = len(output_ids)
-                    reply.cached_prompt_tokens = stream.cached_prompt_tokens
-                    reply.adapter_version = stream.adapter_version
-                    log.info("request %s adapter=%s finished=%s prompt=%d completion=%d cached=%d "
-                             "ttft=%.3fs total=%.3fs", spec.client_request_id or spec.request_id,
-                             spec.adapter or "-", finish_reason, len(spec.prompt_token_ids), len(output_ids),
-                             stream.cached_prompt_tokens, (first_token_at or now) - started, now - started)
-                if new_ids or reply.text or finish_reason is not None:
-                    yield reply
-        finally:
-            self.metrics.request_finished(spec.adapter, outcome,
-                                          len(spec.prompt_token_ids) if finish_reason else 0, len(output_ids))
-            if finish_reason is None:  # the client went away or the deadline passed
-                client.abort(spec.request_id)
+            await stream.aclose()  # now, not at garbage collection: it aborts the engine request
 
     async def LoadAdapter(self, request: inference_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext):
         await self._check_name(request.name, context)
@@ -208,7 +120,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
 
 
 class NodeServer:
-    """One front end's grpc.aio server, health state and graceful shutdown.
+    """One front end's grpc.aio server (and HTTP API), health state and graceful shutdown.
 
     The front end that owns the core (`owns_core`) drains it on stop: the core refuses what
     has not started, running answers finish within drain_seconds, and only those still
@@ -217,7 +129,7 @@ class NodeServer:
 
     def __init__(self, settings: NodeSettings, client: EngineClient, host: str, port: int,
                  drain_seconds: float = 10.0, owns_core: bool = True, reuse_port: bool = False,
-                 metrics_dir: str | None = None) -> None:
+                 metrics_dir: str | None = None, http_port: int | None = None) -> None:
         self.settings = settings
         self.client = client
         self.host = host
@@ -226,6 +138,8 @@ class NodeServer:
         self.owns_core = owns_core
         self.reuse_port = reuse_port
         self.metrics_dir = metrics_dir   # several front ends: their metrics summed from here
+        self.requested_http_port = http_port  # the OpenAI-compatible API; None: off, 0: a free port
+        self.http = None                 # its HttpServer once started
         self.server: grpc.aio.Server | None = None
         self.health: health_aio.HealthServicer | None = None
         self.frontend: Frontend | None = None
@@ -234,6 +148,11 @@ class NodeServer:
         self.core_failed = False
         self._stopped = False
         self._stop_requested: asyncio.Event | None = None
+
+    @property
+    def http_port(self) -> int:
+        """The port of the OpenAI-compatible HTTP API (0 when off)."""
+        return self.http.port if self.http is not None else 0
 
     def _build(self) -> grpc.aio.Server:
         """Creates the grpc.aio server (it must be made inside the running event loop)."""
@@ -263,7 +182,7 @@ class NodeServer:
         """Listens; health says SERVING now, or at `set_serving` (once other front ends are up)."""
         loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
-        info = self.client.info
+        info, settings = self.client.info, self.settings
         if metrics is None:
             metrics = NodeMetrics(lambda: asyncio.run_coroutine_threadsafe(self.client.call("snapshot"), loop).result(2.0),
                                   max_adapter_labels=self.settings.metrics_max_adapters)
@@ -272,6 +191,13 @@ class NodeServer:
         self.client.on_core_exit = self._on_core_exit
         self.server = self._build()
         await self.server.start()
+        if self.requested_http_port is not None:
+            from .frontend.http_server import HttpServer  # uvicorn and Starlette only when asked for
+            from .frontend.openai_api import build_app
+
+            self.http = HttpServer(build_app(self.frontend), self.host, self.requested_http_port, settings.tls,
+                                   self.reuse_port)
+            await self.http.start()
         if self.settings.metrics_port and self.owns_core:
             metrics.serve(self.settings.metrics_port, self.host, self.metrics_dir)
         if serving:
@@ -310,6 +236,8 @@ class NodeServer:
             await self._drain_core(deadline)
         while self.client.streams and loop.time() < deadline + 2.0:  # their last messages
             await asyncio.sleep(0.02)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace=1.0)
         self.client.close()
         log.info("inference node front end stopped")

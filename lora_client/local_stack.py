@@ -6,8 +6,9 @@ mixes every sample adapter and the base model in one batch.
     python -m lora_client.local_stack --serve      # demo, then keep serving until Ctrl-C
 
 Ctrl-C (or the end of the demo) stops every process it started. Once up it prints where
-everything is: the node, the store, their Prometheus metrics, the S3 endpoint, bucket and
-credentials, and a push command that works as pasted. If a process dies it names it, with
+everything is: the node (gRPC and its OpenAI-compatible HTTP API), the store, their
+Prometheus metrics, the S3 endpoint, bucket and credentials, and a push command that works as
+pasted. The demo ends with one answer fetched with curl over the HTTP API. If a process dies it names it, with
 its exit code and the last lines of its log, stops the rest and exits with status 1.
 """
 from __future__ import annotations
@@ -16,7 +17,9 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,9 +42,11 @@ def sample_behaviours():
 
 class LocalStack:
     def __init__(self, work_dir: Path, node_port: int, store_port: int, max_loras: int,
-                 node_args: list[str], node_metrics_port: int = 0, store_metrics_port: int = 0) -> None:
+                 node_args: list[str], node_metrics_port: int = 0, store_metrics_port: int = 0,
+                 node_http_port: int = 0) -> None:
         self.work_dir = work_dir
         self.node_port = node_port or free_port()
+        self.node_http_port = node_http_port or free_port()
         self.store_port = store_port or free_port()
         self.node_metrics_port = node_metrics_port or free_port()
         self.store_metrics_port = store_metrics_port or free_port()
@@ -54,6 +59,11 @@ class LocalStack:
     @property
     def node_target(self) -> str:
         return f"127.0.0.1:{self.node_port}"
+
+    @property
+    def http_url(self) -> str:
+        """The node's OpenAI-compatible API (the openai client's base_url)."""
+        return f"http://127.0.0.1:{self.node_http_port}/v1"
 
     @property
     def store_target(self) -> str:
@@ -88,7 +98,7 @@ class LocalStack:
         print(f"[stack] adapter store on {self.store_target} (log: {logs / 'adapter-store.log'})", flush=True)
 
         node = Child("inference-node", console_script("inference-node") + [
-            "serve", "--host", "127.0.0.1", "--port", str(self.node_port),
+            "serve", "--host", "127.0.0.1", "--port", str(self.node_port), "--http-port", str(self.node_http_port),
             "--metrics-port", str(self.node_metrics_port), "--adapter-store", self.store_target, "--max-loras", str(self.max_loras),
             *self.node_args], logs / "inference-node.log", env)
         self.children.append(node)
@@ -109,12 +119,14 @@ class LocalStack:
         return "\n".join([
             "[stack] up:",
             f"  inference node  {self.node_target}   metrics http://127.0.0.1:{self.node_metrics_port}/metrics",
+            f"  OpenAI API      {self.http_url}   (curl, or the openai client with this base_url)",
             f"  adapter store   {self.store_target}   metrics http://127.0.0.1:{self.store_metrics_port}/metrics",
             f"  S3              {self.seaweed.endpoint_url}   bucket {self.bucket}   prefix adapters/",
             f"  credentials     {credentials}",
             "  push an adapter (then it is served by name within a few seconds):",
             f"    {credentials} {push}",
             f"    {client} --node {self.node_target} generate --adapter my-adapter \"Hello!\"",
+            f"    {shlex.join(curl_command(self.http_url, 'my-adapter', 'Hello!', 64))}",
         ])
 
     def check_alive(self) -> None:
@@ -158,6 +170,43 @@ def demo(target: str, names: list[str], max_tokens: int) -> list[tuple[str, Answ
     return results
 
 
+def curl_command(http_url: str, model: str, prompt: str, max_tokens: int) -> list[str]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0}
+    return ["curl", "-sS", f"{http_url}/chat/completions", "-H", "Content-Type: application/json",
+            "-d", json.dumps(body)]
+
+
+def curl_adapter(names: list[str]) -> str:
+    """The adapter the curl demo asks: the first whose demo prompt reads well in a shell line."""
+    prompts = sample_behaviours().DEMO_PROMPTS
+    return next((n for n in names if "'" not in prompts.get(n, ["Hello!"])[0]), names[0])
+
+
+def curl_answer(http_url: str, name: str, max_tokens: int) -> Answer | None:
+    """One chat answer of adapter `name` over the OpenAI-compatible API, fetched with curl
+    (greedy, so it equals the burst's gRPC answer to the same prompt)."""
+    prompt = sample_behaviours().DEMO_PROMPTS.get(name, ["Hello!"])[0]
+    command = curl_command(http_url, name, prompt, max_tokens)
+    print(f"\n[stack] one answer over the OpenAI-compatible HTTP API, fetched with curl:\n  $ {shlex.join(command)}",
+          flush=True)
+    if shutil.which("curl") is None:
+        print("  (curl is not installed here: nothing fetched)", flush=True)
+        return None
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - started
+    try:
+        reply = json.loads(done.stdout)
+        text = reply["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError):
+        raise RuntimeError(f"curl exited with {done.returncode}: {done.stdout or done.stderr}") from None
+    print(f"  [{name}] {prompt}\n  -> {text.strip()}\n     ({reply['usage']['completion_tokens']} tokens, "
+          f"{seconds:.2f} s, {reply['choices'][0]['finish_reason']})", flush=True)
+    return Answer(name, prompt, text.strip(), 0.0, seconds, reply["usage"]["completion_tokens"],
+                  reply["choices"][0]["finish_reason"])
+
+
 def _stop_on_signals() -> None:
     """Ctrl-C and SIGTERM both stop the stack, even when started from a shell or service that
     set SIGINT to be ignored (background jobs, nohup): Python then installs no handler itself."""
@@ -178,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="adapter store gRPC port (0: a free one)")
     ap.add_argument("--node-metrics-port", type=int, default=int(os.environ.get("STACK_NODE_METRICS_PORT", 0)),
                     help="the node's Prometheus metrics port (0: a free one; printed once up)")
+    ap.add_argument("--node-http-port", type=int, default=int(os.environ.get("STACK_NODE_HTTP_PORT", 0)),
+                    help="the node's OpenAI-compatible HTTP API port (0: a free one; printed once up)")
     ap.add_argument("--store-metrics-port", type=int, default=int(os.environ.get("STACK_STORE_METRICS_PORT", 0)),
                     help="the store's Prometheus metrics port (0: a free one; printed once up)")
     ap.add_argument("--samples", default=str(REPO / "samples" / "adapters"), help="adapters pushed at start")
@@ -192,24 +243,32 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LORA_STACK_ID", uuid.uuid4().hex)
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="lora-stack-"))
     stack = LocalStack(work_dir, args.node_port, args.store_port, args.max_loras, args.node_args,
-                       args.node_metrics_port, args.store_metrics_port)
+                       args.node_metrics_port, args.store_metrics_port, args.node_http_port)
     status = 0
     try:
         names = stack.start(Path(args.samples))
         try:
             results = demo(stack.node_target, names, args.max_tokens) if args.demo else []
+            over_http = curl_answer(stack.http_url, curl_adapter(names), args.max_tokens) if args.demo and names else None
         except Exception:
             stack.check_alive()  # a dead process explains a failed demo better than its symptom
             raise
         if args.report:
-            Path(args.report).write_text(json.dumps([
-                {"behaviour": b, "adapter": a.adapter, "prompt": a.prompt, "text": a.text, "shown": shown,
-                 "tokens": a.tokens, "seconds": round(a.total, 3)} for b, a, shown in results], indent=2))
+            rows = [{"behaviour": b, "adapter": a.adapter, "prompt": a.prompt, "text": a.text, "shown": shown,
+                     "tokens": a.tokens, "seconds": round(a.total, 3), "api": "grpc"} for b, a, shown in results]
+            if over_http is not None:
+                name = over_http.adapter
+                rows.append({"behaviour": name, "adapter": name, "prompt": over_http.prompt,
+                             "text": over_http.text, "tokens": over_http.tokens, "seconds": round(over_http.total, 3),
+                             "api": "http", "shown": sample_behaviours().shows_behaviour(
+                                 name, over_http.prompt, over_http.text)})
+            Path(args.report).write_text(json.dumps(rows, indent=2))
         if args.serve:
             client = " ".join(shlex.quote(a) for a in console_script("lora-client"))
             print(f"\n[stack] serving; try:\n  {client} --node {stack.node_target} generate "
                   f"--adapter {names[0]} \"Tell me about the sea.\"\n  {client} --node "
-                  f"{stack.node_target} ls\n[stack] Ctrl-C stops everything.", flush=True)
+                  f"{stack.node_target} ls\n  curl -sS {stack.http_url}/models\n"
+                  "[stack] Ctrl-C stops everything.", flush=True)
             while True:
                 stack.check_alive()
                 time.sleep(0.5)

@@ -23,7 +23,9 @@ class InProcessNode:
     with the engine in reach of the test (tests/node/test_node_processes.py runs the real
     processes)."""
 
-    def __init__(self, settings: NodeSettings, start_timeout: float = 60.0, drain_seconds: float = 2.0) -> None:
+    def __init__(self, settings: NodeSettings, start_timeout: float = 60.0, drain_seconds: float = 2.0,
+                 http: bool = False) -> None:
+        """http: also serve the OpenAI-compatible HTTP API on a free port (`http_url`)."""
         self.node = build_node(settings)
         self.engine = self.node.engine
         self.ipc_dir = tempfile.mkdtemp(prefix="lora-test-node-")
@@ -34,7 +36,8 @@ class InProcessNode:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.client = EngineClient(self.core.address, f"ipc://{self.ipc_dir}/frontend-0", "frontend-0")
-        self.server = NodeServer(settings, self.client, "127.0.0.1", 0, drain_seconds=drain_seconds)
+        self.server = NodeServer(settings, self.client, "127.0.0.1", 0, drain_seconds=drain_seconds,
+                                 http_port=0 if http else None)
 
         async def start() -> None:
             await self.client.connect(start_timeout)
@@ -42,6 +45,7 @@ class InProcessNode:
 
         asyncio.run_coroutine_threadsafe(start(), self.loop).result(start_timeout)
         self.address = self.server.address
+        self.http_url = f"{self.server.http.url}/v1" if http else ""  # https:// with the node's TLS
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(60)

@@ -42,6 +42,10 @@ class AdapterSource(Protocol):
         """Fetches and validates an adapter (version "" = current). Blocking; raises AdapterError."""
         ...
 
+    def catalog(self) -> list[tuple[str, int]]:
+        """(name, unix time it was last updated) of every adapter it can serve. Blocking."""
+        ...
+
 
 @dataclass(eq=False)
 class AdapterEntry:

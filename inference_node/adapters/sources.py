@@ -78,6 +78,19 @@ class LocalDirSource:
         self.max_weight_abs = max_weight_abs
         self.dtype = dtype
 
+    def catalog(self) -> list[tuple[str, int]]:
+        """Folders with an allowed name and both files (their content is checked at load)."""
+        found = []
+        for folder in sorted(self.root.iterdir()) if self.root.is_dir() else []:
+            try:
+                check_name(folder.name)
+            except InvalidName:
+                continue
+            config = folder / CONFIG_FILE
+            if config.is_file() and (folder / WEIGHTS_FILE).is_file():
+                found.append((folder.name, int(config.stat().st_mtime)))
+        return found
+
     def load(self, name: str, version: str) -> AdapterWeights:
         try:
             check_name(name)

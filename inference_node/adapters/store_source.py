@@ -68,6 +68,15 @@ class StoreSource:
                                   fetched.files[WEIGHTS_FILE], self.model, self.max_rank,
                                   max_weight_abs=self.max_weight_abs, dtype=self.dtype)
 
+    def catalog(self) -> list[tuple[str, int]]:
+        """The store's valid adapters (raises AdapterError when it cannot be reached)."""
+        try:
+            return [(a.name, a.updated_at) for a in self.client.list_adapters() if a.valid]
+        except StoreError as exc:
+            error = _ERRORS.get(exc.code, AdapterError)
+            raise error(f"listing the adapter store at {self.target}: {exc.code.name}: {exc.details}"
+                        f"{_HINTS.get(exc.code, '')}") from exc
+
     def close(self) -> None:
         self.client.close()
 

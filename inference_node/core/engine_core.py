@@ -152,6 +152,9 @@ class EngineCore:
         if method == "load_adapter":
             self._load_adapter(frontend, call_id, **args)
             return
+        if method == "adapter_catalog":
+            self._adapter_catalog(frontend, call_id)
+            return
         try:
             result = self.calls[method](**args)
         except Exception as exc:  # handed to the caller as its status
@@ -223,6 +226,30 @@ class EngineCore:
                 self.replies[frontend].append([call_id, True, [entry.version, entry.tier]])
 
         manager.load(name, version, pin, done)
+
+    def _adapter_catalog(self, frontend: str, call_id: int) -> None:
+        """[[name, updated unix time]] of the adapters the source can serve (the store's catalog,
+        the directory's adapters), listed on a thread of its own: a store's answer takes a
+        network round trip, which the loop never waits for. The reply goes out from the loop."""
+        source = self.node.adapters.source if self.node.adapters is not None else None
+        if source is None:
+            self.replies[frontend].append([call_id, True, []])
+            return
+
+        def reply(ok: bool, result: Any) -> None:  # the loop thread
+            self.replies[frontend].append([call_id, ok, result])
+
+        def run() -> None:
+            try:
+                listed = [[name, updated] for name, updated in source.catalog()]
+            except Exception as exc:  # handed to the caller as its status
+                if not isinstance(exc, AdapterError):
+                    log.exception("listing the adapter source failed")
+                self.engine.call(partial(reply, False, error_fields(exc)[:2]))
+                return
+            self.engine.call(partial(reply, True, listed))
+
+        threading.Thread(target=run, name="adapter-catalog", daemon=True).start()
 
     def _unload_adapter(self, name: str) -> bool:
         return self._manager().unload(name)

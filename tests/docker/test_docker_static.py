@@ -65,7 +65,8 @@ def test_every_service_env_name_is_read_by_the_code(compose, known_env) -> None:
 def test_ports_agree_with_the_services_settings(compose) -> None:
     services = compose["services"]
     node_env, store_env = services["inference-node"]["environment"], services["adapter-store"]["environment"]
-    node_ports = [node_env["INFERENCE_NODE_PORT"], node_env["INFERENCE_NODE_METRICS_PORT"]]
+    node_ports = [node_env["INFERENCE_NODE_PORT"], node_env["INFERENCE_NODE_HTTP_PORT"],
+                  node_env["INFERENCE_NODE_METRICS_PORT"]]
     store_ports = [store_env["ADAPTER_STORE_PORT"], store_env["ADAPTER_STORE_METRICS_PORT"]]
     assert services["inference-node"]["ports"] == [f"{p}:{p}" for p in node_ports]
     assert services["adapter-store"]["ports"] == [f"{p}:{p}" for p in store_ports]

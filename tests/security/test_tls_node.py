@@ -1,9 +1,13 @@
-"""The node over TLS and mutual TLS: real gRPC on loopback with a throwaway CA. A TLS node
-serves TLS clients and refuses plaintext ones; an mTLS node refuses clients without a
-certificate its CA signed; health checks and lora-client speak TLS from flags or env."""
+"""The node over TLS and mutual TLS: real gRPC (and the OpenAI-compatible HTTP API) on
+loopback with a throwaway CA. A TLS node serves TLS clients and refuses plaintext ones; an
+mTLS node refuses clients without a certificate its CA signed; health checks and lora-client
+speak TLS from flags or env."""
 from __future__ import annotations
 
+import ssl
+
 import grpc
+import httpx
 import pytest
 
 from lora_common.tls import ClientTLS, ServerTLS, TLSConfigError
@@ -18,7 +22,7 @@ REQUEST = NodeClient.request(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eo
 @pytest.fixture(scope="module")
 def tls_node(pki, tiny_llama_path):
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=32, max_loras=0,
-                                      tls=ServerTLS(cert=pki.server.cert, key=pki.server.key)))
+                                      tls=ServerTLS(cert=pki.server.cert, key=pki.server.key)), http=True)
     yield node
     node.stop()
 
@@ -26,7 +30,8 @@ def tls_node(pki, tiny_llama_path):
 @pytest.fixture(scope="module")
 def mtls_node(pki, tiny_llama_path):
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=32, max_loras=0,
-                                      tls=ServerTLS(cert=pki.server.cert, key=pki.server.key, client_ca=pki.ca)))
+                                      tls=ServerTLS(cert=pki.server.cert, key=pki.server.key, client_ca=pki.ca)),
+                         http=True)
     yield node
     node.stop()
 
@@ -106,3 +111,28 @@ def test_node_cli_refuses_a_bad_tls_setting_before_loading_the_model(pki, capsys
 
     assert main(["serve", "--tls-cert", pki.server.cert, "--port", "0"]) == 2
     assert "--tls-key" in capsys.readouterr().err
+
+
+def _models(url: str, ca: str | None = None, cert=None) -> int:
+    """The status of GET /v1/models over HTTPS trusting `ca` (and presenting `cert`)."""
+    context = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        context.load_cert_chain(cert.cert, cert.key)
+    with httpx.Client(verify=context, timeout=10) as client:
+        return client.get(f"{url}/models").status_code
+
+
+def test_the_http_api_serves_tls_with_the_nodes_certificate(tls_node, pki) -> None:
+    assert tls_node.http_url.startswith("https://")
+    assert _models(tls_node.http_url, pki.ca) == 200
+    with pytest.raises(httpx.ConnectError):
+        _models(tls_node.http_url, pki.other_ca)
+    with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the TLS port
+        httpx.get(tls_node.http_url.replace("https://", "http://") + "/models", timeout=10)
+
+
+def test_the_http_api_of_an_mtls_node_needs_a_client_certificate(mtls_node, pki) -> None:
+    assert _models(mtls_node.http_url, pki.ca, pki.client) == 200
+    for cert in (None, pki.impostor):
+        with pytest.raises(httpx.HTTPError):
+            _models(mtls_node.http_url, pki.ca, cert)

@@ -60,6 +60,12 @@ def test_stack_demo_shows_each_adapters_behaviour_and_stops_cleanly(tmp_path: Pa
     results = json.loads(report.read_text())
     names = sorted(p.name for p in SAMPLES.iterdir() if (p / "adapter_config.json").exists())
     assert len(names) >= 1
+    over_http = [r for r in results if r["api"] == "http"]
+    assert len(over_http) == 1 and over_http[0]["text"] and over_http[0]["shown"], over_http
+    twin = [r for r in results if r["api"] == "grpc" and r["adapter"] == over_http[0]["adapter"]
+            and r["prompt"] == over_http[0]["prompt"]]
+    assert [r["text"] for r in twin] == [over_http[0]["text"]]  # curl's greedy answer is gRPC's
+    assert "fetched with curl:\n  $ curl -sS http://127.0.0.1:" in output
     for name in names:
         served = [r for r in results if r["behaviour"] == name and r["adapter"] == name]
         base = [r for r in results if r["behaviour"] == name and r["adapter"] == ""]

@@ -4,6 +4,7 @@ served by name, then seen in the node's metrics); when one of its processes dies
 it, with its exit code and the last lines of its log, and stops the rest."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -60,6 +61,7 @@ def test_printed_push_works_as_pasted_and_a_dead_store_is_named(tmp_path: Path) 
         read_until(launcher.stdout, r"^\[stack\] up:", lines, 600)
         push = read_until(launcher.stdout, r"^    (AWS_ACCESS_KEY_ID=.* push .*)$", lines, 10).group(1)
         ask = read_until(launcher.stdout, r"^    (.*lora-client .* generate .*)$", lines, 10).group(1)
+        curl = read_until(launcher.stdout, r"^    (curl .*)$", lines, 10).group(1)
         metrics = re.search(r"inference node .* metrics (http://\S+)", "".join(lines)).group(1)
         for needed in ("S3              http://127.0.0.1:", "bucket lora-adapters-", "AWS_SECRET_ACCESS_KEY="):
             assert needed in "".join(lines)
@@ -72,8 +74,14 @@ def test_printed_push_works_as_pasted_and_a_dead_store_is_named(tmp_path: Path) 
         answer = subprocess.run(["bash", "-c", ask],
                                 cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
         assert answer.returncode == 0, answer.stderr
+        over_http = subprocess.run(["bash", "-c", curl], cwd=elsewhere, env=env, capture_output=True, text=True,
+                                   timeout=300)
+        assert over_http.returncode == 0, over_http.stderr
+        reply = json.loads(over_http.stdout)
+        assert reply["model"] == "my-adapter" and reply["choices"][0]["message"]["content"], reply
         text = urllib.request.urlopen(metrics, timeout=10).read().decode()
-        assert re.search(r'lora_node_requests_total\{adapter="my-adapter",status="(stop|length)"\} 1.0', text), text
+        finished = re.findall(r'lora_node_requests_total\{adapter="my-adapter",status="(?:stop|length)"\} (\S+)', text)
+        assert sum(float(v) for v in finished) == 2.0, text  # the gRPC answer and curl's
 
         rest = threading.Thread(target=lambda: lines.extend(l.decode() for l in launcher.stdout))
         rest.start()

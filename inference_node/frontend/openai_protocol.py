@@ -1,0 +1,294 @@
+"""The OpenAI API's requests and responses as the node reads and writes them (no I/O here).
+
+A completion or chat request becomes the GenerateRequest the gRPC API takes, so both APIs
+run one validation path (request_builder, limits) and answer alike; this module checks only
+the JSON's shape and what the OpenAI API has that gRPC does not (`model`, `n`, ...). Errors
+are ApiError: OpenAI's error object with an HTTP status, mapped from the gRPC status the
+gRPC API answers the same request with.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from lora.v1 import inference_pb2
+
+from ..request_builder import ADAPTER_NAME
+from .generation import Chunk
+
+# The gRPC status of a refused or failed request -> the HTTP status the OpenAI API answers.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,   # an adapter this node cannot serve (rank, shapes, weights)
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+SEED_MODULUS = 1 << 64   # the engine's seeds are unsigned 64-bit; OpenAI's are signed
+OWNER = "lora-serving"
+
+
+class ApiError(Exception):
+    """An answer of the OpenAI API's error shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def from_grpc(cls, code: grpc.StatusCode, message: str) -> "ApiError":
+        """The answer to a request the gRPC API answers with `code` (NOT_FOUND: the adapter
+        that `model` names is unknown)."""
+        if code == grpc.StatusCode.NOT_FOUND:
+            return cls(404, message, param="model", code="model_not_found")
+        return cls(HTTP_STATUS.get(code, 500), message, code=code.name.lower())
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+@dataclass
+class ApiRequest:
+    """A parsed /v1/completions or /v1/chat/completions request."""
+
+    generate: inference_pb2.GenerateRequest
+    model: str            # echoed in every response object
+    chat: bool
+    stream: bool
+    include_usage: bool   # stream_options.include_usage: a last chunk with the usage
+
+
+# -- reading -------------------------------------------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(body: dict, name: str, default: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise bad(name, f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise bad(name, f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """Parameters this node does not implement: refused unless left at their no-op value,
+    so no client silently gets something other than it asked for."""
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise bad("n", f"n must be 1: this node returns one choice per request (send {n} requests instead)")
+    if _int(body, "best_of", 1) != 1:
+        raise bad("best_of", "best_of must be 1: this node returns one choice per request")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0) != 0.0:
+            raise bad(name, f"{name} is not supported by this node: leave it out or at 0")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "logit_bias is not supported by this node")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise bad("logprobs", "logprobs are not supported by this node")
+    if body.get("echo"):
+        raise bad("echo", "echo is not supported by this node")
+    if body.get("suffix"):
+        raise bad("suffix", "suffix is not supported by this node")
+    if chat:
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise bad(name, f"{name} (function calling) is not supported by this node")
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise bad("response_format", "only response_format {\"type\": \"text\"} is supported by this node")
+
+
+def resolve_model(model: Any, base_model: str) -> str:
+    """The adapter that `model` names ("" for the base model); 404 for a name no adapter can have."""
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required: the base model's name or an adapter's (GET /v1/models lists them)")
+    if model == base_model:
+        return ""
+    if not ADAPTER_NAME.match(model):
+        raise ApiError(404, f"the model {model!r} does not exist on this node: GET /v1/models lists the base "
+                            f"model ({base_model}) and its adapters", param="model", code="model_not_found")
+    return model
+
+
+def _prompt(body: dict, msg: inference_pb2.GenerateRequest) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]   # a batch of one
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+        if not prompt:
+            raise bad("prompt", "prompt is empty")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(t < 0 or t >= 1 << 31 for t in prompt):
+            raise bad("prompt", "prompt token ids must be in [0, 2**31)")
+        msg.prompt_token_ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad("prompt", f"one prompt per request: got {len(prompt)} (send them as separate requests)")
+    else:
+        raise bad("prompt", "prompt must be a string or a list of token ids")
+
+
+def _messages(body: dict, msg: inference_pb2.GenerateRequest) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list of {role, content}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string role")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content", "only text content parts are supported by this node")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or text parts")
+        msg.messages.add(role=m["role"], content=content)
+
+
+def parse_request(body: Any, chat: bool, base_model: str, request_id: str = "") -> ApiRequest:
+    """A completion (chat=False) or chat completion request as the node's GenerateRequest.
+
+    Defaults are the OpenAI API's: temperature 1, top_p 1, max_tokens absent = the node's
+    default (--default-max-tokens, cut to the context). `ignore_eos` and `top_k` are accepted
+    as extensions (as vLLM does)."""
+    if not isinstance(body, dict):
+        raise bad("body", "the request body must be a JSON object")
+    _refuse_unsupported(body, chat)
+    msg = inference_pb2.GenerateRequest(adapter=resolve_model(body.get("model"), base_model),
+                                        request_id=request_id)
+    if chat:
+        _messages(body, msg)
+    else:
+        _prompt(body, msg)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, 0)
+    if body.get(name) is not None and max_tokens < 1:
+        raise bad(name, f"{name} must be at least 1 (leave it out for the node's default), got {max_tokens}")
+    msg.max_tokens = max_tokens
+    msg.temperature = _number(body, "temperature", 1.0)
+    msg.top_p = _number(body, "top_p", 1.0)
+    top_k = _int(body, "top_k", 0)
+    msg.top_k = 0 if top_k == -1 else top_k   # vLLM spells "off" -1
+    seed = _int(body, "seed")
+    if seed is not None:
+        msg.seed = seed % SEED_MODULUS
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad("stop", "stop must be a string or a list of strings")
+    msg.stop.extend(stop or [])
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", "ignore_eos must be true or false")
+    msg.ignore_eos = ignore_eos
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad("stream", "stream must be true or false")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("stream_options", "stream_options must be an object")
+    return ApiRequest(msg, body["model"], chat, stream, bool(stream and options.get("include_usage")))
+
+
+# -- writing -------------------------------------------------------------------------------------
+class ResponseWriter:
+    """The OpenAI objects of one request: whole responses, or stream chunks that share its id."""
+
+    def __init__(self, request: ApiRequest) -> None:
+        self.request = request
+        self.id = f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
+
+    @staticmethod
+    def usage(last: Chunk) -> dict[str, Any]:
+        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                "total_tokens": last.prompt_tokens + last.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": last.cached_prompt_tokens}}
+
+    def response(self, text: str, last: Chunk) -> dict[str, Any]:
+        """The whole answer (stream: false)."""
+        if self.request.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": last.finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": self.usage(last),
+                "system_fingerprint": last.adapter_version or None}
+
+    def chunks(self, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+        """The stream objects for one chunk of the answer (stream: true)."""
+        out = []
+        usage = {"usage": None} if self.request.include_usage else {}
+        if self.request.chat:
+            head = self._head("chat.completion.chunk")
+            if first:
+                out.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}], **usage})
+            if chunk.text:
+                out.append({**head, "choices": [{"index": 0, "delta": {"content": chunk.text},
+                                                 "logprobs": None, "finish_reason": None}], **usage})
+            if chunk.finish_reason is not None:
+                out.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                 "finish_reason": chunk.finish_reason}], **usage})
+        else:
+            head = self._head("text_completion")
+            if chunk.text or chunk.finish_reason is not None:
+                out.append({**head, "choices": [{"index": 0, "text": chunk.text, "logprobs": None,
+                                                 "finish_reason": chunk.finish_reason}], **usage})
+        if chunk.finish_reason is not None and self.request.include_usage:
+            out.append({**head, "choices": [], "usage": self.usage(chunk)})
+        return out
+
+
+def model_list(base_model: str, created: int, adapters: list[tuple[str, int]]) -> dict[str, Any]:
+    """GET /v1/models: the base model, then each adapter (its `parent` is the base model)."""
+    data = [{"id": base_model, "object": "model", "created": created, "owned_by": OWNER, "root": base_model,
+             "parent": None}]
+    data += [{"id": name, "object": "model", "created": updated or created, "owned_by": OWNER,
+              "root": base_model, "parent": base_model} for name, updated in adapters if name != base_model]
+    return {"object": "list", "data": data}
