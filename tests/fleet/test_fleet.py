@@ -3,7 +3,9 @@
 - Adapter affinity: 300 requests over 12 adapters load each adapter on at most 2 nodes,
   against every node loading most adapters under round-robin (printed side by side:
   adapter loads per node, prefix-cache hit tokens).
-- A draining node leaves the proxy's pool while it still runs, and its running answer ends.
+- Base-model requests (no header, or an empty one) reach every node.
+- A draining node leaves the proxy's pool while it still runs, and its running answer ends;
+  only its adapters move to other nodes, and they come back when it rejoins.
 - Under continuous load, a rolling restart of all 3 nodes fails no request (refusals are
   retried, only before a first token) and every answer equals a single-node run's.
 - A node killed with SIGKILL fails only the answers it was streaming, with UNAVAILABLE; its
@@ -210,12 +212,29 @@ def alive(fleet: NodeFleet, name: str) -> bool:
     return fleet.node(name).child.alive()
 
 
+def where(client: NodeClient) -> dict[str, str]:
+    """The node each adapter's request goes to now, one request at a time (no load to bound)."""
+    return {adapter: client.generate(request(adapter, 9), timeout=60).node for adapter in ADAPTERS}
+
+
+def test_base_model_requests_spread_over_every_node(fleet) -> None:
+    with NodeClient(fleet.target) as plain, NodeClient(fleet.target, metadata=[(ADAPTER_HEADER, "")]) as empty:
+        requests = [NodeClient.request(prompt_token_ids=[11, 2345, 876, 40 + i], max_tokens=4, ignore_eos=True)
+                    for i in range(6)]
+        served = Counter()
+        for client in (plain, empty):  # no header, and an empty one
+            for req in requests:
+                served[client.generate(req, timeout=60).node] += 1
+    assert set(served) == {n.name for n in fleet.nodes}, served
+
+
 def test_a_draining_node_leaves_the_pool_before_it_stops(fleet) -> None:
     """SIGTERM: the proxy marks the node DOWN while its process still runs its answer; the
-    answer ends whole; the node exits 0 and rejoins once started again."""
+    answer ends whole; only that node's adapters move (consistent hashing); the node exits 0,
+    rejoins once started again, and gets its adapters back."""
     with NodeClient(fleet.target, retry=RETRY) as client:
-        probe = client.generate(request(ADAPTERS[0], 0), timeout=60)
-        victim = probe.node
+        before = where(client)
+        victim = before[ADAPTERS[0]]
         long = client.answer(request(ADAPTERS[0], 1, max_tokens=400), timeout=120)
         stream = iter(long)
         first = next(stream)
@@ -223,14 +242,19 @@ def test_a_draining_node_leaves_the_pool_before_it_stops(fleet) -> None:
         fleet.node(victim).child.proc.send_signal(signal.SIGTERM)
         fleet.proxy.wait(lambda servers: not servers[victim].up, 10, f"{victim} out of the pool")
         assert alive(fleet, victim), "the node stopped before the proxy took it out of the pool"
-        for _ in range(5):  # meanwhile its adapter is served by another node
-            assert client.generate(request(ADAPTERS[0], 2), timeout=60).node != victim
+        during = where(client)
+        for adapter in ADAPTERS:
+            if before[adapter] == victim:
+                assert during[adapter] != victim, adapter
+            else:
+                assert during[adapter] == before[adapter], (adapter, before[adapter], during[adapter])
         tokens = len(first.token_ids) + sum(len(m.token_ids) for m in stream)
         assert tokens == 400 and long.attempts == 1
-    assert fleet.node(victim).child.proc.wait(60) == 0
-    fleet.node(victim).child.stop()
-    fleet.start_node(victim)
-    assert fleet.proxy.servers()[victim].status == "UP"
+        assert fleet.node(victim).child.proc.wait(60) == 0
+        fleet.node(victim).child.stop()
+        fleet.start_node(victim)
+        assert fleet.proxy.servers()[victim].status == "UP"
+        assert where(client) == before
 
 
 class Load:
