@@ -49,8 +49,7 @@ class NodeFleet:
 
     def __init__(self, work_dir: Path, size: int, node_args: Sequence[str], routing: Routing = "adapter",
                  env: dict[str, str] | None = None, proxy_port: int = 0, stats_port: int = 0,
-                 start_timeout: float = 600.0, drain_timeout: float = 120.0,
-                 node_command: Sequence[str] | None = None) -> None:
+                 start_timeout: float = 600.0, drain_timeout: float = 120.0) -> None:
         self.work_dir = work_dir
         self.logs = work_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -58,7 +57,6 @@ class NodeFleet:
         self.env = env
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
-        self.node_command = list(node_command or console_script("inference-node"))
         self.nodes = [FleetNode(f"n{i + 1}", free_port(), free_port()) for i in range(size)]
         self.proxy_settings = ProxySettings(tuple((n.name, n.target) for n in self.nodes),
                                             port=proxy_port or free_port(), stats_port=stats_port or free_port(),
@@ -92,7 +90,7 @@ class NodeFleet:
         self.proxy.wait_all_up()
 
     def _spawn(self, node: FleetNode) -> None:
-        node.child = Child(f"inference-node {node.name}", self.node_command + [
+        node.child = Child(f"inference-node {node.name}", console_script("inference-node") + [
             "serve", "--host", "127.0.0.1", "--port", str(node.port), "--metrics-port", str(node.metrics_port),
             *self.node_args], self.log_path(node), self.env)
 
@@ -124,8 +122,7 @@ class NodeFleet:
         node.child.stop()
         return code
 
-    def rolling_restart(self, report: Callable[[str], None] = print,
-                        between: Callable[[str], None] = lambda name: None) -> list[int]:
+    def rolling_restart(self, report: Callable[[str], None] = print) -> list[int]:
         """One node at a time: SIGTERM (it drains; the proxy stops sending it requests), wait
         for its exit, start it again, wait until the proxy has it UP, then the next. Returns
         the exit codes of the drained nodes."""
@@ -136,7 +133,6 @@ class NodeFleet:
             code = self.terminate(node.name)
             codes.append(code)
             report(f"[fleet] {node.name} exited with code {code} after {time.monotonic() - started:.1f}s; starting")
-            between(node.name)
             self.start_node(node.name)
             report(f"[fleet] {node.name} back in the pool after {time.monotonic() - started:.1f}s")
         return codes

@@ -241,7 +241,7 @@ class Proxy:
 
     def wait_all_up(self, timeout: float = 60.0) -> None:
         self.wait(lambda servers: len(servers) == len(self.settings.servers)
-                  and all(s.up and s.status == "UP" for s in servers.values()), timeout, "every node UP")
+                  and all(s.status == "UP" for s in servers.values()), timeout, "every node UP")
 
     def stop(self) -> int:
         return self.child.stop()
