@@ -1,6 +1,7 @@
 # Two commands: `make run` (the whole stack on embedded defaults: SeaweedFS, adapter store,
 # inference node, sample adapters, a demo burst) and `make test` (the whole suite).
-# Both create the virtual environment on first use. `make serve` keeps the stack running.
+# Both create the virtual environment on first use. `make serve` keeps the stack running;
+# `make fleet` serves FLEET_NODES nodes behind HAProxy (the `haproxy` package: `make haproxy`).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,13 +10,23 @@ BIN := $(VENV)/bin
 # project's `torch>=` requirement does not pull several GB of CUDA packages.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: run serve demo-node test env clean-env
+FLEET_NODES ?= 3
+
+.PHONY: run serve fleet haproxy demo-node test env clean-env
 
 run: $(VENV)/.installed
 	$(BIN)/python -m lora_client.local_stack
 
 serve: $(VENV)/.installed
 	$(BIN)/python -m lora_client.local_stack --serve
+
+fleet: $(VENV)/.installed
+	@command -v haproxy >/dev/null || { echo "make fleet needs HAProxy: the Debian/Ubuntu package haproxy (make haproxy, as root)"; exit 1; }
+	$(BIN)/python -m lora_client.local_stack --fleet $(FLEET_NODES)
+
+# HAProxy from the system's packages (Debian/Ubuntu, as root); the fleet tests skip without it.
+haproxy:
+	command -v haproxy >/dev/null || { apt-get update -q && apt-get install -y -q haproxy; }
 
 demo-node: $(VENV)/.installed
 	$(BIN)/python -m lora_client.demo

@@ -1,4 +1,5 @@
-"""`lora-client`: talk to a node (generate, load, unload, ls, stats) or a store (store-ls, push).
+"""`lora-client`: talk to a node or a fleet's proxy (generate, load, unload, ls, stats), see
+which node of a fleet holds which adapter (fleet), or talk to a store (store-ls, push).
 
 Global options (--node, --timeout, --token, --tls-*) go before or after the command. Expected
 failures (an unreachable node, a refused request, missing S3 credentials) print one line
@@ -13,16 +14,14 @@ import grpc
 
 from lora_common.envargs import EnvArgumentParser
 from lora_common.tls import TLSConfigError, add_client_flags, client_tls_from_args
-from lora.v1 import inference_pb2 as pb
 
-from .node_client import NodeClient
+from .fleet import TIER_NAMES, fleet_view, format_fleet, nodes_from_proxy
+from .node_client import NodeClient, RetryPolicy
 
 
-def _client(args: argparse.Namespace) -> NodeClient:
-    return NodeClient(args.node, token=args.token, tls=client_tls_from_args(args, "tls"))
-
-TIER_NAMES = {pb.ADAPTER_TIER_GPU: "gpu", pb.ADAPTER_TIER_HOST: "host", pb.ADAPTER_TIER_DISK: "disk",
-              pb.ADAPTER_TIER_LOADING: "loading"}
+def _client(args: argparse.Namespace, target: str | None = None) -> NodeClient:
+    retry = RetryPolicy(attempts=args.retries + 1) if args.retries > 0 else None
+    return NodeClient(target or args.node, token=args.token, tls=client_tls_from_args(args, "tls"), retry=retry)
 
 
 DEFAULT_MAX_TOKENS = 128  # an interactive answer: a few paragraphs, not a wait for 256 tokens on a CPU
@@ -35,14 +34,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                                  system=args.system)
         last = None
-        for msg in client.stream(request, timeout=args.timeout):
+        answer = client.answer(request, timeout=args.timeout)
+        for msg in answer:
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             last = msg
         sys.stdout.write("\n")
         if last is not None and args.verbose:
+            node = f", node {answer.node}" if answer.node else ""  # through a fleet's proxy
             print(f"[{last.finish_reason}: {last.prompt_tokens} prompt + {last.completion_tokens} "
-                  f"completion tokens, adapter version {last.adapter_version[:12] or '-'}]", file=sys.stderr)
+                  f"completion tokens, adapter version {last.adapter_version[:12] or '-'}{node}]", file=sys.stderr)
         elif last is not None and last.finish_reason == "length":
             print(f"[cut at {last.completion_tokens} tokens: --max-tokens N for a longer answer]", file=sys.stderr)
     return 0
@@ -50,30 +51,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_load(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        reply = client.stub.LoadAdapter(pb.LoadAdapterRequest(name=args.name, version=args.version,
-                                                              pin=args.pin), timeout=args.timeout,
-                                        metadata=client.metadata)
+        reply = client.load_adapter(args.name, args.version, args.pin, timeout=args.timeout)
     print(f"{reply.name} {reply.version[:12]} {TIER_NAMES.get(reply.tier, '?')}")
     return 0
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        reply = client.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=args.name), timeout=args.timeout,
-                                          metadata=client.metadata)
+        reply = client.unload_adapter(args.name, timeout=args.timeout)
     print(f"{args.name}: {'unload deferred until running requests end' if reply.deferred else 'unloaded'}")
     return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        reply = client.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=args.timeout, metadata=client.metadata)
+        reply = client.list_adapters(timeout=args.timeout)
     print(f"{'NAME':24} {'VERSION':12} {'TIER':8} {'SLOT':>4} {'RANK':>4} {'REFS':>4} PINNED PENDING")
     for a in reply.adapters:
         print(f"{a.name:24} {a.version[:12]:12} {TIER_NAMES.get(a.tier, '?'):8} {a.slot:>4} {a.rank:>4} "
               f"{a.ref_count:>4} {'yes' if a.pinned else 'no':6} {'yes' if a.pending_eviction else 'no'}")
     print(f"({reply.max_loras} GPU slots, {reply.max_cpu_loras} in host memory)")
     return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    if args.nodes:
+        nodes = [(f"n{i + 1}", address, "") for i, address in enumerate(a for a in args.nodes.split(",") if a)]
+    else:
+        try:
+            nodes = nodes_from_proxy(args.proxy_stats)
+        except OSError as exc:
+            print(f"lora-client fleet: cannot read the proxy's stats page at {args.proxy_stats} ({exc}); "
+                  "point --proxy-stats at it, or list the nodes with --nodes HOST:PORT,...", file=sys.stderr)
+            return 1
+    views = fleet_view(nodes, lambda address: _client(args, address), timeout=min(args.timeout, 10.0))
+    print(format_fleet(views))
+    return 1 if any(v.error for v in views) else 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -91,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT (default 127.0.0.1:50051)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per call (default 300)")
     ap.add_argument("--token", default=None, secret=True, help="bearer token for nodes that require one")
+    ap.add_argument("--retries", type=int, default=2,
+                    help="times an answer refused with UNAVAILABLE before its first token is asked again "
+                         "(a draining node, a fleet node going away); never after a token (default 2)")
     add_client_flags(ap, "tls", "node")
     # Subcommand flags are per call: no environment variables for them.
     sub = ap.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser,
@@ -123,6 +139,12 @@ def parser() -> argparse.ArgumentParser:
     unload.set_defaults(func=cmd_unload)
     sub.add_parser("ls", help="adapters on the node").set_defaults(func=cmd_ls)
     sub.add_parser("stats", help="engine counters").set_defaults(func=cmd_stats)
+    fleet = sub.add_parser("fleet", help="which node of a fleet holds which adapter, in which tier")
+    where = fleet.add_mutually_exclusive_group()
+    where.add_argument("--proxy-stats", default="http://127.0.0.1:8404/stats",
+                       help="the proxy's stats page, where the nodes' addresses are read (default %(default)s)")
+    where.add_argument("--nodes", default="", metavar="HOST:PORT,...", help="the nodes, instead of the proxy's list")
+    fleet.set_defaults(func=cmd_fleet)
     # The store's commands, forwarded to `adapter-store` (one implementation).
     sub.add_parser("push", help="upload an adapter folder to the bucket (= adapter-store push ...)")
     sub.add_parser("store-ls", help="list the store's catalog (= adapter-store ls ...)")

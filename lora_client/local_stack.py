@@ -4,6 +4,11 @@ mixes every sample adapter and the base model in one batch.
 
     python -m lora_client.local_stack              # demo, then stop everything
     python -m lora_client.local_stack --serve      # demo, then keep serving until Ctrl-C
+    python -m lora_client.local_stack --fleet 3    # 3 nodes behind HAProxy (make fleet), serving
+
+With --fleet N, N nodes (one torch thread each) serve behind HAProxy, which routes each
+adapter's requests to one node (docs/FLEET.md); the demo goes through the proxy, and
+SIGHUP to this launcher restarts the nodes one at a time under whatever load is running.
 
 Ctrl-C (or the end of the demo) stops every process it started. Once up it prints where
 everything is: the node (gRPC and its OpenAI-compatible HTTP API), the store, their
@@ -27,6 +32,7 @@ import uuid
 from pathlib import Path
 
 from .demo import Answer, print_answers, run_burst
+from .fleet import NodeFleet
 from .processes import Child, ChildDied, console_script, free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +49,13 @@ def sample_behaviours():
 class LocalStack:
     def __init__(self, work_dir: Path, node_port: int, store_port: int, max_loras: int,
                  node_args: list[str], node_metrics_port: int = 0, store_metrics_port: int = 0,
-                 node_http_port: int = 0) -> None:
+                 node_http_port: int = 0, fleet_size: int = 0, stats_port: int = 0) -> None:
+        """fleet_size > 0: that many nodes behind HAProxy, which listens on node_port (gRPC
+        only: the HTTP API is the single node's)."""
         self.work_dir = work_dir
+        self.fleet_size = fleet_size
+        self.stats_port = stats_port
+        self.fleet: NodeFleet | None = None
         self.node_port = node_port or free_port()
         self.node_http_port = node_http_port or free_port()
         self.store_port = store_port or free_port()
@@ -58,7 +69,8 @@ class LocalStack:
 
     @property
     def node_target(self) -> str:
-        return f"127.0.0.1:{self.node_port}"
+        """Where requests go: the node, or the fleet's proxy."""
+        return self.fleet.target if self.fleet is not None else f"127.0.0.1:{self.node_port}"
 
     @property
     def http_url(self) -> str:
@@ -97,15 +109,31 @@ class LocalStack:
         wait_healthy(self.store_target, 60, store)
         print(f"[stack] adapter store on {self.store_target} (log: {logs / 'adapter-store.log'})", flush=True)
 
-        node = Child("inference-node", console_script("inference-node") + [
-            "serve", "--host", "127.0.0.1", "--port", str(self.node_port), "--http-port", str(self.node_http_port),
-            "--metrics-port", str(self.node_metrics_port), "--adapter-store", self.store_target, "--max-loras", str(self.max_loras),
-            *self.node_args], logs / "inference-node.log", env)
-        self.children.append(node)
-        wait_healthy(self.node_target, 600, node)
-        print(f"[stack] inference node on {self.node_target} (log: {logs / 'inference-node.log'})", flush=True)
+        if self.fleet_size:
+            self._start_fleet(env)
+        else:
+            node = Child("inference-node", console_script("inference-node") + [
+                "serve", "--host", "127.0.0.1", "--port", str(self.node_port), "--http-port", str(self.node_http_port),
+                "--metrics-port", str(self.node_metrics_port), "--adapter-store", self.store_target,
+                "--max-loras", str(self.max_loras), *self.node_args], logs / "inference-node.log", env)
+            self.children.append(node)
+            wait_healthy(self.node_target, 600, node)
+            print(f"[stack] inference node on {self.node_target} (log: {logs / 'inference-node.log'})", flush=True)
         print(self.summary(samples / names[0] if names else samples), flush=True)
         return names
+
+    def _start_fleet(self, env: dict[str, str]) -> None:
+        # Several nodes share this machine's cores: one torch thread each unless told otherwise.
+        threads = [] if "--cpu-threads" in self.node_args else ["--cpu-threads", "1"]
+        print(f"[stack] {self.fleet_size} inference nodes and HAProxy ...", flush=True)
+        self.fleet = NodeFleet(self.work_dir, self.fleet_size, [
+            "--adapter-store", self.store_target, "--max-loras", str(self.max_loras), *threads, *self.node_args],
+            env=env, proxy_port=self.node_port, stats_port=self.stats_port)
+        self.fleet.start()
+        for node in self.fleet.nodes:
+            print(f"[stack] inference node {node.name} on {node.target} (log: {self.fleet.log_path(node)})", flush=True)
+        print(f"[stack] HAProxy on {self.fleet.target}, stats {self.fleet.stats_url} "
+              f"(log: {self.fleet.proxy.child.log_path})", flush=True)
 
     def summary(self, example: Path) -> str:
         """Where everything is, once up, with a push command that works as pasted."""
@@ -116,17 +144,25 @@ class LocalStack:
             "push", str(example.resolve()), "--name", "my-adapter",
             "--s3-endpoint", self.seaweed.endpoint_url, "--bucket", self.bucket])
         client = " ".join(shlex.quote(a) for a in console_script("lora-client"))
+        if self.fleet is not None:
+            nodes = [f"  HAProxy         {self.fleet.target}   stats {self.fleet.stats_url}"]
+            nodes += [f"  inference node  {n.target}   {n.name}, metrics {n.metrics_url}" for n in self.fleet.nodes]
+        else:
+            nodes = [f"  inference node  {self.node_target}   metrics http://127.0.0.1:{self.node_metrics_port}/metrics",
+                     f"  OpenAI API      {self.http_url}   (curl, or the openai client with this base_url)"]
+        fleet_view = (["  which node holds which adapter:", f"    {client} fleet --proxy-stats {self.fleet.stats_url}"]
+                      if self.fleet is not None else [])
         return "\n".join([
             "[stack] up:",
-            f"  inference node  {self.node_target}   metrics http://127.0.0.1:{self.node_metrics_port}/metrics",
-            f"  OpenAI API      {self.http_url}   (curl, or the openai client with this base_url)",
+            *nodes,
             f"  adapter store   {self.store_target}   metrics http://127.0.0.1:{self.store_metrics_port}/metrics",
             f"  S3              {self.seaweed.endpoint_url}   bucket {self.bucket}   prefix adapters/",
             f"  credentials     {credentials}",
             "  push an adapter (then it is served by name within a few seconds):",
             f"    {credentials} {push}",
             f"    {client} --node {self.node_target} generate --adapter my-adapter \"Hello!\"",
-            f"    {shlex.join(curl_command(self.http_url, 'my-adapter', 'Hello!', 64))}",
+            *([f"    {shlex.join(curl_command(self.http_url, 'my-adapter', 'Hello!', 64))}"] if self.fleet is None else []),
+            *fleet_view,
         ])
 
     def check_alive(self) -> None:
@@ -134,11 +170,16 @@ class LocalStack:
         if self.seaweed is not None and not self.seaweed.running:
             process = self.seaweed.process
             raise ChildDied("seaweedfs (S3)", process.returncode if process else None, self.seaweed.log_path)
+        if self.fleet is not None:
+            self.fleet.check_alive()
         for child in self.children:
             if not child.alive():
                 raise child.died()
 
     def stop(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
+            self.fleet = None
         for child in reversed(self.children):
             child.stop()
         self.children.clear()
@@ -217,6 +258,17 @@ def _stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+class RestartRequest:
+    """SIGHUP: a rolling restart of the fleet, run by the serving loop."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        signal.signal(signal.SIGHUP, self._set)
+
+    def _set(self, signum: int, frame: object) -> None:
+        self.pending = True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--serve", action="store_true", help="keep the stack running after the demo")
@@ -233,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the store's Prometheus metrics port (0: a free one; printed once up)")
     ap.add_argument("--samples", default=str(REPO / "samples" / "adapters"), help="adapters pushed at start")
     ap.add_argument("--max-loras", type=int, default=4, help="the node's GPU adapter slots")
+    ap.add_argument("--fleet", type=int, default=0, metavar="N",
+                    help="N nodes behind HAProxy (the `haproxy` package), routed by adapter; implies --serve, "
+                         "and --node-port is the proxy's")
+    ap.add_argument("--stats-port", type=int, default=int(os.environ.get("STACK_STATS_PORT", 0)),
+                    help="with --fleet: HAProxy's stats page port (0: a free one; printed once up)")
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens per answer of the demo burst")
     ap.add_argument("--report", default=None, help="write the demo's answers and checks as JSON here")
     ap.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo burst")
@@ -242,14 +299,23 @@ def main(argv: list[str] | None = None) -> int:
     # Every process this stack starts inherits this marker, so leftovers can be found.
     os.environ.setdefault("LORA_STACK_ID", uuid.uuid4().hex)
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="lora-stack-"))
+    if args.fleet:
+        from .haproxy import MISSING, haproxy_binary
+        if haproxy_binary() is None:
+            print(f"[stack] --fleet needs HAProxy. {MISSING}", file=sys.stderr)
+            return 1
+        args.serve = True
     stack = LocalStack(work_dir, args.node_port, args.store_port, args.max_loras, args.node_args,
-                       args.node_metrics_port, args.store_metrics_port, args.node_http_port)
+                       args.node_metrics_port, args.store_metrics_port, args.node_http_port, args.fleet,
+                       args.stats_port)
+    restart = RestartRequest() if args.fleet else None
     status = 0
     try:
         names = stack.start(Path(args.samples))
         try:
             results = demo(stack.node_target, names, args.max_tokens) if args.demo else []
-            over_http = curl_answer(stack.http_url, curl_adapter(names), args.max_tokens) if args.demo and names else None
+            over_http = (curl_answer(stack.http_url, curl_adapter(names), args.max_tokens)
+                         if args.demo and names and stack.fleet is None else None)
         except Exception:
             stack.check_alive()  # a dead process explains a failed demo better than its symptom
             raise
@@ -265,11 +331,20 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.report).write_text(json.dumps(rows, indent=2))
         if args.serve:
             client = " ".join(shlex.quote(a) for a in console_script("lora-client"))
+            listing = (f"fleet --proxy-stats {stack.fleet.stats_url}" if stack.fleet is not None
+                       else f"--node {stack.node_target} ls")
             print(f"\n[stack] serving; try:\n  {client} --node {stack.node_target} generate "
-                  f"--adapter {names[0]} \"Tell me about the sea.\"\n  {client} --node "
-                  f"{stack.node_target} ls\n  curl -sS {stack.http_url}/models\n"
-                  "[stack] Ctrl-C stops everything.", flush=True)
+                  f"--adapter {names[0]} \"Tell me about the sea.\"\n  {client} {listing}", flush=True)
+            if stack.fleet is None:
+                print(f"  curl -sS {stack.http_url}/models", flush=True)
+            if restart is not None:
+                print(f"[stack] kill -HUP {os.getpid()} restarts the nodes one at a time.", flush=True)
+            print("[stack] Ctrl-C stops everything.", flush=True)
             while True:
+                if restart is not None and restart.pending:
+                    restart.pending = False
+                    stack.fleet.rolling_restart(report=lambda line: print(line, flush=True))
+                    print("[stack] rolling restart done", flush=True)
                 stack.check_alive()
                 time.sleep(0.5)
     except KeyboardInterrupt:

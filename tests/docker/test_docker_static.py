@@ -45,10 +45,18 @@ def known_env() -> set[str]:
     return names
 
 
+NODES = ("inference-node", "inference-node-2")
+
+
 def test_stack_has_its_services(compose) -> None:
-    assert {"minio", "create-bucket", "seed-adapters", "adapter-store", "inference-node"} <= set(compose["services"])
-    node = compose["services"]["inference-node"]
-    assert node["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert {"minio", "create-bucket", "seed-adapters", "adapter-store", *NODES, "haproxy"} <= set(compose["services"])
+    gpus = []
+    for name in NODES:
+        device = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"][0]
+        assert device["capabilities"] == ["gpu"]
+        gpus.append(device["device_ids"])
+    assert gpus[0] != gpus[1]  # one GPU each by default
+    assert compose["services"]["inference-node-2"]["environment"] == compose["services"]["inference-node"]["environment"]
 
 
 def test_every_service_env_name_is_read_by_the_code(compose, known_env) -> None:
@@ -69,8 +77,35 @@ def test_ports_agree_with_the_services_settings(compose) -> None:
                   node_env["INFERENCE_NODE_METRICS_PORT"]]
     store_ports = [store_env["ADAPTER_STORE_PORT"], store_env["ADAPTER_STORE_METRICS_PORT"]]
     assert services["inference-node"]["ports"] == [f"{p}:{p}" for p in node_ports]
+    assert [p.split(":")[1] for p in services["inference-node-2"]["ports"]] == node_ports
     assert services["adapter-store"]["ports"] == [f"{p}:{p}" for p in store_ports]
     assert node_env["INFERENCE_NODE_ADAPTER_STORE"] == f"adapter-store:{store_env['ADAPTER_STORE_PORT']}"
+    published = [p.split(":")[0] for name in ("inference-node", "inference-node-2", "adapter-store", "haproxy")
+                 for p in services[name]["ports"]]
+    assert len(published) == len(set(published)), published
+
+
+def test_haproxy_config_is_the_rendered_one_for_the_compose_nodes(compose) -> None:
+    """docker/haproxy.cfg is what lora_client.haproxy writes for the compose file's nodes,
+    ports and Docker's DNS; the official image reads it; HAProxy accepts it (where installed)."""
+    from lora_client.haproxy import ProxySettings, haproxy_binary, render_config
+
+    services = compose["services"]
+    proxy = services["haproxy"]
+    assert proxy["image"].startswith("haproxy:")
+    assert "./haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in proxy["volumes"]
+    port, stats_port = (int(p.split(":")[1]) for p in proxy["ports"])
+    servers = tuple((name, f"{name}:{services[name]['environment']['INFERENCE_NODE_PORT']}") for name in NODES)
+    expected = render_config(ProxySettings(servers, port=port, stats_port=stats_port, host="0.0.0.0",
+                                           dns_resolver="127.0.0.11:53"))
+    assert (DOCKER / "haproxy.cfg").read_text() == expected, \
+        "regenerate: python -m lora_client.haproxy --server inference-node=inference-node:50051 " \
+        "--server inference-node-2=inference-node-2:50051 --host 0.0.0.0 --dns-resolver 127.0.0.11:53"
+    assert set(proxy["depends_on"]) == set(NODES)
+    if haproxy_binary() is not None:
+        done = subprocess.run([haproxy_binary(), "-c", "-f", str(DOCKER / "haproxy.cfg")], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("dockerfile", ["adapter-store.Dockerfile", "inference-node.Dockerfile"])
@@ -167,7 +202,7 @@ def test_prometheus_scrapes_the_metrics_ports_compose_sets(compose) -> None:
                for job in config["scrape_configs"]}
     node_port = services["inference-node"]["environment"]["INFERENCE_NODE_METRICS_PORT"]
     store_port = services["adapter-store"]["environment"]["ADAPTER_STORE_METRICS_PORT"]
-    assert targets == {"inference-node": [f"inference-node:{node_port}"],
+    assert targets == {"inference-node": [f"{name}:{node_port}" for name in NODES],
                        "adapter-store": [f"adapter-store:{store_port}"]}
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in services["prometheus"]["volumes"]
 
