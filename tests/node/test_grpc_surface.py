@@ -110,10 +110,13 @@ def test_full_queue_answers_resource_exhausted(node, client) -> None:
     node.check_idle()
 
 
-def test_stream_sends_tokens_one_by_one_and_counts(client) -> None:
-    msgs = list(client.stream(pb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=5,
-                                                 ignore_eos=True), timeout=30))
-    assert [len(m.token_ids) for m in msgs] == [1, 1, 1, 1, 1]
+def test_stream_sends_every_token_once_in_order_and_counts(client) -> None:
+    """A message carries the tokens that came since the last one: one each while the client
+    keeps up, several when its front end lags (never a token twice or out of order)."""
+    request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True)
+    msgs = list(client.stream(request, timeout=30))
+    assert [t for m in msgs for t in m.token_ids] == list(client.generate(request, timeout=30).token_ids)
+    assert all(m.token_ids for m in msgs) and sum(len(m.token_ids) for m in msgs) == 5
     assert msgs[-1].finish_reason == "length"
     assert (msgs[-1].prompt_tokens, msgs[-1].completion_tokens) == (3, 5)
 
