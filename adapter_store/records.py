@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from lora.v1 import adapter_store_pb2 as pb
 
@@ -97,10 +97,12 @@ class CatalogEvent:
 
 @dataclass
 class FetchedAdapter:
-    """A fetched adapter: every byte verified against the manifest's sha256 digests."""
+    """A fetched adapter: every byte verified against the manifest's sha256 digests. The
+    files are views of one `buffer`, in manifest order."""
 
     manifest: Manifest
-    files: dict[str, bytearray] = field(default_factory=dict)
+    files: dict[str, memoryview] = field(default_factory=dict)
+    buffer: Any = None
 
     @property
     def info(self) -> AdapterInfo:
@@ -119,7 +121,7 @@ class FetchedAdapter:
         return self.manifest.config_json
 
     @property
-    def weights(self) -> bytearray:
+    def weights(self) -> memoryview:
         """The adapter_model.safetensors bytes."""
         return self.files["adapter_model.safetensors"]
 

@@ -12,6 +12,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from .auth import store_token_auth
 from .cache import BlobReader, CacheCorrupt, DiskCache
-from .catalog import Catalog, CatalogEntry, Limits
+from .catalog import Catalog, CatalogEntry, Limits, StoredFile
 from .metrics import StoreMetrics
 from lora_common.names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
@@ -34,7 +35,8 @@ from lora_common.tls import EXCLUSIVE_PORT, ServerTLS, add_port
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
-DEFAULT_SHARD_BYTES = 1 << 20
+DEFAULT_SHARD_BYTES = 4 << 20
+READ_AHEAD = 2  # shards read from disk while one is being sent
 MIN_SHARD_BYTES = 4 << 10
 MAX_SHARD_BYTES = 16 << 20
 DEFAULT_PAGE_SIZE = 100
@@ -175,11 +177,12 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
             file = files[index]
             offset = request.start_offset if index == request.start_file else 0
             try:
-                reader = await asyncio.to_thread(self.catalog.open_file, file, deadline)
+                reader = await self._open(file, deadline, request.verify)
             except Exception as exc:
                 raise self._storage_error(entry, exc) from None
             try:
-                sent += await self._send_file(context, entry, index, reader, offset, shard_bytes, manifest)
+                sent += await self._send_file(context, entry, index, reader, offset, shard_bytes, manifest,
+                                              fresh_digests=request.verify)
             except _Abort:
                 raise
             except Exception as exc:
@@ -187,44 +190,61 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
             finally:
                 reader.close()
             manifest = None
-        log.info("fetch %s@%s: %d bytes from file %d offset %d", entry.name, entry.info.version, sent,
-                 request.start_file, request.start_offset)
+        log.info("fetch %s@%s: %d bytes from file %d offset %d%s", entry.name, entry.info.version, sent,
+                 request.start_file, request.start_offset, " (verified)" if request.verify else "")
+
+    async def _open(self, file: StoredFile, deadline: float, verify: bool) -> BlobReader:
+        """A reader of the file's bytes. With `verify` (a client saw bad bytes), a cached blob
+        is re-hashed first and, if it rotted, dropped and downloaded again."""
+        reader = await asyncio.to_thread(self.catalog.open_file, file, deadline)
+        if not verify or reader.streaming:  # a download in progress is verified as it ends
+            return reader
+        blob = reader.wait_complete()
+        if await asyncio.to_thread(self.cache.verify, blob):
+            return reader
+        reader.close()
+        log.warning("%s (%s) rotted in the disk cache; downloading it again", file.path, file.sha256[:16])
+        self.catalog.poke()
+        return await asyncio.to_thread(self.catalog.open_file, file, deadline)
 
     async def _send_file(self, context: grpc.aio.ServicerContext, entry: CatalogEntry, index: int,
                          reader: BlobReader, offset: int, shard_bytes: int,
-                         manifest: pb.AdapterManifest | None) -> int:
-        """Streams one file from `offset`; the next shard is read while one is sent. The
-        file's last shard goes out only once its bytes are complete and verified."""
+                         manifest: pb.AdapterManifest | None, fresh_digests: bool = False) -> int:
+        """Streams one file from `offset`, reading READ_AHEAD shards ahead of the one being sent.
+        Shards lie on a grid of `shard_bytes` from the file's start, so their sha256 can come
+        from the digests the cache recorded when the blob was last streamed whole; otherwise
+        they are hashed as they are read (and recorded once the whole file was). The file's
+        last shard goes out only once its bytes are complete and verified."""
         file = entry.files[index]
         size = file.obj.size
-        # A whole file streamed is also re-hashed: a blob that rotted on disk is dropped.
-        whole = hashlib.sha256() if offset == 0 else None
+        known = None if fresh_digests else self.cache.shard_digests(file.sha256, shard_bytes)
+        computed: list[str] | None = [] if known is None and offset == 0 else None
 
-        def read(at: int) -> tuple[bytes, str]:
-            n = min(shard_bytes, size - at)
+        def read(at: int) -> tuple[bytes, str]:  # on a worker thread
+            n = min(shard_bytes - at % shard_bytes, size - at)
             data = reader.read(at, n)
             if len(data) != n:
                 raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} is shorter in the cache than listed")
-            if whole is not None:
-                whole.update(data)
+            if known is not None and at % shard_bytes == 0:
+                return data, known[at // shard_bytes]
             return data, hashlib.sha256(data).hexdigest()
 
         loop = asyncio.get_running_loop()
-        pending = loop.run_in_executor(None, read, offset)
+        pending: deque[asyncio.Future] = deque()
+        ahead = offset  # where the next read starts
         sent = 0
         try:
             while True:
-                data, digest = await pending
+                while len(pending) < READ_AHEAD and (ahead < size or not pending):
+                    pending.append(loop.run_in_executor(None, read, ahead))
+                    ahead += min(shard_bytes - ahead % shard_bytes, size - ahead) if ahead < size else 0
+                data, digest = await pending.popleft()
                 end = offset + len(data)
                 end_of_file = end >= size
-                if not end_of_file:
-                    pending = loop.run_in_executor(None, read, end)
-                else:
+                if computed is not None:
+                    computed.append(digest)
+                if end_of_file:
                     await asyncio.to_thread(reader.wait_complete)
-                    if whole is not None and whole.hexdigest() != file.sha256:
-                        self.cache.discard(reader.wait_complete().sha256)
-                        raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} of {entry.name!r} is corrupt in "
-                                                                "the disk cache; dropped it, fetch again")
                 last = end_of_file and index == len(entry.files) - 1
                 await context.write(pb.AdapterShard(
                     file_index=index, path=file.path, offset=offset, data=data, sha256=digest, file_size=size,
@@ -234,10 +254,12 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
                 self.metrics.fetch_bytes.inc(len(data))
                 offset = end
                 if end_of_file:
+                    if computed is not None and size > 0:
+                        self.cache.record_shard_digests(file.sha256, shard_bytes, tuple(computed))
                     return sent
         finally:
-            if not pending.done():  # a cancelled stream: let the read end before the reader closes
-                await asyncio.wait([pending])
+            if pending:  # a cancelled stream: let the reads end before the reader closes
+                await asyncio.wait(pending)
 
     def _storage_error(self, entry: CatalogEntry, exc: BaseException) -> _Abort:
         """The status a client sees when the bytes could not be had."""

@@ -119,6 +119,9 @@ def test_s3_outage_past_deadline_is_unavailable_and_leaves_no_partial(fragile: S
             fragile.start()
             fetched = client.fetch("big", deadline_s=60)
             assert bytes(fetched.weights) == weights
+            wait_until = time.monotonic() + 10  # the stream ends once the bytes are verified; fsync follows
+            while not store.cache.contains(weights_sha) and time.monotonic() < wait_until:
+                time.sleep(0.05)
             assert store.cache.contains(weights_sha)
     finally:
         store.stop()
@@ -128,7 +131,7 @@ def test_s3_outage_past_deadline_is_unavailable_and_leaves_no_partial(fragile: S
 def test_client_resumes_a_cut_stream_from_its_offset(fragile: SeaweedFS, big_adapter: Path, tmp_path: Path,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     store = fragile_store(fragile, big_adapter, tmp_path)
-    proxy = CuttingProxy(int(store.address.rsplit(":", 1)[1]), cut_after_bytes=3 << 20)
+    proxy = CuttingProxy(int(store.address.rsplit(":", 1)[1]), cut_after_bytes=6 << 20)  # 4 MiB shards
     caplog.set_level(logging.INFO, logger="adapter_store")
     try:
         with AdapterStoreClient(proxy.address) as client:
@@ -142,10 +145,15 @@ def test_client_resumes_a_cut_stream_from_its_offset(fragile: SeaweedFS, big_ada
         store.stop()
 
 
-def test_rotten_cache_blob_is_data_loss_then_healed(fragile: SeaweedFS, big_adapter: Path, tmp_path: Path) -> None:
+def test_rotten_cache_blob_is_detected_and_healed_within_the_fetch(fragile: SeaweedFS, big_adapter: Path,
+                                                                  tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     store = fragile_store(fragile, big_adapter, tmp_path)
     weights = (big_adapter / WEIGHTS).read_bytes()
+    caplog.set_level(logging.INFO)
     try:
+        with AdapterStoreClient(store.address) as client:
+            assert bytes(client.fetch("big", deadline_s=60).weights) == weights  # shard digests recorded
         digest = hashlib.sha256(weights).hexdigest()
         blob = store.cache.root / "blobs" / digest[:2] / digest
         with open(blob, "r+b") as f:  # flip one byte in place, as a bad disk would
@@ -153,11 +161,38 @@ def test_rotten_cache_blob_is_data_loss_then_healed(fragile: SeaweedFS, big_adap
             byte = f.read(1)
             f.seek(len(weights) // 2)
             f.write(bytes([byte[0] ^ 0xFF]))
+        misses = store.metrics.value("adapter_store_cache_misses_total")
+        with AdapterStoreClient(store.address) as client:
+            assert bytes(client.fetch("big", deadline_s=60).weights) == weights
+        # The client caught the bad file, asked again with verify; the store re-hashed its
+        # copy, dropped it and downloaded it again from S3.
+        assert any("fetching file 1 again, verified by the store" in m for m in caplog.messages), caplog.messages
+        assert any("rotted in the disk cache" in m for m in caplog.messages), caplog.messages
+        assert store.metrics.value("adapter_store_cache_misses_total") == misses + 1
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == digest
+    finally:
+        store.stop()
+
+
+def test_a_store_that_keeps_sending_bad_bytes_is_data_loss(fragile: SeaweedFS, big_adapter: Path,
+                                                          tmp_path: Path) -> None:
+    store = fragile_store(fragile, big_adapter, tmp_path)
+    real_send = store.store.service._send_file
+
+    async def corrupting(context, entry, index, reader, offset, shard_bytes, manifest, **kw):
+        original = reader.read
+        reader.read = lambda at, n: bytes(b ^ 0xFF for b in original(at, n)[:1]) + original(at, n)[1:]
+        try:
+            return await real_send(context, entry, index, reader, offset, shard_bytes, manifest, **kw)
+        finally:
+            reader.read = original
+
+    store.store.service._send_file = corrupting  # bytes go bad after the store hashed its copy
+    try:
         with AdapterStoreClient(store.address) as client:
             with pytest.raises(StoreError) as info:
-                client.fetch("big", deadline_s=20)
-            assert info.value.code == grpc.StatusCode.DATA_LOSS
-            assert bytes(client.fetch("big", deadline_s=60).weights) == weights  # re-downloaded from S3
+                client.fetch("big", deadline_s=30)
+        assert info.value.code == grpc.StatusCode.DATA_LOSS and "the manifest says" in info.value.details
     finally:
         store.stop()
 
@@ -190,6 +225,8 @@ def test_client_verifies_shards_files_and_adapter() -> None:
         with pytest.raises(StoreError) as info:
             for s in shards:
                 state.accept(s)
+            state.settle()  # digests are checked on worker threads: wait for their verdict
+        state.close()
         assert info.value.code == grpc.StatusCode.DATA_LOSS
         return info.value
 
