@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -395,6 +396,16 @@ class DiskCache:
         """Drops every blob (refs then dangle and are ignored)."""
         for sha in list(self._lru):
             self._remove(sha)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no download is in flight (and stored); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight:
+                    return True
+            time.sleep(0.01)
+        return False
 
     def contains(self, sha256: str) -> bool:
         return sha256 in self._lru and self._blob_path(sha256).exists()

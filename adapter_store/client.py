@@ -24,7 +24,7 @@ from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from lora_common.auth import bearer_metadata
 from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, FileEntry,
-                      Manifest, adapter_digest)
+                      Manifest, adapter_digest, file_offsets)
 from lora_common.tls import ClientTLS, open_channel
 
 log = logging.getLogger(__name__)
@@ -135,10 +135,11 @@ class AdapterStoreClient:
             if not token:
                 return result
 
-    def get_manifest(self, name: str, version: str = "") -> Manifest:
+    def get_manifest(self, name: str, version: str = "", timeout_s: float | None = None) -> Manifest:
         try:
             return Manifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(name=name, version=version),
-                                                             timeout=self.timeout_s, metadata=self.metadata))
+                                                             timeout=timeout_s or self.timeout_s,
+                                                             metadata=self.metadata))
         except grpc.RpcError as exc:
             raise StoreError.from_rpc(exc) from None
 
@@ -329,6 +330,7 @@ class _FetchState:
         self.manifest: Manifest | None = None
         self.buffer: Any = None
         self.files: list[memoryview] = []
+        self.offsets: list[int] = []
         self.file_index = 0
         self.offset = 0
         self.done = False
@@ -407,19 +409,18 @@ class _FetchState:
             raise AdapterTooLarge(self.name, size, self.max_bytes)
         self.manifest = manifest
         self.pinned_version = manifest.info.version
-        self.buffer = self.allocate(size)
+        self.offsets = file_offsets(manifest)
+        total = self.offsets[-1] + manifest.files[-1].size
+        self.buffer = self.allocate(total)
         whole = memoryview(self.buffer).cast("B")
-        if len(whole) != size:
-            raise ValueError(f"allocate({size}) returned {len(whole)} bytes")
-        start = 0
-        for f in manifest.files:
-            self.files.append(whole[start:start + f.size])
-            start += f.size
+        if len(whole) != total:
+            raise ValueError(f"allocate({total}) returned {len(whole)} bytes")
+        self.files = [whole[start:start + f.size] for start, f in zip(self.offsets, manifest.files)]
 
     def result(self) -> FetchedAdapter:
         assert self.manifest is not None and self.done
         return FetchedAdapter(self.manifest, {f.path: view for f, view in zip(self.manifest.files, self.files)},
-                              self.buffer)
+                              self.buffer, {f.path: start for f, start in zip(self.manifest.files, self.offsets)})
 
 
 class _Watch:
