@@ -200,7 +200,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
 
 
 TIERS = {"gpu": inference_pb2.ADAPTER_TIER_GPU, "host": inference_pb2.ADAPTER_TIER_HOST,
-         "loading": inference_pb2.ADAPTER_TIER_LOADING}
+         "loading": inference_pb2.ADAPTER_TIER_LOADING, "disk": inference_pb2.ADAPTER_TIER_DISK}
 
 
 def _status_of(event: StreamEvent) -> tuple[grpc.StatusCode, str]:
