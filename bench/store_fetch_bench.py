@@ -4,6 +4,8 @@ host memory and on into a slot, on loopback, next to boto3 reading the same obje
 It starts an embedded SeaweedFS, pushes a synthetic adapter, runs the store in a child
 process (so store and node do not share a GIL) and measures, in the same run:
   - boto3 GET of the same object from the same SeaweedFS (one stream, and boto3's threaded transfer),
+  - gRPC alone: as many bytes as bare messages of the shard size from the store's process,
+    nothing read, hashed, encoded or copied (the transport's own ceiling here),
   - store -> node cold: the store's disk cache emptied first, so the bytes come from S3,
   - store -> node warm: from the store's disk cache,
     each received the way the node does it: one host buffer sized from the manifest
@@ -22,6 +24,7 @@ each a few times, printing the median (and best) throughput in MB/s (10^6 bytes/
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import os
@@ -35,6 +38,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import grpc  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
@@ -65,7 +69,8 @@ def child(args: argparse.Namespace) -> None:
     settings = StoreSettings(bucket=BUCKET, s3_endpoint=args.endpoint, cache_dir=args.cache_dir, port=0,
                              poll_interval_s=60, shard_bytes=args.shard_kb << 10)
     store = BackgroundStore(settings)
-    print(json.dumps({"address": store.address}), flush=True)
+    raw_port = asyncio.run_coroutine_threadsafe(serve_raw(args.shard_kb << 10), store.loop).result(30)
+    print(json.dumps({"address": store.address, "raw": f"127.0.0.1:{raw_port}"}), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "clear":
@@ -77,13 +82,37 @@ def child(args: argparse.Namespace) -> None:
     store.stop()
 
 
+async def serve_raw(shard_bytes: int) -> int:
+    """A bare gRPC stream next to the store: `nbytes` as prebuilt messages of `shard_bytes`,
+    nothing read, hashed or encoded: what gRPC alone carries on this machine."""
+    payload = os.urandom(shard_bytes)
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        left = int(request)
+        while left > 0:
+            await context.write(payload[:min(left, shard_bytes)])
+            left -= shard_bytes
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    _RAW_SERVERS.append(server)
+    return port
+
+
+_RAW_SERVERS: list = []
+
+
 class StoreProcess:
     def __init__(self, server: SeaweedFS, cache_dir: Path, shard_kb: int) -> None:
         env = {**os.environ, **server.env()}
         self.proc = subprocess.Popen([sys.executable, __file__, "--child", "--endpoint", server.endpoint_url,
                                       "--cache-dir", str(cache_dir), "--shard-kb", str(shard_kb)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.address = self._reply()["address"]
+        reply = self._reply()
+        self.address, self.raw_address = reply["address"], reply["raw"]
 
     def _reply(self) -> dict:
         assert self.proc.stdout is not None
@@ -172,6 +201,13 @@ def main() -> None:
                     fetched = client.fetch(NAME, deadline_s=600, allocate=lambda n: host_buffer(n, cuda).numpy())
                     return sum(len(b) for b in fetched.files.values())
 
+                raw_channel = grpc.insecure_channel(store.raw_address,
+                                                    options=[("grpc.max_receive_message_length", 64 << 20)])
+                raw_stream = raw_channel.unary_stream("/bench.Raw/Stream")
+
+                def grpc_alone() -> int:
+                    return sum(len(m) for m in raw_stream(str(total).encode(), timeout=600))
+
                 def fetch_reused() -> int:
                     fetched = client.fetch(NAME, deadline_s=600, allocate=lambda n: reused[:n].numpy())
                     return sum(len(b) for b in fetched.files.values())
@@ -200,6 +236,7 @@ def main() -> None:
                 rows = [
                     ("boto3 get_object (one stream)", measure(boto3_get, args.runs)),
                     ("boto3 download_fileobj (threaded)", measure(boto3_transfer, args.runs)),
+                    ("gRPC alone: same bytes as bare messages (nothing checked)", measure(grpc_alone, args.runs)),
                     ("store -> node cold (S3 -> store -> node host memory)",
                      measure(fetch_fresh, args.runs, store.clear_cache)),
                     ("store -> node warm (store disk cache -> node host memory)", measure(fetch_fresh, args.runs)),
@@ -211,6 +248,7 @@ def main() -> None:
                 ]
                 from_store.close()
                 from_disk.close()
+                raw_channel.close()
         finally:
             store.close()
 

@@ -238,3 +238,14 @@ def test_client_verifies_shards_files_and_adapter() -> None:
     assert "offset" in str(lying([good[0], good[2]]))  # a gap
     assert "adapter sha256" in str(lying(good[:2] + [_shard(manifest, 1, 1000, data[1000:], last=True,
                                                               adapter_sha256="f" * 64)]))
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, (4 << 20) + 7])
+def test_encoded_shards_parse_as_protobuf_writes_them(size: int) -> None:
+    from adapter_store.server import encode_shard
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    fields = dict(file_index=1, path=WEIGHTS, offset=size, sha256=hashlib.sha256(data).hexdigest(), file_size=size,
+                  last=True, adapter_sha256="f" * 64)
+    wire = encode_shard(pb.AdapterShard(**fields), data)
+    assert pb.AdapterShard.FromString(wire) == pb.AdapterShard(data=data, **fields)
