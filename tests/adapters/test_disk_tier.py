@@ -148,3 +148,32 @@ def test_names_and_manifests_are_untrusted(tmp_path: Path) -> None:
     assert restarted.entries() == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
     assert (outside / "keep").read_text() == "must survive"
+
+
+def test_a_deletion_in_the_catalog_deletes_the_disk_copy(tmp_path: Path) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from adapter_store.records import DELETED
+    from inference_node.adapters.store_source import CatalogWatcher
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    for name in ("gone", "kept"):
+        tier.put(*adapter(name, name.encode() * 100))
+
+    class Catalog:
+        def watch(self, reconnect: bool, stop: threading.Event):
+            yield SimpleNamespace(kind=DELETED, adapter=SimpleNamespace(name="gone", version=""))
+            stop.wait()
+
+    deleted = threading.Event()
+    watcher = CatalogWatcher(Catalog(), post=lambda fn: fn(), on_update=lambda name, version: None,
+                             on_delete=lambda name: deleted.set(), disk=tier)
+    watcher.start()
+    try:
+        assert deleted.wait(10)
+    finally:
+        watcher.stop()
+        watcher.thread.join(5)
+    assert [e.name for e in tier.entries()] == ["kept"]
+    assert [p.name for p in tmp_path.iterdir() if p.name != "tmp"] == [tier.lookup("kept").sha256]
