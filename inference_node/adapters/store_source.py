@@ -72,6 +72,9 @@ class StoreSource:
         return self._load_from_store(name, version, disk_failure)
 
     def _allocate(self, holder: list[torch.Tensor]) -> Callable[[int], object]:
+        """An allocator for the client and the disk tier, which fill any writable buffer (a
+        numpy view); the tensor itself goes to `holder`, to view the weights in (sliced from
+        it, they keep its storage, and with it the pinned allocator's bookkeeping)."""
         def allocate(nbytes: int) -> object:
             holder.append(host_buffer(nbytes, self.pin_memory))
             return holder[-1].numpy()

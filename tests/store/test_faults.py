@@ -85,6 +85,7 @@ def test_s3_outage_mid_fetch_then_restart_completes(fragile: SeaweedFS, big_adap
         assert 0 < outage.killed_at < len(weights) and outage.restarted.wait(30)
         assert bytes(fetched.weights) == weights
         assert store.metrics.value("adapter_store_s3_retries_total") > 0
+        assert store.cache.wait_idle(10)  # the stream ends once the bytes are verified; storing follows
         assert store.cache.partial_files() == []
         assert store.cache.contains(hashlib.sha256(weights).hexdigest())
     finally:
@@ -119,9 +120,7 @@ def test_s3_outage_past_deadline_is_unavailable_and_leaves_no_partial(fragile: S
             fragile.start()
             fetched = client.fetch("big", deadline_s=60)
             assert bytes(fetched.weights) == weights
-            wait_until = time.monotonic() + 10  # the stream ends once the bytes are verified; fsync follows
-            while not store.cache.contains(weights_sha) and time.monotonic() < wait_until:
-                time.sleep(0.05)
+            assert store.cache.wait_idle(10)  # the stream ends once the bytes are verified; storing follows
             assert store.cache.contains(weights_sha)
     finally:
         store.stop()
