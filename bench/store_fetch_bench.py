@@ -13,7 +13,8 @@ process (so store and node do not share a GIL) and measures, in the same run:
     checked against their sha256; once into fresh host memory per load (the node's
     allocator; on CPU each load faults its pages in) and once into one reused buffer,
   - the node's whole load from the store (fetch + validation + tensor views, StoreSource.load),
-  - the node's disk tier: the adapter read back from the node's own disk, verified and validated,
+  - the node's disk tier: the adapter read back from the node's own disk, checked against its
+    sha256 (and its header, names and shapes),
   - host -> slot: SlotBuffers.write of the loaded adapter into a slot (on CPU: the copy into
     the CPU slot buffers; on CUDA: host-to-device from page-locked memory, synchronized),
 each a few times, printing the median (and best) throughput in MB/s (10^6 bytes/s).
@@ -73,10 +74,11 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({"address": store.address, "raw": f"127.0.0.1:{raw_port}"}), flush=True)
     for line in sys.stdin:
         command = line.strip()
-        if command == "clear":
+        if command in ("clear", "settle"):
             store.cache.wait_idle(60)  # the last download is stored (fsynced) after its stream ends
-            store.cache.clear()
-            print(json.dumps({"cleared": True}), flush=True)
+            if command == "clear":
+                store.cache.clear()
+            print(json.dumps({command: True}), flush=True)
         elif command == "quit":
             break
     store.stop()
@@ -121,11 +123,19 @@ class StoreProcess:
             raise RuntimeError("the store process exited")
         return json.loads(line)
 
-    def clear_cache(self) -> None:
+    def command(self, command: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write("clear\n")
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         self._reply()
+
+    def clear_cache(self) -> None:
+        """Empties the store's disk cache: the next fetch downloads from S3."""
+        self.command("clear")
+
+    def settle(self) -> None:
+        """Waits until the store has stored its last download (so it does not compete)."""
+        self.command("settle")
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -239,10 +249,13 @@ def main() -> None:
                     ("gRPC alone: same bytes as bare messages (nothing checked)", measure(grpc_alone, args.runs)),
                     ("store -> node cold (S3 -> store -> node host memory)",
                      measure(fetch_fresh, args.runs, store.clear_cache)),
+                ]
+                store.settle()
+                rows += [
                     ("store -> node warm (store disk cache -> node host memory)", measure(fetch_fresh, args.runs)),
                     ("store -> node warm, into one reused host buffer", measure(fetch_reused, args.runs)),
                     ("node load from the store, warm (+ validation, views)", measure(node_load(from_store), args.runs)),
-                    ("node load from its disk tier (verified, + validation)", measure(node_load(from_disk), args.runs)),
+                    ("node load from its disk tier (sha256-verified, header checked)", measure(node_load(from_disk), args.runs)),
                     (f"host -> slot copy ({'CUDA, pinned' if cuda else 'CPU slot buffers'})",
                      measure(to_slot, args.runs)),
                 ]
