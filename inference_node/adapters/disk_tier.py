@@ -90,8 +90,11 @@ class DiskTier:
         self.total_bytes = 0
         self._writes: queue.Queue = queue.Queue(PENDING_WRITES)
         self.root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.root / "tmp", ignore_errors=True)  # writes a crash cut short
-        (self.root / "tmp").mkdir()
+        staging = self.root / "tmp"  # writes a crash cut short
+        if staging.is_symlink() or staging.is_file():
+            staging.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
         self._recover()
         self._writer = threading.Thread(target=self._write_loop, name="adapter-disk-writer", daemon=True)
         self._writer.start()

@@ -144,10 +144,12 @@ def test_names_and_manifests_are_untrusted(tmp_path: Path) -> None:
     tier.put(linked, linked_files)
     os.remove(tmp_path / linked.adapter_sha256 / "1")
     os.symlink(outside / "keep", tmp_path / linked.adapter_sha256 / "1")
+    os.rmdir(tmp_path / "tmp")
+    os.symlink(outside, tmp_path / "tmp")  # staging must never be another directory
     restarted = DiskTier(tmp_path, 1 << 20)
     assert restarted.entries() == []
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
-    assert (outside / "keep").read_text() == "must survive"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"] and not (tmp_path / "tmp").is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["keep"] and (outside / "keep").read_text() == "must survive"
 
 
 def test_a_deletion_in_the_catalog_deletes_the_disk_copy(tmp_path: Path) -> None:
