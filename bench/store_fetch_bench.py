@@ -17,7 +17,8 @@ process (so store and node do not share a GIL) and measures, in the same run:
     sha256 (and its header, names and shapes),
   - host -> slot: SlotBuffers.write of the loaded adapter into a slot (on CPU: the copy into
     the CPU slot buffers; on CUDA: host-to-device from page-locked memory, synchronized),
-each a few times, printing the median (and best) throughput in MB/s (10^6 bytes/s).
+each a few times, printing the median (and best) throughput in MB/s (10^6 bytes/s) and the
+CPU each process spent per run (this process plays the node; "S3" is SeaweedFS).
 
     python bench/store_fetch_bench.py                # 100 MB, 3 runs each
     python bench/store_fetch_bench.py --mb 20 --runs 2
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -144,16 +146,35 @@ class StoreProcess:
         self.proc.wait(30)
 
 
-def measure(run: Callable[[], int], runs: int, before: Callable[[], None] | None = None) -> tuple[float, float, int]:
-    """(median MB/s, best MB/s, bytes) over `runs` runs."""
-    rates, size = [], 0
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Row:
+    median: float       # MB/s
+    best: float         # MB/s
+    size: int           # bytes per run
+    cpu_ms: list[float]  # median CPU per run of: this process (the node's side), the store, SeaweedFS
+
+
+def measure(run: Callable[[], int], runs: int, pids: list[int],
+            before: Callable[[], None] | None = None) -> Row:
+    """Throughput over `runs` runs, and the CPU each process spent per run: on a machine
+    shared with other work, the CPU columns stay put where the rates do not."""
+    rates, cpu, size = [], [], 0
     for _ in range(runs):
         if before is not None:
             before()
+        start_cpu = [time.process_time()] + [process_cpu_s(pid) for pid in pids]
         started = time.perf_counter()
         size = run()
         rates.append(size / (time.perf_counter() - started) / 1e6)
-    return statistics.median(rates), max(rates), size
+        end_cpu = [time.process_time()] + [process_cpu_s(pid) for pid in pids]
+        cpu.append([(b - a) * 1000 for a, b in zip(start_cpu, end_cpu)])
+    return Row(statistics.median(rates), max(rates), size, [statistics.median(c) for c in zip(*cpu)])
 
 
 def bench_model(layers: int) -> ModelConfig:
@@ -201,6 +222,7 @@ def main() -> None:
             return buffer.getbuffer().nbytes
 
         store = StoreProcess(server, Path(tmp) / "cache", args.shard_kb)
+        pids = [store.proc.pid, server.process.pid]
         try:
             with AdapterStoreClient(store.address) as client:
                 manifest = client.get_manifest(NAME)
@@ -244,20 +266,20 @@ def main() -> None:
                     return loaded["weights"].nbytes
 
                 rows = [
-                    ("boto3 get_object (one stream)", measure(boto3_get, args.runs)),
-                    ("boto3 download_fileobj (threaded)", measure(boto3_transfer, args.runs)),
-                    ("gRPC alone: same bytes as bare messages (nothing checked)", measure(grpc_alone, args.runs)),
+                    ("boto3 get_object (one stream)", measure(boto3_get, args.runs, pids)),
+                    ("boto3 download_fileobj (threaded)", measure(boto3_transfer, args.runs, pids)),
+                    ("gRPC alone: same bytes as bare messages (nothing checked)", measure(grpc_alone, args.runs, pids)),
                     ("store -> node cold (S3 -> store -> node host memory)",
-                     measure(fetch_fresh, args.runs, store.clear_cache)),
+                     measure(fetch_fresh, args.runs, pids, store.clear_cache)),
                 ]
                 store.settle()
                 rows += [
-                    ("store -> node warm (store disk cache -> node host memory)", measure(fetch_fresh, args.runs)),
-                    ("store -> node warm, into one reused host buffer", measure(fetch_reused, args.runs)),
-                    ("node load from the store, warm (+ validation, views)", measure(node_load(from_store), args.runs)),
-                    ("node load from its disk tier (sha256-verified, header checked)", measure(node_load(from_disk), args.runs)),
+                    ("store -> node warm (store disk cache -> node host memory)", measure(fetch_fresh, args.runs, pids)),
+                    ("store -> node warm, into one reused host buffer", measure(fetch_reused, args.runs, pids)),
+                    ("node load from the store, warm (+ validation, views)", measure(node_load(from_store), args.runs, pids)),
+                    ("node load from its disk tier (sha256-verified, header checked)", measure(node_load(from_disk), args.runs, pids)),
                     (f"host -> slot copy ({'CUDA, pinned' if cuda else 'CPU slot buffers'})",
-                     measure(to_slot, args.runs)),
+                     measure(to_slot, args.runs, pids)),
                 ]
                 from_store.close()
                 from_disk.close()
@@ -265,15 +287,18 @@ def main() -> None:
         finally:
             store.close()
 
-    boto3_rate = rows[0][1][0]
+    boto3_rate = rows[0][1].median
     print(f"\nadapter: {weights_size / 1e6:.1f} MB safetensors; shards of {args.shard_kb} KiB; median and best of "
           f"{args.runs} runs; SeaweedFS and store on loopback; {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}; host memory "
           f"{'page-locked' if cuda else 'pageable'}\n")
     width = max(len(r[0]) for r in rows)
-    print(f"{'path':<{width}}  {'MB':>7}  {'median MB/s':>11}  {'best MB/s':>9}")
-    for label, (median, best, size) in rows:
-        print(f"{label:<{width}}  {size / 1e6:>7.1f}  {median:>11.1f}  {best:>9.1f}")
+    print(f"{'path':<{width}}  {'MB':>6}  {'median MB/s':>11}  {'best MB/s':>9}  "
+          f"{'CPU ms per run: node':>20}  {'store':>5}  {'S3':>5}")
+    for label, row in rows:
+        node_ms, store_ms, s3_ms = row.cpu_ms
+        print(f"{label:<{width}}  {row.size / 1e6:>6.1f}  {row.median:>11.1f}  {row.best:>9.1f}  "
+              f"{node_ms:>20.0f}  {store_ms:>5.0f}  {s3_ms:>5.0f}")
     print(f"\ntargets (issue 32): cold >= {min(1000.0, boto3_rate / 1.5):.0f} MB/s (1 GB/s, or boto3's median / 1.5 "
           "if lower); warm >= 1000 MB/s")
 
