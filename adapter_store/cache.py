@@ -8,7 +8,11 @@ Layout under the root:
 A download is written to tmp/, fsynced and atomically renamed once its sha256 (and the
 ETag check of the filler) passed; a crash leaves only a tmp file, which the next start
 deletes. Concurrent requests for the same ref share one download (single flight), and
-can read it while it is in progress. Blobs found on disk at start are re-hashed on first use.
+can read it while it is in progress; they hear that it is verified before it is fsynced,
+so durability is not on their path. Blobs found on disk at start are re-hashed on first use.
+
+Per verified blob the cache also keeps, in memory, the sha256 of each shard of a given size
+(`shard_digests`), so a blob streamed again is not hashed again.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # Writes the object into the file it is given and returns its (sha256 hex, size).
 Filler = Callable[[BinaryIO], tuple[str, int]]
+MAX_SHARD_TABLES = 16384  # shard digest tables kept (each a few KB at most)
 
 
 class CacheCorrupt(Exception):
@@ -57,12 +63,18 @@ class _Download:
         self.cond = threading.Condition()
         self.written = 0
         self.done = False
-        self.blob: Blob | None = None
+        self.verified: Blob | None = None  # its bytes passed their checks (maybe not yet durable)
+        self.blob: Blob | None = None      # renamed into blobs/
         self.error: BaseException | None = None
 
     def advance(self, n: int) -> None:
         with self.cond:
             self.written += n
+            self.cond.notify_all()
+
+    def verify(self, blob: Blob) -> None:
+        with self.cond:
+            self.verified = blob
             self.cond.notify_all()
 
     def finish(self, blob: Blob | None, error: BaseException | None) -> None:
@@ -121,16 +133,21 @@ class BlobReader:
                     raise download.error
         return os.pread(self.fd, n, offset)
 
-    def wait_complete(self) -> Blob:
-        """The blob once complete and verified; raises the download's error."""
+    def wait_complete(self, stored: bool = False) -> Blob:
+        """The blob once complete and verified; raises the download's error. Readers of
+        this open file need no more; `stored` also waits until it is fsynced and in blobs/
+        (for callers that open `blob.path` themselves)."""
         download = self.download
         if download is not None:
+            def ready() -> bool:
+                return download.done or (not stored and download.verified is not None)
+
             with download.cond:
-                if not download.cond.wait_for(lambda: download.done, self.timeout_s):
+                if not download.cond.wait_for(ready, self.timeout_s):
                     raise TimeoutError("the download did not complete in time")
-                if download.error is not None:
+                if download.error is not None and (stored or download.verified is None):
                     raise download.error
-                self.blob = download.blob
+                self.blob = download.blob if stored else download.verified
         assert self.blob is not None
         return self.blob
 
@@ -157,6 +174,7 @@ class DiskCache:
         self._finished = 0  # downloads ended so far (open() notices one ending mid-lookup)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha256 -> size, oldest first
         self._verified: set[str] = set()
+        self._shard_digests: dict[tuple[str, int], tuple[str, ...]] = {}  # (sha256, shard size) -> hex
         self.total_bytes = 0
         for sub in ("blobs", "refs", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -218,7 +236,7 @@ class DiskCache:
         one ref share a single download; its error, if any, reaches all of them."""
         reader = self.open(ref, fill, expected_sha256)
         try:
-            return reader.wait_complete()
+            return reader.wait_complete(stored=True)
         finally:
             reader.close()
 
@@ -269,14 +287,15 @@ class DiskCache:
         try:
             with open(tmp, "wb", buffering=0) as raw:
                 sha, size = fill(_ProgressWriter(raw, download))
+                if expected_sha256 is not None and sha != expected_sha256:
+                    raise CacheCorrupt(f"{ref}: downloaded sha256 {sha}, expected {expected_sha256}")
+                if os.fstat(raw.fileno()).st_size != size:
+                    raise CacheCorrupt(f"{ref}: wrote {os.fstat(raw.fileno()).st_size} bytes, expected {size}")
+                final = self._blob_path(sha)
+                blob = Blob(sha, size, final)
+                download.verify(blob)  # streams may finish now; the fsync is the cache's own business
                 os.fsync(raw.fileno())
-            if expected_sha256 is not None and sha != expected_sha256:
-                raise CacheCorrupt(f"{ref}: downloaded sha256 {sha}, expected {expected_sha256}")
-            if tmp.stat().st_size != size:
-                raise CacheCorrupt(f"{ref}: wrote {tmp.stat().st_size} bytes, expected {size}")
-            final = self._blob_path(sha)
             final.parent.mkdir(exist_ok=True)
-            blob = Blob(sha, size, final)
             with download.cond:  # readers open the file under this lock, so never between names
                 os.replace(tmp, final)
                 download.blob = blob
@@ -325,7 +344,7 @@ class DiskCache:
                 if sha == keep:
                     continue
                 self.total_bytes -= self._lru.pop(sha)
-                self._verified.discard(sha)
+                self._forget(sha)
                 victims.append(sha)
         for sha in victims:
             log.info("cache: evicting %s", sha[:16])
@@ -336,18 +355,57 @@ class DiskCache:
         log.warning("cache: dropping blob %s", sha256[:16])
         self._remove(sha256)
 
+    def verify(self, blob: Blob) -> bool:
+        """Re-hashes a cached blob (a client found its bytes wrong); drops it if it rotted."""
+        if hash_file(blob.path) == blob.sha256:
+            return True
+        log.warning("cache blob %s no longer matches its sha256", blob.sha256[:16])
+        self._remove(blob.sha256)
+        return False
+
     def _remove(self, sha: str) -> None:
         with self._lock:
             size = self._lru.pop(sha, None)
             if size is not None:
                 self.total_bytes -= size
-            self._verified.discard(sha)
+            self._forget(sha)
         self._blob_path(sha).unlink(missing_ok=True)
+
+    def _forget(self, sha: str) -> None:
+        """Drops what is known about a blob's content (under the lock)."""
+        self._verified.discard(sha)
+        for key in [k for k in self._shard_digests if k[0] == sha]:
+            del self._shard_digests[key]
+
+    # ------------------------------------------------------------------ shard digests
+
+    def shard_digests(self, sha256: str, shard_bytes: int) -> tuple[str, ...] | None:
+        """The sha256 (hex) of each `shard_bytes` shard of a verified blob, if recorded."""
+        with self._lock:
+            return self._shard_digests.get((sha256, shard_bytes))
+
+    def record_shard_digests(self, sha256: str, shard_bytes: int, digests: tuple[str, ...]) -> None:
+        """Remembers the shard digests of a blob read whole after it was verified. They are
+        a function of the content, so they stay true while the blob does (dropped with it)."""
+        with self._lock:
+            self._shard_digests[(sha256, shard_bytes)] = digests
+            while len(self._shard_digests) > MAX_SHARD_TABLES:
+                del self._shard_digests[next(iter(self._shard_digests))]
 
     def clear(self) -> None:
         """Drops every blob (refs then dangle and are ignored)."""
         for sha in list(self._lru):
             self._remove(sha)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no download is in flight (and stored); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight:
+                    return True
+            time.sleep(0.01)
+        return False
 
     def contains(self, sha256: str) -> bool:
         return sha256 in self._lru and self._blob_path(sha256).exists()

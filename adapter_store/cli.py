@@ -55,7 +55,7 @@ def build_parser(prog: str = "adapter-store", command_names: dict[str, str] | No
     serve.add_argument("--poll-interval", type=float, default=5.0,
                        help="seconds between listings of the bucket (changes show up within this)")
     serve.add_argument("--max-adapter-mb", type=float, default=4096.0, help="largest safetensors file accepted")
-    serve.add_argument("--shard-kb", type=int, default=1024, help="default shard size of FetchAdapter")
+    serve.add_argument("--shard-kb", type=int, default=4096, help="default shard size of FetchAdapter")
     _add_weight_bound(serve)
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: off)")
     add_server_flags(serve, "store")

@@ -13,7 +13,9 @@ import logging
 import random
 import threading
 import time
-from typing import Iterator, Sequence
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
@@ -21,8 +23,8 @@ from lora.v1 import adapter_store_pb2 as pb
 from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from lora_common.auth import bearer_metadata
-from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, Manifest,
-                      adapter_digest)
+from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, FileEntry,
+                      Manifest, adapter_digest, file_offsets)
 from lora_common.tls import ClientTLS, open_channel
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
              grpc.StatusCode.INTERNAL)
 MAX_RECEIVE_BYTES = 64 << 20
+Allocate = Callable[[int], Any]  # nbytes -> a writable buffer (bytearray, a pinned tensor's numpy view...)
 
 
 class StoreError(Exception):
@@ -132,10 +135,11 @@ class AdapterStoreClient:
             if not token:
                 return result
 
-    def get_manifest(self, name: str, version: str = "") -> Manifest:
+    def get_manifest(self, name: str, version: str = "", timeout_s: float | None = None) -> Manifest:
         try:
             return Manifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(name=name, version=version),
-                                                             timeout=self.timeout_s, metadata=self.metadata))
+                                                             timeout=timeout_s or self.timeout_s,
+                                                             metadata=self.metadata))
         except grpc.RpcError as exc:
             raise StoreError.from_rpc(exc) from None
 
@@ -150,17 +154,26 @@ class AdapterStoreClient:
 
     # ------------------------------------------------------------------ fetch
 
-    def fetch(self, name: str, version: str = "", deadline_s: float = 120.0, max_bytes: int = 0) -> FetchedAdapter:
+    def fetch(self, name: str, version: str = "", deadline_s: float = 120.0, max_bytes: int = 0,
+              allocate: Allocate = bytearray) -> FetchedAdapter:
         """The adapter's files, verified. Resumes broken streams until `deadline_s` has
         passed, then raises StoreError(UNAVAILABLE). A checksum mismatch raises
         StoreError(DATA_LOSS); NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION,
         UNAUTHENTICATED are final, and so is a TLS handshake the store keeps refusing
         (StoreTLSRefused: its own verification failing at once, a socket closed before any
         reply TLS_REFUSALS_BEFORE_GIVING_UP times in a row). An adapter over `max_bytes` (when > 0) raises
-        AdapterTooLarge before any buffer is allocated."""
+        AdapterTooLarge before any buffer is allocated. `allocate(nbytes)` gives the one
+        writable buffer the files are received into (pinned memory on a GPU node)."""
+        state = _FetchState(name, version, max_bytes, allocate)
+        try:
+            return self._fetch(state, deadline_s)
+        finally:
+            state.close()
+
+    def _fetch(self, state: "_FetchState", deadline_s: float) -> FetchedAdapter:
+        name, version = state.name, state.pinned_version
         deadline = time.monotonic() + deadline_s
         backoff = _Backoff()
-        state = _FetchState(name, version, max_bytes)
         refusals = 0  # TLS handshakes refused in a row (see StoreTLSRefused)
         while True:
             remaining = deadline - time.monotonic()
@@ -168,20 +181,25 @@ class AdapterStoreClient:
                 raise StoreError(grpc.StatusCode.UNAVAILABLE,
                                  f"fetching {name!r} did not finish in {deadline_s:.1f}s ({state.progress()})")
             request = pb.FetchAdapterRequest(name=name, version=state.pinned_version, start_file=state.file_index,
-                                             start_offset=state.offset, max_shard_bytes=self.max_shard_bytes)
+                                             start_offset=state.offset, max_shard_bytes=self.max_shard_bytes,
+                                             verify=state.verify)
             call = self.stub.FetchAdapter(request, timeout=remaining, metadata=self.metadata)
             try:
-                for shard in call:
-                    state.accept(shard)
-                    backoff.attempt = refusals = 0
-                    if state.done:
-                        return state.result()
-                raise StoreError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the last shard")
+                try:
+                    for shard in call:
+                        state.accept(shard)
+                        backoff.attempt = refusals = 0
+                        if state.done:
+                            return state.result()
+                    raise StoreError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the last shard")
+                except FileMismatch as exc:
+                    self._rewind(state, exc)
+                    continue
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.NOT_FOUND and state.pinned_version and not version:
                     log.info("fetch %s: version %s was replaced; starting over", name, state.pinned_version)
-                    state = _FetchState(name, version, max_bytes)
+                    state.restart(version)
                     continue
                 if code not in RETRYABLE and code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise StoreError.from_rpc(exc) from None
@@ -196,6 +214,10 @@ class AdapterStoreClient:
                 error = exc
             finally:
                 call.cancel()
+            try:
+                state.settle()  # resume only from verified bytes
+            except FileMismatch as exc:
+                self._rewind(state, exc)
             delay = backoff.delay()
             if time.monotonic() + delay >= deadline:
                 raise StoreError(grpc.StatusCode.UNAVAILABLE, f"fetching {name!r} gave up at its deadline "
@@ -204,6 +226,15 @@ class AdapterStoreClient:
                         error, delay)
             time.sleep(delay)
 
+    @staticmethod
+    def _rewind(state: "_FetchState", mismatch: FileMismatch) -> None:
+        """Bytes that fail their checksum are fetched once more from a store asked to verify
+        its copy first (a blob that rotted on its disk is dropped and downloaded again)."""
+        if state.verify:
+            raise mismatch
+        log.warning("fetch %s: %s; fetching file %d again, verified by the store", state.name,
+                    mismatch.details, mismatch.file_index)
+        state.rewind(mismatch.file_index)
 
     def _tls_refusal(self, error: StoreError) -> bool:
         """Whether a failed call looks like the store refusing this client's TLS handshake."""
@@ -211,18 +242,101 @@ class AdapterStoreClient:
                 and (_HANDSHAKE_FAILED in error.details or _SOCKET_CLOSED in error.details))
 
 
-class _FetchState:
-    """The bytes verified so far and where to resume."""
+class FileMismatch(StoreError):
+    """A file's bytes (or a shard's) do not hash to what the store said: DATA_LOSS, unless a
+    retry that asks the store to verify its copy (FetchAdapterRequest.verify) heals it."""
 
-    def __init__(self, name: str, version: str, max_bytes: int = 0) -> None:
+    def __init__(self, details: str, file_index: int) -> None:
+        super().__init__(grpc.StatusCode.DATA_LOSS, details)
+        self.file_index = file_index
+
+
+class _Verifier:
+    """Hashes each file as its bytes arrive, on a worker thread (hashlib releases the GIL), so
+    the receiving thread only copies bytes into place. The shards' own digests are checked
+    when they are what protects the bytes: before a broken stream is resumed after them (a
+    file's digest covers its shards once the file is whole)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._files = ThreadPoolExecutor(1, thread_name_prefix="fetch-sha256")
+        self._pending: deque[Future] = deque()
+        self._shards: list[tuple[memoryview, str, int, int]] = []  # (bytes, sha256, file, offset)
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        self._pending.append(self._files.submit(fn, *args))
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()  # raises what a check found
+
+    def shard(self, data: memoryview, sha256: str, file_index: int, offset: int) -> None:
+        self._shards.append((data, sha256, file_index, offset))
+
+    def file_bytes(self, digest: "hashlib._Hash", data: memoryview) -> None:
+        self._submit(digest.update, data)
+
+    def file_end(self, digest: "hashlib._Hash", entry: FileEntry, file_index: int) -> None:
+        self._shards.clear()  # the file's digest vouches for them
+
+        def check() -> None:
+            if digest.hexdigest() != entry.sha256:
+                raise FileMismatch(f"adapter {self.name!r}: {entry.path} has sha256 {digest.hexdigest()}, "
+                                   f"the manifest says {entry.sha256}", file_index)
+        self._submit(check)
+
+    def drain(self) -> None:
+        """Waits for the file checks submitted so far; raises the first mismatch."""
+        while self._pending:
+            self._pending.popleft().result()
+
+    def settle(self) -> None:
+        """Every byte received so far is verified: whole files by their digest, the part of a
+        file received before a stream broke by its shards' digests."""
+        self.drain()
+        for data, sha256, file_index, offset in self._shards:
+            if hashlib.sha256(data).hexdigest() != sha256:
+                raise FileMismatch(f"adapter {self.name!r}: sha256 mismatch in file {file_index} at offset "
+                                   f"{offset}", file_index)
+        self._shards.clear()
+
+    def quiesce(self) -> None:
+        """Waits for the checks in flight, whatever they find (before bytes are received again)."""
+        for future in self._pending:
+            future.exception()
+        self._pending.clear()
+        self._shards.clear()
+
+    def close(self) -> None:
+        self._files.shutdown(wait=False, cancel_futures=True)
+
+
+class _FetchState:
+    """The bytes received so far, their checks in flight, and where to resume.
+
+    The whole adapter lands in one buffer sized from the manifest (`allocate`), each shard
+    copied straight to its place; the files are views of it."""
+
+    def __init__(self, name: str, version: str, max_bytes: int = 0, allocate: Allocate = bytearray) -> None:
         self.name = name
         self.max_bytes = max_bytes
+        self.allocate = allocate
+        self.verifier: _Verifier | None = None
+        self.restart(version)
+
+    def restart(self, version: str) -> None:
+        """Forgets what was received (also when the version it had pinned was replaced)."""
+        if self.verifier is not None:
+            self.verifier.close()
         self.pinned_version = version
         self.manifest: Manifest | None = None
-        self.buffers: list[bytearray] = []
+        self.buffer: Any = None
+        self.files: list[memoryview] = []
+        self.offsets: list[int] = []
         self.file_index = 0
         self.offset = 0
         self.done = False
+        self.verify = False  # ask the store to verify its copy (after a checksum failure)
+        self.verifier = _Verifier(self.name)
+        self._file_digest = hashlib.sha256()
 
     def progress(self) -> str:
         return f"file {self.file_index} byte {self.offset}"
@@ -244,18 +358,19 @@ class _FetchState:
             raise self._loss(f"shard at file {shard.file_index} offset {shard.offset}, expected "
                              f"{self.progress()}")
         entry = files[self.file_index]
-        end = shard.offset + len(shard.data)
+        data = shard.data  # each read of a bytes field is a copy: read it once
+        end = shard.offset + len(data)
         if shard.path != entry.path or shard.file_size != entry.size or end > entry.size:
-            raise self._loss(f"shard {shard.path}@{shard.offset}+{len(shard.data)} does not fit "
+            raise self._loss(f"shard {shard.path}@{shard.offset}+{len(data)} does not fit "
                              f"{entry.path} ({entry.size} bytes)")
-        if hashlib.sha256(shard.data).hexdigest() != shard.sha256:
-            raise self._loss(f"sha256 mismatch in {entry.path} at offset {shard.offset}")
-        self.buffers[self.file_index][shard.offset:end] = shard.data
+        placed = self.files[self.file_index][shard.offset:end]
+        placed[:] = data
+        self.verifier.shard(placed, shard.sha256, self.file_index, shard.offset)
+        self.verifier.file_bytes(self._file_digest, placed)
         self.offset = end
         if end == entry.size:
-            digest = hashlib.sha256(self.buffers[self.file_index]).hexdigest()
-            if digest != entry.sha256:
-                raise self._loss(f"{entry.path} has sha256 {digest}, the manifest says {entry.sha256}")
+            self.verifier.file_end(self._file_digest, entry, self.file_index)
+            self._file_digest = hashlib.sha256()
             if self.file_index + 1 < len(files):
                 self.file_index, self.offset = self.file_index + 1, 0
             elif not shard.last:
@@ -267,7 +382,22 @@ class _FetchState:
             if shard.adapter_sha256 != self.manifest.adapter_sha256 or whole != self.manifest.adapter_sha256:
                 raise self._loss(f"adapter sha256 {shard.adapter_sha256} does not match the manifest's "
                                  f"{self.manifest.adapter_sha256}")
+            self.verifier.drain()
             self.done = True
+
+    def settle(self) -> None:
+        """Before resuming: every byte received so far is verified (or FileMismatch is raised)."""
+        self.verifier.settle()
+
+    def rewind(self, file_index: int) -> None:
+        """Receives file `file_index` and those after it again, from a store asked to verify."""
+        self.verifier.quiesce()
+        self.file_index, self.offset = file_index, 0
+        self._file_digest = hashlib.sha256()
+        self.verify = True
+
+    def close(self) -> None:
+        self.verifier.close()
 
     def _start(self, manifest: Manifest) -> None:
         if self.pinned_version and manifest.info.version != self.pinned_version:
@@ -279,11 +409,18 @@ class _FetchState:
             raise AdapterTooLarge(self.name, size, self.max_bytes)
         self.manifest = manifest
         self.pinned_version = manifest.info.version
-        self.buffers = [bytearray(f.size) for f in manifest.files]
+        self.offsets = file_offsets(manifest)
+        total = self.offsets[-1] + manifest.files[-1].size
+        self.buffer = self.allocate(total)
+        whole = memoryview(self.buffer).cast("B")
+        if len(whole) != total:
+            raise ValueError(f"allocate({total}) returned {len(whole)} bytes")
+        self.files = [whole[start:start + f.size] for start, f in zip(self.offsets, manifest.files)]
 
     def result(self) -> FetchedAdapter:
-        assert self.manifest is not None
-        return FetchedAdapter(self.manifest, {f.path: buf for f, buf in zip(self.manifest.files, self.buffers)})
+        assert self.manifest is not None and self.done
+        return FetchedAdapter(self.manifest, {f.path: view for f, view in zip(self.manifest.files, self.files)},
+                              self.buffer, {f.path: start for f, start in zip(self.manifest.files, self.offsets)})
 
 
 class _Watch:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from lora.v1 import adapter_store_pb2 as pb
 
@@ -95,12 +95,28 @@ class CatalogEvent:
         return cls(kind, AdapterInfo.from_proto(m.adapter) if m.HasField("adapter") else None, m.previous_version)
 
 
+FILE_ALIGN = 4096  # each file of a fetched adapter starts this aligned within its buffer
+
+
+def file_offsets(manifest: Manifest) -> list[int]:
+    """Where each file starts in the one buffer an adapter is received into: aligned, so
+    tensors can be viewed in place at their dtype's alignment."""
+    offsets, start = [], 0
+    for f in manifest.files:
+        offsets.append(start)
+        start += -(-f.size // FILE_ALIGN) * FILE_ALIGN
+    return offsets
+
+
 @dataclass
 class FetchedAdapter:
-    """A fetched adapter: every byte verified against the manifest's sha256 digests."""
+    """A fetched adapter: every byte verified against the manifest's sha256 digests. The
+    files are views of one `buffer`, at `offsets` (see file_offsets)."""
 
     manifest: Manifest
-    files: dict[str, bytearray] = field(default_factory=dict)
+    files: dict[str, memoryview] = field(default_factory=dict)
+    buffer: Any = None
+    offsets: dict[str, int] = field(default_factory=dict)
 
     @property
     def info(self) -> AdapterInfo:
@@ -119,7 +135,7 @@ class FetchedAdapter:
         return self.manifest.config_json
 
     @property
-    def weights(self) -> bytearray:
+    def weights(self) -> memoryview:
         """The adapter_model.safetensors bytes."""
         return self.files["adapter_model.safetensors"]
 

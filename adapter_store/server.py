@@ -12,6 +12,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from .auth import store_token_auth
 from .cache import BlobReader, CacheCorrupt, DiskCache
-from .catalog import Catalog, CatalogEntry, Limits
+from .catalog import Catalog, CatalogEntry, Limits, StoredFile
 from .metrics import StoreMetrics
 from lora_common.names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
@@ -35,7 +36,8 @@ from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
-DEFAULT_SHARD_BYTES = 1 << 20
+DEFAULT_SHARD_BYTES = 4 << 20
+READ_AHEAD = 2  # shards read from disk while one is being sent
 MIN_SHARD_BYTES = 4 << 10
 MAX_SHARD_BYTES = 16 << 20
 DEFAULT_PAGE_SIZE = 100
@@ -87,6 +89,48 @@ def _page_after(token: str) -> str:
         return check_name(base64.urlsafe_b64decode(token.encode()).decode())
     except (ValueError, UnicodeError):
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
+
+
+_SHARD_DATA_KEY = bytes([pb.AdapterShard.DATA_FIELD_NUMBER << 3 | 2])  # field 4, length-delimited
+
+
+def encode_shard(header: pb.AdapterShard, data: bytes) -> bytes:
+    """An AdapterShard on the wire: `header` (every field but data) encoded by protobuf, then
+    the data field appended (protobuf reads fields in any order): one copy of the data, where
+    setting a multi-megabyte bytes field and serializing the message has protobuf (upb)
+    allocate and copy it several times over."""
+    n, length = len(data), bytearray()
+    while n > 0x7F:
+        length.append(n & 0x7F | 0x80)
+        n >>= 7
+    length.append(n)
+    return b"".join((header.SerializeToString(), _SHARD_DATA_KEY, length, data))
+
+
+def _serialize_shard(message: bytes | pb.AdapterShard) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_service(service: pb_grpc.AdapterStoreServicer, server: grpc.aio.Server) -> None:
+    """pb_grpc.add_AdapterStoreServicer_to_server, with FetchAdapter's shards sent as
+    encode_shard made them."""
+    handlers = {
+        "ListAdapters": grpc.unary_unary_rpc_method_handler(
+            service.ListAdapters, request_deserializer=pb.ListStoreAdaptersRequest.FromString,
+            response_serializer=pb.ListStoreAdaptersResponse.SerializeToString),
+        "GetManifest": grpc.unary_unary_rpc_method_handler(
+            service.GetManifest, request_deserializer=pb.GetManifestRequest.FromString,
+            response_serializer=pb.AdapterManifest.SerializeToString),
+        "FetchAdapter": grpc.unary_stream_rpc_method_handler(
+            service.FetchAdapter, request_deserializer=pb.FetchAdapterRequest.FromString,
+            response_serializer=_serialize_shard),
+        "WatchAdapters": grpc.unary_stream_rpc_method_handler(
+            service.WatchAdapters, request_deserializer=pb.WatchAdaptersRequest.FromString,
+            response_serializer=pb.AdapterEvent.SerializeToString),
+    }
+    assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["AdapterStore"].methods_by_name)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class AdapterStoreService(pb_grpc.AdapterStoreServicer):
@@ -177,11 +221,12 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
             file = files[index]
             offset = request.start_offset if index == request.start_file else 0
             try:
-                reader = await asyncio.to_thread(self.catalog.open_file, file, deadline)
+                reader = await self._open(file, deadline, request.verify)
             except Exception as exc:
                 raise self._storage_error(entry, exc) from None
             try:
-                sent += await self._send_file(context, entry, index, reader, offset, shard_bytes, manifest)
+                sent += await self._send_file(context, entry, index, reader, offset, shard_bytes, manifest,
+                                              fresh_digests=request.verify)
             except _Abort:
                 raise
             except Exception as exc:
@@ -189,57 +234,75 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
             finally:
                 reader.close()
             manifest = None
-        log.info("fetch %s@%s: %d bytes from file %d offset %d", entry.name, entry.info.version, sent,
-                 request.start_file, request.start_offset)
+        log.info("fetch %s@%s: %d bytes from file %d offset %d%s", entry.name, entry.info.version, sent,
+                 request.start_file, request.start_offset, " (verified)" if request.verify else "")
+
+    async def _open(self, file: StoredFile, deadline: float, verify: bool) -> BlobReader:
+        """A reader of the file's bytes. With `verify` (a client saw bad bytes), a cached blob
+        is re-hashed first and, if it rotted, dropped and downloaded again."""
+        reader = await asyncio.to_thread(self.catalog.open_file, file, deadline)
+        if not verify or reader.streaming:  # a download in progress is verified as it ends
+            return reader
+        blob = reader.wait_complete()
+        if await asyncio.to_thread(self.cache.verify, blob):
+            return reader
+        reader.close()
+        log.warning("%s (%s) rotted in the disk cache; downloading it again", file.path, file.sha256[:16])
+        return await asyncio.to_thread(self.catalog.open_file, file, deadline)
 
     async def _send_file(self, context: grpc.aio.ServicerContext, entry: CatalogEntry, index: int,
                          reader: BlobReader, offset: int, shard_bytes: int,
-                         manifest: pb.AdapterManifest | None) -> int:
-        """Streams one file from `offset`; the next shard is read while one is sent. The
-        file's last shard goes out only once its bytes are complete and verified."""
+                         manifest: pb.AdapterManifest | None, fresh_digests: bool = False) -> int:
+        """Streams one file from `offset`, reading READ_AHEAD shards ahead of the one being sent.
+        Shards lie on a grid of `shard_bytes` from the file's start, so their sha256 can come
+        from the digests the cache recorded when the blob was last streamed whole; otherwise
+        they are hashed as they are read (and recorded once the whole file was). The file's
+        last shard goes out only once its bytes are complete and verified."""
         file = entry.files[index]
         size = file.obj.size
-        # A whole file streamed is also re-hashed: a blob that rotted on disk is dropped.
-        whole = hashlib.sha256() if offset == 0 else None
+        known = None if fresh_digests else self.cache.shard_digests(file.sha256, shard_bytes)
+        computed: list[str] | None = [] if known is None and offset == 0 else None
 
-        def read(at: int) -> tuple[bytes, str]:
-            n = min(shard_bytes, size - at)
+        def read(at: int) -> tuple[bytes, str]:  # on a worker thread
+            n = min(shard_bytes - at % shard_bytes, size - at)
             data = reader.read(at, n)
             if len(data) != n:
                 raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} is shorter in the cache than listed")
-            if whole is not None:
-                whole.update(data)
+            if known is not None and at % shard_bytes == 0:
+                return data, known[at // shard_bytes]
             return data, hashlib.sha256(data).hexdigest()
 
         loop = asyncio.get_running_loop()
-        pending = loop.run_in_executor(None, read, offset)
+        pending: deque[asyncio.Future] = deque()
+        ahead = offset  # where the next read starts
         sent = 0
         try:
             while True:
-                data, digest = await pending
+                while len(pending) < READ_AHEAD and (ahead < size or not pending):
+                    pending.append(loop.run_in_executor(None, read, ahead))
+                    ahead += min(shard_bytes - ahead % shard_bytes, size - ahead) if ahead < size else 0
+                data, digest = await pending.popleft()
                 end = offset + len(data)
                 end_of_file = end >= size
-                if not end_of_file:
-                    pending = loop.run_in_executor(None, read, end)
-                else:
+                if computed is not None:
+                    computed.append(digest)
+                if end_of_file:
                     await asyncio.to_thread(reader.wait_complete)
-                    if whole is not None and whole.hexdigest() != file.sha256:
-                        self.cache.discard(reader.wait_complete().sha256)
-                        raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} of {entry.name!r} is corrupt in "
-                                                                "the disk cache; dropped it, fetch again")
                 last = end_of_file and index == len(entry.files) - 1
-                await context.write(pb.AdapterShard(
-                    file_index=index, path=file.path, offset=offset, data=data, sha256=digest, file_size=size,
-                    last=last, manifest=manifest, adapter_sha256=entry.adapter_sha256 if last else ""))
+                await context.write(encode_shard(pb.AdapterShard(
+                    file_index=index, path=file.path, offset=offset, sha256=digest, file_size=size,
+                    last=last, manifest=manifest, adapter_sha256=entry.adapter_sha256 if last else ""), data))
                 manifest = None
                 sent += len(data)
                 self.metrics.fetch_bytes.inc(len(data))
                 offset = end
                 if end_of_file:
+                    if computed is not None and size > 0:
+                        self.cache.record_shard_digests(file.sha256, shard_bytes, tuple(computed))
                     return sent
         finally:
-            if not pending.done():  # a cancelled stream: let the read end before the reader closes
-                await asyncio.wait([pending])
+            if pending:  # a cancelled stream: let the reads end before the reader closes
+                await asyncio.wait(pending)
 
     def _storage_error(self, entry: CatalogEntry, exc: BaseException) -> _Abort:
         """The status a client sees when the bytes could not be had."""
@@ -321,7 +384,7 @@ class StoreServer:
                    ("grpc.max_receive_message_length", 1 << 20), EXCLUSIVE_PORT]
         interceptors = [store_token_auth(self.settings.token)] if self.settings.token else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_AdapterStoreServicer_to_server(self.service, server)
+        add_service(self.service, server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -95,6 +95,11 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--max-tokens-limit", type=int, default=0,
                        help="largest max_tokens a request may ask for, else INVALID_ARGUMENT "
                             "(0: what --max-model-len leaves)")
+    serve.add_argument("--adapter-disk-dir", default=None,
+                       help="directory of the node's disk tier: adapters fetched from the store are kept "
+                            "there (verified on every read) and survive restarts (off when unset)")
+    serve.add_argument("--adapter-disk-gb", type=float, default=20.0,
+                       help="bound of --adapter-disk-dir; least recently used adapters are evicted first")
     serve.add_argument("--adapter-fetch-timeout", type=float, default=60.0,
                        help="seconds an adapter load keeps retrying and resuming from the store before "
                             "its waiting requests get UNAVAILABLE")
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
+        adapter_disk_dir=args.adapter_disk_dir, adapter_disk_bytes=int(args.adapter_disk_gb * (1 << 30)),
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
         metrics_max_adapters=args.metrics_max_adapters,
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),

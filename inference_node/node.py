@@ -12,6 +12,7 @@ import torch
 from lora_common.tls import ClientTLS, ServerTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
+from .adapters.disk_tier import DiskTier
 from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers
 from .adapters.sources import LocalDirSource
@@ -56,6 +57,8 @@ class NodeSettings:
     max_cpu_loras: int = 32
     adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
     adapter_store: str | None = None   # HOST:PORT of the adapter store
+    adapter_disk_dir: str | None = None  # the node's disk tier of store adapters (off when unset)
+    adapter_disk_bytes: int = 20 << 30   # its bound (least recently used evicted first)
     admin_token: str | None = field(default=None, repr=False)     # secrets: never in logs
     generate_token: str | None = field(default=None, repr=False)
     metrics_port: int = 0
@@ -167,7 +170,7 @@ def build_node(settings: NodeSettings) -> Node:
     catalog = None
     if adapters is not None and isinstance(adapters.source, StoreSource):
         catalog = CatalogWatcher(adapters.source.client, engine.call, adapters.on_catalog_update,
-                                 adapters.on_catalog_delete)
+                                 adapters.on_catalog_delete, disk=adapters.source.disk)
     return Node(settings, checkpoint, model, codec, engine, adapters, catalog)
 
 
@@ -175,15 +178,21 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
                           dtype: torch.dtype) -> AdapterManager | None:
     if settings.max_loras <= 0:
         return None
-    source = None
+    source: StoreSource | LocalDirSource | None = None
+    pin = device.type == "cuda"  # adapters land in page-locked memory: slot copies run asynchronously
     if settings.adapter_store:
+        disk = (DiskTier(settings.adapter_disk_dir, settings.adapter_disk_bytes)
+                if settings.adapter_disk_dir else None)
         source = StoreSource(settings.adapter_store, model.config, settings.max_lora_rank, tls=settings.store_tls,
                              token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes,
-                             fetch_deadline_s=settings.adapter_fetch_timeout_s,
+                             fetch_deadline_s=settings.adapter_fetch_timeout_s, pin_memory=pin, disk=disk,
                              max_weight_abs=settings.max_weight_abs, dtype=dtype)
     elif settings.adapter_dir:
         source = LocalDirSource(Path(settings.adapter_dir), model.config, settings.max_lora_rank,
-                                max_bytes=settings.max_adapter_bytes, max_weight_abs=settings.max_weight_abs,
-                                dtype=dtype)
+                                max_bytes=settings.max_adapter_bytes, pin_memory=pin,
+                                max_weight_abs=settings.max_weight_abs, dtype=dtype)
+    if settings.adapter_disk_dir and not settings.adapter_store:
+        log.warning("--adapter-disk-dir keeps adapters from --adapter-store; without a store it is unused")
     buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
-    return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=device.type == "cuda")
+    return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=pin,
+                          disk_copies=source.disk_copies if source is not None else None)

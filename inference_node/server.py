@@ -33,7 +33,7 @@ from .tokenizer import TextCodec
 log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceNode"].full_name
 TIERS = {"gpu": inference_pb2.ADAPTER_TIER_GPU, "host": inference_pb2.ADAPTER_TIER_HOST,
-         "loading": inference_pb2.ADAPTER_TIER_LOADING}
+         "loading": inference_pb2.ADAPTER_TIER_LOADING, "disk": inference_pb2.ADAPTER_TIER_DISK}
 
 
 class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):

@@ -1,9 +1,10 @@
 """The adapter tiers and their bookkeeping, owned by the engine loop thread.
 
 Tiers: GPU slot (ready for batches) <- host memory (LRU of `max_cpu_loras`) <- source
-(the adapter store, or a local directory). Fetches run on background threads and report
-back through a queue that the engine thread drains, so every state change happens on one
-thread and no lock guards this state.
+(the adapter store, or a local directory); a store source may keep a disk tier of its own
+(disk_tier.py), which entries() lists for adapters held nowhere else. Fetches run on
+background threads and report back through a queue that the engine thread drains, so every
+state change happens on one thread and no lock guards this state.
 
 Rules:
 - A request binds to its adapter's current version when it is admitted and holds a
@@ -60,6 +61,7 @@ class AdapterEntry:
     pinned: bool = False
     draining: bool = False                     # no new binds: its slot is wanted elsewhere
     retired: bool = False                      # unloaded or replaced: freed when refs reach 0
+    on_disk: bool = False                      # only in the source's disk tier (a listing, never bound)
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -75,6 +77,8 @@ class AdapterEntry:
     def tier(self) -> str:
         if self.resident:
             return "gpu"
+        if self.on_disk:
+            return "disk"
         return "loading" if self.copying else "host"
 
 
@@ -112,9 +116,11 @@ class AdapterCounters:
 
 class AdapterManager:
     def __init__(self, buffers: SlotBuffers, source: AdapterSource | None, max_cpu_loras: int,
-                 pin_host_memory: bool = False, fetch_workers: int = 4) -> None:
+                 pin_host_memory: bool = False, fetch_workers: int = 4,
+                 disk_copies: Callable[[], list[tuple[str, str]]] | None = None) -> None:
         self.buffers = buffers
         self.source = source
+        self.disk_copies = disk_copies or (lambda: [])  # (name, version) in the source's disk tier
         self.max_loras = buffers.max_loras
         self.max_cpu_loras = max(max_cpu_loras, 1)
         self.pin_host_memory = pin_host_memory
@@ -503,7 +509,12 @@ class AdapterManager:
 
     # -- introspection ---------------------------------------------------------------------------------
     def entries(self) -> list[AdapterEntry]:
-        return list(self.current.values()) + list(self.retired)
+        """Adapters in GPU slots or host memory, then those only in the disk tier (listed as
+        on_disk entries: a request for one loads it like any other cold adapter)."""
+        held = list(self.current.values()) + list(self.retired)
+        known = {(e.name, e.version) for e in held}
+        return held + [AdapterEntry(name, version, 0, on_disk=True) for name, version in self.disk_copies()
+                       if (name, version) not in known]
 
     def check_consistency(self, live: Iterable[Request]) -> None:
         """Every reference count equals the live requests bound to that adapter version."""

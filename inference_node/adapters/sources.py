@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lora_common.names import InvalidName, check_name
-from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid, TensorInfo, validate_adapter
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid, Buffer, TensorInfo, validate_adapter
 
 from ..model.config import ModelConfig
 from .errors import AdapterNotFound, AdapterRejected
@@ -23,16 +23,29 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def weights_from_files(name: str, version: str, config_text: str | bytes, weights: bytearray,
-                       model: ModelConfig, max_rank: int, *, max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS,
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """Host memory an adapter's files are read or received into: page-locked on a CUDA node
+    (so slot copies run asynchronously, straight from it; torch's pinned allocator reuses
+    freed blocks), pageable elsewhere."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def weights_from_files(name: str, version: str, config_text: str | bytes, weights: torch.Tensor | Buffer,
+                       model: ModelConfig, max_rank: int, check_values: bool = True, *,
+                       max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS,
                        dtype: torch.dtype = torch.float32) -> AdapterWeights:
-    """Validates a PEFT adapter (config + safetensors bytes) and fits it to this base model
-    and to the dtype it serves in."""
+    """Validates a PEFT adapter (config + safetensors bytes, a uint8 tensor or any buffer)
+    and fits it to this base model and to the dtype it serves in. The tensors are views of
+    `weights`. `check_values=False` skips the scan for NaN, Inf and the weight bound, for bytes
+    proven (by sha256) to be ones it passed before."""
+    tensor = isinstance(weights, torch.Tensor)
     try:  # the store's rules; the rank limit and the weight bound are this node's
-        spec = validate_adapter(config_text, weights, max_weight_abs=max_weight_abs)
+        spec = validate_adapter(config_text, weights.numpy() if tensor else weights, check_values=check_values,
+                                max_weight_abs=max_weight_abs)
     except AdapterInvalid as exc:
         raise AdapterRejected(f"adapter {name!r}: {exc}") from exc
-    pairs = {key: (_view(weights, m.a), _view(weights, m.b)) for key, m in spec.modules.items()}
+    base = weights if tensor else torch.frombuffer(weights, dtype=torch.uint8)
+    pairs = {key: (_view(base, m.a), _view(base, m.b)) for key, m in spec.modules.items()}
     try:
         built = build_adapter_weights(name, version, spec.config.r, spec.config.lora_alpha,
                                       spec.config.use_rslora, pairs, model, max_rank)
@@ -42,13 +55,16 @@ def weights_from_files(name: str, version: str, config_text: str | bytes, weight
         raise AdapterRejected(str(exc)) from exc
 
 
-def _view(buffer: bytearray, info: TensorInfo) -> torch.Tensor:
-    """The tensor as a view into the fetched bytes (no copy)."""
+def _view(base: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    """The tensor as a view of the file's bytes (no copy), or a copy where the file places it
+    off its dtype's alignment."""
     dtype = _DTYPES.get(info.dtype)
     if dtype is None:
         raise AdapterRejected(f"tensor {info.name} has dtype {info.dtype}; LoRA weights are floats")
-    count = info.nbytes // torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=info.start).view(info.shape)
+    raw = base[info.start:info.start + info.nbytes]
+    if (base.storage_offset() + info.start) % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).view(info.shape)
 
 
 def _identity(*paths: Path) -> tuple:
@@ -56,7 +72,7 @@ def _identity(*paths: Path) -> tuple:
     return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in (p.stat() for p in paths))
 
 
-def content_hash(files: list[bytes | bytearray]) -> str:
+def content_hash(files: list[Buffer]) -> str:
     digests = b"".join(hashlib.sha256(f).digest() for f in files)
     return hashlib.sha256(digests).hexdigest()
 
@@ -67,16 +83,22 @@ class LocalDirSource:
     The version is derived from the files' content, so replacing the files is a new version.
     """
 
-    def __init__(self, root: Path, model: ModelConfig, max_rank: int, max_bytes: int = 0, *,
-                 max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, root: Path, model: ModelConfig, max_rank: int, max_bytes: int = 0,
+                 pin_memory: bool = False, *, max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS,
+                 dtype: torch.dtype = torch.float32) -> None:
         """max_bytes > 0: larger adapters are refused before they are read into memory;
         max_weight_abs, dtype: the numerical checks (weights_from_files)."""
         self.root = root.resolve()
         self.model = model
         self.max_rank = max_rank
         self.max_bytes = max_bytes
+        self.pin_memory = pin_memory
         self.max_weight_abs = max_weight_abs
         self.dtype = dtype
+
+    def disk_copies(self) -> list[tuple[str, str]]:
+        """Adapters kept on this node's disk besides the source itself: none (the folder is it)."""
+        return []
 
     def catalog(self) -> list[tuple[str, int]]:
         """Folders with an allowed name and both files (their content is checked at load)."""
@@ -110,15 +132,15 @@ class LocalDirSource:
         for _ in range(3):
             before = _identity(config_path, weights_path)
             config_bytes = config_path.read_bytes()
-            weights = bytearray(weights_path.stat().st_size)
+            weights = host_buffer(weights_path.stat().st_size, self.pin_memory)
             with weights_path.open("rb") as f:
-                f.readinto(weights)
+                f.readinto(weights.numpy())
             if _identity(config_path, weights_path) == before:
                 break
         else:
             raise AdapterRejected(f"adapter {name!r} kept changing while it was read; try again once it is "
                                   "written (replace files atomically, or swap a symlinked folder)")
-        content_version = content_hash([config_bytes, weights])
+        content_version = content_hash([config_bytes, weights.numpy()])
         if version and version != content_version:
             raise AdapterNotFound(f"adapter {name!r} has version {content_version}, not {version}")
         return weights_from_files(name, content_version, config_bytes, weights, self.model, self.max_rank,

@@ -9,13 +9,15 @@ import grpc
 import torch
 
 from adapter_store.client import DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, StoreError, StoreTLSRefused
+from adapter_store.records import Manifest
 from lora_common.tls import ClientTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from ..model.config import ModelConfig
+from .disk_tier import DiskCorrupt, DiskTier
 from .errors import (AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
                      AdapterUnavailable)
-from .sources import WEIGHTS_FILE, weights_from_files
+from .sources import WEIGHTS_FILE, host_buffer, weights_from_files
 from .weights import AdapterWeights
 
 log = logging.getLogger(__name__)
@@ -37,9 +39,17 @@ _HINTS = {
 }
 
 
+MANIFEST_CHECK_S = 2.0  # how long a load with a disk copy waits to hear the store's current version
+
+
 class StoreSource:
+    """Adapters from the store, received straight into host memory (pinned on a CUDA node),
+    with the node's disk tier in front when one is configured: a load of a version kept on
+    disk reads it from there (verified), and falls back to the store if it fails its checks."""
+
     def __init__(self, target: str, model: ModelConfig, max_rank: int, fetch_deadline_s: float = 60.0, *,
                  tls: ClientTLS | None = None, token: str | None = None, max_adapter_bytes: int = 0,
+                 pin_memory: bool = False, disk: DiskTier | None = None,
                  max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32) -> None:
         self.target = target
         self.client = AdapterStoreClient(target, tls=tls, token=token)
@@ -47,26 +57,90 @@ class StoreSource:
         self.max_rank = max_rank
         self.fetch_deadline_s = fetch_deadline_s
         self.max_adapter_bytes = max_adapter_bytes
+        self.pin_memory = pin_memory
+        self.disk = disk
         self.max_weight_abs = max_weight_abs
         self.dtype = dtype
 
     def load(self, name: str, version: str) -> AdapterWeights:
+        disk_failure = ""
+        if self.disk is not None:
+            try:
+                weights = self._load_from_disk(name, version)
+            except DiskCorrupt as exc:
+                log.warning("%s; fetching it from the store", exc)
+                disk_failure = " (its copy on this node's disk failed its checksum and was deleted)"
+            else:
+                if weights is not None:
+                    return weights
+        return self._load_from_store(name, version, disk_failure)
+
+    def _allocate(self, holder: list[torch.Tensor]) -> Callable[[int], object]:
+        """An allocator for the client and the disk tier, which fill any writable buffer (a
+        numpy view); the tensor itself goes to `holder`, to view the weights in (sliced from
+        it, they keep its storage, and with it the pinned allocator's bookkeeping)."""
+        def allocate(nbytes: int) -> object:
+            holder.append(host_buffer(nbytes, self.pin_memory))
+            return holder[-1].numpy()
+        return allocate
+
+    def _weights(self, manifest: Manifest, buffer: torch.Tensor, offsets: list[int],
+                 check_values: bool = True) -> AdapterWeights:
+        index = [f.path for f in manifest.files].index(WEIGHTS_FILE)
+        start, size = offsets[index], manifest.files[index].size
+        return weights_from_files(manifest.info.name, manifest.info.version, manifest.config_json,
+                                  buffer[start:start + size], self.model, self.max_rank, check_values,
+                                  max_weight_abs=self.max_weight_abs, dtype=self.dtype)
+
+    def _load_from_store(self, name: str, version: str, disk_failure: str = "") -> AdapterWeights:
+        holder: list[torch.Tensor] = []
         try:
             fetched = self.client.fetch(name, version, deadline_s=self.fetch_deadline_s,
-                                        max_bytes=self.max_adapter_bytes)
+                                        max_bytes=self.max_adapter_bytes, allocate=self._allocate(holder))
         except AdapterTooLarge as exc:
             raise AdapterRejected(f"adapter {name!r} is {exc.size / 1e6:.1f} MB; this node loads adapters up to "
                                   f"{exc.limit / 1e6:.1f} MB (--max-adapter-mb)") from exc
         except StoreTLSRefused as exc:  # this node's TLS settings: no retry helps
             raise AdapterRejected(f"adapter {name!r} from the store at {self.target}: {exc.details}") from exc
         except StoreError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND and self.disk is not None and not version:
+                self.disk.remove_name(name)
             error = _ERRORS.get(exc.code, AdapterError)
             raise error(f"adapter {name!r} from the store at {self.target}: {exc.code.name}: {exc.details}"
-                        f"{_HINTS.get(exc.code, '')}") from exc
+                        f"{_HINTS.get(exc.code, '')}{disk_failure}") from exc
         manifest = fetched.manifest
-        return weights_from_files(name, manifest.info.version, manifest.config_json,
-                                  fetched.files[WEIGHTS_FILE], self.model, self.max_rank,
-                                  max_weight_abs=self.max_weight_abs, dtype=self.dtype)
+        weights = self._weights(manifest, holder[-1], [fetched.offsets[f.path] for f in manifest.files])
+        if self.disk is not None:  # only what passed validation is kept
+            self.disk.put_later(manifest, list(fetched.files.values()))
+        return weights
+
+    def _load_from_disk(self, name: str, version: str) -> AdapterWeights | None:
+        """The adapter from the disk tier, or None when the store must be asked. A load of
+        the current version ("") asks the store which one that is, and uses the disk copy
+        as it is only while the store cannot be reached."""
+        entry = self.disk.lookup(name, version)
+        if entry is None:
+            return None
+        if not version:
+            try:
+                current = self.client.get_manifest(name, timeout_s=MANIFEST_CHECK_S).info.version
+            except StoreError as exc:
+                if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    return None  # the fetch reports what the store says
+                log.warning("adapter %s: the store at %s is unreachable (%s); loading version %s from this "
+                            "node's disk", name, self.target, exc.code.name, entry.version)
+            else:
+                if current != entry.version:
+                    return None
+        holder: list[torch.Tensor] = []
+        try:
+            _, offsets = self.disk.read(entry, self._allocate(holder))
+        except FileNotFoundError:  # evicted meanwhile
+            return None
+        log.info("adapter %s@%s loaded from this node's disk", name, entry.version)
+        # Only validated adapters are written to disk, and the read proved these bytes are
+        # those: the value scan is not repeated (names, shapes and dtypes still are).
+        return self._weights(entry.manifest, holder[-1], offsets, check_values=False)
 
     def catalog(self) -> list[tuple[str, int]]:
         """The store's valid adapters (raises AdapterError when it cannot be reached)."""
@@ -77,6 +151,10 @@ class StoreSource:
             raise error(f"listing the adapter store at {self.target}: {exc.code.name}: {exc.details}"
                         f"{_HINTS.get(exc.code, '')}") from exc
 
+    def disk_copies(self) -> list[tuple[str, str]]:
+        """(name, version) of the adapters in the node's disk tier."""
+        return [(e.name, e.version) for e in self.disk.entries()] if self.disk is not None else []
+
     def close(self) -> None:
         self.client.close()
 
@@ -86,8 +164,10 @@ class CatalogWatcher:
     (through `post`, which runs the change on the engine thread)."""
 
     def __init__(self, client: AdapterStoreClient, post: Callable[[Callable[[], None]], object],
-                 on_update: Callable[[str, str], None], on_delete: Callable[[str], None]) -> None:
+                 on_update: Callable[[str, str], None], on_delete: Callable[[str], None],
+                 disk: DiskTier | None = None) -> None:
         self.client = client
+        self.disk = disk  # a deleted adapter's disk copy goes too
         self.post = post
         self.on_update = on_update
         self.on_delete = on_delete
@@ -126,4 +206,6 @@ class CatalogWatcher:
         elif event.kind == DELETED and event.adapter is not None:
             name = event.adapter.name
             log.info("catalog: %s was deleted", name)
+            if self.disk is not None:
+                self.disk.remove_name(name)
             self.post(lambda: self.on_delete(name))

@@ -85,6 +85,7 @@ def test_s3_outage_mid_fetch_then_restart_completes(fragile: SeaweedFS, big_adap
         assert 0 < outage.killed_at < len(weights) and outage.restarted.wait(30)
         assert bytes(fetched.weights) == weights
         assert store.metrics.value("adapter_store_s3_retries_total") > 0
+        assert store.cache.wait_idle(10)  # the stream ends once the bytes are verified; storing follows
         assert store.cache.partial_files() == []
         assert store.cache.contains(hashlib.sha256(weights).hexdigest())
     finally:
@@ -119,6 +120,7 @@ def test_s3_outage_past_deadline_is_unavailable_and_leaves_no_partial(fragile: S
             fragile.start()
             fetched = client.fetch("big", deadline_s=60)
             assert bytes(fetched.weights) == weights
+            assert store.cache.wait_idle(10)  # the stream ends once the bytes are verified; storing follows
             assert store.cache.contains(weights_sha)
     finally:
         store.stop()
@@ -128,7 +130,7 @@ def test_s3_outage_past_deadline_is_unavailable_and_leaves_no_partial(fragile: S
 def test_client_resumes_a_cut_stream_from_its_offset(fragile: SeaweedFS, big_adapter: Path, tmp_path: Path,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     store = fragile_store(fragile, big_adapter, tmp_path)
-    proxy = CuttingProxy(int(store.address.rsplit(":", 1)[1]), cut_after_bytes=3 << 20)
+    proxy = CuttingProxy(int(store.address.rsplit(":", 1)[1]), cut_after_bytes=6 << 20)  # 4 MiB shards
     caplog.set_level(logging.INFO, logger="adapter_store")
     try:
         with AdapterStoreClient(proxy.address) as client:
@@ -142,10 +144,15 @@ def test_client_resumes_a_cut_stream_from_its_offset(fragile: SeaweedFS, big_ada
         store.stop()
 
 
-def test_rotten_cache_blob_is_data_loss_then_healed(fragile: SeaweedFS, big_adapter: Path, tmp_path: Path) -> None:
+def test_rotten_cache_blob_is_detected_and_healed_within_the_fetch(fragile: SeaweedFS, big_adapter: Path,
+                                                                  tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     store = fragile_store(fragile, big_adapter, tmp_path)
     weights = (big_adapter / WEIGHTS).read_bytes()
+    caplog.set_level(logging.INFO)
     try:
+        with AdapterStoreClient(store.address) as client:
+            assert bytes(client.fetch("big", deadline_s=60).weights) == weights  # shard digests recorded
         digest = hashlib.sha256(weights).hexdigest()
         blob = store.cache.root / "blobs" / digest[:2] / digest
         with open(blob, "r+b") as f:  # flip one byte in place, as a bad disk would
@@ -153,11 +160,38 @@ def test_rotten_cache_blob_is_data_loss_then_healed(fragile: SeaweedFS, big_adap
             byte = f.read(1)
             f.seek(len(weights) // 2)
             f.write(bytes([byte[0] ^ 0xFF]))
+        misses = store.metrics.value("adapter_store_cache_misses_total")
+        with AdapterStoreClient(store.address) as client:
+            assert bytes(client.fetch("big", deadline_s=60).weights) == weights
+        # The client caught the bad file, asked again with verify; the store re-hashed its
+        # copy, dropped it and downloaded it again from S3.
+        assert any("fetching file 1 again, verified by the store" in m for m in caplog.messages), caplog.messages
+        assert any("rotted in the disk cache" in m for m in caplog.messages), caplog.messages
+        assert store.metrics.value("adapter_store_cache_misses_total") == misses + 1
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == digest
+    finally:
+        store.stop()
+
+
+def test_a_store_that_keeps_sending_bad_bytes_is_data_loss(fragile: SeaweedFS, big_adapter: Path,
+                                                          tmp_path: Path) -> None:
+    store = fragile_store(fragile, big_adapter, tmp_path)
+    real_send = store.store.service._send_file
+
+    async def corrupting(context, entry, index, reader, offset, shard_bytes, manifest, **kw):
+        original = reader.read
+        reader.read = lambda at, n: bytes(b ^ 0xFF for b in original(at, n)[:1]) + original(at, n)[1:]
+        try:
+            return await real_send(context, entry, index, reader, offset, shard_bytes, manifest, **kw)
+        finally:
+            reader.read = original
+
+    store.store.service._send_file = corrupting  # bytes go bad after the store hashed its copy
+    try:
         with AdapterStoreClient(store.address) as client:
             with pytest.raises(StoreError) as info:
-                client.fetch("big", deadline_s=20)
-            assert info.value.code == grpc.StatusCode.DATA_LOSS
-            assert bytes(client.fetch("big", deadline_s=60).weights) == weights  # re-downloaded from S3
+                client.fetch("big", deadline_s=30)
+        assert info.value.code == grpc.StatusCode.DATA_LOSS and "the manifest says" in info.value.details
     finally:
         store.stop()
 
@@ -190,6 +224,8 @@ def test_client_verifies_shards_files_and_adapter() -> None:
         with pytest.raises(StoreError) as info:
             for s in shards:
                 state.accept(s)
+            state.settle()  # digests are checked on worker threads: wait for their verdict
+        state.close()
         assert info.value.code == grpc.StatusCode.DATA_LOSS
         return info.value
 
@@ -201,3 +237,14 @@ def test_client_verifies_shards_files_and_adapter() -> None:
     assert "offset" in str(lying([good[0], good[2]]))  # a gap
     assert "adapter sha256" in str(lying(good[:2] + [_shard(manifest, 1, 1000, data[1000:], last=True,
                                                               adapter_sha256="f" * 64)]))
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, (4 << 20) + 7])
+def test_encoded_shards_parse_as_protobuf_writes_them(size: int) -> None:
+    from adapter_store.server import encode_shard
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    fields = dict(file_index=1, path=WEIGHTS, offset=size, sha256=hashlib.sha256(data).hexdigest(), file_size=size,
+                  last=True, adapter_sha256="f" * 64)
+    wire = encode_shard(pb.AdapterShard(**fields), data)
+    assert pb.AdapterShard.FromString(wire) == pb.AdapterShard(data=data, **fields)

@@ -1,0 +1,181 @@
+"""The node's disk tier on its own: verified reads, LRU bound that survives restarts, atomic
+writes, one version per name, and names and manifests treated as untrusted."""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from adapter_store.records import FILE_ALIGN, AdapterInfo, FileEntry, Manifest, adapter_digest
+from inference_node.adapters.disk_tier import MANIFEST_FILE, DiskCorrupt, DiskTier
+from lora_common.names import InvalidName
+
+
+def adapter(name: str, weights: bytes, updated_at: int = 1, config: bytes = b'{"r": 4}') -> tuple[Manifest, list[bytes]]:
+    files = (FileEntry("adapter_config.json", len(config), hashlib.sha256(config).hexdigest()),
+             FileEntry("adapter_model.safetensors", len(weights), hashlib.sha256(weights).hexdigest()))
+    digest = adapter_digest(f.sha256 for f in files)
+    info = AdapterInfo(name, digest[:16], rank=4, valid=True, size_bytes=len(config) + len(weights),
+                       updated_at=updated_at)
+    return Manifest(info, config.decode(), files, digest), [config, weights]
+
+
+def read_back(tier: DiskTier, name: str, version: str = "") -> list[bytes]:
+    entry = tier.lookup(name, version)
+    assert entry is not None
+    buffer, offsets = tier.read(entry, bytearray)
+    assert all(o % FILE_ALIGN == 0 for o in offsets)
+    return [bytes(buffer[o:o + f.size]) for o, f in zip(offsets, entry.manifest.files)]
+
+
+def test_roundtrip_and_restart(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    manifest, files = adapter("alpha", os.urandom(5000))
+    assert tier.put(manifest, files)
+    assert read_back(tier, "alpha") == files == read_back(tier, "alpha", manifest.info.version)
+    assert tier.lookup("alpha", "0" * 16) is None and tier.lookup("beta") is None
+    restarted = DiskTier(tmp_path, 1 << 20)
+    assert [(e.name, e.version) for e in restarted.entries()] == [("alpha", manifest.info.version)]
+    assert read_back(restarted, "alpha") == files
+    # Neither the name nor the manifest's paths become paths: the entry is its sha256, files their index.
+    assert sorted(p.name for p in (tmp_path / manifest.adapter_sha256).iterdir()) == ["0", "1", MANIFEST_FILE]
+
+
+def test_lru_bound_and_its_order_survive_a_restart(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 10_000)
+    put = {}
+    for name in ("a", "b", "c"):
+        put[name] = adapter(name, os.urandom(3000))
+        assert tier.put(*put[name])
+        time.sleep(0.02)  # distinct mtimes
+    read_back(tier, "a")  # a is now the most recently used
+    assert tier.total_bytes <= 10_000
+    restarted = DiskTier(tmp_path, 10_000)
+    assert restarted.put(*adapter("d", os.urandom(3000)))  # one must go: b, the least recently used
+    assert {e.name for e in restarted.entries()} == {"a", "c", "d"}
+    assert not (tmp_path / put["b"][0].adapter_sha256).exists()
+    smaller = DiskTier(tmp_path, 7_000)  # a smaller bound applies at start
+    assert {e.name for e in smaller.entries()} == {"a", "d"} and smaller.total_bytes <= 7_000
+    assert not smaller.put(*adapter("huge", os.urandom(8000)))  # larger than the whole tier: not kept
+    assert smaller.lookup("huge") is None
+
+
+def test_a_new_version_replaces_the_old(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    old, old_files = adapter("alpha", b"one" * 100, updated_at=1)
+    new, new_files = adapter("alpha", b"two" * 100, updated_at=2)
+    tier.put(old, old_files)
+    tier.put(new, new_files)
+    assert [e.version for e in tier.entries()] == [new.info.version]
+    assert read_back(tier, "alpha") == new_files
+    assert not (tmp_path / old.adapter_sha256).exists()
+
+
+def test_rot_is_detected_and_the_entry_deleted(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    manifest, files = adapter("alpha", os.urandom(4000))
+    tier.put(manifest, files)
+    path = tmp_path / manifest.adapter_sha256 / "1"
+    data = bytearray(path.read_bytes())
+    data[1234] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(DiskCorrupt, match="does not match its sha256"):
+        tier.read(tier.lookup("alpha"), bytearray)
+    assert tier.lookup("alpha") is None and not path.parent.exists()
+    # A truncated file is dropped when the tier starts.
+    tier.put(manifest, files)
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    assert DiskTier(tmp_path, 1 << 20).entries() == []
+
+
+def test_writes_are_atomic_and_leftovers_are_cleared(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    manifest, files = adapter("alpha", os.urandom(4000))
+    (tmp_path / "tmp" / "half-written").mkdir()  # a crash in the middle of a write
+    (tmp_path / "tmp" / "half-written" / "1").write_bytes(b"partial")
+    tier.put_later(manifest, files)
+    tier.flush()
+    restarted = DiskTier(tmp_path, 1 << 20)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert read_back(restarted, "alpha") == files
+
+
+def test_names_and_manifests_are_untrusted(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    for bad_name in ("../escape", "a/b", ".."):
+        manifest, files = adapter("x", b"w" * 10)
+        info = AdapterInfo(bad_name, manifest.info.version, valid=True)
+        with pytest.raises(InvalidName):
+            tier.put(Manifest(info, manifest.config_json, manifest.files, manifest.adapter_sha256), files)
+    manifest, files = adapter("alpha", b"w" * 10)
+    lying = Manifest(manifest.info, manifest.config_json, manifest.files, "f" * 64)  # digests don't add up
+    with pytest.raises(ValueError):
+        tier.put(lying, files)
+    assert list(tmp_path.iterdir()) == [tmp_path / "tmp"]
+
+    # On disk: foreign files and folders, a symlink, a manifest under another entry's name,
+    # and one whose name is unsafe are all dropped when the tier starts.
+    good, good_files = adapter("good", b"g" * 10)
+    tier.put(good, good_files)
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "..evil").mkdir()
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "keep").write_text("must survive")
+    os.symlink(outside, tmp_path / ("a" * 64))
+    moved = tmp_path / ("b" * 64)
+    os.rename(tmp_path / good.adapter_sha256, moved)  # a manifest under a name not its own
+    evil, evil_files = adapter("x", b"e" * 10)
+    message = evil.to_proto()
+    message.info.name = "../../etc"
+    folder = tmp_path / evil.adapter_sha256
+    folder.mkdir()
+    (folder / MANIFEST_FILE).write_bytes(message.SerializeToString())
+    for i, data in enumerate(evil_files):
+        (folder / str(i)).write_bytes(data)
+    garbage, garbage_files = adapter("garbage", b"x" * 10)  # a manifest that is not protobuf
+    (tmp_path / garbage.adapter_sha256).mkdir()
+    (tmp_path / garbage.adapter_sha256 / MANIFEST_FILE).write_bytes(b"\xff" * 64)
+    linked, linked_files = adapter("linked", b"l" * 10)  # an entry file that is a link elsewhere
+    tier.put(linked, linked_files)
+    os.remove(tmp_path / linked.adapter_sha256 / "1")
+    os.symlink(outside / "keep", tmp_path / linked.adapter_sha256 / "1")
+    os.rmdir(tmp_path / "tmp")
+    os.symlink(outside, tmp_path / "tmp")  # staging must never be another directory
+    restarted = DiskTier(tmp_path, 1 << 20)
+    assert restarted.entries() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"] and not (tmp_path / "tmp").is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["keep"] and (outside / "keep").read_text() == "must survive"
+
+
+def test_a_deletion_in_the_catalog_deletes_the_disk_copy(tmp_path: Path) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from adapter_store.records import DELETED
+    from inference_node.adapters.store_source import CatalogWatcher
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    for name in ("gone", "kept"):
+        tier.put(*adapter(name, name.encode() * 100))
+
+    class Catalog:
+        def watch(self, reconnect: bool, stop: threading.Event):
+            yield SimpleNamespace(kind=DELETED, adapter=SimpleNamespace(name="gone", version=""))
+            stop.wait()
+
+    deleted = threading.Event()
+    watcher = CatalogWatcher(Catalog(), post=lambda fn: fn(), on_update=lambda name, version: None,
+                             on_delete=lambda name: deleted.set(), disk=tier)
+    watcher.start()
+    try:
+        assert deleted.wait(10)
+    finally:
+        watcher.stop()
+        watcher.thread.join(5)
+    assert [e.name for e in tier.entries()] == ["kept"]
+    assert [p.name for p in tmp_path.iterdir() if p.name != "tmp"] == [tier.lookup("kept").sha256]
