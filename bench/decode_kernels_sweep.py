@@ -13,8 +13,7 @@ a real step where every layer reads its own:
 - RoPE + KV-cache write: the fused kernel against the compiled RoPE plus two index_copy_;
 - the ops that expand a LoRA delta (RoPE + KV write, residual add + norm, SiLU * up) with
   rows spread over N adapters, across their tilings, against their B bytes' floor (the add +
-  norm also with each row spread over programs of 128-1024 columns: `split=`, its delta
-  computed before or after the wait for the kernel ahead: `early_delta=`).
+  norm also with each row spread over programs of 128-1024 columns: `split=`).
 
     python bench/decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
     python bench/decode_kernels_sweep.py --parts gemm    # one part
@@ -317,8 +316,7 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
         runs = {
             "norm": (norm, lambda sl: LoraDelta(partials[:, :1], (b["o"],), sl),
                      [dict(block_h=bh, num_warps=nw) for bh in (256, 512, 1024, 2048) for nw in (4, 8)]
-                     + [dict(split=c, num_warps=nw, early_delta=early) for c in SPLIT_COLUMNS
-                        for nw in (2, 4, 8) for early in (True, False)]),
+                     + [dict(split=c, num_warps=nw) for c in SPLIT_COLUMNS for nw in (2, 4, 8)]),
             "silu": (lambda d, **k: silu_mul_triton(gate_up, d, **k),
                      lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl),
                      [dict(block_i=bi, num_warps=nw) for bi in (64, 128, 256, 512, 1024) for nw in (2, 4, 8)]),

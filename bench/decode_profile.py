@@ -279,7 +279,7 @@ def tilings_option(mode: str, option: str = "tile") -> dict[str, tuple[int, int,
 def mode_option(mode: str, key: str) -> str | None:
     """The value of an overlap-x mode's key=value option, None where the mode has none (the
     model GEMM's options while its graphs are captured: apf=N, DecodeGemm.shrink_prefetch;
-    apfg=G+G.. or none, DecodeGemm.shrink_prefetch_groups; silub=C.W,
+    silub=C.W,
     kernels/silu_mul_triton.py: ROW_TILE)."""
     for item in mode.removeprefix("overlap-x/").split("/"):
         name, _, value = item.partition("=")
@@ -297,12 +297,11 @@ def overlap_options(mode: str) -> dict:
     """LoraOverlap's keyword arguments from an overlap-x/key=value/... mode name."""
     parse = {"fold": ("fold_groups", group_set), "sfold": ("shrink_fold_groups", group_set),
              "sidedown": ("side_expand_group_segments", lambda v: {"down": int(v)}),
-             "nsplit": ("norm_split", int), "nsplitg": ("split_groups", group_set),
-             "nshrink": ("norm_shrink", group_set)}
+             "nsplit": ("norm_split", int), "nsplitg": ("split_groups", group_set)}
     options = {}
     for item in mode.removeprefix("overlap-x/").split("/"):
         key, _, value = item.partition("=")
-        if key in ("tile", "btile", "apf", "apfg", "silub"):  # the model's kernels take these, below
+        if key in ("tile", "btile", "apf", "silub"):  # the model's kernels take these, below
             continue
         if key not in parse:
             raise SystemExit(f"{mode}: unknown option {key!r}, expected {', '.join(parse)}")
@@ -353,11 +352,7 @@ def main() -> None:
     modes_setup = {  # mode: (applier factory, priority of the graph's main stream, segment table)
         "overlap": (LoraOverlap(buffers, args.batch).applier, high, ranks),
         "overlap-gather": (LoraOverlap(buffers, args.batch).applier, high, None),
-        "overlap-equal": (LoraOverlap(buffers, args.batch).applier, 0, ranks),
-        "overlap-side-high": (LoraOverlap(buffers, args.batch, side_priority=high).applier, 0, ranks),
         "serial": (lambda meta, groups: StepLoraApplier(buffers, meta, groups), high, ranks)}
-    for sms in (8, 16, 24, 32, 48):  # the base matmuls of LoRA graphs leave SMs to LoRA
-        modes_setup[f"overlap-carve{sms}"] = (LoraOverlap(buffers, args.batch).applier, high, ranks, sms)
     # The same as overlap, with steps of up to N distinct adapters expanding on the side stream
     # (adapters/overlap.py, side_expand_segments; the engine's default is overlap's).
     for n in (0, 2, 4, 8, 64, 128):
@@ -401,28 +396,27 @@ def main() -> None:
                                  high, ranks)
     all_graphs = {}
     for mode in modes:
-        factory, main_priority, table_ranks, carveout = (modes_setup[mode] + (0,))[:4]
+        factory, main_priority, table_ranks = modes_setup[mode]
         graphs = DecodeGraphs(model, kv, scratch_block=args.batch * per_seq, max_model_len=max_len,
                               max_batch=args.batch, max_loras=total_slots,
-                              lora_applier=factory, capture_priority=main_priority,
+                              lora_applier=factory,
                               groups_of=buffers.groups_of, module_ranks=table_ranks,
-                              lora_sm_carveout=carveout, **single_group_variants(names))
+                              **single_group_variants(names))
         graphs.sizes = [args.batch]  # only the batch size profiled here
         t = time.perf_counter()
         gemm = model.gemm
-        defaults = gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups
+        defaults = gemm.fold_tilings, gemm.shrink_prefetch
         tma_default = gemm.tma_tilings
         gemm.fold_tilings = {**defaults[0], **tilings_option(mode)}
         gemm.tma_tilings = {**tma_default, **tilings_option(mode, "btile")}
-        apf, apfg = mode_option(mode, "apf"), mode_option(mode, "apfg")
+        apf = mode_option(mode, "apf")
         gemm.shrink_prefetch = defaults[1] if apf is None else int(apf)
-        gemm.shrink_prefetch_groups = defaults[2] if apfg is None else group_set(apfg)
         silub = mode_option(mode, "silub")
         silu_default = silu_kernel.ROW_TILE
         if silub is not None:
             silu_kernel.ROW_TILE = tuple(int(v) for v in silub.split("."))
         graphs.capture_all()
-        gemm.fold_tilings, gemm.shrink_prefetch, gemm.shrink_prefetch_groups = defaults
+        gemm.fold_tilings, gemm.shrink_prefetch = defaults
         gemm.tma_tilings = tma_default
         silu_kernel.ROW_TILE = silu_default
         all_graphs[mode] = graphs

@@ -54,11 +54,6 @@ FOLD_TILINGS: dict[str, tuple[int, int, int]] = {
 # with all of A (2048 columns); 512 columns changed nothing. Shrink-only folds do not take it:
 # there it cost c32 +0.383 -> +0.393 and c64 +0.634 -> +0.660.
 SHRINK_PREFETCH = 2048
-# Groups whose shrink-only folds (GemmLora.expand False) take that prefetch as well: none.
-# Same measurement, one group at a time: o c32 +0.385 -> +0.384, c64 +0.634 -> +0.641 (o's
-# 32 adapters alone +0.058 -> +0.050); gate/up c16 +0.288 -> +0.278, c32 +0.382, c64 +0.638;
-# q/k/v c32 +0.401, c64 +0.657.
-SHRINK_PREFETCH_GROUPS: tuple[str, ...] = ()
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
@@ -92,9 +87,6 @@ class DecodeGemm:
         # With LoRA folded in whole and PDL: columns of each adapter's A the shrink programs
         # ask of L2 before their wait, as the tiles ask for their W (LORA_SHRINK_PREFETCH).
         self.shrink_prefetch = int(os.environ.get("LORA_SHRINK_PREFETCH", str(SHRINK_PREFETCH)))
-        # ... and the groups whose shrink-only folds ask for it too (LORA_SHRINK_PREFETCH_GROUPS).
-        self.shrink_prefetch_groups = env_group_set("LORA_SHRINK_PREFETCH_GROUPS",
-                                                    SHRINK_PREFETCH_GROUPS)
         self.groups = env_group_set("LORA_DECODE_GEMM_GROUPS", ("qkv", "o", "gate_up", "down"))
         self.fold_tilings = {**FOLD_TILINGS, **fold_tiling_overrides()}
         self.tma_tilings = dict(TMA_TILINGS)  # the plain TMA GEMM's (decode_profile sweeps them)
@@ -174,5 +166,4 @@ class DecodeGemm:
         block_n, block_k, stages = tiling
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=self.prefetch_k,
                                 block_n=block_n, block_k=block_k, num_stages=stages,
-                                prefetch_a=self.shrink_prefetch if lora.expand
-                                or group in self.shrink_prefetch_groups else 0)
+                                prefetch_a=self.shrink_prefetch if lora.expand else 0)

@@ -37,17 +37,13 @@ class ColumnSplit:
     block: int                  # columns per program (a power of 2)
     arrivals: torch.Tensor      # [max rows] int32, zero between launches
     sums: torch.Tensor          # [max rows, max chunks] float32
-    # Compute the delta before the wait for the projection's GEMM (PDL prologue), so that it
-    # overlaps the GEMM's tail; False: after the wait.
-    early: bool = True
 
     @classmethod
     def allocate(cls, block: int, max_rows: int, max_columns: int,
-                 device: torch.device, early: bool = True) -> "ColumnSplit":
+                 device: torch.device) -> "ColumnSplit":
         assert block > 0 and block & (block - 1) == 0, "block must be a power of 2"
         return cls(block, torch.zeros(max_rows, dtype=torch.int32, device=device),
-                   torch.zeros(max_rows, cdiv(max_columns, block), dtype=torch.float32, device=device),
-                   early)
+                   torch.zeros(max_rows, cdiv(max_columns, block), dtype=torch.float32, device=device))
 
     def fits(self, rows: int, columns: int) -> bool:
         """Whether a launch over rows x columns fits this scratch (else: one program a row)."""

@@ -7,23 +7,16 @@ import torch
 from ._dispatch import use_triton
 from .lora_delta import LoraDelta
 from .norm_ref import add_rms_norm as add_rms_norm_ref
-from .norm_shrink import NormShrink
 
 
 def add_rms_norm_lora(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float,
-                      delta: LoraDelta | None, next_shrink: NormShrink | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden + out + the expanded delta, that normalised), see norm_ref.add_rms_norm;
-    next_shrink: the next group's shrink of the normalised rows stored too."""
+                      delta: LoraDelta | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden + out + the expanded delta, that normalised), see norm_ref.add_rms_norm."""
     if use_triton(hidden):
         try:
             from .norm_triton import add_rms_norm_triton
         except ImportError:  # Triton absent: the reference serves
             pass
         else:
-            return add_rms_norm_triton(hidden, out, weight, eps, delta, next_shrink=next_shrink)
-    new_hidden, x = add_rms_norm_ref(hidden, out, weight, eps,
-                                     delta.dense() if delta is not None else None)
-    if next_shrink is not None:
-        next_shrink.store_reference(x)
-    return new_hidden, x
+            return add_rms_norm_triton(hidden, out, weight, eps, delta)
+    return add_rms_norm_ref(hidden, out, weight, eps, delta.dense() if delta is not None else None)

@@ -26,7 +26,6 @@ import triton.language as tl
 from ._host import cdiv, next_power_of_2, pdl_enabled, pdl_launch
 
 from .lora_delta import LoraDelta
-from .norm_shrink import NormShrink
 
 
 @triton.jit
@@ -138,68 +137,48 @@ def _add_rms_norm_split_kernel(
     dense_ptr, arrivals_ptr, sums_ptr, eps, R,
     stride_h, stride_o, stride_nh, stride_x,
     stride_ps, stride_pt, stride_bs, stride_bn, stride_dense, stride_sums,
-    na_ptr, nscale_ptr, nslots_ptr, nxa_ptr, npart_ptr, NR,
-    stride_nas, stride_naj, stride_nxa, stride_npt, stride_npc,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr, EARLY: tl.constexpr,
-    EARLY_SUMS: tl.constexpr, NEXT: tl.constexpr, BLOCK_NR: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr, EARLY_SUMS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The LoRA add + norm with each row spread over CHUNKS programs of BLOCK_H columns
     (grid: row, chunk): a program expands and adds its columns, stores them and its part of
     the row's sum of squares, and counts itself in; the row's last program adds the parts in
     column order, resets the count and writes the whole row normalised.
 
-    EARLY (with PDL): the program reads its B columns (or the expanded delta) before the wait
-    for the kernel ahead (the projection's GEMM), overlapping its weight stream: the row's
-    slot is a step input, B the slot's weights, and the delta comes from the side stream,
-    joined before this launch. EARLY_SUMS: the shrink's sums too, and the delta is computed
-    before the wait; not where the GEMM itself writes them (a shrink-only fold,
-    LoraDelta.sums_after_wait).
-
-    NEXT: the next group's shrink too (kernels/norm_shrink.py): each program's part of
-    (new row * weight) @ A.T over its columns, which the row's last program adds, scales by
-    the row's 1/rms and the adapter's scaling, and stores (NR columns: slices x rank)."""
+    With PDL the program reads its B columns (or the expanded delta) before the wait for the
+    kernel ahead (the projection's GEMM), overlapping its weight stream: the row's slot is a
+    step input, B the slot's weights, and the delta comes from the side stream, joined before
+    this launch. EARLY_SUMS: the shrink's sums too, and the delta is computed before the
+    wait; not where the GEMM itself writes them (a shrink-only fold,
+    LoraDelta.sums_after_wait)."""
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     if PDL:  # launched with programmatic dependent launch (kernels/_host.py: pdl_enabled)
         tl.extra.cuda.gdc_launch_dependents()
-        if not EARLY:
-            tl.extra.cuda.gdc_wait()
-    if NEXT:  # the next group's A over these columns: slot and weights, read before the wait
-        offs_j = tl.arange(0, BLOCK_NR)
-        nslot = tl.load(nslots_ptr + t)
-        nr_live = tl.where(nslot >= 0, NR, 0)
-        na = tl.load(na_ptr + tl.maximum(nslot, 0).to(tl.int64) * stride_nas
-                     + offs_j[:, None] * stride_naj + offs[None, :],
-                     mask=(offs_j[:, None] < nr_live) & mask[None, :], other=0.0)
     d = tl.zeros((BLOCK_H,), dtype=tl.float32)
     if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
         d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
-        if PDL and EARLY:
+        if PDL:
             tl.extra.cuda.gdc_wait()  # before reading the projection's output
     elif HAS_LORA:
         b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
         b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
-        if PDL and EARLY and not EARLY_SUMS:
+        if PDL and not EARLY_SUMS:
             tl.extra.cuda.gdc_wait()  # the sums are the GEMM's output
         h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
         d = _expand(h, b)
-        if PDL and EARLY and EARLY_SUMS:
+        if PDL and EARLY_SUMS:
             tl.extra.cuda.gdc_wait()
-    elif PDL and EARLY:
+    elif PDL:
         tl.extra.cuda.gdc_wait()
     o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
     o = (o.to(tl.float32) + d).to(o.dtype)
     newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
     tl.store(sums_ptr + t * stride_sums + chunk, tl.sum(newf * newf, axis=0))
-    if NEXT:
-        w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        part = tl.sum(na.to(tl.float32) * (newf * w)[None, :], axis=1)
-        tl.store(npart_ptr + t * stride_npt + chunk * stride_npc + offs_j, part,
-                 mask=offs_j < nr_live)
     # Every thread's stores above before the count (a release at GPU scope): the program that
     # sees the full count then sees this program's columns and sums.
     tl.debug_barrier()
@@ -210,32 +189,20 @@ def _add_rms_norm_split_kernel(
         parts = tl.load(sums_ptr + t * stride_sums + offs_c, mask=offs_c < CHUNKS, other=0.0,
                         cache_modifier=".cg")
         rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / H + eps)
-        if NEXT:  # rows without an adapter store nothing (the op expanding reads no sums)
-            nparts = tl.load(npart_ptr + t * stride_npt + offs_c[:, None] * stride_npc
-                             + offs_j[None, :],
-                             mask=(offs_c[:, None] < CHUNKS) & (offs_j[None, :] < nr_live),
-                             other=0.0, cache_modifier=".cg")
-            scale = rstd * tl.load(nscale_ptr + tl.maximum(nslot, 0))
-            tl.store(nxa_ptr + t * stride_nxa + offs_j, tl.sum(nparts, axis=0) * scale,
-                     mask=offs_j < nr_live)
         _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H,
                        NORM_BLOCK, True)
 
 
 def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                         eps: float, delta: LoraDelta | None = None, *,
-                        next_shrink: NormShrink | None = None,
-                        block_h: int | None = None, num_warps: int | None = None,
-                        early_delta: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_h: int | None = None, num_warps: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """As norm_ref.add_rms_norm with delta.dense(), in one launch. block_h: columns per
     unrolled chunk. With a delta the defaults (2048 columns, 8 warps) are the sweep's best
     on an H100 at batch 64: 6.3 -> 4.1 us against 512 columns and 4 warps
     (bench/decode_kernels_sweep.py --parts fused). A delta that carries a ColumnSplit covers
     each row with programs of split.block columns instead (block_h then sizes only the
-    normalising pass; early_delta: with PDL, the delta is computed before the wait for the
-    projection, see _add_rms_norm_split_kernel; None: the split's own setting).
-    next_shrink: the next group's shrink stored too (kernels/norm_shrink.py), by the split
-    kernel where it fits, else by PyTorch after the launch."""
+    normalising pass)."""
     T, H = hidden.shape
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
@@ -260,32 +227,16 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     dense_args = (delta.expanded if dense else hidden, delta.expanded.stride(0) if dense else 0)
     block_h = min(block_h or default_block, next_power_of_2(H))
     split = delta.column_split if delta is not None else None
-    shrink_here = next_shrink is not None and next_shrink.fits(T, H)
-    if shrink_here:
-        split = next_shrink.column_split
     if split is not None and split.block < H and split.fits(T, H):
         chunks = cdiv(H, split.block)
-        early = split.early if early_delta is None else early_delta
-        if shrink_here:
-            ns = next_shrink
-            nr = ns.a_all.shape[1]
-            assert ns.a_all.stride(2) == 1 and ns.a_all.shape[2] == H and ns.xa.stride(1) == 1
-            assert ns.partials.stride(2) == 1
-            shrink_args = (ns.a_all, ns.scaling, ns.token_slots, ns.xa, ns.partials, nr,
-                           ns.a_all.stride(0), ns.a_all.stride(1), ns.xa.stride(0),
-                           ns.partials.stride(0), ns.partials.stride(1))
-        else:
-            nr = 1
-            shrink_args = (hidden,) * 5 + (1,) + (0,) * 5  # dummy pointers, never read
         _add_rms_norm_split_kernel[(T, chunks)](
             hidden, out, weight, new_hidden, x, *lora, dense_args[0], split.arrivals, split.sums,
             eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0),
-            *lora_strides, dense_args[1], split.sums.stride(0), *shrink_args,
+            *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, CHUNKS=chunks,
             BLOCK_H=split.block, BLOCK_R=max(16, next_power_of_2(R)),
-            BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h, EARLY=early,
-            EARLY_SUMS=early and not (delta is not None and delta.sums_after_wait),
-            NEXT=shrink_here, BLOCK_NR=max(16, next_power_of_2(nr)),
+            BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h,
+            EARLY_SUMS=not (delta is not None and delta.sums_after_wait),
             PDL=pdl, **pdl_launch(pdl),
             num_warps=num_warps or 4,
         )
@@ -298,6 +249,4 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             BLOCK_H=block_h, BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
             num_warps=num_warps or (8 if delta is not None else 4),
         )
-    if next_shrink is not None and not shrink_here:
-        next_shrink.store_reference(x)
     return new_hidden, x

@@ -30,9 +30,6 @@ class StepLoraApplier:
     def fold(self, layer: int, group: str) -> None:
         return None  # eager steps: rows are not grouped into contiguous segments
 
-    def pre_shrink(self, layer: int, group: str) -> None:
-        return None
-
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.groups is not None and group not in self.groups:
             return None

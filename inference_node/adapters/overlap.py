@@ -44,7 +44,6 @@ from kernels.lora import lora_expand, lora_shrink_partials, lora_workspace_numel
 from kernels.lora_delta import ColumnSplit, LoraDelta
 from kernels.lora_gemm import GemmLora
 from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
-from kernels.norm_shrink import NormShrink
 
 from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
 from .slots import SlotBuffers
@@ -135,42 +134,17 @@ def norm_split_groups() -> frozenset[str]:
     return env_groups("LORA_NORM_SPLIT_GROUPS", NORM_SPLIT_GROUPS, ("o", "down"))
 
 
-# Groups whose shrink the add + norm before their matmul can compute (kernels/norm_shrink.py),
-# where that add + norm is split into column programs (LORA_NORM_SPLIT), in steps that would
-# otherwise shrink them in their matmul: gate/up (the add + norm after o). Their matmul then
-# runs plain. Off by default: H100, batch 64, graph replay over base, one process, 32
-# adapters on gate/up alone +0.185 (shrink in the GEMM) -> +0.196 ms, c32 +0.383 -> +0.392.
-NORM_SHRINK_READY: tuple[str, ...] = ("gate_up",)
-NORM_SHRINK_GROUPS: tuple[str, ...] = ()
-
-
-def norm_shrink_groups() -> frozenset[str]:
-    """LORA_NORM_SHRINK: the groups whose shrink the add + norm before their matmul computes
-    (of NORM_SHRINK_READY); default NORM_SHRINK_GROUPS."""
-    return env_groups("LORA_NORM_SHRINK", NORM_SHRINK_GROUPS, NORM_SHRINK_READY)
-
-
-def norm_split_early() -> bool:
-    """LORA_NORM_SPLIT_EARLY=0: the split add + norm computes its delta after the wait for
-    the projection's GEMM, not in its PDL prologue (it still launches early and waits). On by
-    default; in the decode graph the two measured alike (docs/PERFORMANCE.md)."""
-    return os.environ.get("LORA_NORM_SPLIT_EARLY", "1") != "0"
-
-
 class LoraOverlap:
     """The static buffers and the side stream that decode-graph appliers share."""
 
-    def __init__(self, buffers: SlotBuffers, max_tokens: int, side_priority: int = 0,
+    def __init__(self, buffers: SlotBuffers, max_tokens: int,
                  side_expand_segments: int = SIDE_EXPAND_SEGMENTS,
                  norm_split: int | None = None,
                  side_expand_group_segments: Mapping[str, int] | None = None,
                  fold_groups: frozenset[str] | None = None,
                  shrink_fold_groups: frozenset[str] | None = None,
-                 split_groups: frozenset[str] | None = None,
-                 norm_shrink: frozenset[str] | None = None) -> None:
-        """side_priority: the side stream's CUDA priority (0 = default; lower is higher:
-        torch.cuda.Stream.priority_range()); CUDA graphs keep it per kernel node.
-        side_expand_segments: steps with at most this many distinct adapters (segments) run
+                 split_groups: frozenset[str] | None = None) -> None:
+        """side_expand_segments: steps with at most this many distinct adapters (segments) run
         the expands on the side stream too (0: never). norm_split: columns per program of
         the add + norm that expands o's and down's deltas (0: one program a row; None:
         LORA_NORM_SPLIT). side_expand_group_segments: per group, steps with at most this many
@@ -178,8 +152,7 @@ class LoraOverlap:
         SIDE_EXPAND_GROUP_SEGMENTS). fold_groups: the groups whose LoRA their matmul adds in
         the same launch in steps with a segment table (None: LORA_GEMM_FOLD). split_groups:
         of o and down, those whose add + norm takes the column split (None:
-        LORA_NORM_SPLIT_GROUPS). norm_shrink: the groups whose shrink the split add + norm
-        before their matmul computes (None: LORA_NORM_SHRINK)."""
+        LORA_NORM_SPLIT_GROUPS)."""
         self.buffers = buffers
         self.max_tokens = max_tokens
         self.side_expand_segments = side_expand_segments
@@ -219,26 +192,15 @@ class LoraOverlap:
         self.fold_sync = (torch.zeros(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES), 2,
                                       dtype=torch.int64, device=device)
                           if any_fold else None)
-        self.stream = (torch.cuda.Stream(device, priority=side_priority)
-                       if device.type == "cuda" else None)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The add + norm's per-row arrival counts and partial sums over the hidden width (o's
         # output), shared by every o and down of a step: those launches run one after
         # another on the main stream.
         norm_split = norm_split_columns() if norm_split is None else norm_split
         self.column_split = (ColumnSplit.allocate(norm_split, max_tokens,
-                                                  buffers.layers[0]["o"].b[0].shape[1], device,
-                                                  norm_split_early())
+                                                  buffers.layers[0]["o"].b[0].shape[1], device)
                              if norm_split > 0 and buffers.layers else None)
         self.split_groups = norm_split_groups() if split_groups is None else frozenset(split_groups)
-        # The rows of the add + norm's shrink (read by SiLU, after the gate/up matmul) and its
-        # programs' partial sums: buffers of their own (that add + norm also reads o's rows).
-        self.norm_shrink = ((norm_shrink_groups() if norm_shrink is None else frozenset(norm_shrink))
-                            & self.shrink_fold_groups if self.column_split is not None else frozenset())
-        if self.norm_shrink:
-            width = len(FUSED_MODULES["gate_up"]) * rank
-            self.norm_shrink_xa = torch.empty(max_tokens, width, dtype=torch.float32, device=device)
-            self.norm_shrink_partials = torch.empty(max_tokens, self.column_split.sums.shape[1],
-                                                    width, dtype=torch.float32, device=device)
 
     def split_for(self, group: str) -> ColumnSplit | None:
         """The column split of the add + norm after `group`'s matmul, if it takes one."""
@@ -277,8 +239,6 @@ class OverlappedLoraApplier:
         # on the side stream in this step).
         self.shrink_folded = (self.groups & overlap.shrink_fold_groups) - self.side_expand \
             - self.folded if meta.segment_table is not None and meta.num_segments > 0 else frozenset()
-        # Of those, the groups whose shrink the add + norm before their matmul computes.
-        self.norm_shrunk = self.shrink_folded & overlap.norm_shrink
         if not self.groups - self.folded - self.shrink_folded:
             return  # every group's matmul adds its own LoRA: no side work this step
         with self._side():
@@ -296,18 +256,9 @@ class OverlappedLoraApplier:
         stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(stream)
 
-    def pre_shrink(self, layer: int, group: str) -> NormShrink | None:
-        if group not in self.norm_shrunk:
-            return None
-        overlap = self.overlap
-        buf = overlap.buffers.layers[layer][group]
-        return NormShrink(buf.a_all, overlap.buffers.scaling, self.meta.token_slots,
-                          tuple(buf.b), overlap.norm_shrink_xa, overlap.norm_shrink_partials,
-                          overlap.column_split)
-
     def fold(self, layer: int, group: str) -> GemmLora | None:
         expand = group in self.folded
-        if not expand and (group not in self.shrink_folded or group in self.norm_shrunk):
+        if not expand and group not in self.shrink_folded:
             return None
         overlap = self.overlap
         buf = overlap.buffers.layers[layer][group]
@@ -319,7 +270,7 @@ class OverlappedLoraApplier:
                         None if expand else overlap.split_for(group))
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
-        if group not in self.groups or group in self.norm_shrunk:
+        if group not in self.groups:
             return
         buffers = self.overlap.buffers
         buf = buffers.layers[layer][group]
@@ -337,8 +288,6 @@ class OverlappedLoraApplier:
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> LoraDelta | None:
         if group not in self.groups:
             return None
-        if group in self.norm_shrunk:  # the add + norm before the matmul stored the rows
-            return self.pre_shrink(layer, group).unexpanded(self.meta.num_tokens)
         if self.overlap.stream is not None:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -51,10 +50,8 @@ LORA_GROUP_VARIANTS: tuple[frozenset[str], ...] = (
 
 # The graphs' main branch (base matmuls, attention, norms) is captured on a high-priority
 # stream, so when LoRA runs beside it on a side stream (adapters/overlap.py) the GPU serves
-# the critical path first and LoRA fills in. H100, batch 64, GPU time of the step's extra
-# over the base model: 32 adapters 0.99 -> 0.81 ms, 32 q/v adapters 0.26 -> 0.18 ms against
-# equal priorities (bench/decode_profile.py, docs/PERFORMANCE.md; the graphs keep
-# capture-time priorities).
+# the critical path first and LoRA fills in (equal priorities measured slower:
+# docs/PERFORMANCE.md). The graphs keep capture-time priorities.
 MAIN_STREAM_PRIORITY = -1
 
 # The LoRA segment table's width (slot, first row, length, a rank per module), and the int32
@@ -86,24 +83,6 @@ class HostInputs:
                    torch.cuda.Event() if pinned else None)
 
 
-@contextmanager
-def sm_carveout(sms: int) -> Iterator[None]:
-    """cuBLAS matmuls issued inside leave `sms` SMs free (0: no change). The matmuls of a
-    graph captured inside keep it: cuBLASLt picks a kernel and grid for the SM count target."""
-    if sms <= 0:
-        yield
-        return
-    previous_backend = torch.backends.cuda.preferred_blas_library()
-    previous = torch._C._get_sm_carveout_experimental()
-    torch.backends.cuda.preferred_blas_library("cublaslt")  # the backend that honours it
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous)
-        torch.backends.cuda.preferred_blas_library(previous_backend)
-
-
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8: a decode step pads to the next size up."""
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
@@ -123,17 +102,13 @@ def ordered(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None,
-                 capture_priority: int = MAIN_STREAM_PRIORITY,
                  feedback: torch.Tensor | None = None, groups_of: GroupsOf | None = None,
                  group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS,
-                 module_ranks: np.ndarray | None = None, lora_sm_carveout: int = 0) -> None:
+                 module_ranks: np.ndarray | None = None) -> None:
         """groups_of(slots): the fused groups those adapter slots target; None: every LoRA
         step replays the all-groups variant. module_ranks: the host mirror of each slot's rank
         per module ([slot, LORA_MODULES], kept current by its owner); with it the LoRA
-        kernels read the step's segment table, without it they gather through sorted ids.
-        lora_sm_carveout: SMs the base matmuls of LoRA graphs leave free (cuBLASLt's SM count
-        target, set while those graphs are captured), for the LoRA kernels on the side stream
-        to run beside them rather than after them; 0: none."""
+        kernels read the step's segment table, without it they gather through sorted ids."""
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -149,8 +124,6 @@ class DecodeGraphs:
         assert self.group_variants[-1] == ALL_GROUPS, "the last variant must apply every group"
         self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
         self.capture = model.device.type == "cuda"
-        self.capture_priority = capture_priority  # the graphs' main branch's CUDA stream priority
-        self.lora_sm_carveout = lora_sm_carveout
         device, B = model.device, self.max_batch
         # The tokens the previous step sampled (engine.token_feedback); a row whose token is
         # still on the device reads it from there inside the graph.
@@ -328,21 +301,20 @@ class DecodeGraphs:
         self._dev32[:B] = 1  # every segment empty: captured LoRA launches do nothing
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.model.device, priority=self.capture_priority)
+        stream = torch.cuda.Stream(self.model.device, priority=MAIN_STREAM_PRIORITY)
         for size in reversed(self.sizes):
             keys = [(size, 0, 0)]
             if self.lora_applier is not None:
                 keys += [(size, b, v) for b in self.segment_buckets(size) for v in range(len(self.group_variants))]
             for key in keys:
-                with sm_carveout(self.lora_sm_carveout if key[1] else 0):
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
-                        self._forward(*key)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        logits = self._forward(*key)
-                        greedy = first_argmax(logits)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+                    self._forward(*key)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(*key)
+                    greedy = first_argmax(logits)
                 self._graphs[key] = (graph, logits, greedy)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1fs", len(self._graphs),

@@ -24,7 +24,6 @@ from kernels.embedding import embed_tokens
 from kernels.lora_delta import LoraDelta
 from kernels.lora_gemm import GemmLora
 from kernels.norm import add_rms_norm_lora
-from kernels.norm_shrink import NormShrink
 from kernels.norm_ref import add_rms_norm, rms_norm
 from kernels.rope_cache import rope_and_cache
 from kernels.silu_mul import silu_mul_lora
@@ -60,10 +59,6 @@ class LoraApplier(Protocol):
         """The group's LoRA for its matmul to add in the same launch (kernels/lora_gemm.py),
         or only to shrink in it (GemmLora.expand False: the next op expands), or None: then
         begin and end apply it."""
-
-    def pre_shrink(self, layer: int, group: str) -> NormShrink | None:
-        """The group's shrink for the add + norm that writes its input to store
-        (kernels/norm_shrink.py; end then returns it for the next op to expand), or None."""
 
 
 @dataclass
@@ -106,40 +101,30 @@ class ElementwiseOps:
     """The small per-layer ops between the matmuls. Eager, they are a few dozen kernel
     launches per layer; on CUDA the residual add + norm and SiLU * up are the Triton kernels
     of kernels/norm.py and kernels/silu_mul.py (which also expand a LoRA delta left for them,
-    kernels/lora_delta.py), the first norm is compiled (torch.compile, dynamic shapes); CUDA
-    graphs then replay them. LORA_COMPILE=0 keeps the compiled ones eager. (RoPE and the
-    KV-cache write are one kernel of their own: kernels/rope_cache.py.)"""
+    kernels/lora_delta.py) on the base path too, where they beat torch.compile's fusions,
+    and the first norm is compiled (torch.compile, dynamic shapes); CUDA graphs then replay
+    them. On a CPU the base path runs the PyTorch references. (RoPE and the KV-cache write
+    are one kernel of their own: kernels/rope_cache.py.)"""
 
     def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        # The Triton kernels that also expand LoRA deltas serve the base path too: H100,
-        # batch 64, Llama-3.2-1B shapes, base decode graph 1.580 -> 1.526 ms against the
-        # compiled ones (bench/decode_profile.py, two alternations each;
-        # LORA_ELEMENTWISE=compiled keeps torch.compile's).
-        self.triton = cuda and os.environ.get("LORA_ELEMENTWISE", "triton") == "triton"
-        self._rms_norm, self._add_rms_norm, self._silu_mul = rms_norm, add_rms_norm, silu_mul
-        if cuda and os.environ.get("LORA_COMPILE", "1") != "0":
-            def compiled(fn):
-                return torch.compile(fn, dynamic=True, fullgraph=True)
-            self._rms_norm = compiled(rms_norm)
-            self._add_rms_norm, self._silu_mul = compiled(add_rms_norm), compiled(silu_mul)
+        self.triton = device.type == "cuda"
+        self._rms_norm = (torch.compile(rms_norm, dynamic=True, fullgraph=True) if self.triton
+                          else rms_norm)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
 
     def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
-                     eps: float, delta: LoraDelta | None, next_shrink: NormShrink | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + out (+ its LoRA delta), that normalised); next_shrink: the next group's
-        shrink of the normalised rows stored too."""
-        if delta is not None or next_shrink is not None or self.triton:
-            return add_rms_norm_lora(hidden, out, weight, eps, delta, next_shrink)
-        return self._add_rms_norm(hidden, out, weight, eps)
+                     eps: float, delta: LoraDelta | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + out (+ its LoRA delta), that normalised)."""
+        if delta is not None or self.triton:
+            return add_rms_norm_lora(hidden, out, weight, eps, delta)
+        return add_rms_norm(hidden, out, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None) -> torch.Tensor:
         if delta is not None or self.triton:
             return silu_mul_lora(gate_up, delta)
-        return self._silu_mul(gate_up)
+        return silu_mul(gate_up)
 
 
 class LlamaModel:
@@ -247,9 +232,7 @@ class LlamaModel:
                                    batch.seq_lens, self.scale, batch.max_query_len,
                                    batch.max_seq_len).reshape(-1, cfg.q_size)
             out, delta = self._project(lora, i, "o", attn, layer.o)
-            shrink = lora.pre_shrink(i, "gate_up") if lora is not None else None
-            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta,
-                                         shrink)
+            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
             gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
             act = ops.silu_mul(gate_up, delta)
             down, delta = self._project(lora, i, "down", act, layer.down)

@@ -29,15 +29,14 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
 
 @pytest.mark.parametrize("device,norm_split,side_down,fold,sfold", [
     ("cpu", 0, False, None, None), ("cpu", 16, False, (), None), ("cpu", 0, True, (), None),
-    ("cpu", 0, False, "all", "none"), ("cpu", 16, False, (), "all"), ("cpu", 16, False, (), "nshrink"),
+    ("cpu", 0, False, "all", "none"), ("cpu", 16, False, (), "all"),
     pytest.param("cuda", 0, False, None, None, marks=pytest.mark.gpu),
     pytest.param("cuda", 16, False, (), None, marks=pytest.mark.gpu),
     pytest.param("cuda", 0, True, (), None, marks=pytest.mark.gpu),
     pytest.param("cuda", 0, False, "all", "none", marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, (), "all", marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, (), "nshrink", marks=pytest.mark.gpu)],
-    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold", "cpu-nshrink", "cuda",
-         "cuda-split", "cuda-down", "cuda-fold", "cuda-sfold", "cuda-nshrink"])
+    pytest.param("cuda", 16, False, (), "all", marks=pytest.mark.gpu)],
+    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold", "cuda", "cuda-split",
+         "cuda-down", "cuda-fold", "cuda-sfold"])
 def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, fold, sfold,
                                                       tiny_llama_path, tmp_path, monkeypatch) -> None:
     """norm_split: the LoRA add + norm after o and down spreads each row over programs of that
@@ -48,8 +47,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     matmul adds their LoRA in the same launch (kernels/lora_gemm.py; None: the default,
     FOLD_GROUPS; "all": every group); the others of the shrink-fold groups (sfold: None for
     SHRINK_FOLD_GROUPS, "none", "all" for every group, o and down then expanded by the split add +
-    norm; "nshrink": o's too, and gate/up's in the split add + norm after o,
-    kernels/norm_shrink.py) shrink in their matmul. They run in Triton (natively, or interpreted by
+    norm) shrink in their matmul. They run in Triton (natively, or interpreted by
     test_triton_interpreter.py); the CPU reference ignores the split."""
     from inference_node.adapters import overlap
     from inference_node.model.llama import FUSED_MODULES
@@ -57,17 +55,13 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     fold_groups = set(overlap.FOLD_GROUPS if fold is None else FUSED_MODULES if fold == "all" else fold)
     sfold_groups = set(FUSED_MODULES if sfold == "all" else () if sfold == "none"
                        else overlap.SHRINK_FOLD_GROUPS)
-    if sfold == "nshrink":
-        sfold_groups.add("o")
-    nshrink = {"gate_up"} if sfold == "nshrink" else set()
     if norm_split or side_down or fold is not None:
         import functools
 
         monkeypatch.setattr(overlap, "LoraOverlap", functools.partial(
             overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split,
             side_expand_group_segments={"down": 64} if side_down else {},
-            fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups),
-            norm_shrink=frozenset(nshrink)))
+            fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups)))
         expands = []
         real_expand = overlap.lora_expand
         monkeypatch.setattr(overlap, "lora_expand",
@@ -82,16 +76,6 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         return lora
 
     monkeypatch.setattr(overlap.OverlappedLoraApplier, "fold", spy_fold)
-    norm_shrunk = set()
-    real_pre_shrink = overlap.OverlappedLoraApplier.pre_shrink
-
-    def spy_pre_shrink(self, layer, group):
-        shrink = real_pre_shrink(self, layer, group)
-        if shrink is not None:
-            norm_shrunk.add(group)
-        return shrink
-
-    monkeypatch.setattr(overlap.OverlappedLoraApplier, "pre_shrink", spy_pre_shrink)
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
@@ -130,8 +114,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         shrink = sfold_groups - whole if fold is not None else set()
         if side_down:
             shrink -= {"down"}
-        assert shrink_folded == shrink - nshrink
-        assert norm_shrunk == (nshrink if fold is not None else set())
+        assert shrink_folded == shrink
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
             buffers = node.engine.decode_graphs.lora_applier.__self__.buffers
             downs = {id(layer["down"].b) for layer in buffers.layers}
