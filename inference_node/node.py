@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.tuning import Tuning
 from lora_common.tls import ClientTLS, ServerTLS
 
 from .adapters.manager import AdapterManager
@@ -17,6 +18,7 @@ from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
 from .engine.kv_cache import KVCache
 from .limits import RequestLimits
+from .lora_step.plan import LoraStepPlan
 from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
 from .model.llama import LlamaModel
@@ -60,6 +62,7 @@ class NodeSettings:
     adapter_fetch_timeout_s: float = 60.0  # a load retries the store this long, then UNAVAILABLE
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_adapter_bytes: int = 1 << 30   # adapters fetched from the store or read from --adapter-dir
+    tuning: Tuning = field(default_factory=Tuning)  # the decode step's launch choices (kernels/tuning.py)
 
 
 @dataclass
@@ -111,13 +114,14 @@ def build_node(settings: NodeSettings) -> Node:
     validate_checkpoint_dir(checkpoint)
     started = time.monotonic()
     model_len = settings.max_model_len
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=settings.tuning)
     model_len = min(model_len, model.config.max_position_embeddings)
     codec = TextCodec(checkpoint)
     per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
     blocks = settings.num_kv_blocks or max(int(settings.kv_cache_gb * (1 << 30)) // per_block, 1)
     adapters = build_adapter_manager(settings, model, device, dtype)
-    engine = Engine(model, lora=adapters, config=EngineConfig(
+    lora_plan = LoraStepPlan(adapters.buffers, settings.tuning) if adapters is not None else None
+    engine = Engine(model, lora=adapters, lora_plan=lora_plan, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, prefix_caching=settings.prefix_caching,

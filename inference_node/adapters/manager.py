@@ -29,7 +29,6 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from ..engine.request import Request
-from ..engine.scheduler import ScheduledChunk
 from .errors import AdapterError, AdapterNotFound, NoSlotAvailable
 from .slots import SlotBuffers
 from .weights import AdapterWeights
@@ -394,39 +393,6 @@ class AdapterManager:
         entry.weights = None
         if entry in self.retired:
             self.retired.remove(entry)
-
-    def graph_appliers(self, max_tokens: int, overlap: bool = True):
-        """Applier factory for decode graphs (metadata in static buffers, up to `max_tokens`
-        rows): LoRA beside the base matmuls (overlap.py), or after them (overlap=False)."""
-        if not overlap:
-            from .applier import StepLoraApplier
-            return lambda meta, groups=None: StepLoraApplier(self.buffers, meta, groups)
-        from .overlap import LoraOverlap
-        return LoraOverlap(self.buffers, max_tokens).applier
-
-    def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
-        """The fused projection groups the adapters in these slots target."""
-        return self.buffers.groups_of(slots)
-
-    @property
-    def module_ranks(self):
-        """Host mirror of every slot's rank per LoRA module ([slot, module], numpy)."""
-        return self.buffers.module_ranks
-
-    def applier(self, chunks: list[ScheduledChunk]):
-        """This step's LoRA applier (None when no scheduled token uses an adapter)."""
-        if all(c.request.lora_slot < 0 for c in chunks):
-            return None
-        from .applier import build_applier  # the kernels are only needed once adapters run
-        return build_applier(self.buffers, chunks)
-
-    def warmup_applier(self, token_slots: list[int]):
-        """An eager applier over the given slots for every fused group, whatever the slots
-        hold (empty slots have rank 0): it launches each kernel an eager step can (warmup.py)."""
-        from kernels.lora_meta import LoraBatchMeta
-
-        from .applier import StepLoraApplier
-        return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
 
     # -- introspection ---------------------------------------------------------------------------------
     def entries(self) -> list[AdapterEntry]:

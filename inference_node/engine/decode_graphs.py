@@ -29,8 +29,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kernels.argmax import first_argmax
-from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta
+from kernels.sampling import first_argmax
 
 from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
@@ -41,6 +41,18 @@ log = logging.getLogger(__name__)
 
 ApplierFactory = Callable[[LoraBatchMeta, frozenset[str]], LoraApplier]
 GroupsOf = Callable[[list[int]], frozenset[str]]
+
+
+@dataclass(frozen=True)
+class GraphLora:
+    """What the decode graphs need of the LoRA step plan (inference_node/lora_step)."""
+
+    applier: ApplierFactory   # (metadata in static buffers, groups) -> the step's applier
+    max_loras: int            # adapter slots: a step's most distinct adapters
+    groups_of: GroupsOf       # the fused groups the adapters in these slots target
+    # Host mirror of each slot's rank per module ([slot, LORA_MODULES], kept current by the
+    # adapter manager): the LoRA kernels read a step's segments from a table built from it.
+    module_ranks: np.ndarray
 
 # Which fused groups a LoRA graph applies, smallest first; a step replays the first variant
 # that covers every group its adapters target. The last one is all of them.
@@ -101,14 +113,11 @@ def ordered(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None,
-                 feedback: torch.Tensor | None = None, groups_of: GroupsOf | None = None,
-                 group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS,
-                 module_ranks: np.ndarray | None = None) -> None:
-        """groups_of(slots): the fused groups those adapter slots target; None: every LoRA
-        step replays the all-groups variant. module_ranks: the host mirror of each slot's rank
-        per module ([slot, LORA_MODULES], kept current by its owner); with it the LoRA
-        kernels read the step's segment table, without it they gather through sorted ids."""
+                 max_batch: int, lora: GraphLora | None = None,
+                 feedback: torch.Tensor | None = None,
+                 group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS) -> None:
+        """lora: None for a node without LoRA (base graphs only). group_variants: the LoRA
+        graphs' group variants, the last one all groups."""
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -116,11 +125,9 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * self.block_size
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        self.max_loras = max_loras
-        self.lora_applier = lora_applier
-        self.groups_of = groups_of
-        self.module_ranks = module_ranks
-        self.group_variants = group_variants if groups_of is not None else (ALL_GROUPS,)
+        self.lora = lora
+        self.max_loras = lora.max_loras if lora is not None else 0
+        self.group_variants = group_variants if lora is not None else (ALL_GROUPS,)
         assert self.group_variants[-1] == ALL_GROUPS, "the last variant must apply every group"
         self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
         self.capture = model.device.type == "cuda"
@@ -156,7 +163,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         slots = {c.request.lora_slot for c in chunks if c.request.lora_slot >= 0}
         segments = variant = 0
-        if slots and self.lora_applier is not None:
+        if slots and self.lora is not None:
             segments = next(b for b in self.segment_buckets(size) if b >= len(slots))
             variant = self.variant_for(slots)
         self._fill(chunks, size, segments)
@@ -171,9 +178,7 @@ class DecodeGraphs:
 
     def variant_for(self, slots: set[int]) -> int:
         """Index of the smallest group variant that covers what these adapter slots target."""
-        if self.groups_of is None:
-            return len(self.group_variants) - 1
-        groups = self.groups_of(list(slots))
+        groups = self.lora.groups_of(list(slots))
         return next(i for i, v in enumerate(self.group_variants) if groups <= v)
 
     def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
@@ -247,17 +252,16 @@ class DecodeGraphs:
         h32[3 * B + real:3 * B + segments] = len(sorted_ids)
         h32[4 * B:4 * B + real] = [len(groups[s]) for s in order]
         h32[4 * B + real:4 * B + segments] = 0
-        if self.module_ranks is not None:
-            # The segment table: each slot's rows must be one run (ordered() sorts them).
-            width = SEGMENT_TABLE_WIDTH
-            table = h32[5 * B:5 * B + segments * width].reshape(segments, width)
-            for i, (slot, first) in enumerate(zip(order, firsts)):
-                if first < 0:
-                    raise ValueError("a LoRA decode step's rows must be grouped by adapter slot "
-                                     "(DecodeGraphs.ordered)")
-                table[i, :SEGMENT_TABLE_RANKS] = (slot, first, len(groups[slot]))
-                table[i, SEGMENT_TABLE_RANKS:] = self.module_ranks[slot]
-            table[real:] = 0
+        # The segment table: each slot's rows must be one run (ordered() sorts them).
+        table = h32[5 * B:5 * B + segments * SEGMENT_TABLE_WIDTH].reshape(segments,
+                                                                          SEGMENT_TABLE_WIDTH)
+        for i, (slot, first) in enumerate(zip(order, firsts)):
+            if first < 0:
+                raise ValueError("a LoRA decode step's rows must be grouped by adapter slot "
+                                 "(DecodeGraphs.ordered)")
+            table[i, :SEGMENT_TABLE_RANKS] = (slot, first, len(groups[slot]))
+            table[i, SEGMENT_TABLE_RANKS:] = self.lora.module_ranks[slot]
+        table[real:] = 0
 
     def segment_buckets(self, size: int) -> list[int]:
         """LoRA graphs per batch size, by distinct adapters in the step (1, 2, 4, ... up to
@@ -283,8 +287,8 @@ class DecodeGraphs:
                 segment_slots=self.seg_slots[:segments], segment_starts=self.seg_starts[:segments],
                 segment_lens=self.seg_lens[:segments], num_segments=segments, max_segment_len=size,
                 num_active_tokens=size, segments=() if self.capture else self._host_segments,
-                segment_table=self.seg_table[:segments] if self.module_ranks is not None else None)
-            applier = self.lora_applier(meta, self.group_variants[variant])
+                segment_table=self.seg_table[:segments])
+            applier = self.lora.applier(meta, self.group_variants[variant])
         return self.model.forward(batch, self.kv.k, self.kv.v, applier)
 
     # -- capture ---------------------------------------------------------------------------------
@@ -304,7 +308,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.model.device, priority=MAIN_STREAM_PRIORITY)
         for size in reversed(self.sizes):
             keys = [(size, 0, 0)]
-            if self.lora_applier is not None:
+            if self.lora is not None:
                 keys += [(size, b, v) for b in self.segment_buckets(size) for v in range(len(self.group_variants))]
             for key in keys:
                 stream.wait_stream(torch.cuda.current_stream())
@@ -320,5 +324,5 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1fs", len(self._graphs),
                  ",".join(map(str, self.sizes)),
                  ", without LoRA and by distinct adapters and targeted groups"
-                 if self.lora_applier is not None else "",
+                 if self.lora is not None else "",
                  time.monotonic() - started)
