@@ -1,10 +1,10 @@
 """Serving benchmark: the engine with LoRA off, on but unused, and with many adapters, next to
 Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one table.
 
-    python bench/serving_bench.py                     # CUDA: Llama-3.2-1B-shaped random bf16 model
-    python bench/serving_bench.py --poisson 20        # open loop, Poisson arrivals, Zipf popularity
-    python bench/serving_bench.py --device cpu        # CPU: the embedded SmolLM2, small settings
-    python bench/serving_bench.py --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
+    python -m bench.serving_bench                     # CUDA: Llama-3.2-1B-shaped random bf16 model
+    python -m bench.serving_bench --poisson 20        # open loop, Poisson arrivals, Zipf popularity
+    python -m bench.serving_bench --device cpu        # CPU: the embedded SmolLM2, small settings
+    python -m bench.serving_bench --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
 
 Rows (every one runs the same requests, in the same process):
   a     base model, LoRA disabled (Engine(lora=None))
@@ -46,90 +46,11 @@ from typing import Callable, Sequence
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from compile_watch import CompileWatch  # noqa: E402
-from kernels_bench import copy_bandwidth  # noqa: E402
+from bench.common import (ALL_MODULES, LLAMA_3_2_1B, QV, CompileWatch, copy_bandwidth,
+                          write_random_adapter, write_random_checkpoint)
 
 log = logging.getLogger("serving_bench")
 COMPILES = CompileWatch()  # installed by _run; every row reports what compiled in its timed run
-
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QV = ("q_proj", "v_proj")
-
-# Llama-3.2-1B's shapes (weights random: nothing is downloaded).
-LLAMA_3_2_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-    "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
-
-
-# -- synthetic weights ---------------------------------------------------------------------------
-def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device: torch.device,
-                            seed: int = 0, std: float = 0.02) -> Path:
-    """An HF-format safetensors checkpoint (config.json + model.safetensors) of random weights."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    hd = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
-
-    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h),
-               "model.norm.weight": torch.ones(h, dtype=dtype)}
-    if not config.get("tie_word_embeddings", False):
-        tensors["lm_head.weight"] = rnd(config["vocab_size"], h)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
-                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
-                    p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
-                    p + "mlp.down_proj.weight": rnd(h, inter)}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
-
-
-def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[str], seed: int,
-                         device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                         std: float = 0.02) -> Path:
-    """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) with
-    random, non-zero A and B, named as PEFT saves a Llama-family model's LoRA."""
-    from safetensors.torch import save_file
-
-    from adapter_store.samples import adapter_config
-    from lora_common.validation import MODULE_PARENT
-
-    folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shapes = model_cfg.module_shapes()
-    tensors = {}
-    for layer in range(model_cfg.num_layers):
-        for module in targets:
-            fan_in, fan_out = shapes[module]
-            base = f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
-            for kind, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
-                t = torch.randn(*shape, generator=gen, device=device) * std
-                tensors[f"{base}.lora_{kind}.weight"] = t.to(dtype).cpu()
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = adapter_config(rank, list(targets), base_model="serving-bench-random")
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return folder
 
 
 # -- workload --------------------------------------------------------------------------------------
@@ -266,6 +187,7 @@ def sync(device: torch.device) -> None:
 # -- the engine ---------------------------------------------------------------------------------------
 def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool):
     from inference_node.engine.engine import Engine, EngineConfig
+    from inference_node.lora_step.plan import LoraStepPlan
 
     kw = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
               max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
@@ -277,7 +199,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["max_graph_batch"] = args.concurrency
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
-    engine = Engine(model, EngineConfig(**kw), lora=lora)
+    plan = LoraStepPlan(lora.buffers, model.tuning) if lora is not None else None
+    engine = Engine(model, EngineConfig(**kw), lora=lora, lora_plan=plan)
     if args.warmup == "engine":
         # The node's start-up warm-up (what Engine.start runs before serving), instead of
         # running each row's workload untimed: the timed runs' compile counts then say
@@ -830,6 +753,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="write a torch.profiler trace of decode steps 100-109 per row to DIR/ROW.json")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
+                   help="a launch choice other than the node's default (kernels/tuning.py; the "
+                        "form of `inference-node serve --NAME`), repeatable")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     return args
@@ -869,6 +795,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.adapters.sources import LocalDirSource
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
+    from kernels.tuning import tuning_from_text
 
     cuda = device.type == "cuda"
     COMPILES.install()
@@ -911,7 +838,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     log.info("checkpoint and %d adapters ready in %.1fs", len(dirs), time.perf_counter() - started)
 
     bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len)
+    tuning = tuning_from_text(dict(item.split("=", 1) for item in args.tune))
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=tuning)
     itemsize = dtype.itemsize
     abytes = {n: adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) for n in r16}
     abytes |= {n: adapter_nbytes(cfg, 8, QV, itemsize) for n in qv}

@@ -8,8 +8,8 @@ process (so server and client do not share a GIL) and measures, in the same run:
 each a few times, printing the median (and best) throughput in MB/s (10^6 bytes/s).
 The client verifies every shard, file and the whole adapter (sha256) as in production.
 
-    python bench/store_fetch_bench.py                # 100 MB, 3 runs each
-    python bench/store_fetch_bench.py --mb 20 --runs 2
+    python -m bench.store_fetch_bench                # 100 MB, 3 runs each
+    python -m bench.store_fetch_bench --mb 20 --runs 2
 """
 from __future__ import annotations
 
@@ -24,13 +24,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from adapter_store.client import AdapterStoreClient  # noqa: E402
-from adapter_store.push import push_adapter  # noqa: E402
-from adapter_store.s3 import S3Store  # noqa: E402
-from adapter_store.samples import sized_adapter  # noqa: E402
-from adapter_store.seaweedfs import SeaweedFS  # noqa: E402
+from adapter_store.client import AdapterStoreClient
+from adapter_store.push import push_adapter
+from adapter_store.s3 import S3Store
+from adapter_store.samples import sized_adapter
+from adapter_store.seaweedfs import SeaweedFS
 
 BUCKET = "bench-adapters"
 NAME = "bench-100mb"
@@ -60,7 +58,8 @@ def child(args: argparse.Namespace) -> None:
 class StoreProcess:
     def __init__(self, server: SeaweedFS, cache_dir: Path, shard_kb: int) -> None:
         env = {**__import__("os").environ, **server.env()}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", "--endpoint", server.endpoint_url,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.store_fetch_bench", "--child",
+                                      "--endpoint", server.endpoint_url,
                                       "--cache-dir", str(cache_dir), "--shard-kb", str(shard_kb)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.address = self._reply()["address"]

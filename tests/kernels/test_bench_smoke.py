@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the full benchmark is run by hand")
 def test_kernels_bench_quick_runs_on_cpu() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LORA_KERNELS")}
-    proc = subprocess.run([sys.executable, "bench/kernels_bench.py", "--quick"], cwd=ROOT,
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "bench.kernels_bench", "--quick"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -28,7 +28,7 @@ def test_kernels_bench_quick_runs_on_cpu() -> None:
 def test_prefill_profile_runs_on_cpu() -> None:
     """bench/prefill_profile.py builds a LoRA prefill chunk through the engine's own batch and
     applier builders and runs it for each configuration."""
-    proc = subprocess.run([sys.executable, "bench/prefill_profile.py", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "bench.prefill_profile", "--device", "cpu",
                            "--layers", "1", "--seqs", "2", "--prompt", "8", "--reps", "1",
                            "--configs", "base,c1,d32"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
@@ -42,11 +42,7 @@ def test_decode_profile_timeline_counts_the_chains_idle_gaps(capsys: pytest.Capt
     charged to the kernel that ends it, with the side work inside it; a chain kernel that
     starts before the one ahead ends (PDL) leaves no gap, nor does one that ends inside a
     longer one, and side kernels are no chain."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import decode_profile
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    from bench import decode_profile
 
     def k(name: str, start: float, end: float) -> dict:
         return dict(name=name, start=start, end=end)

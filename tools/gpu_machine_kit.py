@@ -10,8 +10,10 @@ Three things do not travel with the tracked files or are missing there:
 - SmolLM2's tokenizer files, which the tests' random models use (`LORA_TEST_TOKENIZER_DIR`),
   copied from the converted embedded checkpoint.
 
-    python bench/gpu_machine_kit.py                # writes .whl/ and .tok/, prints what to carry
-    python bench/gpu_machine_kit.py --python 3.12  # the GPU machine's Python version
+    .venv/bin/python tools/gpu_machine_kit.py                # writes .whl/ and .tok/, prints what to carry
+    .venv/bin/python tools/gpu_machine_kit.py --python 3.12  # the GPU machine's Python version
+
+(Run with the project's environment: it imports the installed inference_node.)
 
 Both folders are added to this clone's git exclude file, so they never reach a commit. The
 script prints the folders to carry and the line to start each command with.
@@ -26,7 +28,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # The packages the GPU image lacks, or has older than the generated protobuf code accepts.
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "boto3", "botocore",
