@@ -98,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     from .push import push_adapter
-    from .validation import AdapterInvalid
+    from lora_common.validation import AdapterInvalid
 
     s3 = S3Store(args.bucket, make_client(args.s3_endpoint, args.region))
     try:
@@ -137,7 +137,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print("adapter-store ls: give --store HOST:PORT or --bucket", file=sys.stderr)
             return 2
         from .catalog import PICKLE_SUFFIXES
-        from .names import split_key
+        from lora_common.names import split_key
 
         prefix = normalize_prefix(args.prefix)
         grouped: dict[str, dict] = {}
