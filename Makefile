@@ -1,6 +1,8 @@
 # Two commands: `make run` (the whole stack on embedded defaults: SeaweedFS, adapter store,
-# inference node, sample adapters, a demo burst) and `make test` (the whole suite).
-# Both create the virtual environment on first use. `make serve` keeps the stack running.
+# inference node, sample adapters, a demo burst) and `make test` (the suite). `make
+# test-kernels` adds the slow tier: the Triton kernels and the paths that launch them, run in
+# Triton's interpreter on the CPU. All create the virtual environment on first use. `make
+# serve` keeps the stack running.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +11,7 @@ BIN := $(VENV)/bin
 # project's `torch>=` requirement does not pull several GB of CUDA packages.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: run serve demo-node test env clean-env
+.PHONY: run serve demo-node test test-kernels env clean-env
 
 run: $(VENV)/.installed
 	$(BIN)/python -m lora_client.local_stack
@@ -21,7 +23,10 @@ demo-node: $(VENV)/.installed
 	$(BIN)/python -m lora_client.demo
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not interpreter"
+
+test-kernels: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m interpreter
 
 env: $(VENV)/.installed
 
