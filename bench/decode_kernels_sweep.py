@@ -498,7 +498,7 @@ def argmax_part(batch: int, bw: float, device: torch.device) -> None:
     """Greedy sampling's argmax over the LM head's logits (Llama-3.2-1B's vocabulary), the
     chunk pass across its tilings, against torch.argmax and the logits' bytes' floor. Timed on
     one logits tensor (the LM head has just written it: mostly in L2) and walked over four."""
-    from kernels.sampling.triton_kernel import _BLOCK, _WARPS, chunks_for, first_argmax_triton
+    from kernels.sampling.triton_kernel import CHUNK_BLOCK, CHUNK_WARPS, chunks_for, first_argmax_triton
 
     vocab = GEMMS["lm_head"][0]
     logits = [torch.randn(batch, vocab, device=device, dtype=torch.bfloat16) for _ in range(4)]
@@ -515,9 +515,9 @@ def argmax_part(batch: int, bw: float, device: torch.device) -> None:
             results.append((graph_us([lambda i=i, k=k: first_argmax_triton(logits[i % copies], **k)
                                       for i in range(4)]), k))
         results.sort(key=lambda r: r[0])
-        now = next(us for us, k in results if k == dict(chunks=default, block=_BLOCK, num_warps=_WARPS))
+        now = next(us for us, k in results if k == dict(chunks=default, block=CHUNK_BLOCK, num_warps=CHUNK_WARPS))
         print(f"argmax [{batch}, {vocab}] over {copies} logits tensor(s), us: floor {floor:.2f}, "
-              f"torch {torch_us:.2f}, default ({default} chunks, {_BLOCK}, {_WARPS} warps) {now:.2f}; best "
+              f"torch {torch_us:.2f}, default ({default} chunks, {CHUNK_BLOCK}, {CHUNK_WARPS} warps) {now:.2f}; best "
               + ", ".join(f"{us:.2f} {k}" for us, k in results[:4]))
 
 

@@ -17,8 +17,8 @@ from ..host import cdiv, num_sms
 MAX_CHUNKS = 64  # the row pass walks a tile this wide: one compiled variant for any count
 # The chunk pass's tiling: the best of bench/decode_kernels_sweep.py --parts argmax (64 x
 # 128256 bf16 on an H100).
-_BLOCK = 4096
-_WARPS = 4
+CHUNK_BLOCK = 4096
+CHUNK_WARPS = 4
 _PROGRAMS_PER_SM = 16
 _DYNAMIC = ["n_cols", "stride_row", "chunk_len", "n_chunks"]
 
@@ -59,7 +59,7 @@ def _row_pick_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, CHUNKS_PAD: tl.constex
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def chunks_for(rows: int, n_cols: int, device: torch.device, block: int = _BLOCK) -> int:
+def chunks_for(rows: int, n_cols: int, device: torch.device, block: int = CHUNK_BLOCK) -> int:
     """Vocabulary chunks per row: about _PROGRAMS_PER_SM programs per SM, at least a block
     each."""
     want = cdiv(_PROGRAMS_PER_SM * num_sms(device), max(rows, 1))
@@ -67,7 +67,7 @@ def chunks_for(rows: int, n_cols: int, device: torch.device, block: int = _BLOCK
 
 
 def first_argmax_triton(logits: torch.Tensor, chunks: int | None = None, *,
-                        block: int = _BLOCK, num_warps: int = _WARPS) -> torch.Tensor:
+                        block: int = CHUNK_BLOCK, num_warps: int = CHUNK_WARPS) -> torch.Tensor:
     """[rows] int64: the first index of each row's maximum (as torch.argmax(dim=-1)).
     chunks, block, num_warps: the chunk pass's tiling (bench/decode_kernels_sweep.py
     --parts argmax)."""
