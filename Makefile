@@ -22,8 +22,9 @@ serve: $(VENV)/.installed
 demo-node: $(VENV)/.installed
 	$(BIN)/python -m lora_client.demo
 
+# Three workers on two cores: the suite waits on subprocesses and sockets about half the time.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not interpreter"
+	$(BIN)/python -m pytest -q -n 3 -m "not interpreter"
 
 test-kernels: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m interpreter

@@ -230,15 +230,15 @@ def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: in
 
 
 def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int,
-                 tuning=None):
-    """(config, LlamaModel) of Llama-3.2-1B's shapes with random weights (`layers` of them if
-    given), through a checkpoint written to a temporary directory; `tuning`: the model's
-    kernels' (None: the node's defaults)."""
+                 tuning=None, tiny: bool = False):
+    """(config, LlamaModel) of Llama-3.2-1B's shapes (TINY_LLAMA's with `tiny`: smoke runs)
+    with random weights (`layers` of them if given), through a checkpoint written to a
+    temporary directory; `tuning`: the model's kernels' (None: the node's defaults)."""
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
     from kernels.tuning import DEFAULT_TUNING
 
-    config = dict(LLAMA_3_2_1B)
+    config = dict(TINY_LLAMA if tiny else LLAMA_3_2_1B)
     if layers:
         config["num_hidden_layers"] = layers
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,7 +8,7 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
 
     python -m bench.decode_profile                       # CUDA: Llama-3.2-1B-shaped, batch 64
     python -m bench.decode_profile --configs base,c32    # a subset
-    python -m bench.decode_profile --device cpu --layers 2 --batch 4   # CPU smoke (no graphs)
+    python -m bench.decode_profile --device cpu --tiny --batch 4   # CPU smoke (no graphs)
     python -m bench.decode_profile --mode default --mode serial --no-profile  # replay times only
     python -m bench.decode_profile --configs base,gu32,c32 --no-profile \
         --mode default --mode "fold_tilings=gate_up=32.128.4/silu_row_tile=512.2"
@@ -152,6 +152,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200, help="tokens already in each sequence's KV")
     p.add_argument("--configs", default="base,c1,c8,c32,c64,d32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke runs)")
     p.add_argument("--reps", type=int, default=20, help="replays per burst, forwards per profile")
     p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
     p.add_argument("--top", type=int, default=12)
@@ -176,7 +177,7 @@ def main() -> None:
     names = [c for c in args.configs.split(",") if c]
     block = 16
     max_len = args.context + 64
-    cfg, model = random_model(device, dtype, args.layers, max_len)
+    cfg, model = random_model(device, dtype, args.layers, max_len, tiny=args.tiny)
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)

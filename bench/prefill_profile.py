@@ -10,7 +10,7 @@ torch.profiler, its kernel families.
 
     python -m bench.prefill_profile                      # CUDA: Llama-3.2-1B-shaped, 16 x 128 tokens
     python -m bench.prefill_profile --seqs 8 --prompt 256 --configs base,c8
-    python -m bench.prefill_profile --device cpu --layers 2 --seqs 2 --prompt 16   # CPU smoke
+    python -m bench.prefill_profile --device cpu --tiny --seqs 2 --prompt 16   # CPU smoke
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128, help="tokens per sequence (all of them new)")
     p.add_argument("--configs", default="base,c1,c8,c32,d32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke runs)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--no-profile", action="store_true")
@@ -113,7 +114,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     names = [c for c in args.configs.split(",") if c]
     block = 16
-    cfg, model = random_model(device, dtype, args.layers, args.prompt + 16)
+    cfg, model = random_model(device, dtype, args.layers, args.prompt + 16, tiny=args.tiny)
     kv = KVCache(cfg, args.seqs * -(-args.prompt // block) + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
     tokens = args.seqs * args.prompt

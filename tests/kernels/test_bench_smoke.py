@@ -29,7 +29,7 @@ def test_prefill_profile_runs_on_cpu() -> None:
     """bench/prefill_profile.py builds a LoRA prefill chunk through the engine's own batch and
     applier builders and runs it for each configuration."""
     proc = subprocess.run([sys.executable, "-m", "bench.prefill_profile", "--device", "cpu",
-                           "--layers", "1", "--seqs", "2", "--prompt", "8", "--reps", "1",
+                           "--tiny", "--seqs", "2", "--prompt", "8", "--reps", "1",
                            "--configs", "base,c1,d32"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,3 +61,17 @@ def test_decode_profile_timeline_counts_the_chains_idle_gaps(capsys: pytest.Capt
     assert "     1.0 us    0.5       0.0 us  GEMM (cuBLAS or the Triton decode GEMM)" in gap_lines, out
     for fam in ("paged_attention", "_row_pick_kernel", "lora_shrink"):
         assert fam not in gap_lines, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the full profile is run by hand")
+def test_decode_profile_runs_each_mode_on_cpu() -> None:
+    """bench/decode_profile.py builds the engine's decode graphs (their CPU form) once per mode:
+    the node's defaults, LoRA after each matmul, and a Tuning choice given as text."""
+    proc = subprocess.run([sys.executable, "-m", "bench.decode_profile", "--device", "cpu", "--tiny",
+                           "--batch", "4", "--configs", "base,c2", "--mode", "default", "--mode",
+                           "serial", "--mode", "fold_groups=none/side_expand_segments=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for mode in ("default", "serial", "fold_groups=none/side_expand_segments=0"):
+        for config in ("base", "c2"):
+            assert f"[{mode}] {config}: eager forward ran" in proc.stdout, proc.stdout
