@@ -1,7 +1,9 @@
 # Two commands: `make run` (the whole stack on embedded defaults: SeaweedFS, adapter store,
-# inference node, sample adapters, a demo burst) and `make test` (the whole suite).
-# Both create the virtual environment on first use. `make serve` keeps the stack running;
-# `make fleet` serves FLEET_NODES nodes behind HAProxy (the `haproxy` package: `make haproxy`).
+# inference node, sample adapters, a demo burst) and `make test` (the suite). `make
+# test-kernels` adds the slow tier: the Triton kernels and the paths that launch them, run in
+# Triton's interpreter on the CPU. All create the virtual environment on first use. `make
+# serve` keeps the stack running; `make fleet` serves FLEET_NODES nodes behind HAProxy (the
+# `haproxy` package: `make haproxy`).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +14,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 
 FLEET_NODES ?= 3
 
-.PHONY: run serve fleet haproxy demo-node test env clean-env
+.PHONY: run serve fleet haproxy demo-node test test-kernels env clean-env
 
 run: $(VENV)/.installed
 	$(BIN)/python -m lora_client.local_stack
@@ -31,8 +33,12 @@ haproxy:
 demo-node: $(VENV)/.installed
 	$(BIN)/python -m lora_client.demo
 
+# Three workers on two cores: the suite waits on subprocesses and sockets about half the time.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 3 -m "not interpreter"
+
+test-kernels: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m interpreter
 
 env: $(VENV)/.installed
 

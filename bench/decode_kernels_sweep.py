@@ -13,14 +13,13 @@ a real step where every layer reads its own:
 - RoPE + KV-cache write: the fused kernel against the compiled RoPE plus two index_copy_;
 - the ops that expand a LoRA delta (RoPE + KV write, residual add + norm, SiLU * up) with
   rows spread over N adapters, across their tilings, against their B bytes' floor (the add +
-  norm also with each row spread over programs of 128-1024 columns: `split=`, its delta
-  computed before or after the wait for the kernel ahead: `early_delta=`).
+  norm also with each row spread over programs of 128-1024 columns: `split=`).
 
-    python bench/decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
-    python bench/decode_kernels_sweep.py --parts gemm    # one part
-    python bench/decode_kernels_sweep.py --parts pdl     # the decode GEMM after its norm, PDL on/off
-    python bench/decode_kernels_sweep.py --parts warps   # its tilings with 8 warps, deeper pipelines
-    python bench/decode_kernels_sweep.py --parts argmax  # greedy sampling's argmax, its tilings
+    python -m bench.decode_kernels_sweep.py                 # CUDA, Llama-3.2-1B shapes, batch 64
+    python -m bench.decode_kernels_sweep.py --parts gemm    # one part
+    python -m bench.decode_kernels_sweep.py --parts pdl     # the decode GEMM after its norm, PDL on/off
+    python -m bench.decode_kernels_sweep.py --parts warps   # its tilings with 8 warps, deeper pipelines
+    python -m bench.decode_kernels_sweep.py --parts argmax  # greedy sampling's argmax, its tilings
 """
 from __future__ import annotations
 
@@ -28,19 +27,13 @@ import argparse
 import dataclasses
 import itertools
 import math
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from kernels_bench import copy_bandwidth  # noqa: E402
+from bench.common import copy_bandwidth
 
 GEMMS = {  # name: (N, K), Llama-3.2-1B
     "qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
@@ -170,7 +163,7 @@ def gemm_part(batch: int, bw: float, device: torch.device) -> None:
 def attention_part(batch: int, bw: float, device: torch.device) -> None:
     """Both KV layouts (token-major [blocks, page, Hkv, D]; head-major, stored [blocks, Hkv,
     page, D] and seen through transposed views as KVCache keeps it), default and a few tilings."""
-    from kernels.paged_attention_triton import paged_attention_triton_impl
+    from kernels.attention.triton_kernel import paged_attention_triton_impl
 
     Hq, Hkv, D, page = 32, 8, 64, 16
     gen = torch.Generator().manual_seed(0)
@@ -238,8 +231,8 @@ def attention_part(batch: int, bw: float, device: torch.device) -> None:
 
 
 def rope_part(batch: int, device: torch.device) -> None:
-    from kernels.rope_cache_ref import rotate_half_rope
-    from kernels.rope_cache_triton import rope_and_cache_triton
+    from kernels.rope.reference import rotate_half_rope
+    from kernels.rope.triton_kernel import rope_and_cache_triton
 
     Hq, Hkv, D, page = 32, 8, 64, 16
     width = (Hq + 2 * Hkv) * D
@@ -276,13 +269,13 @@ SPLIT_COLUMNS = (128, 256, 512, 1024)  # columns a program of the add + norm spl
 
 
 def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int]) -> None:
-    """The ops that expand a LoRA delta (kernels/lora_delta.py) at rank 16 with batch rows
+    """The ops that expand a LoRA delta (kernels/lora/delta.py) at rank 16 with batch rows
     spread over N adapters, against the same op without LoRA and against the floor of the B
     bytes they read, over the tilings each one takes."""
-    from kernels.lora_delta import ColumnSplit, LoraDelta
-    from kernels.norm_triton import add_rms_norm_triton
-    from kernels.rope_cache_triton import rope_and_cache_triton
-    from kernels.silu_mul_triton import silu_mul_triton
+    from kernels.lora.delta import ColumnSplit, LoraDelta
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+    from kernels.rope.triton_kernel import rope_and_cache_triton
+    from kernels.activation.triton_kernel import silu_mul_triton
 
     H, I, Hq, Hkv, D, R, page, splits = 2048, 8192, 32, 8, 64, 16, 16, 4
     bf16 = dict(device=device, dtype=torch.bfloat16)
@@ -317,8 +310,7 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
         runs = {
             "norm": (norm, lambda sl: LoraDelta(partials[:, :1], (b["o"],), sl),
                      [dict(block_h=bh, num_warps=nw) for bh in (256, 512, 1024, 2048) for nw in (4, 8)]
-                     + [dict(split=c, num_warps=nw, early_delta=early) for c in SPLIT_COLUMNS
-                        for nw in (2, 4, 8) for early in (True, False)]),
+                     + [dict(split=c, num_warps=nw) for c in SPLIT_COLUMNS for nw in (2, 4, 8)]),
             "silu": (lambda d, **k: silu_mul_triton(gate_up, d, **k),
                      lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl),
                      [dict(block_i=bi, num_warps=nw) for bi in (64, 128, 256, 512, 1024) for nw in (2, 4, 8)]),
@@ -345,8 +337,8 @@ def pdl_part(batch: int, bw: float, device: torch.device) -> None:
     pair on its own weights. Plain launches (cuBLAS on [K, N]; the Triton GEMM over tilings)
     against the Triton GEMM launched with programmatic dependent launch, asking L2 for its
     first PREFETCH_K columns before it waits for the norm."""
-    from kernels.decode_gemm_triton import decode_gemm_triton
-    from kernels.norm_triton import add_rms_norm_triton
+    from kernels.gemm.triton_kernel import decode_gemm_triton
+    from kernels.norm.triton_kernel import add_rms_norm_triton
 
     print(f"\n== decode GEMM after an add + norm at batch {batch}: us per (norm, GEMM) pair; "
           "floor = weight bytes / copy bandwidth")
@@ -430,7 +422,7 @@ class NormGemmPairs:
 
     def time(self, gemm: Callable[..., object], cfg: dict) -> float:
         """GPU us per pair, gemm(x, w, **cfg) after the norm that writes x."""
-        from kernels.norm_triton import add_rms_norm_triton
+        from kernels.norm.triton_kernel import add_rms_norm_triton
 
         def pair(w):
             _, x = add_rms_norm_triton(self.hidden, self.out, self.norm_w, 1e-5)
@@ -441,7 +433,7 @@ class NormGemmPairs:
 def warps_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 512) -> None:
     """The PDL-launched decode GEMM after its add + norm (as in the step) over tilings that
     include 8 warps and deeper pipelines: more loads in flight per SM for the weight stream."""
-    from kernels.decode_gemm_triton import decode_gemm_triton
+    from kernels.gemm.triton_kernel import decode_gemm_triton
 
     print(f"\n== decode GEMM tilings after an add + norm at batch {batch}, PDL, {prefetch_k} columns "
           "prefetched: us per (norm, GEMM) pair (block_n x block_k / stages, warps)")
@@ -474,15 +466,15 @@ TMA_TILINGS = {  # (block_n, block_k, stages, warps)
 def tma_part(batch: int, bw: float, device: torch.device, prefetch_k: int = 512) -> None:
     """The decode GEMM with TMA tile loads against the pointer-load one (its default tiling),
     both PDL-launched after an add + norm (pairs back to back in a graph, own weights)."""
-    from kernels.decode_gemm import TILINGS
-    from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton
+    from kernels.tuning import DEFAULT_TUNING
+    from kernels.gemm.triton_kernel import decode_gemm_tma, decode_gemm_triton
 
     print(f"\n== decode GEMM, TMA tile loads, after an add + norm at batch {batch}, PDL: us per pair")
     for name in ("qkv", "o", "down", "gate_up"):
         pairs = NormGemmPairs(name, batch, device)
         x = torch.randn(batch, pairs.K, device=device, dtype=torch.bfloat16)
         ref = x.float() @ pairs.w_views[0].float()
-        bn, bk, st = TILINGS[name]
+        bn, bk, st = DEFAULT_TUNING.gemm_tilings[name]
         variants = [("pointer loads", decode_gemm_triton, dict(block_n=bn, block_k=bk, num_stages=st))]
         variants += [(f"TMA {b}x{k}/{s} w{wp}", decode_gemm_tma,
                       dict(block_n=b, block_k=k, num_stages=s, num_warps=wp))
@@ -506,7 +498,7 @@ def argmax_part(batch: int, bw: float, device: torch.device) -> None:
     """Greedy sampling's argmax over the LM head's logits (Llama-3.2-1B's vocabulary), the
     chunk pass across its tilings, against torch.argmax and the logits' bytes' floor. Timed on
     one logits tensor (the LM head has just written it: mostly in L2) and walked over four."""
-    from kernels.argmax_triton import _BLOCK, _WARPS, chunks_for, first_argmax_triton
+    from kernels.sampling.triton_kernel import CHUNK_BLOCK, CHUNK_WARPS, chunks_for, first_argmax_triton
 
     vocab = GEMMS["lm_head"][0]
     logits = [torch.randn(batch, vocab, device=device, dtype=torch.bfloat16) for _ in range(4)]
@@ -523,9 +515,9 @@ def argmax_part(batch: int, bw: float, device: torch.device) -> None:
             results.append((graph_us([lambda i=i, k=k: first_argmax_triton(logits[i % copies], **k)
                                       for i in range(4)]), k))
         results.sort(key=lambda r: r[0])
-        now = next(us for us, k in results if k == dict(chunks=default, block=_BLOCK, num_warps=_WARPS))
+        now = next(us for us, k in results if k == dict(chunks=default, block=CHUNK_BLOCK, num_warps=CHUNK_WARPS))
         print(f"argmax [{batch}, {vocab}] over {copies} logits tensor(s), us: floor {floor:.2f}, "
-              f"torch {torch_us:.2f}, default ({default} chunks, {_BLOCK}, {_WARPS} warps) {now:.2f}; best "
+              f"torch {torch_us:.2f}, default ({default} chunks, {CHUNK_BLOCK}, {CHUNK_WARPS} warps) {now:.2f}; best "
               + ", ".join(f"{us:.2f} {k}" for us, k in results[:4]))
 
 

@@ -3,10 +3,10 @@ gRPC client processes, then by as many HTTP client processes through its OpenAI-
 API (/v1/completions streamed as server-sent events), beside the same engine driven
 in-process, on the same requests and checkpoint, in one table.
 
-    python bench/grpc_bench.py                          # CUDA: Llama-3.2-1B shapes; CPU: the embedded model
-    python bench/grpc_bench.py --shape 8b               # Llama-3.1-8B shapes
-    python bench/grpc_bench.py --concurrency 64,256 --rows base,c32 --api-processes 2
-    python bench/grpc_bench.py --poisson 200 --zipf-alpha 1.0   # open loop, Zipf adapter popularity
+    python -m bench.grpc_bench                          # CUDA: Llama-3.2-1B shapes; CPU: the embedded model
+    python -m bench.grpc_bench --shape 8b               # Llama-3.1-8B shapes
+    python -m bench.grpc_bench --concurrency 64,256 --rows base,c32 --api-processes 2
+    python -m bench.grpc_bench --poisson 200 --zipf-alpha 1.0   # open loop, Zipf adapter popularity
 
 Rows, each at every concurrency: `base` (no adapter; LoRA on, unused) and `cN` (N distinct
 rank-16 adapters on all seven projections, request i on adapter i mod N, all pinned before
@@ -32,20 +32,15 @@ import asyncio
 import json
 import logging
 import multiprocessing
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
 
 log = logging.getLogger("grpc_bench")
 
@@ -111,7 +106,7 @@ def prepare_adapters(work: Path, checkpoint: Path, count: int, cuda: bool) -> Pa
     import torch
 
     from inference_node.model.config import ModelConfig
-    from serving_bench import write_random_adapter
+    from bench.common import write_random_adapter
 
     root = work / "adapters"
     cfg = ModelConfig.from_checkpoint(checkpoint)
@@ -126,7 +121,7 @@ def prepare_adapters(work: Path, checkpoint: Path, count: int, cuda: bool) -> Pa
 
 def make_requests(n: int, prompt_len: tuple[int, int], output: int, vocab: int, adapters: list[str],
                   poisson: float | None, alpha: float, seed: int) -> list[Request]:
-    from serving_bench import make_specs, zipf_index
+    from bench.engine_driver import make_specs, zipf_index
 
     specs = make_specs(n, prompt_len, (output, output), vocab, poisson, seed)
     out = []
@@ -339,7 +334,7 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
     import torch
 
     from inference_node.node import NodeSettings, build_node
-    from serving_bench import Driver, Spec, preload_adapters
+    from bench.engine_driver import Driver, Spec, preload_adapters
 
     settings = NodeSettings(
         model=str(checkpoint), device=None if args.device == "auto" else args.device,
@@ -376,7 +371,7 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
 
 # -- the table ---------------------------------------------------------------------------------------
 def pct(values: Sequence[float], q: float) -> float:
-    from serving_bench import pct as _pct
+    from bench.engine_driver import pct as _pct
     return _pct(values, q)
 
 

@@ -4,30 +4,25 @@ For every shape it prints the kernel's time, the bytes it must move at least, th
 bandwidth and that bandwidth as a share of the device's copy bandwidth, measured in the same
 run with a large device-to-device copy (the practical ceiling for these memory-bound kernels).
 
-    python bench/kernels_bench.py            # CUDA: Llama-3.2-1B-like shapes
-    python bench/kernels_bench.py --quick    # fewer shapes (and on CPU: tiny ones, reference only)
+    python -m bench.kernels_bench            # CUDA: Llama-3.2-1B-like shapes
+    python -m bench.kernels_bench --quick    # fewer shapes (and on CPU: tiny ones, reference only)
 
 On a machine without CUDA it runs tiny shapes with the reference only (add TRITON_INTERPRET=1
-and LORA_KERNELS=triton to also run the kernels in Triton's interpreter: slow, times meaningless).
+to also run the kernels in Triton's interpreter: slow, times meaningless).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.lora_meta import LoraBatchMeta  # noqa: E402
-from kernels.lora_ref import lora_expand_ref, lora_shrink_ref  # noqa: E402
-from kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from bench.common import copy_bandwidth
+from bench.common import time_call as bench
+from kernels.attention.reference import paged_attention_ref
+from kernels.host import interpreting
+from kernels.lora.meta import LoraBatchMeta
+from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
 
 
 @dataclass
@@ -46,29 +41,6 @@ class Model:
 
 TINY = Model(hidden=128, q=128, kv=32, inter=256, rank=8, num_heads=4, num_kv_heads=2,
              head_dim=32, page=16, max_loras=8)
-
-
-def bench(fn: Callable[[], object], device: torch.device) -> float:
-    """Median seconds per call."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-    fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src), device)
-    return 2 * nbytes / t
 
 
 class Table:
@@ -99,7 +71,7 @@ class Table:
 def lora_rows(table: Table, m: Model, device: torch.device, dtype: torch.dtype,
               use_triton: bool, quick: bool) -> None:
     if use_triton:
-        from kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+        from kernels.lora.triton_kernel import lora_expand_triton, lora_shrink_triton
     es = torch.finfo(dtype).bits // 8
     groups = {"qkv": (m.hidden, [m.q, m.kv, m.kv]), "gate_up": (m.hidden, [m.inter, m.inter])}
     decode_T = [1, 8, 64, 256] if quick else [1, 8, 32, 64, 128, 256]
@@ -135,7 +107,7 @@ def lora_rows(table: Table, m: Model, device: torch.device, dtype: torch.dtype,
 def attention_rows(table: Table, m: Model, device: torch.device, dtype: torch.dtype,
                    use_triton: bool, quick: bool) -> None:
     if use_triton:
-        from kernels.paged_attention_triton import paged_attention_triton
+        from kernels.attention.triton_kernel import paged_attention_triton
     es = torch.finfo(dtype).bits // 8
     batches = [1, 8, 64, 256] if quick else [1, 8, 32, 64, 128, 256]
     contexts = [512, 4096] if quick else [512, 1024, 2048, 4096]
@@ -187,8 +159,7 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    use_triton = cuda or (interpreted and os.environ.get("LORA_KERNELS") == "triton")
+    use_triton = cuda or interpreting()
     model = Model() if cuda else TINY
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)

@@ -1,52 +1,34 @@
-"""The decode GEMM with LoRA folded in (kernels/lora_gemm.py), alone on the GPU, against the
+"""The decode GEMM with LoRA folded in (kernels/gemm/fold.py), alone on the GPU, against the
 plain decode GEMM and against its own parts, per fused projection of a Llama-3.2-1B-shaped
 layer at decode batch 64.
 
-    python bench/lora_gemm_sweep.py                         # every group, 32 adapters
-    python bench/lora_gemm_sweep.py --groups o --adapters 1,32,64 --tilings 16,128,4 16,64,8
+    python -m bench.lora_gemm_sweep                         # every group, 32 adapters
+    python -m bench.lora_gemm_sweep --groups o --adapters 1,32,64 --tilings 16,128,4 16,64,8
 
-Rows per (group, tiling): the plain GEMM (kernels/decode_gemm_triton.py, TMA on Hopper), the
+Rows per (group, tiling): the plain GEMM (kernels/gemm/triton_kernel.py, TMA on Hopper), the
 fold with no adapter in the step (the same launch with its shrink programs idle: the cost of
 the role tickets and counters), and the fold with N adapters of rank 16, two rows each up to
 64. Each is timed over a burst of launches in one CUDA graph that cycle through 16 copies of the weights (as
 the layers of a step do, so L2 holds none of them), by CUDA events; the floor is the bytes
-read (W, plus each adapter's A and B) at the copy bandwidth measured the same way.
+read (W, plus each adapter's A and B) at the device's copy bandwidth (bench/common.py).
 """
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kernels._host import pdl_enabled, tma_enabled  # noqa: E402
-from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton  # noqa: E402
-from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton  # noqa: E402
-from kernels.lora_gemm import GemmLora  # noqa: E402
-from kernels.lora_meta import LoraBatchMeta  # noqa: E402
+from bench.common import copy_bandwidth
+from kernels.gemm import GemmLora
+from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
+from kernels.gemm.triton_kernel import decode_gemm_tma, decode_gemm_triton
+from kernels.lora.meta import LoraBatchMeta
+from kernels.tuning import DEFAULT_TUNING
 
 HIDDEN, Q, KV, INTER = 2048, 2048, 512, 8192
 GROUPS = {"qkv": (HIDDEN, [Q, KV, KV]), "o": (Q, [HIDDEN]), "gate_up": (HIDDEN, [INTER, INTER]),
           "down": (INTER, [HIDDEN])}
 COPIES = 16
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a 1 GiB device copy, read and write both counted."""
-    src = torch.empty(1 << 29, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def time_us(fn, reps: int) -> float:
@@ -100,9 +82,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=100)
     args = p.parse_args()
     device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(device, 1 << 30)
     x = torch.randn(64, max(k for k, _ in GROUPS.values()), device=device, dtype=torch.bfloat16)
-    pdl, tma = pdl_enabled(x), tma_enabled(x)
+    pdl, tma = DEFAULT_TUNING.pdl_on(x), DEFAULT_TUNING.gemm_tma_on(x)
     print(f"{torch.cuda.get_device_name(device)}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"TMA {tma}, PDL {pdl}")
     print(f"{'group':8} {'tiling':>11} {'what':>14} {'us':>8} {'floor us':>9}")

@@ -6,23 +6,17 @@ by bytes or by latency. For each (projection group, distinct adapters) case this
 shrink and the expand (triton.testing.do_bench, GPU time per launch) for every tiling in the
 grid, next to the time `choose_tiling` (the serving default) takes, and the bytes' floor.
 
-    python bench/lora_tune.py                    # Llama-3.2-1B shapes, batch 64, rank 16
-    python bench/lora_tune.py --adapters 1,32 --groups gate_up
+    python -m bench.lora_tune.py                    # Llama-3.2-1B shapes, batch 64, rank 16
+    python -m bench.lora_tune.py --adapters 1,32 --groups gate_up
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from kernels_bench import copy_bandwidth  # noqa: E402
+from bench.common import copy_bandwidth
 
 GROUPS = {  # name: (H_in, outputs of the fused slices), Llama-3.2-1B
     "qkv": (2048, [2048, 512, 512]),
@@ -37,7 +31,7 @@ def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device, ran
     """As DecodeGraphs._fill_lora builds it: request i on adapter i mod distinct, padded
     buckets; with `table`, rows grouped by slot and the segment table the graphs fill (one
     rank column per slice), else the gather layout (rows interleaved, sorted ids)."""
-    from kernels.lora_meta import LoraBatchMeta
+    from kernels.lora.meta import LoraBatchMeta
 
     slots = [i % distinct for i in range(batch)]
     if not table:
@@ -49,7 +43,7 @@ def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device, ran
 def main() -> None:
     import triton.testing
 
-    from kernels.lora_triton import (LoraTiling, choose_tiling, lora_expand_triton,
+    from kernels.lora.triton_kernel import (LoraTiling, choose_tiling, lora_expand_triton,
                                      lora_shrink_partials)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,7 +79,7 @@ def main() -> None:
             bucket = 1 << (distinct - 1).bit_length()
             meta = graph_meta(args.batch, distinct, bucket, device, args.rank)
             gather_meta = graph_meta(args.batch, distinct, bucket, device, args.rank, table=False)
-            col = 3  # kernels.lora_meta.SEGMENT_TABLE_RANKS: the first slice's rank
+            col = 3  # kernels.lora.meta.SEGMENT_TABLE_RANKS: the first slice's rank
             x = torch.randn(args.batch, h_in, device=device, dtype=dtype)
             a = [torch.randn(distinct, R, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
             b = [torch.randn(distinct, o, R, device=device, dtype=dtype) * 0.02 for o in outs]

@@ -2,32 +2,27 @@
 
 serving_bench.py's TTFT column is mostly prefill: in its closed loop a wave of 64 prompts is
 prefilled in chunks of up to 2048 tokens, eagerly (no CUDA graph), and a LoRA row adds a
-shrink and an expand launch per fused projection (adapters/applier.py). This script builds such
+shrink and an expand launch per fused projection (inference_node/lora_step/eager.py). This script builds such
 a chunk (sequences of one prompt length, sequence i on adapter i mod N) and prints, per
 configuration, the forward's GPU time, the host's time to queue it (a prefill step is
 host-bound when the two are close: its launches cost more host time than GPU time) and, from
 torch.profiler, its kernel families.
 
-    python bench/prefill_profile.py                      # CUDA: Llama-3.2-1B-shaped, 16 x 128 tokens
-    python bench/prefill_profile.py --seqs 8 --prompt 256 --configs base,c8
-    python bench/prefill_profile.py --device cpu --layers 2 --seqs 2 --prompt 16   # CPU smoke
+    python -m bench.prefill_profile                      # CUDA: Llama-3.2-1B-shaped, 16 x 128 tokens
+    python -m bench.prefill_profile --seqs 8 --prompt 256 --configs base,c8
+    python -m bench.prefill_profile --device cpu --tiny --seqs 2 --prompt 16   # CPU smoke
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from decode_profile import config_slots, kernel_families, random_model  # noqa: E402
+from bench.common import config_slots, kernel_families, random_model
 
 
 def prompt_chunks(seqs: int, prompt: int, block_size: int, slots: list[int]) -> list:
@@ -103,6 +98,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128, help="tokens per sequence (all of them new)")
     p.add_argument("--configs", default="base,c1,c8,c32,d32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke runs)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--no-profile", action="store_true")
@@ -110,7 +106,7 @@ def main() -> None:
                    help="also print the host's Python profile of N forwards (where queueing time goes)")
     args = p.parse_args()
 
-    from inference_node.adapters.applier import build_applier
+    from inference_node.lora_step.eager import build_applier
     from inference_node.engine.batch import build_forward_batch
     from inference_node.engine.kv_cache import KVCache
 
@@ -118,7 +114,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     names = [c for c in args.configs.split(",") if c]
     block = 16
-    cfg, model = random_model(device, dtype, args.layers, args.prompt + 16)
+    cfg, model = random_model(device, dtype, args.layers, args.prompt + 16, tiny=args.tiny)
     kv = KVCache(cfg, args.seqs * -(-args.prompt // block) + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
     tokens = args.seqs * args.prompt

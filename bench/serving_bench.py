@@ -1,11 +1,11 @@
 """Serving benchmark: the engine with LoRA off, on but unused, and with many adapters, next to
 Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one table.
 
-    python bench/serving_bench.py                     # CUDA: Llama-3.2-1B-shaped random bf16 model
-    python bench/serving_bench.py --model llama-8b-random --rows a,c,d --adapter-counts 32   # Llama-3.1-8B shapes
-    python bench/serving_bench.py --poisson 20        # open loop, Poisson arrivals, Zipf popularity
-    python bench/serving_bench.py --device cpu        # CPU: the embedded SmolLM2, small settings
-    python bench/serving_bench.py --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
+    python -m bench.serving_bench                     # CUDA: Llama-3.2-1B-shaped random bf16 model
+    python -m bench.serving_bench --model llama-8b-random --rows a,c,d --adapter-counts 32   # Llama-3.1-8B shapes
+    python -m bench.serving_bench --poisson 20        # open loop, Poisson arrivals, Zipf popularity
+    python -m bench.serving_bench --device cpu        # CPU: the embedded SmolLM2, small settings
+    python -m bench.serving_bench --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
 
 Rows (every one runs the same requests, in the same process):
   a     base model, LoRA disabled (Engine(lora=None))
@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -47,130 +46,13 @@ from typing import Callable, Sequence
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from compile_watch import CompileWatch  # noqa: E402
-from kernels_bench import copy_bandwidth  # noqa: E402
+from bench.common import (ALL_MODULES, LLAMA_3_1_8B, LLAMA_3_2_1B, QV, CompileWatch, copy_bandwidth,
+                          write_random_adapter, write_random_checkpoint)
+from bench.engine_driver import (DecodeStep, Driver, ReqRecord, Spec, make_specs, parse_range, pct,
+                                 preload_adapters, sync, zipf_index)
 
 log = logging.getLogger("serving_bench")
 COMPILES = CompileWatch()  # installed by _run; every row reports what compiled in its timed run
-
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QV = ("q_proj", "v_proj")
-
-# Llama-3.2-1B's shapes (weights random: nothing is downloaded).
-LLAMA_3_2_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-    "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
-
-
-# -- synthetic weights ---------------------------------------------------------------------------
-def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device: torch.device,
-                            seed: int = 0, std: float = 0.02) -> Path:
-    """An HF-format safetensors checkpoint (config.json + model.safetensors) of random weights."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    hd = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
-
-    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h),
-               "model.norm.weight": torch.ones(h, dtype=dtype)}
-    if not config.get("tie_word_embeddings", False):
-        tensors["lm_head.weight"] = rnd(config["vocab_size"], h)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
-                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
-                    p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
-                    p + "mlp.down_proj.weight": rnd(h, inter)}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
-
-
-def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[str], seed: int,
-                         device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                         std: float = 0.02) -> Path:
-    """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) with
-    random, non-zero A and B, named as PEFT saves a Llama-family model's LoRA."""
-    from safetensors.torch import save_file
-
-    from adapter_store.samples import adapter_config
-    from lora_common.validation import MODULE_PARENT
-
-    folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shapes = model_cfg.module_shapes()
-    tensors = {}
-    for layer in range(model_cfg.num_layers):
-        for module in targets:
-            fan_in, fan_out = shapes[module]
-            base = f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
-            for kind, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
-                t = torch.randn(*shape, generator=gen, device=device) * std
-                tensors[f"{base}.lora_{kind}.weight"] = t.to(dtype).cpu()
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = adapter_config(rank, list(targets), base_model="serving-bench-random")
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return folder
-
-
-# -- workload --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Spec:
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    arrival: float      # seconds after the start (Poisson mode; 0 in closed loop)
-    pick: float         # uniform [0, 1): the adapter draw under Zipf popularity
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
-
-
-def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
-               poisson_rate: float | None, seed: int) -> list[Spec]:
-    rng = random.Random(seed)
-    low = min(1000, vocab // 2)  # clear of the special tokens at the start of the vocabulary
-    specs, t = [], 0.0
-    for i in range(n):
-        if poisson_rate:
-            t += rng.expovariate(poisson_rate)
-        length = rng.randint(*prompt_len)
-        specs.append(Spec(i, [rng.randrange(low, vocab) for _ in range(length)],
-                          rng.randint(*output_len), t if poisson_rate else 0.0, rng.random()))
-    return specs
-
-
-def zipf_index(u: float, n: int, alpha: float) -> int:
-    """Inverse CDF of P(k) ~ 1/(k+1)^alpha over k < n."""
-    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
-    target, acc = u * sum(weights), 0.0
-    for k, w in enumerate(weights):
-        acc += w
-        if target < acc:
-            return k
-    return n - 1
 
 
 @dataclass
@@ -190,29 +72,6 @@ class Row:
         return self.pool[spec.index % len(self.pool)]
 
 
-# -- measurement -------------------------------------------------------------------------------------
-@dataclass
-class ReqRecord:
-    submit: float = 0.0
-    first: float | None = None
-    last: float | None = None
-    done: float | None = None
-    tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
-class DecodeStep:
-    seconds: float
-    batch: int
-    adapters: frozenset[str]
-    kv_tokens: int
-    forward: float = float("nan")   # the model's forward alone (graph replay or eager), device time
-    host: float = float("nan")      # the part of `seconds` not spent waiting for sampled tokens
-    marks: list = field(default_factory=list)   # its CUDA event pairs (CPU: seconds) until read
-    boundary: bool = False          # the call it is charged to also launched a prefill/mixed step
-
-
 @dataclass
 class RowResult:
     key: str
@@ -222,15 +81,6 @@ class RowResult:
     graph_steps: int | None = None
     compiles: list[str] = field(default_factory=list)  # JIT compiles during the timed run
     error: str | None = None
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class Bytes:
@@ -259,14 +109,10 @@ def adapter_nbytes(model_cfg, rank: int, targets: Sequence[str], itemsize: int) 
     return model_cfg.num_layers * sum(rank * sum(shapes[m]) for m in targets) * itemsize
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # -- the engine ---------------------------------------------------------------------------------------
 def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool):
     from inference_node.engine.engine import Engine, EngineConfig
+    from inference_node.lora_step.plan import LoraStepPlan
 
     kw = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
               max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
@@ -278,7 +124,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["max_graph_batch"] = args.concurrency
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
-    engine = Engine(model, EngineConfig(**kw), lora=lora)
+    plan = LoraStepPlan(lora.buffers, model.tuning) if lora is not None else None
+    engine = Engine(model, EngineConfig(**kw), lora=lora, lora_plan=plan)
     if args.warmup == "engine":
         # The node's start-up warm-up (what Engine.start runs before serving), instead of
         # running each row's workload untimed: the timed runs' compile counts then say
@@ -300,225 +147,6 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
             log.exception("decode graph capture failed: decode runs eagerly")
             engine.decode_graphs = None
     return engine
-
-
-class Driver:
-    """Runs one row's requests through an engine from this thread and records everything."""
-
-    def __init__(self, engine, device: torch.device, concurrency: int, poisson: bool,
-                 stall_seconds: float = 300.0, trace: Path | None = None,
-                 trace_steps: tuple[int, int] = (100, 110)) -> None:
-        self.engine = engine
-        self.device = device
-        self.concurrency = concurrency
-        self.poisson = poisson
-        self.stall_seconds = stall_seconds
-        self.trace, self.trace_steps = trace, trace_steps
-
-    def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
-            max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
-        from inference_node.engine.request import Request, SamplingParams
-        from inference_node.engine.token_feedback import SampledTokens
-
-        engine = self.engine
-        records = [ReqRecord() for _ in specs]
-        steps: list[DecodeStep] = []
-        order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
-        state = {"next": 0, "inflight": 0, "finished": 0}
-        t0 = time.perf_counter()
-
-        def submit(i: int, at: float) -> None:
-            spec = specs[i]
-            records[i].submit = at
-            n = max_tokens(spec) if max_tokens else spec.max_tokens
-            engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=True),
-                                  emit=lambda ev, i=i: on_event(i, ev), adapter=adapter_of(spec),
-                                  request_id=f"bench-{i}"))
-            state["inflight"] += 1
-
-        def submit_next(now: float) -> None:
-            if state["next"] < len(order):
-                i = order[state["next"]]
-                state["next"] += 1
-                submit(i, now)
-
-        def on_event(i: int, ev) -> None:
-            now = time.perf_counter()
-            rec = records[i]
-            if ev.token_ids:
-                if rec.first is None:
-                    rec.first = now
-                rec.last = now
-                rec.tokens += len(ev.token_ids)
-            if ev.finish_reason is not None:
-                rec.done = now
-                if ev.error is not None or ev.finish_reason == "error":
-                    rec.error = f"{ev.finish_reason}: {ev.error}"
-                state["inflight"] -= 1
-                state["finished"] += 1
-                if not self.poisson:
-                    submit_next(now)
-
-        pending_step: dict = {}
-        original = engine.scheduler.schedule
-
-        def schedule():
-            chunks = original()
-            if chunks:
-                pending_step["launched"] = True
-            if chunks and all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks):
-                pending_step["decode"] = (
-                    len(chunks), frozenset(c.request.adapter for c in chunks if c.request.adapter),
-                    sum(c.request.num_computed + 1 for c in chunks))
-            return chunks
-
-        # The forward's own time: CUDA events around the outermost call of the model's forward
-        # or of the decode graphs' replay (on CPU: wall time), so host overhead shows apart.
-        forward_marks: list = []
-        depth = [0]
-
-        def timed(fn):
-            def wrapper(*a, **kw):
-                depth[0] += 1
-                try:
-                    if depth[0] > 1:
-                        return fn(*a, **kw)
-                    if self.device.type == "cuda":
-                        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        begin.record()
-                        out = fn(*a, **kw)
-                        end.record()
-                        forward_marks.append((begin, end))
-                    else:
-                        t = time.perf_counter()
-                        out = fn(*a, **kw)
-                        forward_marks.append(time.perf_counter() - t)
-                    return out
-                finally:
-                    depth[0] -= 1
-            return wrapper
-
-        # Time blocked on the device for sampled tokens: the rest of a step is host work. When
-        # host work is shorter than the GPU's step, the GPU sets the pace.
-        waited = [0.0]
-        original_wait = SampledTokens.wait
-
-        def timed_wait(tokens):
-            t = time.perf_counter()
-            try:
-                return original_wait(tokens)
-            finally:
-                waited[0] += time.perf_counter() - t
-
-        SampledTokens.wait = timed_wait
-        hooked = [(engine.model, "forward")]
-        if getattr(engine, "decode_graphs", None) is not None:
-            hooked.append((engine.decode_graphs, "run"))
-        engine.scheduler.schedule = schedule
-        for obj, name in hooked:
-            setattr(obj, name, timed(getattr(obj, name)))
-        try:
-            if not self.poisson:
-                for _ in range(min(self.concurrency, len(specs))):
-                    submit_next(t0)
-            last_progress, seen = time.perf_counter(), 0
-            tracer = None
-            outstanding = None  # (decode info or None, forward marks) of the step not yet read
-            while state["finished"] < len(specs):
-                now = time.perf_counter()
-                if self.poisson:
-                    while state["next"] < len(order) and t0 + specs[order[state["next"]]].arrival <= now:
-                        i = order[state["next"]]
-                        state["next"] += 1
-                        submit(i, t0 + specs[i].arrival)
-                    if state["inflight"] == 0:
-                        wait = t0 + specs[order[state["next"]]].arrival - now
-                        time.sleep(max(0.0, min(wait, 0.01)))
-                        continue
-                tracer = self._trace(tracer, len(steps))
-                pending_step.clear()
-                forward_marks.clear()
-                waited[0] = 0.0
-                started = time.perf_counter()
-                engine.run_once(block=False)  # no sync here: the engine overlaps its steps
-                ended = time.perf_counter()
-                # A call launches step n+1 and then waits for step n, so in steady state it lasts
-                # as long as step n on the GPU: its time belongs to the step launched before it
-                # (a decode step right after a long prefill step is not charged for the prefill).
-                if outstanding is not None and outstanding[0] is not None:
-                    (batch, adapters, kv), marks = outstanding
-                    boundary = bool(pending_step.get("launched")) and pending_step.get("decode") is None
-                    steps.append(DecodeStep(ended - started, batch, adapters, kv,
-                                            host=ended - started - waited[0], marks=marks,
-                                            boundary=boundary))
-                if pending_step.get("launched"):
-                    outstanding = (pending_step.get("decode"), list(forward_marks))
-                elif outstanding is not None:
-                    outstanding = None  # this call only read it
-                progress = state["finished"] + sum(r.tokens for r in records)
-                if progress != seen:
-                    seen, last_progress = progress, ended
-                elif ended - last_progress > self.stall_seconds:
-                    raise RuntimeError(f"no progress for {self.stall_seconds:.0f}s "
-                                       f"({state['finished']}/{len(specs)} finished)")
-        finally:
-            SampledTokens.wait = original_wait
-            del engine.scheduler.schedule  # back to the class's methods
-            for obj, name in hooked:
-                delattr(obj, name)
-        sync(self.device)
-        for step in steps:  # CUDA events are read once the device is done with all of them
-            step.forward = sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) * 1e-3
-                               for m in step.marks) if step.marks else float("nan")
-            step.marks = []
-        engine.check_consistency()
-        errors = [r.error for r in records if r.error]
-        if errors:
-            raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
-        return records, steps
-
-
-    def _trace(self, tracer, decode_steps: int):
-        """--trace: a torch.profiler trace (host and device) of decode steps [first, last)."""
-        first, last = self.trace_steps
-        if self.trace is None or decode_steps < first:
-            return tracer
-        if tracer is None and decode_steps == first:
-            tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                            + ([torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
-            tracer.__enter__()
-        elif tracer is not None and decode_steps >= last:
-            sync(self.device)
-            tracer.__exit__(None, None, None)
-            self.trace.parent.mkdir(parents=True, exist_ok=True)
-            tracer.export_chrome_trace(str(self.trace))
-            self.trace = None
-            return None
-        return tracer
-
-
-def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) -> None:
-    """Loads and pins every adapter into a GPU slot (this thread drives the engine loop)."""
-    pending, failed = set(names), []
-
-    def done_for(name: str):
-        def done(entry, error) -> None:
-            pending.discard(name)
-            if error is not None or entry is None or not entry.resident:
-                failed.append(f"{name}: {error or 'not resident'}")
-        return done
-
-    for name in names:
-        manager.load(name, "", True, done_for(name))
-    deadline = time.monotonic() + timeout
-    while pending:
-        engine.run_once(block=False)
-        time.sleep(0.002)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"adapters still loading after {timeout:.0f}s: {sorted(pending)[:5]}")
-    if failed:
-        raise RuntimeError(f"adapters failed to load: {failed[:3]}")
-    sync(engine.model.device)
 
 
 def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.device) -> RowResult:
@@ -831,6 +459,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="write a torch.profiler trace of decode steps 100-109 per row to DIR/ROW.json")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
+                   help="a launch choice other than the node's default (kernels/tuning.py; the "
+                        "form of `inference-node serve --NAME`), repeatable")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     return args
@@ -870,6 +501,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.adapters.sources import LocalDirSource
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
+    from kernels.tuning import tuning_from_text
 
     cuda = device.type == "cuda"
     COMPILES.install()
@@ -922,7 +554,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     log.info("checkpoint and %d adapters ready in %.1fs", len(dirs), time.perf_counter() - started)
 
     bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, load_format=load_format)
+    tuning = tuning_from_text(dict(item.split("=", 1) for item in args.tune))
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=tuning,
+                            load_format=load_format)
     itemsize = dtype.itemsize
     abytes = {n: adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) for n in r16}
     abytes |= {n: adapter_nbytes(cfg, 8, QV, itemsize) for n in qv}

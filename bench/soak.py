@@ -2,10 +2,10 @@
 `inference-node serve` process (CPU), some cancelled mid-stream and some invalid, printing
 requests completed, errors by status, p50/p99 latency and the node's memory at start and end.
 
-    .venv/bin/python bench/soak.py --requests 3000 --adapters 24 --concurrency 16
+    .venv/bin/python -m bench.soak --requests 3000 --adapters 24 --concurrency 16
 
-Uses a small random Llama checkpoint and random PEFT adapters made on the spot (needs the
-test extra: transformers, peft), so it runs in minutes on a laptop.
+Uses a small random Llama checkpoint (with the embedded SmolLM2's tokenizer) and random
+PEFT-format adapters made on the spot, so it runs in minutes on a laptop.
 """
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from harness import make_peft_adapter, make_tiny_llama  # noqa: E402
-from inference_node.model.embedded import default_checkpoint  # noqa: E402
-from lora_client.node_client import NodeClient  # noqa: E402
-from lora_client.processes import Child, console_script, free_port, wait_healthy  # noqa: E402
+from bench.common import TINY_LLAMA, copy_tokenizer, write_random_adapter, write_random_checkpoint
+from inference_node.model.config import ModelConfig
+from inference_node.model.embedded import default_checkpoint
+from lora_client.node_client import NodeClient
+from lora_client.processes import Child, console_script, free_port, wait_healthy
 
 
 def rss_mb(pid: int) -> float:
@@ -39,14 +38,18 @@ def rss_mb(pid: int) -> float:
 
 
 def make_models(root: Path, adapters: int) -> tuple[Path, list[str]]:
-    base = make_tiny_llama(root / "base", default_checkpoint())
+    cpu = torch.device("cpu")
+    base = write_random_checkpoint(root / "base", TINY_LLAMA, torch.float32, cpu, std=0.3)
+    copy_tokenizer(default_checkpoint(), base)
+    cfg = ModelConfig.from_checkpoint(base)
     names = []
     for i in range(adapters):
         name = f"soak-{i:03d}"
         rank = (2, 4, 8, 16)[i % 4]
         targets = [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"],
                    ["gate_proj", "up_proj", "down_proj"]][i % 3]
-        make_peft_adapter(base, root / "adapters" / name, rank, 2.0 * rank, targets, seed=i, scale=2.0)
+        write_random_adapter(root / "adapters" / name, cfg, rank, targets, seed=i, device=cpu,
+                             dtype=torch.float32, std=0.1)
         names.append(name)
     return base, names
 

@@ -20,8 +20,8 @@ process (so store and node do not share a GIL) and measures, in the same run:
 each a few times, printing the median (and best) throughput in MB/s (10^6 bytes/s) and the
 CPU each process spent per run (this process plays the node; "S3" is SeaweedFS).
 
-    python bench/store_fetch_bench.py                # 100 MB, 3 runs each
-    python bench/store_fetch_bench.py --mb 20 --runs 2
+    python -m bench.store_fetch_bench                # 100 MB, 3 runs each
+    python -m bench.store_fetch_bench --mb 20 --runs 2
 """
 from __future__ import annotations
 
@@ -39,23 +39,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpc
+import torch
+from safetensors import safe_open
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-from adapter_store.client import AdapterStoreClient  # noqa: E402
-from adapter_store.push import push_adapter  # noqa: E402
-from adapter_store.records import file_offsets  # noqa: E402
-from adapter_store.s3 import S3Store  # noqa: E402
-from adapter_store.samples import sized_adapter  # noqa: E402
-from adapter_store.seaweedfs import SeaweedFS  # noqa: E402
-from inference_node.adapters.disk_tier import DiskTier  # noqa: E402
-from inference_node.adapters.slots import SlotBuffers  # noqa: E402
-from inference_node.adapters.sources import host_buffer  # noqa: E402
-from inference_node.adapters.store_source import StoreSource  # noqa: E402
-from inference_node.model.config import ModelConfig  # noqa: E402
+from adapter_store.client import AdapterStoreClient
+from adapter_store.push import push_adapter
+from adapter_store.records import file_offsets
+from adapter_store.s3 import S3Store
+from adapter_store.samples import sized_adapter
+from adapter_store.seaweedfs import SeaweedFS
+from inference_node.adapters.disk_tier import DiskTier
+from inference_node.adapters.slots import SlotBuffers
+from inference_node.adapters.sources import host_buffer
+from inference_node.adapters.store_source import StoreSource
+from inference_node.model.config import ModelConfig
 
 BUCKET = "bench-adapters"
 NAME = "bench-100mb"
@@ -112,7 +110,8 @@ _RAW_SERVERS: list = []
 class StoreProcess:
     def __init__(self, server: SeaweedFS, cache_dir: Path, shard_kb: int) -> None:
         env = {**os.environ, **server.env()}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", "--endpoint", server.endpoint_url,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.store_fetch_bench", "--child",
+                                      "--endpoint", server.endpoint_url,
                                       "--cache-dir", str(cache_dir), "--shard-kb", str(shard_kb)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         reply = self._reply()

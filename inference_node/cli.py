@@ -1,9 +1,12 @@
 """`inference-node serve`: the node's command line (every flag also an environment variable)."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import sys
 
+from kernels.tuning import DEFAULT_TUNING, Tuning, choice_help, format_choice, parse_choice
 from lora_common.envargs import EnvArgumentParser
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
@@ -119,7 +122,31 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--debug-checks", action="store_true",
                        help="check the engine's invariants after every step (slow)")
     serve.add_argument("--log-level", default="INFO")
+    add_tuning_flags(serve)
     return root
+
+
+def add_tuning_flags(serve: EnvArgumentParser) -> None:
+    """One flag per launch choice of the decode step (kernels/tuning.py: Tuning), named after
+    it (--gemm-prefetch-k for gemm_prefetch_k), its default the measured best."""
+    for f in dataclasses.fields(Tuning):
+        def parse(text: str, name: str = f.name):
+            try:
+                return parse_choice(name, text)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+
+        serve.add_argument("--" + f.name.replace("_", "-"), dest="tune_" + f.name,
+                           type=parse, metavar=f.name.upper(),
+                           default=format_choice(f.name, getattr(DEFAULT_TUNING, f.name)),
+                           help="tuning: " + choice_help(f.name))
+
+
+def tuning_from_args(args: argparse.Namespace) -> Tuning:
+    try:
+        return Tuning(**{f.name: getattr(args, "tune_" + f.name) for f in dataclasses.fields(Tuning)})
+    except ValueError as exc:
+        raise SystemExit(f"inference-node serve: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
         store_token=args.store_token, cpu_threads=args.cpu_threads, adapter_fetch_timeout_s=args.adapter_fetch_timeout,
         max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)), max_weight_abs=args.max_weight_abs,
+        tuning=tuning_from_args(args),
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.tuning import Tuning
 from lora_common.tls import ClientTLS, ServerTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
@@ -21,6 +22,7 @@ from .engine.engine import Engine, EngineConfig
 from .engine.kv_budget import kv_blocks_for_memory
 from .engine.kv_cache import KVCache
 from .limits import RequestLimits
+from .lora_step.plan import LoraStepPlan
 from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
 from .model.llama import LlamaModel
@@ -71,6 +73,7 @@ class NodeSettings:
     max_adapter_bytes: int = 1 << 30   # adapters fetched from the store or read from --adapter-dir
     cpu_threads: int = 0               # torch threads of a CPU engine; 0: the cores less one for the front end
     max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS  # larger LoRA weights are refused (0: no bound)
+    tuning: Tuning = field(default_factory=Tuning)  # the decode step's launch choices (kernels/tuning.py)
 
 
 @dataclass
@@ -135,7 +138,8 @@ def build_node(settings: NodeSettings) -> Node:
     validate_checkpoint_dir(checkpoint, settings.load_format)
     started = time.monotonic()
     model_len = settings.max_model_len
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, load_format=settings.load_format)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=settings.tuning,
+                            load_format=settings.load_format)
     model_len = min(model_len, model.config.max_position_embeddings)
     codec = TextCodec(checkpoint)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
@@ -148,7 +152,8 @@ def build_node(settings: NodeSettings) -> Node:
     else:
         blocks = kv_blocks_for_memory(model, settings.gpu_memory_utilization, settings.block_size,
                                       settings.max_num_batched_tokens, max_num_seqs)
-    engine = Engine(model, lora=adapters, config=EngineConfig(
+    lora_plan = LoraStepPlan(adapters.buffers, settings.tuning) if adapters is not None else None
+    engine = Engine(model, lora=adapters, lora_plan=lora_plan, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, prefix_caching=settings.prefix_caching,

@@ -30,7 +30,6 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from ..engine.request import Request
-from ..engine.scheduler import ScheduledChunk
 from .errors import AdapterError, AdapterNotFound, AdapterNumericalFault, NoSlotAvailable
 from .slots import SlotBuffers
 from .weights import AdapterWeights
@@ -452,41 +451,6 @@ class AdapterManager:
         if entry in self.retired:
             self.retired.remove(entry)
 
-    def graph_appliers(self, max_tokens: int, overlap: bool = True):
-        """Applier factory for decode graphs (metadata in static buffers, up to `max_tokens`
-        rows): LoRA beside the base matmuls (overlap.py), or after them (overlap=False). The
-        overlap's kernels are built for decode GEMM batches (kernels.decode_gemm_triton
-        MAX_ROWS); graphs of more rows, whose base matmuls are cuBLAS's, add LoRA after them."""
-        from .applier import StepLoraApplier
-
-        if not overlap:
-            return lambda meta, groups=None: StepLoraApplier(self.buffers, meta, groups)
-        return GraphAppliers(self.buffers, max_tokens).applier
-
-    def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
-        """The fused projection groups the adapters in these slots target."""
-        return self.buffers.groups_of(slots)
-
-    @property
-    def module_ranks(self):
-        """Host mirror of every slot's rank per LoRA module ([slot, module], numpy)."""
-        return self.buffers.module_ranks
-
-    def applier(self, chunks: list[ScheduledChunk]):
-        """This step's LoRA applier (None when no scheduled token uses an adapter)."""
-        if all(c.request.lora_slot < 0 for c in chunks):
-            return None
-        from .applier import build_applier  # the kernels are only needed once adapters run
-        return build_applier(self.buffers, chunks)
-
-    def warmup_applier(self, token_slots: list[int]):
-        """An eager applier over the given slots for every fused group, whatever the slots
-        hold (empty slots have rank 0): it launches each kernel an eager step can (warmup.py)."""
-        from kernels.lora_meta import LoraBatchMeta
-
-        from .applier import StepLoraApplier
-        return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
-
     # -- numerical health ------------------------------------------------------------------------------
     def numerical_fault(self, request: Request) -> AdapterNumericalFault:
         """A request of this adapter got logits that are not finite: its version is marked
@@ -536,23 +500,3 @@ class AdapterManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class GraphAppliers:
-    """Decode graphs' appliers: beside the base matmuls up to the decode GEMM's rows, after
-    them beyond."""
-
-    def __init__(self, buffers: SlotBuffers, max_tokens: int) -> None:
-        from kernels.decode_gemm_triton import MAX_ROWS
-
-        from .overlap import LoraOverlap
-
-        self.buffers = buffers
-        self.max_rows = MAX_ROWS
-        self.beside = LoraOverlap(buffers, min(max_tokens, MAX_ROWS))
-
-    def applier(self, meta, groups: frozenset[str] | None = None):
-        if meta.num_active_tokens <= self.max_rows:
-            return self.beside.applier(meta, groups)
-        from .applier import StepLoraApplier
-        return StepLoraApplier(self.buffers, meta, groups)

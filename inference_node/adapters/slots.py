@@ -21,7 +21,7 @@ from .weights import AdapterWeights
 class GroupBuffers:
     """A fused group's slots. Each slot's slices lie side by side (`a_all`, `b_all`), as the
     fused projection's weights do, so a kernel that folds LoRA into the projection's matmul
-    (kernels/decode_gemm_lora_triton.py) reads a slot's A as one [slices x R, in] matrix
+    (kernels/gemm/fold_triton_kernel.py) reads a slot's A as one [slices x R, in] matrix
     and the B rows of any output column at that column's index; `a` and `b` are per-slice
     views of the same memory."""
 
@@ -66,7 +66,7 @@ class SlotBuffers:
         # all leave a group alone launches nothing for it (groups_of).
         self.slot_groups: list[frozenset[str]] = [frozenset()] * max_loras
         # Host mirror of the ranks, [slot, module in LORA_MODULES order]: decode graphs copy a
-        # step's rows of it into their segment table (kernels.lora_meta).
+        # step's rows of it into their segment table (kernels/lora/meta.py).
         self.module_ranks = np.zeros((max_loras, len(LORA_MODULES)), dtype=np.int32)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 

@@ -110,7 +110,7 @@ class EngineCore:
                 self.node.catalog.stop()
             if self.node.adapters is not None:
                 self.node.adapters.shutdown()
-            self._receiver.join(2.0)
+            self._receiver.join(10.0)
             for sock in [*self.outputs.values(), *self.refusals.values()]:
                 sock.close(linger=1000)  # the last batch (cut answers) still goes out
             self.inbox.close()
@@ -169,7 +169,13 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while not self._stopping.is_set():
-            if not poller.poll(500):
+            try:
+                ready = poller.poll(500)
+            except zmq.ZMQError:  # the socket closed under a stopping core
+                if self._stopping.is_set():
+                    return
+                raise
+            if not ready:
                 if self.watch_parent and not parent_alive():
                     log.error("the node's launcher is gone: stopping the engine core")
                     os._exit(1)

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
 
-from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
@@ -43,6 +42,18 @@ log = logging.getLogger(__name__)
 ApplierFactory = Callable[[LoraBatchMeta, frozenset[str]], LoraApplier]
 GroupsOf = Callable[[list[int]], frozenset[str]]
 
+
+@dataclass(frozen=True)
+class GraphLora:
+    """What the decode graphs need of the LoRA step plan (inference_node/lora_step)."""
+
+    applier: ApplierFactory   # (metadata in static buffers, groups) -> the step's applier
+    max_loras: int            # adapter slots: a step's most distinct adapters
+    groups_of: GroupsOf       # the fused groups the adapters in these slots target
+    # Host mirror of each slot's rank per module ([slot, LORA_MODULES], kept current by the
+    # adapter manager): the LoRA kernels read a step's segments from a table built from it.
+    module_ranks: np.ndarray
+
 # Which fused groups a LoRA graph applies, smallest first; a step replays the first variant
 # that covers every group its adapters target. The last one is all of them.
 ALL_GROUPS = frozenset(FUSED_MODULES)
@@ -51,10 +62,8 @@ LORA_GROUP_VARIANTS: tuple[frozenset[str], ...] = (
 
 # The graphs' main branch (base matmuls, attention, norms) is captured on a high-priority
 # stream, so when LoRA runs beside it on a side stream (adapters/overlap.py) the GPU serves
-# the critical path first and LoRA fills in. H100, batch 64, GPU time of the step's extra
-# over the base model: 32 adapters 0.99 -> 0.81 ms, 32 q/v adapters 0.26 -> 0.18 ms against
-# equal priorities (bench/decode_profile.py, docs/PERFORMANCE.md; the graphs keep
-# capture-time priorities).
+# the critical path first and LoRA fills in (equal priorities measured slower:
+# docs/PERFORMANCE.md). The graphs keep capture-time priorities.
 MAIN_STREAM_PRIORITY = -1
 
 # The LoRA segment table's width (slot, first row, length, a rank per module), and the int32
@@ -86,24 +95,6 @@ class HostInputs:
                    torch.cuda.Event() if pinned else None)
 
 
-@contextmanager
-def sm_carveout(sms: int) -> Iterator[None]:
-    """cuBLAS matmuls issued inside leave `sms` SMs free (0: no change). The matmuls of a
-    graph captured inside keep it: cuBLASLt picks a kernel and grid for the SM count target."""
-    if sms <= 0:
-        yield
-        return
-    previous_backend = torch.backends.cuda.preferred_blas_library()
-    previous = torch._C._get_sm_carveout_experimental()
-    torch.backends.cuda.preferred_blas_library("cublaslt")  # the backend that honours it
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous)
-        torch.backends.cuda.preferred_blas_library(previous_backend)
-
-
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, every 16 up to 128, every 32 beyond: a decode step
     pads to the next size up (a padded row costs compute, not another read of the weights)."""
@@ -124,18 +115,11 @@ def ordered(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int, max_loras: int = 0, lora_applier: ApplierFactory | None = None,
-                 capture_priority: int = MAIN_STREAM_PRIORITY,
-                 feedback: torch.Tensor | None = None, groups_of: GroupsOf | None = None,
-                 group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS,
-                 module_ranks: np.ndarray | None = None, lora_sm_carveout: int = 0) -> None:
-        """groups_of(slots): the fused groups those adapter slots target; None: every LoRA
-        step replays the all-groups variant. module_ranks: the host mirror of each slot's rank
-        per module ([slot, LORA_MODULES], kept current by its owner); with it the LoRA
-        kernels read the step's segment table, without it they gather through sorted ids.
-        lora_sm_carveout: SMs the base matmuls of LoRA graphs leave free (cuBLASLt's SM count
-        target, set while those graphs are captured), for the LoRA kernels on the side stream
-        to run beside them rather than after them; 0: none."""
+                 max_batch: int, lora: GraphLora | None = None,
+                 feedback: torch.Tensor | None = None,
+                 group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS) -> None:
+        """lora: None for a node without LoRA (base graphs only). group_variants: the LoRA
+        graphs' group variants, the last one all groups."""
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -143,16 +127,12 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * self.block_size
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
-        self.max_loras = max_loras
-        self.lora_applier = lora_applier
-        self.groups_of = groups_of
-        self.module_ranks = module_ranks
-        self.group_variants = group_variants if groups_of is not None else (ALL_GROUPS,)
+        self.lora = lora
+        self.max_loras = lora.max_loras if lora is not None else 0
+        self.group_variants = group_variants if lora is not None else (ALL_GROUPS,)
         assert self.group_variants[-1] == ALL_GROUPS, "the last variant must apply every group"
         self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
         self.capture = model.device.type == "cuda"
-        self.capture_priority = capture_priority  # the graphs' main branch's CUDA stream priority
-        self.lora_sm_carveout = lora_sm_carveout
         device, B = model.device, self.max_batch
         # The tokens the previous step sampled (engine.token_feedback); a row whose token is
         # still on the device reads it from there inside the graph.
@@ -186,7 +166,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         slots = {c.request.lora_slot for c in chunks if c.request.lora_slot >= 0}
         segments = variant = 0
-        if slots and self.lora_applier is not None:
+        if slots and self.lora is not None:
             segments = next(b for b in self.segment_buckets(size) if b >= len(slots))
             variant = self.variant_for(slots)
         self._fill(chunks, size, segments)
@@ -201,9 +181,7 @@ class DecodeGraphs:
 
     def variant_for(self, slots: set[int]) -> int:
         """Index of the smallest group variant that covers what these adapter slots target."""
-        if self.groups_of is None:
-            return len(self.group_variants) - 1
-        groups = self.groups_of(list(slots))
+        groups = self.lora.groups_of(list(slots))
         return next(i for i, v in enumerate(self.group_variants) if groups <= v)
 
     def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
@@ -277,17 +255,16 @@ class DecodeGraphs:
         h32[3 * B + real:3 * B + segments] = len(sorted_ids)
         h32[4 * B:4 * B + real] = [len(groups[s]) for s in order]
         h32[4 * B + real:4 * B + segments] = 0
-        if self.module_ranks is not None:
-            # The segment table: each slot's rows must be one run (ordered() sorts them).
-            width = SEGMENT_TABLE_WIDTH
-            table = h32[5 * B:5 * B + segments * width].reshape(segments, width)
-            for i, (slot, first) in enumerate(zip(order, firsts)):
-                if first < 0:
-                    raise ValueError("a LoRA decode step's rows must be grouped by adapter slot "
-                                     "(DecodeGraphs.ordered)")
-                table[i, :SEGMENT_TABLE_RANKS] = (slot, first, len(groups[slot]))
-                table[i, SEGMENT_TABLE_RANKS:] = self.module_ranks[slot]
-            table[real:] = 0
+        # The segment table: each slot's rows must be one run (ordered() sorts them).
+        table = h32[5 * B:5 * B + segments * SEGMENT_TABLE_WIDTH].reshape(segments,
+                                                                          SEGMENT_TABLE_WIDTH)
+        for i, (slot, first) in enumerate(zip(order, firsts)):
+            if first < 0:
+                raise ValueError("a LoRA decode step's rows must be grouped by adapter slot "
+                                 "(DecodeGraphs.ordered)")
+            table[i, :SEGMENT_TABLE_RANKS] = (slot, first, len(groups[slot]))
+            table[i, SEGMENT_TABLE_RANKS:] = self.lora.module_ranks[slot]
+        table[real:] = 0
 
     def segment_buckets(self, size: int) -> list[int]:
         """LoRA graphs per batch size, by distinct adapters in the step (1, 2, 4, ... up to
@@ -313,8 +290,8 @@ class DecodeGraphs:
                 segment_slots=self.seg_slots[:segments], segment_starts=self.seg_starts[:segments],
                 segment_lens=self.seg_lens[:segments], num_segments=segments, max_segment_len=size,
                 num_active_tokens=size, segments=() if self.capture else self._host_segments,
-                segment_table=self.seg_table[:segments] if self.module_ranks is not None else None)
-            applier = self.lora_applier(meta, self.group_variants[variant])
+                segment_table=self.seg_table[:segments])
+            applier = self.lora.applier(meta, self.group_variants[variant])
         return self.model.forward(batch, self.kv.k, self.kv.v, applier)
 
     # -- capture ---------------------------------------------------------------------------------
@@ -331,25 +308,24 @@ class DecodeGraphs:
         self._dev32[:B] = 1  # every segment empty: captured LoRA launches do nothing
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.model.device, priority=self.capture_priority)
+        stream = torch.cuda.Stream(self.model.device, priority=MAIN_STREAM_PRIORITY)
         for size in reversed(self.sizes):
             keys = [(size, 0, 0)]
-            if self.lora_applier is not None:
+            if self.lora is not None:
                 keys += [(size, b, v) for b in self.segment_buckets(size) for v in range(len(self.group_variants))]
             for key in keys:
-                with sm_carveout(self.lora_sm_carveout if key[1] else 0):
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
-                        self._forward(*key)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        logits = self._forward(*key)
-                        greedy, finite = checked_greedy(logits)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up: Triton compiles outside the capture
+                    self._forward(*key)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(*key)
+                    greedy, finite = checked_greedy(logits)
                 self._graphs[key] = (graph, logits, greedy, finite)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch sizes %s%s) in %.1fs", len(self._graphs),
                  ",".join(map(str, self.sizes)),
                  ", without LoRA and by distinct adapters and targeted groups"
-                 if self.lora_applier is not None else "",
+                 if self.lora is not None else "",
                  time.monotonic() - started)

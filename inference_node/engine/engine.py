@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
 from .batch import build_forward_batch
-from .decode_graphs import DecodeGraphs, ordered
+from .decode_graphs import DecodeGraphs, GraphLora, ordered
 from .kv_cache import BlockAllocator, KVCache
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
@@ -65,20 +65,24 @@ class NonFiniteLogits(RuntimeError):
 
 
 class LoraProvider(AdapterBinder, Protocol):
-    """What the engine needs from the adapter layer (inference_node.adapters.AdapterManager)."""
+    """The adapters' lifecycles: which adapter version a request binds to and when its slot
+    is ready (inference_node.adapters.AdapterManager)."""
 
     def busy(self) -> bool: ...
     def prepare(self, waiting: Iterable[Request]) -> None: ...
     def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, Exception]]: ...
-    def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
-    def warmup_applier(self, token_slots: list[int]) -> LoraApplier: ...
     def check_consistency(self, live: Iterable[Request]) -> None: ...
     def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
-    def graph_appliers(self, max_tokens: int, overlap: bool = True) -> Callable[..., LoraApplier]: ...
-    def groups_of(self, slots: Iterable[int]) -> frozenset[str]: ...
     def numerical_fault(self, request: Request) -> Exception: ...
+
+
+class LoraPlan(Protocol):
+    """Which kernels add each step's LoRA deltas (inference_node.lora_step.LoraStepPlan)."""
+
     max_loras: int
-    module_ranks: Any  # numpy [slot, module]: the host mirror of the slots' ranks
+    def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
+    def warmup_applier(self, token_slots: list[int]) -> LoraApplier: ...
+    def graph_lora(self, max_tokens: int) -> GraphLora: ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,6 @@ class EngineConfig:
     prefix_caching: bool = True
     decode_graphs: bool = False      # decode steps through static buffers (CUDA graphs on CUDA)
     max_graph_batch: int = 64        # largest decode batch replayed from a graph
-    lora_overlap: bool = True        # graph steps run LoRA beside the base matmuls (side stream)
     prefill_delay_factor: float = 0.0  # admission waits this x the last prefill step (scheduler.py)
     warmup: str = "auto"             # compile eager steps' kernels at start (warmup.py): auto = on CUDA
     debug_checks: bool = False
@@ -126,11 +129,15 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig,
-                 lora: LoraProvider | None = None) -> None:
-        """lora=None: LoRA disabled, base model only."""
+                 lora: LoraProvider | None = None, lora_plan: LoraPlan | None = None) -> None:
+        """lora (the adapters' lifecycles) and lora_plan (the steps' LoRA kernels) go
+        together; None: LoRA disabled, base model only."""
+        if (lora is None) != (lora_plan is None):
+            raise ValueError("LoRA needs both the adapter manager and the step plan")
         self.model = model
         self.config = config
         self.lora = lora
+        self.lora_plan = lora_plan
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self.warmup_forwards = 0  # synthetic eager forwards run at start (warmup.py)
         # One block more than the allocator hands out: the scratch block of padded graph rows
@@ -144,12 +151,8 @@ class Engine:
             max_batch = min(config.max_num_seqs, config.max_graph_batch)
             self.decode_graphs = DecodeGraphs(
                 model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
-                max_batch=max_batch, max_loras=lora.max_loras if lora is not None else 0,
-                lora_applier=(lora.graph_appliers(max_batch, config.lora_overlap)
-                              if lora is not None else None),
-                feedback=self.feedback.tokens,
-                groups_of=lora.groups_of if lora is not None else None,
-                module_ranks=lora.module_ranks if lora is not None else None)
+                max_batch=max_batch, feedback=self.feedback.tokens,
+                lora=lora_plan.graph_lora(max_batch) if lora_plan is not None else None)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     prefill_delay_factor=config.prefill_delay_factor)
@@ -351,7 +354,7 @@ class Engine:
                     self.stats.eager_decode_steps += 1
                 batch = build_forward_batch(chunks, self.config.block_size, self.model.device,
                                             self.feedback.tokens)
-                applier = self.lora.applier(chunks) if self.lora is not None else None
+                applier = self.lora_plan.applier(chunks) if self.lora_plan is not None else None
                 logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
                 finite = row_finite(logits)
             tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy, finite), finite)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.argmax import first_argmax
+from kernels.sampling import first_argmax
 
 from .request import Request, SamplingParams
 

@@ -3,8 +3,8 @@
 Decode steps replay CUDA graphs captured at start; every other step (prompts, mixed batches,
 decode batches past the graph size) runs eagerly, and each Triton kernel there compiles a
 variant on the first launch of each constexpr tiling: 0.3-2 s each, while every request in
-flight waits. The tilings follow from a step's shape, not its data (kernels/lora_triton.py
-choose_tiling, kernels/paged_attention_triton.py), so a handful of synthetic forwards reach
+flight waits. The tilings follow from a step's shape, not its data (kernels/lora/triton_kernel.py
+choose_tiling, kernels/attention/triton_kernel.py), so a handful of synthetic forwards reach
 them all: decode-shaped and prefill-shaped LoRA tilings (16-, 32- and 64-row tiles where the
 adapter slots allow them), one- and many-token attention tiles, with and without LoRA, and
 attention's split-key variants for contexts long enough to split.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.argmax import first_argmax
+from kernels.sampling import first_argmax
 
 from ..model.llama import ForwardBatch
 
@@ -49,8 +49,8 @@ def plan(max_num_seqs: int, max_tokens: int, max_model_len: int, max_loras: int)
     max_loras > 0, and once without)."""
     # The shape thresholds of the kernels' tiling choices (imported here: the kernels load
     # Triton, which only a warm-up, not the engine's import, needs).
-    from kernels.lora_triton import DECODE_SHAPED_TOKENS
-    from kernels.paged_attention_triton import SPLIT_KEYS_PAST
+    from kernels.lora.triton_kernel import DECODE_SHAPED_TOKENS
+    from kernels.attention.triton_kernel import SPLIT_KEYS_PAST
 
     prefill_lora_tokens = DECODE_SHAPED_TOKENS + 16  # past it: prefill-shaped LoRA tilings
     shapes: list[tuple[list[int], list[int], list[int]]] = []  # q_lens, seq_lens, slot per sequence
@@ -112,13 +112,14 @@ def scratch_batch(step: WarmupStep, block_size: int, scratch_block: int,
 def warm_up(engine: "Engine") -> int:
     """Runs the plan's forwards on the engine's model and KV scratch block; returns how many."""
     config, model = engine.config, engine.model
-    max_loras = engine.lora.max_loras if engine.lora is not None else 0
+    lora = engine.lora_plan
+    max_loras = lora.max_loras if lora is not None else 0
     steps = plan(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, max_loras)
     started = time.monotonic()
     for step in steps:  # model.forward runs in inference mode, as in serving
         batch = scratch_batch(step, config.block_size, engine.scratch_block, model.device)
-        applier = (engine.lora.warmup_applier(list(step.token_slots))
-                   if step.token_slots is not None and engine.lora is not None else None)
+        applier = (lora.warmup_applier(list(step.token_slots))
+                   if step.token_slots is not None and lora is not None else None)
         logits = model.forward(batch, engine.kv.k, engine.kv.v, applier)
         first_argmax(logits)  # the sampler's greedy pick: its kernels compile here too
     if model.device.type == "cuda":

@@ -6,29 +6,27 @@ per step; when no scheduled token uses an adapter the applier is None and the ba
 runs unchanged. An applier either adds its deltas into the projections' outputs, or runs
 the LoRA shrink beside the base matmul (a side stream) and leaves the expand to the fused op
 that follows (RoPE with the KV-cache write, residual add and norm, SiLU), which reads the
-projection's output row by row anyway (kernels/lora_delta.py).
+projection's output row by row anyway (kernels/lora/delta.py). Every launch choice comes from
+the Tuning the model is built with (kernels/tuning.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+import copy
 from typing import Protocol
-
-import os
 
 import torch
 
+from kernels.activation import silu_mul, silu_mul_lora
 from kernels.attention import paged_attention
-from kernels.decode_gemm import DecodeGemm
 from kernels.embedding import embed_tokens
-from kernels.lora_delta import LoraDelta
-from kernels.lora_gemm import GemmLora
-from kernels.norm import add_rms_norm_lora
-from kernels.norm_shrink import NormShrink
-from kernels.norm_ref import add_rms_norm, rms_norm
-from kernels.rope_cache import rope_and_cache
-from kernels.silu_mul import silu_mul_lora
-from kernels.silu_mul_ref import silu_mul
+from kernels.gemm import DecodeGemm, GemmLora, cublas
+from kernels.lora import LoraDelta
+from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
+from kernels.rope import rope_and_cache
+from kernels.tuning import DEFAULT_TUNING, Tuning
+
 from .checkpoint import CheckpointError, DummyTensors, iter_tensors
 from .config import ModelConfig
 from .rope import RotaryEmbedding
@@ -57,13 +55,9 @@ class LoraApplier(Protocol):
         for the next fused op to expand and add."""
 
     def fold(self, layer: int, group: str) -> GemmLora | None:
-        """The group's LoRA for its matmul to add in the same launch (kernels/lora_gemm.py),
+        """The group's LoRA for its matmul to add in the same launch (kernels/gemm/fold.py),
         or only to shrink in it (GemmLora.expand False: the next op expands), or None: then
         begin and end apply it."""
-
-    def pre_shrink(self, layer: int, group: str) -> NormShrink | None:
-        """The group's shrink for the add + norm that writes its input to store
-        (kernels/norm_shrink.py; end then returns it for the next op to expand), or None."""
 
 
 @dataclass
@@ -88,10 +82,10 @@ class ForwardBatch:
 @dataclass
 class LayerWeights:
     """One decoder layer. Projection weights are kept [in, out] (transposed from the
-    checkpoint's [out, in]): at decode batch sizes cuBLAS's kernels for x @ W in that layout ran
-    up to 16% faster on an H100 (bench/decode_kernels_sweep.py, docs/PERFORMANCE.md). With
-    the Triton decode GEMM (kernels/decode_gemm.py) the projections it serves are transposed
-    views of [out, in] matrices instead: each of its programs then streams contiguous rows."""
+    checkpoint's [out, in]): at decode batch sizes cuBLAS's kernels for x @ W are faster in
+    that layout (bench/decode_kernels_sweep.py). With the Triton decode GEMM (kernels/gemm)
+    the projections it serves are transposed views of [out, in] matrices instead: each of its
+    programs then streams contiguous rows."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -105,41 +99,32 @@ class LayerWeights:
 class ElementwiseOps:
     """The small per-layer ops between the matmuls. Eager, they are a few dozen kernel
     launches per layer; on CUDA the residual add + norm and SiLU * up are the Triton kernels
-    of kernels/norm.py and kernels/silu_mul.py (which also expand a LoRA delta left for them,
-    kernels/lora_delta.py), the first norm is compiled (torch.compile, dynamic shapes); CUDA
-    graphs then replay them. LORA_COMPILE=0 keeps the compiled ones eager. (RoPE and the
-    KV-cache write are one kernel of their own: kernels/rope_cache.py.)"""
+    of kernels/norm and kernels/activation (which also expand a LoRA delta left for them,
+    kernels/lora/delta.py) on the base path too, where they beat torch.compile's fusions,
+    and the first norm is compiled (torch.compile, dynamic shapes); CUDA graphs then replay
+    them. On a CPU the base path runs the PyTorch references. (RoPE and the KV-cache write
+    are one kernel of their own: kernels/rope.)"""
 
-    def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        # The Triton kernels that also expand LoRA deltas serve the base path too: H100,
-        # batch 64, Llama-3.2-1B shapes, base decode graph 1.580 -> 1.526 ms against the
-        # compiled ones (bench/decode_profile.py, two alternations each;
-        # LORA_ELEMENTWISE=compiled keeps torch.compile's).
-        self.triton = cuda and os.environ.get("LORA_ELEMENTWISE", "triton") == "triton"
-        self._rms_norm, self._add_rms_norm, self._silu_mul = rms_norm, add_rms_norm, silu_mul
-        if cuda and os.environ.get("LORA_COMPILE", "1") != "0":
-            def compiled(fn):
-                return torch.compile(fn, dynamic=True, fullgraph=True)
-            self._rms_norm = compiled(rms_norm)
-            self._add_rms_norm, self._silu_mul = compiled(add_rms_norm), compiled(silu_mul)
+    def __init__(self, device: torch.device, tuning: Tuning = DEFAULT_TUNING) -> None:
+        self.tuning = tuning
+        self.triton = device.type == "cuda"
+        self._rms_norm = (torch.compile(rms_norm, dynamic=True, fullgraph=True) if self.triton
+                          else rms_norm)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
 
     def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
-                     eps: float, delta: LoraDelta | None, next_shrink: NormShrink | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + out (+ its LoRA delta), that normalised); next_shrink: the next group's
-        shrink of the normalised rows stored too."""
-        if delta is not None or next_shrink is not None or self.triton:
-            return add_rms_norm_lora(hidden, out, weight, eps, delta, next_shrink)
-        return self._add_rms_norm(hidden, out, weight, eps)
+                     eps: float, delta: LoraDelta | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + out (+ its LoRA delta), that normalised)."""
+        if delta is not None or self.triton:
+            return add_rms_norm_lora(hidden, out, weight, eps, delta, self.tuning)
+        return add_rms_norm(hidden, out, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None) -> torch.Tensor:
         if delta is not None or self.triton:
-            return silu_mul_lora(gate_up, delta)
-        return self._silu_mul(gate_up)
+            return silu_mul_lora(gate_up, delta, self.tuning)
+        return silu_mul(gate_up)
 
 
 class LlamaModel:
@@ -147,9 +132,10 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, layers: list[LayerWeights], embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
-                 max_positions: int, gemm: DecodeGemm | None = None) -> None:
+                 max_positions: int, tuning: Tuning = DEFAULT_TUNING) -> None:
         self.config = config
-        self.gemm = gemm or DecodeGemm(device)
+        self.tuning = tuning
+        self.gemm = DecodeGemm(device, tuning)
         self.layers = layers
         self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
         self.final_norm = final_norm
@@ -159,18 +145,29 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
         self.scale = config.head_dim ** -0.5
-        self.ops = ElementwiseOps(device)
-        if device.type == "cuda" and os.environ.get("LORA_BLAS", "cublaslt") == "cublaslt":
-            # cuBLASLt's kernels for the decode matmuls: H100, batch 64, a Llama-3.2-1B-shaped
-            # decode forward 1.610 -> 1.574 ms against cuBLAS's choice (bench/decode_profile.py,
-            # docs/PERFORMANCE.md). A process-wide setting: the node serves one model.
+        self.ops = ElementwiseOps(device, tuning)
+        if device.type == "cuda":
+            # cuBLASLt's kernels for the matmuls cuBLAS runs: faster than cuBLAS's own choice
+            # at decode batch sizes (docs/PERFORMANCE.md). A process-wide setting: the node
+            # serves one model.
             torch.backends.cuda.preferred_blas_library("cublaslt")
+
+    def with_tuning(self, tuning: Tuning) -> "LlamaModel":
+        """The same weights run with other launch choices (a benchmark's sweep). The decode
+        GEMM's groups set the weights' layout, so they stay."""
+        if tuning.gemm_groups != self.tuning.gemm_groups:
+            raise ValueError("gemm_groups sets the weights' layout: load the model again")
+        model = copy.copy(self)
+        model.tuning, model.gemm = tuning, DecodeGemm(self.device, tuning)
+        model.ops = ElementwiseOps(self.device, tuning)
+        return model
 
     @classmethod
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int | None = None, load_format: str = "safetensors") -> "LlamaModel":
+             max_positions: int | None = None, tuning: Tuning = DEFAULT_TUNING,
+             load_format: str = "safetensors") -> "LlamaModel":
         config = ModelConfig.from_checkpoint(path)
-        gemm = DecodeGemm(device)
+        gemm = DecodeGemm(device, tuning)
         if load_format == "dummy":
             tensors = DummyTensors(config, device, dtype)
         else:
@@ -188,7 +185,7 @@ class LlamaModel:
             """The named [out, in] weights side by side as one [in, sum(out)] matrix (a view
             of an [out, in] one where the decode GEMM serves it and prefers that layout)."""
             stacked = torch.cat([take(n) for n in names])
-            if decode_gemm and gemm.weights_out_in:
+            if decode_gemm:
                 return stacked.contiguous().t()
             return stacked.t().contiguous()
 
@@ -220,7 +217,7 @@ class LlamaModel:
         else:
             raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
         positions = max_positions or config.max_position_embeddings
-        return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions, gemm)
+        return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions, tuning)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
@@ -245,14 +242,12 @@ class LlamaModel:
             # The LoRA delta added, q and k rotated, k and v written to their cache slots.
             q = rope_and_cache(qkv, delta, self.rope.cos, self.rope.sin, batch.positions,
                                batch.slot_mapping, k_cache, v_cache, cfg.num_heads,
-                               cfg.num_kv_heads, cfg.head_dim)
+                               cfg.num_kv_heads, cfg.head_dim, self.tuning)
             attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                    batch.seq_lens, self.scale, batch.max_query_len,
-                                   batch.max_seq_len).reshape(-1, cfg.q_size)
+                                   batch.max_seq_len, self.tuning).reshape(-1, cfg.q_size)
             out, delta = self._project(lora, i, "o", attn, layer.o)
-            shrink = lora.pre_shrink(i, "gate_up") if lora is not None else None
-            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta,
-                                         shrink)
+            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
             gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
             act = ops.silu_mul(gate_up, delta)
             down, delta = self._project(lora, i, "down", act, layer.down)
@@ -269,7 +264,7 @@ class LlamaModel:
                  ) -> tuple[torch.Tensor, LoraDelta | None]:
         """A fused projection with its LoRA: (output, a delta left for the next op or None).
         weight is [in, out]; the decode GEMM serves decode-shaped x where configured."""
-        gemm = self.gemm if self.gemm.serves(group) else DecodeGemm.cublas
+        gemm = self.gemm if self.gemm.serves(group) else cublas
         if lora is None:
             return gemm(x, weight, bias, group), None
         fold = lora.fold(layer, group)

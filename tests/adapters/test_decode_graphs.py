@@ -29,45 +29,40 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
 
 @pytest.mark.parametrize("device,norm_split,side_down,fold,sfold", [
     ("cpu", 0, False, None, None), ("cpu", 16, False, (), None), ("cpu", 0, True, (), None),
-    ("cpu", 0, False, "all", "none"), ("cpu", 16, False, (), "all"), ("cpu", 16, False, (), "nshrink"),
+    ("cpu", 0, False, "all", "none"), ("cpu", 16, False, (), "all"),
     pytest.param("cuda", 0, False, None, None, marks=pytest.mark.gpu),
     pytest.param("cuda", 16, False, (), None, marks=pytest.mark.gpu),
     pytest.param("cuda", 0, True, (), None, marks=pytest.mark.gpu),
     pytest.param("cuda", 0, False, "all", "none", marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, (), "all", marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, (), "nshrink", marks=pytest.mark.gpu)],
-    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold", "cpu-nshrink", "cuda",
-         "cuda-split", "cuda-down", "cuda-fold", "cuda-sfold", "cuda-nshrink"])
+    pytest.param("cuda", 16, False, (), "all", marks=pytest.mark.gpu)],
+    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold", "cuda", "cuda-split",
+         "cuda-down", "cuda-fold", "cuda-sfold"])
 def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, fold, sfold,
                                                       tiny_llama_path, tmp_path, monkeypatch) -> None:
-    """norm_split: the LoRA add + norm after o and down spreads each row over programs of that
-    many columns (kernels/norm_triton.py, LORA_NORM_SPLIT), with the expands left to it (no
-    side-stream expand), as in steps of many adapters. side_down: only down's expand runs on
-    the side stream and the other groups' are left to the ops after them, as in steps of 9 to
-    32 adapters (adapters/overlap.py, SIDE_EXPAND_GROUP_SEGMENTS). fold: the groups whose
-    matmul adds their LoRA in the same launch (kernels/lora_gemm.py; None: the default,
-    FOLD_GROUPS; "all": every group); the others of the shrink-fold groups (sfold: None for
-    SHRINK_FOLD_GROUPS, "none", "all" for every group, o and down then expanded by the split add +
-    norm; "nshrink": o's too, and gate/up's in the split add + norm after o,
-    kernels/norm_shrink.py) shrink in their matmul. They run in Triton (natively, or interpreted by
-    test_triton_interpreter.py); the CPU reference ignores the split."""
-    from inference_node.adapters import overlap
+    """The node's tuning (kernels/tuning.py) picks how graph steps run LoRA. norm_split: the
+    LoRA add + norm after o spreads each row over programs of that many columns
+    (norm_split_columns), with the expands left to it (no side-stream expand), as in steps of
+    many adapters. side_down: only down's expand runs on the side stream and the other groups'
+    are left to the ops after them, as in steps of 9 to 32 adapters
+    (side_expand_group_segments). fold: the groups whose matmul adds their LoRA in the same
+    launch (kernels/gemm/fold.py; None: the default fold_groups; "all": every group); the
+    others of the shrink-fold groups (sfold: None for the default shrink_fold_groups, "none",
+    "all" for every group, o and down then expanded by the split add + norm) shrink in their
+    matmul. They run in Triton (natively, or interpreted by test_triton_interpreter.py); the
+    CPU reference ignores the split."""
+    from inference_node.lora_step import overlap
     from inference_node.model.llama import FUSED_MODULES
+    from kernels.tuning import DEFAULT_TUNING
 
-    fold_groups = set(overlap.FOLD_GROUPS if fold is None else FUSED_MODULES if fold == "all" else fold)
+    tuning = DEFAULT_TUNING
+    fold_groups = set(tuning.fold_groups if fold is None else FUSED_MODULES if fold == "all" else fold)
     sfold_groups = set(FUSED_MODULES if sfold == "all" else () if sfold == "none"
-                       else overlap.SHRINK_FOLD_GROUPS)
-    if sfold == "nshrink":
-        sfold_groups.add("o")
-    nshrink = {"gate_up"} if sfold == "nshrink" else set()
+                       else tuning.shrink_fold_groups)
     if norm_split or side_down or fold is not None:
-        import functools
-
-        monkeypatch.setattr(overlap, "LoraOverlap", functools.partial(
-            overlap.LoraOverlap, side_expand_segments=0, norm_split=norm_split,
+        tuning = tuning.replace(
+            side_expand_segments=0, norm_split_columns=norm_split,
             side_expand_group_segments={"down": 64} if side_down else {},
-            fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups),
-            norm_shrink=frozenset(nshrink)))
+            fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups))
         expands = []
         real_expand = overlap.lora_expand
         monkeypatch.setattr(overlap, "lora_expand",
@@ -82,16 +77,6 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         return lora
 
     monkeypatch.setattr(overlap.OverlappedLoraApplier, "fold", spy_fold)
-    norm_shrunk = set()
-    real_pre_shrink = overlap.OverlappedLoraApplier.pre_shrink
-
-    def spy_pre_shrink(self, layer, group):
-        shrink = real_pre_shrink(self, layer, group)
-        if shrink is not None:
-            norm_shrunk.add(group)
-        return shrink
-
-    monkeypatch.setattr(overlap.OverlappedLoraApplier, "pre_shrink", spy_pre_shrink)
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
@@ -106,7 +91,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
                                       num_kv_blocks=128, max_num_seqs=16, max_loras=4, max_lora_rank=16,
                                       adapter_dir=str(root), decode_graphs="on", max_graph_batch=12,
-                                      debug_checks=True))
+                                      debug_checks=True, tuning=tuning))
     try:
         def run(job):
             name, prompt, max_new = job
@@ -130,16 +115,15 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         shrink = sfold_groups - whole if fold is not None else set()
         if side_down:
             shrink -= {"down"}
-        assert shrink_folded == shrink - nshrink
-        assert norm_shrunk == (nshrink if fold is not None else set())
+        assert shrink_folded == shrink
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
-            buffers = node.engine.decode_graphs.lora_applier.__self__.buffers
+            buffers = node.engine.decode_graphs.lora.applier.__self__.buffers
             downs = {id(layer["down"].b) for layer in buffers.layers}
             assert {id(b) in downs for b in expands} == ({True} if side_down else set())
         if norm_split:
-            from kernels._dispatch import use_triton
+            from kernels.dispatch import use_triton
 
-            split = node.engine.decode_graphs.lora_applier.__self__.beside.column_split
+            split = node.engine.decode_graphs.lora.applier.__self__.beside.column_split
             assert split is not None and split.block == norm_split
             assert int(split.arrivals.count_nonzero()) == 0  # every row's count reset
             if use_triton(split.sums):  # the split kernel ran (the reference ignores it)
@@ -196,9 +180,10 @@ def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(devi
 def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, tiny_llama_path,
                                                                        tmp_path, monkeypatch) -> None:
     """Steps whose rows share one adapter (some rows on the base model) run each LoRA expand
-    on the side stream into a delta buffer that the next op adds (adapters/overlap.py,
-    SIDE_EXPAND_SEGMENTS). Same tokens as PEFT; on CPU the expand calls are seen."""
-    from inference_node.adapters import overlap
+    on the side stream into a delta buffer that the next op adds (lora_step/overlap.py,
+    Tuning.side_expand_segments). Same tokens as PEFT; on CPU the expand calls are seen."""
+    from inference_node.lora_step import overlap
+    from kernels.tuning import DEFAULT_TUNING
 
     expands = []
     real_expand = overlap.lora_expand
@@ -227,7 +212,7 @@ def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, ti
             got = list(pool.map(run, jobs))
         assert got == expected
         graphs = node.engine.decode_graphs
-        assert {k[1] for k in graphs.replays if k[1] > 0} == {1} and overlap.SIDE_EXPAND_SEGMENTS >= 1
+        assert {k[1] for k in graphs.replays if k[1] > 0} == {1} and DEFAULT_TUNING.side_expand_segments >= 1
         if device == "cpu":  # eager: every LoRA decode step called the expand itself
             assert expands
         node.check_idle()
@@ -235,89 +220,18 @@ def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, ti
         node.stop()
 
 
-def test_serial_lora_in_the_graph_path_matches_peft(tiny_llama_path, tmp_path) -> None:
-    """EngineConfig.lora_overlap=False: the decode graphs add each LoRA delta after its
-    matmul (StepLoraApplier) instead of beside it. Same tokens as PEFT."""
-    import time
-
-    import torch
-
-    from inference_node.engine.engine import Engine, EngineConfig
-    from inference_node.engine.request import Request, SamplingParams
-    from inference_node.model.llama import LlamaModel
-    from inference_node.node import build_adapter_manager
-
-    root = tmp_path / "adapters"
-    for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
-        make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
-    cpu = torch.device("cpu")
-    model = LlamaModel.load(tiny_llama_path, cpu, torch.float32)
-    settings = NodeSettings(model=str(tiny_llama_path), device="cpu", dtype="float32", max_loras=4,
-                            max_lora_rank=16, adapter_dir=str(root))
-    engine = Engine(model, EngineConfig(num_kv_blocks=128, max_num_seqs=8, decode_graphs=True,
-                                        max_graph_batch=8, lora_overlap=False, debug_checks=True),
-                    lora=build_adapter_manager(settings, model, cpu, torch.float32))
-    rng = random.Random(11)
-    jobs = [(name, [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))], rng.randrange(2, 10))
-            for name in ["", *ADAPTERS] for _ in range(2)]
-    outputs: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
-    done: set[int] = set()
-
-    def on_event(i: int, event) -> None:
-        assert event.error is None, event.error
-        outputs[i] += event.token_ids
-        if event.finish_reason is not None:
-            done.add(i)
-
-    for i, (name, prompt, max_new) in enumerate(jobs):
-        engine.submit(Request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True),
-                              emit=lambda e, i=i: on_event(i, e), adapter=name))
-    deadline = time.monotonic() + 120
-    while len(done) < len(jobs):
-        assert time.monotonic() < deadline, "requests did not finish"
-        engine.run_once(block=False)
-        time.sleep(0.001)  # adapter fetches run on the manager's threads
-    folders = {"": None, **{n: root / n for n in ADAPTERS}}
-    expected = [peft_greedy(tiny_llama_path, folders[name], [prompt], max_new)[0] for name, prompt, max_new in jobs]
-    assert [outputs[i] for i in range(len(jobs))] == expected
-    assert any(segments > 0 for _, segments, _ in engine.decode_graphs.replays)
-    engine.check_consistency()
-
-
-def test_shrink_fold_switch_takes_groups_all_or_none(monkeypatch) -> None:
-    """LORA_GEMM_SHRINK_FOLD: the default is SHRINK_FOLD_GROUPS, "none" is none, "all" every
-    fused group (each op after a matmul reads no sums for rows without an adapter), and a
-    name that is no group is refused with a message naming the ones there are."""
-    from inference_node.adapters import overlap
-    from inference_node.model.llama import FUSED_MODULES
-
-    monkeypatch.delenv("LORA_GEMM_SHRINK_FOLD", raising=False)
-    assert overlap.gemm_shrink_fold_groups() == frozenset(overlap.SHRINK_FOLD_GROUPS)
-    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "none")
-    assert overlap.gemm_shrink_fold_groups() == frozenset()
-    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv,down")
-    assert overlap.gemm_shrink_fold_groups() == frozenset({"qkv", "down"})
-    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "all")
-    assert overlap.gemm_shrink_fold_groups() == frozenset(FUSED_MODULES)
-    monkeypatch.setenv("LORA_GEMM_SHRINK_FOLD", "qkv,attn")
-    with pytest.raises(ValueError, match="attn.*qkv, o, gate_up, down or all"):
-        overlap.gemm_shrink_fold_groups()
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, tiny_llama_path, tmp_path,
                                                                       monkeypatch) -> None:
-    """Decode graphs of more rows than the decode GEMM takes (kernels.decode_gemm_triton
+    """Decode graphs of more rows than the decode GEMM takes (kernels.gemm
     MAX_ROWS, 64: on CPU lowered to 8 so the test stays small) run cuBLAS matmuls with the
     LoRA deltas added after them, and still match PEFT."""
-    from inference_node.adapters import applier as plain
-    from inference_node.adapters import overlap
+    from inference_node.lora_step import eager as plain
+    from inference_node.lora_step import overlap, plan
 
     rows = 96 if device == "cuda" else 16
     if device == "cpu":
-        import kernels.decode_gemm_triton
-
-        monkeypatch.setattr(kernels.decode_gemm_triton, "MAX_ROWS", 8)
+        monkeypatch.setattr(plan, "MAX_ROWS", 8)
     sizes_after: set[int] = set()
     real_init = plain.StepLoraApplier.__init__
 

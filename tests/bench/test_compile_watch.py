@@ -1,14 +1,10 @@
-"""bench/compile_watch.py counts what JIT-compiles inside a region: a new torch.compile graph,
+"""bench/common.py's CompileWatch counts what JIT-compiles inside a region: a new torch.compile graph,
 and each Triton compile its post-compile hook reports."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from compile_watch import CompileWatch  # noqa: E402
+from bench.common import CompileWatch
 
 
 def test_a_new_torch_compile_graph_is_counted_once() -> None:

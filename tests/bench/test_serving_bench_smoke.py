@@ -1,23 +1,18 @@
 """The serving benchmark runs end to end on a tiny random model (CPU): every row, positive numbers."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 ROWS = ("a", "a2", "b", "c-1", "c-8", "c-32", "c-128", "d", "e")
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("serving_bench", ROOT / "bench" / "serving_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["serving_bench"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from bench import serving_bench
+
+    return serving_bench
 
 
 @pytest.mark.parametrize("mode", [[], ["--poisson", "200"]], ids=["closed", "poisson"])

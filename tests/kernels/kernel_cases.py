@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.lora_meta import LoraBatchMeta
+from kernels.lora.meta import LoraBatchMeta
 
 
 @dataclass
@@ -103,10 +103,10 @@ def grouped_slots(gen: torch.Generator, T: int, used: Sequence[int]) -> list[int
 
 
 def make_gemm_lora(case: LoraCase, segments: int):
-    """The case as kernels.lora_gemm.GemmLora sees it (slices side by side as in the slot
+    """The case as kernels.gemm.GemmLora sees it (slices side by side as in the slot
     pool), its segment table padded with empty segments up to `segments` rows, and a
     scratch full of NaN (a kernel reading rows no shrink wrote would spread them)."""
-    from kernels.lora_gemm import GemmLora
+    from kernels.gemm import GemmLora
 
     device = case.x.device
     n = len(case.a)

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the full benchmark is run by hand")
 def test_kernels_bench_quick_runs_on_cpu() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LORA_KERNELS")}
-    proc = subprocess.run([sys.executable, "bench/kernels_bench.py", "--quick"], cwd=ROOT,
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "bench.kernels_bench", "--quick"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -28,8 +28,8 @@ def test_kernels_bench_quick_runs_on_cpu() -> None:
 def test_prefill_profile_runs_on_cpu() -> None:
     """bench/prefill_profile.py builds a LoRA prefill chunk through the engine's own batch and
     applier builders and runs it for each configuration."""
-    proc = subprocess.run([sys.executable, "bench/prefill_profile.py", "--device", "cpu",
-                           "--layers", "1", "--seqs", "2", "--prompt", "8", "--reps", "1",
+    proc = subprocess.run([sys.executable, "-m", "bench.prefill_profile", "--device", "cpu",
+                           "--tiny", "--seqs", "2", "--prompt", "8", "--reps", "1",
                            "--configs", "base,c1,d32"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,11 +42,7 @@ def test_decode_profile_timeline_counts_the_chains_idle_gaps(capsys: pytest.Capt
     charged to the kernel that ends it, with the side work inside it; a chain kernel that
     starts before the one ahead ends (PDL) leaves no gap, nor does one that ends inside a
     longer one, and side kernels are no chain."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import decode_profile
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    from bench import decode_profile
 
     def k(name: str, start: float, end: float) -> dict:
         return dict(name=name, start=start, end=end)
@@ -65,3 +61,17 @@ def test_decode_profile_timeline_counts_the_chains_idle_gaps(capsys: pytest.Capt
     assert "     1.0 us    0.5       0.0 us  GEMM (cuBLAS or the Triton decode GEMM)" in gap_lines, out
     for fam in ("paged_attention", "_row_pick_kernel", "lora_shrink"):
         assert fam not in gap_lines, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the full profile is run by hand")
+def test_decode_profile_runs_each_mode_on_cpu() -> None:
+    """bench/decode_profile.py builds the engine's decode graphs (their CPU form) once per mode:
+    the node's defaults, LoRA after each matmul, and a Tuning choice given as text."""
+    proc = subprocess.run([sys.executable, "-m", "bench.decode_profile", "--device", "cpu", "--tiny",
+                           "--batch", "4", "--configs", "base,c2", "--mode", "default", "--mode",
+                           "serial", "--mode", "fold_groups=none/side_expand_segments=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for mode in ("default", "serial", "fold_groups=none/side_expand_segments=0"):
+        for config in ("base", "c2"):
+            assert f"[{mode}] {config}: eager forward ran" in proc.stdout, proc.stdout

@@ -1,4 +1,4 @@
-"""kernels/_host.py's launch-sizing helpers agree with Triton's, which they replace on the host."""
+"""kernels/host.py's launch-sizing helpers agree with Triton's, which they replace on the host."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernels._host import cdiv, next_power_of_2, num_sms  # noqa: E402
+from kernels.host import cdiv, next_power_of_2, num_sms  # noqa: E402
 
 
 def test_cdiv_and_next_power_of_2_match_triton() -> None:

@@ -27,8 +27,8 @@ def _bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_lora_triton_matches_reference_on_gpu(group: str, T: int, num_adapters: int) -> None:
     from kernels.lora import add_lora
-    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
-    from kernels.lora_triton import lora_expand_triton, lora_shrink_triton
+    from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
+    from kernels.lora.triton_kernel import lora_expand_triton, lora_shrink_triton
 
     h_in, outs = GROUPS[group]
     S, R = 32, 32
@@ -59,8 +59,8 @@ def test_lora_triton_matches_reference_on_gpu(group: str, T: int, num_adapters: 
     ([512, 1, 1, 1, 200], [512, 2048, 77, 4000, 900]),  # mixed prefill (fresh, chunked) + decode
 ])
 def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx: list[int]) -> None:
-    from kernels.paged_attention_ref import paged_attention_ref
-    from kernels.paged_attention_triton import paged_attention_triton, paged_attention_triton_impl
+    from kernels.attention.reference import paged_attention_ref
+    from kernels.attention.triton_kernel import paged_attention_triton, paged_attention_triton_impl
 
     case = make_attention_case(q_lens=q_lens, seq_lens=ctx, num_heads=32, num_kv_heads=8,
                                head_dim=64, page=16, dtype=torch.bfloat16, device="cuda")
@@ -97,8 +97,8 @@ def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int, tma: bool) -> 
     """Launched with programmatic dependent launch right after the add + norm that writes its
     input (which lets it start early), replayed from a CUDA graph: it must still read the
     norm's new output, never the stale one (with pointer loads and with TMA tile loads)."""
-    from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton
-    from kernels.norm_triton import add_rms_norm_triton
+    from kernels.gemm.triton_kernel import decode_gemm_tma, decode_gemm_triton
+    from kernels.norm.triton_kernel import add_rms_norm_triton
 
     K, N = 2048, 2048
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 32).t()
@@ -130,10 +130,10 @@ def test_attention_after_rope_and_the_qkv_gemm_in_a_graph(early_kv: bool, tma: b
     attention that read q or the new token's key or value before its wait would see the last
     replay's. Contexts from 1 to 150 keys put the new token in the first key tile and in later
     ones."""
-    from kernels.decode_gemm_triton import decode_gemm_tma, decode_gemm_triton
-    from kernels.paged_attention_ref import paged_attention_ref
-    from kernels.paged_attention_triton import paged_attention_triton_impl
-    from kernels.rope_cache_triton import rope_and_cache_triton
+    from kernels.gemm.triton_kernel import decode_gemm_tma, decode_gemm_triton
+    from kernels.attention.reference import paged_attention_ref
+    from kernels.attention.triton_kernel import paged_attention_triton_impl
+    from kernels.rope.triton_kernel import rope_and_cache_triton
     from inference_node.model.rope import RotaryEmbedding
 
     heads, kv_heads, dim, page = 32, 8, 64, 16
@@ -174,7 +174,8 @@ def test_attention_after_rope_and_the_qkv_gemm_in_a_graph(early_kv: bool, tma: b
 def test_decode_gemm_tma_matches_torch_mm(rows: int, dtype: torch.dtype) -> None:
     """TMA tile loads: y = x @ W over [out, in] weights, rows past the batch read as zero
     (not stale memory) and left unwritten in the output, float32 exact to fp32 products."""
-    from kernels.decode_gemm_triton import decode_gemm_tma, tma_fits
+    from kernels.gemm import tma_fits
+    from kernels.gemm.triton_kernel import decode_gemm_tma
 
     torch.manual_seed(rows)
     K, N = 1024, 96
@@ -191,22 +192,20 @@ def test_decode_gemm_tma_matches_torch_mm(rows: int, dtype: torch.dtype) -> None
     assert bool((out[rows:] == 7.0).all()), "rows past the batch were written"
 
 
-@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("block", [128, 512])
 @pytest.mark.parametrize("adapters", [1, 32])
-def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int, early: bool) -> None:
+def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -> None:
     """The LoRA add + norm with each row spread over programs (a ColumnSplit), at Llama-3.2-1B's
     width and decode batch, right after the projection's GEMM that writes its input (both
     PDL-launched on Hopper, as in a step), replayed from one CUDA graph: every replay, on new
     inputs, equals the reference on the GEMM's new output (a kernel that read it before its
     wait would see the last replay's), and leaves every arrival count at zero (a count left
-    over would make the next replay normalise a row before all of it is in). early: the
-    delta computed before the wait for the GEMM."""
-    from kernels._host import pdl_enabled
-    from kernels.decode_gemm_triton import decode_gemm_triton
-    from kernels.lora_delta import ColumnSplit, LoraDelta
-    from kernels.norm_ref import add_rms_norm
-    from kernels.norm_triton import add_rms_norm_triton
+    over would make the next replay normalise a row before all of it is in)."""
+    from kernels.gemm.triton_kernel import decode_gemm_triton
+    from kernels.lora.delta import ColumnSplit, LoraDelta
+    from kernels.norm.reference import add_rms_norm
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+    from kernels.tuning import DEFAULT_TUNING
 
     T, R = 64, 16
     gen = torch.Generator(device="cuda").manual_seed(block + adapters)
@@ -223,10 +222,9 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int, e
     results = {}
 
     def step():
-        decode_gemm_triton(x_in, w, out, pdl=pdl_enabled(x_in), prefetch_k=512, block_n=16,
+        decode_gemm_triton(x_in, w, out, pdl=DEFAULT_TUNING.pdl_on(x_in), prefetch_k=512, block_n=16,
                            block_k=256)
-        results["new"], results["x"] = add_rms_norm_triton(hidden, out, weight, 1e-5, delta,
-                                                           early_delta=early)
+        results["new"], results["x"] = add_rms_norm_triton(hidden, out, weight, 1e-5, delta)
 
     step()
     graph = torch.cuda.CUDAGraph()
@@ -251,14 +249,15 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int, e
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, segments: int,
                                                   prefetch_a: int) -> None:
-    """The decode GEMM with LoRA folded in (kernels/lora_gemm.py) as the decode graphs launch
+    """The decode GEMM with LoRA folded in (kernels/gemm/fold.py) as the decode graphs launch
     it: the engine's tiling, TMA and PDL on Hopper, right after the add + norm that writes
     its input (which lets it start early), captured and replayed with new inputs; 64 rows
     over `adapters` adapters in a bucket of `segments` (empty segments after the real ones),
     the shrink programs asking L2 for `prefetch_a` columns of A before their wait (or none).
     Each replay: the norm's new output @ W plus every row's delta, the shrinks counted."""
-    from kernels.decode_gemm import DecodeGemm
-    from kernels.norm_triton import add_rms_norm_triton
+    from kernels.gemm import DecodeGemm
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+    from kernels.tuning import Tuning
 
     k, outs = GROUPS[group]
     none = 4 if adapters < 32 else 0  # a few rows on the base model
@@ -267,8 +266,7 @@ def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, seg
                           dtype=torch.bfloat16, device="cuda", seed=adapters)
     lora = make_gemm_lora(case, segments)
     w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
-    gemm = DecodeGemm(torch.device("cuda"))
-    gemm.shrink_prefetch = prefetch_a
+    gemm = DecodeGemm(torch.device("cuda"), Tuning(fold_prefetch_a=prefetch_a))
     hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)

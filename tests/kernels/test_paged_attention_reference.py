@@ -7,7 +7,7 @@ import torch
 
 from kernel_cases import make_attention_case, naive_attention
 from kernels.attention import paged_attention
-from kernels.paged_attention_ref import paged_attention_ref
+from kernels.attention.reference import paged_attention_ref
 
 CASES = {
     # name: (q_lens, seq_lens, Hq, Hkv, D, page)
@@ -30,7 +30,7 @@ def test_reference_matches_per_token_loop(name: str, dtype: torch.dtype) -> None
 
 
 def test_dispatcher_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LORA_KERNELS", "auto")
+    monkeypatch.setattr("kernels.dispatch.interpreting", lambda: False)  # as outside the interpreter
     case = make_attention_case(q_lens=[3, 1], seq_lens=[3, 9], num_heads=4, num_kv_heads=2,
                                head_dim=8, page=4)
     assert torch.equal(paged_attention(*case.args()), paged_attention_ref(*case.args()))

@@ -1,16 +1,19 @@
-"""Runs test_triton_kernels.py in Triton's interpreter, in a subprocess.
+"""The Triton kernels, and the node paths that launch them, in Triton's interpreter on the CPU:
+the slow tier (`make test-kernels`, marked `interpreter`; `make test` leaves it out).
 
 TRITON_INTERPRET must be set before Triton is imported (and kernels are decorated), which a
 shared pytest process cannot guarantee without changing how every other test sees Triton.
-A child pytest with the variable set, and with conftest loading cut at this directory (the
-engine's fixtures are not needed), keeps the switch local to these kernels.
+Each test here runs a child pytest with the variable set, so the switch stays local.
 
-The second test runs the engine's decode-graph path the same way: the node's CPU graph steps
-with the Triton kernels (interpreted) instead of the PyTorch reference, so the seam between
-the engine (rows ordered by adapter, the segment table it fills) and the kernels that read it
-is checked against PEFT without a GPU. The third runs the node's start-up warm-up and then a
-mixed workload the same way, and checks that the workload launches no kernel variant the
-warm-up did not (so on a GPU nothing compiles under requests).
+- test_triton_kernels.py, in three parts: every kernel against its PyTorch reference.
+- The engine's decode-graph path, one case a child: the node's CPU graph steps with the
+  Triton kernels (interpreted) instead of the references, so the seam between the engine
+  (rows ordered by adapter, the segment table it fills) and the kernels that read it is
+  checked against PEFT without a GPU.
+- The node's start-up warm-up, then a mixed workload: the workload launches no kernel
+  variant the warm-up did not (so on a GPU nothing compiles under requests).
+
+Timeouts: about three times what each took on a shared two-core machine.
 """
 from __future__ import annotations
 
@@ -24,15 +27,30 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+GRAPHS = "tests/adapters/test_decode_graphs.py"
+MIXED = f"{GRAPHS}::test_graph_decode_matches_peft_for_mixed_adapters"
+
+pytestmark = [pytest.mark.interpreter,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="Triton not installed")]
+
+# Parts of test_triton_kernels.py (-k expressions; the last one is what the others leave).
+_LORA = "lora or segment_table or shrink or test_dispatcher_picks_triton_where_it_runs"
+KERNEL_PARTS = {"lora": _LORA, "attention": "attention",
+                "ops": f"not ({_LORA} or attention)"}
+GRAPH_CASES = {
+    **{case: f"{MIXED}[{case}]" for case in ("cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold")},
+    "variants": f"{GRAPHS}::test_steps_replay_the_smallest_group_variant_that_covers_their_adapters[cpu]",
+    "single": f"{GRAPHS}::test_single_adapter_steps_expand_beside_the_matmul_and_match_peft[cpu]",
+}
+KERNELS_TIMEOUT = 450  # a part took 55-95 s
+GRAPH_TIMEOUT = 450    # a case took 30-135 s, the child's start included
+WARMUP_TIMEOUT = 450   # took 70-120 s
 
 
-NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
-
-
-def run_interpreted(*args: str, timeout: float = 600) -> str:
-    """A child pytest with Triton's interpreter and the Triton kernels on; asserts it passed
-    and returns its output."""
-    env = dict(os.environ, TRITON_INTERPRET="1", LORA_KERNELS="triton")
+def run_interpreted(*args: str, timeout: float) -> str:
+    """A child pytest with Triton's interpreter on; asserts it passed and returns its output."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     report = proc.stdout[-8000:] + proc.stderr[-2000:]
@@ -40,22 +58,24 @@ def run_interpreted(*args: str, timeout: float = 600) -> str:
     return proc.stdout
 
 
-@NEEDS_TRITON
-def test_triton_kernels_match_reference_in_interpreter() -> None:
-    out = run_interpreted(f"--confcutdir={HERE}", str(HERE / "test_triton_kernels.py"))
+@pytest.mark.timeout(KERNELS_TIMEOUT + 30)
+@pytest.mark.parametrize("part", list(KERNEL_PARTS))
+def test_triton_kernels_match_reference_in_interpreter(part: str) -> None:
+    out = run_interpreted(f"--confcutdir={HERE}", "-k", KERNEL_PARTS[part],
+                          str(HERE / "test_triton_kernels.py"), timeout=KERNELS_TIMEOUT)
     assert " passed" in out and "skipped" not in out, out[-8000:]
 
 
-@NEEDS_TRITON
-def test_decode_graph_steps_with_triton_kernels_match_peft_in_interpreter() -> None:
-    out = run_interpreted("-k", "cpu or serial", str(ROOT / "tests" / "adapters" / "test_decode_graphs.py"),
-                          timeout=900)
-    assert "9 passed" in out, out[-8000:]
+@pytest.mark.timeout(GRAPH_TIMEOUT + 30)
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_decode_graph_steps_with_triton_kernels_match_peft_in_interpreter(case: str) -> None:
+    out = run_interpreted(GRAPH_CASES[case], timeout=GRAPH_TIMEOUT)
+    assert "1 passed" in out, out[-8000:]
 
 
-@NEEDS_TRITON
+@pytest.mark.timeout(WARMUP_TIMEOUT + 30)
 def test_after_the_start_up_warm_up_serving_compiles_nothing_new_in_interpreter() -> None:
     """The node's warm-up (engine/warmup.py) launches every kernel variant that a mixed
     workload then launches: on a GPU, nothing compiles under the first requests."""
-    out = run_interpreted("-k", "interpreted", str(ROOT / "tests" / "node" / "test_warmup.py"), timeout=900)
+    out = run_interpreted("-k", "interpreted", "tests/node/test_warmup.py", timeout=WARMUP_TIMEOUT)
     assert "1 passed" in out, out[-8000:]

@@ -8,7 +8,6 @@ subprocess with TRITON_INTERPRET=1 (run it directly with the same env var to deb
 from __future__ import annotations
 
 import dataclasses
-
 import os
 
 import pytest
@@ -43,8 +42,8 @@ def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None,
     """Shrink, expand and the fused two-launch add against the reference. slice_off: (slice,
     slot) pairs the per-slice ranks switch off: the kernels must skip them even though A and
     B hold data there (the reference sees those A/B zeroed)."""
-    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
-    from kernels.lora_triton import add_lora_triton, lora_expand_triton, lora_shrink_triton
+    from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
+    from kernels.lora.triton_kernel import add_lora_triton, lora_expand_triton, lora_shrink_triton
 
     ranks = case.ranks if use_ranks else None
     ref_a, ref_b = list(case.a), list(case.b)
@@ -99,9 +98,9 @@ def check_lora_packed(case, dtype: torch.dtype, slice_ranks: list[list[int]],
     rows and per-slice ranks come from one table row; `lead_cols` other modules' ranks sit
     before this projection's (rank_col), filled with values that would be wrong here."""
     from kernels.lora import lora_workspace_numel
-    from kernels.lora_meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
-    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
-    from kernels.lora_triton import add_lora_triton
+    from kernels.lora.meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+    from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
+    from kernels.lora.triton_kernel import add_lora_triton
 
     n_slices, S = len(case.a), case.a[0].shape[0]
     ref_a, ref_b = [a.clone() for a in case.a], [b.clone() for b in case.b]
@@ -184,7 +183,7 @@ def test_lora_segment_table_random_shapes(problem: dict, dtype: str, pad: int, d
 
 
 def test_segment_table_refuses_rows_that_are_not_contiguous() -> None:
-    from kernels.lora_meta import LoraBatchMeta
+    from kernels.lora.meta import LoraBatchMeta
 
     meta = LoraBatchMeta.build([0, 1, 0], DEVICE)
     with pytest.raises(ValueError, match="contiguous"):
@@ -194,7 +193,7 @@ def test_segment_table_refuses_rows_that_are_not_contiguous() -> None:
 def graph_meta(token_slots: list[int], buckets: int, device: str):
     """Metadata as a decode CUDA graph sees it: empty segments up to the bucket, every
     segment sized for the whole batch."""
-    from kernels.lora_meta import LoraBatchMeta
+    from kernels.lora.meta import LoraBatchMeta
 
     return LoraBatchMeta.build(token_slots, device).padded_for_graph(buckets, len(token_slots))
 
@@ -215,8 +214,8 @@ def test_lora_decode_graph_metadata(slots: list[int], buckets: int, dtype: str) 
 @pytest.mark.parametrize("per_segment", [True, False], ids=["per_segment", "per_row_tile"])
 def test_lora_every_tiling_matches_reference(per_segment: bool) -> None:
     """Both row strategies, odd K/N tiles and split counts give the reference's result."""
-    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
-    from kernels.lora_triton import LoraTiling, lora_expand_triton, lora_shrink_partials
+    from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
+    from kernels.lora.triton_kernel import LoraTiling, lora_expand_triton, lora_shrink_partials
 
     slots = [1, 0, 1, 1, -1, 2, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]
     case = make_lora_case(token_slots=slots, num_slots=3, max_rank=8, h_in=100, outs=[70, 20],
@@ -237,7 +236,7 @@ def test_lora_every_tiling_matches_reference(per_segment: bool) -> None:
 
 def test_lora_prefill_sized_step_uses_row_tiles() -> None:
     """More tokens than the decode tiling takes: 64-row tiles, one per program."""
-    from kernels.lora_triton import DECODE_SHAPED_TOKENS, choose_tiling
+    from kernels.lora.triton_kernel import DECODE_SHAPED_TOKENS, choose_tiling
 
     slots = [0] * 150 + [1] * 130 + [-1] * 5
     case = make_lora_case(token_slots=slots, num_slots=2, max_rank=8, h_in=48, outs=[40, 24],
@@ -271,7 +270,7 @@ def test_lora_without_active_tokens(slots: list[int]) -> None:
 def test_lora_unaligned_slice_buffers_and_strided_views() -> None:
     """Slices that are views at odd element offsets of one buffer (no 16-element alignment
     between them), x and y that are column views of wider tensors."""
-    from kernels.lora_meta import LoraBatchMeta
+    from kernels.lora.meta import LoraBatchMeta
 
     case = make_lora_case(token_slots=[1, 0, -1, 1], num_slots=2, max_rank=8, h_in=40,
                           outs=[24, 8], device=DEVICE)
@@ -298,8 +297,8 @@ def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -
     argument that Triton specialises and that follows the mix (rows per segment, H_in splits,
     metadata pointers) compiles a new kernel variant in the middle of serving, for seconds
     while every request waits. Only the constexpr tilings may differ between steps."""
-    from kernels import lora_triton
-    from kernels.lora_triton import add_lora_triton
+    from kernels.lora import triton_kernel as lora_triton
+    from kernels.lora.triton_kernel import add_lora_triton
 
     keys = record_specialisations(monkeypatch, lora_triton, {
         "_lora_shrink_kernel": lora_triton._SHRINK_DYNAMIC,
@@ -317,21 +316,16 @@ def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -
     assert_one_variant_per_tiling(keys, {"_lora_shrink_kernel", "_lora_expand_kernel"})
 
 
-def test_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatcher_picks_triton_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, or on CPU tensors in Triton's interpreter, the dispatcher runs the kernel."""
     import kernels.lora as lora
-    from kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+    import kernels.lora.triton_kernel as lora_triton
+    from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
 
-    monkeypatch.setenv("LORA_KERNELS", "triton")
     calls = []
-    real = lora._triton_impl()
-    assert real is not None
-
-    class Spy:
-        def add_lora_triton(self, *args, **kwargs):
-            calls.append("add")
-            return real.add_lora_triton(*args, **kwargs)
-
-    monkeypatch.setattr(lora, "_triton_impl", lambda: Spy())
+    real = lora_triton.add_lora_triton
+    monkeypatch.setattr(lora_triton, "add_lora_triton",
+                        lambda *a, **k: calls.append("add") or real(*a, **k))
     case = make_lora_case(token_slots=[0, -1, 1, 0], num_slots=2, max_rank=8, h_in=32,
                           outs=[16, 8], device=DEVICE)
     y = case.y.clone()
@@ -347,8 +341,8 @@ def test_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) ->
 # Paged attention
 
 def check_attention(case, dtype: torch.dtype, **knobs) -> None:
-    from kernels.paged_attention_ref import paged_attention_ref
-    from kernels.paged_attention_triton import paged_attention_triton_impl
+    from kernels.attention.reference import paged_attention_ref
+    from kernels.attention.triton_kernel import paged_attention_triton_impl
 
     out = paged_attention_triton_impl(*case.args(), **knobs)
     ref = paged_attention_ref(*case.args())
@@ -403,7 +397,7 @@ def test_paged_attention_random(problem: dict, dtype: str, num_splits: int | Non
 def test_attention_compiles_no_new_variant_as_the_batch_changes(monkeypatch) -> None:
     """Split counts, block-table widths and token counts change from step to step; only the
     constexpr tilings (query tile, split or not) may give the kernels new variants."""
-    from kernels import paged_attention_triton as pat
+    from kernels.attention import triton_kernel as pat
 
     keys = record_specialisations(monkeypatch, pat, {
         "_paged_attention_kernel": pat._ATTENTION_DYNAMIC, "_merge_splits_kernel": pat._MERGE_DYNAMIC})
@@ -422,20 +416,19 @@ def test_attention_compiles_no_new_variant_as_the_batch_changes(monkeypatch) -> 
     assert len(keys["_merge_splits_kernel"]) == 1, list(keys["_merge_splits_kernel"])
 
 
-def test_attention_dispatcher_picks_triton_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.paged_attention_triton as pat
+def test_attention_dispatcher_picks_triton_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.attention.triton_kernel as pat
     from kernels.attention import paged_attention
 
-    monkeypatch.setenv("LORA_KERNELS", "triton")
     calls = []
     real = pat.paged_attention_triton
     monkeypatch.setattr(pat, "paged_attention_triton",
-                        lambda *a: calls.append(1) or real(*a))
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     case = make_attention_case(q_lens=[3, 1], seq_lens=[3, 9], num_heads=4, num_kv_heads=2,
                                head_dim=16, page=4, device=DEVICE)
     out = paged_attention(*case.args())
     assert calls == [1]
-    from kernels.paged_attention_ref import paged_attention_ref
+    from kernels.attention.reference import paged_attention_ref
     torch.testing.assert_close(out.cpu(), paged_attention_ref(*case.args()).cpu(),
                                rtol=1e-4, atol=1e-4)
 
@@ -448,7 +441,7 @@ def random_lora_delta(gen: torch.Generator, tokens: int, outs: list[int], dtype:
     """A LoraDelta as a decode step hands one on: random slots per row (some -1), random
     ranks per (slice, slot) (some 0), the partial sums zero past a rank and on rows without
     an adapter (as lora_shrink_partials and a zeroed workspace leave them)."""
-    from kernels.lora_delta import LoraDelta
+    from kernels.lora.delta import LoraDelta
 
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
     ranks = torch.randint(0, rank + 1, (len(outs), slots), generator=gen)
@@ -478,8 +471,8 @@ def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int
     """Rotated queries and the cache slots written equal the reference, the other slots are
     untouched, with and without a LoRA delta to expand; q, k and v are
     column views of a wider projection output, as the fused q/k/v matmul gives them."""
-    from kernels.rope_cache_ref import rope_and_cache_ref
-    from kernels.rope_cache_triton import rope_and_cache_triton
+    from kernels.rope.reference import rope_and_cache_ref
+    from kernels.rope.triton_kernel import rope_and_cache_triton
 
     gen = torch.Generator().manual_seed(seed)
     heads, dt = kv_heads * group, DTYPES[dtype]
@@ -524,8 +517,8 @@ def test_add_rms_norm_matches_reference(tokens: int, hidden: int, with_delta: bo
                                         expanded: bool, dtype: str, seed: int) -> None:
     """The new residual stream and the normalised rows equal the reference on the expanded
     delta (a row wider than one tile takes several passes: 2304 > 2048)."""
-    from kernels.norm_ref import add_rms_norm
-    from kernels.norm_triton import add_rms_norm_triton
+    from kernels.norm.reference import add_rms_norm
+    from kernels.norm.triton_kernel import add_rms_norm_triton
 
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
@@ -551,9 +544,9 @@ def test_add_rms_norm_split_over_columns_matches_reference(tokens: int, hidden: 
     results, the same new residual stream as one program a row, bit for bit, and leave every
     row's arrival count at zero, so the next launch on the same scratch (or a graph replay)
     is right too: three launches on one scratch, with new inputs for the last."""
-    from kernels.lora_delta import ColumnSplit
-    from kernels.norm_ref import add_rms_norm
-    from kernels.norm_triton import add_rms_norm_triton
+    from kernels.lora.delta import ColumnSplit
+    from kernels.norm.reference import add_rms_norm
+    from kernels.norm.triton_kernel import add_rms_norm_triton
 
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
@@ -577,7 +570,7 @@ def test_add_rms_norm_split_over_columns_matches_reference(tokens: int, hidden: 
 
 def test_column_split_fits_only_what_its_scratch_holds() -> None:
     """Launches wider or taller than the scratch fall back to one program a row."""
-    from kernels.lora_delta import ColumnSplit
+    from kernels.lora.delta import ColumnSplit
 
     split = ColumnSplit.allocate(64, 8, 2048, torch.device(DEVICE))
     assert split.sums.shape == (8, 32) and split.arrivals.dtype == torch.int32
@@ -595,8 +588,8 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, e
                                     dtype: str, seed: int) -> None:
     """SiLU(gate) * up equals the reference on the expanded gate/up delta (1536 columns take
     two programs per row)."""
-    from kernels.silu_mul_ref import silu_mul
-    from kernels.silu_mul_triton import silu_mul_triton
+    from kernels.activation.reference import silu_mul
+    from kernels.activation.triton_kernel import silu_mul_triton
 
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
@@ -610,11 +603,11 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, e
 
 
 def test_shrink_partials_are_zero_past_each_rank_and_on_slices_switched_off() -> None:
-    """What lets the expanding ops skip the ranks (kernels/lora_delta.py): in an uninitialised
+    """What lets the expanding ops skip the ranks (kernels/lora/delta.py): in an uninitialised
     workspace, every row with an adapter gets all R columns of every split and slice written,
     zeros past its rank and on a slice its adapter leaves alone (even where A holds data)."""
-    from kernels.lora_ref import lora_shrink_ref
-    from kernels.lora_triton import lora_shrink_partials
+    from kernels.lora.reference import lora_shrink_ref
+    from kernels.lora.triton_kernel import lora_shrink_partials
 
     case = make_lora_case(token_slots=[2, -1, 0, 0, 1, -1, 2], num_slots=3, max_rank=8,
                           ranks=[4, 8, 2], h_in=96, outs=[32, 16, 16], device=DEVICE)
@@ -645,7 +638,7 @@ def test_argmax_takes_the_first_maximum_like_torch(rows: int, vocab: int, chunks
                                                    dtype: str) -> None:
     """Small integer logits tie within and across chunks: the first index of the maximum, as
     torch.argmax, whichever chunk it lies in; a row of equal values gives 0, a row of -inf too."""
-    from kernels.argmax_triton import first_argmax_triton
+    from kernels.sampling.triton_kernel import first_argmax_triton
 
     gen = torch.Generator().manual_seed(vocab + rows)
     logits = torch.randint(0, 4, (rows, vocab), generator=gen).to(DTYPES[dtype])
@@ -661,7 +654,7 @@ def test_argmax_takes_the_first_maximum_like_torch(rows: int, vocab: int, chunks
 
 def test_argmax_reads_rows_of_a_strided_view() -> None:
     """Decode graphs pass logits[:n] of a padded buffer; a row stride past the vocabulary."""
-    from kernels.argmax_triton import first_argmax_triton
+    from kernels.sampling.triton_kernel import first_argmax_triton
 
     base = torch.randn(6, 3000, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     view = base[1:5, :2500]
@@ -675,7 +668,7 @@ def test_embedding_gather_matches_the_reference(tied: bool, with_feedback: bool)
     """Rows of a [vocab, hidden] weight, contiguous or the LM head seen transposed; tokens from
     the ids, or from the feedback buffer where a row is given."""
     from kernels.embedding import embed_tokens_ref
-    from kernels.embedding_triton import embed_tokens_triton
+    from kernels.embedding.triton_kernel import embed_tokens_triton
 
     gen = torch.Generator().manual_seed(3)
     vocab, hidden, T = 1000, 600, 9  # hidden spans two programs, the second one partial
@@ -698,7 +691,7 @@ def test_embedding_gather_matches_the_reference(tied: bool, with_feedback: bool)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_decode_gemm_matches_torch_mm(rows: int, out_in: bool, dtype: str) -> None:
     """Both weight layouts, batches below and at a tile's rows: y = x @ W, rows past M unwritten."""
-    from kernels.decode_gemm_triton import decode_gemm_triton
+    from kernels.gemm.triton_kernel import decode_gemm_triton
 
     torch.manual_seed(rows)
     dt = DTYPES[dtype]
@@ -712,12 +705,12 @@ def test_decode_gemm_matches_torch_mm(rows: int, out_in: bool, dtype: str) -> No
     assert bool((out[rows:] == 7.0).all()), "rows past the batch were written"
 
 
-def test_decode_gemm_serves_only_decode_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_gemm_serves_only_decode_shapes() -> None:
     """The dispatcher: decode-shaped CUDA inputs go to the Triton GEMM, prefill-sized ones and
-    CPU to cuBLAS; both give x @ W."""
-    from kernels.decode_gemm import DecodeGemm
+    CPU to cuBLAS; both give x @ W. The tuning names the groups it serves."""
+    from kernels.gemm import DecodeGemm
+    from kernels.tuning import Tuning
 
-    monkeypatch.setenv("LORA_DECODE_GEMM", "triton")
     gemm = DecodeGemm(torch.device(DEVICE))
     w = torch.randn(256, 64, device=DEVICE)
     for rows in (3, 64, 65):
@@ -725,10 +718,9 @@ def test_decode_gemm_serves_only_decode_shapes(monkeypatch: pytest.MonkeyPatch) 
         assert gemm.applies(x, w) == (DEVICE == "cuda" and rows <= 64)
         assert_close_scaled(gemm(x, w), x @ w, torch.float32)
     assert gemm.serves("qkv") == (DEVICE == "cuda") and not gemm.serves("lm_head")
-    monkeypatch.setenv("LORA_DECODE_GEMM_GROUPS", "o")
-    assert not DecodeGemm(torch.device(DEVICE)).serves("qkv")
-    with pytest.raises(ValueError, match="LORA_DECODE_GEMM"):
-        DecodeGemm(torch.device(DEVICE), "cutlass")
+    assert not DecodeGemm(torch.device(DEVICE), Tuning(gemm_groups=frozenset({"o"}))).serves("qkv")
+    with pytest.raises(ValueError, match="gemm_groups names \\['lm_head'\\]"):
+        Tuning(gemm_groups=frozenset({"qkv", "lm_head"}))
 
 
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
@@ -736,12 +728,12 @@ def test_decode_gemm_serves_only_decode_shapes(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments: int,
                                             outs: list[int], dtype: str) -> None:
-    """The decode GEMM with LoRA folded in (kernels/lora_gemm.py): x @ W plus every row's
+    """The decode GEMM with LoRA folded in (kernels/gemm/fold.py): x @ W plus every row's
     delta, slices side by side, rows without an adapter and empty padding segments left
     alone, ranks below the slot pool's; launched three times on the same counters (tickets and
     finished shrinks only grow: each launch must find its own)."""
-    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
-    from kernels.lora_gemm import gemm_lora_fits
+    from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
+    from kernels.gemm import gemm_lora_fits
 
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(rows)
@@ -770,14 +762,14 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     norm after o (one program a row, or spread over programs of 16 columns by a ColumnSplit).
     Rows without an adapter keep xa's NaN (never written): the op must read no sums for them.
     Its output equals the reference over x @ W + every delta."""
-    from kernels.decode_gemm_lora_triton import decode_gemm_lora_triton
-    from kernels.lora_delta import ColumnSplit
-    from kernels.norm_ref import add_rms_norm as add_rms_norm_ref
-    from kernels.norm_triton import add_rms_norm_triton
-    from kernels.rope_cache_ref import rope_and_cache_ref
-    from kernels.rope_cache_triton import rope_and_cache_triton
-    from kernels.silu_mul_ref import silu_mul as silu_mul_ref
-    from kernels.silu_mul_triton import silu_mul_triton
+    from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
+    from kernels.lora.delta import ColumnSplit
+    from kernels.norm.reference import add_rms_norm as add_rms_norm_ref
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+    from kernels.rope.reference import rope_and_cache_ref
+    from kernels.rope.triton_kernel import rope_and_cache_triton
+    from kernels.activation.reference import silu_mul as silu_mul_ref
+    from kernels.activation.triton_kernel import silu_mul_triton
 
     dt = DTYPES[dtype]
     heads, kv_heads, head_dim = 4, 2, 16
@@ -827,65 +819,3 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     torch.testing.assert_close(q.float().cpu(), q_ref.float().cpu(), rtol=rel, atol=rel)
     for got, want in zip(caches, ref_caches):
         torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=rel, atol=rel)
-
-
-@pytest.mark.parametrize("rows,used", [(1, [2]), (9, [3, 0, 2]), (33, [1, 4, 0, 5, 2, 6])])
-@pytest.mark.parametrize("with_delta", [False, True], ids=["o-plain", "o-lora"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_split_add_norm_stores_the_next_groups_shrink(rows: int, used: list[int], with_delta: bool,
-                                                      dtype: str) -> None:
-    """kernels/norm_shrink.py: the add + norm after o, spread over programs of 16 columns,
-    also stores gate/up's shrink of the rows it normalises (their programs' partials of
-    (new row * weight) @ A.T, scaled by the row's 1/rms and the adapter's scaling), with or
-    without o's own delta to expand. Rows without an adapter keep xa's NaN: nothing stored.
-    SiLU then expands it (NormShrink.unexpanded) as the reference expands the shrink of the
-    normalised rows."""
-    from kernels.lora_delta import ColumnSplit, LoraDelta
-    from kernels.norm_ref import add_rms_norm as add_rms_norm_ref
-    from kernels.norm_shrink import NormShrink
-    from kernels.norm_triton import add_rms_norm_triton
-    from kernels.silu_mul_ref import silu_mul as silu_mul_ref
-    from kernels.silu_mul_triton import silu_mul_triton
-
-    dt = DTYPES[dtype]
-    H, I, R, S = 64, 32, 16, 7
-    gen = torch.Generator().manual_seed(rows)
-    slots = torch.tensor(grouped_slots(gen, rows, used), dtype=torch.int32)
-    T = len(slots)
-    a_all = (torch.randn(S, 2 * R, H, generator=gen) / 8).to(dt)
-    b = tuple((torch.randn(S, I, R, generator=gen) / 4).to(dt) for _ in range(2))
-    scaling = torch.rand(S, generator=gen) + 0.5
-    hidden = torch.randn(T, H, generator=gen).to(dt)
-    out = torch.randn(T, H, generator=gen).to(dt)
-    weight = (1 + torch.randn(H, generator=gen) / 4).to(dt)
-    dev = torch.device(DEVICE)
-    split = ColumnSplit.allocate(16, T, H, dev)
-    shrink = NormShrink(a_all.to(dev), scaling.to(dev), slots.to(dev), tuple(x.to(dev) for x in b),
-                        torch.full((T, 2 * R), float("nan"), device=dev),
-                        torch.zeros(T, 4, 2 * R, device=dev), split)
-    delta = None
-    o_delta = None
-    if with_delta:
-        b_o = (torch.randn(S, H, R, generator=gen) / 4).to(dt)
-        part = torch.randn(1, 1, T, R, generator=gen)
-        delta = LoraDelta(part.to(dev), (b_o.to(dev),), slots.to(dev), column_split=split)
-        o_delta = LoraDelta(part, (b_o,), slots).dense()
-    got_hidden, got_x = add_rms_norm_triton(hidden.to(dev), out.to(dev), weight.to(dev), 1e-5, delta,
-                                            next_shrink=shrink)
-    want_hidden, want_x = add_rms_norm_ref(hidden, out, weight, 1e-5, o_delta)
-    assert_close_scaled(got_hidden, want_hidden, dt)
-    assert_close_scaled(got_x, want_x, dt)
-    assert not split.arrivals.any()  # each row's count back to zero for the next launch
-    active = slots >= 0
-    xa = shrink.xa.cpu()
-    assert torch.isnan(xa[~active]).all()
-    safe = slots.long().clamp(min=0)
-    want_xa = torch.einsum("th,tjh->tj", want_x.float(), a_all[safe].float()) * scaling[safe][:, None]
-    rel = 1e-4 if dt == torch.float32 else 3e-2  # bf16: the row is not rounded before A
-    torch.testing.assert_close(xa[active], want_xa[active], rtol=rel, atol=rel)
-    gate_up = torch.randn(T, 2 * I, generator=gen).to(dt)
-    got = silu_mul_triton(gate_up.to(dev), shrink.unexpanded(T))
-    dense = torch.cat([torch.einsum("tr,tir->ti", torch.where(active[:, None], want_xa[:, k * R:(k + 1) * R], 0.0),
-                                    b[k][safe].float()) for k in range(2)], dim=1)
-    want = silu_mul_ref((gate_up.float() + dense).to(dt))
-    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=rel, atol=rel)

@@ -78,8 +78,16 @@ def test_each_documented_flag_exists_with_its_env_and_default(flags, envs, defau
 
 
 def test_every_flag_of_serve_is_documented() -> None:
+    """In the table, or (the decode step's launch choices, one flag per field of
+    kernels/tuning.py's Tuning, each with its help text) in the README's tuning paragraph."""
+    import dataclasses
+
+    from kernels.tuning import Tuning
+
+    tuning = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(Tuning)}
     documented = {flag for flags, _, _ in ROWS for flag in flags}
-    assert set(serve_actions()) - documented == set()
+    assert set(serve_actions()) - documented - tuning == set()
+    assert "kernels/tuning.py" in README.read_text()
 
 
 def test_every_flag_has_help_text() -> None:

@@ -84,7 +84,7 @@ def test_text_streams_whole_when_no_stop_matches() -> None:
 def test_two_pass_argmax_takes_the_first_maximum_like_torch() -> None:
     """Small integer logits tie often: the two-pass argmax must pick torch.argmax's index (the
     first maximum), whichever chunk it falls in, for chunkable and odd vocabularies."""
-    from kernels.argmax import first_argmax_ref
+    from kernels.sampling import first_argmax_ref
 
     gen = torch.Generator().manual_seed(0)
     for vocab, chunks in ((1024, 64), (96, 8), (97, 8), (49152, 64)):

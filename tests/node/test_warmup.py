@@ -17,8 +17,8 @@ import torch
 from harness import InProcessNode, make_peft_adapter, make_tiny_llama, peft_greedy
 from inference_node.engine.warmup import plan
 from inference_node.node import NodeSettings
-from kernels.lora_meta import LoraBatchMeta
-from kernels.lora_triton import choose_tiling
+from kernels.lora.meta import LoraBatchMeta
+from kernels.lora.triton_kernel import choose_tiling
 from lora_client.node_client import NodeClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
@@ -109,9 +109,12 @@ def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(to
     """Every Triton launch of the workload (kernel, constexpr tiling, run-time specialisation)
     was already launched by the warm-up, so on a GPU nothing would compile under requests.
     One layer: launches repeat per layer, and the interpreter is slow."""
-    assert os.environ.get("LORA_KERNELS") == "triton"
     tiny_llama_path = make_tiny_llama(tmp_path / "one-layer", tokenizer_dir, num_hidden_layers=1)
-    from kernels import argmax_triton, embedding_triton, lora_triton, paged_attention_triton, rope_cache_triton
+    from kernels.attention import triton_kernel as paged_attention_triton
+    from kernels.embedding import triton_kernel as embedding_triton
+    from kernels.lora import triton_kernel as lora_triton
+    from kernels.rope import triton_kernel as rope_cache_triton
+    from kernels.sampling import triton_kernel as argmax_triton
 
     keys: dict = {}
     record_specialisations(monkeypatch, lora_triton, {

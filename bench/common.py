@@ -1,0 +1,306 @@
+"""Helpers the benchmarks share: random checkpoints and adapters (nothing is downloaded),
+timing and the device's copy bandwidth (every floor is bytes over it), JIT-compile counting,
+and the adapter configurations the profiles run."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QV = ("q_proj", "v_proj")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+# Llama-3.2-1B's shapes (weights random: nothing is downloaded).
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+    "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+# Llama-3.1-8B's shapes with SmolLM2's vocabulary (49,152), weights made on the device
+# (`load_format="dummy"`): 16 GB need not be written and read back.
+LLAMA_3_1_8B = {
+    **LLAMA_3_2_1B, "vocab_size": 49152, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+# A small model of the same family, for CPU runs of a real node (with a real tokenizer).
+TINY_LLAMA = {**LLAMA_3_2_1B, "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 1024, "rope_scaling": None,
+              "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+              "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+# -- synthetic weights ---------------------------------------------------------------------------
+def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device: torch.device,
+                            seed: int = 0, std: float = 0.02) -> Path:
+    """An HF-format safetensors checkpoint (config.json + model.safetensors) of random weights."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
+
+    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h),
+               "model.norm.weight": torch.ones(h, dtype=dtype)}
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = rnd(config["vocab_size"], h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+                    p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+                    p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                    p + "mlp.down_proj.weight": rnd(h, inter)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def copy_tokenizer(source: Path, dest: Path) -> None:
+    """The tokenizer files of checkpoint `source` into `dest` (a random checkpoint that a node
+    serves by text)."""
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, dest / name)
+
+
+def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[str], seed: int,
+                         device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                         std: float = 0.02) -> Path:
+    """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) with
+    random, non-zero A and B, named as PEFT saves a Llama-family model's LoRA."""
+    from safetensors.torch import save_file
+
+    from adapter_store.samples import adapter_config
+    from lora_common.validation import MODULE_PARENT
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = model_cfg.module_shapes()
+    tensors = {}
+    for layer in range(model_cfg.num_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            base = f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
+            for kind, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
+                t = torch.randn(*shape, generator=gen, device=device) * std
+                tensors[f"{base}.lora_{kind}.weight"] = t.to(dtype).cpu()
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = adapter_config(rank, list(targets), base_model="serving-bench-random")
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# -- timing --------------------------------------------------------------------------------------
+def time_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds per call."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted): the practical ceiling of the
+    memory-bound kernels, against which every floor is computed."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_call(lambda: dst.copy_(src), device)
+    return 2 * nbytes / t
+
+
+# -- JIT compiles --------------------------------------------------------------------------------
+# Counts the JIT compiles that happen while a region runs: Triton kernels (a new specialisation
+# of a kernel compiles on its first launch, 0.3-2 s each) and torch.compile graphs. A serving
+# step that compiles stalls every request in flight, so the serving benchmark reports the
+# compiles that land in its timed runs (there should be none).
+@dataclass
+class CompileEvent:
+    at: float          # time.perf_counter() when the compile finished
+    what: str          # kernel name and specialisation (Triton), or "torch.compile graph"
+
+
+@dataclass
+class CompileWatch:
+    events: list[CompileEvent] = field(default_factory=list)
+    _installed: bool = False
+
+    def install(self) -> "CompileWatch":
+        """Hooks Triton's post-compile callback (triton >= 3.3's knobs); idempotent."""
+        if self._installed:
+            return self
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            self.events.append(CompileEvent(time.perf_counter(), str(kwargs.get("repr", "triton kernel"))))
+            return previous(*args, **kwargs) if previous else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        self._installed = True
+        return self
+
+    def mark(self) -> tuple[int, int]:
+        """A position to count from: (Triton compiles so far, torch.compile graphs so far)."""
+        return len(self.events), _dynamo_graphs()
+
+    def since(self, mark: tuple[int, int]) -> list[str]:
+        """What compiled after `mark`: each Triton kernel's name and specialisation, then one
+        entry per new torch.compile graph."""
+        triton_events = [e.what for e in self.events[mark[0]:]]
+        return triton_events + ["torch.compile graph"] * max(0, _dynamo_graphs() - mark[1])
+
+
+def _dynamo_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+# -- the profiles' model and adapter configurations -------------------------------------------------
+CONFIGS = {  # name: (distinct adapters, rank, targets)
+    "base": (0, 0, ()),
+    "c1": (1, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c2": (2, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c4": (4, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c16": (16, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c32": (32, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "c64": (64, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "d32": (32, 8, ("q_proj", "v_proj")),
+    # 32 rank-16 adapters on one fused group each: what each group's LoRA adds to the step
+    # (their graphs apply that group alone: SINGLE_GROUP_VARIANTS).
+    "qkv32": (32, 16, ("q_proj", "k_proj", "v_proj")),
+    "o32": (32, 16, ("o_proj",)),
+    "gu32": (32, 16, ("gate_proj", "up_proj")),
+    "down32": (32, 16, ("down_proj",)),
+}
+SINGLE_GROUP_CONFIGS = ("qkv32", "o32", "gu32", "down32")
+
+
+def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: int) -> list[int]:
+    """Random A/B in slots first..first+num-1 for `targets`, rank `rank` (the rest zero)."""
+    from inference_node.model.llama import FUSED_MODULES
+
+    slots = list(range(first, first + num))
+    for layer in buffers.layers:
+        for group, modules in FUSED_MODULES.items():
+            buf = layer[group]
+            for i, module in enumerate(modules):
+                for s in slots:
+                    buf.a[i][s].zero_()
+                    buf.b[i][s].zero_()
+                    if module in targets:
+                        buf.a[i][s, :rank].normal_(0, 0.02)
+                        buf.b[i][s, :, :rank].normal_(0, 0.02)
+    for s in slots:
+        buffers.scaling[s] = 2.0
+        buffers.set_ranks(s, rank, set(targets))
+    return slots
+
+
+def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int,
+                 tuning=None, tiny: bool = False):
+    """(config, LlamaModel) of Llama-3.2-1B's shapes (TINY_LLAMA's with `tiny`: smoke runs)
+    with random weights (`layers` of them if given), through a checkpoint written to a
+    temporary directory; `tuning`: the model's kernels' (None: the node's defaults)."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import LlamaModel
+    from kernels.tuning import DEFAULT_TUNING
+
+    config = dict(TINY_LLAMA if tiny else LLAMA_3_2_1B)
+    if layers:
+        config["num_hidden_layers"] = layers
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
+        return (ModelConfig.from_checkpoint(ckpt),
+                LlamaModel.load(ckpt, device, dtype, max_positions=max_positions,
+                                tuning=tuning or DEFAULT_TUNING))
+
+
+def config_slots(cfg, names: list[str], dtype: torch.dtype, device: torch.device):
+    """(SlotBuffers, {config: its slots}): each named configuration's adapters (CONFIGS) in
+    slots of their own, rank-16 slot buffers."""
+    from inference_node.adapters.slots import SlotBuffers
+
+    buffers = SlotBuffers(cfg, sum(CONFIGS[n][0] for n in names) or 1, 16, dtype, device)
+    first, plan = 0, {}
+    for n in names:
+        num, rank, targets = CONFIGS[n]
+        plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
+        first += num
+    return buffers, plan
+
+
+def family(name: str) -> str:
+    """Groups kernel names: cuBLAS GEMMs, our Triton kernels by name, torch.compile fusions."""
+    if re.search(r"gemm|cutlass|sm90_|nvjet|cublas", name, re.I):
+        return "GEMM (cuBLAS or the Triton decode GEMM)"
+    m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?|add_rms_norm|silu_mul|rope_cache)_kernel", name)
+    if m:
+        return m.group(1)
+    if name.startswith("triton_"):
+        return "fused elementwise (torch.compile)"
+    if "index" in name.lower() or "scatter" in name.lower():
+        return "index_copy (KV write)"
+    return name[:60]
+
+
+def kernel_families(run, reps: int, by_name: bool = False) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and launches per call of `run`, by kernel family (by kernel name:
+    by_name), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            fam = evt.name[:90] if by_name else family(evt.name)
+            totals[fam][0] += evt.device_time / reps
+            totals[fam][1] += 1 / reps
+    return {k: (v[0], round(v[1])) for k, v in totals.items()}
+
+

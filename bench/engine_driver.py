@@ -1,0 +1,308 @@
+"""The engine driven in-process, as the serving benchmarks measure it: the synthetic workload
+(prompts, lengths, arrivals, Zipf adapter popularity) and the driver that runs it through an
+`Engine` from the calling thread, recording every request's timings and every decode step."""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+# -- workload --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    arrival: float      # seconds after the start (Poisson mode; 0 in closed loop)
+    pick: float         # uniform [0, 1): the adapter draw under Zipf popularity
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+               poisson_rate: float | None, seed: int) -> list[Spec]:
+    rng = random.Random(seed)
+    low = min(1000, vocab // 2)  # clear of the special tokens at the start of the vocabulary
+    specs, t = [], 0.0
+    for i in range(n):
+        if poisson_rate:
+            t += rng.expovariate(poisson_rate)
+        length = rng.randint(*prompt_len)
+        specs.append(Spec(i, [rng.randrange(low, vocab) for _ in range(length)],
+                          rng.randint(*output_len), t if poisson_rate else 0.0, rng.random()))
+    return specs
+
+
+def zipf_index(u: float, n: int, alpha: float) -> int:
+    """Inverse CDF of P(k) ~ 1/(k+1)^alpha over k < n."""
+    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
+    target, acc = u * sum(weights), 0.0
+    for k, w in enumerate(weights):
+        acc += w
+        if target < acc:
+            return k
+    return n - 1
+
+
+# -- measurement -------------------------------------------------------------------------------------
+@dataclass
+class ReqRecord:
+    submit: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class DecodeStep:
+    seconds: float
+    batch: int
+    adapters: frozenset[str]
+    kv_tokens: int
+    forward: float = float("nan")   # the model's forward alone (graph replay or eager), device time
+    host: float = float("nan")      # the part of `seconds` not spent waiting for sampled tokens
+    marks: list = field(default_factory=list)   # its CUDA event pairs (CPU: seconds) until read
+    boundary: bool = False          # the call it is charged to also launched a prefill/mixed step
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Driver:
+    """Runs one row's requests through an engine from this thread and records everything."""
+
+    def __init__(self, engine, device: torch.device, concurrency: int, poisson: bool,
+                 stall_seconds: float = 300.0, trace: Path | None = None,
+                 trace_steps: tuple[int, int] = (100, 110)) -> None:
+        self.engine = engine
+        self.device = device
+        self.concurrency = concurrency
+        self.poisson = poisson
+        self.stall_seconds = stall_seconds
+        self.trace, self.trace_steps = trace, trace_steps
+
+    def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
+            max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
+        from inference_node.engine.request import Request, SamplingParams
+        from inference_node.engine.token_feedback import SampledTokens
+
+        engine = self.engine
+        records = [ReqRecord() for _ in specs]
+        steps: list[DecodeStep] = []
+        order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
+        state = {"next": 0, "inflight": 0, "finished": 0}
+        t0 = time.perf_counter()
+
+        def submit(i: int, at: float) -> None:
+            spec = specs[i]
+            records[i].submit = at
+            n = max_tokens(spec) if max_tokens else spec.max_tokens
+            engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=True),
+                                  emit=lambda ev, i=i: on_event(i, ev), adapter=adapter_of(spec),
+                                  request_id=f"bench-{i}"))
+            state["inflight"] += 1
+
+        def submit_next(now: float) -> None:
+            if state["next"] < len(order):
+                i = order[state["next"]]
+                state["next"] += 1
+                submit(i, now)
+
+        def on_event(i: int, ev) -> None:
+            now = time.perf_counter()
+            rec = records[i]
+            if ev.token_ids:
+                if rec.first is None:
+                    rec.first = now
+                rec.last = now
+                rec.tokens += len(ev.token_ids)
+            if ev.finish_reason is not None:
+                rec.done = now
+                if ev.error is not None or ev.finish_reason == "error":
+                    rec.error = f"{ev.finish_reason}: {ev.error}"
+                state["inflight"] -= 1
+                state["finished"] += 1
+                if not self.poisson:
+                    submit_next(now)
+
+        pending_step: dict = {}
+        original = engine.scheduler.schedule
+
+        def schedule():
+            chunks = original()
+            if chunks:
+                pending_step["launched"] = True
+            if chunks and all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks):
+                pending_step["decode"] = (
+                    len(chunks), frozenset(c.request.adapter for c in chunks if c.request.adapter),
+                    sum(c.request.num_computed + 1 for c in chunks))
+            return chunks
+
+        # The forward's own time: CUDA events around the outermost call of the model's forward
+        # or of the decode graphs' replay (on CPU: wall time), so host overhead shows apart.
+        forward_marks: list = []
+        depth = [0]
+
+        def timed(fn):
+            def wrapper(*a, **kw):
+                depth[0] += 1
+                try:
+                    if depth[0] > 1:
+                        return fn(*a, **kw)
+                    if self.device.type == "cuda":
+                        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        begin.record()
+                        out = fn(*a, **kw)
+                        end.record()
+                        forward_marks.append((begin, end))
+                    else:
+                        t = time.perf_counter()
+                        out = fn(*a, **kw)
+                        forward_marks.append(time.perf_counter() - t)
+                    return out
+                finally:
+                    depth[0] -= 1
+            return wrapper
+
+        # Time blocked on the device for sampled tokens: the rest of a step is host work. When
+        # host work is shorter than the GPU's step, the GPU sets the pace.
+        waited = [0.0]
+        original_wait = SampledTokens.wait
+
+        def timed_wait(tokens):
+            t = time.perf_counter()
+            try:
+                return original_wait(tokens)
+            finally:
+                waited[0] += time.perf_counter() - t
+
+        SampledTokens.wait = timed_wait
+        hooked = [(engine.model, "forward")]
+        if getattr(engine, "decode_graphs", None) is not None:
+            hooked.append((engine.decode_graphs, "run"))
+        engine.scheduler.schedule = schedule
+        for obj, name in hooked:
+            setattr(obj, name, timed(getattr(obj, name)))
+        try:
+            if not self.poisson:
+                for _ in range(min(self.concurrency, len(specs))):
+                    submit_next(t0)
+            last_progress, seen = time.perf_counter(), 0
+            tracer = None
+            outstanding = None  # (decode info or None, forward marks) of the step not yet read
+            while state["finished"] < len(specs):
+                now = time.perf_counter()
+                if self.poisson:
+                    while state["next"] < len(order) and t0 + specs[order[state["next"]]].arrival <= now:
+                        i = order[state["next"]]
+                        state["next"] += 1
+                        submit(i, t0 + specs[i].arrival)
+                    if state["inflight"] == 0:
+                        wait = t0 + specs[order[state["next"]]].arrival - now
+                        time.sleep(max(0.0, min(wait, 0.01)))
+                        continue
+                tracer = self._trace(tracer, len(steps))
+                pending_step.clear()
+                forward_marks.clear()
+                waited[0] = 0.0
+                started = time.perf_counter()
+                engine.run_once(block=False)  # no sync here: the engine overlaps its steps
+                ended = time.perf_counter()
+                # A call launches step n+1 and then waits for step n, so in steady state it lasts
+                # as long as step n on the GPU: its time belongs to the step launched before it
+                # (a decode step right after a long prefill step is not charged for the prefill).
+                if outstanding is not None and outstanding[0] is not None:
+                    (batch, adapters, kv), marks = outstanding
+                    boundary = bool(pending_step.get("launched")) and pending_step.get("decode") is None
+                    steps.append(DecodeStep(ended - started, batch, adapters, kv,
+                                            host=ended - started - waited[0], marks=marks,
+                                            boundary=boundary))
+                if pending_step.get("launched"):
+                    outstanding = (pending_step.get("decode"), list(forward_marks))
+                elif outstanding is not None:
+                    outstanding = None  # this call only read it
+                progress = state["finished"] + sum(r.tokens for r in records)
+                if progress != seen:
+                    seen, last_progress = progress, ended
+                elif ended - last_progress > self.stall_seconds:
+                    raise RuntimeError(f"no progress for {self.stall_seconds:.0f}s "
+                                       f"({state['finished']}/{len(specs)} finished)")
+        finally:
+            SampledTokens.wait = original_wait
+            del engine.scheduler.schedule  # back to the class's methods
+            for obj, name in hooked:
+                delattr(obj, name)
+        sync(self.device)
+        for step in steps:  # CUDA events are read once the device is done with all of them
+            step.forward = sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) * 1e-3
+                               for m in step.marks) if step.marks else float("nan")
+            step.marks = []
+        engine.check_consistency()
+        errors = [r.error for r in records if r.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+        return records, steps
+
+
+    def _trace(self, tracer, decode_steps: int):
+        """--trace: a torch.profiler trace (host and device) of decode steps [first, last)."""
+        first, last = self.trace_steps
+        if self.trace is None or decode_steps < first:
+            return tracer
+        if tracer is None and decode_steps == first:
+            tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                            + ([torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
+            tracer.__enter__()
+        elif tracer is not None and decode_steps >= last:
+            sync(self.device)
+            tracer.__exit__(None, None, None)
+            self.trace.parent.mkdir(parents=True, exist_ok=True)
+            tracer.export_chrome_trace(str(self.trace))
+            self.trace = None
+            return None
+        return tracer
+
+
+def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) -> None:
+    """Loads and pins every adapter into a GPU slot (this thread drives the engine loop)."""
+    pending, failed = set(names), []
+
+    def done_for(name: str):
+        def done(entry, error) -> None:
+            pending.discard(name)
+            if error is not None or entry is None or not entry.resident:
+                failed.append(f"{name}: {error or 'not resident'}")
+        return done
+
+    for name in names:
+        manager.load(name, "", True, done_for(name))
+    deadline = time.monotonic() + timeout
+    while pending:
+        engine.run_once(block=False)
+        time.sleep(0.002)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"adapters still loading after {timeout:.0f}s: {sorted(pending)[:5]}")
+    if failed:
+        raise RuntimeError(f"adapters failed to load: {failed[:3]}")
+    sync(engine.model.device)

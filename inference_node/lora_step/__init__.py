@@ -1,0 +1,1 @@
+"""Per-step LoRA: which kernels add each scheduled token's adapter delta (plan.py)."""

@@ -1,0 +1,49 @@
+"""LoRA after each matmul, for eager steps (prefill and mixed batches): the kernels' metadata
+is built once per step from each token's slot, then every layer's fused projections add their
+deltas in one launch each. Groups that no adapter in the step targets (the MLP, for q/v
+adapters) launch nothing."""
+from __future__ import annotations
+
+import torch
+
+from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta, add_lora
+
+from ..adapters.slots import SlotBuffers
+from ..engine.scheduler import ScheduledChunk
+from ..model.llama import GROUP_FIRST_MODULE
+
+
+class StepLoraApplier:
+    """Adds each delta into its projection's output, after the base matmul."""
+
+    def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta,
+                 groups: frozenset[str] | None = None) -> None:
+        """groups: the fused groups to apply (None: all)."""
+        self.buffers = buffers
+        self.meta = meta
+        self.groups = groups
+
+    def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
+        return None
+
+    def fold(self, layer: int, group: str) -> None:
+        return None  # eager steps: rows are not grouped into contiguous segments
+
+    def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.groups is not None and group not in self.groups:
+            return None
+        buf = self.buffers.layers[layer][group]
+        add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets,
+                 slot_ranks=self.buffers.slice_ranks[group],
+                 rank_col=SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group])
+        return None
+
+
+def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier:
+    """The applier of an eager step's scheduled chunks (each chunk's tokens on its request's
+    adapter slot)."""
+    token_slots: list[int] = []
+    for chunk in chunks:
+        token_slots += [chunk.request.lora_slot] * chunk.num_new_tokens
+    groups = buffers.groups_of(c.request.lora_slot for c in chunks)
+    return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device), groups)

@@ -1,0 +1,75 @@
+"""The LoRA step plan: for every engine step, which kernels add each token's adapter delta,
+read from the adapter slots' GPU buffers (adapters/slots.py, filled by the adapter manager).
+
+Eager steps (prefill, mixed batches) add each delta after its matmul (eager.py). Decode graph
+steps run LoRA beside the base matmuls, folded into them or expanded by the ops after them,
+as the node's Tuning says (overlap.py). The engine takes this one object; the adapter manager
+(adapters/manager.py) only decides which adapter sits in which slot.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.gemm import MAX_ROWS
+from kernels.lora import LoraBatchMeta
+from kernels.tuning import DEFAULT_TUNING, Tuning
+
+from ..adapters.slots import SlotBuffers
+from ..engine.decode_graphs import GraphLora
+from ..engine.scheduler import ScheduledChunk
+from .eager import StepLoraApplier, build_applier
+from .overlap import LoraOverlap
+
+
+class LoraStepPlan:
+    def __init__(self, buffers: SlotBuffers, tuning: Tuning = DEFAULT_TUNING) -> None:
+        self.buffers = buffers
+        self.tuning = tuning
+
+    @property
+    def max_loras(self) -> int:
+        """Adapter slots: the most distinct adapters in one step."""
+        return self.buffers.max_loras
+
+    @property
+    def module_ranks(self) -> np.ndarray:
+        """Host mirror of every slot's rank per LoRA module ([slot, module])."""
+        return self.buffers.module_ranks
+
+    def groups_of(self, slots) -> frozenset[str]:
+        """The fused projection groups the adapters in these slots target."""
+        return self.buffers.groups_of(slots)
+
+    def applier(self, chunks: list[ScheduledChunk]) -> StepLoraApplier | None:
+        """An eager step's applier (None when no scheduled token uses an adapter)."""
+        if all(c.request.lora_slot < 0 for c in chunks):
+            return None
+        return build_applier(self.buffers, chunks)
+
+    def warmup_applier(self, token_slots: list[int]) -> StepLoraApplier:
+        """An eager applier over the given slots for every fused group, whatever the slots
+        hold (empty slots have rank 0): it launches each kernel an eager step can (the
+        engine's warm-up)."""
+        return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
+
+    def graph_lora(self, max_tokens: int) -> GraphLora:
+        """The decode graphs' LoRA: appliers over static buffers for up to `max_tokens` rows."""
+        return GraphLora(GraphAppliers(self.buffers, max_tokens, self.tuning).applier,
+                         self.buffers.max_loras, self.buffers.groups_of, self.buffers.module_ranks)
+
+
+class GraphAppliers:
+    """Decode graphs' appliers: LoRA beside the base matmuls (overlap.py) up to the decode
+    GEMM's rows (kernels.gemm MAX_ROWS), whose kernels the overlap's folds and expands are
+    built around; after the matmuls (eager.py) in graphs of more rows, whose base matmuls are
+    cuBLAS's."""
+
+    def __init__(self, buffers: SlotBuffers, max_tokens: int, tuning: Tuning) -> None:
+        self.buffers = buffers
+        self.max_rows = MAX_ROWS
+        self.beside = LoraOverlap(buffers, min(max_tokens, MAX_ROWS), tuning)
+
+    def applier(self, meta: LoraBatchMeta, groups: frozenset[str] | None = None):
+        if meta.num_active_tokens <= self.max_rows:
+            return self.beside.applier(meta, groups)
+        return StepLoraApplier(self.buffers, meta, groups)

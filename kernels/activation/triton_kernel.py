@@ -1,0 +1,131 @@
+"""SiLU(gate) * up with the gate/up LoRA delta expanded in, in one Triton launch.
+
+Programs cover (row, a span of the intermediate columns): each reads its gate and up columns,
+expands the row's delta for them from the shrink's partial sums and the adapter's B columns
+(kernels/lora/delta.py), or adds the delta already expanded, and writes the activation. Rows
+without an adapter skip the B reads.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..host import cdiv, next_power_of_2, pdl_launch
+from ..lora.delta import LoraDelta
+from ..tuning import DEFAULT_TUNING, Tuning
+
+
+@triton.jit
+def _b_tile(b_rows, stride_bn, offs, mask, offs_r, r_live):
+    """B's rows for columns `offs` [columns, rank]; r_live: the rank columns to read, 0 for a
+    row without an adapter (nothing read, zeros)."""
+    return tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
+                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+
+
+@triton.jit
+def _expanded(x, h, b):
+    """x (a row's columns of one slice) plus h @ b.T (b: _b_tile), rounded once to x's dtype."""
+    return (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, slots_ptr, dense_ptr,
+    I, R,
+    stride_gu, stride_act, stride_ps, stride_pslice, stride_pt,
+    stride_bgs, stride_bgn, stride_bus, stride_bun, stride_dense,
+    SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY_B: tl.constexpr = False,
+):
+    if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = offs < I
+    if HAS_LORA and not DENSE:  # straight-line: the row's loads go out together
+        offs_r = tl.arange(0, BLOCK_R)
+        # The row's adapter slot comes from the host (copied before the step) and B from the
+        # slot pool: neither is written by the kernel ahead, so with EARLY_B they are read
+        # before the wait, while the gate/up GEMM still streams its weights.
+        slot = tl.load(slots_ptr + t)
+        safe = tl.maximum(slot, 0).to(tl.int64)
+        r_live = tl.where(slot >= 0, R, 0)
+        if PDL and not EARLY_B:
+            tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
+        b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
+        b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
+        if PDL and EARLY_B:
+            tl.extra.cuda.gdc_wait()
+        h_g = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        h_u = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        part_row = part_ptr + t * stride_pt + offs_r
+        # No sums are read for a row without an adapter: they may be unwritten
+        # (kernels/gemm/fold.py: GemmLora.unexpanded).
+        for s in tl.static_range(SPLITS):
+            h_g += tl.load(part_row + s * stride_ps, mask=offs_r < r_live, other=0.0)
+            h_u += tl.load(part_row + s * stride_ps + stride_pslice, mask=offs_r < r_live,
+                           other=0.0)
+        g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
+        u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
+        g = _expanded(g, h_g, b_g)
+        u = _expanded(u, h_u, b_u)
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
+        u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
+        if DENSE:  # the delta, expanded beside the matmul: [T, 2I] float32
+            dg = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+            du = tl.load(dense_ptr + t * stride_dense + I + offs, mask=mask, other=0.0)
+            g = (g.to(tl.float32) + dg).to(g.dtype)
+            u = (u.to(tl.float32) + du).to(u.dtype)
+    gf = g.to(tl.float32)
+    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded as F.silu rounds
+    act = silu.to(tl.float32) * u.to(tl.float32)
+    tl.store(act_ptr + t * stride_act + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
+                    block_i: int | None = None, num_warps: int | None = None,
+                    tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    """As reference.silu_mul with delta.dense(), in one launch. block_i: columns per
+    program. With a delta to expand the defaults are the tuning's silu_row_tile, the decode
+    graph's best: alone, wider programs were faster, but in the graph a program's B, read
+    before its wait, is less to hold while the gate/up GEMM still runs."""
+    T, two_i = gate_up.shape
+    I = two_i // 2
+    assert gate_up.stride(1) == 1
+    act = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
+    if T == 0:
+        return act
+    dense = delta is not None and delta.expanded is not None
+    if dense:
+        assert delta.expanded.shape == (T, two_i) and delta.expanded.stride(1) == 1
+    if delta is not None:
+        assert len(delta.b) == 2, "two slices: gate and up"
+        bg, bu = delta.b
+        part = delta.partials
+        assert bg.shape[1] == I and bu.shape[1] == I and bg.stride(2) == 1 and bu.stride(2) == 1
+        assert part.stride(3) == 1
+        lora = (part, bg, bu, delta.token_slots)
+        lora_strides = (part.stride(0), part.stride(1), part.stride(2), bg.stride(0), bg.stride(1),
+                        bu.stride(0), bu.stride(1))
+        R, splits = part.shape[3], delta.splits
+        default_block = 1024 if dense else tuning.silu_row_tile[0]
+    else:
+        lora = (gate_up,) * 4  # dummy pointers, never read
+        lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
+    block_i = min(block_i or default_block, next_power_of_2(I))
+    default_warps = tuning.silu_row_tile[1] if delta is not None and not dense else 4
+    pdl = tuning.pdl_on(gate_up)
+    _silu_mul_kernel[(T, cdiv(I, block_i))](
+        gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
+        act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
+        SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
+        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl,
+        EARLY_B=tuning.expand_early_b_on(gate_up), **pdl_launch(pdl),
+        num_warps=num_warps or default_warps,
+    )
+    return act

@@ -1,0 +1,103 @@
+"""Which kernel computes a projection x @ W: the Triton decode GEMM (triton_kernel.py) for
+decode-shaped inputs on CUDA in the groups the tuning names (Tuning.gemm_groups), cuBLAS for
+everything else (prefill, CPU, shapes its tiles do not divide); with a fused group's LoRA
+folded in, the fold kernel (fold_triton_kernel.py) or its reference.
+
+Why the Triton GEMM: launched with programmatic dependent launch (Hopper) it starts while the
+kernel ahead of it ends and asks L2 for its first weights (Tuning.gemm_prefetch_k) before it
+waits for its input, which cuBLAS cannot. Launched plainly the same GEMM is slower than
+cuBLASLt: the early start is what pays. On Hopper it fetches its tiles with TMA
+(Tuning.gemm_tma): with pointer loads its SMs were issue-bound. Measurements:
+docs/PERFORMANCE.md.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import triton_kernel
+from ..tuning import DEFAULT_TUNING, Tuning
+from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
+from .shapes import MAX_ROWS, tiling, tma_fits
+
+TRITON = "kernels.gemm.triton_kernel"
+FOLD_TRITON = "kernels.gemm.fold_triton_kernel"
+
+
+def cublas(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           group: str | None = None) -> torch.Tensor:
+    """x @ w (+ bias) by torch (cuBLAS on CUDA)."""
+    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+
+def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: bool = False,
+                     pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
+                     block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
+                     prefetch_a: int = 0) -> torch.Tensor:
+    """x [M, K] @ w [K, N] (w a transposed view of [N, K] for tma) plus the LoRA delta, in
+    x's dtype. Triton where it runs and the fold fits, else the reference. prefetch_a (with
+    pdl): columns of A the shrink programs ask of L2 before their wait."""
+    K, N = x.shape[1], w.shape[1]
+    kernel = (triton_kernel(x, FOLD_TRITON, "decode_gemm_lora_triton")
+              if gemm_lora_fits(lora, N, block_n) and K % block_k == 0 else None)
+    if kernel is None:
+        return reference_gemm_lora(x, w, lora)
+    return kernel(x, w, lora, tma=tma, pdl=pdl, prefetch_k=prefetch_k, block_n=block_n,
+                  block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                  prefetch_a=prefetch_a)
+
+
+class DecodeGemm:
+    """x @ W for the model's projections, W given as [in, out] (possibly a transposed view)."""
+
+    def __init__(self, device: torch.device, tuning: Tuning = DEFAULT_TUNING) -> None:
+        self.cuda = device.type == "cuda"
+        self.tuning = tuning
+
+    def serves(self, group: str) -> bool:
+        """Whether this GEMM (rather than cuBLAS) computes the fused projection `group`'s
+        decode-shaped matmuls; its weights are then best kept [out, in] (each program's slab
+        contiguous) rather than [in, out] (cuBLAS's faster layout at decode batch sizes)."""
+        return self.cuda and group in self.tuning.gemm_groups
+
+    def applies(self, x: torch.Tensor, w: torch.Tensor, group: str | None = None) -> bool:
+        return (self.cuda and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+                and tiling(w, group, self.tuning.gemm_tilings) is not None)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 group: str | None = None, lora: GemmLora | None = None) -> torch.Tensor:
+        """x @ w (+ bias), plus `lora`'s delta folded into the same launch where given."""
+        if lora is not None:
+            return self.with_lora(x, w, bias, group, lora)
+        if bias is None and self.applies(x, w, group):
+            tuning = self.tuning
+            tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings)
+                          if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
+            gemm = triton_kernel(x, TRITON, "decode_gemm_tma" if tma_tiling else "decode_gemm_triton")
+            if gemm is not None:
+                block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings)
+                return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k,
+                            block_n=block_n, block_k=block_k, num_stages=stages,
+                            early_trigger=tuning.gemm_early_trigger)
+        return cublas(x, w, bias)
+
+    def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                  group: str | None, lora: GemmLora) -> torch.Tensor:
+        """The matmul with its LoRA folded in (fold.py): this GEMM's tiling and launch where it
+        serves the shape, the same kernel plainly launched where Triton runs otherwise (the
+        interpreter), the reference elsewhere."""
+        tuning = self.tuning
+        fold_tiling = tiling(w, group, tuning.fold_tilings)
+        if fold_tiling is None or bias is not None:
+            y = cublas(x, w, bias)
+            if not lora.expand:
+                lora.store_shrink(x)
+                return y
+            return (y.float() + lora.delta(x)).to(x.dtype)
+        tma = pdl = False
+        if self.serves(group) and self.applies(x, w, group):
+            pdl = tuning.pdl_on(x)
+            tma = tuning.gemm_tma_on(x) and tma_fits(x, w)
+        block_n, block_k, stages = fold_tiling
+        return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=tuning.gemm_prefetch_k,
+                                block_n=block_n, block_k=block_k, num_stages=stages,
+                                prefetch_a=tuning.fold_prefetch_a if lora.expand else 0)

@@ -1,0 +1,101 @@
+"""A fused projection's LoRA folded into its decode matmul: y = x @ W + every row's delta,
+one launch (fold_triton_kernel.py), the PyTorch reference (reference_gemm_lora) elsewhere.
+
+Why: at decode a step's adapters add bytes (A and B of each distinct adapter) to a matmul
+that is itself a stream of weight bytes. Run as kernels of their own, or inside the op after
+the matmul, the LoRA parts are short launches bound by latency, not bytes: on an H100 with
+32 adapters the ops that expanded B took more than twice their B's read time
+(docs/PERFORMANCE.md). Folded in, A and B are read beside the weight stream: the shrink
+programs read each adapter's A once, and each output tile reads its rows' B columns while
+it streams W, leaving a short tail (a wait for the shrinks, a read of their rows) after the
+matmul. That tail and the shrink programs cost a few microseconds per wave of tiles, so it
+pays for o (one wave), not for gate/up or q/k/v (kernels/tuning.py: fold_groups).
+
+For q/k/v, gate/up and (in steps of many adapters) o the launch only shrinks (expand=False):
+the op after the matmul (RoPE, SiLU, the split add + norm) reads the rows' B anyway, and
+with no side-stream edge before it, it launches early and reads B while the matmul streams
+its weights (kernels/tuning.py: shrink_fold_groups).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..lora.delta import ColumnSplit, LoraDelta, scaled_shrink
+
+@dataclass(frozen=True)
+class GemmLora:
+    """What the matmul of one fused group needs to add its LoRA (adapters/slots.py layout)."""
+
+    a_all: torch.Tensor          # [S, slices x R, K]: a slot's A, slice by slice
+    b_all: torch.Tensor          # [S, N, R]: a slot's B, rows at their output columns
+    scaling: torch.Tensor        # [S] float32
+    slice_offsets: tuple[int, ...]  # first output column of each slice
+    segment_table: torch.Tensor  # [>= segments, >= 3] int32: slot, first row, length (rows
+                                 # of a segment contiguous; empty rows after the real ones)
+    segments: int                # table rows a launch reads (a graph's bucket)
+    token_slots: torch.Tensor    # [T] int32, -1 for none (the reference's input)
+    xa: torch.Tensor             # [>= T, slices x R] float32 scratch for the shrink's rows
+    sync: torch.Tensor           # [2] int64 counters of one launch site and grid size, zero
+                                 # before its first launch (tickets, finished shrinks)
+    # False: the launch only shrinks beside the matmul (y = x @ W, xa's rows stored) and the
+    # op after it expands (unexpanded()): the fold of a group whose next op reads B anyway.
+    expand: bool = True
+    # expand=False for o or down: the add + norm's scratch to spread each row over several
+    # programs (LoraDelta.column_split), which then read their B columns before their wait.
+    column_split: ColumnSplit | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.b_all.shape[2]
+
+    @property
+    def slices(self) -> int:
+        return len(self.slice_offsets)
+
+    def shrink(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, slices x R] float32: every row's x @ A.T, scaled, zero for rows without an
+        adapter (the reference of the kernel's xa)."""
+        return scaled_shrink(x, self.a_all, self.scaling, self.token_slots)
+
+    def store_shrink(self, x: torch.Tensor) -> None:
+        """expand=False on the reference path: xa's rows as the kernel stores them."""
+        self.xa[:x.shape[0], :self.slices * self.rank] = self.shrink(x)
+
+    def b_slices(self) -> tuple[torch.Tensor, ...]:
+        """Each slice's B, [S, out_i, R] views of b_all."""
+        bounds = [*self.slice_offsets, self.b_all.shape[1]]
+        return tuple(self.b_all[:, lo:hi] for lo, hi in zip(bounds, bounds[1:]))
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, N] float32: every row's delta (the reference the kernel is checked against)."""
+        xa = self.shrink(x)
+        safe = self.token_slots.long().clamp(min=0)
+        r = self.rank
+        return torch.cat([torch.einsum("tr,tnr->tn", xa[:, i * r:(i + 1) * r], b[safe].float())
+                          for i, b in enumerate(self.b_slices())], dim=1)
+
+    def unexpanded(self, rows: int) -> LoraDelta:
+        """expand=False: the shrink's rows of xa (stored by the launch) as a one-split
+        LoraDelta, for the op after the matmul to expand. Rows without an adapter are not
+        stored; the ops expanding it read no sums for them."""
+        return LoraDelta.from_rows(self.xa, rows, self.rank, self.b_slices(), self.token_slots,
+                                   self.column_split)
+
+
+def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:
+    """Whether the Triton kernel takes this fold: every tile inside one slice (at most 3),
+    a rank the tensor cores take (a power of 2, 16 or more), and a segment table."""
+    r = lora.rank
+    return (lora.slices <= 3 and r >= 16 and r & (r - 1) == 0 and n % block_n == 0
+            and all(off % block_n == 0 for off in lora.slice_offsets)
+            and lora.segment_table.shape[0] >= lora.segments)
+
+
+def reference_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora) -> torch.Tensor:
+    """x @ w plus the delta, in x's dtype; with expand=False, x @ w with xa's rows stored."""
+    if not lora.expand:
+        lora.store_shrink(x)
+        return torch.mm(x, w)
+    return (torch.mm(x, w).float() + lora.delta(x)).to(x.dtype)

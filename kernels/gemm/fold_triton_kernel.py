@@ -1,0 +1,236 @@
+"""x @ W + every row's LoRA delta in one launch: the decode GEMM with the adapters' A and B
+streamed as part of it (fold.py says why).
+
+One grid, two kinds of program. The first `segments x slices` programs to start shrink: each
+computes x @ A_i[slot].T for one (segment, slice) over the whole K, scales it and stores the
+rows of its segment into a small float32 workspace `xa`. The other programs each own a
+[rows, BLOCK_N] tile of y, as in decode_gemm_triton. Each first reads, for every row, its
+adapter's B over the tile's columns into registers (that depends only on the step's rows,
+not on the kernel before, so it overlaps that kernel and the weight stream), streams its
+slab of W, waits until every shrink program has stored its rows, and adds
+
+    acc[m, :] += xa[m, slice's R columns] @ B[slot_m][columns].T
+
+a few FMAs a row: the tail after the matmul is one wait and one read of xa. (A K loop over
+the step's segments instead, each adapter's B read once per tile by a tensor-core dot, was
+measured slower: its steps, each a dependent read, made a longer tail.)
+
+With GemmLora.expand False the launch only shrinks beside the matmul: the tiles are plain
+GEMM tiles (no B, no wait), each program's id is its role, and the op after the matmul
+expands the stored rows (GemmLora.unexpanded).
+
+Which kind a program is follows the order programs start, not its id: each takes a ticket
+from an atomic counter, and the first tickets shrink. A tile program only waits for tickets
+already taken, by programs that are running and wait on nothing but the kernel before this
+one, so the wait always ends, whatever order the hardware starts programs in. The counters
+belong to one launch site (and grid size) and only grow: launch i of the site takes tickets
+i x programs onwards and waits for (i + 1) x shrinks finished, so nothing resets them
+between launches or CUDA graph replays. In Triton's interpreter programs run one after
+another in id order, so the shrink programs have finished before any tile program waits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..host import dot_f32, next_power_of_2, pdl_launch
+from .fold import GemmLora, gemm_lora_fits
+from .triton_kernel import prefetch_l2
+
+
+@triton.jit
+def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
+                    stride_xa, stride_seg, ticket,
+                    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                    PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+                    PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
+    """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s].
+    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input.
+    PREFETCH_A (with PDL): columns of the slice's A asked of L2 before the wait, as the tiles
+    ask for their W: A does not depend on the kernel before, x does."""
+    seg = ticket // N_SLICES
+    slc = ticket % N_SLICES
+    slot = tl.load(table_ptr + seg * stride_seg)
+    first = tl.load(table_ptr + seg * stride_seg + 1)
+    length = tl.load(table_ptr + seg * stride_seg + 2)
+    if length > 0:
+        a_row = (slot * N_SLICES + slc) * R  # A of a slot: [slices x R, K], slice by slice
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, R)
+        offs_k = tl.arange(0, BLOCK_K)
+        if PDL:
+            if PREFETCH_A > 0:  # one prefetch per 128-byte line of A's R rows
+                lines = tl.arange(0, PREFETCH_A // LINE) * LINE
+                prefetch_l2(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + lines[None, :])
+            tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
+            if EARLY_TRIGGER:
+                tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                x = x_desc.load([0, k0])
+                a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=offs_m[:, None] < M, other=0.0)
+                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                            + (k0 + offs_k)[None, :])
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+            else:
+                acc += tl.dot(x, a.T)
+        acc = acc * tl.load(scaling_ptr + slot)
+        in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
+        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
+                 mask=in_segment[:, None])
+
+
+@triton.jit
+def _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N, R]: each row's adapter's B over the tile's columns (zero for rows
+    without one), and the rows' adapter masks."""
+    offs_m = tl.arange(0, BLOCK_M)
+    slot = tl.load(slots_ptr + offs_m, mask=offs_m < M, other=-1)
+    has = slot >= 0
+    offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_r = tl.arange(0, R)
+    b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_bs
+                + offs_n[None, :, None] * stride_bn + offs_r[None, None, :],
+                mask=has[:, None, None], other=0.0)
+    return b, has
+
+
+@triton.jit
+def _row_delta(b, has, xa_ptr, n0, stride_xa, off1, off2, R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32: each row's xa (its slice's R columns) times its B."""
+    slc = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, R)
+    xa = tl.load(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :],
+                 mask=has[:, None], other=0.0, cache_modifier=".cg")
+    return tl.sum(xa[:, None, :] * b.to(tl.float32), axis=2)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _decode_gemm_lora_kernel(
+    x_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
+    slots_ptr, sync_ptr, M, off1, off2, stride_xm, stride_wn, stride_wk, stride_ym, stride_bs, stride_bn,
+    stride_xa, stride_seg,
+    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
+    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
+):
+    NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
+    if EXPAND:
+        # Tickets and finished shrinks only ever grow (int64): launch i of this site takes
+        # tickets i*programs .. (i+1)*programs-1 and waits for (i+1)*NUM_SHRINK finished
+        # shrinks.
+        programs = tl.num_programs(0).to(tl.int64)
+        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        launch = ticket // programs
+        role = ticket - launch * programs
+    else:  # no tile waits for the shrinks: a program's id is its role
+        launch = 0
+        role = tl.program_id(0).to(tl.int64)
+    if role < NUM_SHRINK:
+        _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
+                        stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
+                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A, LINE)
+        if EXPAND:
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+            # Every thread's stores of xa above before the count (a release at GPU scope).
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+    else:
+        n0 = (role - NUM_SHRINK).to(tl.int32) * BLOCK_N
+        offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        # The rows' adapters come from the host (copied before the step), not from the kernel
+        # before: their B columns are read into registers while that kernel and W's stream run.
+        if EXPAND:
+            b_rows, has = _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R, BLOCK_M,
+                                 BLOCK_N)
+        if PDL:
+            if PREFETCH_K > 0:  # as in decode_gemm_triton: W does not depend on the kernel before
+                lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+                prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :] * stride_wk)
+            tl.extra.cuda.gdc_wait()
+            if not EXPAND:  # as decode_gemm_triton's early trigger
+                tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                x = x_desc.load([0, k0])
+                w = w_desc.load([n0, k0]).T  # [BLOCK_K, BLOCK_N] of W [out, in]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=offs_m[:, None] < M, other=0.0)
+                w = tl.load(w_ptr + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+        if EXPAND:
+            if PDL:  # the next kernel may launch now (it waits for this one before reading y)
+                tl.extra.cuda.gdc_launch_dependents()
+            # Every shrink program's rows of xa stored (their tickets are taken: they run).
+            target = (launch + 1) * NUM_SHRINK
+            arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+            while arrived < target:
+                arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+            acc += _row_delta(b_rows, has, xa_ptr, n0, stride_xa, off1, off2, R, BLOCK_M)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
+
+
+def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
+                            tma: bool = False, pdl: bool = False, prefetch_k: int = 0,
+                            block_n: int = 16, block_k: int = 128, num_warps: int = 4,
+                            num_stages: int = 4, prefetch_a: int = 0) -> torch.Tensor:
+    """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
+    block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
+    view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. prefetch_a
+    (with pdl): columns of A each shrink program asks of L2 before its wait (a multiple of 64;
+    at most K)."""
+    M, K = x.shape
+    N = w.shape[1]
+    assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    r, slices = lora.rank, lora.slices
+    block_m = max(16, next_power_of_2(M))
+    a2d = lora.a_all.reshape(-1, K)
+    assert a2d.stride(1) == 1 and lora.b_all.stride(2) == 1 and lora.xa.stride(1) == 1
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_out_in = w.t()
+        descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
+                 TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k]),
+                 TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]))
+        w_arg, stride_wn, stride_wk = w_out_in, K, 1
+    else:
+        descs = (x, w, a2d)
+        w_arg, stride_wn, stride_wk = w, w.stride(1), w.stride(0)
+    offs = [*lora.slice_offsets[1:], N, N][:2]
+    table = lora.segment_table
+    grid = (lora.segments * slices + N // block_n,)
+    _decode_gemm_lora_kernel[grid](
+        descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
+        lora.token_slots, lora.sync, M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk, y.stride(0),
+        lora.b_all.stride(0), lora.b_all.stride(1), lora.xa.stride(0), table.stride(0),
+        K=K, R=r, N_SLICES=slices, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, TMA=tma, PDL=pdl,
+        PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
+        LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
+        PREFETCH_A=min(prefetch_a, K) if pdl else 0,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
+    )
+    return y

@@ -1,0 +1,36 @@
+"""What the Triton decode GEMM takes, decided on the host (no Triton import): how many rows,
+which tiling divides a weight, and whether TMA can fetch its tiles."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..tuning import Tiling
+
+MAX_ROWS = 64  # decode batches; larger (prefill) matmuls stay with cuBLAS
+DEFAULT_TILING: Tiling = (16, 128, 4)  # a group without a tiling of its own
+SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
+
+
+def tiling(w: torch.Tensor, group: str | None, table: Mapping[str, Tiling]) -> Tiling | None:
+    """(block_n, block_k, stages) for w [K, N] from the group's entry of `table` (one of the
+    Tuning's tiling tables), None where no tiling divides it (the group's own, else 64-column
+    K steps: SmolLM2's hidden size is 576), with no more stages than shared memory holds
+    (float32 tiles are twice as large)."""
+    block_n, block_k, stages = table.get(group, DEFAULT_TILING)
+    if w.shape[0] % block_k:
+        block_k = 64
+    if w.shape[1] % block_n or w.shape[0] % block_k:
+        return None
+    per_stage = (64 + block_n) * block_k * w.element_size()
+    return block_n, block_k, max(2, min(stages, SHARED_MEMORY // per_stage))
+
+
+def tma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether decode_gemm_tma takes x @ w: w a transposed view of a contiguous [out, in]
+    matrix, both 16-byte aligned with 16-byte row strides (what a TMA descriptor needs)."""
+    esize = x.element_size()
+    return (w.t().is_contiguous() and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0 and (x.stride(0) * esize) % 16 == 0
+            and (w.shape[0] * esize) % 16 == 0)

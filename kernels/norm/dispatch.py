@@ -1,0 +1,20 @@
+"""Residual add (+ a LoRA delta) + RMSNorm: the fused Triton kernel (triton_kernel.py) where
+Triton runs, the PyTorch reference (reference.py) elsewhere."""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import triton_kernel
+from ..lora.delta import LoraDelta
+from ..tuning import DEFAULT_TUNING, Tuning
+from .reference import add_rms_norm
+
+
+def add_rms_norm_lora(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float,
+                      delta: LoraDelta | None, tuning: Tuning = DEFAULT_TUNING
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden + out + the expanded delta, that normalised), see reference.add_rms_norm."""
+    kernel = triton_kernel(hidden, "kernels.norm.triton_kernel", "add_rms_norm_triton")
+    if kernel is not None:
+        return kernel(hidden, out, weight, eps, delta, tuning=tuning)
+    return add_rms_norm(hidden, out, weight, eps, delta.dense() if delta is not None else None)

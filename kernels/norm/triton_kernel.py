@@ -1,0 +1,250 @@
+"""The residual add, a projection's LoRA delta and RMSNorm in one Triton launch.
+
+One program per row: the row's delta is expanded from the shrink's partial sums and its
+adapter's B (kernels/lora/delta.py), added to the projection's output and to the residual
+stream, and the sum normalised (or the delta already expanded beside the matmul is added).
+The first pass writes the new residual row and its sum of squares; after a barrier the second
+pass reads the row back (from cache) and writes the normalised one. Rows without an adapter
+skip the B reads.
+
+At decode batch one program a row leaves half of an H100's SMs idle while each of the others
+reads a whole B slice (64 KB at Llama-3.2-1B's width). Given a ColumnSplit (kernels/lora/
+delta.py) the LoRA kernel spreads each row over programs of a few hundred columns, and the
+row's last program to finish (an arrival count per row) normalises it; the count is reset by
+that program, so graph replays need no clearing. In the decode graph it pays after o, whose
+shrink runs in o's GEMM: the programs, launched early (PDL), read their B columns while that
+GEMM runs, which one program holding a whole row's B could not (kernels/tuning.py:
+norm_split_groups).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..host import cdiv, next_power_of_2, pdl_launch
+from ..lora.delta import LoraDelta
+from ..tuning import DEFAULT_TUNING, Tuning
+
+
+@triton.jit
+def _lora_slot(b_ptr, slots_ptr, t, R, stride_bs):
+    """Row t's adapter B rows and the rank columns to read: R, or 0 for a row without an
+    adapter (no B read, no sums read, zero added). A step input and the slot pool's weights:
+    nothing the kernel ahead writes, so a PDL launch may read them before its wait."""
+    slot = tl.load(slots_ptr + t)
+    r_live = tl.where(slot >= 0, R, 0)
+    return b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs, r_live
+
+
+@triton.jit
+def _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """Row t's shrink sums h (the split partials added); none read for a row without an
+    adapter, whose sums may be unwritten (kernels/gemm/fold.py: GemmLora.unexpanded)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        h += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_r, mask=offs_r < r_live,
+                     other=0.0)
+    return h
+
+
+@triton.jit
+def _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R: tl.constexpr):
+    """B's rows for columns `offs` [columns, rank] (zeros for a row without an adapter)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
+                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
+
+
+@triton.jit
+def _expand(h, b):
+    """The delta h @ b.T of one row on b's columns, float32."""
+    return tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+
+
+@triton.jit
+def _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh):
+    """Row t's columns `offs` of the new residual stream, hidden + o (o already holding its
+    delta), stored and returned in float32."""
+    res = tl.load(hidden_ptr + t * stride_h + offs, mask=mask, other=0.0)
+    new = (res.to(tl.float32) + o.to(tl.float32)).to(res.dtype)
+    tl.store(new_hidden_ptr + t * stride_nh + offs, new, mask=mask)
+    return new.to(tl.float32)
+
+
+@triton.jit
+def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x,
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr):
+    """Reads row t of the new residual stream back and writes it normalised and weighted.
+    CG: load through L2 only (rows other programs wrote)."""
+    for c0 in tl.static_range(0, H, BLOCK_H):
+        offs = c0 + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        if CG:
+            new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0,
+                          cache_modifier=".cg")
+        else:
+            new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
+        normed = (new.to(tl.float32) * rstd).to(new.dtype)
+        w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+        x = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
+    dense_ptr, eps, R,
+    stride_h, stride_o, stride_nh, stride_x,
+    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense,
+    H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
+        tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
+    # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
+    # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
+    t = tl.program_id(0).to(tl.int64)
+    if HAS_LORA and not DENSE:
+        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
+        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
+    sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for c0 in tl.static_range(0, H, BLOCK_H):
+        offs = c0 + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+        if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
+            d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+            o = (o.to(tl.float32) + d).to(o.dtype)
+        elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
+            b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+            o = (o.to(tl.float32) + _expand(h, b)).to(o.dtype)
+        newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
+        sumsq += newf * newf
+    rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
+    tl.debug_barrier()  # the row's stores above, by every thread, before it is read back
+    _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H, BLOCK_H,
+                   False)
+
+
+@triton.jit
+def _add_rms_norm_split_kernel(
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
+    dense_ptr, arrivals_ptr, sums_ptr, eps, R,
+    stride_h, stride_o, stride_nh, stride_x,
+    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense, stride_sums,
+    H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr, EARLY_SUMS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The LoRA add + norm with each row spread over CHUNKS programs of BLOCK_H columns
+    (grid: row, chunk): a program expands and adds its columns, stores them and its part of
+    the row's sum of squares, and counts itself in; the row's last program adds the parts in
+    column order, resets the count and writes the whole row normalised.
+
+    With PDL the program reads its B columns (or the expanded delta) before the wait for the
+    kernel ahead (the projection's GEMM), overlapping its weight stream: the row's slot is a
+    step input, B the slot's weights, and the delta comes from the side stream, joined before
+    this launch. EARLY_SUMS: the shrink's sums too, and the delta is computed before the
+    wait; not where the GEMM itself writes them (a shrink-only fold,
+    LoraDelta.sums_after_wait)."""
+    t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
+        tl.extra.cuda.gdc_launch_dependents()
+    d = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
+        d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # before reading the projection's output
+    elif HAS_LORA:
+        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
+        b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+        if PDL and not EARLY_SUMS:
+            tl.extra.cuda.gdc_wait()  # the sums are the GEMM's output
+        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
+        d = _expand(h, b)
+        if PDL and EARLY_SUMS:
+            tl.extra.cuda.gdc_wait()
+    elif PDL:
+        tl.extra.cuda.gdc_wait()
+    o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+    o = (o.to(tl.float32) + d).to(o.dtype)
+    newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
+    tl.store(sums_ptr + t * stride_sums + chunk, tl.sum(newf * newf, axis=0))
+    # Every thread's stores above before the count (a release at GPU scope): the program that
+    # sees the full count then sees this program's columns and sums.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == CHUNKS - 1:
+        tl.atomic_xchg(arrivals_ptr + t, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        offs_c = tl.arange(0, BLOCK_CHUNKS)
+        parts = tl.load(sums_ptr + t * stride_sums + offs_c, mask=offs_c < CHUNKS, other=0.0,
+                        cache_modifier=".cg")
+        rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / H + eps)
+        _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H,
+                       NORM_BLOCK, True)
+
+
+def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
+                        eps: float, delta: LoraDelta | None = None, *,
+                        block_h: int | None = None, num_warps: int | None = None,
+                        tuning: Tuning = DEFAULT_TUNING) -> tuple[torch.Tensor, torch.Tensor]:
+    """As reference.add_rms_norm with delta.dense(), in one launch. block_h: columns per
+    unrolled chunk. With a delta the defaults (2048 columns, 8 warps) are the sweep's best
+    (bench/decode_kernels_sweep.py --parts fused). A delta that carries a ColumnSplit covers
+    each row with programs of split.block columns instead (block_h then sizes only the
+    normalising pass)."""
+    T, H = hidden.shape
+    assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
+    new_hidden = torch.empty_like(hidden)
+    x = torch.empty_like(hidden)
+    if T == 0:
+        return new_hidden, x
+    dense = delta is not None and delta.expanded is not None
+    if dense:
+        assert delta.expanded.shape == (T, H) and delta.expanded.stride(1) == 1
+    if delta is not None:
+        assert len(delta.b) == 1, "one slice: o or down"
+        b, part = delta.b[0], delta.partials
+        assert b.shape[1] == H and b.stride(2) == 1 and part.stride(3) == 1
+        R = part.shape[3]
+        lora = (part, b, delta.token_slots)
+        lora_strides = (part.stride(0), part.stride(2), b.stride(0), b.stride(1))
+        splits, default_block = delta.splits, 2048
+    else:
+        lora = (hidden,) * 3  # dummy pointers, never read
+        R, lora_strides, splits, default_block = 1, (0, 0, 0, 0), 0, 2048
+    pdl = tuning.pdl_on(hidden)
+    dense_args = (delta.expanded if dense else hidden, delta.expanded.stride(0) if dense else 0)
+    block_h = min(block_h or default_block, next_power_of_2(H))
+    split = delta.column_split if delta is not None else None
+    if split is not None and split.block < H and split.fits(T, H):
+        chunks = cdiv(H, split.block)
+        _add_rms_norm_split_kernel[(T, chunks)](
+            hidden, out, weight, new_hidden, x, *lora, dense_args[0], split.arrivals, split.sums,
+            eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0),
+            *lora_strides, dense_args[1], split.sums.stride(0),
+            H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, CHUNKS=chunks,
+            BLOCK_H=split.block, BLOCK_R=max(16, next_power_of_2(R)),
+            BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h,
+            EARLY_SUMS=not (delta is not None and delta.sums_after_wait),
+            PDL=pdl, **pdl_launch(pdl),
+            num_warps=num_warps or 4,
+        )
+    else:
+        _add_rms_norm_kernel[(T,)](
+            hidden, out, weight, new_hidden, x, *lora, dense_args[0], eps, R,
+            hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
+            dense_args[1],
+            H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
+            BLOCK_H=block_h, BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
+            num_warps=num_warps or (8 if delta is not None else 4),
+        )
+    return new_hidden, x

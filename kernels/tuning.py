@@ -1,0 +1,235 @@
+"""The decode step's tuning: every launch choice of the kernels and of the LoRA step plan, in
+one frozen object that the node builds once (from `inference-node serve`'s flags) and passes
+down. Kernels read nothing from the environment; a benchmark sweeps a choice by building
+another Tuning (dataclasses.replace).
+
+The defaults are the fastest measured on an H100 at decode batch 64 with Llama-3.2-1B's
+shapes (docs/PERFORMANCE.md says how, and what else was tried). Shapes a group's tiling does
+not divide, and devices without a feature (PDL and TMA need Hopper and compiled CUDA), fall
+back by themselves, so the defaults are safe anywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from .host import hopper
+
+# The fused projection groups (the model's q/k/v, o, gate/up and down matmuls), in order.
+GROUPS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+
+Tiling = tuple[int, int, int]  # (block_n, block_k, pipeline stages) of the decode GEMM
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, MappingProxyType) else value
+
+
+def _rebuild(cls: type, fields: dict[str, Any]) -> Any:
+    return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch choices of the decode step. Group sets name fused groups (GROUPS)."""
+
+    # -- launch features (Hopper, compiled CUDA; elsewhere off whatever they say) --
+    pdl: bool = field(default=True, metadata={"help": (
+        "programmatic dependent launch: each decode kernel lets the next launch at its start "
+        "and waits for the one ahead before reading its output")})
+    attention_early_kv: bool = field(default=True, metadata={"help": (
+        "with PDL, paged attention reads its first tile's older keys before its wait")})
+    expand_early_b: bool = field(default=True, metadata={"help": (
+        "with PDL, the ops that expand a LoRA delta (RoPE + KV write, SiLU) read their rows' "
+        "B before their wait")})
+    gemm_tma: bool = field(default=True, metadata={"help": (
+        "the decode GEMM fetches its tiles with the tensor memory accelerator")})
+    # -- the decode GEMM (kernels/gemm) --
+    gemm_groups: frozenset[str] = field(default=frozenset(GROUPS), metadata={"help": (
+        "projections whose decode-shaped matmuls run the Triton decode GEMM (the others, and "
+        "every prefill matmul, run cuBLAS)")})
+    gemm_prefetch_k: int = field(default=512, metadata={"help": (
+        "with PDL, columns of its weight slab each decode GEMM program asks of L2 before its "
+        "wait")})
+    gemm_early_trigger: bool = field(default=True, metadata={"help": (
+        "with PDL, the decode GEMM lets the next kernel launch once every program has its "
+        "input rows, not after its main loop")})
+    gemm_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
+        "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 256, 4), "gate_up": (32, 128, 4)}),
+        metadata={"help": "the decode GEMM's (block_n, block_k, stages) per group, pointer loads"})
+    gemm_tma_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
+        "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 128, 8), "gate_up": (32, 128, 4)}),
+        metadata={"help": "the decode GEMM's (block_n, block_k, stages) per group, TMA loads"})
+    # At most 96 KB of pipeline a program, so that the shrink programs a fold adds do not
+    # push its tiles into another wave (gate/up's 256 tiles then share one wave with them).
+    fold_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
+        "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (64, 128, 2)}),
+        metadata={"help": "the decode GEMM's (block_n, block_k, stages) per group with LoRA "
+                          "folded in"})
+    fold_prefetch_a: int = field(default=2048, metadata={"help": (
+        "with PDL, columns of each adapter's A the shrink programs of a whole fold ask of L2 "
+        "before their wait (0: none)")})
+    # -- the LoRA step plan (inference_node/lora_step) --
+    fold_groups: frozenset[str] = field(default=frozenset({"o"}), metadata={"help": (
+        "groups whose LoRA their decode GEMM adds in the same launch (in steps of many "
+        "adapters, those also in shrink_fold_groups only shrink there)")})
+    shrink_fold_groups: frozenset[str] = field(
+        default=frozenset({"qkv", "gate_up", "o"}), metadata={"help": (
+            "groups whose decode GEMM computes their LoRA shrink while the op after it "
+            "expands")})
+    side_expand_segments: int = field(default=8, metadata={"help": (
+        "steps with at most this many distinct adapters also run the LoRA expands on the side "
+        "stream (0: never)")})
+    side_expand_group_segments: Mapping[str, int] = field(
+        default_factory=lambda: _frozen({"down": 32}), metadata={"help": (
+            "per group, a higher such bound (down's matmul hides its expand up to 32 "
+            "adapters)")})
+    norm_split_columns: int = field(default=512, metadata={"help": (
+        "columns a program of the LoRA add + norm after the groups of norm_split_groups "
+        "covers (0: one program a row)")})
+    norm_split_groups: frozenset[str] = field(default=frozenset({"o"}), metadata={"help": (
+        "of o and down, those whose LoRA add + norm spreads each row over programs")})
+    # -- elementwise ops --
+    silu_row_tile: tuple[int, int] = field(default=(256, 2), metadata={"help": (
+        "(columns, warps) of a SiLU program expanding gate/up's LoRA delta")})
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_groups", "fold_groups", "shrink_fold_groups"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+            unknown = getattr(self, name) - set(GROUPS)
+            if unknown:
+                raise ValueError(f"{name} names {sorted(unknown)}: expected some of "
+                                 f"{', '.join(GROUPS)}")
+        if not set(self.norm_split_groups) <= {"o", "down"}:
+            raise ValueError(f"norm_split_groups takes o and down (an add + norm follows "
+                             f"them), not {sorted(set(self.norm_split_groups) - {'o', 'down'})}")
+        object.__setattr__(self, "norm_split_groups", frozenset(self.norm_split_groups))
+        for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings",
+                     "side_expand_group_segments"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        bad = set(self.side_expand_group_segments) - set(GROUPS)
+        if bad:
+            raise ValueError(f"side_expand_group_segments names {sorted(bad)}: expected some "
+                             f"of {', '.join(GROUPS)}")
+
+    def __reduce__(self):
+        """Pickled with plain dicts (a mapping proxy is not picklable): the engine core and
+        the front ends are spawned processes that receive the node's settings."""
+        return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}))
+
+    def replace(self, **changes: Any) -> "Tuning":
+        """This tuning with some choices changed (a benchmark's sweep)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- what a launch on tensor t's device does --
+    def pdl_on(self, t: torch.Tensor) -> bool:
+        """Programmatic dependent launch for kernels on t's device: on, and Hopper."""
+        return self.pdl and hopper(t)
+
+    def attention_early_kv_on(self, t: torch.Tensor) -> bool:
+        return self.attention_early_kv and self.pdl_on(t)
+
+    def expand_early_b_on(self, t: torch.Tensor) -> bool:
+        return self.expand_early_b and self.pdl_on(t)
+
+    def gemm_tma_on(self, t: torch.Tensor) -> bool:
+        return self.gemm_tma and hopper(t)
+
+
+DEFAULT_TUNING = Tuning()
+
+
+# -- the choices as text: `inference-node serve`'s flags and the benchmarks' sweeps --
+
+def _default(name: str) -> Any:
+    f = next(f for f in dataclasses.fields(Tuning) if f.name == name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def choice_help(name: str) -> str:
+    """What choice `name` means, and the form its text takes."""
+    f = next(f for f in dataclasses.fields(Tuning) if f.name == name)
+    return f"{f.metadata['help']} [{_form(_default(name))}]"
+
+
+def _form(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on or off"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, frozenset):
+        return "groups, comma-separated, or all, or none"
+    if isinstance(value, tuple):
+        return "numbers joined by dots"
+    if all(isinstance(v, tuple) for v in value.values()):
+        return "GROUP=BLOCK_N.BLOCK_K.STAGES, comma-separated: replaces those groups' entries"
+    return "GROUP=N, comma-separated, or none"
+
+
+def format_choice(name: str, value: Any) -> str:
+    """`value` of choice `name` as parse_choice reads it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, frozenset):
+        return ",".join(g for g in GROUPS if g in value) or "none"
+    if isinstance(value, tuple):
+        return ".".join(map(str, value))
+    return ",".join(f"{g}={'.'.join(map(str, v)) if isinstance(v, tuple) else v}"
+                    for g, v in value.items()) or "none"
+
+
+def parse_choice(name: str, text: str) -> Any:
+    """The value of choice `name` written as `text` (format_choice's forms); ValueError with
+    what was expected otherwise."""
+    default = _default(name)
+    text = text.strip()
+    try:
+        if isinstance(default, bool):
+            if text.lower() in ("on", "true", "1", "yes"):
+                return True
+            if text.lower() in ("off", "false", "0", "no"):
+                return False
+            raise ValueError
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, frozenset):
+            if text == "all":
+                return frozenset(GROUPS)
+            return frozenset(g for g in text.split(",") if g and g != "none")
+        if isinstance(default, tuple):
+            return tuple(int(v) for v in text.split("."))
+        entries = {}
+        for item in filter(None, text.split(",")):
+            if item == "none":
+                continue
+            group, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError
+            entries[group] = (tuple(int(v) for v in value.split("."))
+                              if all(isinstance(v, tuple) for v in default.values())
+                              else int(value))
+        if default and all(isinstance(v, tuple) for v in default.values()):
+            return _frozen({**default, **entries})  # a tiling table: the entries given replaced
+        return _frozen(entries)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected {_form(default)}") from None
+
+
+def tuning_from_text(choices: Mapping[str, str], base: Tuning = DEFAULT_TUNING) -> Tuning:
+    """`base` with the named choices replaced, each given as text (parse_choice)."""
+    names = {f.name for f in dataclasses.fields(Tuning)}
+    unknown = set(choices) - names
+    if unknown:
+        raise ValueError(f"no tuning choice {sorted(unknown)}: expected some of "
+                         f"{', '.join(sorted(names))}")
+    return base.replace(**{name: parse_choice(name, text) for name, text in choices.items()})

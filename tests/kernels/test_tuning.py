@@ -1,0 +1,84 @@
+"""The Tuning object: its text forms (inference-node serve's flags, the benchmarks' sweeps)
+round-trip, bad choices are refused with the choice named, the node's flags reach
+NodeSettings.tuning, and no kernel or engine module reads a choice from the environment."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels.tuning import (DEFAULT_TUNING, GROUPS, Tuning, format_choice, parse_choice,
+                            tuning_from_text)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(Tuning)])
+def test_every_default_reads_back_from_its_text(name: str) -> None:
+    value = getattr(DEFAULT_TUNING, name)
+    assert parse_choice(name, format_choice(name, value)) == value
+
+
+def test_text_replaces_only_the_named_choices() -> None:
+    tuning = tuning_from_text({"pdl": "off", "fold_groups": "o,qkv",
+                               "fold_tilings": "gate_up=32.128.4", "side_expand_group_segments": "none",
+                               "silu_row_tile": "512.2", "shrink_fold_groups": "all"})
+    assert tuning.pdl is False and tuning.fold_groups == {"o", "qkv"}
+    assert tuning.fold_tilings["gate_up"] == (32, 128, 4)
+    assert tuning.fold_tilings["o"] == DEFAULT_TUNING.fold_tilings["o"]  # the others kept
+    assert dict(tuning.side_expand_group_segments) == {}
+    assert tuning.silu_row_tile == (512, 2) and tuning.shrink_fold_groups == set(GROUPS)
+    assert tuning.gemm_tilings == DEFAULT_TUNING.gemm_tilings
+
+
+@pytest.mark.parametrize("choices,message", [
+    ({"pdl": "maybe"}, "pdl='maybe': expected on or off"),
+    ({"fold_groups": "o,lm_head"}, r"fold_groups names \['lm_head'\]"),
+    ({"norm_split_groups": "qkv"}, "norm_split_groups takes o and down"),
+    ({"fold_tilings": "gate_up"}, "expected GROUP=BLOCK_N.BLOCK_K.STAGES"),
+    ({"side_expand_group_segments": "attn=4"}, r"side_expand_group_segments names \['attn'\]"),
+    ({"fold_groupz": "o"}, r"no tuning choice \['fold_groupz'\]"),
+])
+def test_bad_choices_are_refused_naming_the_choice(choices: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tuning_from_text(choices)
+
+
+def test_serve_flags_build_the_nodes_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inference_node.cli import parser, tuning_from_args
+
+    assert tuning_from_args(parser().parse_args(["serve"])) == DEFAULT_TUNING
+    args = parser().parse_args(["serve", "--gemm-groups", "o,down", "--norm-split-columns", "0"])
+    tuning = tuning_from_args(args)
+    assert tuning.gemm_groups == {"o", "down"} and tuning.norm_split_columns == 0
+    monkeypatch.setenv("INFERENCE_NODE_SIDE_EXPAND_SEGMENTS", "2")  # each flag is an env var too
+    assert tuning_from_args(parser().parse_args(["serve"])).side_expand_segments == 2
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--gemm-tma", "sometimes"])
+
+
+def test_kernels_engine_and_lora_plan_read_no_environment() -> None:
+    """Launch choices come from the Tuning passed in; the one environment read left is
+    Triton's own interpreter switch (kernels/host.py)."""
+    folders = ["kernels", "inference_node/engine", "inference_node/adapters",
+               "inference_node/model", "inference_node/lora_step"]
+    reads = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"os\.environ|getenv", line):
+                    reads.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    allowed = ("TRITON_INTERPRET", "LORA_SERVING_CACHE", "XDG_CACHE_HOME")  # cache dir, not tuning
+    assert [r for r in reads if not any(a in r for a in allowed)] == []
+
+
+def test_tuning_survives_pickling_for_the_nodes_spawned_processes() -> None:
+    import pickle
+
+    from kernels.tuning import Tuning
+
+    tuning = Tuning().replace(fold_groups=frozenset({"qkv"}), side_expand_group_segments={"down": 16})
+    again = pickle.loads(pickle.dumps(tuning))
+    assert again == tuning and again.side_expand_group_segments["down"] == 16
