@@ -282,10 +282,11 @@ class LlamaModel:
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
         return ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
 
-    def logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The LM head over the final-normed rows `rows` (None: all)."""
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head over the final-normed rows `rows` (None: all), into `out` where given."""
         last = x if rows is None else x[rows]
-        return torch.mm(last, self.lm_head)
+        return torch.mm(last, self.lm_head) if out is None else torch.mm(last, self.lm_head, out=out)
 
     def _project(self, lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None = None
