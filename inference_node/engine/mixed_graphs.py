@@ -314,7 +314,8 @@ class MixedGraphs:
         rows = lora_rows(bucket)
         segments: list[tuple[int, int, int, int]] = []
         bounds = np.flatnonzero(np.diff(sorted_slots)) + 1
-        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(sorted_ids)]):
+        runs = zip([0, *bounds.tolist()], [*bounds.tolist(), len(sorted_ids)]) if len(sorted_ids) else ()
+        for lo, hi in runs:
             slot = int(sorted_slots[lo])
             for start in range(lo, hi, rows):
                 length = min(rows, hi - start)
