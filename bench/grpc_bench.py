@@ -328,7 +328,7 @@ def node_flags(args, checkpoint: Path, adapters: Path, dummy: bool) -> list[str]
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.prefill_delay_factor:
         flags += ["--prefill-delay-factor", str(args.prefill_delay_factor)]
-    return flags
+    return flags + ["--mixed-graphs", args.mixed_graphs]
 
 
 # -- the engine in-process -------------------------------------------------------------------------------
@@ -343,7 +343,8 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
         load_format="dummy" if dummy else "safetensors", adapter_dir=str(adapters),
         max_loras=max(args.adapters, 1), max_lora_rank=16, max_cpu_loras=max(args.adapters, 1),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens, max_model_len=1024,
-        num_kv_blocks=args.num_kv_blocks, prefill_delay_factor=args.prefill_delay_factor)
+        num_kv_blocks=args.num_kv_blocks, prefill_delay_factor=args.prefill_delay_factor,
+        mixed_graphs=args.mixed_graphs)
     node = build_node(settings)
     engine = node.engine
     engine.prepare()
@@ -444,6 +445,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=None, help="the node's (CUDA 2048, CPU 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: the node's default sizing")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's")
+    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="the node's: prompt and mixed steps replayed from piecewise CUDA graphs")
     p.add_argument("--paths", default="grpc,http,engine",
                    help="which paths to run: grpc, http (the OpenAI-compatible API, /v1/completions streamed), "
                         "engine (in-process)")
@@ -493,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         print(f"device: {device_name}; model: {shape} shapes ({checkpoint.name}), "
               f"{'random bf16 weights' if dummy else 'real weights'}, vocab {vocab}; node: max_num_seqs "
               f"{args.max_num_seqs}, {args.max_batched_tokens} tokens a step, prefill delay factor "
-              f"{args.prefill_delay_factor:g}, {args.api_processes} front-end "
+              f"{args.prefill_delay_factor:g}, mixed graphs {args.mixed_graphs}, {args.api_processes} front-end "
               f"process(es); {args.clients} client processes per API; "
               + (f"Poisson {args.poisson} req/s, Zipf({args.zipf_alpha})" if args.poisson else "closed loop")
               + f"; prompts {prompt_len[0]}-{prompt_len[1]}, {output} new tokens (ignore EOS)", flush=True)
