@@ -169,6 +169,8 @@ def test_loads_unloads_and_replacements_keep_every_rank_slot_table_equal(nodes, 
         with NodeClient(node.target) as client:
             client.unload_adapter("qv2", timeout=30)
             assert "qv2" not in {a.name for a in client.list_adapters(timeout=30).adapters}
+    # Steps while qv2's slot stands empty: every rank's must be empty too.
+    assert generate_all(two.target, [("", 1)]) == generate_all(one.target, [("", 1)])
     # Five adapters for four slots: slots are drained and rewritten while others run.
     jobs = [(adapter, i) for adapter in ("swap", *ADAPTERS) for i in range(2)]
     assert generate_all(two.target, jobs) == generate_all(one.target, jobs)
