@@ -97,6 +97,9 @@ class Node:
         """Stops the other tensor-parallel ranks (the engine loop has ended)."""
         if self.ranks is not None:
             self.ranks.stop()
+            self.ranks = None
+            if torch.distributed.is_initialized():  # this process may build another node
+                torch.distributed.destroy_process_group()
 
     @property
     def model_name(self) -> str:

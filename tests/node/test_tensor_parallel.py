@@ -70,16 +70,20 @@ def test_vocabulary_blocks_cover_it_once_and_uneven_sizes_are_refused():
 
 
 # -- the node, as processes ------------------------------------------------------------------------
+CPU_FLAGS = ("--device", "cpu", "--num-kv-blocks", "128", "--cpu-threads", "1")
+
+
 class TPNode:
-    def __init__(self, tmp_path: Path, model: Path, adapter_dir: Path, size: int, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, model: Path, adapter_dir: Path, size: int, *flags: str,
+                 device_flags: tuple[str, ...] = CPU_FLAGS) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.log = tmp_path / f"node-tp{size}-{self.port}.log"
         self.child = Child(f"inference-node-tp{size}", [
             sys.executable, "-m", "inference_node.cli", "serve", "--port", str(self.port), "--model", str(model),
-            "--device", "cpu", "--num-kv-blocks", "128", "--cpu-threads", "1", "--max-loras", "4",
-            "--adapter-dir", str(adapter_dir), "--tensor-parallel-size", str(size), *flags], self.log)
-        wait_healthy(self.target, 180, self.child)
+            *device_flags, "--max-loras", "4", "--adapter-dir", str(adapter_dir),
+            "--tensor-parallel-size", str(size), *flags], self.log)
+        wait_healthy(self.target, 600, self.child)
 
     def stop(self) -> int:
         return self.child.stop(60)
@@ -196,3 +200,44 @@ def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--tensor-parallel-size 4 does not divide the model's 2 key/value heads" in proc.stderr
+
+
+# -- GPU: Llama-3.1-8B's shapes (4 of its 32 layers), float32 -----------------------------------------
+@pytest.mark.gpu
+def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir):
+    """Both nodes run eagerly (TP=1 with its graphs and warm-up off), so the only difference
+    is the split: float32 sums in another order, far from flipping a greedy choice."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from bench.common import LLAMA_3_1_8B, copy_tokenizer, write_random_adapter
+
+    model = tmp_path / "llama-8b-shapes"
+    model.mkdir()
+    (model / "config.json").write_text(__import__("json").dumps({**LLAMA_3_1_8B, "num_hidden_layers": 4,
+                                                                  "torch_dtype": "float32"}))
+    copy_tokenizer(tokenizer_dir, model)
+    config = ModelConfig.from_checkpoint(model)
+    adapters = tmp_path / "adapters"
+    for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items(), start=1):
+        write_random_adapter(adapters / name, config, rank, targets, seed, torch.device("cpu"),
+                             dtype=torch.float32, std=0.05)
+    flags = ("--device", "cuda", "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "512")
+    # TP=1 shares GPU 0 with rank 0 of TP=2: a fixed KV cache; TP=2 sizes its own by measuring
+    # a forward on both ranks (their collectives must meet) and taking the least.
+    one = TPNode(tmp_path, model, adapters, 1, "--num-kv-blocks", "512", "--decode-graphs", "off",
+                 "--mixed-graphs", "off", "--warmup", "off", device_flags=flags)
+    try:
+        two = TPNode(tmp_path, model, adapters, 2, "--debug-checks", "--gpu-memory-utilization", "0.85",
+                     device_flags=flags)
+        try:
+            jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
+            expected = generate_all(one.target, jobs)
+            assert generate_all(two.target, jobs) == expected
+            for adapter in ADAPTERS:
+                assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
+            s = stats(two.target)
+            assert s.tensor_parallel_size == 2 and s.slot_table_checks == s.steps > 0
+        finally:
+            assert two.stop() == 0
+    finally:
+        one.stop()
