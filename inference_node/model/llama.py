@@ -321,7 +321,9 @@ class LlamaModel:
         """The LM head over the final-normed rows `rows` (None: all), into `out` where given."""
         last = x if rows is None else x[rows]
         if self.tp is not None:  # each rank's block of the vocabulary, then all of them
-            logits = self.tp.gather_columns(torch.mm(last, self.lm_head))[:, :self.config.vocab_size]
+            logits = self.tp.gather_columns(torch.mm(last, self.lm_head))
+            if logits.shape[1] != self.config.vocab_size:  # the last block's padding rows
+                logits = logits[:, :self.config.vocab_size].contiguous()
             return logits if out is None else out.copy_(logits)
         return torch.mm(last, self.lm_head) if out is None else torch.mm(last, self.lm_head, out=out)
 
