@@ -69,6 +69,38 @@ def test_vocabulary_blocks_cover_it_once_and_uneven_sizes_are_refused():
         check_divisible(config, 3)
 
 
+def greedy_in_process(model: Path, size: int) -> tuple[dict[int, list[int]], dict]:
+    """Three prompts through a node built in this process (rank 0 here, rank 1 spawned)."""
+    from inference_node.engine.request import Request, SamplingParams
+    from inference_node.node import NodeSettings, build_node
+
+    node = build_node(NodeSettings(model=str(model), device="cpu", num_kv_blocks=64, cpu_threads=1,
+                                   tensor_parallel_size=size, max_loras=0, debug_checks=True))
+    try:
+        engine, outs = node.engine, {}
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.submit(Request(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+                                  lambda event, i=i: outs.setdefault(i, []).extend(event.token_ids)))
+        for _ in range(4 * NEW_TOKENS):
+            engine.run_once(block=False)
+        return outs, engine.snapshot()
+    finally:
+        node.close()
+
+
+def test_a_padded_vocabulary_block_tied_embeddings_and_qkv_bias_split_alike(tmp_path, tokenizer_dir):
+    """A vocabulary that 2 does not divide (the last rank's block is padded), an embedding tied
+    to the LM head, and q/k/v biases: TP=2 gives TP=1's tokens."""
+    from harness import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "odd", tokenizer_dir, vocab_size=49153, tie_word_embeddings=True,
+                            attention_bias=True)
+    one, _ = greedy_in_process(model, 1)
+    two, snap = greedy_in_process(model, 2)
+    assert one == two and len(one) == 3 and all(len(t) == NEW_TOKENS for t in one.values())
+    assert snap["tensor_parallel_size"] == 2 and snap["live_requests"] == 0
+
+
 # -- the node, as processes ------------------------------------------------------------------------
 CPU_FLAGS = ("--device", "cpu", "--num-kv-blocks", "128", "--cpu-threads", "1")
 
