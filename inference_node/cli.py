@@ -123,6 +123,8 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--api-processes", type=int, default=1,
                        help="front-end processes serving gRPC on the port (tokenising, detokenising, "
                             "streaming); the engine always runs in a process of its own")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model over this many GPUs of the host (one process each; gloo on CPU)")
     serve.add_argument("--debug-checks", action="store_true",
                        help="check the engine's invariants after every step (slow)")
     serve.add_argument("--log-level", default="INFO")
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
         store_token=args.store_token, cpu_threads=args.cpu_threads, adapter_fetch_timeout_s=args.adapter_fetch_timeout,
         max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)), max_weight_abs=args.max_weight_abs,
-        tuning=tuning_from_args(args),
+        tuning=tuning_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

@@ -7,13 +7,14 @@ the engine when the slot is ready, so the running batch is not stalled by the co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from ..model.config import ModelConfig
 from ..model.llama import FUSED_MODULES, LORA_MODULES
+from ..parallel.shard import Shard
 from .weights import AdapterWeights
 
 
@@ -32,9 +33,17 @@ class GroupBuffers:
     b_all: torch.Tensor         # [S, sum(out), R]: slice i's B at its columns' offsets
 
 
+# What a slot holds, as every tensor-parallel rank must agree: (name, version, rank, scaling,
+# targeted modules), or None for an empty slot.
+SlotRecord = tuple[str, str, int, float, tuple[str, ...]] | None
+
+
 class SlotBuffers:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, shard: Shard = Shard()) -> None:
+        """config: the shapes this process computes with (its shard's, under tensor
+        parallelism); adapters arrive whole and `shard` keeps this rank's part of each."""
+        self.shard = shard
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
@@ -69,6 +78,11 @@ class SlotBuffers:
         # step's rows of it into their segment table (kernels/lora/meta.py).
         self.module_ranks = np.zeros((max_loras, len(LORA_MODULES)), dtype=np.int32)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.table: list[SlotRecord] = [None] * max_loras
+        # Called after every write and clear: a tensor-parallel node's rank 0 sends them on to
+        # the other ranks (parallel/workers.py), so every rank's slots hold the same adapters.
+        self.on_write: Callable[[int, AdapterWeights], None] | None = None
+        self.on_clear: Callable[[int], None] | None = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for g in layer.values()
@@ -87,11 +101,15 @@ class SlotBuffers:
                         buf.a[i][slot].zero_()
                         buf.b[i][slot].zero_()
                         if pair is not None:
-                            a, b = pair
+                            a, b = self.shard.lora_pair(module, *pair)
                             buf.a[i][slot, :r].copy_(a, non_blocking=True)
                             buf.b[i][slot, :, :r].copy_(b, non_blocking=True)
             self.scaling[slot] = weights.scaling
             self.set_ranks(slot, r, {module for _, module in weights.tensors})
+            self.table[slot] = (weights.name, weights.version, r, float(weights.scaling),
+                                tuple(weights.target_modules))
+            if self.on_write is not None:
+                self.on_write(slot, weights)
             if self._stream is None:
                 return None
             event = torch.cuda.Event()
@@ -113,6 +131,9 @@ class SlotBuffers:
             ranks[:, slot] = 0
         self.slot_groups[slot] = frozenset()
         self.module_ranks[slot] = 0
+        self.table[slot] = None
+        if self.on_clear is not None:
+            self.on_clear(slot)
 
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
         """The fused groups any of these slots targets (slot -1: none)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
-from .batch import build_forward_batch
+from .batch import HostBatch, build_host_batch
 from .decode_graphs import DecodeGraphs, GraphLora, ordered
 from .kv_cache import BlockAllocator, KVCache
 from .mixed_graphs import MixedGraphs, MixedLora
@@ -87,6 +87,16 @@ class LoraPlan(Protocol):
     def mixed_lora(self) -> MixedLora: ...
 
 
+class OtherRanks(Protocol):
+    """A tensor-parallel node's ranks beside this one (inference_node.parallel.workers.Workers):
+    they run every step's forward with it and mirror its adapter slots."""
+
+    size: int
+    table_checks: int
+    def step(self, host: HostBatch, chunk_slots: list[tuple[int, int]], tp: Any, input_ids: Any) -> None: ...
+    def check_slot_tables(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_kv_blocks: int
@@ -133,11 +143,18 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig,
-                 lora: LoraProvider | None = None, lora_plan: LoraPlan | None = None) -> None:
+                 lora: LoraProvider | None = None, lora_plan: LoraPlan | None = None,
+                 ranks: OtherRanks | None = None) -> None:
         """lora (the adapters' lifecycles) and lora_plan (the steps' LoRA kernels) go
-        together; None: LoRA disabled, base model only."""
+        together; None: LoRA disabled, base model only. ranks: the other ranks of a
+        tensor-parallel node (this engine is rank 0), which run every step eagerly with it."""
         if (lora is None) != (lora_plan is None):
             raise ValueError("LoRA needs both the adapter manager and the step plan")
+        warms_up = config.warmup == "on" or (config.warmup == "auto" and model.device.type == "cuda")
+        if ranks is not None and (config.decode_graphs or config.mixed_graphs or warms_up):
+            raise ValueError("tensor parallelism runs eager steps only: decode graphs, piecewise graphs "
+                             "and the warm-up's forwards are not run on every rank yet")
+        self.ranks = ranks
         self.model = model
         self.config = config
         self.lora = lora
@@ -370,9 +387,12 @@ class Engine:
                     self.stats.mixed_steps += 1
                 else:
                     self.stats.eager_decode_steps += 1
-                batch = build_forward_batch(chunks, self.config.block_size, self.model.device,
-                                            self.feedback.tokens)
+                host = build_host_batch(chunks, self.config.block_size)
+                batch = host.to_device(self.model.device, self.feedback.tokens)
                 applier = self.lora_plan.applier(chunks) if self.lora_plan is not None else None
+                if self.ranks is not None:  # the other ranks run the same forward beside this one
+                    self.ranks.step(host, [(c.request.lora_slot, c.num_new_tokens) for c in chunks],
+                                    self.model.tp, batch.input_ids)
                 logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
                 finite = row_finite(logits)
             tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy, finite), finite)
@@ -504,6 +524,8 @@ class Engine:
             raise AssertionError(f"scheduler holds {sorted(queued)} but live requests are {sorted(live)}")
         if self.lora is not None:
             self.lora.check_consistency(self._requests.values())
+        if self.ranks is not None:
+            self.ranks.check_slot_tables()
 
     def prefix_cache_rows(self) -> list[tuple[tuple[str, str], NamespaceStats]]:
         """((adapter, version), counters) per live KV namespace; "" adapter = the base model."""
@@ -532,4 +554,6 @@ class Engine:
             "mixed_graph_steps": self.stats.mixed_graph_steps,
             "cut_short": self.stats.cut_short,
             "non_finite_rows": self.stats.non_finite_rows,
+            "tensor_parallel_size": self.ranks.size if self.ranks is not None else 1,
+            "slot_table_checks": self.ranks.table_checks if self.ranks is not None else 0,
         }
