@@ -69,13 +69,14 @@ def test_vocabulary_blocks_cover_it_once_and_uneven_sizes_are_refused():
         check_divisible(config, 3)
 
 
-def greedy_in_process(model: Path, size: int) -> tuple[dict[int, list[int]], dict]:
+def greedy_in_process(model: Path, size: int, load_format: str = "safetensors") -> tuple[dict[int, list[int]], dict]:
     """Three prompts through a node built in this process (rank 0 here, rank 1 spawned)."""
     from inference_node.engine.request import Request, SamplingParams
     from inference_node.node import NodeSettings, build_node
 
     node = build_node(NodeSettings(model=str(model), device="cpu", num_kv_blocks=64, cpu_threads=1,
-                                   tensor_parallel_size=size, max_loras=0, debug_checks=True))
+                                   tensor_parallel_size=size, max_loras=0, debug_checks=True,
+                                   load_format=load_format))
     try:
         engine, outs = node.engine, {}
         for i, prompt in enumerate(PROMPTS[:3]):
@@ -99,6 +100,19 @@ def test_a_padded_vocabulary_block_tied_embeddings_and_qkv_bias_split_alike(tmp_
     two, snap = greedy_in_process(model, 2)
     assert one == two and len(one) == 3 and all(len(t) == NEW_TOKENS for t in one.values())
     assert snap["tensor_parallel_size"] == 2 and snap["live_requests"] == 0
+
+
+def test_dummy_weights_make_one_model_whatever_the_ranks(tiny_llama_path):
+    """`--load-format dummy` (the GPU benchmarks' random weights of a checkpoint's shapes)
+    makes a model that runs, the same one on every call, and each rank of TP=2 keeps its
+    part of it: TP=2 gives TP=1's tokens."""
+    one, _ = greedy_in_process(tiny_llama_path, 1, "dummy")
+    again, _ = greedy_in_process(tiny_llama_path, 1, "dummy")
+    two, _ = greedy_in_process(tiny_llama_path, 2, "dummy")
+    real, _ = greedy_in_process(tiny_llama_path, 1)
+    assert len(one) == 3 and all(len(t) == NEW_TOKENS for t in one.values())
+    assert one == again == two
+    assert one != real  # the checkpoint's own weights were not read
 
 
 # -- the node, as processes ------------------------------------------------------------------------
