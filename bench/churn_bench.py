@@ -112,8 +112,7 @@ def write_adapters(root: Path, cfg, names: list[str], ranks: Sequence[int], targ
     return rank_of
 
 
-def make_traffic(specs: list[Spec], names: list[str], rank_of: dict[str, int], alpha: float,
-                 seed: int) -> Traffic:
+def make_traffic(specs: list[Spec], names: list[str], alpha: float, seed: int) -> Traffic:
     order = list(names)
     random.Random(seed).shuffle(order)  # popularity independent of rank
     adapters = [order[zipf_index(spec.pick, len(order), alpha)] for spec in specs]
@@ -355,8 +354,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
     per_seq = -(-(max_model_len + 1) // args.block_size)
     num_blocks = args.concurrency * per_seq + args.concurrency + 8
     specs = make_specs(args.requests, args.prompt_len, args.output_len, cfg.vocab_size, args.rate, args.seed)
-    traffic = [make_traffic(specs, names, rank_of, alpha, args.seed) for alpha in args.alphas]
-    reference = make_traffic(specs, names, rank_of, args.memory_alpha, args.seed)
+    traffic = [make_traffic(specs, names, alpha, args.seed) for alpha in args.alphas]
+    reference = make_traffic(specs, names, args.memory_alpha, args.seed)
     churn_slots = max(1, math.ceil(len(reference.distinct) / args.working_set_ratio))
     host = args.host_adapters or max(1, len(reference.distinct) // 2)
     resident_slots = max(len(t.distinct) for t in traffic)
@@ -373,7 +372,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
         f"traffic: {args.requests} requests, Poisson {args.rate:g}/s, prompt {args.prompt_len[0]}-"
         f"{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]} tokens (ignore EOS), "
         f"at most {args.concurrency} running",
-        "working sets (distinct adapters): " + "; ".join(f"alpha {t.alpha:g}: {len(t.distinct)}" for t in traffic),
+        "working sets (distinct adapters, their mean rank): " + "; ".join(
+            f"alpha {t.alpha:g}: {len(t.distinct)}, {sum(rank_of[n] for n in t.distinct) / len(t.distinct):.1f}"
+            for t in traffic),
         f"GPU slots (also the most distinct adapters in a step): resident {resident_slots} "
         f"({resident_slots * per_slot / 1e9:.1f} GB); churn {churn_slots} ({churn_slots * per_slot / 1e9:.2f} GB: "
         f"alpha {args.memory_alpha:g}'s working set / {args.working_set_ratio:g}); churn host memory {host} adapters",
