@@ -62,6 +62,7 @@ class NodeSettings:
     max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
     max_lora_rank: int = 16
     max_cpu_loras: int = 32
+    adapter_eviction: str = "lru"      # GPU slot eviction policy (adapters/eviction.py)
     adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
     adapter_store: str | None = None   # HOST:PORT of the adapter store
     adapter_disk_dir: str | None = None  # the node's disk tier of store adapters (off when unset)
@@ -271,9 +272,10 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
              time.monotonic() - started, blocks, settings.block_size, blocks * per_block / (1 << 30),
              " per rank" if ranks else "", model_len)
     if adapters is not None:
-        log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %d in host memory, source: %s",
+        log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %s eviction, %d in host memory, source: %s",
                  settings.max_loras, settings.max_lora_rank, adapters.buffers.nbytes() / 1e6,
-                 settings.max_cpu_loras, settings.adapter_store or settings.adapter_dir or "none")
+                 settings.adapter_eviction, settings.max_cpu_loras,
+                 settings.adapter_store or settings.adapter_dir or "none")
     catalog = None
     if adapters is not None and isinstance(adapters.source, StoreSource):
         catalog = CatalogWatcher(adapters.source.client, engine.call, adapters.on_catalog_update,
@@ -305,4 +307,5 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
     if buffers is None:
         buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
     return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=pin,
-                          disk_copies=source.disk_copies if source is not None else None)
+                          disk_copies=source.disk_copies if source is not None else None,
+                          eviction=settings.adapter_eviction)
