@@ -123,6 +123,7 @@ class Node:
             snap["adapter_evictions"] = self.adapters.stats["evictions"]
             snap["adapter_fetch_errors"] = self.adapters.stats["fetch_errors"]
             snap["adapter_counters"] = {name: c.as_dict() for name, c in self.adapters.per_adapter.items()}
+            snap["adapter_tier_hits"] = dict(self.adapters.tier_hits)
         return snap
 
 
