@@ -45,8 +45,7 @@ from typing import Sequence
 
 import torch
 
-from bench.common import (ALL_MODULES, LLAMA_3_1_8B, LLAMA_3_2_1B, QV, TINY_LLAMA, CompileWatch,
-                          write_random_adapter, write_random_checkpoint)
+from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, write_random_adapter
 from bench.engine_driver import Driver, Spec, make_specs, parse_range, pct, preload_adapters, zipf_index
 
 log = logging.getLogger("churn_bench")
@@ -317,19 +316,9 @@ def main(argv: Sequence[str] | None = None) -> list[RowResult]:
 
 def _checkpoint(args, work: Path, device: torch.device, dtype: torch.dtype) -> tuple[Path, str, str]:
     """(checkpoint, load format, description) of --model."""
-    model_arg = args.model or ("llama-1b-random" if device.type == "cuda" else "tiny")
-    if model_arg == "llama-8b-random":
-        checkpoint = work / "llama-3.1-8b-dummy"
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        (checkpoint / "config.json").write_text(json.dumps(LLAMA_3_1_8B, indent=2))
-        return checkpoint, "dummy", "Llama-3.1-8B-shaped (vocab 49,152), random weights"
-    if model_arg in ("llama-1b-random", "tiny"):
-        config = LLAMA_3_2_1B if model_arg == "llama-1b-random" else TINY_LLAMA
-        checkpoint = work / f"{model_arg}-{str(dtype).removeprefix('torch.')}"
-        if not (checkpoint / "model.safetensors").exists():
-            write_random_checkpoint(checkpoint, config, dtype, device, seed=args.seed)
-        return checkpoint, "safetensors", f"{model_arg}: random weights"
-    return Path(model_arg), "safetensors", Path(model_arg).name
+    bench = bench_model(args.model or ("llama-1b-random" if device.type == "cuda" else "tiny"), work, dtype,
+                        device, args.seed)
+    return bench.checkpoint, bench.load_format, bench.description
 
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: list[str]) -> list[RowResult]:

@@ -82,6 +82,38 @@ def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device:
     return out
 
 
+@dataclass(frozen=True)
+class BenchModel:
+    """A benchmark's model: its checkpoint folder, how the node loads it, what to print."""
+
+    checkpoint: Path
+    load_format: str   # "dummy": random weights of config.json's shapes, made on the device
+    description: str
+
+
+def bench_model(name: str, work: Path, dtype: torch.dtype, device: torch.device, seed: int) -> BenchModel:
+    """The named shapes with random weights ('llama-8b-random': config only, weights made at
+    load; 'llama-1b-random', 'tiny': a checkpoint written once into `work`), the embedded
+    SmolLM2 ('embedded'), or a checkpoint folder."""
+    if name == "llama-8b-random":
+        checkpoint = work / "llama-3.1-8b-dummy"
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        (checkpoint / "config.json").write_text(json.dumps(LLAMA_3_1_8B, indent=2))
+        return BenchModel(checkpoint, "dummy", "Llama-3.1-8B-shaped (vocab 49,152), random weights")
+    if name in ("llama-1b-random", "tiny"):
+        config = LLAMA_3_2_1B if name == "llama-1b-random" else TINY_LLAMA
+        checkpoint = work / f"{name}-{str(dtype).removeprefix('torch.')}"
+        if not (checkpoint / "model.safetensors").exists():
+            write_random_checkpoint(checkpoint, config, dtype, device, seed=seed)
+        shapes = "Llama-3.2-1B-shaped" if name == "llama-1b-random" else "tiny Llama-shaped"
+        return BenchModel(checkpoint, "safetensors", f"{shapes}, random weights")
+    if name == "embedded":
+        from inference_node.model.embedded import default_checkpoint
+
+        return BenchModel(default_checkpoint(), "safetensors", "embedded SmolLM2-135M")
+    return BenchModel(Path(name), "safetensors", Path(name).name)
+
+
 def copy_tokenizer(source: Path, dest: Path) -> None:
     """The tokenizer files of checkpoint `source` into `dest` (a random checkpoint that a node
     serves by text)."""
