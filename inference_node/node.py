@@ -225,7 +225,7 @@ def build_node(settings: NodeSettings) -> Node:
     ranks = None
     if settings.tensor_parallel_size > 1:
         # Ranks 1..N-1 load their shards while this process loads rank 0's.
-        ranks = Workers(settings, settings.tensor_parallel_size,
+        ranks = Workers(settings, settings.tensor_parallel_size, build_rank,
                         logging.getLevelName(logging.getLogger().getEffectiveLevel()))
     try:
         parts = load_rank(settings, Shard(0, settings.tensor_parallel_size),
