@@ -18,7 +18,8 @@ keep a block of output columns, o and down a block of input rows, the embedding 
 block of ceil(vocab / TP) rows (the last block zero-padded); the norms are replicated. LoRA
 follows: on column-parallel projections A is whole and B split, on row-parallel ones A split
 and B whole. Collectives per step: one all-reduce of [rows, hidden] after the embedding
-lookup, two per layer (after o and after down) and one all-gather of the logits.
+lookup, two per layer (after o and after down), one all-gather of the logits and, in a decode
+graph, one broadcast of the step's token ids from rank 0 (only it holds the last samples).
 
     python -m bench.tp_floor --allreduce-json ar.json    # the floors of the issue's TP rows
 """
@@ -49,6 +50,7 @@ class Collectives:
 
     all_reduces: int   # each of [rows, hidden]
     all_gathers: int   # each of [rows, ceil(vocab / TP)] per rank: the logits
+    broadcasts: int    # each of [rows] int64 from rank 0: the token ids
 
 
 @dataclass(frozen=True)
@@ -130,11 +132,11 @@ def adapter_bytes_per_rank(cfg: ModelConfig, rank: int, targets: Sequence[str], 
 
 
 def collectives_per_step(cfg: ModelConfig, tp: int) -> Collectives:
-    """The embedding's all-reduce, two per layer (o and down), the logits' all-gather; none
-    on one device."""
+    """The embedding's all-reduce, two per layer (o and down), the logits' all-gather, the
+    token ids' broadcast; none on one device."""
     if tp == 1:
-        return Collectives(0, 0)
-    return Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1)
+        return Collectives(0, 0, 0)
+    return Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1, broadcasts=1)
 
 
 def logits_gather_bytes(cfg: ModelConfig, itemsize: int, tp: int, rows: int) -> int:
@@ -176,15 +178,17 @@ class StepBytes:
 
 def decode_floor(cfg: ModelConfig, itemsize: int, tp: int, rows: int, context_len: int,
                  read_bandwidth: float, adapters: Sequence[AdapterSet] = (),
-                 all_reduce_s: float | None = None, all_gather_s: float | None = None) -> DecodeFloor:
+                 all_reduce_s: float | None = None, all_gather_s: float | None = None,
+                 broadcast_s: float | None = None) -> DecodeFloor:
     """The floor of a decode step of `rows` sequences, each attending over `context_len`
     tokens, with `adapters` distinct adapters in the batch. all_reduce_s: the measured time
-    of one [rows, hidden] all-reduce; all_gather_s: the logits' all-gather (both needed
-    when tp > 1; bench.allreduce_bench measures the first)."""
+    of one [rows, hidden] all-reduce; all_gather_s: the logits' all-gather; broadcast_s: the
+    token ids' broadcast (all three needed when tp > 1: `collective_times` gives them from
+    bench.allreduce_bench's report)."""
     collectives = collectives_per_step(cfg, tp)
-    if tp > 1 and (all_reduce_s is None or all_gather_s is None):
-        raise ValueError("a tensor-parallel floor needs the all-reduce and all-gather times "
-                         "(python -m bench.allreduce_bench measures the all-reduce)")
+    if tp > 1 and None in (all_reduce_s, all_gather_s, broadcast_s):
+        raise ValueError("a tensor-parallel floor needs the all-reduce, all-gather and broadcast times "
+                         "(python -m bench.allreduce_bench measures the all-reduce; collective_times)")
     weights = weight_bytes_per_rank(cfg, itemsize, tp)
     embed_rows = rows * embed_row_bytes(cfg, itemsize)
     kv = rows * context_len * kv_bytes_per_token(cfg, itemsize, tp)
@@ -192,11 +196,12 @@ def decode_floor(cfg: ModelConfig, itemsize: int, tp: int, rows: int, context_le
     memory_s = (weights + embed_rows + kv + adapter) / read_bandwidth
     comm_s = 0.0
     if tp > 1:
-        comm_s = collectives.all_reduces * all_reduce_s + collectives.all_gathers * all_gather_s
+        comm_s = (collectives.all_reduces * all_reduce_s + collectives.all_gathers * all_gather_s
+                  + collectives.broadcasts * broadcast_s)
     return DecodeFloor(weights, embed_rows, kv, adapter, collectives, memory_s, comm_s)
 
 
-# -- the issue's rows, from an all-reduce benchmark's --json ---------------------------------------
+# -- from an all-reduce benchmark's report ---------------------------------------------------------
 def all_reduce_times(report: dict, method: str) -> dict[tuple[int, int], float]:
     """(rows, hidden) -> seconds of one all-reduce by `method` (e.g. "nccl graph") in
     bench.allreduce_bench's --json report."""
@@ -204,9 +209,56 @@ def all_reduce_times(report: dict, method: str) -> dict[tuple[int, int], float]:
             if r["method"] == method and r.get("seconds") is not None}
 
 
+def collective_times(report: dict, method: str, cfg: ModelConfig, tp: int, rows: int,
+                     itemsize: int = 2) -> tuple[float, float, float]:
+    """(all-reduce, all-gather, broadcast) seconds for a decode step of `rows` from a report
+    of `tp` processes: the all-reduce measured at [rows, hidden]; the logits' all-gather at
+    that all-reduce's bus bandwidth; the token ids' broadcast (a few hundred bytes, latency
+    alone) as the report's smallest all-reduce of that hidden size."""
+    if report["world_size"] != tp:
+        raise ValueError(f"the all-reduce report is of {report['world_size']} processes, not {tp}")
+    times = {k: v for k, v in all_reduce_times(report, method).items() if k[1] == cfg.hidden_size}
+    if (rows, cfg.hidden_size) not in times:
+        raise ValueError(f"the report has no {method!r} all-reduce of [{rows}, {cfg.hidden_size}] "
+                         f"(it has rows {sorted(r for r, _ in times)}): run bench.allreduce_bench --rows {rows}")
+    all_reduce = times[(rows, cfg.hidden_size)]
+    busbw = bus_bandwidth_all_reduce(rows * cfg.hidden_size * itemsize, tp, all_reduce)
+    gather = all_gather_seconds(logits_gather_bytes(cfg, itemsize, tp, rows), tp, busbw)
+    return all_reduce, gather, times[min(times)]
+
+
+def decode_step_floor_ms(checkpoint: Path, tp: int, batch: int, context: int, adapters: int = 0,
+                         rank: int = 16, copy_bandwidth: float = 3.0e12,
+                         targets: Sequence[str] | None = None, itemsize: int = 2,
+                         allreduce: dict | Path | None = None, method: str = "nccl graph") -> float:
+    """A full-batch decode step's floor per GPU in ms (bench.tp_bench's column): `batch` rows
+    attending over `context` tokens each, `adapters` distinct adapters of `rank` on `targets`
+    (default all seven projections). With tp > 1 the collectives come from `allreduce`, an
+    allreduce_bench --json report of tp processes; without one the floor is the bytes alone,
+    and a warning says so."""
+    import warnings
+
+    from bench.common import ALL_MODULES
+
+    cfg = ModelConfig.from_checkpoint(Path(checkpoint))
+    sets = [AdapterSet(adapters, rank, tuple(targets or ALL_MODULES))] if adapters else []
+    times: tuple[float | None, ...] = (None, None, None)
+    if tp > 1:
+        if allreduce is None:
+            warnings.warn("tensor-parallel floor without collectives (no all-reduce report): bytes alone",
+                          stacklevel=2)
+            times = (0.0, 0.0, 0.0)
+        else:
+            report = allreduce if isinstance(allreduce, dict) else json.loads(Path(allreduce).read_text())
+            times = collective_times(report, method, cfg, tp, batch, itemsize)
+    f = decode_floor(cfg, itemsize, tp, batch, context, copy_bandwidth, sets, *times)
+    return f.seconds * 1e3
+
+
 def main(argv: Sequence[str] | None = None) -> list[tuple[str, DecodeFloor]]:
     from bench.common import ALL_MODULES, LLAMA_3_1_8B
 
+    # The 70B shape with the 8B's (SmolLM2) vocabulary, as the benchmarks build it.
     llama_70b = {**LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                  "num_attention_heads": 64}
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -221,29 +273,27 @@ def main(argv: Sequence[str] | None = None) -> list[tuple[str, DecodeFloor]]:
     args = p.parse_args(argv)
     report = json.loads(args.allreduce_json.read_text())
     tp = report["world_size"]
-    times = all_reduce_times(report, args.method)
     out = []
     print(f"decode-step floor per rank, TP {tp}, {args.rows} rows x {args.context} tokens, bf16, read "
-          f"bandwidth {args.read_bandwidth / 1e12:.2f} TB/s, all-reduce: {args.method} ({report['device']})")
-    print(f"{'model':<10} {'adapters':>8} {'weights GB':>10} {'KV GB':>7} {'LoRA GB':>8} {'mem ms':>7} "
-          f"{'ARs':>4} {'AR us':>6} {'gather us':>9} {'comm ms':>8} {'floor ms':>9}")
+          f"bandwidth {args.read_bandwidth / 1e12:.2f} TB/s, collectives: {args.method} ({report['device']})")
+    print(f"{'model':<6} {'adapters':>8} {'weights GB':>10} {'KV GB':>7} {'LoRA GB':>8} {'mem ms':>7} "
+          f"{'ARs':>4} {'AR us':>6} {'gather us':>9} {'bcast us':>8} {'comm ms':>8} {'floor ms':>9}")
     for name, raw in (("8B", LLAMA_3_1_8B), ("70B", llama_70b)):
         cfg = ModelConfig.from_dict(raw)
-        key = (args.rows, cfg.hidden_size)
-        if key not in times:
-            print(f"{name:<10} n/a (no {args.method} all-reduce of {key[0]} x {key[1]} in the report)")
+        try:
+            ar, gather, bcast = collective_times(report, args.method, cfg, tp, args.rows)
+        except ValueError as exc:
+            print(f"{name:<6} n/a ({exc})")
             continue
-        ar = times[key]
-        busbw = bus_bandwidth_all_reduce(args.rows * cfg.hidden_size * 2, tp, ar)
-        gather = all_gather_seconds(logits_gather_bytes(cfg, 2, tp, args.rows), tp, busbw)
         for count in (0, args.adapters):
             sets = [AdapterSet(count, 16, ALL_MODULES)] if count else []
-            f = decode_floor(cfg, 2, tp, args.rows, args.context, args.read_bandwidth, sets, ar, gather)
+            f = decode_floor(cfg, 2, tp, args.rows, args.context, args.read_bandwidth, sets, ar, gather, bcast)
             out.append((f"{name}/{count}", f))
-            print(f"{name:<10} {count:>8} {f.weights / 1e9:10.3f} {f.kv / 1e9:7.3f} {f.adapters / 1e9:8.3f} "
+            print(f"{name:<6} {count:>8} {f.weights / 1e9:10.3f} {f.kv / 1e9:7.3f} {f.adapters / 1e9:8.3f} "
                   f"{f.memory_s * 1e3:7.3f} {f.collectives.all_reduces:>4} {ar * 1e6:6.1f} {gather * 1e6:9.1f} "
-                  f"{f.comm_s * 1e3:8.3f} {f.seconds * 1e3:9.3f}")
-    print("gather us: the logits' all-gather estimated at the all-reduce's bus bandwidth for these rows")
+                  f"{bcast * 1e6:8.1f} {f.comm_s * 1e3:8.3f} {f.seconds * 1e3:9.3f}")
+    print("gather: the logits' all-gather at the all-reduce's bus bandwidth for these rows; bcast: the token "
+          "ids' broadcast taken as the smallest all-reduce measured")
     return out
 
 

@@ -101,7 +101,7 @@ def test_tp1_floor_is_the_serving_bench_floor(name: str, tmp_path: Path, monkeyp
                               adapters=[tp_floor.AdapterSet(3, 16, ALL_MODULES)])
     assert f.bytes_read == old.step(64, frozenset({"r16-0", "r16-1", "r16-2"}), 64 * 700)
     assert f.seconds == pytest.approx(old.step(64, frozenset({"r16-0", "r16-1", "r16-2"}), 64 * 700) / bw)
-    assert f.comm_s == 0 and f.collectives == tp_floor.Collectives(0, 0)
+    assert f.comm_s == 0 and f.collectives == tp_floor.Collectives(0, 0, 0)
 
 
 def loaded_weight_bytes(model: LlamaModel) -> int:
@@ -173,6 +173,7 @@ class CountingParallel:
         self.rank, self.size = 0, size
         self.all_reduces: list[tuple[int, ...]] = []
         self.gathers: list[tuple[int, ...]] = []
+        self.broadcasts: list[tuple[int, ...]] = []
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.all_reduces.append(tuple(x.shape))
@@ -181,6 +182,10 @@ class CountingParallel:
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         self.gathers.append(tuple(x.shape))
         return torch.cat([x] * self.size, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.broadcasts.append(tuple(x.shape))
+        return x
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -202,7 +207,8 @@ def test_collectives_are_those_a_decode_forward_calls(tp: int, tmp_path: Path) -
     logits = model.forward(batch, kv.k, kv.v)
     assert logits.shape == (rows, cfg.vocab_size)
     counts = tp_floor.collectives_per_step(model.full_config, tp)
-    assert counts == tp_floor.Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1)
+    # broadcasts=1: a decode graph's step (ForwardBatch.feedback set) sends rank 0's token ids.
+    assert counts == tp_floor.Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1, broadcasts=1)
     assert len(group.all_reduces) == counts.all_reduces
     assert set(group.all_reduces) == {(rows, cfg.hidden_size)}
     assert len(group.gathers) == counts.all_gathers
@@ -215,10 +221,13 @@ def test_tensor_parallel_floor_adds_the_collectives() -> None:
     cfg = ModelConfig.from_dict(LLAMA_3_1_8B)
     with pytest.raises(ValueError, match="all-reduce"):
         tp_floor.decode_floor(cfg, BF16, 2, rows=64, context_len=512, read_bandwidth=3e12)
+    with pytest.raises(ValueError, match="broadcast"):
+        tp_floor.decode_floor(cfg, BF16, 2, 64, 512, 3e12, all_reduce_s=1e-5, all_gather_s=1e-5)
     adapters = [tp_floor.AdapterSet(32, 16, ALL_MODULES)]
-    f2 = tp_floor.decode_floor(cfg, BF16, 2, 64, 512, 3e12, adapters, all_reduce_s=10e-6, all_gather_s=30e-6)
+    f2 = tp_floor.decode_floor(cfg, BF16, 2, 64, 512, 3e12, adapters, all_reduce_s=10e-6, all_gather_s=30e-6,
+                               broadcast_s=5e-6)
     f1 = tp_floor.decode_floor(cfg, BF16, 1, 64, 512, 3e12, adapters)
-    assert f2.comm_s == pytest.approx((2 * 32 + 1) * 10e-6 + 30e-6)
+    assert f2.comm_s == pytest.approx((2 * 32 + 1) * 10e-6 + 30e-6 + 5e-6)
     assert f2.memory_s == pytest.approx(f2.bytes_read / 3e12)
     assert f2.seconds == pytest.approx(f2.memory_s + f2.comm_s)
     assert f2.kv * 2 == f1.kv and f2.embed_rows == f1.embed_rows
@@ -230,8 +239,8 @@ def test_tensor_parallel_floor_adds_the_collectives() -> None:
 
 
 def test_cli_reads_an_allreduce_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    results = [{"method": "nccl graph", "rows": 64, "hidden": h, "seconds": s}
-               for h, s in ((4096, 12e-6), (8192, 20e-6))]
+    results = [{"method": "nccl graph", "rows": rows, "hidden": h, "seconds": s * (1 + rows / 64)}
+               for h, s in ((4096, 6e-6), (8192, 10e-6)) for rows in (1, 64)]
     report = tmp_path / "ar.json"
     report.write_text(json.dumps({"world_size": 4, "device": "test", "results": results}))
     floors = dict(tp_floor.main(["--allreduce-json", str(report), "--rows", "64"]))
@@ -239,3 +248,29 @@ def test_cli_reads_an_allreduce_report(tmp_path: Path, capsys: pytest.CaptureFix
     assert set(floors) == {"8B/0", "8B/32", "70B/0", "70B/32"}, out
     assert floors["70B/0"].comm_s > 161 * 20e-6  # 161 all-reduces and the gather
     assert floors["8B/32"].adapters > 0 and floors["8B/0"].adapters == 0
+
+
+def test_decode_step_floor_ms_for_tp_bench(tmp_path: Path) -> None:
+    """bench.tp_bench's call: a checkpoint folder, the batch's rows and context, N adapters."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+    cfg = ModelConfig.from_dict(LLAMA_3_1_8B)
+    sets = [tp_floor.AdapterSet(32, 16, ALL_MODULES)]
+    one = tp_floor.decode_step_floor_ms(tmp_path, tp=1, batch=64, context=160, adapters=32, rank=16,
+                                        copy_bandwidth=3e12)
+    assert one == pytest.approx(tp_floor.decode_floor(cfg, BF16, 1, 64, 160, 3e12, sets).seconds * 1e3)
+    with pytest.warns(UserWarning, match="without collectives"):
+        bytes_only = tp_floor.decode_step_floor_ms(tmp_path, tp=2, batch=64, context=160, adapters=32)
+    assert bytes_only == pytest.approx(tp_floor.decode_floor(cfg, BF16, 2, 64, 160, 3e12, sets, 0, 0, 0).memory_s * 1e3)
+    report = {"world_size": 2, "device": "test", "results": [
+        {"method": "nccl graph", "rows": rows, "hidden": 4096, "seconds": s}
+        for rows, s in ((1, 8e-6), (64, 14e-6), (128, 20e-6))]}
+    ar, gather, bcast = tp_floor.collective_times(report, "nccl graph", cfg, 2, 64)
+    assert (ar, bcast) == (14e-6, 8e-6)
+    busbw = tp_floor.bus_bandwidth_all_reduce(64 * 4096 * 2, 2, 14e-6)
+    assert gather == pytest.approx(0.5 * 64 * 49152 * 2 / busbw)
+    with_comm = tp_floor.decode_step_floor_ms(tmp_path, tp=2, batch=64, context=160, adapters=32, allreduce=report)
+    assert with_comm == pytest.approx(bytes_only + (65 * ar + gather + bcast) * 1e3)
+    with pytest.raises(ValueError, match="of 2 processes, not 4"):
+        tp_floor.collective_times(report, "nccl graph", cfg, 4, 64)
+    with pytest.raises(ValueError, match=r"no 'nccl graph' all-reduce of \[32, 4096\]"):
+        tp_floor.collective_times(report, "nccl graph", cfg, 2, 32)
