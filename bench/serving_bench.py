@@ -49,6 +49,7 @@ import torch
 from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, copy_bandwidth, write_random_adapter
 from bench.engine_driver import (DecodeStep, Driver, ReqRecord, Spec, make_specs, parse_range, pct,
                                  preload_adapters, sync, zipf_index)
+from bench.tp_floor import StepBytes, adapter_bytes_per_rank
 
 log = logging.getLogger("serving_bench")
 COMPILES = CompileWatch()  # installed by _run; every row reports what compiled in its timed run
@@ -82,32 +83,6 @@ class RowResult:
     other_steps: tuple[int, int] | None = None
     compiles: list[str] = field(default_factory=list)  # JIT compiles during the timed run
     error: str | None = None
-
-
-class Bytes:
-    """What a decode step must read at least: weights, adapters, KV."""
-
-    def __init__(self, model, adapter_bytes: dict[str, int]) -> None:
-        cfg = model.config
-        es = model.dtype.itemsize
-        tensors = [model.final_norm, model.lm_head]
-        for layer in model.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
-            if layer.qkv_bias is not None:
-                tensors.append(layer.qkv_bias)
-        self.weights = sum(t.numel() * t.element_size() for t in tensors)
-        self.embed_row = cfg.hidden_size * es
-        self.kv_token = cfg.num_layers * 2 * cfg.kv_size * es
-        self.adapter = adapter_bytes
-
-    def step(self, batch: int, adapters: frozenset[str], kv_tokens: int) -> int:
-        return (self.weights + batch * self.embed_row + kv_tokens * self.kv_token
-                + sum(self.adapter[a] for a in adapters))
-
-
-def adapter_nbytes(model_cfg, rank: int, targets: Sequence[str], itemsize: int) -> int:
-    shapes = model_cfg.module_shapes()
-    return model_cfg.num_layers * sum(rank * sum(shapes[m]) for m in targets) * itemsize
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -313,7 +288,7 @@ class Summary:
     step_boundary: list = field(default_factory=list)
 
 
-def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
+def summarize(res: RowResult, nbytes: StepBytes, bw: float) -> Summary:
     s = Summary(res.key, res.label, res.error)
     if res.error:
         return s
@@ -566,9 +541,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=tuning,
                             load_format=load_format)
     itemsize = dtype.itemsize
-    abytes = {n: adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) for n in r16}
-    abytes |= {n: adapter_nbytes(cfg, 8, QV, itemsize) for n in qv}
-    nbytes = Bytes(model, abytes)
+    abytes = {n: adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) for n in r16}
+    abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
+    nbytes = StepBytes.of(cfg, itemsize, abytes)
     specs = make_specs(args.requests, prompt_len, output_len, cfg.vocab_size, args.poisson, args.seed)
 
     rows: list[Row] = []
@@ -689,7 +664,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     for row in rows:
         print(format_row(summaries[row.key]))
     print("-" * len(HEADER))
-    read_32 = 32 * adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) / bw
+    read_32 = 32 * adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) / bw
     for line in ratios(summaries, read_32, "c-32"):
         print(line)
     if args.rounds > 1:
