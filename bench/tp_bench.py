@@ -16,6 +16,7 @@ adapters read at copy bandwidth, plus the all-reduces) where bench.tp_floor is p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -68,6 +69,7 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
         engine.shutdown(timeout=0)
         node.close()
         del node, engine
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
@@ -82,7 +84,8 @@ def floor_ms(args, checkpoint: Path, tp: int, row: str) -> float | None:
     return tp_floor.decode_step_floor_ms(checkpoint, tp=tp, batch=args.batch,
                                          context=args.prompt + args.output // 2,
                                          adapters=int(row[1:]) if row.startswith("c") else 0, rank=16,
-                                         copy_bandwidth=args.copy_bandwidth)
+                                         copy_bandwidth=args.copy_bandwidth,
+                                         allreduce=args.allreduce_json if tp > 1 else None)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -96,9 +99,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2, help="requests = batch x rounds")
     p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=0, help="0: sized from free memory")
+    p.add_argument("--num-kv-blocks", type=int, default=0,
+                   help="0: what the batch needs, twice over (each size's node then leaves the GPU to the next)")
     p.add_argument("--copy-bandwidth", type=float, default=3.0e12,
                    help="device copy bytes/s, read + write counted (KINDS.md: H100 3.0e12)")
+    p.add_argument("--allreduce-json", type=Path, default=None,
+                   help="a bench.allreduce_bench --json report of as many GPUs: the floor's collectives")
     p.add_argument("--tokenizer", type=Path, default=None)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -111,8 +117,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     rows = args.rows.split(",")
     sizes = [int(t) for t in args.tp.split(",")]
-    if args.device == "cpu":
-        args.num_kv_blocks = args.num_kv_blocks or 256
+    args.num_kv_blocks = args.num_kv_blocks or 2 * args.batch * -(-(args.prompt + args.output + 16) // 16)
     with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:
         work = args.workdir or Path(tmp)
         checkpoint = prepare_checkpoint(work, None if args.shape == "tiny" else args.shape, args.tokenizer)
