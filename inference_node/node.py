@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kernels.tuning import Tuning
+from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, load_table
 from lora_common.tls import ClientTLS, ServerTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
@@ -79,6 +80,11 @@ class NodeSettings:
     cpu_threads: int = 0               # torch threads of a CPU engine; 0: the cores less one for the front end
     max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS  # larger LoRA weights are refused (0: no bound)
     tuning: Tuning = field(default_factory=Tuning)  # the decode step's launch choices (kernels/tuning.py)
+    # Per-step launch choices from a table kept as data (kernels/tuning_table.py): "auto" the
+    # one filed for this GPU and shape, "off", or a file's path. The choices named in
+    # tuning_fixed (the flags given) keep `tuning`'s values whatever the table says.
+    tuning_table: str = "off"
+    tuning_fixed: frozenset[str] = frozenset()
     tensor_parallel_size: int = 1      # ranks (one GPU each) the model is split over (inference_node/parallel)
 
 
@@ -174,6 +180,26 @@ def check_tensor_parallel(settings: NodeSettings, checkpoint: Path) -> None:
                             f"{torch.cuda.device_count()} are visible")
 
 
+def step_tunings(settings: NodeSettings, device: torch.device, config: ModelConfig) -> StepTunings:
+    """Each step's launch choices: the tuning table settings.tuning_table names for this
+    device and (shard's) shape, over settings.tuning, the flags given kept; settings.tuning
+    for every step where no table applies."""
+    shape, name = ModelShape.of(config), device_name(device)
+    try:
+        table = load_table(settings.tuning_table, name, shape)
+    except TuningTableError as exc:
+        raise ValueError(f"--tuning-table: {exc}") from None
+    if table is None:
+        if settings.tuning_table == "auto":
+            log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
+        return StepTunings.fixed(settings.tuning)
+    if table.device != name:
+        log.warning("tuning table %s was tuned on %s, not this %s", table.path, table.device, name)
+    log.info("tuning table %s: %d buckets%s", table.path, len(table.buckets),
+             f" (flags kept: {', '.join(sorted(settings.tuning_fixed))})" if settings.tuning_fixed else "")
+    return table.tunings(settings.tuning, settings.tuning_fixed)
+
+
 def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> RankParts:
     """One rank's device, model shard, adapter slots and KV block count (the least over all
     ranks, so every rank can hold every block rank 0's allocator hands out)."""
@@ -187,8 +213,9 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     dtype = DTYPES[dtype_name]
     tp = init_tensor_parallel(shard, device, rendezvous) if shard.size > 1 else None
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=settings.tuning,
-                            load_format=settings.load_format, tp=tp)
+    tunings = step_tunings(settings, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tunings.base,
+                            load_format=settings.load_format, tp=tp, step_tunings=tunings)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = tp is None and (settings.mixed_graphs == "on" or
                                    (settings.mixed_graphs == "auto" and device.type == "cuda"))
@@ -252,7 +279,7 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
         decode_graphs, warmup = False, "off"
     adapters = build_adapter_manager(settings, model, device, dtype, buffers=parts.slots)
     blocks = parts.num_kv_blocks
-    lora_plan = LoraStepPlan(adapters.buffers, settings.tuning) if adapters is not None else None
+    lora_plan = LoraStepPlan(adapters.buffers, model.tuning) if adapters is not None else None
     engine = Engine(model, lora=adapters, lora_plan=lora_plan, ranks=ranks, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,

@@ -275,7 +275,8 @@ class RankWorker:
         applier = None
         if self.slots is not None and any(slot >= 0 for slot, _ in chunk_slots):
             applier = applier_for_slots(self.slots, chunk_slots)
-        self.model.forward(batch, self.kv.k, self.kv.v, applier)
+        adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
+        self.model.for_step(len(positions), adapters).forward(batch, self.kv.k, self.kv.v, applier)
 
     def write(self, header: list, frames: list[bytes]) -> None:
         _, slot, name, version, rank, scaling, modules, shapes = header
