@@ -295,14 +295,14 @@ class StepTunings:
         return cls(tuning)
 
 
-def find_table(device: str, shape: ModelShape, folder: Path = CONFIG_DIR) -> Path | None:
-    """The table filed for (device, shape) in `folder`, if there is one."""
-    path = folder / table_name(device, shape)
+def find_table(device: str, shape: ModelShape, folder: Path | None = None) -> Path | None:
+    """The table filed for (device, shape) in `folder` (None: kernels/configs), if any."""
+    path = (folder or CONFIG_DIR) / table_name(device, shape)
     return path if path.is_file() else None
 
 
 def load_table(setting: str, device: str, shape: ModelShape,
-               folder: Path = CONFIG_DIR) -> TuningTable | None:
+               folder: Path | None = None) -> TuningTable | None:
     """The table `inference-node serve --tuning-table` names: "off" none, "auto" the one filed
     for (device, shape) if any, else the file at that path, which must be for `shape`
     (another device's is taken: its numbers are then a starting point, not tuned here)."""
