@@ -237,7 +237,10 @@ class TuningTable:
         }
 
     def write(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        text = json.dumps(self.to_json(), indent=1)
+        # Short lists (a tiling, a group set) on one line each.
+        text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+        Path(path).write_text(text + "\n")
 
     # -- use ------------------------------------------------------------------------------------
     def tunings(self, base: Tuning, fixed: Iterable[str] = ()) -> "StepTunings":

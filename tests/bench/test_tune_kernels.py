@@ -1,0 +1,77 @@
+"""bench/tune_kernels.py: its candidate tilings are the ones the node would launch, the table
+it writes holds a bucket's best tiling only where it beats the default (and stops smaller
+buckets' entries at the buckets where none does), and its CPU smoke (the PyTorch reference,
+numbers meaningless) writes a table the node's loader reads back."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.tune_kernels import MODELS, Measured, candidates, shard, table_for
+from kernels.gemm.shapes import SHARED_MEMORY
+from kernels.tuning import DEFAULT_TUNING
+from kernels.tuning_table import TuningTable, load_table, table_name
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_candidates_are_what_the_node_would_launch() -> None:
+    w = torch.empty(2048, 2048, dtype=torch.bfloat16, device="meta").t()  # o of Llama-3.2-1B
+    options = candidates(w, "o", "gemm_tma_tilings")
+    assert options[0] == DEFAULT_TUNING.gemm_tma_tilings["o"]
+    assert len(options) == len(set(options)) > 10
+    for block_n, block_k, stages in options:
+        assert 2048 % block_n == 0 and 2048 % block_k == 0
+        assert stages == 2 or (64 + block_n) * block_k * 2 * stages <= SHARED_MEMORY
+    assert (128, 512, 2) in options
+    down = torch.empty(64, 160, dtype=torch.float32, device="meta").t()  # K 160: no tile divides it
+    assert candidates(down, "down", "gemm_tilings") == []
+
+
+def test_shards_divide_heads_kv_heads_and_the_mlp() -> None:
+    assert shard(MODELS["70b"], 4).key == "h8192_i7168_q16_kv2_d128"
+    with pytest.raises(SystemExit, match="does not divide kv_heads"):
+        shard(MODELS["8b"], 16)
+
+
+def test_the_table_holds_only_real_gains_and_stops_smaller_buckets() -> None:
+    default_qkv, default_o = DEFAULT_TUNING.gemm_tma_tilings["qkv"], DEFAULT_TUNING.gemm_tma_tilings["o"]
+    results = [
+        Measured("qkv", 8, default_qkv, 10.0, (64, 128, 4), 9.0),   # 10% faster: taken
+        Measured("o", 8, default_o, 10.0, (32, 128, 4), 9.9),       # 1%: noise, not taken
+        Measured("qkv", 32, default_qkv, 10.0, default_qkv, 10.0),  # the default is best
+        Measured("o", 32, default_o, 10.0, (32, 256, 3), 9.95),
+    ]
+    table = table_for(results, "gemm_tma_tilings", "NVIDIA H100 80GB HBM3", MODELS["1b"], 0.02, "test")
+    assert [(b.batch, b.adapters) for b in table.buckets] == [(8, 0), (32, 0)]
+    assert table.to_json()["buckets"][0]["choices"] == {"gemm_tma_tilings": {"qkv": [64, 128, 4]}}
+    assert table.to_json()["buckets"][1]["choices"] == {}
+    steps = table.tunings(DEFAULT_TUNING)
+    assert steps.for_step(16).gemm_tma_tilings["qkv"] == (64, 128, 4)
+    assert steps.for_step(64).gemm_tma_tilings == DEFAULT_TUNING.gemm_tma_tilings  # not batch 8's
+    assert steps.for_step(4) == DEFAULT_TUNING
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the sweep is run by hand")
+def test_the_cpu_smoke_writes_a_table_the_node_reads(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "bench.tune_kernels", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("CPU SMOKE")
+    shape = MODELS["tiny"]
+    path = tmp_path / table_name("cpu", shape)
+    assert f"wrote {path}" in proc.stdout
+    table = load_table("auto", "cpu", shape, tmp_path)
+    assert table == TuningTable.read(path) and table.device == "cpu" and table.shape == shape
+    assert [b.batch for b in table.buckets] == [1, 4]  # every batch measured has its bucket
+    for bucket in table.buckets:
+        assert set(bucket.choices) <= {"gemm_tilings"}
+    for group in ("qkv", "o", "gate_up"):  # down's K (160) takes no tiling: cuBLAS, not swept
+        assert any(line.startswith(f"{group:8}     1") for line in proc.stdout.splitlines()), proc.stdout
+    assert "down: no tiling divides its [160, 64] weight" in proc.stdout
