@@ -75,3 +75,20 @@ def test_the_cpu_smoke_writes_a_table_the_node_reads(tmp_path: Path) -> None:
     for group in ("qkv", "o", "gate_up"):  # down's K (160) takes no tiling: cuBLAS, not swept
         assert any(line.startswith(f"{group:8}     1") for line in proc.stdout.splitlines()), proc.stdout
     assert "down: no tiling divides its [160, 64] weight" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_the_sweep_on_the_gpu_writes_a_table_for_this_gpu(tmp_path: Path) -> None:
+    """One group at one batch of Llama-3.2-1B's shapes (a minute at most): every candidate
+    checked against the reference, the table filed under this GPU's name."""
+    from kernels.tuning_table import device_name
+
+    proc = subprocess.run([sys.executable, "-m", "bench.tune_kernels", "--model", "1b", "--batches", "8",
+                           "--groups", "o", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = device_name(torch.device("cuda"))
+    table = load_table("auto", name, MODELS["1b"], tmp_path)
+    assert table is not None and [b.batch for b in table.buckets] == [8]
+    assert "rel err" not in proc.stdout, proc.stdout  # no candidate disagreed with the reference
+    print(proc.stdout)

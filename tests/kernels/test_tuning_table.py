@@ -163,17 +163,21 @@ def test_serve_takes_auto_by_default_and_records_the_flags_given(tmp_path: Path)
         main(["serve", "--tuning-table", str(bad)])  # refused before any model loads
 
 
-def test_the_node_runs_each_step_with_its_buckets_tuning(tiny_llama_path, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path, tmp_path, monkeypatch) -> None:
     """Through the decode graphs' static buffers (eager on CPU: the same for_step call that
     a GPU's capture makes) and eager prefill steps, with and without an adapter: every
-    forward's Tuning is its bucket's. A flag given keeps its value in every bucket."""
+    forward's Tuning is its bucket's, and the tokens are those of the node without a table
+    (on CUDA the decode GEMM launches the table's tilings). A flag given keeps its value in
+    every bucket."""
     from harness import InProcessNode, make_peft_adapter
     from inference_node.model.llama import LlamaModel
     from inference_node.node import NodeSettings
     from lora_client.node_client import NodeClient
 
     make_peft_adapter(tiny_llama_path, tmp_path / "adapters" / "qv", 4, 8.0, ["q_proj", "v_proj"], False, seed=1)
-    path = write(tmp_path / "table.json", table_json())
+    # Pointer-load tilings (gemm_tilings) on Hopper too: TMA off for the whole node.
+    path = write(tmp_path / "table.json", table_json(node={"gemm_tma": False}))
     seen: list[tuple[int, bool, Tuning]] = []
     real_forward = LlamaModel.forward
 
@@ -183,10 +187,10 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(tiny_llama_path, tmp_pa
 
     monkeypatch.setattr(LlamaModel, "forward", spy)
 
-    def serve(**settings) -> list[tuple[int, bool, Tuning]]:
+    def serve(**settings) -> tuple[list[tuple[int, bool, Tuning]], list[list[int]]]:
         seen.clear()
         node = InProcessNode(NodeSettings(
-            model=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+            model=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=64, max_num_seqs=8,
             max_loras=2, max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"), decode_graphs="on",
             max_graph_batch=8, mixed_graphs="off", **settings))
         try:
@@ -196,18 +200,18 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(tiny_llama_path, tmp_pa
                 adapter, prompt = job
                 with NodeClient(node.address) as client:
                     return client.generate(client.request(adapter=adapter, prompt_token_ids=prompt,
-                                                          max_tokens=6, ignore_eos=True), timeout=120)
+                                                          max_tokens=6, ignore_eos=True), timeout=120).token_ids
 
             jobs = [("", [5, 6, 7])] + [("", [11 + i] * (2 + i)) for i in range(4)] + [("qv", [9, 9, 9, 9])] * 2
             with ThreadPoolExecutor(len(jobs)) as pool:
-                list(pool.map(run, jobs))
-            run(("", [3]))  # one alone: a batch-1 step
+                outputs = list(pool.map(run, jobs))
+            outputs.append(run(("", [3])))  # one alone: a batch-1 step
             assert node.engine.stats.graph_steps > 0
         finally:
             node.stop()
-        return list(seen)
+        return list(seen), outputs
 
-    forwards = serve(tuning_table=str(path))
+    forwards, tokens = serve(tuning_table=str(path))
     rows_seen = {(rows, lora) for rows, lora, _ in forwards}
     assert (1, False) in rows_seen and any(r >= 4 and not lo for r, lo in rows_seen)
     assert any(r >= 4 and lo for r, lo in rows_seen)
@@ -216,8 +220,10 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(tiny_llama_path, tmp_pa
         assert list(tuning.gemm_tilings["qkv"]) == QKV[bucket], (rows, lora)
         assert tuning.pdl is (bucket != 4)
     given = DEFAULT_TUNING.replace(pdl=True, gemm_tilings={**DEFAULT_TUNING.gemm_tilings, "qkv": (128, 64, 2)})
-    for rows, lora, tuning in serve(tuning_table=str(path), tuning=given, tuning_fixed=frozenset({"gemm_tilings"})):
+    forwards, fixed_tokens = serve(tuning_table=str(path), tuning=given, tuning_fixed=frozenset({"gemm_tilings"}))
+    for rows, lora, tuning in forwards:
         assert tuning.gemm_tilings["qkv"] == (128, 64, 2), (rows, lora)  # the flag, every bucket
         assert tuning.pdl is (rows < 4 or lora)  # the table's, where no flag was given
-    for _, _, tuning in serve(tuning_table="off"):
-        assert tuning == DEFAULT_TUNING
+    forwards, plain_tokens = serve(tuning_table="off")
+    assert all(tuning == DEFAULT_TUNING for _, _, tuning in forwards)
+    assert tokens == plain_tokens == fixed_tokens
