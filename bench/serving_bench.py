@@ -46,8 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from bench.common import (ALL_MODULES, LLAMA_3_1_8B, LLAMA_3_2_1B, QV, CompileWatch, copy_bandwidth,
-                          write_random_adapter, write_random_checkpoint)
+from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, copy_bandwidth, write_random_adapter
 from bench.engine_driver import (DecodeStep, Driver, ReqRecord, Spec, make_specs, parse_range, pct,
                                  preload_adapters, sync, zipf_index)
 
@@ -538,29 +537,11 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     COMPILES.install()
     started = time.perf_counter()
     model_arg = args.model or ("llama-1b-random" if cuda else "embedded")
-    load_format = "safetensors"
-    if model_arg == "llama-8b-random":
-        checkpoint = work / "llama-3.1-8b-dummy"
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        (checkpoint / "config.json").write_text(json.dumps(LLAMA_3_1_8B, indent=2))
-        load_format = "dummy"
-        model_name = "Llama-3.1-8B-shaped (vocab 49,152), random weights"
-        if "e" in wanted:
-            log.warning("row e needs a checkpoint on disk for PEFT: skipped with the 8B shape")
-            wanted.discard("e")
-    elif model_arg == "llama-1b-random":
-        checkpoint = work / "llama-3.2-1b-random"
-        if not (checkpoint / "model.safetensors").exists():
-            write_random_checkpoint(checkpoint, LLAMA_3_2_1B, dtype, device, seed=args.seed)
-        model_name = "Llama-3.2-1B-shaped, random weights"
-    elif model_arg == "embedded":
-        from inference_node.model.embedded import default_checkpoint
-
-        checkpoint = default_checkpoint()
-        model_name = "embedded SmolLM2-135M"
-    else:
-        checkpoint = Path(model_arg)
-        model_name = checkpoint.name
+    bench = bench_model(model_arg, work, dtype, device, args.seed)
+    checkpoint, load_format, model_name = bench.checkpoint, bench.load_format, bench.description
+    if load_format == "dummy" and "e" in wanted:
+        log.warning("row e needs a checkpoint on disk for PEFT: skipped with random weights made at load")
+        wanted.discard("e")
     cfg = ModelConfig.from_checkpoint(checkpoint)
     max_out, max_prompt = output_len[1], prompt_len[1]
     max_model_len = max_prompt + max_out + args.block_size

@@ -9,10 +9,15 @@ from a CUDA graph over as many copies of the weight as it takes to overflow L2, 
 step where every layer reads its own. A bucket's entry holds the groups whose best tiling
 beats the default by more than --min-gain; a bucket where none does gets no entry.
 
-    python -m bench.tune_kernels --model 1b                 # Llama-3.2-1B's shapes
-    python -m bench.tune_kernels --model 8b                 # Llama-3.1-8B's
-    python -m bench.tune_kernels --model 70b --tp 4         # one TP=4 shard of Llama-3.1-70B
-    python -m bench.tune_kernels --model 8b --out /tmp/t    # write elsewhere than kernels/configs
+    python -m bench.tune_kernels --model llama-1b-random                # Llama-3.2-1B's shapes
+    python -m bench.tune_kernels --model llama-8b-random                # Llama-3.1-8B's
+    python -m bench.tune_kernels --model llama-70b-random --tp 4        # one TP=4 shard of Llama-3.1-70B
+    python -m bench.tune_kernels --model llama-8b-random --out /tmp/t   # elsewhere than kernels/configs
+
+--model takes the benchmarks' model names (bench.common.bench_model) or a checkpoint folder;
+only its shapes are read (no weights are made). With --tp N the sweep runs one rank's shard
+at the shapes that rank's kernels multiply, the table filed under them: the key a node with
+--tensor-parallel-size N looks its table up by (inference_node/node.py).
 
 The sweep stops starting new (group, batch) pairs after --budget-s seconds (the table then
 holds what was measured; the pairs skipped are printed), so one shape fits a 10-minute call.
@@ -28,7 +33,6 @@ temporary folder unless --out says where.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -39,20 +43,12 @@ from typing import Callable
 
 import torch
 
+from bench.common import RANDOM_MODELS, bench_model_config
 from kernels.gemm.shapes import MAX_ROWS, tiling as fitted_tiling
 from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
 from kernels.tuning_table import (Bucket, ModelShape, TuningTable, device_name, load_table,
                                   table_name)
 
-# Full models' shapes; --tp divides heads, KV heads and the MLP width (one shard's GEMMs).
-MODELS = {
-    "smollm2-135m": ModelShape(576, 1536, 9, 3, 64),
-    "1b": ModelShape(2048, 8192, 32, 8, 64),      # Llama-3.2-1B
-    "3b": ModelShape(3072, 8192, 24, 8, 128),     # Llama-3.2-3B
-    "8b": ModelShape(4096, 14336, 32, 8, 128),    # Llama-3.1-8B
-    "70b": ModelShape(8192, 28672, 64, 8, 128),   # Llama-3.1-70B
-    "tiny": ModelShape(64, 160, 4, 2, 16),        # the tests' tiny Llama (the CPU smoke)
-}
 BATCHES = (64, 32, 16, 8, 1)  # swept in this order: the budget may cut the last
 BLOCK_N = (16, 32, 64, 128)
 BLOCK_K_STAGES = ((128, 4), (128, 8), (256, 3), (256, 4), (512, 2))
@@ -70,13 +66,18 @@ class Measured:
     rejected: tuple[str, ...] = ()   # candidates that failed to run or to match the reference
 
 
-def shard(shape: ModelShape, tp: int) -> ModelShape:
-    for name, value in (("heads", shape.heads), ("kv_heads", shape.kv_heads),
-                        ("intermediate", shape.intermediate)):
-        if value % tp:
-            raise SystemExit(f"--tp {tp} does not divide {name} ({value})")
-    return dataclasses.replace(shape, heads=shape.heads // tp, kv_heads=shape.kv_heads // tp,
-                               intermediate=shape.intermediate // tp)
+def model_shape(model: str, tp: int = 1) -> ModelShape:
+    """The shapes one rank's decode GEMMs run at for `model` (bench_model's name or a
+    checkpoint folder) split over `tp` ranks: the node's shard (parallel/shard.py: heads, KV
+    heads and MLP width divided, hidden size whole), which is also its table's key."""
+    from inference_node.parallel.shard import Shard, ShardingError
+
+    try:
+        return ModelShape.of(Shard(0, tp).local_config(bench_model_config(model)))
+    except ShardingError as exc:
+        raise SystemExit(f"--tp {tp}: {exc}") from None
+    except (OSError, ValueError, KeyError) as exc:  # no such folder, a bad config.json
+        raise SystemExit(f"--model {model}: {exc}") from None
 
 
 def tiling_field(tma: bool) -> str:
@@ -232,8 +233,9 @@ def print_results(results: list[Measured], smoke: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=sorted(MODELS), default=None,
-                    help="model whose shapes to tune (default: 1b on CUDA, tiny in the CPU smoke)")
+    ap.add_argument("--model", default=None,
+                    help=f"model whose shapes to tune: {', '.join(RANDOM_MODELS)}, embedded or a "
+                         f"checkpoint folder (default: llama-1b-random on CUDA, tiny in the CPU smoke)")
     ap.add_argument("--tp", type=int, default=1, help="tune one tensor-parallel shard of this many")
     ap.add_argument("--batches", default=None,
                     help=f"comma-separated decode batch buckets (default: {','.join(map(str, BATCHES))}; "
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # steadier wall times on a shared CPU
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
-    shape = shard(MODELS[args.model or ("tiny" if smoke else "1b")], args.tp)
+    model = args.model or ("tiny" if smoke else "llama-1b-random")
+    shape = model_shape(model, args.tp)
     batches = [int(b) for b in (args.batches or ("1,4" if smoke else ",".join(map(str, BATCHES)))).split(",")]
     too_large = [b for b in batches if b > MAX_ROWS]
     if too_large:
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     field = tiling_field(tma)
     name = device_name(device)
     print(("CPU SMOKE (no tuning: checks the sweep and the table's writing and reading)\n" if smoke else "")
-          + f"device {name}; shape {shape.key} ({args.model or 'default'}, tp {args.tp}); {field}; "
+          + f"device {name}; shape {shape.key} ({model}, tp {args.tp}); {field}; "
           f"batches {batches}; groups {groups}")
     results, skipped = sweep(shape, batches, groups, device, dtype, field, smoke, args.budget_s,
                              max_candidates=3 if smoke else None)

@@ -4,13 +4,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kernels.tuning import Tuning
-from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, load_table
+from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, find_table, load_table
 from lora_common.tls import ClientTLS, ServerTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
@@ -63,6 +64,7 @@ class NodeSettings:
     max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
     max_lora_rank: int = 16
     max_cpu_loras: int = 32
+    adapter_eviction: str = "lru"      # GPU slot eviction policy (adapters/eviction.py)
     adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
     adapter_store: str | None = None   # HOST:PORT of the adapter store
     adapter_disk_dir: str | None = None  # the node's disk tier of store adapters (off when unset)
@@ -128,6 +130,7 @@ class Node:
             snap["adapter_evictions"] = self.adapters.stats["evictions"]
             snap["adapter_fetch_errors"] = self.adapters.stats["fetch_errors"]
             snap["adapter_counters"] = {name: c.as_dict() for name, c in self.adapters.per_adapter.items()}
+            snap["adapter_tier_hits"] = dict(self.adapters.tier_hits)
         return snap
 
 
@@ -178,6 +181,33 @@ def check_tensor_parallel(settings: NodeSettings, checkpoint: Path) -> None:
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ShardingError(f"--tensor-parallel-size {size} needs {size} GPUs (one per rank); "
                             f"{torch.cuda.device_count()} are visible")
+
+
+def resolve_tuning_table(settings: NodeSettings, checkpoint: Path) -> NodeSettings:
+    """settings with --tuning-table auto made the file filed for rank 0's GPU and shard
+    shape ("off" where none is), and a file given checked against that shape, before any
+    rank starts. Every rank then reads that one file and checks it against its own shard's
+    shape (the same on every rank: tensor parallelism divides heads, KV heads and the MLP
+    width evenly), so all ranks launch the same choices for a step even where a rank's GPU
+    reports another name."""
+    if settings.tuning_table == "off":
+        return settings
+    device = resolve_device(settings.device)
+    if device.type == "cuda" and settings.tensor_parallel_size > 1:
+        device = torch.device("cuda", 0)  # load_rank's device of rank 0
+    shard = Shard(0, settings.tensor_parallel_size)
+    shape, name = ModelShape.of(shard.local_config(ModelConfig.from_checkpoint(checkpoint))), device_name(device)
+    if settings.tuning_table != "auto":
+        try:
+            load_table(settings.tuning_table, name, shape)
+        except TuningTableError as exc:
+            raise ValueError(f"--tuning-table: {exc}") from None
+        return settings
+    path = find_table(name, shape)
+    if path is None:
+        log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
+        return dataclasses.replace(settings, tuning_table="off")
+    return dataclasses.replace(settings, tuning_table=str(path))
 
 
 def step_tunings(settings: NodeSettings, device: torch.device, config: ModelConfig) -> StepTunings:
@@ -246,11 +276,12 @@ def build_node(settings: NodeSettings) -> Node:
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()
     validate_checkpoint_dir(checkpoint, settings.load_format)
     check_tensor_parallel(settings, checkpoint)
+    settings = resolve_tuning_table(settings, checkpoint)  # before the other ranks start: one file for all
     started = time.monotonic()
     ranks = None
     if settings.tensor_parallel_size > 1:
         # Ranks 1..N-1 load their shards while this process loads rank 0's.
-        ranks = Workers(settings, settings.tensor_parallel_size,
+        ranks = Workers(settings, settings.tensor_parallel_size, build_rank,
                         logging.getLevelName(logging.getLogger().getEffectiveLevel()))
     try:
         parts = load_rank(settings, Shard(0, settings.tensor_parallel_size),
@@ -298,9 +329,10 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
              time.monotonic() - started, blocks, settings.block_size, blocks * per_block / (1 << 30),
              " per rank" if ranks else "", model_len)
     if adapters is not None:
-        log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %d in host memory, source: %s",
+        log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %s eviction, %d in host memory, source: %s",
                  settings.max_loras, settings.max_lora_rank, adapters.buffers.nbytes() / 1e6,
-                 settings.max_cpu_loras, settings.adapter_store or settings.adapter_dir or "none")
+                 settings.adapter_eviction, settings.max_cpu_loras,
+                 settings.adapter_store or settings.adapter_dir or "none")
     catalog = None
     if adapters is not None and isinstance(adapters.source, StoreSource):
         catalog = CatalogWatcher(adapters.source.client, engine.call, adapters.on_catalog_update,
@@ -332,4 +364,5 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
     if buffers is None:
         buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
     return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=pin,
-                          disk_copies=source.disk_copies if source is not None else None)
+                          disk_copies=source.disk_copies if source is not None else None,
+                          eviction=settings.adapter_eviction)

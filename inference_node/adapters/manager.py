@@ -11,11 +11,18 @@ Rules:
   reference on that version's slot until it ends. A slot with references is never
   evicted or rewritten; unload and replacement by a new version wait until the count is 0.
 - Pinned adapters are never evicted.
-- When a waiting request's adapter needs a slot and none is free or idle, the least
-  recently used unpinned slot is drained: no new request binds to it, and once its running
-  requests end it is reused. Waiting adapters are served in the order of their oldest
-  waiting request, so a cold adapter gets a slot within the time its victim's running
-  requests take to finish: nobody starves.
+- Waiting adapters are served in the order of their oldest waiting request. Each loop, the
+  oldest `max_cpu_loras` waiting adapters not on this node are fetched into host memory (no
+  deeper: that would push out the host copies of older waiting adapters and fetch them
+  again), and every waiting adapter in host memory is copied to a GPU slot ahead of its
+  admission if one can be had without touching running requests: a free slot, or an idle
+  adapter's (no running request) that no older waiting request wants, the one the eviction
+  policy values least (eviction.py).
+- The oldest waiting adapter that cannot be placed that way drains one running adapter (the
+  least valuable unpinned one no older waiting request wants): no new request binds to it,
+  and once its running requests end its slot goes to that waiting adapter, the only one
+  promoted meanwhile. So a cold adapter waits at most for the running requests of the
+  adapter it displaces: nobody starves.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import torch
 
 from ..engine.request import Request
 from .errors import AdapterError, AdapterNotFound, AdapterNumericalFault, NoSlotAvailable
+from .eviction import make_policy
 from .slots import SlotBuffers
 from .weights import AdapterWeights
 
@@ -61,7 +69,11 @@ class AdapterEntry:
     draining: bool = False                     # no new binds: its slot is wanted elsewhere
     retired: bool = False                      # unloaded or replaced: freed when refs reach 0
     on_disk: bool = False                      # only in the source's disk tier (a listing, never bound)
+    source_tier: str = ""                      # where its host copy came from (disk, store)
+    nbytes: int = 0                            # its weights' bytes (what a reload copies)
     last_used: float = field(default_factory=time.monotonic)
+    hits: int = 0                              # requests bound since it came onto the GPU
+    value: float = 0.0                         # the eviction policy's (eviction.py)
 
     @property
     def resident(self) -> bool:
@@ -116,14 +128,20 @@ class AdapterCounters:
 class AdapterManager:
     def __init__(self, buffers: SlotBuffers, source: AdapterSource | None, max_cpu_loras: int,
                  pin_host_memory: bool = False, fetch_workers: int = 4,
-                 disk_copies: Callable[[], list[tuple[str, str]]] | None = None) -> None:
+                 disk_copies: Callable[[], list[tuple[str, str]]] | None = None,
+                 eviction: str = "lru") -> None:
+        """disk_copies: (name, version) of each adapter in the source's disk tier; eviction:
+        the GPU slot eviction policy (eviction.py)."""
         self.buffers = buffers
         self.source = source
-        self.disk_copies = disk_copies or (lambda: [])  # (name, version) in the source's disk tier
+        self.disk_copies = disk_copies or (lambda: [])
         self.max_loras = buffers.max_loras
         self.max_cpu_loras = max(max_cpu_loras, 1)
         self.pin_host_memory = pin_host_memory
+        self.policy = make_policy(eviction)
         self.slots: list[AdapterEntry | None] = [None] * self.max_loras
+        self._reserved: AdapterEntry | None = None        # the waiting adapter a drain is for
+        self._wanted: dict[str, int] = {}                 # waiting adapters: name -> position
         self.current: dict[str, AdapterEntry] = {}       # name -> the version new requests get
         self.retired: list[AdapterEntry] = []             # old versions still referenced
         self.host_lru: OrderedDict[int, AdapterEntry] = OrderedDict()
@@ -135,6 +153,8 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
         self._generation = 0
         self.stats = {"loads": 0, "evictions": 0, "fetch_errors": 0}
+        # Requests by where their adapter was when the node first saw them.
+        self.tier_hits = {"gpu": 0, "host": 0, "disk": 0, "store": 0}
         self.per_adapter: dict[str, AdapterCounters] = {}     # names that loaded at least once
         # (name, version) -> requests whose logits were not finite: that version is unhealthy.
         self.numerical_faults: dict[tuple[str, str], int] = {}
@@ -154,6 +174,9 @@ class AdapterManager:
             return False
         entry.refs += 1
         entry.last_used = time.monotonic()
+        self.policy.touched(entry)
+        if request.adapter_tier == "?":
+            self._count_tier(request, entry.source_tier or "store")
         request.lora_slot = entry.slot
         request.adapter_version = entry.version
         request.adapter_entry = entry
@@ -180,25 +203,35 @@ class AdapterManager:
 
     def prepare(self, waiting: Iterable[Request]) -> None:
         """Before scheduling: apply finished fetches and copies, start the loads the waiting
-        requests need, and give slots to waiting adapters (oldest request first)."""
+        requests need, promote their adapters to GPU slots ahead of admission (oldest request
+        first) and drain a slot for the oldest that cannot get one."""
         self._apply_completions()
         self._check_copies()
-        seen: set[str] = set()
+        self._wanted = {}
         for req in waiting:  # arrival order
-            name = req.adapter
-            if not name or name in seen or req.adapter_entry is not None:
-                continue  # base model, seen, or preempted with its adapter still bound
-            seen.add(name)
+            if not req.adapter or req.adapter_entry is not None:
+                continue  # base model, or preempted with its adapter still bound
+            if not req.adapter_tier:
+                self._observe(req)
+            self._wanted.setdefault(req.adapter, len(self._wanted))
+        reserved = self._reserved
+        if reserved is not None and (reserved.slot >= 0 or self.current.get(reserved.name) is not reserved
+                                     or (reserved.name not in self._wanted and not reserved.pinned)):
+            self._reserved = None
+        may_drain = True  # only the oldest waiting adapter that cannot be placed drains one
+        for position, name in enumerate(self._wanted):
             entry = self.current.get(name)
             if entry is None:
-                self._start_load(name, "")
-            elif entry.slot < 0:
-                self._promote(entry, drain=True)
+                if position < self.max_cpu_loras:
+                    self._start_load(name, "")
+            elif entry.slot < 0 and (self._reserved is None or entry is self._reserved):
+                placed = self._promote(entry, drain=may_drain)
+                may_drain = may_drain and placed
         for entry, done in list(self.resident_waiters):
             if entry.resident or entry.retired:
                 self.resident_waiters.remove((entry, done))
                 done(entry, None)
-            elif entry.slot < 0:
+            elif entry.slot < 0 and (self._reserved is None or entry is self._reserved):
                 self._promote(entry, drain=entry.pinned)
 
     def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, AdapterError]]:
@@ -308,6 +341,7 @@ class AdapterManager:
                 self._failed[name] = error
             elif target is not None and target.version == weights.version:
                 target.weights = weights      # the same entry gets its host copy back
+                target.source_tier = weights.source_tier
                 self._count_load(weights)
                 self._touch_host(target)
                 entry = target
@@ -321,13 +355,15 @@ class AdapterManager:
         self._count_load(weights)
         if old is not None and old.version == weights.version:
             old.weights = weights
+            old.source_tier = weights.source_tier
             self._touch_host(old)
             return old
         if old is not None:
             self.current.pop(weights.name)
             self._retire(old)
         self._generation += 1
-        entry = AdapterEntry(weights.name, weights.version, self._generation, weights)
+        entry = AdapterEntry(weights.name, weights.version, self._generation, weights,
+                             source_tier=weights.source_tier, nbytes=weights.nbytes)
         self.current[weights.name] = entry
         self._touch_host(entry)
         self.stats["loads"] += 1
@@ -359,61 +395,100 @@ class AdapterManager:
 
     def _host_victim(self, keep: AdapterEntry) -> AdapterEntry | None:
         """LRU host copy to drop: first those already on the GPU (their host copy is only a
-        cache), then idle ones; never one that waits for a slot."""
+        cache), then idle ones no waiting request wants, then the one the youngest waiting
+        request wants; never one an admin load waits to place."""
         waiting = {id(e) for e, _ in self.resident_waiters}
         for e in self.host_lru.values():
             if e is not keep and e.slot >= 0 and not e.copying:
                 return e
-        for e in self.host_lru.values():
-            if e is not keep and e.slot < 0 and not e.pinned and id(e) not in waiting:
-                return e
-        return None
+        idle = [e for e in self.host_lru.values() if e is not keep and e is not self._reserved
+                and e.slot < 0 and not e.pinned and id(e) not in waiting]
+        unwanted = [e for e in idle if e.name not in self._wanted]
+        if unwanted:
+            return unwanted[0]
+        return max(idle, key=lambda e: self._wanted[e.name], default=None)
 
     # -- GPU slots -------------------------------------------------------------------------------------
-    def _promote(self, entry: AdapterEntry, drain: bool) -> None:
+    def _promote(self, entry: AdapterEntry, drain: bool) -> bool:
+        """Copies the adapter to a GPU slot if one can be had now: a free one, or an idle
+        adapter's as the policy picks. drain: else drain a running adapter's slot for it (no
+        new binds; it is evicted once its requests end) and hold younger promotions back
+        meanwhile. True once it is placed (its copy may still run)."""
         if entry.weights is None:  # dropped from host memory: fetch it again into this entry
             self._refetch[(entry.name, entry.version)] = entry
             self._start_load(entry.name, entry.version)
-            return
-        slot = self._free_slot()
+            return False
+        slot = self._slot_for(entry, drain)
         if slot is None:
-            if drain:
-                self._drain_one()
-            return
+            return False
+        if self._reserved is entry:
+            self._reserved = None
         self.slots[slot] = entry
         entry.slot = slot
         entry.copying = True
+        entry.nbytes = entry.weights.nbytes
         self.counters(entry.name).loads["gpu"] += 1
         entry.copy_done = self.buffers.write(slot, entry.weights)
         entry.last_used = time.monotonic()
+        self.policy.placed(entry)
         self._touch_host(entry)
         self._check_copies()
+        return True
+
+    def _older_wanted(self, entry: AdapterEntry) -> set[str]:
+        """Adapters of waiting requests older than `entry`'s oldest (all of them for an admin load)."""
+        position = self._wanted.get(entry.name, len(self._wanted))
+        return {name for name, i in self._wanted.items() if i < position}
+
+    def _slot_for(self, entry: AdapterEntry, drain: bool) -> int | None:
+        """A free slot, or an idle one evicted for it; else (drain) a running one drained."""
+        if self._reserved is not None and entry is not self._reserved:
+            return None  # a drained slot is promised: it goes to the reserved adapter first
+        slot = self._free_slot()
+        if slot is not None:
+            return slot
+        older = self._older_wanted(entry)
+        idle = [(self.policy.value(e), i) for i, e in enumerate(self.slots)
+                if e is not None and e.refs == 0 and not e.pinned and not e.copying
+                and not e.retired and not e.draining and e.name not in older]
+        if idle:
+            _, slot = min(idle)
+            self._evict(slot)
+            return slot
+        if drain:
+            self._drain_for(entry, older)
+        return None
+
+    def _drain_for(self, entry: AdapterEntry, older: set[str]) -> None:
+        """Drains the least valuable running slot that no older waiting request wants (one
+        drain at a time keeps the most slots serving) and reserves the slot for `entry`."""
+        if any(e is not None and e.draining for e in self.slots):
+            self._reserved = self._reserved or entry
+            return
+        unpinned = [e for e in self.slots if e is not None and not e.pinned]
+        if not unpinned:
+            error = NoSlotAvailable(f"all {self.max_loras} adapter slots hold pinned adapters; "
+                                    "unpin one or raise --max-loras")
+            for name, waiting in self.current.items():
+                if waiting.slot < 0:
+                    self._failed[name] = error
+            for e, done in list(self.resident_waiters):
+                if e.slot < 0:
+                    self.resident_waiters.remove((e, done))
+                    done(None, error)
+            return
+        running = [e for e in unpinned if e.refs > 0 and not e.retired and e.name not in older]
+        if not running:
+            return  # the slots go to older waiting requests first, or free up by themselves
+        victim = min(running, key=self.policy.value)
+        victim.draining = True
+        self._reserved = entry
 
     def _free_slot(self) -> int | None:
         for i, e in enumerate(self.slots):
             if e is None:
                 return i
-        idle = [(e.last_used, i) for i, e in enumerate(self.slots)
-                if e is not None and e.refs == 0 and not e.pinned and not e.copying]
-        if not idle:
-            return None
-        _, slot = min(idle)
-        self._evict(slot)
-        return slot
-
-    def _drain_one(self) -> None:
-        if any(e is not None and e.draining for e in self.slots):
-            return  # one drain at a time keeps the most slots serving
-        candidates = [(e.last_used, i) for i, e in enumerate(self.slots) if e is not None and not e.pinned]
-        if not candidates:
-            error = NoSlotAvailable(f"all {self.max_loras} adapter slots hold pinned adapters; "
-                                    "unpin one or raise --max-loras")
-            for name, entry in self.current.items():
-                if entry.slot < 0:
-                    self._failed[name] = error
-            return
-        _, slot = min(candidates)
-        self.slots[slot].draining = True
+        return None
 
     def _evict(self, slot: int) -> None:
         entry = self.slots[slot]
@@ -423,6 +498,7 @@ class AdapterManager:
             return
         entry.slot = -1
         entry.draining = False
+        self.policy.evicted(entry)
         self.stats["evictions"] += 1
         self.counters(entry.name).evictions["gpu"] += 1
         if entry.weights is None and self.current.get(entry.name) is entry:
@@ -434,6 +510,22 @@ class AdapterManager:
             if e is not None and e.copying and (e.copy_done is None or e.copy_done.query()):
                 e.copying = False
                 e.copy_done = None
+
+    # -- tier hits -------------------------------------------------------------------------------------
+    def _observe(self, request: Request) -> None:
+        """Counts where the request's adapter is when the node first sees it; one that must
+        come from the source is counted when it binds, by where the load found it."""
+        entry = self.current.get(request.adapter)
+        if entry is not None and entry.resident:
+            self._count_tier(request, "gpu")
+        elif entry is not None and (entry.weights is not None or entry.slot >= 0):
+            self._count_tier(request, "host")
+        else:
+            request.adapter_tier = "?"
+
+    def _count_tier(self, request: Request, tier: str) -> None:
+        request.adapter_tier = tier
+        self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True

@@ -35,6 +35,7 @@ from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel,
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .sampler import checked_greedy
+from .staging import HostInputs
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -71,28 +72,6 @@ MAIN_STREAM_PRIORITY = -1
 # sorted ids, segment slots, starts, lengths), then the segment table.
 SEGMENT_TABLE_WIDTH = SEGMENT_TABLE_RANKS + len(LORA_MODULES)
 INT32_ROWS = 6 + SEGMENT_TABLE_WIDTH
-
-
-@dataclass
-class HostInputs:
-    """One step's inputs on the host, with numpy views (the host writes a step's inputs from
-    Python lists in a few slice assignments; torch.tensor per list cost most of a fill)."""
-
-    t64: torch.Tensor
-    t32: torch.Tensor
-    table: torch.Tensor
-    np64: np.ndarray
-    np32: np.ndarray
-    np_table: np.ndarray
-    copied: torch.cuda.Event | None   # recorded after the copies that read these buffers
-
-    @classmethod
-    def allocate(cls, batch: int, max_blocks: int, pinned: bool) -> "HostInputs":
-        t64 = torch.zeros(4 * batch, dtype=torch.int64, pin_memory=pinned)
-        t32 = torch.zeros(INT32_ROWS * batch, dtype=torch.int32, pin_memory=pinned)
-        table = torch.zeros(batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
-        return cls(t64, t32, table, t64.numpy(), t32.numpy(), table.numpy(),
-                   torch.cuda.Event() if pinned else None)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -147,7 +126,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
         # Two sets of pinned host buffers, used in turn: the host writes step n+1's inputs
         # while step n (and possibly its input copy) is still queued on the GPU.
-        self._host = [HostInputs.allocate(B, self.max_blocks, self.capture) for _ in range(2)]
+        self._host = [HostInputs.allocate(4 * B, INT32_ROWS * B, B * self.max_blocks, self.capture)
+                      for _ in range(2)]
         self._turn = 0
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int, int],
@@ -209,21 +189,7 @@ class DecodeGraphs:
         h32[n:size] = 1
         if segments:
             self._fill_lora(h32[B:], [r.lora_slot for r in reqs], size, segments)
-        # The real rows' block tables, packed [n, width] at the front of the pinned buffer
-        # (one contiguous copy). Padding rows keep whatever valid block ids their device rows
-        # hold (never read); a row's entries past its own blocks are never read either.
-        width = max(len(t) for t in tables)
-        flat: list[int] = []
-        for t in tables:
-            flat += t
-            flat += [0] * (width - len(t))
-        host.np_table[:n * width] = flat
-        # Non-blocking from pinned memory; `copied` tells the fill that next uses these buffers.
-        self._dev64.copy_(host.t64, non_blocking=True)
-        self._dev32.copy_(host.t32, non_blocking=True)
-        self.block_tables[:n, :width].copy_(host.table[:n * width].view(n, width), non_blocking=True)
-        if host.copied is not None:
-            host.copied.record()
+        host.upload(tables, self._dev64, self._dev32, self.block_tables)
 
     def _fill_lora(self, h32: np.ndarray, token_slots: list[int], size: int, segments: int) -> None:
         """Token slots and the per-slot segments (real ones first, then empty ones)."""

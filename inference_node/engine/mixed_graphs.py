@@ -39,6 +39,7 @@ from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .sampler import checked_greedy
+from .staging import HostInputs
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -100,27 +101,6 @@ def _aligned(sizes: list[int], itemsize: int) -> list[int]:
         offsets.append(at)
         at += -(-size // unit) * unit
     return offsets + [at]
-
-
-@dataclass
-class HostInputs:
-    """One step's packed inputs on the host, with numpy views (DecodeGraphs' HostInputs)."""
-
-    t64: torch.Tensor
-    t32: torch.Tensor
-    table: torch.Tensor
-    np64: np.ndarray
-    np32: np.ndarray
-    np_table: np.ndarray
-    copied: torch.cuda.Event | None   # recorded after the copies that read these buffers
-
-    @classmethod
-    def allocate(cls, n64: int, n32: int, table: int, pinned: bool) -> "HostInputs":
-        t64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pinned)
-        t32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pinned)
-        tab = torch.zeros(table, dtype=torch.int32, pin_memory=pinned)
-        return cls(t64, t32, tab, t64.numpy(), t32.numpy(), tab.numpy(),
-                   torch.cuda.Event() if pinned else None)
 
 
 @dataclass
@@ -227,7 +207,7 @@ class MixedGraphs:
 
     def _fill(self, chunks: list[ScheduledChunk]) -> StepShape:
         """Writes the step's inputs into the next pinned buffers and queues their copies."""
-        T, bs = self.max_tokens, self.block_size
+        bs = self.block_size
         host = self._host[self._turn]
         self._turn ^= 1
         if host.copied is not None:
@@ -290,19 +270,7 @@ class MixedGraphs:
             for c in chunks:
                 token_slots += [c.request.lora_slot] * c.num_new_tokens
             self._fill_lora(h32, np.asarray(token_slots, dtype=np.int32), bucket)
-        # The block tables, packed [n, width] at the front of the pinned buffer (one copy);
-        # entries past a row's own blocks are never read.
-        width = max(len(t) for t in tables)
-        flat: list[int] = []
-        for t in tables:
-            flat += t
-            flat += [0] * (width - len(t))
-        host.np_table[:n * width] = flat
-        self._dev64.copy_(host.t64, non_blocking=True)
-        self._dev32.copy_(host.t32, non_blocking=True)
-        self.block_tables[:n, :width].copy_(host.table[:n * width].view(n, width), non_blocking=True)
-        if host.copied is not None:
-            host.copied.record()
+        host.upload(tables, self._dev64, self._dev32, self.block_tables)
         return StepShape(bucket, rows, lora, tokens, n, len(sampled),
                          max(c.num_new_tokens for c in chunks), max(seq_lens))
 

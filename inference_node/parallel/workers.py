@@ -38,6 +38,7 @@ import zmq
 
 from ..adapters.weights import AdapterWeights
 from ..engine.batch import HostBatch
+from ..parent_watch import die_with_parent
 from .group import TensorParallel
 from .shard import Shard
 
@@ -70,8 +71,10 @@ def _frame_tensor(frame: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
 class Workers:
     """Rank 0's side: spawns ranks 1..size-1 and tells them what to do, in order."""
 
-    def __init__(self, settings, size: int, log_level: str = "INFO",
+    def __init__(self, settings, size: int, build_rank: Callable[..., Any], log_level: str = "INFO",
                  on_death: Callable[[str], None] | None = None) -> None:
+        """build_rank(settings, shard, rendezvous): a rank's model, KV cache and slots
+        (node.build_rank; passed in, a module-level function the spawned ranks import)."""
         self.size = size
         self.dir = tempfile.mkdtemp(prefix="lora-tp-")
         self.rendezvous = os.path.join(self.dir, "rendezvous")
@@ -91,7 +94,8 @@ class Workers:
             sock.bind(address)
             self.controls.append(sock)
             proc = spawn.Process(target=run_worker, name=f"tp-rank-{rank}",
-                                 args=(settings, rank, size, self.rendezvous, address, reply_address, log_level))
+                                 args=(build_rank, settings, rank, size, self.rendezvous, address, reply_address,
+                                       log_level))
             proc.start()
             self.procs.append(proc)
         self.slots = None                 # rank 0's SlotBuffers, once attached
@@ -202,11 +206,9 @@ def _exit_node(message: str) -> None:
 
 
 # -- ranks 1..N-1 ------------------------------------------------------------------------------------
-def run_worker(settings, rank: int, size: int, rendezvous: str, control: str, reply: str,
-               log_level: str = "INFO") -> None:
+def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, rendezvous: str, control: str,
+               reply: str, log_level: str = "INFO") -> None:
     """A tensor-parallel rank's process: builds its shard, then runs what rank 0 sends."""
-    from ..node import build_rank
-    from ..parent_watch import die_with_parent
 
     die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -275,6 +277,8 @@ class RankWorker:
         applier = None
         if self.slots is not None and any(slot >= 0 for slot, _ in chunk_slots):
             applier = applier_for_slots(self.slots, chunk_slots)
+        # Rows and distinct adapters counted as rank 0's engine counts them, from the same
+        # step: with the one tuning table every rank reads, every rank takes the same bucket.
         adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
         self.model.for_step(len(positions), adapters).forward(batch, self.kv.k, self.kv.v, applier)
 

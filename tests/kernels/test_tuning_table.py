@@ -227,3 +227,53 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     forwards, plain_tokens = serve(tuning_table="off")
     assert all(tuning == DEFAULT_TUNING for _, _, tuning in forwards)
     assert tokens == plain_tokens == fixed_tokens
+
+
+def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
+        tiny_llama_path, tmp_path, monkeypatch, caplog, capfd) -> None:
+    """Under --tensor-parallel-size 2 the table is keyed by one rank's shard shapes (heads,
+    KV heads and MLP width halved: what its kernels multiply), `auto` is resolved once on rank
+    0 before rank 1 starts (rank 1, a fresh process, does not see this test's table folder:
+    it reads the table only through the resolved path), and a table of the whole model's
+    shape is refused before any rank starts."""
+    import logging
+
+    import kernels.tuning_table as tuning_table
+    from inference_node.engine.request import Request, SamplingParams
+    from inference_node.model.config import ModelConfig
+    from inference_node.node import NodeSettings, build_node, resolve_tuning_table
+    from inference_node.parallel.shard import Shard
+
+    full = ModelConfig.from_checkpoint(tiny_llama_path)
+    shard = ModelShape.of(Shard(1, 2).local_config(full))
+    assert shard.key == "h64_i80_q2_kv1_d16" and ModelShape.of(full) == SHAPE
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    path = write(folder / table_name("cpu", shard), table_json(shape=shard))
+    monkeypatch.setattr(tuning_table, "CONFIG_DIR", folder)
+    settings = NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, cpu_threads=1,
+                            tensor_parallel_size=2, max_loras=0, debug_checks=True, tuning_table="auto")
+    assert resolve_tuning_table(settings, tiny_llama_path).tuning_table == str(path)
+    one_rank = dataclasses.replace(settings, tensor_parallel_size=1)
+    assert resolve_tuning_table(one_rank, tiny_llama_path).tuning_table == "off"  # none for the whole shape
+
+    whole = write(tmp_path / "whole.json", table_json())
+    with pytest.raises(ValueError, match=f"is for shape {SHAPE.key}; this node's \\(shard's\\) shape is {shard.key}"):
+        build_node(dataclasses.replace(settings, tuning_table=str(whole)))
+
+    caplog.set_level(logging.INFO)  # the ranks log at the node's level
+    node = build_node(settings)
+    try:
+        model = node.engine.model
+        assert model.step_tunings.table is not None and model.step_tunings.table.path == path
+        assert list(model.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
+        outs: dict[int, list[int]] = {}
+        for i, prompt in enumerate(([5, 6, 7, 8, 9], [11, 12])):
+            node.engine.submit(Request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                                       lambda event, i=i: outs.setdefault(i, []).extend(event.token_ids)))
+        for _ in range(16):
+            node.engine.run_once(block=False)
+        assert [len(outs.get(i, [])) for i in range(2)] == [4, 4]
+    finally:
+        node.close()
+    assert f"[rank 1]: tuning table {path}: 4 buckets" in capfd.readouterr().err

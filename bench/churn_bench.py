@@ -1,0 +1,441 @@
+"""Churn benchmark: many adapters, Zipf popularity, Poisson arrivals, far fewer GPU adapter
+slots than the working set, beside the same traffic with every adapter already resident.
+
+    python -m bench.churn_bench                                # CUDA: Llama-3.2-1B shapes, 1,000 adapters
+    python -m bench.churn_bench --model llama-8b-random --ranks 8,16,32 --requests 300 --rate 8
+    python -m bench.churn_bench --device cpu --model tiny --adapters 40 --requests 40   # a smoke run
+
+A folder of `--adapters` PEFT adapters (random weights, safetensors, ranks cycling through
+`--ranks`, on `--targets`) is the node's local adapter directory: its disk tier. Each
+alpha's traffic is the same requests (prompts, lengths, Poisson arrival times); only the
+adapter each one names changes, drawn from Zipf(alpha) over the adapters in a shuffled order
+(popularity is independent of rank).
+
+The working set of an alpha is the distinct adapters its traffic names. Every GPU slot is
+padded to `--max-lora-rank` (adapters/slots.py), so adapter memory is counted in slots.
+Rows, each on its own engine (built in turn, the same model and KV cache):
+  resident   a slot for every adapter of the largest working set; before each alpha its
+             adapters are loaded and pinned, untimed: every request finds its adapter on the GPU
+  lru, gdsf  the `--memory-alpha` working set / `--working-set-ratio` slots (also the most
+             distinct adapters in a step), host memory of `--host-adapters` adapters, the GPU
+             eviction policy named (adapters/eviction.py); before each alpha every adapter is
+             unloaded, so each starts cold and loads from the disk tier on demand
+
+Columns: throughput (output tokens over the time from the first arrival to the last finish,
+and requests/s), TTFT p50/p99/max, the share of requests whose adapter was on the GPU, in
+host memory or only on disk when the node first saw them, the adapters copied to the GPU
+and evicted from it during the row, and the churn rows' throughput and TTFT p50 over the
+resident row's at the same alpha (the issue's targets at alpha 1.0: >= 0.8 and <= 2).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, write_random_adapter
+from bench.engine_driver import Driver, Spec, make_specs, parse_range, pct, preload_adapters, zipf_index
+
+log = logging.getLogger("churn_bench")
+COMPILES = CompileWatch()
+TIERS = ("gpu", "host", "disk")
+TARGETS = {"qv": QV, "all": ALL_MODULES}
+
+
+@dataclass
+class Traffic:
+    """One alpha's requests: the adapter each names, and its working set."""
+
+    alpha: float
+    adapters: list[str]            # per spec
+    distinct: list[str]
+
+
+@dataclass
+class RowResult:
+    key: str
+    alpha: float
+    ratio: float                   # working set / GPU slots (adapters)
+    output_tokens: int = 0
+    requests: int = 0
+    wall: float = float("nan")
+    ttft: list[float] = field(default_factory=list)
+    tiers: dict[str, int] = field(default_factory=dict)
+    gpu_loads: int = 0
+    gpu_evictions: int = 0
+    compiles: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall
+
+    @property
+    def req_s(self) -> float:
+        return self.requests / self.wall
+
+    def ttft_pct(self, q: float) -> float:
+        return pct(self.ttft, q)
+
+    def tier_share(self, tier: str) -> float:
+        total = sum(self.tiers.values())
+        return self.tiers.get(tier, 0) / total if total else float("nan")
+
+
+# -- adapters and traffic ------------------------------------------------------------------------------
+def adapter_names(n: int) -> list[str]:
+    return [f"churn-{k:04d}" for k in range(n)]
+
+
+def write_adapters(root: Path, cfg, names: list[str], ranks: Sequence[int], targets: Sequence[str],
+                   device: torch.device, dtype: torch.dtype) -> dict[str, int]:
+    """PEFT adapters into root/<name> (kept where they exist: a --workdir reuses them); their ranks."""
+    rank_of = {}
+    for k, name in enumerate(names):
+        rank_of[name] = ranks[k % len(ranks)]
+        if not (root / name / "adapter_model.safetensors").exists():
+            write_random_adapter(root / name, cfg, rank_of[name], targets, seed=10_000 + k,
+                                 device=device, dtype=dtype)
+    return rank_of
+
+
+def make_traffic(specs: list[Spec], names: list[str], alpha: float, seed: int) -> Traffic:
+    order = list(names)
+    random.Random(seed).shuffle(order)  # popularity independent of rank
+    adapters = [order[zipf_index(spec.pick, len(order), alpha)] for spec in specs]
+    distinct = sorted(set(adapters))
+    return Traffic(alpha, adapters, distinct)
+
+
+# -- engines ---------------------------------------------------------------------------------------
+def engine_args(args) -> argparse.Namespace:
+    """What bench.serving_bench.build_engine reads (the node's start-up warm-up runs in it)."""
+    return argparse.Namespace(block_size=args.block_size, concurrency=args.concurrency,
+                              max_batched_tokens=args.max_batched_tokens,
+                              requests=args.requests, prefix_caching=False, warmup="engine",
+                              prefill_delay_factor=[])
+
+
+def slot_nbytes(cfg, max_rank: int, dtype: torch.dtype) -> int:
+    """One GPU slot's bytes: A and B of every fused group padded to max_rank (slots.py)."""
+    from inference_node.model.llama import FUSED_MODULES
+
+    shapes = cfg.module_shapes()
+    per_rank = sum(len(modules) * shapes[modules[0]][0] + sum(shapes[m][1] for m in modules)
+                   for modules in FUSED_MODULES.values())
+    return cfg.num_layers * max_rank * per_rank * torch.empty(0, dtype=dtype).element_size()
+
+
+def build(model, cfg, adapter_root: Path, args, slots: int, max_cpu: int, policy: str,
+          max_model_len: int, num_blocks: int, device: torch.device, dtype: torch.dtype):
+    """(engine, manager) with `slots` GPU adapter slots of --max-lora-rank."""
+    from bench.serving_bench import build_engine
+    from inference_node.adapters.manager import AdapterManager
+    from inference_node.adapters.slots import SlotBuffers
+    from inference_node.adapters.sources import LocalDirSource
+
+    cuda = device.type == "cuda"
+    if cuda:
+        need, free = slots * slot_nbytes(cfg, args.max_lora_rank, dtype), torch.cuda.mem_get_info(device)[0]
+        if need > 0.9 * free:
+            raise RuntimeError(f"{slots} slots of rank {args.max_lora_rank} need {need / 2**30:.1f} GiB, "
+                               f"{free / 2**30:.1f} GiB is free: lower --requests, --ranks or --max-lora-rank")
+    buffers = SlotBuffers(cfg, slots, args.max_lora_rank, dtype, device)
+    source = LocalDirSource(adapter_root, cfg, args.max_lora_rank, pin_memory=cuda, dtype=dtype)
+    manager = AdapterManager(buffers, source, max_cpu, pin_host_memory=cuda, eviction=policy)
+    engine = build_engine(model, manager, engine_args(args), max_model_len, num_blocks,
+                          args.use_graphs, args.use_mixed)
+    return engine, manager
+
+
+def settle(engine, manager, timeout: float = 600.0) -> None:
+    """Runs the engine loop until no adapter fetch or copy is in flight."""
+    deadline = time.monotonic() + timeout
+    while manager.busy():
+        engine.run_once(block=False)
+        time.sleep(0.001)
+        if time.monotonic() > deadline:
+            raise RuntimeError("adapter loads still in flight")
+
+
+def unload_all(engine, manager) -> None:
+    """Every adapter off the node (GPU and host): the next row starts cold, from the disk tier."""
+    settle(engine, manager)
+    for name in list(manager.current):
+        if manager.unload(name):
+            raise RuntimeError(f"adapter {name} still has running requests")
+    engine.check_consistency()
+
+
+def run_row(key: str, engine, manager, specs: list[Spec], traffic: Traffic, ratio: float,
+            args, device: torch.device) -> RowResult:
+    result = RowResult(key, traffic.alpha, ratio)
+    hits_before = dict(manager.tier_hits)
+    stats_before = dict(manager.stats)
+    gpu_loads_before = sum(c.loads["gpu"] for c in manager.per_adapter.values())
+    adapter_of = {spec.index: name for spec, name in zip(specs, traffic.adapters)}
+    driver = Driver(engine, device, args.concurrency, poisson=True)
+    gc.collect()
+    gc.freeze()
+    mark = COMPILES.mark()
+    try:
+        records, _ = driver.run(specs, lambda s: adapter_of[s.index])
+    finally:
+        gc.unfreeze()
+    result.compiles = COMPILES.since(mark)
+    for what in result.compiles:
+        log.warning("row %s alpha %g: compiled during the timed run: %s", key, traffic.alpha, what[:300])
+    result.requests = len(records)
+    result.output_tokens = sum(r.tokens for r in records)
+    result.wall = max(r.done for r in records) - min(r.submit for r in records)
+    result.ttft = [r.first - r.submit for r in records]
+    hits = {t: manager.tier_hits.get(t, 0) - hits_before.get(t, 0) for t in manager.tier_hits}
+    hits["disk"] = hits.pop("disk", 0) + hits.pop("store", 0)  # a local folder is the disk tier
+    result.tiers = hits
+    result.gpu_loads = sum(c.loads["gpu"] for c in manager.per_adapter.values()) - gpu_loads_before
+    result.gpu_evictions = manager.stats["evictions"] - stats_before["evictions"]
+    return result
+
+
+# -- the table -----------------------------------------------------------------------------------------
+HEADER = (f"{'alpha':>5} {'row':<9} {'WS/slt':>6} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>9} "
+          f"{'max':>9} {'gpu':>6} {'host':>6} {'disk':>6} {'to GPU':>7} {'evicted':>7} "
+          f"{'tput/res':>8} {'p50/res':>8}")
+UNITS = (f"{'':>5} {'':<9} {'':>6} {'':>9} {'':>7} {'ms':>9} {'ms':>9} {'ms':>9} {'hit %':>6} "
+         f"{'hit %':>6} {'hit %':>6} {'':>7} {'':>7} {'':>8} {'':>8}")
+
+
+def format_row(r: RowResult, resident: RowResult | None) -> str:
+    if r.error:
+        return f"{r.alpha:5.2g} {r.key:<9} FAILED: {r.error}"
+    vs_tput = vs_p50 = "-"
+    if resident is not None and not resident.error and r is not resident:
+        vs_tput = f"{r.tok_s / resident.tok_s:.3f}"
+        vs_p50 = f"{r.ttft_pct(50) / resident.ttft_pct(50):.2f}"
+    share = [f"{100 * r.tier_share(t):6.1f}" for t in TIERS]
+    return (f"{r.alpha:5.2g} {r.key:<9} {r.ratio:6.2f} {r.tok_s:9.1f} {r.req_s:7.2f} "
+            f"{r.ttft_pct(50) * 1e3:9.1f} {r.ttft_pct(99) * 1e3:9.1f} {max(r.ttft) * 1e3:9.1f} "
+            f"{' '.join(share)} {r.gpu_loads:7d} {r.gpu_evictions:7d} {vs_tput:>8} {vs_p50:>8}")
+
+
+def targets_line(results: list[RowResult]) -> list[str]:
+    """The issue's churn targets (working set 4x the adapter memory, alpha 1.0), as measured."""
+    lines = []
+    for r in results:
+        if r.key == "resident" or r.error or not math.isclose(r.alpha, 1.0):
+            continue
+        res = next((x for x in results if x.key == "resident" and x.alpha == r.alpha and not x.error), None)
+        if res is None:
+            continue
+        t, p = r.tok_s / res.tok_s, r.ttft_pct(50) / res.ttft_pct(50)
+        lines.append(f"alpha 1.0 {r.key}: throughput {t:.3f}x resident (target >= 0.8: "
+                     f"{'met' if t >= 0.8 else 'NOT met'}), TTFT p50 {p:.2f}x (target <= 2: "
+                     f"{'met' if p <= 2 else 'NOT met'}), working set {r.ratio:.2f}x the GPU slots")
+    return lines
+
+
+# -- main --------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--model", default=None,
+                   help="'llama-1b-random' (CUDA default), 'llama-8b-random', 'tiny' (CPU default) or "
+                        "an HF safetensors checkpoint dir")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    p.add_argument("--adapters", type=int, default=1000, help="adapters in the node's adapter folder")
+    p.add_argument("--ranks", type=lambda t: [int(x) for x in t.split(",")], default=[8, 16, 32, 64],
+                   help="adapter k has rank ranks[k mod len]")
+    p.add_argument("--max-lora-rank", type=int, default=0,
+                   help="the node's --max-lora-rank: every slot is padded to it (0: the largest of --ranks)")
+    p.add_argument("--targets", choices=sorted(TARGETS), default="qv", help="modules every adapter targets")
+    p.add_argument("--alphas", type=lambda t: [float(x) for x in t.split(",")], default=[0.5, 1.0, 1.5])
+    p.add_argument("--policies", default="lru,gdsf", help="churn rows: GPU eviction policies")
+    p.add_argument("--requests", type=int, help="requests per row (CUDA 600, CPU 60)")
+    p.add_argument("--rate", type=float, help="Poisson arrivals per second (CUDA 20, CPU 10)")
+    p.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
+    p.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 32:128, CPU 4:8)")
+    p.add_argument("--concurrency", type=int, help="engine max_num_seqs (CUDA 64, CPU 8)")
+    p.add_argument("--working-set-ratio", type=float, default=4.0,
+                   help="the churn rows' GPU slots: the --memory-alpha working set (adapters) over this")
+    p.add_argument("--memory-alpha", type=float, default=1.0)
+    p.add_argument("--host-adapters", type=int, default=0,
+                   help="adapters kept in host memory in the churn rows (0: half the --memory-alpha "
+                        "working set's adapters)")
+    p.add_argument("--max-batched-tokens", type=int, help="engine token budget per step (CUDA 2048, CPU 256)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and adapters here")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[RowResult]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    log.setLevel(logging.INFO)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    args.requests = args.requests or (600 if cuda else 60)
+    args.rate = args.rate or (20.0 if cuda else 10.0)
+    args.concurrency = args.concurrency or (64 if cuda else 8)
+    args.max_lora_rank = args.max_lora_rank or max(args.ranks)
+    if max(args.ranks) > args.max_lora_rank:
+        raise SystemExit(f"--ranks {args.ranks} go over --max-lora-rank {args.max_lora_rank}")
+    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
+    args.prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
+    args.output_len = parse_range(args.output_len or ("32:128" if cuda else "4:8"))
+    args.use_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and cuda)
+    args.use_mixed = args.mixed_graphs == "on" or (args.mixed_graphs == "auto" and cuda)
+    policies = [p for p in args.policies.split(",") if p]
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix="churn-bench-") as tmp:
+        return _run(args, args.workdir or Path(tmp), device, dtype, policies)
+
+
+def _checkpoint(args, work: Path, device: torch.device, dtype: torch.dtype) -> tuple[Path, str, str]:
+    """(checkpoint, load format, description) of --model."""
+    bench = bench_model(args.model or ("llama-1b-random" if device.type == "cuda" else "tiny"), work, dtype,
+                        device, args.seed)
+    return bench.checkpoint, bench.load_format, bench.description
+
+
+def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: list[str]) -> list[RowResult]:
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import LlamaModel
+
+    COMPILES.install()
+    started = time.perf_counter()
+    cuda = device.type == "cuda"
+    checkpoint, load_format, model_name = _checkpoint(args, work, device, dtype)
+    cfg = ModelConfig.from_checkpoint(checkpoint)
+    targets = TARGETS[args.targets]
+    names = adapter_names(args.adapters)
+    # Named by the model's shapes, targets and ranks: a --workdir may serve several models.
+    adapter_root = (work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}-{args.targets}-"
+                    f"{'-'.join(map(str, args.ranks))}-{str(dtype).removeprefix('torch.')}")
+    rank_of = write_adapters(adapter_root, cfg, names, args.ranks, targets,
+                             device if cuda else torch.device("cpu"), dtype)
+    log.info("checkpoint and %d adapters ready in %.1fs", len(names), time.perf_counter() - started)
+
+    max_model_len = args.prompt_len[1] + args.output_len[1] + args.block_size
+    per_seq = -(-(max_model_len + 1) // args.block_size)
+    num_blocks = args.concurrency * per_seq + args.concurrency + 8
+    specs = make_specs(args.requests, args.prompt_len, args.output_len, cfg.vocab_size, args.rate, args.seed)
+    traffic = [make_traffic(specs, names, alpha, args.seed) for alpha in args.alphas]
+    reference = make_traffic(specs, names, args.memory_alpha, args.seed)
+    churn_slots = max(1, math.ceil(len(reference.distinct) / args.working_set_ratio))
+    host = args.host_adapters or max(1, len(reference.distinct) // 2)
+    resident_slots = max(len(t.distinct) for t in traffic)
+    per_slot = slot_nbytes(cfg, args.max_lora_rank, dtype)
+
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, load_format=load_format)
+    header = [
+        f"device: {torch.cuda.get_device_name(device) if cuda else 'CPU'}  torch {torch.__version__}  "
+        f"dtype {str(dtype).removeprefix('torch.')}",
+        f"model: {model_name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}",
+        f"adapters: {len(names)} in the node's adapter folder (its disk tier), ranks "
+        f"{','.join(map(str, args.ranks))} on {','.join(targets)}; GPU slots padded to rank "
+        f"{args.max_lora_rank}: {per_slot / 1e6:.1f} MB a slot",
+        f"traffic: {args.requests} requests, Poisson {args.rate:g}/s, prompt {args.prompt_len[0]}-"
+        f"{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]} tokens (ignore EOS), "
+        f"at most {args.concurrency} running",
+        "working sets (distinct adapters, their mean rank): " + "; ".join(
+            f"alpha {t.alpha:g}: {len(t.distinct)}, {sum(rank_of[n] for n in t.distinct) / len(t.distinct):.1f}"
+            for t in traffic),
+        f"GPU slots (also the most distinct adapters in a step): resident {resident_slots} "
+        f"({resident_slots * per_slot / 1e9:.1f} GB); churn {churn_slots} ({churn_slots * per_slot / 1e9:.2f} GB: "
+        f"alpha {args.memory_alpha:g}'s working set / {args.working_set_ratio:g}); churn host memory {host} adapters",
+        f"engine: {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of {args.block_size}, "
+        f"decode graphs {'on' if args.use_graphs else 'off'}, piecewise graphs "
+        f"{'on' if args.use_mixed else 'off'}, prefix cache off",
+    ]
+    for line in header:
+        print(line, flush=True)
+
+    results: list[RowResult] = []
+    # The resident engine's host copies are only a cache of what its slots hold: keep one.
+    engines = [("resident", resident_slots, 1, "lru")]
+    engines += [(p, churn_slots, host, p) for p in policies]
+    for key, slots, max_cpu, policy in engines:
+        engine = manager = None
+        try:
+            t = time.perf_counter()
+            engine, manager = build(model, cfg, adapter_root, args, slots, max_cpu, policy,
+                                    max_model_len, num_blocks, device, dtype)
+            log.info("%s engine ready in %.1fs", key, time.perf_counter() - t)
+            # Untimed: a few requests through every kind of step, on this engine's adapters.
+            warm = specs[:min(len(specs), 2 * args.concurrency)]
+            Driver(engine, device, args.concurrency, poisson=False).run(
+                warm, lambda s: traffic[0].adapters[s.index], lambda s: min(4, s.max_tokens))
+        except Exception as exc:
+            log.exception("%s engine failed", key)
+            results += [RowResult(key, t.alpha, float("nan"), error=f"{type(exc).__name__}: {exc}"[:200])
+                        for t in traffic]
+            if manager is not None:
+                manager.shutdown()
+            engine = manager = None
+            gc.collect()
+            continue
+        for t in traffic:
+            ratio = len(t.distinct) / slots
+            try:
+                unload_all(engine, manager)
+                if key == "resident":
+                    preload_adapters(engine, manager, t.distinct)
+                r = run_row(key, engine, manager, specs, t, ratio, args, device)
+            except Exception as exc:  # one broken row must not lose the others
+                log.exception("row %s alpha %g failed", key, t.alpha)
+                r = RowResult(key, t.alpha, ratio, error=f"{type(exc).__name__}: {exc}"[:200])
+            results.append(r)
+            print(f"# {format_row(r, None)}", file=sys.stderr, flush=True)
+        manager.shutdown()
+        engine = manager = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    print(HEADER)
+    print(UNITS)
+    for t in traffic:
+        resident = next((r for r in results if r.key == "resident" and r.alpha == t.alpha), None)
+        for r in results:
+            if r.alpha == t.alpha:
+                print(format_row(r, resident))
+    for line in targets_line(results):
+        print(line)
+    compiled = sum(len(r.compiles) for r in results)
+    if compiled:
+        print(f"note: {compiled} JIT compiles landed in timed rows (see the log)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"header": header, "rows": [
+            {**{k: v for k, v in dataclasses.asdict(r).items() if k not in ("ttft", "compiles")},
+             "tok_s": None if r.error else r.tok_s, "ttft_p50": None if r.error else r.ttft_pct(50),
+             "ttft_p99": None if r.error else r.ttft_pct(99)} for r in results]}, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
