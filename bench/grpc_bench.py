@@ -50,6 +50,8 @@ SHAPES = {
            "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0},
     "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
            "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0},
+    "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0},
 }
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

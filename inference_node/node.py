@@ -30,7 +30,7 @@ from .model.embedded import default_checkpoint
 from .model.config import ModelConfig
 from .model.llama import LlamaModel
 from .parallel.group import TensorParallel, init_tensor_parallel
-from .parallel.shard import Shard, ShardingError, check_divisible
+from .parallel.shard import Shard, ShardingError, check_divisible, tensor_parallel_tuning
 from .parallel.workers import Workers
 from .tokenizer import TextCodec
 
@@ -166,6 +166,7 @@ class RankParts:
     max_num_seqs: int
     mixed_graphs: bool
     tp: TensorParallel | None
+    tuning: Tuning               # the node-wide one (the model's base; a table's buckets vary the rest per step)
     kv: KVCache | None = None    # ranks 1..N-1 only: rank 0's engine allocates its own
 
 
@@ -244,6 +245,8 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     tp = init_tensor_parallel(shard, device, rendezvous) if shard.size > 1 else None
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()
     tunings = step_tunings(settings, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
+    if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
+        tunings = tunings.map(tensor_parallel_tuning)
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tunings.base,
                             load_format=settings.load_format, tp=tp, step_tunings=tunings)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
@@ -262,7 +265,8 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
                                       settings.max_num_batched_tokens, max_num_seqs, mixed_graphs)
     if tp is not None:
         blocks = tp.min_int(blocks)
-    return RankParts(device, dtype, dtype_name, checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp)
+    return RankParts(device, dtype, dtype_name, checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp,
+                     tunings.base)
 
 
 def build_rank(settings: NodeSettings, shard: Shard, rendezvous: str) -> RankParts:
@@ -304,13 +308,14 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
     decode_graphs = settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda")
     warmup = settings.warmup
     if ranks is not None:
-        if decode_graphs or settings.mixed_graphs == "on" or (device.type == "cuda" and settings.warmup != "off"):
-            log.info("tensor parallelism: decode graphs, piecewise graphs and the warm-up are off; "
-                     "every step runs eagerly on all %d ranks", ranks.size)
-        decode_graphs, warmup = False, "off"
+        if settings.mixed_graphs == "on" or (device.type == "cuda" and settings.warmup != "off"):
+            log.info("tensor parallelism: piecewise graphs and the warm-up are off; steps with prompt "
+                     "tokens run eagerly on all %d ranks%s", ranks.size,
+                     ", decode steps from graphs" if decode_graphs else "")
+        warmup = "off"
     adapters = build_adapter_manager(settings, model, device, dtype, buffers=parts.slots)
     blocks = parts.num_kv_blocks
-    lora_plan = LoraStepPlan(adapters.buffers, model.tuning) if adapters is not None else None
+    lora_plan = LoraStepPlan(adapters.buffers, parts.tuning) if adapters is not None else None
     engine = Engine(model, lora=adapters, lora_plan=lora_plan, ranks=ranks, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,

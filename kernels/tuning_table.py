@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -291,6 +291,11 @@ class StepTunings:
             if batch <= rows and count <= adapters:
                 best = tuning
         return best
+
+    def map(self, change: Callable[[Tuning], Tuning]) -> "StepTunings":
+        """Every step's Tuning (the base's and each bucket's) passed through `change`: a rule
+        that holds whatever the table says (tensor parallelism's, parallel/shard.py)."""
+        return StepTunings(change(self.base), tuple((b, a, change(t)) for b, a, t in self.entries), self.table)
 
     @classmethod
     def fixed(cls, tuning: Tuning) -> "StepTunings":

@@ -45,6 +45,20 @@ GroupsOf = Callable[[list[int]], frozenset[str]]
 
 
 @dataclass(frozen=True)
+class StagedStep:
+    """A decode step's packed inputs as rank 0 staged them: what another tensor-parallel rank
+    needs to replay the same graph (its token ids come from rank 0 inside the graph)."""
+
+    key: tuple[int, int, int]          # (padded size, LoRA segments, group variant)
+    rows: int                          # the real rows
+    width: int                         # block-table entries per row
+    int64: np.ndarray                  # HostInputs.np64
+    int32: np.ndarray                  # HostInputs.np32
+    table: np.ndarray                  # the packed block tables, rows x width
+    segments: tuple[tuple[int, int, int, int], ...]  # the CPU reference kernels' host segments
+
+
+@dataclass(frozen=True)
 class GraphLora:
     """What the decode graphs need of the LoRA step plan (inference_node/lora_step)."""
 
@@ -133,6 +147,9 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, int],
                            tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
+        # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
+        # which replay the same graph with it.
+        self.mirror: Callable[[StagedStep], None] | None = None
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
@@ -149,8 +166,25 @@ class DecodeGraphs:
         if slots and self.lora is not None:
             segments = next(b for b in self.segment_buckets(size) if b >= len(slots))
             variant = self.variant_for(slots)
-        self._fill(chunks, size, segments)
         key = (size, segments, variant)
+        host, width = self._fill(chunks, size, segments)
+        if self.mirror is not None:
+            self.mirror(StagedStep(key, n, width, host.np64, host.np32, host.np_table[:n * width],
+                                   self._host_segments))
+        return self._replay(key, n)
+
+    def run_staged(self, step: "StagedStep") -> None:
+        """Replays the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
+        sent its packed inputs), meeting rank 0's replay at the graph's collectives."""
+        host = self._next_host()
+        host.np64[:] = step.int64
+        host.np32[:] = step.int32
+        host.np_table[:len(step.table)] = step.table
+        self._host_segments = step.segments
+        host.copy_packed(step.rows, step.width, self._dev64, self._dev32, self.block_tables)
+        self._replay(step.key, step.rows)
+
+    def _replay(self, key: tuple[int, int, int], n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.replays[key] = self.replays.get(key, 0) + 1
         if not self.capture:
             logits = self._forward(*key)[:n]
@@ -159,17 +193,22 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n], greedy[:n], finite[:n]
 
+    def _next_host(self) -> HostInputs:
+        host = self._host[self._turn]
+        self._turn ^= 1
+        if host.copied is not None:
+            host.copied.synchronize()  # the copy of two steps ago: long done
+        return host
+
     def variant_for(self, slots: set[int]) -> int:
         """Index of the smallest group variant that covers what these adapter slots target."""
         groups = self.lora.groups_of(list(slots))
         return next(i for i, v in enumerate(self.group_variants) if groups <= v)
 
-    def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
+    def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> tuple[HostInputs, int]:
+        """Writes the step's inputs and queues their copy; (the host buffers, block-table width)."""
         B, n, bs = self.max_batch, len(chunks), self.block_size
-        host = self._host[self._turn]
-        self._turn ^= 1
-        if host.copied is not None:
-            host.copied.synchronize()  # the copy of two steps ago: long done
+        host = self._next_host()
         reqs = [c.request for c in chunks]
         pos = [r.num_computed for r in reqs]
         tables = [r.block_ids for r in reqs]
@@ -189,7 +228,7 @@ class DecodeGraphs:
         h32[n:size] = 1
         if segments:
             self._fill_lora(h32[B:], [r.lora_slot for r in reqs], size, segments)
-        host.upload(tables, self._dev64, self._dev32, self.block_tables)
+        return host, host.upload(tables, self._dev64, self._dev32, self.block_tables)
 
     def _fill_lora(self, h32: np.ndarray, token_slots: list[int], size: int, segments: int) -> None:
         """Token slots and the per-slot segments (real ones first, then empty ones)."""
@@ -276,6 +315,9 @@ class DecodeGraphs:
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.model.device, priority=MAIN_STREAM_PRIORITY)
+        # Under tensor parallelism the collectives' library has threads of its own (NCCL's
+        # watchdog polls events): only this thread's calls may invalidate the capture.
+        mode = "thread_local" if self.model.tp is not None else "global"
         for size in reversed(self.sizes):
             keys = [(size, 0, 0)]
             if self.lora is not None:
@@ -286,7 +328,7 @@ class DecodeGraphs:
                     self._forward(*key)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                     logits = self._forward(*key)
                     greedy, finite = checked_greedy(logits)
                 self._graphs[key] = (graph, logits, greedy, finite)

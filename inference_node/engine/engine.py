@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
 from .batch import HostBatch, build_host_batch
-from .decode_graphs import DecodeGraphs, GraphLora, ordered
+from .decode_graphs import DecodeGraphs, GraphLora, StagedStep, ordered
 from .kv_cache import BlockAllocator, KVCache
 from .mixed_graphs import MixedGraphs, MixedLora
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
@@ -94,6 +94,9 @@ class OtherRanks(Protocol):
     size: int
     table_checks: int
     def step(self, host: HostBatch, chunk_slots: list[tuple[int, int]], tp: Any, input_ids: Any) -> None: ...
+    def graph_step(self, step: StagedStep) -> None: ...
+    def capture_decode_graphs(self, scratch_block: int, max_model_len: int, max_batch: int,
+                              feedback_rows: int) -> None: ...
     def check_slot_tables(self) -> None: ...
 
 
@@ -151,9 +154,9 @@ class Engine:
         if (lora is None) != (lora_plan is None):
             raise ValueError("LoRA needs both the adapter manager and the step plan")
         warms_up = config.warmup == "on" or (config.warmup == "auto" and model.device.type == "cuda")
-        if ranks is not None and (config.decode_graphs or config.mixed_graphs or warms_up):
-            raise ValueError("tensor parallelism runs eager steps only: decode graphs, piecewise graphs "
-                             "and the warm-up's forwards are not run on every rank yet")
+        if ranks is not None and (config.mixed_graphs or warms_up):
+            raise ValueError("tensor parallelism replays decode graphs and runs other steps eagerly: "
+                             "piecewise graphs and the warm-up's forwards are not run on every rank")
         self.ranks = ranks
         self.model = model
         self.config = config
@@ -174,6 +177,8 @@ class Engine:
                 model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
                 max_batch=max_batch, feedback=self.feedback.tokens,
                 lora=lora_plan.graph_lora(max_batch) if lora_plan is not None else None)
+            if ranks is not None:  # every rank replays the graph rank 0 stages
+                self.decode_graphs.mirror = ranks.graph_step
         self.mixed_graphs: MixedGraphs | None = None
         if config.mixed_graphs:
             self.mixed_graphs = MixedGraphs(
@@ -210,6 +215,10 @@ class Engine:
         if self.config.warmup == "on" or (self.config.warmup == "auto" and self.model.device.type == "cuda"):
             self.warmup_forwards = warm_up(self)
         if self.decode_graphs is not None:
+            if self.ranks is not None:  # the ranks capture beside this one: the collectives meet
+                graphs = self.decode_graphs
+                self.ranks.capture_decode_graphs(self.scratch_block, self.config.max_model_len,
+                                                 graphs.max_batch, self.feedback.tokens.numel())
             self.decode_graphs.capture_all()
         if self.mixed_graphs is not None:
             self.mixed_graphs.capture_all()

@@ -36,16 +36,22 @@ class HostInputs:
                    torch.cuda.Event() if pinned else None)
 
     def upload(self, tables: list[list[int]], dev64: torch.Tensor, dev32: torch.Tensor,
-               block_tables: torch.Tensor) -> None:
+               block_tables: torch.Tensor) -> int:
         """Packs the rows' block tables [n, width] at the front of the table buffer (entries
         past a row's own blocks are never read) and copies everything to the device buffers,
-        non-blocking from pinned memory."""
+        non-blocking from pinned memory; returns width."""
         n, width = len(tables), max(len(t) for t in tables)
         flat: list[int] = []
         for t in tables:
             flat += t
             flat += [0] * (width - len(t))
         self.np_table[:n * width] = flat
+        self.copy_packed(n, width, dev64, dev32, block_tables)
+        return width
+
+    def copy_packed(self, n: int, width: int, dev64: torch.Tensor, dev32: torch.Tensor,
+                    block_tables: torch.Tensor) -> None:
+        """Copies the packed buffers (n rows of block tables, `width` each) to the device."""
         dev64.copy_(self.t64, non_blocking=True)
         dev32.copy_(self.t32, non_blocking=True)
         block_tables[:n, :width].copy_(self.table[:n * width].view(n, width), non_blocking=True)

@@ -24,7 +24,7 @@ from kernels.activation import silu_mul, silu_mul_lora
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
 from kernels.gemm import DecodeGemm, GemmLora, cublas
-from kernels.lora import LoraDelta
+from kernels.lora import LoraDelta, with_delta
 from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
 from kernels.rope import rope_and_cache
 from kernels.tuning import DEFAULT_TUNING, Tuning
@@ -356,8 +356,11 @@ class LlamaModel:
         all-reduce sums every token's one real row."""
         ids = batch.input_ids
         if batch.feedback is not None:
+            # Only rank 0 holds the tokens the previous step sampled: its ids go to every rank
+            # (inside a decode graph, where the other ranks cannot be sent them beforehand).
             from_feedback = batch.feedback_rows >= 0
             ids = torch.where(from_feedback, batch.feedback[batch.feedback_rows.clamp(min=0)], ids)
+            ids = self.tp.broadcast(ids, 0)
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.embed.shape[0])
         hidden = self.embed[torch.where(inside, local, 0)].masked_fill(~inside[:, None], 0)
@@ -368,9 +371,11 @@ class LlamaModel:
         into each rank's partial output, is summed with it)."""
         if self.tp is None:
             return out, delta
-        if delta is not None:
-            raise RuntimeError("a LoRA delta left for the next op cannot be summed over tensor-parallel ranks "
-                               "(the decode graphs' overlapped LoRA is off under tensor parallelism)")
+        if delta is not None:  # expanded beside the matmul (parallel.shard.tensor_parallel_tuning)
+            if delta.expanded is None:
+                raise RuntimeError("a row-parallel projection's LoRA delta must be expanded before its "
+                                   "all-reduce (parallel.shard.tensor_parallel_tuning)")
+            out = with_delta(out, delta.expanded)
         return self.tp.all_reduce(out), None
 
     def _project(self, lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.tuning import Tuning
+
 from ..model.config import ModelConfig
 
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
@@ -91,3 +93,17 @@ def check_divisible(config: ModelConfig, size: int) -> None:
     if problems:
         raise ShardingError(f"--tensor-parallel-size {size} does not divide the model's "
                             f"{' and '.join(problems)}: pick a size that divides each")
+
+
+# A bound no step's distinct adapters reach: "always" for side_expand_group_segments.
+_ALWAYS = 1 << 30
+
+
+def tensor_parallel_tuning(tuning: Tuning) -> Tuning:
+    """The decode graphs' LoRA choices under tensor parallelism. A row-parallel projection's
+    delta must be in its partial output before the all-reduce sums it, so o and down never
+    leave their delta unexpanded for the add + norm after them (a shrink-only fold): their
+    LoRA folds whole into the matmul or expands on the side stream."""
+    return tuning.replace(
+        shrink_fold_groups=tuning.shrink_fold_groups - {"o", "down"},
+        side_expand_group_segments={**tuning.side_expand_group_segments, "o": _ALWAYS, "down": _ALWAYS})

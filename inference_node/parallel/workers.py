@@ -6,7 +6,12 @@ shard of the model, of the KV cache (its own KV heads, the same block ids) and o
 slots, and does what rank 0 tells it, in order, over one ZeroMQ socket (msgpack, adapter
 tensors as raw frames, never pickle):
 
-- STEP: a step's host inputs (positions, slot mapping, block tables, ...) and each chunk's
+- CAPTURE: build and capture the decode graphs rank 0 captures, in the same order (each
+  graph's collectives meet the same graph's on the other ranks).
+- GRAPH: a decode step rank 0 staged for its graph (DecodeGraphs.mirror): its packed input
+  buffers as raw frames; the rank copies them into its own graph's buffers and replays the
+  same graph. The token ids go from rank 0 to the others by a broadcast inside the graph.
+- STEP: an eager step's host inputs (positions, slot mapping, block tables, ...) and each chunk's
   adapter slot. The token ids follow as a broadcast from rank 0's device (a decode row's
   token is the previous step's sample, which only rank 0's device holds), then every rank
   runs the same forward, meeting at the same collectives. Rank 0 samples; the others drop
@@ -33,11 +38,13 @@ import threading
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import torch
 import zmq
 
 from ..adapters.weights import AdapterWeights
 from ..engine.batch import HostBatch
+from ..engine.decode_graphs import DecodeGraphs, StagedStep
 from ..parent_watch import die_with_parent
 from .group import TensorParallel
 from .shard import Shard
@@ -45,6 +52,7 @@ from .shard import Shard
 log = logging.getLogger(__name__)
 
 STEP, WRITE, CLEAR, REPORT, STOP, READY, TABLE = "step", "write", "clear", "report", "stop", "ready", "table"
+CAPTURE, GRAPH = "capture", "graph"
 
 
 def _pack(message: list) -> bytes:
@@ -132,6 +140,17 @@ class Workers:
         for sock in self.controls:
             sock.send(message)
         tp.broadcast(input_ids, 0)
+
+    def graph_step(self, step: StagedStep) -> None:
+        header = _pack([GRAPH, list(step.key), step.rows, step.width, [list(seg) for seg in step.segments]])
+        frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
+        for sock in self.controls:
+            sock.send_multipart(frames, copy=False)
+
+    def capture_decode_graphs(self, scratch_block: int, max_model_len: int, max_batch: int,
+                              feedback_rows: int) -> None:
+        for sock in self.controls:
+            sock.send(_pack([CAPTURE, scratch_block, max_model_len, max_batch, feedback_rows]))
 
     def write_slot(self, slot: int, weights: AdapterWeights) -> None:
         keys = sorted(weights.tensors)
@@ -222,7 +241,7 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(reply)
     built = build_rank(settings, Shard(rank, size), rendezvous)
-    worker = RankWorker(built.model, built.kv, built.slots, built.tp)
+    worker = RankWorker(built.model, built.kv, built.slots, built.tp, built.tuning)
     out.send(_pack([READY, rank]))
     log.info("tensor-parallel rank %d of %d ready", rank, size)
     try:
@@ -246,9 +265,10 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
 class RankWorker:
     """One rank's model shard, KV cache and adapter slots, driven by rank 0's messages."""
 
-    def __init__(self, model, kv, slots, tp: TensorParallel) -> None:
-        self.model, self.kv, self.slots, self.tp = model, kv, slots, tp
+    def __init__(self, model, kv, slots, tp: TensorParallel, tuning) -> None:
+        self.model, self.kv, self.slots, self.tp, self.tuning = model, kv, slots, tp, tuning
         self.device = model.device
+        self.graphs: DecodeGraphs | None = None
 
     def table(self) -> list:
         return _normalised(list(self.slots.table)) if self.slots is not None else []
@@ -257,6 +277,10 @@ class RankWorker:
         kind = message[0]
         if kind == STEP:
             self.step(*message[1:])
+        elif kind == GRAPH:
+            self.graph_step(message, frames)
+        elif kind == CAPTURE:
+            self.capture(*message[1:])
         elif kind == WRITE:
             self.write(message, frames)
         elif kind == CLEAR:
@@ -281,6 +305,27 @@ class RankWorker:
         # step: with the one tuning table every rank reads, every rank takes the same bucket.
         adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
         self.model.for_step(len(positions), adapters).forward(batch, self.kv.k, self.kv.v, applier)
+
+    def capture(self, scratch_block: int, max_model_len: int, max_batch: int, feedback_rows: int) -> None:
+        """The decode graphs rank 0 has: the same sizes and LoRA buckets, captured in its order.
+        The feedback buffer only gives the graphs' token gather a valid place to read: the
+        broadcast from rank 0 replaces what it reads."""
+        from ..lora_step.plan import LoraStepPlan
+
+        lora = LoraStepPlan(self.slots, self.tuning).graph_lora(max_batch) if self.slots is not None else None
+        feedback = torch.zeros(feedback_rows, dtype=torch.long, device=self.device)
+        self.graphs = DecodeGraphs(self.model, self.kv, scratch_block=scratch_block, max_model_len=max_model_len,
+                                   max_batch=max_batch, lora=lora, feedback=feedback)
+        with torch.inference_mode():
+            self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def graph_step(self, header: list, frames: list[bytes]) -> None:
+        _, key, rows, width, segments = header
+        self.graphs.run_staged(StagedStep(
+            tuple(key), rows, width, np.frombuffer(frames[0], dtype=np.int64),
+            np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
+            tuple(tuple(seg) for seg in segments)))
 
     def write(self, header: list, frames: list[bytes]) -> None:
         _, slot, name, version, rank, scaling, modules, shapes = header

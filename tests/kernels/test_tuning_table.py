@@ -234,7 +234,8 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
     """Under --tensor-parallel-size 2 the table is keyed by one rank's shard shapes (heads,
     KV heads and MLP width halved: what its kernels multiply), `auto` is resolved once on rank
     0 before rank 1 starts (rank 1, a fresh process, does not see this test's table folder:
-    it reads the table only through the resolved path), and a table of the whole model's
+    it reads the table only through the resolved path), tensor parallelism's own rule holds over
+    every bucket whatever the table's node-wide choices, and a table of the whole model's
     shape is refused before any rank starts."""
     import logging
 
@@ -242,14 +243,16 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
     from inference_node.engine.request import Request, SamplingParams
     from inference_node.model.config import ModelConfig
     from inference_node.node import NodeSettings, build_node, resolve_tuning_table
-    from inference_node.parallel.shard import Shard
+    from inference_node.parallel.shard import Shard, tensor_parallel_tuning
 
     full = ModelConfig.from_checkpoint(tiny_llama_path)
     shard = ModelShape.of(Shard(1, 2).local_config(full))
     assert shard.key == "h64_i80_q2_kv1_d16" and ModelShape.of(full) == SHAPE
     folder = tmp_path / "configs"
     folder.mkdir()
-    path = write(folder / table_name("cpu", shard), table_json(shape=shard))
+    # o's LoRA left for the add + norm after it: what tensor parallelism must undo (its delta
+    # has to be in the partial output before the all-reduce), table or not.
+    path = write(folder / table_name("cpu", shard), table_json(shape=shard, node={"shrink_fold_groups": ["qkv", "o"]}))
     monkeypatch.setattr(tuning_table, "CONFIG_DIR", folder)
     settings = NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, cpu_threads=1,
                             tensor_parallel_size=2, max_loras=0, debug_checks=True, tuning_table="auto")
@@ -267,6 +270,10 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
         model = node.engine.model
         assert model.step_tunings.table is not None and model.step_tunings.table.path == path
         assert list(model.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
+        for rows, adapters in ((1, 0), (4, 0), (4, 1), (8, 2)):  # every bucket, and the base
+            tuning = model.for_step(rows, adapters).tuning
+            assert tuning.shrink_fold_groups == {"qkv"} and tuning == tensor_parallel_tuning(tuning)
+        assert model.tuning.shrink_fold_groups == {"qkv"}
         outs: dict[int, list[int]] = {}
         for i, prompt in enumerate(([5, 6, 7, 8, 9], [11, 12])):
             node.engine.submit(Request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
