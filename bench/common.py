@@ -42,6 +42,13 @@ LLAMA_3_1_8B = {
     "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
 
+# Llama-3.1-70B's shapes, as the 8B's (vocabulary 49,152, weights made on the devices); one
+# GPU cannot hold it: a node splits it (--tensor-parallel-size), a sweep tunes one shard.
+LLAMA_3_1_70B = {
+    **LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+}
+
 # A small model of the same family, for CPU runs of a real node (with a real tokenizer).
 TINY_LLAMA = {**LLAMA_3_2_1B, "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 160,
               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -91,27 +98,53 @@ class BenchModel:
     description: str
 
 
+# The named random-weight models: (config, whether its weights are made at load rather than
+# written as a checkpoint once, what to print).
+RANDOM_MODELS = {
+    "llama-1b-random": (LLAMA_3_2_1B, False, "Llama-3.2-1B-shaped, random weights"),
+    "llama-8b-random": (LLAMA_3_1_8B, True, "Llama-3.1-8B-shaped (vocab 49,152), random weights"),
+    "llama-70b-random": (LLAMA_3_1_70B, True, "Llama-3.1-70B-shaped (vocab 49,152), random weights"),
+    "tiny": (TINY_LLAMA, False, "tiny Llama-shaped, random weights"),
+}
+
+
 def bench_model(name: str, work: Path, dtype: torch.dtype, device: torch.device, seed: int) -> BenchModel:
-    """The named shapes with random weights ('llama-8b-random': config only, weights made at
-    load; 'llama-1b-random', 'tiny': a checkpoint written once into `work`), the embedded
-    SmolLM2 ('embedded'), or a checkpoint folder."""
-    if name == "llama-8b-random":
-        checkpoint = work / "llama-3.1-8b-dummy"
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        (checkpoint / "config.json").write_text(json.dumps(LLAMA_3_1_8B, indent=2))
-        return BenchModel(checkpoint, "dummy", "Llama-3.1-8B-shaped (vocab 49,152), random weights")
-    if name in ("llama-1b-random", "tiny"):
-        config = LLAMA_3_2_1B if name == "llama-1b-random" else TINY_LLAMA
+    """The named shapes with random weights (RANDOM_MODELS: 'llama-8b-random' and
+    'llama-70b-random' config only, weights made at load; 'llama-1b-random', 'tiny': a
+    checkpoint written once into `work`), the embedded SmolLM2 ('embedded'), or a checkpoint
+    folder."""
+    if name in RANDOM_MODELS:
+        config, made_at_load, description = RANDOM_MODELS[name]
+        if made_at_load:
+            checkpoint = work / name.replace("-random", "-dummy")
+            checkpoint.mkdir(parents=True, exist_ok=True)
+            (checkpoint / "config.json").write_text(json.dumps(config, indent=2))
+            return BenchModel(checkpoint, "dummy", description)
         checkpoint = work / f"{name}-{str(dtype).removeprefix('torch.')}"
         if not (checkpoint / "model.safetensors").exists():
             write_random_checkpoint(checkpoint, config, dtype, device, seed=seed)
-        shapes = "Llama-3.2-1B-shaped" if name == "llama-1b-random" else "tiny Llama-shaped"
-        return BenchModel(checkpoint, "safetensors", f"{shapes}, random weights")
+        return BenchModel(checkpoint, "safetensors", description)
+    return BenchModel(_checkpoint_of(name), "safetensors",
+                      "embedded SmolLM2-135M" if name == "embedded" else Path(name).name)
+
+
+def bench_model_config(name: str):
+    """bench_model(name)'s ModelConfig without making or writing its weights (a kernel sweep
+    needs its shapes only)."""
+    from inference_node.model.config import ModelConfig
+
+    if name in RANDOM_MODELS:
+        return ModelConfig.from_dict(RANDOM_MODELS[name][0])
+    return ModelConfig.from_checkpoint(_checkpoint_of(name))
+
+
+def _checkpoint_of(name: str) -> Path:
+    """The checkpoint folder of 'embedded' or a folder's path."""
     if name == "embedded":
         from inference_node.model.embedded import default_checkpoint
 
-        return BenchModel(default_checkpoint(), "safetensors", "embedded SmolLM2-135M")
-    return BenchModel(Path(name), "safetensors", Path(name).name)
+        return default_checkpoint()
+    return Path(name)
 
 
 def copy_tokenizer(source: Path, dest: Path) -> None:

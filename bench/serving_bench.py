@@ -461,7 +461,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                    help="a launch choice other than the node's default (kernels/tuning.py; the "
-                        "form of `inference-node serve --NAME`), repeatable")
+                        "form of `inference-node serve --NAME`), repeatable; wins over the table")
+    p.add_argument("--tuning-table", default="auto",
+                   help="per-bucket launch choices, as `inference-node serve --tuning-table`: auto "
+                        "(the table filed for this GPU and shape, if any), off, or a file's path")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     return args
@@ -503,6 +506,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
     from kernels.tuning import tuning_from_text
+    from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
 
     cuda = device.type == "cuda"
     COMPILES.install()
@@ -537,9 +541,13 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     log.info("checkpoint and %d adapters ready in %.1fs", len(dirs), time.perf_counter() - started)
 
     bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
-    tuning = tuning_from_text(dict(item.split("=", 1) for item in args.tune))
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=tuning,
-                            load_format=load_format)
+    given = dict(item.split("=", 1) for item in args.tune)
+    tuning = tuning_from_text(given)
+    table = load_table(args.tuning_table, device_name(device), ModelShape.of(cfg))
+    steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
+    log.info("tuning table: %s", table.path if table is not None else f"none ({args.tuning_table})")
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=steps.base,
+                            load_format=load_format, step_tunings=steps)
     itemsize = dtype.itemsize
     abytes = {n: adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) for n in r16}
     abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kernels.tuning import DEFAULT_TUNING, Tuning, choice_help, format_choice, parse_choice
+from kernels.tuning_table import TuningTable, TuningTableError
 from lora_common.envargs import EnvArgumentParser
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
@@ -138,8 +139,15 @@ def parser() -> EnvArgumentParser:
 
 
 def add_tuning_flags(serve: EnvArgumentParser) -> None:
-    """One flag per launch choice of the decode step (kernels/tuning.py: Tuning), named after
-    it (--gemm-prefetch-k for gemm_prefetch_k), its default the measured best."""
+    """--tuning-table, and one flag per launch choice of the decode step (kernels/tuning.py:
+    Tuning), named after it (--gemm-prefetch-k for gemm_prefetch_k). A choice flag left unset
+    takes the tuning table's value for the step's bucket, else the default (the measured
+    best); one given (or set in its environment variable) wins over the table."""
+    serve.add_argument("--tuning-table", default="auto",
+                       help="launch choices per decode batch and adapter-count bucket from a table "
+                            "kept as data (kernels/configs/README.md): auto = the one filed for this "
+                            "GPU and model shape if any, off, or a table file's path; the choice "
+                            "flags below override it")
     for f in dataclasses.fields(Tuning):
         def parse(text: str, name: str = f.name):
             try:
@@ -147,21 +155,41 @@ def add_tuning_flags(serve: EnvArgumentParser) -> None:
             except ValueError as exc:
                 raise argparse.ArgumentTypeError(str(exc)) from None
 
+        # No parser default: an unset flag (None) leaves the choice to the table.
+        default = format_choice(f.name, getattr(DEFAULT_TUNING, f.name))
         serve.add_argument("--" + f.name.replace("_", "-"), dest="tune_" + f.name,
-                           type=parse, metavar=f.name.upper(),
-                           default=format_choice(f.name, getattr(DEFAULT_TUNING, f.name)),
-                           help="tuning: " + choice_help(f.name))
+                           type=parse, metavar=f.name.upper(), default=None,
+                           help=f"tuning: {choice_help(f.name)} (default: {default}, or the "
+                                f"tuning table's)%(default).0s")
+
+
+def given_tuning_flags(args: argparse.Namespace) -> frozenset[str]:
+    """The launch choices whose flag was given (or set in its environment variable)."""
+    return frozenset(f.name for f in dataclasses.fields(Tuning)
+                     if getattr(args, "tune_" + f.name) is not None)
 
 
 def tuning_from_args(args: argparse.Namespace) -> Tuning:
+    """The defaults with the choice flags given applied."""
     try:
-        return Tuning(**{f.name: getattr(args, "tune_" + f.name) for f in dataclasses.fields(Tuning)})
+        return Tuning(**{name: getattr(args, "tune_" + name) for name in given_tuning_flags(args)})
     except ValueError as exc:
         raise SystemExit(f"inference-node serve: {exc}") from None
 
 
+def check_tuning_table(setting: str) -> None:
+    """A table given by path is read now, so a bad file fails before the model loads (its
+    shape is checked against the model's when it loads)."""
+    if setting not in ("auto", "off"):
+        try:
+            TuningTable.read(setting)
+        except TuningTableError as exc:
+            raise SystemExit(f"inference-node serve: --tuning-table: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    check_tuning_table(args.tuning_table)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = NodeSettings(
@@ -183,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
         store_token=args.store_token, cpu_threads=args.cpu_threads, adapter_fetch_timeout_s=args.adapter_fetch_timeout,
         max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)), max_weight_abs=args.max_weight_abs,
-        tuning=tuning_from_args(args), tensor_parallel_size=args.tensor_parallel_size,
+        tuning=tuning_from_args(args), tuning_table=args.tuning_table,
+        tuning_fixed=given_tuning_flags(args), tensor_parallel_size=args.tensor_parallel_size,
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

@@ -4,12 +4,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kernels.tuning import Tuning
+from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, find_table, load_table
 from lora_common.tls import ClientTLS, ServerTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
@@ -80,6 +82,11 @@ class NodeSettings:
     cpu_threads: int = 0               # torch threads of a CPU engine; 0: the cores less one for the front end
     max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS  # larger LoRA weights are refused (0: no bound)
     tuning: Tuning = field(default_factory=Tuning)  # the decode step's launch choices (kernels/tuning.py)
+    # Per-step launch choices from a table kept as data (kernels/tuning_table.py): "auto" the
+    # one filed for this GPU and shape, "off", or a file's path. The choices named in
+    # tuning_fixed (the flags given) keep `tuning`'s values whatever the table says.
+    tuning_table: str = "off"
+    tuning_fixed: frozenset[str] = frozenset()
     tensor_parallel_size: int = 1      # ranks (one GPU each) the model is split over (inference_node/parallel)
 
 
@@ -159,7 +166,7 @@ class RankParts:
     max_num_seqs: int
     mixed_graphs: bool
     tp: TensorParallel | None
-    tuning: Tuning               # the settings' own, or adjusted for tensor parallelism
+    tuning: Tuning               # the node-wide one (the model's base; a table's buckets vary the rest per step)
     kv: KVCache | None = None    # ranks 1..N-1 only: rank 0's engine allocates its own
 
 
@@ -177,6 +184,53 @@ def check_tensor_parallel(settings: NodeSettings, checkpoint: Path) -> None:
                             f"{torch.cuda.device_count()} are visible")
 
 
+def resolve_tuning_table(settings: NodeSettings, checkpoint: Path) -> NodeSettings:
+    """settings with --tuning-table auto made the file filed for rank 0's GPU and shard
+    shape ("off" where none is), and a file given checked against that shape, before any
+    rank starts. Every rank then reads that one file and checks it against its own shard's
+    shape (the same on every rank: tensor parallelism divides heads, KV heads and the MLP
+    width evenly), so all ranks launch the same choices for a step even where a rank's GPU
+    reports another name."""
+    if settings.tuning_table == "off":
+        return settings
+    device = resolve_device(settings.device)
+    if device.type == "cuda" and settings.tensor_parallel_size > 1:
+        device = torch.device("cuda", 0)  # load_rank's device of rank 0
+    shard = Shard(0, settings.tensor_parallel_size)
+    shape, name = ModelShape.of(shard.local_config(ModelConfig.from_checkpoint(checkpoint))), device_name(device)
+    if settings.tuning_table != "auto":
+        try:
+            load_table(settings.tuning_table, name, shape)
+        except TuningTableError as exc:
+            raise ValueError(f"--tuning-table: {exc}") from None
+        return settings
+    path = find_table(name, shape)
+    if path is None:
+        log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
+        return dataclasses.replace(settings, tuning_table="off")
+    return dataclasses.replace(settings, tuning_table=str(path))
+
+
+def step_tunings(settings: NodeSettings, device: torch.device, config: ModelConfig) -> StepTunings:
+    """Each step's launch choices: the tuning table settings.tuning_table names for this
+    device and (shard's) shape, over settings.tuning, the flags given kept; settings.tuning
+    for every step where no table applies."""
+    shape, name = ModelShape.of(config), device_name(device)
+    try:
+        table = load_table(settings.tuning_table, name, shape)
+    except TuningTableError as exc:
+        raise ValueError(f"--tuning-table: {exc}") from None
+    if table is None:
+        if settings.tuning_table == "auto":
+            log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
+        return StepTunings.fixed(settings.tuning)
+    if table.device != name:
+        log.warning("tuning table %s was tuned on %s, not this %s", table.path, table.device, name)
+    log.info("tuning table %s: %d buckets%s", table.path, len(table.buckets),
+             f" (flags kept: {', '.join(sorted(settings.tuning_fixed))})" if settings.tuning_fixed else "")
+    return table.tunings(settings.tuning, settings.tuning_fixed)
+
+
 def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> RankParts:
     """One rank's device, model shard, adapter slots and KV block count (the least over all
     ranks, so every rank can hold every block rank 0's allocator hands out)."""
@@ -190,9 +244,11 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     dtype = DTYPES[dtype_name]
     tp = init_tensor_parallel(shard, device, rendezvous) if shard.size > 1 else None
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()
-    tuning = tensor_parallel_tuning(settings.tuning) if tp is not None else settings.tuning
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tuning,
-                            load_format=settings.load_format, tp=tp)
+    tunings = step_tunings(settings, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
+    if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
+        tunings = tunings.map(tensor_parallel_tuning)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tunings.base,
+                            load_format=settings.load_format, tp=tp, step_tunings=tunings)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = tp is None and (settings.mixed_graphs == "on" or
                                    (settings.mixed_graphs == "auto" and device.type == "cuda"))
@@ -210,7 +266,7 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     if tp is not None:
         blocks = tp.min_int(blocks)
     return RankParts(device, dtype, dtype_name, checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp,
-                     tuning)
+                     tunings.base)
 
 
 def build_rank(settings: NodeSettings, shard: Shard, rendezvous: str) -> RankParts:
@@ -224,6 +280,7 @@ def build_node(settings: NodeSettings) -> Node:
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()
     validate_checkpoint_dir(checkpoint, settings.load_format)
     check_tensor_parallel(settings, checkpoint)
+    settings = resolve_tuning_table(settings, checkpoint)  # before the other ranks start: one file for all
     started = time.monotonic()
     ranks = None
     if settings.tensor_parallel_size > 1:

@@ -297,7 +297,8 @@ class DecodeGraphs:
                 num_active_tokens=size, segments=() if self.capture else self._host_segments,
                 segment_table=self.seg_table[:segments])
             applier = self.lora.applier(meta, self.group_variants[variant])
-        return self.model.forward(batch, self.kv.k, self.kv.v, applier)
+        # The launch choices of this bucket (the node's tuning table), fixed at capture.
+        return self.model.for_step(size, segments).forward(batch, self.kv.k, self.kv.v, applier)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture_all(self) -> None:

@@ -402,7 +402,8 @@ class Engine:
                 if self.ranks is not None:  # the other ranks run the same forward beside this one
                     self.ranks.step(host, [(c.request.lora_slot, c.num_new_tokens) for c in chunks],
                                     self.model.tp, batch.input_ids)
-                logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
+                model = self.model.for_step(len(batch.input_ids), distinct)  # its bucket's launch choices
+                logits = model.forward(batch, self.kv.k, self.kv.v, applier)
                 finite = row_finite(logits)
             tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy, finite), finite)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving

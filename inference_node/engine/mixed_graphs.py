@@ -188,10 +188,13 @@ class MixedGraphs:
             slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables[:n],
             query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
             logits_indices=None, max_query_len=step.max_query_len, max_seq_len=step.max_seq_len)
+        # The bucket's launch choices, as captured (a LoRA graph serves any count of adapters:
+        # it takes the tuning table's bucket for one).
+        model = self.model.for_step(step.bucket, int(step.lora))
         with torch.inference_mode():
             for layer in range(self.num_layers):
                 self._replay(step.bucket, step.lora, layer, 0)
-                self.model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, out=self.attn[:t])
+                model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, out=self.attn[:t])
             self._replay(step.bucket, step.lora, self.num_layers, step.rows)
         k = step.sampled
         return self.logits[:k], self.greedy[:k], self.finite[:k]
@@ -310,7 +313,7 @@ class MixedGraphs:
         """Piece 0: the embedding and layer 0's q/k/v. Piece i (1..layers-1): layer i-1 after
         its attention, then layer i's q/k/v. The last: the last layer after its attention,
         the final norm, the sampled rows' logits and their greedy tokens."""
-        model, b = self.model, bucket
+        model, b = self.model.for_step(bucket, int(lora)), bucket
         batch = ForwardBatch(
             input_ids=self.input_ids[:b], positions=self.positions[:b],
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables,

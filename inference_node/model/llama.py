@@ -7,7 +7,9 @@ runs unchanged. An applier either adds its deltas into the projections' outputs,
 the LoRA shrink beside the base matmul (a side stream) and leaves the expand to the fused op
 that follows (RoPE with the KV-cache write, residual add and norm, SiLU), which reads the
 projection's output row by row anyway (kernels/lora/delta.py). Every launch choice comes from
-the Tuning the model is built with (kernels/tuning.py).
+the Tuning the model is built with (kernels/tuning.py), or, with a tuning table
+(kernels/tuning_table.py), from the Tuning of the step's bucket: the engine runs each step on
+`model.for_step(rows, adapters)`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from kernels.lora import LoraDelta, with_delta
 from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
 from kernels.rope import rope_and_cache
 from kernels.tuning import DEFAULT_TUNING, Tuning
+from kernels.tuning_table import StepTunings
 
 from ..parallel.group import TensorParallel
 from ..parallel.shard import COLUMN_PARALLEL, Shard
@@ -135,14 +138,19 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, layers: list[LayerWeights], embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
                  max_positions: int, tuning: Tuning = DEFAULT_TUNING, tp: TensorParallel | None = None,
-                 full_config: ModelConfig | None = None, vocab_start: int = 0) -> None:
+                 full_config: ModelConfig | None = None, vocab_start: int = 0,
+                 step_tunings: StepTunings | None = None) -> None:
         """config: the shapes this process computes with (its shard's, under tensor
-        parallelism); full_config: the whole model's, which adapters are checked against."""
+        parallelism); full_config: the whole model's, which adapters are checked against.
+        step_tunings: each step's Tuning by its rows and adapters (for_step), `tuning` their
+        base (None: `tuning` for every step)."""
         self.config = config
         self.full_config = full_config or config
         self.tp = tp                # None: one device holds the whole model
         self.vocab_start = vocab_start  # the first vocabulary row of this rank's embedding
         self.tuning = tuning
+        self.step_tunings = step_tunings
+        self._by_tuning: dict[int, tuple[Tuning, LlamaModel]] = {}  # for_step's models
         self.gemm = DecodeGemm(device, tuning)
         self.layers = layers
         self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
@@ -168,12 +176,28 @@ class LlamaModel:
         model = copy.copy(self)
         model.tuning, model.gemm = tuning, DecodeGemm(self.device, tuning)
         model.ops = ElementwiseOps(self.device, tuning)
+        model.step_tunings, model._by_tuning = None, {}  # this tuning for every step
         return model
+
+    def for_step(self, rows: int, adapters: int = 0) -> "LlamaModel":
+        """The model with the launch choices of a step of `rows` rows (tokens, or a graph's
+        padded batch) and `adapters` distinct adapters: its bucket's in the tuning table,
+        itself where the table has none or the model was built without one."""
+        if self.step_tunings is None:
+            return self
+        tuning = self.step_tunings.for_step(rows, adapters)
+        if tuning is self.tuning:
+            return self
+        hit = self._by_tuning.get(id(tuning))
+        if hit is None:
+            hit = self._by_tuning[id(tuning)] = (tuning, self.with_tuning(tuning))
+        return hit[1]
 
     @classmethod
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
              max_positions: int | None = None, tuning: Tuning = DEFAULT_TUNING,
-             load_format: str = "safetensors", tp: TensorParallel | None = None) -> "LlamaModel":
+             load_format: str = "safetensors", tp: TensorParallel | None = None,
+             step_tunings: StepTunings | None = None) -> "LlamaModel":
         """The model, or with `tp` this rank's shard of it (parallel/shard.py), read from the
         checkpoint's slices so a rank never reads another's part of a weight."""
         full = ModelConfig.from_checkpoint(path)
@@ -248,7 +272,7 @@ class LlamaModel:
             raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
         positions = max_positions or config.max_position_embeddings
         return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions, tuning,
-                   tp=tp, full_config=full, vocab_start=vocab_start)
+                   tp=tp, full_config=full, vocab_start=vocab_start, step_tunings=step_tunings)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]

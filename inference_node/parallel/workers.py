@@ -301,7 +301,10 @@ class RankWorker:
         applier = None
         if self.slots is not None and any(slot >= 0 for slot, _ in chunk_slots):
             applier = applier_for_slots(self.slots, chunk_slots)
-        self.model.forward(batch, self.kv.k, self.kv.v, applier)
+        # Rows and distinct adapters counted as rank 0's engine counts them, from the same
+        # step: with the one tuning table every rank reads, every rank takes the same bucket.
+        adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
+        self.model.for_step(len(positions), adapters).forward(batch, self.kv.k, self.kv.v, applier)
 
     def capture(self, scratch_block: int, max_model_len: int, max_batch: int, feedback_rows: int) -> None:
         """The decode graphs rank 0 has: the same sizes and LoRA buckets, captured in its order.
