@@ -66,8 +66,11 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
             print(f"# tp {tp} {row}: step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode steps",
                   file=sys.stderr, flush=True)
     finally:
-        engine.shutdown(timeout=0)
-        node.close()
+        try:  # a size's numbers are kept even if its node stops untidily
+            engine.shutdown(timeout=0)
+            node.close()
+        except Exception:
+            logging.getLogger(__name__).exception("tp %d: the node did not stop cleanly", tp)
         del node, engine
         gc.collect()
         if torch.cuda.is_available():
@@ -76,16 +79,18 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
 
 
 def floor_ms(args, checkpoint: Path, tp: int, row: str) -> float | None:
-    """The step's floor per GPU from bench.tp_floor, or None where it is absent."""
+    """The step's floor per GPU (bench.tp_floor), or None where the all-reduce report lacks it."""
+    from bench import tp_floor
+
     try:
-        from bench import tp_floor
-    except ImportError:
+        return tp_floor.decode_step_floor_ms(checkpoint, tp=tp, batch=args.batch,
+                                             context=args.prompt + args.output // 2,
+                                             adapters=int(row[1:]) if row.startswith("c") else 0, rank=16,
+                                             copy_bandwidth=args.copy_bandwidth,
+                                             allreduce=args.allreduce_json if tp > 1 else None)
+    except ValueError as exc:  # e.g. the report lacks this batch's message size: no floor, the reason shown
+        print(f"# tp {tp} {row}: no floor ({exc})", file=sys.stderr)
         return None
-    return tp_floor.decode_step_floor_ms(checkpoint, tp=tp, batch=args.batch,
-                                         context=args.prompt + args.output // 2,
-                                         adapters=int(row[1:]) if row.startswith("c") else 0, rank=16,
-                                         copy_bandwidth=args.copy_bandwidth,
-                                         allreduce=args.allreduce_json if tp > 1 else None)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
