@@ -43,16 +43,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from bench.shapes import LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B
+
 log = logging.getLogger("grpc_bench")
 
-SHAPES = {
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0},
-    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0},
-    "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-            "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0},
-}
+# The named models' layer shapes (bench.common); the checkpoint around them has SmolLM2's
+# vocabulary, so the requests' token ids are text the front end can detokenize.
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_theta")
+SHAPES = {name: {k: config[k] for k in SHAPE_KEYS}
+          for name, config in (("1b", LLAMA_3_2_1B), ("8b", LLAMA_3_1_8B), ("70b", LLAMA_3_1_70B))}
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -435,7 +435,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--shape", choices=["1b", "8b", "embedded"], default=None,
+    p.add_argument("--shape", choices=[*SHAPES, "embedded"], default=None,
                    help="model shapes (CUDA default 1b; CPU default: the embedded model's real weights)")
     p.add_argument("--rows", default="base,c32", help="base and/or cN (N distinct adapters)")
     p.add_argument("--concurrency", default=None, help="comma-separated (CUDA 64,256; CPU 8)")
