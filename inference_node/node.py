@@ -250,8 +250,7 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tunings.base,
                             load_format=settings.load_format, tp=tp, step_tunings=tunings)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
-    mixed_graphs = tp is None and (settings.mixed_graphs == "on" or
-                                   (settings.mixed_graphs == "auto" and device.type == "cuda"))
+    mixed_graphs = settings.mixed_graphs == "on" or (settings.mixed_graphs == "auto" and device.type == "cuda")
     slots = None
     if settings.max_loras > 0:
         slots = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device, shard)
@@ -308,10 +307,10 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
     decode_graphs = settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda")
     warmup = settings.warmup
     if ranks is not None:
-        if settings.mixed_graphs == "on" or (device.type == "cuda" and settings.warmup != "off"):
-            log.info("tensor parallelism: piecewise graphs and the warm-up are off; steps with prompt "
-                     "tokens run eagerly on all %d ranks%s", ranks.size,
-                     ", decode steps from graphs" if decode_graphs else "")
+        if device.type == "cuda" and settings.warmup != "off":
+            log.info("tensor parallelism: the warm-up is off (the graphs' captures compile their "
+                     "kernels; other eager steps compile theirs on all %d ranks at their first launch)",
+                     ranks.size)
         warmup = "off"
     adapters = build_adapter_manager(settings, model, device, dtype, buffers=parts.slots)
     blocks = parts.num_kv_blocks

@@ -28,8 +28,9 @@ from typing import Any, Callable, Iterable, Protocol
 from ..model.llama import LlamaModel, LoraApplier
 from .batch import HostBatch, build_host_batch
 from .decode_graphs import DecodeGraphs, GraphLora, StagedStep, ordered
+from .graph_plan import GraphPlan
 from .kv_cache import BlockAllocator, KVCache
-from .mixed_graphs import MixedGraphs, MixedLora
+from .mixed_graphs import MixedGraphs, MixedLora, StagedPieces
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
 from .sampler import row_finite, sample_on_device
@@ -95,8 +96,8 @@ class OtherRanks(Protocol):
     table_checks: int
     def step(self, host: HostBatch, chunk_slots: list[tuple[int, int]], tp: Any, input_ids: Any) -> None: ...
     def graph_step(self, step: StagedStep) -> None: ...
-    def capture_decode_graphs(self, scratch_block: int, max_model_len: int, max_batch: int,
-                              feedback_rows: int) -> None: ...
+    def pieces_step(self, step: StagedPieces) -> None: ...
+    def capture_graphs(self, plan: GraphPlan) -> None: ...
     def check_slot_tables(self) -> None: ...
 
 
@@ -154,9 +155,9 @@ class Engine:
         if (lora is None) != (lora_plan is None):
             raise ValueError("LoRA needs both the adapter manager and the step plan")
         warms_up = config.warmup == "on" or (config.warmup == "auto" and model.device.type == "cuda")
-        if ranks is not None and (config.mixed_graphs or warms_up):
-            raise ValueError("tensor parallelism replays decode graphs and runs other steps eagerly: "
-                             "piecewise graphs and the warm-up's forwards are not run on every rank")
+        if ranks is not None and warms_up:
+            raise ValueError("the warm-up's forwards are not run on every tensor-parallel rank: "
+                             "a tensor-parallel engine takes warmup='off'")
         self.ranks = ranks
         self.model = model
         self.config = config
@@ -186,6 +187,8 @@ class Engine:
                 max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
                 feedback=self.feedback.tokens,
                 lora=lora_plan.mixed_lora() if lora_plan is not None else None)
+            if ranks is not None:  # every rank runs the pieces rank 0 stages
+                self.mixed_graphs.mirror = ranks.pieces_step
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     prefill_delay_factor=config.prefill_delay_factor)
@@ -214,11 +217,13 @@ class Engine:
         """Compiles, captures and freezes what the loop needs, before it runs."""
         if self.config.warmup == "on" or (self.config.warmup == "auto" and self.model.device.type == "cuda"):
             self.warmup_forwards = warm_up(self)
+        if self.ranks is not None:  # the ranks capture beside this one: the collectives meet
+            decode, pieces = self.decode_graphs, self.mixed_graphs
+            self.ranks.capture_graphs(GraphPlan(
+                self.scratch_block, self.config.max_model_len, self.feedback.tokens.numel(),
+                decode.max_batch if decode is not None else 0, pieces.max_tokens if pieces is not None else 0,
+                pieces.max_seqs if pieces is not None else 0))
         if self.decode_graphs is not None:
-            if self.ranks is not None:  # the ranks capture beside this one: the collectives meet
-                graphs = self.decode_graphs
-                self.ranks.capture_decode_graphs(self.scratch_block, self.config.max_model_len,
-                                                 graphs.max_batch, self.feedback.tokens.numel())
             self.decode_graphs.capture_all()
         if self.mixed_graphs is not None:
             self.mixed_graphs.capture_all()

@@ -118,6 +118,19 @@ class StepShape:
     max_seq_len: int
 
 
+@dataclass(frozen=True)
+class StagedPieces:
+    """A step's packed inputs as rank 0 staged them: what another tensor-parallel rank needs
+    to run the same pieces (its token ids come from rank 0 inside piece 0)."""
+
+    shape: StepShape
+    width: int                         # block-table entries per sequence
+    int64: np.ndarray                  # HostInputs.np64
+    int32: np.ndarray                  # HostInputs.np32
+    table: np.ndarray                  # the packed block tables, sequences x width
+    segments: tuple[tuple[int, int, int, int], ...]  # the CPU reference kernels' host segments
+
+
 class MixedGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_tokens: int, max_seqs: int, feedback: torch.Tensor | None = None,
@@ -159,7 +172,7 @@ class MixedGraphs:
         self.q = torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=device)
         self.attn = torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=device)
         max_rows = rows_buckets(T, B)[-1]
-        self.logits = torch.zeros(max_rows, model.lm_head.shape[1], dtype=model.dtype, device=device)
+        self.logits = torch.zeros(max_rows, cfg.vocab_size, dtype=model.dtype, device=device)  # all ranks' blocks
         self.greedy = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.finite = torch.zeros(max_rows, dtype=torch.bool, device=device)
         # Two sets of pinned host buffers, used in turn (the host writes step n+1's inputs
@@ -169,6 +182,9 @@ class MixedGraphs:
         self._turn = 0
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
         self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
+        # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
+        # which run the same pieces with it.
+        self.mirror: Callable[[StagedPieces], None] | None = None
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
@@ -179,7 +195,32 @@ class MixedGraphs:
         """Logits [sampled rows, vocab] of the step (rows in chunk order, of the chunks that
         complete their prompt), each row's greedy token and whether its logits are finite
         (sampler.checked_greedy, inside the last piece)."""
-        step = self._fill(chunks)
+        step, host, width = self._fill(chunks)
+        if self.mirror is not None:
+            self.mirror(StagedPieces(step, width, host.np64, host.np32, host.np_table[:step.seqs * width],
+                                     self._host_segments if step.lora else ()))
+        return self._execute(step)
+
+    def run_staged(self, staged: "StagedPieces") -> None:
+        """Runs the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
+        sent its packed inputs), meeting rank 0's pieces at their collectives."""
+        host = self._next_host()
+        host.np64[:] = staged.int64
+        host.np32[:] = staged.int32
+        host.np_table[:len(staged.table)] = staged.table
+        self._host_segments = staged.segments
+        host.copy_packed(staged.shape.seqs, staged.width, self._dev64, self._dev32, self.block_tables)
+        self._execute(staged.shape)
+
+    def _next_host(self) -> HostInputs:
+        host = self._host[self._turn]
+        self._turn ^= 1
+        if host.copied is not None:
+            host.copied.synchronize()  # the copy of two steps ago: long done
+        return host
+
+    def _execute(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pieces of a filled step, with attention between them."""
         key = (step.bucket, step.lora, step.rows)
         self.replays[key] = self.replays.get(key, 0) + 1
         n, t = step.seqs, step.tokens
@@ -205,13 +246,11 @@ class MixedGraphs:
         else:
             self._piece(bucket, lora, piece, rows)
 
-    def _fill(self, chunks: list[ScheduledChunk]) -> StepShape:
-        """Writes the step's inputs into the next pinned buffers and queues their copies."""
+    def _fill(self, chunks: list[ScheduledChunk]) -> tuple[StepShape, HostInputs, int]:
+        """Writes the step's inputs into the next pinned buffers and queues their copies;
+        (the step's shape, the host buffers, the block tables' width)."""
         bs = self.block_size
-        host = self._host[self._turn]
-        self._turn ^= 1
-        if host.copied is not None:
-            host.copied.synchronize()  # the copy of two steps ago: long done
+        host = self._next_host()
         ids: list[int] = []
         feedback_rows: list[int] = []
         positions: list[int] = []
@@ -270,9 +309,9 @@ class MixedGraphs:
             for c in chunks:
                 token_slots += [c.request.lora_slot] * c.num_new_tokens
             self._fill_lora(h32, np.asarray(token_slots, dtype=np.int32), bucket)
-        host.upload(tables, self._dev64, self._dev32, self.block_tables)
+        width = host.upload(tables, self._dev64, self._dev32, self.block_tables)
         return StepShape(bucket, rows, lora, tokens, n, len(sampled),
-                         max(c.num_new_tokens for c in chunks), max(seq_lens))
+                         max(c.num_new_tokens for c in chunks), max(seq_lens)), host, width
 
     def _fill_lora(self, h32: np.ndarray, token_slots: np.ndarray, bucket: int) -> None:
         """Token slots, and each adapter's tokens (batch order kept) cut into segments of at
@@ -382,6 +421,8 @@ class MixedGraphs:
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.model.device)
+        # Under tensor parallelism NCCL's watchdog thread polls events during a capture.
+        mode = "thread_local" if self.model.tp is not None else "global"
         with torch.inference_mode():
             for key in self.keys():
                 stream.wait_stream(torch.cuda.current_stream())
@@ -389,7 +430,7 @@ class MixedGraphs:
                     self._piece(*key)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                     self._piece(*key)
                 self._graphs[key] = graph
         torch.cuda.synchronize()

@@ -6,11 +6,13 @@ shard of the model, of the KV cache (its own KV heads, the same block ids) and o
 slots, and does what rank 0 tells it, in order, over one ZeroMQ socket (msgpack, adapter
 tensors as raw frames, never pickle):
 
-- CAPTURE: build and capture the decode graphs rank 0 captures, in the same order (each
-  graph's collectives meet the same graph's on the other ranks).
+- CAPTURE: build and capture the decode graphs and the piecewise graphs rank 0 captures, in
+  the same order (each graph's collectives meet the same graph's on the other ranks).
 - GRAPH: a decode step rank 0 staged for its graph (DecodeGraphs.mirror): its packed input
   buffers as raw frames; the rank copies them into its own graph's buffers and replays the
   same graph. The token ids go from rank 0 to the others by a broadcast inside the graph.
+- PIECES: the same for a step with prompt tokens (MixedGraphs.mirror): the rank runs the
+  same pieces with attention between them.
 - STEP: an eager step's host inputs (positions, slot mapping, block tables, ...) and each chunk's
   adapter slot. The token ids follow as a broadcast from rank 0's device (a decode row's
   token is the previous step's sample, which only rank 0's device holds), then every rank
@@ -27,6 +29,7 @@ collective's timeout; a rank that dies ends the node (rank 0 watches every rank'
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -45,6 +48,8 @@ import zmq
 from ..adapters.weights import AdapterWeights
 from ..engine.batch import HostBatch
 from ..engine.decode_graphs import DecodeGraphs, StagedStep
+from ..engine.graph_plan import GraphPlan
+from ..engine.mixed_graphs import MixedGraphs, StagedPieces, StepShape
 from ..parent_watch import die_with_parent
 from .group import TensorParallel
 from .shard import Shard
@@ -52,7 +57,7 @@ from .shard import Shard
 log = logging.getLogger(__name__)
 
 STEP, WRITE, CLEAR, REPORT, STOP, READY, TABLE = "step", "write", "clear", "report", "stop", "ready", "table"
-CAPTURE, GRAPH = "capture", "graph"
+CAPTURE, GRAPH, PIECES = "capture", "graph", "pieces"
 
 
 def _pack(message: list) -> bytes:
@@ -147,10 +152,16 @@ class Workers:
         for sock in self.controls:
             sock.send_multipart(frames, copy=False)
 
-    def capture_decode_graphs(self, scratch_block: int, max_model_len: int, max_batch: int,
-                              feedback_rows: int) -> None:
+    def pieces_step(self, step: StagedPieces) -> None:
+        shape = dataclasses.astuple(step.shape)
+        header = _pack([PIECES, list(shape), step.width, [list(seg) for seg in step.segments]])
+        frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
         for sock in self.controls:
-            sock.send(_pack([CAPTURE, scratch_block, max_model_len, max_batch, feedback_rows]))
+            sock.send_multipart(frames, copy=False)
+
+    def capture_graphs(self, plan: GraphPlan) -> None:
+        for sock in self.controls:
+            sock.send(_pack([CAPTURE, dataclasses.asdict(plan)]))
 
     def write_slot(self, slot: int, weights: AdapterWeights) -> None:
         keys = sorted(weights.tensors)
@@ -269,6 +280,7 @@ class RankWorker:
         self.model, self.kv, self.slots, self.tp, self.tuning = model, kv, slots, tp, tuning
         self.device = model.device
         self.graphs: DecodeGraphs | None = None
+        self.pieces: MixedGraphs | None = None
 
     def table(self) -> list:
         return _normalised(list(self.slots.table)) if self.slots is not None else []
@@ -279,8 +291,10 @@ class RankWorker:
             self.step(*message[1:])
         elif kind == GRAPH:
             self.graph_step(message, frames)
+        elif kind == PIECES:
+            self.pieces_step(message, frames)
         elif kind == CAPTURE:
-            self.capture(*message[1:])
+            self.capture(GraphPlan(**message[1]))
         elif kind == WRITE:
             self.write(message, frames)
         elif kind == CLEAR:
@@ -306,18 +320,37 @@ class RankWorker:
         adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
         self.model.for_step(len(positions), adapters).forward(batch, self.kv.k, self.kv.v, applier)
 
-    def capture(self, scratch_block: int, max_model_len: int, max_batch: int, feedback_rows: int) -> None:
-        """The decode graphs rank 0 has: the same sizes and LoRA buckets, captured in its order.
-        The feedback buffer only gives the graphs' token gather a valid place to read: the
-        broadcast from rank 0 replaces what it reads."""
+    def capture(self, plan: GraphPlan) -> None:
+        """The graphs rank 0 has: the same sizes, buckets and LoRA variants, captured in its
+        order (decode graphs, then the pieces). The feedback buffer only gives the graphs'
+        token gather a valid place to read: the broadcast from rank 0 replaces what it reads."""
         from ..lora_step.plan import LoraStepPlan
 
-        lora = LoraStepPlan(self.slots, self.tuning).graph_lora(max_batch) if self.slots is not None else None
-        feedback = torch.zeros(feedback_rows, dtype=torch.long, device=self.device)
-        self.graphs = DecodeGraphs(self.model, self.kv, scratch_block=scratch_block, max_model_len=max_model_len,
-                                   max_batch=max_batch, lora=lora, feedback=feedback)
+        plan_lora = LoraStepPlan(self.slots, self.tuning) if self.slots is not None else None
+        feedback = torch.zeros(plan.feedback_rows, dtype=torch.long, device=self.device)
+        if plan.decode_batch:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
+                max_batch=plan.decode_batch, feedback=feedback,
+                lora=plan_lora.graph_lora(plan.decode_batch) if plan_lora is not None else None)
+        if plan.pieces_tokens:
+            self.pieces = MixedGraphs(
+                self.model, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
+                max_tokens=plan.pieces_tokens, max_seqs=plan.pieces_seqs, feedback=feedback,
+                lora=plan_lora.mixed_lora() if plan_lora is not None else None)
         with torch.inference_mode():
-            self.graphs.capture_all()
+            if self.graphs is not None:
+                self.graphs.capture_all()
+            if self.pieces is not None:
+                self.pieces.capture_all()
+
+    @torch.inference_mode()
+    def pieces_step(self, header: list, frames: list[bytes]) -> None:
+        _, shape, width, segments = header
+        self.pieces.run_staged(StagedPieces(
+            StepShape(*shape), width, np.frombuffer(frames[0], dtype=np.int64),
+            np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
+            tuple(tuple(seg) for seg in segments)))
 
     @torch.inference_mode()
     def graph_step(self, header: list, frames: list[bytes]) -> None:

@@ -203,23 +203,25 @@ def test_tp2_gives_tp1_greedy_tokens_for_base_and_mixed_adapters(nodes):
 
 @pytest.fixture(scope="module")
 def graph_node(tmp_path_factory, tiny_llama_path, adapter_dir):
-    """TP=2 with its decode steps through the decode graphs' static buffers (CUDA graphs on a
-    GPU; the same buffers and kernels without capture on CPU): rank 0 stages, rank 1 replays.
+    """TP=2 with its decode steps through the decode graphs' static buffers and its steps with
+    prompt tokens through the piecewise graphs' (CUDA graphs on a GPU; the same buffers and
+    kernels without capture on CPU): rank 0 stages, rank 1 replays.
     No expand on the side stream by default (as in steps of many adapters): o's and down's
     deltas must still reach their all-reduce expanded (parallel.shard.tensor_parallel_tuning)."""
     node = TPNode(tmp_path_factory.mktemp("tp-graph-logs"), tiny_llama_path, adapter_dir, 2, "--debug-checks",
-                  "--decode-graphs", "on", "--side-expand-segments", "0")
+                  "--decode-graphs", "on", "--mixed-graphs", "on", "--side-expand-segments", "0")
     yield node
     assert node.stop() == 0, node.log.read_text()
 
 
-def test_tp2_decode_graph_steps_give_tp1_greedy_tokens(nodes, graph_node):
+def test_tp2_graph_steps_give_tp1_greedy_tokens(nodes, graph_node):
     one, _ = nodes
     jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
     expected = generate_all(one.target, jobs)
     assert generate_all(graph_node.target, jobs) == expected
     s = stats(graph_node.target)
-    assert s.graph_steps > 0 and s.graph_steps + s.mixed_steps + s.eager_decode_steps == s.steps
+    assert s.graph_steps > 0 and s.mixed_graph_steps > 0 and s.mixed_steps == 0
+    assert s.graph_steps + s.mixed_graph_steps + s.eager_decode_steps == s.steps
     assert s.slot_table_checks == s.steps
     assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
 
