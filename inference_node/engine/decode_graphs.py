@@ -35,7 +35,7 @@ from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel,
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .sampler import checked_greedy
-from .staging import HostInputs
+from .staging import HostInputs, HostTurns
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -138,11 +138,7 @@ class DecodeGraphs:
          self.seg_lens) = self._dev32[:6 * B].split(B)
         self.seg_table = self._dev32[6 * B:].view(B, SEGMENT_TABLE_WIDTH)
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
-        # Two sets of pinned host buffers, used in turn: the host writes step n+1's inputs
-        # while step n (and possibly its input copy) is still queued on the GPU.
-        self._host = [HostInputs.allocate(4 * B, INT32_ROWS * B, B * self.max_blocks, self.capture)
-                      for _ in range(2)]
-        self._turn = 0
+        self._host = HostTurns(4 * B, INT32_ROWS * B, B * self.max_blocks, self.capture)
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int, int],
                            tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -176,10 +172,8 @@ class DecodeGraphs:
     def run_staged(self, step: "StagedStep") -> None:
         """Replays the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
         sent its packed inputs), meeting rank 0's replay at the graph's collectives."""
-        host = self._next_host()
-        host.np64[:] = step.int64
-        host.np32[:] = step.int32
-        host.np_table[:len(step.table)] = step.table
+        host = self._host.next()
+        host.load(step.int64, step.int32, step.table)
         self._host_segments = step.segments
         host.copy_packed(step.rows, step.width, self._dev64, self._dev32, self.block_tables)
         self._replay(step.key, step.rows)
@@ -193,13 +187,6 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n], greedy[:n], finite[:n]
 
-    def _next_host(self) -> HostInputs:
-        host = self._host[self._turn]
-        self._turn ^= 1
-        if host.copied is not None:
-            host.copied.synchronize()  # the copy of two steps ago: long done
-        return host
-
     def variant_for(self, slots: set[int]) -> int:
         """Index of the smallest group variant that covers what these adapter slots target."""
         groups = self.lora.groups_of(list(slots))
@@ -208,7 +195,7 @@ class DecodeGraphs:
     def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> tuple[HostInputs, int]:
         """Writes the step's inputs and queues their copy; (the host buffers, block-table width)."""
         B, n, bs = self.max_batch, len(chunks), self.block_size
-        host = self._next_host()
+        host = self._host.next()
         reqs = [c.request for c in chunks]
         pos = [r.num_computed for r in reqs]
         tables = [r.block_ids for r in reqs]

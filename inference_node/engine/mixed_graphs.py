@@ -39,7 +39,7 @@ from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .sampler import checked_greedy
-from .staging import HostInputs
+from .staging import HostInputs, HostTurns
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -175,11 +175,7 @@ class MixedGraphs:
         self.logits = torch.zeros(max_rows, cfg.vocab_size, dtype=model.dtype, device=device)  # all ranks' blocks
         self.greedy = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.finite = torch.zeros(max_rows, dtype=torch.bool, device=device)
-        # Two sets of pinned host buffers, used in turn (the host writes step n+1's inputs
-        # while step n's copy may still be queued).
-        self._host = [HostInputs.allocate(o64[-1], o32[-1], B * self.max_blocks, self.capture)
-                      for _ in range(2)]
-        self._turn = 0
+        self._host = HostTurns(o64[-1], o32[-1], B * self.max_blocks, self.capture)
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
         self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
         # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
@@ -204,20 +200,11 @@ class MixedGraphs:
     def run_staged(self, staged: "StagedPieces") -> None:
         """Runs the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
         sent its packed inputs), meeting rank 0's pieces at their collectives."""
-        host = self._next_host()
-        host.np64[:] = staged.int64
-        host.np32[:] = staged.int32
-        host.np_table[:len(staged.table)] = staged.table
+        host = self._host.next()
+        host.load(staged.int64, staged.int32, staged.table)
         self._host_segments = staged.segments
         host.copy_packed(staged.shape.seqs, staged.width, self._dev64, self._dev32, self.block_tables)
         self._execute(staged.shape)
-
-    def _next_host(self) -> HostInputs:
-        host = self._host[self._turn]
-        self._turn ^= 1
-        if host.copied is not None:
-            host.copied.synchronize()  # the copy of two steps ago: long done
-        return host
 
     def _execute(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pieces of a filled step, with attention between them."""
@@ -250,7 +237,7 @@ class MixedGraphs:
         """Writes the step's inputs into the next pinned buffers and queues their copies;
         (the step's shape, the host buffers, the block tables' width)."""
         bs = self.block_size
-        host = self._next_host()
+        host = self._host.next()
         ids: list[int] = []
         feedback_rows: list[int] = []
         positions: list[int] = []

@@ -4,8 +4,8 @@ Decode graphs and piecewise graphs replay kernels that read fixed device buffers
 int64 inputs, its int32 inputs and its block tables. The host writes them into pinned
 buffers through numpy views (a few slice assignments; a torch.tensor per list cost most of a
 fill), then three non-blocking copies move them to the device. Each graph class keeps two
-such sets and alternates, so the host fills one while the device may still read the other;
-`copied` tells when it is free again.
+such sets and alternates (`HostTurns`), so the host fills one while the device may still
+read the other; `copied` tells when it is free again.
 """
 from __future__ import annotations
 
@@ -57,3 +57,25 @@ class HostInputs:
         block_tables[:n, :width].copy_(self.table[:n * width].view(n, width), non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+
+    def load(self, int64: np.ndarray, int32: np.ndarray, table: np.ndarray) -> None:
+        """Takes packed inputs another rank staged (a tensor-parallel rank replaying rank 0's step)."""
+        self.np64[:] = int64
+        self.np32[:] = int32
+        self.np_table[:len(table)] = table
+
+
+class HostTurns:
+    """Two sets of pinned host buffers, used in turn: the host writes step n+1's inputs while
+    step n (and possibly its input copy) is still queued on the GPU."""
+
+    def __init__(self, n64: int, n32: int, table: int, pinned: bool) -> None:
+        self._sets = [HostInputs.allocate(n64, n32, table, pinned) for _ in range(2)]
+        self._turn = 0
+
+    def next(self) -> HostInputs:
+        host = self._sets[self._turn]
+        self._turn ^= 1
+        if host.copied is not None:
+            host.copied.synchronize()  # the copy of two steps ago: long done
+        return host

@@ -52,7 +52,7 @@ def test_lora_segments_cover_each_adapter_token_once(tiny_llama_path) -> None:
     max_loras, max_tokens = 5, 600
     graphs = MixedGraphs(model, kv, scratch_block=8, max_model_len=128, max_tokens=max_tokens, max_seqs=64,
                          lora=MixedLora(lambda meta: None, max_loras))
-    h32, o32 = graphs._host[0].np32, graphs._o32
+    h32, o32 = graphs._host.next().np32, graphs._o32
     rng = random.Random(0)
     for _ in range(300):
         slots: list[int] = []
