@@ -300,6 +300,10 @@ def build_node(settings: NodeSettings) -> Node:
     except BaseException:
         if ranks is not None:
             ranks.stop()
+            # A process group left behind with its peers gone can hang this process's exit
+            # (NCCL's teardown): the node must fail at start, not hang there.
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         raise
 
 

@@ -115,6 +115,31 @@ def test_dummy_weights_make_one_model_whatever_the_ranks(tiny_llama_path):
     assert one != real  # the checkpoint's own weights were not read
 
 
+def test_a_start_that_fails_after_the_ranks_met_leaves_no_process_group_behind(tiny_llama_path, monkeypatch):
+    """Rank 0 fails loading after the group formed: the node stops its ranks and leaves the
+    group, so this process can build another node (and its exit does not wait on a group
+    whose peers are gone)."""
+    from inference_node.model.llama import LlamaModel
+    from inference_node.node import NodeSettings, build_node
+
+    def planted(cls, *args, **kwargs):
+        raise RuntimeError("planted failure while loading rank 0's shard")
+
+    settings = NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
+                            cpu_threads=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaModel, "load", classmethod(planted))
+        with pytest.raises(RuntimeError, match="planted failure"):
+            build_node(settings)
+    assert not torch.distributed.is_initialized()
+    node = build_node(settings)  # the next node forms its own group
+    try:
+        assert node.ranks is not None and node.ranks.size == 2
+    finally:
+        node.engine.shutdown(timeout=0)
+        node.close()
+
+
 # -- the node, as processes ------------------------------------------------------------------------
 CPU_FLAGS = ("--device", "cpu", "--num-kv-blocks", "128", "--cpu-threads", "1")
 
