@@ -149,15 +149,15 @@ class Workers:
     def graph_step(self, step: StagedStep) -> None:
         header = _pack([GRAPH, list(step.key), step.rows, step.width, [list(seg) for seg in step.segments]])
         frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
-        for sock in self.controls:
-            sock.send_multipart(frames, copy=False)
+        for sock in self.controls:  # copied: the buffers are reused while a message may still be queued
+            sock.send_multipart(frames)
 
     def pieces_step(self, step: StagedPieces) -> None:
         shape = dataclasses.astuple(step.shape)
         header = _pack([PIECES, list(shape), step.width, [list(seg) for seg in step.segments]])
         frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
-        for sock in self.controls:
-            sock.send_multipart(frames, copy=False)
+        for sock in self.controls:  # copied: the buffers are reused while a message may still be queued
+            sock.send_multipart(frames)
 
     def capture_graphs(self, plan: GraphPlan) -> None:
         for sock in self.controls:
