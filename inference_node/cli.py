@@ -63,8 +63,14 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="turn off the prefix cache (KV reuse of shared prompt prefixes, per adapter)")
     serve.add_argument("--max-loras", type=int, default=8,
-                       help="GPU adapter slots: the most distinct adapters in one step (0 disables LoRA)")
+                       help="the most distinct adapters in one step (0 disables LoRA)")
     serve.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
+    serve.add_argument("--lora-memory-mb", type=float, default=0,
+                       help="GPU memory for adapters, shared by rank: an adapter holds its own rank's "
+                            "rows on each module it targets (0: --max-loras adapters of --max-lora-rank)")
+    serve.add_argument("--adapter-eviction", choices=["lru", "gdsf"], default="lru",
+                       help="which idle adapters leave the GPU first when memory is wanted: least "
+                            "recently used, or GreedyDual-Size-Frequency (requests per byte, aged)")
     serve.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in host memory")
     serve.add_argument("--adapter-store", default=None,
                        help="HOST:PORT of the adapter store (adapters load on demand)")
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         max_graph_batch=args.max_graph_batch, prefill_delay_factor=args.prefill_delay_factor,
         warmup=args.warmup,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        lora_memory_bytes=int(args.lora_memory_mb * (1 << 20)), adapter_eviction=args.adapter_eviction,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         adapter_disk_dir=args.adapter_disk_dir, adapter_disk_bytes=int(args.adapter_disk_gb * (1 << 30)),
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,

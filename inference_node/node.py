@@ -15,7 +15,7 @@ from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from .adapters.disk_tier import DiskTier
 from .adapters.manager import AdapterManager
-from .adapters.slots import SlotBuffers
+from .adapters.slots import SlotBuffers, rows_for_budget
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
@@ -54,8 +54,10 @@ class NodeSettings:
     prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
     warmup: str = "auto"  # compile eager steps' kernels before serving (engine/warmup.py); auto: on CUDA
     debug_checks: bool = False
-    max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
+    max_loras: int = 8                 # the most distinct adapters in one step; 0 disables LoRA
     max_lora_rank: int = 16
+    lora_memory_bytes: int = 0         # GPU adapter memory (0: max_loras adapters of max_lora_rank)
+    adapter_eviction: str = "lru"      # GPU eviction policy (adapters/eviction.py)
     max_cpu_loras: int = 32
     adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
     adapter_store: str | None = None   # HOST:PORT of the adapter store
@@ -169,9 +171,14 @@ def build_node(settings: NodeSettings) -> Node:
              time.monotonic() - started, blocks, settings.block_size, blocks * per_block / (1 << 30),
              model_len)
     if adapters is not None:
-        log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %d in host memory, source: %s",
-                 settings.max_loras, settings.max_lora_rank, adapters.buffers.nbytes() / 1e6,
-                 settings.max_cpu_loras, settings.adapter_store or settings.adapter_dir or "none")
+        buffers = adapters.buffers
+        log.info("LoRA: %.1f MB of GPU adapter memory (%d rank rows per module: e.g. %d adapters of "
+                 "rank %d on all modules), up to %d distinct adapters in a step, ranks up to %d, "
+                 "%s eviction, %d in host memory, source: %s",
+                 buffers.nbytes() / 1e6, buffers.rows, buffers.rows // settings.max_lora_rank,
+                 settings.max_lora_rank, settings.max_loras, settings.max_lora_rank,
+                 settings.adapter_eviction, settings.max_cpu_loras,
+                 settings.adapter_store or settings.adapter_dir or "none")
     catalog = None
     if adapters is not None and isinstance(adapters.source, StoreSource):
         catalog = CatalogWatcher(adapters.source.client, engine.call, adapters.on_catalog_update,
@@ -198,6 +205,10 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
                                 max_weight_abs=settings.max_weight_abs, dtype=dtype)
     if settings.adapter_disk_dir and not settings.adapter_store:
         log.warning("--adapter-disk-dir keeps adapters from --adapter-store; without a store it is unused")
-    buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
+    rows = (rows_for_budget(model.config, dtype, settings.lora_memory_bytes)
+            if settings.lora_memory_bytes > 0 else None)
+    buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device,
+                          rows=rows)
     return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=pin,
-                          disk_copies=source.disk_copies if source is not None else None)
+                          disk_copies=source.disk_copies if source is not None else None,
+                          eviction=settings.adapter_eviction)

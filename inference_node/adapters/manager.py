@@ -1,21 +1,30 @@
 """The adapter tiers and their bookkeeping, owned by the engine loop thread.
 
-Tiers: GPU slot (ready for batches) <- host memory (LRU of `max_cpu_loras`) <- source
-(the adapter store, or a local directory); a store source may keep a disk tier of its own
-(disk_tier.py), which entries() lists for adapters held nowhere else. Fetches run on
-background threads and report back through a queue that the engine thread drains, so every
-state change happens on one thread and no lock guards this state.
+Tiers: GPU (ready for batches: rank rows in the arenas, slots.py) <- host memory (LRU of
+`max_cpu_loras`) <- source (the adapter store, or a local directory); a store source may keep
+a disk tier of its own (disk_tier.py), which entries() lists for adapters held nowhere else.
+Fetches run on background threads and report back through a queue that the engine thread
+drains, so every state change happens on one thread and no lock guards this state.
+
+Two GPU resources: memory (the arenas' rank rows: an adapter holds its own rank's worth,
+`--lora-memory-mb`) and places in a step (at most `max_loras` distinct adapters have running
+requests at once: a step's LoRA kernels and graphs are sized for that many).
 
 Rules:
 - A request binds to its adapter's current version when it is admitted and holds a
-  reference on that version's slot until it ends. A slot with references is never
+  reference on that version's slot until it ends. An adapter with references is never
   evicted or rewritten; unload and replacement by a new version wait until the count is 0.
 - Pinned adapters are never evicted.
-- When a waiting request's adapter needs a slot and none is free or idle, the least
-  recently used unpinned slot is drained: no new request binds to it, and once its running
-  requests end it is reused. Waiting adapters are served in the order of their oldest
-  waiting request, so a cold adapter gets a slot within the time its victim's running
-  requests take to finish: nobody starves.
+- Waiting adapters are served in the order of their oldest waiting request. Each loop,
+  every waiting adapter that is not on the GPU is promoted ahead of its admission if memory
+  allows: free rows, or idle adapters (no running request) that no older waiting request
+  wants, evicted as the policy picks (eviction.py). The oldest waiting adapter that cannot
+  be placed that way drains running adapters instead: they take no new requests and leave
+  the GPU once theirs end, and no younger adapter is promoted meanwhile, so the rows they
+  free go to it. Likewise, when a resident adapter's oldest request waits because
+  `max_loras` other adapters hold the step's places, the least valuable of them stops taking
+  new requests until its running ones end. So a cold adapter waits at most for the running
+  requests of the adapters it displaces: nobody starves.
 """
 from __future__ import annotations
 
@@ -31,10 +40,15 @@ import torch
 
 from ..engine.request import Request
 from .errors import AdapterError, AdapterNotFound, AdapterNumericalFault, NoSlotAvailable
+from .eviction import make_policy
 from .slots import SlotBuffers
 from .weights import AdapterWeights
 
 log = logging.getLogger(__name__)
+
+# Added to the policy's value of a running adapter: a room is made from idle adapters
+# whenever it can be, and running ones are drained only when it cannot.
+DRAIN_COST = 1e12
 
 
 class AdapterSource(Protocol):
@@ -58,10 +72,17 @@ class AdapterEntry:
     copying: bool = False
     refs: int = 0
     pinned: bool = False
-    draining: bool = False                     # no new binds: its slot is wanted elsewhere
+    draining: bool = False                     # no new binds: its memory or its place is wanted
+    evict_when_idle: bool = False              # drained for memory: leaves the GPU at refs 0
     retired: bool = False                      # unloaded or replaced: freed when refs reach 0
     on_disk: bool = False                      # only in the source's disk tier (a listing, never bound)
+    rank: int = 0
+    target_modules: tuple[str, ...] = ()
+    source_tier: str = ""                      # where its host copy came from (disk, store)
+    gpu_nbytes: int = 0                        # its rows' bytes on the GPU (its own size)
     last_used: float = field(default_factory=time.monotonic)
+    hits: int = 0                              # requests bound since it came onto the GPU
+    value: float = 0.0                         # the eviction policy's (eviction.py)
 
     @property
     def resident(self) -> bool:
@@ -116,14 +137,21 @@ class AdapterCounters:
 class AdapterManager:
     def __init__(self, buffers: SlotBuffers, source: AdapterSource | None, max_cpu_loras: int,
                  pin_host_memory: bool = False, fetch_workers: int = 4,
-                 disk_copies: Callable[[], list[tuple[str, str]]] | None = None) -> None:
+                 disk_copies: Callable[[], list[tuple[str, str, int]]] | None = None,
+                 eviction: str = "lru") -> None:
+        """disk_copies: (name, version, rank) of each adapter in the source's disk tier;
+        eviction: the GPU eviction policy (eviction.py)."""
         self.buffers = buffers
         self.source = source
-        self.disk_copies = disk_copies or (lambda: [])  # (name, version) in the source's disk tier
+        self.disk_copies = disk_copies or (lambda: [])
         self.max_loras = buffers.max_loras
         self.max_cpu_loras = max(max_cpu_loras, 1)
         self.pin_host_memory = pin_host_memory
-        self.slots: list[AdapterEntry | None] = [None] * self.max_loras
+        self.policy = make_policy(eviction)
+        self.slots: list[AdapterEntry | None] = [None] * buffers.num_slots
+        self.active = 0                                   # adapters with running requests
+        self._reserved: AdapterEntry | None = None        # the adapter running ones drain for
+        self._wanted: dict[str, int] = {}                 # waiting adapters: name -> position
         self.current: dict[str, AdapterEntry] = {}       # name -> the version new requests get
         self.retired: list[AdapterEntry] = []             # old versions still referenced
         self.host_lru: OrderedDict[int, AdapterEntry] = OrderedDict()
@@ -135,6 +163,8 @@ class AdapterManager:
         self._pool = ThreadPoolExecutor(fetch_workers, thread_name_prefix="adapter-fetch")
         self._generation = 0
         self.stats = {"loads": 0, "evictions": 0, "fetch_errors": 0}
+        # Requests by where their adapter was when the node first saw them.
+        self.tier_hits = {"gpu": 0, "host": 0, "disk": 0, "store": 0}
         self.per_adapter: dict[str, AdapterCounters] = {}     # names that loaded at least once
         # (name, version) -> requests whose logits were not finite: that version is unhealthy.
         self.numerical_faults: dict[tuple[str, str], int] = {}
@@ -152,8 +182,15 @@ class AdapterManager:
         entry = self.current.get(request.adapter)
         if entry is None or not entry.resident or entry.draining:
             return False
+        if entry.refs == 0:
+            if self.active >= self.max_loras:
+                return False  # max_loras other adapters hold the step's places
+            self.active += 1
         entry.refs += 1
         entry.last_used = time.monotonic()
+        self.policy.touched(entry)
+        if request.adapter_tier == "?":
+            self._count_tier(request, entry.source_tier or "store")
         request.lora_slot = entry.slot
         request.adapter_version = entry.version
         request.adapter_entry = entry
@@ -169,10 +206,13 @@ class AdapterManager:
         if entry.refs < 0:
             raise AssertionError(f"adapter {entry.name} reference count went negative")
         if entry.refs == 0:
+            self.active -= 1
             if entry.retired:
                 self._drop(entry)
-            elif entry.draining and not entry.pinned:
+            elif entry.evict_when_idle and not entry.pinned:
                 self._evict(entry.slot)
+            else:  # it gave up its place in steps: it may take requests again
+                entry.draining = entry.evict_when_idle = False
 
     # -- once per engine loop iteration -------------------------------------------------------------
     def busy(self) -> bool:
@@ -180,25 +220,36 @@ class AdapterManager:
 
     def prepare(self, waiting: Iterable[Request]) -> None:
         """Before scheduling: apply finished fetches and copies, start the loads the waiting
-        requests need, and give slots to waiting adapters (oldest request first)."""
+        requests need, promote their adapters to the GPU ahead of admission (oldest request
+        first) and make room or a place in steps for the oldest that lacks one."""
         self._apply_completions()
         self._check_copies()
-        seen: set[str] = set()
-        for req in waiting:  # arrival order
-            name = req.adapter
-            if not name or name in seen or req.adapter_entry is not None:
-                continue  # base model, seen, or preempted with its adapter still bound
-            seen.add(name)
+        self._wanted = {}
+        for req in waiting:
+            if not req.adapter or req.adapter_entry is not None:
+                continue  # base model, or preempted with its adapter still bound
+            if not req.adapter_tier:
+                self._observe(req)
+            self._wanted.setdefault(req.adapter, len(self._wanted))
+        order = list(self._wanted)
+        reserved = self._reserved
+        if reserved is not None and (reserved.slot >= 0 or reserved.retired
+                                     or (reserved.name not in self._wanted and not reserved.pinned)):
+            self._reserved = reserved = None
+        may_drain = True  # only the oldest adapter that cannot be placed drains others
+        for name in order:
             entry = self.current.get(name)
             if entry is None:
                 self._start_load(name, "")
-            elif entry.slot < 0:
-                self._promote(entry, drain=True)
+            elif entry.slot < 0 and (reserved is None or entry is reserved):
+                placed = self._promote(entry, drain=may_drain)
+                may_drain = may_drain and placed
+        self._yield_place(order)
         for entry, done in list(self.resident_waiters):
             if entry.resident or entry.retired:
                 self.resident_waiters.remove((entry, done))
                 done(entry, None)
-            elif entry.slot < 0:
+            elif entry.slot < 0 and (self._reserved is None or entry is self._reserved):
                 self._promote(entry, drain=entry.pinned)
 
     def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, AdapterError]]:
@@ -308,6 +359,7 @@ class AdapterManager:
                 self._failed[name] = error
             elif target is not None and target.version == weights.version:
                 target.weights = weights      # the same entry gets its host copy back
+                target.source_tier = weights.source_tier
                 self._count_load(weights)
                 self._touch_host(target)
                 entry = target
@@ -321,13 +373,16 @@ class AdapterManager:
         self._count_load(weights)
         if old is not None and old.version == weights.version:
             old.weights = weights
+            old.source_tier = weights.source_tier
             self._touch_host(old)
             return old
         if old is not None:
             self.current.pop(weights.name)
             self._retire(old)
         self._generation += 1
-        entry = AdapterEntry(weights.name, weights.version, self._generation, weights)
+        entry = AdapterEntry(weights.name, weights.version, self._generation, weights,
+                             rank=weights.rank, target_modules=weights.target_modules,
+                             source_tier=weights.source_tier)
         self.current[weights.name] = entry
         self._touch_host(entry)
         self.stats["loads"] += 1
@@ -359,70 +414,139 @@ class AdapterManager:
 
     def _host_victim(self, keep: AdapterEntry) -> AdapterEntry | None:
         """LRU host copy to drop: first those already on the GPU (their host copy is only a
-        cache), then idle ones; never one that waits for a slot."""
+        cache), then idle ones no waiting request wants, then those the youngest waiting
+        requests want; never one an admin load waits to place."""
         waiting = {id(e) for e, _ in self.resident_waiters}
         for e in self.host_lru.values():
             if e is not keep and e.slot >= 0 and not e.copying:
                 return e
-        for e in self.host_lru.values():
-            if e is not keep and e.slot < 0 and not e.pinned and id(e) not in waiting:
-                return e
-        return None
+        idle = [e for e in self.host_lru.values()
+                if e is not keep and e.slot < 0 and not e.pinned and id(e) not in waiting]
+        unwanted = [e for e in idle if e.name not in self._wanted]
+        if unwanted:
+            return unwanted[0]
+        return max(idle, key=lambda e: self._wanted[e.name], default=None)
 
-    # -- GPU slots -------------------------------------------------------------------------------------
-    def _promote(self, entry: AdapterEntry, drain: bool) -> None:
+    # -- GPU memory and places in steps -------------------------------------------------------------
+    def _promote(self, entry: AdapterEntry, drain: bool) -> bool:
+        """Puts the adapter on the GPU if room can be made now: free rows, or idle adapters
+        evicted as the policy picks. drain: else drain the running adapters whose rows make
+        the room (no new binds; they leave once their requests end) and keep younger
+        promotions back meanwhile. True once it is placed (its copy may still run)."""
         if entry.weights is None:  # dropped from host memory: fetch it again into this entry
             self._refetch[(entry.name, entry.version)] = entry
             self._start_load(entry.name, entry.version)
-            return
-        slot = self._free_slot()
+            return False
+        ranks = self.buffers.ranks_of(entry.weights)
+        slot = self._room_for(entry, ranks, drain)
         if slot is None:
-            if drain:
-                self._drain_one()
-            return
+            return False
+        if self._reserved is entry:
+            self._reserved = None
         self.slots[slot] = entry
         entry.slot = slot
         entry.copying = True
+        entry.gpu_nbytes = self.buffers.adapter_nbytes(ranks)
         self.counters(entry.name).loads["gpu"] += 1
         entry.copy_done = self.buffers.write(slot, entry.weights)
         entry.last_used = time.monotonic()
+        self.policy.placed(entry)
         self._touch_host(entry)
         self._check_copies()
+        return True
+
+    def _room_for(self, entry: AdapterEntry, ranks: dict[str, int], drain: bool) -> int | None:
+        """A slot with rows placed for `ranks`, evicting what it must; None while it waits."""
+        slot = self._free_slot()
+        if slot is not None and self.buffers.place(slot, ranks):
+            return slot
+        position = self._wanted.get(entry.name, len(self._wanted))
+        older = {name for name, i in self._wanted.items() if i < position}
+
+        def cost(s: int) -> float | None:
+            e = self.slots[s]
+            if e is None or e is entry or e.pinned or e.copying or e.retired:
+                return None  # retired ones leave by themselves when their requests end
+            if e.refs == 0 and not e.draining and e.name not in older:
+                return self.policy.value(e)
+            if drain and e.refs > 0:
+                return DRAIN_COST + self.policy.value(e)
+            return None
+
+        victims = self.buffers.plan(ranks, cost)
+        if victims is not None and slot is None and not victims:
+            candidates = [(c, s) for s in range(len(self.slots)) if (c := cost(s)) is not None]
+            victims = [min(candidates)[1]] if candidates else None
+        if victims is None:
+            if drain:
+                self._check_fits(entry, ranks)
+            return None
+        running = [s for s in victims if self.slots[s].refs > 0]
+        for s in victims:
+            if s not in running:
+                self._evict(s)
+        if running:
+            for s in running:
+                self.slots[s].draining = self.slots[s].evict_when_idle = True
+            self._reserved = entry
+            return None
+        slot = self._free_slot()
+        if slot is None or not self.buffers.place(slot, ranks):
+            raise AssertionError(f"no room for {entry.name} after evicting {victims}")
+        return slot
+
+    def _check_fits(self, entry: AdapterEntry, ranks: dict[str, int]) -> None:
+        """Fails the adapter's waiting requests when nothing but pinned adapters and the
+        arenas' size keep it off the GPU (so waiting would never end)."""
+        def cost(s: int) -> float | None:
+            e = self.slots[s]
+            return None if e is None or e is entry or (e.pinned and not e.retired) else 0.0
+
+        if self.buffers.plan(ranks, cost) is not None:
+            return
+        worst = max(ranks, key=ranks.get)
+        error = NoSlotAvailable(
+            f"adapter {entry.name!r} needs {ranks[worst]} rank rows of {worst} on the GPU; the arena "
+            f"holds {self.buffers.rows} rows and pinned adapters keep the rest: unpin one or raise "
+            "--lora-memory-mb")
+        self._failed[entry.name] = error
+        for e, done in list(self.resident_waiters):
+            if e is entry:
+                self.resident_waiters.remove((e, done))
+                done(None, error)
 
     def _free_slot(self) -> int | None:
         for i, e in enumerate(self.slots):
             if e is None:
                 return i
-        idle = [(e.last_used, i) for i, e in enumerate(self.slots)
-                if e is not None and e.refs == 0 and not e.pinned and not e.copying]
-        if not idle:
-            return None
-        _, slot = min(idle)
-        self._evict(slot)
-        return slot
+        return None
 
-    def _drain_one(self) -> None:
-        if any(e is not None and e.draining for e in self.slots):
-            return  # one drain at a time keeps the most slots serving
-        candidates = [(e.last_used, i) for i, e in enumerate(self.slots) if e is not None and not e.pinned]
-        if not candidates:
-            error = NoSlotAvailable(f"all {self.max_loras} adapter slots hold pinned adapters; "
-                                    "unpin one or raise --max-loras")
-            for name, entry in self.current.items():
-                if entry.slot < 0:
-                    self._failed[name] = error
+    def _yield_place(self, order: list[str]) -> None:
+        """When the oldest waiting adapter that is on the GPU cannot bind because max_loras
+        others have running requests, the least valuable of those stops taking new ones (one
+        at a time): its place in steps is free once its running requests end."""
+        if self.active < self.max_loras or any(e is not None and e.refs > 0 and e.draining
+                                               for e in self.slots):
             return
-        _, slot = min(candidates)
-        self.slots[slot].draining = True
+        for name in order:
+            entry = self.current.get(name)
+            if entry is not None and entry.resident and not entry.draining and entry.refs == 0:
+                running = [e for e in self.slots if e is not None and e.refs > 0 and not e.retired]
+                if running:
+                    victim = min(running, key=lambda e: (e.pinned, self.policy.value(e)))
+                    victim.draining = True
+                return
 
     def _evict(self, slot: int) -> None:
         entry = self.slots[slot]
         self.slots[slot] = None
-        self.buffers.clear(slot)
+        self.buffers.free(slot)
         if entry is None:
             return
         entry.slot = -1
-        entry.draining = False
+        entry.draining = entry.evict_when_idle = False
+        entry.gpu_nbytes = 0
+        self.policy.evicted(entry)
         self.stats["evictions"] += 1
         self.counters(entry.name).evictions["gpu"] += 1
         if entry.weights is None and self.current.get(entry.name) is entry:
@@ -434,6 +558,22 @@ class AdapterManager:
             if e is not None and e.copying and (e.copy_done is None or e.copy_done.query()):
                 e.copying = False
                 e.copy_done = None
+
+    # -- tier hits -------------------------------------------------------------------------------------
+    def _observe(self, request: Request) -> None:
+        """Counts where the request's adapter is when the node first sees it; one that must
+        come from the source is counted when it binds, by where the load found it."""
+        entry = self.current.get(request.adapter)
+        if entry is not None and entry.resident:
+            self._count_tier(request, "gpu")
+        elif entry is not None and (entry.weights is not None or entry.slot >= 0):
+            self._count_tier(request, "host")
+        else:
+            request.adapter_tier = "?"
+
+    def _count_tier(self, request: Request, tier: str) -> None:
+        request.adapter_tier = tier
+        self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True
@@ -477,7 +617,8 @@ class AdapterManager:
         on_disk entries: a request for one loads it like any other cold adapter)."""
         held = list(self.current.values()) + list(self.retired)
         known = {(e.name, e.version) for e in held}
-        return held + [AdapterEntry(name, version, 0, on_disk=True) for name, version in self.disk_copies()
+        return held + [AdapterEntry(name, version, 0, on_disk=True, rank=rank)
+                       for name, version, rank in self.disk_copies()
                        if (name, version) not in known]
 
     def check_consistency(self, live: Iterable[Request]) -> None:
@@ -497,6 +638,28 @@ class AdapterManager:
         for i, e in enumerate(self.slots):
             if e is not None and e.slot != i:
                 raise AssertionError(f"slot {i} holds {e.name}, which thinks it is in slot {e.slot}")
+        running = sum(1 for e in everyone.values() if e.refs > 0)
+        if running != self.active or running > self.max_loras:
+            raise AssertionError(f"{running} adapters have running requests; the manager counts "
+                                 f"{self.active} (at most {self.max_loras})")
+        self.check_memory()
+
+    def check_memory(self) -> None:
+        """The arenas hold exactly the rows of the adapters on the GPU, each its own rank on
+        each module it targets: memory used is the sum of their own sizes."""
+        expected: dict[str, dict[int, int]] = {m: {} for m in self.buffers.arenas}
+        for slot, e in enumerate(self.slots):
+            if e is not None:
+                for module in e.target_modules:
+                    expected[module][slot] = e.rank
+        for module, arena in self.buffers.arenas.items():
+            held = {owner: length for _, length, owner in arena.runs()}
+            if held != expected[module]:
+                raise AssertionError(f"the {module} arena holds {held}, the GPU's adapters need {expected[module]}")
+        own = sum(e.gpu_nbytes for e in self.slots if e is not None)
+        if self.buffers.used_nbytes() != own:
+            raise AssertionError(f"adapter memory used is {self.buffers.used_nbytes()} bytes, the "
+                                 f"resident adapters' own sizes sum to {own}")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -96,7 +96,7 @@ class LocalDirSource:
         self.max_weight_abs = max_weight_abs
         self.dtype = dtype
 
-    def disk_copies(self) -> list[tuple[str, str]]:
+    def disk_copies(self) -> list[tuple[str, str, int]]:
         """Adapters kept on this node's disk besides the source itself: none (the folder is it)."""
         return []
 
@@ -143,5 +143,7 @@ class LocalDirSource:
         content_version = content_hash([config_bytes, weights.numpy()])
         if version and version != content_version:
             raise AdapterNotFound(f"adapter {name!r} has version {content_version}, not {version}")
-        return weights_from_files(name, content_version, config_bytes, weights, self.model, self.max_rank,
-                                  max_weight_abs=self.max_weight_abs, dtype=self.dtype)
+        loaded = weights_from_files(name, content_version, config_bytes, weights, self.model,
+                                    self.max_rank, max_weight_abs=self.max_weight_abs, dtype=self.dtype)
+        loaded.source_tier = "disk"  # the directory is this node's disk
+        return loaded

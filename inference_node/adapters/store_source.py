@@ -110,6 +110,7 @@ class StoreSource:
                         f"{_HINTS.get(exc.code, '')}{disk_failure}") from exc
         manifest = fetched.manifest
         weights = self._weights(manifest, holder[-1], [fetched.offsets[f.path] for f in manifest.files])
+        weights.source_tier = "store"
         if self.disk is not None:  # only what passed validation is kept
             self.disk.put_later(manifest, list(fetched.files.values()))
         return weights
@@ -140,7 +141,9 @@ class StoreSource:
         log.info("adapter %s@%s loaded from this node's disk", name, entry.version)
         # Only validated adapters are written to disk, and the read proved these bytes are
         # those: the value scan is not repeated (names, shapes and dtypes still are).
-        return self._weights(entry.manifest, holder[-1], offsets, check_values=False)
+        weights = self._weights(entry.manifest, holder[-1], offsets, check_values=False)
+        weights.source_tier = "disk"
+        return weights
 
     def catalog(self) -> list[tuple[str, int]]:
         """The store's valid adapters (raises AdapterError when it cannot be reached)."""
@@ -151,9 +154,10 @@ class StoreSource:
             raise error(f"listing the adapter store at {self.target}: {exc.code.name}: {exc.details}"
                         f"{_HINTS.get(exc.code, '')}") from exc
 
-    def disk_copies(self) -> list[tuple[str, str]]:
-        """(name, version) of the adapters in the node's disk tier."""
-        return [(e.name, e.version) for e in self.disk.entries()] if self.disk is not None else []
+    def disk_copies(self) -> list[tuple[str, str, int]]:
+        """(name, version, rank from its manifest) of the adapters in the node's disk tier."""
+        return ([(e.name, e.version, e.manifest.info.rank) for e in self.disk.entries()]
+                if self.disk is not None else [])
 
     def close(self) -> None:
         self.client.close()

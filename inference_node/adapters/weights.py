@@ -25,6 +25,7 @@ class AdapterWeights:
     # (layer, module) -> (A [r, in], B [out, r]) on the host
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     load_seconds: float = 0.0  # fetch, validation and probe (AdapterManager's load-time metric)
+    source_tier: str = "store"  # where the source found it: "disk" (a disk tier, a directory) or "store"
 
     @property
     def nbytes(self) -> int:

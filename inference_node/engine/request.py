@@ -78,6 +78,9 @@ class Request:
     lora_slot: int = -1
     adapter_version: str = ""
     adapter_entry: Any = None
+    # Where its adapter was when the node first saw the request (gpu, host, disk, store; "?"
+    # until a load from the source tells which): the adapter manager's tier hit counts.
+    adapter_tier: str = ""
     preemptions: int = 0
     # Sampled tokens still on the device (the engine launches step n+1 before it reads step
     # n's tokens): they count in num_tokens and come after output_token_ids. feedback_row is

@@ -28,13 +28,13 @@ from ..tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
-def _lora_slot(b_ptr, slots_ptr, t, R, stride_bs):
-    """Row t's adapter B rows and the rank columns to read: R, or 0 for a row without an
-    adapter (no B read, no sums read, zero added). A step input and the slot pool's weights:
-    nothing the kernel ahead writes, so a PDL launch may read them before its wait."""
-    slot = tl.load(slots_ptr + t)
-    r_live = tl.where(slot >= 0, R, 0)
-    return b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs, r_live
+def _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br):
+    """Row t's adapter's B rows in the arena and its rank, the rank rows to read (0 for a row
+    without an adapter: no B read, no sums read, zero added). A step input and the arena's
+    weights: nothing the kernel ahead writes, so a PDL launch may read them before its wait."""
+    r_live = tl.minimum(tl.load(rows_ptr + t * stride_rows), R)
+    first = tl.load(rows_ptr + t * stride_rows + 1)
+    return b_ptr + first.to(tl.int64) * stride_br, r_live
 
 
 @triton.jit
@@ -51,10 +51,11 @@ def _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS: tl.constexpr,
 
 
 @triton.jit
-def _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R: tl.constexpr):
-    """B's rows for columns `offs` [columns, rank] (zeros for a row without an adapter)."""
+def _b_cols(b_rows, r_live, offs, mask, stride_br, BLOCK_R: tl.constexpr):
+    """B for columns `offs` [columns, rank] (zeros past the rank, all zeros for a row without
+    an adapter)."""
     offs_r = tl.arange(0, BLOCK_R)
-    return tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
+    return tl.load(b_rows + offs[:, None] + offs_r[None, :].to(tl.int64) * stride_br,
                    mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
 
 
@@ -95,21 +96,21 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride
 
 @triton.jit
 def _add_rms_norm_kernel(
-    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, rows_ptr,
     dense_ptr, eps, R,
     stride_h, stride_o, stride_nh, stride_x,
-    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense,
+    stride_ps, stride_pt, stride_rows, stride_br, stride_dense,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
         tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-    # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
+    # Straight-line code (chunks and splits unrolled, no branches on the row's adapter), so the
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
     t = tl.program_id(0).to(tl.int64)
     if HAS_LORA and not DENSE:
-        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
+        b_rows, r_live = _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br)
         h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
     sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for c0 in tl.static_range(0, H, BLOCK_H):
@@ -120,7 +121,7 @@ def _add_rms_norm_kernel(
             d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
             o = (o.to(tl.float32) + d).to(o.dtype)
         elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
-            b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+            b = _b_cols(b_rows, r_live, offs, mask, stride_br, BLOCK_R)
             o = (o.to(tl.float32) + _expand(h, b)).to(o.dtype)
         newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
         sumsq += newf * newf
@@ -132,10 +133,10 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_split_kernel(
-    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, rows_ptr,
     dense_ptr, arrivals_ptr, sums_ptr, eps, R,
     stride_h, stride_o, stride_nh, stride_x,
-    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense, stride_sums,
+    stride_ps, stride_pt, stride_rows, stride_br, stride_dense, stride_sums,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr, EARLY_SUMS: tl.constexpr,
@@ -147,8 +148,8 @@ def _add_rms_norm_split_kernel(
     column order, resets the count and writes the whole row normalised.
 
     With PDL the program reads its B columns (or the expanded delta) before the wait for the
-    kernel ahead (the projection's GEMM), overlapping its weight stream: the row's slot is a
-    step input, B the slot's weights, and the delta comes from the side stream, joined before
+    kernel ahead (the projection's GEMM), overlapping its weight stream: the row's rank and arena
+    rows are a step input, B the arena's weights, and the delta comes from the side stream, joined before
     this launch. EARLY_SUMS: the shrink's sums too, and the delta is computed before the
     wait; not where the GEMM itself writes them (a shrink-only fold,
     LoraDelta.sums_after_wait)."""
@@ -164,8 +165,8 @@ def _add_rms_norm_split_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()  # before reading the projection's output
     elif HAS_LORA:
-        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
-        b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+        b_rows, r_live = _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br)
+        b = _b_cols(b_rows, r_live, offs, mask, stride_br, BLOCK_R)
         if PDL and not EARLY_SUMS:
             tl.extra.cuda.gdc_wait()  # the sums are the GEMM's output
         h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
@@ -213,10 +214,11 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     if delta is not None:
         assert len(delta.b) == 1, "one slice: o or down"
         b, part = delta.b[0], delta.partials
-        assert b.shape[1] == H and b.stride(2) == 1 and part.stride(3) == 1
+        assert b.shape[1] == H and b.stride(1) == 1 and part.stride(3) == 1
+        assert delta.token_rows.stride(1) == 1
         R = part.shape[3]
-        lora = (part, b, delta.token_slots)
-        lora_strides = (part.stride(0), part.stride(2), b.stride(0), b.stride(1))
+        lora = (part, b, delta.token_rows)
+        lora_strides = (part.stride(0), part.stride(2), delta.token_rows.stride(0), b.stride(0))
         splits, default_block = delta.splits, 2048
     else:
         lora = (hidden,) * 3  # dummy pointers, never read

@@ -6,7 +6,7 @@ q and k, writing k and v into their cache slots. Programs cover (token, part): t
 each rotate a group of query heads (as many as there are KV heads), then one part rotates the
 key heads and writes them to the cache, and one copies the value heads into it. A part adds
 its columns' LoRA delta first when given, expanded from the shrink's partial sums and the
-adapter's B (kernels/lora/delta.py). Heads are handled as their two halves, the pairs that
+adapter's B rows in the arena (kernels/lora/delta.py, kernels/lora/rows.py). Heads are handled as their two halves, the pairs that
 RoPE's rotate_half mixes, so each column is loaded (and its delta expanded) once.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from ..lora.delta import LoraDelta
 
 
 @triton.jit
-def _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn):
-    """The B rows of a half's columns [columns, rank]: zero past r_live (0 for a row without
-    an adapter: nothing read)."""
-    return tl.load(b_rows + slice_col[:, None] * stride_bn + offs_r[None, :],
+def _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_br):
+    """A half's columns of the row's adapter's B [columns, rank] (its rank rows from b_rows
+    on): zero past r_live (0 for a row without an adapter: nothing read)."""
+    return tl.load(b_rows + slice_col[:, None] + offs_r[None, :].to(tl.int64) * stride_br,
                    mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
 
 
@@ -46,11 +46,10 @@ def _half(qkv_row, h, b, dense_row, col, mask, HAS_LORA: tl.constexpr, DENSE: tl
 @triton.jit
 def _rope_cache_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    part_ptr, bq_ptr, bk_ptr, bv_ptr, lslots_ptr, dense_ptr,
+    part_ptr, bq_ptr, bk_ptr, bv_ptr, lrows_ptr, dense_ptr,
     stride_qkv, stride_dense, stride_qo_t, stride_qo_h, stride_cos,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-    R, stride_ps, stride_pslice, stride_pt, stride_bqs, stride_bks, stride_bvs, stride_bn_q,
-    stride_bn_kv,
+    R, stride_ps, stride_pslice, stride_pt, stride_lrows, stride_br_q, stride_br_kv,
     Hq, Hkv, D, HALF, PAGE, Q_PARTS,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_HG: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
@@ -69,15 +68,15 @@ def _rope_cache_kernel(
     col0 = tl.where(is_q, 0, tl.where(is_k, q_cols, q_cols + Hkv * D))
     slice_id = tl.where(is_q, 0, tl.where(is_k, 1, 2))
     if is_q:
-        b_base, stride_bs, stride_bn = bq_ptr, stride_bqs, stride_bn_q
+        b_base, stride_br = bq_ptr, stride_br_q
         dst, stride_dh = q_out_ptr + t * stride_qo_t, stride_qo_h
     elif is_k:
-        b_base, stride_bs, stride_bn = bk_ptr, stride_bks, stride_bn_kv
+        b_base, stride_br = bk_ptr, stride_br_kv
         slot_k = tl.load(slot_ptr + t).to(tl.int64)
         dst = k_cache_ptr + (slot_k // PAGE) * stride_kb + (slot_k % PAGE) * stride_kp
         stride_dh = stride_kh
     else:
-        b_base, stride_bs, stride_bn = bv_ptr, stride_bvs, stride_bn_kv
+        b_base, stride_br = bv_ptr, stride_br_kv
         slot_v = tl.load(slot_ptr + t).to(tl.int64)
         dst = v_cache_ptr + (slot_v // PAGE) * stride_vb + (slot_v % PAGE) * stride_vp
         stride_dh = stride_vh
@@ -98,16 +97,17 @@ def _rope_cache_kernel(
     b1 = tl.zeros((BLOCK_HG * BLOCK_HALF, BLOCK_R), dtype=tl.float32)
     b2 = b1
     if HAS_LORA and not DENSE:
-        # The rows' adapter slots come from the host (copied before the step) and B from the
-        # slot pool: neither is written by the kernel ahead, so with EARLY_B they are read
-        # before the wait, while the projection's GEMM still streams its weights.
-        lslot = tl.load(lslots_ptr + t)
-        r_live = tl.where(lslot >= 0, R, 0)
-        b_rows = b_base + tl.maximum(lslot, 0).to(tl.int64) * stride_bs
+        # The row's adapter's rank and first arena row on this slice come from the host
+        # (copied before the step) and B from the arenas: neither is written by the kernel
+        # ahead, so with EARLY_B they are read before the wait, while the projection's GEMM
+        # still streams its weights. A row without an adapter has rank 0: nothing is read.
+        lrow = lrows_ptr + t * stride_lrows + 2 * slice_id
+        r_live = tl.minimum(tl.load(lrow), R)
+        b_rows = b_base + tl.load(lrow + 1).to(tl.int64) * stride_br
         if PDL and not EARLY_B:
             tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-        b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn)
-        b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_bn)
+        b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_br)
+        b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_br)
         if PDL and EARLY_B:
             tl.extra.cuda.gdc_wait()
         # No sums are read for a row without an adapter: they may be unwritten
@@ -160,15 +160,15 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         assert len(delta.b) == 3, "three slices: q, k and v"
         bq, bk, bv = delta.b
         part = delta.partials
-        assert part.stride(3) == 1 and all(b.stride(2) == 1 for b in delta.b)
-        assert bk.stride() == bv.stride()
-        lora = (part, bq, bk, bv, delta.token_slots)
+        assert part.stride(3) == 1 and all(b.stride(1) == 1 for b in delta.b)
+        assert bk.stride() == bv.stride() and delta.token_rows.stride(1) == 1
+        lora = (part, bq, bk, bv, delta.token_rows)
         R, splits = part.shape[3], delta.splits
-        lora_strides = (R, part.stride(0), part.stride(1), part.stride(2), bq.stride(0),
-                        bk.stride(0), bv.stride(0), bq.stride(1), bk.stride(1))
+        lora_strides = (R, part.stride(0), part.stride(1), part.stride(2),
+                        delta.token_rows.stride(0), bq.stride(0), bk.stride(0))
     else:
         lora = (qkv,) * 5  # dummy pointers, never read
-        R, splits, lora_strides = 1, 0, (1,) + (0,) * 8
+        R, splits, lora_strides = 1, 0, (1,) + (0,) * 6
     q_parts = cdiv(num_heads, num_kv_heads)
     pdl = tuning.pdl_on(qkv)
     _rope_cache_kernel[(T, q_parts + 2)](

@@ -20,9 +20,10 @@ CONFIG = ModelConfig.from_dict(dict(
 class FakeSource:
     """Adapters in memory; `versions[name]` is the current version (bump it to re-upload)."""
 
-    def __init__(self, names: list[str], rank: int = 4) -> None:
+    def __init__(self, names: list[str], rank: int = 4, ranks: dict[str, int] | None = None) -> None:
         self.versions = {n: "v1" for n in names}
         self.rank = rank
+        self.ranks = ranks or {}  # a rank of its own per name (else `rank`)
         self.loads: list[tuple[str, str]] = []
 
     def load(self, name: str, version: str) -> AdapterWeights:
@@ -31,16 +32,21 @@ class FakeSource:
         version = version or self.versions[name]
         self.loads.append((name, version))
         torch.manual_seed(hash((name, version)) % 1000)
+        rank = self.ranks.get(name, self.rank)
         fan_in, fan_out = CONFIG.module_shapes()["q_proj"]
-        pairs = {(layer, "q_proj"): (torch.randn(self.rank, fan_in), torch.randn(fan_out, self.rank))
+        pairs = {(layer, "q_proj"): (torch.randn(rank, fan_in), torch.randn(fan_out, rank))
                  for layer in range(CONFIG.num_layers)}
-        return build_adapter_weights(name, version, self.rank, 8.0, False, pairs, CONFIG, 8)
+        return build_adapter_weights(name, version, rank, 8.0, False, pairs, CONFIG, 8)
 
 
-def make_manager(names: list[str], max_loras: int = 2, max_cpu: int = 8) -> tuple[AdapterManager, FakeSource]:
-    source = FakeSource(names)
-    buffers = SlotBuffers(CONFIG, max_loras, 8, torch.float32, torch.device("cpu"))
-    return AdapterManager(buffers, source, max_cpu, fetch_workers=1), source
+def make_manager(names: list[str], max_loras: int = 2, max_cpu: int = 8, rows: int | None = None,
+                 ranks: dict[str, int] | None = None, eviction: str = "lru"
+                 ) -> tuple[AdapterManager, FakeSource]:
+    """rows: rank rows of adapter memory per module (default: max_loras adapters of rank 4)."""
+    source = FakeSource(names, ranks=ranks)
+    buffers = SlotBuffers(CONFIG, max_loras, 8, torch.float32, torch.device("cpu"),
+                          rows=rows if rows is not None else 4 * max_loras)
+    return AdapterManager(buffers, source, max_cpu, fetch_workers=1, eviction=eviction), source
 
 
 def request(adapter: str) -> Request:
