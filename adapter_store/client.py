@@ -27,6 +27,12 @@ from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent
                       Manifest, adapter_digest, file_offsets)
 from lora_common.tls import ClientTLS, open_channel
 
+# The client's data model, which callers (the node) take from here rather than the store's
+# own modules.
+__all__ = ["ADDED", "DELETED", "SYNCED", "UPDATED", "AdapterInfo", "AdapterStoreClient", "AdapterTooLarge",
+           "CatalogEvent", "FetchedAdapter", "FileEntry", "Manifest", "StoreError", "StoreTLSRefused",
+           "adapter_digest", "file_offsets"]
+
 log = logging.getLogger(__name__)
 
 # Transport trouble and a store that is restarting or overloaded; anything else is final.

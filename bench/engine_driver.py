@@ -160,7 +160,7 @@ class Driver:
             return chunks
 
         # The forward's own time: CUDA events around the outermost call of the model's forward
-        # or of the decode graphs' replay (on CPU: wall time), so host overhead shows apart.
+        # or of a graph step's replays (on CPU: wall time), so host overhead shows apart.
         forward_marks: list = []
         depth = [0]
 
@@ -199,8 +199,9 @@ class Driver:
 
         SampledTokens.wait = timed_wait
         hooked = [(engine.model, "forward")]
-        if getattr(engine, "decode_graphs", None) is not None:
-            hooked.append((engine.decode_graphs, "run"))
+        for graphs in ("decode_graphs", "mixed_graphs"):
+            if getattr(engine, graphs, None) is not None:
+                hooked.append((getattr(engine, graphs), "run"))
         engine.scheduler.schedule = schedule
         for obj, name in hooked:
             setattr(obj, name, timed(getattr(obj, name)))

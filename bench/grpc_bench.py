@@ -19,7 +19,8 @@ time to first token and per token are those of the first and last chunk carrying
 Columns: output tok/s (output tokens over the time from the first request to the last
 finish), TTFT and TPOT (the time between a request's first and last token over its tokens
 after the first) p50 and p99, and the engine's steps by kind: decode steps replayed from a
-graph, decode steps run eagerly, and steps with prompt tokens (eager).
+decode graph, other steps (prompt chunks, maybe beside decodes) replayed piece by piece from
+the piecewise graphs, decode steps run eagerly, and steps with prompt tokens run eagerly.
 
 On CUDA the model has random bf16 weights of the named shapes, made on the device (the
 node's `--load-format dummy`), and the embedded SmolLM2's tokenizer (so vocab 49,152): a
@@ -293,7 +294,8 @@ class NodeProcess:
 
         with NodeClient(self.target) as client:
             s = client.stats()
-        return {"graph": s.graph_steps, "eager_decode": s.eager_decode_steps, "mixed": s.mixed_steps}
+        return {"graph": s.graph_steps, "piecewise": s.mixed_graph_steps,
+                "eager_decode": s.eager_decode_steps, "mixed": s.mixed_steps}
 
     def pin(self, names: list[str]) -> None:
         from lora.v1 import inference_pb2 as pb
@@ -357,6 +359,7 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
         before = dict(engine.stats.__dict__)
         records, _ = driver.run(specs, lambda s: adapter_of[id(s)])
         steps = {"graph": engine.stats.graph_steps - before["graph_steps"],
+                 "piecewise": engine.stats.mixed_graph_steps - before["mixed_graph_steps"],
                  "eager_decode": engine.stats.eager_decode_steps - before["eager_decode_steps"],
                  "mixed": engine.stats.mixed_steps - before["mixed_steps"]}
         out.append(Result(row, "engine", conc, [Record(r.submit, r.first, r.last, r.done or r.submit, r.tokens,
@@ -391,11 +394,11 @@ def summarize(res: Result) -> dict:
 def format_row(s: dict) -> str:
     return (f"{s['row']:<6} {s['conc']:>5} {s['path']:<7} {s['tok_s']:>10.0f} {s['ttft_p50']:>9.1f} "
             f"{s['ttft_p99']:>9.1f} {s['tpot_p50']:>9.2f} {s['tpot_p99']:>9.2f}   "
-            f"{s['graph']:>6}/{s['eager_decode']}/{s['mixed']:<6} {s['errors']:>4}")
+            f"{s['graph']:>6}/{s['piecewise']}/{s['eager_decode']}/{s['mixed']:<6} {s['errors']:>4}")
 
 
 HEADER = (f"{'row':<6} {'conc':>5} {'path':<7} {'out tok/s':>10} {'TTFT p50':>9} {'p99 ms':>9} "
-          f"{'TPOT p50':>9} {'p99 ms':>9}   steps graph/eager/mixed  errors")
+          f"{'TPOT p50':>9} {'p99 ms':>9}   steps graph/piecewise/eager decode/eager mixed  errors")
 
 
 def comparisons(rows: list[dict]) -> list[str]:

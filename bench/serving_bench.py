@@ -79,6 +79,8 @@ class RowResult:
     records: list[ReqRecord] = field(default_factory=list)
     steps: list[DecodeStep] = field(default_factory=list)
     graph_steps: int | None = None
+    # Steps with prompt tokens or past the decode graphs: (replayed piece by piece, eager).
+    other_steps: tuple[int, int] | None = None
     compiles: list[str] = field(default_factory=list)  # JIT compiles during the timed run
     error: str | None = None
 
@@ -110,7 +112,8 @@ def adapter_nbytes(model_cfg, rank: int, targets: Sequence[str], itemsize: int) 
 
 
 # -- the engine ---------------------------------------------------------------------------------------
-def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool):
+def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool,
+                 use_mixed: bool = False):
     from inference_node.engine.engine import Engine, EngineConfig
     from inference_node.lora_step.plan import LoraStepPlan
 
@@ -122,6 +125,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["decode_graphs"] = use_graphs
     if "max_graph_batch" in names:
         kw["max_graph_batch"] = args.concurrency
+    if "mixed_graphs" in names:
+        kw["mixed_graphs"] = use_mixed
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
     plan = LoraStepPlan(lora.buffers, model.tuning) if lora is not None else None
@@ -146,6 +151,15 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         except Exception:
             log.exception("decode graph capture failed: decode runs eagerly")
             engine.decode_graphs = None
+    mixed = getattr(engine, "mixed_graphs", None)
+    if mixed is not None:
+        started = time.perf_counter()
+        try:
+            mixed.capture_all()
+            log.info("piecewise graphs captured in %.1fs", time.perf_counter() - started)
+        except Exception:
+            log.exception("piecewise graph capture failed: prefill and mixed steps run eagerly")
+            engine.mixed_graphs = None
     return engine
 
 
@@ -169,6 +183,7 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
     gc.collect()
     gc.freeze()
     graph_before = getattr(engine.stats, "graph_steps", None)
+    stats_before = dict(engine.stats.__dict__)
     mark = COMPILES.mark()
     try:
         result.records, result.steps = driver.run(specs, adapter_of)
@@ -179,6 +194,11 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
         log.warning("row %s: compiled during the timed run: %s", row.key, what[:300])
     if graph_before is not None:
         result.graph_steps = engine.stats.graph_steps - graph_before
+    if "mixed_graph_steps" in stats_before:
+        after = engine.stats.__dict__
+        result.other_steps = (after["mixed_graph_steps"] - stats_before["mixed_graph_steps"],
+                              after["mixed_steps"] - stats_before["mixed_steps"]
+                              + after["eager_decode_steps"] - stats_before["eager_decode_steps"])
     return result
 
 
@@ -282,6 +302,8 @@ class Summary:
     adapters_per_step: float = float("nan")
     decode_steps: int = 0
     graph_steps: int | None = None
+    piecewise_steps: int | None = None  # other steps replayed piece by piece (mixed_graphs.py)
+    eager_steps: int | None = None      # steps run eagerly
     output_tokens: int = 0
     # decode_tps counts the decode steps whose call did not also launch a prefill or mixed
     # step (that launch's host work lands in the call's time); all_steps_tps counts them all.
@@ -327,6 +349,8 @@ def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
         s.batch = statistics.fmean(st.batch for st in steps)
         s.adapters_per_step = statistics.fmean(len(st.adapters) for st in steps)
     s.graph_steps = res.graph_steps
+    if res.other_steps is not None:
+        s.piecewise_steps, s.eager_steps = res.other_steps
     return s
 
 
@@ -441,6 +465,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep the engine's prefix cache on (off by default: rows share prompts)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="replay prefill and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
     p.add_argument("--prefill-delay-factor", type=lambda t: [float(x) for x in t.split(",")], default=[],
                    help="engine admission delay, x the last prefill step (default: the engine's); "
                         "several, comma-separated: each engine row runs once per factor, as ROW@FACTOR")
@@ -487,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Summary]:
     counts = [int(c) for c in args.adapter_counts.split(",") if c]
     wanted = set(args.rows.split(","))
     use_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and cuda)
+    args.use_mixed = args.mixed_graphs == "on" or (args.mixed_graphs == "auto" and cuda)
     torch.manual_seed(args.seed)
 
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as tmp:
@@ -595,7 +622,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
             f"closed loop at concurrency {args.concurrency}, request i -> adapter i mod N"),
         f"engine: max_num_seqs {args.concurrency}, {args.max_batched_tokens} tokens per step, "
         f"{num_blocks} KV blocks of {args.block_size}, prefix cache "
-        f"{'on' if args.prefix_caching else 'off'}, decode graphs {'on' if use_graphs else 'off'}; "
+        f"{'on' if args.prefix_caching else 'off'}, decode graphs {'on' if use_graphs else 'off'}, "
+        f"piecewise graphs for other steps {'on' if args.use_mixed else 'off'}; "
         f"adapter bytes: r16 all 7 = {abytes[r16[0]] / 1e6 if r16 else 0:.2f} MB"
         + (f", r8 q,v = {abytes[qv[0]] / 1e6:.2f} MB" if qv else ""),
     ]
@@ -629,7 +657,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     engines: dict[str, object] = {}
     manager = None
     if base_rows:
-        engines["base"] = build_engine(model, None, args, max_model_len, num_blocks, use_graphs)
+        engines["base"] = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
     if lora_rows:
         names = list(dict.fromkeys(n for r in lora_rows for n in r.pool))
         slots = max(len(names), 1)
@@ -639,7 +667,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
                                  max_cpu_loras=slots if cuda else 1, pin_host_memory=cuda)
         log.info("LoRA: %d slots, %.2f GB", slots, buffers.nbytes() / 1e9)
         try:
-            engines["lora"] = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs)
+            engines["lora"] = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
             t = time.perf_counter()
             preload_adapters(engines["lora"], manager, names)
             log.info("%d adapters pinned in slots in %.1fs", len(names), time.perf_counter() - t)
@@ -662,7 +690,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
 
     if control is not None:  # row a again, on a fresh engine: what order and drift alone do
         rows.insert(rows.index(next(r for r in rows if r.key == "a")) + 1, control)
-        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs)
+        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
         run_guarded(control, lambda: run_engine_row(control, engine, specs, args, device))
         engine = None
         release()
@@ -696,6 +724,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     if graphs:
         print("decode steps replayed from CUDA graphs: " + ", ".join(
             f"{k} {g}/{summaries[k].decode_steps}" for k, g in graphs.items()))
+    others = {k: (s.piecewise_steps, s.eager_steps) for k, s in summaries.items() if s.eager_steps is not None}
+    if others:
+        print("other steps (prompt chunks, maybe beside decodes), replayed piece by piece / eager: " + ", ".join(
+            f"{k} {p}/{e}" for k, (p, e) in others.items()))
     print(f"decode columns: pure-decode steps only; decode tok/s leaves out the steps whose call also "
           f"launched a prefill chunk (its host work is prefill's, in e2e); step = one Engine.run_once (schedule and launch "
           f"step n+1, then wait for and stream step n), charged to step n, host time, no extra sync; fwd = the forward on "

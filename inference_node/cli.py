@@ -57,6 +57,10 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto",
                        help="replay decode steps from CUDA graphs (auto: on CUDA; on: also on CPU, "
                             "eagerly through the same static buffers, for tests)")
+    serve.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
+                       help="replay prefill and mixed steps from CUDA graphs piece by piece, attention "
+                            "run between (auto: on CUDA; on: also on CPU, eagerly through the same "
+                            "static buffers, for tests)")
     serve.add_argument("--max-graph-batch", type=int, default=0,
                        help="largest decode batch replayed from a graph, larger ones run eagerly "
                             "(0: --max-num-seqs)")
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue=args.max_queue, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,
-        prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
+        prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs, mixed_graphs=args.mixed_graphs,
         max_graph_batch=args.max_graph_batch, prefill_delay_factor=args.prefill_delay_factor,
         warmup=args.warmup,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,

@@ -127,10 +127,14 @@ class NodeMetrics:
         self.generated_tokens.labels(label).inc(count)
 
     def tokens_streamed(self, adapter: str, count: int, gap_s: float) -> None:
-        """A later message of `count` tokens, gap_s after the previous one."""
+        """A later message of `count` tokens, gap_s after the previous one: one observation of
+        gap_s / count per token, so the histogram's count is the tokens after each request's first
+        message and its sum the time they took, however the tokens were grouped into messages."""
         label = self.labels.label(adapter)
         if count:
-            self.token_latency.labels(label).observe(gap_s / count)
+            histogram = self.token_latency.labels(label)
+            for _ in range(count):
+                histogram.observe(gap_s / count)
             self.generated_tokens.labels(label).inc(count)
 
     def request_finished(self, adapter: str, status: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:

@@ -50,6 +50,7 @@ class NodeSettings:
     default_max_tokens: int = 256
     prefix_caching: bool = True        # reuse KV of cached prefixes, per adapter namespace
     decode_graphs: str = "auto"        # auto: CUDA graphs for decode on CUDA; on: also on CPU (tests)
+    mixed_graphs: str = "auto"         # auto: piecewise CUDA graphs for other steps on CUDA; on: also on CPU
     max_graph_batch: int = 0           # largest decode batch replayed from a graph; 0: max_num_seqs
     prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
     warmup: str = "auto"  # compile eager steps' kernels before serving (engine/warmup.py); auto: on CUDA
@@ -146,6 +147,7 @@ def build_node(settings: NodeSettings) -> Node:
     codec = TextCodec(checkpoint)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
     per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
+    mixed_graphs = settings.mixed_graphs == "on" or (settings.mixed_graphs == "auto" and device.type == "cuda")
     adapters = build_adapter_manager(settings, model, device, dtype)
     if settings.num_kv_blocks:
         blocks = settings.num_kv_blocks
@@ -153,13 +155,14 @@ def build_node(settings: NodeSettings) -> Node:
         blocks = max(int((settings.kv_cache_gb or 0.5) * (1 << 30)) // per_block, 1)
     else:
         blocks = kv_blocks_for_memory(model, settings.gpu_memory_utilization, settings.block_size,
-                                      settings.max_num_batched_tokens, max_num_seqs)
+                                      settings.max_num_batched_tokens, max_num_seqs, mixed_graphs)
     lora_plan = LoraStepPlan(adapters.buffers, settings.tuning) if adapters is not None else None
     engine = Engine(model, lora=adapters, lora_plan=lora_plan, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, prefix_caching=settings.prefix_caching,
         decode_graphs=settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda"),
+        mixed_graphs=mixed_graphs,
         max_graph_batch=settings.max_graph_batch or max_num_seqs, prefill_delay_factor=settings.prefill_delay_factor,
         warmup=settings.warmup,
         debug_checks=settings.debug_checks))

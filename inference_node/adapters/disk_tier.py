@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
-from adapter_store.records import Manifest, adapter_digest, file_offsets
+from adapter_store.client import Manifest, adapter_digest, file_offsets
 from lora.v1 import adapter_store_pb2 as pb
 from lora_common.names import InvalidName, check_name
 

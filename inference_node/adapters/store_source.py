@@ -8,8 +8,8 @@ from typing import Callable
 import grpc
 import torch
 
-from adapter_store.client import DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, StoreError, StoreTLSRefused
-from adapter_store.records import Manifest
+from adapter_store.client import (DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, Manifest, StoreError,
+                                  StoreTLSRefused)
 from lora_common.tls import ClientTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 

@@ -29,6 +29,7 @@ from ..model.llama import LlamaModel, LoraApplier
 from .batch import build_forward_batch
 from .decode_graphs import DecodeGraphs, GraphLora, ordered
 from .kv_cache import BlockAllocator, KVCache
+from .mixed_graphs import MixedGraphs, MixedLora
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
 from .sampler import row_finite, sample_on_device
@@ -83,6 +84,7 @@ class LoraPlan(Protocol):
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
     def warmup_applier(self, token_slots: list[int]) -> LoraApplier: ...
     def graph_lora(self, max_tokens: int) -> GraphLora: ...
+    def mixed_lora(self) -> MixedLora: ...
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class EngineConfig:
     prefix_caching: bool = True
     decode_graphs: bool = False      # decode steps through static buffers (CUDA graphs on CUDA)
     max_graph_batch: int = 64        # largest decode batch replayed from a graph
+    mixed_graphs: bool = False       # other steps piece by piece through static buffers (CUDA graphs on CUDA)
     prefill_delay_factor: float = 0.0  # admission waits this x the last prefill step (scheduler.py)
     warmup: str = "auto"             # compile eager steps' kernels at start (warmup.py): auto = on CUDA
     debug_checks: bool = False
@@ -122,7 +125,8 @@ class EngineStats:
     max_adapters_in_step: int = 0
     graph_steps: int = 0             # decode steps replayed from CUDA graphs (static buffers)
     eager_decode_steps: int = 0      # decode-only steps that ran eagerly (larger than the graphs)
-    mixed_steps: int = 0             # steps with prompt tokens (prefill chunks, maybe beside decodes)
+    mixed_steps: int = 0             # steps with prompt tokens (prefill chunks, maybe beside decodes) run eagerly
+    mixed_graph_steps: int = 0       # other steps than decode graphs', replayed piece by piece (mixed_graphs.py)
     cut_short: int = 0               # answers ended part-way by shutdown
     non_finite_rows: int = 0         # sampled rows whose logits held NaN or Inf (their requests failed)
 
@@ -153,6 +157,13 @@ class Engine:
                 model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
                 max_batch=max_batch, feedback=self.feedback.tokens,
                 lora=lora_plan.graph_lora(max_batch) if lora_plan is not None else None)
+        self.mixed_graphs: MixedGraphs | None = None
+        if config.mixed_graphs:
+            self.mixed_graphs = MixedGraphs(
+                model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
+                max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
+                feedback=self.feedback.tokens,
+                lora=lora_plan.mixed_lora() if lora_plan is not None else None)
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     prefill_delay_factor=config.prefill_delay_factor)
@@ -183,6 +194,8 @@ class Engine:
             self.warmup_forwards = warm_up(self)
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.capture_all()
         # Start-up objects (the model, torch, the graphs: hundreds of thousands) live as long as
         # the process. Frozen, a full garbage collection no longer walks them: unfrozen, one
         # took 160-180 ms on the development CPU, a stall of dozens of decode steps.
@@ -339,6 +352,8 @@ class Engine:
         graph_step = self.decode_graphs is not None and self.decode_graphs.fits(chunks)
         if graph_step:
             chunks = ordered(chunks)  # each adapter's rows one run: the LoRA kernels' layout
+        piecewise = (not graph_step and self.mixed_graphs is not None
+                     and self.mixed_graphs.fits(chunks))
         sampling = [c.request for c in chunks if c.completes_prompt]
         try:
             distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
@@ -347,6 +362,9 @@ class Engine:
             if graph_step:
                 logits, greedy, finite = self.decode_graphs.run(chunks)
                 self.stats.graph_steps += 1
+            elif piecewise:
+                logits, greedy, finite = self.mixed_graphs.run(chunks)
+                self.stats.mixed_graph_steps += 1
             else:
                 if any(c.request.in_prefill for c in chunks):
                     self.stats.mixed_steps += 1
@@ -511,6 +529,7 @@ class Engine:
             "graph_steps": self.stats.graph_steps,
             "eager_decode_steps": self.stats.eager_decode_steps,
             "mixed_steps": self.stats.mixed_steps,
+            "mixed_graph_steps": self.stats.mixed_graph_steps,
             "cut_short": self.stats.cut_short,
             "non_finite_rows": self.stats.non_finite_rows,
         }

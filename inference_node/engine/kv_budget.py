@@ -1,8 +1,10 @@
 """How many KV blocks a CUDA node can afford: what the device has free, less what the node may
 not take (1 - gpu_memory_utilization of it all), less the peak of the largest eager step's
 activations (measured by running one), less a reserve for the decode graphs' memory pool and
-the libraries' workspaces. The weights and adapter slots are already allocated, so the free
-memory counts them."""
+the libraries' workspaces. With piecewise graphs for prefill and mixed steps (mixed_graphs.py)
+the largest step's activations are counted twice: their pool holds one piece's worth, which
+eager steps (and the warm-up) cannot use, beside the static buffers between the pieces. The
+weights and adapter slots are already allocated, so the free memory counts them."""
 from __future__ import annotations
 
 import logging
@@ -44,11 +46,12 @@ def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int
 
 
 def kv_blocks_for_memory(model: LlamaModel, utilization: float, block_size: int, tokens: int,
-                         sampled_rows: int) -> int:
+                         sampled_rows: int, mixed_graphs: bool = False) -> int:
     device = model.device
     activations = forward_peak_bytes(model, tokens, sampled_rows)
     free, total = torch.cuda.mem_get_info(device)
-    budget = free - int(total * (1.0 - utilization)) - activations - GRAPHS_AND_WORKSPACES
+    graphs = activations if mixed_graphs else 0
+    budget = free - int(total * (1.0 - utilization)) - activations - graphs - GRAPHS_AND_WORKSPACES
     per_block = KVCache.bytes_per_block(model.config, block_size, model.dtype)
     blocks = budget // per_block
     log.info("GPU memory: %.1f of %.1f GiB free after the weights and adapter slots; an eager step of "

@@ -1,9 +1,9 @@
 """The LoRA step plan: for every engine step, which kernels add each token's adapter delta,
 read from the adapter slots' GPU buffers (adapters/slots.py, filled by the adapter manager).
 
-Eager steps (prefill, mixed batches) add each delta after its matmul (eager.py). Decode graph
-steps run LoRA beside the base matmuls, folded into them or expanded by the ops after them,
-as the node's Tuning says (overlap.py). The engine takes this one object; the adapter manager
+Eager and piecewise-graph steps (prefill, mixed batches) add each delta after its matmul
+(eager.py). Decode graph steps run LoRA beside the base matmuls, folded into them or expanded
+by the ops after them, as the node's Tuning says (overlap.py). The engine takes this one object; the adapter manager
 (adapters/manager.py) only decides which adapter sits in which slot.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kernels.tuning import DEFAULT_TUNING, Tuning
 
 from ..adapters.slots import SlotBuffers
 from ..engine.decode_graphs import GraphLora
+from ..engine.mixed_graphs import MixedLora
 from ..engine.scheduler import ScheduledChunk
 from .eager import StepLoraApplier, build_applier
 from .overlap import LoraOverlap
@@ -51,6 +52,11 @@ class LoraStepPlan:
         hold (empty slots have rank 0): it launches each kernel an eager step can (the
         engine's warm-up)."""
         return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
+
+    def mixed_lora(self) -> MixedLora:
+        """The piecewise graphs' LoRA (prefill and mixed steps): each delta added after its
+        matmul, as in eager steps, over metadata in static buffers."""
+        return MixedLora(lambda meta: StepLoraApplier(self.buffers, meta), self.buffers.max_loras)
 
     def graph_lora(self, max_tokens: int) -> GraphLora:
         """The decode graphs' LoRA: appliers over static buffers for up to `max_tokens` rows."""

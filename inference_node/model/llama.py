@@ -232,32 +232,61 @@ class LlamaModel:
                 v_caches: list[torch.Tensor], lora: LoraApplier | None = None) -> torch.Tensor:
         """Runs all layers over the step's tokens; returns logits [N, vocab] in the model's
         dtype (the sampler widens only the rows it samples from: a greedy argmax needs no
-        float32 copy of 64 x vocab logits)."""
-        cfg, ops = self.config, self.ops
+        float32 copy of 64 x vocab logits). The pieces it runs are also run one by one, with
+        attention between CUDA graphs of the rest (engine/mixed_graphs.py)."""
+        hidden, x = self.embed_inputs(batch)
+        for i in range(len(self.layers)):
+            q = self.attention_inputs(i, x, batch, k_caches, v_caches, lora)
+            attn = self.attend(i, q, batch, k_caches, v_caches)
+            hidden, x = self.after_attention(i, attn, hidden, lora)
+        return self.logits(x, batch.logits_indices)
+
+    def embed_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tokens' embeddings: the residual stream, that normalised for layer 0)."""
         hidden = embed_tokens(self.embed, batch.input_ids, batch.feedback, batch.feedback_rows)
-        x = ops.rms_norm(hidden, self.layers[0].input_norm, cfg.rms_norm_eps)
-        for i, layer in enumerate(self.layers):
-            qkv, delta = self._project(lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
-            k_cache, v_cache = k_caches[i], v_caches[i]
-            # The LoRA delta added, q and k rotated, k and v written to their cache slots.
-            q = rope_and_cache(qkv, delta, self.rope.cos, self.rope.sin, batch.positions,
-                               batch.slot_mapping, k_cache, v_cache, cfg.num_heads,
-                               cfg.num_kv_heads, cfg.head_dim, self.tuning)
-            attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-                                   batch.seq_lens, self.scale, batch.max_query_len,
-                                   batch.max_seq_len, self.tuning).reshape(-1, cfg.q_size)
-            out, delta = self._project(lora, i, "o", attn, layer.o)
-            hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
-            gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
-            act = ops.silu_mul(gate_up, delta)
-            down, delta = self._project(lora, i, "down", act, layer.down)
-            # The last layer's residual add comes with the final norm (rows are independent,
-            # so the logits rows are picked after it).
-            last_layer = i + 1 == len(self.layers)
-            norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
-            hidden, x = ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
-        last = x if batch.logits_indices is None else x[batch.logits_indices]
-        return torch.mm(last, self.lm_head)
+        return hidden, self.ops.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps)
+
+    def attention_inputs(self, i: int, x: torch.Tensor, batch: ForwardBatch,
+                         k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                         lora: LoraApplier | None, q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's rotated queries [T, Hq, D] (into q_out where given); its keys and values
+        written to their cache slots."""
+        cfg, layer = self.config, self.layers[i]
+        qkv, delta = self._project(lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
+        # The LoRA delta added, q and k rotated, k and v written to their cache slots.
+        return rope_and_cache(qkv, delta, self.rope.cos, self.rope.sin, batch.positions,
+                              batch.slot_mapping, k_caches[i], v_caches[i], cfg.num_heads,
+                              cfg.num_kv_heads, cfg.head_dim, self.tuning, out=q_out)
+
+    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor],
+               v_caches: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's attention output [T, Hq * D] (into out, [T, Hq, D], where given)."""
+        attn = paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.query_start_loc,
+                               batch.seq_lens, self.scale, batch.max_query_len, batch.max_seq_len,
+                               self.tuning, out=out)
+        return attn.reshape(-1, self.config.q_size)
+
+    def after_attention(self, i: int, attn: torch.Tensor, hidden: torch.Tensor,
+                        lora: LoraApplier | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's o projection and MLP with their residual adds: (the residual stream, that
+        normalised for the next layer, or by the final norm after the last)."""
+        cfg, ops, layer = self.config, self.ops, self.layers[i]
+        out, delta = self._project(lora, i, "o", attn, layer.o)
+        hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
+        gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
+        act = ops.silu_mul(gate_up, delta)
+        down, delta = self._project(lora, i, "down", act, layer.down)
+        # The last layer's residual add comes with the final norm (rows are independent,
+        # so the logits rows are picked after it).
+        last_layer = i + 1 == len(self.layers)
+        norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
+        return ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
+
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head over the final-normed rows `rows` (None: all), into `out` where given."""
+        last = x if rows is None else x[rows]
+        return torch.mm(last, self.lm_head) if out is None else torch.mm(last, self.lm_head, out=out)
 
     def _project(self, lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None = None

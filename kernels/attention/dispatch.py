@@ -12,10 +12,16 @@ from .reference import paged_attention_ref
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+                    max_seq_len: int, tuning: Tuning = DEFAULT_TUNING, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, Hq, D] (written into `out` where given: a CUDA graph's static buffer)."""
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
             max_seq_len)
     kernel = triton_kernel(q, "kernels.attention.triton_kernel", "paged_attention_triton")
     if kernel is not None:
-        return kernel(*args, tuning=tuning)
-    return paged_attention_ref(*args)
+        return kernel(*args, tuning=tuning, out=out)
+    result = paged_attention_ref(*args)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -222,7 +222,7 @@ def paged_attention_triton_impl(
     scale: float, max_query_len: int, max_seq_len: int, *,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, early_kv: bool | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
+    tuning: Tuning = DEFAULT_TUNING, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention_triton with the tiling knobs exposed (tests force splits and tiles).
     early_kv: with PDL, load the first tile's older keys before waiting for the kernel ahead
@@ -231,7 +231,9 @@ def paged_attention_triton_impl(
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     batch = block_tables.shape[0]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype
     if T == 0 or batch == 0 or max_query_len <= 0:
         return out
     group = num_heads // num_kv_heads
@@ -301,8 +303,10 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
-    *, tuning: Tuning = DEFAULT_TUNING,
+    *, tuning: Tuning = DEFAULT_TUNING, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached keys (see the reference)."""
+    """Causal attention of each new token over its sequence's cached keys (see the reference),
+    into `out` where given."""
     return paged_attention_triton_impl(q, k_cache, v_cache, block_tables, query_start_loc,
-                                       seq_lens, scale, max_query_len, max_seq_len, tuning=tuning)
+                                       seq_lens, scale, max_query_len, max_seq_len, tuning=tuning,
+                                       out=out)

@@ -142,15 +142,18 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
                           slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                           head_dim: int, *, num_warps: int = 4,
-                          tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
-    """As rope_and_cache_ref, in one launch."""
+                          tuning: Tuning = DEFAULT_TUNING,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """As rope_and_cache_ref, in one launch; the queries go to `out` where given."""
     T = qkv.shape[0]
     assert head_dim % 2 == 0, "RoPE needs an even head size"
     assert qkv.stride(1) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "a head's vector must be contiguous"
     assert cos_table.stride(1) == 1 and cos_table.stride() == sin_table.stride()
     assert k_cache.dtype == v_cache.dtype == qkv.dtype
-    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = out if out is not None else torch.empty(T, num_heads, head_dim, dtype=qkv.dtype,
+                                                device=qkv.device)
+    assert q.shape == (T, num_heads, head_dim) and q.stride(2) == 1 and q.dtype == qkv.dtype
     if T == 0:
         return q
     dense = delta is not None and delta.expanded is not None

@@ -15,7 +15,8 @@ def load_bench():
     return serving_bench
 
 
-@pytest.mark.parametrize("mode", [[], ["--poisson", "200"]], ids=["closed", "poisson"])
+@pytest.mark.parametrize("mode", [[], ["--poisson", "200"], ["--decode-graphs", "on", "--mixed-graphs", "on"]],
+                         ids=["closed", "poisson", "graphs"])
 def test_serving_bench_tiny(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
     bench = load_bench()
     summaries = bench.main(["--device", "cpu", "--model", str(tiny_llama_path), "--requests", "4",
@@ -35,6 +36,10 @@ def test_serving_bench_tiny(tiny_llama_path: Path, capsys: pytest.CaptureFixture
     if not mode:  # closed loop: two requests in flight, round robin: two adapters per step
         assert summaries["c-8"].adapters_per_step == 2
     assert summaries["a"].adapters_per_step == 0
+    if "--mixed-graphs" in mode:  # every prompt step replayed piece by piece, none eager
+        for key in ("a", "b", "c-8", "d"):
+            assert summaries[key].piecewise_steps > 0 and summaries[key].eager_steps == 0, summaries[key]
+        assert "replayed piece by piece / eager: a " in out, out
     for phrase in ("b/a throughput", "d/a throughput", "c-32 extra decode step", "/ PEFT (e)", "control a2/a",
                    "JIT compiles during timed runs"):
         assert phrase in out, out

@@ -103,9 +103,9 @@ def stack(tmp_path_factory, tiny_llama_path) -> Iterator[Stack]:
         push_adapter(folder, name, s3, "adapters/", progress=False)
         s.expected[name] = peft_greedy(tiny_llama_path, folder, PROMPTS, MAX_NEW)
     s.expected[""] = peft_greedy(tiny_llama_path, None, PROMPTS, MAX_NEW)
-    s.start_store()
-    s.start_node(tiny_llama_path)
-    try:
+    try:  # a node that fails to start must not leave the store (or SeaweedFS) running
+        s.start_store()
+        s.start_node(tiny_llama_path)
         yield s
     finally:
         for child in (s.node, s.store):

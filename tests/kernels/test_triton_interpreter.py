@@ -9,9 +9,11 @@ Each test here runs a child pytest with the variable set, so the switch stays lo
 - The engine's decode-graph path, one case a child: the node's CPU graph steps with the
   Triton kernels (interpreted) instead of the references, so the seam between the engine
   (rows ordered by adapter, the segment table it fills) and the kernels that read it is
-  checked against PEFT without a GPU.
+  checked against PEFT without a GPU. The same for the piecewise graphs of prompt steps
+  (the LoRA segments of a bucket's size they fill, attention over their static buffers).
 - The node's start-up warm-up, then a mixed workload: the workload launches no kernel
-  variant the warm-up did not (so on a GPU nothing compiles under requests).
+  variant the warm-up did not (so on a GPU nothing compiles under requests); with prompt
+  steps eager, and replayed piece by piece.
 
 Timeouts: about three times what each took on a shared two-core machine.
 """
@@ -29,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 GRAPHS = "tests/adapters/test_decode_graphs.py"
 MIXED = f"{GRAPHS}::test_graph_decode_matches_peft_for_mixed_adapters"
+PIECES = "tests/adapters/test_mixed_graphs.py"
 
 pytestmark = [pytest.mark.interpreter,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -42,10 +45,12 @@ GRAPH_CASES = {
     **{case: f"{MIXED}[{case}]" for case in ("cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold")},
     "variants": f"{GRAPHS}::test_steps_replay_the_smallest_group_variant_that_covers_their_adapters[cpu]",
     "single": f"{GRAPHS}::test_single_adapter_steps_expand_beside_the_matmul_and_match_peft[cpu]",
+    "pieces": f"{PIECES}::test_prompt_chunks_beside_decodes_match_peft[cpu]",
+    "pieces-preempt": f"{PIECES}::test_preempted_requests_recompute_through_the_pieces[cpu]",
 }
 KERNELS_TIMEOUT = 450  # a part took 55-95 s
-GRAPH_TIMEOUT = 450    # a case took 30-135 s, the child's start included
-WARMUP_TIMEOUT = 450   # took 70-120 s
+GRAPH_TIMEOUT = 750    # a case took 30-250 s, the child's start included
+WARMUP_TIMEOUT = 600   # took 70-120 s a case, two cases
 
 
 def run_interpreted(*args: str, timeout: float) -> str:
@@ -78,4 +83,4 @@ def test_after_the_start_up_warm_up_serving_compiles_nothing_new_in_interpreter(
     """The node's warm-up (engine/warmup.py) launches every kernel variant that a mixed
     workload then launches: on a GPU, nothing compiles under the first requests."""
     out = run_interpreted("-k", "interpreted", "tests/node/test_warmup.py", timeout=WARMUP_TIMEOUT)
-    assert "1 passed" in out, out[-8000:]
+    assert "2 passed" in out, out[-8000:]

@@ -47,19 +47,23 @@ def node(tmp_path_factory, tiny_llama_path):
 def test_per_adapter_metrics_after_a_mixed_burst(node) -> None:
     plan = ["busy"] * 6 + ["steady"] * 4 + ["rare1", "rare2", ""] + ["ghost"]  # ghost: not in the store
     outcomes: dict[int, str] = {}
+    later_tokens: dict[str, int] = {}  # tokens the clients got after each request's first message
+    tally = threading.Lock()
     with NodeClient(node.address) as client:
-        # The two busy ones first, so they are the labelled adapters when the rare ones come.
-        for name in ("busy", "steady"):
-            client.generate(client.request(adapter=name, prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True), 60)
-
         def run(i: int, name: str) -> None:
             try:
-                client.generate(client.request(adapter=name, prompt_token_ids=[5 + i, 6, 7], max_tokens=3,
-                                               ignore_eos=True), 60)
-                outcomes[i] = "length"
+                messages = [m for m in client.stream(client.request(
+                    adapter=name, prompt_token_ids=[5 + i, 6, 7], max_tokens=3, ignore_eos=True), 60)]
+                with_tokens = [m for m in messages if m.token_ids]
+                with tally:
+                    later_tokens[name] = later_tokens.get(name, 0) + sum(len(m.token_ids) for m in with_tokens[1:])
+                outcomes[i] = messages[-1].finish_reason
             except grpc.RpcError as exc:
                 outcomes[i] = exc.code().name.lower()
 
+        # The two busy ones first, so they are the labelled adapters when the rare ones come.
+        for name in ("busy", "steady"):
+            run(-1, name)
         threads = [threading.Thread(target=run, args=(i, name)) for i, name in enumerate(plan)]
         for t in threads:
             t.start()
@@ -78,9 +82,11 @@ def test_per_adapter_metrics_after_a_mixed_burst(node) -> None:
     assert value(found, "lora_node_generated_tokens_total", adapter="busy") == 21
     assert value(found, "lora_node_prompt_tokens_total", adapter="steady") == 15
     assert value(found, "lora_node_time_to_first_token_seconds_count", adapter="busy") == 7
-    # One observation per message after the first: 2 x (3 - 1) unless a lagging stream carried
-    # two tokens in one message.
-    assert 2 <= value(found, "lora_node_time_per_output_token_seconds_count", adapter=OTHER) <= 4
+    # One observation per token after a request's first message, however a lagging stream
+    # grouped its tokens into messages.
+    tpot = "lora_node_time_per_output_token_seconds_count"
+    assert value(found, tpot, adapter=OTHER) == later_tokens["rare1"] + later_tokens["rare2"]
+    assert value(found, tpot, adapter="busy") == later_tokens["busy"]
     # Engine side: four adapters through two GPU slots and two host places.
     loads = "lora_node_adapter_tier_loads_total"
     assert value(found, loads, adapter="busy", tier="host") >= 1 and value(found, loads, adapter="busy", tier="gpu") >= 1
@@ -121,3 +127,14 @@ def test_an_evicted_label_loses_its_series() -> None:
         metrics.request_finished("b", "stop", 3, 1)
     names = {s.labels.get("adapter") for f in metrics.registry.collect() for s in f.samples if "adapter" in s.labels}
     assert names == {"b", OTHER}
+
+
+def test_time_per_output_token_counts_tokens_not_messages() -> None:
+    metrics = NodeMetrics()
+    metrics.first_token("a", 0.5, 2)
+    metrics.tokens_streamed("a", 3, 0.06)   # a lagging stream: three tokens in one message
+    metrics.tokens_streamed("a", 1, 0.01)
+    hist = "lora_node_time_per_output_token_seconds"
+    assert metrics.registry.get_sample_value(f"{hist}_count", {"adapter": "a"}) == 4
+    assert metrics.registry.get_sample_value(f"{hist}_sum", {"adapter": "a"}) == pytest.approx(0.07)
+    assert metrics.registry.get_sample_value("lora_node_generated_tokens_total", {"adapter": "a"}) == 6

@@ -2,7 +2,8 @@
 shared validation, and the node's probe in the dtype it serves in); and at run time a row
 whose logits are not finite ends its request with a clear status instead of tokens, marks
 the adapter version unhealthy, and leaves the other rows of the batch untouched, through
-the eager path and the decode graphs' static-buffer path alike."""
+the eager path and the graphs' static-buffer paths (decode, and piecewise for prompt steps)
+alike."""
 from __future__ import annotations
 
 import threading
@@ -47,7 +48,8 @@ class OverflowAfterValidation:
         return weights
 
 
-GRAPH_MODES = ["off", "on", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: captured CUDA graphs
+# on: decode and prompt steps through the graphs' static buffers; cuda: captured CUDA graphs
+GRAPH_MODES = ["off", "on", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def start_node(tiny_llama_path, adapter_root, decode_graphs: str) -> InProcessNode:
@@ -56,7 +58,8 @@ def start_node(tiny_llama_path, adapter_root, decode_graphs: str) -> InProcessNo
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
                                       num_kv_blocks=64, max_loras=4,
                                       adapter_dir=str(adapter_root), decode_graphs=decode_graphs,
-                                      prefix_caching=False, metrics_port=free_port()))
+                                      mixed_graphs=decode_graphs, prefix_caching=False,
+                                      metrics_port=free_port()))
     node.node.adapters.source = OverflowAfterValidation(node.node.adapters.source)
     return node
 
@@ -100,6 +103,8 @@ def test_a_non_finite_row_fails_its_request_and_spares_the_batch(tiny_llama_path
             assert adapters["broken"].unhealthy and adapters["broken"].numerical_faults == 2
             assert not adapters["good"].unhealthy and adapters["good"].numerical_faults == 0
             assert alone(client, "good") == expected["good"]  # the node keeps serving
+            if decode_graphs != "off":  # the broken rows' first samples came from prompt steps
+                assert node.engine.stats.mixed_graph_steps > 0 and node.engine.stats.mixed_steps == 0
         port = node.node.settings.metrics_port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'lora_node_adapter_numerical_faults_total{adapter="broken"} 2.0' in text

@@ -81,13 +81,14 @@ def run_mixed_workload(node: InProcessNode, root: Path, tiny_llama_path: Path, s
     node.check_idle()
 
 
-def start_node(tiny_llama_path: Path, root: Path, warmup: str) -> InProcessNode:
+def start_node(tiny_llama_path: Path, root: Path, warmup: str, mixed_graphs: str = "off") -> InProcessNode:
     for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, seed=seed, scale=3.0)
     return InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", dtype="float32",
                                       num_kv_blocks=160, max_num_seqs=12, max_num_batched_tokens=300,
                                       max_loras=4, max_lora_rank=16, adapter_dir=str(root),
-                                      decode_graphs="off", warmup=warmup, debug_checks=True),
+                                      decode_graphs="off", mixed_graphs=mixed_graphs, warmup=warmup,
+                                      debug_checks=True),
                          start_timeout=900)  # the warm-up's forwards, in Triton's interpreter
 
 
@@ -104,11 +105,14 @@ def test_a_warmed_up_node_serves_the_same_tokens_and_ends_idle(tiny_llama_path, 
 
 
 @pytest.mark.skipif(not INTERPRET, reason="run by test_triton_interpreter.py with TRITON_INTERPRET=1")
+@pytest.mark.parametrize("mixed_graphs", ["off", "on"], ids=["eager", "piecewise"])
 def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(tokenizer_dir, tmp_path,
-                                                                             monkeypatch) -> None:
+                                                                             monkeypatch, mixed_graphs) -> None:
     """Every Triton launch of the workload (kernel, constexpr tiling, run-time specialisation)
     was already launched by the warm-up, so on a GPU nothing would compile under requests.
-    One layer: launches repeat per layer, and the interpreter is slow."""
+    One layer: launches repeat per layer, and the interpreter is slow. With piecewise graphs
+    for prompt steps, their pieces were launched at start (a GPU's capture), and the attention
+    between them, over static buffers, takes the variants the warm-up launched."""
     tiny_llama_path = make_tiny_llama(tmp_path / "one-layer", tokenizer_dir, num_hidden_layers=1)
     from kernels.attention import triton_kernel as paged_attention_triton
     from kernels.embedding import triton_kernel as embedding_triton
@@ -127,12 +131,14 @@ def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(to
     record_specialisations(monkeypatch, embedding_triton, {"_embed_kernel": embedding_triton._DYNAMIC}, keys)
     record_specialisations(monkeypatch, argmax_triton, {"_chunk_max_kernel": argmax_triton._DYNAMIC,
                                                         "_row_pick_kernel": ["n_chunks"]}, keys)
-    node = start_node(tiny_llama_path, tmp_path / "adapters", "on")
+    node = start_node(tiny_llama_path, tmp_path / "adapters", "on", mixed_graphs)
     try:
         warmed = copy.deepcopy(keys)
         assert {"_lora_shrink_kernel", "_lora_expand_kernel", "_paged_attention_kernel", "_embed_kernel",
                 "_chunk_max_kernel", "_row_pick_kernel"} <= set(warmed)
         run_mixed_workload(node, tmp_path / "adapters", tiny_llama_path, seed=2)
+        if mixed_graphs == "on":
+            assert node.engine.stats.mixed_graph_steps > 0 and node.engine.stats.mixed_steps == 0
     finally:
         node.stop()
     for name, by_tiling in keys.items():
