@@ -15,7 +15,8 @@ Rules:
   reference on that version's slot until it ends. An adapter with references is never
   evicted or rewritten; unload and replacement by a new version wait until the count is 0.
 - Pinned adapters are never evicted.
-- Waiting adapters are served in the order of their oldest waiting request. Each loop,
+- Waiting adapters are served in the order of their oldest waiting request. Each loop, the
+  oldest `max_cpu_loras` waiting adapters not on this node are fetched into host memory, and
   every waiting adapter that is not on the GPU is promoted ahead of its admission if memory
   allows: free rows, or idle adapters (no running request) that no older waiting request
   wants, evicted as the policy picks (eviction.py). The oldest waiting adapter that cannot
@@ -237,10 +238,13 @@ class AdapterManager:
                                      or (reserved.name not in self._wanted and not reserved.pinned)):
             self._reserved = reserved = None
         may_drain = True  # only the oldest adapter that cannot be placed drains others
-        for name in order:
+        for position, name in enumerate(order):
             entry = self.current.get(name)
             if entry is None:
-                self._start_load(name, "")
+                # Fetched ahead no deeper than host memory holds: a deeper prefetch would push
+                # out the host copies of older waiting adapters and fetch them again.
+                if position < self.max_cpu_loras:
+                    self._start_load(name, "")
             elif entry.slot < 0 and (reserved is None or entry is reserved):
                 placed = self._promote(entry, drain=may_drain)
                 may_drain = may_drain and placed

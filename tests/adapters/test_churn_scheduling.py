@@ -204,3 +204,22 @@ def test_memory_used_is_the_sum_of_the_resident_adapters_own_sizes() -> None:
         assert m.buffers.arenas["q_proj"].used == sum(ranks[e.name] for e in resident) <= 12
         assert all(a.used == 0 for mod, a in m.buffers.arenas.items() if mod != "q_proj")
     assert m.stats["evictions"] > 0
+
+
+def test_host_prefetch_goes_no_deeper_than_host_memory() -> None:
+    """Host memory for two adapters, one place in a step held by a long request: of five
+    waiting adapters only the two oldest are fetched ahead; each later one is fetched once,
+    in turn, as the ones ahead of it are served (no host copy is fetched twice)."""
+    names = ["busy", "w0", "w1", "w2", "w3", "w4"]
+    m, source = make_manager(names, max_loras=1, max_cpu=2, rows=4)
+    loop = Loop(m)
+    loop.submit("busy", steps=6)
+    loop.step()
+    waiting = [loop.submit(n, steps=1) for n in names[1:]]
+    loop.step()
+    assert [n for n, _ in source.loads] == ["busy", "w0", "w1"]
+    for _ in range(40):
+        loop.step()
+    assert all(r in loop.bound_at for r in waiting)
+    assert [loop.bound_at[r] for r in waiting] == sorted(loop.bound_at[r] for r in waiting)
+    assert [n for n, _ in source.loads] == names
