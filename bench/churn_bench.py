@@ -139,7 +139,9 @@ def build(model, cfg, adapter_root: Path, args, rows: int, max_cpu: int, policy:
     from inference_node.adapters.sources import LocalDirSource
 
     cuda = device.type == "cuda"
-    buffers = SlotBuffers(cfg, args.max_loras, max(args.ranks), dtype, device, rows=rows)
+    # Arenas only for the targeted modules' groups (the node's --lora-modules).
+    buffers = SlotBuffers(cfg, args.max_loras, max(args.ranks), dtype, device, rows=rows,
+                          modules=TARGETS[args.targets])
     source = LocalDirSource(adapter_root, cfg, max(args.ranks), pin_memory=cuda, dtype=dtype)
     manager = AdapterManager(buffers, source, max_cpu, pin_host_memory=cuda, eviction=policy)
     engine = build_engine(model, manager, engine_args(args), max_model_len, num_blocks,
@@ -318,7 +320,7 @@ def _checkpoint(args, work: Path, device: torch.device, dtype: torch.dtype) -> t
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: list[str]) -> list[RowResult]:
     from inference_node.adapters.slots import row_nbytes
     from inference_node.model.config import ModelConfig
-    from inference_node.model.llama import LlamaModel
+    from inference_node.model.llama import FUSED_MODULES, LlamaModel
 
     COMPILES.install()
     started = time.perf_counter()
@@ -344,6 +346,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
     resident_rows = sum(rank_of[n] for n in everyone)
     row_bytes = row_nbytes(cfg, dtype)
     per_row = sum(row_bytes[m] for m in targets)  # a rank row on every targeted module
+    arena_row = sum(row_bytes[m] for g in FUSED_MODULES.values() if set(g) & set(targets) for m in g)
 
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, load_format=load_format)
     header = [
@@ -359,10 +362,11 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
         "working sets (distinct adapters, rank rows, MB): " + "; ".join(
             f"alpha {t.alpha:g}: {len(t.distinct)}, {t.working_rows}, {t.working_rows * per_row / 1e6:.1f}"
             for t in traffic),
-        f"adapter memory: resident {resident_rows} rank rows ({resident_rows * per_row / 1e6:.1f} MB, "
-        f"{len(everyone)} adapters pinned); churn {churn_rows} rows ({churn_rows * per_row / 1e6:.1f} MB: "
-        f"alpha {args.memory_alpha:g}'s working set / {args.working_set_ratio:g}), host memory "
-        f"{host} adapters",
+        f"adapter memory (rank rows; MB of the targeted modules' rows, MB of the arenas of their "
+        f"fused groups): resident {resident_rows} ({resident_rows * per_row / 1e6:.1f}, "
+        f"{resident_rows * arena_row / 1e6:.1f}; {len(everyone)} adapters pinned); churn {churn_rows} "
+        f"({churn_rows * per_row / 1e6:.1f}, {churn_rows * arena_row / 1e6:.1f}: alpha "
+        f"{args.memory_alpha:g}'s working set / {args.working_set_ratio:g}); host memory {host} adapters",
         f"engine: {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of {args.block_size}, "
         f"decode graphs {'on' if args.use_graphs else 'off'}, piecewise graphs "
         f"{'on' if args.use_mixed else 'off'}, prefix cache off",

@@ -25,7 +25,7 @@ from .limits import RequestLimits
 from .lora_step.plan import LoraStepPlan
 from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
-from .model.llama import LlamaModel
+from .model.llama import LORA_MODULES, LlamaModel
 from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class NodeSettings:
     max_loras: int = 8                 # the most distinct adapters in one step; 0 disables LoRA
     max_lora_rank: int = 16
     lora_memory_bytes: int = 0         # GPU adapter memory (0: max_loras adapters of max_lora_rank)
+    lora_modules: tuple[str, ...] = LORA_MODULES  # what adapters may target: the memory's arenas
     adapter_eviction: str = "lru"      # GPU eviction policy (adapters/eviction.py)
     max_cpu_loras: int = 32
     adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
@@ -175,10 +176,11 @@ def build_node(settings: NodeSettings) -> Node:
              model_len)
     if adapters is not None:
         buffers = adapters.buffers
-        log.info("LoRA: %.1f MB of GPU adapter memory (%d rank rows per module: e.g. %d adapters of "
-                 "rank %d on all modules), up to %d distinct adapters in a step, ranks up to %d, "
+        log.info("LoRA: %.1f MB of GPU adapter memory (%d rank rows per module of %s: e.g. %d "
+                 "adapters of rank %d on them), up to %d distinct adapters in a step, ranks up to %d, "
                  "%s eviction, %d in host memory, source: %s",
-                 buffers.nbytes() / 1e6, buffers.rows, buffers.rows // settings.max_lora_rank,
+                 buffers.nbytes() / 1e6, buffers.rows, ",".join(settings.lora_modules),
+                 buffers.rows // settings.max_lora_rank,
                  settings.max_lora_rank, settings.max_loras, settings.max_lora_rank,
                  settings.adapter_eviction, settings.max_cpu_loras,
                  settings.adapter_store or settings.adapter_dir or "none")
@@ -208,10 +210,10 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
                                 max_weight_abs=settings.max_weight_abs, dtype=dtype)
     if settings.adapter_disk_dir and not settings.adapter_store:
         log.warning("--adapter-disk-dir keeps adapters from --adapter-store; without a store it is unused")
-    rows = (rows_for_budget(model.config, dtype, settings.lora_memory_bytes)
+    rows = (rows_for_budget(model.config, dtype, settings.lora_memory_bytes, settings.lora_modules)
             if settings.lora_memory_bytes > 0 else None)
     buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device,
-                          rows=rows)
+                          rows=rows, modules=settings.lora_modules)
     return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=pin,
                           disk_copies=source.disk_copies if source is not None else None,
                           eviction=settings.adapter_eviction)

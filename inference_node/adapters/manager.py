@@ -508,11 +508,13 @@ class AdapterManager:
 
         if self.buffers.plan(ranks, cost) is not None:
             return
-        worst = max(ranks, key=ranks.get)
+        worst = max(ranks, key=lambda m: ranks[m] / self.buffers.arenas[m].rows)
+        held = self.buffers.arenas[worst].rows
+        hint = ("unpin one or raise --lora-memory-mb" if held == self.buffers.rows else
+                f"this node keeps adapter memory for other modules only: add {worst} to --lora-modules")
         error = NoSlotAvailable(
             f"adapter {entry.name!r} needs {ranks[worst]} rank rows of {worst} on the GPU; the arena "
-            f"holds {self.buffers.rows} rows and pinned adapters keep the rest: unpin one or raise "
-            "--lora-memory-mb")
+            f"holds {held} rows and pinned adapters keep the rest: {hint}")
         self._failed[entry.name] = error
         for e, done in list(self.resident_waiters):
             if e is entry:

@@ -15,7 +15,7 @@ tells the engine when it is ready, so the running batch is not stalled by the co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Collection, Iterable
 
 import numpy as np
 import torch
@@ -53,26 +53,33 @@ def row_nbytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
             for m, (fan_in, fan_out) in config.module_shapes().items() if m in LORA_MODULES}
 
 
-def rows_for_budget(config: ModelConfig, dtype: torch.dtype, budget_bytes: int) -> int:
-    """Rank rows per module arena that `budget_bytes` of adapter memory holds (every module's
-    arena gets the same number of rows)."""
-    return max(1, budget_bytes // sum(row_nbytes(config, dtype).values()))
+def rows_for_budget(config: ModelConfig, dtype: torch.dtype, budget_bytes: int,
+                    modules: Collection[str] = LORA_MODULES) -> int:
+    """Rank rows per module arena that `budget_bytes` of adapter memory holds (every arena of
+    a fused group holding one of `modules` gets the same number of rows; SlotBuffers)."""
+    sizes = row_nbytes(config, dtype)
+    held = [m for fused in FUSED_MODULES.values() if set(fused) & set(modules) for m in fused]
+    return max(1, budget_bytes // sum(sizes[m] for m in held))
 
 
 class SlotBuffers:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, rows: int | None = None,
-                 num_slots: int | None = None) -> None:
+                 num_slots: int | None = None, modules: Collection[str] = LORA_MODULES) -> None:
         """max_loras: the most distinct adapters in one step; max_rank: the largest rank
         served. rows: rank rows per module arena (default: max_loras adapters of max_rank);
         num_slots: resident adapters the tables track (default: one per row, at least
-        max_loras, at most MAX_SLOTS)."""
+        max_loras, at most MAX_SLOTS). modules: those adapters are expected to target; a
+        fused group holding none of them gets a one-row arena (its kernels then always
+        have rows to point at), so a fleet of q/v adapters spends no memory on o or the MLP."""
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.rows = rows if rows is not None else max_loras * max_rank
         self.num_slots = num_slots or max(max_loras, min(self.rows, MAX_SLOTS))
         self.device = device
         self.row_nbytes = row_nbytes(config, dtype)
+        self.group_rows = {group: self.rows if set(fused) & set(modules) else 1
+                           for group, fused in FUSED_MODULES.items()}
         shapes = config.module_shapes()
         self.layers: list[dict[str, GroupBuffers]] = []
         for _ in range(config.num_layers):
@@ -85,14 +92,16 @@ class SlotBuffers:
                     offsets.append(offsets[-1] + shapes[m][1])
                 total_out = offsets[-1] + shapes[modules[-1]][1]
                 # Zeros: no row ever holds anything but an adapter's validated weights or zero.
-                a_all = torch.zeros(len(modules), self.rows, fan_in, dtype=dtype, device=device)
-                b_all = torch.zeros(self.rows, total_out, dtype=dtype, device=device)
+                rows_here = self.group_rows[group]
+                a_all = torch.zeros(len(modules), rows_here, fan_in, dtype=dtype, device=device)
+                b_all = torch.zeros(rows_here, total_out, dtype=dtype, device=device)
                 a = [a_all[i] for i in range(len(modules))]
                 b = [b_all[:, off:off + shapes[m][1]] for off, m in zip(offsets, modules)]
                 groups[group] = GroupBuffers(a, b, offsets, a_all, b_all)
             self.layers.append(groups)
         S = self.num_slots
-        self.arenas = {m: RowArena(self.rows) for m in LORA_MODULES}
+        self.arenas = {m: RowArena(self.group_rows[group])
+                       for group, fused in FUSED_MODULES.items() for m in fused}
         self.scaling = torch.zeros(S, dtype=torch.float32, device=device)
         # Per fused group, [slices, slots]: the slot's rank on each module its adapter targets,
         # else 0, so the kernels skip what an adapter leaves alone (a q/v adapter does no k,
