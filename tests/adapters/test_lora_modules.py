@@ -20,7 +20,9 @@ QV = ("q_proj", "v_proj")
 
 
 @pytest.mark.timeout(600)
-def test_a_qv_node_keeps_memory_for_qkv_only_and_matches_peft(tiny_llama_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_qv_node_keeps_memory_for_qkv_only_and_matches_peft(tiny_llama_path: Path, tmp_path: Path,
+                                                             device: str) -> None:
     root = tmp_path / "adapters"
     make_peft_adapter(tiny_llama_path, root / "qv", 8, 16.0, list(QV), seed=1, scale=3.0)
     make_peft_adapter(tiny_llama_path, root / "qv2", 16, 16.0, list(QV), seed=2, scale=3.0)
@@ -29,7 +31,7 @@ def test_a_qv_node_keeps_memory_for_qkv_only_and_matches_peft(tiny_llama_path: P
     expected = {n: peft_greedy(tiny_llama_path, root / n, prompts, 8) for n in ("qv", "qv2")}
     config = ModelConfig.from_checkpoint(tiny_llama_path)
     sizes = row_nbytes(config, torch.float32)
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", dtype="float32",
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
                                       num_kv_blocks=128, max_loras=2, max_lora_rank=16,
                                       lora_memory_bytes=24 * sum(sizes[m] for m in ("q_proj", "k_proj", "v_proj")),
                                       lora_modules=QV, adapter_dir=str(root), decode_graphs="on",

@@ -32,8 +32,9 @@ def own_nbytes(config: ModelConfig, rank: int, targets: tuple[str, ...]) -> int:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_thousand_mixed_rank_adapters_match_peft_and_hold_their_own_size(tiny_llama_path: Path,
-                                                                         tmp_path: Path) -> None:
+                                                                         tmp_path: Path, device: str) -> None:
     config = ModelConfig.from_checkpoint(tiny_llama_path)
     root = tmp_path / "adapters"
     spec = {}
@@ -43,7 +44,7 @@ def test_a_thousand_mixed_rank_adapters_match_peft_and_hold_their_own_size(tiny_
         write_random_adapter(root / name, config, spec[name][0], spec[name][1], seed=k,
                              device=torch.device("cpu"), dtype=torch.float32, std=0.1)
     row = sum(row_nbytes(config, torch.float32).values())
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", dtype="float32",
+    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
                                       num_kv_blocks=256, max_loras=8, max_lora_rank=64, max_cpu_loras=16,
                                       lora_memory_bytes=ROWS * row, adapter_dir=str(root),
                                       max_num_batched_tokens=256, debug_checks=True))
