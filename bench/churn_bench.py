@@ -250,7 +250,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--targets", choices=sorted(TARGETS), default="qv", help="modules every adapter targets")
     p.add_argument("--alphas", type=lambda t: [float(x) for x in t.split(",")], default=[0.5, 1.0, 1.5])
     p.add_argument("--policies", default="lru,gdsf", help="churn rows: GPU eviction policies")
-    p.add_argument("--requests", type=int, help="requests per row (CUDA 1000, CPU 60)")
+    p.add_argument("--requests", type=int, help="requests per row (CUDA 600, CPU 60)")
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (CUDA 20, CPU 10)")
     p.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
     p.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 32:128, CPU 4:8)")
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> list[RowResult]:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    args.requests = args.requests or (1000 if cuda else 60)
+    args.requests = args.requests or (600 if cuda else 60)
     args.rate = args.rate or (20.0 if cuda else 10.0)
     args.concurrency = args.concurrency or (64 if cuda else 8)
     args.max_loras = args.max_loras or args.concurrency
