@@ -83,7 +83,7 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--lora-memory-mb", type=float, default=0,
                        help="GPU memory for adapters, shared by rank: an adapter holds its own rank's "
                             "rows on each module it targets (0: --max-loras adapters of --max-lora-rank)")
-    serve.add_argument("--lora-modules", type=lora_modules, default=LORA_MODULES,
+    serve.add_argument("--lora-modules", type=lora_modules, default=",".join(LORA_MODULES),
                        help="comma-separated modules adapters may target (default: all seven); the "
                             "adapter memory keeps rank rows only for their fused groups (q,k,v / o / "
                             "gate,up / down), so a fleet of q,v adapters spends none on o or the MLP")
