@@ -151,6 +151,9 @@ class AdapterManager:
         self.policy = make_policy(eviction)
         self.slots: list[AdapterEntry | None] = [None] * buffers.num_slots
         self.active = 0                                   # adapters with running requests
+        # Adapters whose host->GPU copy may still run: the per-loop checks look at these alone,
+        # not at every slot (a large adapter memory tracks thousands).
+        self._copying: dict[int, AdapterEntry] = {}
         self._reserved: AdapterEntry | None = None        # the adapter running ones drain for
         self._wanted: dict[str, int] = {}                 # waiting adapters: name -> position
         self.current: dict[str, AdapterEntry] = {}       # name -> the version new requests get
@@ -217,7 +220,7 @@ class AdapterManager:
 
     # -- once per engine loop iteration -------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.jobs or self.resident_waiters or any(e and e.copying for e in self.slots))
+        return bool(self.jobs or self.resident_waiters or self._copying)
 
     def prepare(self, waiting: Iterable[Request]) -> None:
         """Before scheduling: apply finished fetches and copies, start the loads the waiting
@@ -450,6 +453,7 @@ class AdapterManager:
         self.slots[slot] = entry
         entry.slot = slot
         entry.copying = True
+        self._copying[id(entry)] = entry
         entry.gpu_nbytes = self.buffers.adapter_nbytes(ranks)
         self.counters(entry.name).loads["gpu"] += 1
         entry.copy_done = self.buffers.write(slot, entry.weights)
@@ -560,10 +564,11 @@ class AdapterManager:
             self._on_namespace_dropped(entry.namespace)
 
     def _check_copies(self) -> None:
-        for e in self.slots:
-            if e is not None and e.copying and (e.copy_done is None or e.copy_done.query()):
+        for key, e in list(self._copying.items()):
+            if e.copy_done is None or e.copy_done.query():
                 e.copying = False
                 e.copy_done = None
+                del self._copying[key]
 
     # -- tier hits -------------------------------------------------------------------------------------
     def _observe(self, request: Request) -> None:

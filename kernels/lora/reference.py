@@ -21,9 +21,13 @@ def _token_index(meta: LoraBatchMeta, start: int, length: int, first: int):
     return meta.sorted_token_ids[start:start + length].long()
 
 
-def _host_rows(slots: SlotRows) -> tuple[list[list[int]], list[list[int]]]:
-    """The slots' ranks and first rows per slice, as host lists (one read per call)."""
-    return slots.ranks.tolist(), slots.rows.tolist()
+def _host_rows(slots: SlotRows, meta: LoraBatchMeta) -> dict[int, tuple[list[int], list[int]]]:
+    """Per slot of the step's segments: its rank and first row on each slice, read on the host
+    in one transfer (only those slots: the tables hold every resident adapter's)."""
+    wanted = sorted({seg[0] for seg in meta.segments})
+    index = torch.tensor(wanted, dtype=torch.long, device=slots.ranks.device)
+    ranks, rows = slots.ranks[:, index].t().tolist(), slots.rows[:, index].t().tolist()
+    return {slot: (ranks[j], rows[j]) for j, slot in enumerate(wanted)}
 
 
 def lora_shrink_ref(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
@@ -33,13 +37,14 @@ def lora_shrink_ref(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: Lo
     out = torch.zeros(len(a_stacked), x.shape[0], slots.max_rank, dtype=torch.float32, device=x.device)
     if not meta.segments:
         return out
-    ranks, firsts = _host_rows(slots)
+    host = _host_rows(slots, meta)
     for slot, start, length, first in meta.segments:
         idx = _token_index(meta, start, length, first)
         xs = x[idx].float()
         scale = scaling[slot].float()  # 0-d tensor
+        ranks, firsts = host[slot]
         for i, a in enumerate(a_stacked):
-            r, row = min(ranks[i][slot], slots.max_rank), firsts[i][slot]
+            r, row = min(ranks[i], slots.max_rank), firsts[i]
             if r > 0:
                 out[i, idx, :r] = torch.matmul(xs, a[row:row + r].float().t()).mul_(scale)
     return out
@@ -53,12 +58,13 @@ def lora_expand_ref(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: Lo
     A slice the slot leaves alone (rank 0) is not touched."""
     if not meta.segments:
         return
-    ranks, firsts = _host_rows(slots)
+    host = _host_rows(slots, meta)
     for slot, start, length, first in meta.segments:
         idx = _token_index(meta, start, length, first)
+        ranks, firsts = host[slot]
         for i, b in enumerate(b_stacked):
             off, n_out = slice_offsets[i], b.shape[1]
-            r, row = min(ranks[i][slot], slots.max_rank), firsts[i][slot]
+            r, row = min(ranks[i], slots.max_rank), firsts[i]
             if r <= 0:
                 continue
             delta = torch.matmul(h[i, idx, :r].float(), b[row:row + r].float())
