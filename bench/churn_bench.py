@@ -329,7 +329,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
     cfg = ModelConfig.from_checkpoint(checkpoint)
     targets = TARGETS[args.targets]
     names = adapter_names(args.adapters)
-    adapter_root = work / f"adapters-{args.targets}-{'-'.join(map(str, args.ranks))}"
+    # Named by the model's shapes, targets and ranks: a --workdir may serve several models.
+    adapter_root = (work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}-{args.targets}-"
+                    f"{'-'.join(map(str, args.ranks))}-{str(dtype).removeprefix('torch.')}")
     rank_of = write_adapters(adapter_root, cfg, names, args.ranks, targets,
                              device if cuda else torch.device("cpu"), dtype)
     log.info("checkpoint and %d adapters ready in %.1fs", len(names), time.perf_counter() - started)
