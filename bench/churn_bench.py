@@ -44,8 +44,7 @@ from typing import Sequence
 
 import torch
 
-from bench.common import (ALL_MODULES, LLAMA_3_1_8B, LLAMA_3_2_1B, QV, TINY_LLAMA, CompileWatch,
-                          write_random_adapter, write_random_checkpoint)
+from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, write_random_adapter
 from bench.engine_driver import Driver, Spec, make_specs, parse_range, pct, preload_adapters, zipf_index
 
 log = logging.getLogger("churn_bench")
@@ -130,6 +129,15 @@ def engine_args(args) -> argparse.Namespace:
                               prefill_delay_factor=[])
 
 
+def arena_row_nbytes(cfg, dtype: torch.dtype, targets: Sequence[str]) -> int:
+    """Bytes of one rank row in every arena the targeted modules' fused groups keep (slots.py)."""
+    from inference_node.adapters.slots import row_nbytes
+    from inference_node.model.llama import FUSED_MODULES
+
+    sizes = row_nbytes(cfg, dtype)
+    return sum(sizes[m] for group in FUSED_MODULES.values() if set(group) & set(targets) for m in group)
+
+
 def build(model, cfg, adapter_root: Path, args, rows: int, max_cpu: int, policy: str,
           max_model_len: int, num_blocks: int, device: torch.device, dtype: torch.dtype):
     """(engine, manager) with `rows` rank rows per module arena."""
@@ -139,6 +147,11 @@ def build(model, cfg, adapter_root: Path, args, rows: int, max_cpu: int, policy:
     from inference_node.adapters.sources import LocalDirSource
 
     cuda = device.type == "cuda"
+    if cuda:
+        need, free = rows * arena_row_nbytes(cfg, dtype, TARGETS[args.targets]), torch.cuda.mem_get_info(device)[0]
+        if need > 0.9 * free:
+            raise RuntimeError(f"{rows} rank rows of adapter memory need {need / 2**30:.1f} GiB, "
+                               f"{free / 2**30:.1f} GiB is free: lower --requests, --ranks or --working-set-ratio")
     # Arenas only for the targeted modules' groups (the node's --lora-modules).
     buffers = SlotBuffers(cfg, args.max_loras, max(args.ranks), dtype, device, rows=rows,
                           modules=TARGETS[args.targets])
@@ -302,25 +315,15 @@ def main(argv: Sequence[str] | None = None) -> list[RowResult]:
 
 def _checkpoint(args, work: Path, device: torch.device, dtype: torch.dtype) -> tuple[Path, str, str]:
     """(checkpoint, load format, description) of --model."""
-    model_arg = args.model or ("llama-1b-random" if device.type == "cuda" else "tiny")
-    if model_arg == "llama-8b-random":
-        checkpoint = work / "llama-3.1-8b-dummy"
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        (checkpoint / "config.json").write_text(json.dumps(LLAMA_3_1_8B, indent=2))
-        return checkpoint, "dummy", "Llama-3.1-8B-shaped (vocab 49,152), random weights"
-    if model_arg in ("llama-1b-random", "tiny"):
-        config = LLAMA_3_2_1B if model_arg == "llama-1b-random" else TINY_LLAMA
-        checkpoint = work / f"{model_arg}-{str(dtype).removeprefix('torch.')}"
-        if not (checkpoint / "model.safetensors").exists():
-            write_random_checkpoint(checkpoint, config, dtype, device, seed=args.seed)
-        return checkpoint, "safetensors", f"{model_arg}: random weights"
-    return Path(model_arg), "safetensors", Path(model_arg).name
+    bench = bench_model(args.model or ("llama-1b-random" if device.type == "cuda" else "tiny"), work, dtype,
+                        device, args.seed)
+    return bench.checkpoint, bench.load_format, bench.description
 
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: list[str]) -> list[RowResult]:
     from inference_node.adapters.slots import row_nbytes
     from inference_node.model.config import ModelConfig
-    from inference_node.model.llama import FUSED_MODULES, LlamaModel
+    from inference_node.model.llama import LlamaModel
 
     COMPILES.install()
     started = time.perf_counter()
@@ -348,7 +351,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
     resident_rows = sum(rank_of[n] for n in everyone)
     row_bytes = row_nbytes(cfg, dtype)
     per_row = sum(row_bytes[m] for m in targets)  # a rank row on every targeted module
-    arena_row = sum(row_bytes[m] for g in FUSED_MODULES.values() if set(g) & set(targets) for m in g)
+    arena_row = arena_row_nbytes(cfg, dtype, targets)
 
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, load_format=load_format)
     header = [
@@ -397,6 +400,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
             log.exception("%s engine failed", key)
             results += [RowResult(key, t.alpha, float("nan"), error=f"{type(exc).__name__}: {exc}"[:200])
                         for t in traffic]
+            if manager is not None:
+                manager.shutdown()
+            engine = manager = None
+            gc.collect()
             continue
         for t in traffic:
             ratio = t.working_rows / rows

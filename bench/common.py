@@ -16,38 +16,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from bench.shapes import LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA  # noqa: F401 (re-exported)
+
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QV = ("q_proj", "v_proj")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
-
-# Llama-3.2-1B's shapes (weights random: nothing is downloaded).
-LLAMA_3_2_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-    "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
-
-# Llama-3.1-8B's shapes with SmolLM2's vocabulary (49,152), weights made on the device
-# (`load_format="dummy"`): 16 GB need not be written and read back.
-LLAMA_3_1_8B = {
-    **LLAMA_3_2_1B, "vocab_size": 49152, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
-
-# A small model of the same family, for CPU runs of a real node (with a real tokenizer).
-TINY_LLAMA = {**LLAMA_3_2_1B, "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 160,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 16, "max_position_embeddings": 1024, "rope_scaling": None,
-              "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
-              "eos_token_id": 2, "torch_dtype": "float32"}
 
 
 # -- synthetic weights ---------------------------------------------------------------------------
@@ -80,6 +54,64 @@ def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A benchmark's model: its checkpoint folder, how the node loads it, what to print."""
+
+    checkpoint: Path
+    load_format: str   # "dummy": random weights of config.json's shapes, made on the device
+    description: str
+
+
+# The named random-weight models: (config, whether its weights are made at load rather than
+# written as a checkpoint once, what to print).
+RANDOM_MODELS = {
+    "llama-1b-random": (LLAMA_3_2_1B, False, "Llama-3.2-1B-shaped, random weights"),
+    "llama-8b-random": (LLAMA_3_1_8B, True, "Llama-3.1-8B-shaped (vocab 49,152), random weights"),
+    "llama-70b-random": (LLAMA_3_1_70B, True, "Llama-3.1-70B-shaped (vocab 49,152), random weights"),
+    "tiny": (TINY_LLAMA, False, "tiny Llama-shaped, random weights"),
+}
+
+
+def bench_model(name: str, work: Path, dtype: torch.dtype, device: torch.device, seed: int) -> BenchModel:
+    """The named shapes with random weights (RANDOM_MODELS: 'llama-8b-random' and
+    'llama-70b-random' config only, weights made at load; 'llama-1b-random', 'tiny': a
+    checkpoint written once into `work`), the embedded SmolLM2 ('embedded'), or a checkpoint
+    folder."""
+    if name in RANDOM_MODELS:
+        config, made_at_load, description = RANDOM_MODELS[name]
+        if made_at_load:
+            checkpoint = work / name.replace("-random", "-dummy")
+            checkpoint.mkdir(parents=True, exist_ok=True)
+            (checkpoint / "config.json").write_text(json.dumps(config, indent=2))
+            return BenchModel(checkpoint, "dummy", description)
+        checkpoint = work / f"{name}-{str(dtype).removeprefix('torch.')}"
+        if not (checkpoint / "model.safetensors").exists():
+            write_random_checkpoint(checkpoint, config, dtype, device, seed=seed)
+        return BenchModel(checkpoint, "safetensors", description)
+    return BenchModel(_checkpoint_of(name), "safetensors",
+                      "embedded SmolLM2-135M" if name == "embedded" else Path(name).name)
+
+
+def bench_model_config(name: str):
+    """bench_model(name)'s ModelConfig without making or writing its weights (a kernel sweep
+    needs its shapes only)."""
+    from inference_node.model.config import ModelConfig
+
+    if name in RANDOM_MODELS:
+        return ModelConfig.from_dict(RANDOM_MODELS[name][0])
+    return ModelConfig.from_checkpoint(_checkpoint_of(name))
+
+
+def _checkpoint_of(name: str) -> Path:
+    """The checkpoint folder of 'embedded' or a folder's path."""
+    if name == "embedded":
+        from inference_node.model.embedded import default_checkpoint
+
+        return default_checkpoint()
+    return Path(name)
 
 
 def copy_tokenizer(source: Path, dest: Path) -> None:

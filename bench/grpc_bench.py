@@ -43,14 +43,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from bench.shapes import LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B
+
 log = logging.getLogger("grpc_bench")
 
-SHAPES = {
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0},
-    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0},
-}
+# The named models' layer shapes (bench.common); the checkpoint around them has SmolLM2's
+# vocabulary, so the requests' token ids are text the front end can detokenize.
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_theta")
+SHAPES = {name: {k: config[k] for k in SHAPE_KEYS}
+          for name, config in (("1b", LLAMA_3_2_1B), ("8b", LLAMA_3_1_8B), ("70b", LLAMA_3_1_70B))}
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -328,7 +330,9 @@ def node_flags(args, checkpoint: Path, adapters: Path, dummy: bool) -> list[str]
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.prefill_delay_factor:
         flags += ["--prefill-delay-factor", str(args.prefill_delay_factor)]
-    return flags
+    if args.tensor_parallel_size > 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    return flags + ["--mixed-graphs", args.mixed_graphs]
 
 
 # -- the engine in-process -------------------------------------------------------------------------------
@@ -343,7 +347,8 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
         load_format="dummy" if dummy else "safetensors", adapter_dir=str(adapters),
         max_loras=max(args.adapters, 1), max_lora_rank=16, max_cpu_loras=max(args.adapters, 1),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens, max_model_len=1024,
-        num_kv_blocks=args.num_kv_blocks, prefill_delay_factor=args.prefill_delay_factor)
+        num_kv_blocks=args.num_kv_blocks, prefill_delay_factor=args.prefill_delay_factor,
+        mixed_graphs=args.mixed_graphs, tensor_parallel_size=args.tensor_parallel_size)
     node = build_node(settings)
     engine = node.engine
     engine.prepare()
@@ -366,6 +371,7 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
                                                        r.error) for r in records], steps))
         print(f"# {format_row(summarize(out[-1]))}", file=sys.stderr, flush=True)
     engine.shutdown(timeout=0)
+    node.close()  # a tensor-parallel node's other ranks
     del node, engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -429,7 +435,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--shape", choices=["1b", "8b", "embedded"], default=None,
+    p.add_argument("--shape", choices=[*SHAPES, "embedded"], default=None,
                    help="model shapes (CUDA default 1b; CPU default: the embedded model's real weights)")
     p.add_argument("--rows", default="base,c32", help="base and/or cN (N distinct adapters)")
     p.add_argument("--concurrency", default=None, help="comma-separated (CUDA 64,256; CPU 8)")
@@ -444,6 +450,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=None, help="the node's (CUDA 2048, CPU 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: the node's default sizing")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="the node's (one GPU per rank)")
+    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="the node's: prompt and mixed steps replayed from piecewise CUDA graphs")
     p.add_argument("--paths", default="grpc,http,engine",
                    help="which paths to run: grpc, http (the OpenAI-compatible API, /v1/completions streamed), "
                         "engine (in-process)")
@@ -493,7 +502,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         print(f"device: {device_name}; model: {shape} shapes ({checkpoint.name}), "
               f"{'random bf16 weights' if dummy else 'real weights'}, vocab {vocab}; node: max_num_seqs "
               f"{args.max_num_seqs}, {args.max_batched_tokens} tokens a step, prefill delay factor "
-              f"{args.prefill_delay_factor:g}, {args.api_processes} front-end "
+              f"{args.prefill_delay_factor:g}, mixed graphs {args.mixed_graphs}, tensor parallel "
+              f"{args.tensor_parallel_size}, {args.api_processes} front-end "
               f"process(es); {args.clients} client processes per API; "
               + (f"Poisson {args.poisson} req/s, Zipf({args.zipf_alpha})" if args.poisson else "closed loop")
               + f"; prompts {prompt_len[0]}-{prompt_len[1]}, {output} new tokens (ignore EOS)", flush=True)

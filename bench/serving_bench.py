@@ -46,10 +46,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from bench.common import (ALL_MODULES, LLAMA_3_1_8B, LLAMA_3_2_1B, QV, CompileWatch, copy_bandwidth,
-                          write_random_adapter, write_random_checkpoint)
+from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, copy_bandwidth, write_random_adapter
 from bench.engine_driver import (DecodeStep, Driver, ReqRecord, Spec, make_specs, parse_range, pct,
                                  preload_adapters, sync, zipf_index)
+from bench.tp_floor import StepBytes, adapter_bytes_per_rank
 
 log = logging.getLogger("serving_bench")
 COMPILES = CompileWatch()  # installed by _run; every row reports what compiled in its timed run
@@ -83,32 +83,6 @@ class RowResult:
     other_steps: tuple[int, int] | None = None
     compiles: list[str] = field(default_factory=list)  # JIT compiles during the timed run
     error: str | None = None
-
-
-class Bytes:
-    """What a decode step must read at least: weights, adapters, KV."""
-
-    def __init__(self, model, adapter_bytes: dict[str, int]) -> None:
-        cfg = model.config
-        es = model.dtype.itemsize
-        tensors = [model.final_norm, model.lm_head]
-        for layer in model.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
-            if layer.qkv_bias is not None:
-                tensors.append(layer.qkv_bias)
-        self.weights = sum(t.numel() * t.element_size() for t in tensors)
-        self.embed_row = cfg.hidden_size * es
-        self.kv_token = cfg.num_layers * 2 * cfg.kv_size * es
-        self.adapter = adapter_bytes
-
-    def step(self, batch: int, adapters: frozenset[str], kv_tokens: int) -> int:
-        return (self.weights + batch * self.embed_row + kv_tokens * self.kv_token
-                + sum(self.adapter[a] for a in adapters))
-
-
-def adapter_nbytes(model_cfg, rank: int, targets: Sequence[str], itemsize: int) -> int:
-    shapes = model_cfg.module_shapes()
-    return model_cfg.num_layers * sum(rank * sum(shapes[m]) for m in targets) * itemsize
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -314,7 +288,7 @@ class Summary:
     step_boundary: list = field(default_factory=list)
 
 
-def summarize(res: RowResult, nbytes: Bytes, bw: float) -> Summary:
+def summarize(res: RowResult, nbytes: StepBytes, bw: float) -> Summary:
     s = Summary(res.key, res.label, res.error)
     if res.error:
         return s
@@ -487,7 +461,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                    help="a launch choice other than the node's default (kernels/tuning.py; the "
-                        "form of `inference-node serve --NAME`), repeatable")
+                        "form of `inference-node serve --NAME`), repeatable; wins over the table")
+    p.add_argument("--tuning-table", default="auto",
+                   help="per-bucket launch choices, as `inference-node serve --tuning-table`: auto "
+                        "(the table filed for this GPU and shape, if any), off, or a file's path")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     return args
@@ -529,34 +506,17 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
     from kernels.tuning import tuning_from_text
+    from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
 
     cuda = device.type == "cuda"
     COMPILES.install()
     started = time.perf_counter()
     model_arg = args.model or ("llama-1b-random" if cuda else "embedded")
-    load_format = "safetensors"
-    if model_arg == "llama-8b-random":
-        checkpoint = work / "llama-3.1-8b-dummy"
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        (checkpoint / "config.json").write_text(json.dumps(LLAMA_3_1_8B, indent=2))
-        load_format = "dummy"
-        model_name = "Llama-3.1-8B-shaped (vocab 49,152), random weights"
-        if "e" in wanted:
-            log.warning("row e needs a checkpoint on disk for PEFT: skipped with the 8B shape")
-            wanted.discard("e")
-    elif model_arg == "llama-1b-random":
-        checkpoint = work / "llama-3.2-1b-random"
-        if not (checkpoint / "model.safetensors").exists():
-            write_random_checkpoint(checkpoint, LLAMA_3_2_1B, dtype, device, seed=args.seed)
-        model_name = "Llama-3.2-1B-shaped, random weights"
-    elif model_arg == "embedded":
-        from inference_node.model.embedded import default_checkpoint
-
-        checkpoint = default_checkpoint()
-        model_name = "embedded SmolLM2-135M"
-    else:
-        checkpoint = Path(model_arg)
-        model_name = checkpoint.name
+    bench = bench_model(model_arg, work, dtype, device, args.seed)
+    checkpoint, load_format, model_name = bench.checkpoint, bench.load_format, bench.description
+    if load_format == "dummy" and "e" in wanted:
+        log.warning("row e needs a checkpoint on disk for PEFT: skipped with random weights made at load")
+        wanted.discard("e")
     cfg = ModelConfig.from_checkpoint(checkpoint)
     max_out, max_prompt = output_len[1], prompt_len[1]
     max_model_len = max_prompt + max_out + args.block_size
@@ -581,13 +541,17 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     log.info("checkpoint and %d adapters ready in %.1fs", len(dirs), time.perf_counter() - started)
 
     bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
-    tuning = tuning_from_text(dict(item.split("=", 1) for item in args.tune))
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=tuning,
-                            load_format=load_format)
+    given = dict(item.split("=", 1) for item in args.tune)
+    tuning = tuning_from_text(given)
+    table = load_table(args.tuning_table, device_name(device), ModelShape.of(cfg))
+    steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
+    log.info("tuning table: %s", table.path if table is not None else f"none ({args.tuning_table})")
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=steps.base,
+                            load_format=load_format, step_tunings=steps)
     itemsize = dtype.itemsize
-    abytes = {n: adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) for n in r16}
-    abytes |= {n: adapter_nbytes(cfg, 8, QV, itemsize) for n in qv}
-    nbytes = Bytes(model, abytes)
+    abytes = {n: adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) for n in r16}
+    abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
+    nbytes = StepBytes.of(cfg, itemsize, abytes)
     specs = make_specs(args.requests, prompt_len, output_len, cfg.vocab_size, args.poisson, args.seed)
 
     rows: list[Row] = []
@@ -708,7 +672,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     for row in rows:
         print(format_row(summaries[row.key]))
     print("-" * len(HEADER))
-    read_32 = 32 * adapter_nbytes(cfg, 16, ALL_MODULES, itemsize) / bw
+    read_32 = 32 * adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) / bw
     for line in ratios(summaries, read_32, "c-32"):
         print(line)
     if args.rounds > 1:

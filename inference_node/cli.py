@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kernels.tuning import DEFAULT_TUNING, Tuning, choice_help, format_choice, parse_choice
+from kernels.tuning_table import TuningTable, TuningTableError
 from lora_common.envargs import EnvArgumentParser
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags, client_tls_from_args,
@@ -81,8 +82,9 @@ def parser() -> EnvArgumentParser:
                        help="the most distinct adapters in one step (0 disables LoRA)")
     serve.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
     serve.add_argument("--lora-memory-mb", type=float, default=0,
-                       help="GPU memory for adapters, shared by rank: an adapter holds its own rank's "
-                            "rows on each module it targets (0: --max-loras adapters of --max-lora-rank)")
+                       help="GPU memory for adapters (on each GPU of a tensor-parallel node), shared by "
+                            "rank: an adapter holds its own rank's rows on each module it targets "
+                            "(0: --max-loras adapters of --max-lora-rank)")
     serve.add_argument("--lora-modules", type=lora_modules, default=",".join(LORA_MODULES),
                        help="comma-separated modules adapters may target (default: all seven); the "
                             "adapter memory keeps rank rows only for their fused groups (q,k,v / o / "
@@ -90,7 +92,9 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--adapter-eviction", choices=["lru", "gdsf"], default="lru",
                        help="which idle adapters leave the GPU first when memory is wanted: least "
                             "recently used, or GreedyDual-Size-Frequency (requests per byte, aged)")
-    serve.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in host memory")
+    serve.add_argument("--max-cpu-loras", type=int, default=32,
+                       help="adapters kept in host memory (also how deep waiting requests' adapters are "
+                            "fetched ahead)")
     serve.add_argument("--adapter-store", default=None,
                        help="HOST:PORT of the adapter store (adapters load on demand)")
     serve.add_argument("--adapter-dir", default=None,
@@ -144,6 +148,8 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--api-processes", type=int, default=1,
                        help="front-end processes serving gRPC on the port (tokenising, detokenising, "
                             "streaming); the engine always runs in a process of its own")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model over this many GPUs of the host (one process each; gloo on CPU)")
     serve.add_argument("--debug-checks", action="store_true",
                        help="check the engine's invariants after every step (slow)")
     serve.add_argument("--log-level", default="INFO")
@@ -152,8 +158,15 @@ def parser() -> EnvArgumentParser:
 
 
 def add_tuning_flags(serve: EnvArgumentParser) -> None:
-    """One flag per launch choice of the decode step (kernels/tuning.py: Tuning), named after
-    it (--gemm-prefetch-k for gemm_prefetch_k), its default the measured best."""
+    """--tuning-table, and one flag per launch choice of the decode step (kernels/tuning.py:
+    Tuning), named after it (--gemm-prefetch-k for gemm_prefetch_k). A choice flag left unset
+    takes the tuning table's value for the step's bucket, else the default (the measured
+    best); one given (or set in its environment variable) wins over the table."""
+    serve.add_argument("--tuning-table", default="auto",
+                       help="launch choices per decode batch and adapter-count bucket from a table "
+                            "kept as data (kernels/configs/README.md): auto = the one filed for this "
+                            "GPU and model shape if any, off, or a table file's path; the choice "
+                            "flags below override it")
     for f in dataclasses.fields(Tuning):
         def parse(text: str, name: str = f.name):
             try:
@@ -161,21 +174,41 @@ def add_tuning_flags(serve: EnvArgumentParser) -> None:
             except ValueError as exc:
                 raise argparse.ArgumentTypeError(str(exc)) from None
 
+        # No parser default: an unset flag (None) leaves the choice to the table.
+        default = format_choice(f.name, getattr(DEFAULT_TUNING, f.name))
         serve.add_argument("--" + f.name.replace("_", "-"), dest="tune_" + f.name,
-                           type=parse, metavar=f.name.upper(),
-                           default=format_choice(f.name, getattr(DEFAULT_TUNING, f.name)),
-                           help="tuning: " + choice_help(f.name))
+                           type=parse, metavar=f.name.upper(), default=None,
+                           help=f"tuning: {choice_help(f.name)} (default: {default}, or the "
+                                f"tuning table's)%(default).0s")
+
+
+def given_tuning_flags(args: argparse.Namespace) -> frozenset[str]:
+    """The launch choices whose flag was given (or set in its environment variable)."""
+    return frozenset(f.name for f in dataclasses.fields(Tuning)
+                     if getattr(args, "tune_" + f.name) is not None)
 
 
 def tuning_from_args(args: argparse.Namespace) -> Tuning:
+    """The defaults with the choice flags given applied."""
     try:
-        return Tuning(**{f.name: getattr(args, "tune_" + f.name) for f in dataclasses.fields(Tuning)})
+        return Tuning(**{name: getattr(args, "tune_" + name) for name in given_tuning_flags(args)})
     except ValueError as exc:
         raise SystemExit(f"inference-node serve: {exc}") from None
 
 
+def check_tuning_table(setting: str) -> None:
+    """A table given by path is read now, so a bad file fails before the model loads (its
+    shape is checked against the model's when it loads)."""
+    if setting not in ("auto", "off"):
+        try:
+            TuningTable.read(setting)
+        except TuningTableError as exc:
+            raise SystemExit(f"inference-node serve: --tuning-table: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    check_tuning_table(args.tuning_table)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = NodeSettings(
@@ -198,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),
         store_token=args.store_token, cpu_threads=args.cpu_threads, adapter_fetch_timeout_s=args.adapter_fetch_timeout,
         max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)), max_weight_abs=args.max_weight_abs,
-        tuning=tuning_from_args(args),
+        tuning=tuning_from_args(args), tuning_table=args.tuning_table,
+        tuning_fixed=given_tuning_flags(args), tensor_parallel_size=args.tensor_parallel_size,
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

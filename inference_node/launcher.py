@@ -26,7 +26,8 @@ from pathlib import Path
 from .core.engine_core import run_engine_core_process
 from .frontend.engine_client import EngineClient
 from .model.embedded import default_checkpoint
-from .node import NodeSettings
+from .node import NodeSettings, check_tensor_parallel
+from .parallel.shard import ShardingError
 from .parent_watch import die_with_parent, parent_alive
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,11 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
                    on_ready=lambda server: None) -> int:
     """Runs the node until SIGTERM/SIGINT (0) or until its engine core dies (1)."""
     settings = resolve_checkpoint(settings)
+    try:  # a size the model cannot be split by fails now, not after a process has started
+        check_tensor_parallel(settings, Path(settings.model))
+    except (ShardingError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
     procs = Processes()
     metrics_dir = None
     if options.api_processes > 1 and "prometheus_client" not in sys.modules:

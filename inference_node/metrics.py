@@ -213,6 +213,13 @@ class _EngineCollector:
                 yield GaugeMetricFamily(f"lora_node_{key}", text, value=float(values[key]))
         yield from self._prefix_cache(values.get("prefix_cache", {}))
         yield from self._adapters(values.get("adapter_counters", {}))
+        if "adapter_tier_hits" in values:
+            hits = CounterMetricFamily("lora_node_adapter_requests_by_tier", "adapter requests by where their "
+                                       "adapter was when the node first saw them (gpu, host, disk, store): the "
+                                       "tiers' hit rates", labels=["tier"])
+            for tier, count in sorted(values["adapter_tier_hits"].items()):
+                hits.add_metric([tier], count)
+            yield hits
 
     def _fold(self, rows: dict[str, dict]) -> dict[str, list[dict]]:
         """Rows per label: labelled adapters alone, every other one under OTHER."""

@@ -422,13 +422,14 @@ class AdapterManager:
     def _host_victim(self, keep: AdapterEntry) -> AdapterEntry | None:
         """LRU host copy to drop: first those already on the GPU (their host copy is only a
         cache), then idle ones no waiting request wants, then those the youngest waiting
-        requests want; never one an admin load waits to place."""
+        requests want; never one an admin load waits to place, nor the one running adapters
+        drain for."""
         waiting = {id(e) for e, _ in self.resident_waiters}
         for e in self.host_lru.values():
             if e is not keep and e.slot >= 0 and not e.copying:
                 return e
-        idle = [e for e in self.host_lru.values()
-                if e is not keep and e.slot < 0 and not e.pinned and id(e) not in waiting]
+        idle = [e for e in self.host_lru.values() if e is not keep and e is not self._reserved
+                and e.slot < 0 and not e.pinned and id(e) not in waiting]
         unwanted = [e for e in idle if e.name not in self._wanted]
         if unwanted:
             return unwanted[0]

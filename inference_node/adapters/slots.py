@@ -11,11 +11,17 @@ RowArena's (arena.py); which adapters stay is the adapter manager's.
 
 Writing an adapter copies its host tensors on a side stream (CUDA), recording an event that
 tells the engine when it is ready, so the running batch is not stalled by the copy.
+
+Under tensor parallelism every rank has its own arenas over its shard's shapes (the same rank
+rows: ranks are not split) and keeps its part of each adapter (`shard`); rank 0's adapter
+manager decides placements, and `on_write` / `on_free` send each write (with its rows) and
+free on to the other ranks (parallel/workers.py), which place the adapter at the same rows:
+every rank's `table` reads the same.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Iterable
+from typing import Callable, Collection, Iterable
 
 import numpy as np
 import torch
@@ -24,10 +30,15 @@ from kernels.lora import MODULE_COLUMNS, SlotRows
 
 from ..model.config import ModelConfig
 from ..model.llama import FUSED_MODULES, LORA_MODULES
+from ..parallel.shard import Shard
 from .arena import Cost, RowArena
 from .weights import AdapterWeights
 
 MAX_SLOTS = 4096  # per-slot tables: a few KB; more resident adapters than that are not kept
+
+# What a slot holds, as every tensor-parallel rank must agree: (name, version, rank, scaling,
+# targeted modules, (module, first arena row) of each run), or None for an empty slot.
+SlotRecord = tuple[str, str, int, float, tuple[str, ...], tuple[tuple[str, int], ...]] | None
 
 
 @dataclass
@@ -65,13 +76,17 @@ def rows_for_budget(config: ModelConfig, dtype: torch.dtype, budget_bytes: int,
 class SlotBuffers:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, rows: int | None = None,
-                 num_slots: int | None = None, modules: Collection[str] = LORA_MODULES) -> None:
-        """max_loras: the most distinct adapters in one step; max_rank: the largest rank
+                 num_slots: int | None = None, modules: Collection[str] = LORA_MODULES,
+                 shard: Shard = Shard()) -> None:
+        """config: the shapes this process computes with (its shard's, under tensor
+        parallelism; adapters arrive whole and `shard` keeps this rank's part of each).
+        max_loras: the most distinct adapters in one step; max_rank: the largest rank
         served. rows: rank rows per module arena (default: max_loras adapters of max_rank);
         num_slots: resident adapters the tables track (default: one per row, at least
         max_loras, at most MAX_SLOTS). modules: those adapters are expected to target; a
         fused group holding none of them gets a one-row arena (its kernels then always
         have rows to point at), so a fleet of q/v adapters spends no memory on o or the MLP."""
+        self.shard = shard
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.rows = rows if rows is not None else max_loras * max_rank
@@ -120,6 +135,12 @@ class SlotBuffers:
         # (kernels/lora/meta.py).
         self.module_rows = np.zeros((S, MODULE_COLUMNS * len(LORA_MODULES)), dtype=np.int32)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.table: list[SlotRecord] = [None] * S
+        # Called after every write and free: a tensor-parallel node's rank 0 sends them on to
+        # the other ranks (parallel/workers.py), so every rank's arenas hold the same adapters
+        # at the same rows. on_write gets the first arena row of each module's run.
+        self.on_write: Callable[[int, AdapterWeights, dict[str, int]], None] | None = None
+        self.on_free: Callable[[int], None] | None = None
 
     # -- memory ------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -153,6 +174,14 @@ class SlotBuffers:
             self.arenas[module].take(slot, firsts[module], r)
         return True
 
+    def place_at(self, slot: int, ranks: dict[str, int], firsts: dict[str, int]) -> None:
+        """Gives the slot the runs another rank's placement chose (first row per module):
+        a tensor-parallel rank mirroring rank 0's arenas."""
+        assert set(firsts) == set(ranks), f"runs for {sorted(firsts)}, ranks for {sorted(ranks)}"
+        self.free(slot)
+        for module, r in ranks.items():
+            self.arenas[module].take(slot, firsts[module], r)
+
     def plan(self, ranks: dict[str, int], cost: Cost) -> list[int] | None:
         """The slots to evict so that an adapter of these ranks fits (empty: it fits now), the
         cheapest run per module by `cost`; None when no run can be made."""
@@ -175,6 +204,9 @@ class SlotBuffers:
             self.slice_rows[group][:, slot] = 0
         self.slot_groups[slot] = frozenset()
         self.module_rows[slot] = 0
+        held, self.table[slot] = self.table[slot], None
+        if held is not None and self.on_free is not None:
+            self.on_free(slot)
 
     # -- weights -----------------------------------------------------------------------------
     def write(self, slot: int, weights: AdapterWeights) -> torch.cuda.Event | None:
@@ -199,13 +231,18 @@ class SlotBuffers:
                             a_rows.zero_()
                             b_rows.zero_()
                             continue
-                        a, b = pair
+                        a, b = self.shard.lora_pair(module, *pair)
                         a_rows.copy_(a, non_blocking=True)
                         # B [out, r] arrives as it is stored and is turned into rank rows on
                         # the device (a transposed copy there, not on the host).
                         b_rows.copy_(b.to(self.device, non_blocking=True).t())
             self.scaling[slot] = weights.scaling
-            self._set_tables(slot, r, {m: run[0] for m, run in runs.items()})
+            firsts = {m: run[0] for m, run in runs.items()}
+            self._set_tables(slot, r, firsts)
+            self.table[slot] = (weights.name, weights.version, r, float(weights.scaling),
+                                tuple(weights.target_modules), tuple(sorted(firsts.items())))
+            if self.on_write is not None:
+                self.on_write(slot, weights, firsts)
             if self._stream is None:
                 return None
             event = torch.cuda.Event()

@@ -111,6 +111,7 @@ class EngineCore:
             if self.node.adapters is not None:
                 self.node.adapters.shutdown()
             self._receiver.join(10.0)
+            self.node.close()
             for sock in [*self.outputs.values(), *self.refusals.values()]:
                 sock.close(linger=1000)  # the last batch (cut answers) still goes out
             self.inbox.close()

@@ -35,12 +35,27 @@ from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel,
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .sampler import checked_greedy
+from .staging import HostInputs
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
 ApplierFactory = Callable[[LoraBatchMeta, frozenset[str]], LoraApplier]
 GroupsOf = Callable[[list[int]], frozenset[str]]
+
+
+@dataclass(frozen=True)
+class StagedStep:
+    """A decode step's packed inputs as rank 0 staged them: what another tensor-parallel rank
+    needs to replay the same graph (its token ids come from rank 0 inside the graph)."""
+
+    key: tuple[int, int, int]          # (padded size, LoRA segments, group variant)
+    rows: int                          # the real rows
+    width: int                         # block-table entries per row
+    int64: np.ndarray                  # HostInputs.np64
+    int32: np.ndarray                  # HostInputs.np32
+    table: np.ndarray                  # the packed block tables, rows x width
+    segments: tuple[tuple[int, int, int, int], ...]  # the CPU reference kernels' host segments
 
 
 @dataclass(frozen=True)
@@ -74,28 +89,6 @@ MAIN_STREAM_PRIORITY = -1
 TOKEN_TABLE_WIDTH = MODULE_COLUMNS * len(LORA_MODULES)
 SEGMENT_TABLE_WIDTH = SEGMENT_TABLE_RANKS + TOKEN_TABLE_WIDTH
 INT32_ROWS = 6 + SEGMENT_TABLE_WIDTH + TOKEN_TABLE_WIDTH
-
-
-@dataclass
-class HostInputs:
-    """One step's inputs on the host, with numpy views (the host writes a step's inputs from
-    Python lists in a few slice assignments; torch.tensor per list cost most of a fill)."""
-
-    t64: torch.Tensor
-    t32: torch.Tensor
-    table: torch.Tensor
-    np64: np.ndarray
-    np32: np.ndarray
-    np_table: np.ndarray
-    copied: torch.cuda.Event | None   # recorded after the copies that read these buffers
-
-    @classmethod
-    def allocate(cls, batch: int, max_blocks: int, pinned: bool) -> "HostInputs":
-        t64 = torch.zeros(4 * batch, dtype=torch.int64, pin_memory=pinned)
-        t32 = torch.zeros(INT32_ROWS * batch, dtype=torch.int32, pin_memory=pinned)
-        table = torch.zeros(batch * max_blocks, dtype=torch.int32, pin_memory=pinned)
-        return cls(t64, t32, table, t64.numpy(), t32.numpy(), table.numpy(),
-                   torch.cuda.Event() if pinned else None)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -152,12 +145,16 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
         # Two sets of pinned host buffers, used in turn: the host writes step n+1's inputs
         # while step n (and possibly its input copy) is still queued on the GPU.
-        self._host = [HostInputs.allocate(B, self.max_blocks, self.capture) for _ in range(2)]
+        self._host = [HostInputs.allocate(4 * B, INT32_ROWS * B, B * self.max_blocks, self.capture)
+                      for _ in range(2)]
         self._turn = 0
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int, int],
                            tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
+        # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
+        # which replay the same graph with it.
+        self.mirror: Callable[[StagedStep], None] | None = None
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
@@ -174,8 +171,25 @@ class DecodeGraphs:
         if slots and self.lora is not None:
             segments = next(b for b in self.segment_buckets(size) if b >= len(slots))
             variant = self.variant_for(slots)
-        self._fill(chunks, size, segments)
         key = (size, segments, variant)
+        host, width = self._fill(chunks, size, segments)
+        if self.mirror is not None:
+            self.mirror(StagedStep(key, n, width, host.np64, host.np32, host.np_table[:n * width],
+                                   self._host_segments))
+        return self._replay(key, n)
+
+    def run_staged(self, step: "StagedStep") -> None:
+        """Replays the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
+        sent its packed inputs), meeting rank 0's replay at the graph's collectives."""
+        host = self._next_host()
+        host.np64[:] = step.int64
+        host.np32[:] = step.int32
+        host.np_table[:len(step.table)] = step.table
+        self._host_segments = step.segments
+        host.copy_packed(step.rows, step.width, self._dev64, self._dev32, self.block_tables)
+        self._replay(step.key, step.rows)
+
+    def _replay(self, key: tuple[int, int, int], n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.replays[key] = self.replays.get(key, 0) + 1
         if not self.capture:
             logits = self._forward(*key)[:n]
@@ -184,17 +198,22 @@ class DecodeGraphs:
         graph.replay()
         return logits[:n], greedy[:n], finite[:n]
 
+    def _next_host(self) -> HostInputs:
+        host = self._host[self._turn]
+        self._turn ^= 1
+        if host.copied is not None:
+            host.copied.synchronize()  # the copy of two steps ago: long done
+        return host
+
     def variant_for(self, slots: set[int]) -> int:
         """Index of the smallest group variant that covers what these adapter slots target."""
         groups = self.lora.groups_of(list(slots))
         return next(i for i, v in enumerate(self.group_variants) if groups <= v)
 
-    def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> None:
+    def _fill(self, chunks: list[ScheduledChunk], size: int, segments: int) -> tuple[HostInputs, int]:
+        """Writes the step's inputs and queues their copy; (the host buffers, block-table width)."""
         B, n, bs = self.max_batch, len(chunks), self.block_size
-        host = self._host[self._turn]
-        self._turn ^= 1
-        if host.copied is not None:
-            host.copied.synchronize()  # the copy of two steps ago: long done
+        host = self._next_host()
         reqs = [c.request for c in chunks]
         pos = [r.num_computed for r in reqs]
         tables = [r.block_ids for r in reqs]
@@ -214,21 +233,7 @@ class DecodeGraphs:
         h32[n:size] = 1
         if segments:
             self._fill_lora(h32[B:], [r.lora_slot for r in reqs], size, segments)
-        # The real rows' block tables, packed [n, width] at the front of the pinned buffer
-        # (one contiguous copy). Padding rows keep whatever valid block ids their device rows
-        # hold (never read); a row's entries past its own blocks are never read either.
-        width = max(len(t) for t in tables)
-        flat: list[int] = []
-        for t in tables:
-            flat += t
-            flat += [0] * (width - len(t))
-        host.np_table[:n * width] = flat
-        # Non-blocking from pinned memory; `copied` tells the fill that next uses these buffers.
-        self._dev64.copy_(host.t64, non_blocking=True)
-        self._dev32.copy_(host.t32, non_blocking=True)
-        self.block_tables[:n, :width].copy_(host.table[:n * width].view(n, width), non_blocking=True)
-        if host.copied is not None:
-            host.copied.record()
+        return host, host.upload(tables, self._dev64, self._dev32, self.block_tables)
 
     def _fill_lora(self, h32: np.ndarray, token_slots: list[int], size: int, segments: int) -> None:
         """Token slots, the per-slot segments (real ones first, then empty ones) and each
@@ -304,7 +309,8 @@ class DecodeGraphs:
                 num_active_tokens=size, segments=() if self.capture else self._host_segments,
                 segment_table=self.seg_table[:segments], token_table=self.token_table[:size])
             applier = self.lora.applier(meta, self.group_variants[variant])
-        return self.model.forward(batch, self.kv.k, self.kv.v, applier)
+        # The launch choices of this bucket (the node's tuning table), fixed at capture.
+        return self.model.for_step(size, segments).forward(batch, self.kv.k, self.kv.v, applier)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture_all(self) -> None:
@@ -321,6 +327,9 @@ class DecodeGraphs:
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.model.device, priority=MAIN_STREAM_PRIORITY)
+        # Under tensor parallelism the collectives' library has threads of its own (NCCL's
+        # watchdog polls events): only this thread's calls may invalidate the capture.
+        mode = "thread_local" if self.model.tp is not None else "global"
         for size in reversed(self.sizes):
             keys = [(size, 0, 0)]
             if self.lora is not None:
@@ -331,7 +340,7 @@ class DecodeGraphs:
                     self._forward(*key)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                     logits = self._forward(*key)
                     greedy, finite = checked_greedy(logits)
                 self._graphs[key] = (graph, logits, greedy, finite)

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
-from .batch import build_forward_batch
-from .decode_graphs import DecodeGraphs, GraphLora, ordered
+from .batch import HostBatch, build_host_batch
+from .decode_graphs import DecodeGraphs, GraphLora, StagedStep, ordered
+from .graph_plan import GraphPlan
 from .kv_cache import BlockAllocator, KVCache
-from .mixed_graphs import MixedGraphs, MixedLora
+from .mixed_graphs import MixedGraphs, MixedLora, StagedPieces
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
 from .sampler import row_finite, sample_on_device
@@ -87,6 +88,19 @@ class LoraPlan(Protocol):
     def mixed_lora(self) -> MixedLora: ...
 
 
+class OtherRanks(Protocol):
+    """A tensor-parallel node's ranks beside this one (inference_node.parallel.workers.Workers):
+    they run every step's forward with it and mirror its adapter slots."""
+
+    size: int
+    table_checks: int
+    def step(self, host: HostBatch, chunk_slots: list[tuple[int, int]], tp: Any, input_ids: Any) -> None: ...
+    def graph_step(self, step: StagedStep) -> None: ...
+    def pieces_step(self, step: StagedPieces) -> None: ...
+    def capture_graphs(self, plan: GraphPlan) -> None: ...
+    def check_slot_tables(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_kv_blocks: int
@@ -133,11 +147,18 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig,
-                 lora: LoraProvider | None = None, lora_plan: LoraPlan | None = None) -> None:
+                 lora: LoraProvider | None = None, lora_plan: LoraPlan | None = None,
+                 ranks: OtherRanks | None = None) -> None:
         """lora (the adapters' lifecycles) and lora_plan (the steps' LoRA kernels) go
-        together; None: LoRA disabled, base model only."""
+        together; None: LoRA disabled, base model only. ranks: the other ranks of a
+        tensor-parallel node (this engine is rank 0), which run every step eagerly with it."""
         if (lora is None) != (lora_plan is None):
             raise ValueError("LoRA needs both the adapter manager and the step plan")
+        warms_up = config.warmup == "on" or (config.warmup == "auto" and model.device.type == "cuda")
+        if ranks is not None and warms_up:
+            raise ValueError("the warm-up's forwards are not run on every tensor-parallel rank: "
+                             "a tensor-parallel engine takes warmup='off'")
+        self.ranks = ranks
         self.model = model
         self.config = config
         self.lora = lora
@@ -157,6 +178,8 @@ class Engine:
                 model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
                 max_batch=max_batch, feedback=self.feedback.tokens,
                 lora=lora_plan.graph_lora(max_batch) if lora_plan is not None else None)
+            if ranks is not None:  # every rank replays the graph rank 0 stages
+                self.decode_graphs.mirror = ranks.graph_step
         self.mixed_graphs: MixedGraphs | None = None
         if config.mixed_graphs:
             self.mixed_graphs = MixedGraphs(
@@ -164,6 +187,8 @@ class Engine:
                 max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
                 feedback=self.feedback.tokens,
                 lora=lora_plan.mixed_lora() if lora_plan is not None else None)
+            if ranks is not None:  # every rank runs the pieces rank 0 stages
+                self.mixed_graphs.mirror = ranks.pieces_step
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     prefill_delay_factor=config.prefill_delay_factor)
@@ -192,6 +217,12 @@ class Engine:
         """Compiles, captures and freezes what the loop needs, before it runs."""
         if self.config.warmup == "on" or (self.config.warmup == "auto" and self.model.device.type == "cuda"):
             self.warmup_forwards = warm_up(self)
+        if self.ranks is not None:  # the ranks capture beside this one: the collectives meet
+            decode, pieces = self.decode_graphs, self.mixed_graphs
+            self.ranks.capture_graphs(GraphPlan(
+                self.scratch_block, self.config.max_model_len, self.feedback.tokens.numel(),
+                decode.max_batch if decode is not None else 0, pieces.max_tokens if pieces is not None else 0,
+                pieces.max_seqs if pieces is not None else 0))
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
         if self.mixed_graphs is not None:
@@ -370,10 +401,14 @@ class Engine:
                     self.stats.mixed_steps += 1
                 else:
                     self.stats.eager_decode_steps += 1
-                batch = build_forward_batch(chunks, self.config.block_size, self.model.device,
-                                            self.feedback.tokens)
+                host = build_host_batch(chunks, self.config.block_size)
+                batch = host.to_device(self.model.device, self.feedback.tokens)
                 applier = self.lora_plan.applier(chunks) if self.lora_plan is not None else None
-                logits = self.model.forward(batch, self.kv.k, self.kv.v, applier)
+                if self.ranks is not None:  # the other ranks run the same forward beside this one
+                    self.ranks.step(host, [(c.request.lora_slot, c.num_new_tokens) for c in chunks],
+                                    self.model.tp, batch.input_ids)
+                model = self.model.for_step(len(batch.input_ids), distinct)  # its bucket's launch choices
+                logits = model.forward(batch, self.kv.k, self.kv.v, applier)
                 finite = row_finite(logits)
             tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy, finite), finite)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
@@ -504,6 +539,8 @@ class Engine:
             raise AssertionError(f"scheduler holds {sorted(queued)} but live requests are {sorted(live)}")
         if self.lora is not None:
             self.lora.check_consistency(self._requests.values())
+        if self.ranks is not None:
+            self.ranks.check_slot_tables()
 
     def prefix_cache_rows(self) -> list[tuple[tuple[str, str], NamespaceStats]]:
         """((adapter, version), counters) per live KV namespace; "" adapter = the base model."""
@@ -532,4 +569,6 @@ class Engine:
             "mixed_graph_steps": self.stats.mixed_graph_steps,
             "cut_short": self.stats.cut_short,
             "non_finite_rows": self.stats.non_finite_rows,
+            "tensor_parallel_size": self.ranks.size if self.ranks is not None else 1,
+            "slot_table_checks": self.ranks.table_checks if self.ranks is not None else 0,
         }

@@ -39,6 +39,7 @@ from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
 from .request import PENDING_TOKEN
 from .sampler import checked_greedy
+from .staging import HostInputs
 from .scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -103,27 +104,6 @@ def _aligned(sizes: list[int], itemsize: int) -> list[int]:
 
 
 @dataclass
-class HostInputs:
-    """One step's packed inputs on the host, with numpy views (DecodeGraphs' HostInputs)."""
-
-    t64: torch.Tensor
-    t32: torch.Tensor
-    table: torch.Tensor
-    np64: np.ndarray
-    np32: np.ndarray
-    np_table: np.ndarray
-    copied: torch.cuda.Event | None   # recorded after the copies that read these buffers
-
-    @classmethod
-    def allocate(cls, n64: int, n32: int, table: int, pinned: bool) -> "HostInputs":
-        t64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pinned)
-        t32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pinned)
-        tab = torch.zeros(table, dtype=torch.int32, pin_memory=pinned)
-        return cls(t64, t32, tab, t64.numpy(), t32.numpy(), tab.numpy(),
-                   torch.cuda.Event() if pinned else None)
-
-
-@dataclass
 class StepShape:
     """What a filled step replays: its bucket and rows bucket, LoRA or not, and what its
     attention needs on the host."""
@@ -136,6 +116,19 @@ class StepShape:
     sampled: int
     max_query_len: int
     max_seq_len: int
+
+
+@dataclass(frozen=True)
+class StagedPieces:
+    """A step's packed inputs as rank 0 staged them: what another tensor-parallel rank needs
+    to run the same pieces (its token ids come from rank 0 inside piece 0)."""
+
+    shape: StepShape
+    width: int                         # block-table entries per sequence
+    int64: np.ndarray                  # HostInputs.np64
+    int32: np.ndarray                  # HostInputs.np32
+    table: np.ndarray                  # the packed block tables, sequences x width
+    segments: tuple[tuple[int, int, int, int], ...]  # the CPU reference kernels' host segments
 
 
 class MixedGraphs:
@@ -179,7 +172,7 @@ class MixedGraphs:
         self.q = torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=device)
         self.attn = torch.zeros(T, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=device)
         max_rows = rows_buckets(T, B)[-1]
-        self.logits = torch.zeros(max_rows, model.lm_head.shape[1], dtype=model.dtype, device=device)
+        self.logits = torch.zeros(max_rows, cfg.vocab_size, dtype=model.dtype, device=device)  # all ranks' blocks
         self.greedy = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.finite = torch.zeros(max_rows, dtype=torch.bool, device=device)
         # Two sets of pinned host buffers, used in turn (the host writes step n+1's inputs
@@ -189,6 +182,9 @@ class MixedGraphs:
         self._turn = 0
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
         self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
+        # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
+        # which run the same pieces with it.
+        self.mirror: Callable[[StagedPieces], None] | None = None
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
@@ -199,7 +195,32 @@ class MixedGraphs:
         """Logits [sampled rows, vocab] of the step (rows in chunk order, of the chunks that
         complete their prompt), each row's greedy token and whether its logits are finite
         (sampler.checked_greedy, inside the last piece)."""
-        step = self._fill(chunks)
+        step, host, width = self._fill(chunks)
+        if self.mirror is not None:
+            self.mirror(StagedPieces(step, width, host.np64, host.np32, host.np_table[:step.seqs * width],
+                                     self._host_segments if step.lora else ()))
+        return self._execute(step)
+
+    def run_staged(self, staged: "StagedPieces") -> None:
+        """Runs the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
+        sent its packed inputs), meeting rank 0's pieces at their collectives."""
+        host = self._next_host()
+        host.np64[:] = staged.int64
+        host.np32[:] = staged.int32
+        host.np_table[:len(staged.table)] = staged.table
+        self._host_segments = staged.segments
+        host.copy_packed(staged.shape.seqs, staged.width, self._dev64, self._dev32, self.block_tables)
+        self._execute(staged.shape)
+
+    def _next_host(self) -> HostInputs:
+        host = self._host[self._turn]
+        self._turn ^= 1
+        if host.copied is not None:
+            host.copied.synchronize()  # the copy of two steps ago: long done
+        return host
+
+    def _execute(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pieces of a filled step, with attention between them."""
         key = (step.bucket, step.lora, step.rows)
         self.replays[key] = self.replays.get(key, 0) + 1
         n, t = step.seqs, step.tokens
@@ -208,10 +229,13 @@ class MixedGraphs:
             slot_mapping=self.slot_mapping[:t], block_tables=self.block_tables[:n],
             query_start_loc=self.query_start_loc[:n + 1], seq_lens=self.seq_lens[:n],
             logits_indices=None, max_query_len=step.max_query_len, max_seq_len=step.max_seq_len)
+        # The bucket's launch choices, as captured (a LoRA graph serves any count of adapters:
+        # it takes the tuning table's bucket for one).
+        model = self.model.for_step(step.bucket, int(step.lora))
         with torch.inference_mode():
             for layer in range(self.num_layers):
                 self._replay(step.bucket, step.lora, layer, 0)
-                self.model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, out=self.attn[:t])
+                model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, out=self.attn[:t])
             self._replay(step.bucket, step.lora, self.num_layers, step.rows)
         k = step.sampled
         return self.logits[:k], self.greedy[:k], self.finite[:k]
@@ -222,13 +246,11 @@ class MixedGraphs:
         else:
             self._piece(bucket, lora, piece, rows)
 
-    def _fill(self, chunks: list[ScheduledChunk]) -> StepShape:
-        """Writes the step's inputs into the next pinned buffers and queues their copies."""
-        T, bs = self.max_tokens, self.block_size
-        host = self._host[self._turn]
-        self._turn ^= 1
-        if host.copied is not None:
-            host.copied.synchronize()  # the copy of two steps ago: long done
+    def _fill(self, chunks: list[ScheduledChunk]) -> tuple[StepShape, HostInputs, int]:
+        """Writes the step's inputs into the next pinned buffers and queues their copies;
+        (the step's shape, the host buffers, the block tables' width)."""
+        bs = self.block_size
+        host = self._next_host()
         ids: list[int] = []
         feedback_rows: list[int] = []
         positions: list[int] = []
@@ -287,21 +309,9 @@ class MixedGraphs:
             for c in chunks:
                 token_slots += [c.request.lora_slot] * c.num_new_tokens
             self._fill_lora(h32, np.asarray(token_slots, dtype=np.int32), bucket)
-        # The block tables, packed [n, width] at the front of the pinned buffer (one copy);
-        # entries past a row's own blocks are never read.
-        width = max(len(t) for t in tables)
-        flat: list[int] = []
-        for t in tables:
-            flat += t
-            flat += [0] * (width - len(t))
-        host.np_table[:n * width] = flat
-        self._dev64.copy_(host.t64, non_blocking=True)
-        self._dev32.copy_(host.t32, non_blocking=True)
-        self.block_tables[:n, :width].copy_(host.table[:n * width].view(n, width), non_blocking=True)
-        if host.copied is not None:
-            host.copied.record()
+        width = host.upload(tables, self._dev64, self._dev32, self.block_tables)
         return StepShape(bucket, rows, lora, tokens, n, len(sampled),
-                         max(c.num_new_tokens for c in chunks), max(seq_lens))
+                         max(c.num_new_tokens for c in chunks), max(seq_lens)), host, width
 
     def _fill_lora(self, h32: np.ndarray, token_slots: np.ndarray, bucket: int) -> None:
         """Token slots, and each adapter's tokens (batch order kept) cut into segments of at
@@ -342,7 +352,7 @@ class MixedGraphs:
         """Piece 0: the embedding and layer 0's q/k/v. Piece i (1..layers-1): layer i-1 after
         its attention, then layer i's q/k/v. The last: the last layer after its attention,
         the final norm, the sampled rows' logits and their greedy tokens."""
-        model, b = self.model, bucket
+        model, b = self.model.for_step(bucket, int(lora)), bucket
         batch = ForwardBatch(
             input_ids=self.input_ids[:b], positions=self.positions[:b],
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables,
@@ -411,6 +421,8 @@ class MixedGraphs:
         self.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.model.device)
+        # Under tensor parallelism NCCL's watchdog thread polls events during a capture.
+        mode = "thread_local" if self.model.tp is not None else "global"
         with torch.inference_mode():
             for key in self.keys():
                 stream.wait_stream(torch.cuda.current_stream())
@@ -418,7 +430,7 @@ class MixedGraphs:
                     self._piece(*key)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
                     self._piece(*key)
                 self._graphs[key] = graph
         torch.cuda.synchronize()

@@ -120,7 +120,9 @@ def warm_up(engine: "Engine") -> int:
         batch = scratch_batch(step, config.block_size, engine.scratch_block, model.device)
         applier = (lora.warmup_applier(list(step.token_slots))
                    if step.token_slots is not None and lora is not None else None)
-        logits = model.forward(batch, engine.kv.k, engine.kv.v, applier)
+        adapters = len({s for s in step.token_slots if s >= 0}) if applier is not None else 0
+        tuned = model.for_step(len(batch.input_ids), adapters)  # the kernels its bucket launches
+        logits = tuned.forward(batch, engine.kv.k, engine.kv.v, applier)
         first_argmax(logits)  # the sampler's greedy pick: its kernels compile here too
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -42,8 +42,14 @@ class StepLoraApplier:
 def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier:
     """The applier of an eager step's scheduled chunks (each chunk's tokens on its request's
     adapter slot)."""
+    return applier_for_slots(buffers, [(c.request.lora_slot, c.num_new_tokens) for c in chunks])
+
+
+def applier_for_slots(buffers: SlotBuffers, chunk_slots: list[tuple[int, int]]) -> StepLoraApplier:
+    """The applier of a step given as (adapter slot, tokens) per chunk (how a tensor-parallel
+    rank receives it from rank 0: parallel/workers.py)."""
     token_slots: list[int] = []
-    for chunk in chunks:
-        token_slots += [chunk.request.lora_slot] * chunk.num_new_tokens
-    groups = buffers.groups_of(c.request.lora_slot for c in chunks)
+    for slot, tokens in chunk_slots:
+        token_slots += [slot] * tokens
+    groups = buffers.groups_of(slot for slot, _ in chunk_slots)
     return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device), groups)

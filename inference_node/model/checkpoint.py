@@ -40,6 +40,35 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+class SafetensorsTensors:
+    """The checkpoint's tensors by name (without the "model." prefix), each read when popped,
+    and only the rows or columns asked for: a tensor-parallel rank reads its own shard of a
+    weight (safetensors slices), never the whole tensor."""
+
+    def __init__(self, path: Path) -> None:
+        self.files: dict[str, tuple[Path, str]] = {}
+        for file in safetensors_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    self.files[name.removeprefix("model.")] = (file, name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def pop(self, name: str, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or its [rows[0]:rows[1]] rows and/or [cols[0]:cols[1]] columns."""
+        file, stored = self.files.pop(name)
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if rows is None and cols is None:
+                return f.get_tensor(stored)
+            part = f.get_slice(stored)
+            r = slice(*rows) if rows is not None else slice(None)
+            if cols is None:
+                return part[r]
+            return part[r, slice(*cols)]
+
+
 class DummyTensors:
     """The checkpoint's tensor names, each made on first `pop` (random normal * std, norms
     one), so no more than one tensor beyond the model's own is ever alive."""
@@ -65,12 +94,20 @@ class DummyTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
 
-    def pop(self, name: str) -> torch.Tensor:
+    def pop(self, name: str, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """As SafetensorsTensors.pop. Every rank draws the whole tensor from the same seed and
+        keeps its part, so the ranks of a tensor-parallel node hold one model's shards."""
         shape = self.shapes.pop(name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=self.dtype, device=self.device)
         out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return out.normal_(0.0, self.std, generator=self.generator)
+        out.normal_(0.0, self.std, generator=self.generator)
+        if rows is not None:
+            out = out[rows[0]:rows[1]]
+        if cols is not None:
+            out = out[:, cols[0]:cols[1]]
+        return out.clone() if rows is not None or cols is not None else out
 
 
 def validate_checkpoint_dir(path: Path, load_format: str = "safetensors") -> None:

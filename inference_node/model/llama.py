@@ -7,7 +7,9 @@ runs unchanged. An applier either adds its deltas into the projections' outputs,
 the LoRA shrink beside the base matmul (a side stream) and leaves the expand to the fused op
 that follows (RoPE with the KV-cache write, residual add and norm, SiLU), which reads the
 projection's output row by row anyway (kernels/lora/delta.py). Every launch choice comes from
-the Tuning the model is built with (kernels/tuning.py).
+the Tuning the model is built with (kernels/tuning.py), or, with a tuning table
+(kernels/tuning_table.py), from the Tuning of the step's bucket: the engine runs each step on
+`model.for_step(rows, adapters)`.
 """
 from __future__ import annotations
 
@@ -22,12 +24,15 @@ from kernels.activation import silu_mul, silu_mul_lora
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
 from kernels.gemm import DecodeGemm, GemmLora, cublas
-from kernels.lora import LoraDelta
+from kernels.lora import LoraDelta, with_delta
 from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
 from kernels.rope import rope_and_cache
 from kernels.tuning import DEFAULT_TUNING, Tuning
+from kernels.tuning_table import StepTunings
 
-from .checkpoint import CheckpointError, DummyTensors, iter_tensors
+from ..parallel.group import TensorParallel
+from ..parallel.shard import COLUMN_PARALLEL, Shard
+from .checkpoint import CheckpointError, DummyTensors, SafetensorsTensors
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -132,9 +137,20 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, layers: list[LayerWeights], embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
-                 max_positions: int, tuning: Tuning = DEFAULT_TUNING) -> None:
+                 max_positions: int, tuning: Tuning = DEFAULT_TUNING, tp: TensorParallel | None = None,
+                 full_config: ModelConfig | None = None, vocab_start: int = 0,
+                 step_tunings: StepTunings | None = None) -> None:
+        """config: the shapes this process computes with (its shard's, under tensor
+        parallelism); full_config: the whole model's, which adapters are checked against.
+        step_tunings: each step's Tuning by its rows and adapters (for_step), `tuning` their
+        base (None: `tuning` for every step)."""
         self.config = config
+        self.full_config = full_config or config
+        self.tp = tp                # None: one device holds the whole model
+        self.vocab_start = vocab_start  # the first vocabulary row of this rank's embedding
         self.tuning = tuning
+        self.step_tunings = step_tunings
+        self._by_tuning: dict[int, tuple[Tuning, LlamaModel]] = {}  # for_step's models
         self.gemm = DecodeGemm(device, tuning)
         self.layers = layers
         self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
@@ -160,31 +176,59 @@ class LlamaModel:
         model = copy.copy(self)
         model.tuning, model.gemm = tuning, DecodeGemm(self.device, tuning)
         model.ops = ElementwiseOps(self.device, tuning)
+        model.step_tunings, model._by_tuning = None, {}  # this tuning for every step
         return model
+
+    def for_step(self, rows: int, adapters: int = 0) -> "LlamaModel":
+        """The model with the launch choices of a step of `rows` rows (tokens, or a graph's
+        padded batch) and `adapters` distinct adapters: its bucket's in the tuning table,
+        itself where the table has none or the model was built without one."""
+        if self.step_tunings is None:
+            return self
+        tuning = self.step_tunings.for_step(rows, adapters)
+        if tuning is self.tuning:
+            return self
+        hit = self._by_tuning.get(id(tuning))
+        if hit is None:
+            hit = self._by_tuning[id(tuning)] = (tuning, self.with_tuning(tuning))
+        return hit[1]
 
     @classmethod
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
              max_positions: int | None = None, tuning: Tuning = DEFAULT_TUNING,
-             load_format: str = "safetensors") -> "LlamaModel":
-        config = ModelConfig.from_checkpoint(path)
+             load_format: str = "safetensors", tp: TensorParallel | None = None,
+             step_tunings: StepTunings | None = None) -> "LlamaModel":
+        """The model, or with `tp` this rank's shard of it (parallel/shard.py), read from the
+        checkpoint's slices so a rank never reads another's part of a weight."""
+        full = ModelConfig.from_checkpoint(path)
+        shard = tp.shard if tp is not None else Shard()
+        config = shard.local_config(full)
         gemm = DecodeGemm(device, tuning)
         if load_format == "dummy":
-            tensors = DummyTensors(config, device, dtype)
+            tensors: SafetensorsTensors | DummyTensors = DummyTensors(full, device, dtype)
         else:
-            tensors = {name.removeprefix("model."): t for name, t in iter_tensors(path)}
+            tensors = SafetensorsTensors(path)
+        fan = full.module_shapes()
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str, rows: tuple[int, int] | None = None,
+                 cols: tuple[int, int] | None = None) -> torch.Tensor:
             if name not in tensors:
                 raise CheckpointError(f"checkpoint {path} lacks tensor {name!r}")
-            return tensors.pop(name).to(device=device, dtype=dtype)
+            return tensors.pop(name, rows, cols).to(device=device, dtype=dtype)
 
-        def maybe(name: str) -> torch.Tensor | None:
-            return take(name) if name in tensors else None
+        def part(module: str, name: str) -> torch.Tensor:
+            """This rank's rows (column-parallel) or columns (row-parallel) of a weight or bias."""
+            if shard.size == 1:
+                return take(name)
+            fan_in, fan_out = fan[module]
+            if module in COLUMN_PARALLEL:
+                return take(name, rows=shard.block(fan_out))
+            return take(name, cols=shard.block(fan_in))
 
-        def projection(*names: str, decode_gemm: bool = False) -> torch.Tensor:
-            """The named [out, in] weights side by side as one [in, sum(out)] matrix (a view
-            of an [out, in] one where the decode GEMM serves it and prefers that layout)."""
-            stacked = torch.cat([take(n) for n in names])
+        def projection(*weights: torch.Tensor, decode_gemm: bool = False) -> torch.Tensor:
+            """[out, in] weights side by side as one [in, sum(out)] matrix (a view of an
+            [out, in] one where the decode GEMM serves it and prefers that layout)."""
+            stacked = torch.cat(weights)
             if decode_gemm:
                 return stacked.contiguous().t()
             return stacked.t().contiguous()
@@ -194,30 +238,41 @@ class LlamaModel:
             p = f"layers.{i}."
             qkv_bias = None
             if config.attention_bias:
-                qkv_bias = torch.cat([take(p + f"self_attn.{m}.bias") for m in FUSED_MODULES["qkv"]])
+                qkv_bias = torch.cat([part(m, p + f"self_attn.{m}.bias") for m in FUSED_MODULES["qkv"]])
             layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=projection(*(p + f"self_attn.{m}.weight" for m in FUSED_MODULES["qkv"]),
+                qkv=projection(*(part(m, p + f"self_attn.{m}.weight") for m in FUSED_MODULES["qkv"]),
                                decode_gemm=gemm.serves("qkv")),
                 qkv_bias=qkv_bias,
-                o=projection(p + "self_attn.o_proj.weight", decode_gemm=gemm.serves("o")),
+                o=projection(part("o_proj", p + "self_attn.o_proj.weight"), decode_gemm=gemm.serves("o")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=projection(*(p + f"mlp.{m}.weight" for m in FUSED_MODULES["gate_up"]),
+                gate_up=projection(*(part(m, p + f"mlp.{m}.weight") for m in FUSED_MODULES["gate_up"]),
                                    decode_gemm=gemm.serves("gate_up")),
-                down=projection(p + "mlp.down_proj.weight", decode_gemm=gemm.serves("down")),
+                down=projection(part("down_proj", p + "mlp.down_proj.weight"), decode_gemm=gemm.serves("down")),
             ))
+        vocab_start, vocab_stop, vocab_rows = shard.vocab_block(full.vocab_size)
+
+        def vocab_part(name: str) -> torch.Tensor:
+            """This rank's block of vocabulary rows, zero-padded to the blocks' common height."""
+            if shard.size == 1:
+                return take(name)
+            rows = take(name, rows=(vocab_start, vocab_stop))
+            pad = vocab_rows - rows.shape[0]
+            return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
+
         if "lm_head.weight" in tensors:
-            lm_head = projection("lm_head.weight")
-            embed = take("embed_tokens.weight")
+            lm_head = projection(vocab_part("lm_head.weight"))
+            embed = vocab_part("embed_tokens.weight")
         elif config.tie_word_embeddings:
             # One copy serves both: the LM head reads it as [hidden, vocab]; the embedding
             # looks up its columns (a strided gather of a few rows' worth of bytes per step).
-            lm_head = projection("embed_tokens.weight")
+            lm_head = projection(vocab_part("embed_tokens.weight"))
             embed = lm_head.t()
         else:
             raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
         positions = max_positions or config.max_position_embeddings
-        return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions, tuning)
+        return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions, tuning,
+                   tp=tp, full_config=full, vocab_start=vocab_start, step_tunings=step_tunings)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
@@ -243,7 +298,10 @@ class LlamaModel:
 
     def embed_inputs(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens' embeddings: the residual stream, that normalised for layer 0)."""
-        hidden = embed_tokens(self.embed, batch.input_ids, batch.feedback, batch.feedback_rows)
+        if self.tp is None:
+            hidden = embed_tokens(self.embed, batch.input_ids, batch.feedback, batch.feedback_rows)
+        else:
+            hidden = self._embed_vocab_parallel(batch)
         return hidden, self.ops.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps)
 
     def attention_inputs(self, i: int, x: torch.Tensor, batch: ForwardBatch,
@@ -271,11 +329,11 @@ class LlamaModel:
         """Layer i's o projection and MLP with their residual adds: (the residual stream, that
         normalised for the next layer, or by the final norm after the last)."""
         cfg, ops, layer = self.config, self.ops, self.layers[i]
-        out, delta = self._project(lora, i, "o", attn, layer.o)
+        out, delta = self._reduce(*self._project(lora, i, "o", attn, layer.o))
         hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
         gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
         act = ops.silu_mul(gate_up, delta)
-        down, delta = self._project(lora, i, "down", act, layer.down)
+        down, delta = self._reduce(*self._project(lora, i, "down", act, layer.down))
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).
         last_layer = i + 1 == len(self.layers)
@@ -286,7 +344,39 @@ class LlamaModel:
                out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head over the final-normed rows `rows` (None: all), into `out` where given."""
         last = x if rows is None else x[rows]
+        if self.tp is not None:  # each rank's block of the vocabulary, then all of them
+            logits = self.tp.gather_columns(torch.mm(last, self.lm_head))
+            if logits.shape[1] != self.config.vocab_size:  # the last block's padding rows
+                logits = logits[:, :self.config.vocab_size].contiguous()
+            return logits if out is None else out.copy_(logits)
         return torch.mm(last, self.lm_head) if out is None else torch.mm(last, self.lm_head, out=out)
+
+    def _embed_vocab_parallel(self, batch: ForwardBatch) -> torch.Tensor:
+        """Each rank looks up the tokens of its vocabulary block (zeros for the others); the
+        all-reduce sums every token's one real row."""
+        ids = batch.input_ids
+        if batch.feedback is not None:
+            # Only rank 0 holds the tokens the previous step sampled: its ids go to every rank
+            # (inside a decode graph, where the other ranks cannot be sent them beforehand).
+            from_feedback = batch.feedback_rows >= 0
+            ids = torch.where(from_feedback, batch.feedback[batch.feedback_rows.clamp(min=0)], ids)
+            ids = self.tp.broadcast(ids, 0)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed.shape[0])
+        hidden = self.embed[torch.where(inside, local, 0)].masked_fill(~inside[:, None], 0)
+        return self.tp.all_reduce(hidden)
+
+    def _reduce(self, out: torch.Tensor, delta: LoraDelta | None) -> tuple[torch.Tensor, LoraDelta | None]:
+        """A row-parallel projection's output summed over the ranks (its LoRA delta, added
+        into each rank's partial output, is summed with it)."""
+        if self.tp is None:
+            return out, delta
+        if delta is not None:  # expanded beside the matmul (parallel.shard.tensor_parallel_tuning)
+            if delta.expanded is None:
+                raise RuntimeError("a row-parallel projection's LoRA delta must be expanded before its "
+                                   "all-reduce (parallel.shard.tensor_parallel_tuning)")
+            out = with_delta(out, delta.expanded)
+        return self.tp.all_reduce(out), None
 
     def _project(self, lora: LoraApplier | None, layer: int, group: str, x: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor | None = None

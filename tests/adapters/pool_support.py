@@ -42,7 +42,8 @@ class FakeSource:
 def make_manager(names: list[str], max_loras: int = 2, max_cpu: int = 8, rows: int | None = None,
                  ranks: dict[str, int] | None = None, eviction: str = "lru"
                  ) -> tuple[AdapterManager, FakeSource]:
-    """rows: rank rows of adapter memory per module (default: max_loras adapters of rank 4)."""
+    """rows: rank rows of adapter memory per module (default: max_loras adapters of rank 4);
+    ranks: a rank per adapter name (default 4); eviction: the GPU eviction policy."""
     source = FakeSource(names, ranks=ranks)
     buffers = SlotBuffers(CONFIG, max_loras, 8, torch.float32, torch.device("cpu"),
                           rows=rows if rows is not None else 4 * max_loras)

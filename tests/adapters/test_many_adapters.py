@@ -2,7 +2,9 @@
 adapter memory for a few of them: every adapter answers, a sample of them batched together
 matches PEFT token for token, and the adapter memory in use always equals the sum of the
 resident adapters' own sizes (rank x (in + out) x layers x bytes of each module they target,
-computed here from their configs, not from the node's bookkeeping): no padding to rank 64."""
+computed here from their configs, not from the node's bookkeeping): no padding to rank 64.
+Every slot always holds exactly the adapter the manager says, at that adapter's own rank on
+the modules its config targets, at the rows the arenas gave it."""
 from __future__ import annotations
 
 import random
@@ -17,6 +19,7 @@ from bench.common import ALL_MODULES, QV, write_random_adapter
 from harness import InProcessNode, peft_greedy
 from inference_node.adapters.slots import row_nbytes
 from inference_node.model.config import ModelConfig
+from inference_node.model.llama import LORA_MODULES
 from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
 
@@ -24,6 +27,7 @@ RANKS = (8, 16, 32, 64)
 TARGETS = (QV, ALL_MODULES, ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))
 COUNT = 1000
 ROWS = 256  # rank rows per module: two adapters of each rank at most
+MAX_LORAS = 8
 
 
 def own_nbytes(config: ModelConfig, rank: int, targets: tuple[str, ...]) -> int:
@@ -45,7 +49,7 @@ def test_a_thousand_mixed_rank_adapters_match_peft_and_hold_their_own_size(tiny_
                              device=torch.device("cpu"), dtype=torch.float32, std=0.1)
     row = sum(row_nbytes(config, torch.float32).values())
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=256, max_loras=8, max_lora_rank=64, max_cpu_loras=16,
+                                      num_kv_blocks=256, max_loras=MAX_LORAS, max_lora_rank=64, max_cpu_loras=16,
                                       lora_memory_bytes=ROWS * row, adapter_dir=str(root),
                                       max_num_batched_tokens=256, debug_checks=True))
     engine, manager = node.engine, node.node.adapters
@@ -56,6 +60,19 @@ def test_a_thousand_mixed_rank_adapters_match_peft_and_hold_their_own_size(tiny_
         own = sum(own_nbytes(config, *spec[e.name]) for e in resident)
         assert manager.buffers.used_nbytes() == own, (manager.buffers.used_nbytes(), own)
         assert own <= manager.buffers.nbytes()
+        for slot, entry in enumerate(manager.slots):
+            record = manager.buffers.table[slot]
+            pairs = manager.buffers.module_rows[slot].reshape(-1, 2)  # (rank, first row) per module
+            if entry is None:
+                assert record is None and not pairs.any(), slot
+                continue
+            rank, targets = spec[entry.name]
+            assert record[:3] == (entry.name, entry.version, rank), (slot, record, entry.name)
+            assert pairs[:, 0].tolist() == [rank if m in targets else 0 for m in LORA_MODULES], (slot, entry.name)
+            runs = {m: manager.buffers.arenas[m].run_of(slot) for m in targets}
+            assert dict(record[5]) == {m: first for m, (first, _) in runs.items()}, (slot, record, runs)
+            assert all(length == rank for _, length in runs.values()), (slot, runs)
+            assert [int(pairs[LORA_MODULES.index(m), 1]) for m in targets] == [runs[m][0] for m in targets]
         checked["times"] += 1
         checked["resident_max"] = max(checked["resident_max"], len(resident))
 
@@ -64,6 +81,7 @@ def test_a_thousand_mixed_rank_adapters_match_peft_and_hold_their_own_size(tiny_
     def schedule():  # how many distinct adapters each step batches
         chunks = original()
         adapters = {c.request.adapter for c in chunks if c.request.adapter}
+        assert len(adapters) <= MAX_LORAS
         checked["adapters_in_a_step"] = max(checked["adapters_in_a_step"], len(adapters))
         return chunks
 
@@ -86,7 +104,9 @@ def test_a_thousand_mixed_rank_adapters_match_peft_and_hold_their_own_size(tiny_
         with ThreadPoolExecutor(32) as pool:
             answers = list(pool.map(one, spec))
         assert all(len(a) == 1 for a in answers)
-        assert manager.stats["evictions"] >= COUNT - 8, manager.stats
+        resident = engine.call(lambda: sum(e is not None for e in manager.slots)).result(30)
+        assert resident <= ROWS // min(RANKS)  # every adapter loaded once; all but these evicted
+        assert manager.stats["evictions"] >= COUNT - resident, manager.stats
         assert checked["times"] > 0 and checked["resident_max"] >= 4
 
         # A sample, two adapters of each rank, all requests at once: batched together.

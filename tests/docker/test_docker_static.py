@@ -59,8 +59,25 @@ def test_stack_has_its_services(compose) -> None:
     assert compose["services"]["inference-node-2"]["environment"] == compose["services"]["inference-node"]["environment"]
 
 
+def test_multi_gpu_node_reserves_a_gpu_per_tensor_parallel_rank(compose) -> None:
+    """The multi-GPU node: the first node's settings, split over as many GPUs as it reserves,
+    none of them the other nodes', on ports of its own; started only with its profile."""
+    services = compose["services"]
+    tp = services["inference-node-tp"]
+    assert tp["profiles"] == ["multi-gpu"]
+    size = int(tp["environment"]["INFERENCE_NODE_TENSOR_PARALLEL_SIZE"])
+    device = tp["deploy"]["resources"]["reservations"]["devices"][0]
+    assert size == len(device["device_ids"]) == 2 and device["capabilities"] == ["gpu"]
+    others = {gpu for name in NODES for gpu in services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]}
+    assert not others & set(device["device_ids"])
+    extra = {k: v for k, v in tp["environment"].items() if k not in services["inference-node"]["environment"]}
+    assert extra == {"INFERENCE_NODE_TENSOR_PARALLEL_SIZE": "2", "NCCL_NVLS_ENABLE": "0"}
+    assert [p.split(":")[1] for p in tp["ports"]] == [p.split(":")[1] for p in services["inference-node"]["ports"]]
+    assert tp["shm_size"]
+
+
 def test_every_service_env_name_is_read_by_the_code(compose, known_env) -> None:
-    standard = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "MINIO_ROOT_USER",
+    standard = {"NCCL_NVLS_ENABLE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "MINIO_ROOT_USER",
                 "MINIO_ROOT_PASSWORD", "ADAPTER_BUCKET", "GF_AUTH_ANONYMOUS_ENABLED", "GF_AUTH_ANONYMOUS_ORG_ROLE"}
     for name, service in compose["services"].items():
         for var in (service.get("environment") or {}):
@@ -80,7 +97,8 @@ def test_ports_agree_with_the_services_settings(compose) -> None:
     assert [p.split(":")[1] for p in services["inference-node-2"]["ports"]] == node_ports
     assert services["adapter-store"]["ports"] == [f"{p}:{p}" for p in store_ports]
     assert node_env["INFERENCE_NODE_ADAPTER_STORE"] == f"adapter-store:{store_env['ADAPTER_STORE_PORT']}"
-    published = [p.split(":")[0] for name in ("inference-node", "inference-node-2", "adapter-store", "haproxy")
+    published = [p.split(":")[0] for name in ("inference-node", "inference-node-2", "inference-node-tp",
+                                               "adapter-store", "haproxy")
                  for p in services[name]["ports"]]
     assert len(published) == len(set(published)), published
 

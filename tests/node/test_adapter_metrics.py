@@ -87,6 +87,11 @@ def test_per_adapter_metrics_after_a_mixed_burst(node) -> None:
     tpot = "lora_node_time_per_output_token_seconds_count"
     assert value(found, tpot, adapter=OTHER) == later_tokens["rare1"] + later_tokens["rare2"]
     assert value(found, tpot, adapter="busy") == later_tokens["busy"]
+    # Every adapter request that bound counted once, by the tier its adapter was in.
+    by_tier = {dict(labels)["tier"]: v for (n, labels), v in found.items()
+               if n == "lora_node_adapter_requests_by_tier_total"}
+    assert set(by_tier) == {"gpu", "host", "disk", "store"} and sum(by_tier.values()) == 7 + 5 + 2
+    assert by_tier["gpu"] >= 1
     # Engine side: four adapters through two GPU slots and two host places.
     loads = "lora_node_adapter_tier_loads_total"
     assert value(found, loads, adapter="busy", tier="host") >= 1 and value(found, loads, adapter="busy", tier="gpu") >= 1

@@ -153,6 +153,7 @@ def test_rotten_cache_blob_is_detected_and_healed_within_the_fetch(fragile: Seaw
     try:
         with AdapterStoreClient(store.address) as client:
             assert bytes(client.fetch("big", deadline_s=60).weights) == weights  # shard digests recorded
+        assert store.cache.wait_idle(10)
         digest = hashlib.sha256(weights).hexdigest()
         blob = store.cache.root / "blobs" / digest[:2] / digest
         with open(blob, "r+b") as f:  # flip one byte in place, as a bad disk would
@@ -168,6 +169,7 @@ def test_rotten_cache_blob_is_detected_and_healed_within_the_fetch(fragile: Seaw
         assert any("fetching file 1 again, verified by the store" in m for m in caplog.messages), caplog.messages
         assert any("rotted in the disk cache" in m for m in caplog.messages), caplog.messages
         assert store.metrics.value("adapter_store_cache_misses_total") == misses + 1
+        assert store.cache.wait_idle(10)  # the healed copy is stored after the stream ends
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == digest
     finally:
         store.stop()

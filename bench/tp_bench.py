@@ -1,0 +1,160 @@
+"""Decode steps of one node at several tensor-parallel sizes, side by side in one run.
+
+    python -m bench.tp_bench --shape 8b --tp 1,2 --rows base,c32          # 2 GPUs
+    python -m bench.tp_bench --shape 70b --tp 4 --rows base,c32            # 4 GPUs
+    python -m bench.tp_bench --device cpu --shape tiny --tp 1,2            # CPU smoke (gloo)
+
+Each size builds the node as `inference-node serve --tensor-parallel-size N` does
+(`build_node`: rank 0 in this process, ranks 1..N-1 spawned; random weights made on the
+devices, `--load-format dummy`) and drives its engine in-process closed loop at a concurrency
+equal to the batch, with short prompts and long answers, so almost every step is a full-batch
+decode step (a decode graph on every rank). Columns: the full-batch decode steps' wall time
+p50 (one engine call: launch step n+1, wait for step n), tokens/s over those steps, the ratio
+to the first size's step of the same row, and the step's floor per GPU (weights, KV and
+adapters read at copy bandwidth, plus the all-reduces) where bench.tp_floor is present.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from bench.engine_driver import Driver, make_specs, pct, preload_adapters
+from bench.grpc_bench import SHAPES, prepare_adapters, prepare_checkpoint
+
+
+def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -> list[dict]:
+    import torch
+
+    from inference_node.node import NodeSettings, build_node
+
+    count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
+    settings = NodeSettings(
+        model=str(checkpoint), device=args.device, load_format="dummy", adapter_dir=str(adapters),
+        max_loras=max(count, 1), max_lora_rank=16, max_cpu_loras=max(count, 1), max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.prompt + args.output + 16,
+        num_kv_blocks=args.num_kv_blocks, mixed_graphs="off", warmup="off",
+        decode_graphs="auto", tensor_parallel_size=tp)
+    node = build_node(settings)
+    engine = node.engine
+    out = []
+    try:
+        engine.prepare()
+        names = [f"r16-{k:03d}" for k in range(count)]
+        if names:
+            preload_adapters(engine, node.adapters, names)
+        vocab = node.model.config.vocab_size if tp == 1 else node.model.full_config.vocab_size
+        for row in rows:
+            pool = names[:int(row[1:])] if row.startswith("c") else []
+            specs = make_specs(args.batch * args.rounds, (args.prompt, args.prompt), (args.output, args.output),
+                               vocab, None, args.seed)
+            driver = Driver(engine, node.model.device, args.batch, poisson=False)
+            adapter_of = (lambda s: pool[s.index % len(pool)]) if pool else (lambda s: "")
+            driver.run(specs[:args.batch], adapter_of, lambda s: 8)  # warm: this row's graphs and kernels
+            _, steps = driver.run(specs, adapter_of)
+            full = [s for s in steps if s.batch == args.batch and not s.boundary]
+            step = pct([s.seconds for s in full], 50)
+            out.append({"tp": tp, "row": row, "batch": args.batch, "steps": len(full),
+                        "step_ms": step * 1e3, "forward_ms": pct([s.forward for s in full], 50) * 1e3,
+                        "tok_s": args.batch / step if step else float("nan"),
+                        "graph_steps": engine.stats.graph_steps})
+            print(f"# tp {tp} {row}: step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode steps",
+                  file=sys.stderr, flush=True)
+    finally:
+        try:  # a size's numbers are kept even if its node stops untidily
+            engine.shutdown(timeout=0)
+            node.close()
+        except Exception:
+            logging.getLogger(__name__).exception("tp %d: the node did not stop cleanly", tp)
+        del node, engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def floor_ms(args, checkpoint: Path, tp: int, row: str) -> float | None:
+    """The step's floor per GPU (bench.tp_floor), or None where the all-reduce report lacks it."""
+    from bench import tp_floor
+
+    try:
+        return tp_floor.decode_step_floor_ms(checkpoint, tp=tp, batch=args.batch,
+                                             context=args.prompt + args.output // 2,
+                                             adapters=int(row[1:]) if row.startswith("c") else 0, rank=16,
+                                             copy_bandwidth=args.copy_bandwidth,
+                                             allreduce=args.allreduce_json if tp > 1 else None)
+    except ValueError as exc:  # e.g. the report lacks this batch's message size: no floor, the reason shown
+        print(f"# tp {tp} {row}: no floor ({exc})", file=sys.stderr)
+        return None
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--shape", choices=[*SHAPES, "tiny"], default="8b")
+    p.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel sizes")
+    p.add_argument("--rows", default="base,c32", help="base and/or cN (N distinct rank-16 all-linear adapters)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2, help="requests = batch x rounds")
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=0,
+                   help="0: what the batch needs, twice over (each size's node then leaves the GPU to the next)")
+    p.add_argument("--copy-bandwidth", type=float, default=3.0e12,
+                   help="device copy bytes/s, read + write counted (KINDS.md: H100 3.0e12)")
+    p.add_argument("--allreduce-json", type=Path, default=None,
+                   help="a bench.allreduce_bench --json report of as many GPUs: the floor's collectives")
+    p.add_argument("--tokenizer", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    rows = args.rows.split(",")
+    sizes = [int(t) for t in args.tp.split(",")]
+    args.num_kv_blocks = args.num_kv_blocks or 2 * args.batch * -(-(args.prompt + args.output + 16) // 16)
+    with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:
+        work = args.workdir or Path(tmp)
+        checkpoint = prepare_checkpoint(work, None if args.shape == "tiny" else args.shape, args.tokenizer)
+        if args.shape == "tiny":
+            from bench.common import TINY_LLAMA, copy_tokenizer
+
+            tiny = work / "llama-tiny-dummy"
+            tiny.mkdir(parents=True, exist_ok=True)
+            copy_tokenizer(checkpoint, tiny)
+            (tiny / "config.json").write_text(json.dumps({**TINY_LLAMA, "torch_dtype": "float32"}))
+            checkpoint = tiny
+        count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
+        adapters = prepare_adapters(work, checkpoint, count, args.device == "cuda")
+        results = []
+        for tp in sizes:
+            results += run_size(args, checkpoint, adapters, tp, rows)
+        for r in results:
+            r["floor_ms"] = floor_ms(args, checkpoint, r["tp"], r["row"])
+    first = {r["row"]: r["step_ms"] for r in results if r["tp"] == sizes[0]}
+    print(f"shape {args.shape}, batch {args.batch}, prompts {args.prompt}, answers {args.output} tokens")
+    print("| tp | row | step p50 ms | forward p50 ms | decode tok/s | × tp " + str(sizes[0])
+          + " step | floor ms | × floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        floor = r["floor_ms"]
+        floor_cells = ("| | |" if floor is None else f"| {floor:.3f} | {r['step_ms'] / floor:.2f} |")
+        print(f"| {r['tp']} | {r['row']} | {r['step_ms']:.3f} | {r['forward_ms']:.3f} | {r['tok_s']:.0f} | "
+              f"{r['step_ms'] / first[r['row']]:.3f} " + floor_cells)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tensor parallelism: one node over several devices (Megatron layout, LoRA sharded to match)."""

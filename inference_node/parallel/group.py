@@ -1,0 +1,65 @@
+"""The collectives of one tensor-parallel group, as the model calls them.
+
+torch.distributed carries them: NCCL between GPUs (one per rank), gloo on CPU (CI runs
+TP=2 on a tiny model that way). The ranks rendezvous through a file, so no port is chosen.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .shard import Shard
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    shard: Shard
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the ranks, in place (a row-parallel projection's partial outputs)."""
+        dist.all_reduce(x)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x side by side along the last dimension (the vocabulary's logits)."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        dist.broadcast(x, src)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's value (each rank's KV block count: all use the least)."""
+        t = torch.tensor([value], dtype=torch.long, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_tensor_parallel(shard: Shard, device: torch.device, rendezvous_file: str,
+                         timeout_s: float = 600.0) -> TensorParallel:
+    """Joins the group (blocking until every rank has). The timeout bounds one collective:
+    a rank that dies mid-step fails the others' next collective instead of hanging them."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=shard.rank,
+                            world_size=shard.size, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return TensorParallel(shard)

@@ -1,0 +1,326 @@
+"""Tuned launch choices kept as data: one JSON file per (device, model shape) under
+kernels/configs/, holding per decode batch bucket (and adapter-count bucket) the Tuning
+fields that differ from the defaults. A tuning script writes them from a sweep on the device
+(bench/tune_kernels.py); the node picks the file that matches its GPU and its (shard's)
+shapes, and each step runs with its bucket's Tuning. kernels/configs/README.md documents the
+format.
+
+Why per bucket: the decode GEMM's best tiling depends on the rows it multiplies (its
+BLOCK_M, and how many programs a wave holds), and on the device; one frozen Tuning tuned at
+batch 64 on one shape leaves the others to chance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from .tuning import DEFAULT_TUNING, GROUPS, Tuning
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+FORMAT = 1
+
+# Choices that size buffers built once per node (the LoRA step plan's) or set the weights'
+# layout (gemm_groups): a table may set them for the whole node ("node"), never per bucket.
+NODE_CHOICES = frozenset({"gemm_groups", "fold_groups", "shrink_fold_groups", "side_expand_segments",
+                          "side_expand_group_segments", "norm_split_columns", "norm_split_groups"})
+CHOICES = tuple(f.name for f in dataclasses.fields(Tuning))
+BUCKET_CHOICES = tuple(name for name in CHOICES if name not in NODE_CHOICES)
+_TOP_KEYS = {"format", "device", "shape", "produced_by", "node", "buckets"}
+_BUCKET_KEYS = {"batch", "adapters", "choices"}
+
+
+class TuningTableError(ValueError):
+    """A table file that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes the decode GEMMs run at: a model's, or under tensor parallelism its
+    shard's (heads, KV heads and MLP width divided; hidden size whole)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def key(self) -> str:
+        return (f"h{self.hidden}_i{self.intermediate}_q{self.heads}_kv{self.kv_heads}"
+                f"_d{self.head_dim}")
+
+    def gemms(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of each fused group's matmul, x [M, K] @ W [K, N]."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"qkv": (q + 2 * kv, self.hidden), "o": (self.hidden, q),
+                "gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
+
+    @classmethod
+    def of(cls, config: Any) -> "ModelShape":
+        """From a model config with the Hugging Face-like fields of inference_node's
+        ModelConfig (hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim)."""
+        return cls(config.hidden_size, config.intermediate_size, config.num_heads,
+                   config.num_kv_heads, config.head_dim)
+
+
+def device_name(device: torch.device) -> str:
+    """The name a table is filed under: the CUDA device's name, "cpu" elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def table_name(device: str, shape: ModelShape) -> str:
+    """The file name of (device, shape)'s table: e.g.
+    NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64.json."""
+    return f"{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}__{shape.key}.json"
+
+
+# -- the choices as JSON ------------------------------------------------------------------------
+
+def _tiling_table(name: str) -> bool:
+    """Whether choice `name` is a table of (block_n, block_k, stages) per group."""
+    default = getattr(DEFAULT_TUNING, name)
+    return isinstance(default, Mapping) and all(isinstance(v, tuple) for v in default.values())
+
+
+def choice_from_json(name: str, value: Any) -> Any:
+    """The Tuning value of choice `name` written as JSON (choice_to_json's forms); ValueError
+    saying what was expected otherwise. A tiling table's groups replace the defaults' entries
+    of those groups."""
+    default = getattr(DEFAULT_TUNING, name)
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{name}: expected true or false, not {value!r}")
+    if isinstance(default, int):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        raise ValueError(f"{name}: expected a non-negative integer, not {value!r}")
+    if isinstance(default, frozenset):
+        if isinstance(value, list) and all(v in GROUPS for v in value):
+            return frozenset(value)
+        raise ValueError(f"{name}: expected a list of groups of {list(GROUPS)}, not {value!r}")
+    if isinstance(default, tuple):
+        if (isinstance(value, list) and len(value) == len(default)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+            return tuple(value)
+        raise ValueError(f"{name}: expected {len(default)} positive integers, not {value!r}")
+    if not isinstance(value, dict) or not set(value) <= set(GROUPS):
+        raise ValueError(f"{name}: expected an object keyed by groups of {list(GROUPS)}, not {value!r}")
+    if _tiling_table(name):
+        for group, tiling in value.items():
+            if not (isinstance(tiling, list) and len(tiling) == 3
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in tiling)
+                    and all(v & (v - 1) == 0 for v in tiling[:2])):
+                raise ValueError(f"{name}.{group}: expected [block_n, block_k, stages], block_n "
+                                 f"and block_k powers of two, not {tiling!r}")
+        return MappingProxyType({**default, **{g: tuple(t) for g, t in value.items()}})
+    for group, count in value.items():
+        if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+            raise ValueError(f"{name}.{group}: expected a non-negative integer, not {count!r}")
+    return MappingProxyType(dict(value))
+
+
+def choice_to_json(name: str, value: Any) -> Any:
+    """`value` of choice `name` as choice_from_json reads it; a tiling table only with the
+    groups whose entry differs from the default."""
+    if isinstance(value, frozenset):
+        return [g for g in GROUPS if g in value]
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, Mapping):
+        default = getattr(DEFAULT_TUNING, name)
+        if _tiling_table(name):
+            return {g: list(t) for g, t in value.items() if default.get(g) != t}
+        return dict(value)
+    return value
+
+
+def changed_choices(tuning: Tuning, base: Tuning = DEFAULT_TUNING) -> dict[str, Any]:
+    """The JSON of the choices where `tuning` differs from `base`."""
+    return {name: choice_to_json(name, getattr(tuning, name)) for name in CHOICES
+            if getattr(tuning, name) != getattr(base, name)}
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Bucket:
+    """Steps of at least `batch` rows and at least `adapters` distinct adapters (up to the
+    next bucket) run with `choices` over the node's base tuning."""
+
+    batch: int
+    adapters: int
+    choices: Mapping[str, Any]   # choice name -> Tuning value
+
+
+@dataclass(frozen=True)
+class TuningTable:
+    device: str
+    shape: ModelShape
+    node: Mapping[str, Any]          # choices for every step (Tuning values)
+    buckets: tuple[Bucket, ...]      # sorted by (batch, adapters)
+    produced_by: str = ""
+    path: Path | None = None         # where it was read from (messages)
+
+    # -- reading and writing ----------------------------------------------------------------
+    @classmethod
+    def read(cls, path: Path) -> "TuningTable":
+        """The table in `path`, validated; TuningTableError naming the file otherwise."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TuningTableError(f"tuning table {path}: cannot be read: {exc}") from None
+        try:
+            return cls.from_json(raw, path)
+        except ValueError as exc:
+            raise TuningTableError(f"tuning table {path}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, raw: Any, path: Path | None = None) -> "TuningTable":
+        if not isinstance(raw, dict):
+            raise ValueError("expected a JSON object")
+        unknown = set(raw) - _TOP_KEYS
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}: expected some of {sorted(_TOP_KEYS)}")
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"format {raw.get('format')!r}: this node reads format {FORMAT}")
+        if not isinstance(raw.get("device"), str):
+            raise ValueError("device: expected the device's name (torch.cuda.get_device_name)")
+        fields = {f.name for f in dataclasses.fields(ModelShape)}
+        shape = raw.get("shape")
+        if (not isinstance(shape, dict) or set(shape) != fields
+                or not all(isinstance(v, int) and v > 0 for v in shape.values())):
+            raise ValueError(f"shape: expected positive integers {sorted(fields)}, not {shape!r}")
+        node = _choices(raw.get("node", {}), "node", CHOICES)
+        buckets_raw = raw.get("buckets", [])
+        if not isinstance(buckets_raw, list):
+            raise ValueError("buckets: expected a list")
+        buckets, seen = [], set()
+        for i, entry in enumerate(buckets_raw):
+            where = f"buckets[{i}]"
+            if not isinstance(entry, dict) or set(entry) - _BUCKET_KEYS or "batch" not in entry:
+                raise ValueError(f"{where}: expected an object with batch, optional adapters, "
+                                 f"and choices (keys {sorted(_BUCKET_KEYS)}), not {entry!r}")
+            batch, adapters = entry["batch"], entry.get("adapters", 0)
+            if not (isinstance(batch, int) and batch >= 1 and isinstance(adapters, int) and adapters >= 0):
+                raise ValueError(f"{where}: batch must be a positive and adapters a non-negative integer")
+            if (batch, adapters) in seen:
+                raise ValueError(f"{where}: a second entry for batch {batch}, adapters {adapters}")
+            seen.add((batch, adapters))
+            choices = _choices(entry.get("choices", {}), f"{where} (batch {batch}, adapters "
+                               f"{adapters})", BUCKET_CHOICES)
+            buckets.append(Bucket(batch, adapters, choices))
+        table = cls(raw["device"], ModelShape(**shape), node,
+                    tuple(sorted(buckets, key=lambda b: (b.batch, b.adapters))),
+                    str(raw.get("produced_by", "")), path)
+        table.tunings(DEFAULT_TUNING)  # every entry builds a Tuning (group sets checked there)
+        return table
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "device": self.device, "shape": dataclasses.asdict(self.shape),
+            "produced_by": self.produced_by,
+            "node": {n: choice_to_json(n, v) for n, v in self.node.items()},
+            "buckets": [{"batch": b.batch, "adapters": b.adapters,
+                         "choices": {n: choice_to_json(n, v) for n, v in b.choices.items()}}
+                        for b in self.buckets],
+        }
+
+    def write(self, path: Path) -> None:
+        text = json.dumps(self.to_json(), indent=1)
+        # Short lists (a tiling, a group set) on one line each.
+        text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+        Path(path).write_text(text + "\n")
+
+    # -- use ------------------------------------------------------------------------------------
+    def tunings(self, base: Tuning, fixed: Iterable[str] = ()) -> "StepTunings":
+        """Each bucket's Tuning: `base` with the table's node-wide choices, then the bucket's,
+        except the choices named in `fixed` (given on the node's command line), which keep
+        base's values."""
+        fixed = frozenset(fixed)
+        where = f"tuning table {self.path}" if self.path else "tuning table"
+
+        def build(choices: Mapping[str, Any], what: str) -> Tuning:
+            try:
+                return base.replace(**{n: v for n, v in choices.items() if n not in fixed})
+            except ValueError as exc:
+                raise TuningTableError(f"{where}: {what}: {exc}") from None
+
+        node = build(self.node, "node")
+        return StepTunings(node, tuple(
+            (b.batch, b.adapters, build({**self.node, **b.choices}, f"batch {b.batch}, adapters {b.adapters}"))
+            for b in self.buckets), self)
+
+
+def _choices(raw: Any, where: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected an object of choices")
+    unknown = set(raw) - set(CHOICES)
+    if unknown:
+        raise ValueError(f"{where}: unknown choices {sorted(unknown)}: expected some of "
+                         f"{', '.join(allowed)}")
+    node_only = set(raw) - set(allowed)
+    if node_only:
+        raise ValueError(f"{where}: {sorted(node_only)} size buffers built once per node or set "
+                         f"the weights' layout: set them under \"node\", not per bucket")
+    return MappingProxyType({name: choice_from_json(name, value) for name, value in raw.items()})
+
+
+@dataclass(frozen=True)
+class StepTunings:
+    """The Tuning of each step: its bucket's, where the table has one at or below the step's
+    rows and distinct adapters (the nearest: most rows, then most adapters), else `base`."""
+
+    base: Tuning
+    entries: tuple[tuple[int, int, Tuning], ...] = ()   # (batch, adapters, tuning), sorted
+    table: TuningTable | None = None
+
+    def for_step(self, rows: int, adapters: int = 0) -> Tuning:
+        best = self.base
+        for batch, count, tuning in self.entries:  # sorted: the last that fits is the nearest
+            if batch <= rows and count <= adapters:
+                best = tuning
+        return best
+
+    def map(self, change: Callable[[Tuning], Tuning]) -> "StepTunings":
+        """Every step's Tuning (the base's and each bucket's) passed through `change`: a rule
+        that holds whatever the table says (tensor parallelism's, parallel/shard.py)."""
+        return StepTunings(change(self.base), tuple((b, a, change(t)) for b, a, t in self.entries), self.table)
+
+    @classmethod
+    def fixed(cls, tuning: Tuning) -> "StepTunings":
+        """One tuning for every step (no table)."""
+        return cls(tuning)
+
+
+def find_table(device: str, shape: ModelShape, folder: Path | None = None) -> Path | None:
+    """The table filed for (device, shape) in `folder` (None: kernels/configs), if any."""
+    path = (folder or CONFIG_DIR) / table_name(device, shape)
+    return path if path.is_file() else None
+
+
+def load_table(setting: str, device: str, shape: ModelShape,
+               folder: Path | None = None) -> TuningTable | None:
+    """The table `inference-node serve --tuning-table` names: "off" none, "auto" the one filed
+    for (device, shape) if any, else the file at that path, which must be for `shape`
+    (another device's is taken: its numbers are then a starting point, not tuned here)."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        path = find_table(device, shape, folder)
+        return TuningTable.read(path) if path is not None else None
+    table = TuningTable.read(Path(setting))
+    if table.shape != shape:
+        raise TuningTableError(f"tuning table {setting} is for shape {table.shape.key}; this "
+                               f"node's (shard's) shape is {shape.key}")
+    return table

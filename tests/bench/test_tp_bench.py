@@ -1,0 +1,18 @@
+"""bench.tp_bench on CPU (gloo): one node per tensor-parallel size, its full-batch decode steps
+timed and tabled side by side (the numbers are meaningless on CPU; the path is the GPU's)."""
+from __future__ import annotations
+
+from bench import tp_bench
+
+
+def test_tp_bench_times_full_batch_decode_steps_at_each_size(tmp_path, capsys):
+    results = tp_bench.main(["--device", "cpu", "--shape", "tiny", "--tp", "1,2", "--batch", "4",
+                             "--output", "12", "--rounds", "1", "--rows", "base,c2", "--workdir", str(tmp_path)])
+    assert [(r["tp"], r["row"]) for r in results] == [(1, "base"), (1, "c2"), (2, "base"), (2, "c2")]
+    for r in results:  # every answer's steps after the first few were decodes of the whole batch
+        assert r["steps"] >= 8 and r["step_ms"] > 0 and r["tok_s"] > 0
+    floors = {(r["tp"], r["row"]): r["floor_ms"] for r in results}
+    # Without an all-reduce report a rank's floor is its bytes alone: each rank reads its part.
+    assert 0 < floors[(2, "base")] < floors[(1, "base")] < floors[(1, "c2")]
+    table = capsys.readouterr().out
+    assert "| 2 | c2 |" in table and "× tp 1 step" in table

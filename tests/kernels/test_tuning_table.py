@@ -1,0 +1,286 @@
+"""Tuning tables (kernels/tuning_table.py, kernels/configs/README.md): the file filed for a
+(device, shape) is the one found, a step takes its bucket's choices with the nearest smaller
+bucket and then the base as fallbacks, bad files are refused naming the file, a written table
+reads back the same, and the node runs each step (eager, and through the decode graphs' static
+buffers) with its bucket's Tuning, the choice flags given winning over the table."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from kernels.tuning import DEFAULT_TUNING, Tuning
+from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError,
+                                  changed_choices, find_table, load_table, table_name)
+
+SHAPE = ModelShape(hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16)  # tiny_llama's
+OTHER = ModelShape(hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64)
+QKV = {1: [16, 64, 8], 4: [64, 64, 2], "lora": [32, 64, 3]}  # qkv's tiling per bucket below
+
+
+def table_json(device: str = "cpu", shape: ModelShape = SHAPE, **extra) -> dict:
+    raw = {"format": 1, "device": device, "shape": dataclasses.asdict(shape), "produced_by": "test",
+           "buckets": [
+               {"batch": 1, "choices": {"gemm_tilings": {"qkv": QKV[1]}}},
+               {"batch": 4, "choices": {"gemm_tilings": {"qkv": QKV[4]}, "pdl": False}},
+               {"batch": 4, "adapters": 1, "choices": {"gemm_tilings": {"qkv": QKV["lora"]}}},
+               {"batch": 8, "adapters": 2, "choices": {"silu_row_tile": [128, 4]}},
+           ]}
+    raw.update(extra)
+    return raw
+
+
+def write(path: Path, raw: dict) -> Path:
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_the_file_for_the_device_and_shape_is_the_one_found(tmp_path: Path) -> None:
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert table_name(h100, OTHER) == "NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64.json"
+    write(tmp_path / table_name(h100, OTHER), table_json(h100, OTHER, produced_by="h100 1b"))
+    write(tmp_path / table_name(h100, SHAPE), table_json(h100, SHAPE, produced_by="h100 tiny"))
+    write(tmp_path / table_name("NVIDIA H200", OTHER), table_json("NVIDIA H200", OTHER, produced_by="h200 1b"))
+    assert load_table("auto", h100, OTHER, tmp_path).produced_by == "h100 1b"
+    assert load_table("auto", "NVIDIA H200", OTHER, tmp_path).produced_by == "h200 1b"
+    assert load_table("auto", h100, SHAPE, tmp_path).produced_by == "h100 tiny"
+    assert load_table("auto", "NVIDIA A100-SXM4-80GB", OTHER, tmp_path) is None
+    assert find_table(h100, ModelShape(4096, 14336, 32, 8, 128), tmp_path) is None
+    assert load_table("off", h100, OTHER, tmp_path) is None
+    path = tmp_path / table_name(h100, OTHER)
+    assert load_table(str(path), "NVIDIA H200", OTHER).produced_by == "h100 1b"  # by path: any device
+    with pytest.raises(TuningTableError, match=r"is for shape h2048_i8192_q32_kv8_d64; this node's "
+                                               r"\(shard's\) shape is h64_i160_q4_kv2_d16"):
+        load_table(str(path), h100, SHAPE)
+
+
+def test_a_step_takes_the_nearest_smaller_bucket_then_the_base(tmp_path: Path) -> None:
+    base = DEFAULT_TUNING.replace(gemm_prefetch_k=256)
+    table = TuningTable.read(write(tmp_path / "t.json", table_json()))
+    steps = table.tunings(base)
+
+    def qkv(rows: int, adapters: int = 0) -> list[int]:
+        return list(steps.for_step(rows, adapters).gemm_tilings["qkv"])
+
+    assert qkv(1) == qkv(3) == qkv(3, 5) == QKV[1]
+    assert qkv(4) == qkv(64) == qkv(7, 0) == QKV[4]
+    assert qkv(4, 1) == qkv(64, 1) == qkv(5, 32) == QKV["lora"]
+    # (8, 2) holds only the SiLU tile: the defaults' qkv tiling, not a smaller bucket's
+    assert qkv(8, 2) == list(DEFAULT_TUNING.gemm_tilings["qkv"])
+    assert steps.for_step(8, 2).silu_row_tile == (128, 4) and steps.for_step(8, 1).silu_row_tile == (256, 2)
+    assert steps.for_step(4).pdl is False and steps.for_step(4, 1).pdl is True  # entries stand alone
+    for rows, adapters in [(1, 0), (4, 0), (4, 1), (9, 3)]:  # the base under every entry
+        assert steps.for_step(rows, adapters).gemm_prefetch_k == 256
+        assert steps.for_step(rows, adapters).gemm_tilings["o"] == DEFAULT_TUNING.gemm_tilings["o"]
+    late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}}]))
+    assert late.tunings(base).for_step(8) == base  # below the smallest bucket: the base
+
+
+def test_node_choices_apply_to_every_step_and_flags_given_win(tmp_path: Path) -> None:
+    raw = table_json(node={"fold_groups": ["o", "down"], "gemm_prefetch_k": 1024})
+    table = TuningTable.read(write(tmp_path / "t.json", raw))
+    steps = table.tunings(DEFAULT_TUNING)
+    assert steps.base.fold_groups == {"o", "down"} and steps.for_step(4, 1).fold_groups == {"o", "down"}
+    assert steps.for_step(2).gemm_prefetch_k == 1024
+    flags = DEFAULT_TUNING.replace(gemm_tilings={**DEFAULT_TUNING.gemm_tilings, "qkv": (128, 64, 2)},
+                                   gemm_prefetch_k=128)
+    kept = table.tunings(flags, fixed={"gemm_tilings", "gemm_prefetch_k"})
+    for rows, adapters in [(1, 0), (4, 0), (4, 1)]:
+        assert kept.for_step(rows, adapters).gemm_tilings["qkv"] == (128, 64, 2)
+        assert kept.for_step(rows, adapters).gemm_prefetch_k == 128
+    assert kept.for_step(4).pdl is False  # the choices not given still come from the table
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda r: r.update(tilings={}), r"unknown keys \['tilings'\]"),
+    (lambda r: r.update(format=2), "format 2: this node reads format 1"),
+    (lambda r: r["shape"].pop("head_dim"), "shape: expected positive integers"),
+    (lambda r: r["buckets"][0]["choices"].update(gemm_tilingz={}),
+     r"buckets\[0\] \(batch 1, adapters 0\): unknown choices \['gemm_tilingz'\]"),
+    (lambda r: r["buckets"][1]["choices"].update(fold_groups=["o"]),
+     r"buckets\[1\] .*\['fold_groups'\] size buffers built once per node .* under \"node\""),
+    (lambda r: r["buckets"][0]["choices"].update(gemm_tilings={"qkv": [24, 64, 2]}),
+     r"gemm_tilings.qkv: expected \[block_n, block_k, stages\], block_n and block_k powers of two"),
+    (lambda r: r["buckets"][0]["choices"].update(gemm_tilings={"lm_head": [16, 64, 2]}),
+     "gemm_tilings: expected an object keyed by groups"),
+    (lambda r: r["buckets"][0]["choices"].update(pdl="off"), "pdl: expected true or false"),
+    (lambda r: r["buckets"][0]["choices"].update(gemm_prefetch_k=-1), "gemm_prefetch_k: expected a non-negative"),
+    (lambda r: r.update(node={"norm_split_groups": ["qkv"]}), "node: norm_split_groups takes o and down"),
+    (lambda r: r["buckets"].append({"batch": 4, "choices": {}}),
+     "a second entry for batch 4, adapters 0"),
+    (lambda r: r["buckets"].append({"batch": 0}), "batch must be a positive"),
+    (lambda r: r["buckets"].append({"rows": 2}), r"buckets\[4\]: expected an object with batch"),
+])
+def test_bad_files_are_refused_naming_the_file(tmp_path: Path, change, message: str) -> None:
+    raw = table_json()
+    change(raw)
+    path = write(tmp_path / "bad.json", raw)
+    with pytest.raises(TuningTableError, match=message) as info:
+        TuningTable.read(path)
+    assert str(path) in str(info.value)
+
+
+def test_unreadable_files_are_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text("{\"format\": 1,")
+    with pytest.raises(TuningTableError, match=f"tuning table {path}: cannot be read"):
+        TuningTable.read(path)
+    with pytest.raises(TuningTableError, match="cannot be read"):
+        TuningTable.read(tmp_path / "missing.json")
+
+
+def test_a_written_table_reads_back_the_same(tmp_path: Path) -> None:
+    tuned = DEFAULT_TUNING.replace(
+        gemm_tma_tilings={**DEFAULT_TUNING.gemm_tma_tilings, "down": (32, 512, 3)},
+        fold_tilings={**DEFAULT_TUNING.fold_tilings, "o": (32, 128, 2)}, gemm_early_trigger=False,
+        silu_row_tile=(512, 4))
+    choices = changed_choices(tuned)
+    assert choices == {"gemm_tma_tilings": {"down": [32, 512, 3]}, "fold_tilings": {"o": [32, 128, 2]},
+                       "gemm_early_trigger": False, "silu_row_tile": [512, 4]}
+    table = TuningTable.from_json({"format": 1, "device": "cpu", "shape": dataclasses.asdict(SHAPE),
+                                   "node": {"shrink_fold_groups": ["qkv"]},
+                                   "buckets": [{"batch": 8, "adapters": 4, "choices": choices}]})
+    table.write(tmp_path / "t.json")
+    again = TuningTable.read(tmp_path / "t.json")
+    assert again.to_json() == table.to_json()
+    assert again.buckets == (Bucket(8, 4, table.buckets[0].choices),)
+    got = again.tunings(DEFAULT_TUNING).for_step(8, 4)
+    assert got == tuned.replace(shrink_fold_groups=frozenset({"qkv"}))
+
+
+def test_serve_takes_auto_by_default_and_records_the_flags_given(tmp_path: Path) -> None:
+    from inference_node.cli import given_tuning_flags, main, parser, tuning_from_args
+
+    args = parser().parse_args(["serve"])
+    assert args.tuning_table == "auto" and given_tuning_flags(args) == frozenset()
+    args = parser().parse_args(["serve", "--tuning-table", "off", "--pdl", "on", "--gemm-tilings", "qkv=64.64.2"])
+    assert args.tuning_table == "off" and given_tuning_flags(args) == {"pdl", "gemm_tilings"}
+    assert tuning_from_args(args).gemm_tilings["qkv"] == (64, 64, 2)
+    bad = write(tmp_path / "bad.json", table_json(format=7))
+    with pytest.raises(SystemExit, match=f"--tuning-table: tuning table {bad}: format 7"):
+        main(["serve", "--tuning-table", str(bad)])  # refused before any model loads
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path, tmp_path, monkeypatch) -> None:
+    """Through the decode graphs' static buffers (eager on CPU: the same for_step call that
+    a GPU's capture makes) and eager prefill steps, with and without an adapter: every
+    forward's Tuning is its bucket's, and the tokens are those of the node without a table
+    (on CUDA the decode GEMM launches the table's tilings). A flag given keeps its value in
+    every bucket."""
+    from harness import InProcessNode, make_peft_adapter
+    from inference_node.model.llama import LlamaModel
+    from inference_node.node import NodeSettings
+    from lora_client.node_client import NodeClient
+
+    make_peft_adapter(tiny_llama_path, tmp_path / "adapters" / "qv", 4, 8.0, ["q_proj", "v_proj"], False, seed=1)
+    # Pointer-load tilings (gemm_tilings) on Hopper too: TMA off for the whole node.
+    path = write(tmp_path / "table.json", table_json(node={"gemm_tma": False}))
+    seen: list[tuple[int, bool, Tuning]] = []
+    real_forward = LlamaModel.forward
+
+    def spy(self, batch, k, v, lora=None):
+        seen.append((len(batch.input_ids), lora is not None, self.tuning))
+        return real_forward(self, batch, k, v, lora)
+
+    monkeypatch.setattr(LlamaModel, "forward", spy)
+
+    def serve(**settings) -> tuple[list[tuple[int, bool, Tuning]], list[list[int]]]:
+        seen.clear()
+        node = InProcessNode(NodeSettings(
+            model=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+            max_loras=2, max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"), decode_graphs="on",
+            max_graph_batch=8, mixed_graphs="off", **settings))
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def run(job):
+                adapter, prompt = job
+                with NodeClient(node.address) as client:
+                    return client.generate(client.request(adapter=adapter, prompt_token_ids=prompt,
+                                                          max_tokens=6, ignore_eos=True), timeout=120).token_ids
+
+            jobs = [("", [5, 6, 7])] + [("", [11 + i] * (2 + i)) for i in range(4)] + [("qv", [9, 9, 9, 9])] * 2
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                outputs = list(pool.map(run, jobs))
+            outputs.append(run(("", [3])))  # one alone: a batch-1 step
+            assert node.engine.stats.graph_steps > 0
+        finally:
+            node.stop()
+        return list(seen), outputs
+
+    forwards, tokens = serve(tuning_table=str(path))
+    rows_seen = {(rows, lora) for rows, lora, _ in forwards}
+    assert (1, False) in rows_seen and any(r >= 4 and not lo for r, lo in rows_seen)
+    assert any(r >= 4 and lo for r, lo in rows_seen)
+    for rows, lora, tuning in forwards:
+        bucket = 1 if rows < 4 else "lora" if lora else 4
+        assert list(tuning.gemm_tilings["qkv"]) == QKV[bucket], (rows, lora)
+        assert tuning.pdl is (bucket != 4)
+    given = DEFAULT_TUNING.replace(pdl=True, gemm_tilings={**DEFAULT_TUNING.gemm_tilings, "qkv": (128, 64, 2)})
+    forwards, fixed_tokens = serve(tuning_table=str(path), tuning=given, tuning_fixed=frozenset({"gemm_tilings"}))
+    for rows, lora, tuning in forwards:
+        assert tuning.gemm_tilings["qkv"] == (128, 64, 2), (rows, lora)  # the flag, every bucket
+        assert tuning.pdl is (rows < 4 or lora)  # the table's, where no flag was given
+    forwards, plain_tokens = serve(tuning_table="off")
+    assert all(tuning == DEFAULT_TUNING for _, _, tuning in forwards)
+    assert tokens == plain_tokens == fixed_tokens
+
+
+def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
+        tiny_llama_path, tmp_path, monkeypatch, caplog, capfd) -> None:
+    """Under --tensor-parallel-size 2 the table is keyed by one rank's shard shapes (heads,
+    KV heads and MLP width halved: what its kernels multiply), `auto` is resolved once on rank
+    0 before rank 1 starts (rank 1, a fresh process, does not see this test's table folder:
+    it reads the table only through the resolved path), tensor parallelism's own rule holds over
+    every bucket whatever the table's node-wide choices, and a table of the whole model's
+    shape is refused before any rank starts."""
+    import logging
+
+    import kernels.tuning_table as tuning_table
+    from inference_node.engine.request import Request, SamplingParams
+    from inference_node.model.config import ModelConfig
+    from inference_node.node import NodeSettings, build_node, resolve_tuning_table
+    from inference_node.parallel.shard import Shard, tensor_parallel_tuning
+
+    full = ModelConfig.from_checkpoint(tiny_llama_path)
+    shard = ModelShape.of(Shard(1, 2).local_config(full))
+    assert shard.key == "h64_i80_q2_kv1_d16" and ModelShape.of(full) == SHAPE
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    # o's LoRA left for the add + norm after it: what tensor parallelism must undo (its delta
+    # has to be in the partial output before the all-reduce), table or not.
+    path = write(folder / table_name("cpu", shard), table_json(shape=shard, node={"shrink_fold_groups": ["qkv", "o"]}))
+    monkeypatch.setattr(tuning_table, "CONFIG_DIR", folder)
+    settings = NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, cpu_threads=1,
+                            tensor_parallel_size=2, max_loras=0, debug_checks=True, tuning_table="auto")
+    assert resolve_tuning_table(settings, tiny_llama_path).tuning_table == str(path)
+    one_rank = dataclasses.replace(settings, tensor_parallel_size=1)
+    assert resolve_tuning_table(one_rank, tiny_llama_path).tuning_table == "off"  # none for the whole shape
+
+    whole = write(tmp_path / "whole.json", table_json())
+    with pytest.raises(ValueError, match=f"is for shape {SHAPE.key}; this node's \\(shard's\\) shape is {shard.key}"):
+        build_node(dataclasses.replace(settings, tuning_table=str(whole)))
+
+    caplog.set_level(logging.INFO)  # the ranks log at the node's level
+    node = build_node(settings)
+    try:
+        model = node.engine.model
+        assert model.step_tunings.table is not None and model.step_tunings.table.path == path
+        assert list(model.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
+        for rows, adapters in ((1, 0), (4, 0), (4, 1), (8, 2)):  # every bucket, and the base
+            tuning = model.for_step(rows, adapters).tuning
+            assert tuning.shrink_fold_groups == {"qkv"} and tuning == tensor_parallel_tuning(tuning)
+        assert model.tuning.shrink_fold_groups == {"qkv"}
+        outs: dict[int, list[int]] = {}
+        for i, prompt in enumerate(([5, 6, 7, 8, 9], [11, 12])):
+            node.engine.submit(Request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                                       lambda event, i=i: outs.setdefault(i, []).extend(event.token_ids)))
+        for _ in range(16):
+            node.engine.run_once(block=False)
+        assert [len(outs.get(i, [])) for i in range(2)] == [4, 4]
+    finally:
+        node.close()
+    assert f"[rank 1]: tuning table {path}: 4 buckets" in capfd.readouterr().err

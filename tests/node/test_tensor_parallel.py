@@ -1,0 +1,335 @@
+"""Tensor parallelism on the CPU (gloo): `inference-node serve --tensor-parallel-size 2` gives
+the greedy tokens of one rank, for the base model and for a batch mixing adapters of
+different ranks and targets (column- and row-parallel projections alike), and keeps every
+rank's adapter slot table (adapters and the arena rows each holds) equal to rank 0's through
+loads, evictions, unloads and replacements (compared after every step: --debug-checks)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from harness import make_peft_adapter
+from inference_node.parallel.shard import COLUMN_PARALLEL, Shard, ShardingError, check_divisible
+from inference_node.model.config import ModelConfig
+from lora.v1 import inference_pb2 as pb
+from lora_client.node_client import NodeClient
+from lora_client.processes import Child, free_port, wait_healthy
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Four ranks, and targets that reach only column-parallel (qv2, kgu16), only row-parallel
+# (od8) or every projection (all4).
+ADAPTERS = {"qv2": (2, ["q_proj", "v_proj"]), "all4": (4, ALL), "od8": (8, ["o_proj", "down_proj"]),
+            "kgu16": (16, ["k_proj", "gate_proj", "up_proj"])}
+PROMPTS = [[11, 2345, 876, 40], [7, 8, 9, 10, 11, 12], [3000, 12, 4], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+NEW_TOKENS = 8
+# Rank rows of adapter memory per module on every rank: all four adapters at once (k, gate and
+# up hold 4 + 16), not a fifth on up beside them, so the tests below evict.
+ARENA_ROWS = 20
+
+
+# -- the sharding math, without processes ----------------------------------------------------------
+@pytest.mark.parametrize("module", ["q_proj", "gate_proj", "o_proj", "down_proj"])
+def test_shards_of_a_projection_and_its_lora_sum_to_the_whole(module):
+    """Column-parallel: each rank's output columns, side by side, are the whole output.
+    Row-parallel: the ranks' partial outputs, LoRA delta included, sum to the whole."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 12, generator=gen, dtype=torch.float64)
+    w = torch.randn(8, 12, generator=gen, dtype=torch.float64)        # [out, in]
+    a = torch.randn(3, 12, generator=gen, dtype=torch.float64)        # [r, in]
+    b = torch.randn(8, 3, generator=gen, dtype=torch.float64)         # [out, r]
+    whole = x @ w.T + (x @ a.T) @ b.T * 0.5
+    parts = []
+    for rank in range(2):
+        shard = Shard(rank, 2)
+        ws = shard.weight(module, w)
+        a_s, b_s = shard.lora_pair(module, a, b)
+        if module in COLUMN_PARALLEL:
+            parts.append(x @ ws.T + (x @ a_s.T) @ b_s.T * 0.5)
+        else:
+            xs = x[:, shard.block(12)[0]:shard.block(12)[1]]
+            parts.append(xs @ ws.T + (xs @ a_s.T) @ b_s.T * 0.5)
+    combined = torch.cat(parts, dim=1) if module in COLUMN_PARALLEL else parts[0] + parts[1]
+    torch.testing.assert_close(combined, whole)
+    assert not torch.allclose(parts[0], parts[1])
+
+
+def test_vocabulary_blocks_cover_it_once_and_uneven_sizes_are_refused():
+    blocks = [Shard(r, 3).vocab_block(10) for r in range(3)]
+    assert blocks == [(0, 4, 4), (4, 8, 4), (8, 10, 4)]
+    config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 64,
+                                    "intermediate_size": 160, "num_hidden_layers": 1,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2})
+    check_divisible(config, 2)
+    with pytest.raises(ShardingError, match="key/value heads"):
+        check_divisible(config, 4)
+    with pytest.raises(ShardingError, match="4 attention heads"):
+        check_divisible(config, 3)
+
+
+def greedy_in_process(model: Path, size: int, load_format: str = "safetensors") -> tuple[dict[int, list[int]], dict]:
+    """Three prompts through a node built in this process (rank 0 here, rank 1 spawned)."""
+    from inference_node.engine.request import Request, SamplingParams
+    from inference_node.node import NodeSettings, build_node
+
+    node = build_node(NodeSettings(model=str(model), device="cpu", num_kv_blocks=64, cpu_threads=1,
+                                   tensor_parallel_size=size, max_loras=0, debug_checks=True,
+                                   load_format=load_format))
+    try:
+        engine, outs = node.engine, {}
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.submit(Request(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
+                                  lambda event, i=i: outs.setdefault(i, []).extend(event.token_ids)))
+        for _ in range(4 * NEW_TOKENS):
+            engine.run_once(block=False)
+        return outs, engine.snapshot()
+    finally:
+        node.close()
+
+
+def test_a_padded_vocabulary_block_tied_embeddings_and_qkv_bias_split_alike(tmp_path, tokenizer_dir):
+    """A vocabulary that 2 does not divide (the last rank's block is padded), an embedding tied
+    to the LM head, and q/k/v biases: TP=2 gives TP=1's tokens."""
+    from harness import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "odd", tokenizer_dir, vocab_size=49153, tie_word_embeddings=True,
+                            attention_bias=True)
+    one, _ = greedy_in_process(model, 1)
+    two, snap = greedy_in_process(model, 2)
+    assert one == two and len(one) == 3 and all(len(t) == NEW_TOKENS for t in one.values())
+    assert snap["tensor_parallel_size"] == 2 and snap["live_requests"] == 0
+
+
+def test_dummy_weights_make_one_model_whatever_the_ranks(tiny_llama_path):
+    """`--load-format dummy` (the GPU benchmarks' random weights of a checkpoint's shapes)
+    makes a model that runs, the same one on every call, and each rank of TP=2 keeps its
+    part of it: TP=2 gives TP=1's tokens."""
+    one, _ = greedy_in_process(tiny_llama_path, 1, "dummy")
+    again, _ = greedy_in_process(tiny_llama_path, 1, "dummy")
+    two, _ = greedy_in_process(tiny_llama_path, 2, "dummy")
+    real, _ = greedy_in_process(tiny_llama_path, 1)
+    assert len(one) == 3 and all(len(t) == NEW_TOKENS for t in one.values())
+    assert one == again == two
+    assert one != real  # the checkpoint's own weights were not read
+
+
+# -- the node, as processes ------------------------------------------------------------------------
+CPU_FLAGS = ("--device", "cpu", "--num-kv-blocks", "128", "--cpu-threads", "1")
+
+
+class TPNode:
+    def __init__(self, tmp_path: Path, model: Path, adapter_dir: Path, size: int, *flags: str,
+                 device_flags: tuple[str, ...] = CPU_FLAGS) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log = tmp_path / f"node-tp{size}-{self.port}.log"
+        self.child = Child(f"inference-node-tp{size}", [
+            sys.executable, "-m", "inference_node.cli", "serve", "--port", str(self.port), "--model", str(model),
+            *device_flags, "--max-loras", "4", "--adapter-dir", str(adapter_dir),
+            "--tensor-parallel-size", str(size), *flags], self.log)
+        wait_healthy(self.target, 600, self.child)
+
+    def stop(self) -> int:
+        return self.child.stop(60)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, tiny_llama_path) -> Path:
+    root = tmp_path_factory.mktemp("tp-adapters")
+    for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items(), start=1):
+        make_peft_adapter(tiny_llama_path, root / name, rank, 2.0 * rank, targets, seed=seed, scale=3.0)
+    return root
+
+
+def memory_mb(model: Path, tp: int, rows: int) -> str:
+    """--lora-memory-mb that gives each rank of a TP=`tp` node `rows` rank rows per module
+    (float32 on the CPU; a rank's rows cover its shard's shapes)."""
+    from inference_node.adapters.slots import row_nbytes
+
+    config = Shard(0, tp).local_config(ModelConfig.from_checkpoint(model))
+    return str((rows + 0.5) * sum(row_nbytes(config, torch.float32).values()) / (1 << 20))
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory, tiny_llama_path, adapter_dir):
+    logs = tmp_path_factory.mktemp("tp-logs")
+    one = TPNode(logs, tiny_llama_path, adapter_dir, 1,
+                 "--lora-memory-mb", memory_mb(tiny_llama_path, 1, ARENA_ROWS))
+    try:
+        two = TPNode(logs, tiny_llama_path, adapter_dir, 2, "--debug-checks",
+                     "--lora-memory-mb", memory_mb(tiny_llama_path, 2, ARENA_ROWS))
+    except BaseException:
+        one.stop()
+        raise
+    yield one, two
+    assert two.stop() == 0, two.log.read_text()
+    assert one.stop() == 0
+
+
+def generate_all(target: str, jobs: list[tuple[str, int]]) -> dict[tuple[str, int], list[int]]:
+    """Every (adapter, prompt) at once, so the engine batches them together."""
+    results: dict[tuple[str, int], list[int]] = {}
+    errors: list[BaseException] = []
+    channel = grpc.insecure_channel(target)
+
+    def run(adapter: str, i: int) -> None:
+        try:
+            client = NodeClient(target, channel=channel)
+            out = client.generate(client.request(adapter=adapter, prompt_token_ids=PROMPTS[i],
+                                                 max_tokens=NEW_TOKENS, ignore_eos=True), timeout=120)
+            results[(adapter, i)] = list(out.token_ids)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    channel.close()
+    assert not errors, errors
+    return results
+
+
+def stats(target: str) -> pb.GetStatsResponse:
+    with NodeClient(target) as client:
+        return client.stats(timeout=30)
+
+
+def test_tp2_gives_tp1_greedy_tokens_for_base_and_mixed_adapters(nodes):
+    one, two = nodes
+    jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
+    expected = generate_all(one.target, jobs)
+    got = generate_all(two.target, jobs)
+    assert got == expected
+    for adapter in ADAPTERS:  # each adapter changes the answer: its shards were applied
+        assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
+    s = stats(two.target)
+    assert s.tensor_parallel_size == 2 and stats(one.target).tensor_parallel_size == 1
+    assert s.steps > 0 and s.slot_table_checks == s.steps
+    assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
+
+
+@pytest.fixture(scope="module")
+def graph_node(tmp_path_factory, tiny_llama_path, adapter_dir):
+    """TP=2 with its decode steps through the decode graphs' static buffers and its steps with
+    prompt tokens through the piecewise graphs' (CUDA graphs on a GPU; the same buffers and
+    kernels without capture on CPU): rank 0 stages, rank 1 replays.
+    No expand on the side stream by default (as in steps of many adapters): o's and down's
+    deltas must still reach their all-reduce expanded (parallel.shard.tensor_parallel_tuning)."""
+    node = TPNode(tmp_path_factory.mktemp("tp-graph-logs"), tiny_llama_path, adapter_dir, 2, "--debug-checks",
+                  "--decode-graphs", "on", "--mixed-graphs", "on", "--side-expand-segments", "0")
+    yield node
+    assert node.stop() == 0, node.log.read_text()
+
+
+def test_tp2_graph_steps_give_tp1_greedy_tokens(nodes, graph_node):
+    one, _ = nodes
+    jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
+    expected = generate_all(one.target, jobs)
+    assert generate_all(graph_node.target, jobs) == expected
+    s = stats(graph_node.target)
+    assert s.graph_steps > 0 and s.mixed_graph_steps > 0 and s.mixed_steps == 0
+    assert s.graph_steps + s.mixed_graph_steps + s.eager_decode_steps == s.steps
+    assert s.slot_table_checks == s.steps
+    assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
+
+
+def test_loads_unloads_and_replacements_keep_every_rank_slot_table_equal(nodes, adapter_dir, tiny_llama_path):
+    """The same adapter operations on both nodes, with answers compared after each: five
+    adapters over four places in a step and memory for four (evictions), an unload, and a
+    replacement by a new version."""
+    one, two = nodes
+    swap = adapter_dir / "swap"
+    make_peft_adapter(tiny_llama_path, swap, 4, 8.0, ["q_proj", "o_proj", "up_proj"], seed=10, scale=3.0)
+    versions = {}
+    for node in nodes:
+        with NodeClient(node.target) as client:
+            versions[node.target] = client.load_adapter("swap", timeout=60).version
+    before = generate_all(two.target, [("swap", 0), ("", 0)])
+    assert before == generate_all(one.target, [("swap", 0), ("", 0)])
+    assert before[("swap", 0)] != before[("", 0)]
+
+    for node in nodes:
+        with NodeClient(node.target) as client:
+            client.unload_adapter("qv2", timeout=30)
+            assert "qv2" not in {a.name for a in client.list_adapters(timeout=30).adapters}
+    # Steps while qv2's slot stands empty: every rank's must be empty too.
+    assert generate_all(two.target, [("", 1)]) == generate_all(one.target, [("", 1)])
+    # Five adapters for four places and memory for four: adapters are drained, evicted and
+    # their rows rewritten while others run.
+    jobs = [(adapter, i) for adapter in ("swap", *ADAPTERS) for i in range(2)]
+    assert generate_all(two.target, jobs) == generate_all(one.target, jobs)
+    for node in nodes:  # all4, kgu16 and swap need 24 rows of up: one of them was evicted
+        assert f"({ARENA_ROWS} rank rows per module" in node.log.read_text()
+        with NodeClient(node.target) as client:
+            tiers = {a.name: a.tier for a in client.list_adapters(timeout=30).adapters}
+        assert any(tiers.get(name) != pb.ADAPTER_TIER_GPU for name in ("all4", "kgu16", "swap")), tiers
+
+    make_peft_adapter(tiny_llama_path, swap, 8, 16.0, ["v_proj", "down_proj", "gate_proj"], seed=11, scale=3.0)
+    for node in nodes:
+        with NodeClient(node.target) as client:
+            replaced = client.load_adapter("swap", timeout=60).version
+            assert replaced != versions[node.target]
+    after = generate_all(two.target, [("swap", 0), ("swap", 1)])
+    assert after == generate_all(one.target, [("swap", 0), ("swap", 1)])
+    assert after[("swap", 0)] != before[("swap", 0)]
+    with NodeClient(two.target) as client:
+        client.unload_adapter("swap", timeout=30)
+    s = stats(two.target)
+    assert s.slot_table_checks == s.steps > 0
+    assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
+
+
+def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--port", str(free_port()),
+                           "--model", str(tiny_llama_path), "--device", "cpu", "--tensor-parallel-size", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--tensor-parallel-size 4 does not divide the model's 2 key/value heads" in proc.stderr
+
+
+# -- GPU: Llama-3.1-8B's shapes (4 of its 32 layers), float32 -----------------------------------------
+@pytest.mark.gpu
+def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir):
+    """Both nodes run eagerly (TP=1 with its graphs and warm-up off), so the only difference
+    is the split: float32 sums in another order, far from flipping a greedy choice."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from bench.common import LLAMA_3_1_8B, copy_tokenizer, write_random_adapter
+
+    model = tmp_path / "llama-8b-shapes"
+    model.mkdir()
+    (model / "config.json").write_text(__import__("json").dumps({**LLAMA_3_1_8B, "num_hidden_layers": 4,
+                                                                  "torch_dtype": "float32"}))
+    copy_tokenizer(tokenizer_dir, model)
+    config = ModelConfig.from_checkpoint(model)
+    adapters = tmp_path / "adapters"
+    for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items(), start=1):
+        write_random_adapter(adapters / name, config, rank, targets, seed, torch.device("cpu"),
+                             dtype=torch.float32, std=0.05)
+    flags = ("--device", "cuda", "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "512")
+    # TP=1 shares GPU 0 with rank 0 of TP=2: a fixed KV cache; TP=2 sizes its own by measuring
+    # a forward on both ranks (their collectives must meet) and taking the least.
+    one = TPNode(tmp_path, model, adapters, 1, "--num-kv-blocks", "512", "--decode-graphs", "off",
+                 "--mixed-graphs", "off", "--warmup", "off", device_flags=flags)
+    try:
+        two = TPNode(tmp_path, model, adapters, 2, "--debug-checks", "--gpu-memory-utilization", "0.85",
+                     device_flags=flags)
+        try:
+            jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
+            expected = generate_all(one.target, jobs)
+            assert generate_all(two.target, jobs) == expected
+            for adapter in ADAPTERS:
+                assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
+            s = stats(two.target)
+            assert s.tensor_parallel_size == 2 and s.slot_table_checks == s.steps > 0
+        finally:
+            assert two.stop() == 0
+    finally:
+        one.stop()
