@@ -13,6 +13,7 @@ beats the default by more than --min-gain; a bucket where none does gets no entr
     python -m bench.tune_kernels --model llama-8b-random                # Llama-3.1-8B's
     python -m bench.tune_kernels --model llama-70b-random --tp 4        # one TP=4 shard of Llama-3.1-70B
     python -m bench.tune_kernels --model llama-8b-random --out /tmp/t   # elsewhere than kernels/configs
+    python -m bench.tune_kernels --model llama-8b-random --fields fold  # LoRA-folded tilings
 
 --model takes the benchmarks' model names (bench.common.bench_model) or a checkpoint folder;
 only its shapes are read (no weights are made). With --tp N the sweep runs one rank's shard
@@ -22,10 +23,26 @@ at the shapes that rank's kernels multiply, the table filed under them: the key 
 The sweep stops starting new (group, batch) pairs after --budget-s seconds (the table then
 holds what was measured; the pairs skipped are printed), so one shape fits a 10-minute call.
 Batches above the decode GEMM's rows (kernels.gemm MAX_ROWS) run cuBLAS and are not swept.
-Fold tilings (LoRA folded into the GEMM) are not swept here.
 
-Without CUDA (or with --smoke) it runs a CPU SMOKE: a tiny shape, two batches, three
-candidates, timed on the CPU through the PyTorch reference (or Triton's interpreter with
+With --fields fold (or base,fold) it sweeps the tilings of the decode GEMM with LoRA folded in
+(Tuning.fold_tilings; kernels/gemm/fold.py), which steps with adapters run: per group, batch
+and adapter-count bucket (--adapters: that many distinct rank-16 adapters, the rows grouped by
+adapter as a decode graph orders them), in the mode the node's tuning runs that group in at
+that count (inference_node/lora_step/overlap.py step_lora_plan: with the defaults o folds
+whole, expand=True, in steps of up to 8 adapters, and q/k/v, gate/up and o only shrink,
+expand=False, in steps of more; groups the step does not fold are not swept). Each candidate
+is checked against the reference x @ W + the LoRA delta (with expand=False: the delta of the
+shrink's stored rows) and timed in a CUDA graph over copies of the weight and of the adapters'
+A and B, each copy with its own launch counters as each layer has. Its winners go into the
+buckets (batch, adapters), each holding the base choices a step of that batch gets, and
+fold_tilings. Each field's sweep has its own --budget-s.
+
+Where the table's file exists for the same device and shape, the kinds of buckets not swept
+this time are kept from it (and its "node" choices): `--fields fold` adds the fold buckets to
+a table of base tilings already there.
+
+Without CUDA (or with --smoke) it runs a CPU SMOKE: a tiny shape, two batches (with
+--fields fold, 1 and 16 adapters), three candidates, timed on the CPU through the PyTorch reference (or Triton's interpreter with
 TRITON_INTERPRET=1). Its numbers mean nothing; it checks that the sweep, the reference check
 and the table's writing and reading work, and writes a table for device "cpu" into a
 temporary folder unless --out says where.
@@ -39,20 +56,24 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from bench.common import RANDOM_MODELS, bench_model_config
+from kernels.gemm import GemmLora
 from kernels.gemm.shapes import MAX_ROWS, tiling as fitted_tiling
 from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
-from kernels.tuning_table import (Bucket, ModelShape, TuningTable, device_name, load_table,
-                                  table_name)
+from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError, device_name,
+                                  load_table, table_name)
 
 BATCHES = (64, 32, 16, 8, 1)  # swept in this order: the budget may cut the last
 BLOCK_N = (16, 32, 64, 128)
 BLOCK_K_STAGES = ((128, 4), (128, 8), (256, 3), (256, 4), (512, 2))
 MAX_REL_ERR = 2e-2  # bf16 products, fp32 accumulation
+FIELDS = ("base", "fold")  # the decode GEMM's tilings; those with LoRA folded in
+ADAPTERS = (32, 16, 8, 1)  # distinct adapters of a fold bucket, swept in this order
+RANK = 16
 
 
 @dataclass(frozen=True)
@@ -64,6 +85,8 @@ class Measured:
     best: Tiling
     best_us: float
     rejected: tuple[str, ...] = ()   # candidates that failed to run or to match the reference
+    adapters: int = 0                # distinct adapters in the step: 0 the base GEMM, else a fold
+    expand: bool = True              # a fold's mode (GemmLora.expand)
 
 
 def model_shape(model: str, tp: int = 1) -> ModelShape:
@@ -87,10 +110,14 @@ def tiling_field(tma: bool) -> str:
 
 def candidates(w: torch.Tensor, group: str, field: str,
                block_n: tuple[int, ...] = BLOCK_N,
-               block_k_stages: tuple[tuple[int, int], ...] = BLOCK_K_STAGES) -> list[Tiling]:
+               block_k_stages: tuple[tuple[int, int], ...] = BLOCK_K_STAGES,
+               slice_offsets: tuple[int, ...] = ()) -> list[Tiling]:
     """The distinct tilings the node would launch for w [K, N] (kernels.gemm.shapes.tiling:
     stages cut to what shared memory holds, block_k 64 where the tile does not divide K),
-    the default first; none where no tiling divides w (the node runs cuBLAS there)."""
+    the default first; none where no tiling divides w (the node runs cuBLAS there). For a
+    fold, slice_offsets: the first column of each slice, which a tile may not straddle
+    (kernels.gemm.gemm_lora_fits; where the default does not fit, the node runs it as the
+    reference, and the sweep times that)."""
     default = fitted_tiling(w, group, getattr(DEFAULT_TUNING, field))
     if default is None:
         return []
@@ -98,40 +125,79 @@ def candidates(w: torch.Tensor, group: str, field: str,
     for n in block_n:
         for k, s in block_k_stages:
             fitted = fitted_tiling(w, group, {group: (n, k, s)})
-            if fitted is not None and fitted not in options:
+            if (fitted is not None and fitted not in options
+                    and all(off % fitted[0] == 0 for off in slice_offsets)):
                 options.append(fitted)
     return options
 
 
-def table_for(results: list[Measured], field: str, device: str, shape: ModelShape,
-              min_gain: float, produced_by: str) -> TuningTable:
-    """A table with a bucket at each batch measured, holding the groups whose best tiling
-    beats the default by more than min_gain (a fraction of the default's time); a bucket
-    where none does holds no choices (so no smaller bucket's entry applies to it)."""
-    by_batch: dict[int, dict[str, Tiling]] = {r.batch: {} for r in results}
+def slice_widths(shape: ModelShape, group: str) -> list[int]:
+    """The output columns of each projection a fused group's matmul computes side by side."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return {"qkv": [q, kv, kv], "o": [shape.hidden], "gate_up": [shape.intermediate] * 2,
+            "down": [shape.hidden]}[group]
+
+
+def winners(results: list[Measured], min_gain: float) -> dict[tuple[int, int], dict[str, Tiling]]:
+    """Per (batch, adapters) measured, the groups whose best tiling beats the default by more
+    than min_gain (a fraction of the default's time)."""
+    found: dict[tuple[int, int], dict[str, Tiling]] = {(r.batch, r.adapters): {} for r in results}
     for r in results:
         if r.best != r.default and r.best_us * (1 + min_gain) < r.default_us:
-            by_batch[r.batch][r.group] = r.best
+            found[r.batch, r.adapters][r.group] = r.best
+    return found
+
+
+def table_for(results: list[Measured], field: str, device: str, shape: ModelShape,
+              min_gain: float, produced_by: str, existing: TuningTable | None = None) -> TuningTable:
+    """A table with a bucket at each (batch, adapters) measured, holding the groups whose
+    best tiling beats the default by more than min_gain; a bucket where none does holds no
+    choices of its own (so no smaller bucket's entry applies to it). A fold bucket (adapters
+    above 0) also holds the base choices a step of its batch gets (a bucket stands alone over
+    the node's tuning, and the groups a step does not fold run the base GEMM). The kind of
+    buckets `results` has none of (base: adapters 0, or fold) comes from `existing`, as do
+    its node choices."""
+    base = winners([r for r in results if r.adapters == 0], min_gain)
+    folds = winners([r for r in results if r.adapters > 0], min_gain)
     default_table = getattr(DEFAULT_TUNING, field)
-    buckets = tuple(Bucket(batch, 0, {field: {**default_table, **groups}} if groups else {})
-                    for batch, groups in sorted(by_batch.items()))
-    return TuningTable(device, shape, {}, buckets, produced_by)
+    base_choices = {batch: ({field: {**default_table, **groups}} if groups else {})
+                    for (batch, _), groups in base.items()}
+    kept = []
+    if existing is not None and not base:
+        base_choices = {b.batch: dict(b.choices) for b in existing.buckets if b.adapters == 0}
+        kept.append("base")
+    if existing is not None and not folds:
+        folds = {(b.batch, b.adapters): {g: t for g, t in b.choices.get("fold_tilings", {}).items()
+                                         if DEFAULT_TUNING.fold_tilings.get(g) != t}
+                 for b in existing.buckets if b.adapters > 0}
+        kept.append("fold")
+
+    def base_for(batch: int) -> dict[str, Any]:  # the nearest base bucket's, as for_step picks
+        below = [b for b in base_choices if b <= batch]
+        return dict(base_choices[max(below)]) if below else {}
+
+    buckets = [Bucket(batch, 0, choices) for batch, choices in sorted(base_choices.items())]
+    buckets += [Bucket(batch, adapters, {**base_for(batch), **(
+                    {"fold_tilings": {**DEFAULT_TUNING.fold_tilings, **groups}} if groups else {})})
+                for (batch, adapters), groups in sorted(folds.items())]
+    if kept and existing.buckets:
+        produced_by += f"; {' and '.join(kept)} buckets kept from: {existing.produced_by}"
+    return TuningTable(device, shape, dict(existing.node) if existing else {},
+                       tuple(sorted(buckets, key=lambda b: (b.batch, b.adapters))), produced_by)
 
 
 # -- timing ------------------------------------------------------------------------------------
 
-def cuda_timer(calls_for: Callable[[torch.Tensor], Callable[[], object]],
-               weights: list[torch.Tensor]) -> float:
+def cuda_timer(calls_for: Callable[[Any], Callable[[], object]], copies: Sequence[Any]) -> float:
     """GPU microseconds per launch: one launch per weight copy back to back in a CUDA graph."""
     from bench.decode_kernels_sweep import graph_us
 
-    return graph_us([calls_for(w) for w in weights], rounds=10)
+    return graph_us([calls_for(c) for c in copies], rounds=10)
 
 
-def cpu_timer(calls_for: Callable[[torch.Tensor], Callable[[], object]],
-              weights: list[torch.Tensor]) -> float:
+def cpu_timer(calls_for: Callable[[Any], Callable[[], object]], copies: Sequence[Any]) -> float:
     """CPU SMOKE: wall microseconds per call (median of 3); meaningless as a tuning."""
-    call = calls_for(weights[0])
+    call = calls_for(copies[0])
     call()
     times = []
     for _ in range(3):
@@ -161,6 +227,15 @@ def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning,
     return lambda: torch.mm(x, w)
 
 
+def weight_copies(N: int, K: int, copies: int, device: torch.device, dtype: torch.dtype,
+                  gen: torch.Generator) -> list[torch.Tensor]:
+    """`copies` copies of a random W [K, N] (outputs about as large as the inputs): [out, in]
+    contiguous, multiplied through its transposed view, the node's layout for the groups the
+    decode GEMM serves (and what TMA needs)."""
+    first = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device, dtype)
+    return [first.t()] + [first.clone().t() for _ in range(copies - 1)]
+
+
 def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torch.device,
           dtype: torch.dtype, field: str, smoke: bool, budget_s: float,
           max_candidates: int | None = None) -> tuple[list[Measured], list[tuple[str, int]]]:
@@ -178,10 +253,7 @@ def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torc
     for group in groups:
         N, K = shape.gemms()[group]
         copies = 1 if smoke else copies_for(N * K * torch.finfo(dtype).bits // 8)
-        # [out, in] contiguous, multiplied through its transposed view: the node's layout for
-        # the groups the decode GEMM serves (and what TMA needs).
-        first = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device, dtype)
-        weights[group] = [first.t()] + [first.clone().t() for _ in range(copies - 1)]
+        weights[group] = weight_copies(N, K, copies, device, dtype, gen)
         options[group] = candidates(weights[group][0], group, field)[:max_candidates]
         if not options[group]:
             print(f"{group}: no tiling divides its [{K}, {N}] weight: the node runs cuBLAS; not swept")
@@ -219,12 +291,156 @@ def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torc
     return sorted(results, key=lambda r: (GROUPS.index(r.group), r.batch)), skipped
 
 
+# -- the fold (LoRA folded into the decode GEMM) ---------------------------------------------
+
+def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int, expand: bool,
+                copies: int, device: torch.device, dtype: torch.dtype,
+                gen: torch.Generator) -> list[GemmLora]:
+    """One GemmLora per weight copy, as the LoRA step plan builds a layer's
+    (inference_node/lora_step/overlap.py): `adapters` distinct adapters of rank `rank` on every
+    slice, the batch's rows grouped by adapter in contiguous runs (as a decode graph orders
+    them, DecodeGraphs._fill_lora) with a segment table of `adapters` rows (the step's
+    segment bucket), deltas about as large as the base output. Each copy has its own A, B and
+    launch counters (as each layer has); the shrink's rows are one buffer they share."""
+    from inference_node.model.llama import LORA_MODULES
+    from kernels.lora import LoraBatchMeta
+
+    slots = sorted(row % adapters for row in range(batch))
+    meta = LoraBatchMeta.build(slots, device).with_segment_table(
+        [[rank] * len(LORA_MODULES)] * adapters, adapters)
+    n, slices = sum(widths), len(widths)
+    offsets = tuple(sum(widths[:i]) for i in range(slices))
+    xa = torch.empty(batch, slices * rank, dtype=torch.float32, device=device)
+    scaling = torch.ones(adapters, dtype=torch.float32, device=device)
+    out = []
+    for _ in range(copies):
+        a_all = (torch.randn(adapters, slices * rank, K, generator=gen) * K ** -0.5).to(device, dtype)
+        b_all = (torch.randn(adapters, n, rank, generator=gen) * rank ** -0.5).to(device, dtype)
+        out.append(GemmLora(a_all, b_all, scaling, offsets, meta.segment_table, adapters,
+                            meta.token_slots, xa, torch.zeros(2, dtype=torch.int64, device=device),
+                            expand))
+    return out
+
+
+def folded_output(y: torch.Tensor, lora: GemmLora) -> torch.Tensor:
+    """[T, N] float32: what the step gets from a fold's launch: its output, plus (with
+    expand=False) the delta the op after it expands from the shrink's stored rows."""
+    if lora.expand:
+        return y.float()
+    rows, r = y.shape[0], lora.rank
+    xa = lora.xa[:rows, :lora.slices * r]
+    slots = lora.token_slots.long().clamp(min=0)
+    delta = torch.cat([torch.einsum("tr,tnr->tn", xa[:, i * r:(i + 1) * r], b[slots].float())
+                       for i, b in enumerate(lora.b_slices())], dim=1)
+    return y.float() + delta
+
+
+def fold_modes(groups: list[str], adapters: int, tuning: Tuning = DEFAULT_TUNING) -> dict[str, bool]:
+    """The groups a decode step of `adapters` distinct adapters folds under `tuning`, and
+    how (GemmLora.expand): the node's plan (overlap.step_lora_plan)."""
+    from inference_node.lora_step.overlap import tuning_lora_plan
+
+    plan = tuning_lora_plan(tuning, adapters)
+    return {g: g in plan.folded for g in groups if g in plan.folded | plan.shrink_folded}
+
+
+def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int], groups: list[str],
+               device: torch.device, dtype: torch.dtype, smoke: bool, budget_s: float,
+               rank: int = RANK, max_candidates: int | None = None,
+               ) -> tuple[list[Measured], list[tuple[str, int, int]]]:
+    """The fold's sweep: (what was measured, the (group, batch, adapters) the budget left
+    unmeasured). Batches in the order given, each adapter count (at most the batch) at each,
+    every group the step folds."""
+    from bench.decode_kernels_sweep import copies_for
+    from kernels.gemm import DecodeGemm
+
+    timer = cpu_timer if smoke else cuda_timer
+    started = time.monotonic()
+    results: list[Measured] = []
+    skipped: list[tuple[str, int, int]] = []
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    esize = torch.finfo(dtype).bits // 8
+    weights: dict[str, list[torch.Tensor]] = {}
+    options: dict[str, list[Tiling]] = {}
+    copies: dict[str, int] = {}
+    for group in groups:
+        N, K = shape.gemms()[group]
+        widths = slice_widths(shape, group)
+        lora_bytes = max(adapter_counts) * rank * (len(widths) * K + N) * esize
+        copies[group] = 1 if smoke else copies_for(N * K * esize + lora_bytes)
+        offsets = tuple(sum(widths[:i]) for i in range(len(widths)))
+        first = torch.empty(N, K, dtype=dtype, device="meta").t()
+        options[group] = candidates(first, group, "fold_tilings",
+                                    slice_offsets=offsets)[:max_candidates]
+        if not options[group]:
+            print(f"{group}: no tiling divides its [{K}, {N}] weight: the node runs cuBLAS; not swept")
+    for batch in batches:
+        for adapters in adapter_counts:
+            if adapters > batch:
+                continue
+            modes = fold_modes(groups, adapters)
+            unfolded = [g for g in groups if g not in modes]
+            if unfolded:
+                print(f"  batch {batch}, {adapters} adapters: the step does not fold "
+                      f"{','.join(unfolded)}: not swept")
+            for group, expand in modes.items():
+                if not options[group]:
+                    continue
+                if time.monotonic() - started > budget_s:
+                    skipped.append((group, batch, adapters))
+                    continue
+                N, K = shape.gemms()[group]
+                if group not in weights:
+                    weights[group] = weight_copies(N, K, copies[group], device, dtype, gen)
+                w = weights[group]
+                loras = fold_copies(K, slice_widths(shape, group), batch, adapters, rank, expand,
+                                    copies[group], device, dtype, gen)
+                x = torch.randn(batch, K, generator=gen).to(device, dtype)
+                ref = x.float() @ w[0].float() + loras[0].delta(x)
+                timings: dict[Tiling, float] = {}
+                rejected = []
+                for option in options[group]:
+                    tuning = DEFAULT_TUNING.replace(fold_tilings={**DEFAULT_TUNING.fold_tilings,
+                                                                 group: option})
+                    gemm = DecodeGemm(device, tuning)
+                    for lora in loras:  # each launch site's counters start at zero per grid size
+                        lora.sync.zero_()
+                    try:
+                        loras[0].xa.fill_(float("nan"))  # rows no shrink stores would spread
+                        out = folded_output(gemm(x, w[0], group=group, lora=loras[0]), loras[0])
+                        err = ((out - ref).norm() / ref.norm()).item()
+                        if not err <= MAX_REL_ERR:
+                            rejected.append(f"{option}: rel err {err:.1e}")
+                            continue
+                        timings[option] = timer(
+                            lambda c, g=gemm: (lambda: g(x, c[0], group=group, lora=c[1])),
+                            list(zip(w, loras)))
+                    except Exception as exc:  # a tiling the compiler or the device refuses
+                        rejected.append(f"{option}: {type(exc).__name__}: {str(exc)[:120]}")
+                default = options[group][0]
+                if default not in timings:
+                    raise SystemExit(f"{group} fold at batch {batch}, {adapters} adapters: the "
+                                     f"default tiling {default} failed: {rejected}")
+                best = min(timings, key=timings.get)
+                results.append(Measured(group, batch, default, timings[default], best,
+                                        timings[best], tuple(rejected), adapters, expand))
+                print(f"  {group} fold batch {batch}, {adapters} adapters "
+                      f"({'expand' if expand else 'shrink only'}): {len(timings)} tilings timed, "
+                      f"{time.monotonic() - started:.0f} s in", flush=True)
+                del loras
+    return sorted(results, key=lambda r: (GROUPS.index(r.group), r.batch, r.adapters)), skipped
+
+
 def print_results(results: list[Measured], smoke: bool) -> None:
     unit = "us (CPU SMOKE: meaningless)" if smoke else "us per launch (CUDA graph)"
-    print(f"\n{'group':8} {'batch':>5}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
+    fold = any(r.adapters for r in results)
+    what = f" {'adapters':>8} {'fold':>6}" if fold else ""
+    print(f"\n{'group':8} {'batch':>5}{what}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
           f"{'us':>8} {'default/best':>12}   [{unit}]")
     for r in results:
-        print(f"{r.group:8} {r.batch:5d}  {str(r.default):>16} {r.default_us:8.2f}  {str(r.best):>16} "
+        mode = (f" {r.adapters:8d} {('whole' if r.expand else 'shrink') if r.adapters else '-':>6}"
+                if fold else "")
+        print(f"{r.group:8} {r.batch:5d}{mode}  {str(r.default):>16} {r.default_us:8.2f}  {str(r.best):>16} "
               f"{r.best_us:8.2f} {r.default_us / r.best_us:12.3f}")
         for why in r.rejected:
             print(f"{'':16}rejected {why}")
@@ -241,10 +457,17 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated decode batch buckets (default: {','.join(map(str, BATCHES))}; "
                          f"the CPU smoke: 1,4)")
     ap.add_argument("--groups", default=",".join(GROUPS), help="fused groups to sweep")
+    ap.add_argument("--fields", default="base",
+                    help="what to sweep, comma-separated: base (gemm_tilings or gemm_tma_tilings), "
+                         "fold (fold_tilings, per adapter bucket); --fold: base,fold")
+    ap.add_argument("--fold", action="store_true", help="also sweep the fold: --fields base,fold")
+    ap.add_argument("--adapters", default=None,
+                    help=f"the fold's adapter-count buckets, distinct rank-{RANK} adapters, comma-"
+                         f"separated (default: {','.join(map(str, ADAPTERS))}; the CPU smoke: 4,1)")
     ap.add_argument("--min-gain", type=float, default=0.02,
                     help="a tiling goes into the table where it is this much faster than the default")
     ap.add_argument("--budget-s", type=float, default=480.0,
-                    help="start no new (group, batch) pair after this many seconds")
+                    help="start no new (group, batch) pair after this many seconds (each field's sweep)")
     ap.add_argument("--out", default=None,
                     help="the table's folder (its file named by device and shape) or a .json path "
                          "(default: kernels/configs on CUDA, a temporary folder in the CPU smoke)")
@@ -268,26 +491,54 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise SystemExit(f"--groups: unknown {sorted(unknown)}; expected some of {', '.join(GROUPS)}")
+    fields = {f for f in args.fields.split(",") if f} | ({"base", "fold"} if args.fold else set())
+    if not fields or fields - set(FIELDS):
+        raise SystemExit(f"--fields: {args.fields!r}; expected some of {', '.join(FIELDS)}")
+    adapter_counts = [int(a) for a in (args.adapters or ("4,1" if smoke else ",".join(map(str, ADAPTERS)))).split(",")]
+    if min(adapter_counts) < 1:
+        raise SystemExit(f"--adapters: {args.adapters}: expected positive counts")
     from kernels.host import hopper
 
     tma = not smoke and DEFAULT_TUNING.gemm_tma and hopper(torch.empty(1, device=device))
     field = tiling_field(tma)
     name = device_name(device)
     print(("CPU SMOKE (no tuning: checks the sweep and the table's writing and reading)\n" if smoke else "")
-          + f"device {name}; shape {shape.key} ({model}, tp {args.tp}); {field}; "
-          f"batches {batches}; groups {groups}")
-    results, skipped = sweep(shape, batches, groups, device, dtype, field, smoke, args.budget_s,
-                             max_candidates=3 if smoke else None)
+          + f"device {name}; shape {shape.key} ({model}, tp {args.tp}); "
+          + " and ".join(([field] if "base" in fields else [])
+                         + ([f"fold_tilings at {adapter_counts} adapters"] if "fold" in fields else []))
+          + f"; batches {batches}; groups {groups}")
+    results: list[Measured] = []
+    if "base" in fields:
+        results, skipped = sweep(shape, batches, groups, device, dtype, field, smoke, args.budget_s,
+                                 max_candidates=3 if smoke else None)
+        if skipped:
+            print(f"budget of {args.budget_s:.0f} s spent: not measured {skipped}")
+    if "fold" in fields:
+        folded, fold_skipped = sweep_fold(shape, batches, adapter_counts, groups, device, dtype, smoke,
+                                          args.budget_s, max_candidates=3 if smoke else None)
+        results += folded
+        if fold_skipped:
+            print(f"budget of {args.budget_s:.0f} s spent: fold not measured (group, batch, "
+                  f"adapters) {fold_skipped}")
     print_results(results, smoke)
-    if skipped:
-        print(f"\nbudget of {args.budget_s:.0f} s spent: not measured {skipped}")
 
     command = "python -m bench.tune_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = table_for(results, field, name, shape, args.min_gain,
-                      f"{command.strip()} ({'CPU SMOKE' if smoke else field}, min gain {args.min_gain})")
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="tune-kernels-")) if smoke
                                            else Path(__file__).resolve().parents[1] / "kernels" / "configs")
     path = out if out.suffix == ".json" else out / table_name(name, shape)
+    existing = None
+    if path.is_file():
+        try:
+            existing = TuningTable.read(path)
+        except TuningTableError as exc:
+            raise SystemExit(f"{exc}: fix or remove it, or write elsewhere with --out") from None
+        if (existing.device, existing.shape) != (name, shape):
+            print(f"{path} is for {existing.device}, {existing.shape.key}: replaced, nothing kept")
+            existing = None
+    swept = "+".join(([field] if "base" in fields else []) + (["fold_tilings"] if "fold" in fields else []))
+    table = table_for(results, field, name, shape, args.min_gain,
+                      f"{command.strip()} ({'CPU SMOKE' if smoke else swept}, min gain {args.min_gain})",
+                      existing)
     path.parent.mkdir(parents=True, exist_ok=True)
     table.write(path)
     # Read back as the node reads it, and each bucket's tiling as a step of that batch gets it.
@@ -298,6 +549,15 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         chosen = getattr(steps.for_step(batch), field)
         print(f"  batch {batch:3d}: " + ", ".join(f"{g}={'.'.join(map(str, chosen[g]))}" for g in groups))
+    folds = sorted({(r.batch, r.adapters) for r in results if r.adapters})
+    if folds:
+        print("and with adapters, the fold's tilings (fold_tilings) and its base GEMM's:")
+    for batch, adapters in folds:
+        tuning = steps.for_step(batch, adapters)
+        fold, base = tuning.fold_tilings, getattr(tuning, field)
+        print(f"  batch {batch:3d}, {adapters:3d} adapters: "
+              + ", ".join(f"{g}={'.'.join(map(str, fold[g]))}" for g in fold_modes(groups, adapters))
+              + "; base " + ", ".join(f"{g}={'.'.join(map(str, base[g]))}" for g in groups))
     return 0
 
 

@@ -115,6 +115,7 @@ class NodeMetrics:
                                    ["method", "outcome"], registry=r)
         self.labels = AdapterLabels(max_adapter_labels, on_evict=self._remove_series)
         self._statuses: dict[str, set[str]] = {}  # label -> statuses seen (to remove its series)
+        self._streamed: dict[str, tuple] = {}       # label -> its streaming series (_streamed_series)
         self.engine_collector = _EngineCollector(snapshot, self.labels) if snapshot is not None else None
         if self.engine_collector is not None:
             self.registry.register(self.engine_collector)
@@ -130,12 +131,20 @@ class NodeMetrics:
         """A later message of `count` tokens, gap_s after the previous one: one observation of
         gap_s / count per token, so the histogram's count is the tokens after each request's first
         message and its sum the time they took, however the tokens were grouped into messages."""
-        label = self.labels.label(adapter)
         if count:
-            histogram = self.token_latency.labels(label)
+            latency, tokens = self._streamed_series(self.labels.label(adapter))
+            per_token = gap_s / count
             for _ in range(count):
-                histogram.observe(gap_s / count)
-            self.generated_tokens.labels(label).inc(count)
+                latency.observe(per_token)
+            tokens.inc(count)
+
+    def _streamed_series(self, label: str):
+        """The label's time-per-token histogram and token counter, looked up once: this runs for
+        every streamed message, and prometheus_client's labels() costs more than the update."""
+        series = self._streamed.get(label)
+        if series is None:
+            series = self._streamed[label] = (self.token_latency.labels(label), self.generated_tokens.labels(label))
+        return series
 
     def request_finished(self, adapter: str, status: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         """Once per request, however it ended: status is its finish reason (stop, length,
@@ -167,6 +176,7 @@ class NodeMetrics:
 
     def _remove_series(self, label: str) -> None:
         """An adapter lost its label: its series go (later traffic counts under OTHER)."""
+        self._streamed.pop(label, None)
         for metric in (self.prompt_tokens, self.generated_tokens, self.ttft, self.token_latency):
             try:
                 metric.remove(label)

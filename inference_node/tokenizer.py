@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jinja2 import StrictUndefined
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class ChatTemplateError(ValueError):
@@ -45,6 +46,13 @@ class TextCodec:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def step_decoder(self) -> Callable[[int], str | None]:
+        """An incremental decoder for one output: fed token by token, it returns the text each
+        token completes (None while a character is incomplete), so that the pieces join into
+        decode(all tokens)."""
+        stream, tokenizer = DecodeStream(skip_special_tokens=True), self.tokenizer
+        return lambda token_id: stream.step(tokenizer, token_id)
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         if self._template is None:

@@ -1,37 +1,34 @@
 """Incremental detokenization with stop strings, so text streams token by token.
 
-Decoding a whole output every step costs O(n) per token; this decodes only a short window
-(the "prefix/read offset" method), and holds back text that may be the start of a stop
-string so a client never sees part of one.
+Each token goes through the tokenizer's own incremental decoder (`tokenizers`' DecodeStream:
+the "prefix/read offset" method in Rust, one call per token, text held back while a token
+ends inside a multi-byte character), and text that may be the start of a stop string is held
+back so a client never sees part of one.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-Decode = Callable[[Sequence[int]], str]
+StepDecode = Callable[[int], "str | None"]   # the text a new token completes, if any
 
 
 class TextStream:
-    def __init__(self, decode: Decode, stop: Sequence[str]) -> None:
-        self._decode = decode
+    def __init__(self, step: StepDecode, stop: Sequence[str]) -> None:
+        self._step = step
         self._stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
-        self._prefix_offset = 0
-        self._read_offset = 0
         self.text = ""           # all text decoded so far (truncated at a stop string)
         self._sent = 0           # characters of text already handed out
         self.stopped = False
 
-    def add(self, token_ids: Sequence[int]) -> None:
-        """Feeds the full output token list (the newest token last)."""
-        prefix = self._decode(token_ids[self._prefix_offset:self._read_offset])
-        full = self._decode(token_ids[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+    def push(self, token_id: int) -> None:
+        """Feeds the next output token."""
+        piece = self._step(token_id)
+        if piece:
             start = max(len(self.text) - self._holdback, 0)
-            self.text += full[len(prefix):]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(token_ids)
-            self._check_stop(start)
+            self.text += piece
+            if self._stop:
+                self._check_stop(start)
 
     def _check_stop(self, search_from: int) -> None:
         hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]

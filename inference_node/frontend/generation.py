@@ -93,7 +93,7 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
             metrics.request_finished(request.adapter, "invalid_argument")
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         stream = client.submit(spec)
-        text = TextStream(frontend.codec.decode, stop)
+        text = TextStream(frontend.codec.step_decoder(), stop)
         output_ids: list[int] = []
         finish_reason: str | None = None
         outcome = "cancelled"
@@ -114,14 +114,15 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
                 if stop:  # token by token: the answer ends with the token that completed a stop string
                     for i, token in enumerate(new_ids):
                         output_ids.append(token)
-                        text.add(output_ids)
+                        text.push(token)
                         if text.stopped:
                             new_ids, finish_reason = new_ids[:i + 1], "stop"
                             client.abort(spec.request_id)
                             break
                 elif new_ids:
                     output_ids.extend(new_ids)
-                    text.add(output_ids)
+                    for token in new_ids:
+                        text.push(token)
                 now = time.monotonic()
                 if new_ids:
                     if first_token_at is None:

@@ -38,6 +38,7 @@ order, and the fused ops expand the sums with the PyTorch reference.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -114,6 +115,45 @@ class LoraOverlap:
         return OverlappedLoraApplier(self, meta, groups)
 
 
+class StepLoraPlan(NamedTuple):
+    """Where each fused group's LoRA runs in a step (module docstring)."""
+
+    folded: frozenset[str]         # the matmul adds it whole (GemmLora.expand)
+    shrink_folded: frozenset[str]  # the matmul shrinks, the op after it expands
+    side_expand: frozenset[str]    # shrink and expand on the side stream
+
+
+def step_lora_plan(groups: frozenset[str], segments: int, segment_table: bool,
+                   fold_groups: frozenset[str], shrink_fold_groups: frozenset[str],
+                   side_expand_segments: int,
+                   side_expand_group_segments: Mapping[str, int]) -> StepLoraPlan:
+    """The plan of a step of `segments` distinct adapters over `groups`; folds need the rows
+    grouped by adapter (a segment table). Also what bench/tune_kernels.py times the folded
+    GEMM in, so its sweep and the node agree on which groups fold, and how."""
+    grouped = segment_table and segments > 0
+    # A group in both fold sets folds whole only in steps of few adapters (those whose other
+    # groups expand on the side stream), and only its shrink in the rest.
+    few = segments <= side_expand_segments
+    folded = (groups & (fold_groups if few else fold_groups - shrink_fold_groups)
+              if grouped else frozenset())
+    side_expand = frozenset(
+        g for g in groups - folded
+        if 0 < segments <= max(side_expand_segments, side_expand_group_segments.get(g, 0)))
+    # The groups whose matmul shrinks for the op after it to expand (not those expanded on
+    # the side stream in this step).
+    shrink_folded = ((groups & shrink_fold_groups) - side_expand - folded
+                     if grouped else frozenset())
+    return StepLoraPlan(frozenset(folded), frozenset(shrink_folded), side_expand)
+
+
+def tuning_lora_plan(tuning: Tuning, segments: int,
+                     groups: frozenset[str] = frozenset(FUSED_MODULES)) -> StepLoraPlan:
+    """step_lora_plan under `tuning`'s fold sets, rows grouped by adapter (a decode graph's
+    step) and a rank the fold kernel takes."""
+    return step_lora_plan(groups, segments, True, tuning.fold_groups, tuning.shrink_fold_groups,
+                          tuning.side_expand_segments, tuning.side_expand_group_segments)
+
+
 class OverlappedLoraApplier:
     """One step's LoRA shrinks on the side stream; `end` joins and returns the group's delta,
     unexpanded, for the op after the matmul."""
@@ -128,21 +168,12 @@ class OverlappedLoraApplier:
         # The groups whose matmul adds their LoRA itself (rows grouped by adapter only). A
         # group in both fold sets folds whole only in steps of few adapters (those whose other
         # groups expand on the side stream), and only its shrink in the rest.
-        few = meta.num_segments <= overlap.side_expand_segments
-        self.folded = (self.groups & (overlap.fold_groups if few else
-                                      overlap.fold_groups - overlap.shrink_fold_groups)
-                       if meta.segment_table is not None and meta.num_segments > 0 else frozenset())
+        self.folded, self.shrink_folded, self.side_expand = step_lora_plan(
+            self.groups, meta.num_segments, meta.segment_table is not None, overlap.fold_groups,
+            overlap.shrink_fold_groups, overlap.side_expand_segments,
+            overlap.side_expand_group_segments)
         self._partials: torch.Tensor | None = None
         self._expanded: torch.Tensor | None = None
-        # The groups whose expand runs on the side stream in this step.
-        self.side_expand = frozenset(
-            g for g in self.groups - self.folded
-            if 0 < meta.num_segments <= max(overlap.side_expand_segments,
-                                            overlap.side_expand_group_segments.get(g, 0)))
-        # The groups whose matmul shrinks for the op after it to expand (not those expanded
-        # on the side stream in this step).
-        self.shrink_folded = (self.groups & overlap.shrink_fold_groups) - self.side_expand \
-            - self.folded if meta.segment_table is not None and meta.num_segments > 0 else frozenset()
         if not self.groups - self.folded - self.shrink_folded:
             return  # every group's matmul adds its own LoRA: no side work this step
         with self._side():

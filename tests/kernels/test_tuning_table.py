@@ -150,6 +150,27 @@ def test_a_written_table_reads_back_the_same(tmp_path: Path) -> None:
     assert got == tuned.replace(shrink_fold_groups=frozenset({"qkv"}))
 
 
+def test_fold_tilings_are_chosen_per_adapter_bucket() -> None:
+    """bench.tune_kernels --fields fold files fold_tilings per (batch, adapters): a bucket may
+    set them, and a step takes its adapter bucket's (none for a step without adapters)."""
+    from kernels.tuning_table import BUCKET_CHOICES
+
+    assert "fold_tilings" in BUCKET_CHOICES
+    table = TuningTable.from_json(table_json(buckets=[
+        {"batch": 64, "adapters": 0, "choices": {"gemm_tilings": {"qkv": [64, 64, 2]}}},
+        {"batch": 64, "adapters": 1, "choices": {"fold_tilings": {"o": [32, 64, 4]}}},
+        {"batch": 64, "adapters": 32, "choices": {"gemm_tilings": {"qkv": [64, 64, 2]},
+                                                  "fold_tilings": {"qkv": [16, 64, 8], "o": [64, 64, 2]}}}]))
+    steps = table.tunings(DEFAULT_TUNING)
+    assert steps.for_step(64).fold_tilings == DEFAULT_TUNING.fold_tilings
+    assert steps.for_step(64, 8).fold_tilings == {**DEFAULT_TUNING.fold_tilings, "o": (32, 64, 4)}
+    assert steps.for_step(64, 8).gemm_tilings == DEFAULT_TUNING.gemm_tilings  # stands alone
+    assert steps.for_step(64, 32).fold_tilings == {**DEFAULT_TUNING.fold_tilings, "qkv": (16, 64, 8),
+                                                   "o": (64, 64, 2)}
+    assert steps.for_step(64, 32).gemm_tilings["qkv"] == (64, 64, 2)
+    assert steps.for_step(32, 32) == DEFAULT_TUNING  # no bucket at or below 32 rows
+
+
 def test_serve_takes_auto_by_default_and_records_the_flags_given(tmp_path: Path) -> None:
     from inference_node.cli import given_tuning_flags, main, parser, tuning_from_args
 

@@ -143,3 +143,28 @@ def test_time_per_output_token_counts_tokens_not_messages() -> None:
     assert metrics.registry.get_sample_value(f"{hist}_count", {"adapter": "a"}) == 4
     assert metrics.registry.get_sample_value(f"{hist}_sum", {"adapter": "a"}) == pytest.approx(0.07)
     assert metrics.registry.get_sample_value("lora_node_generated_tokens_total", {"adapter": "a"}) == 6
+
+
+def test_streamed_tokens_follow_an_adapter_that_loses_its_label_and_wins_it_back():
+    """The streaming series are looked up once per label and kept; a label's eviction must
+    drop them, or an adapter labelled again would count into a removed (unexported) series."""
+    m = NodeMetrics(max_adapter_labels=1)
+
+    def tokens(adapter: str) -> float:
+        return m.registry.get_sample_value("lora_node_generated_tokens_total", {"adapter": adapter}) or 0.0
+
+    m.first_token("a", 0.01, 1)
+    m.tokens_streamed("a", 2, 0.01)
+    m.request_finished("a", "length", 1, 3)
+    for _ in range(3):
+        m.request_finished("b", "length", 1, 3)
+    m.first_token("b", 0.01, 1)             # 3 finished against a's 1: b takes the one label
+    assert m.labels.current() == {"b"} and tokens("a") == 0
+    m.tokens_streamed("a", 1, 0.01)         # a request of a still streaming: now under OTHER
+    assert tokens(OTHER) == 1
+    for _ in range(6):
+        m.request_finished("a", "length", 1, 3)
+    m.first_token("a", 0.01, 1)             # 7 against 3: a wins it back
+    m.tokens_streamed("a", 4, 0.02)
+    assert m.labels.current() == {"a"} and tokens("a") == 5
+    assert m.registry.get_sample_value("lora_node_time_per_output_token_seconds_count", {"adapter": "a"}) == 4

@@ -51,16 +51,15 @@ def test_samples_never_leave_the_top_k() -> None:
     assert {sample(logits, [r])[0] for _ in range(200)} <= allowed
 
 
-def fake_decode(ids):  # token i decodes to the i-th character of the text below
-    return "".join("Hello world. STOP here"[i] for i in ids)
+def fake_step(i):  # token i completes the i-th character of the text below
+    return "Hello world. STOP here"[i]
 
 
 def test_stop_string_truncates_and_is_never_streamed() -> None:
-    stream = TextStream(fake_decode, ["STOP"])
-    ids, shown = [], ""
+    stream = TextStream(fake_step, ["STOP"])
+    shown = ""
     for i in range(len("Hello world. STOP here")):
-        ids.append(i)
-        stream.add(ids)
+        stream.push(i)
         shown += stream.take(final=False)
         if stream.stopped:
             break
@@ -71,14 +70,31 @@ def test_stop_string_truncates_and_is_never_streamed() -> None:
 
 
 def test_text_streams_whole_when_no_stop_matches() -> None:
-    stream = TextStream(fake_decode, ["XYZ"])
-    ids, shown = [], ""
+    stream = TextStream(fake_step, ["XYZ"])
+    shown = ""
     for i in range(12):
-        ids.append(i)
-        stream.add(ids)
+        stream.push(i)
         shown += stream.take(final=False)
     shown += stream.take(final=True)
     assert shown == "Hello world."
+
+
+def test_streamed_text_joins_into_the_whole_decode_across_multibyte_characters(tokenizer_dir) -> None:
+    """Byte-level tokens split accented letters, CJK and emoji between them: the streamed
+    pieces must never show half a character and must join into decode(all tokens)."""
+    from inference_node.tokenizer import TextCodec
+
+    codec = TextCodec(tokenizer_dir)
+    ids = codec.encode("Ünïcödé → 日本語のテキスト 🙂🚀 naïve café, done.", add_special_tokens=False)
+    stream = TextStream(codec.step_decoder(), [])
+    pieces = []
+    for token in ids:
+        stream.push(token)
+        pieces.append(stream.take(final=False))
+    pieces.append(stream.take(final=True))
+    assert "".join(pieces) == codec.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 10  # it streamed, not all at the end
 
 
 def test_two_pass_argmax_takes_the_first_maximum_like_torch() -> None:

@@ -297,8 +297,8 @@ def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path
 # -- GPU: Llama-3.1-8B's shapes (4 of its 32 layers), float32 -----------------------------------------
 @pytest.mark.gpu
 def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir):
-    """Both nodes run eagerly (TP=1 with its graphs and warm-up off), so the only difference
-    is the split: float32 sums in another order, far from flipping a greedy choice."""
+    """TP=1 runs eagerly (its graphs and warm-up off); TP=2 replays decode and piecewise
+    graphs on both ranks. Float32 sums in another order are far from flipping a greedy choice."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from bench.common import LLAMA_3_1_8B, copy_tokenizer, write_random_adapter
@@ -320,7 +320,7 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
                  "--mixed-graphs", "off", "--warmup", "off", device_flags=flags)
     try:
         two = TPNode(tmp_path, model, adapters, 2, "--debug-checks", "--gpu-memory-utilization", "0.85",
-                     device_flags=flags)
+                     "--mixed-graphs", "on", device_flags=flags)
         try:
             jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
             expected = generate_all(one.target, jobs)
@@ -329,6 +329,7 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
                 assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
             s = stats(two.target)
             assert s.tensor_parallel_size == 2 and s.slot_table_checks == s.steps > 0
+            assert s.graph_steps > 0 and s.mixed_graph_steps > 0  # both kinds of graphs, on both ranks
         finally:
             assert two.stop() == 0
     finally:
