@@ -13,21 +13,8 @@ import triton.language as tl
 
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
+from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 from ..tuning import DEFAULT_TUNING, Tuning
-
-
-@triton.jit
-def _b_tile(b_rows, stride_br, offs, mask, offs_r, r_live):
-    """B for columns `offs` [columns, rank] (the adapter's rank rows from b_rows on); r_live:
-    the rank rows to read, 0 for a row without an adapter (nothing read, zeros)."""
-    return tl.load(b_rows + offs[:, None] + offs_r[None, :].to(tl.int64) * stride_br,
-                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-
-
-@triton.jit
-def _expanded(x, h, b):
-    """x (a row's columns of one slice) plus h @ b.T (b: _b_tile), rounded once to x's dtype."""
-    return (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
 
 
 @triton.jit
@@ -45,11 +32,11 @@ def _silu_mul_kernel(
     offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = offs < I
     if HAS_LORA and not DENSE:  # straight-line: the row's loads go out together
-        offs_r = tl.arange(0, BLOCK_R)
         # The row's adapter's ranks and first arena rows on gate and up come from the host
         # (copied before the step) and B from the arenas: neither is written by the kernel
         # ahead, so with EARLY_B they are read before the wait, while the gate/up GEMM still
-        # streams its weights. A row without an adapter has rank 0: nothing is read.
+        # streams its weights. A row without an adapter has rank 0: nothing is read. B is read
+        # a rank row at a time over the columns (kernels/lora/expand_rows.py).
         lrow = rows_ptr + t * stride_rows
         r_g = tl.minimum(tl.load(lrow), R)
         first_g = tl.load(lrow + 1).to(tl.int64)
@@ -57,23 +44,18 @@ def _silu_mul_kernel(
         first_u = tl.load(lrow + 3).to(tl.int64)
         if PDL and not EARLY_B:
             tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-        b_g = _b_tile(bg_ptr + first_g * stride_bgr, stride_bgr, offs, mask, offs_r, r_g)
-        b_u = _b_tile(bu_ptr + first_u * stride_bur, stride_bur, offs, mask, offs_r, r_u)
+        b_g = load_b_rows(bg_ptr + first_g * stride_bgr, stride_bgr, offs, mask, r_g, BLOCK_R)
+        b_u = load_b_rows(bu_ptr + first_u * stride_bur, stride_bur, offs, mask, r_u, BLOCK_R)
         if PDL and EARLY_B:
             tl.extra.cuda.gdc_wait()
-        h_g = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        h_u = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        part_row = part_ptr + t * stride_pt + offs_r
-        # No sums are read for a row without an adapter: they may be unwritten
-        # (kernels/gemm/fold.py: GemmLora.unexpanded).
-        for s in tl.static_range(SPLITS):
-            h_g += tl.load(part_row + s * stride_ps, mask=offs_r < r_g, other=0.0)
-            h_u += tl.load(part_row + s * stride_ps + stride_pslice, mask=offs_r < r_u,
-                           other=0.0)
+        part_row = part_ptr + t * stride_pt
+        h_g = load_sums(part_row, stride_ps, r_g, SPLITS, BLOCK_R)
+        h_u = load_sums(part_row + stride_pslice, stride_ps, r_u, SPLITS, BLOCK_R)
         g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
         u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
-        g = _expanded(g, h_g, b_g)
-        u = _expanded(u, h_u, b_u)
+        # Each plus its delta, rounded once to its dtype.
+        g = (g.to(tl.float32) + expand_rows(h_g, b_g, BLOCK_R)).to(g.dtype)
+        u = (u.to(tl.float32) + expand_rows(h_u, b_u, BLOCK_R)).to(u.dtype)
     else:
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -127,7 +109,7 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
         act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
-        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl,
+        BLOCK_R=next_power_of_2(R), PDL=pdl,
         EARLY_B=tuning.expand_early_b_on(gate_up), **pdl_launch(pdl),
         num_warps=num_warps or default_warps,
     )

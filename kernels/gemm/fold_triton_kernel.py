@@ -99,30 +99,36 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
 @triton.jit
 def _row_b(b_ptr, rows_ptr, M, n0, slc, stride_rows, stride_br, R: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N, R]: each row's adapter's B over the tile's columns (its rank rows of
-    slice slc; zero past the rank, all zero for rows without an adapter), and the rows'
-    adapter masks."""
+    """Each row's adapter's B over the tile's columns, a rank row at a time: a tuple of R
+    [BLOCK_M, BLOCK_N] tiles, tile r holding rank row r of every row's run on slice slc (zero
+    past the row's rank, all zero for rows without an adapter); and the rows' adapter masks.
+    A rank row is contiguous over the columns (kernels/lora/rows.py), so one tile per row
+    keeps the sum over the rank inside each thread (_row_delta): a [rows, columns, rank]
+    tile would spread the rank over threads and warps and sum it through shared memory."""
     offs_m = tl.arange(0, BLOCK_M)
     in_batch = offs_m < M
     rank = tl.load(rows_ptr + offs_m * stride_rows + 2 * slc, mask=in_batch, other=0)
     first = tl.load(rows_ptr + offs_m * stride_rows + 2 * slc + 1, mask=in_batch, other=0)
     has = rank > 0
     offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-    offs_r = tl.arange(0, R)
-    b = tl.load(b_ptr + (first.to(tl.int64)[:, None, None] + offs_r[None, None, :]) * stride_br
-                + offs_n[None, :, None],
-                mask=offs_r[None, None, :] < rank[:, None, None], other=0.0)
+    b_rows = b_ptr + first.to(tl.int64)[:, None] * stride_br + offs_n[None, :]
+    b = ()
+    for r in tl.static_range(R):
+        b = b + (tl.load(b_rows + r * stride_br, mask=(r < rank)[:, None], other=0.0),)
     return b, has
 
 
 @triton.jit
-def _row_delta(b, has, xa_ptr, slc, stride_xa, R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] float32: each row's xa (its slice's R columns) times its B."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, R)
-    xa = tl.load(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :],
-                 mask=has[:, None], other=0.0, cache_modifier=".cg")
-    return tl.sum(xa[:, None, :] * b.to(tl.float32), axis=2)
+def _row_delta(b, has, xa_ptr, slc, stride_xa, R: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32: each row's xa (its slice's R columns) times its B (_row_b),
+    summed over the rank in order."""
+    xa_row = xa_ptr + tl.arange(0, BLOCK_M) * stride_xa + slc * R
+    d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in tl.static_range(R):
+        xa = tl.load(xa_row + r, mask=has, other=0.0, cache_modifier=".cg")
+        d += xa[:, None] * b[r].to(tl.float32)
+    return d
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -199,7 +205,7 @@ def _decode_gemm_lora_kernel(
             arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
             while arrived < target:
                 arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-            acc += _row_delta(b_rows, has, xa_ptr, slc, stride_xa, R, BLOCK_M)
+            acc += _row_delta(b_rows, has, xa_ptr, slc, stride_xa, R, BLOCK_M, BLOCK_N)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
+from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 from ..tuning import DEFAULT_TUNING, Tuning
 
 
@@ -35,34 +36,6 @@ def _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br):
     r_live = tl.minimum(tl.load(rows_ptr + t * stride_rows), R)
     first = tl.load(rows_ptr + t * stride_rows + 1)
     return b_ptr + first.to(tl.int64) * stride_br, r_live
-
-
-@triton.jit
-def _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    """Row t's shrink sums h (the split partials added); none read for a row without an
-    adapter, whose sums may be unwritten (kernels/gemm/fold.py: GemmLora.unexpanded)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        h += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_r, mask=offs_r < r_live,
-                     other=0.0)
-    return h
-
-
-@triton.jit
-def _b_cols(b_rows, r_live, offs, mask, stride_br, BLOCK_R: tl.constexpr):
-    """B for columns `offs` [columns, rank] (zeros past the rank, all zeros for a row without
-    an adapter)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    return tl.load(b_rows + offs[:, None] + offs_r[None, :].to(tl.int64) * stride_br,
-                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-
-
-@triton.jit
-def _expand(h, b):
-    """The delta h @ b.T of one row on b's columns, float32."""
-    return tl.sum(b.to(tl.float32) * h[None, :], axis=1)
 
 
 @triton.jit
@@ -111,7 +84,7 @@ def _add_rms_norm_kernel(
     t = tl.program_id(0).to(tl.int64)
     if HAS_LORA and not DENSE:
         b_rows, r_live = _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br)
-        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
+        h = load_sums(part_ptr + t * stride_pt, stride_ps, r_live, SPLITS, BLOCK_R)
     sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
@@ -121,8 +94,8 @@ def _add_rms_norm_kernel(
             d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
             o = (o.to(tl.float32) + d).to(o.dtype)
         elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
-            b = _b_cols(b_rows, r_live, offs, mask, stride_br, BLOCK_R)
-            o = (o.to(tl.float32) + _expand(h, b)).to(o.dtype)
+            b = load_b_rows(b_rows, stride_br, offs, mask, r_live, BLOCK_R)
+            o = (o.to(tl.float32) + expand_rows(h, b, BLOCK_R)).to(o.dtype)
         newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
         sumsq += newf * newf
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
@@ -166,11 +139,11 @@ def _add_rms_norm_split_kernel(
             tl.extra.cuda.gdc_wait()  # before reading the projection's output
     elif HAS_LORA:
         b_rows, r_live = _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br)
-        b = _b_cols(b_rows, r_live, offs, mask, stride_br, BLOCK_R)
+        b = load_b_rows(b_rows, stride_br, offs, mask, r_live, BLOCK_R)
         if PDL and not EARLY_SUMS:
             tl.extra.cuda.gdc_wait()  # the sums are the GEMM's output
-        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
-        d = _expand(h, b)
+        h = load_sums(part_ptr + t * stride_pt, stride_ps, r_live, SPLITS, BLOCK_R)
+        d = expand_rows(h, b, BLOCK_R)
         if PDL and EARLY_SUMS:
             tl.extra.cuda.gdc_wait()
     elif PDL:
@@ -234,7 +207,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0),
             *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, CHUNKS=chunks,
-            BLOCK_H=split.block, BLOCK_R=max(16, next_power_of_2(R)),
+            BLOCK_H=split.block, BLOCK_R=next_power_of_2(R),
             BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h,
             EARLY_SUMS=not (delta is not None and delta.sums_after_wait),
             PDL=pdl, **pdl_launch(pdl),
@@ -246,7 +219,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
             dense_args[1],
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
-            BLOCK_H=block_h, BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
+            BLOCK_H=block_h, BLOCK_R=next_power_of_2(R), PDL=pdl, **pdl_launch(pdl),
             num_warps=num_warps or (8 if delta is not None else 4),
         )
     return new_hidden, x

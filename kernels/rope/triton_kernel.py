@@ -19,27 +19,17 @@ from ..host import cdiv, next_power_of_2, pdl_launch
 from ..tuning import DEFAULT_TUNING, Tuning
 
 from ..lora.delta import LoraDelta
+from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 
 
 @triton.jit
-def _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_br):
-    """A half's columns of the row's adapter's B [columns, rank] (its rank rows from b_rows
-    on): zero past r_live (0 for a row without an adapter: nothing read)."""
-    return tl.load(b_rows + slice_col[:, None] + offs_r[None, :].to(tl.int64) * stride_br,
-                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-
-
-@triton.jit
-def _half(qkv_row, h, b, dense_row, col, mask, HAS_LORA: tl.constexpr, DENSE: tl.constexpr):
+def _half(qkv_row, d, col, mask, ADD: tl.constexpr):
     """Columns `col` of one row (a half of each of the part's heads, flattened) plus their
-    delta h @ b.T (b: _b_half), or the expanded delta's same columns (rounded to qkv's dtype
-    once, as the unfused path rounds), in float32."""
+    float32 delta d where ADD (rounded to qkv's dtype once, as the unfused path rounds), in
+    float32."""
     x = tl.load(qkv_row + col, mask=mask, other=0.0)
-    if DENSE:
-        d = tl.load(dense_row + col, mask=mask, other=0.0)
+    if ADD:
         x = (x.to(tl.float32) + d).to(x.dtype)
-    elif HAS_LORA:
-        x = (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
     return x.to(tl.float32)
 
 
@@ -81,8 +71,8 @@ def _rope_cache_kernel(
         dst = v_cache_ptr + (slot_v // PAGE) * stride_vb + (slot_v % PAGE) * stride_vp
         stride_dh = stride_vh
 
-    # The part's heads' first halves, flattened: (head, d) pairs as one vector, so the B
-    # tiles are 2D [columns, rank] (the 3D [head, d, rank] form ran slower on an H100).
+    # The part's heads' first halves, flattened: (head, d) pairs as one vector over all the
+    # warps, B read a rank row at a time over it (kernels/lora/expand_rows.py).
     idx = tl.arange(0, BLOCK_HG * BLOCK_HALF)
     heads = idx // BLOCK_HALF
     offs_d = idx % BLOCK_HALF
@@ -90,13 +80,16 @@ def _rope_cache_kernel(
     slice_col = (first + heads) * D + offs_d
     col = col0 + slice_col
     qkv_row = qkv_ptr + t * stride_qkv
-    offs_r = tl.arange(0, BLOCK_R)
-    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    dense_row = dense_ptr + t * stride_dense
-    # No B without a delta to expand from it (_half reads none then: a placeholder).
-    b1 = tl.zeros((BLOCK_HG * BLOCK_HALF, BLOCK_R), dtype=tl.float32)
-    b2 = b1
-    if HAS_LORA and not DENSE:
+    # No delta to add: a placeholder _half ignores.
+    d1 = tl.zeros((BLOCK_HG * BLOCK_HALF,), dtype=tl.float32)
+    d2 = d1
+    if DENSE:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        dense_row = dense_ptr + t * stride_dense
+        d1 = tl.load(dense_row + col, mask=mask, other=0.0)
+        d2 = tl.load(dense_row + col + HALF, mask=mask, other=0.0)
+    elif HAS_LORA:
         # The row's adapter's rank and first arena row on this slice come from the host
         # (copied before the step) and B from the arenas: neither is written by the kernel
         # ahead, so with EARLY_B they are read before the wait, while the projection's GEMM
@@ -106,19 +99,18 @@ def _rope_cache_kernel(
         b_rows = b_base + tl.load(lrow + 1).to(tl.int64) * stride_br
         if PDL and not EARLY_B:
             tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-        b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_br)
-        b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_br)
+        b1 = load_b_rows(b_rows, stride_br, slice_col, mask, r_live, BLOCK_R)
+        b2 = load_b_rows(b_rows, stride_br, slice_col + HALF, mask, r_live, BLOCK_R)
         if PDL and EARLY_B:
             tl.extra.cuda.gdc_wait()
-        # No sums are read for a row without an adapter: they may be unwritten
-        # (kernels/gemm/fold.py: GemmLora.unexpanded).
-        part_row = part_ptr + slice_id * stride_pslice + t * stride_pt + offs_r
-        for s in tl.static_range(SPLITS):
-            h += tl.load(part_row + s * stride_ps, mask=offs_r < r_live, other=0.0)
+        h = load_sums(part_ptr + slice_id * stride_pslice + t * stride_pt, stride_ps, r_live,
+                      SPLITS, BLOCK_R)
+        d1 = expand_rows(h, b1, BLOCK_R)
+        d2 = expand_rows(h, b2, BLOCK_R)
     elif PDL:
         tl.extra.cuda.gdc_wait()
-    x1 = _half(qkv_row, h, b1, dense_row, col, mask, HAS_LORA, DENSE)
-    x2 = _half(qkv_row, h, b2, dense_row, col + HALF, mask, HAS_LORA, DENSE)
+    x1 = _half(qkv_row, d1, col, mask, HAS_LORA)
+    x2 = _half(qkv_row, d2, col + HALF, mask, HAS_LORA)
     if part <= Q_PARTS:  # queries and keys rotate: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
         pos = tl.load(pos_ptr + t)
         trig = pos * stride_cos + offs_d
@@ -183,7 +175,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         *lora_strides,
         num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_HG=next_power_of_2(num_kv_heads),
-        BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=max(16, next_power_of_2(R)),
+        BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=next_power_of_2(R),
         PDL=pdl, EARLY_B=tuning.expand_early_b_on(qkv),
         num_warps=num_warps, **pdl_launch(pdl),
     )
