@@ -1,8 +1,8 @@
-"""Churn benchmark: many adapters, Zipf popularity, Poisson arrivals, far fewer GPU adapter
-slots than the working set, beside the same traffic with every adapter already resident.
+"""Churn benchmark: many adapters, Zipf popularity, Poisson arrivals, adapter GPU memory far
+smaller than the working set, beside the same traffic with every adapter already resident.
 
     python -m bench.churn_bench                                # CUDA: Llama-3.2-1B shapes, 1,000 adapters
-    python -m bench.churn_bench --model llama-8b-random --ranks 8,16,32 --requests 300 --rate 8
+    python -m bench.churn_bench --model llama-8b-random        # Llama-3.1-8B shapes
     python -m bench.churn_bench --device cpu --model tiny --adapters 40 --requests 40   # a smoke run
 
 A folder of `--adapters` PEFT adapters (random weights, safetensors, ranks cycling through
@@ -11,15 +11,14 @@ alpha's traffic is the same requests (prompts, lengths, Poisson arrival times); 
 adapter each one names changes, drawn from Zipf(alpha) over the adapters in a shuffled order
 (popularity is independent of rank).
 
-The working set of an alpha is the distinct adapters its traffic names. Every GPU slot is
-padded to `--max-lora-rank` (adapters/slots.py), so adapter memory is counted in slots.
-Rows, each on its own engine (built in turn, the same model and KV cache):
-  resident   a slot for every adapter of the largest working set; before each alpha its
-             adapters are loaded and pinned, untimed: every request finds its adapter on the GPU
-  lru, gdsf  the `--memory-alpha` working set / `--working-set-ratio` slots (also the most
-             distinct adapters in a step), host memory of `--host-adapters` adapters, the GPU
-             eviction policy named (adapters/eviction.py); before each alpha every adapter is
-             unloaded, so each starts cold and loads from the disk tier on demand
+The working set of an alpha is the rank rows of the distinct adapters its traffic names.
+Rows, each on its own engine (built in turn, the same model, KV cache and places in a step):
+  resident   adapter memory for every adapter the traffic names, all loaded and pinned before
+             timing: every request finds its adapter on the GPU
+  lru, gdsf  adapter memory of the `--memory-alpha` working set / `--working-set-ratio` rank
+             rows, host memory of `--host-adapters` adapters, the GPU eviction policy named
+             (adapters/eviction.py); before each alpha every adapter is unloaded, so each
+             starts cold and loads from the disk tier on demand
 
 Columns: throughput (output tokens over the time from the first arrival to the last finish,
 and requests/s), TTFT p50/p99/max, the share of requests whose adapter was on the GPU, in
@@ -61,13 +60,14 @@ class Traffic:
     alpha: float
     adapters: list[str]            # per spec
     distinct: list[str]
+    working_rows: int              # rank rows per targeted module the distinct adapters hold
 
 
 @dataclass
 class RowResult:
     key: str
     alpha: float
-    ratio: float                   # working set / GPU slots (adapters)
+    ratio: float                   # working set / adapter memory (rank rows)
     output_tokens: int = 0
     requests: int = 0
     wall: float = float("nan")
@@ -111,12 +111,13 @@ def write_adapters(root: Path, cfg, names: list[str], ranks: Sequence[int], targ
     return rank_of
 
 
-def make_traffic(specs: list[Spec], names: list[str], alpha: float, seed: int) -> Traffic:
+def make_traffic(specs: list[Spec], names: list[str], rank_of: dict[str, int], alpha: float,
+                 seed: int) -> Traffic:
     order = list(names)
     random.Random(seed).shuffle(order)  # popularity independent of rank
     adapters = [order[zipf_index(spec.pick, len(order), alpha)] for spec in specs]
     distinct = sorted(set(adapters))
-    return Traffic(alpha, adapters, distinct)
+    return Traffic(alpha, adapters, distinct, sum(rank_of[n] for n in distinct))
 
 
 # -- engines ---------------------------------------------------------------------------------------
@@ -128,19 +129,18 @@ def engine_args(args) -> argparse.Namespace:
                               prefill_delay_factor=[])
 
 
-def slot_nbytes(cfg, max_rank: int, dtype: torch.dtype) -> int:
-    """One GPU slot's bytes: A and B of every fused group padded to max_rank (slots.py)."""
+def arena_row_nbytes(cfg, dtype: torch.dtype, targets: Sequence[str]) -> int:
+    """Bytes of one rank row in every arena the targeted modules' fused groups keep (slots.py)."""
+    from inference_node.adapters.slots import row_nbytes
     from inference_node.model.llama import FUSED_MODULES
 
-    shapes = cfg.module_shapes()
-    per_rank = sum(len(modules) * shapes[modules[0]][0] + sum(shapes[m][1] for m in modules)
-                   for modules in FUSED_MODULES.values())
-    return cfg.num_layers * max_rank * per_rank * torch.empty(0, dtype=dtype).element_size()
+    sizes = row_nbytes(cfg, dtype)
+    return sum(sizes[m] for group in FUSED_MODULES.values() if set(group) & set(targets) for m in group)
 
 
-def build(model, cfg, adapter_root: Path, args, slots: int, max_cpu: int, policy: str,
+def build(model, cfg, adapter_root: Path, args, rows: int, max_cpu: int, policy: str,
           max_model_len: int, num_blocks: int, device: torch.device, dtype: torch.dtype):
-    """(engine, manager) with `slots` GPU adapter slots of --max-lora-rank."""
+    """(engine, manager) with `rows` rank rows per module arena."""
     from bench.serving_bench import build_engine
     from inference_node.adapters.manager import AdapterManager
     from inference_node.adapters.slots import SlotBuffers
@@ -148,12 +148,14 @@ def build(model, cfg, adapter_root: Path, args, slots: int, max_cpu: int, policy
 
     cuda = device.type == "cuda"
     if cuda:
-        need, free = slots * slot_nbytes(cfg, args.max_lora_rank, dtype), torch.cuda.mem_get_info(device)[0]
+        need, free = rows * arena_row_nbytes(cfg, dtype, TARGETS[args.targets]), torch.cuda.mem_get_info(device)[0]
         if need > 0.9 * free:
-            raise RuntimeError(f"{slots} slots of rank {args.max_lora_rank} need {need / 2**30:.1f} GiB, "
-                               f"{free / 2**30:.1f} GiB is free: lower --requests, --ranks or --max-lora-rank")
-    buffers = SlotBuffers(cfg, slots, args.max_lora_rank, dtype, device)
-    source = LocalDirSource(adapter_root, cfg, args.max_lora_rank, pin_memory=cuda, dtype=dtype)
+            raise RuntimeError(f"{rows} rank rows of adapter memory need {need / 2**30:.1f} GiB, "
+                               f"{free / 2**30:.1f} GiB is free: lower --requests, --ranks or --working-set-ratio")
+    # Arenas only for the targeted modules' groups (the node's --lora-modules).
+    buffers = SlotBuffers(cfg, args.max_loras, max(args.ranks), dtype, device, rows=rows,
+                          modules=TARGETS[args.targets])
+    source = LocalDirSource(adapter_root, cfg, max(args.ranks), pin_memory=cuda, dtype=dtype)
     manager = AdapterManager(buffers, source, max_cpu, pin_host_memory=cuda, eviction=policy)
     engine = build_engine(model, manager, engine_args(args), max_model_len, num_blocks,
                           args.use_graphs, args.use_mixed)
@@ -210,7 +212,7 @@ def run_row(key: str, engine, manager, specs: list[Spec], traffic: Traffic, rati
 
 
 # -- the table -----------------------------------------------------------------------------------------
-HEADER = (f"{'alpha':>5} {'row':<9} {'WS/slt':>6} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>9} "
+HEADER = (f"{'alpha':>5} {'row':<9} {'WS/mem':>6} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>9} "
           f"{'max':>9} {'gpu':>6} {'host':>6} {'disk':>6} {'to GPU':>7} {'evicted':>7} "
           f"{'tput/res':>8} {'p50/res':>8}")
 UNITS = (f"{'':>5} {'':<9} {'':>6} {'':>9} {'':>7} {'ms':>9} {'ms':>9} {'ms':>9} {'hit %':>6} "
@@ -242,7 +244,7 @@ def targets_line(results: list[RowResult]) -> list[str]:
         t, p = r.tok_s / res.tok_s, r.ttft_pct(50) / res.ttft_pct(50)
         lines.append(f"alpha 1.0 {r.key}: throughput {t:.3f}x resident (target >= 0.8: "
                      f"{'met' if t >= 0.8 else 'NOT met'}), TTFT p50 {p:.2f}x (target <= 2: "
-                     f"{'met' if p <= 2 else 'NOT met'}), working set {r.ratio:.2f}x the GPU slots")
+                     f"{'met' if p <= 2 else 'NOT met'}), working set {r.ratio:.2f}x the adapter memory")
     return lines
 
 
@@ -258,8 +260,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--adapters", type=int, default=1000, help="adapters in the node's adapter folder")
     p.add_argument("--ranks", type=lambda t: [int(x) for x in t.split(",")], default=[8, 16, 32, 64],
                    help="adapter k has rank ranks[k mod len]")
-    p.add_argument("--max-lora-rank", type=int, default=0,
-                   help="the node's --max-lora-rank: every slot is padded to it (0: the largest of --ranks)")
     p.add_argument("--targets", choices=sorted(TARGETS), default="qv", help="modules every adapter targets")
     p.add_argument("--alphas", type=lambda t: [float(x) for x in t.split(",")], default=[0.5, 1.0, 1.5])
     p.add_argument("--policies", default="lru,gdsf", help="churn rows: GPU eviction policies")
@@ -268,8 +268,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
     p.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 32:128, CPU 4:8)")
     p.add_argument("--concurrency", type=int, help="engine max_num_seqs (CUDA 64, CPU 8)")
+    p.add_argument("--max-loras", type=int, help="distinct adapters in one step (default: --concurrency)")
     p.add_argument("--working-set-ratio", type=float, default=4.0,
-                   help="the churn rows' GPU slots: the --memory-alpha working set (adapters) over this")
+                   help="the churn rows' adapter memory: the --memory-alpha working set over this")
     p.add_argument("--memory-alpha", type=float, default=1.0)
     p.add_argument("--host-adapters", type=int, default=0,
                    help="adapters kept in host memory in the churn rows (0: half the --memory-alpha "
@@ -300,9 +301,7 @@ def main(argv: Sequence[str] | None = None) -> list[RowResult]:
     args.requests = args.requests or (600 if cuda else 60)
     args.rate = args.rate or (20.0 if cuda else 10.0)
     args.concurrency = args.concurrency or (64 if cuda else 8)
-    args.max_lora_rank = args.max_lora_rank or max(args.ranks)
-    if max(args.ranks) > args.max_lora_rank:
-        raise SystemExit(f"--ranks {args.ranks} go over --max-lora-rank {args.max_lora_rank}")
+    args.max_loras = args.max_loras or args.concurrency
     args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
     args.prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
     args.output_len = parse_range(args.output_len or ("32:128" if cuda else "4:8"))
@@ -322,6 +321,7 @@ def _checkpoint(args, work: Path, device: torch.device, dtype: torch.dtype) -> t
 
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: list[str]) -> list[RowResult]:
+    from inference_node.adapters.slots import row_nbytes
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
 
@@ -343,12 +343,15 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
     per_seq = -(-(max_model_len + 1) // args.block_size)
     num_blocks = args.concurrency * per_seq + args.concurrency + 8
     specs = make_specs(args.requests, args.prompt_len, args.output_len, cfg.vocab_size, args.rate, args.seed)
-    traffic = [make_traffic(specs, names, alpha, args.seed) for alpha in args.alphas]
-    reference = make_traffic(specs, names, args.memory_alpha, args.seed)
-    churn_slots = max(1, math.ceil(len(reference.distinct) / args.working_set_ratio))
+    traffic = [make_traffic(specs, names, rank_of, alpha, args.seed) for alpha in args.alphas]
+    reference = make_traffic(specs, names, rank_of, args.memory_alpha, args.seed)
+    churn_rows = max(max(args.ranks), math.ceil(reference.working_rows / args.working_set_ratio))
     host = args.host_adapters or max(1, len(reference.distinct) // 2)
-    resident_slots = max(len(t.distinct) for t in traffic)
-    per_slot = slot_nbytes(cfg, args.max_lora_rank, dtype)
+    everyone = sorted({n for t in traffic for n in t.distinct})
+    resident_rows = sum(rank_of[n] for n in everyone)
+    row_bytes = row_nbytes(cfg, dtype)
+    per_row = sum(row_bytes[m] for m in targets)  # a rank row on every targeted module
+    arena_row = arena_row_nbytes(cfg, dtype, targets)
 
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, load_format=load_format)
     header = [
@@ -356,17 +359,19 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
         f"dtype {str(dtype).removeprefix('torch.')}",
         f"model: {model_name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}",
         f"adapters: {len(names)} in the node's adapter folder (its disk tier), ranks "
-        f"{','.join(map(str, args.ranks))} on {','.join(targets)}; GPU slots padded to rank "
-        f"{args.max_lora_rank}: {per_slot / 1e6:.1f} MB a slot",
+        f"{','.join(map(str, args.ranks))} on {','.join(targets)}; a rank row on them "
+        f"{per_row / 1e6:.3f} MB",
         f"traffic: {args.requests} requests, Poisson {args.rate:g}/s, prompt {args.prompt_len[0]}-"
         f"{args.prompt_len[1]}, output {args.output_len[0]}-{args.output_len[1]} tokens (ignore EOS), "
-        f"at most {args.concurrency} running",
-        "working sets (distinct adapters, their mean rank): " + "; ".join(
-            f"alpha {t.alpha:g}: {len(t.distinct)}, {sum(rank_of[n] for n in t.distinct) / len(t.distinct):.1f}"
+        f"at most {args.concurrency} running, {args.max_loras} adapters a step",
+        "working sets (distinct adapters, rank rows, MB): " + "; ".join(
+            f"alpha {t.alpha:g}: {len(t.distinct)}, {t.working_rows}, {t.working_rows * per_row / 1e6:.1f}"
             for t in traffic),
-        f"GPU slots (also the most distinct adapters in a step): resident {resident_slots} "
-        f"({resident_slots * per_slot / 1e9:.1f} GB); churn {churn_slots} ({churn_slots * per_slot / 1e9:.2f} GB: "
-        f"alpha {args.memory_alpha:g}'s working set / {args.working_set_ratio:g}); churn host memory {host} adapters",
+        f"adapter memory (rank rows; MB of the targeted modules' rows, MB of the arenas of their "
+        f"fused groups): resident {resident_rows} ({resident_rows * per_row / 1e6:.1f}, "
+        f"{resident_rows * arena_row / 1e6:.1f}; {len(everyone)} adapters pinned); churn {churn_rows} "
+        f"({churn_rows * per_row / 1e6:.1f}, {churn_rows * arena_row / 1e6:.1f}: alpha "
+        f"{args.memory_alpha:g}'s working set / {args.working_set_ratio:g}); host memory {host} adapters",
         f"engine: {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of {args.block_size}, "
         f"decode graphs {'on' if args.use_graphs else 'off'}, piecewise graphs "
         f"{'on' if args.use_mixed else 'off'}, prefix cache off",
@@ -375,15 +380,17 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
         print(line, flush=True)
 
     results: list[RowResult] = []
-    # The resident engine's host copies are only a cache of what its slots hold: keep one.
-    engines = [("resident", resident_slots, 1, "lru")]
-    engines += [(p, churn_slots, host, p) for p in policies]
-    for key, slots, max_cpu, policy in engines:
+    # The resident engine's host copies are only a cache of what its arenas hold: keep one.
+    engines = [("resident", resident_rows, 1, "lru")]
+    engines += [(p, churn_rows, host, p) for p in policies]
+    for key, rows, max_cpu, policy in engines:
         engine = manager = None
         try:
             t = time.perf_counter()
-            engine, manager = build(model, cfg, adapter_root, args, slots, max_cpu, policy,
+            engine, manager = build(model, cfg, adapter_root, args, rows, max_cpu, policy,
                                     max_model_len, num_blocks, device, dtype)
+            if key == "resident":
+                preload_adapters(engine, manager, everyone)
             log.info("%s engine ready in %.1fs", key, time.perf_counter() - t)
             # Untimed: a few requests through every kind of step, on this engine's adapters.
             warm = specs[:min(len(specs), 2 * args.concurrency)]
@@ -399,11 +406,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
             gc.collect()
             continue
         for t in traffic:
-            ratio = len(t.distinct) / slots
+            ratio = t.working_rows / rows
             try:
-                unload_all(engine, manager)
-                if key == "resident":
-                    preload_adapters(engine, manager, t.distinct)
+                if key != "resident":
+                    unload_all(engine, manager)
                 r = run_row(key, engine, manager, specs, t, ratio, args, device)
             except Exception as exc:  # one broken row must not lose the others
                 log.exception("row %s alpha %g failed", key, t.alpha)

@@ -249,24 +249,33 @@ SINGLE_GROUP_CONFIGS = ("qkv32", "o32", "gu32", "down32")
 
 
 def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: int) -> list[int]:
-    """Random A/B in slots first..first+num-1 for `targets`, rank `rank` (the rest zero)."""
+    """Random adapters of rank `rank` on `targets` in slots first..first+num-1, placed and
+    written as the adapter manager does (SlotBuffers.place, write)."""
+    from inference_node.adapters.weights import AdapterWeights
+    from inference_node.model.llama import LORA_MODULES
+
+    shapes = {m: (layer[group].a[i].shape[1], layer[group].b[i].shape[1])
+              for layer in buffers.layers[:1] for group in layer
+              for i, m in enumerate(m for m in LORA_MODULES if m in _group_modules(group))}
+    dtype = buffers.layers[0]["qkv"].a_all.dtype
+    slots = list(range(first, first + num))
+    for s in slots:
+        tensors = {(layer, m): (torch.randn(rank, shapes[m][0], dtype=dtype) * 0.02,
+                                torch.randn(shapes[m][1], rank, dtype=dtype) * 0.02)
+                   for layer in range(len(buffers.layers)) for m in LORA_MODULES if m in targets}
+        weights = AdapterWeights(f"bench-{s}", "v", rank, 2.0,
+                                 tuple(m for m in LORA_MODULES if m in targets), tensors)
+        assert buffers.place(s, buffers.ranks_of(weights)), "the bench's adapters outgrow the arenas"
+        event = buffers.write(s, weights)
+        if event is not None:
+            event.synchronize()
+    return slots
+
+
+def _group_modules(group: str) -> tuple[str, ...]:
     from inference_node.model.llama import FUSED_MODULES
 
-    slots = list(range(first, first + num))
-    for layer in buffers.layers:
-        for group, modules in FUSED_MODULES.items():
-            buf = layer[group]
-            for i, module in enumerate(modules):
-                for s in slots:
-                    buf.a[i][s].zero_()
-                    buf.b[i][s].zero_()
-                    if module in targets:
-                        buf.a[i][s, :rank].normal_(0, 0.02)
-                        buf.b[i][s, :, :rank].normal_(0, 0.02)
-    for s in slots:
-        buffers.scaling[s] = 2.0
-        buffers.set_ranks(s, rank, set(targets))
-    return slots
+    return FUSED_MODULES[group]
 
 
 def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int,

@@ -283,12 +283,14 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
         b_bytes = {"norm": n * H * R * 2, "silu": n * 2 * I * R * 2, "rope": n * (Hq + 2 * Hkv) * D * R * 2}
         copies = copies_for(b_bytes["silu"])
         S = n * copies
-        b = {"o": torch.randn(S, H, R, **bf16) * 0.02, "g": torch.randn(S, I, R, **bf16) * 0.02,
-             "u": torch.randn(S, I, R, **bf16) * 0.02, "q": torch.randn(S, Hq * D, R, **bf16) * 0.02,
-             "k": torch.randn(S, Hkv * D, R, **bf16) * 0.02, "v": torch.randn(S, Hkv * D, R, **bf16) * 0.02}
+        # Arenas of rank rows (kernels/lora/rows.py): slot s holds rows s*R .. s*R + R - 1.
+        b = {"o": torch.randn(S * R, H, **bf16) * 0.02, "g": torch.randn(S * R, I, **bf16) * 0.02,
+             "u": torch.randn(S * R, I, **bf16) * 0.02, "q": torch.randn(S * R, Hq * D, **bf16) * 0.02,
+             "k": torch.randn(S * R, Hkv * D, **bf16) * 0.02, "v": torch.randn(S * R, Hkv * D, **bf16) * 0.02}
         partials = torch.randn(splits, 3, batch, R, device=device) * 0.1
-        slot_rows = [torch.tensor(sorted(c * n + i % n for i in range(batch)), dtype=torch.int32,
-                                  device=device) for c in range(copies)]
+        # Each row's (rank, first row) on each of three slices, rows grouped by adapter.
+        slot_rows = [torch.tensor([[R, (c * n + i % n) * R] * 3 for i in sorted(range(batch), key=lambda i: i % n)],
+                                  dtype=torch.int32, device=device) for c in range(copies)]
         hidden = torch.randn(batch, H, **bf16)
         out = torch.randn(batch, H, **bf16)
         w = torch.ones(H, **bf16)
@@ -308,11 +310,11 @@ def fused_part(batch: int, bw: float, device: torch.device, adapters: list[int])
             return add_rms_norm_triton(hidden, out, w, 1e-5, d, **k)
 
         runs = {
-            "norm": (norm, lambda sl: LoraDelta(partials[:, :1], (b["o"],), sl),
+            "norm": (norm, lambda sl: LoraDelta(partials[:, :1], (b["o"],), sl[:, :2]),
                      [dict(block_h=bh, num_warps=nw) for bh in (256, 512, 1024, 2048) for nw in (4, 8)]
                      + [dict(split=c, num_warps=nw) for c in SPLIT_COLUMNS for nw in (2, 4, 8)]),
             "silu": (lambda d, **k: silu_mul_triton(gate_up, d, **k),
-                     lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl),
+                     lambda sl: LoraDelta(partials[:, :2], (b["g"], b["u"]), sl[:, :4]),
                      [dict(block_i=bi, num_warps=nw) for bi in (64, 128, 256, 512, 1024) for nw in (2, 4, 8)]),
             "rope": (lambda d, **k: rope_and_cache_triton(qkv, d, cos, sin, pos, kv_slots, kc, vc, Hq, Hkv, D, **k),
                      lambda sl: LoraDelta(partials, (b["q"], b["k"], b["v"]), sl),

@@ -192,7 +192,7 @@ def main() -> None:
                 return StepLoraApplier(buffers, meta, groups)
         else:
             factory = LoraOverlap(buffers, args.batch, tuning).applier
-        lora = GraphLora(factory, buffers.max_loras, buffers.groups_of, buffers.module_ranks)
+        lora = GraphLora(factory, buffers.max_loras, buffers.groups_of, buffers.module_rows)
         graphs = DecodeGraphs(model.with_tuning(tuning), kv, scratch_block=args.batch * per_seq,
                               max_model_len=max_len, max_batch=args.batch, lora=lora,
                               **single_group_variants(names))

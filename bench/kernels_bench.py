@@ -23,6 +23,7 @@ from kernels.attention.reference import paged_attention_ref
 from kernels.host import interpreting
 from kernels.lora.meta import LoraBatchMeta
 from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
+from kernels.lora.rows import SlotRows
 
 
 @dataclass
@@ -81,8 +82,13 @@ def lora_rows(table: Table, m: Model, device: torch.device, dtype: torch.dtype,
         shapes = [(T, n) for T, n in shapes if T <= 64][:4] + [(256, 2)]
     S, R = m.max_loras, m.rank
     for group, (h_in, outs) in groups.items():
-        a = [torch.randn(S, R, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
-        b = [torch.randn(S, o, R, device=device, dtype=dtype) * 0.02 for o in outs]
+        # Arenas of rank rows (kernels/lora/rows.py), each slot's run of R rows after the last.
+        a = [torch.randn(S * R, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
+        b_all = torch.randn(S * R, sum(outs), device=device, dtype=dtype) * 0.02
+        b = [b_all[:, sum(outs[:i]):sum(outs[:i + 1])] for i in range(len(outs))]
+        slot_rows = SlotRows.shared(torch.full((S,), R, dtype=torch.int32, device=device),
+                                    torch.arange(0, S * R, R, dtype=torch.int32, device=device),
+                                    len(outs), R)
         scaling = torch.full((S,), 2.0, device=device)
         offsets = [sum(outs[:i]) for i in range(len(outs))]
         width = sum(outs)
@@ -94,12 +100,13 @@ def lora_rows(table: Table, m: Model, device: torch.device, dtype: torch.dtype,
             shape = f"{group} T={T} a={n_adapters}"
             shrink_bytes = (T * h_in + n_adapters * len(outs) * R * h_in) * es + len(outs) * T * R * 4
             expand_bytes = len(outs) * T * R * 4 + n_adapters * width * R * es + 2 * T * width * es
-            h = lora_shrink_ref(x, a, meta, scaling)
-            t_ref = bench(lambda: lora_shrink_ref(x, a, meta, scaling), device)
-            t = bench(lambda: lora_shrink_triton(x, a, meta, scaling), device) if use_triton else None
+            h = lora_shrink_ref(x, a, meta, scaling, slot_rows)
+            t_ref = bench(lambda: lora_shrink_ref(x, a, meta, scaling, slot_rows), device)
+            t = (bench(lambda: lora_shrink_triton(x, a, meta, scaling, slot_rows), device)
+                 if use_triton else None)
             table.row("lora_shrink", shape, t, shrink_bytes, t_ref)
-            t_ref = bench(lambda: lora_expand_ref(h, b, meta, y, offsets), device)
-            t = (bench(lambda: lora_expand_triton(h, b, meta, y, offsets), device)
+            t_ref = bench(lambda: lora_expand_ref(h, b, meta, y, offsets, slot_rows), device)
+            t = (bench(lambda: lora_expand_triton(h, b, meta, y, offsets, slot_rows), device)
                  if use_triton else None)
             table.row("lora_expand", shape, t, expand_bytes, t_ref)
 

@@ -22,7 +22,7 @@ from bench.common import copy_bandwidth
 from kernels.gemm import GemmLora
 from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
 from kernels.gemm.triton_kernel import decode_gemm_tma, decode_gemm_triton
-from kernels.lora.meta import LoraBatchMeta
+from kernels.lora.meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
 from kernels.tuning import DEFAULT_TUNING
 
 HIDDEN, Q, KV, INTER = 2048, 2048, 512, 8192
@@ -58,16 +58,19 @@ def folds(k: int, outs: list[int], adapters: int, device: torch.device) -> list[
     r, slices, n = 16, len(outs), sum(outs)
     slots = sorted(i % adapters for i in range(64)) if adapters else [-1] * 64
     meta = LoraBatchMeta.build(slots, device)
-    table_meta = meta.with_segment_table([[r] * slices] * 64, max(1, adapters))
+    # Slot s's rank rows: s*r .. s*r + r - 1 of every slice's arena (kernels/lora/rows.py).
+    table_meta = meta.with_segment_table([[v for _ in range(slices) for v in (r, s * r)]
+                                          for s in range(64)], max(1, adapters))
     out = []
     for _ in range(COPIES):
         out.append(GemmLora(
-            a_all=torch.randn(64, slices * r, k, device=device, dtype=torch.bfloat16) / 32,
-            b_all=torch.randn(64, n, r, device=device, dtype=torch.bfloat16) / 32,
+            a_all=torch.randn(slices, 64 * r, k, device=device, dtype=torch.bfloat16) / 32,
+            b_all=torch.randn(64 * r, n, device=device, dtype=torch.bfloat16) / 32,
             scaling=torch.ones(64, device=device), slice_offsets=tuple(
                 sum(outs[:i]) for i in range(slices)),
             segment_table=table_meta.segment_table, segments=max(1, adapters),
-            token_slots=meta.token_slots,
+            rank_col=SEGMENT_TABLE_RANKS, max_rank=r, token_slots=meta.token_slots,
+            token_rows=table_meta.token_table,
             xa=torch.zeros(64, slices * r, device=device), sync=torch.zeros(2, dtype=torch.int64,
                                                                             device=device)))
     return out

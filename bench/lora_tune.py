@@ -29,20 +29,23 @@ GROUPS = {  # name: (H_in, outputs of the fused slices), Llama-3.2-1B
 def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device, rank: int,
                table: bool = True):
     """As DecodeGraphs._fill_lora builds it: request i on adapter i mod distinct, padded
-    buckets; with `table`, rows grouped by slot and the segment table the graphs fill (one
-    rank column per slice), else the gather layout (rows interleaved, sorted ids)."""
+    buckets; with `table`, rows grouped by slot and the segment table the graphs fill (a rank
+    and a first arena row per slice: slot s holds rows s*rank ..), else the gather layout
+    (rows interleaved, sorted ids)."""
     from kernels.lora.meta import LoraBatchMeta
 
     slots = [i % distinct for i in range(batch)]
     if not table:
         return LoraBatchMeta.build(slots, device).padded_for_graph(bucket, batch)
     meta = LoraBatchMeta.build(sorted(slots), device)
-    return meta.with_segment_table([[rank] * 3] * distinct).padded_for_graph(bucket, batch)
+    return meta.with_segment_table([[rank, s * rank] * 3 for s in range(distinct)]
+                                   ).padded_for_graph(bucket, batch)
 
 
 def main() -> None:
     import triton.testing
 
+    from kernels.lora.rows import SlotRows
     from kernels.lora.triton_kernel import (LoraTiling, choose_tiling, lora_expand_triton,
                                      lora_shrink_partials)
 
@@ -81,12 +84,16 @@ def main() -> None:
             gather_meta = graph_meta(args.batch, distinct, bucket, device, args.rank, table=False)
             col = 3  # kernels.lora.meta.SEGMENT_TABLE_RANKS: the first slice's rank
             x = torch.randn(args.batch, h_in, device=device, dtype=dtype)
-            a = [torch.randn(distinct, R, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
-            b = [torch.randn(distinct, o, R, device=device, dtype=dtype) * 0.02 for o in outs]
-            y = torch.zeros(args.batch, sum(outs), device=device, dtype=dtype)
+            # Arenas of rank rows (kernels/lora/rows.py): slot s holds rows s*R .. s*R + R - 1.
+            a = [torch.randn(distinct * R, h_in, device=device, dtype=dtype) * 0.02 for _ in outs]
             offsets = [sum(outs[:i]) for i in range(len(outs))]
+            b_all = torch.randn(distinct * R, sum(outs), device=device, dtype=dtype) * 0.02
+            b = [b_all[:, off:off + o] for off, o in zip(offsets, outs)]
+            y = torch.zeros(args.batch, sum(outs), device=device, dtype=dtype)
             scaling = torch.ones(distinct, device=device)
-            ranks = torch.full((len(outs), distinct), R, dtype=torch.int32, device=device)
+            ranks = SlotRows.shared(torch.full((distinct,), R, dtype=torch.int32, device=device),
+                                    torch.arange(0, distinct * R, R, dtype=torch.int32, device=device),
+                                    len(outs), R)
             a_bytes = distinct * len(outs) * R * h_in * 2
             b_bytes = distinct * sum(outs) * R * 2
             default = choose_tiling(meta, R, max(outs), len(outs), device)

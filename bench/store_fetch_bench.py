@@ -259,6 +259,8 @@ def main() -> None:
                 buffers = SlotBuffers(model, 1, RANK, torch.float32, device)
 
                 def to_slot() -> int:
+                    buffers.free(0)  # its rows again: the copy is what is measured
+                    assert buffers.place(0, buffers.ranks_of(loaded["weights"]))
                     event = buffers.write(0, loaded["weights"])
                     if event is not None:
                         event.synchronize()

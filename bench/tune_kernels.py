@@ -300,25 +300,28 @@ def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int,
     (inference_node/lora_step/overlap.py): `adapters` distinct adapters of rank `rank` on every
     slice, the batch's rows grouped by adapter in contiguous runs (as a decode graph orders
     them, DecodeGraphs._fill_lora) with a segment table of `adapters` rows (the step's
-    segment bucket), deltas about as large as the base output. Each copy has its own A, B and
-    launch counters (as each layer has); the shrink's rows are one buffer they share."""
+    segment bucket), deltas about as large as the base output. Adapter s holds rank rows
+    s*rank .. s*rank + rank - 1 of every slice's arena (adapters/slots.py). Each copy has its
+    own A, B and launch counters (as each layer has); the shrink's rows are one buffer they
+    share."""
     from inference_node.model.llama import LORA_MODULES
-    from kernels.lora import LoraBatchMeta
+    from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
     slots = sorted(row % adapters for row in range(batch))
     meta = LoraBatchMeta.build(slots, device).with_segment_table(
-        [[rank] * len(LORA_MODULES)] * adapters, adapters)
+        [[rank, s * rank] * len(LORA_MODULES) for s in range(adapters)], adapters)
     n, slices = sum(widths), len(widths)
     offsets = tuple(sum(widths[:i]) for i in range(slices))
     xa = torch.empty(batch, slices * rank, dtype=torch.float32, device=device)
     scaling = torch.ones(adapters, dtype=torch.float32, device=device)
     out = []
     for _ in range(copies):
-        a_all = (torch.randn(adapters, slices * rank, K, generator=gen) * K ** -0.5).to(device, dtype)
-        b_all = (torch.randn(adapters, n, rank, generator=gen) * rank ** -0.5).to(device, dtype)
+        a_all = (torch.randn(slices, adapters * rank, K, generator=gen) * K ** -0.5).to(device, dtype)
+        b_all = (torch.randn(adapters * rank, n, generator=gen) * rank ** -0.5).to(device, dtype)
         out.append(GemmLora(a_all, b_all, scaling, offsets, meta.segment_table, adapters,
-                            meta.token_slots, xa, torch.zeros(2, dtype=torch.int64, device=device),
-                            expand))
+                            SEGMENT_TABLE_RANKS, rank, meta.token_slots,
+                            meta.token_table[:, :2 * slices], xa,
+                            torch.zeros(2, dtype=torch.int64, device=device), expand))
     return out
 
 
@@ -327,10 +330,13 @@ def folded_output(y: torch.Tensor, lora: GemmLora) -> torch.Tensor:
     expand=False) the delta the op after it expands from the shrink's stored rows."""
     if lora.expand:
         return y.float()
+    from kernels.lora import gather_rows
+
     rows, r = y.shape[0], lora.rank
     xa = lora.xa[:rows, :lora.slices * r]
-    slots = lora.token_slots.long().clamp(min=0)
-    delta = torch.cat([torch.einsum("tr,tnr->tn", xa[:, i * r:(i + 1) * r], b[slots].float())
+    runs = lora.token_rows[:rows]
+    delta = torch.cat([torch.einsum("tr,tro->to", xa[:, i * r:(i + 1) * r],
+                                    gather_rows(b, runs[:, 2 * i + 1], runs[:, 2 * i], r))
                        for i, b in enumerate(lora.b_slices())], dim=1)
     return y.float() + delta
 

@@ -14,7 +14,18 @@ from lora_common.tls import (TLSConfigError, add_client_flags, add_server_flags,
                                server_tls_from_args)
 from .launcher import ServeOptions, serve as serve_node
 from .limits import RequestLimits
+from .model.llama import LORA_MODULES
 from .node import NodeSettings
+
+
+def lora_modules(text: str) -> tuple[str, ...]:
+    """--lora-modules: names of LoRA target modules, comma-separated."""
+    names = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in names if m not in LORA_MODULES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown LoRA modules {unknown or text!r}; choose from "
+                                         f"{', '.join(LORA_MODULES)}")
+    return names
 
 
 def parser() -> EnvArgumentParser:
@@ -68,11 +79,19 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="turn off the prefix cache (KV reuse of shared prompt prefixes, per adapter)")
     serve.add_argument("--max-loras", type=int, default=8,
-                       help="GPU adapter slots: the most distinct adapters in one step (0 disables LoRA)")
+                       help="the most distinct adapters in one step (0 disables LoRA)")
     serve.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
+    serve.add_argument("--lora-memory-mb", type=float, default=0,
+                       help="GPU memory for adapters (on each GPU of a tensor-parallel node), shared by "
+                            "rank: an adapter holds its own rank's rows on each module it targets "
+                            "(0: --max-loras adapters of --max-lora-rank)")
+    serve.add_argument("--lora-modules", type=lora_modules, default=",".join(LORA_MODULES),
+                       help="comma-separated modules adapters may target (default: all seven); the "
+                            "adapter memory keeps rank rows only for their fused groups (q,k,v / o / "
+                            "gate,up / down), so a fleet of q,v adapters spends none on o or the MLP")
     serve.add_argument("--adapter-eviction", choices=["lru", "gdsf"], default="lru",
-                       help="which idle adapter leaves its GPU slot first when a slot is wanted: least "
-                            "recently used, or GreedyDual-Size-Frequency (requests x reload bytes, aged)")
+                       help="which idle adapters leave the GPU first when memory is wanted: least "
+                            "recently used, or GreedyDual-Size-Frequency (requests per byte, aged)")
     serve.add_argument("--max-cpu-loras", type=int, default=32,
                        help="adapters kept in host memory (also how deep waiting requests' adapters are "
                             "fetched ahead)")
@@ -203,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         max_graph_batch=args.max_graph_batch, prefill_delay_factor=args.prefill_delay_factor,
         warmup=args.warmup,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        adapter_eviction=args.adapter_eviction,
+        lora_memory_bytes=int(args.lora_memory_mb * (1 << 20)), adapter_eviction=args.adapter_eviction,
+        lora_modules=args.lora_modules,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         adapter_disk_dir=args.adapter_disk_dir, adapter_disk_bytes=int(args.adapter_disk_gb * (1 << 30)),
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,

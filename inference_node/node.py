@@ -17,7 +17,7 @@ from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from .adapters.disk_tier import DiskTier
 from .adapters.manager import AdapterManager
-from .adapters.slots import SlotBuffers
+from .adapters.slots import SlotBuffers, rows_for_budget
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
@@ -28,7 +28,7 @@ from .lora_step.plan import LoraStepPlan
 from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
 from .model.config import ModelConfig
-from .model.llama import LlamaModel
+from .model.llama import LORA_MODULES, LlamaModel
 from .parallel.group import TensorParallel, init_tensor_parallel
 from .parallel.shard import Shard, ShardingError, check_divisible, tensor_parallel_tuning
 from .parallel.workers import Workers
@@ -61,10 +61,12 @@ class NodeSettings:
     prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
     warmup: str = "auto"  # compile eager steps' kernels before serving (engine/warmup.py); auto: on CUDA
     debug_checks: bool = False
-    max_loras: int = 8                 # GPU adapter slots; 0 disables LoRA
+    max_loras: int = 8                 # the most distinct adapters in one step; 0 disables LoRA
     max_lora_rank: int = 16
+    lora_memory_bytes: int = 0         # GPU adapter memory (0: max_loras adapters of max_lora_rank)
+    lora_modules: tuple[str, ...] = LORA_MODULES  # what adapters may target: the memory's arenas
+    adapter_eviction: str = "lru"      # GPU eviction policy (adapters/eviction.py)
     max_cpu_loras: int = 32
-    adapter_eviction: str = "lru"      # GPU slot eviction policy (adapters/eviction.py)
     adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
     adapter_store: str | None = None   # HOST:PORT of the adapter store
     adapter_disk_dir: str | None = None  # the node's disk tier of store adapters (off when unset)
@@ -256,7 +258,7 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
                                                      and tp is None)
     slots = None
     if settings.max_loras > 0:
-        slots = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device, shard)
+        slots = adapter_memory(settings, model.config, dtype, device, shard)
     per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
     if settings.num_kv_blocks:
         blocks = settings.num_kv_blocks
@@ -340,8 +342,13 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
              time.monotonic() - started, blocks, settings.block_size, blocks * per_block / (1 << 30),
              " per rank" if ranks else "", model_len)
     if adapters is not None:
-        log.info("LoRA: %d GPU slots up to rank %d (%.1f MB), %s eviction, %d in host memory, source: %s",
-                 settings.max_loras, settings.max_lora_rank, adapters.buffers.nbytes() / 1e6,
+        buffers = adapters.buffers
+        log.info("LoRA: %.1f MB of GPU adapter memory%s (%d rank rows per module of %s: e.g. %d "
+                 "adapters of rank %d on them), up to %d distinct adapters in a step, ranks up to %d, "
+                 "%s eviction, %d in host memory, source: %s",
+                 buffers.nbytes() / 1e6, " per rank" if ranks else "", buffers.rows,
+                 ",".join(settings.lora_modules), buffers.rows // settings.max_lora_rank,
+                 settings.max_lora_rank, settings.max_loras, settings.max_lora_rank,
                  settings.adapter_eviction, settings.max_cpu_loras,
                  settings.adapter_store or settings.adapter_dir or "none")
     catalog = None
@@ -349,6 +356,17 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
         catalog = CatalogWatcher(adapters.source.client, engine.call, adapters.on_catalog_update,
                                  adapters.on_catalog_delete, disk=adapters.source.disk)
     return Node(settings, checkpoint, model, codec, engine, adapters, catalog, ranks)
+
+
+def adapter_memory(settings: NodeSettings, config: ModelConfig, dtype: torch.dtype,
+                   device: torch.device, shard: Shard = Shard()) -> SlotBuffers:
+    """The GPU adapter memory of one rank: arenas sized by --lora-memory-mb over the shapes
+    this rank computes with (`config`: its shard's; every rank's shard has the same shapes,
+    so every rank gets the same rows and rank 0's placements fit them all)."""
+    rows = (rows_for_budget(config, dtype, settings.lora_memory_bytes, settings.lora_modules)
+            if settings.lora_memory_bytes > 0 else None)
+    return SlotBuffers(config, settings.max_loras, settings.max_lora_rank, dtype, device,
+                       rows=rows, modules=settings.lora_modules, shard=shard)
 
 
 def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: torch.device,
@@ -373,7 +391,7 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
     if settings.adapter_disk_dir and not settings.adapter_store:
         log.warning("--adapter-disk-dir keeps adapters from --adapter-store; without a store it is unused")
     if buffers is None:
-        buffers = SlotBuffers(model.config, settings.max_loras, settings.max_lora_rank, dtype, device)
+        buffers = adapter_memory(settings, model.config, dtype, device)
     return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=pin,
                           disk_copies=source.disk_copies if source is not None else None,
                           eviction=settings.adapter_eviction)

@@ -1,17 +1,14 @@
-"""Which idle adapter leaves its GPU slot first when a slot is wanted: the eviction policies.
+"""Which resident adapters leave the GPU first when memory is wanted: the eviction policies.
 
-A policy gives each adapter in a slot a value; the adapter manager evicts the cheapest of
-those it may evict (idle, unpinned, not wanted by an older waiting request).
+A policy gives each resident adapter a value; the adapter manager evicts the cheapest (the
+lowest total value among those whose rows make the room, arena.RowArena.window).
 
 - `lru`: the time of its last request. Plain least recently used.
-- `gdsf`: GreedyDual-Size-Frequency (Cherkasova, 1998): L + requests x cost / size, where
-  requests counts those bound since it came onto the GPU and L is the value of the last
-  adapter evicted (so adapters long idle age against newcomers). Every slot is padded to
-  --max-lora-rank, so each adapter's size on the GPU is one slot; what differs is the cost
-  of bringing it back after an eviction, which grows with its bytes (host->GPU copy, and a
-  refetch once its host copy is gone). So under a skewed (Zipf) popularity with mixed ranks
-  it keeps popular and large adapters and lets a small rarely used one go first, which LRU
-  does not see: bench/churn_bench.py compares both.
+- `gdsf`: GreedyDual-Size-Frequency (Cherkasova, 1998): L + requests / size, where requests
+  counts those bound since it came onto the GPU, size is its GPU bytes, and L is the value of
+  the last adapter evicted (so values of adapters long idle age against newcomers). Under a
+  skewed (Zipf) popularity with mixed ranks it keeps the small popular adapters and lets a
+  large rarely used one go first, which LRU does not see: bench/churn_bench.py compares both.
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ class Evictable(Protocol):
     last_used: float
     hits: int
     value: float
-    nbytes: int          # its weights' bytes: what reloading it copies
+    gpu_nbytes: int
 
 
 class EvictionPolicy(Protocol):
@@ -70,8 +67,7 @@ class GreedyDualSizeFrequency:
         self.clock = 0.0  # L: the value of the last adapter evicted
 
     def _update(self, entry: Evictable) -> None:
-        reload_cost = max(entry.nbytes, 1)  # bytes copied to bring it back; its size: one slot
-        entry.value = self.clock + entry.hits * reload_cost
+        entry.value = self.clock + entry.hits / max(entry.gpu_nbytes / 1e6, 1e-6)
 
     def placed(self, entry: Evictable) -> None:
         entry.hits = max(entry.hits, 1)

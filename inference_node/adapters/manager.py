@@ -1,28 +1,31 @@
 """The adapter tiers and their bookkeeping, owned by the engine loop thread.
 
-Tiers: GPU slot (ready for batches) <- host memory (LRU of `max_cpu_loras`) <- source
-(the adapter store, or a local directory); a store source may keep a disk tier of its own
-(disk_tier.py), which entries() lists for adapters held nowhere else. Fetches run on
-background threads and report back through a queue that the engine thread drains, so every
-state change happens on one thread and no lock guards this state.
+Tiers: GPU (ready for batches: rank rows in the arenas, slots.py) <- host memory (LRU of
+`max_cpu_loras`) <- source (the adapter store, or a local directory); a store source may keep
+a disk tier of its own (disk_tier.py), which entries() lists for adapters held nowhere else.
+Fetches run on background threads and report back through a queue that the engine thread
+drains, so every state change happens on one thread and no lock guards this state.
+
+Two GPU resources: memory (the arenas' rank rows: an adapter holds its own rank's worth,
+`--lora-memory-mb`) and places in a step (at most `max_loras` distinct adapters have running
+requests at once: a step's LoRA kernels and graphs are sized for that many).
 
 Rules:
 - A request binds to its adapter's current version when it is admitted and holds a
-  reference on that version's slot until it ends. A slot with references is never
+  reference on that version's slot until it ends. An adapter with references is never
   evicted or rewritten; unload and replacement by a new version wait until the count is 0.
 - Pinned adapters are never evicted.
 - Waiting adapters are served in the order of their oldest waiting request. Each loop, the
-  oldest `max_cpu_loras` waiting adapters not on this node are fetched into host memory (no
-  deeper: that would push out the host copies of older waiting adapters and fetch them
-  again), and every waiting adapter in host memory is copied to a GPU slot ahead of its
-  admission if one can be had without touching running requests: a free slot, or an idle
-  adapter's (no running request) that no older waiting request wants, the one the eviction
-  policy values least (eviction.py).
-- The oldest waiting adapter that cannot be placed that way drains one running adapter (the
-  least valuable unpinned one no older waiting request wants): no new request binds to it,
-  and once its running requests end its slot goes to that waiting adapter, the only one
-  promoted meanwhile. So a cold adapter waits at most for the running requests of the
-  adapter it displaces: nobody starves.
+  oldest `max_cpu_loras` waiting adapters not on this node are fetched into host memory, and
+  every waiting adapter that is not on the GPU is promoted ahead of its admission if memory
+  allows: free rows, or idle adapters (no running request) that no older waiting request
+  wants, evicted as the policy picks (eviction.py). The oldest waiting adapter that cannot
+  be placed that way drains running adapters instead: they take no new requests and leave
+  the GPU once theirs end, and no younger adapter is promoted meanwhile, so the rows they
+  free go to it. Likewise, when a resident adapter's oldest request waits because
+  `max_loras` other adapters hold the step's places, the least valuable of them stops taking
+  new requests until its running ones end. So a cold adapter waits at most for the running
+  requests of the adapters it displaces: nobody starves.
 """
 from __future__ import annotations
 
@@ -43,6 +46,10 @@ from .slots import SlotBuffers
 from .weights import AdapterWeights
 
 log = logging.getLogger(__name__)
+
+# Added to the policy's value of a running adapter: a room is made from idle adapters
+# whenever it can be, and running ones are drained only when it cannot.
+DRAIN_COST = 1e12
 
 
 class AdapterSource(Protocol):
@@ -66,11 +73,14 @@ class AdapterEntry:
     copying: bool = False
     refs: int = 0
     pinned: bool = False
-    draining: bool = False                     # no new binds: its slot is wanted elsewhere
+    draining: bool = False                     # no new binds: its memory or its place is wanted
+    evict_when_idle: bool = False              # drained for memory: leaves the GPU at refs 0
     retired: bool = False                      # unloaded or replaced: freed when refs reach 0
     on_disk: bool = False                      # only in the source's disk tier (a listing, never bound)
+    rank: int = 0
+    target_modules: tuple[str, ...] = ()
     source_tier: str = ""                      # where its host copy came from (disk, store)
-    nbytes: int = 0                            # its weights' bytes (what a reload copies)
+    gpu_nbytes: int = 0                        # its rows' bytes on the GPU (its own size)
     last_used: float = field(default_factory=time.monotonic)
     hits: int = 0                              # requests bound since it came onto the GPU
     value: float = 0.0                         # the eviction policy's (eviction.py)
@@ -128,10 +138,10 @@ class AdapterCounters:
 class AdapterManager:
     def __init__(self, buffers: SlotBuffers, source: AdapterSource | None, max_cpu_loras: int,
                  pin_host_memory: bool = False, fetch_workers: int = 4,
-                 disk_copies: Callable[[], list[tuple[str, str]]] | None = None,
+                 disk_copies: Callable[[], list[tuple[str, str, int]]] | None = None,
                  eviction: str = "lru") -> None:
-        """disk_copies: (name, version) of each adapter in the source's disk tier; eviction:
-        the GPU slot eviction policy (eviction.py)."""
+        """disk_copies: (name, version, rank) of each adapter in the source's disk tier;
+        eviction: the GPU eviction policy (eviction.py)."""
         self.buffers = buffers
         self.source = source
         self.disk_copies = disk_copies or (lambda: [])
@@ -139,8 +149,12 @@ class AdapterManager:
         self.max_cpu_loras = max(max_cpu_loras, 1)
         self.pin_host_memory = pin_host_memory
         self.policy = make_policy(eviction)
-        self.slots: list[AdapterEntry | None] = [None] * self.max_loras
-        self._reserved: AdapterEntry | None = None        # the waiting adapter a drain is for
+        self.slots: list[AdapterEntry | None] = [None] * buffers.num_slots
+        self.active = 0                                   # adapters with running requests
+        # Adapters whose host->GPU copy may still run: the per-loop checks look at these alone,
+        # not at every slot (a large adapter memory tracks thousands).
+        self._copying: dict[int, AdapterEntry] = {}
+        self._reserved: AdapterEntry | None = None        # the adapter running ones drain for
         self._wanted: dict[str, int] = {}                 # waiting adapters: name -> position
         self.current: dict[str, AdapterEntry] = {}       # name -> the version new requests get
         self.retired: list[AdapterEntry] = []             # old versions still referenced
@@ -172,6 +186,10 @@ class AdapterManager:
         entry = self.current.get(request.adapter)
         if entry is None or not entry.resident or entry.draining:
             return False
+        if entry.refs == 0:
+            if self.active >= self.max_loras:
+                return False  # max_loras other adapters hold the step's places
+            self.active += 1
         entry.refs += 1
         entry.last_used = time.monotonic()
         self.policy.touched(entry)
@@ -192,41 +210,48 @@ class AdapterManager:
         if entry.refs < 0:
             raise AssertionError(f"adapter {entry.name} reference count went negative")
         if entry.refs == 0:
+            self.active -= 1
             if entry.retired:
                 self._drop(entry)
-            elif entry.draining and not entry.pinned:
+            elif entry.evict_when_idle and not entry.pinned:
                 self._evict(entry.slot)
+            else:  # it gave up its place in steps: it may take requests again
+                entry.draining = entry.evict_when_idle = False
 
     # -- once per engine loop iteration -------------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.jobs or self.resident_waiters or any(e and e.copying for e in self.slots))
+        return bool(self.jobs or self.resident_waiters or self._copying)
 
     def prepare(self, waiting: Iterable[Request]) -> None:
         """Before scheduling: apply finished fetches and copies, start the loads the waiting
-        requests need, promote their adapters to GPU slots ahead of admission (oldest request
-        first) and drain a slot for the oldest that cannot get one."""
+        requests need, promote their adapters to the GPU ahead of admission (oldest request
+        first) and make room or a place in steps for the oldest that lacks one."""
         self._apply_completions()
         self._check_copies()
         self._wanted = {}
-        for req in waiting:  # arrival order
+        for req in waiting:
             if not req.adapter or req.adapter_entry is not None:
                 continue  # base model, or preempted with its adapter still bound
             if not req.adapter_tier:
                 self._observe(req)
             self._wanted.setdefault(req.adapter, len(self._wanted))
+        order = list(self._wanted)
         reserved = self._reserved
-        if reserved is not None and (reserved.slot >= 0 or self.current.get(reserved.name) is not reserved
+        if reserved is not None and (reserved.slot >= 0 or reserved.retired
                                      or (reserved.name not in self._wanted and not reserved.pinned)):
-            self._reserved = None
-        may_drain = True  # only the oldest waiting adapter that cannot be placed drains one
-        for position, name in enumerate(self._wanted):
+            self._reserved = reserved = None
+        may_drain = True  # only the oldest adapter that cannot be placed drains others
+        for position, name in enumerate(order):
             entry = self.current.get(name)
             if entry is None:
+                # Fetched ahead no deeper than host memory holds: a deeper prefetch would push
+                # out the host copies of older waiting adapters and fetch them again.
                 if position < self.max_cpu_loras:
                     self._start_load(name, "")
-            elif entry.slot < 0 and (self._reserved is None or entry is self._reserved):
+            elif entry.slot < 0 and (reserved is None or entry is reserved):
                 placed = self._promote(entry, drain=may_drain)
                 may_drain = may_drain and placed
+        self._yield_place(order)
         for entry, done in list(self.resident_waiters):
             if entry.resident or entry.retired:
                 self.resident_waiters.remove((entry, done))
@@ -363,7 +388,8 @@ class AdapterManager:
             self._retire(old)
         self._generation += 1
         entry = AdapterEntry(weights.name, weights.version, self._generation, weights,
-                             source_tier=weights.source_tier, nbytes=weights.nbytes)
+                             rank=weights.rank, target_modules=weights.target_modules,
+                             source_tier=weights.source_tier)
         self.current[weights.name] = entry
         self._touch_host(entry)
         self.stats["loads"] += 1
@@ -395,8 +421,9 @@ class AdapterManager:
 
     def _host_victim(self, keep: AdapterEntry) -> AdapterEntry | None:
         """LRU host copy to drop: first those already on the GPU (their host copy is only a
-        cache), then idle ones no waiting request wants, then the one the youngest waiting
-        request wants; never one an admin load waits to place."""
+        cache), then idle ones no waiting request wants, then those the youngest waiting
+        requests want; never one an admin load waits to place, nor the one running adapters
+        drain for."""
         waiting = {id(e) for e, _ in self.resident_waiters}
         for e in self.host_lru.values():
             if e is not keep and e.slot >= 0 and not e.copying:
@@ -408,17 +435,18 @@ class AdapterManager:
             return unwanted[0]
         return max(idle, key=lambda e: self._wanted[e.name], default=None)
 
-    # -- GPU slots -------------------------------------------------------------------------------------
+    # -- GPU memory and places in steps -------------------------------------------------------------
     def _promote(self, entry: AdapterEntry, drain: bool) -> bool:
-        """Copies the adapter to a GPU slot if one can be had now: a free one, or an idle
-        adapter's as the policy picks. drain: else drain a running adapter's slot for it (no
-        new binds; it is evicted once its requests end) and hold younger promotions back
-        meanwhile. True once it is placed (its copy may still run)."""
+        """Puts the adapter on the GPU if room can be made now: free rows, or idle adapters
+        evicted as the policy picks. drain: else drain the running adapters whose rows make
+        the room (no new binds; they leave once their requests end) and keep younger
+        promotions back meanwhile. True once it is placed (its copy may still run)."""
         if entry.weights is None:  # dropped from host memory: fetch it again into this entry
             self._refetch[(entry.name, entry.version)] = entry
             self._start_load(entry.name, entry.version)
             return False
-        slot = self._slot_for(entry, drain)
+        ranks = self.buffers.ranks_of(entry.weights)
+        slot = self._room_for(entry, ranks, drain)
         if slot is None:
             return False
         if self._reserved is entry:
@@ -426,7 +454,8 @@ class AdapterManager:
         self.slots[slot] = entry
         entry.slot = slot
         entry.copying = True
-        entry.nbytes = entry.weights.nbytes
+        self._copying[id(entry)] = entry
+        entry.gpu_nbytes = self.buffers.adapter_nbytes(ranks)
         self.counters(entry.name).loads["gpu"] += 1
         entry.copy_done = self.buffers.write(slot, entry.weights)
         entry.last_used = time.monotonic()
@@ -435,54 +464,67 @@ class AdapterManager:
         self._check_copies()
         return True
 
-    def _older_wanted(self, entry: AdapterEntry) -> set[str]:
-        """Adapters of waiting requests older than `entry`'s oldest (all of them for an admin load)."""
-        position = self._wanted.get(entry.name, len(self._wanted))
-        return {name for name, i in self._wanted.items() if i < position}
-
-    def _slot_for(self, entry: AdapterEntry, drain: bool) -> int | None:
-        """A free slot, or an idle one evicted for it; else (drain) a running one drained."""
-        if self._reserved is not None and entry is not self._reserved:
-            return None  # a drained slot is promised: it goes to the reserved adapter first
+    def _room_for(self, entry: AdapterEntry, ranks: dict[str, int], drain: bool) -> int | None:
+        """A slot with rows placed for `ranks`, evicting what it must; None while it waits."""
         slot = self._free_slot()
-        if slot is not None:
+        if slot is not None and self.buffers.place(slot, ranks):
             return slot
-        older = self._older_wanted(entry)
-        idle = [(self.policy.value(e), i) for i, e in enumerate(self.slots)
-                if e is not None and e.refs == 0 and not e.pinned and not e.copying
-                and not e.retired and not e.draining and e.name not in older]
-        if idle:
-            _, slot = min(idle)
-            self._evict(slot)
-            return slot
-        if drain:
-            self._drain_for(entry, older)
-        return None
+        position = self._wanted.get(entry.name, len(self._wanted))
+        older = {name for name, i in self._wanted.items() if i < position}
 
-    def _drain_for(self, entry: AdapterEntry, older: set[str]) -> None:
-        """Drains the least valuable running slot that no older waiting request wants (one
-        drain at a time keeps the most slots serving) and reserves the slot for `entry`."""
-        if any(e is not None and e.draining for e in self.slots):
-            self._reserved = self._reserved or entry
+        def cost(s: int) -> float | None:
+            e = self.slots[s]
+            if e is None or e is entry or e.pinned or e.copying or e.retired:
+                return None  # retired ones leave by themselves when their requests end
+            if e.refs == 0 and not e.draining and e.name not in older:
+                return self.policy.value(e)
+            if drain and e.refs > 0:
+                return DRAIN_COST + self.policy.value(e)
+            return None
+
+        victims = self.buffers.plan(ranks, cost)
+        if victims is not None and slot is None and not victims:
+            candidates = [(c, s) for s in range(len(self.slots)) if (c := cost(s)) is not None]
+            victims = [min(candidates)[1]] if candidates else None
+        if victims is None:
+            if drain:
+                self._check_fits(entry, ranks)
+            return None
+        running = [s for s in victims if self.slots[s].refs > 0]
+        for s in victims:
+            if s not in running:
+                self._evict(s)
+        if running:
+            for s in running:
+                self.slots[s].draining = self.slots[s].evict_when_idle = True
+            self._reserved = entry
+            return None
+        slot = self._free_slot()
+        if slot is None or not self.buffers.place(slot, ranks):
+            raise AssertionError(f"no room for {entry.name} after evicting {victims}")
+        return slot
+
+    def _check_fits(self, entry: AdapterEntry, ranks: dict[str, int]) -> None:
+        """Fails the adapter's waiting requests when nothing but pinned adapters and the
+        arenas' size keep it off the GPU (so waiting would never end)."""
+        def cost(s: int) -> float | None:
+            e = self.slots[s]
+            return None if e is None or e is entry or (e.pinned and not e.retired) else 0.0
+
+        if self.buffers.plan(ranks, cost) is not None:
             return
-        unpinned = [e for e in self.slots if e is not None and not e.pinned]
-        if not unpinned:
-            error = NoSlotAvailable(f"all {self.max_loras} adapter slots hold pinned adapters; "
-                                    "unpin one or raise --max-loras")
-            for name, waiting in self.current.items():
-                if waiting.slot < 0:
-                    self._failed[name] = error
-            for e, done in list(self.resident_waiters):
-                if e.slot < 0:
-                    self.resident_waiters.remove((e, done))
-                    done(None, error)
-            return
-        running = [e for e in unpinned if e.refs > 0 and not e.retired and e.name not in older]
-        if not running:
-            return  # the slots go to older waiting requests first, or free up by themselves
-        victim = min(running, key=self.policy.value)
-        victim.draining = True
-        self._reserved = entry
+        worst = max(ranks, key=lambda m: ranks[m] / self.buffers.arenas[m].rows)
+        held = self.buffers.arenas[worst].rows
+        hint = ("unpin one or raise --lora-memory-mb" if held == self.buffers.rows else
+                f"this node keeps adapter memory for other modules only: add {worst} to --lora-modules")
+        error = NoSlotAvailable(
+            f"adapter {entry.name!r} needs {ranks[worst]} rank rows of {worst} on the GPU; the arena "
+            f"holds {held} rows and pinned adapters keep the rest: {hint}")
+        self._failed[entry.name] = error
+        for e, done in list(self.resident_waiters):
+            if e is entry:
+                self.resident_waiters.remove((e, done))
+                done(None, error)
 
     def _free_slot(self) -> int | None:
         for i, e in enumerate(self.slots):
@@ -490,14 +532,31 @@ class AdapterManager:
                 return i
         return None
 
+    def _yield_place(self, order: list[str]) -> None:
+        """When the oldest waiting adapter that is on the GPU cannot bind because max_loras
+        others have running requests, the least valuable of those stops taking new ones (one
+        at a time): its place in steps is free once its running requests end."""
+        if self.active < self.max_loras or any(e is not None and e.refs > 0 and e.draining
+                                               for e in self.slots):
+            return
+        for name in order:
+            entry = self.current.get(name)
+            if entry is not None and entry.resident and not entry.draining and entry.refs == 0:
+                running = [e for e in self.slots if e is not None and e.refs > 0 and not e.retired]
+                if running:
+                    victim = min(running, key=lambda e: (e.pinned, self.policy.value(e)))
+                    victim.draining = True
+                return
+
     def _evict(self, slot: int) -> None:
         entry = self.slots[slot]
         self.slots[slot] = None
-        self.buffers.clear(slot)
+        self.buffers.free(slot)
         if entry is None:
             return
         entry.slot = -1
-        entry.draining = False
+        entry.draining = entry.evict_when_idle = False
+        entry.gpu_nbytes = 0
         self.policy.evicted(entry)
         self.stats["evictions"] += 1
         self.counters(entry.name).evictions["gpu"] += 1
@@ -506,10 +565,11 @@ class AdapterManager:
             self._on_namespace_dropped(entry.namespace)
 
     def _check_copies(self) -> None:
-        for e in self.slots:
-            if e is not None and e.copying and (e.copy_done is None or e.copy_done.query()):
+        for key, e in list(self._copying.items()):
+            if e.copy_done is None or e.copy_done.query():
                 e.copying = False
                 e.copy_done = None
+                del self._copying[key]
 
     # -- tier hits -------------------------------------------------------------------------------------
     def _observe(self, request: Request) -> None:
@@ -569,7 +629,8 @@ class AdapterManager:
         on_disk entries: a request for one loads it like any other cold adapter)."""
         held = list(self.current.values()) + list(self.retired)
         known = {(e.name, e.version) for e in held}
-        return held + [AdapterEntry(name, version, 0, on_disk=True) for name, version in self.disk_copies()
+        return held + [AdapterEntry(name, version, 0, on_disk=True, rank=rank)
+                       for name, version, rank in self.disk_copies()
                        if (name, version) not in known]
 
     def check_consistency(self, live: Iterable[Request]) -> None:
@@ -589,6 +650,28 @@ class AdapterManager:
         for i, e in enumerate(self.slots):
             if e is not None and e.slot != i:
                 raise AssertionError(f"slot {i} holds {e.name}, which thinks it is in slot {e.slot}")
+        running = sum(1 for e in everyone.values() if e.refs > 0)
+        if running != self.active or running > self.max_loras:
+            raise AssertionError(f"{running} adapters have running requests; the manager counts "
+                                 f"{self.active} (at most {self.max_loras})")
+        self.check_memory()
+
+    def check_memory(self) -> None:
+        """The arenas hold exactly the rows of the adapters on the GPU, each its own rank on
+        each module it targets: memory used is the sum of their own sizes."""
+        expected: dict[str, dict[int, int]] = {m: {} for m in self.buffers.arenas}
+        for slot, e in enumerate(self.slots):
+            if e is not None:
+                for module in e.target_modules:
+                    expected[module][slot] = e.rank
+        for module, arena in self.buffers.arenas.items():
+            held = {owner: length for _, length, owner in arena.runs()}
+            if held != expected[module]:
+                raise AssertionError(f"the {module} arena holds {held}, the GPU's adapters need {expected[module]}")
+        own = sum(e.gpu_nbytes for e in self.slots if e is not None)
+        if self.buffers.used_nbytes() != own:
+            raise AssertionError(f"adapter memory used is {self.buffers.used_nbytes()} bytes, the "
+                                 f"resident adapters' own sizes sum to {own}")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

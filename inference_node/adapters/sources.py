@@ -96,7 +96,7 @@ class LocalDirSource:
         self.max_weight_abs = max_weight_abs
         self.dtype = dtype
 
-    def disk_copies(self) -> list[tuple[str, str]]:
+    def disk_copies(self) -> list[tuple[str, str, int]]:
         """Adapters kept on this node's disk besides the source itself: none (the folder is it)."""
         return []
 

@@ -154,9 +154,10 @@ class StoreSource:
             raise error(f"listing the adapter store at {self.target}: {exc.code.name}: {exc.details}"
                         f"{_HINTS.get(exc.code, '')}") from exc
 
-    def disk_copies(self) -> list[tuple[str, str]]:
-        """(name, version) of the adapters in the node's disk tier."""
-        return [(e.name, e.version) for e in self.disk.entries()] if self.disk is not None else []
+    def disk_copies(self) -> list[tuple[str, str, int]]:
+        """(name, version, rank from its manifest) of the adapters in the node's disk tier."""
+        return ([(e.name, e.version, e.manifest.info.rank) for e in self.disk.entries()]
+                if self.disk is not None else [])
 
     def close(self) -> None:
         self.client.close()

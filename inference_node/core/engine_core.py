@@ -277,8 +277,8 @@ class EngineCore:
             rows.append({
                 "name": e.name, "version": e.version, "tier": e.tier, "pinned": e.pinned,
                 "ref_count": e.refs, "pending_eviction": e.draining or e.retired, "slot": e.slot,
-                "rank": e.weights.rank if e.weights else 0,
-                "target_modules": list(e.weights.target_modules) if e.weights else [],
+                "rank": e.rank,  # disk-only adapters: from the disk tier's manifest
+                "target_modules": list(e.target_modules),
                 "cache_hit_tokens": stats.hit_tokens if stats else 0,
                 "cache_blocks": stats.blocks if stats else 0,
                 "unhealthy": manager.health_of(e) > 0, "numerical_faults": manager.health_of(e)})

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta
+from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
 from .kv_cache import KVCache
@@ -65,9 +65,10 @@ class GraphLora:
     applier: ApplierFactory   # (metadata in static buffers, groups) -> the step's applier
     max_loras: int            # adapter slots: a step's most distinct adapters
     groups_of: GroupsOf       # the fused groups the adapters in these slots target
-    # Host mirror of each slot's rank per module ([slot, LORA_MODULES], kept current by the
-    # adapter manager): the LoRA kernels read a step's segments from a table built from it.
-    module_ranks: np.ndarray
+    # Host mirror of each slot's (rank, first arena row) per module ([slot, (rank, row) x
+    # LORA_MODULES], kept current by the adapter manager): the LoRA kernels read a step's
+    # segments and each row's adapter rows from tables built from it.
+    module_rows: np.ndarray
 
 # Which fused groups a LoRA graph applies, smallest first; a step replays the first variant
 # that covers every group its adapters target. The last one is all of them.
@@ -81,11 +82,13 @@ LORA_GROUP_VARIANTS: tuple[frozenset[str], ...] = (
 # docs/PERFORMANCE.md). The graphs keep capture-time priorities.
 MAIN_STREAM_PRIORITY = -1
 
-# The LoRA segment table's width (slot, first row, length, a rank per module), and the int32
-# inputs of a step per batch row: sequence length, then the LoRA metadata (token slots,
-# sorted ids, segment slots, starts, lengths), then the segment table.
-SEGMENT_TABLE_WIDTH = SEGMENT_TABLE_RANKS + len(LORA_MODULES)
-INT32_ROWS = 6 + SEGMENT_TABLE_WIDTH
+# The LoRA segment table's width (slot, first row, length, a rank and first arena row per
+# module), the token table's (a rank and first arena row per module), and the int32 inputs of
+# a step per batch row: sequence length, then the LoRA metadata (token slots, sorted ids,
+# segment slots, starts, lengths), then the segment table, then the token table.
+TOKEN_TABLE_WIDTH = MODULE_COLUMNS * len(LORA_MODULES)
+SEGMENT_TABLE_WIDTH = SEGMENT_TABLE_RANKS + TOKEN_TABLE_WIDTH
+INT32_ROWS = 6 + SEGMENT_TABLE_WIDTH + TOKEN_TABLE_WIDTH
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -136,7 +139,9 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slot_mapping, self.feedback_rows = self._dev64.split(B)
         (self.seq_lens, self.token_slots, self.sorted_ids, self.seg_slots, self.seg_starts,
          self.seg_lens) = self._dev32[:6 * B].split(B)
-        self.seg_table = self._dev32[6 * B:].view(B, SEGMENT_TABLE_WIDTH)
+        tables = 6 * B + SEGMENT_TABLE_WIDTH * B
+        self.seg_table = self._dev32[6 * B:tables].view(B, SEGMENT_TABLE_WIDTH)
+        self.token_table = self._dev32[tables:].view(B, TOKEN_TABLE_WIDTH)
         self.block_tables = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=device)
         self._host = HostTurns(4 * B, INT32_ROWS * B, B * self.max_blocks, self.capture)
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
@@ -218,7 +223,8 @@ class DecodeGraphs:
         return host, host.upload(tables, self._dev64, self._dev32, self.block_tables)
 
     def _fill_lora(self, h32: np.ndarray, token_slots: list[int], size: int, segments: int) -> None:
-        """Token slots and the per-slot segments (real ones first, then empty ones)."""
+        """Token slots, the per-slot segments (real ones first, then empty ones) and each
+        row's adapter's rows (the token table; zeros for rows without one and padding)."""
         B = self.max_batch
         groups: dict[int, list[int]] = {}
         for row, slot in enumerate(token_slots):
@@ -255,8 +261,14 @@ class DecodeGraphs:
                 raise ValueError("a LoRA decode step's rows must be grouped by adapter slot "
                                  "(DecodeGraphs.ordered)")
             table[i, :SEGMENT_TABLE_RANKS] = (slot, first, len(groups[slot]))
-            table[i, SEGMENT_TABLE_RANKS:] = self.lora.module_ranks[slot]
+            table[i, SEGMENT_TABLE_RANKS:] = self.lora.module_rows[slot]
         table[real:] = 0
+        start = 5 * B + B * SEGMENT_TABLE_WIDTH
+        rows = h32[start:start + size * TOKEN_TABLE_WIDTH].reshape(size, TOKEN_TABLE_WIDTH)
+        slots = np.asarray(token_slots, dtype=np.int64)
+        rows[:n] = self.lora.module_rows[np.maximum(slots, 0)]
+        rows[:n][slots < 0] = 0
+        rows[n:] = 0
 
     def segment_buckets(self, size: int) -> list[int]:
         """LoRA graphs per batch size, by distinct adapters in the step (1, 2, 4, ... up to
@@ -282,7 +294,7 @@ class DecodeGraphs:
                 segment_slots=self.seg_slots[:segments], segment_starts=self.seg_starts[:segments],
                 segment_lens=self.seg_lens[:segments], num_segments=segments, max_segment_len=size,
                 num_active_tokens=size, segments=() if self.capture else self._host_segments,
-                segment_table=self.seg_table[:segments])
+                segment_table=self.seg_table[:segments], token_table=self.token_table[:size])
             applier = self.lora.applier(meta, self.group_variants[variant])
         # The launch choices of this bucket (the node's tuning table), fixed at capture.
         return self.model.for_step(size, segments).forward(batch, self.kv.k, self.kv.v, applier)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta, add_lora
+from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta, add_lora
 
 from ..adapters.slots import SlotBuffers
 from ..engine.scheduler import ScheduledChunk
@@ -34,8 +34,8 @@ class StepLoraApplier:
             return None
         buf = self.buffers.layers[layer][group]
         add_lora(x, y, buf.a, buf.b, self.meta, self.buffers.scaling, buf.offsets,
-                 slot_ranks=self.buffers.slice_ranks[group],
-                 rank_col=SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group])
+                 self.buffers.slot_rows(group),
+                 rank_col=SEGMENT_TABLE_RANKS + MODULE_COLUMNS * GROUP_FIRST_MODULE[group])
         return None
 
 

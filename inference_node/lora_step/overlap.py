@@ -43,8 +43,8 @@ from typing import Mapping, NamedTuple
 import torch
 
 from kernels.gemm import GemmLora
-from kernels.lora import (SEGMENT_TABLE_RANKS, ColumnSplit, LoraBatchMeta, LoraDelta, lora_expand,
-                          lora_shrink_partials, lora_workspace_numel)
+from kernels.lora import (MODULE_COLUMNS, SEGMENT_TABLE_RANKS, ColumnSplit, LoraBatchMeta,
+                          LoraDelta, lora_expand, lora_shrink_partials, lora_workspace_numel)
 from kernels.tuning import DEFAULT_TUNING, Tuning
 
 from ..adapters.slots import SlotBuffers
@@ -72,7 +72,7 @@ class LoraOverlap:
         # adapter targets the group, the same ones in every layer, and the other rows stay as
         # zeroed at the step's start (a buffer shared between groups would keep one group's
         # delta in rows whose adapter leaves the other alone).
-        self.deltas = ({g: torch.empty(max_tokens, sum(b.shape[1] for b in buffers.layers[0][g].b),
+        self.deltas = ({g: torch.empty(max_tokens, buffers.layers[0][g].b_all.shape[1],
                                        dtype=torch.float32, device=device)
                         for g in FUSED_MODULES}
                        if max([self.side_expand_segments,
@@ -103,7 +103,7 @@ class LoraOverlap:
         # another on the main stream.
         norm_split = tuning.norm_split_columns
         self.column_split = (ColumnSplit.allocate(norm_split, max_tokens,
-                                                  buffers.layers[0]["o"].b[0].shape[1], device)
+                                                  buffers.layers[0]["o"].b_all.shape[1], device)
                              if norm_split > 0 and buffers.layers else None)
         self.split_groups = tuning.norm_split_groups
 
@@ -199,26 +199,34 @@ class OverlappedLoraApplier:
         buf = overlap.buffers.layers[layer][group]
         segments = self.meta.num_segments
         return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
-                        self.meta.segment_table, segments, self.meta.token_slots,
+                        self.meta.segment_table, segments, _rank_col(group),
+                        overlap.buffers.max_rank, self.meta.token_slots,
+                        self._token_rows(group),
                         overlap.fold_xa if expand else overlap.shrink_fold_xa,
                         overlap.fold_sync[segments, layer, GROUP_INDEX[group]], expand,
                         None if expand else overlap.split_for(group))
+
+    def _token_rows(self, group: str) -> torch.Tensor:
+        """[T, 2 x slices]: each row's adapter's (rank, first row) on the group's slices."""
+        first = MODULE_COLUMNS * GROUP_FIRST_MODULE[group]
+        return self.meta.token_table[:, first:first + MODULE_COLUMNS * len(FUSED_MODULES[group])]
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         if group not in self.groups:
             return
         buffers = self.overlap.buffers
         buf = buffers.layers[layer][group]
-        rank_col = SEGMENT_TABLE_RANKS + GROUP_FIRST_MODULE[group]
+        rank_col = _rank_col(group)
+        slots = buffers.slot_rows(group)
         self._expanded = None
         with self._side():
             self._partials = lora_shrink_partials(
-                x, buf.a, self.meta, buffers.scaling, buffers.slice_ranks[group],
+                x, buf.a, self.meta, buffers.scaling, slots,
                 workspace=self.overlap.workspace, rank_col=rank_col)
             if group in self.side_expand:
                 self._expanded = self.overlap.deltas[group][:self.meta.num_tokens]
                 lora_expand(self._partials, buf.b, self.meta, self._expanded, buf.offsets,
-                            buffers.slice_ranks[group], accumulate=False, rank_col=rank_col)
+                            slots, accumulate=False, rank_col=rank_col)
 
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> LoraDelta | None:
         if group not in self.groups:
@@ -227,4 +235,9 @@ class OverlappedLoraApplier:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
-                         self.meta.token_slots, self._expanded, self.overlap.split_for(group))
+                         self._token_rows(group), self._expanded, self.overlap.split_for(group))
+
+
+def _rank_col(group: str) -> int:
+    """The segment table's column of the group's first slice's rank."""
+    return SEGMENT_TABLE_RANKS + MODULE_COLUMNS * GROUP_FIRST_MODULE[group]

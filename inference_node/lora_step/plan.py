@@ -33,9 +33,9 @@ class LoraStepPlan:
         return self.buffers.max_loras
 
     @property
-    def module_ranks(self) -> np.ndarray:
-        """Host mirror of every slot's rank per LoRA module ([slot, module])."""
-        return self.buffers.module_ranks
+    def module_rows(self) -> np.ndarray:
+        """Host mirror of every slot's (rank, first arena row) per LoRA module."""
+        return self.buffers.module_rows
 
     def groups_of(self, slots) -> frozenset[str]:
         """The fused projection groups the adapters in these slots target."""
@@ -61,7 +61,7 @@ class LoraStepPlan:
     def graph_lora(self, max_tokens: int) -> GraphLora:
         """The decode graphs' LoRA: appliers over static buffers for up to `max_tokens` rows."""
         return GraphLora(GraphAppliers(self.buffers, max_tokens, self.tuning).applier,
-                         self.buffers.max_loras, self.buffers.groups_of, self.buffers.module_ranks)
+                         self.buffers.max_loras, self.buffers.groups_of, self.buffers.module_rows)
 
 
 class GraphAppliers:

@@ -18,9 +18,10 @@ tensors as raw frames, never pickle):
   token is the previous step's sample, which only rank 0's device holds), then every rank
   runs the same forward, meeting at the same collectives. Rank 0 samples; the others drop
   the logits.
-- WRITE / CLEAR: rank 0's adapter manager wrote or cleared a slot (SlotBuffers.on_write and
-  on_clear); the rank writes its shard of the same adapter into the same slot, so every
-  rank's slot table stays rank 0's.
+- WRITE / CLEAR: rank 0's adapter manager wrote or freed a slot (SlotBuffers.on_write and
+  on_free); the rank places the same adapter at the same arena rows (a write carries the
+  first row of each module's run) and writes its shard of it there, or frees the slot's
+  rows, so every rank's slot table stays rank 0's.
 - REPORT: the rank answers its slot table (rank 0 compares them: check_slot_tables).
 - STOP.
 
@@ -135,7 +136,7 @@ class Workers:
         """Sends every write and clear of rank 0's adapter slots on to the other ranks."""
         self.slots = slots
         slots.on_write = self.write_slot
-        slots.on_clear = self.clear_slot
+        slots.on_free = self.clear_slot
 
     # -- per step and per slot change (the engine thread) ------------------------------------------
     def step(self, host: HostBatch, chunk_slots: list[tuple[int, int]], tp: TensorParallel,
@@ -163,10 +164,10 @@ class Workers:
         for sock in self.controls:
             sock.send(_pack([CAPTURE, dataclasses.asdict(plan)]))
 
-    def write_slot(self, slot: int, weights: AdapterWeights) -> None:
+    def write_slot(self, slot: int, weights: AdapterWeights, firsts: dict[str, int]) -> None:
         keys = sorted(weights.tensors)
         header = [WRITE, slot, weights.name, weights.version, weights.rank, float(weights.scaling),
-                  list(weights.target_modules),
+                  list(weights.target_modules), firsts,
                   [[layer, module, str(a.dtype).removeprefix("torch."), list(a.shape), list(b.shape)]
                    for (layer, module), (a, b) in ((k, weights.tensors[k]) for k in keys)]]
         frames: list = [_pack(header)]
@@ -298,7 +299,7 @@ class RankWorker:
         elif kind == WRITE:
             self.write(message, frames)
         elif kind == CLEAR:
-            self.slots.clear(message[1])
+            self.slots.free(message[1])
         else:
             raise ValueError(f"unknown control message {kind!r}")
 
@@ -361,12 +362,13 @@ class RankWorker:
             tuple(tuple(seg) for seg in segments)))
 
     def write(self, header: list, frames: list[bytes]) -> None:
-        _, slot, name, version, rank, scaling, modules, shapes = header
+        _, slot, name, version, rank, scaling, modules, firsts, shapes = header
         tensors = {}
         for i, (layer, module, dtype, a_shape, b_shape) in enumerate(shapes):
             tensors[(layer, module)] = (_frame_tensor(frames[2 * i], dtype, a_shape),
                                         _frame_tensor(frames[2 * i + 1], dtype, b_shape))
         weights = AdapterWeights(name, version, rank, scaling, tuple(modules), tensors)
+        self.slots.place_at(slot, self.slots.ranks_of(weights), firsts)
         event = self.slots.write(slot, weights)
         if event is not None:  # the next step reads the slot: it waits for the copy on the device
             torch.cuda.current_stream(self.device).wait_event(event)

@@ -13,29 +13,16 @@ import triton.language as tl
 
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
+from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 from ..tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
-def _b_tile(b_rows, stride_bn, offs, mask, offs_r, r_live):
-    """B's rows for columns `offs` [columns, rank]; r_live: the rank columns to read, 0 for a
-    row without an adapter (nothing read, zeros)."""
-    return tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
-                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-
-
-@triton.jit
-def _expanded(x, h, b):
-    """x (a row's columns of one slice) plus h @ b.T (b: _b_tile), rounded once to x's dtype."""
-    return (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(
-    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, slots_ptr, dense_ptr,
+    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, rows_ptr, dense_ptr,
     I, R,
     stride_gu, stride_act, stride_ps, stride_pslice, stride_pt,
-    stride_bgs, stride_bgn, stride_bus, stride_bun, stride_dense,
+    stride_rows, stride_bgr, stride_bur, stride_dense,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY_B: tl.constexpr = False,
 ):
@@ -45,32 +32,30 @@ def _silu_mul_kernel(
     offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = offs < I
     if HAS_LORA and not DENSE:  # straight-line: the row's loads go out together
-        offs_r = tl.arange(0, BLOCK_R)
-        # The row's adapter slot comes from the host (copied before the step) and B from the
-        # slot pool: neither is written by the kernel ahead, so with EARLY_B they are read
-        # before the wait, while the gate/up GEMM still streams its weights.
-        slot = tl.load(slots_ptr + t)
-        safe = tl.maximum(slot, 0).to(tl.int64)
-        r_live = tl.where(slot >= 0, R, 0)
+        # The row's adapter's ranks and first arena rows on gate and up come from the host
+        # (copied before the step) and B from the arenas: neither is written by the kernel
+        # ahead, so with EARLY_B they are read before the wait, while the gate/up GEMM still
+        # streams its weights. A row without an adapter has rank 0: nothing is read. B is read
+        # a rank row at a time over the columns (kernels/lora/expand_rows.py).
+        lrow = rows_ptr + t * stride_rows
+        r_g = tl.minimum(tl.load(lrow), R)
+        first_g = tl.load(lrow + 1).to(tl.int64)
+        r_u = tl.minimum(tl.load(lrow + 2), R)
+        first_u = tl.load(lrow + 3).to(tl.int64)
         if PDL and not EARLY_B:
             tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-        b_g = _b_tile(bg_ptr + safe * stride_bgs, stride_bgn, offs, mask, offs_r, r_live)
-        b_u = _b_tile(bu_ptr + safe * stride_bus, stride_bun, offs, mask, offs_r, r_live)
+        b_g = load_b_rows(bg_ptr + first_g * stride_bgr, stride_bgr, offs, mask, r_g, BLOCK_R)
+        b_u = load_b_rows(bu_ptr + first_u * stride_bur, stride_bur, offs, mask, r_u, BLOCK_R)
         if PDL and EARLY_B:
             tl.extra.cuda.gdc_wait()
-        h_g = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        h_u = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        part_row = part_ptr + t * stride_pt + offs_r
-        # No sums are read for a row without an adapter: they may be unwritten
-        # (kernels/gemm/fold.py: GemmLora.unexpanded).
-        for s in tl.static_range(SPLITS):
-            h_g += tl.load(part_row + s * stride_ps, mask=offs_r < r_live, other=0.0)
-            h_u += tl.load(part_row + s * stride_ps + stride_pslice, mask=offs_r < r_live,
-                           other=0.0)
+        part_row = part_ptr + t * stride_pt
+        h_g = load_sums(part_row, stride_ps, r_g, SPLITS, BLOCK_R)
+        h_u = load_sums(part_row + stride_pslice, stride_ps, r_u, SPLITS, BLOCK_R)
         g = tl.load(gu_ptr + t * stride_gu + offs, mask=mask, other=0.0)
         u = tl.load(gu_ptr + t * stride_gu + I + offs, mask=mask, other=0.0)
-        g = _expanded(g, h_g, b_g)
-        u = _expanded(u, h_u, b_u)
+        # Each plus its delta, rounded once to its dtype.
+        g = (g.to(tl.float32) + expand_rows(h_g, b_g, BLOCK_R)).to(g.dtype)
+        u = (u.to(tl.float32) + expand_rows(h_u, b_u, BLOCK_R)).to(u.dtype)
     else:
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -107,16 +92,16 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         assert len(delta.b) == 2, "two slices: gate and up"
         bg, bu = delta.b
         part = delta.partials
-        assert bg.shape[1] == I and bu.shape[1] == I and bg.stride(2) == 1 and bu.stride(2) == 1
-        assert part.stride(3) == 1
-        lora = (part, bg, bu, delta.token_slots)
-        lora_strides = (part.stride(0), part.stride(1), part.stride(2), bg.stride(0), bg.stride(1),
-                        bu.stride(0), bu.stride(1))
+        assert bg.shape[1] == I and bu.shape[1] == I and bg.stride(1) == 1 and bu.stride(1) == 1
+        assert part.stride(3) == 1 and delta.token_rows.stride(1) == 1
+        lora = (part, bg, bu, delta.token_rows)
+        lora_strides = (part.stride(0), part.stride(1), part.stride(2), delta.token_rows.stride(0),
+                        bg.stride(0), bu.stride(0))
         R, splits = part.shape[3], delta.splits
         default_block = 1024 if dense else tuning.silu_row_tile[0]
     else:
         lora = (gate_up,) * 4  # dummy pointers, never read
-        lora_strides, R, splits, default_block = (0,) * 7, 1, 0, 1024
+        lora_strides, R, splits, default_block = (0,) * 6, 1, 0, 1024
     block_i = min(block_i or default_block, next_power_of_2(I))
     default_warps = tuning.silu_row_tile[1] if delta is not None and not dense else 4
     pdl = tuning.pdl_on(gate_up)
@@ -124,7 +109,7 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
         act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
-        BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl,
+        BLOCK_R=next_power_of_2(R), PDL=pdl,
         EARLY_B=tuning.expand_early_b_on(gate_up), **pdl_launch(pdl),
         num_warps=num_warps or default_warps,
     )

@@ -23,19 +23,25 @@ from dataclasses import dataclass
 import torch
 
 from ..lora.delta import ColumnSplit, LoraDelta, scaled_shrink
+from ..lora.rows import gather_rows
 
 @dataclass(frozen=True)
 class GemmLora:
-    """What the matmul of one fused group needs to add its LoRA (adapters/slots.py layout)."""
+    """What the matmul of one fused group needs to add its LoRA (adapters/slots.py layout:
+    arenas of rank rows, kernels/lora/rows.py)."""
 
-    a_all: torch.Tensor          # [S, slices x R, K]: a slot's A, slice by slice
-    b_all: torch.Tensor          # [S, N, R]: a slot's B, rows at their output columns
+    a_all: torch.Tensor          # [slices, rows, K]: slice i's A rows
+    b_all: torch.Tensor          # [rows, N]: B rows, each slice's at its output columns
     scaling: torch.Tensor        # [S] float32
     slice_offsets: tuple[int, ...]  # first output column of each slice
     segment_table: torch.Tensor  # [>= segments, >= 3] int32: slot, first row, length (rows
-                                 # of a segment contiguous; empty rows after the real ones)
+                                 # of a segment contiguous; empty rows after the real ones),
+                                 # and at rank_col + 2i, + 2i + 1: slice i's rank and first row
     segments: int                # table rows a launch reads (a graph's bucket)
+    rank_col: int                # the column of slice 0's rank in the segment table
+    max_rank: int                # the largest rank of a slot: the kernel's rank tile R
     token_slots: torch.Tensor    # [T] int32, -1 for none (the reference's input)
+    token_rows: torch.Tensor     # [T, 2 x slices] int32: each row's (rank, first row) per slice
     xa: torch.Tensor             # [>= T, slices x R] float32 scratch for the shrink's rows
     sync: torch.Tensor           # [2] int64 counters of one launch site and grid size, zero
                                  # before its first launch (tickets, finished shrinks)
@@ -48,39 +54,41 @@ class GemmLora:
 
     @property
     def rank(self) -> int:
-        return self.b_all.shape[2]
+        return self.max_rank
 
     @property
     def slices(self) -> int:
         return len(self.slice_offsets)
 
     def shrink(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, slices x R] float32: every row's x @ A.T, scaled, zero for rows without an
-        adapter (the reference of the kernel's xa)."""
-        return scaled_shrink(x, self.a_all, self.scaling, self.token_slots)
+        """[T, slices x R] float32: every row's x @ A.T, scaled, zero past its rank and for
+        rows without an adapter (the reference of the kernel's xa)."""
+        return scaled_shrink(x, tuple(self.a_all), self.scaling, self.token_slots,
+                             self.token_rows, self.max_rank)
 
     def store_shrink(self, x: torch.Tensor) -> None:
         """expand=False on the reference path: xa's rows as the kernel stores them."""
         self.xa[:x.shape[0], :self.slices * self.rank] = self.shrink(x)
 
     def b_slices(self) -> tuple[torch.Tensor, ...]:
-        """Each slice's B, [S, out_i, R] views of b_all."""
+        """Each slice's B, [rows, out_i] views of b_all."""
         bounds = [*self.slice_offsets, self.b_all.shape[1]]
         return tuple(self.b_all[:, lo:hi] for lo, hi in zip(bounds, bounds[1:]))
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """[T, N] float32: every row's delta (the reference the kernel is checked against)."""
         xa = self.shrink(x)
-        safe = self.token_slots.long().clamp(min=0)
         r = self.rank
-        return torch.cat([torch.einsum("tr,tnr->tn", xa[:, i * r:(i + 1) * r], b[safe].float())
+        return torch.cat([torch.einsum("tr,tro->to", xa[:, i * r:(i + 1) * r],
+                                       gather_rows(b, self.token_rows[:, 2 * i + 1],
+                                                   self.token_rows[:, 2 * i], r))
                           for i, b in enumerate(self.b_slices())], dim=1)
 
     def unexpanded(self, rows: int) -> LoraDelta:
         """expand=False: the shrink's rows of xa (stored by the launch) as a one-split
         LoraDelta, for the op after the matmul to expand. Rows without an adapter are not
         stored; the ops expanding it read no sums for them."""
-        return LoraDelta.from_rows(self.xa, rows, self.rank, self.b_slices(), self.token_slots,
+        return LoraDelta.from_rows(self.xa, rows, self.rank, self.b_slices(), self.token_rows,
                                    self.column_split)
 
 

@@ -41,29 +41,38 @@ from .triton_kernel import prefetch_l2
 
 @triton.jit
 def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
-                    stride_xa, stride_seg, ticket,
-                    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr,
+                    stride_xa, stride_seg, rank_col, ticket,
+                    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                     PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
                     PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
-    """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s].T * scaling[slot_s].
-    EARLY_TRIGGER (with PDL): the next kernel may launch once this program has its input.
-    PREFETCH_A (with PDL): columns of the slice's A asked of L2 before the wait, as the tiles
-    ask for their W: A does not depend on the kernel before, x does."""
+    """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s's rows].T *
+    scaling[slot_s], zero past the slot's rank on the slice. EARLY_TRIGGER (with PDL): the
+    next kernel may launch once this program has its input. PREFETCH_A (with PDL): columns of
+    the slice's A asked of L2 before the wait, as the tiles ask for their W: A does not depend
+    on the kernel before, x does."""
     seg = ticket // N_SLICES
     slc = ticket % N_SLICES
-    slot = tl.load(table_ptr + seg * stride_seg)
-    first = tl.load(table_ptr + seg * stride_seg + 1)
-    length = tl.load(table_ptr + seg * stride_seg + 2)
+    row = table_ptr + seg * stride_seg
+    slot = tl.load(row)
+    first = tl.load(row + 1)
+    length = tl.load(row + 2)
+    rank = tl.load(row + rank_col + 2 * slc)
+    arena_row = tl.load(row + rank_col + 2 * slc + 1)
     if length > 0:
-        a_row = (slot * N_SLICES + slc) * R  # A of a slot: [slices x R, K], slice by slice
+        # A of slice slc: rows slc*ROWS .. of the [slices x rows, K] arena, the slot's from
+        # its first row on; rows past its rank belong to other adapters (or lie past the
+        # arena, where TMA reads zeros): masked, or their columns of the product zeroed.
+        a_row = slc * ROWS + arena_row
         offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
         offs_k = tl.arange(0, BLOCK_K)
+        live_r = offs_r < rank
         if PDL:
-            if PREFETCH_A > 0:  # one prefetch per 128-byte line of A's R rows
+            if PREFETCH_A > 0:  # one prefetch per 128-byte line of the slot's A rows
                 lines = tl.arange(0, PREFETCH_A // LINE) * LINE
-                prefetch_l2(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + lines[None, :])
+                pf_r = tl.minimum(offs_r, tl.maximum(rank - 1, 0))  # none past the rank
+                prefetch_l2(a_ptr + (a_row + pf_r)[:, None].to(tl.int64) * K + lines[None, :])
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             if EARLY_TRIGGER:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -76,50 +85,59 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
                 x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                             mask=offs_m[:, None] < M, other=0.0)
                 a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                            + (k0 + offs_k)[None, :])
+                            + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
             if DOT_F32:
                 acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
             else:
                 acc += tl.dot(x, a.T)
-        acc = acc * tl.load(scaling_ptr + slot)
+        acc = tl.where(live_r[None, :], acc * tl.load(scaling_ptr + slot), 0.0)
         in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
         tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
                  mask=in_segment[:, None])
 
 
 @triton.jit
-def _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N, R]: each row's adapter's B over the tile's columns (zero for rows
-    without one), and the rows' adapter masks."""
+def _row_b(b_ptr, rows_ptr, M, n0, slc, stride_rows, stride_br, R: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each row's adapter's B over the tile's columns, a rank row at a time: a tuple of R
+    [BLOCK_M, BLOCK_N] tiles, tile r holding rank row r of every row's run on slice slc (zero
+    past the row's rank, all zero for rows without an adapter); and the rows' adapter masks.
+    A rank row is contiguous over the columns (kernels/lora/rows.py), so one tile per row
+    keeps the sum over the rank inside each thread (_row_delta): a [rows, columns, rank]
+    tile would spread the rank over threads and warps and sum it through shared memory."""
     offs_m = tl.arange(0, BLOCK_M)
-    slot = tl.load(slots_ptr + offs_m, mask=offs_m < M, other=-1)
-    has = slot >= 0
+    in_batch = offs_m < M
+    rank = tl.load(rows_ptr + offs_m * stride_rows + 2 * slc, mask=in_batch, other=0)
+    first = tl.load(rows_ptr + offs_m * stride_rows + 2 * slc + 1, mask=in_batch, other=0)
+    has = rank > 0
     offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-    offs_r = tl.arange(0, R)
-    b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None, None] * stride_bs
-                + offs_n[None, :, None] * stride_bn + offs_r[None, None, :],
-                mask=has[:, None, None], other=0.0)
+    b_rows = b_ptr + first.to(tl.int64)[:, None] * stride_br + offs_n[None, :]
+    b = ()
+    for r in tl.static_range(R):
+        b = b + (tl.load(b_rows + r * stride_br, mask=(r < rank)[:, None], other=0.0),)
     return b, has
 
 
 @triton.jit
-def _row_delta(b, has, xa_ptr, n0, stride_xa, off1, off2, R: tl.constexpr, BLOCK_M: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] float32: each row's xa (its slice's R columns) times its B."""
-    slc = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, R)
-    xa = tl.load(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :],
-                 mask=has[:, None], other=0.0, cache_modifier=".cg")
-    return tl.sum(xa[:, None, :] * b.to(tl.float32), axis=2)
+def _row_delta(b, has, xa_ptr, slc, stride_xa, R: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32: each row's xa (its slice's R columns) times its B (_row_b),
+    summed over the rank in order."""
+    xa_row = xa_ptr + tl.arange(0, BLOCK_M) * stride_xa + slc * R
+    d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in tl.static_range(R):
+        xa = tl.load(xa_row + r, mask=has, other=0.0, cache_modifier=".cg")
+        d += xa[:, None] * b[r].to(tl.float32)
+    return d
 
 
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_lora_kernel(
     x_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
-    slots_ptr, sync_ptr, M, off1, off2, stride_xm, stride_wn, stride_wk, stride_ym, stride_bs, stride_bn,
-    stride_xa, stride_seg,
-    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, SEGMENTS: tl.constexpr,
+    rows_ptr, sync_ptr, M, off1, off2, stride_xm, stride_wn, stride_wk, stride_ym, stride_br,
+    stride_rows, stride_xa, stride_seg, rank_col,
+    K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
+    SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
@@ -138,8 +156,9 @@ def _decode_gemm_lora_kernel(
         role = tl.program_id(0).to(tl.int64)
     if role < NUM_SHRINK:
         _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
-                        stride_xm, stride_xa, stride_seg, role.to(tl.int32), K, R, N_SLICES,
-                        BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND, PREFETCH_A, LINE)
+                        stride_xm, stride_xa, stride_seg, rank_col, role.to(tl.int32), K, R,
+                        N_SLICES, ROWS, BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND,
+                        PREFETCH_A, LINE)
         if EXPAND:
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -151,11 +170,13 @@ def _decode_gemm_lora_kernel(
         offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
-        # The rows' adapters come from the host (copied before the step), not from the kernel
-        # before: their B columns are read into registers while that kernel and W's stream run.
+        # The tile's slice, and the rows' adapters' ranks and arena rows on it: those come
+        # from the host (copied before the step), not from the kernel before, so their B
+        # columns are read into registers while that kernel and W's stream run.
+        slc = (n0 >= off1).to(tl.int32) + (n0 >= off2).to(tl.int32)
         if EXPAND:
-            b_rows, has = _row_b(b_ptr, slots_ptr, M, n0, stride_bs, stride_bn, R, BLOCK_M,
-                                 BLOCK_N)
+            b_rows, has = _row_b(b_ptr, rows_ptr, M, n0, slc, stride_rows, stride_br, R,
+                                 BLOCK_M, BLOCK_N)
         if PDL:
             if PREFETCH_K > 0:  # as in decode_gemm_triton: W does not depend on the kernel before
                 lines = tl.arange(0, PREFETCH_K // LINE) * LINE
@@ -184,7 +205,7 @@ def _decode_gemm_lora_kernel(
             arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
             while arrived < target:
                 arrived = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-            acc += _row_delta(b_rows, has, xa_ptr, n0, stride_xa, off1, off2, R, BLOCK_M)
+            acc += _row_delta(b_rows, has, xa_ptr, slc, stride_xa, R, BLOCK_M, BLOCK_N)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
 
@@ -206,8 +227,10 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         return y
     r, slices = lora.rank, lora.slices
     block_m = max(16, next_power_of_2(M))
+    rows = lora.a_all.shape[1]
     a2d = lora.a_all.reshape(-1, K)
-    assert a2d.stride(1) == 1 and lora.b_all.stride(2) == 1 and lora.xa.stride(1) == 1
+    assert a2d.stride(1) == 1 and lora.b_all.stride(1) == 1 and lora.xa.stride(1) == 1
+    assert lora.token_rows.stride(1) == 1
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -224,9 +247,10 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
     grid = (lora.segments * slices + N // block_n,)
     _decode_gemm_lora_kernel[grid](
         descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
-        lora.token_slots, lora.sync, M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk, y.stride(0),
-        lora.b_all.stride(0), lora.b_all.stride(1), lora.xa.stride(0), table.stride(0),
-        K=K, R=r, N_SLICES=slices, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,
+        lora.token_rows, lora.sync, M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk,
+        y.stride(0), lora.b_all.stride(0), lora.token_rows.stride(0), lora.xa.stride(0),
+        table.stride(0), lora.rank_col,
+        K=K, R=r, N_SLICES=slices, ROWS=rows, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,

@@ -20,10 +20,12 @@ row's sum of squares; the last one of the row to arrive normalises the row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from ..host import cdiv
+from .rows import gather_rows
 
 
 @dataclass(frozen=True)
@@ -58,30 +60,34 @@ def with_delta(y: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     return (y.float() + delta).to(y.dtype)
 
 
-def scaled_shrink(x: torch.Tensor, a_all: torch.Tensor, scaling: torch.Tensor,
-                  token_slots: torch.Tensor) -> torch.Tensor:
-    """[T, slices x R] float32: every row's x @ A.T (a_all [S, slices x R, K], a slot's A
-    slice by slice), scaled, zero for rows without an adapter: the reference of the kernels
-    that store the shrink's rows for the next op to expand."""
+def scaled_shrink(x: torch.Tensor, a: Sequence[torch.Tensor], scaling: torch.Tensor,
+                  token_slots: torch.Tensor, token_rows: torch.Tensor, max_rank: int) -> torch.Tensor:
+    """[T, slices x R] float32: every row's x @ A.T slice by slice (a: per slice [arena rows,
+    K]; token_rows [T, 2 x slices]: each row's (rank, first row) per slice), scaled, zero past
+    each rank and for rows without an adapter: the reference of the kernels that store the
+    shrink's rows for the next op to expand."""
     slots = token_slots.long()
     active = slots >= 0
-    safe = slots.clamp(min=0)
-    scale = torch.where(active, scaling[safe], 0.0)[:, None]
-    return torch.einsum("tk,tjk->tj", x.float(), a_all[safe].float()) * scale
+    scale = torch.where(active, scaling[slots.clamp(min=0)], 0.0)[:, None]
+    parts = []
+    for i, arena in enumerate(a):
+        rows = gather_rows(arena, token_rows[:, 2 * i + 1], token_rows[:, 2 * i], max_rank)
+        parts.append(torch.einsum("tk,trk->tr", x.float(), rows) * scale)
+    return torch.cat(parts, dim=1)
 
 
 @dataclass(frozen=True)
 class LoraDelta:
-    """partials[:, i, t] summed, times B_i[slot_t].T, is the delta of row t on slice i of the
-    projection (slices side by side, in order). The sums are zero past the slot's rank on the
-    slice (kernels.lora.lora_shrink_partials) and B is zero there too (the slot pool pads
-    ranks with zeros), so an op expanding them needs only the row's slot: one memory latency
-    before it can read B, not a chain of slot -> rank -> masked loads."""
+    """partials[:, i, t] summed, times the B rows of row t's adapter on slice i, is the delta
+    of row t on slice i of the projection (slices side by side, in order). token_rows gives
+    each row's (rank, first arena row) per slice, beside its slot in the step's inputs, so an
+    op expanding the delta finds the row's B in one memory latency and reads no row past the
+    rank (kernels/lora/rows.py). The sums are zero past the rank too."""
 
-    partials: torch.Tensor          # [splits, n_slices, T, R] float32, scaled; rows of slot -1
-                                    # are zero (a workspace zeroed once per step)
-    b: tuple[torch.Tensor, ...]     # per slice [S, out_i, R]
-    token_slots: torch.Tensor       # [T] int32: each row's adapter slot, -1 for none
+    partials: torch.Tensor          # [splits, n_slices, T, R] float32, scaled; rows without an
+                                    # adapter may be unwritten (never read: their rank is 0)
+    b: tuple[torch.Tensor, ...]     # per slice [arena rows, out_i]
+    token_rows: torch.Tensor        # [T, 2 x n_slices] int32: (rank, first row) per slice
     # [T, sum(out_i)] float32, or None: the delta already expanded (slices side by side,
     # rows of slot -1 zero); an op given it adds it and ignores partials and b.
     expanded: torch.Tensor | None = None
@@ -95,14 +101,14 @@ class LoraDelta:
 
     @classmethod
     def from_rows(cls, xa: torch.Tensor, rows: int, rank: int, b: tuple[torch.Tensor, ...],
-                  token_slots: torch.Tensor, column_split: ColumnSplit | None = None
+                  token_rows: torch.Tensor, column_split: ColumnSplit | None = None
                   ) -> "LoraDelta":
         """The shrink's rows stored by the kernel ahead of the op (xa [>= rows, slices x
         rank], slice by slice; rows without an adapter unwritten) as a one-split delta whose
         sums that op reads only after its PDL wait."""
         n = len(b)
         partials = xa[:rows, :n * rank].view(rows, n, rank).permute(1, 0, 2).unsqueeze(0)
-        return cls(partials, b, token_slots[:rows], column_split=column_split,
+        return cls(partials, b, token_rows[:rows], column_split=column_split,
                    sums_after_wait=True)
 
     @property
@@ -114,11 +120,13 @@ class LoraDelta:
         checked against, and the CPU path)."""
         if self.expanded is not None:
             return self.expanded
-        slots = self.token_slots.long()
-        active = (slots >= 0)[:, None, None]
-        # Rows without an adapter: their sums may be unwritten (GemmLora.unexpanded).
-        h = torch.where(active[None, :, :, 0], self.partials.sum(0), 0.0)  # [n_slices, T, R]
-        safe = slots.clamp(min=0)
-        outs = [torch.einsum("tr,tor->to", h[i], torch.where(active, b[safe].float(), 0.0))
-                for i, b in enumerate(self.b)]
+        rank = self.partials.shape[3]
+        h = self.partials.sum(0)  # [n_slices, T, R]
+        outs = []
+        for i, b in enumerate(self.b):
+            ranks, first = self.token_rows[:, 2 * i], self.token_rows[:, 2 * i + 1]
+            live = torch.arange(rank, device=h.device)[None, :] < ranks.long()[:, None]
+            # Rows without an adapter (rank 0): their sums may be unwritten (GemmLora.unexpanded).
+            hi = torch.where(live, h[i], 0.0)
+            outs.append(torch.einsum("tr,tro->to", hi, gather_rows(b, first, ranks, rank)))
         return torch.cat(outs, dim=1) if outs else h.new_zeros(h.shape[1], 0)

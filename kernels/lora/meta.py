@@ -19,9 +19,11 @@ HostSegment = tuple[int, int, int, int]
 
 MAX_SPLIT_K = 16  # the most H_in splits a Triton shrink writes partial sums for
 
-# Columns of LoraBatchMeta.segment_table: slot, first batch row, length, then the slot's rank
-# on each module (a caller-defined order; a projection passes where its slices' ranks start).
+# Columns of LoraBatchMeta.segment_table: slot, first batch row, length, then for each module
+# (a caller-defined order) the slot's rank on it and the first arena row of its run of rank
+# rows there (kernels/lora/rows.py); a projection passes where its first slice's pair starts.
 SEGMENT_TABLE_RANKS = 3
+MODULE_COLUMNS = 2  # (rank, first row) per module, in the segment and token tables
 
 _ALIGN_INT32 = 4  # int32 elements in 16 bytes, the alignment Triton specialises pointers on
 
@@ -45,6 +47,11 @@ class LoraBatchMeta:
     # one memory latency, instead of a chain of dependent loads (segment -> slot -> rank,
     # start -> token ids -> activations) that costs more than a decode launch's bytes.
     segment_table: torch.Tensor | None = None
+    # [T, MODULE_COLUMNS x modules] int32, or None: each row's adapter's (rank, first arena row)
+    # on every module, zeros for rows without one. Present with the segment table: the ops
+    # that expand a delta row by row (RoPE, add + norm, SiLU) read a row's B from it in one
+    # memory latency, as they read its slot.
+    token_table: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,28 +104,40 @@ class LoraBatchMeta:
         )
 
     @staticmethod
-    def contiguous_table(segments: Sequence[HostSegment], module_ranks: Sequence[Sequence[int]],
+    def contiguous_table(segments: Sequence[HostSegment], module_rows: Sequence[Sequence[int]],
                          num_rows: int | None = None) -> list[list[int]]:
         """Rows of a segment table (see `segment_table`) for segments whose rows are contiguous;
-        module_ranks[slot] is the slot's rank on each module. Padding rows up to num_rows are
-        empty segments (slot 0, length 0)."""
+        module_rows[slot] is the slot's (rank, first arena row) on each module, flattened.
+        Padding rows up to num_rows are empty segments (slot 0, length 0)."""
         rows = []
         for slot, _, length, first in segments:
             if first < 0:
                 raise ValueError(f"the rows of adapter slot {slot} are not one contiguous run")
-            rows.append([slot, first, length, *module_ranks[slot]])
-        width = SEGMENT_TABLE_RANKS + (len(module_ranks[0]) if len(module_ranks) else 0)
+            rows.append([slot, first, length, *module_rows[slot]])
+        width = SEGMENT_TABLE_RANKS + (len(module_rows[0]) if len(module_rows) else 0)
         rows += [[0] * width for _ in range((num_rows or len(rows)) - len(rows))]
         return rows
 
-    def with_segment_table(self, module_ranks: Sequence[Sequence[int]],
+    def with_segment_table(self, module_rows: Sequence[Sequence[int]],
                            num_rows: int | None = None) -> "LoraBatchMeta":
-        """This metadata plus its segment table (tests and benchmarks; the decode graphs fill
-        theirs in a static buffer)."""
-        rows = self.contiguous_table(self.segments, module_ranks, num_rows or self.num_segments)
-        width = SEGMENT_TABLE_RANKS + (len(module_ranks[0]) if len(module_ranks) else 0)
+        """This metadata plus its segment and token tables (tests and benchmarks; the decode
+        graphs fill theirs in static buffers). module_rows as for contiguous_table."""
+        rows = self.contiguous_table(self.segments, module_rows, num_rows or self.num_segments)
+        width = SEGMENT_TABLE_RANKS + (len(module_rows[0]) if len(module_rows) else 0)
         table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
-        return dataclasses.replace(self, segment_table=table.to(self.token_slots.device))
+        device = self.token_slots.device
+        return dataclasses.replace(self, segment_table=table.to(device),
+                                   token_table=self.token_rows(self.token_slots.tolist(),
+                                                               module_rows).to(device))
+
+    @staticmethod
+    def token_rows(token_slots: Sequence[int], module_rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[T, width] int32 token table (see `token_table`): module_rows[slot] per row, zeros
+        for rows without an adapter."""
+        width = len(module_rows[0]) if len(module_rows) else 0
+        zeros = [0] * width
+        return torch.tensor([list(module_rows[s]) if s >= 0 else zeros for s in token_slots],
+                            dtype=torch.int32).reshape(len(token_slots), width)
 
     def padded_for_graph(self, num_segments: int, max_segment_len: int) -> "LoraBatchMeta":
         """This metadata as a decode CUDA graph sees it (DecodeGraphs._fill_lora): the real
@@ -136,7 +155,8 @@ class LoraBatchMeta:
             segment_starts=pad(self.segment_starts, self.num_active_tokens),
             segment_lens=pad(self.segment_lens, 0), num_segments=num_segments,
             max_segment_len=max_segment_len, num_active_tokens=self.num_active_tokens,
-            segments=self.segments, segment_table=self._padded_table(num_segments))
+            segments=self.segments, segment_table=self._padded_table(num_segments),
+            token_table=self.token_table)
 
     def _padded_table(self, num_segments: int) -> torch.Tensor | None:
         table = self.segment_table

@@ -7,8 +7,12 @@ slot's A/B tile and the launch is sized from host integers only (no device sync)
 Decode shapes set the design: a segment holds one or two rows, so rows are tiled by 16 and a
 program walks all of its segment's rows; the shrink splits H_in across programs to fill the
 GPU and writes each split's partial sum, which the expand adds while loading (no zero fill,
-no atomics); ranks can be given per slice, so a slice an adapter does not target costs a
-program that exits at once.
+no atomics); ranks are per slice, so a slice an adapter does not target costs a program that
+exits at once.
+
+A and B live in arenas of rank rows (kernels/lora/rows.py): a program finds its slot's rows
+from the slot's (rank, first row) on its slice, read beside the slot, and reads no row past
+the rank.
 
 The slices of a fused projection (q/k/v, gate/up) are separate tensors. The kernel gets the
 first one as its pointer argument and, per slice, the element offset of the others from it
@@ -27,6 +31,7 @@ import triton.language as tl
 from ..host import cdiv, dot_f32, next_power_of_2, num_sms
 
 from .meta import MAX_SPLIT_K, LoraBatchMeta
+from .rows import SlotRows
 
 _TABLE_CACHE: dict[tuple, torch.Tensor] = {}
 _TABLE_CACHE_MAX = 1024
@@ -34,26 +39,26 @@ _TABLE_CACHE_MAX = 1024
 
 @triton.jit
 def _segment(seg, slice_id, R, seg_table_ptr, stride_seg, rank_col,
-             seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, ranks_ptr, stride_rank_slice,
-             PACKED: tl.constexpr, HAS_RANKS: tl.constexpr):
-    """(slot, start, length, rank on this slice) of a segment. PACKED: one row of the
-    segment table holds them all (start is then the segment's first batch row), so they
-    arrive after one memory latency; otherwise slot -> rank is a chain of two."""
+             seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, ranks_ptr, rows_ptr, stride_slots_slice,
+             PACKED: tl.constexpr):
+    """(slot, start, length, rank on this slice, first arena row on this slice) of a segment.
+    PACKED: one row of the segment table holds them all (start is then the segment's first
+    batch row), so they arrive after one memory latency; otherwise slot -> (rank, row) is a
+    chain of two."""
     if PACKED:
         row = seg_table_ptr + seg * stride_seg
         slot = tl.load(row)
         start = tl.load(row + 1)
         seg_len = tl.load(row + 2)
-        rank = tl.minimum(tl.load(row + rank_col + slice_id), R)
+        rank = tl.minimum(tl.load(row + rank_col + 2 * slice_id), R)
+        first = tl.load(row + rank_col + 2 * slice_id + 1)
     else:
         slot = tl.load(seg_slots_ptr + seg)
         start = tl.load(seg_starts_ptr + seg)
         seg_len = tl.load(seg_lens_ptr + seg)
-        if HAS_RANKS:
-            rank = tl.minimum(tl.load(ranks_ptr + slice_id * stride_rank_slice + slot), R)
-        else:
-            rank = R
-    return slot, start, seg_len, rank
+        rank = tl.minimum(tl.load(ranks_ptr + slice_id * stride_slots_slice + slot), R)
+        first = tl.load(rows_ptr + slice_id * stride_slots_slice + slot)
+    return slot, start, seg_len, rank, first
 
 
 @triton.jit
@@ -77,14 +82,14 @@ _EXPAND_DYNAMIC = ["N_PROGRAMS", "ROWS", "SPLIT_K"]
 
 @triton.jit(do_not_specialize=_SHRINK_DYNAMIC)
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, table_ptr, out_ptr, scaling_ptr, ranks_ptr,
+    x_ptr, a_ptr, table_ptr, out_ptr, scaling_ptr, ranks_ptr, rows_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, seg_table_ptr,
     K, R, ROWS, K_PER_SPLIT, SPLIT_K, stride_seg, rank_col,
     stride_xt, stride_xk,
-    stride_as, stride_ar, stride_ak,
+    stride_ar, stride_ak,
     stride_ok, stride_os, stride_ot, stride_or,
-    stride_rank_slice,
-    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, PACKED: tl.constexpr,
+    stride_slots_slice,
+    OFF_UNIT: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -96,9 +101,9 @@ def _lora_shrink_kernel(
     slice_id = pid_2 // SPLIT_K
     split = pid_2 % SPLIT_K
 
-    slot, seg_start, seg_len, rank = _segment(
+    slot, seg_start, seg_len, rank, first = _segment(
         seg, slice_id, R, seg_table_ptr, stride_seg, rank_col, seg_slots_ptr, seg_starts_ptr,
-        seg_lens_ptr, ranks_ptr, stride_rank_slice, PACKED, HAS_RANKS)
+        seg_lens_ptr, ranks_ptr, rows_ptr, stride_slots_slice, PACKED)
     row0 = pid_m * ROWS
     if row0 >= seg_len:
         return
@@ -112,7 +117,7 @@ def _lora_shrink_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     a_off = tl.load(table_ptr + slice_id) * OFF_UNIT
-    a_cols = a_ptr + a_off + slot.to(tl.int64) * stride_as + offs_r[None, :].to(tl.int64) * stride_ar
+    a_cols = a_ptr + a_off + (first.to(tl.int64) + offs_r[None, :]) * stride_ar
     out_base = out_ptr + split.to(tl.int64) * stride_ok + slice_id.to(tl.int64) * stride_os
 
     for m0 in range(row0, row_end, BLOCK_M):
@@ -138,14 +143,14 @@ def _lora_shrink_kernel(
 
 @triton.jit(do_not_specialize=_EXPAND_DYNAMIC)
 def _lora_expand_kernel(
-    h_ptr, b_ptr, table_ptr, y_ptr, ranks_ptr,
+    h_ptr, b_ptr, table_ptr, y_ptr, ranks_ptr, rows_ptr,
     sorted_ids_ptr, seg_slots_ptr, seg_starts_ptr, seg_lens_ptr, seg_table_ptr,
     R, N_PROGRAMS, N_SPAN, ROWS, SPLIT_K, stride_seg, rank_col,
     stride_hk, stride_hs, stride_ht, stride_hr,
-    stride_bn, stride_br,
+    stride_bn,
     stride_yt, stride_yn,
-    stride_rank_slice,
-    HAS_RANKS: tl.constexpr, OFF_UNIT: tl.constexpr, PACKED: tl.constexpr,
+    stride_slots_slice,
+    OFF_UNIT: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_F32: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
@@ -159,16 +164,16 @@ def _lora_expand_kernel(
     slice_id = pid_2 // N_PROGRAMS
     pid_n = pid_2 % N_PROGRAMS
 
-    # Per-slice row of the table: offset of B_i from b_ptr, out_i, column in y, B_i's slot stride.
+    # Per-slice row of the table: offset of B_i from b_ptr, out_i, column in y, B_i's row stride.
     row = table_ptr + slice_id * 4
     b_off = tl.load(row) * OFF_UNIT
     n_out = tl.load(row + 1)
     y_col = tl.load(row + 2)
-    stride_bs = tl.load(row + 3)
+    stride_br = tl.load(row + 3)
 
-    slot, seg_start, seg_len, rank = _segment(
+    slot, seg_start, seg_len, rank, first = _segment(
         seg, slice_id, R, seg_table_ptr, stride_seg, rank_col, seg_slots_ptr, seg_starts_ptr,
-        seg_lens_ptr, ranks_ptr, stride_rank_slice, PACKED, HAS_RANKS)
+        seg_lens_ptr, ranks_ptr, rows_ptr, stride_slots_slice, PACKED)
     row0 = pid_m * ROWS
     n_begin = pid_n * N_SPAN
     if (row0 >= seg_len) | (n_begin >= n_out) | (rank <= 0):
@@ -178,7 +183,7 @@ def _lora_expand_kernel(
 
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
-    b_rows = b_ptr + b_off + slot.to(tl.int64) * stride_bs + offs_r[:, None] * stride_br
+    b_rows = b_ptr + b_off + (first.to(tl.int64) + offs_r[:, None]) * stride_br
     h_base = h_ptr + slice_id.to(tl.int64) * stride_hs
 
     for m0 in range(row0, row_end, BLOCK_M):
@@ -293,16 +298,15 @@ def _uniform(tensors: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch
     return [t.to(dtype).contiguous() for t in tensors]
 
 
-def _ranks_arg(slot_ranks: torch.Tensor | None, n_slices: int, fallback: torch.Tensor
-               ) -> tuple[torch.Tensor, int]:
-    """(pointer, stride between slices): [S] ranks are shared by every slice (stride 0),
-    [n_slices, S] ranks are per slice."""
-    if slot_ranks is None:
-        return fallback, 0  # a dummy pointer, never read (HAS_RANKS=False)
-    if slot_ranks.dim() == 1:
-        return slot_ranks, 0
-    assert slot_ranks.shape[0] == n_slices, f"ranks for {slot_ranks.shape[0]} slices, {n_slices} given"
-    return slot_ranks, slot_ranks.stride(0)
+def _slots_arg(slots: SlotRows, n_slices: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ranks, first rows, stride between slices): [n_slices, S] tables sharing one stride
+    (stride 0 where every slice has the same, SlotRows.shared)."""
+    ranks, rows = slots.ranks, slots.rows
+    assert ranks.shape[0] == n_slices and rows.shape[0] == n_slices, \
+        f"slot rows for {ranks.shape[0]} slices, {n_slices} given"
+    if ranks.stride() != rows.stride() or ranks.stride(1) != 1:
+        ranks, rows = ranks.contiguous(), rows.contiguous()
+    return ranks, rows, ranks.stride(0)
 
 
 def _packed_args(meta: LoraBatchMeta, rank_col: int | None, fallback: torch.Tensor
@@ -325,22 +329,25 @@ def _split_k(meta: LoraBatchMeta, n_slices: int, k_tiles: int, m_programs: int,
 
 
 def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
-                         scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
+                         scaling: torch.Tensor, slots: SlotRows, *,
                          split_k: int | None = None, zero: bool = True,
                          tiling: LoraTiling | None = None,
                          workspace: torch.Tensor | None = None,
                          rank_col: int | None = None) -> torch.Tensor:
-    """[split_k, n_slices, T, R] float32 partial sums of x @ A_i[slot].T * scaling[slot] over
-    ranges of H_in; zero past a slot's rank on the slice. zero=False leaves rows of slot -1
-    uninitialised: lora_expand_triton never reads them. `workspace` (flat float32, at least
-    kernels.lora.lora_workspace_numel elements) holds them instead of a new allocation: a static buffer
-    for work that runs on a side stream inside a CUDA graph. `rank_col`: where slice 0's rank
-    sits in meta.segment_table, whose rows then give each segment's slot, rows and ranks."""
+    """[split_k, n_slices, T, R] float32 partial sums of x @ A_i[slot's rows].T * scaling[slot]
+    over ranges of H_in (a_stacked: per slice [arena rows, H_in]; R = slots.max_rank); zero
+    past a slot's rank on the slice. zero=False leaves rows of slot -1 uninitialised:
+    lora_expand_triton never reads them. `workspace` (flat float32, at least
+    kernels.lora.lora_workspace_numel elements) holds them instead of a new allocation: a
+    static buffer for work that runs on a side stream inside a CUDA graph. `rank_col`: where
+    slice 0's (rank, first row) sits in meta.segment_table, whose rows then give each
+    segment's slot, rows and arena runs."""
     n_slices = len(a_stacked)
     T, K = x.shape
-    S, R, K_a = a_stacked[0].shape
+    R = slots.max_rank
+    rows, K_a = a_stacked[0].shape
     assert K_a == K, f"A has in-features {K_a}, x has {K}"
-    assert all(a.shape == (S, R, K) for a in a_stacked), "A slices must share [S, R, H_in]"
+    assert all(a.shape == (rows, K) for a in a_stacked), "A slices must share [rows, H_in]"
     tiling = tiling or choose_tiling(meta, R)
     block_r = max(16, next_power_of_2(R))
     block_k = min(tiling.block_k, max(16, next_power_of_2(K)))
@@ -361,18 +368,18 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
         out = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=x.device)
     if meta.num_segments == 0 or T == 0 or R == 0:
         return out
-    a_list = _uniform(a_stacked, (0, 1, 2))
+    a_list = _uniform(a_stacked, (0, 1))
     table, unit = _offset_table(a_list, [()] * n_slices, x.device)
-    ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, scaling)
+    ranks, firsts, slots_stride = _slots_arg(slots, n_slices)
     seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
     k_per_split = cdiv(k_tiles, split_k) * block_k
     grid = (m_programs, meta.num_segments, n_slices * split_k)
     _lora_shrink_kernel[grid](
-        x, a_list[0], table, out, scaling, ranks,
+        x, a_list[0], table, out, scaling, ranks, firsts,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
         seg_table, K, R, tiling.rows(meta), k_per_split, split_k, stride_seg, col,
-        *x.stride(), *a_list[0].stride(), *out.stride(), rank_stride,
-        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
+        *x.stride(), *a_list[0].stride(), *out.stride(), slots_stride,
+        OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_F32=dot_f32(x.dtype, x.device), num_warps=tiling.shrink_warps,
     )
@@ -380,23 +387,23 @@ def lora_shrink_partials(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], met
 
 
 def lora_shrink_triton(x: torch.Tensor, a_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
-                       scaling: torch.Tensor, slot_ranks: torch.Tensor | None = None, *,
+                       scaling: torch.Tensor, slots: SlotRows, *,
                        split_k: int | None = None) -> torch.Tensor:
-    """[n_slices, T, R] float32 = x @ A_i[slot].T * scaling[slot]; rows of slot -1 are zero."""
-    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, split_k=split_k)
+    """[n_slices, T, R] float32 = x @ A_i[slot's rows].T * scaling[slot]; rows of slot -1 are zero."""
+    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slots, split_k=split_k)
     return partials[0] if partials.shape[0] == 1 else partials.sum(0)
 
 
 def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta,
-                       y: torch.Tensor, slice_offsets: Sequence[int],
-                       slot_ranks: torch.Tensor | None = None, *,
+                       y: torch.Tensor, slice_offsets: Sequence[int], slots: SlotRows, *,
                        tiling: LoraTiling | None = None, accumulate: bool = True,
                        rank_col: int | None = None) -> None:
-    """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t].T in place; slot -1 rows untouched.
-    h is [n_slices, T, R], or [splits, n_slices, T, R] partial sums (lora_shrink_partials).
-    accumulate=False writes the delta instead of adding it (y is then a delta buffer): the
-    (row, slice) pairs written depend only on the metadata and the ranks, so a buffer zeroed
-    once per step stays zero everywhere else however many layers write it."""
+    """y[t, off_i:off_i+out_i] += h[i, t] @ B_i[slot_t's rows] in place (b_stacked: per slice
+    [arena rows, out_i]); slot -1 rows untouched. h is [n_slices, T, R], or [splits,
+    n_slices, T, R] partial sums (lora_shrink_partials). accumulate=False writes the delta
+    instead of adding it (y is then a delta buffer): the (row, slice) pairs written depend
+    only on the metadata and the ranks, so a buffer zeroed once per step stays zero
+    everywhere else however many layers write it."""
     n_slices = len(b_stacked)
     if h.dim() == 3:
         h = h.unsqueeze(0)
@@ -404,10 +411,12 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
     splits, T, R = h.shape[0], h.shape[2], h.shape[3]
     if meta.num_segments == 0 or T == 0 or R == 0:
         return
+    assert R == slots.max_rank, f"h has rank {R}, the slots {slots.max_rank}"
+    rows = b_stacked[0].shape[0]
     for b, off in zip(b_stacked, slice_offsets):
-        assert b.shape[2] == R, f"B has rank {b.shape[2]}, h has {R}"
+        assert b.shape[0] == rows, "B slices must share the arena's rows"
         assert 0 <= off and off + b.shape[1] <= y.shape[1], "slice outside y's columns"
-    b_list = _uniform(b_stacked, (1, 2))
+    b_list = _uniform(b_stacked, (1,))
     extra = [(b.shape[1], off, b.stride(0)) for b, off in zip(b_list, slice_offsets)]
     table, unit = _offset_table(b_list, extra, y.device)
 
@@ -417,15 +426,15 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
     block_n = tiling.block_n
     n_span = max(block_n, cdiv(tiling.n_span, block_n) * block_n)
     n_programs = cdiv(max_out, n_span)
-    ranks, rank_stride = _ranks_arg(slot_ranks, n_slices, h)
+    ranks, firsts, slots_stride = _slots_arg(slots, n_slices)
     seg_table, stride_seg, col, packed = _packed_args(meta, rank_col, meta.segment_lens)
     grid = (tiling.grid_m(meta), meta.num_segments, n_slices * n_programs)
     _lora_expand_kernel[grid](
-        h, b_list[0], table, y, ranks,
+        h, b_list[0], table, y, ranks, firsts,
         meta.sorted_token_ids, meta.segment_slots, meta.segment_starts, meta.segment_lens,
         seg_table, R, n_programs, n_span, tiling.rows(meta), splits, stride_seg, col,
-        *h.stride(), *b_list[0].stride()[1:], *y.stride(), rank_stride,
-        HAS_RANKS=slot_ranks is not None, OFF_UNIT=unit, PACKED=packed,
+        *h.stride(), b_list[0].stride(1), *y.stride(), slots_stride,
+        OFF_UNIT=unit, PACKED=packed,
         BLOCK_M=tiling.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_F32=dot_f32(b_list[0].dtype, y.device), ACCUMULATE=accumulate,
         num_warps=tiling.expand_warps,
@@ -434,17 +443,16 @@ def lora_expand_triton(h: torch.Tensor, b_stacked: Sequence[torch.Tensor], meta:
 
 def add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_stacked: Sequence[torch.Tensor],
                     b_stacked: Sequence[torch.Tensor], meta: LoraBatchMeta, scaling: torch.Tensor,
-                    slice_offsets: Sequence[int], slot_ranks: torch.Tensor | None = None, *,
+                    slice_offsets: Sequence[int], slots: SlotRows, *,
                     accumulate: bool = True, workspace: torch.Tensor | None = None,
                     rank_col: int | None = None) -> None:
     """y += every token's LoRA delta in two launches: the shrink's split partials go straight
     to the expand, which adds them (no zero fill, no atomics, no reduction launch).
     accumulate=False: y receives the delta itself (see lora_expand_triton). rank_col: read
-    segments and ranks from meta.segment_table (see lora_shrink_partials)."""
-    tiling = choose_tiling(meta, a_stacked[0].shape[1], max(b.shape[1] for b in b_stacked),
+    segments, ranks and rows from meta.segment_table (see lora_shrink_partials)."""
+    tiling = choose_tiling(meta, slots.max_rank, max(b.shape[1] for b in b_stacked),
                            len(b_stacked), y.device)
-    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slot_ranks, zero=False,
+    partials = lora_shrink_partials(x, a_stacked, meta, scaling, slots, zero=False,
                                     tiling=tiling, workspace=workspace, rank_col=rank_col)
-    lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slot_ranks, tiling=tiling,
+    lora_expand_triton(partials, b_stacked, meta, y, slice_offsets, slots, tiling=tiling,
                        accumulate=accumulate, rank_col=rank_col)
-

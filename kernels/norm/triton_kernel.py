@@ -24,44 +24,18 @@ import triton.language as tl
 
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
+from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 from ..tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
-def _lora_slot(b_ptr, slots_ptr, t, R, stride_bs):
-    """Row t's adapter B rows and the rank columns to read: R, or 0 for a row without an
-    adapter (no B read, no sums read, zero added). A step input and the slot pool's weights:
-    nothing the kernel ahead writes, so a PDL launch may read them before its wait."""
-    slot = tl.load(slots_ptr + t)
-    r_live = tl.where(slot >= 0, R, 0)
-    return b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs, r_live
-
-
-@triton.jit
-def _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    """Row t's shrink sums h (the split partials added); none read for a row without an
-    adapter, whose sums may be unwritten (kernels/gemm/fold.py: GemmLora.unexpanded)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        h += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_r, mask=offs_r < r_live,
-                     other=0.0)
-    return h
-
-
-@triton.jit
-def _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R: tl.constexpr):
-    """B's rows for columns `offs` [columns, rank] (zeros for a row without an adapter)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    return tl.load(b_rows + offs[:, None] * stride_bn + offs_r[None, :],
-                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-
-
-@triton.jit
-def _expand(h, b):
-    """The delta h @ b.T of one row on b's columns, float32."""
-    return tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+def _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br):
+    """Row t's adapter's B rows in the arena and its rank, the rank rows to read (0 for a row
+    without an adapter: no B read, no sums read, zero added). A step input and the arena's
+    weights: nothing the kernel ahead writes, so a PDL launch may read them before its wait."""
+    r_live = tl.minimum(tl.load(rows_ptr + t * stride_rows), R)
+    first = tl.load(rows_ptr + t * stride_rows + 1)
+    return b_ptr + first.to(tl.int64) * stride_br, r_live
 
 
 @triton.jit
@@ -95,22 +69,22 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride
 
 @triton.jit
 def _add_rms_norm_kernel(
-    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, rows_ptr,
     dense_ptr, eps, R,
     stride_h, stride_o, stride_nh, stride_x,
-    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense,
+    stride_ps, stride_pt, stride_rows, stride_br, stride_dense,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
         tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-    # Straight-line code (chunks and splits unrolled, no branches on the row's slot), so the
+    # Straight-line code (chunks and splits unrolled, no branches on the row's adapter), so the
     # compiler can issue a row's loads together: its latency is paid about once, not per chunk.
     t = tl.program_id(0).to(tl.int64)
     if HAS_LORA and not DENSE:
-        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
-        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
+        b_rows, r_live = _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br)
+        h = load_sums(part_ptr + t * stride_pt, stride_ps, r_live, SPLITS, BLOCK_R)
     sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
@@ -120,8 +94,8 @@ def _add_rms_norm_kernel(
             d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
             o = (o.to(tl.float32) + d).to(o.dtype)
         elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
-            b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
-            o = (o.to(tl.float32) + _expand(h, b)).to(o.dtype)
+            b = load_b_rows(b_rows, stride_br, offs, mask, r_live, BLOCK_R)
+            o = (o.to(tl.float32) + expand_rows(h, b, BLOCK_R)).to(o.dtype)
         newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
         sumsq += newf * newf
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
@@ -132,10 +106,10 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_split_kernel(
-    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, slots_ptr,
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, rows_ptr,
     dense_ptr, arrivals_ptr, sums_ptr, eps, R,
     stride_h, stride_o, stride_nh, stride_x,
-    stride_ps, stride_pt, stride_bs, stride_bn, stride_dense, stride_sums,
+    stride_ps, stride_pt, stride_rows, stride_br, stride_dense, stride_sums,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr, EARLY_SUMS: tl.constexpr,
@@ -147,8 +121,8 @@ def _add_rms_norm_split_kernel(
     column order, resets the count and writes the whole row normalised.
 
     With PDL the program reads its B columns (or the expanded delta) before the wait for the
-    kernel ahead (the projection's GEMM), overlapping its weight stream: the row's slot is a
-    step input, B the slot's weights, and the delta comes from the side stream, joined before
+    kernel ahead (the projection's GEMM), overlapping its weight stream: the row's rank and arena
+    rows are a step input, B the arena's weights, and the delta comes from the side stream, joined before
     this launch. EARLY_SUMS: the shrink's sums too, and the delta is computed before the
     wait; not where the GEMM itself writes them (a shrink-only fold,
     LoraDelta.sums_after_wait)."""
@@ -164,12 +138,12 @@ def _add_rms_norm_split_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()  # before reading the projection's output
     elif HAS_LORA:
-        b_rows, r_live = _lora_slot(b_ptr, slots_ptr, t, R, stride_bs)
-        b = _b_cols(b_rows, r_live, offs, mask, stride_bn, BLOCK_R)
+        b_rows, r_live = _lora_rows(b_ptr, rows_ptr, t, R, stride_rows, stride_br)
+        b = load_b_rows(b_rows, stride_br, offs, mask, r_live, BLOCK_R)
         if PDL and not EARLY_SUMS:
             tl.extra.cuda.gdc_wait()  # the sums are the GEMM's output
-        h = _lora_sums(part_ptr, t, r_live, stride_ps, stride_pt, SPLITS, BLOCK_R)
-        d = _expand(h, b)
+        h = load_sums(part_ptr + t * stride_pt, stride_ps, r_live, SPLITS, BLOCK_R)
+        d = expand_rows(h, b, BLOCK_R)
         if PDL and EARLY_SUMS:
             tl.extra.cuda.gdc_wait()
     elif PDL:
@@ -213,10 +187,11 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     if delta is not None:
         assert len(delta.b) == 1, "one slice: o or down"
         b, part = delta.b[0], delta.partials
-        assert b.shape[1] == H and b.stride(2) == 1 and part.stride(3) == 1
+        assert b.shape[1] == H and b.stride(1) == 1 and part.stride(3) == 1
+        assert delta.token_rows.stride(1) == 1
         R = part.shape[3]
-        lora = (part, b, delta.token_slots)
-        lora_strides = (part.stride(0), part.stride(2), b.stride(0), b.stride(1))
+        lora = (part, b, delta.token_rows)
+        lora_strides = (part.stride(0), part.stride(2), delta.token_rows.stride(0), b.stride(0))
         splits, default_block = delta.splits, 2048
     else:
         lora = (hidden,) * 3  # dummy pointers, never read
@@ -232,7 +207,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0),
             *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, CHUNKS=chunks,
-            BLOCK_H=split.block, BLOCK_R=max(16, next_power_of_2(R)),
+            BLOCK_H=split.block, BLOCK_R=next_power_of_2(R),
             BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h,
             EARLY_SUMS=not (delta is not None and delta.sums_after_wait),
             PDL=pdl, **pdl_launch(pdl),
@@ -244,7 +219,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
             dense_args[1],
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
-            BLOCK_H=block_h, BLOCK_R=max(16, next_power_of_2(R)), PDL=pdl, **pdl_launch(pdl),
+            BLOCK_H=block_h, BLOCK_R=next_power_of_2(R), PDL=pdl, **pdl_launch(pdl),
             num_warps=num_warps or (8 if delta is not None else 4),
         )
     return new_hidden, x

@@ -6,7 +6,7 @@ q and k, writing k and v into their cache slots. Programs cover (token, part): t
 each rotate a group of query heads (as many as there are KV heads), then one part rotates the
 key heads and writes them to the cache, and one copies the value heads into it. A part adds
 its columns' LoRA delta first when given, expanded from the shrink's partial sums and the
-adapter's B (kernels/lora/delta.py). Heads are handled as their two halves, the pairs that
+adapter's B rows in the arena (kernels/lora/delta.py, kernels/lora/rows.py). Heads are handled as their two halves, the pairs that
 RoPE's rotate_half mixes, so each column is loaded (and its delta expanded) once.
 """
 from __future__ import annotations
@@ -19,38 +19,27 @@ from ..host import cdiv, next_power_of_2, pdl_launch
 from ..tuning import DEFAULT_TUNING, Tuning
 
 from ..lora.delta import LoraDelta
+from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 
 
 @triton.jit
-def _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn):
-    """The B rows of a half's columns [columns, rank]: zero past r_live (0 for a row without
-    an adapter: nothing read)."""
-    return tl.load(b_rows + slice_col[:, None] * stride_bn + offs_r[None, :],
-                   mask=mask[:, None] & (offs_r[None, :] < r_live), other=0.0)
-
-
-@triton.jit
-def _half(qkv_row, h, b, dense_row, col, mask, HAS_LORA: tl.constexpr, DENSE: tl.constexpr):
+def _half(qkv_row, d, col, mask, ADD: tl.constexpr):
     """Columns `col` of one row (a half of each of the part's heads, flattened) plus their
-    delta h @ b.T (b: _b_half), or the expanded delta's same columns (rounded to qkv's dtype
-    once, as the unfused path rounds), in float32."""
+    float32 delta d where ADD (rounded to qkv's dtype once, as the unfused path rounds), in
+    float32."""
     x = tl.load(qkv_row + col, mask=mask, other=0.0)
-    if DENSE:
-        d = tl.load(dense_row + col, mask=mask, other=0.0)
+    if ADD:
         x = (x.to(tl.float32) + d).to(x.dtype)
-    elif HAS_LORA:
-        x = (x.to(tl.float32) + tl.sum(b.to(tl.float32) * h[None, :], axis=1)).to(x.dtype)
     return x.to(tl.float32)
 
 
 @triton.jit
 def _rope_cache_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    part_ptr, bq_ptr, bk_ptr, bv_ptr, lslots_ptr, dense_ptr,
+    part_ptr, bq_ptr, bk_ptr, bv_ptr, lrows_ptr, dense_ptr,
     stride_qkv, stride_dense, stride_qo_t, stride_qo_h, stride_cos,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-    R, stride_ps, stride_pslice, stride_pt, stride_bqs, stride_bks, stride_bvs, stride_bn_q,
-    stride_bn_kv,
+    R, stride_ps, stride_pslice, stride_pt, stride_lrows, stride_br_q, stride_br_kv,
     Hq, Hkv, D, HALF, PAGE, Q_PARTS,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_HG: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
@@ -69,21 +58,21 @@ def _rope_cache_kernel(
     col0 = tl.where(is_q, 0, tl.where(is_k, q_cols, q_cols + Hkv * D))
     slice_id = tl.where(is_q, 0, tl.where(is_k, 1, 2))
     if is_q:
-        b_base, stride_bs, stride_bn = bq_ptr, stride_bqs, stride_bn_q
+        b_base, stride_br = bq_ptr, stride_br_q
         dst, stride_dh = q_out_ptr + t * stride_qo_t, stride_qo_h
     elif is_k:
-        b_base, stride_bs, stride_bn = bk_ptr, stride_bks, stride_bn_kv
+        b_base, stride_br = bk_ptr, stride_br_kv
         slot_k = tl.load(slot_ptr + t).to(tl.int64)
         dst = k_cache_ptr + (slot_k // PAGE) * stride_kb + (slot_k % PAGE) * stride_kp
         stride_dh = stride_kh
     else:
-        b_base, stride_bs, stride_bn = bv_ptr, stride_bvs, stride_bn_kv
+        b_base, stride_br = bv_ptr, stride_br_kv
         slot_v = tl.load(slot_ptr + t).to(tl.int64)
         dst = v_cache_ptr + (slot_v // PAGE) * stride_vb + (slot_v % PAGE) * stride_vp
         stride_dh = stride_vh
 
-    # The part's heads' first halves, flattened: (head, d) pairs as one vector, so the B
-    # tiles are 2D [columns, rank] (the 3D [head, d, rank] form ran slower on an H100).
+    # The part's heads' first halves, flattened: (head, d) pairs as one vector over all the
+    # warps, B read a rank row at a time over it (kernels/lora/expand_rows.py).
     idx = tl.arange(0, BLOCK_HG * BLOCK_HALF)
     heads = idx // BLOCK_HALF
     offs_d = idx % BLOCK_HALF
@@ -91,34 +80,37 @@ def _rope_cache_kernel(
     slice_col = (first + heads) * D + offs_d
     col = col0 + slice_col
     qkv_row = qkv_ptr + t * stride_qkv
-    offs_r = tl.arange(0, BLOCK_R)
-    h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    dense_row = dense_ptr + t * stride_dense
-    # No B without a delta to expand from it (_half reads none then: a placeholder).
-    b1 = tl.zeros((BLOCK_HG * BLOCK_HALF, BLOCK_R), dtype=tl.float32)
-    b2 = b1
-    if HAS_LORA and not DENSE:
-        # The rows' adapter slots come from the host (copied before the step) and B from the
-        # slot pool: neither is written by the kernel ahead, so with EARLY_B they are read
-        # before the wait, while the projection's GEMM still streams its weights.
-        lslot = tl.load(lslots_ptr + t)
-        r_live = tl.where(lslot >= 0, R, 0)
-        b_rows = b_base + tl.maximum(lslot, 0).to(tl.int64) * stride_bs
+    # No delta to add: a placeholder _half ignores.
+    d1 = tl.zeros((BLOCK_HG * BLOCK_HALF,), dtype=tl.float32)
+    d2 = d1
+    if DENSE:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        dense_row = dense_ptr + t * stride_dense
+        d1 = tl.load(dense_row + col, mask=mask, other=0.0)
+        d2 = tl.load(dense_row + col + HALF, mask=mask, other=0.0)
+    elif HAS_LORA:
+        # The row's adapter's rank and first arena row on this slice come from the host
+        # (copied before the step) and B from the arenas: neither is written by the kernel
+        # ahead, so with EARLY_B they are read before the wait, while the projection's GEMM
+        # still streams its weights. A row without an adapter has rank 0: nothing is read.
+        lrow = lrows_ptr + t * stride_lrows + 2 * slice_id
+        r_live = tl.minimum(tl.load(lrow), R)
+        b_rows = b_base + tl.load(lrow + 1).to(tl.int64) * stride_br
         if PDL and not EARLY_B:
             tl.extra.cuda.gdc_wait()  # before reading what the kernel ahead of this one writes
-        b1 = _b_half(b_rows, slice_col, mask, offs_r, r_live, stride_bn)
-        b2 = _b_half(b_rows, slice_col + HALF, mask, offs_r, r_live, stride_bn)
+        b1 = load_b_rows(b_rows, stride_br, slice_col, mask, r_live, BLOCK_R)
+        b2 = load_b_rows(b_rows, stride_br, slice_col + HALF, mask, r_live, BLOCK_R)
         if PDL and EARLY_B:
             tl.extra.cuda.gdc_wait()
-        # No sums are read for a row without an adapter: they may be unwritten
-        # (kernels/gemm/fold.py: GemmLora.unexpanded).
-        part_row = part_ptr + slice_id * stride_pslice + t * stride_pt + offs_r
-        for s in tl.static_range(SPLITS):
-            h += tl.load(part_row + s * stride_ps, mask=offs_r < r_live, other=0.0)
+        h = load_sums(part_ptr + slice_id * stride_pslice + t * stride_pt, stride_ps, r_live,
+                      SPLITS, BLOCK_R)
+        d1 = expand_rows(h, b1, BLOCK_R)
+        d2 = expand_rows(h, b2, BLOCK_R)
     elif PDL:
         tl.extra.cuda.gdc_wait()
-    x1 = _half(qkv_row, h, b1, dense_row, col, mask, HAS_LORA, DENSE)
-    x2 = _half(qkv_row, h, b2, dense_row, col + HALF, mask, HAS_LORA, DENSE)
+    x1 = _half(qkv_row, d1, col, mask, HAS_LORA)
+    x2 = _half(qkv_row, d2, col + HALF, mask, HAS_LORA)
     if part <= Q_PARTS:  # queries and keys rotate: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
         pos = tl.load(pos_ptr + t)
         trig = pos * stride_cos + offs_d
@@ -163,15 +155,15 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         assert len(delta.b) == 3, "three slices: q, k and v"
         bq, bk, bv = delta.b
         part = delta.partials
-        assert part.stride(3) == 1 and all(b.stride(2) == 1 for b in delta.b)
-        assert bk.stride() == bv.stride()
-        lora = (part, bq, bk, bv, delta.token_slots)
+        assert part.stride(3) == 1 and all(b.stride(1) == 1 for b in delta.b)
+        assert bk.stride() == bv.stride() and delta.token_rows.stride(1) == 1
+        lora = (part, bq, bk, bv, delta.token_rows)
         R, splits = part.shape[3], delta.splits
-        lora_strides = (R, part.stride(0), part.stride(1), part.stride(2), bq.stride(0),
-                        bk.stride(0), bv.stride(0), bq.stride(1), bk.stride(1))
+        lora_strides = (R, part.stride(0), part.stride(1), part.stride(2),
+                        delta.token_rows.stride(0), bq.stride(0), bk.stride(0))
     else:
         lora = (qkv,) * 5  # dummy pointers, never read
-        R, splits, lora_strides = 1, 0, (1,) + (0,) * 8
+        R, splits, lora_strides = 1, 0, (1,) + (0,) * 6
     q_parts = cdiv(num_heads, num_kv_heads)
     pdl = tuning.pdl_on(qkv)
     _rope_cache_kernel[(T, q_parts + 2)](
@@ -183,7 +175,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         *lora_strides,
         num_heads, num_kv_heads, head_dim, head_dim // 2, k_cache.shape[1], q_parts,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_HG=next_power_of_2(num_kv_heads),
-        BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=max(16, next_power_of_2(R)),
+        BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=next_power_of_2(R),
         PDL=pdl, EARLY_B=tuning.expand_early_b_on(qkv),
         num_warps=num_warps, **pdl_launch(pdl),
     )

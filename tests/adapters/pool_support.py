@@ -39,11 +39,14 @@ class FakeSource:
         return build_adapter_weights(name, version, rank, 8.0, False, pairs, CONFIG, 8)
 
 
-def make_manager(names: list[str], max_loras: int = 2, max_cpu: int = 8, ranks: dict[str, int] | None = None,
-                 eviction: str = "lru") -> tuple[AdapterManager, FakeSource]:
-    """ranks: a rank per adapter name (default 4); eviction: the GPU slot policy."""
+def make_manager(names: list[str], max_loras: int = 2, max_cpu: int = 8, rows: int | None = None,
+                 ranks: dict[str, int] | None = None, eviction: str = "lru"
+                 ) -> tuple[AdapterManager, FakeSource]:
+    """rows: rank rows of adapter memory per module (default: max_loras adapters of rank 4);
+    ranks: a rank per adapter name (default 4); eviction: the GPU eviction policy."""
     source = FakeSource(names, ranks=ranks)
-    buffers = SlotBuffers(CONFIG, max_loras, 8, torch.float32, torch.device("cpu"))
+    buffers = SlotBuffers(CONFIG, max_loras, 8, torch.float32, torch.device("cpu"),
+                          rows=rows if rows is not None else 4 * max_loras)
     return AdapterManager(buffers, source, max_cpu, fetch_workers=1, eviction=eviction), source
 
 

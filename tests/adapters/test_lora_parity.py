@@ -1,5 +1,6 @@
 """Mixed-adapter batches through gRPC equal Hugging Face PEFT running each adapter alone,
-with fewer GPU slots than adapters so eviction and reloading happen during the test."""
+with less GPU adapter memory than the adapters need and fewer places in a step than adapters,
+so eviction and reloading happen during the test."""
 from __future__ import annotations
 
 import random
@@ -7,8 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import InProcessNode, make_peft_adapter, peft_greedy
+from inference_node.adapters.slots import row_nbytes
+from inference_node.model.config import ModelConfig
 from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
 
@@ -48,8 +52,11 @@ def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompt
     differs = sum(expected[n] != expected[""] for n in ADAPTERS)
     assert differs >= len(ADAPTERS) - 1, "the adapters barely change the model: the test would be weak"
 
+    # Room for 96 rank rows per module: ranks 64 and 32 together, not all six adapters (126).
+    row = sum(row_nbytes(ModelConfig.from_checkpoint(base), torch.float32).values())
     node = InProcessNode(NodeSettings(model=str(base), device=device, dtype="float32", num_kv_blocks=256,
                                       max_loras=3, max_lora_rank=64, max_cpu_loras=4,
+                                      lora_memory_bytes=96 * row,
                                       adapter_dir=str(adapter_dir), debug_checks=True,
                                       max_num_batched_tokens=128))
     try:
@@ -67,7 +74,8 @@ def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompt
         for (name, i), got in zip(jobs, results):
             assert got.token_ids == expected[name][i], f"adapter {name or 'base'} prompt {i} diverged"
         stats = node.node.adapters.stats
-        assert stats["evictions"] > 0, "max_loras < adapters should have forced evictions"
+        assert stats["evictions"] > 0, "adapter memory < the adapters' sizes should have forced evictions"
+        assert node.node.adapters.buffers.rows == 96
         node.check_idle()
         assert all(e.refs == 0 for e in node.node.adapters.entries())
     finally:

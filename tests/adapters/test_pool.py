@@ -1,4 +1,4 @@
-"""The adapter slot pool: LRU order, pinning, deferred unload, versions, reference counts."""
+"""The adapter pool: LRU order, pinning, deferred unload, versions, reference counts."""
 from __future__ import annotations
 
 import time
@@ -39,7 +39,8 @@ def test_unload_is_deferred_while_a_request_runs() -> None:
     assert slot_names(m)[slot] == "a"     # the running request still reads its slot
     assert not m.try_bind(request("a"))   # no new request binds to it
     m.release(req)
-    assert slot_names(m) == [None, None]
+    assert not any(slot_names(m))
+    assert m.buffers.used_nbytes() == 0
     m.check_consistency([])
 
 
@@ -53,7 +54,7 @@ def test_new_version_serves_new_requests_while_old_one_finishes() -> None:
     new_req = bind(m, "a")
     assert (old_req.adapter_version, new_req.adapter_version) == ("v1", "v2")
     assert new_req.lora_slot != old_slot
-    assert slot_names(m) == ["a", "a"]
+    assert sorted(n for n in slot_names(m) if n) == ["a", "a"]
     m.release(old_req)
     assert m.slots[old_slot] is None      # the old version's slot is freed once idle
     m.release(new_req)
@@ -67,7 +68,7 @@ def test_cold_adapter_gets_a_slot_by_draining_the_lru_one() -> None:
     cold = request("c")
     pump(m, [cold])
     assert not m.try_bind(cold)
-    drained = [e for e in m.slots if e.draining]
+    drained = [e for e in m.slots if e and e.draining]
     assert len(drained) == 1 and drained[0].name == "a"   # least recently used
     assert not m.try_bind(request("a"))   # new requests of a wait while it drains
     m.release(held[0])                    # a's last request ends: its slot is reused

@@ -2,7 +2,8 @@
 
 Checked after every step: reference counts equal the live requests bound to each version;
 a slot read by a live request still holds that request's adapter version (never rewritten
-under it); pinned adapters stay resident; slots never exceed max_loras.
+under it); pinned adapters stay resident; at most max_loras adapters have running requests;
+the arenas hold exactly the resident adapters' rows (check_consistency).
 """
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ def settle(manager, waiting=()) -> None:
     raise AssertionError("adapter fetch did not finish")
 
 NAMES = ["a", "b", "c", "d"]
+RANKS = {"a": 2, "b": 4, "c": 8, "d": 1}  # mixed ranks in an arena of ROWS rank rows
+ROWS = 12
 
 
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.manager, self.source = make_manager(NAMES, max_loras=2, max_cpu=3)
+        self.manager, self.source = make_manager(NAMES, max_loras=2, max_cpu=3, rows=ROWS, ranks=RANKS)
         self.live: list = []             # requests bound to a slot (running)
         self.pinned: set[str] = set()
         self.pinned_resident: set = set()
@@ -38,8 +41,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES), pin=st.booleans())
     def load(self, name: str, pin: bool) -> None:
-        if pin and len(self.pinned | {name}) >= self.manager.max_loras:
-            pin = False                  # keep one slot unpinned so requests can progress
+        if pin and (len(self.pinned | {name}) >= self.manager.max_loras
+                    or sum(RANKS[n] for n in self.pinned | {name}) > ROWS - max(RANKS.values())):
+            pin = False                  # keep room unpinned so every adapter can progress
         def done(entry, error) -> None:
             assert error is None
             if pin:
@@ -98,8 +102,9 @@ class PoolMachine(RuleBasedStateMachine):
                 assert entry.slot >= 0, f"pinned {entry.name} lost its slot"
 
     @invariant()
-    def slots_are_bounded(self) -> None:
-        assert len(self.manager.slots) == 2
+    def running_adapters_are_bounded(self) -> None:
+        running = {id(r.adapter_entry) for r in self.live}
+        assert len(running) <= self.manager.max_loras == 2
 
     def teardown(self) -> None:
         for req in self.live:

@@ -9,26 +9,66 @@ from typing import Sequence
 import torch
 
 from kernels.lora.meta import LoraBatchMeta
+from kernels.lora.rows import SlotRows
 
 
 @dataclass
 class LoraCase:
     x: torch.Tensor                 # [T, H_in]
-    a: list[torch.Tensor]           # per slice [S, R, H_in], rows >= rank of a slot are zero
-    b: list[torch.Tensor]           # per slice [S, out_i, R], columns >= rank are zero
+    a: list[torch.Tensor]           # per slice [rows, H_in]: arena rows, other rows hold noise
+    b: list[torch.Tensor]           # per slice [rows, out_i]: views of b_all
+    b_all: torch.Tensor             # [rows, sum(out_i)]
     scaling: torch.Tensor           # [S] float32
-    ranks: torch.Tensor             # [S] int32
+    ranks: torch.Tensor             # [S] int32: each slot's rank (its run's length on every slice)
+    rows: torch.Tensor              # [n_slices, S] int32: first arena row of each slot's run
+    max_rank: int
     token_slots: list[int]
     meta: LoraBatchMeta
     y: torch.Tensor                 # [T, sum(out_i) + pad], the base output the delta goes into
     offsets: list[int]
 
+    @property
+    def slots(self) -> SlotRows:
+        """Each slot's rank on every slice, and its runs."""
+        return self.slots_with(self.ranks.repeat(len(self.a), 1))
+
+    def slots_with(self, slice_ranks: torch.Tensor | Sequence[Sequence[int]]) -> SlotRows:
+        """[n_slices, S] ranks of their own (at most the runs' lengths: a slice switched off, 0)."""
+        ranks = torch.as_tensor(slice_ranks, dtype=torch.int32).to(self.rows.device)
+        return SlotRows(ranks.contiguous(), self.rows, self.max_rank)
+
+    def poison_free_rows(self) -> "LoraCase":
+        """NaN in every arena row no slot's run holds (A and B): a kernel that reads past a
+        rank, or a row of no slot, spreads it."""
+        for i, (a, b) in enumerate(zip(self.a, self.b)):
+            owned = torch.zeros(a.shape[0], dtype=torch.bool)
+            for slot, r in enumerate(self.ranks.tolist()):
+                first = int(self.rows[i, slot])
+                owned[first:first + r] = True
+            free = (~owned).to(a.device)
+            a[free] = float("nan")
+            b[free] = float("nan")
+        return self
+
+    def module_rows(self, slots: SlotRows | None = None, lead: int = 0,
+                    tail: int = 0) -> list[list[int]]:
+        """Per slot the (rank, first row) pairs of the slices, after `lead` and before `tail`
+        pairs of other modules (which hold values that would be wrong here): a segment or
+        token table's module columns."""
+        slots = slots or self.slots
+        ranks, rows = slots.ranks.tolist(), slots.rows.tolist()
+        return [[99, 98] * lead + [v for i in range(len(self.a)) for v in (ranks[i][s], rows[i][s])]
+                + [77, 76] * tail for s in range(self.scaling.shape[0])]
+
 
 def make_lora_case(*, token_slots: Sequence[int], num_slots: int, max_rank: int,
                    ranks: Sequence[int] | None = None, h_in: int, outs: Sequence[int],
                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                   y_pad: int = 0, seed: int = 0) -> LoraCase:
-    """Slots get their own (possibly smaller than max_rank) rank, zero-padded like the pool."""
+                   y_pad: int = 0, seed: int = 0, spare: int = 3) -> LoraCase:
+    """Slots get their own (possibly smaller than max_rank) rank: a run of that many rows in
+    each slice's arena, runs in a different order on each slice, with `spare` rows of noise
+    (another adapter's rows, as far as a slot knows) between and around them: a kernel that
+    reads past a slot's rank reads noise. A slot's run may end at the arena's last row."""
     gen = torch.Generator().manual_seed(seed)
     if ranks is None:
         ranks = [max_rank] * num_slots
@@ -37,56 +77,69 @@ def make_lora_case(*, token_slots: Sequence[int], num_slots: int, max_rank: int,
     def rand(*shape: int, std: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
+    rows_total = sum(ranks) + spare * (num_slots + 1)
+    first_rows = []
+    for _ in outs:
+        order = torch.randperm(num_slots, generator=gen).tolist()
+        firsts, at = [0] * num_slots, 0
+        for k, s in enumerate(order):
+            gap = int(torch.randint(0, spare + 1, (1,), generator=gen))
+            at += gap
+            firsts[s] = at
+            at += ranks[s]
+        first_rows.append(firsts)
     x = rand(T, h_in).to(dtype)
-    a, b = [], []
-    for out in outs:
-        a_i = torch.zeros(num_slots, max_rank, h_in)
-        b_i = torch.zeros(num_slots, out, max_rank)
-        for s, r in enumerate(ranks):
-            a_i[s, :r] = rand(r, h_in, std=1 / math.sqrt(h_in))
-            b_i[s, :, :r] = rand(out, r, std=1 / math.sqrt(max(r, 1)))
-        a.append(a_i.to(dtype).to(device))
-        b.append(b_i.to(dtype).to(device))
+    a = [rand(rows_total, h_in, std=1 / math.sqrt(h_in)).to(dtype).to(device) for _ in outs]
+    b_all = torch.cat([rand(rows_total, out, std=1 / math.sqrt(max(max_rank, 1))) for out in outs],
+                      dim=1).to(dtype).to(device)
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    b = [b_all[:, off:off + out] for off, out in zip(offsets, outs)]
     scaling = (torch.rand(num_slots, generator=gen) * 2 + 0.5).to(device)
     y = rand(T, sum(outs) + y_pad).to(dtype).to(device)
-    offsets = [sum(outs[:i]) for i in range(len(outs))]
     return LoraCase(
-        x=x.to(device), a=a, b=b, scaling=scaling,
+        x=x.to(device), a=a, b=b, b_all=b_all, scaling=scaling,
         ranks=torch.tensor(list(ranks), dtype=torch.int32, device=device),
-        token_slots=list(token_slots), meta=LoraBatchMeta.build(token_slots, device),
-        y=y, offsets=offsets,
+        rows=torch.tensor(first_rows, dtype=torch.int32, device=device).reshape(len(outs), num_slots),
+        max_rank=max_rank, token_slots=list(token_slots),
+        meta=LoraBatchMeta.build(token_slots, device), y=y, offsets=offsets,
     )
 
 
-def naive_shrink(case: LoraCase) -> torch.Tensor:
-    """Token by token, slice by slice: h[i, t] = x[t] @ A_i[slot].T * scaling[slot]."""
-    R = case.a[0].shape[1]
-    out = torch.zeros(len(case.a), len(case.token_slots), R, dtype=torch.float32)
+def naive_shrink(case: LoraCase, slots: SlotRows | None = None) -> torch.Tensor:
+    """Token by token, slice by slice: h[i, t, :r] = x[t] @ A_i[slot's r rows].T * scaling[slot]."""
+    slots = slots or case.slots
+    out = torch.zeros(len(case.a), len(case.token_slots), case.max_rank, dtype=torch.float32)
     for t, slot in enumerate(case.token_slots):
         if slot < 0:
             continue
         for i, a in enumerate(case.a):
-            out[i, t] = (a[slot].float().cpu() @ case.x[t].float().cpu()) * case.scaling[slot].cpu()
+            r, row = slots.host(i, slot)
+            out[i, t, :r] = (a[row:row + r].float().cpu() @ case.x[t].float().cpu()) * case.scaling[slot].cpu()
     return out
 
 
-def naive_expand(case: LoraCase, h: torch.Tensor) -> torch.Tensor:
-    """Token by token: y[t, off_i:off_i+out_i] += B_i[slot] @ h[i, t], one fp32 sum, one rounding."""
+def naive_expand(case: LoraCase, h: torch.Tensor, slots: SlotRows | None = None) -> torch.Tensor:
+    """Token by token: y[t, off_i:off_i+out_i] += B_i[slot's r rows].T @ h[i, t, :r], one fp32
+    sum, one rounding; a slice of rank 0 untouched."""
+    slots = slots or case.slots
     y = case.y.detach().cpu().clone()
     for t, slot in enumerate(case.token_slots):
         if slot < 0:
             continue
         for i, b in enumerate(case.b):
+            r, row = slots.host(i, slot)
+            if r == 0:
+                continue
             off, n = case.offsets[i], b.shape[1]
-            delta = b[slot].float().cpu() @ h[i, t].float().cpu()
+            delta = b[row:row + r].float().cpu().t() @ h[i, t, :r].float().cpu()
             y[t, off:off + n] = (y[t, off:off + n].float() + delta).to(y.dtype)
     return y
 
 
-def naive_delta(case: LoraCase) -> torch.Tensor:
+def naive_delta(case: LoraCase, slots: SlotRows | None = None) -> torch.Tensor:
     """[T, sum(out_i)] float32: every token's LoRA delta alone (naive_expand into zeros)."""
     zero = torch.zeros(len(case.token_slots), sum(b.shape[1] for b in case.b))
-    return naive_expand(dataclasses.replace(case, y=zero), naive_shrink(case))
+    return naive_expand(dataclasses.replace(case, y=zero), naive_shrink(case, slots), slots)
 
 
 def grouped_slots(gen: torch.Generator, T: int, used: Sequence[int]) -> list[int]:
@@ -103,19 +156,22 @@ def grouped_slots(gen: torch.Generator, T: int, used: Sequence[int]) -> list[int
 
 
 def make_gemm_lora(case: LoraCase, segments: int):
-    """The case as kernels.gemm.GemmLora sees it (slices side by side as in the slot
-    pool), its segment table padded with empty segments up to `segments` rows, and a
-    scratch full of NaN (a kernel reading rows no shrink wrote would spread them)."""
+    """The case as kernels.gemm.GemmLora sees it (slices' B side by side as in the arenas), its
+    segment table padded with empty segments up to `segments` rows (other modules' columns
+    before this group's), its token table, and a scratch full of NaN (a kernel reading rows no
+    shrink wrote would spread them)."""
     from kernels.gemm import GemmLora
+    from kernels.lora import SEGMENT_TABLE_RANKS
 
     device = case.x.device
     n = len(case.a)
-    table_meta = case.meta.with_segment_table([[int(r)] * n for r in case.ranks.tolist()], segments)
+    table_meta = case.meta.with_segment_table(case.module_rows(lead=1, tail=1), segments)
     return GemmLora(
-        a_all=torch.cat(case.a, dim=1), b_all=torch.cat(case.b, dim=1), scaling=case.scaling,
-        slice_offsets=tuple(case.offsets), segment_table=table_meta.segment_table,
-        segments=segments, token_slots=case.meta.token_slots,
-        xa=torch.full((len(case.token_slots), n * case.a[0].shape[1]), float("nan"), device=device),
+        a_all=torch.stack(case.a), b_all=case.b_all, scaling=case.scaling, slice_offsets=tuple(case.offsets),
+        segment_table=table_meta.segment_table, segments=segments,
+        rank_col=SEGMENT_TABLE_RANKS + 2, max_rank=case.max_rank,
+        token_slots=case.meta.token_slots, token_rows=table_meta.token_table[:, 2:2 + 2 * n],
+        xa=torch.full((len(case.token_slots), n * case.max_rank), float("nan"), device=device),
         sync=torch.zeros(2, dtype=torch.int64, device=device))
 
 

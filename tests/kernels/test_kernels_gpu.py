@@ -37,20 +37,26 @@ def test_lora_triton_matches_reference_on_gpu(group: str, T: int, num_adapters: 
     used = torch.randperm(S, generator=gen)[:num_adapters].tolist()
     slots = random_slots(gen, T, S, used, none_fraction=0.2 if T > 1 else 0.0)
     case = make_lora_case(token_slots=slots, num_slots=S, max_rank=R, ranks=ranks, h_in=h_in,
-                          outs=outs, dtype=torch.bfloat16, device="cuda", seed=T)
-    for ranks_arg in (None, case.ranks):
-        h_ref = lora_shrink_ref(case.x, case.a, case.meta, case.scaling)
-        h = lora_shrink_triton(case.x, case.a, case.meta, case.scaling, ranks_arg)
+                          outs=outs, dtype=torch.bfloat16, device="cuda", seed=T).poison_free_rows()
+    # Every slot's own rank on every slice, then a third of the slots switched off on one
+    # slice each (their rows there hold data the kernels must not read).
+    off = case.ranks.repeat(len(outs), 1)
+    for s in range(0, S, 3):
+        off[s % len(outs), s] = 0
+    inactive = [t for t, s in enumerate(slots) if s < 0]
+    for slot_rows in (case.slots, case.slots_with(off)):
+        h_ref = lora_shrink_ref(case.x, case.a, case.meta, case.scaling, slot_rows)
+        h = lora_shrink_triton(case.x, case.a, case.meta, case.scaling, slot_rows)
         _bf16_close(h, h_ref)
         y_ref, y = case.y.clone(), case.y.clone()
-        lora_expand_ref(h_ref, case.b, case.meta, y_ref, case.offsets)
-        lora_expand_triton(h_ref, case.b, case.meta, y, case.offsets, ranks_arg)
+        lora_expand_ref(h_ref, case.b, case.meta, y_ref, case.offsets, slot_rows)
+        lora_expand_triton(h_ref, case.b, case.meta, y, case.offsets, slot_rows)
         _bf16_close(y - case.y, y_ref - case.y)  # the deltas, at their own scale
-        inactive = [t for t, s in enumerate(slots) if s < 0]
         assert torch.equal(y[inactive], case.y[inactive])
-    y_fused = case.y.clone()
-    add_lora(case.x, y_fused, case.a, case.b, case.meta, case.scaling, case.offsets)  # CUDA: Triton
-    _bf16_close(y_fused - case.y, y_ref - case.y)
+        y_fused = case.y.clone()
+        add_lora(case.x, y_fused, case.a, case.b, case.meta, case.scaling, case.offsets,
+                 slot_rows)  # CUDA: Triton
+        _bf16_close(y_fused - case.y, y_ref - case.y)
 
 
 @pytest.mark.parametrize("q_lens,ctx", [
@@ -210,15 +216,25 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -
     T, R = 64, 16
     gen = torch.Generator(device="cuda").manual_seed(block + adapters)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(adapters, HIDDEN, R, generator=gen, **bf16) * 0.05
-    slots = torch.sort(torch.randint(-1, adapters, (T,), generator=gen, device="cuda")).values.int()
+    # B in an arena of rank rows: adapter j a run of its own rank, a NaN row after each run
+    # (read past a rank, it spreads); each row's (rank, first row), rank 0 without an adapter.
+    ranks = [[16, 8, 12, 4][j % 4] for j in range(adapters)]
+    firsts = [sum(r + 1 for r in ranks[:j]) for j in range(adapters)]
+    b = torch.full((sum(r + 1 for r in ranks), HIDDEN), float("nan"), **bf16)
+    for first, r in zip(firsts, ranks):
+        b[first:first + r] = torch.randn(r, HIDDEN, generator=gen, **bf16) * 0.05
+    slots = torch.sort(torch.randint(-1, adapters, (T,), generator=gen, device="cuda")).values
+    rank_of = torch.tensor(ranks, device="cuda")[slots.clamp(min=0)]
+    token_rows = torch.stack([torch.where(slots >= 0, rank_of, 0),
+                              torch.tensor(firsts, device="cuda")[slots.clamp(min=0)]], dim=1).int()
+    past_rank = torch.arange(R, device="cuda")[None, :] >= token_rows[:, :1]  # [T, R]
     partials = torch.randn(4, 1, T, R, generator=gen, device="cuda")
     x_in = torch.randn(T, Q, generator=gen, **bf16)
     w = (torch.randn(HIDDEN, Q, generator=gen, **bf16) / 32).t()  # o: [in, out] view of [out, in]
     hidden, out = torch.randn(T, HIDDEN, generator=gen, **bf16), torch.empty(T, HIDDEN, **bf16)
     weight = 1 + 0.1 * torch.randn(HIDDEN, generator=gen, **bf16)
     split = ColumnSplit.allocate(block, T, HIDDEN, torch.device("cuda"))
-    delta = LoraDelta(partials, (b,), slots, column_split=split)
+    delta = LoraDelta(partials, (b,), token_rows, column_split=split)
     results = {}
 
     def step():
@@ -233,7 +249,7 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -
     for _ in range(4):
         x_in.normal_(generator=gen)
         partials.normal_(generator=gen)
-        partials[:, :, slots < 0] = 0.0  # rows without an adapter: zero sums (lora_delta.py)
+        partials[:, :, past_rank] = float("nan")  # sums no kernel may read (past a rank, or no adapter)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), (x_in.float() @ w.float()).to(torch.bfloat16).float(),

@@ -83,12 +83,12 @@ def test_reference_matches_per_token_loop(name: str, dtype: torch.dtype) -> None
     slots, S, R, ranks, h_in, outs = CASES[name]
     case = make_lora_case(token_slots=slots, num_slots=S, max_rank=R, ranks=ranks, h_in=h_in,
                           outs=outs, dtype=dtype, y_pad=3, seed=len(name))
-    h = lora_shrink_ref(case.x, case.a, case.meta, case.scaling)
+    h = lora_shrink_ref(case.x, case.a, case.meta, case.scaling, case.slots)
     assert h.shape == (len(outs), len(slots), R) and h.dtype == torch.float32
     torch.testing.assert_close(h, naive_shrink(case), rtol=1e-5, atol=1e-5)
 
     y = case.y.clone()
-    lora_expand_ref(h, case.b, case.meta, y, case.offsets)
+    lora_expand_ref(h, case.b, case.meta, y, case.offsets, case.slots)
     expected = naive_expand(case, h)
     torch.testing.assert_close(y, expected, **_tol(dtype))
     inactive = [t for t, s in enumerate(slots) if s < 0]
@@ -113,19 +113,33 @@ def test_random_batches_match_per_token_loop() -> None:
         case = make_lora_case(token_slots=slots, num_slots=S, max_rank=R, ranks=ranks,
                               h_in=int(torch.randint(1, 50, (1,), generator=gen)), outs=outs,
                               seed=trial)
-        h = lora_shrink_ref(case.x, case.a, case.meta, case.scaling)
+        h = lora_shrink_ref(case.x, case.a, case.meta, case.scaling, case.slots)
         torch.testing.assert_close(h, naive_shrink(case), rtol=1e-5, atol=1e-5)
         y = case.y.clone()
-        lora_expand_ref(h, case.b, case.meta, y, case.offsets)
+        lora_expand_ref(h, case.b, case.meta, y, case.offsets, case.slots)
         torch.testing.assert_close(y, naive_expand(case, h), rtol=1e-5, atol=1e-5)
 
 
-def test_zero_padded_rank_rows_do_not_leak() -> None:
-    """A slot's rows beyond its rank are zero in the pool; garbage there would change h."""
-    case = make_lora_case(token_slots=[0, 1], num_slots=2, max_rank=8, ranks=[8, 3],
-                          h_in=32, outs=[16])
-    h = lora_shrink_ref(case.x, case.a, case.meta, case.scaling)
-    assert torch.count_nonzero(h[0, 1, 3:]) == 0 and torch.count_nonzero(h[0, 1, :3]) == 3
+def test_a_slot_reads_only_its_own_rows() -> None:
+    """A slot's run is as long as its rank; every other row belongs to other adapters. With
+    every row but slot 1's NaN, its tokens' h and delta stay finite and unchanged, and h is
+    zero past its rank."""
+    case = make_lora_case(token_slots=[1, 1, 1], num_slots=2, max_rank=8, ranks=[8, 3],
+                          h_in=32, outs=[16, 8])
+    h = lora_shrink_ref(case.x, case.a, case.meta, case.scaling, case.slots)
+    y = case.y.clone()
+    lora_expand_ref(h, case.b, case.meta, y, case.offsets, case.slots)
+    assert torch.count_nonzero(h[:, :, 3:]) == 0 and torch.count_nonzero(h[:, :, :3]) == 2 * 3 * 3
+    for i in range(2):
+        mine = torch.zeros(case.a[i].shape[0], dtype=torch.bool)
+        first = int(case.rows[i, 1])
+        mine[first:first + 3] = True
+        case.a[i][~mine] = float("nan")
+        case.b[i][~mine] = float("nan")
+    h2 = lora_shrink_ref(case.x, case.a, case.meta, case.scaling, case.slots)
+    y2 = case.y.clone()
+    lora_expand_ref(h2, case.b, case.meta, y2, case.offsets, case.slots)
+    assert torch.equal(h2, h) and torch.equal(y2, y)
 
 
 def test_add_lora_on_cpu_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,16 +147,16 @@ def test_add_lora_on_cpu_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None
     case = make_lora_case(token_slots=[1, -1, 0, 1], num_slots=2, max_rank=4, h_in=24,
                           outs=[10, 6])
     y = case.y.clone()
-    add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets)
+    add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets, case.slots)
     torch.testing.assert_close(y, naive_expand(case, naive_shrink(case)), rtol=1e-5, atol=1e-5)
-    h = lora_shrink(case.x, case.a, case.meta, case.scaling)
+    h = lora_shrink(case.x, case.a, case.meta, case.scaling, case.slots)
     y2 = case.y.clone()
-    lora_expand(h, case.b, case.meta, y2, case.offsets)
+    lora_expand(h, case.b, case.meta, y2, case.offsets, case.slots)
     assert torch.equal(y, y2)
 
 
 def test_add_lora_without_active_tokens_is_a_no_op() -> None:
     case = make_lora_case(token_slots=[-1, -1], num_slots=2, max_rank=4, h_in=8, outs=[8])
     y = case.y.clone()
-    add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets)
+    add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets, case.slots)
     assert torch.equal(y, case.y)

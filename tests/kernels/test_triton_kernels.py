@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernel_cases import (assert_one_variant_per_tiling, grouped_slots, make_attention_case, make_gemm_lora,
-                          make_lora_case, naive_delta, random_slots, record_specialisations)
+                          make_lora_case, naive_delta, naive_expand, random_slots,
+                          record_specialisations)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -37,41 +38,36 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, dtype: tor
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), rtol=rel, atol=floor)
 
 
-def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None,
+def check_lora(case, dtype: torch.dtype, split_k: int | None,
                slice_off: list[tuple[int, int]] = ()) -> None:
     """Shrink, expand and the fused two-launch add against the reference. slice_off: (slice,
-    slot) pairs the per-slice ranks switch off: the kernels must skip them even though A and
-    B hold data there (the reference sees those A/B zeroed)."""
+    slot) pairs the per-slice ranks switch off: the kernels must skip them even though the
+    slot's rows there hold data."""
     from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
     from kernels.lora.triton_kernel import add_lora_triton, lora_expand_triton, lora_shrink_triton
 
-    ranks = case.ranks if use_ranks else None
-    ref_a, ref_b = list(case.a), list(case.b)
-    if slice_off:
-        per_slice = case.ranks.repeat(len(case.a), 1)
-        ref_a, ref_b = [a.clone() for a in case.a], [b.clone() for b in case.b]
-        for i, slot in slice_off:
-            per_slice[i, slot] = 0
-            ref_a[i][slot].zero_()
-            ref_b[i][slot].zero_()
-        ranks = per_slice
-    h_ref = lora_shrink_ref(case.x, ref_a, case.meta, case.scaling)
-    h = lora_shrink_triton(case.x, case.a, case.meta, case.scaling, ranks, split_k=split_k)
+    per_slice = case.ranks.repeat(len(case.a), 1)
+    for i, slot in slice_off:
+        per_slice[i, slot] = 0
+    slots = case.slots_with(per_slice)
+    h_ref = lora_shrink_ref(case.x, case.a, case.meta, case.scaling, slots)
+    h = lora_shrink_triton(case.x, case.a, case.meta, case.scaling, slots, split_k=split_k)
     assert h.shape == h_ref.shape and h.dtype == torch.float32
     assert_close_scaled(h, h_ref, dtype)
     inactive = [t for t, s in enumerate(case.token_slots) if s < 0]
     assert torch.count_nonzero(h[:, inactive]) == 0
 
     y_ref, y = case.y.clone(), case.y.clone()
-    lora_expand_ref(h_ref, ref_b, case.meta, y_ref, case.offsets)
-    lora_expand_triton(h_ref, case.b, case.meta, y, case.offsets, ranks)
+    lora_expand_ref(h_ref, case.b, case.meta, y_ref, case.offsets, slots)
+    assert_close_scaled(y_ref, naive_expand(case, h_ref.cpu(), slots), dtype)  # the oracle's oracle
+    lora_expand_triton(h_ref, case.b, case.meta, y, case.offsets, slots)
     assert_close_scaled(y, y_ref, dtype)
     assert torch.equal(y[inactive], case.y[inactive])  # slot -1 rows untouched, bit for bit
     width = sum(b.shape[1] for b in case.b)
     assert torch.equal(y[:, width:], case.y[:, width:])  # and columns past the slices
 
     fused = case.y.clone()  # the serving path: split partials straight into the expand
-    add_lora_triton(case.x, fused, case.a, case.b, case.meta, case.scaling, case.offsets, ranks)
+    add_lora_triton(case.x, fused, case.a, case.b, case.meta, case.scaling, case.offsets, slots)
     assert_close_scaled(fused, y_ref, dtype)
     assert torch.equal(fused[inactive], case.y[inactive])
     assert torch.equal(fused[:, width:], case.y[:, width:])
@@ -80,12 +76,12 @@ def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None,
     # partial sums in a static workspace; twice, as two layers of one step write it.
     from kernels.lora import lora_workspace_numel
     delta_ref = torch.zeros(case.y.shape, dtype=torch.float32, device=case.y.device)
-    lora_expand_ref(h_ref, ref_b, case.meta, delta_ref, case.offsets, accumulate=False)
-    workspace = torch.full((lora_workspace_numel(case.x.shape[0], len(case.a), case.a[0].shape[1]),),
+    lora_expand_ref(h_ref, case.b, case.meta, delta_ref, case.offsets, slots, accumulate=False)
+    workspace = torch.full((lora_workspace_numel(case.x.shape[0], len(case.a), case.max_rank),),
                            float("nan"), device=case.y.device)
     delta = torch.zeros_like(delta_ref)
     for _ in range(2):
-        add_lora_triton(case.x, delta, case.a, case.b, case.meta, case.scaling, case.offsets, ranks,
+        add_lora_triton(case.x, delta, case.a, case.b, case.meta, case.scaling, case.offsets, slots,
                         accumulate=False, workspace=workspace)
         assert_close_scaled(delta, delta_ref, dtype)
         assert torch.count_nonzero(delta[inactive]) == 0
@@ -93,46 +89,44 @@ def check_lora(case, dtype: torch.dtype, use_ranks: bool, split_k: int | None,
 
 
 def check_lora_packed(case, dtype: torch.dtype, slice_ranks: list[list[int]],
-                      pad_segments: int = 0, lead_cols: int = 2) -> None:
+                      pad_segments: int = 0, lead: int = 1) -> None:
     """The segment-table path (rows grouped by slot, as the decode graphs order them): slot,
-    rows and per-slice ranks come from one table row; `lead_cols` other modules' ranks sit
-    before this projection's (rank_col), filled with values that would be wrong here."""
+    rows and per-slice (rank, first arena row) come from one table row; `lead` other
+    modules' pairs sit before this projection's (rank_col), filled with values that would be
+    wrong here. The kernels get no per-slot tables of ranks or rows (they must use the table)."""
     from kernels.lora import lora_workspace_numel
-    from kernels.lora.meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
+    from kernels.lora.meta import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta
     from kernels.lora.reference import lora_expand_ref, lora_shrink_ref
+    from kernels.lora.rows import SlotRows
     from kernels.lora.triton_kernel import add_lora_triton
 
-    n_slices, S = len(case.a), case.a[0].shape[0]
-    ref_a, ref_b = [a.clone() for a in case.a], [b.clone() for b in case.b]
-    for i in range(n_slices):
-        for slot in range(S):
-            r = slice_ranks[i][slot]
-            ref_a[i][slot, r:].zero_()
-            ref_b[i][slot, :, r:].zero_()
-    module_ranks = [[99] * lead_cols + [slice_ranks[i][slot] for i in range(n_slices)] + [77]
-                    for slot in range(S)]
+    n_slices = len(case.a)
+    slots = case.slots_with(slice_ranks)
+    # Tables the kernels must not read on this path: ranks and rows that are all wrong.
+    decoy = SlotRows(torch.full_like(slots.ranks, 1), torch.zeros_like(slots.rows), case.max_rank)
     meta = LoraBatchMeta.build(case.token_slots, case.x.device)
     if pad_segments:
         meta = meta.padded_for_graph(meta.num_segments + pad_segments, len(case.token_slots))
-    meta = meta.with_segment_table(module_ranks, meta.num_segments)
-    rank_col = SEGMENT_TABLE_RANKS + lead_cols
+    meta = meta.with_segment_table(case.module_rows(slots, lead=lead, tail=1), meta.num_segments)
+    rank_col = SEGMENT_TABLE_RANKS + MODULE_COLUMNS * lead
     y_ref = case.y.clone()
-    lora_expand_ref(lora_shrink_ref(case.x, ref_a, meta, case.scaling), ref_b, meta, y_ref,
-                    case.offsets)
+    lora_expand_ref(lora_shrink_ref(case.x, case.a, meta, case.scaling, slots), case.b, meta, y_ref,
+                    case.offsets, slots)
     inactive = [t for t, s in enumerate(case.token_slots) if s < 0]
     y = case.y.clone()
-    add_lora_triton(case.x, y, case.a, case.b, meta, case.scaling, case.offsets, rank_col=rank_col)
+    add_lora_triton(case.x, y, case.a, case.b, meta, case.scaling, case.offsets, decoy,
+                    rank_col=rank_col)
     assert_close_scaled(y, y_ref, dtype)
     assert torch.equal(y[inactive], case.y[inactive])
 
     delta_ref = torch.zeros(case.y.shape, dtype=torch.float32, device=case.y.device)
-    lora_expand_ref(lora_shrink_ref(case.x, ref_a, meta, case.scaling), ref_b, meta, delta_ref,
-                    case.offsets, accumulate=False)
-    workspace = torch.full((lora_workspace_numel(case.x.shape[0], n_slices, case.a[0].shape[1]),),
+    lora_expand_ref(lora_shrink_ref(case.x, case.a, meta, case.scaling, slots), case.b, meta, delta_ref,
+                    case.offsets, slots, accumulate=False)
+    workspace = torch.full((lora_workspace_numel(case.x.shape[0], n_slices, case.max_rank),),
                            float("nan"), device=case.y.device)
     delta = torch.zeros_like(delta_ref)
     for _ in range(2):  # two layers of one step write the same delta buffer
-        add_lora_triton(case.x, delta, case.a, case.b, meta, case.scaling, case.offsets,
+        add_lora_triton(case.x, delta, case.a, case.b, meta, case.scaling, case.offsets, decoy,
                         accumulate=False, workspace=workspace, rank_col=rank_col)
         assert_close_scaled(delta, delta_ref, dtype)
         assert torch.count_nonzero(delta[inactive]) == 0
@@ -158,14 +152,14 @@ def lora_problems(draw):
 
 
 @HYPO
-@given(problem=lora_problems(), dtype=st.sampled_from(list(DTYPES)), use_ranks=st.booleans(),
+@given(problem=lora_problems(), dtype=st.sampled_from(list(DTYPES)), switch_off=st.booleans(),
        split_k=st.sampled_from([None, 1, 2, 5]), data=st.data())
-def test_lora_random_shapes(problem: dict, dtype: str, use_ranks: bool,
+def test_lora_random_shapes(problem: dict, dtype: str, switch_off: bool,
                             split_k: int | None, data) -> None:
     case = make_lora_case(**problem, dtype=DTYPES[dtype], device=DEVICE)
     pairs = [(i, s) for i in range(len(case.a)) for s in range(problem["num_slots"])]
-    slice_off = data.draw(st.lists(st.sampled_from(pairs), unique=True, max_size=4)) if use_ranks else []
-    check_lora(case, DTYPES[dtype], use_ranks, split_k, slice_off)
+    slice_off = data.draw(st.lists(st.sampled_from(pairs), unique=True, max_size=4)) if switch_off else []
+    check_lora(case, DTYPES[dtype], split_k, slice_off)
 
 
 @HYPO
@@ -187,7 +181,7 @@ def test_segment_table_refuses_rows_that_are_not_contiguous() -> None:
 
     meta = LoraBatchMeta.build([0, 1, 0], DEVICE)
     with pytest.raises(ValueError, match="contiguous"):
-        meta.with_segment_table([[4], [4]])
+        meta.with_segment_table([[4, 0], [4, 4]])
 
 
 def graph_meta(token_slots: list[int], buckets: int, device: str):
@@ -208,7 +202,7 @@ def test_lora_decode_graph_metadata(slots: list[int], buckets: int, dtype: str) 
     case = make_lora_case(token_slots=slots, num_slots=4, max_rank=16, ranks=[16, 8, 16, 4],
                           h_in=200, outs=[96, 32, 32], dtype=DTYPES[dtype], device=DEVICE, y_pad=3)
     case.meta = graph_meta(slots, buckets, DEVICE)
-    check_lora(case, DTYPES[dtype], use_ranks=True, split_k=None, slice_off=[(1, 0), (2, 3)])
+    check_lora(case, DTYPES[dtype], split_k=None, slice_off=[(1, 0), (2, 3)])
 
 
 @pytest.mark.parametrize("per_segment", [True, False], ids=["per_segment", "per_row_tile"])
@@ -222,15 +216,15 @@ def test_lora_every_tiling_matches_reference(per_segment: bool) -> None:
                           device=DEVICE)
     case.meta = graph_meta(slots, 4, DEVICE)
     y_ref = case.y.clone()
-    lora_expand_ref(lora_shrink_ref(case.x, case.a, case.meta, case.scaling), case.b, case.meta,
-                    y_ref, case.offsets)
+    lora_expand_ref(lora_shrink_ref(case.x, case.a, case.meta, case.scaling, case.slots), case.b,
+                    case.meta, y_ref, case.offsets, case.slots)
     for block_k, block_n, per_sm, n_span in ((16, 32, 1, 0), (64, 16, 8, 48)):
         tiling = LoraTiling(16, per_segment, block_k=block_k, block_n=block_n,
                             programs_per_sm=per_sm, n_span=n_span)
         y = case.y.clone()
-        h = lora_shrink_partials(case.x, case.a, case.meta, case.scaling, case.ranks, zero=False,
+        h = lora_shrink_partials(case.x, case.a, case.meta, case.scaling, case.slots, zero=False,
                                  tiling=tiling)
-        lora_expand_triton(h, case.b, case.meta, y, case.offsets, case.ranks, tiling=tiling)
+        lora_expand_triton(h, case.b, case.meta, y, case.offsets, case.slots, tiling=tiling)
         assert_close_scaled(y, y_ref, torch.float32)
 
 
@@ -244,7 +238,7 @@ def test_lora_prefill_sized_step_uses_row_tiles() -> None:
     assert case.meta.num_active_tokens > DECODE_SHAPED_TOKENS
     tiling = choose_tiling(case.meta, 8, 40)
     assert (tiling.block_m, tiling.per_segment) == (64, False)
-    check_lora(case, torch.float32, use_ranks=True, split_k=None, slice_off=[(1, 1)])
+    check_lora(case, torch.float32, split_k=None, slice_off=[(1, 1)])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -256,15 +250,15 @@ def test_lora_fused_slices_mixed_ranks_empty_segments(outs: list[int], h_in: int
     slots = [2, -1, 0, 2, 2, -1, 0, 3, 3, 0, 2, -1]
     case = make_lora_case(token_slots=slots, num_slots=5, max_rank=16, ranks=[16, 8, 4, 1, 12],
                           h_in=h_in, outs=outs, dtype=DTYPES[dtype], device=DEVICE, y_pad=7)
-    check_lora(case, DTYPES[dtype], use_ranks=True, split_k=None)
-    check_lora(case, DTYPES[dtype], use_ranks=False, split_k=3)
+    check_lora(case, DTYPES[dtype], split_k=None)
+    check_lora(case, DTYPES[dtype], split_k=3)
 
 
 @pytest.mark.parametrize("slots", [[], [-1, -1, -1]], ids=["empty_batch", "no_adapter"])
 def test_lora_without_active_tokens(slots: list[int]) -> None:
     case = make_lora_case(token_slots=slots, num_slots=2, max_rank=8, h_in=32, outs=[16, 8],
                           device=DEVICE)
-    check_lora(case, torch.float32, use_ranks=True, split_k=None)
+    check_lora(case, torch.float32, split_k=None)
 
 
 def test_lora_unaligned_slice_buffers_and_strided_views() -> None:
@@ -289,7 +283,7 @@ def test_lora_unaligned_slice_buffers_and_strided_views() -> None:
     wide_y[:, 2:34] = case.y
     case.y = wide_y[:, 2:34]
     case.meta = LoraBatchMeta.build(case.token_slots, DEVICE)
-    check_lora(case, torch.float32, use_ranks=False, split_k=None)
+    check_lora(case, torch.float32, split_k=None)
 
 
 def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -> None:
@@ -312,7 +306,7 @@ def test_lora_kernels_compile_no_new_variant_as_the_batch_changes(monkeypatch) -
             slots[0] = used[0]
         case = make_lora_case(token_slots=slots, num_slots=8, max_rank=16, h_in=64, outs=[64, 32, 32],
                               device=DEVICE, seed=step)
-        add_lora_triton(case.x, case.y, case.a, case.b, case.meta, case.scaling, case.offsets, case.ranks)
+        add_lora_triton(case.x, case.y, case.a, case.b, case.meta, case.scaling, case.offsets, case.slots)
     assert_one_variant_per_tiling(keys, {"_lora_shrink_kernel", "_lora_expand_kernel"})
 
 
@@ -329,11 +323,11 @@ def test_dispatcher_picks_triton_where_it_runs(monkeypatch: pytest.MonkeyPatch) 
     case = make_lora_case(token_slots=[0, -1, 1, 0], num_slots=2, max_rank=8, h_in=32,
                           outs=[16, 8], device=DEVICE)
     y = case.y.clone()
-    lora.add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets, case.ranks)
+    lora.add_lora(case.x, y, case.a, case.b, case.meta, case.scaling, case.offsets, case.slots)
     assert calls == ["add"]
     y_ref = case.y.clone()
-    lora_expand_ref(lora_shrink_ref(case.x, case.a, case.meta, case.scaling), case.b,
-                    case.meta, y_ref, case.offsets)
+    lora_expand_ref(lora_shrink_ref(case.x, case.a, case.meta, case.scaling, case.slots), case.b,
+                    case.meta, y_ref, case.offsets, case.slots)
     assert_close_scaled(y, y_ref, torch.float32)
 
 
@@ -438,19 +432,37 @@ def test_attention_dispatcher_picks_triton_where_it_runs(monkeypatch: pytest.Mon
 
 def random_lora_delta(gen: torch.Generator, tokens: int, outs: list[int], dtype: torch.dtype,
                       slots: int = 3, rank: int = 8, splits: int = 2):
-    """A LoraDelta as a decode step hands one on: random slots per row (some -1), random
-    ranks per (slice, slot) (some 0), the partial sums zero past a rank and on rows without
-    an adapter (as lora_shrink_partials and a zeroed workspace leave them)."""
+    """A LoraDelta as a decode step hands one on: random slots per row (some -1), random ranks
+    per (slice, slot) (some 0), each slot's run of B rows in an arena of rank rows with a row
+    of NaN after every run and NaN in the sums past each rank and on rows without an adapter:
+    an op that reads a row past a rank, or sums it should not, spreads NaN."""
     from kernels.lora.delta import LoraDelta
 
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen, dtype=torch.int32)
     ranks = torch.randint(0, rank + 1, (len(outs), slots), generator=gen)
+    rows_total = sum(rank + 1 for _ in range(slots))
+    b_all = torch.full((rows_total, sum(outs)), float("nan"))
+    firsts = torch.zeros(len(outs), slots, dtype=torch.int32)
+    col = 0
+    for i, n in enumerate(outs):
+        order, at = torch.randperm(slots, generator=gen).tolist(), 0
+        for slot in order:
+            r = int(ranks[i, slot])
+            firsts[i, slot] = at
+            b_all[at:at + r, col:col + n] = torch.randn(r, n, generator=gen) * 0.2
+            at += r + 1  # a NaN row after the run
+        col += n
+    token_rows = torch.zeros(tokens, 2 * len(outs), dtype=torch.int32)
     partials = torch.randn(splits, len(outs), tokens, rank, generator=gen)
-    for i in range(len(outs)):
-        for t, slot in enumerate(token_slots.tolist()):
-            partials[:, i, t, ranks[i, slot] if slot >= 0 else 0:] = 0.0
-    b = tuple((torch.randn(slots, n, rank, generator=gen) * 0.2).to(dtype).to(DEVICE) for n in outs)
-    return LoraDelta(partials.to(DEVICE), b, token_slots.to(DEVICE))
+    for t, slot in enumerate(token_slots.tolist()):
+        for i in range(len(outs)):
+            live = int(ranks[i, slot]) if slot >= 0 else 0
+            token_rows[t, 2 * i:2 * i + 2] = torch.tensor([live, int(firsts[i, slot]) if slot >= 0 else 0])
+            partials[:, i, t, live:] = float("nan")
+    b_all = b_all.to(dtype).to(DEVICE)
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    b = tuple(b_all[:, off:off + n] for off, n in zip(offsets, outs))
+    return LoraDelta(partials.to(DEVICE), b, token_rows.to(DEVICE))
 
 
 def maybe_expanded(delta, expanded: bool):
@@ -603,25 +615,25 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, e
 
 
 def test_shrink_partials_are_zero_past_each_rank_and_on_slices_switched_off() -> None:
-    """What lets the expanding ops skip the ranks (kernels/lora/delta.py): in an uninitialised
-    workspace, every row with an adapter gets all R columns of every split and slice written,
-    zeros past its rank and on a slice its adapter leaves alone (even where A holds data)."""
+    """In an uninitialised workspace, every row with an adapter gets all R columns of every
+    split and slice written, zeros past its rank and on a slice its adapter leaves alone (even
+    where its rows hold data), and no row outside a slot's run is read: every row no slot
+    owns is NaN."""
     from kernels.lora.reference import lora_shrink_ref
     from kernels.lora.triton_kernel import lora_shrink_partials
 
     case = make_lora_case(token_slots=[2, -1, 0, 0, 1, -1, 2], num_slots=3, max_rank=8,
-                          ranks=[4, 8, 2], h_in=96, outs=[32, 16, 16], device=DEVICE)
+                          ranks=[4, 8, 2], h_in=96, outs=[32, 16, 16], device=DEVICE).poison_free_rows()
     per_slice = case.ranks.repeat(3, 1)
-    per_slice[1, 1] = 0  # slot 1's adapter skips slice 1: its A there must not be read
+    per_slice[1, 1] = 0  # slot 1's adapter skips slice 1: its rows there must not be read
+    slots = case.slots_with(per_slice)
     workspace = torch.full((4096,), float("nan"), device=DEVICE)
-    partials = lora_shrink_partials(case.x, case.a, case.meta, case.scaling, per_slice,
+    partials = lora_shrink_partials(case.x, case.a, case.meta, case.scaling, slots,
                                     zero=False, split_k=3, workspace=workspace)
     active = [t for t, s in enumerate(case.token_slots) if s >= 0]
     got = partials[:, :, active].cpu()
     assert not got.isnan().any()
-    ref_a = [a.clone() for a in case.a]
-    ref_a[1][1].zero_()
-    want = lora_shrink_ref(case.x, ref_a, case.meta, case.scaling)[:, active].cpu()
+    want = lora_shrink_ref(case.x, case.a, case.meta, case.scaling, slots)[:, active].cpu()
     torch.testing.assert_close(got.sum(0), want, rtol=1e-4, atol=1e-4)
     for row, t in enumerate(active):
         slot = case.token_slots[t]
@@ -739,7 +751,7 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
     gen = torch.Generator().manual_seed(rows)
     slots = grouped_slots(gen, rows, used)
     case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
-                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows)
+                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows).poison_free_rows()
     lora = make_gemm_lora(case, segments)
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
     assert gemm_lora_fits(lora, sum(outs), 16)
@@ -779,7 +791,7 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     slots = grouped_slots(gen, rows, used)
     tokens = len(slots)  # the rows with gaps of rows without an adapter between them
     case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
-                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows)
+                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows).poison_free_rows()
     split = ColumnSplit.allocate(16, tokens, 64, torch.device(DEVICE)) if group == "o-split" else None
     lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False, column_split=split)
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()

@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU (gloo): `inference-node serve --tensor-parallel-size 2` gives
 the greedy tokens of one rank, for the base model and for a batch mixing adapters of
 different ranks and targets (column- and row-parallel projections alike), and keeps every
-rank's adapter slot table equal to rank 0's through loads, evictions, unloads and
-replacements (compared after every step: --debug-checks)."""
+rank's adapter slot table (adapters and the arena rows each holds) equal to rank 0's through
+loads, evictions, unloads and replacements (compared after every step: --debug-checks)."""
 from __future__ import annotations
 
 import subprocess
@@ -28,6 +28,9 @@ ADAPTERS = {"qv2": (2, ["q_proj", "v_proj"]), "all4": (4, ALL), "od8": (8, ["o_p
             "kgu16": (16, ["k_proj", "gate_proj", "up_proj"])}
 PROMPTS = [[11, 2345, 876, 40], [7, 8, 9, 10, 11, 12], [3000, 12, 4], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
 NEW_TOKENS = 8
+# Rank rows of adapter memory per module on every rank: all four adapters at once (k, gate and
+# up hold 4 + 16), not a fifth on up beside them, so the tests below evict.
+ARENA_ROWS = 20
 
 
 # -- the sharding math, without processes ----------------------------------------------------------
@@ -168,12 +171,23 @@ def adapter_dir(tmp_path_factory, tiny_llama_path) -> Path:
     return root
 
 
+def memory_mb(model: Path, tp: int, rows: int) -> str:
+    """--lora-memory-mb that gives each rank of a TP=`tp` node `rows` rank rows per module
+    (float32 on the CPU; a rank's rows cover its shard's shapes)."""
+    from inference_node.adapters.slots import row_nbytes
+
+    config = Shard(0, tp).local_config(ModelConfig.from_checkpoint(model))
+    return str((rows + 0.5) * sum(row_nbytes(config, torch.float32).values()) / (1 << 20))
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, tiny_llama_path, adapter_dir):
     logs = tmp_path_factory.mktemp("tp-logs")
-    one = TPNode(logs, tiny_llama_path, adapter_dir, 1)
+    one = TPNode(logs, tiny_llama_path, adapter_dir, 1,
+                 "--lora-memory-mb", memory_mb(tiny_llama_path, 1, ARENA_ROWS))
     try:
-        two = TPNode(logs, tiny_llama_path, adapter_dir, 2, "--debug-checks")
+        two = TPNode(logs, tiny_llama_path, adapter_dir, 2, "--debug-checks",
+                     "--lora-memory-mb", memory_mb(tiny_llama_path, 2, ARENA_ROWS))
     except BaseException:
         one.stop()
         raise
@@ -253,7 +267,8 @@ def test_tp2_graph_steps_give_tp1_greedy_tokens(nodes, graph_node):
 
 def test_loads_unloads_and_replacements_keep_every_rank_slot_table_equal(nodes, adapter_dir, tiny_llama_path):
     """The same adapter operations on both nodes, with answers compared after each: five
-    adapters over four slots (evictions), an unload, and a replacement by a new version."""
+    adapters over four places in a step and memory for four (evictions), an unload, and a
+    replacement by a new version."""
     one, two = nodes
     swap = adapter_dir / "swap"
     make_peft_adapter(tiny_llama_path, swap, 4, 8.0, ["q_proj", "o_proj", "up_proj"], seed=10, scale=3.0)
@@ -271,9 +286,15 @@ def test_loads_unloads_and_replacements_keep_every_rank_slot_table_equal(nodes, 
             assert "qv2" not in {a.name for a in client.list_adapters(timeout=30).adapters}
     # Steps while qv2's slot stands empty: every rank's must be empty too.
     assert generate_all(two.target, [("", 1)]) == generate_all(one.target, [("", 1)])
-    # Five adapters for four slots: slots are drained and rewritten while others run.
+    # Five adapters for four places and memory for four: adapters are drained, evicted and
+    # their rows rewritten while others run.
     jobs = [(adapter, i) for adapter in ("swap", *ADAPTERS) for i in range(2)]
     assert generate_all(two.target, jobs) == generate_all(one.target, jobs)
+    for node in nodes:  # all4, kgu16 and swap need 24 rows of up: one of them was evicted
+        assert f"({ARENA_ROWS} rank rows per module" in node.log.read_text()
+        with NodeClient(node.target) as client:
+            tiers = {a.name: a.tier for a in client.list_adapters(timeout=30).adapters}
+        assert any(tiers.get(name) != pb.ADAPTER_TIER_GPU for name in ("all4", "kgu16", "swap")), tiers
 
     make_peft_adapter(tiny_llama_path, swap, 8, 16.0, ["v_proj", "down_proj", "gate_proj"], seed=11, scale=3.0)
     for node in nodes:
