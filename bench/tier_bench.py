@@ -5,13 +5,24 @@ host memory, or only on the node's disk, while a batch of other requests decodes
     python -m bench.tier_bench --model llama-8b-random         # the issue's shape
     python -m bench.tier_bench --device cpu --model tiny       # a smoke run
 
-The node is built as `inference-node serve --adapter-dir` builds it (NodeSettings,
-build_adapter_manager): its adapter folder is its disk tier, holding a fresh random PEFT
-adapter (rank --rank on --targets) for every probe. `--background` long requests (the base
-model, or one pinned adapter with --background-adapter) keep every step a decode step of
-that batch. "One decode step" is the p50 of the loop's wall time per iteration over quiet
-stretches (no probe and no adapter work in flight; every background request streamed a
-token in it and in the one before), measured in the same run.
+Every probe has a fresh random PEFT adapter (rank --rank on --targets). The node is built as
+`inference-node serve` builds it (NodeSettings, build_adapter_manager), its disk tier one of:
+  --disk folder     `--adapter-dir`: the adapter folder is the disk tier. A load reads the
+                    files, hashes them for the version and validates them, scanning every
+                    weight for NaN, Inf and the weight bound.
+  --disk disk-tier  `--adapter-store ... --adapter-disk-dir`: the adapters are entries of the
+                    node's disk tier of store adapters (adapters/disk_tier.py, as a fetch from
+                    the store leaves them), and the store refuses connections (a bound port
+                    that never listens). A load asks the store for the current version, is
+                    refused at once and, as a node does while its store is down, reads the
+                    disk copy, verified against its sha256, validated without the value scan
+                    (it passed it before it was written). A reachable store adds that one
+                    round trip.
+`--background` long requests (the base model, or one pinned adapter with
+--background-adapter) keep every step a decode step of that batch. "One decode step" is the
+p50 of the loop's wall time per iteration over quiet stretches (no probe and no adapter work
+in flight; every background request streamed a token in it and in the one before),
+measured in the same run.
 
 Probes go one at a time, the tiers interleaved (gpu, host, disk, gpu, ...), after one
 untimed probe of each tier. Before each, untimed, while the background decodes:
@@ -36,9 +47,12 @@ disk - host <= 50 ms.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import logging
 import math
+import socket
 import sys
 import tempfile
 import time
@@ -110,6 +124,7 @@ class Loop:
         self.streamed: list[int] = []
         self.finished: list[str | None] = []   # finish reason of each background request
         self.stopping = False
+        self.failure: str | None = None        # a background request that failed
         self.steps: list[float] = []           # seconds of quiet decode steps of the whole batch
         self.iterations = 0
         self.restarts = 0                      # background batches started after the first
@@ -120,12 +135,14 @@ class Loop:
         if ev.finish_reason is not None:
             self.finished[i] = ev.finish_reason
             if not self.stopping and (ev.error is not None or ev.finish_reason == "error"):
-                raise RuntimeError(f"background request {i} failed: {ev.finish_reason}: {ev.error}")
+                self.failure = f"background request {i} failed: {ev.finish_reason}: {ev.error}"
 
     def turn(self, quiet: bool = False) -> None:
         before = sum(self.streamed)
         self.engine.run_once(block=False)
         now = time.perf_counter()
+        if self.failure:
+            raise RuntimeError(self.failure)
         self.iterations += 1
         full = quiet and sum(self.streamed) - before == len(self.background) and self.running()
         if full and self._previous[1]:
@@ -187,14 +204,14 @@ class Loop:
 
 
 # -- placing a probe's adapter in its tier ------------------------------------------------------------
-def place(loop: Loop, manager, probe: Probe, folder: Path) -> None:
-    """Puts the probe's adapter in its tier, untimed, while the background decodes."""
+def place(loop: Loop, manager, probe: Probe, files: list[Path]) -> None:
+    """Puts the probe's adapter in its tier, untimed, while the background decodes; `files`:
+    where the disk tier keeps it, the weights last."""
     if probe.tier == "disk":
         if probe.adapter in manager.current:
             raise RuntimeError(f"{probe.adapter} is already on the node")
-        files = [folder / CONFIG_FILE, folder / WEIGHTS_FILE]
         if all(page_cache.drop(f) for f in files):
-            probe.cached_after_drop = page_cache.resident_share(folder / WEIGHTS_FILE)
+            probe.cached_after_drop = page_cache.resident_share(files[-1])
         return
     outcome: dict = {}
     done = lambda entry, error: outcome.update(entry=entry, error=error)  # noqa: E731
@@ -209,8 +226,8 @@ def place(loop: Loop, manager, probe: Probe, folder: Path) -> None:
                            f"{getattr(entry, 'tier', None)}: {outcome['error']}")
 
 
-def run_probes(loop: Loop, manager, probes: list[Probe], prompts: list[list[int]], root: Path,
-               args) -> None:
+def run_probes(loop: Loop, manager, probes: list[Probe], prompts: list[list[int]],
+               files: dict[str, list[Path]], args) -> None:
     """Every probe in turn: the background refreshed if it would end within two probes'
     iterations, the adapter placed, quiet steps, the probe, its adapter unloaded."""
     longest = 0
@@ -219,7 +236,7 @@ def run_probes(loop: Loop, manager, probes: list[Probe], prompts: list[list[int]
             loop.stop_background()
             loop.start_background()
         start = loop.iterations
-        place(loop, manager, probe, root / probe.adapter)
+        place(loop, manager, probe, files[probe.adapter])
         for _ in range(args.quiet_steps):
             loop.turn(quiet=not manager.busy())
         loop.probe(probe, prompt, args.new_tokens, manager)
@@ -233,6 +250,29 @@ def run_probes(loop: Loop, manager, probes: list[Probe], prompts: list[list[int]
             probe.error = f"planned {probe.tier}, the manager counted {probe.met!r}"
         log.info("probe %s: TTFT %.2f ms, tier %s%s", probe.adapter, probe.ttft * 1e3, probe.met,
                  f" ({probe.error})" if probe.error else "")
+
+
+def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> dict[str, list[Path]]:
+    """The folder's adapters as entries of the node's disk tier of store adapters, each as a
+    fetch from the store leaves it (its manifest: files, sha256s, the version they give);
+    each one's files there, the weights last."""
+    from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest
+    from inference_node.adapters.disk_tier import DiskTier
+
+    tier = DiskTier(disk_dir, 1 << 40)
+    files = {}
+    for name in names:
+        blobs = [(root / name / CONFIG_FILE).read_bytes(), (root / name / WEIGHTS_FILE).read_bytes()]
+        entries = tuple(FileEntry(path, len(blob), hashlib.sha256(blob).hexdigest())
+                        for path, blob in zip((CONFIG_FILE, WEIGHTS_FILE), blobs))
+        digest = adapter_digest(f.sha256 for f in entries)
+        info = AdapterInfo(name, digest[:16], rank=rank, valid=True, size_bytes=sum(map(len, blobs)),
+                           updated_at=int(time.time()))
+        manifest = Manifest(info, blobs[0].decode(), entries, digest)
+        if tier.lookup(name, info.version) is None and not tier.put(manifest, blobs):
+            raise RuntimeError(f"the disk tier did not keep {name}")
+        files[name] = [disk_dir / digest / str(i) for i in range(len(blobs))]
+    return files
 
 
 # -- the table ---------------------------------------------------------------------------------------
@@ -284,6 +324,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", choices=sorted(TARGETS), default="all", help="modules every adapter targets")
+    p.add_argument("--disk", choices=["folder", "disk-tier"], default="folder",
+                   help="the disk tier: the --adapter-dir folder, or the node's disk tier of store adapters")
     p.add_argument("--background", type=int, help="background requests decoding throughout (CUDA 32, CPU 4)")
     p.add_argument("--background-tokens", type=int,
                    help="a background request's length before it is restarted (CUDA 1024, CPU 256)")
@@ -354,6 +396,19 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
                    f"{str(dtype).removeprefix('torch.')}")
     write_adapters(root, cfg, names, [args.rank], targets, device, dtype)
     sizes = {tier: (root / f"tier-warm-{tier}" / WEIGHTS_FILE).stat().st_size / 1e6 for tier in TIERS}
+    refuser = socket.socket()
+    if args.disk == "folder":
+        files = {n: [root / n / CONFIG_FILE, root / n / WEIGHTS_FILE] for n in names}
+        settings = NodeSettings(adapter_dir=str(root))
+        disk_line = "the node's adapter folder (serve --adapter-dir)"
+    else:
+        disk_dir = root.with_name(root.name + "-disk-tier")
+        files = fill_disk_tier(root, names, args.rank, disk_dir)
+        refuser.bind(("127.0.0.1", 0))  # and never listening: connecting to it is refused
+        settings = NodeSettings(adapter_store=f"127.0.0.1:{refuser.getsockname()[1]}", adapter_disk_dir=str(disk_dir))
+        disk_line = "the node's disk tier of store adapters, the store refusing connections"
+        if not args.verbose:  # each load says the store is unreachable: expected here
+            logging.getLogger("inference_node.adapters.store_source").setLevel(logging.ERROR)
 
     max_model_len = args.prompt_len + args.background_tokens + args.block_size
     per_seq = -(-(max_model_len + 1) // args.block_size)
@@ -361,9 +416,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
     num_blocks = seqs * per_seq + seqs + 8
     model = LlamaModel.load(bench.checkpoint, device, dtype, max_positions=max_model_len,
                             load_format=bench.load_format)
-    # As `serve --adapter-dir` builds it: adapter memory for a few adapters of --rank (the
-    # background's, one probe's, spare), host memory for as many.
-    settings = NodeSettings(max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4, adapter_dir=str(root))
+    # Adapter memory for a few adapters of --rank (the background's, one probe's, spare),
+    # host memory for as many.
+    settings = dataclasses.replace(settings, max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4)
     manager = build_adapter_manager(settings, model, device, dtype)
     if not hasattr(manager, "prefetch"):
         raise SystemExit("this node's AdapterManager has no prefetch(): the host tier cannot be set up")
@@ -375,13 +430,13 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
                        (args.new_tokens, args.new_tokens), cfg.vocab_size, None, args.seed)
     background_prompts = [s.prompt for s in specs[:args.background]]
     probe_prompts = [s.prompt for s in specs[args.background:]]
-    filesystem = page_cache.filesystem_of(root)
+    filesystem = page_cache.filesystem_of(files[names[0]][-1])
     header = [
         f"device: {torch.cuda.get_device_name(device) if cuda else 'CPU'}  torch {torch.__version__}  "
         f"dtype {str(dtype).removeprefix('torch.')}",
         f"model: {bench.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}",
-        f"adapters: one fresh adapter per probe in the node's adapter folder (its disk tier, on "
-        f"{filesystem}), rank {args.rank} on {','.join(targets)}, {sizes['gpu']:.2f} MB each",
+        f"adapters: one fresh adapter per probe, rank {args.rank} on {','.join(targets)}, "
+        f"{sizes['gpu']:.2f} MB each; disk tier: {disk_line}, on {filesystem}",
         f"background: {args.background} requests of {args.prompt_len} prompt tokens on "
         f"{background_adapter or 'the base model'}, restarted before {args.background_tokens} tokens",
         f"probes: {args.probes} timed per tier (after one untimed), {args.prompt_len} prompt tokens, "
@@ -404,12 +459,15 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
             if outcome["error"] is not None:
                 raise RuntimeError(f"the background's adapter: {outcome['error']}")
         loop.start_background()
+        warm = [p for p in probes if not p.timed]
+        run_probes(loop, manager, warm, probe_prompts, files, args)
         mark = COMPILES.mark()
-        run_probes(loop, manager, probes, probe_prompts, root, args)
+        run_probes(loop, manager, probes[len(warm):], probe_prompts[len(warm):], files, args)
         compiles = COMPILES.since(mark)
         loop.stop_background()
     finally:
         manager.shutdown()
+        refuser.close()
     sync(device)
     engine.check_consistency()
 
@@ -429,9 +487,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
     for p in failed:
         print(f"probe {p.adapter} FAILED: {p.error}")
     if compiles:
-        print(f"note: {len(compiles)} JIT compiles landed among the probes (run with -v)")
+        print(f"note: {len(compiles)} JIT compiles landed among the timed probes (listed in the log)")
         for what in compiles:
-            log.warning("compiled among the probes: %s", what[:300])
+            log.warning("compiled among the timed probes: %s", what[:300])
     result = {"header": header, "decode_step_p50": step, "decode_steps": len(loop.steps),
               "background_restarts": loop.restarts,
               "rows": [{**asdict(r), "p50": r.p50 if r.ttft else None} for r in rows],

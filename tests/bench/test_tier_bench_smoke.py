@@ -1,6 +1,8 @@
 """The adapter tier benchmark runs end to end on a tiny random model (CPU): every probe met
 the tier it was set up for, by the adapter manager's own account (so a host-tier probe whose
-adapter was already on the GPU fails here), and the table and target lines print."""
+adapter was already on the GPU fails here), and the table and target lines print. With
+`--disk disk-tier` the store refuses connections, so a disk probe that did not read the
+node's disk tier fails."""
 from __future__ import annotations
 
 import json
@@ -13,8 +15,9 @@ TIERS = ("gpu", "host", "disk")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", [[], ["--background-adapter", "--decode-graphs", "on", "--mixed-graphs", "on"]],
-                         ids=["base-background", "adapter-background-graphs"])
+@pytest.mark.parametrize("mode", [[], ["--disk", "disk-tier", "--background-adapter", "--decode-graphs", "on",
+                                       "--mixed-graphs", "on"]],
+                         ids=["folder-base-background", "disk-tier-adapter-background-graphs"])
 def test_tier_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
     from bench import tier_bench
 
