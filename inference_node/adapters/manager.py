@@ -293,6 +293,16 @@ class AdapterManager:
         else:  # no version: whatever the source has now (the same version is not installed twice)
             self._start_load(name, version, loaded)
 
+    def prefetch(self, name: str, done: Done) -> None:
+        """Fetches the source's current version into host memory and leaves it there: it
+        takes no GPU memory until a request wants it (the host tier, warmed ahead of its
+        traffic). An adapter with a host copy here already is not fetched again."""
+        entry = self.current.get(name)
+        if entry is not None and entry.weights is not None:
+            done(entry, None)
+        else:
+            self._start_load(name, "", done)
+
     def unload(self, name: str) -> bool:
         """Retires the adapter; returns True when running requests defer the unload."""
         entry = self.current.pop(name, None)

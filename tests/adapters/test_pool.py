@@ -107,3 +107,26 @@ def test_host_tier_is_bounded_and_refetches_what_it_dropped() -> None:
     entry, error = load(m, dropped)       # no copy left on the node: fetched again
     assert error is None and entry.weights is not None
     assert source.loads[loads_before:] == [(dropped, "v1")]
+
+
+def test_prefetch_keeps_the_adapter_in_host_memory_until_a_request_wants_it() -> None:
+    m, source = make_manager(["a"], max_loras=2)
+    outcome: dict = {}
+    m.prefetch("a", lambda e, err: outcome.update(entry=e, error=err))
+    pump(m)
+    entry = outcome["entry"]
+    assert outcome["error"] is None and entry.tier == "host" and entry.slot == -1
+    assert m.buffers.used_nbytes() == 0 and m.counters("a").loads == {"host": 1, "gpu": 0}
+    again: dict = {}
+    m.prefetch("a", lambda e, err: again.update(entry=e, error=err))
+    assert again == {"entry": entry, "error": None} and source.loads == [("a", "v1")]  # not fetched twice
+    req = bind(m, "a")                    # the request finds it in host memory and promotes it
+    assert req.adapter_tier == "host" and m.tier_hits["host"] == 1 and m.tier_hits["gpu"] == 0
+    assert entry.resident and m.counters("a").loads == {"host": 1, "gpu": 1}
+    m.release(req)
+    m.check_consistency([])
+    missing: dict = {}
+    m.prefetch("ghost", lambda e, err: missing.update(entry=e, error=err))
+    pump(m)
+    assert missing["entry"] is None and type(missing["error"]).__name__ == "AdapterNotFound"
+    assert "ghost" not in m.current
