@@ -49,7 +49,7 @@ def weights_from_files(name: str, version: str, config_text: str | bytes, weight
     try:
         built = build_adapter_weights(name, version, spec.config.r, spec.config.lora_alpha,
                                       spec.config.use_rslora, pairs, model, max_rank)
-        probe_in_dtype(built, dtype)
+        probe_in_dtype(built, dtype, max_weight_abs)
         return built
     except AdapterIncompatible as exc:
         raise AdapterRejected(str(exc)) from exc

@@ -179,3 +179,18 @@ def test_the_node_probes_in_the_dtype_it_serves(tiny_llama_path, adapter_root, t
         weights_from_files("loud", "v1", *files, config, 16, dtype=dtype)
     with pytest.raises(AdapterRejected, match="overflows float16, the dtype this node serves in"):
         weights_from_files("loud", "v1", *files, config, 16, dtype=torch.float16)
+
+
+def test_the_dtype_probe_is_skipped_only_where_the_weight_bound_proves_it_finite():
+    """Under a weight bound, a module whose worst-case update fits the dtype far over is not
+    probed; float16, or no bound, still is. Weights of 1e38 (over any bound, as from a disk copy
+    whose scan is skipped) show which modules were probed: they overflow bfloat16's cast."""
+    from inference_node.adapters.weights import AdapterIncompatible, AdapterWeights, probe_in_dtype
+
+    a, b = torch.full((4, 64), 3e38), torch.full((64, 4), 3e38)
+    weights = AdapterWeights("w", "v1", 4, 2.0, ("q_proj",), {(0, "q_proj"): (a, b)})
+    probe_in_dtype(weights, torch.bfloat16, max_weight_abs=1000.0)   # bound proves it: not probed
+    with pytest.raises(AdapterIncompatible, match="bfloat16"):
+        probe_in_dtype(weights, torch.bfloat16, max_weight_abs=0.0)  # no bound: probed
+    with pytest.raises(AdapterIncompatible, match="float16"):
+        probe_in_dtype(weights, torch.float16, max_weight_abs=1000.0)  # 2 * 4 * 64 * 1e6 > 65504 / 1024
