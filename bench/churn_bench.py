@@ -17,14 +17,16 @@ Rows, each on its own engine (built in turn, the same model, KV cache and places
              timing: every request finds its adapter on the GPU
   lru, gdsf  adapter memory of the `--memory-alpha` working set / `--working-set-ratio` rank
              rows, host memory of `--host-adapters` adapters, the GPU eviction policy named
-             (adapters/eviction.py); before each alpha every adapter is unloaded, so each
-             starts cold and loads from the disk tier on demand
+             (adapters/eviction.py); before each alpha every adapter is unloaded, then
+             (`--start warm`, the default) untimed traffic of the same popularity fills the
+             tiers as serving would; `--start cold` times every adapter's first load too
 
 Columns: throughput (output tokens over the time from the first arrival to the last finish,
 and requests/s), TTFT p50/p99/max, the share of requests whose adapter was on the GPU, in
 host memory or only on disk when the node first saw them, the adapters copied to the GPU
 and evicted from it during the row, and the churn rows' throughput and TTFT p50 over the
 resident row's at the same alpha (the issue's targets at alpha 1.0: >= 0.8 and <= 2).
+Tier shares and GPU copies count the timed traffic only.
 """
 from __future__ import annotations
 
@@ -181,6 +183,16 @@ def unload_all(engine, manager) -> None:
     engine.check_consistency()
 
 
+def warm_up_tiers(engine, manager, specs: list[Spec], traffic: Traffic, args, device: torch.device) -> None:
+    """Untimed traffic of the same popularity (other draws), closed loop, a few tokens each:
+    the row's tiers then hold what a node that has been serving this traffic holds, so the
+    timed traffic measures churn, not the compulsory first load of every adapter."""
+    adapter_of = {spec.index: name for spec, name in zip(specs, traffic.adapters)}
+    Driver(engine, device, args.concurrency, poisson=False).run(
+        specs, lambda s: adapter_of[s.index], lambda s: min(4, s.max_tokens))
+    settle(engine, manager)
+
+
 def run_row(key: str, engine, manager, specs: list[Spec], traffic: Traffic, ratio: float,
             args, device: torch.device) -> RowResult:
     result = RowResult(key, traffic.alpha, ratio)
@@ -272,6 +284,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--working-set-ratio", type=float, default=4.0,
                    help="the churn rows' adapter memory: the --memory-alpha working set over this")
     p.add_argument("--memory-alpha", type=float, default=1.0)
+    p.add_argument("--start", choices=["warm", "cold"], default="warm",
+                   help="churn rows: warm (untimed traffic of the same popularity first) or cold")
+    p.add_argument("--warmup-requests", type=int, default=0, help="--start warm's requests (0: --requests)")
     p.add_argument("--host-adapters", type=int, default=0,
                    help="adapters kept in host memory in the churn rows (0: half the --memory-alpha "
                         "working set's adapters)")
@@ -345,6 +360,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
     specs = make_specs(args.requests, args.prompt_len, args.output_len, cfg.vocab_size, args.rate, args.seed)
     traffic = [make_traffic(specs, names, rank_of, alpha, args.seed) for alpha in args.alphas]
     reference = make_traffic(specs, names, rank_of, args.memory_alpha, args.seed)
+    warm_specs = make_specs(args.warmup_requests or args.requests, args.prompt_len, args.output_len,
+                            cfg.vocab_size, args.rate, args.seed + 1)
+    warm_traffic = {t.alpha: make_traffic(warm_specs, names, rank_of, t.alpha, args.seed) for t in traffic}
     churn_rows = max(max(args.ranks), math.ceil(reference.working_rows / args.working_set_ratio))
     host = args.host_adapters or max(1, len(reference.distinct) // 2)
     everyone = sorted({n for t in traffic for n in t.distinct})
@@ -375,6 +393,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
         f"engine: {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of {args.block_size}, "
         f"decode graphs {'on' if args.use_graphs else 'off'}, piecewise graphs "
         f"{'on' if args.use_mixed else 'off'}, prefix cache off",
+        f"start of each churn row: every adapter unloaded, then " + (
+            f"{len(warm_specs)} untimed requests of the same popularity (other draws, closed loop, 4 tokens "
+            "each): the timed traffic meets the tiers a serving node has" if args.start == "warm" else
+            "the timed traffic at once: every adapter's first request loads it from disk"),
     ]
     for line in header:
         print(line, flush=True)
@@ -410,6 +432,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
             try:
                 if key != "resident":
                     unload_all(engine, manager)
+                    if args.start == "warm":
+                        warm_up_tiers(engine, manager, warm_specs, warm_traffic[t.alpha], args, device)
                 r = run_row(key, engine, manager, specs, t, ratio, args, device)
             except Exception as exc:  # one broken row must not lose the others
                 log.exception("row %s alpha %g failed", key, t.alpha)
