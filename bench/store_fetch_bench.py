@@ -22,11 +22,21 @@ CPU each process spent per run (this process plays the node; "S3" is SeaweedFS).
 
     python -m bench.store_fetch_bench                # 100 MB, 3 runs each
     python -m bench.store_fetch_bench --mb 20 --runs 2
+
+--disk-tier measures only the node's disk tier, no store: DiskTier.read of an --mb adapter
+that DiskTier.put wrote (under --workdir: put it on the disk to measure), into one reused
+host buffer (page-locked on CUDA), for each --read-threads count: cold (the files' pages
+dropped from the OS page cache first, bench/page_cache.py) and warm, each checked against
+its chunk digests; and cold as an entry an older node wrote (no chunk digests: every file
+checked whole against the manifest's sha256, one thread hashing in order).
+
+    python -m bench.store_fetch_bench --disk-tier --mb 84 --runs 7 --read-threads 1,4,8,16
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import io
 import json
 import os
@@ -45,11 +55,12 @@ from safetensors import safe_open
 
 from adapter_store.client import AdapterStoreClient
 from adapter_store.push import push_adapter
-from adapter_store.records import file_offsets
+from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest, file_offsets
 from adapter_store.s3 import S3Store
 from adapter_store.samples import sized_adapter
 from adapter_store.seaweedfs import SeaweedFS
-from inference_node.adapters.disk_tier import DiskTier
+from bench import page_cache
+from inference_node.adapters.disk_tier import CHUNKS_FILE, READ_THREADS, DiskTier
 from inference_node.adapters.slots import SlotBuffers
 from inference_node.adapters.sources import host_buffer
 from inference_node.adapters.store_source import StoreSource
@@ -183,19 +194,85 @@ def bench_model(layers: int) -> ModelConfig:
                                   "num_key_value_heads": 8})
 
 
-def main() -> None:
+def disk_tier_bench(args: argparse.Namespace) -> None:
+    """DiskTier.read alone: MB/s cold and warm per reader thread count (see the module doc)."""
+    cuda = torch.cuda.is_available()
+    weights, config = os.urandom(int(args.mb * 1e6)), b'{"r": 16}'
+    files = (FileEntry("adapter_config.json", len(config), hashlib.sha256(config).hexdigest()),
+             FileEntry("adapter_model.safetensors", len(weights), hashlib.sha256(weights).hexdigest()))
+    digest = adapter_digest(f.sha256 for f in files)
+    manifest = Manifest(AdapterInfo(NAME, digest[:16], rank=16, valid=True, size_bytes=len(config) + len(weights),
+                                    updated_at=1), config.decode(), files, digest)
+    total = len(config) + len(weights)
+    buffer = host_buffer(file_offsets(manifest)[-1] + len(weights), cuda).numpy()
+    with tempfile.TemporaryDirectory(prefix="disk-tier-bench-", dir=args.workdir) as tmp:
+        root = Path(tmp)
+        DiskTier(root, 1 << 40).put(manifest, [config, weights])
+        folder = root / digest
+        paths = [folder / str(i) for i in range(len(files))]
+        recorded = (folder / CHUNKS_FILE).read_bytes()
+        cached: list[float] = []
+
+        def drop() -> None:
+            if all(page_cache.drop(p) for p in paths):
+                share = page_cache.resident_share(paths[-1])
+                if share is not None:
+                    cached.append(share)
+
+        def as_older_entry() -> None:
+            tier.flush()  # the last read's chunk digests are written, then taken away
+            (folder / CHUNKS_FILE).unlink(missing_ok=True)
+            drop()
+
+        rows = []
+        for threads in args.read_threads:
+            tier = DiskTier(root, 1 << 40, read_threads=threads)
+            entry = tier.lookup(NAME)
+            assert entry is not None
+
+            def read() -> int:
+                tier.read(entry, lambda n: buffer[:n])
+                return total
+            rows.append((f"{threads:>2} readers, cold (page cache dropped)", measure(read, args.runs, [], drop)))
+            rows.append((f"{threads:>2} readers, warm (page cache)", measure(read, args.runs, [], None)))
+            older = measure(read, args.runs, [], as_older_entry)
+            tier.flush()  # it wrote the chunk digests again: the same record
+            assert (folder / CHUNKS_FILE).read_bytes() == recorded
+            rows.append((f"{threads:>2} readers, cold, older entry (whole-file sha256)", older))
+        filesystem = page_cache.filesystem_of(root)
+    print(f"\nDiskTier.read of {total / 1e6:.1f} MB on {filesystem}; median and best of "
+          f"{args.runs} runs; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; reused host buffer, "
+          f"{'page-locked' if cuda else 'pageable'}; share of pages cached after a drop: "
+          f"{max(cached) if cached else float('nan'):.2f} at most\n")
+    width = max(len(r[0]) for r in rows)
+    print(f"{'read':<{width}}  {'median MB/s':>11}  {'best MB/s':>9}  {'ms (median)':>11}  {'CPU ms per run':>14}")
+    for label, row in rows:
+        print(f"{label:<{width}}  {row.median:>11.1f}  {row.best:>9.1f}  {row.size / row.median / 1e3:>11.1f}  "
+              f"{row.cpu_ms[0]:>14.0f}")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=100.0, help="adapter size in MB")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--shard-kb", type=int, default=4096, help="the store's shard size")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads in this process (0: torch's default, as the node runs)")
+    parser.add_argument("--disk-tier", action="store_true",
+                        help="only the node's disk tier: DiskTier.read cold and warm (no store, no S3)")
+    parser.add_argument("--read-threads", type=lambda s: [int(t) for t in s.split(",")], default=[READ_THREADS],
+                        help=f"--disk-tier: comma-separated reader thread counts (default {READ_THREADS})")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="--disk-tier: where the tier's files go (default: the temporary directory)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         child(args)
+        return
+    if args.disk_tier:
+        disk_tier_bench(args)
         return
 
     if args.threads:
