@@ -255,9 +255,9 @@ def run_probes(loop: Loop, manager, probes: list[Probe], prompts: list[list[int]
 def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> dict[str, list[Path]]:
     """The folder's adapters as entries of the node's disk tier of store adapters, each as a
     fetch from the store leaves it (its manifest: files, sha256s, the version they give);
-    each one's files there, the weights last."""
+    each one's files there that a load reads (its chunk digests too), the weights last."""
     from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest
-    from inference_node.adapters.disk_tier import DiskTier
+    from inference_node.adapters.disk_tier import CHUNKS_FILE, DiskTier
 
     tier = DiskTier(disk_dir, 1 << 40)
     files = {}
@@ -271,7 +271,7 @@ def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> d
         manifest = Manifest(info, blobs[0].decode(), entries, digest)
         if tier.lookup(name, info.version) is None and not tier.put(manifest, blobs):
             raise RuntimeError(f"the disk tier did not keep {name}")
-        files[name] = [disk_dir / digest / str(i) for i in range(len(blobs))]
+        files[name] = [disk_dir / digest / CHUNKS_FILE] + [disk_dir / digest / str(i) for i in range(len(blobs))]
     return files
 
 
