@@ -252,10 +252,7 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tunings.base,
                             load_format=settings.load_format, tp=tp, step_tunings=tunings)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
-    # Under tensor parallelism `auto` leaves the pieces off: their collectives inside captured
-    # pieces have not yet been checked on GPUs (the CPU tests run their static buffers only).
-    mixed_graphs = settings.mixed_graphs == "on" or (settings.mixed_graphs == "auto" and device.type == "cuda"
-                                                     and tp is None)
+    mixed_graphs = settings.mixed_graphs == "on" or (settings.mixed_graphs == "auto" and device.type == "cuda")
     slots = None
     if settings.max_loras > 0:
         slots = adapter_memory(settings, model.config, dtype, device, shard)
