@@ -46,7 +46,7 @@ from typing import Sequence
 
 import torch
 
-from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, write_random_adapter
+from bench.common import ALL_MODULES, QV, CompileWatch, add_model_args, bench_model, write_random_adapter
 from bench.engine_driver import Driver, Spec, make_specs, parse_range, pct, preload_adapters, zipf_index
 
 log = logging.getLogger("churn_bench")
@@ -264,11 +264,7 @@ def targets_line(results: list[RowResult]) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--model", default=None,
-                   help="'llama-1b-random' (CUDA default), 'llama-8b-random', 'tiny' (CPU default) or "
-                        "an HF safetensors checkpoint dir")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    add_model_args(p)
     p.add_argument("--adapters", type=int, default=1000, help="adapters in the node's adapter folder")
     p.add_argument("--ranks", type=lambda t: [int(x) for x in t.split(",")], default=[8, 16, 32, 64],
                    help="adapter k has rank ranks[k mod len]")

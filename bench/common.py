@@ -345,3 +345,12 @@ def kernel_families(run, reps: int, by_name: bool = False) -> dict[str, tuple[fl
     return {k: (v[0], round(v[1])) for k, v in totals.items()}
 
 
+RANDOM_MODELS_HELP = ("'llama-1b-random' (CUDA default), 'llama-8b-random', 'tiny' (CPU default) or "
+                      "an HF safetensors checkpoint dir")
+
+
+def add_model_args(parser, model_help: str = RANDOM_MODELS_HELP) -> None:
+    """--device, --model and --dtype, as every in-process engine benchmark takes them."""
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--model", default=None, help=model_help)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")

@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from bench.common import ALL_MODULES, QV, CompileWatch, bench_model, copy_bandwidth, write_random_adapter
+from bench.common import ALL_MODULES, QV, CompileWatch, add_model_args, bench_model, copy_bandwidth, write_random_adapter
 from bench.engine_driver import (DecodeStep, Driver, ReqRecord, Spec, make_specs, parse_range, pct,
                                  preload_adapters, sync, zipf_index)
 from bench.tp_floor import StepBytes, adapter_bytes_per_rank
@@ -417,11 +417,8 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--model", default=None,
-                   help="HF safetensors checkpoint dir, 'llama-1b-random', 'llama-8b-random' or 'embedded' "
-                        "(default: llama-1b-random on CUDA, embedded SmolLM2 on CPU)")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    add_model_args(p, "HF safetensors checkpoint dir, 'llama-1b-random', 'llama-8b-random' or 'embedded' "
+                      "(default: llama-1b-random on CUDA, embedded SmolLM2 on CPU)")
     p.add_argument("--requests", type=int, help="requests per row (CUDA 128, CPU 8)")
     p.add_argument("--concurrency", type=int, help="closed-loop requests in flight = engine max_num_seqs "
                                                    "= PEFT batch (CUDA 64, CPU 4)")

@@ -64,7 +64,7 @@ import torch
 
 from bench import page_cache
 from bench.churn_bench import TARGETS, engine_args, write_adapters
-from bench.common import CompileWatch, bench_model
+from bench.common import CompileWatch, add_model_args, bench_model
 from bench.engine_driver import make_specs, pct, sync
 
 log = logging.getLogger("tier_bench")
@@ -317,11 +317,7 @@ def target_lines(rows: dict[str, TierRow], step: float) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--model", default=None,
-                   help="'llama-1b-random' (CUDA default), 'llama-8b-random', 'tiny' (CPU default) or "
-                        "an HF safetensors checkpoint dir")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    add_model_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--targets", choices=sorted(TARGETS), default="all", help="modules every adapter targets")
     p.add_argument("--disk", choices=["folder", "disk-tier"], default="folder",

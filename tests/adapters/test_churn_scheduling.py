@@ -36,6 +36,13 @@ class Loop:
         self.arrived_at[req] = self.step_no
         return req
 
+    def hot_steps(self, hot: list[str], steps: int, rounds: int) -> None:
+        """`rounds` steps, each after a new request of every hot adapter (they never pause)."""
+        for _ in range(rounds):
+            for adapter in hot:
+                self.submit(adapter, steps=steps)
+            self.step()
+
     def step(self) -> None:
         self.step_no += 1
         for req in list(self.running):   # a step's tokens: running requests progress, some end
@@ -66,13 +73,9 @@ def test_a_cold_adapter_gets_a_place_in_steps_while_a_hot_one_never_pauses() -> 
     adapter's requests already running end; the hot one's newer requests wait meanwhile."""
     m, _ = make_manager(["hot", "cold"], max_loras=1, rows=8)
     loop = Loop(m)
-    for _ in range(3):
-        loop.submit("hot", steps=4)
-        loop.step()
+    loop.hot_steps(["hot"], steps=4, rounds=3)
     cold = loop.submit("cold", steps=2)
-    for _ in range(12):
-        loop.submit("hot", steps=4)
-        loop.step()
+    loop.hot_steps(["hot"], steps=4, rounds=12)
     assert cold in loop.bound_at, "the cold adapter starved"
     assert loop.waited(cold) <= 4 + 1   # the hot requests running when it arrived, then its turn
     hot_after = [r for r in loop.bound_at if r.adapter == "hot" and loop.arrived_at[r] > loop.arrived_at[cold]]
@@ -86,13 +89,9 @@ def test_a_cold_adapter_gets_memory_from_a_hot_one_that_never_pauses() -> None:
     requests), evicted once its running ones end, and the cold one is promoted and served."""
     m, _ = make_manager(["hot", "cold"], max_loras=2, rows=4)
     loop = Loop(m)
-    for _ in range(3):
-        loop.submit("hot", steps=3)
-        loop.step()
+    loop.hot_steps(["hot"], steps=3, rounds=3)
     cold = loop.submit("cold", steps=2)
-    for _ in range(10):
-        loop.submit("hot", steps=3)
-        loop.step()
+    loop.hot_steps(["hot"], steps=3, rounds=10)
     assert cold in loop.bound_at, "the cold adapter starved"
     assert loop.waited(cold) <= 3 + 2   # the hot ones running end, a step to copy, admitted
     assert m.counters("hot").evictions["gpu"] >= 1
@@ -105,15 +104,9 @@ def test_two_cold_adapters_take_turns_while_every_adapter_stays_busy() -> None:
     drains, one drain at a time, in arrival order, and the hot ones come back."""
     m, _ = make_manager(["h0", "h1", "c0", "c1"], max_loras=2, rows=8)
     loop = Loop(m)
-    for _ in range(3):
-        loop.submit("h0", steps=3)
-        loop.submit("h1", steps=3)
-        loop.step()
+    loop.hot_steps(["h0", "h1"], steps=3, rounds=3)
     c0, c1 = loop.submit("c0", steps=2), loop.submit("c1", steps=2)
-    for _ in range(20):
-        loop.submit("h0", steps=3)
-        loop.submit("h1", steps=3)
-        loop.step()
+    loop.hot_steps(["h0", "h1"], steps=3, rounds=20)
     assert c0 in loop.bound_at and c1 in loop.bound_at, "a cold adapter starved"
     assert loop.bound_at[c0] <= loop.bound_at[c1]
     assert loop.waited(c1) <= 2 * (3 + 1)   # at worst each waits out one drain
