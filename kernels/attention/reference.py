@@ -39,6 +39,12 @@ def paged_attention_ref(
     offsets = (positions % block_size)[None, :]
     keys = k_cache[blocks, offsets]        # [B, S, Hkv, D], whatever the caches' strides
     values = v_cache[blocks, offsets]
+    # Positions past a sequence's context read other blocks (its table's padding, blocks of
+    # another request): zeroed, since a masked weight of 0 times a NaN there is still NaN,
+    # and one request's non-finite KV must not reach another's output.
+    outside = (positions[None, :] >= seq_lens.long()[:, None])[:, :, None, None]
+    keys = keys.masked_fill(outside, 0)
+    values = values.masked_fill(outside, 0)
 
     # Scatter queries into a padded [B, Qmax, Hq, D] tensor.
     q_pos = torch.arange(max_query_len, device=device)

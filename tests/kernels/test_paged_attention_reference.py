@@ -34,3 +34,21 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     case = make_attention_case(q_lens=[3, 1], seq_lens=[3, 9], num_heads=4, num_kv_heads=2,
                                head_dim=8, page=4)
     assert torch.equal(paged_attention(*case.args()), paged_attention_ref(*case.args()))
+
+
+def test_non_finite_kv_outside_a_sequence_does_not_reach_its_output() -> None:
+    """NaN in every cache slot outside sequence 0's context (as after another request's
+    forward went non-finite): sequence 0's output is unchanged and finite."""
+    case = make_attention_case(q_lens=[1, 1], seq_lens=[5, 9], num_heads=4, num_kv_heads=2,
+                               head_dim=8, page=4)
+    clean = paged_attention_ref(*case.args())
+    table = case.block_tables[0].long()
+    own = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
+    for pos in range(5):
+        own[table[pos // 4], pos % 4] = True
+    case.k_cache[~own] = float("nan")
+    case.v_cache[~own] = float("nan")
+    out = paged_attention_ref(*case.args())
+    assert torch.isfinite(out[0]).all()
+    torch.testing.assert_close(out[0], clean[0])
+    assert not torch.isfinite(out[1]).all()  # sequence 1's own context holds NaN: it shows
