@@ -330,6 +330,8 @@ def node_flags(args, checkpoint: Path, adapters: Path, dummy: bool) -> list[str]
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.prefill_delay_factor:
         flags += ["--prefill-delay-factor", str(args.prefill_delay_factor)]
+    if args.refill_wait_factor is not None:
+        flags += ["--refill-wait-factor", str(args.refill_wait_factor)]
     if args.tensor_parallel_size > 1:
         flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     return flags + ["--mixed-graphs", args.mixed_graphs]
@@ -348,6 +350,7 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
         max_loras=max(args.adapters, 1), max_lora_rank=16, max_cpu_loras=max(args.adapters, 1),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens, max_model_len=1024,
         num_kv_blocks=args.num_kv_blocks, prefill_delay_factor=args.prefill_delay_factor,
+        **({} if args.refill_wait_factor is None else {"refill_wait_factor": args.refill_wait_factor}),
         mixed_graphs=args.mixed_graphs, tensor_parallel_size=args.tensor_parallel_size)
     node = build_node(settings)
     engine = node.engine
@@ -450,6 +453,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=None, help="the node's (CUDA 2048, CPU 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: the node's default sizing")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's")
+    p.add_argument("--refill-wait-factor", type=float, default=None, help="the node's (default: the node's default)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="the node's (one GPU per rank)")
     p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
                    help="the node's: prompt and mixed steps replayed from piecewise CUDA graphs")
@@ -502,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         print(f"device: {device_name}; model: {shape} shapes ({checkpoint.name}), "
               f"{'random bf16 weights' if dummy else 'real weights'}, vocab {vocab}; node: max_num_seqs "
               f"{args.max_num_seqs}, {args.max_batched_tokens} tokens a step, prefill delay factor "
-              f"{args.prefill_delay_factor:g}, mixed graphs {args.mixed_graphs}, tensor parallel "
+              f"{args.prefill_delay_factor:g}, refill wait factor "
+              f"{'default' if args.refill_wait_factor is None else format(args.refill_wait_factor, 'g')}, mixed graphs {args.mixed_graphs}, tensor parallel "
               f"{args.tensor_parallel_size}, {args.api_processes} front-end "
               f"process(es); {args.clients} client processes per API; "
               + (f"Poisson {args.poisson} req/s, Zipf({args.zipf_alpha})" if args.poisson else "closed loop")

@@ -59,6 +59,10 @@ def parser() -> EnvArgumentParser:
     serve.add_argument("--prefill-delay-factor", type=float, default=0.0,
                        help="while requests decode, hold new prompts until the oldest has waited this "
                             "many times the last prefill step, so arrivals share prefill steps (0: admit at once)")
+    serve.add_argument("--refill-wait-factor", type=float, default=1.0,
+                       help="after a step in which a burst of requests finished, new prompts wait until as many "
+                            "have arrived, at most this many times the last prefill step, so a closed-loop client's "
+                            "resubmissions share one prefill step (0: off)")
     serve.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
                        help="before serving, run synthetic eager steps so their Triton kernels compile "
                             "now rather than under the first requests (auto: on CUDA)")
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         default_max_tokens=args.default_max_tokens, debug_checks=args.debug_checks,
         prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs, mixed_graphs=args.mixed_graphs,
         max_graph_batch=args.max_graph_batch, prefill_delay_factor=args.prefill_delay_factor,
+        refill_wait_factor=args.refill_wait_factor,
         warmup=args.warmup,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         lora_memory_bytes=int(args.lora_memory_mb * (1 << 20)), adapter_eviction=args.adapter_eviction,

@@ -59,6 +59,7 @@ class NodeSettings:
     mixed_graphs: str = "auto"         # auto: piecewise CUDA graphs for other steps on CUDA; on: also on CPU
     max_graph_batch: int = 0           # largest decode batch replayed from a graph; 0: max_num_seqs
     prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
+    refill_wait_factor: float = 1.0    # after a burst of finishes, wait for its replacements (engine/scheduler.py)
     warmup: str = "auto"  # compile eager steps' kernels before serving (engine/warmup.py); auto: on CUDA
     debug_checks: bool = False
     max_loras: int = 8                 # the most distinct adapters in one step; 0 disables LoRA
@@ -327,7 +328,8 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
         max_model_len=model_len, prefix_caching=settings.prefix_caching,
         decode_graphs=decode_graphs, mixed_graphs=parts.mixed_graphs,
         max_graph_batch=settings.max_graph_batch or parts.max_num_seqs,
-        prefill_delay_factor=settings.prefill_delay_factor, warmup=warmup,
+        prefill_delay_factor=settings.prefill_delay_factor, refill_wait_factor=settings.refill_wait_factor,
+        warmup=warmup,
         debug_checks=settings.debug_checks))
     cfg = model.full_config
     per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)

@@ -114,6 +114,7 @@ class EngineConfig:
     max_graph_batch: int = 64        # largest decode batch replayed from a graph
     mixed_graphs: bool = False       # other steps piece by piece through static buffers (CUDA graphs on CUDA)
     prefill_delay_factor: float = 0.0  # admission waits this x the last prefill step (scheduler.py)
+    refill_wait_factor: float = 1.0    # after a burst of finishes, their replacements share a prefill step (scheduler.py)
     warmup: str = "auto"             # compile eager steps' kernels at start (warmup.py): auto = on CUDA
     debug_checks: bool = False
 
@@ -191,7 +192,8 @@ class Engine:
                 self.mixed_graphs.mirror = ranks.pieces_step
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
-                                    prefill_delay_factor=config.prefill_delay_factor)
+                                    prefill_delay_factor=config.prefill_delay_factor,
+                                    refill_wait_factor=config.refill_wait_factor)
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
         self.scheduler = Scheduler(sched_cfg, self.allocator, lora, self.prefix_cache)
         if lora is not None and self.prefix_cache is not None:

@@ -13,6 +13,13 @@ Policy (one step = one forward pass):
    eagerly for every row, at a host cost that hardly depends on its token count; under a
    trickle of arrivals, admitting each one at once turns most steps into such steps. The
    delay gathers arrivals into fewer prefill steps (vLLM's scheduler delay factor).
+   With `refill_wait_factor` > 0 (the default), after a step in which a burst of requests
+   finished (at least 1/16 of the batch, and 2), new prompts wait until as many have
+   arrived as finished, or the oldest has waited that many times the last prefill step.
+   Clients that resubmit when an answer ends (batch jobs, evaluation harnesses) send the
+   burst's replacements one network round trip apart; admitting the first alone would
+   split them over several prefill steps, each a step for every decoding row. Lone
+   finishes never hold anyone, so independent arrivals are admitted at once.
 When a running request needs a KV block and none is free, the latest-arrived running
 request is preempted: its blocks are released (its full blocks stay as prefix cache) and
 it is recomputed later from its prompt plus the tokens it already streamed, under the same
@@ -57,6 +64,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefill_delay_factor: float = 0.0  # 0: admit waiting requests as soon as they fit
+    refill_wait_factor: float = 1.0    # after a burst of finishes, wait this x the last prefill step for its replacements (0: off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +97,19 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens whose prefill a cache hit skipped
+        # The burst-refill count (refill_wait_factor): finishes and arrivals since the last
+        # plan, and how many replacements a recent burst of finishes still expects.
+        self._finished_since_plan = 0
+        self._arrived_since_plan = 0
+        self.refills_owed = 0
+        self._owed_since = 0.0
 
     # -- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queues a request (the engine bounds how many are in flight before this)."""
         request.status = Status.WAITING
         self.waiting.append(request)
+        self._arrived_since_plan += 1
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -103,6 +118,7 @@ class Scheduler:
         """Takes a request out (finished or aborted) and frees everything it holds."""
         if request in self.running:
             self.running.remove(request)
+            self._finished_since_plan += 1
         elif request in self.waiting:
             self.waiting.remove(request)
         self.binder.release(request)  # a preempted request waits with its adapter still bound
@@ -128,7 +144,10 @@ class Scheduler:
             scheduled.add(req.id)
             budget -= n
 
+        self._count_refills()
         admit = self._admission_due(budget)
+        if admit and self.waiting:
+            self.refills_owed = 0  # late replacements are admitted as they come
         while (admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
             picked = self._next_admissible()
             if picked is None:
@@ -161,18 +180,41 @@ class Scheduler:
         """The engine reports how long a step carrying prompt tokens took."""
         self.last_prefill_seconds = seconds
 
+    def _count_refills(self) -> None:
+        """Moves the burst-refill count on by the finishes and arrivals since the last plan."""
+        finished, arrived = self._finished_since_plan, self._arrived_since_plan
+        self._finished_since_plan = self._arrived_since_plan = 0
+        if self.config.refill_wait_factor <= 0:
+            return
+        now = self.clock()
+        if finished >= max(2, -(-(len(self.running) + finished) // 16)):
+            if not self.refills_owed:
+                self._owed_since = now
+            self.refills_owed += finished
+        self.refills_owed = max(0, self.refills_owed - arrived)
+        if self.refills_owed and now - self._owed_since >= self._refill_wait():
+            self.refills_owed = 0  # the rest are not coming soon
+
+    def _refill_wait(self) -> float:
+        return self.config.refill_wait_factor * self.last_prefill_seconds
+
     def _admission_due(self, budget: int) -> bool:
-        """Whether waiting requests may be admitted in this step (prefill_delay_factor)."""
+        """Whether waiting requests may be admitted in this step (refill_wait_factor,
+        prefill_delay_factor)."""
+        if not self.waiting:
+            return True
+        if sum(r.num_tokens - r.num_computed for r in self.waiting) >= budget:
+            return True  # a full step's worth of prompt is waiting
+        waited = self.clock() - min(r.arrival for r in self.waiting)
+        if self.refills_owed and waited < self._refill_wait():
+            return False  # a burst's replacements are still arriving: one prefill step for them
         factor = self.config.prefill_delay_factor
-        if factor <= 0 or not self.waiting:
+        if factor <= 0:
             return True
         if not any(r.status is Status.RUNNING and r.num_computed >= len(r.prompt_token_ids)
                    for r in self.running):
             return True  # nothing is decoding: there is nothing to keep in fast steps
-        if sum(r.num_tokens - r.num_computed for r in self.waiting) >= budget:
-            return True  # a full step's worth of prompt is waiting
-        oldest = min(r.arrival for r in self.waiting)
-        return self.clock() - oldest >= factor * self.last_prefill_seconds
+        return waited >= factor * self.last_prefill_seconds
 
     def _next_admissible(self) -> tuple[Request, bool] | None:
         """Oldest waiting request whose adapter is bound (a preempted one) or can be bound

@@ -170,3 +170,105 @@ def test_no_prefill_delay_by_default() -> None:
     b = arriving(clock, 5)
     s.add(b)
     assert [c.request for c in s.schedule()] == [a, b]
+
+
+def refilling(factor: float = 1.0, seqs: int = 8) -> tuple[Scheduler, FakeClock]:
+    clock = FakeClock()
+    cfg = SchedulerConfig(block_size=4, max_num_seqs=seqs, max_num_batched_tokens=64,
+                          refill_wait_factor=factor)
+    return Scheduler(cfg, BlockAllocator(256), clock=clock), clock
+
+
+def running_batch(s: Scheduler, clock: FakeClock, n: int) -> list[Request]:
+    """n requests admitted and decoding, the last prefill step taking 0.125 s."""
+    batch = [arriving(clock, 4) for _ in range(n)]
+    for r in batch:
+        s.add(r)
+    advance(s.schedule())
+    s.note_prefill_step(0.125)
+    return batch
+
+
+def test_a_burst_of_finishes_holds_new_prompts_until_their_replacements_arrive() -> None:
+    """Half the batch finishes in one step; their replacements arrive apart (a client's
+    round trip each) and are admitted in one step once the last is in."""
+    s, clock = refilling()
+    batch = running_batch(s, clock, 8)
+    for r in batch[:4]:
+        s.remove(r)
+    plan = s.schedule()
+    assert s.refills_owed == 4
+    advance(plan)
+    new = []
+    for _ in range(3):
+        clock.now += 0.002
+        new.append(arriving(clock, 5))
+        s.add(new[-1])
+        plan = s.schedule()
+        assert {c.request for c in plan} == set(batch[4:])  # decodes only: the replacements wait
+        advance(plan)
+    clock.now += 0.002
+    new.append(arriving(clock, 5))
+    s.add(new[-1])
+    plan = s.schedule()
+    assert [c.request for c in plan if c.request in new] == new
+    assert s.refills_owed == 0
+
+
+def test_replacements_that_arrive_with_the_finishes_are_not_held() -> None:
+    """An in-process client resubmits before the next plan: nothing is owed, nothing waits."""
+    s, clock = refilling()
+    batch = running_batch(s, clock, 8)
+    for r in batch[:4]:
+        s.remove(r)
+    new = [arriving(clock, 5) for _ in range(4)]
+    for r in new:
+        s.add(r)
+    plan = s.schedule()
+    assert s.refills_owed == 0
+    assert [c.request for c in plan if c.request in new] == new
+
+
+def test_lone_finishes_hold_no_one() -> None:
+    """One finish in a batch of 8 is no burst (a burst is 1/16 of the batch and at least 2):
+    an independent arrival is admitted at once."""
+    s, clock = refilling()
+    batch = running_batch(s, clock, 8)
+    s.remove(batch[0])
+    advance(s.schedule())
+    late = arriving(clock, 5)
+    s.add(late)
+    assert late in [c.request for c in s.schedule()]
+
+
+def test_replacements_wait_at_most_the_factor_times_the_last_prefill_step() -> None:
+    s, clock = refilling(factor=1.0)
+    batch = running_batch(s, clock, 8)
+    for r in batch[:4]:
+        s.remove(r)
+    advance(s.schedule())
+    first = arriving(clock, 5)
+    s.add(first)
+    clock.now += 0.1
+    plan = s.schedule()
+    assert first not in [c.request for c in plan]  # waited 0.1 s of at most 0.125
+    advance(plan)
+    clock.now += 0.03
+    plan = s.schedule()
+    assert first in [c.request for c in plan]
+    assert s.refills_owed == 0  # the other three are admitted as they come
+    advance(plan)
+    second = arriving(clock, 5)
+    s.add(second)
+    assert second in [c.request for c in s.schedule()]
+
+
+def test_refill_wait_off_admits_a_burst_s_first_replacement_at_once() -> None:
+    s, clock = refilling(factor=0.0)
+    batch = running_batch(s, clock, 8)
+    for r in batch[:4]:
+        s.remove(r)
+    advance(s.schedule())
+    first = arriving(clock, 5)
+    s.add(first)
+    assert first in [c.request for c in s.schedule()]
