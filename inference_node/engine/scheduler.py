@@ -146,8 +146,6 @@ class Scheduler:
 
         self._count_refills()
         admit = self._admission_due(budget)
-        if admit and self.waiting:
-            self.refills_owed = 0  # late replacements are admitted as they come
         while (admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
             picked = self._next_admissible()
             if picked is None:
@@ -188,12 +186,11 @@ class Scheduler:
             return
         now = self.clock()
         if finished >= max(2, -(-(len(self.running) + finished) // 16)):
-            if not self.refills_owed:
-                self._owed_since = now
+            self._owed_since = now
             self.refills_owed += finished
         self.refills_owed = max(0, self.refills_owed - arrived)
         if self.refills_owed and now - self._owed_since >= self._refill_wait():
-            self.refills_owed = 0  # the rest are not coming soon
+            self.refills_owed = 0  # the rest are not coming soon: admitted as they come
 
     def _refill_wait(self) -> float:
         return self.config.refill_wait_factor * self.last_prefill_seconds

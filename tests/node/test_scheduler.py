@@ -272,3 +272,31 @@ def test_refill_wait_off_admits_a_burst_s_first_replacement_at_once() -> None:
     first = arriving(clock, 5)
     s.add(first)
     assert first in [c.request for c in s.schedule()]
+
+
+def test_a_burst_s_replacements_past_a_full_step_still_wait_for_each_other() -> None:
+    """A full step's worth of prompt is admitted at once; the burst's later replacements
+    still wait for one another rather than taking a prefill step each."""
+    s, clock = refilling(seqs=16)
+    batch = running_batch(s, clock, 12)
+    for r in batch[:8]:
+        s.remove(r)
+    advance(s.schedule())
+    early = [arriving(clock, 32) for _ in range(2)]  # 64 tokens: the whole budget
+    for r in early:
+        s.add(r)
+    plan = s.schedule()
+    assert [c.request for c in plan if c.request in early] == early
+    advance(plan)
+    late = []
+    for _ in range(5):
+        clock.now += 0.002
+        late.append(arriving(clock, 5))
+        s.add(late[-1])
+        plan = s.schedule()
+        assert not [c for c in plan if c.request in late]
+        advance(plan)
+    clock.now += 0.002
+    late.append(arriving(clock, 5))
+    s.add(late[-1])
+    assert [c.request for c in s.schedule() if c.request in late] == late
