@@ -3,6 +3,7 @@
     python -m bench.tp_bench --shape 8b --tp 1,2 --rows base,c32          # 2 GPUs
     python -m bench.tp_bench --shape 70b --tp 4 --rows base,c32            # 4 GPUs
     python -m bench.tp_bench --device cpu --shape tiny --tp 1,2            # CPU smoke (gloo)
+    python -m bench.tp_bench --shape 70b --tp 4 --rows base,c32 --timeline traces   # + rank 0's kernels
 
 Each size builds the node as `inference-node serve --tensor-parallel-size N` does
 (`build_node`: rank 0 in this process, ranks 1..N-1 spawned; random weights made on the
@@ -53,7 +54,9 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
             pool = names[:int(row[1:])] if row.startswith("c") else []
             specs = make_specs(args.batch * args.rounds, (args.prompt, args.prompt), (args.output, args.output),
                                vocab, None, args.seed)
-            driver = Driver(engine, node.model.device, args.batch, poisson=False)
+            trace = (Path(args.timeline) / f"tp{tp}-{row}.json") if args.timeline else None
+            driver = Driver(engine, node.model.device, args.batch, poisson=False, trace=trace,
+                            trace_steps=(100, 100 + TIMELINE_STEPS))
             adapter_of = (lambda s: pool[s.index % len(pool)]) if pool else (lambda s: "")
             driver.run(specs[:args.batch], adapter_of, lambda s: 8)  # warm: this row's graphs and kernels
             _, steps = driver.run(specs, adapter_of)
@@ -65,6 +68,8 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
                         "graph_steps": engine.stats.graph_steps})
             print(f"# tp {tp} {row}: step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode steps",
                   file=sys.stderr, flush=True)
+            if trace is not None and trace.exists():
+                print_rank0_timeline(f"tp {tp} {row}", trace)
     finally:
         try:  # a size's numbers are kept even if its node stops untidily
             engine.shutdown(timeout=0)
@@ -76,6 +81,21 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
+
+
+TIMELINE_STEPS = 20  # decode steps traced per row with --timeline (from the 100th)
+
+
+def print_rank0_timeline(label: str, trace: Path) -> None:
+    """Rank 0's kernels over the traced decode steps, by family (bench.decode_profile's
+    timeline): where a tensor-parallel step's time goes beyond its floor. CUPTI records the
+    kernels of the replayed graphs; steps that are not full-batch decode add their own."""
+    from bench.decode_profile import print_timeline
+
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    kernels = sorted((dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))
+                      for e in events if e.get("cat") == "kernel"), key=lambda k: k["start"])
+    print_timeline(label, kernels, TIMELINE_STEPS)
 
 
 def floor_ms(args, checkpoint: Path, tp: int, row: str) -> float | None:
@@ -114,6 +134,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--timeline", type=Path, default=None, metavar="DIR",
+                   help=f"trace rank 0's decode steps 100-{100 + TIMELINE_STEPS} of each row into DIR and "
+                        "print its kernels by family (CUDA)")
     return p.parse_args(argv)
 
 
