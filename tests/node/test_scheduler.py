@@ -189,13 +189,20 @@ def running_batch(s: Scheduler, clock: FakeClock, n: int) -> list[Request]:
     return batch
 
 
+def after_burst(factor: float = 1.0, seqs: int = 8, size: int = 8,
+                finished: int = 4) -> tuple[Scheduler, FakeClock, list[Request]]:
+    """A decoding batch of `size` of which the first `finished` have just ended."""
+    s, clock = refilling(factor, seqs)
+    batch = running_batch(s, clock, size)
+    for r in batch[:finished]:
+        s.remove(r)
+    return s, clock, batch
+
+
 def test_a_burst_of_finishes_holds_new_prompts_until_their_replacements_arrive() -> None:
     """Half the batch finishes in one step; their replacements arrive apart (a client's
     round trip each) and are admitted in one step once the last is in."""
-    s, clock = refilling()
-    batch = running_batch(s, clock, 8)
-    for r in batch[:4]:
-        s.remove(r)
+    s, clock, batch = after_burst()
     plan = s.schedule()
     assert s.refills_owed == 4
     advance(plan)
@@ -217,10 +224,7 @@ def test_a_burst_of_finishes_holds_new_prompts_until_their_replacements_arrive()
 
 def test_replacements_that_arrive_with_the_finishes_are_not_held() -> None:
     """An in-process client resubmits before the next plan: nothing is owed, nothing waits."""
-    s, clock = refilling()
-    batch = running_batch(s, clock, 8)
-    for r in batch[:4]:
-        s.remove(r)
+    s, clock, batch = after_burst()
     new = [arriving(clock, 5) for _ in range(4)]
     for r in new:
         s.add(r)
@@ -242,10 +246,7 @@ def test_lone_finishes_hold_no_one() -> None:
 
 
 def test_replacements_wait_at_most_the_factor_times_the_last_prefill_step() -> None:
-    s, clock = refilling(factor=1.0)
-    batch = running_batch(s, clock, 8)
-    for r in batch[:4]:
-        s.remove(r)
+    s, clock, batch = after_burst(factor=1.0)
     advance(s.schedule())
     first = arriving(clock, 5)
     s.add(first)
@@ -264,10 +265,7 @@ def test_replacements_wait_at_most_the_factor_times_the_last_prefill_step() -> N
 
 
 def test_refill_wait_off_admits_a_burst_s_first_replacement_at_once() -> None:
-    s, clock = refilling(factor=0.0)
-    batch = running_batch(s, clock, 8)
-    for r in batch[:4]:
-        s.remove(r)
+    s, clock, batch = after_burst(factor=0.0)
     advance(s.schedule())
     first = arriving(clock, 5)
     s.add(first)
@@ -277,10 +275,7 @@ def test_refill_wait_off_admits_a_burst_s_first_replacement_at_once() -> None:
 def test_a_burst_s_replacements_past_a_full_step_still_wait_for_each_other() -> None:
     """A full step's worth of prompt is admitted at once; the burst's later replacements
     still wait for one another rather than taking a prefill step each."""
-    s, clock = refilling(seqs=16)
-    batch = running_batch(s, clock, 12)
-    for r in batch[:8]:
-        s.remove(r)
+    s, clock, batch = after_burst(seqs=16, size=12, finished=8)
     advance(s.schedule())
     early = [arriving(clock, 32) for _ in range(2)]  # 64 tokens: the whole budget
     for r in early:
