@@ -4,12 +4,15 @@
     python -m bench.tp_bench --shape 70b --tp 4 --rows base,c32            # 4 GPUs
     python -m bench.tp_bench --device cpu --shape tiny --tp 1,2            # CPU smoke (gloo)
     python -m bench.tp_bench --shape 70b --tp 4 --rows base,c32 --timeline traces   # + rank 0's kernels
+    python -m bench.tp_bench --shape 70b --tp 4 --rows c32 --mode default --mode side_expand_segments=0
 
 Each size builds the node as `inference-node serve --tensor-parallel-size N` does
 (`build_node`: rank 0 in this process, ranks 1..N-1 spawned; random weights made on the
 devices, `--load-format dummy`) and drives its engine in-process closed loop at a concurrency
 equal to the batch, with short prompts and long answers, so almost every step is a full-batch
-decode step (a decode graph on every rank). Columns: the full-batch decode steps' wall time
+decode step (a decode graph on every rank). Like `serve`, it takes the tuning table filed for
+the GPU and shard shape (--tuning-table auto); --mode builds the node again per set of launch
+choices. Columns: the full-batch decode steps' wall time
 p50 (one engine call: launch step n+1, wait for step n), tokens/s over those steps, the ratio
 to the first size's step of the same row, and the step's floor per GPU (weights, KV and
 adapters read at copy bandwidth, plus the all-reduces) where bench.tp_floor is present.
@@ -29,13 +32,24 @@ from bench.engine_driver import Driver, make_specs, pct, preload_adapters
 from bench.grpc_bench import SHAPES, prepare_adapters, prepare_checkpoint
 
 
-def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -> list[dict]:
+def mode_choices(mode: str) -> dict[str, str]:
+    """A --mode's Tuning choices: "default", or NAME=VALUE joined by "/" (bench.decode_profile's
+    form; VALUE as `inference-node serve --NAME` takes it)."""
+    if mode == "default":
+        return {}
+    return dict(item.split("=", 1) for item in mode.split("/"))
+
+
+def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], mode: str = "default") -> list[dict]:
     import torch
 
     from inference_node.node import NodeSettings, build_node
+    from kernels.tuning import tuning_from_text
 
     count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
+    choices = mode_choices(mode)
     settings = NodeSettings(
+        tuning=tuning_from_text(choices), tuning_fixed=frozenset(choices), tuning_table=args.tuning_table,
         model=str(checkpoint), device=args.device, load_format="dummy", adapter_dir=str(adapters),
         max_loras=max(count, 1), max_lora_rank=16, max_cpu_loras=max(count, 1), max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.prompt + args.output + 16,
@@ -54,7 +68,7 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
             pool = names[:int(row[1:])] if row.startswith("c") else []
             specs = make_specs(args.batch * args.rounds, (args.prompt, args.prompt), (args.output, args.output),
                                vocab, None, args.seed)
-            trace = (Path(args.timeline) / f"tp{tp}-{row}.json") if args.timeline else None
+            trace = (Path(args.timeline) / f"tp{tp}-{row}-{len(out)}.json") if args.timeline else None
             driver = Driver(engine, node.model.device, args.batch, poisson=False, trace=trace,
                             trace_steps=(100, 100 + TIMELINE_STEPS))
             adapter_of = (lambda s: pool[s.index % len(pool)]) if pool else (lambda s: "")
@@ -62,14 +76,14 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str]) -
             _, steps = driver.run(specs, adapter_of)
             full = [s for s in steps if s.batch == args.batch and not s.boundary]
             step = pct([s.seconds for s in full], 50)
-            out.append({"tp": tp, "row": row, "batch": args.batch, "steps": len(full),
+            out.append({"tp": tp, "row": row if mode == "default" else f"{row}@{mode}", "batch": args.batch, "steps": len(full),
                         "step_ms": step * 1e3, "forward_ms": pct([s.forward for s in full], 50) * 1e3,
                         "tok_s": args.batch / step if step else float("nan"),
                         "graph_steps": engine.stats.graph_steps})
-            print(f"# tp {tp} {row}: step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode steps",
+            print(f"# tp {tp} {row} ({mode}): step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode steps",
                   file=sys.stderr, flush=True)
             if trace is not None and trace.exists():
-                print_rank0_timeline(f"tp {tp} {row}", trace)
+                print_rank0_timeline(f"tp {tp} {row} ({mode})", trace)
     finally:
         try:  # a size's numbers are kept even if its node stops untidily
             engine.shutdown(timeout=0)
@@ -134,6 +148,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--tuning-table", default="auto",
+                   help="as `inference-node serve --tuning-table`: auto (the file filed for this GPU and "
+                        "shard shape, if any), off, or a file")
+    p.add_argument("--mode", dest="modes", action="append", default=None,
+                   help="launch choices other than the defaults, NAME=VALUE joined by / (Tuning fields, "
+                        "as bench.decode_profile's --mode); repeat it to build the node once per mode, "
+                        "rows labelled ROW@MODE")
     p.add_argument("--timeline", type=Path, default=None, metavar="DIR",
                    help=f"trace rank 0's decode steps 100-{100 + TIMELINE_STEPS} of each row into DIR and "
                         "print its kernels by family (CUDA)")
@@ -161,10 +182,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         adapters = prepare_adapters(work, checkpoint, count, args.device == "cuda")
         results = []
         for tp in sizes:
-            results += run_size(args, checkpoint, adapters, tp, rows)
+            for mode in args.modes or ["default"]:
+                results += run_size(args, checkpoint, adapters, tp, rows, mode)
         for r in results:
-            r["floor_ms"] = floor_ms(args, checkpoint, r["tp"], r["row"])
-    first = {r["row"]: r["step_ms"] for r in results if r["tp"] == sizes[0]}
+            r["floor_ms"] = floor_ms(args, checkpoint, r["tp"], r["row"].split("@")[0])
+    first = {}
+    for r in results:
+        first.setdefault(r["row"], r["step_ms"])  # each row's (and mode's) first size
     print(f"shape {args.shape}, batch {args.batch}, prompts {args.prompt}, answers {args.output} tokens")
     print("| tp | row | step p50 ms | forward p50 ms | decode tok/s | × tp " + str(sizes[0])
           + " step | floor ms | × floor |")

@@ -16,3 +16,17 @@ def test_tp_bench_times_full_batch_decode_steps_at_each_size(tmp_path, capsys):
     assert 0 < floors[(2, "base")] < floors[(1, "base")] < floors[(1, "c2")]
     table = capsys.readouterr().out
     assert "| 2 | c2 |" in table and "× tp 1 step" in table
+
+
+def test_tp_bench_builds_the_node_once_per_mode_and_labels_its_rows(tmp_path, capsys):
+    results = tp_bench.main(["--device", "cpu", "--shape", "tiny", "--tp", "1", "--batch", "4",
+                             "--output", "12", "--rounds", "1", "--rows", "c2", "--workdir", str(tmp_path),
+                             "--mode", "default", "--mode", "side_expand_segments=0/fold_groups=none"])
+    assert [r["row"] for r in results] == ["c2", "c2@side_expand_segments=0/fold_groups=none"]
+    assert all(r["floor_ms"] > 0 for r in results)  # a mode's row has its row's floor
+    assert "| 1 | c2@side_expand_segments=0/fold_groups=none |" in capsys.readouterr().out
+
+
+def test_a_mode_names_tuning_choices() -> None:
+    assert tp_bench.mode_choices("default") == {}
+    assert tp_bench.mode_choices("pdl=off/fold_tilings=o=16.128.4") == {"pdl": "off", "fold_tilings": "o=16.128.4"}
