@@ -80,8 +80,11 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
                         "step_ms": step * 1e3, "forward_ms": pct([s.forward for s in full], 50) * 1e3,
                         "tok_s": args.batch / step if step else float("nan"),
                         "graph_steps": engine.stats.graph_steps})
-            print(f"# tp {tp} {row} ({mode}): step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode steps",
-                  file=sys.stderr, flush=True)
+            floor = floor_ms(args, checkpoint, tp, row)
+            out[-1]["floor_ms"] = floor
+            # Printed before the node stops: a multi-GPU node's shutdown can outlast the call.
+            print(f"# tp {tp} {row} ({mode}): step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode "
+                  f"steps; floor {'-' if floor is None else format(floor, '.3f')} ms", file=sys.stderr, flush=True)
             if trace is not None and trace.exists():
                 print_rank0_timeline(f"tp {tp} {row} ({mode})", trace)
     finally:
@@ -184,8 +187,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for tp in sizes:
             for mode in args.modes or ["default"]:
                 results += run_size(args, checkpoint, adapters, tp, rows, mode)
-        for r in results:
-            r["floor_ms"] = floor_ms(args, checkpoint, r["tp"], r["row"].split("@")[0])
     first = {}
     for r in results:
         first.setdefault(r["row"], r["step_ms"])  # each row's (and mode's) first size
