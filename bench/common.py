@@ -279,22 +279,31 @@ def _group_modules(group: str) -> tuple[str, ...]:
 
 
 def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int,
-                 tuning=None, tiny: bool = False):
-    """(config, LlamaModel) of Llama-3.2-1B's shapes (TINY_LLAMA's with `tiny`: smoke runs)
-    with random weights (`layers` of them if given), through a checkpoint written to a
-    temporary directory; `tuning`: the model's kernels' (None: the node's defaults)."""
+                 tuning=None, tiny: bool = False, model: str = "llama-1b-random"):
+    """(config, LlamaModel) of a RANDOM_MODELS shape (Llama-3.2-1B's by default, TINY_LLAMA's
+    with `tiny`: smoke runs) with random weights (`layers` of them if given): made on the
+    device where the shape's weights are made at load (8B, 70B), else through a checkpoint
+    written to a temporary directory; `tuning`: the model's kernels' (None: the node's
+    defaults)."""
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
     from kernels.tuning import DEFAULT_TUNING
 
-    config = dict(TINY_LLAMA if tiny else LLAMA_3_2_1B)
+    shape, made_at_load, _ = RANDOM_MODELS["tiny" if tiny else model]
+    config = dict(shape)
     if layers:
         config["num_hidden_layers"] = layers
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
+        if made_at_load:
+            ckpt = Path(tmp) / "model"
+            ckpt.mkdir()
+            (ckpt / "config.json").write_text(json.dumps({**config, "torch_dtype": str(dtype).removeprefix("torch.")}))
+        else:
+            ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
         return (ModelConfig.from_checkpoint(ckpt),
                 LlamaModel.load(ckpt, device, dtype, max_positions=max_positions,
-                                tuning=tuning or DEFAULT_TUNING))
+                                tuning=tuning or DEFAULT_TUNING,
+                                load_format="dummy" if made_at_load else "safetensors"))
 
 
 def config_slots(cfg, names: list[str], dtype: torch.dtype, device: torch.device):

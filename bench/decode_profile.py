@@ -8,6 +8,7 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
 
     python -m bench.decode_profile                       # CUDA: Llama-3.2-1B-shaped, batch 64
     python -m bench.decode_profile --configs base,c32    # a subset
+    python -m bench.decode_profile --model llama-8b-random --configs base,c32 --timeline --no-profile
     python -m bench.decode_profile --device cpu --tiny --batch 4   # CPU smoke (no graphs)
     python -m bench.decode_profile --mode default --mode serial --no-profile  # replay times only
     python -m bench.decode_profile --configs base,gu32,c32 --no-profile \
@@ -35,7 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import (SINGLE_GROUP_CONFIGS, config_slots, family, kernel_families,
+from bench.common import (RANDOM_MODELS, SINGLE_GROUP_CONFIGS, config_slots, family, kernel_families,
                           random_model)
 
 
@@ -151,6 +152,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=200, help="tokens already in each sequence's KV")
     p.add_argument("--configs", default="base,c1,c8,c32,c64,d32")
+    p.add_argument("--model", default="llama-1b-random", choices=[m for m in RANDOM_MODELS if m != "tiny"],
+                   help="the shape (8B and 70B: weights made on the device; 70B needs --layers to fit one GPU)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke runs)")
     p.add_argument("--reps", type=int, default=20, help="replays per burst, forwards per profile")
@@ -177,7 +180,7 @@ def main() -> None:
     names = [c for c in args.configs.split(",") if c]
     block = 16
     max_len = args.context + 64
-    cfg, model = random_model(device, dtype, args.layers, max_len, tiny=args.tiny)
+    cfg, model = random_model(device, dtype, args.layers, max_len, tiny=args.tiny, model=args.model)
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
