@@ -33,7 +33,6 @@ import os
 import statistics
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, MutableMapping, Sequence
@@ -159,20 +158,10 @@ class Symmetric:
     def __init__(self, numel: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from inference_node.parallel.symmetric import open_symmetric_buffer
+
         self.group_name = dist.group.WORLD.group_name
-        self.notes: list[str] = []
-        if hasattr(symm_mem, "set_backend"):
-            try:  # the one-shot and two-shot kernels are the CUDA backend's (peer memory by CUDA IPC)
-                symm_mem.set_backend("CUDA")
-            except Exception as exc:  # noqa: BLE001 - the default backend is tried, and named
-                self.notes.append(f"set_backend('CUDA') refused ({_reason(exc)}): default backend")
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # required by older torch, a deprecated no-op in newer
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(self.group_name)
-        self.buffer = symm_mem.empty(numel, dtype=DTYPE, device=device)
-        handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        self.buffer, handle, self.notes = open_symmetric_buffer(numel, DTYPE, device, self.group_name)
         if getattr(handle, "multicast_ptr", 0):
             raise MulticastOn("the symmetric buffer came back with an NVLink multicast address although "
                                "TORCH_SYMM_MEM_DISABLE_MULTICAST=1: stopping (multicast must stay off)")

@@ -5,6 +5,7 @@
     python -m bench.tp_bench --device cpu --shape tiny --tp 1,2            # CPU smoke (gloo)
     python -m bench.tp_bench --shape 70b --tp 4 --rows base,c32 --timeline traces   # + rank 0's kernels
     python -m bench.tp_bench --shape 70b --tp 4 --rows c32 --mode default --mode side_expand_segments=0
+    python -m bench.tp_bench --shape 8b --tp 1,2 --all-reduce nccl,symm      # NCCL against symmetric memory
 
 Each size builds the node as `inference-node serve --tensor-parallel-size N` does
 (`build_node`: rank 0 in this process, ranks 1..N-1 spawned; random weights made on the
@@ -40,7 +41,8 @@ def mode_choices(mode: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in mode.split("/"))
 
 
-def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], mode: str = "default") -> list[dict]:
+def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], mode: str = "default",
+             all_reduce: str = "nccl") -> list[dict]:
     import torch
 
     from inference_node.node import NodeSettings, build_node
@@ -50,6 +52,7 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
     choices = mode_choices(mode)
     settings = NodeSettings(
         tuning=tuning_from_text(choices), tuning_fixed=frozenset(choices), tuning_table=args.tuning_table,
+        all_reduce=all_reduce if tp > 1 else "nccl",
         model=str(checkpoint), device=args.device, load_format="dummy", adapter_dir=str(adapters),
         max_loras=max(count, 1), max_lora_rank=16, max_cpu_loras=max(count, 1), max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.prompt + args.output + 16,
@@ -76,7 +79,9 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
             _, steps = driver.run(specs, adapter_of)
             full = [s for s in steps if s.batch == args.batch and not s.boundary]
             step = pct([s.seconds for s in full], 50)
-            out.append({"tp": tp, "row": row if mode == "default" else f"{row}@{mode}", "batch": args.batch, "steps": len(full),
+            label = "/".join(([] if mode == "default" else [mode]) + ([all_reduce] if all_reduce != "nccl" else []))
+            out.append({"tp": tp, "row": f"{row}@{label}" if label else row,
+                        "same_choices": row if mode == "default" else f"{row}@{mode}", "batch": args.batch, "steps": len(full),
                         "step_ms": step * 1e3, "forward_ms": pct([s.forward for s in full], 50) * 1e3,
                         "tok_s": args.batch / step if step else float("nan"),
                         "graph_steps": engine.stats.graph_steps})
@@ -158,6 +163,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="launch choices other than the defaults, NAME=VALUE joined by / (Tuning fields, "
                         "as bench.decode_profile's --mode); repeat it to build the node once per mode, "
                         "rows labelled ROW@MODE")
+    p.add_argument("--all-reduce", default="nccl",
+                   help="nccl and/or symm, comma-separated: the node's --all-reduce at TP > 1 (each its own "
+                        "node; symm rows labelled ROW@symm)")
     p.add_argument("--timeline", type=Path, default=None, metavar="DIR",
                    help=f"trace rank 0's decode steps 100-{100 + TIMELINE_STEPS} of each row into DIR and "
                         "print its kernels by family (CUDA)")
@@ -185,11 +193,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         adapters = prepare_adapters(work, checkpoint, count, args.device == "cuda")
         results = []
         for tp in sizes:
-            for mode in args.modes or ["default"]:
-                results += run_size(args, checkpoint, adapters, tp, rows, mode)
+            for all_reduce in dict.fromkeys(args.all_reduce.split(",") if tp > 1 else ["nccl"]):
+                for mode in args.modes or ["default"]:
+                    results += run_size(args, checkpoint, adapters, tp, rows, mode, all_reduce)
     first = {}
-    for r in results:
-        first.setdefault(r["row"], r["step_ms"])  # each row's (and mode's) first size
+    for r in results:  # each row's (and mode's) first size, whatever its all-reduce
+        first.setdefault(r["same_choices"], r["step_ms"])
     print(f"shape {args.shape}, batch {args.batch}, prompts {args.prompt}, answers {args.output} tokens")
     print("| tp | row | step p50 ms | forward p50 ms | decode tok/s | × tp " + str(sizes[0])
           + " step | floor ms | × floor |")
@@ -198,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         floor = r["floor_ms"]
         floor_cells = ("| | |" if floor is None else f"| {floor:.3f} | {r['step_ms'] / floor:.2f} |")
         print(f"| {r['tp']} | {r['row']} | {r['step_ms']:.3f} | {r['forward_ms']:.3f} | {r['tok_s']:.0f} | "
-              f"{r['step_ms'] / first[r['row']]:.3f} " + floor_cells)
+              f"{r['step_ms'] / first[r['same_choices']]:.3f} " + floor_cells)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -154,6 +154,9 @@ def parser() -> EnvArgumentParser:
                             "streaming); the engine always runs in a process of its own")
     serve.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="split the model over this many GPUs of the host (one process each; gloo on CPU)")
+    serve.add_argument("--all-reduce", choices=["nccl", "symm"], default="nccl",
+                       help="with --tensor-parallel-size > 1 on GPUs: sum decode-sized messages (up to 4 MB) "
+                            "through PyTorch's symmetric-memory one-shot/two-shot kernels instead of NCCL")
     serve.add_argument("--debug-checks", action="store_true",
                        help="check the engine's invariants after every step (slow)")
     serve.add_argument("--log-level", default="INFO")
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)), max_weight_abs=args.max_weight_abs,
         tuning=tuning_from_args(args), tuning_table=args.tuning_table,
         tuning_fixed=given_tuning_flags(args), tensor_parallel_size=args.tensor_parallel_size,
+        all_reduce=args.all_reduce,
         limits=RequestLimits(max_concurrent_streams=args.max_concurrent_streams,
                              max_request_bytes=int(args.max_request_mb * (1 << 20)),
                              max_prompt_chars=args.max_prompt_chars, max_prompt_tokens=args.max_prompt_tokens,

@@ -91,6 +91,7 @@ class NodeSettings:
     tuning_table: str = "off"
     tuning_fixed: frozenset[str] = frozenset()
     tensor_parallel_size: int = 1      # ranks (one GPU each) the model is split over (inference_node/parallel)
+    all_reduce: str = "nccl"           # decode-sized sums under TP: nccl or symm (parallel/symmetric.py)
 
 
 @dataclass
@@ -185,6 +186,9 @@ def check_tensor_parallel(settings: NodeSettings, checkpoint: Path) -> None:
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ShardingError(f"--tensor-parallel-size {size} needs {size} GPUs (one per rank); "
                             f"{torch.cuda.device_count()} are visible")
+    if settings.all_reduce == "symm" and device.type != "cuda":
+        raise ShardingError("--all-reduce symm needs CUDA GPUs (symmetric memory); on CPU the ranks sum "
+                            "through gloo: leave --all-reduce at nccl")
 
 
 def resolve_tuning_table(settings: NodeSettings, checkpoint: Path) -> NodeSettings:
@@ -245,7 +249,8 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
         torch.set_num_threads(cpu_threads(settings))
     dtype_name = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
-    tp = init_tensor_parallel(shard, device, rendezvous) if shard.size > 1 else None
+    tp = (init_tensor_parallel(shard, device, rendezvous, all_reduce=settings.all_reduce, dtype=dtype)
+          if shard.size > 1 else None)
     checkpoint = Path(settings.model) if settings.model else default_checkpoint()
     tunings = step_tunings(settings, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
     if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it

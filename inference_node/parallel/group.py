@@ -2,21 +2,28 @@
 
 torch.distributed carries them: NCCL between GPUs (one per rank), gloo on CPU (CI runs
 TP=2 on a tiny model that way). The ranks rendezvous through a file, so no port is chosen.
+With `--all-reduce symm` the decode-sized sums go through symmetric memory instead
+(symmetric.py); larger ones stay on NCCL.
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from .shard import Shard
+from .symmetric import SymmetricAllReduce
+
+AllReduce = Literal["nccl", "symm"]
 
 
 @dataclass(frozen=True)
 class TensorParallel:
     shard: Shard
+    symmetric: SymmetricAllReduce | None = None  # --all-reduce symm: decode-sized sums
 
     @property
     def rank(self) -> int:
@@ -27,7 +34,10 @@ class TensorParallel:
         return self.shard.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums x over the ranks, in place (a row-parallel projection's partial outputs)."""
+        """Sums x over the ranks (a row-parallel projection's partial outputs): in place
+        through NCCL, or into a new tensor through symmetric memory. Callers use the result."""
+        if self.symmetric is not None and self.symmetric.fits(x):
+            return self.symmetric(x)
         dist.all_reduce(x)
         return x
 
@@ -55,11 +65,17 @@ def _collective_device() -> torch.device:
 
 
 def init_tensor_parallel(shard: Shard, device: torch.device, rendezvous_file: str,
-                         timeout_s: float = 600.0) -> TensorParallel:
+                         timeout_s: float = 600.0, all_reduce: AllReduce = "nccl",
+                         dtype: torch.dtype = torch.bfloat16) -> TensorParallel:
     """Joins the group (blocking until every rank has). The timeout bounds one collective:
-    a rank that dies mid-step fails the others' next collective instead of hanging them."""
+    a rank that dies mid-step fails the others' next collective instead of hanging them.
+    all_reduce "symm" (CUDA only) also opens a symmetric buffer of `dtype` on every rank."""
+    if all_reduce == "symm" and device.type != "cuda":
+        raise ValueError("--all-reduce symm needs CUDA GPUs (symmetric memory); on CPU use nccl (gloo)")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=shard.rank,
                             world_size=shard.size, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
-    return TensorParallel(shard)
+    symmetric = (SymmetricAllReduce(dist.group.WORLD.group_name, dtype, device)
+                 if all_reduce == "symm" else None)
+    return TensorParallel(shard, symmetric)

@@ -312,6 +312,32 @@ def test_loads_unloads_and_replacements_keep_every_rank_slot_table_equal(nodes, 
     assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
 
 
+def test_symmetric_memory_sums_are_refused_on_cpu_at_start(tiny_llama_path):
+    proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--port", str(free_port()),
+                           "--model", str(tiny_llama_path), "--device", "cpu", "--tensor-parallel-size", "2",
+                           "--all-reduce", "symm"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--all-reduce symm needs CUDA GPUs" in proc.stderr
+
+
+def test_all_reduce_takes_symmetric_memory_for_messages_it_fits_and_nccl_for_the_rest(monkeypatch):
+    from inference_node.parallel.group import TensorParallel
+
+    class Symmetric:  # the kernels' stand-in: a new tensor, as theirs
+        def fits(self, x: torch.Tensor) -> bool:
+            return x.numel() <= 8
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    nccl = []
+    monkeypatch.setattr("torch.distributed.all_reduce", lambda x: nccl.append(x.shape))
+    tp = TensorParallel(Shard(0, 2), Symmetric())
+    small, large = torch.ones(2, 4), torch.ones(4, 4)
+    assert torch.equal(tp.all_reduce(small), small * 2) and nccl == []
+    assert tp.all_reduce(large) is large and nccl == [large.shape]
+
+
 def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--port", str(free_port()),
                            "--model", str(tiny_llama_path), "--device", "cpu", "--tensor-parallel-size", "4"],
@@ -322,9 +348,11 @@ def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path
 
 # -- GPU: Llama-3.1-8B's shapes (4 of its 32 layers), float32 -----------------------------------------
 @pytest.mark.gpu
-def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm"])
+def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir, all_reduce):
     """TP=1 runs eagerly (its graphs and warm-up off); TP=2 replays decode and piecewise
-    graphs on both ranks. Float32 sums in another order are far from flipping a greedy choice."""
+    graphs on both ranks, its sums through NCCL or symmetric memory. Float32 sums in another
+    order are far from flipping a greedy choice."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from bench.common import LLAMA_3_1_8B, copy_tokenizer, write_random_adapter
@@ -346,7 +374,7 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
                  "--mixed-graphs", "off", "--warmup", "off", device_flags=flags)
     try:
         two = TPNode(tmp_path, model, adapters, 2, "--debug-checks", "--gpu-memory-utilization", "0.85",
-                     device_flags=flags)  # the defaults: decode and piecewise graphs on every rank
+                     "--all-reduce", all_reduce, device_flags=flags)  # the defaults: decode and piecewise graphs on every rank
         try:
             jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
             expected = generate_all(one.target, jobs)
