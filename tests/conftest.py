@@ -43,6 +43,15 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Pat
 
 
 @pytest.fixture(scope="session")
+def llama_8b_widths_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """Llama-3.1-8B's widths (hidden 4096, MLP 14336, 32/8 heads of 128) in 2 layers, float32:
+    the shapes whose decode kernels and tuning table the node picks for 8B models (GPU tests)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("llama-8b-widths"), tokenizer_dir, hidden_size=4096,
+                           intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                           num_key_value_heads=8, initializer_range=0.02, rope_theta=500000.0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path: Path):
     from transformers import AutoModelForCausalLM
 

@@ -39,6 +39,8 @@ def make_adapters(base: Path, root: Path, scale: float) -> Path:
     # SmolLM2 through PEFT, seven models: 40-380 s on a shared two-core machine.
     pytest.param("smollm2", 1.0, 2, "cpu", marks=pytest.mark.timeout(1200)),
     pytest.param("tiny_llama", 3.0, 3, "cuda", marks=pytest.mark.gpu),
+    # Issue 33's 8B fast paths: the decode GEMM and LoRA folds at 8B widths, the table's tilings.
+    pytest.param("llama_8b_widths", 1.0, 2, "cuda", marks=[pytest.mark.gpu, pytest.mark.timeout(1200)]),
 ])
 def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompts, device, request,
                                                         tmp_path) -> None:
@@ -58,7 +60,9 @@ def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompt
                                       max_loras=3, max_lora_rank=64, max_cpu_loras=4,
                                       lora_memory_bytes=96 * row,
                                       adapter_dir=str(adapter_dir), debug_checks=True,
-                                      max_num_batched_tokens=128))
+                                      max_num_batched_tokens=128,
+                                      # the node's own default (the tuning table filed for this GPU and shape)
+                                      tuning_table="auto"))
     try:
         jobs = [(name, i) for name in [""] + list(ADAPTERS) for i in range(len(prompts))]
         rng.shuffle(jobs)
