@@ -108,10 +108,14 @@ class Node:
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (the engine loop has ended)."""
         if self.ranks is not None:
+            started = time.monotonic()
             self.ranks.stop()
             self.ranks = None
+            stopped = time.monotonic()
             if torch.distributed.is_initialized():  # this process may build another node
                 torch.distributed.destroy_process_group()
+            log.info("tensor-parallel ranks stopped in %.1fs, the process group destroyed in %.1fs",
+                     stopped - started, time.monotonic() - stopped)
 
     @property
     def model_name(self) -> str:

@@ -218,6 +218,7 @@ class Workers:
         for proc in self.procs:
             proc.join(timeout)
             if proc.is_alive():
+                log.warning("%s did not exit within %.0fs of being told to stop: killed", proc.name, timeout)
                 proc.kill()
                 proc.join(5)
         for sock in [*self.controls, self.replies]:
