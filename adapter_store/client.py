@@ -25,6 +25,7 @@ from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 from lora_common.auth import bearer_metadata
 from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, FileEntry,
                       Manifest, adapter_digest, file_offsets)
+from .shard_wire import decode_shard
 from lora_common.tls import ClientTLS, open_channel
 
 # The client's data model, which callers (the node) take from here rather than the store's
@@ -111,6 +112,10 @@ class AdapterStoreClient:
         self.tls = tls if tls is not None and tls.on else None
         self.channel = channel
         self.stub = pb_grpc.AdapterStoreStub(channel)
+        # Shards come as (header, data view of the received message): see shard_wire.
+        self._fetch_stream = channel.unary_stream(
+            f"/{pb.DESCRIPTOR.services_by_name['AdapterStore'].full_name}/FetchAdapter",
+            request_serializer=pb.FetchAdapterRequest.SerializeToString, response_deserializer=decode_shard)
         self.metadata = bearer_metadata(token)
         self.timeout_s = timeout_s
         self.max_shard_bytes = max_shard_bytes
@@ -189,11 +194,11 @@ class AdapterStoreClient:
             request = pb.FetchAdapterRequest(name=name, version=state.pinned_version, start_file=state.file_index,
                                              start_offset=state.offset, max_shard_bytes=self.max_shard_bytes,
                                              verify=state.verify)
-            call = self.stub.FetchAdapter(request, timeout=remaining, metadata=self.metadata)
+            call = self._fetch_stream(request, timeout=remaining, metadata=self.metadata)
             try:
                 try:
-                    for shard in call:
-                        state.accept(shard)
+                    for shard, data in call:
+                        state.accept(shard, data)
                         backoff.attempt = refusals = 0
                         if state.done:
                             return state.result()
@@ -350,7 +355,8 @@ class _FetchState:
     def _loss(self, details: str) -> StoreError:
         return StoreError(grpc.StatusCode.DATA_LOSS, f"adapter {self.name!r}: {details}")
 
-    def accept(self, shard: pb.AdapterShard) -> None:
+    def accept(self, shard: pb.AdapterShard, data: bytes | memoryview | None = None) -> None:
+        """Places one shard; `data` is its data when it came apart from `shard` (decode_shard)."""
         if shard.HasField("manifest"):
             manifest = Manifest.from_proto(shard.manifest)
             if self.manifest is None:
@@ -364,7 +370,8 @@ class _FetchState:
             raise self._loss(f"shard at file {shard.file_index} offset {shard.offset}, expected "
                              f"{self.progress()}")
         entry = files[self.file_index]
-        data = shard.data  # each read of a bytes field is a copy: read it once
+        if data is None:
+            data = shard.data  # each read of a bytes field is a copy: read it once
         end = shard.offset + len(data)
         if shard.path != entry.path or shard.file_size != entry.size or end > entry.size:
             raise self._loss(f"shard {shard.path}@{shard.offset}+{len(data)} does not fit "

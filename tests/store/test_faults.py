@@ -20,6 +20,8 @@ from adapter_store.s3 import S3Store
 from adapter_store.samples import sized_adapter
 from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore
+from adapter_store.shard_wire import decode_shard
+from google.protobuf.message import DecodeError
 from conftest import new_bucket, start_store
 from lora.v1 import adapter_store_pb2 as pb
 from store_proxy import CuttingProxy
@@ -250,3 +252,28 @@ def test_encoded_shards_parse_as_protobuf_writes_them(size: int) -> None:
                   last=True, adapter_sha256="f" * 64)
     wire = encode_shard(pb.AdapterShard(**fields), data)
     assert pb.AdapterShard.FromString(wire) == pb.AdapterShard(data=data, **fields)
+    header, view = decode_shard(wire)
+    assert header == pb.AdapterShard(**fields) and bytes(view) == data
+
+
+def test_decoded_shards_match_protobuf_in_any_field_order() -> None:
+    """The node reads shards with decode_shard: whatever protobuf itself writes (data in
+    the middle, a manifest, a repeated data field: the last wins) decodes to the same
+    message, and bytes protobuf rejects are rejected."""
+    data = bytes(range(256)) * 40
+    manifest = _manifest(data)
+    full = pb.AdapterShard(file_index=1, path=WEIGHTS, offset=7, data=data, sha256="a" * 64, file_size=-1,
+                           manifest=manifest.to_proto(), last=True)
+    wire = full.SerializeToString()
+    repeated = pb.AdapterShard(data=b"first").SerializeToString() + wire
+    for raw in (wire, repeated, pb.AdapterShard(path="p").SerializeToString(), b""):
+        header, view = decode_shard(raw)
+        expected = pb.AdapterShard.FromString(raw)
+        assert bytes(view) == expected.data
+        expected.ClearField("data")
+        assert header == expected
+    for broken in (wire[:-1], wire[:3], b"\x22\xff"):
+        with pytest.raises(DecodeError):
+            pb.AdapterShard.FromString(broken)
+        with pytest.raises(DecodeError):
+            decode_shard(broken)
