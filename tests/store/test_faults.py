@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import blake3
 import grpc
 import pytest
 
@@ -241,6 +242,41 @@ def test_client_verifies_shards_files_and_adapter() -> None:
     assert "offset" in str(lying([good[0], good[2]]))  # a gap
     assert "adapter sha256" in str(lying(good[:2] + [_shard(manifest, 1, 1000, data[1000:], last=True,
                                                               adapter_sha256="f" * 64)]))
+
+
+def test_client_checks_files_by_blake3_when_the_manifest_lists_it() -> None:
+    """With BLAKE3 in the manifest, files are checked by it (a wrong BLAKE3 fails bytes whose
+    sha256 matches); without one (an older store's manifest), by sha256."""
+    data = bytes(range(256)) * 8
+    plain = _manifest(data)
+    files = tuple(FileEntry(f.path, f.size, f.sha256, blake3.blake3(b).hexdigest())
+                  for f, b in zip(plain.files, (b"{}", data)))
+    manifest = Manifest(plain.info, plain.config_json, files, plain.adapter_sha256)
+
+    def fetch(m: Manifest, weights: bytes) -> StoreError | None:
+        state = _FetchState("x", "")
+        shards = [_shard(m, 0, 0, b"{}", manifest=m.to_proto()),
+                  _shard(m, 1, 0, weights, last=True, adapter_sha256=m.adapter_sha256)]
+        try:
+            for s in shards:
+                state.accept(s)
+            state.settle()
+            return None if bytes(state.result().weights) == data else StoreError(grpc.StatusCode.DATA_LOSS, "bytes")
+        except StoreError as exc:
+            return exc
+        finally:
+            state.close()
+
+    corrupt = bytearray(data)
+    corrupt[100] ^= 1
+    assert fetch(manifest, data) is None and fetch(plain, data) is None
+    error = fetch(manifest, bytes(corrupt))
+    assert error is not None and error.code == grpc.StatusCode.DATA_LOSS and "has blake3" in error.details
+    error = fetch(plain, bytes(corrupt))
+    assert error is not None and "has sha256" in error.details
+    wrong_blake3 = Manifest(plain.info, plain.config_json,
+                            (files[0], FileEntry(WEIGHTS, len(data), files[1].sha256, "0" * 64)), plain.adapter_sha256)
+    assert "has blake3" in fetch(wrong_blake3, data).details
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, (4 << 20) + 7])
