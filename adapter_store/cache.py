@@ -53,7 +53,11 @@ class Blob:
 
 
 def hash_file(path: Path, chunk: int = 1 << 20) -> str:
-    return file_digests(path, chunk)[0]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def file_digests(path: Path, chunk: int = 1 << 20) -> tuple[str, str]:
@@ -235,17 +239,18 @@ class DiskCache:
                 raise FileNotFoundError(path)
         except FileNotFoundError:
             return None
-        if sha not in self._verified:
-            digest, computed = file_digests(path)
+        known = self._verified.get(sha)
+        if known is None:
+            digest, known = file_digests(path)
             if digest != sha:
                 log.warning("cache blob %s does not match its name; dropping it", sha)
                 self._remove(sha)
                 return None
-            self._verified[sha] = computed
-            if b3 != computed:  # a ref written before BLAKE3 was kept (or a wrong one)
-                self._write_ref(ref, sha, size, computed)
+            self._verified[sha] = known
+            if b3 != known:  # a ref written before BLAKE3 was kept (or a wrong one)
+                self._write_ref(ref, sha, size, known)
         self._touch(sha, size)
-        return Blob(sha, size, path, self._verified[sha])
+        return Blob(sha, size, path, known)
 
     def get(self, ref: str, fill: Filler, expected_sha256: str | None = None) -> Blob:
         """The blob for `ref`, downloading it with `fill` when absent. Concurrent callers of
