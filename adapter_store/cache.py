@@ -2,7 +2,7 @@
 
 Layout under the root:
   blobs/ab/<sha256>        the bytes, named by their sha256 (so a blob is either whole or absent)
-  refs/cd/<sha256(ref)>    {"ref": "<bucket>/<key>#<etag>", "sha256": ..., "size": ...}
+  refs/cd/<sha256(ref)>    {"ref": "<bucket>/<key>#<etag>", "sha256": ..., "size": ..., "blake3": ...}
   tmp/                     downloads in progress; renamed into blobs/ only once complete
 
 A download is written to tmp/, fsynced and atomically renamed once its sha256 (and the
@@ -12,7 +12,9 @@ can read it while it is in progress; they hear that it is verified before it is 
 so durability is not on their path. Blobs found on disk at start are re-hashed on first use.
 
 Per verified blob the cache also keeps, in memory, the sha256 of each shard of a given size
-(`shard_digests`), so a blob streamed again is not hashed again.
+(`shard_digests`), so a blob streamed again is not hashed again. Each blob's BLAKE3 is
+computed as it is written (or when a blob found at start is re-hashed) and kept in its ref:
+manifests carry it for the node, which checks it instead of the sha256.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
+
+import blake3
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,7 @@ class Blob:
     sha256: str
     size: int
     path: Path
+    blake3: str = ""
 
 
 def hash_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -53,6 +58,16 @@ def hash_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_digests(path: Path, chunk: int = 1 << 20) -> tuple[str, str]:
+    """(sha256, BLAKE3) of a file, hex."""
+    sha, b3 = hashlib.sha256(), blake3.blake3()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+            b3.update(block)
+    return sha.hexdigest(), b3.hexdigest()
 
 
 class _Download:
@@ -88,9 +103,11 @@ class _ProgressWriter:
 
     def __init__(self, raw: BinaryIO, download: _Download) -> None:
         self.raw, self.download = raw, download
+        self.blake3 = blake3.blake3()  # a filler writes in order (the writer cannot seek)
 
     def write(self, data: bytes) -> int:
         view = memoryview(data)
+        self.blake3.update(view)
         while view:
             n = self.raw.write(view)
             view = view[n:]
@@ -173,7 +190,7 @@ class DiskCache:
         self._inflight: dict[str, _Download] = {}
         self._finished = 0  # downloads ended so far (open() notices one ending mid-lookup)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha256 -> size, oldest first
-        self._verified: set[str] = set()
+        self._verified: dict[str, str] = {}  # sha256 -> BLAKE3 of the blobs hashed since start
         self._shard_digests: dict[tuple[str, int], tuple[str, ...]] = {}  # (sha256, shard size) -> hex
         self.total_bytes = 0
         for sub in ("blobs", "refs", "tmp"):
@@ -213,8 +230,8 @@ class DiskCache:
         """The cached blob for a ref, or None."""
         try:
             entry = json.loads(self._ref_path(ref).read_text())
-            sha, size = str(entry["sha256"]), int(entry["size"])
-        except (OSError, ValueError, KeyError, TypeError):
+            sha, size, b3 = str(entry["sha256"]), int(entry["size"]), str(entry.get("blake3", ""))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         path = self._blob_path(sha)
         try:
@@ -222,14 +239,18 @@ class DiskCache:
                 raise FileNotFoundError(path)
         except FileNotFoundError:
             return None
-        if sha not in self._verified:
-            if hash_file(path) != sha:
+        known = self._verified.get(sha)
+        if known is None:
+            digest, known = file_digests(path)
+            if digest != sha:
                 log.warning("cache blob %s does not match its name; dropping it", sha)
                 self._remove(sha)
                 return None
-            self._verified.add(sha)
+            self._verified[sha] = known
+            if b3 != known:  # a ref written before BLAKE3 was kept (or a wrong one)
+                self._write_ref(ref, sha, size, known)
         self._touch(sha, size)
-        return Blob(sha, size, path)
+        return Blob(sha, size, path, known)
 
     def get(self, ref: str, fill: Filler, expected_sha256: str | None = None) -> Blob:
         """The blob for `ref`, downloading it with `fill` when absent. Concurrent callers of
@@ -286,21 +307,22 @@ class DiskCache:
         tmp = download.tmp_path
         try:
             with open(tmp, "wb", buffering=0) as raw:
-                sha, size = fill(_ProgressWriter(raw, download))
+                writer = _ProgressWriter(raw, download)
+                sha, size = fill(writer)
                 if expected_sha256 is not None and sha != expected_sha256:
                     raise CacheCorrupt(f"{ref}: downloaded sha256 {sha}, expected {expected_sha256}")
                 if os.fstat(raw.fileno()).st_size != size:
                     raise CacheCorrupt(f"{ref}: wrote {os.fstat(raw.fileno()).st_size} bytes, expected {size}")
                 final = self._blob_path(sha)
-                blob = Blob(sha, size, final)
+                blob = Blob(sha, size, final, writer.blake3.hexdigest())
                 download.verify(blob)  # streams may finish now; the fsync is the cache's own business
                 os.fsync(raw.fileno())
             final.parent.mkdir(exist_ok=True)
             with download.cond:  # readers open the file under this lock, so never between names
                 os.replace(tmp, final)
                 download.blob = blob
-            self._write_ref(ref, sha, size)
-            self._verified.add(sha)
+            self._write_ref(ref, sha, size, blob.blake3)
+            self._verified[sha] = blob.blake3
             self._touch(sha, size)
             self._evict(keep=sha)
             download.finish(blob, None)
@@ -312,12 +334,12 @@ class DiskCache:
                 self._inflight.pop(ref, None)
                 self._finished += 1
 
-    def _write_ref(self, ref: str, sha: str, size: int) -> None:
+    def _write_ref(self, ref: str, sha: str, size: int, b3: str) -> None:
         path = self._ref_path(ref)
         path.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root / "tmp", suffix=".ref")
         with os.fdopen(fd, "w") as f:
-            json.dump({"ref": ref, "sha256": sha, "size": size}, f)
+            json.dump({"ref": ref, "sha256": sha, "size": size, "blake3": b3}, f)
         os.replace(tmp, path)
 
     # ------------------------------------------------------------------ LRU
@@ -373,7 +395,7 @@ class DiskCache:
 
     def _forget(self, sha: str) -> None:
         """Drops what is known about a blob's content (under the lock)."""
-        self._verified.discard(sha)
+        self._verified.pop(sha, None)
         for key in [k for k in self._shard_digests if k[0] == sha]:
             del self._shard_digests[key]
 

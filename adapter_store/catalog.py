@@ -49,6 +49,7 @@ class StoredFile:
     path: str
     obj: ObjectInfo
     sha256: str
+    blake3: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class CatalogEntry:
 
     def manifest(self) -> Manifest:
         return Manifest(self.info, self.config_json,
-                        tuple(FileEntry(f.path, f.obj.size, f.sha256) for f in self.files), self.adapter_sha256)
+                        tuple(FileEntry(f.path, f.obj.size, f.sha256, f.blake3) for f in self.files), self.adapter_sha256)
 
 
 def _fingerprint(objs: dict[str, ObjectInfo]) -> tuple:
@@ -245,14 +246,14 @@ class Catalog:
         deadline = time.monotonic() + self.download_timeout_s
         config_blob = self.blob(config_obj, deadline)
         config_bytes = config_blob.path.read_bytes()
-        config_file = StoredFile(CONFIG_FILE, config_obj, config_blob.sha256)
+        config_file = StoredFile(CONFIG_FILE, config_obj, config_blob.sha256, config_blob.blake3)
         config_json = config_bytes.decode("utf-8", "replace")
         try:
             parsed = parse_adapter_config(config_bytes, self.limits.max_config_bytes, self.limits.max_rank)
         except AdapterInvalid as exc:
             return refused(f"{CONFIG_FILE}: {exc}", (config_file,), config_json)
         weights_blob = self.blob(weights_obj, deadline)
-        weights_file = StoredFile(WEIGHTS_FILE, weights_obj, weights_blob.sha256)
+        weights_file = StoredFile(WEIGHTS_FILE, weights_obj, weights_blob.sha256, weights_blob.blake3)
         try:
             spec = self._validate_weights(parsed, weights_blob)
         except AdapterInvalid as exc:

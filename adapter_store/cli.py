@@ -14,6 +14,7 @@ import time
 from typing import Sequence
 
 from lora_common.envargs import EnvArgumentParser
+from lora_common.malloc import keep_freed_buffers
 from lora_common.names import InvalidName, normalize_prefix
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 from .s3 import S3Store, make_client
@@ -107,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except TLSConfigError as exc:
         print(f"adapter-store serve: {exc}", file=sys.stderr)
         return 2
+    keep_freed_buffers()  # shards are multi-megabyte messages (lora_common.malloc)
     asyncio.run(StoreServer(settings).serve_until_signalled())
     return 0
 

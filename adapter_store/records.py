@@ -49,13 +49,14 @@ class FileEntry:
     path: str
     size: int
     sha256: str
+    blake3: str = ""  # of the same bytes; empty in manifests of stores that do not compute it
 
     def to_proto(self) -> pb.FileEntry:
-        return pb.FileEntry(path=self.path, size=self.size, sha256=self.sha256)
+        return pb.FileEntry(path=self.path, size=self.size, sha256=self.sha256, blake3=self.blake3)
 
     @classmethod
     def from_proto(cls, m: pb.FileEntry) -> "FileEntry":
-        return cls(m.path, m.size, m.sha256)
+        return cls(m.path, m.size, m.sha256, m.blake3)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .catalog import Catalog, CatalogEntry, Limits, StoredFile
 from .metrics import StoreMetrics
 from lora_common.names import InvalidName, check_name, normalize_prefix
 from .records import SYNCED, CatalogEvent
+from .shard_wire import encode_shard
 from .s3 import LocalWriteFailed, ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
 from lora_common.tls import EXCLUSIVE_PORT, ServerTLS, add_port
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
@@ -89,22 +90,6 @@ def _page_after(token: str) -> str:
         return check_name(base64.urlsafe_b64decode(token.encode()).decode())
     except (ValueError, UnicodeError):
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
-
-
-_SHARD_DATA_KEY = bytes([pb.AdapterShard.DATA_FIELD_NUMBER << 3 | 2])  # field 4, length-delimited
-
-
-def encode_shard(header: pb.AdapterShard, data: bytes) -> bytes:
-    """An AdapterShard on the wire: `header` (every field but data) encoded by protobuf, then
-    the data field appended (protobuf reads fields in any order): one copy of the data, where
-    setting a multi-megabyte bytes field and serializing the message has protobuf (upb)
-    allocate and copy it several times over."""
-    n, length = len(data), bytearray()
-    while n > 0x7F:
-        length.append(n & 0x7F | 0x80)
-        n >>= 7
-    length.append(n)
-    return b"".join((header.SerializeToString(), _SHARD_DATA_KEY, length, data))
 
 
 def _serialize_shard(message: bytes | pb.AdapterShard) -> bytes:

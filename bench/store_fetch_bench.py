@@ -18,7 +18,8 @@ process (so store and node do not share a GIL) and measures, in the same run:
   - host -> slot: SlotBuffers.write of the loaded adapter into a slot (on CPU: the copy into
     the CPU slot buffers; on CUDA: host-to-device from page-locked memory, synchronized),
 each a few times, printing the median (and best) throughput in MB/s (10^6 bytes/s) and the
-CPU each process spent per run (this process plays the node; "S3" is SeaweedFS).
+CPU each process spent per run (this process plays the node; "S3" is SeaweedFS). Both
+processes keep freed large buffers for reuse as the node and the store do (lora_common.malloc).
 
     python -m bench.store_fetch_bench                # 100 MB, 3 runs each
     python -m bench.store_fetch_bench --mb 20 --runs 2
@@ -65,6 +66,7 @@ from inference_node.adapters.slots import SlotBuffers
 from inference_node.adapters.sources import host_buffer
 from inference_node.adapters.store_source import StoreSource
 from inference_node.model.config import ModelConfig
+from lora_common.malloc import keep_freed_buffers
 
 BUCKET = "bench-adapters"
 NAME = "bench-100mb"
@@ -78,6 +80,7 @@ def child(args: argparse.Namespace) -> None:
     from adapter_store.server import BackgroundStore, StoreSettings
 
     logging.basicConfig(level=logging.WARNING)
+    keep_freed_buffers()  # as `adapter-store serve` does
     settings = StoreSettings(bucket=BUCKET, s3_endpoint=args.endpoint, cache_dir=args.cache_dir, port=0,
                              poll_interval_s=60, shard_bytes=args.shard_kb << 10)
     store = BackgroundStore(settings)
@@ -277,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_buffers()  # as the node's engine core process does
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     with tempfile.TemporaryDirectory(prefix="store-bench-") as tmp, SeaweedFS(Path(tmp) / "seaweedfs") as server:

@@ -22,6 +22,8 @@ from typing import Any, Callable
 import grpc
 import zmq
 
+from lora_common.malloc import keep_freed_buffers
+
 from ..adapters.errors import AdapterError, AdapterNotFound
 from ..engine.engine import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
 from ..engine.request import Request, SamplingParams, StreamEvent
@@ -312,6 +314,7 @@ def run_engine_core_process(settings: NodeSettings, address: str, log_level: str
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_buffers()  # adapters arrive from the store as multi-megabyte messages (lora_common.malloc)
     core = EngineCore(build_node(settings), address)
     core.watch_parent = True
     log.info("engine core started (pid %d)", os.getpid())

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 
 from adapter_store.cache import CacheCorrupt, DiskCache
@@ -114,3 +116,18 @@ def test_restart_drops_partials_and_rehashes(tmp_path: Path) -> None:
     assert again.partial_files() == []
     assert again.lookup("b/good#e") == good
     assert again.lookup("b/bad#e") is None and not bad.path.exists()
+
+
+def test_blobs_carry_their_blake3_also_from_refs_written_without_it(tmp_path: Path) -> None:
+    """The BLAKE3 the manifests carry: computed as a blob is written, kept in its ref, and
+    computed when a blob whose ref predates it is re-hashed at first use (the ref rewritten)."""
+    data = os.urandom(30_000)
+    blob = DiskCache(tmp_path, 1 << 20).get("b/k#e", filler(data, []))
+    assert blob.blake3 == blake3.blake3(data).hexdigest() and blob.sha256 == hashlib.sha256(data).hexdigest()
+    assert DiskCache(tmp_path, 1 << 20).lookup("b/k#e") == blob
+    ref = next((tmp_path / "refs").glob("*/*.json"))
+    doc = json.loads(ref.read_text())
+    del doc["blake3"]
+    ref.write_text(json.dumps(doc))
+    assert DiskCache(tmp_path, 1 << 20).lookup("b/k#e") == blob
+    assert json.loads(ref.read_text())["blake3"] == blob.blake3

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import blake3
 import grpc
 import pytest
 
@@ -20,6 +21,8 @@ from adapter_store.s3 import S3Store
 from adapter_store.samples import sized_adapter
 from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore
+from adapter_store.shard_wire import decode_shard
+from google.protobuf.message import DecodeError
 from conftest import new_bucket, start_store
 from lora.v1 import adapter_store_pb2 as pb
 from store_proxy import CuttingProxy
@@ -241,6 +244,41 @@ def test_client_verifies_shards_files_and_adapter() -> None:
                                                               adapter_sha256="f" * 64)]))
 
 
+def test_client_checks_files_by_blake3_when_the_manifest_lists_it() -> None:
+    """With BLAKE3 in the manifest, files are checked by it (a wrong BLAKE3 fails bytes whose
+    sha256 matches); without one (an older store's manifest), by sha256."""
+    data = bytes(range(256)) * 8
+    plain = _manifest(data)
+    files = tuple(FileEntry(f.path, f.size, f.sha256, blake3.blake3(b).hexdigest())
+                  for f, b in zip(plain.files, (b"{}", data)))
+    manifest = Manifest(plain.info, plain.config_json, files, plain.adapter_sha256)
+
+    def fetch(m: Manifest, weights: bytes) -> StoreError | None:
+        state = _FetchState("x", "")
+        shards = [_shard(m, 0, 0, b"{}", manifest=m.to_proto()),
+                  _shard(m, 1, 0, weights, last=True, adapter_sha256=m.adapter_sha256)]
+        try:
+            for s in shards:
+                state.accept(s)
+            state.settle()
+            return None if bytes(state.result().weights) == data else StoreError(grpc.StatusCode.DATA_LOSS, "bytes")
+        except StoreError as exc:
+            return exc
+        finally:
+            state.close()
+
+    corrupt = bytearray(data)
+    corrupt[100] ^= 1
+    assert fetch(manifest, data) is None and fetch(plain, data) is None
+    error = fetch(manifest, bytes(corrupt))
+    assert error is not None and error.code == grpc.StatusCode.DATA_LOSS and "has blake3" in error.details
+    error = fetch(plain, bytes(corrupt))
+    assert error is not None and "has sha256" in error.details
+    wrong_blake3 = Manifest(plain.info, plain.config_json,
+                            (files[0], FileEntry(WEIGHTS, len(data), files[1].sha256, "0" * 64)), plain.adapter_sha256)
+    assert "has blake3" in fetch(wrong_blake3, data).details
+
+
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, (4 << 20) + 7])
 def test_encoded_shards_parse_as_protobuf_writes_them(size: int) -> None:
     from adapter_store.server import encode_shard
@@ -250,3 +288,28 @@ def test_encoded_shards_parse_as_protobuf_writes_them(size: int) -> None:
                   last=True, adapter_sha256="f" * 64)
     wire = encode_shard(pb.AdapterShard(**fields), data)
     assert pb.AdapterShard.FromString(wire) == pb.AdapterShard(data=data, **fields)
+    header, view = decode_shard(wire)
+    assert header == pb.AdapterShard(**fields) and bytes(view) == data
+
+
+def test_decoded_shards_match_protobuf_in_any_field_order() -> None:
+    """The node reads shards with decode_shard: whatever protobuf itself writes (data in
+    the middle, a manifest, a repeated data field: the last wins) decodes to the same
+    message, and bytes protobuf rejects are rejected."""
+    data = bytes(range(256)) * 40
+    manifest = _manifest(data)
+    full = pb.AdapterShard(file_index=1, path=WEIGHTS, offset=7, data=data, sha256="a" * 64, file_size=-1,
+                           manifest=manifest.to_proto(), last=True)
+    wire = full.SerializeToString()
+    repeated = pb.AdapterShard(data=b"first").SerializeToString() + wire
+    for raw in (wire, repeated, pb.AdapterShard(path="p").SerializeToString(), b""):
+        header, view = decode_shard(raw)
+        expected = pb.AdapterShard.FromString(raw)
+        assert bytes(view) == expected.data
+        expected.ClearField("data")
+        assert header == expected
+    for broken in (wire[:-1], wire[:3], b"\x22\xff"):
+        with pytest.raises(DecodeError):
+            pb.AdapterShard.FromString(broken)
+        with pytest.raises(DecodeError):
+            decode_shard(broken)

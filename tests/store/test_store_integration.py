@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import blake3
 import grpc
 import pytest
 
@@ -88,6 +89,7 @@ def test_push_list_fetch_roundtrip(s3: S3Store, make_store, adapter_dir, seaweed
         local = {f: (alpha / f).read_bytes() for f in FILES}
         expected = [(f, len(local[f]), sha(local[f])) for f in FILES]
         assert [(f.path, f.size, f.sha256) for f in manifest.files] == expected
+        assert [f.blake3 for f in manifest.files] == [blake3.blake3(local[f]).hexdigest() for f in FILES]
         assert manifest.adapter_sha256 == adapter_digest(sha(local[f]) for f in FILES)
         assert manifest.info.version == manifest.adapter_sha256[:16] == a.version
         assert manifest.config_json == local["adapter_config.json"].decode()
