@@ -17,7 +17,7 @@ COPY --from=build /wheels /wheels
 # The store needs only the light dependencies (no torch).
 RUN pip install --no-cache-dir /wheels/*.whl --no-deps \
  && pip install --no-cache-dir "grpcio>=1.66" "grpcio-health-checking>=1.66" "grpcio-reflection>=1.66" \
-      "protobuf>=5.27" "safetensors>=0.4" "numpy>=1.26" "boto3>=1.34" "prometheus-client>=0.20" "tqdm>=4.66" \
+      "protobuf>=5.27" "safetensors>=0.4" "blake3>=1.0" "numpy>=1.26" "boto3>=1.34" "prometheus-client>=0.20" "tqdm>=4.66" \
  && rm -rf /wheels
 COPY samples/adapters /opt/lora-serving/samples
 USER store

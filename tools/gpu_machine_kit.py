@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # The packages the GPU image lacks, or has older than the generated protobuf code accepts.
-WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "boto3", "botocore",
+WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "blake3", "boto3", "botocore",
           "s3transfer", "jmespath", "pyzmq", "msgpack", "prometheus-client", "python-dateutil", "urllib3", "six",
           # The OpenAI-compatible HTTP API (server, and grpc_bench's HTTP clients).
           "starlette", "uvicorn", "httptools", "click", "h11", "anyio", "sniffio", "idna", "typing_extensions",

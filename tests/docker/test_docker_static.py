@@ -272,3 +272,52 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     queried |= set(re.findall(r"\b(lora_node_[a-z_]+)", json.dumps(dashboard["templating"])))
     assert len(queried) > 15
     assert queried - exported_metric_names() == set()
+
+
+def _third_party_imports(*packages: str) -> set[str]:
+    """Top-level modules the packages import (anywhere, lazily too), the standard library's
+    and the project's own left out."""
+    import ast
+    import sys
+
+    modules = set()
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    modules |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules.add(node.module.split(".")[0])
+    return {m for m in modules if m not in sys.stdlib_module_names and m not in ("lora", "lora_common")}
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_store_image_installs_every_package_the_store_imports() -> None:
+    """The slim store image lists its dependencies by hand (no torch): a new import of the
+    store's must be installed there too, or the container fails at its first request."""
+    import importlib.metadata as md
+
+    text = (DOCKER / "adapter-store.Dockerfile").read_text()
+    listed = {_normalised(m.group(1)) for m in re.finditer(r'"([A-Za-z0-9_.\-]+)[<>=!~]', text)}
+    installed = set(listed)
+    stack = list(listed)
+    while stack:  # what the listed packages pull in themselves (botocore with boto3, ...)
+        try:
+            requires = md.requires(stack.pop()) or []
+        except md.PackageNotFoundError:
+            continue
+        for req in requires:
+            if "extra ==" in req:
+                continue
+            name = _normalised(re.match(r"[A-Za-z0-9_.\-]+", req).group(0))
+            if name not in installed:
+                installed.add(name)
+                stack.append(name)
+    distributions = md.packages_distributions()
+    needed = {m: {_normalised(d) for d in distributions.get(m, [m])}
+              for m in _third_party_imports("adapter_store", "lora_common")}
+    missing = {m for m, dists in needed.items() if not dists & installed}
+    assert not missing, f"adapter-store.Dockerfile does not install what these imports need: {sorted(missing)}"
