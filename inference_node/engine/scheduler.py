@@ -198,14 +198,14 @@ class Scheduler:
     def _admission_due(self, budget: int) -> bool:
         """Whether waiting requests may be admitted in this step (refill_wait_factor,
         prefill_delay_factor)."""
-        if not self.waiting:
-            return True
+        factor = self.config.prefill_delay_factor
+        if not self.waiting or (factor <= 0 and not self.refills_owed):
+            return True  # neither rule holds anyone (the usual case: no pass over the queue)
         if sum(r.num_tokens - r.num_computed for r in self.waiting) >= budget:
             return True  # a full step's worth of prompt is waiting
         waited = self.clock() - min(r.arrival for r in self.waiting)
         if self.refills_owed and waited < self._refill_wait():
             return False  # a burst's replacements are still arriving: one prefill step for them
-        factor = self.config.prefill_delay_factor
         if factor <= 0:
             return True
         if not any(r.status is Status.RUNNING and r.num_computed >= len(r.prompt_token_ids)
