@@ -147,6 +147,9 @@ def parser() -> EnvArgumentParser:
                             "numerically unsafe, FAILED_PRECONDITION (0: no bound; the overflow probe still runs)")
     serve.add_argument("--drain-seconds", type=float, default=10.0,
                        help="on SIGTERM, time running requests get to finish")
+    serve.add_argument("--drain-min-seconds", type=float, default=1.5,
+                       help="on SIGTERM, the least time the node answers NOT_SERVING (refusing new requests with "
+                            "UNAVAILABLE) before it closes its port, so a proxy's health checks see it first")
     serve.add_argument("--cpu-threads", type=int, default=0,
                        help="torch threads of an engine on the CPU (0: the cores less one, left to the front end)")
     serve.add_argument("--api-processes", type=int, default=1,
@@ -256,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print("inference-node serve: --api-processes must be at least 1", file=sys.stderr)
         return 2
     return serve_node(settings, ServeOptions(host=args.host, port=args.port, drain_seconds=args.drain_seconds,
+                                        drain_min_seconds=args.drain_min_seconds,
                                         api_processes=args.api_processes, log_level=args.log_level,
                                         http_port=args.http_port))
 

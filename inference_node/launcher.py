@@ -39,6 +39,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     drain_seconds: float = 10.0
+    drain_min_seconds: float = 1.5  # NOT_SERVING before the listener closes (server.NodeServer)
     api_processes: int = 1
     log_level: str = "INFO"
     http_port: int = 0   # the OpenAI-compatible HTTP API; 0: off
@@ -150,7 +151,7 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
             return 1
         server = NodeServer(settings, client, options.host, options.port, options.drain_seconds,
                             owns_core=True, reuse_port=options.api_processes > 1, metrics_dir=metrics_dir,
-                            http_port=options.http_port or None)
+                            http_port=options.http_port or None, unhealthy_seconds=options.drain_min_seconds)
         await server.start(serving=options.api_processes == 1)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -197,7 +198,8 @@ async def _frontend(index: int, settings: NodeSettings, options: ServeOptions, p
     client = EngineClient(core_address, output_address, f"frontend-{index}")
     await client.connect(60.0)
     server = NodeServer(settings, client, options.host, port, options.drain_seconds,
-                        owns_core=False, reuse_port=True, http_port=options.http_port or None)
+                        owns_core=False, reuse_port=True, http_port=options.http_port or None,
+                        unhealthy_seconds=options.drain_min_seconds)
     await server.start()
     ready.set()
     loop = asyncio.get_running_loop()

@@ -131,12 +131,17 @@ class NodeServer:
 
     def __init__(self, settings: NodeSettings, client: EngineClient, host: str, port: int,
                  drain_seconds: float = 10.0, owns_core: bool = True, reuse_port: bool = False,
-                 metrics_dir: str | None = None, http_port: int | None = None) -> None:
+                 metrics_dir: str | None = None, http_port: int | None = None,
+                 unhealthy_seconds: float = 0.0) -> None:
         self.settings = settings
         self.client = client
         self.host = host
         self.requested_port = port
         self.drain_seconds = drain_seconds
+        # A proxy keeps sending work until its health checks see NOT_SERVING; the listener
+        # stays open (refusing with UNAVAILABLE, which clients retry) at least this long, so
+        # no request reaches a connection that is closing (--drain-min-seconds).
+        self.unhealthy_seconds = unhealthy_seconds
         self.owns_core = owns_core
         self.reuse_port = reuse_port
         self.metrics_dir = metrics_dir   # several front ends: their metrics summed from here
@@ -233,18 +238,23 @@ class NodeServer:
         self.frontend.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_seconds
+        unhealthy_since = loop.time()
+        deadline = unhealthy_since + self.drain_seconds
+        closes_at = unhealthy_since + self.unhealthy_seconds
         if self.owns_core and not self.core_failed:
-            await self._drain_core(deadline)
+            await self._drain_core(deadline, closes_at)
         while self.client.streams and loop.time() < deadline + 2.0:  # their last messages
             await asyncio.sleep(0.02)
+        await asyncio.sleep(max(0.0, closes_at - loop.time()))
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace=1.0)
         self.client.close()
         log.info("inference node front end stopped")
 
-    async def _drain_core(self, deadline: float) -> None:
+    async def _drain_core(self, deadline: float, closes_at: float) -> None:
+        """Drains the core, and stops it once nothing runs and the port is about to close
+        (closes_at: the other front ends keep refusing through it until then)."""
         loop = asyncio.get_running_loop()
         try:
             await self.client.call("drain", timeout=5.0)
@@ -253,6 +263,7 @@ class NodeServer:
             while inflight and loop.time() < deadline:
                 await asyncio.sleep(0.05)
                 inflight = await self.client.call("inflight", timeout=5.0)
+            await asyncio.sleep(max(0.0, closes_at - loop.time()))
             await self.client.call("shutdown", timeout=5.0)
         except (CoreError, asyncio.TimeoutError) as exc:
             log.error("the engine core did not drain cleanly: %s", exc)

@@ -328,3 +328,23 @@ def test_a_thousand_open_streams_complete_and_memory_returns(tmp_path, tiny_llam
         code = node.terminate()
         node.stop()
     assert code == 0
+
+
+def test_an_idle_node_answers_not_serving_for_the_drain_minimum_before_it_closes(tmp_path, tiny_llama_path) -> None:
+    """Nothing runs, so the drain itself is instant; the port stays open, saying NOT_SERVING
+    and refusing new requests with a retryable UNAVAILABLE, until --drain-min-seconds have
+    passed, so a proxy's health checks take the node out of the pool before its connections
+    close."""
+    node = Node(tmp_path, tiny_llama_path, "--drain-min-seconds", "3")
+    sent = time.monotonic()
+    node.child.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: health(node.target) == health_pb2.HealthCheckResponse.NOT_SERVING, 5,
+             "health to say NOT_SERVING")
+    with NodeClient(node.target) as client, pytest.raises(grpc.RpcError) as refused:
+        client.generate(client.request(prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - sent < 3.0  # all of that inside the window
+    assert node.child.proc.wait(60) == 0
+    assert time.monotonic() - sent >= 3.0
+    node.assert_no_children()
+    node.stop()
