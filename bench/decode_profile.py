@@ -164,6 +164,10 @@ def main() -> None:
                         "choices other than the defaults); default: --mode default --mode serial")
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
+    p.add_argument("--tuning-table", default="auto",
+                   help="per-bucket launch choices, as `inference-node serve --tuning-table`: auto "
+                        "(the table filed for this GPU and shape, if any), off, or a path; a mode's "
+                        "own choices keep their values over the table's")
     p.add_argument("--timeline", action="store_true",
                    help="trace graph replays: where the step's chain of kernels idles, and why")
     args = p.parse_args()
@@ -174,6 +178,7 @@ def main() -> None:
     from inference_node.lora_step.eager import StepLoraApplier
     from inference_node.lora_step.overlap import LoraOverlap
     from kernels.tuning import DEFAULT_TUNING, tuning_from_text
+    from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
@@ -184,19 +189,20 @@ def main() -> None:
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
+    table = load_table(args.tuning_table, device_name(device), ModelShape.of(cfg)) if cuda else None
+    print(f"tuning table: {table.path if table is not None else 'none (' + args.tuning_table + ')'}")
     all_graphs = {}
     for mode in modes:
-        if mode in ("default", "serial"):
-            tuning = DEFAULT_TUNING
-        else:
-            tuning = tuning_from_text(dict(item.split("=", 1) for item in mode.split("/")))
+        given = {} if mode in ("default", "serial") else dict(item.split("=", 1) for item in mode.split("/"))
+        tuning = tuning_from_text(given) if given else DEFAULT_TUNING
+        steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
         if mode == "serial":
             def factory(meta, groups):
                 return StepLoraApplier(buffers, meta, groups)
         else:
-            factory = LoraOverlap(buffers, args.batch, tuning).applier
+            factory = LoraOverlap(buffers, args.batch, steps.base).applier
         lora = GraphLora(factory, buffers.max_loras, buffers.groups_of, buffers.module_rows)
-        graphs = DecodeGraphs(model.with_tuning(tuning), kv, scratch_block=args.batch * per_seq,
+        graphs = DecodeGraphs(model.with_step_tunings(steps), kv, scratch_block=args.batch * per_seq,
                               max_model_len=max_len, max_batch=args.batch, lora=lora,
                               **single_group_variants(names))
         graphs.sizes = [args.batch]  # only the batch size profiled here

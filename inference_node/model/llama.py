@@ -179,6 +179,13 @@ class LlamaModel:
         model.step_tunings, model._by_tuning = None, {}  # this tuning for every step
         return model
 
+    def with_step_tunings(self, steps: StepTunings) -> "LlamaModel":
+        """The same weights with each step's launch choices taken from `steps` (a benchmark
+        comparing a tuning table against none)."""
+        model = self.with_tuning(steps.base)
+        model.step_tunings = steps
+        return model
+
     def for_step(self, rows: int, adapters: int = 0) -> "LlamaModel":
         """The model with the launch choices of a step of `rows` rows (tokens, or a graph's
         padded batch) and `adapters` distinct adapters: its bucket's in the tuning table,
