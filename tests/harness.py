@@ -23,9 +23,13 @@ class InProcessNode:
     with the engine in reach of the test (tests/node/test_node_processes.py runs the real
     processes)."""
 
-    def __init__(self, settings: NodeSettings, start_timeout: float = 60.0, drain_seconds: float = 2.0,
-                 http: bool = False) -> None:
-        """http: also serve the OpenAI-compatible HTTP API on a free port (`http_url`)."""
+    def __init__(self, settings: NodeSettings, start_timeout: float | None = None,
+                 drain_seconds: float = 2.0, http: bool = False) -> None:
+        """http: also serve the OpenAI-compatible HTTP API on a free port (`http_url`).
+        start_timeout: None waits 60 s on CPU and 600 s on a GPU, where the core's warm-up
+        compiles every kernel variant it may launch (minutes on a machine with no Triton cache)."""
+        if start_timeout is None:
+            start_timeout = 60.0 if settings.device == "cpu" else 600.0
         self.node = build_node(settings)
         self.engine = self.node.engine
         self.ipc_dir = tempfile.mkdtemp(prefix="lora-test-node-")
