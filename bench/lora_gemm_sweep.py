@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from bench.common import copy_bandwidth
-from kernels.gemm import GemmLora
+from kernels.gemm import GemmLora, fold_counters
 from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
 from kernels.gemm.triton_kernel import decode_gemm_tma, decode_gemm_triton
 from kernels.lora.meta import SEGMENT_TABLE_RANKS, LoraBatchMeta
@@ -71,8 +71,7 @@ def folds(k: int, outs: list[int], adapters: int, device: torch.device) -> list[
             segment_table=table_meta.segment_table, segments=max(1, adapters),
             rank_col=SEGMENT_TABLE_RANKS, max_rank=r, token_slots=meta.token_slots,
             token_rows=table_meta.token_table,
-            xa=torch.zeros(64, slices * r, device=device), sync=torch.zeros(2, dtype=torch.int64,
-                                                                            device=device)))
+            xa=torch.zeros(64, slices * r, device=device), sync=fold_counters(device=device)))
     return out
 
 

@@ -61,7 +61,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from bench.common import RANDOM_MODELS, bench_model_config
-from kernels.gemm import GemmLora
+from kernels.gemm import GemmLora, fold_counters
 from kernels.gemm.shapes import MAX_ROWS, tiling as fitted_tiling
 from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
 from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError, device_name,
@@ -321,7 +321,7 @@ def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int,
         out.append(GemmLora(a_all, b_all, scaling, offsets, meta.segment_table, adapters,
                             SEGMENT_TABLE_RANKS, rank, meta.token_slots,
                             meta.token_table[:, :2 * slices], xa,
-                            torch.zeros(2, dtype=torch.int64, device=device), expand))
+                            fold_counters(device=device), expand))
     return out
 
 

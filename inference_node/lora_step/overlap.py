@@ -42,7 +42,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
-from kernels.gemm import GemmLora
+from kernels.gemm import GemmLora, fold_counters
 from kernels.lora import (MODULE_COLUMNS, SEGMENT_TABLE_RANKS, ColumnSplit, LoraBatchMeta,
                           LoraDelta, lora_expand, lora_shrink_partials, lora_workspace_numel)
 from kernels.tuning import DEFAULT_TUNING, Tuning
@@ -94,8 +94,8 @@ class LoraOverlap:
         # so no full fold's launch overwrites them before that op has read them.
         self.shrink_fold_xa = (torch.empty(max_tokens, ranks, dtype=torch.float32, device=device)
                                if self.shrink_fold_groups else None)
-        self.fold_sync = (torch.zeros(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES), 2,
-                                      dtype=torch.int64, device=device)
+        self.fold_sync = (fold_counters(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES),
+                                        device=device)
                           if any_fold else None)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The add + norm's per-row arrival counts and partial sums over the hidden width (o's

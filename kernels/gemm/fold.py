@@ -25,6 +25,27 @@ import torch
 from ..lora.delta import ColumnSplit, LoraDelta, scaled_shrink
 from ..lora.rows import gather_rows
 
+# A whole fold's tiles wait for its shrink programs through two counters that only grow
+# (tickets taken, shrinks finished): launch i of a site owns tickets i*programs ..
+# (i+1)*programs - 1, so every launch on the same counters must have the same grid
+# (segments x slices + N / block_n). A site's segments pick its counters (lora_step/overlap.py);
+# the tuning table may give steps of other sizes another block_n at the same segments, so the
+# counters hold one row per block_n a tiling may take.
+SYNC_BLOCK_N = (16, 32, 64, 128, 256)
+
+
+def fold_counters(*sites: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Zeroed counters for launch sites of shape `sites`: [*sites, len(SYNC_BLOCK_N), 2]."""
+    return torch.zeros(*sites, len(SYNC_BLOCK_N), 2, dtype=torch.int64, device=device)
+
+
+def counters_for(sync: torch.Tensor, block_n: int) -> torch.Tensor:
+    """The [2] counters of a site's launches of `block_n` columns a tile."""
+    if block_n not in SYNC_BLOCK_N:
+        raise ValueError(f"a fold's block_n is one of {SYNC_BLOCK_N}, not {block_n}")
+    return sync[SYNC_BLOCK_N.index(block_n)]
+
+
 @dataclass(frozen=True)
 class GemmLora:
     """What the matmul of one fused group needs to add its LoRA (adapters/slots.py layout:
@@ -43,8 +64,8 @@ class GemmLora:
     token_slots: torch.Tensor    # [T] int32, -1 for none (the reference's input)
     token_rows: torch.Tensor     # [T, 2 x slices] int32: each row's (rank, first row) per slice
     xa: torch.Tensor             # [>= T, slices x R] float32 scratch for the shrink's rows
-    sync: torch.Tensor           # [2] int64 counters of one launch site and grid size, zero
-                                 # before its first launch (tickets, finished shrinks)
+    sync: torch.Tensor           # [len(SYNC_BLOCK_N), 2] int64 counters of one launch site
+                                 # (fold_counters), zero before its first launch
     # False: the launch only shrinks beside the matmul (y = x @ W, xa's rows stored) and the
     # op after it expands (unexpanded()): the fold of a group whose next op reads B anyway.
     expand: bool = True

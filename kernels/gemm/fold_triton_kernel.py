@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..host import dot_f32, next_power_of_2, pdl_launch
-from .fold import GemmLora, gemm_lora_fits
+from .fold import GemmLora, counters_for, gemm_lora_fits
 from .triton_kernel import prefetch_l2
 
 
@@ -247,7 +247,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
     grid = (lora.segments * slices + N // block_n,)
     _decode_gemm_lora_kernel[grid](
         descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
-        lora.token_rows, lora.sync, M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk,
+        lora.token_rows, counters_for(lora.sync, block_n), M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk,
         y.stride(0), lora.b_all.stride(0), lora.token_rows.stride(0), lora.xa.stride(0),
         table.stride(0), lora.rank_col,
         K=K, R=r, N_SLICES=slices, ROWS=rows, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -160,7 +160,7 @@ def make_gemm_lora(case: LoraCase, segments: int):
     segment table padded with empty segments up to `segments` rows (other modules' columns
     before this group's), its token table, and a scratch full of NaN (a kernel reading rows no
     shrink wrote would spread them)."""
-    from kernels.gemm import GemmLora
+    from kernels.gemm import GemmLora, fold_counters
     from kernels.lora import SEGMENT_TABLE_RANKS
 
     device = case.x.device
@@ -172,7 +172,7 @@ def make_gemm_lora(case: LoraCase, segments: int):
         rank_col=SEGMENT_TABLE_RANKS + 2, max_rank=case.max_rank,
         token_slots=case.meta.token_slots, token_rows=table_meta.token_table[:, 2:2 + 2 * n],
         xa=torch.full((len(case.token_slots), n * case.max_rank), float("nan"), device=device),
-        sync=torch.zeros(2, dtype=torch.int64, device=device))
+        sync=fold_counters(device=device))
 
 
 def random_slots(gen: torch.Generator, T: int, num_slots: int, used: Sequence[int],

@@ -743,9 +743,10 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
     """The decode GEMM with LoRA folded in (kernels/gemm/fold.py): x @ W plus every row's
     delta, slices side by side, rows without an adapter and empty padding segments left
     alone, ranks below the slot pool's; launched three times on the same counters (tickets and
-    finished shrinks only grow: each launch must find its own)."""
+    finished shrinks only grow: each launch must find its own), then with another block_n (a
+    tuning table's tiling for steps of another size), whose grid has counters of its own."""
     from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
-    from kernels.gemm import gemm_lora_fits
+    from kernels.gemm import counters_for, gemm_lora_fits
 
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(rows)
@@ -756,11 +757,16 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
     assert gemm_lora_fits(lora, sum(outs), 16)
     expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
-    programs = segments * len(outs) + sum(outs) // 16
+    shrinks = segments * len(outs)
     for launch in range(1, 4):
         y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
         assert_close_scaled(y, expected, dt)
-        assert lora.sync.tolist() == [launch * programs, launch * segments * len(outs)]
+        assert counters_for(lora.sync, 16).tolist() == [launch * (shrinks + sum(outs) // 16),
+                                                        launch * shrinks]
+    y = decode_gemm_lora_triton(case.x, w, lora, block_n=32, block_k=64, num_stages=2)
+    assert_close_scaled(y, expected, dt)
+    assert counters_for(lora.sync, 32).tolist() == [shrinks + sum(outs) // 32, shrinks]
+    assert counters_for(lora.sync, 16).tolist() == [3 * (shrinks + sum(outs) // 16), 3 * shrinks]
 
 
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
@@ -797,7 +803,7 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
     y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
     assert_close_scaled(y, case.x.float().cpu() @ w.float().cpu(), dt)
-    assert lora.sync.tolist() == [0, 0]
+    assert not lora.sync.any()  # a shrink-only launch waits on no counters
     active = torch.tensor(slots) >= 0
     assert torch.isnan(lora.xa.cpu()[~active]).all()
     with_delta = (y.float().cpu() + naive_delta(case)).to(dt).to(DEVICE)
