@@ -5,8 +5,9 @@ Layout under the root:
   refs/cd/<sha256(ref)>    {"ref": "<bucket>/<key>#<etag>", "sha256": ..., "size": ..., "blake3": ...}
   tmp/                     downloads in progress; renamed into blobs/ only once complete
 
-A download is written to tmp/, fsynced and atomically renamed once its sha256 (and the
-ETag check of the filler) passed; a crash leaves only a tmp file, which the next start
+A download is written to tmp/, fsynced and atomically renamed once it passed its checks:
+the expected BLAKE3 or sha256 where the caller knows one (the catalog's record of these
+bytes), else the filler's (the S3 ETag's MD5); a crash leaves only a tmp file, which the next start
 deletes. Concurrent requests for the same ref share one download (single flight), and
 can read it while it is in progress; they hear that it is verified before it is fsynced,
 so durability is not on their path. Blobs found on disk at start are re-hashed on first use.
@@ -35,7 +36,8 @@ import blake3
 
 log = logging.getLogger(__name__)
 
-# Writes the object into the file it is given and returns its (sha256 hex, size).
+# Writes the object into the file it is given and returns its (sha256 hex, size); the sha256
+# may be "" when the cache is given the BLAKE3 to expect (the cache hashes BLAKE3 as it writes).
 Filler = Callable[[BinaryIO], tuple[str, int]]
 MAX_SHARD_TABLES = 16384  # shard digest tables kept (each a few KB at most)
 
@@ -252,21 +254,25 @@ class DiskCache:
         self._touch(sha, size)
         return Blob(sha, size, path, known)
 
-    def get(self, ref: str, fill: Filler, expected_sha256: str | None = None) -> Blob:
+    def get(self, ref: str, fill: Filler, expected_sha256: str | None = None, expected_blake3: str = "") -> Blob:
         """The blob for `ref`, downloading it with `fill` when absent. Concurrent callers of
         one ref share a single download; its error, if any, reaches all of them."""
-        reader = self.open(ref, fill, expected_sha256)
+        reader = self.open(ref, fill, expected_sha256, expected_blake3=expected_blake3)
         try:
             return reader.wait_complete(stored=True)
         finally:
             reader.close()
 
     def open(self, ref: str, fill: Filler, expected_sha256: str | None = None,
-             timeout_s: float | None = None) -> "BlobReader":
+             timeout_s: float | None = None, expected_blake3: str = "") -> "BlobReader":
         """A reader of the ref's bytes: from the cached blob, or from the download in
         progress (started here if none is), serving each byte as soon as it is on disk.
         Bytes read before the download completes are unverified: wait_complete() raises
-        if the download then fails its checks."""
+        if the download then fails its checks. A download is checked against
+        `expected_blake3` and/or `expected_sha256` where given; with both, the BLAKE3 match
+        proves these are the bytes whose sha256 was recorded, and `fill` need not hash them."""
+        if expected_blake3 and expected_sha256 is None:
+            raise ValueError("expected_blake3 comes with the expected_sha256 the blob is named by")
         for attempt in range(3):
             with self._lock:
                 download = self._inflight.get(ref)
@@ -298,23 +304,31 @@ class DiskCache:
             if start:
                 if self.on_miss:
                     self.on_miss()
-                threading.Thread(target=self._fill, args=(ref, download, fill, expected_sha256),
+                threading.Thread(target=self._fill, args=(ref, download, fill, expected_sha256, expected_blake3),
                                  name="cache-fill", daemon=True).start()
             break
         return BlobReader.of_download(download, timeout_s)
 
-    def _fill(self, ref: str, download: "_Download", fill: Filler, expected_sha256: str | None) -> None:
+    def _fill(self, ref: str, download: "_Download", fill: Filler, expected_sha256: str | None,
+              expected_blake3: str) -> None:
         tmp = download.tmp_path
         try:
             with open(tmp, "wb", buffering=0) as raw:
                 writer = _ProgressWriter(raw, download)
                 sha, size = fill(writer)
-                if expected_sha256 is not None and sha != expected_sha256:
+                b3 = writer.blake3.hexdigest()
+                if expected_blake3 and b3 != expected_blake3:
+                    raise CacheCorrupt(f"{ref}: downloaded BLAKE3 {b3}, expected {expected_blake3}")
+                if sha and expected_sha256 is not None and sha != expected_sha256:
                     raise CacheCorrupt(f"{ref}: downloaded sha256 {sha}, expected {expected_sha256}")
+                if not sha:  # the filler left the proof to the expected BLAKE3
+                    if not expected_blake3 or expected_sha256 is None:
+                        raise ValueError(f"{ref}: the filler hashed nothing and no BLAKE3 was expected")
+                    sha = expected_sha256
                 if os.fstat(raw.fileno()).st_size != size:
                     raise CacheCorrupt(f"{ref}: wrote {os.fstat(raw.fileno()).st_size} bytes, expected {size}")
                 final = self._blob_path(sha)
-                blob = Blob(sha, size, final, writer.blake3.hexdigest())
+                blob = Blob(sha, size, final, b3)
                 download.verify(blob)  # streams may finish now; the fsync is the cache's own business
                 os.fsync(raw.fileno())
             final.parent.mkdir(exist_ok=True)
