@@ -341,8 +341,10 @@ class DiskCache:
             self._evict(keep=sha)
             download.finish(blob, None)
         except BaseException as exc:
-            tmp.unlink(missing_ok=True)
+            # Failed first, then removed: a reader opening the download meanwhile hears the
+            # error rather than finding no file.
             download.finish(None, exc)
+            tmp.unlink(missing_ok=True)
         finally:
             with self._lock:
                 self._inflight.pop(ref, None)
