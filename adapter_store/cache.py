@@ -12,8 +12,8 @@ deletes. Concurrent requests for the same ref share one download (single flight)
 can read it while it is in progress; they hear that it is verified before it is fsynced,
 so durability is not on their path. Blobs found on disk at start are re-hashed on first use.
 
-Per verified blob the cache also keeps, in memory, the sha256 of each shard of a given size
-(`shard_digests`), so a blob streamed again is not hashed again. Each blob's BLAKE3 is
+Per verified blob the cache also keeps, in memory, the digest (sha256 or BLAKE3) of each
+shard of a given size (`shard_digests`), so a blob streamed again is not hashed again. Each blob's BLAKE3 is
 computed as it is written (or when a blob found at start is re-hashed) and kept in its ref:
 manifests carry it for the node, which checks it instead of the sha256.
 """
@@ -193,7 +193,8 @@ class DiskCache:
         self._finished = 0  # downloads ended so far (open() notices one ending mid-lookup)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha256 -> size, oldest first
         self._verified: dict[str, str] = {}  # sha256 -> BLAKE3 of the blobs hashed since start
-        self._shard_digests: dict[tuple[str, int], tuple[str, ...]] = {}  # (sha256, shard size) -> hex
+        # (blob sha256, shard size, "sha256" or "blake3") -> each shard's digest, hex
+        self._shard_digests: dict[tuple[str, int, str], tuple[str, ...]] = {}
         self.total_bytes = 0
         for sub in ("blobs", "refs", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -417,16 +418,16 @@ class DiskCache:
 
     # ------------------------------------------------------------------ shard digests
 
-    def shard_digests(self, sha256: str, shard_bytes: int) -> tuple[str, ...] | None:
-        """The sha256 (hex) of each `shard_bytes` shard of a verified blob, if recorded."""
+    def shard_digests(self, sha256: str, shard_bytes: int, algorithm: str) -> tuple[str, ...] | None:
+        """The digest (hex, by `algorithm`) of each `shard_bytes` shard of a verified blob, if recorded."""
         with self._lock:
-            return self._shard_digests.get((sha256, shard_bytes))
+            return self._shard_digests.get((sha256, shard_bytes, algorithm))
 
-    def record_shard_digests(self, sha256: str, shard_bytes: int, digests: tuple[str, ...]) -> None:
+    def record_shard_digests(self, sha256: str, shard_bytes: int, algorithm: str, digests: tuple[str, ...]) -> None:
         """Remembers the shard digests of a blob read whole after it was verified. They are
         a function of the content, so they stay true while the blob does (dropped with it)."""
         with self._lock:
-            self._shard_digests[(sha256, shard_bytes)] = digests
+            self._shard_digests[(sha256, shard_bytes, algorithm)] = digests
             while len(self._shard_digests) > MAX_SHARD_TABLES:
                 del self._shard_digests[next(iter(self._shard_digests))]
 
