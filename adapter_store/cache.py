@@ -134,7 +134,14 @@ class BlobReader:
             if download.done and download.error is not None:
                 raise download.error
             path = download.blob.path if download.done and download.blob else download.tmp_path
-            return cls(os.open(path, os.O_RDONLY), download, download.blob, timeout_s)
+            try:
+                return cls(os.open(path, os.O_RDONLY), download, download.blob, timeout_s)
+            except FileNotFoundError:
+                # A failed download removes its partial file before it reports the failure:
+                # wait for that report (the fill does not need this lock to remove it).
+                if not download.cond.wait_for(lambda: download.done, timeout_s) or download.error is None:
+                    raise
+                raise download.error from None
 
     @property
     def streaming(self) -> bool:
@@ -342,10 +349,8 @@ class DiskCache:
             self._evict(keep=sha)
             download.finish(blob, None)
         except BaseException as exc:
-            # Failed first, then removed: a reader opening the download meanwhile hears the
-            # error rather than finding no file.
-            download.finish(None, exc)
             tmp.unlink(missing_ok=True)
+            download.finish(None, exc)
         finally:
             with self._lock:
                 self._inflight.pop(ref, None)

@@ -168,3 +168,29 @@ def test_a_download_that_misses_its_expected_blake3_is_refused_and_not_cached(tm
     assert cache.wait_idle(10)
     assert all(cache.lookup(f"b/{k}#e") is None for k in ("k", "k2", "k3"))
     assert cache.total_bytes == 0 and cache.partial_files() == []
+
+
+def test_a_reader_joining_a_failing_download_gets_its_error(tmp_path: Path) -> None:
+    """A download that fails removes its partial file, then reports: a caller that joins it
+    in between hears the download's error, never FileNotFoundError of the removed file."""
+    cache = DiskCache(tmp_path, 1 << 20)
+    seen: list[str] = []
+
+    def broken(out) -> tuple[str, int]:
+        out.write(b"x")
+        raise ConnectionError("store went away")
+
+    def get_many() -> None:
+        for _ in range(200):
+            try:
+                cache.get("b/k#e", broken)
+            except Exception as exc:
+                seen.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=get_many) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == ["ConnectionError"] * 600
+    assert cache.partial_files() == []
