@@ -289,7 +289,8 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
                 last = end_of_file and index == len(entry.files) - 1
                 await context.write(encode_shard(pb.AdapterShard(
                     file_index=index, path=file.path, offset=offset, file_size=size, last=last, manifest=manifest,
-                    adapter_sha256=entry.adapter_sha256 if last else "", **{algorithm: digest}), data))
+                    sha256="" if blake3_shards else digest, blake3=digest if blake3_shards else "",
+                    adapter_sha256=entry.adapter_sha256 if last else ""), data))
                 manifest = None
                 sent += len(data)
                 self.metrics.fetch_bytes.inc(len(data))
