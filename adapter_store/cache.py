@@ -5,14 +5,15 @@ Layout under the root:
   refs/cd/<sha256(ref)>    {"ref": "<bucket>/<key>#<etag>", "sha256": ..., "size": ..., "blake3": ...}
   tmp/                     downloads in progress; renamed into blobs/ only once complete
 
-A download is written to tmp/, fsynced and atomically renamed once its sha256 (and the
-ETag check of the filler) passed; a crash leaves only a tmp file, which the next start
+A download is written to tmp/, fsynced and atomically renamed once it passed its checks:
+the expected BLAKE3 or sha256 where the caller knows one (the catalog's record of these
+bytes), else the filler's (the S3 ETag's MD5); a crash leaves only a tmp file, which the next start
 deletes. Concurrent requests for the same ref share one download (single flight), and
 can read it while it is in progress; they hear that it is verified before it is fsynced,
 so durability is not on their path. Blobs found on disk at start are re-hashed on first use.
 
-Per verified blob the cache also keeps, in memory, the sha256 of each shard of a given size
-(`shard_digests`), so a blob streamed again is not hashed again. Each blob's BLAKE3 is
+Per verified blob the cache also keeps, in memory, the digest (sha256 or BLAKE3) of each
+shard of a given size (`shard_digests`), so a blob streamed again is not hashed again. Each blob's BLAKE3 is
 computed as it is written (or when a blob found at start is re-hashed) and kept in its ref:
 manifests carry it for the node, which checks it instead of the sha256.
 """
@@ -35,7 +36,8 @@ import blake3
 
 log = logging.getLogger(__name__)
 
-# Writes the object into the file it is given and returns its (sha256 hex, size).
+# Writes the object into the file it is given and returns its (sha256 hex, size); the sha256
+# may be "" when the cache is given the BLAKE3 to expect (the cache hashes BLAKE3 as it writes).
 Filler = Callable[[BinaryIO], tuple[str, int]]
 MAX_SHARD_TABLES = 16384  # shard digest tables kept (each a few KB at most)
 
@@ -132,7 +134,14 @@ class BlobReader:
             if download.done and download.error is not None:
                 raise download.error
             path = download.blob.path if download.done and download.blob else download.tmp_path
-            return cls(os.open(path, os.O_RDONLY), download, download.blob, timeout_s)
+            try:
+                return cls(os.open(path, os.O_RDONLY), download, download.blob, timeout_s)
+            except FileNotFoundError:
+                # A failed download removes its partial file before it reports the failure:
+                # wait for that report (the fill does not need this lock to remove it).
+                if not download.cond.wait_for(lambda: download.done, timeout_s) or download.error is None:
+                    raise
+                raise download.error from None
 
     @property
     def streaming(self) -> bool:
@@ -191,7 +200,8 @@ class DiskCache:
         self._finished = 0  # downloads ended so far (open() notices one ending mid-lookup)
         self._lru: OrderedDict[str, int] = OrderedDict()  # sha256 -> size, oldest first
         self._verified: dict[str, str] = {}  # sha256 -> BLAKE3 of the blobs hashed since start
-        self._shard_digests: dict[tuple[str, int], tuple[str, ...]] = {}  # (sha256, shard size) -> hex
+        # (blob sha256, shard size, "sha256" or "blake3") -> each shard's digest, hex
+        self._shard_digests: dict[tuple[str, int, str], tuple[str, ...]] = {}
         self.total_bytes = 0
         for sub in ("blobs", "refs", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -252,21 +262,25 @@ class DiskCache:
         self._touch(sha, size)
         return Blob(sha, size, path, known)
 
-    def get(self, ref: str, fill: Filler, expected_sha256: str | None = None) -> Blob:
+    def get(self, ref: str, fill: Filler, expected_sha256: str | None = None, expected_blake3: str = "") -> Blob:
         """The blob for `ref`, downloading it with `fill` when absent. Concurrent callers of
         one ref share a single download; its error, if any, reaches all of them."""
-        reader = self.open(ref, fill, expected_sha256)
+        reader = self.open(ref, fill, expected_sha256, expected_blake3=expected_blake3)
         try:
             return reader.wait_complete(stored=True)
         finally:
             reader.close()
 
     def open(self, ref: str, fill: Filler, expected_sha256: str | None = None,
-             timeout_s: float | None = None) -> "BlobReader":
+             timeout_s: float | None = None, expected_blake3: str = "") -> "BlobReader":
         """A reader of the ref's bytes: from the cached blob, or from the download in
         progress (started here if none is), serving each byte as soon as it is on disk.
         Bytes read before the download completes are unverified: wait_complete() raises
-        if the download then fails its checks."""
+        if the download then fails its checks. A download is checked against
+        `expected_blake3` and/or `expected_sha256` where given; with both, the BLAKE3 match
+        proves these are the bytes whose sha256 was recorded, and `fill` need not hash them."""
+        if expected_blake3 and expected_sha256 is None:
+            raise ValueError("expected_blake3 comes with the expected_sha256 the blob is named by")
         for attempt in range(3):
             with self._lock:
                 download = self._inflight.get(ref)
@@ -298,23 +312,31 @@ class DiskCache:
             if start:
                 if self.on_miss:
                     self.on_miss()
-                threading.Thread(target=self._fill, args=(ref, download, fill, expected_sha256),
+                threading.Thread(target=self._fill, args=(ref, download, fill, expected_sha256, expected_blake3),
                                  name="cache-fill", daemon=True).start()
             break
         return BlobReader.of_download(download, timeout_s)
 
-    def _fill(self, ref: str, download: "_Download", fill: Filler, expected_sha256: str | None) -> None:
+    def _fill(self, ref: str, download: "_Download", fill: Filler, expected_sha256: str | None,
+              expected_blake3: str) -> None:
         tmp = download.tmp_path
         try:
             with open(tmp, "wb", buffering=0) as raw:
                 writer = _ProgressWriter(raw, download)
                 sha, size = fill(writer)
-                if expected_sha256 is not None and sha != expected_sha256:
+                b3 = writer.blake3.hexdigest()
+                if expected_blake3 and b3 != expected_blake3:
+                    raise CacheCorrupt(f"{ref}: downloaded BLAKE3 {b3}, expected {expected_blake3}")
+                if sha and expected_sha256 is not None and sha != expected_sha256:
                     raise CacheCorrupt(f"{ref}: downloaded sha256 {sha}, expected {expected_sha256}")
+                if not sha:  # the filler left the proof to the expected BLAKE3
+                    if not expected_blake3 or expected_sha256 is None:
+                        raise ValueError(f"{ref}: the filler hashed nothing and no BLAKE3 was expected")
+                    sha = expected_sha256
                 if os.fstat(raw.fileno()).st_size != size:
                     raise CacheCorrupt(f"{ref}: wrote {os.fstat(raw.fileno()).st_size} bytes, expected {size}")
                 final = self._blob_path(sha)
-                blob = Blob(sha, size, final, writer.blake3.hexdigest())
+                blob = Blob(sha, size, final, b3)
                 download.verify(blob)  # streams may finish now; the fsync is the cache's own business
                 os.fsync(raw.fileno())
             final.parent.mkdir(exist_ok=True)
@@ -401,16 +423,16 @@ class DiskCache:
 
     # ------------------------------------------------------------------ shard digests
 
-    def shard_digests(self, sha256: str, shard_bytes: int) -> tuple[str, ...] | None:
-        """The sha256 (hex) of each `shard_bytes` shard of a verified blob, if recorded."""
+    def shard_digests(self, sha256: str, shard_bytes: int, algorithm: str) -> tuple[str, ...] | None:
+        """The digest (hex, by `algorithm`) of each `shard_bytes` shard of a verified blob, if recorded."""
         with self._lock:
-            return self._shard_digests.get((sha256, shard_bytes))
+            return self._shard_digests.get((sha256, shard_bytes, algorithm))
 
-    def record_shard_digests(self, sha256: str, shard_bytes: int, digests: tuple[str, ...]) -> None:
+    def record_shard_digests(self, sha256: str, shard_bytes: int, algorithm: str, digests: tuple[str, ...]) -> None:
         """Remembers the shard digests of a blob read whole after it was verified. They are
         a function of the content, so they stay true while the blob does (dropped with it)."""
         with self._lock:
-            self._shard_digests[(sha256, shard_bytes)] = digests
+            self._shard_digests[(sha256, shard_bytes, algorithm)] = digests
             while len(self._shard_digests) > MAX_SHARD_TABLES:
                 del self._shard_digests[next(iter(self._shard_digests))]
 

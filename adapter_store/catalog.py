@@ -288,15 +288,17 @@ class Catalog:
 
     def open_file(self, file: StoredFile, deadline: float | None) -> BlobReader:
         """A reader of a listed file: from the disk cache, or streaming from a download
-        (shared with concurrent fetches) that is checked against the sha256 recorded at
-        validation when it completes."""
+        (shared with concurrent fetches) that is checked, when it completes, against the
+        BLAKE3 recorded at validation (its sha256 where none was): that proves every byte,
+        so the download computes neither the ETag's MD5 nor a sha256 the check does not use."""
         def fill(out) -> tuple[str, int]:
-            result = self.s3.download(file.obj, out, deadline)
+            result = self.s3.download(file.obj, out, deadline, caller_checks="blake3" if file.blake3 else "sha256")
             self.metrics.s3_bytes.inc(result.size)
             return result.sha256, result.size
 
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self.cache.open(f"{self.s3.bucket}/{file.obj.key}#{file.obj.etag}", fill, file.sha256, timeout)
+        return self.cache.open(f"{self.s3.bucket}/{file.obj.key}#{file.obj.etag}", fill, file.sha256, timeout,
+                               expected_blake3=file.blake3)
 
     # ------------------------------------------------------------------ queries
 

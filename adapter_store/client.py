@@ -2,7 +2,8 @@
 
 `fetch()` writes each shard into one preallocated buffer, checks every file against the
 manifest's BLAKE3 (its sha256 when the manifest has none) and the whole adapter's sha256
-against the manifest, and the shards' own sha256 before resuming after them; when the
+against the manifest, and the shards' own digests (BLAKE3, or sha256 from an older store)
+before resuming after them; when the
 stream breaks it resumes from the last verified byte (with backoff) until its deadline.
 `watch()` yields catalog events and, with reconnect=True, survives store restarts by
 turning the fresh snapshot into the difference from what it had already reported.
@@ -195,7 +196,7 @@ class AdapterStoreClient:
                                  f"fetching {name!r} did not finish in {deadline_s:.1f}s ({state.progress()})")
             request = pb.FetchAdapterRequest(name=name, version=state.pinned_version, start_file=state.file_index,
                                              start_offset=state.offset, max_shard_bytes=self.max_shard_bytes,
-                                             verify=state.verify)
+                                             verify=state.verify, blake3_shards=True)
             call = self._fetch_stream(request, timeout=remaining, metadata=self.metadata)
             try:
                 try:
@@ -275,6 +276,12 @@ def expected_digest(entry: FileEntry) -> tuple[str, str]:
     return ("blake3", entry.blake3) if entry.blake3 else ("sha256", entry.sha256)
 
 
+def shard_digest(shard: pb.AdapterShard) -> tuple[str, str]:
+    """(algorithm, hex digest) of a shard's data as the store sent it: BLAKE3 when asked
+    for (FetchAdapterRequest.blake3_shards), sha256 from a store that predates it."""
+    return ("blake3", shard.blake3) if shard.blake3 else ("sha256", shard.sha256)
+
+
 class _Verifier:
     """Hashes each file as its bytes arrive, on a worker thread (hashlib and blake3 release the GIL), so
     the receiving thread only copies bytes into place. The shards' own digests are checked
@@ -285,15 +292,15 @@ class _Verifier:
         self.name = name
         self._files = ThreadPoolExecutor(1, thread_name_prefix="fetch-sha256")
         self._pending: deque[Future] = deque()
-        self._shards: list[tuple[memoryview, str, int, int]] = []  # (bytes, sha256, file, offset)
+        self._shards: list[tuple[memoryview, str, str, int, int]] = []  # (bytes, algorithm, hex, file, offset)
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
         self._pending.append(self._files.submit(fn, *args))
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # raises what a check found
 
-    def shard(self, data: memoryview, sha256: str, file_index: int, offset: int) -> None:
-        self._shards.append((data, sha256, file_index, offset))
+    def shard(self, data: memoryview, algorithm: str, digest: str, file_index: int, offset: int) -> None:
+        self._shards.append((data, algorithm, digest, file_index, offset))
 
     def file_bytes(self, digest: "hashlib._Hash | blake3.blake3", data: memoryview) -> None:
         self._submit(digest.update, data)
@@ -317,10 +324,11 @@ class _Verifier:
         """Every byte received so far is verified: whole files by their digest, the part of a
         file received before a stream broke by its shards' digests."""
         self.drain()
-        for data, sha256, file_index, offset in self._shards:
-            if hashlib.sha256(data).hexdigest() != sha256:
-                raise FileMismatch(f"adapter {self.name!r}: sha256 mismatch in file {file_index} at offset "
-                                   f"{offset}", file_index)
+        for data, algorithm, digest, file_index, offset in self._shards:
+            hasher = blake3.blake3 if algorithm == "blake3" else hashlib.sha256
+            if hasher(data).hexdigest() != digest:
+                raise FileMismatch(f"adapter {self.name!r}: {algorithm} mismatch in the shard of file "
+                                   f"{file_index} at offset {offset}", file_index)
         self._shards.clear()
 
     def quiesce(self) -> None:
@@ -394,7 +402,7 @@ class _FetchState:
         placed[:] = data
         if self._file_digest is None:
             self._file_digest = file_hasher(entry)
-        self.verifier.shard(placed, shard.sha256, self.file_index, shard.offset)
+        self.verifier.shard(placed, *shard_digest(shard), self.file_index, shard.offset)
         self.verifier.file_bytes(self._file_digest, placed)
         self.offset = end
         if end == entry.size:

@@ -4,7 +4,9 @@ Downloads go range by range with `If-Match: <ETag>`, so every byte comes from th
 object version; a broken or refused range is retried from the byte reached, with
 exponential backoff and jitter, until the caller's deadline. Data is written to the
 caller's file as it arrives (one chunk in memory at a time) while sha256 and, for
-single-part ETags, MD5 are computed; the MD5 must equal the ETag.
+single-part ETags, MD5 are computed; the MD5 must equal the ETag. A caller that checks the
+bytes against a digest it recorded for the object earlier (the catalog's sha256 or BLAKE3)
+says so (`caller_checks`), and the hashes that check makes redundant are not computed.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterator, Literal
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -31,6 +33,10 @@ _THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExc
 
 # Called after each chunk written by a download: (key, offset reached, chunk size).
 ChunkObserver = Callable[[str, int, int], None]
+# What a download's caller checks the bytes against itself, from its own record of them:
+# "" nothing (the ETag's MD5 is checked here), "sha256" (computed here, checked by the caller),
+# "blake3" (the caller hashes and checks it; neither MD5 nor sha256 is computed here).
+CallerCheck = Literal["", "sha256", "blake3"]
 
 
 class S3Error(Exception):
@@ -68,8 +74,8 @@ class ObjectInfo:
 @dataclass(frozen=True)
 class Downloaded:
     size: int
-    sha256: str
-    md5: str | None  # None when the ETag is not an MD5 (multipart uploads)
+    sha256: str      # empty when the caller checks BLAKE3 (caller_checks="blake3")
+    md5: str | None  # None when the ETag is not an MD5 (multipart uploads) or the caller checks a digest
 
 
 def make_client(endpoint_url: str | None = None, region: str | None = None, max_attempts: int = 5,
@@ -165,11 +171,15 @@ class S3Store:
         self.download(obj, buffer, deadline)
         return buffer.getvalue()
 
-    def download(self, obj: ObjectInfo, out: BinaryIO, deadline: float | None = None) -> Downloaded:
+    def download(self, obj: ObjectInfo, out: BinaryIO, deadline: float | None = None,
+                 caller_checks: CallerCheck = "") -> Downloaded:
         """Streams the object into `out`, resuming after failures until `deadline`
-        (time.monotonic() seconds; None waits forever)."""
-        sha = hashlib.sha256()
-        md5 = None if obj.multipart else hashlib.md5(usedforsecurity=False)
+        (time.monotonic() seconds; None waits forever). With `caller_checks`, the caller
+        compares the bytes with a digest it recorded for this object earlier: a match proves
+        every byte and the ETag's MD5 adds nothing to it, so the MD5 is skipped, and with
+        "blake3" the sha256 too."""
+        sha = None if caller_checks == "blake3" else hashlib.sha256()
+        md5 = None if obj.multipart or caller_checks else hashlib.md5(usedforsecurity=False)
         offset = 0
         backoff = Backoff(deadline)
         while offset < obj.size:
@@ -186,7 +196,8 @@ class S3Store:
                             out.write(chunk)
                         except OSError as exc:
                             raise LocalWriteFailed(f"writing {obj.key} locally failed: {exc}") from exc
-                        sha.update(chunk)
+                        if sha is not None:
+                            sha.update(chunk)
                         if md5 is not None:
                             md5.update(chunk)
                         offset += len(chunk)
@@ -213,7 +224,7 @@ class S3Store:
                 self._retry_or_give_up(obj, offset, exc, backoff)
         if md5 is not None and md5.hexdigest() != obj.etag:
             raise ObjectCorrupt(f"{obj.key}: MD5 of the bytes received is {md5.hexdigest()}, the ETag says {obj.etag}")
-        return Downloaded(offset, sha.hexdigest(), md5.hexdigest() if md5 else None)
+        return Downloaded(offset, sha.hexdigest() if sha else "", md5.hexdigest() if md5 else None)
 
     def _retry_or_give_up(self, obj: ObjectInfo, offset: int, exc: BaseException, backoff: Backoff) -> None:
         if self.on_retry is not None:

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -90,6 +91,14 @@ def _page_after(token: str) -> str:
         return check_name(base64.urlsafe_b64decode(token.encode()).decode())
     except (ValueError, UnicodeError):
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_token is not one this server issued") from None
+
+
+def _sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _blake3_hex(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
 
 
 def _serialize_shard(message: bytes | pb.AdapterShard) -> bytes:
@@ -211,7 +220,7 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
                 raise self._storage_error(entry, exc) from None
             try:
                 sent += await self._send_file(context, entry, index, reader, offset, shard_bytes, manifest,
-                                              fresh_digests=request.verify)
+                                              fresh_digests=request.verify, blake3_shards=request.blake3_shards)
             except _Abort:
                 raise
             except Exception as exc:
@@ -237,16 +246,20 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
 
     async def _send_file(self, context: grpc.aio.ServicerContext, entry: CatalogEntry, index: int,
                          reader: BlobReader, offset: int, shard_bytes: int,
-                         manifest: pb.AdapterManifest | None, fresh_digests: bool = False) -> int:
+                         manifest: pb.AdapterManifest | None, fresh_digests: bool = False,
+                         blake3_shards: bool = False) -> int:
         """Streams one file from `offset`, reading READ_AHEAD shards ahead of the one being sent.
-        Shards lie on a grid of `shard_bytes` from the file's start, so their sha256 can come
-        from the digests the cache recorded when the blob was last streamed whole; otherwise
-        they are hashed as they are read (and recorded once the whole file was). The file's
-        last shard goes out only once its bytes are complete and verified."""
+        Each shard carries its BLAKE3 where the client asked for it (blake3_shards), else its
+        sha256. Shards lie on a grid of `shard_bytes` from the file's start, so their digests
+        can come from those the cache recorded when the blob was last streamed whole;
+        otherwise they are hashed as they are read (and recorded once the whole file was).
+        The file's last shard goes out only once its bytes are complete and verified."""
         file = entry.files[index]
         size = file.obj.size
-        known = None if fresh_digests else self.cache.shard_digests(file.sha256, shard_bytes)
+        algorithm = "blake3" if blake3_shards else "sha256"
+        known = None if fresh_digests else self.cache.shard_digests(file.sha256, shard_bytes, algorithm)
         computed: list[str] | None = [] if known is None and offset == 0 else None
+        digest_of = _blake3_hex if blake3_shards else _sha256_hex
 
         def read(at: int) -> tuple[bytes, str]:  # on a worker thread
             n = min(shard_bytes - at % shard_bytes, size - at)
@@ -255,7 +268,7 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
                 raise _Abort(grpc.StatusCode.DATA_LOSS, f"{file.path} is shorter in the cache than listed")
             if known is not None and at % shard_bytes == 0:
                 return data, known[at // shard_bytes]
-            return data, hashlib.sha256(data).hexdigest()
+            return data, digest_of(data)
 
         loop = asyncio.get_running_loop()
         pending: deque[asyncio.Future] = deque()
@@ -275,15 +288,16 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
                     await asyncio.to_thread(reader.wait_complete)
                 last = end_of_file and index == len(entry.files) - 1
                 await context.write(encode_shard(pb.AdapterShard(
-                    file_index=index, path=file.path, offset=offset, sha256=digest, file_size=size,
-                    last=last, manifest=manifest, adapter_sha256=entry.adapter_sha256 if last else ""), data))
+                    file_index=index, path=file.path, offset=offset, file_size=size, last=last, manifest=manifest,
+                    sha256="" if blake3_shards else digest, blake3=digest if blake3_shards else "",
+                    adapter_sha256=entry.adapter_sha256 if last else ""), data))
                 manifest = None
                 sent += len(data)
                 self.metrics.fetch_bytes.inc(len(data))
                 offset = end
                 if end_of_file:
                     if computed is not None and size > 0:
-                        self.cache.record_shard_digests(file.sha256, shard_bytes, tuple(computed))
+                        self.cache.record_shard_digests(file.sha256, shard_bytes, algorithm, tuple(computed))
                     return sent
         finally:
             if pending:  # a cancelled stream: let the reads end before the reader closes

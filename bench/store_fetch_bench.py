@@ -23,6 +23,7 @@ processes keep freed large buffers for reuse as the node and the store do (lora_
 
     python -m bench.store_fetch_bench                # 100 MB, 3 runs each
     python -m bench.store_fetch_bench --mb 20 --runs 2
+    python -m bench.store_fetch_bench --single-part  # weights in one PUT: an MD5 ETag
 
 --disk-tier measures only the node's disk tier, no store: DiskTier.read of an --mb adapter
 that DiskTier.put wrote (under --workdir: put it on the disk to measure), into one reused
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mb", type=float, default=100.0, help="adapter size in MB")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--shard-kb", type=int, default=4096, help="the store's shard size")
+    parser.add_argument("--single-part", action="store_true",
+                        help="upload the weights in one PUT (their ETag is then their MD5, which a download "
+                             "without a recorded digest checks); default: multipart above 16 MiB, as push does")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads in this process (0: torch's default, as the node runs)")
     parser.add_argument("--disk-tier", action="store_true",
@@ -287,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
         server.create_bucket(BUCKET)
         folder = sized_adapter(Path(tmp) / NAME, args.mb, rank=RANK)
         s3_client = server.boto3_client()
-        push_adapter(folder, NAME, S3Store(BUCKET, s3_client), "adapters/", progress=False)
+        push_adapter(folder, NAME, S3Store(BUCKET, s3_client), "adapters/", progress=False,
+                     **({"multipart_bytes": 1 << 40} if args.single_part else {}))
         key = f"adapters/{NAME}/adapter_model.safetensors"
         weights_size = (folder / "adapter_model.safetensors").stat().st_size
         with safe_open(str(folder / "adapter_model.safetensors"), "np") as tensors:
@@ -370,7 +375,8 @@ def main(argv: list[str] | None = None) -> None:
             store.close()
 
     boto3_rate = rows[0][1].median
-    print(f"\nadapter: {weights_size / 1e6:.1f} MB safetensors; shards of {args.shard_kb} KiB; median and best of "
+    print(f"\nadapter: {weights_size / 1e6:.1f} MB safetensors ({'one PUT' if args.single_part else 'multipart'}); "
+          f"shards of {args.shard_kb} KiB; median and best of "
           f"{args.runs} runs; SeaweedFS and store on loopback; {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}; host memory "
           f"{'page-locked' if cuda else 'pageable'}\n")

@@ -131,3 +131,66 @@ def test_blobs_carry_their_blake3_also_from_refs_written_without_it(tmp_path: Pa
     ref.write_text(json.dumps(doc))
     assert DiskCache(tmp_path, 1 << 20).lookup("b/k#e") == blob
     assert json.loads(ref.read_text())["blake3"] == blob.blake3
+
+
+def unhashed_filler(data: bytes):
+    """A filler that leaves the proof to the cache's expected BLAKE3 (as S3 downloads of
+    cataloged files do)."""
+    def fill(out) -> tuple[str, int]:
+        out.write(data)
+        return "", len(data)
+    return fill
+
+
+def test_an_expected_blake3_proves_an_unhashed_download(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, 1 << 20)
+    data = os.urandom(20_000)
+    sha, b3 = hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest()
+    blob = cache.get("b/k#e", unhashed_filler(data), expected_sha256=sha, expected_blake3=b3)
+    assert blob.sha256 == sha and blob.blake3 == b3 and blob.path.read_bytes() == data
+    assert DiskCache(tmp_path, 1 << 20).lookup("b/k#e") == blob  # re-hashed at restart: it holds
+
+
+def test_a_download_that_misses_its_expected_blake3_is_refused_and_not_cached(tmp_path: Path) -> None:
+    cache = DiskCache(tmp_path, 1 << 20)
+    data = os.urandom(20_000)
+    sha, b3 = hashlib.sha256(data).hexdigest(), blake3.blake3(data).hexdigest()
+    rotten = bytearray(data)
+    rotten[777] ^= 1
+    with pytest.raises(CacheCorrupt, match="BLAKE3"):
+        cache.get("b/k#e", unhashed_filler(bytes(rotten)), expected_sha256=sha, expected_blake3=b3)
+    # a filler's sha256, when it computes one, is checked as well
+    with pytest.raises(CacheCorrupt, match="sha256"):
+        cache.get("b/k2#e", filler(data, []), expected_sha256="0" * 64, expected_blake3=b3)
+    # nothing hashed and nothing to check it by: refused, never named by a guess
+    with pytest.raises(ValueError, match="hashed nothing"):
+        cache.get("b/k3#e", unhashed_filler(data), expected_sha256=sha)
+    assert cache.wait_idle(10)
+    assert all(cache.lookup(f"b/{k}#e") is None for k in ("k", "k2", "k3"))
+    assert cache.total_bytes == 0 and cache.partial_files() == []
+
+
+def test_a_reader_joining_a_failing_download_gets_its_error(tmp_path: Path) -> None:
+    """A download that fails removes its partial file, then reports: a caller that joins it
+    in between hears the download's error, never FileNotFoundError of the removed file."""
+    cache = DiskCache(tmp_path, 1 << 20)
+    seen: list[str] = []
+
+    def broken(out) -> tuple[str, int]:
+        out.write(b"x")
+        raise ConnectionError("store went away")
+
+    def get_many() -> None:
+        for _ in range(200):
+            try:
+                cache.get("b/k#e", broken)
+            except Exception as exc:
+                seen.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=get_many) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == ["ConnectionError"] * 600
+    assert cache.partial_files() == []

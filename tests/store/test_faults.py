@@ -313,3 +313,61 @@ def test_decoded_shards_match_protobuf_in_any_field_order() -> None:
             pb.AdapterShard.FromString(broken)
         with pytest.raises(DecodeError):
             decode_shard(broken)
+
+
+def test_client_checks_shards_by_blake3_when_the_store_sends_it() -> None:
+    """A shard's BLAKE3 (the store answering blake3_shards) is what a resume checks the
+    bytes before it by; a shard from an older store carries only its sha256, checked instead."""
+    data = bytes(range(256)) * 8
+    manifest = _manifest(data)
+    first = _shard(manifest, 0, 0, b"{}", manifest=manifest.to_proto())
+
+    def settle(shard: pb.AdapterShard) -> StoreError | None:
+        state = _FetchState("x", "")
+        try:
+            state.accept(first)
+            state.accept(shard)
+            state.settle()  # a stream that broke here: the bytes so far must prove out
+            return None
+        except StoreError as exc:
+            return exc
+        finally:
+            state.close()
+
+    head = data[:1000]
+    assert settle(_shard(manifest, 1, 0, head, sha256="", blake3=blake3.blake3(head).hexdigest())) is None
+    error = settle(_shard(manifest, 1, 0, head, sha256="", blake3="0" * 64))
+    assert error is not None and error.code == grpc.StatusCode.DATA_LOSS and "blake3 mismatch" in error.details
+    # BLAKE3 wins when both are set: a right sha256 does not save a wrong BLAKE3
+    assert "blake3 mismatch" in settle(_shard(manifest, 1, 0, head, blake3="0" * 64)).details
+    assert settle(_shard(manifest, 1, 0, head)) is None  # an older store: sha256 only
+    assert "sha256 mismatch" in settle(_shard(manifest, 1, 0, head, sha256="0" * 64)).details
+
+
+def test_client_asks_for_blake3_shards() -> None:
+    """The request the client sends sets blake3_shards (an older store ignores it)."""
+    sent: list[pb.FetchAdapterRequest] = []
+    data = b"{}"
+    files = (FileEntry("adapter_config.json", 2, hashlib.sha256(data).hexdigest()),)
+    digest = adapter_digest(f.sha256 for f in files)
+    manifest = Manifest(AdapterInfo("x", digest[:16], valid=True), "{}", files, digest)
+
+    class Call:
+        def __init__(self, request: pb.FetchAdapterRequest) -> None:
+            sent.append(request)
+
+        def __iter__(self):
+            shard = pb.AdapterShard(file_index=0, path=files[0].path, offset=0, file_size=2, last=True,
+                                    sha256=files[0].sha256, manifest=manifest.to_proto(), adapter_sha256=digest)
+            yield shard, memoryview(data)
+
+        def cancel(self) -> None:
+            pass
+
+    client = AdapterStoreClient("127.0.0.1:1")
+    client._fetch_stream = lambda request, **kw: Call(request)
+    try:
+        assert bytes(client.fetch("x", deadline_s=5).files["adapter_config.json"]) == data
+    finally:
+        client.close()
+    assert len(sent) == 1 and sent[0].blake3_shards

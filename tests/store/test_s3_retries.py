@@ -90,3 +90,42 @@ def test_access_denied_is_final() -> None:
     with pytest.raises(ClientError):
         store(client).download(obj(), io.BytesIO(), time.monotonic() + 30)
     assert len(client.ranges) == 1
+
+
+class CountingHashes:
+    """Counts the md5 and sha256 objects hashlib makes while installed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import adapter_store.s3 as s3_module
+
+        self.made: list[str] = []
+        real = hashlib
+
+        class Counting:
+            def md5(inner, *a, **kw):
+                self.made.append("md5")
+                return real.md5(*a, **kw)
+
+            def sha256(inner, *a, **kw):
+                self.made.append("sha256")
+                return real.sha256(*a, **kw)
+
+        monkeypatch.setattr(s3_module, "hashlib", Counting())
+
+
+def test_md5_is_skipped_only_where_the_caller_checks_a_recorded_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With caller_checks the ETag is not compared (even a wrong one passes here: the caller's
+    digest is the check); without it, it still is. "blake3" leaves sha256 to nobody here."""
+    hashes = CountingHashes(monkeypatch)
+    wrong_etag = obj(etag="0" * 32)
+    with pytest.raises(ObjectCorrupt, match="MD5"):
+        store(ScriptedClient([])).download(wrong_etag, io.BytesIO())
+    assert sorted(hashes.made) == ["md5", "sha256"]
+    hashes.made.clear()
+    out = io.BytesIO()
+    result = store(ScriptedClient([])).download(wrong_etag, out, caller_checks="sha256")
+    assert hashes.made == ["sha256"] and result.md5 is None
+    assert out.getvalue() == DATA and result.sha256 == hashlib.sha256(DATA).hexdigest()
+    hashes.made.clear()
+    result = store(ScriptedClient([])).download(wrong_etag, io.BytesIO(), caller_checks="blake3")
+    assert hashes.made == [] and result.sha256 == "" and result.size == len(DATA)

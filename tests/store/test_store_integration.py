@@ -328,3 +328,80 @@ def test_a_second_store_on_a_taken_port_fails_instead_of_sharing_it(make_store) 
     port = int(first.address.rsplit(":", 1)[1])
     with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
         make_store(port=port, host="127.0.0.1")
+
+
+def test_shards_carry_blake3_for_clients_that_ask_and_sha256_for_older_ones(s3: S3Store, make_store,
+                                                                           adapter_dir) -> None:
+    """A client that sets blake3_shards gets each shard's BLAKE3 (and no sha256); one that
+    does not (older clients) gets the sha256 as before: cold (hashed as the bytes stream from
+    S3) and again warm (from the digests the cache recorded)."""
+    folder = adapter_dir("digests", rank=16, layers=4)
+    push(s3, folder, "digests")
+    weights = (folder / FILES[1]).read_bytes()
+    store = make_store()
+    stub = pb_grpc.AdapterStoreStub(grpc.insecure_channel(store.address))
+
+    def shards(**kw) -> list[pb.AdapterShard]:
+        request = pb.FetchAdapterRequest(name="digests", start_file=1, max_shard_bytes=4096, **kw)
+        return list(stub.FetchAdapter(request, timeout=10))
+
+    for blake3_shards in (True, False, True, False):
+        if blake3_shards:
+            store.cache.clear()  # the first of each kind streams from S3
+            assert store.cache.wait_idle(10)
+        got = shards(blake3_shards=blake3_shards)
+        assert b"".join(s.data for s in got) == weights and len(got) > 3
+        if blake3_shards:
+            assert all(s.blake3 == blake3.blake3(s.data).hexdigest() and s.sha256 == "" for s in got)
+        else:
+            assert all(s.sha256 == sha(s.data) and s.blake3 == "" for s in got)
+        assert store.cache.wait_idle(10)
+
+
+class CorruptingWriter:
+    """The cache's file, with one byte of what S3 sends flipped on its way in."""
+
+    def __init__(self, out, at: int) -> None:
+        self.out, self.at, self.seen = out, at, 0
+
+    def write(self, data: bytes) -> int:
+        if self.seen <= self.at < self.seen + len(data):
+            flipped = bytearray(data)
+            flipped[self.at - self.seen] ^= 0x01
+            data = bytes(flipped)
+        self.seen += len(data)
+        return self.out.write(data)
+
+
+def test_a_cold_download_that_misses_the_catalogs_blake3_is_refused(s3: S3Store, make_store, adapter_dir,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Cold fetches skip the ETag's MD5: what proves the bytes is the BLAKE3 the catalog
+    recorded. Bytes that go bad between S3 and the cache are refused (UNAVAILABLE, retried
+    by the client until its deadline), never cached, and the next clean download serves."""
+    folder = adapter_dir("rotting", rank=16, layers=4)
+    push(s3, folder, "rotting")
+    weights = (folder / FILES[1]).read_bytes()
+    store = make_store()
+    store.cache.clear()
+    s3_store = store.catalog.s3
+    real_download = s3_store.download
+    calls: list[str] = []
+
+    def corrupted(obj, out, deadline=None, caller_checks=""):
+        calls.append(caller_checks)
+        return real_download(obj, CorruptingWriter(out, obj.size // 2), deadline, caller_checks)
+
+    s3_store.download = corrupted
+    try:
+        with AdapterStoreClient(store.address) as client:
+            with pytest.raises(StoreError) as info:
+                client.fetch("rotting", deadline_s=2)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        heard = caplog.messages + [info.value.details]  # each refusal, as the client logged it
+        assert any("download failed its checksum" in m and "downloaded BLAKE3" in m for m in heard), heard
+        assert calls and set(calls) == {"blake3"}
+        assert store.cache.wait_idle(10) and not store.cache.contains(sha(weights))
+    finally:
+        s3_store.download = real_download
+    with AdapterStoreClient(store.address) as client:
+        assert bytes(client.fetch("rotting", deadline_s=30).weights) == weights
