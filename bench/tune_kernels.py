@@ -236,6 +236,22 @@ def weight_copies(N: int, K: int, copies: int, device: torch.device, dtype: torc
     return [first.t()] + [first.clone().t() for _ in range(copies - 1)]
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def bucket_top(batch: int, batches: list[int]) -> int:
+    """The most rows a step that takes `batch`'s bucket may have: one below the next bucket
+    swept, else the decode GEMM's MAX_ROWS. A tiling chosen at `batch` must also run there:
+    its kernels compile for row tiles of the next power of 2 (16 at least), which can take
+    more shared memory than `batch`'s did."""
+    return min([b - 1 for b in batches if b > batch] + [MAX_ROWS])
+
+
+def same_row_tile(a: int, b: int) -> bool:
+    return max(16, 1 << (a - 1).bit_length()) == max(16, 1 << (b - 1).bit_length())
+
+
 def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torch.device,
           dtype: torch.dtype, field: str, smoke: bool, budget_s: float,
           max_candidates: int | None = None) -> tuple[list[Measured], list[tuple[str, int]]]:
@@ -265,17 +281,20 @@ def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torc
                 skipped.append((group, batch))
                 continue
             w = weights[group]
-            x = torch.randn(batch, w[0].shape[0], generator=gen).to(device, dtype)
-            ref = x.float() @ w[0].float()
+            top = bucket_top(batch, batches)
+            inputs = [torch.randn(rows, w[0].shape[0], generator=gen).to(device, dtype)
+                      for rows in ([batch] if same_row_tile(batch, top) else [batch, top])]
+            x = inputs[0]
             timings: dict[Tiling, float] = {}
             rejected = []
             for option in options[group]:
                 tuning = DEFAULT_TUNING.replace(**{field: {**getattr(DEFAULT_TUNING, field), group: option}})
                 try:
-                    out = gemm_call(x, w[0], group, tuning, smoke)()
-                    err = ((out.float() - ref).norm() / ref.norm()).item()
-                    if not err <= MAX_REL_ERR:
-                        rejected.append(f"{option}: rel err {err:.1e}")
+                    errors = [(len(xi), rel_err(gemm_call(xi, w[0], group, tuning, smoke)(),
+                                                xi.float() @ w[0].float())) for xi in inputs]
+                    bad = [f"rel err {err:.1e} at {rows} rows" for rows, err in errors if not err <= MAX_REL_ERR]
+                    if bad:
+                        rejected.append(f"{option}: {', '.join(bad)}")
                         continue
                     timings[option] = timer(lambda wc, t=tuning: gemm_call(x, wc, group, t, smoke), w)
                 except Exception as exc:  # a tiling the compiler or the device refuses
@@ -402,21 +421,30 @@ def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int],
                 loras = fold_copies(K, slice_widths(shape, group), batch, adapters, rank, expand,
                                     copies[group], device, dtype, gen)
                 x = torch.randn(batch, K, generator=gen).to(device, dtype)
-                ref = x.float() @ w[0].float() + loras[0].delta(x)
+                checks = [(x, loras[0])]
+                top = bucket_top(batch, batches)
+                if not same_row_tile(batch, top):  # the bucket's largest step, checked untimed
+                    checks.append((torch.randn(top, K, generator=gen).to(device, dtype),
+                                   fold_copies(K, slice_widths(shape, group), top, adapters, rank,
+                                               expand, 1, device, dtype, gen)[0]))
+                refs = [xi.float() @ w[0].float() + li.delta(xi) for xi, li in checks]
                 timings: dict[Tiling, float] = {}
                 rejected = []
                 for option in options[group]:
                     tuning = DEFAULT_TUNING.replace(fold_tilings={**DEFAULT_TUNING.fold_tilings,
                                                                  group: option})
                     gemm = DecodeGemm(device, tuning)
-                    for lora in loras:  # each launch site's counters start at zero per grid size
+                    for lora in loras + [li for _, li in checks[1:]]:
                         lora.sync.zero_()
                     try:
-                        loras[0].xa.fill_(float("nan"))  # rows no shrink stores would spread
-                        out = folded_output(gemm(x, w[0], group=group, lora=loras[0]), loras[0])
-                        err = ((out - ref).norm() / ref.norm()).item()
-                        if not err <= MAX_REL_ERR:
-                            rejected.append(f"{option}: rel err {err:.1e}")
+                        bad = []
+                        for (xi, li), ref in zip(checks, refs):
+                            li.xa.fill_(float("nan"))  # rows no shrink stores would spread
+                            err = rel_err(folded_output(gemm(xi, w[0], group=group, lora=li), li), ref)
+                            if not err <= MAX_REL_ERR:
+                                bad.append(f"rel err {err:.1e} at {len(xi)} rows")
+                        if bad:
+                            rejected.append(f"{option}: {', '.join(bad)}")
                             continue
                         timings[option] = timer(
                             lambda c, g=gemm: (lambda: g(x, c[0], group=group, lora=c[1])),

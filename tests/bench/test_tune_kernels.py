@@ -268,3 +268,15 @@ def test_the_fold_sweep_on_the_gpu_writes_adapter_buckets(tmp_path: Path) -> Non
     assert table is not None and [(b.batch, b.adapters) for b in table.buckets] == [(64, 1), (64, 32)]
     assert "rel err" not in proc.stdout, proc.stdout
     print(proc.stdout)
+
+
+def test_a_bucket_is_checked_at_its_largest_step() -> None:
+    """A tiling chosen at a bucket's batch serves steps up to the next bucket: where those
+    compile a larger row tile, the sweep also runs it there (shared memory grows with it)."""
+    from bench.tune_kernels import bucket_top, same_row_tile
+
+    batches = [64, 32, 16, 8, 1]
+    assert [bucket_top(b, batches) for b in batches] == [64, 63, 31, 15, 7]
+    assert same_row_tile(1, 7) and same_row_tile(8, 15) and same_row_tile(16, 16)
+    assert not same_row_tile(16, 31) and not same_row_tile(32, 63)
+    assert bucket_top(4, [1, 4]) == 64  # the last bucket runs up to the decode GEMM's rows
