@@ -365,7 +365,7 @@ def format_row(s: Summary) -> str:
 
 
 def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list[str]:
-    """The issue's targets, each with what was measured."""
+    """The targets (issue 33's for d, c-32 and a), each with what was measured."""
     lines = []
 
     def ok(v: float, good: bool) -> str:
@@ -391,17 +391,17 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
                      + others(b))
     if a and d:
         r, r2 = d.decode_tps / a.decode_tps, d.e2e_tps / a.e2e_tps
-        lines.append(f"d/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.90: {ok(r, r >= 0.90)})"
+        lines.append(f"d/a throughput: decode {r:.3f}, end-to-end {r2:.3f}  (target >= 0.95: {ok(r, r >= 0.95)})"
                      + others(d))
     if a and c32:
         extra = c32.step_p50 - a.step_p50
         r = extra / adapter_read_32
         lines.append(f"{c32_key} extra decode step over a: {extra * 1e3:.3f} ms; reading 32 adapters' A and B at "
                      f"copy bandwidth: {adapter_read_32 * 1e3:.3f} ms; ratio {r:.2f}  "
-                     f"(target <= 1.5: {ok(r, r <= 1.5)}; {c32.adapters_per_step:.1f} adapters per decode step)")
+                     f"(target <= 1.25: {ok(r, r <= 1.25)}; {c32.adapters_per_step:.1f} adapters per decode step)")
     if a:
-        lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.5: "
-                     f"{ok(a.over_floor, a.over_floor <= 1.5)})")
+        lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.15: "
+                     f"{ok(a.over_floor, a.over_floor <= 1.15)})")
     if e:
         lora_rows = [s for k, s in by.items() if k not in ("a", "a2", "e") and not s.error]
         if lora_rows:
