@@ -133,7 +133,8 @@ class BlobReader:
         with download.cond:
             if download.done and download.error is not None:
                 raise download.error
-            path = download.blob.path if download.done and download.blob else download.tmp_path
+            # blob is set under this lock as the file is renamed, before the download is done
+            path = download.blob.path if download.blob is not None else download.tmp_path
             try:
                 return cls(os.open(path, os.O_RDONLY), download, download.blob, timeout_s)
             except FileNotFoundError:

@@ -11,7 +11,7 @@ from pathlib import Path
 import blake3
 import pytest
 
-from adapter_store.cache import CacheCorrupt, DiskCache
+from adapter_store.cache import Blob, BlobReader, CacheCorrupt, DiskCache, _Download
 
 
 def filler(data: bytes, calls: list[int], delay: float = 0.0):
@@ -194,3 +194,15 @@ def test_a_reader_joining_a_failing_download_gets_its_error(tmp_path: Path) -> N
         t.join()
     assert seen == ["ConnectionError"] * 600
     assert cache.partial_files() == []
+
+
+def test_a_reader_joining_a_download_just_renamed_opens_the_blob(tmp_path: Path) -> None:
+    """Between the rename of a download's file into blobs/ and its end, a joining reader opens
+    the blob by its new name (the partial file no longer exists), and reads it whole."""
+    download = _Download(tmp_path / "gone.part")
+    final = tmp_path / "blob"
+    final.write_bytes(b"weights")
+    download.blob = Blob(hashlib.sha256(b"weights").hexdigest(), 7, final, "")  # renamed, not done
+    with BlobReader.of_download(download, timeout_s=1) as reader:
+        download.finish(download.blob, None)
+        assert reader.read(0, 7) == b"weights"
