@@ -62,7 +62,7 @@ import torch
 
 from bench.common import RANDOM_MODELS, bench_model_config
 from kernels.gemm import GemmLora, fold_counters
-from kernels.gemm.shapes import MAX_ROWS, tiling as fitted_tiling
+from kernels.gemm.shapes import MAX_ROWS, row_tile, tiling as fitted_tiling
 from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
 from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError, device_name,
                                   load_table, table_name)
@@ -249,7 +249,7 @@ def bucket_top(batch: int, batches: list[int]) -> int:
 
 
 def same_row_tile(a: int, b: int) -> bool:
-    return max(16, 1 << (a - 1).bit_length()) == max(16, 1 << (b - 1).bit_length())
+    return row_tile(a) == row_tile(b)
 
 
 def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torch.device,

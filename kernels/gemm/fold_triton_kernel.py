@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import dot_f32, next_power_of_2, pdl_launch
+from ..host import dot_f32, pdl_launch
 from .fold import GemmLora, counters_for, gemm_lora_fits
+from .shapes import row_tile
 from .triton_kernel import prefetch_l2
 
 
@@ -226,7 +227,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
     if M == 0:
         return y
     r, slices = lora.rank, lora.slices
-    block_m = max(16, next_power_of_2(M))
+    block_m = row_tile(M)
     rows = lora.a_all.shape[1]
     a2d = lora.a_all.reshape(-1, K)
     assert a2d.stride(1) == 1 and lora.b_all.stride(1) == 1 and lora.xa.stride(1) == 1

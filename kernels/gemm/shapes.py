@@ -13,6 +13,12 @@ DEFAULT_TILING: Tiling = (16, 128, 4)  # a group without a tiling of its own
 SHARED_MEMORY = 200 << 10  # bytes of an SM's shared memory a launch's pipeline may fill
 
 
+def row_tile(rows: int) -> int:
+    """The row tile (BLOCK_M) a decode GEMM launch of `rows` rows compiles for: every row in
+    one tile, at least 16 (the tensor cores' smallest)."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
 def tiling(w: torch.Tensor, group: str | None, table: Mapping[str, Tiling]) -> Tiling | None:
     """(block_n, block_k, stages) for w [K, N] from the group's entry of `table` (one of the
     Tuning's tiling tables), None where no tiling divides it (the group's own, else 64-column

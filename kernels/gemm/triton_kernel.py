@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, dot_f32, next_power_of_2, pdl_launch
-from .shapes import MAX_ROWS, tma_fits
+from ..host import cdiv, dot_f32, pdl_launch
+from .shapes import MAX_ROWS, row_tile, tma_fits
 
 
 @triton.jit
@@ -126,7 +126,7 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    block_m = max(16, next_power_of_2(M))
+    block_m = row_tile(M)
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k])
     w_desc = TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k])
     _decode_gemm_tma_kernel[(N // block_n,)](
@@ -160,7 +160,7 @@ def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | Non
         prefetch_k = 0
     _decode_gemm_kernel[(cdiv(N, block_n),)](
         x, w, y, M, x.stride(0), w.stride(1), w.stride(0), y.stride(0),
-        K=K, BLOCK_M=max(16, next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+        K=K, BLOCK_M=row_tile(M), BLOCK_N=block_n, BLOCK_K=block_k,
         PDL=pdl, PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=line,
         DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
