@@ -37,9 +37,9 @@ A and B, each copy with its own launch counters as each layer has. Its winners g
 buckets (batch, adapters), each holding the base choices a step of that batch gets, and
 fold_tilings. Each field's sweep has its own --budget-s.
 
-Where the table's file exists for the same device and shape, the kinds of buckets not swept
-this time are kept from it (and its "node" choices): `--fields fold` adds the fold buckets to
-a table of base tilings already there.
+Where the table's file exists for the same device and shape, its buckets not swept this time
+are kept (and its "node" choices): `--fields fold` adds the fold buckets to a table of base
+tilings already there, and `--fields fold --batches 64 --adapters 32` re-tunes one bucket.
 
 Without CUDA (or with --smoke) it runs a CPU SMOKE: a tiny shape, two batches (with
 --fields fold, 1 and 16 adapters), three candidates, timed on the CPU through the PyTorch reference (or Triton's interpreter with
@@ -154,23 +154,26 @@ def table_for(results: list[Measured], field: str, device: str, shape: ModelShap
     best tiling beats the default by more than min_gain; a bucket where none does holds no
     choices of its own (so no smaller bucket's entry applies to it). A fold bucket (adapters
     above 0) also holds the base choices a step of its batch gets (a bucket stands alone over
-    the node's tuning, and the groups a step does not fold run the base GEMM). The kind of
-    buckets `results` has none of (base: adapters 0, or fold) comes from `existing`, as do
-    its node choices."""
+    the node's tuning, and the groups a step does not fold run the base GEMM). Buckets of
+    `existing` that this sweep did not measure are kept, as are its node choices."""
     base = winners([r for r in results if r.adapters == 0], min_gain)
     folds = winners([r for r in results if r.adapters > 0], min_gain)
     default_table = getattr(DEFAULT_TUNING, field)
     base_choices = {batch: ({field: {**default_table, **groups}} if groups else {})
                     for (batch, _), groups in base.items()}
     kept = []
-    if existing is not None and not base:
-        base_choices = {b.batch: dict(b.choices) for b in existing.buckets if b.adapters == 0}
-        kept.append("base")
-    if existing is not None and not folds:
-        folds = {(b.batch, b.adapters): {g: t for g, t in b.choices.get("fold_tilings", {}).items()
-                                         if DEFAULT_TUNING.fold_tilings.get(g) != t}
-                 for b in existing.buckets if b.adapters > 0}
-        kept.append("fold")
+    if existing is not None:
+        old_base = {b.batch: dict(b.choices) for b in existing.buckets
+                    if b.adapters == 0 and b.batch not in base_choices}
+        old_folds = {(b.batch, b.adapters): {g: t for g, t in b.choices.get("fold_tilings", {}).items()
+                                             if DEFAULT_TUNING.fold_tilings.get(g) != t}
+                     for b in existing.buckets if b.adapters > 0 and (b.batch, b.adapters) not in folds}
+        if old_base:
+            base_choices = {**old_base, **base_choices}
+            kept.append("base")
+        if old_folds:
+            folds = {**old_folds, **folds}
+            kept.append("fold")
 
     def base_for(batch: int) -> dict[str, Any]:  # the nearest base bucket's, as for_step picks
         below = [b for b in base_choices if b <= batch]

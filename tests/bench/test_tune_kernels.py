@@ -192,18 +192,21 @@ def test_fold_winners_go_into_adapter_buckets_over_their_batchs_base_choices() -
         assert steps.for_step(64, adapters).gemm_tma_tilings["qkv"] == (64, 128, 4)
     assert steps.for_step(64, 0).fold_tilings == DEFAULT_TUNING.fold_tilings
 
-    # A later sweep of one kind keeps the other kind's buckets of the table there.
+    # A later sweep keeps every bucket of the table there that it did not measure.
     new_base = [Measured("qkv", 64, DEFAULT_TUNING.gemm_tma_tilings["qkv"], 10.0, (128, 128, 4), 8.0)]
     again = table_for(new_base, "gemm_tma_tilings", table.device, shape, 0.02, "base again", table)
     raw = {(b["batch"], b["adapters"]): b["choices"] for b in again.to_json()["buckets"]}
-    assert list(raw) == [(64, 0), (64, 1), (64, 8), (64, 32)]
+    assert list(raw) == [(32, 0), (64, 0), (64, 1), (64, 8), (64, 32)]
+    assert raw[32, 0] == {"gemm_tma_tilings": {"qkv": [16, 256, 4]}}
     assert raw[64, 32] == {"gemm_tma_tilings": {"qkv": [128, 128, 4]}, "fold_tilings": {"qkv": [16, 256, 3]}}
-    assert "fold buckets kept from: test" in again.produced_by
-    new_fold = [fold_result("o", 32, 16, (16, 256, 4), 1.5)]
+    assert "base and fold buckets kept from: test" in again.produced_by
+    new_fold = [fold_result("o", 32, 16, (16, 256, 4), 1.5), fold_result("qkv", 64, 32, (64, 128, 4), 1.3)]
     again = table_for(new_fold, "gemm_tma_tilings", table.device, shape, 0.02, "fold again", table)
     raw = {(b["batch"], b["adapters"]): b["choices"] for b in again.to_json()["buckets"]}
-    assert list(raw) == [(32, 0), (32, 16), (64, 0)]
+    assert list(raw) == [(32, 0), (32, 16), (64, 0), (64, 1), (64, 8), (64, 32)]
     assert raw[32, 16] == {"gemm_tma_tilings": {"qkv": [16, 256, 4]}, "fold_tilings": {"o": [16, 256, 4]}}
+    assert raw[64, 32]["fold_tilings"] == {"qkv": [64, 128, 4]}  # re-tuned: the new sweep's
+    assert raw[64, 1]["fold_tilings"] == {"o": [32, 128, 4]}  # not swept again: kept
 
 
 def run_smoke(*args: str, interpret: bool = False, timeout: float = 300) -> str:
