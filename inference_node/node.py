@@ -29,7 +29,7 @@ from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
 from .model.config import ModelConfig
 from .model.llama import LORA_MODULES, LlamaModel
-from .parallel.group import TensorParallel, init_tensor_parallel
+from .parallel.group import TensorParallel, init_tensor_parallel, leave_tensor_parallel
 from .parallel.shard import Shard, ShardingError, check_divisible, tensor_parallel_tuning
 from .parallel.workers import Workers
 from .tokenizer import TextCodec
@@ -109,13 +109,10 @@ class Node:
         """Stops the other tensor-parallel ranks (the engine loop has ended)."""
         if self.ranks is not None:
             started = time.monotonic()
-            self.ranks.stop()
+            # The group goes too: this process may build another node.
+            self.ranks.stop(leave=leave_tensor_parallel)
             self.ranks = None
-            stopped = time.monotonic()
-            if torch.distributed.is_initialized():  # this process may build another node
-                torch.distributed.destroy_process_group()
-            log.info("tensor-parallel ranks stopped in %.1fs, the process group destroyed in %.1fs",
-                     stopped - started, time.monotonic() - stopped)
+            log.info("tensor-parallel ranks and their process group stopped in %.1fs", time.monotonic() - started)
 
     @property
     def model_name(self) -> str:
@@ -308,11 +305,9 @@ def build_node(settings: NodeSettings) -> Node:
         return _assemble(settings, parts, ranks, started)
     except BaseException:
         if ranks is not None:
-            ranks.stop()
             # A process group left behind with its peers gone can hang this process's exit
             # (NCCL's teardown): the node must fail at start, not hang there.
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+            ranks.stop(leave=leave_tensor_parallel)
         raise
 
 

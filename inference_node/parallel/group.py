@@ -8,6 +8,8 @@ With `--all-reduce symm` the decode-sized sums go through symmetric memory inste
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +20,8 @@ from .shard import Shard
 from .symmetric import SymmetricAllReduce
 
 AllReduce = Literal["nccl", "symm"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,3 +83,20 @@ def init_tensor_parallel(shard: Shard, device: torch.device, rendezvous_file: st
     symmetric = (SymmetricAllReduce(dist.group.WORLD.group_name, dtype, device)
                  if all_reduce == "symm" else None)
     return TensorParallel(shard, symmetric)
+
+
+def leave_tensor_parallel(timeout_s: float = 60.0) -> bool:
+    """Destroys this process's group, waiting at most timeout_s; False if it did not end.
+
+    Every rank calls it at once (rank 0 right after telling the others to stop): NCCL's
+    teardown waits for its peers, so a rank destroying its group after the others have
+    exited without destroying theirs hangs there."""
+    if not dist.is_initialized():
+        return True
+    done = threading.Thread(target=dist.destroy_process_group, name="leave-tensor-parallel", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.error("the tensor-parallel process group was not destroyed within %.0fs; going on without", timeout_s)
+        return False
+    return True

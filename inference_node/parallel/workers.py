@@ -52,7 +52,7 @@ from ..engine.decode_graphs import DecodeGraphs, StagedStep
 from ..engine.graph_plan import GraphPlan
 from ..engine.mixed_graphs import MixedGraphs, StagedPieces, StepShape
 from ..parent_watch import die_with_parent
-from .group import TensorParallel
+from .group import TensorParallel, leave_tensor_parallel
 from .shard import Shard
 
 log = logging.getLogger(__name__)
@@ -208,13 +208,17 @@ class Workers:
         self.table_checks += 1
 
     # -- the end -----------------------------------------------------------------------------------
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0, leave: Callable[[], object] | None = None) -> None:
+        """Tells every rank to stop; `leave` (rank 0's side of the group's teardown) runs
+        before waiting for them, since each rank tears its group down on the way out."""
         self._stopping = True
         for sock in self.controls:
             try:
                 sock.send(_pack([STOP]), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        if leave is not None:
+            leave()
         for proc in self.procs:
             proc.join(timeout)
             if proc.is_alive():
@@ -262,6 +266,7 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
             frames = inbox.recv_multipart()
             message = _unpack(frames[0])
             if message[0] == STOP:
+                leave_tensor_parallel()
                 return
             if message[0] == REPORT:
                 out.send(_pack([TABLE, rank, worker.table()]))

@@ -138,9 +138,13 @@ def test_a_start_that_fails_after_the_ranks_met_leaves_no_process_group_behind(t
     node = build_node(settings)  # the next node forms its own group
     try:
         assert node.ranks is not None and node.ranks.size == 2
+        ranks = list(node.ranks.procs)
     finally:
         node.engine.shutdown(timeout=0)
         node.close()
+    # Every rank left the group and exited by itself (a rank killed at the stop's timeout: -9).
+    assert [p.exitcode for p in ranks] == [0]
+    assert not torch.distributed.is_initialized()
 
 
 # -- the node, as processes ------------------------------------------------------------------------
