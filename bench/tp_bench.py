@@ -7,9 +7,11 @@
     python -m bench.tp_bench --shape 70b --tp 4 --rows c32 --mode default --mode side_expand_segments=0
     python -m bench.tp_bench --shape 8b --tp 1,2 --all-reduce nccl,symm      # NCCL against symmetric memory
 
-Each size builds the node as `inference-node serve --tensor-parallel-size N` does
-(`build_node`: rank 0 in this process, ranks 1..N-1 spawned; random weights made on the
-devices, `--load-format dummy`) and drives its engine in-process closed loop at a concurrency
+Each size (and all-reduce, and mode) builds the node as `inference-node serve
+--tensor-parallel-size N` does, in a process of its own (`build_node`: rank 0 there, ranks
+1..N-1 spawned; random weights made on the devices, `--load-format dummy`), which sends its
+rows back before its node stops: a node whose teardown hangs costs its size a bounded wait,
+not the sizes after it) and drives its engine in-process closed loop at a concurrency
 equal to the batch, with short prompts and long answers, so almost every step is a full-batch
 decode step (a decode graph on every rank). Like `serve`, it takes the tuning table filed for
 the GPU and shard shape (--tuning-table auto); --mode builds the node again per set of launch
@@ -24,8 +26,12 @@ import argparse
 import gc
 import json
 import logging
+import os
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -39,6 +45,36 @@ def mode_choices(mode: str) -> dict[str, str]:
     if mode == "default":
         return {}
     return dict(item.split("=", 1) for item in mode.split("/"))
+
+
+CHILD_ROWS = "@rows "
+TEARDOWN_WAIT_S = 120.0
+
+
+def run_child(argv: list[str], what: str, wait_s: float = TEARDOWN_WAIT_S,
+              command: Sequence[str] = (sys.executable, "-m", "bench.tp_bench")) -> list[dict]:
+    """One size's rows from a process of its own. Its rows arrive before its node stops; a
+    teardown that outlasts wait_s is killed with the ranks it spawned."""
+    proc = subprocess.Popen([*command, *argv, "--child", what],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    rows: list[dict] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(CHILD_ROWS):
+            rows = json.loads(line[len(CHILD_ROWS):])
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # whatever it prints while stopping
+            break
+        sys.stdout.write(line)
+    try:
+        proc.wait(wait_s if rows else None)
+    except subprocess.TimeoutExpired:
+        logging.getLogger(__name__).warning("%s: the node did not stop within %.0fs of its rows: killed",
+                                            what, wait_s)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if not rows:
+        raise SystemExit(f"tp_bench: the child for (tp, all-reduce, mode) {what} gave no rows (exit {proc.returncode})")
+    return rows
 
 
 def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], mode: str = "default",
@@ -87,11 +123,11 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
                         "graph_steps": engine.stats.graph_steps})
             floor = floor_ms(args, checkpoint, tp, row)
             out[-1]["floor_ms"] = floor
-            # Printed before the node stops: a multi-GPU node's shutdown can outlast the call.
             print(f"# tp {tp} {row} ({mode}): step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode "
                   f"steps; floor {'-' if floor is None else format(floor, '.3f')} ms", file=sys.stderr, flush=True)
             if trace is not None and trace.exists():
                 print_rank0_timeline(f"tp {tp} {row} ({mode})", trace)
+        print(CHILD_ROWS + json.dumps(out), flush=True)
     finally:
         try:  # a size's numbers are kept even if its node stops untidily
             engine.shutdown(timeout=0)
@@ -166,6 +202,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--all-reduce", default="nccl",
                    help="nccl and/or symm, comma-separated: the node's --all-reduce at TP > 1 (each its own "
                         "node; symm rows labelled ROW@symm)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # TP,ALL_REDUCE,MODE of one child
     p.add_argument("--timeline", type=Path, default=None, metavar="DIR",
                    help=f"trace rank 0's decode steps 100-{100 + TIMELINE_STEPS} of each row into DIR and "
                         "print its kernels by family (CUDA)")
@@ -191,11 +228,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             checkpoint = tiny
         count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
         adapters = prepare_adapters(work, checkpoint, count, args.device == "cuda")
+        if args.child is not None:
+            tp, all_reduce, mode = args.child.split(",", 2)
+            return run_size(args, checkpoint, adapters, int(tp), rows, mode, all_reduce)
         results = []
+        child_argv = [*(argv if argv is not None else sys.argv[1:]), "--workdir", str(work)]
         for tp in sizes:
             for all_reduce in dict.fromkeys(args.all_reduce.split(",") if tp > 1 else ["nccl"]):
                 for mode in args.modes or ["default"]:
-                    results += run_size(args, checkpoint, adapters, tp, rows, mode, all_reduce)
+                    results += run_child(child_argv, f"{tp},{all_reduce},{mode}")
     first = {}
     for r in results:  # each row's (and mode's) first size, whatever its all-reduce
         first.setdefault(r["same_choices"], r["step_ms"])

@@ -1,6 +1,7 @@
 """Assembles a node from its settings: checkpoint, device, KV cache size, engine."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -109,7 +110,10 @@ class Node:
         """Stops the other tensor-parallel ranks (the engine loop has ended)."""
         if self.ranks is not None:
             started = time.monotonic()
-            # The group goes too: this process may build another node.
+            # The group goes too (this process may build another node), after the graphs
+            # whose collectives would hold it.
+            self.engine.release_graphs()
+            gc.collect()
             self.ranks.stop(leave=leave_tensor_parallel)
             self.ranks = None
             log.info("tensor-parallel ranks and their process group stopped in %.1fs", time.monotonic() - started)

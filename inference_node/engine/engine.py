@@ -285,6 +285,11 @@ class Engine:
             self._thread.join(timeout)
         gc.unfreeze()  # what start froze may be collected again (and is, at interpreter exit)
 
+    def release_graphs(self) -> None:
+        """Drops the captured graphs once the loop has ended. Graphs that captured NCCL
+        collectives keep their communicators busy: a tensor-parallel group ends only after."""
+        self.decode_graphs = self.mixed_graphs = None
+
     def num_inflight(self) -> int:
         with self._inflight_lock:
             return self._inflight

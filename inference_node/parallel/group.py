@@ -88,15 +88,17 @@ def init_tensor_parallel(shard: Shard, device: torch.device, rendezvous_file: st
 def leave_tensor_parallel(timeout_s: float = 60.0) -> bool:
     """Destroys this process's group, waiting at most timeout_s; False if it did not end.
 
-    Every rank calls it at once (rank 0 right after telling the others to stop): NCCL's
-    teardown waits for its peers, so a rank destroying its group after the others have
-    exited without destroying theirs hangs there."""
+    Every rank calls it as it stops, its steps finished and its CUDA graphs released (graphs
+    that captured collectives hold the communicators). A rank that did not end its group
+    logs it and goes on: the process is stopping, and a hang there would outlive the node."""
     if not dist.is_initialized():
         return True
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
     done = threading.Thread(target=dist.destroy_process_group, name="leave-tensor-parallel", daemon=True)
     done.start()
     done.join(timeout_s)
     if done.is_alive():
-        log.error("the tensor-parallel process group was not destroyed within %.0fs; going on without", timeout_s)
+        log.error("the tensor-parallel process group did not end within %.0fs; going on without", timeout_s)
         return False
     return True

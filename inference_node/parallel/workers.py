@@ -31,6 +31,7 @@ collective's timeout; a rank that dies ends the node (rank 0 watches every rank'
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -266,6 +267,7 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
             frames = inbox.recv_multipart()
             message = _unpack(frames[0])
             if message[0] == STOP:
+                worker.release_graphs()
                 leave_tensor_parallel()
                 return
             if message[0] == REPORT:
@@ -288,6 +290,11 @@ class RankWorker:
         self.device = model.device
         self.graphs: DecodeGraphs | None = None
         self.pieces: MixedGraphs | None = None
+
+    def release_graphs(self) -> None:
+        """Drops the captured graphs before the group ends (their collectives hold it)."""
+        self.graphs = self.pieces = None
+        gc.collect()
 
     def table(self) -> list:
         return _normalised(list(self.slots.table)) if self.slots is not None else []

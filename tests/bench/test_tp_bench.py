@@ -2,6 +2,11 @@
 timed and tabled side by side (the numbers are meaningless on CPU; the path is the GPU's)."""
 from __future__ import annotations
 
+import sys
+import time
+
+import pytest
+
 from bench import tp_bench
 
 
@@ -30,3 +35,15 @@ def test_tp_bench_builds_the_node_once_per_mode_and_labels_its_rows(tmp_path, ca
 def test_a_mode_names_tuning_choices() -> None:
     assert tp_bench.mode_choices("default") == {}
     assert tp_bench.mode_choices("pdl=off/fold_tilings=o=16.128.4") == {"pdl": "off", "fold_tilings": "o=16.128.4"}
+
+
+def test_a_size_whose_node_hangs_while_stopping_keeps_its_rows_and_is_killed() -> None:
+    """Each size runs in a child; one stuck in teardown (NCCL's, on GPUs) is killed after a
+    bounded wait instead of holding up the sizes after it."""
+    hang = ("import sys, time; print('a log line'); print('@rows ' + '[{\"tp\": 2}]', flush=True); "
+            "time.sleep(120)")
+    started = time.monotonic()
+    rows = tp_bench.run_child([], "2,nccl,default", wait_s=1.0, command=(sys.executable, "-c", hang))
+    assert rows == [{"tp": 2}] and time.monotonic() - started < 30
+    with pytest.raises(SystemExit, match="gave no rows"):
+        tp_bench.run_child([], "2,nccl,default", command=(sys.executable, "-c", "raise SystemExit(3)"))
