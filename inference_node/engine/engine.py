@@ -286,8 +286,8 @@ class Engine:
         gc.unfreeze()  # what start froze may be collected again (and is, at interpreter exit)
 
     def release_graphs(self) -> None:
-        """Drops the captured graphs once the loop has ended. Graphs that captured NCCL
-        collectives keep their communicators busy: a tensor-parallel group ends only after."""
+        """Drops the captured graphs once the loop has ended: graphs that captured NCCL
+        collectives may hold their communicators, so a tensor-parallel group ends after."""
         self.decode_graphs = self.mixed_graphs = None
 
     def num_inflight(self) -> int:

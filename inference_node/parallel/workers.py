@@ -292,7 +292,7 @@ class RankWorker:
         self.pieces: MixedGraphs | None = None
 
     def release_graphs(self) -> None:
-        """Drops the captured graphs before the group ends (their collectives hold it)."""
+        """Drops the captured graphs before the group ends (their collectives may hold it)."""
         self.graphs = self.pieces = None
         gc.collect()
 
