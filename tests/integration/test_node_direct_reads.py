@@ -22,6 +22,7 @@ from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.adapters.direct_reads import DirectReadSettings
 from inference_node.adapters.errors import AdapterNotFound, AdapterRejected
 from inference_node.adapters.store_source import StoreSource
+from inference_node.metrics import NodeMetrics
 from inference_node.model.config import ModelConfig
 from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
@@ -71,6 +72,9 @@ def test_a_node_reads_adapters_straight_from_s3(world, tiny_llama_path) -> None:
         assert result.token_ids == expected
         snap = node.engine.call(node.node.snapshot).result(30)
         assert snap["adapter_direct_reads"] == {"direct": 1, "fallback": 0, "declined": 0}
+        exported = NodeMetrics(lambda: node.engine.call(node.node.snapshot).result(30)).registry
+        assert [exported.get_sample_value("lora_node_adapter_direct_reads_total", {"outcome": o})
+                for o in ("direct", "fallback", "declined")] == [1, 0, 0]
         assert store.metrics.value("adapter_store_fetches_total") == 0  # no byte went through the store
         assert store.metrics.value("adapter_store_read_plans_total", outcome="offered") == 1
     finally:

@@ -176,3 +176,18 @@ def test_a_plans_inputs_are_checked_before_any_byte_is_read(s3: S3Store, make_st
         else:  # refused by the object store's Content-Range / length
             assert "expected" in str(failed.value)
     assert bytes(good.weights) == bytes(reader.read(plan, bytearray).weights)
+
+
+def test_serve_flags(monkeypatch, capsys) -> None:
+    from adapter_store.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--bucket", "b"])
+    assert (args.direct_reads, args.direct_reads_endpoint, args.direct_reads_expiry) == (False, None, 60)
+    monkeypatch.setenv("ADAPTER_STORE_DIRECT_READS", "true")
+    monkeypatch.setenv("ADAPTER_STORE_DIRECT_READS_ENDPOINT", "http://minio:9000")
+    args = build_parser().parse_args(["serve", "--bucket", "b"])
+    assert args.direct_reads and args.direct_reads_endpoint == "http://minio:9000"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--bucket", "b", "--direct-reads-endpoint", "file:///etc"])
+    assert "not an http(s) URL" in capsys.readouterr().err
