@@ -143,7 +143,7 @@ class DirectReader:
         try:
             response = self.http.request("GET", plan.files[part.file_index].url, headers=headers,
                                          preload_content=False, decode_content=False, redirect=False)
-        except HTTPError as exc:  # its text holds the URL: only its kind is told
+        except (HTTPError, OSError) as exc:  # its text may hold the URL: only its kind is told
             raise DirectReadFailed(f"{where}: {type(exc).__name__} reaching the object store") from None
         complete = False
         try:
@@ -158,7 +158,7 @@ class DirectReader:
                     raise DirectReadFailed(f"{where}: the response ended after {got} bytes")
                 got += n
             complete = True
-        except HTTPError as exc:
+        except (HTTPError, OSError) as exc:
             raise DirectReadFailed(f"{where}: {type(exc).__name__} while reading") from None
         finally:
             if complete:
