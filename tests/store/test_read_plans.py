@@ -17,6 +17,7 @@ from adapter_store.push import push_adapter
 from adapter_store.read_plans import DirectReads
 from adapter_store.records import FileRead, ReadPlan
 from adapter_store.s3 import S3Store
+from adapter_store.seaweedfs import free_ports
 from corrupting_proxy import CorruptingProxy
 from inference_node.adapters.direct_reads import DirectReader, DirectReadFailed, DirectReadSettings
 from store_corpus import BAD_ADAPTERS
@@ -191,3 +192,18 @@ def test_serve_flags(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--bucket", "b", "--direct-reads-endpoint", "file:///etc"])
     assert "not an http(s) URL" in capsys.readouterr().err
+
+
+def test_an_unreachable_endpoint_fails_without_telling_the_url(s3: S3Store, make_store, adapter_dir, seaweed,
+                                                               monkeypatch, reader) -> None:
+    push(s3, adapter_dir("alpha"), "alpha")
+    for key, value in seaweed.env().items():
+        monkeypatch.setenv(key, value)
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"
+    store = make_store(direct_reads=replace(ON, endpoint=dead))
+    with AdapterStoreClient(store.address) as client:
+        plan = client.get_read_plan("alpha")
+    assert all(f.url.startswith(dead + "/") for f in plan.files)
+    with pytest.raises(DirectReadFailed, match="reaching the object store") as failed:
+        reader.read(plan, bytearray)
+    assert "X-Amz" not in str(failed.value) and dead not in str(failed.value)
