@@ -38,6 +38,12 @@ def _add_weight_bound(parser: argparse.ArgumentParser) -> None:
                              "numerically unsafe (0: no bound; the overflow probe still runs)")
 
 
+def _http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL")
+    return text
+
+
 def build_parser(prog: str = "adapter-store", command_names: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """command_names: what another program calls these commands (lora-client's store-ls is ls)."""
     parser = EnvArgumentParser(prog=prog, description=__doc__.splitlines()[0])
@@ -58,6 +64,14 @@ def build_parser(prog: str = "adapter-store", command_names: dict[str, str] | No
     serve.add_argument("--max-adapter-mb", type=float, default=4096.0, help="largest safetensors file accepted")
     serve.add_argument("--shard-kb", type=int, default=4096, help="default shard size of FetchAdapter")
     _add_weight_bound(serve)
+    serve.add_argument("--direct-reads", action="store_true",
+                       help="answer GetReadPlan with presigned GETs, so nodes started with --adapter-direct-reads "
+                            "read validated adapters straight from S3 (checked against the catalog's BLAKE3)")
+    serve.add_argument("--direct-reads-endpoint", type=_http_url, default=None,
+                       help="S3 endpoint URL the nodes reach, when it differs from --s3-endpoint (another "
+                            "host name); the presigned URLs name it")
+    serve.add_argument("--direct-reads-expiry", type=int, default=60,
+                       help="seconds a read plan's presigned URLs stay valid")
     serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: off)")
     add_server_flags(serve, "store")
     serve.add_argument("--token", default=None, secret=True,
@@ -94,6 +108,7 @@ def _logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .read_plans import DirectReads
     from .server import StoreServer, StoreSettings
 
     settings = StoreSettings(bucket=args.bucket, s3_endpoint=args.s3_endpoint, region=args.region,
@@ -102,7 +117,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              poll_interval_s=args.poll_interval, max_adapter_bytes=int(args.max_adapter_mb * (1 << 20)),
                              shard_bytes=args.shard_kb << 10, metrics_port=args.metrics_port,
                              max_weight_abs=args.max_weight_abs,
-                             tls=server_tls_from_args(args), token=args.token)
+                             tls=server_tls_from_args(args), token=args.token,
+                             direct_reads=DirectReads(args.direct_reads, args.direct_reads_endpoint,
+                                                      args.direct_reads_expiry))
+    if not 1 <= args.direct_reads_expiry <= 604800:  # SigV4's longest
+        print("adapter-store serve: --direct-reads-expiry must be 1 to 604800 seconds", file=sys.stderr)
+        return 2
     try:
         settings.tls.credentials()  # a bad TLS setting fails here, with its flag named
     except TLSConfigError as exc:

@@ -27,15 +27,15 @@ from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from lora_common.auth import bearer_metadata
 from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, FileEntry,
-                      Manifest, adapter_digest, file_offsets)
+                      FileRead, Manifest, ReadPlan, adapter_digest, file_offsets)
 from .shard_wire import decode_shard
 from lora_common.tls import ClientTLS, open_channel
 
 # The client's data model, which callers (the node) take from here rather than the store's
 # own modules.
 __all__ = ["ADDED", "DELETED", "SYNCED", "UPDATED", "AdapterInfo", "AdapterStoreClient", "AdapterTooLarge",
-           "CatalogEvent", "FetchedAdapter", "FileEntry", "Manifest", "StoreError", "StoreTLSRefused",
-           "adapter_digest", "file_offsets"]
+           "CatalogEvent", "FetchedAdapter", "FileEntry", "FileRead", "Manifest", "ReadPlan", "StoreError",
+           "StoreTLSRefused", "adapter_digest", "file_offsets"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,16 @@ class AdapterStoreClient:
     def get_manifest(self, name: str, version: str = "", timeout_s: float | None = None) -> Manifest:
         try:
             return Manifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(name=name, version=version),
+                                                             timeout=timeout_s or self.timeout_s,
+                                                             metadata=self.metadata))
+        except grpc.RpcError as exc:
+            raise StoreError.from_rpc(exc) from None
+
+    def get_read_plan(self, name: str, version: str = "", timeout_s: float | None = None) -> ReadPlan:
+        """Presigned GETs of the adapter's files (see GetReadPlan); a plan without files when
+        the store offers none. A store that predates the call raises StoreError(UNIMPLEMENTED)."""
+        try:
+            return ReadPlan.from_proto(self.stub.GetReadPlan(pb.GetReadPlanRequest(name=name, version=version),
                                                              timeout=timeout_s or self.timeout_s,
                                                              metadata=self.metadata))
         except grpc.RpcError as exc:

@@ -20,6 +20,8 @@ class StoreMetrics:
                                     registry=r)
         self.s3_bytes = Counter("adapter_store_s3_download_bytes", "Bytes downloaded from S3", registry=r)
         self.s3_retries = Counter("adapter_store_s3_retries", "S3 reads retried after an error", registry=r)
+        self.read_plans = Counter("adapter_store_read_plans", "GetReadPlan answers: offered, declined (no plan: "
+                                  "direct reads off or no digest), or the error code", ["outcome"], registry=r)
         self.watchers = Gauge("adapter_store_watchers", "Open WatchAdapters streams", registry=r)
 
     def set_catalog(self, valid: int, invalid: int) -> None:

@@ -76,6 +76,42 @@ class Manifest:
                    m.adapter_sha256)
 
 
+@dataclass(frozen=True)
+class FileRead:
+    """Where one file of a read plan is read: a presigned GET (a credential: kept out of
+    reprs, never logged) and the If-Match value signed into it."""
+
+    url: str = field(repr=False)
+    if_match: str = ""
+
+    def to_proto(self) -> pb.FileRead:
+        return pb.FileRead(url=self.url, if_match=self.if_match)
+
+    @classmethod
+    def from_proto(cls, m: pb.FileRead) -> "FileRead":
+        return cls(m.url, m.if_match)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """GetReadPlan's answer: the manifest and, when a plan is offered, one FileRead per file
+    in its order (none, with the reason, when it is not)."""
+
+    manifest: Manifest
+    files: tuple[FileRead, ...] = ()
+    expires_at: int = 0  # unix seconds
+    reason: str = ""
+
+    def to_proto(self) -> pb.ReadPlan:
+        return pb.ReadPlan(manifest=self.manifest.to_proto(), files=[f.to_proto() for f in self.files],
+                           expires_at=self.expires_at, reason=self.reason)
+
+    @classmethod
+    def from_proto(cls, m: pb.ReadPlan) -> "ReadPlan":
+        return cls(Manifest.from_proto(m.manifest), tuple(FileRead.from_proto(f) for f in m.files),
+                   m.expires_at, m.reason)
+
+
 ADDED, UPDATED, DELETED, SYNCED = "ADDED", "UPDATED", "DELETED", "SYNCED"
 
 

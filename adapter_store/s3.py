@@ -85,7 +85,7 @@ def make_client(endpoint_url: str | None = None, region: str | None = None, max_
     config = Config(retries={"max_attempts": max_attempts, "mode": "standard"},
                     connect_timeout=connect_timeout, read_timeout=read_timeout,
                     s3={"addressing_style": "path" if path_style else "auto"},
-                    max_pool_connections=32)
+                    max_pool_connections=32, signature_version="s3v4")  # presigned URLs too (not SigV2)
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None,
                                           region_name=region or None, config=config)
 
@@ -233,6 +233,16 @@ class S3Store:
         if not backoff.sleep():
             raise S3Unavailable(f"object store unavailable while reading {obj.key} "
                                 f"({offset}/{obj.size} bytes): {type(exc).__name__}: {exc}") from exc
+
+    def presign_get(self, obj: ObjectInfo, expires_s: int, client=None) -> str:
+        """A presigned GET of the object as listed, valid for `expires_s`: its If-Match (the
+        ETag) is signed into it, so a reader must send it, and a replaced object answers 412.
+        `client` presigns instead of this store's own: one configured with the endpoint the
+        readers reach (the URL names its host, which the signature covers). Computed
+        locally, no request is made. The URL is a credential: callers never log it."""
+        return (client or self.client).generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": obj.key, "IfMatch": f'"{obj.etag}"'},
+            ExpiresIn=int(expires_s))
 
     # ------------------------------------------------------------------ writes
 

@@ -118,7 +118,8 @@ class SeaweedFS:
         from botocore.config import Config
 
         params = {"s3": {"addressing_style": "path"}, "connect_timeout": 5, "read_timeout": 30,
-                  "retries": {"max_attempts": 3, "mode": "standard"}}
+                  "retries": {"max_attempts": 3, "mode": "standard"},
+                  "signature_version": "s3v4"}  # as the store's make_client: presigned URLs too
         params.update(config)
         return boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
                             aws_secret_access_key=self.secret_key, region_name=self.region,

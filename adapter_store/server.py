@@ -30,7 +30,8 @@ from .cache import BlobReader, CacheCorrupt, DiskCache
 from .catalog import Catalog, CatalogEntry, Limits, StoredFile
 from .metrics import StoreMetrics
 from lora_common.names import InvalidName, check_name, normalize_prefix
-from .records import SYNCED, CatalogEvent
+from .read_plans import OFF_REASON, DirectReads, ReadPlanner
+from .records import SYNCED, CatalogEvent, ReadPlan
 from .shard_wire import encode_shard
 from .s3 import LocalWriteFailed, ObjectChanged, ObjectCorrupt, S3Store, S3Unavailable, make_client
 from lora_common.tls import EXCLUSIVE_PORT, ServerTLS, add_port
@@ -69,6 +70,7 @@ class StoreSettings:
     metrics_port: int = 0
     tls: ServerTLS = field(default_factory=ServerTLS)          # TLS, or mutual TLS with a client CA
     token: str | None = field(default=None, repr=False)        # bearer token every store RPC needs
+    direct_reads: DirectReads = field(default_factory=DirectReads)  # read plans for nodes (GetReadPlan)
 
 
 MISS_RELIST_TIMEOUT_S = 10.0  # how long a request for an unknown name waits on a fresh listing
@@ -118,6 +120,9 @@ def add_service(service: pb_grpc.AdapterStoreServicer, server: grpc.aio.Server) 
         "FetchAdapter": grpc.unary_stream_rpc_method_handler(
             service.FetchAdapter, request_deserializer=pb.FetchAdapterRequest.FromString,
             response_serializer=_serialize_shard),
+        "GetReadPlan": grpc.unary_unary_rpc_method_handler(
+            service.GetReadPlan, request_deserializer=pb.GetReadPlanRequest.FromString,
+            response_serializer=pb.ReadPlan.SerializeToString),
         "WatchAdapters": grpc.unary_stream_rpc_method_handler(
             service.WatchAdapters, request_deserializer=pb.WatchAdaptersRequest.FromString,
             response_serializer=pb.AdapterEvent.SerializeToString),
@@ -129,11 +134,12 @@ def add_service(service: pb_grpc.AdapterStoreServicer, server: grpc.aio.Server) 
 
 class AdapterStoreService(pb_grpc.AdapterStoreServicer):
     def __init__(self, catalog: Catalog, metrics: StoreMetrics, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 fetch_timeout_s: float = 600.0) -> None:
+                 fetch_timeout_s: float = 600.0, planner: ReadPlanner | None = None) -> None:
         self.catalog, self.metrics = catalog, metrics
         self.cache = catalog.cache
         self.shard_bytes = shard_bytes
         self.fetch_timeout_s = fetch_timeout_s
+        self.planner = planner  # None: direct reads are off (GetReadPlan answers plans without files)
 
     async def _entry(self, name: str, version: str) -> CatalogEntry:
         try:
@@ -175,6 +181,23 @@ class AdapterStoreService(pb_grpc.AdapterStoreServicer):
         except _Abort as exc:
             await context.abort(exc.code, exc.details)
         return entry.manifest().to_proto()
+
+    async def GetReadPlan(self, request: pb.GetReadPlanRequest, context: grpc.aio.ServicerContext):
+        try:
+            entry = await self._entry(request.name, request.version)
+        except _Abort as exc:
+            self.metrics.read_plans.labels(outcome=exc.code.name.lower()).inc()
+            await context.abort(exc.code, exc.details)
+        if self.planner is None:
+            plan = ReadPlan(entry.manifest(), (), 0, OFF_REASON)
+        else:  # presigning is local, but resolving credentials the first time may not be
+            plan = await asyncio.to_thread(self.planner.plan, entry)
+        self.metrics.read_plans.labels(outcome="offered" if plan.files else "declined").inc()
+        # The URLs are credentials: only what they are for is logged.
+        log.info("read plan %s@%s: %s", entry.name, entry.info.version,
+                 f"{len(plan.files)} presigned GETs valid until {plan.expires_at}" if plan.files
+                 else f"none ({plan.reason})")
+        return plan.to_proto()
 
     async def FetchAdapter(self, request: pb.FetchAdapterRequest,
                            context: grpc.aio.ServicerContext) -> None:
@@ -368,11 +391,20 @@ class StoreServer:
                                poll_interval_s=settings.poll_interval_s, limits=limits,
                                workers=settings.validate_workers, settle_s=settings.settle_s,
                                metrics=self.metrics)
-        self.service = AdapterStoreService(self.catalog, self.metrics, settings.shard_bytes, settings.fetch_timeout_s)
+        self.service = AdapterStoreService(self.catalog, self.metrics, settings.shard_bytes, settings.fetch_timeout_s,
+                                           self._planner(settings.direct_reads))
         self.server: grpc.aio.Server | None = None
         self.health: health_aio.HealthServicer | None = None
         self.port = 0
         self._health_task: asyncio.Task | None = None
+
+    def _planner(self, direct: DirectReads) -> ReadPlanner | None:
+        """Read plans presigned by the S3 client of the endpoint nodes reach: the store's own,
+        or one for direct.endpoint (the same credentials and region, from the environment)."""
+        if not direct.enabled:
+            return None
+        client = make_client(direct.endpoint, self.settings.region) if direct.endpoint else None
+        return ReadPlanner(lambda obj, expires_s: self.s3.presign_get(obj, expires_s, client), direct.expiry_s)
 
     @property
     def address(self) -> str:
@@ -398,11 +430,14 @@ class StoreServer:
             self.metrics.serve(self.settings.metrics_port, self.settings.host)
         self.catalog.start()
         self._health_task = asyncio.create_task(self._serving_when_ready())
-        log.info("adapter store on %s (%s%s): %s prefix %r, cache %s (%.1f GB max), polling every %.1fs%s",
+        direct = self.settings.direct_reads
+        log.info("adapter store on %s (%s%s): %s prefix %r, cache %s (%.1f GB max), polling every %.1fs%s%s",
                  self.address, self.settings.tls.describe(), ", token required" if self.settings.token else "",
                  self.s3.describe(), self.catalog.prefix, self.settings.cache_dir,
                  self.settings.cache_max_bytes / 1e9, self.settings.poll_interval_s,
-                 f", metrics on :{self.settings.metrics_port}" if self.settings.metrics_port else "")
+                 f", metrics on :{self.settings.metrics_port}" if self.settings.metrics_port else "",
+                 f", direct reads via {direct.endpoint or 'the same endpoint'} ({direct.expiry_s}s URLs)"
+                 if direct.enabled else "")
 
     async def _serving_when_ready(self) -> None:
         await asyncio.to_thread(self.catalog.ready.wait)

@@ -136,6 +136,10 @@ def parser() -> EnvArgumentParser:
                             "there (verified on every read) and survive restarts (off when unset)")
     serve.add_argument("--adapter-disk-gb", type=float, default=20.0,
                        help="bound of --adapter-disk-dir; least recently used adapters are evicted first")
+    serve.add_argument("--adapter-direct-reads", action="store_true",
+                       help="read adapters straight from the object store by the read plans of a store "
+                            "started with --direct-reads (verified against its BLAKE3; streamed from the "
+                            "store when it offers none or a read fails)")
     serve.add_argument("--adapter-fetch-timeout", type=float, default=60.0,
                        help="seconds an adapter load keeps retrying and resuming from the store before "
                             "its waiting requests get UNAVAILABLE")
@@ -237,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_modules=args.lora_modules,
         adapter_store=args.adapter_store, adapter_dir=args.adapter_dir,
         adapter_disk_dir=args.adapter_disk_dir, adapter_disk_bytes=int(args.adapter_disk_gb * (1 << 30)),
+        adapter_direct_reads=args.adapter_direct_reads,
         admin_token=args.admin_token, generate_token=args.generate_token, metrics_port=args.metrics_port,
         metrics_max_adapters=args.metrics_max_adapters,
         tls=server_tls_from_args(args), store_tls=client_tls_from_args(args, "store-tls"),

@@ -230,6 +230,14 @@ class _EngineCollector:
             for tier, count in sorted(values["adapter_tier_hits"].items()):
                 hits.add_metric([tier], count)
             yield hits
+        if "adapter_direct_reads" in values:
+            direct = CounterMetricFamily("lora_node_adapter_direct_reads", "adapter loads from the store by how "
+                                         "their bytes came (--adapter-direct-reads): direct (straight from S3), "
+                                         "fallback (the direct read failed: streamed), declined (no read plan: "
+                                         "streamed)", labels=["outcome"])
+            for outcome, count in sorted(values["adapter_direct_reads"].items()):
+                direct.add_metric([outcome], count)
+            yield direct
 
     def _fold(self, rows: dict[str, dict]) -> dict[str, list[dict]]:
         """Rows per label: labelled adapters alone, every other one under OTHER."""

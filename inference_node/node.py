@@ -16,6 +16,7 @@ from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, devi
 from lora_common.tls import ClientTLS, ServerTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
+from .adapters.direct_reads import DirectReadSettings
 from .adapters.disk_tier import DiskTier
 from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers, rows_for_budget
@@ -73,6 +74,7 @@ class NodeSettings:
     adapter_store: str | None = None   # HOST:PORT of the adapter store
     adapter_disk_dir: str | None = None  # the node's disk tier of store adapters (off when unset)
     adapter_disk_bytes: int = 20 << 30   # its bound (least recently used evicted first)
+    adapter_direct_reads: bool = False   # read store adapters straight from S3 by the store's read plans
     admin_token: str | None = field(default=None, repr=False)     # secrets: never in logs
     generate_token: str | None = field(default=None, repr=False)
     metrics_port: int = 0
@@ -140,6 +142,9 @@ class Node:
             snap["adapter_fetch_errors"] = self.adapters.stats["fetch_errors"]
             snap["adapter_counters"] = {name: c.as_dict() for name, c in self.adapters.per_adapter.items()}
             snap["adapter_tier_hits"] = dict(self.adapters.tier_hits)
+            source = self.adapters.source
+            if isinstance(source, StoreSource) and source.direct is not None:
+                snap["adapter_direct_reads"] = dict(source.direct_reads)
         return snap
 
 
@@ -390,7 +395,8 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
         source = StoreSource(settings.adapter_store, model.full_config, settings.max_lora_rank, tls=settings.store_tls,
                              token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes,
                              fetch_deadline_s=settings.adapter_fetch_timeout_s, pin_memory=pin, disk=disk,
-                             max_weight_abs=settings.max_weight_abs, dtype=dtype)
+                             max_weight_abs=settings.max_weight_abs, dtype=dtype,
+                             direct_reads=DirectReadSettings() if settings.adapter_direct_reads else None)
     elif settings.adapter_dir:
         source = LocalDirSource(Path(settings.adapter_dir), model.full_config, settings.max_lora_rank,
                                 max_bytes=settings.max_adapter_bytes, pin_memory=pin,

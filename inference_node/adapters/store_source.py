@@ -8,12 +8,13 @@ from typing import Callable
 import grpc
 import torch
 
-from adapter_store.client import (DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, Manifest, StoreError,
-                                  StoreTLSRefused)
+from adapter_store.client import (DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, FetchedAdapter, Manifest,
+                                  StoreError, StoreTLSRefused)
 from lora_common.tls import ClientTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from ..model.config import ModelConfig
+from .direct_reads import DirectReader, DirectReadFailed, DirectReadSettings
 from .disk_tier import DiskCorrupt, DiskTier
 from .errors import (AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
                      AdapterUnavailable)
@@ -45,12 +46,18 @@ MANIFEST_CHECK_S = 2.0  # how long a load with a disk copy waits to hear the sto
 class StoreSource:
     """Adapters from the store, received straight into host memory (pinned on a CUDA node),
     with the node's disk tier in front when one is configured: a load of a version kept on
-    disk reads it from there (verified), and falls back to the store if it fails its checks."""
+    disk reads it from there (verified), and falls back to the store if it fails its checks.
+
+    With `direct_reads`, a load first asks the store for a read plan and reads the files
+    straight from the object store (direct_reads.py), into the same buffer; when the store
+    offers no plan or the plan's reads fail (expired, refused, unreachable, bytes that do
+    not match the catalog's BLAKE3), it streams the adapter from the store instead."""
 
     def __init__(self, target: str, model: ModelConfig, max_rank: int, fetch_deadline_s: float = 60.0, *,
                  tls: ClientTLS | None = None, token: str | None = None, max_adapter_bytes: int = 0,
                  pin_memory: bool = False, disk: DiskTier | None = None,
-                 max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32) -> None:
+                 max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32,
+                 direct_reads: DirectReadSettings | None = None) -> None:
         self.target = target
         self.client = AdapterStoreClient(target, tls=tls, token=token)
         self.model = model
@@ -61,6 +68,11 @@ class StoreSource:
         self.disk = disk
         self.max_weight_abs = max_weight_abs
         self.dtype = dtype
+        self.direct = DirectReader(direct_reads) if direct_reads is not None else None
+        # Loads by how their bytes came: "direct" (read plan), "fallback" (its reads failed:
+        # streamed), "declined" (no plan offered: streamed). The node's metrics read them.
+        self.direct_reads = {"direct": 0, "fallback": 0, "declined": 0}
+        self._counts_lock = threading.Lock()
 
     def load(self, name: str, version: str) -> AdapterWeights:
         disk_failure = ""
@@ -92,11 +104,42 @@ class StoreSource:
                                   buffer[start:start + size], self.model, self.max_rank, check_values,
                                   max_weight_abs=self.max_weight_abs, dtype=self.dtype)
 
+    def _count(self, outcome: str) -> None:
+        with self._counts_lock:
+            self.direct_reads[outcome] += 1
+
+    def _read_direct(self, name: str, version: str, holder: list[torch.Tensor]) -> FetchedAdapter | None:
+        """The adapter read by the store's read plan, or None when it must be streamed. Errors
+        of the plan call itself (an unknown or invalid adapter, a store that predates plans)
+        are left to the stream, which reports them as it always has."""
+        assert self.direct is not None
+        try:
+            plan = self.client.get_read_plan(name, version)
+        except StoreError as exc:
+            log.debug("adapter %s: no read plan (%s); streaming it", name, exc.code.name)
+            return None
+        size = sum(f.size for f in plan.manifest.files)
+        if not plan.files or (self.max_adapter_bytes and size > self.max_adapter_bytes):
+            self._count("declined")
+            log.debug("adapter %s: no read plan (%s); streaming it", name, plan.reason or "over --max-adapter-mb")
+            return None
+        try:
+            fetched = self.direct.read(plan, self._allocate(holder), version)
+        except DirectReadFailed as exc:
+            holder.clear()
+            self._count("fallback")
+            log.warning("%s; streaming it from the store instead", exc)
+            return None
+        self._count("direct")
+        return fetched
+
     def _load_from_store(self, name: str, version: str, disk_failure: str = "") -> AdapterWeights:
         holder: list[torch.Tensor] = []
+        fetched = self._read_direct(name, version, holder) if self.direct is not None else None
         try:
-            fetched = self.client.fetch(name, version, deadline_s=self.fetch_deadline_s,
-                                        max_bytes=self.max_adapter_bytes, allocate=self._allocate(holder))
+            if fetched is None:
+                fetched = self.client.fetch(name, version, deadline_s=self.fetch_deadline_s,
+                                            max_bytes=self.max_adapter_bytes, allocate=self._allocate(holder))
         except AdapterTooLarge as exc:
             raise AdapterRejected(f"adapter {name!r} is {exc.size / 1e6:.1f} MB; this node loads adapters up to "
                                   f"{exc.limit / 1e6:.1f} MB (--max-adapter-mb)") from exc
@@ -161,6 +204,8 @@ class StoreSource:
 
     def close(self) -> None:
         self.client.close()
+        if self.direct is not None:
+            self.direct.close()
 
 
 class CatalogWatcher:
