@@ -294,20 +294,30 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     assert queried - exported_metric_names() == set()
 
 
+_IMPORTS_SCRIPT = """
+import ast, json, pathlib, sys
+modules = set()
+for package in sys.argv[1:]:
+    for path in pathlib.Path(package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+print(json.dumps(sorted(modules)))
+"""
+
+
 def _third_party_imports(*packages: str) -> set[str]:
     """Top-level modules the packages import (anywhere, lazily too), the standard library's
-    and the project's own left out."""
-    import ast
+    and the project's own left out. Parsed in a process of its own: CPython 3.11's ast keeps
+    one recursion depth per interpreter (cpython gh-106905), and with other threads of the
+    test worker about, ast.parse here failed now and then with SystemError."""
     import sys
 
-    modules = set()
-    for package in packages:
-        for path in (ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    modules |= {alias.name.split(".")[0] for alias in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    modules.add(node.module.split(".")[0])
+    found = subprocess.run([sys.executable, "-c", _IMPORTS_SCRIPT, *packages], cwd=ROOT, check=True,
+                           capture_output=True, text=True, timeout=120)
+    modules = set(json.loads(found.stdout))
     return {m for m in modules if m not in sys.stdlib_module_names and m not in ("lora", "lora_common")}
 
 
