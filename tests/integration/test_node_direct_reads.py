@@ -17,7 +17,7 @@ from adapter_store.read_plans import DirectReads
 from adapter_store.s3 import S3Store
 from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore, StoreSettings
-from corrupting_proxy import CorruptingProxy
+from tcp_proxy import CorruptingProxy
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.adapters.direct_reads import DirectReadSettings
 from inference_node.adapters.errors import AdapterNotFound, AdapterRejected

@@ -25,7 +25,7 @@ from adapter_store.shard_wire import decode_shard
 from google.protobuf.message import DecodeError
 from conftest import new_bucket, start_store
 from lora.v1 import adapter_store_pb2 as pb
-from store_proxy import CuttingProxy
+from tcp_proxy import CuttingProxy
 
 WEIGHTS = "adapter_model.safetensors"
 
