@@ -226,9 +226,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             copy_tokenizer(checkpoint, tiny)
             (tiny / "config.json").write_text(json.dumps({**TINY_LLAMA, "torch_dtype": "float32"}))
             checkpoint = tiny
-        count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
-        adapters = prepare_adapters(work, checkpoint, count, args.device == "cuda")
-        if args.child is not None:
+        if args.child is not None:  # the adapters are made (once: kept in the workdir) on its GPU
+            count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
+            adapters = prepare_adapters(work, checkpoint, count, args.device == "cuda")
             tp, all_reduce, mode = args.child.split(",", 2)
             return run_size(args, checkpoint, adapters, int(tp), rows, mode, all_reduce)
         results = []
