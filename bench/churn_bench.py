@@ -46,7 +46,7 @@ from typing import Sequence
 
 import torch
 
-from bench.common import ALL_MODULES, QV, CompileWatch, add_model_args, bench_model, write_random_adapter
+from bench.common import ALL_MODULES, QV, CompileWatch, add_model_args, bench_model, bench_runtime, write_random_adapter
 from bench.engine_driver import Driver, Spec, make_specs, parse_range, pct, preload_adapters, zipf_index
 
 log = logging.getLogger("churn_bench")
@@ -300,15 +300,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[RowResult]:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    log.setLevel(logging.INFO)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    device, dtype = bench_runtime(args, log)
+    cuda = device.type == "cuda"
     args.requests = args.requests or (600 if cuda else 60)
     args.rate = args.rate or (20.0 if cuda else 10.0)
     args.concurrency = args.concurrency or (64 if cuda else 8)
@@ -389,7 +382,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
         f"engine: {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of {args.block_size}, "
         f"decode graphs {'on' if args.use_graphs else 'off'}, piecewise graphs "
         f"{'on' if args.use_mixed else 'off'}, prefix cache off",
-        f"start of each churn row: every adapter unloaded, then " + (
+        "start of each churn row: every adapter unloaded, then " + (
             f"{len(warm_specs)} untimed requests of the same popularity (other draws, closed loop, 4 tokens "
             "each): the timed traffic meets the tiers a serving node has" if args.start == "warm" else
             "the timed traffic at once: every adapter's first request loads it from disk"),

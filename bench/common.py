@@ -4,9 +4,11 @@ and the adapter configurations the profiles run."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -112,6 +114,21 @@ def _checkpoint_of(name: str) -> Path:
 
         return default_checkpoint()
     return Path(name)
+
+
+def bench_runtime(args, log: logging.Logger, log_level: int = logging.INFO) -> tuple[torch.device, torch.dtype]:
+    """What every engine benchmark sets up from its common flags (--verbose, --threads,
+    --device, --dtype): logging, torch's CPU threads, and the device and dtype it runs in
+    (bfloat16 on CUDA, float32 on CPU, unless --dtype names one)."""
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    log.setLevel(log_level)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    return torch.device("cuda" if cuda else "cpu"), dtype
 
 
 def copy_tokenizer(source: Path, dest: Path) -> None:

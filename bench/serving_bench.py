@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from bench.common import ALL_MODULES, QV, CompileWatch, add_model_args, bench_model, copy_bandwidth, write_random_adapter
+from bench.common import ALL_MODULES, QV, CompileWatch, add_model_args, bench_model, bench_runtime, copy_bandwidth, write_random_adapter
 from bench.engine_driver import (DecodeStep, Driver, ReqRecord, Spec, make_specs, parse_range, pct,
                                  preload_adapters, sync, zipf_index)
 from bench.tp_floor import StepBytes, adapter_bytes_per_rank
@@ -469,15 +469,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Summary]:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    log.setLevel(logging.INFO)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    device, dtype = bench_runtime(args, log)
+    cuda = device.type == "cuda"
     args.requests = args.requests or (128 if cuda else 8)
     args.concurrency = args.concurrency or (64 if cuda else 4)
     prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))

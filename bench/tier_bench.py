@@ -64,7 +64,7 @@ import torch
 
 from bench import page_cache
 from bench.churn_bench import TARGETS, engine_args, write_adapters
-from bench.common import CompileWatch, add_model_args, bench_model
+from bench.common import CompileWatch, add_model_args, bench_model, bench_runtime
 from bench.engine_driver import make_specs, pct, sync
 
 log = logging.getLogger("tier_bench")
@@ -347,15 +347,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    device, dtype = bench_runtime(args, log, logging.INFO if args.verbose else logging.WARNING)
+    cuda = device.type == "cuda"
     args.background = args.background if args.background is not None else (32 if cuda else 4)
     if args.background < 1:
         raise SystemExit("--background must be at least 1: its decode step is the yardstick")
