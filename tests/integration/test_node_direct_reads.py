@@ -7,16 +7,12 @@ before."""
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import replace
 
 import pytest
 
 from adapter_store.push import push_adapter
 from adapter_store.read_plans import DirectReads
-from adapter_store.s3 import S3Store
-from adapter_store.seaweedfs import SeaweedFS
-from adapter_store.server import BackgroundStore, StoreSettings
 from tcp_proxy import CorruptingProxy
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.adapters.direct_reads import DirectReadSettings
@@ -32,36 +28,21 @@ WEIGHTS = "adapter_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, tiny_llama_path):
-    """SeaweedFS with one adapter (and one invalid) pushed, its PEFT output, and a store factory."""
+def world(tmp_path_factory, tiny_llama_path, seaweed, bucket, s3, make_store):
+    """The module's bucket with one adapter (and one invalid) pushed, its PEFT output, and a store factory."""
     root = tmp_path_factory.mktemp("direct-reads")
-    seaweed = SeaweedFS(root / "seaweedfs")
-    seaweed.start()
-    bucket = seaweed.create_bucket(f"direct-{uuid.uuid4().hex[:8]}")
-    s3 = S3Store(bucket, seaweed.boto3_client())
     folder = make_peft_adapter(tiny_llama_path, root / "alpha", 8, 16.0, ["q_proj", "v_proj", "down_proj"],
                                seed=3, scale=3.0)
     push_adapter(folder, "alpha", s3, "adapters/", progress=False)
     seaweed.boto3_client().put_object(Bucket=bucket, Key="adapters/broken/adapter_config.json", Body=b"{}")
     seaweed.boto3_client().upload_file(str(folder / WEIGHTS), bucket, f"adapters/broken/{WEIGHTS}")
     expected = peft_greedy(tiny_llama_path, folder, [PROMPT], 24)[0]
-    started: list[BackgroundStore] = []
-
-    def store(direct_reads: DirectReads = DirectReads()) -> BackgroundStore:
-        started.append(BackgroundStore(StoreSettings(
-            bucket=bucket, s3_endpoint=seaweed.endpoint_url, region=seaweed.region, port=0, poll_interval_s=0.3,
-            cache_dir=str(root / f"cache-{uuid.uuid4().hex[:6]}"), direct_reads=direct_reads), s3=s3))
-        return started[-1]
-
-    yield seaweed, store, folder, expected
-    for s in started:
-        s.stop()
-    seaweed.close()
+    return seaweed, make_store, folder, expected
 
 
 def test_a_node_reads_adapters_straight_from_s3(world, tiny_llama_path) -> None:
     seaweed, make_store, folder, expected = world
-    store = make_store(DirectReads(enabled=True))
+    store = make_store(direct_reads=DirectReads(enabled=True))
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=1,
                                       max_lora_rank=16, adapter_store=store.address, adapter_direct_reads=True,
                                       debug_checks=True))
@@ -94,7 +75,7 @@ def test_bytes_failing_the_catalogs_digest_are_streamed_from_the_store_instead(w
         monkeypatch.setenv(key, value)
     caplog.set_level(logging.INFO, logger="inference_node")
     try:
-        store = make_store(DirectReads(enabled=True, endpoint=proxy.url))
+        store = make_store(direct_reads=DirectReads(enabled=True, endpoint=proxy.url))
         loads = source(tiny_llama_path, store.address)
         try:
             weights = loads.load("alpha", "")
@@ -136,7 +117,7 @@ def test_a_store_without_direct_reads_is_streamed_from(world, tiny_llama_path) -
 
 def test_unknown_and_invalid_adapters_get_no_plan_and_are_refused(world, tiny_llama_path) -> None:
     _, make_store, _, _ = world
-    store = make_store(replace(DirectReads(), enabled=True))
+    store = make_store(direct_reads=replace(DirectReads(), enabled=True))
     loads = source(tiny_llama_path, store.address)
     try:
         with pytest.raises(AdapterNotFound):

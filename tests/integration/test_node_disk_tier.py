@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import uuid
 from pathlib import Path
 
 import grpc
 import pytest
 
 from adapter_store.push import push_adapter
-from adapter_store.s3 import S3Store
-from adapter_store.seaweedfs import SeaweedFS
-from adapter_store.server import BackgroundStore, StoreSettings
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.node import NodeSettings
 from lora.v1 import inference_pb2 as pb
@@ -26,13 +22,9 @@ WEIGHTS = "adapter_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, tiny_llama_path):
-    """SeaweedFS with two adapters pushed, their PEFT outputs, and a store settings factory."""
+def world(tmp_path_factory, tiny_llama_path, s3, make_store):
+    """The module's bucket with two adapters pushed, their PEFT outputs, and a store factory."""
     root = tmp_path_factory.mktemp("disk-tier")
-    seaweed = SeaweedFS(root / "seaweedfs")
-    seaweed.start()
-    bucket = seaweed.create_bucket(f"disk-{uuid.uuid4().hex[:8]}")
-    s3 = S3Store(bucket, seaweed.boto3_client())
     expected = {}
     for seed, name in enumerate(["alpha", "beta"]):
         folder = make_peft_adapter(tiny_llama_path, root / name, 8, 16.0, ["q_proj", "v_proj", "down_proj"],
@@ -40,14 +32,7 @@ def world(tmp_path_factory, tiny_llama_path):
         push_adapter(folder, name, s3, "adapters/", progress=False)
         expected[name] = peft_greedy(tiny_llama_path, folder, [PROMPT], 24)[0]
     assert expected["alpha"] != expected["beta"]
-
-    def store() -> BackgroundStore:
-        return BackgroundStore(StoreSettings(bucket=bucket, s3_endpoint=seaweed.endpoint_url, region=seaweed.region,
-                                             cache_dir=str(root / f"cache-{uuid.uuid4().hex[:6]}"), port=0,
-                                             poll_interval_s=0.3), s3=s3)
-
-    yield root, store, expected
-    seaweed.close()
+    return root, make_store, expected
 
 
 def start_node(tiny_llama_path: Path, store_address: str, disk: Path, fetch_timeout_s: float = 30.0) -> InProcessNode:

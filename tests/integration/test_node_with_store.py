@@ -4,16 +4,12 @@ finishes on the old; a deletion makes the adapter NOT_FOUND."""
 from __future__ import annotations
 
 import threading
-import uuid
 
 import grpc
 import pytest
 
 from adapter_store.client import AdapterStoreClient
 from adapter_store.push import push_adapter
-from adapter_store.s3 import S3Store
-from adapter_store.seaweedfs import SeaweedFS
-from adapter_store.server import BackgroundStore, StoreSettings
 from harness import InProcessNode, make_peft_adapter, peft_greedy, wait_for
 from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
@@ -22,22 +18,14 @@ PROMPT = [101, 2002, 3003, 4004, 505, 66]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_llama_path):
+def stack(tmp_path_factory, tiny_llama_path, s3, make_store):
     root = tmp_path_factory.mktemp("stack")
-    seaweed = SeaweedFS(root / "seaweedfs")
-    seaweed.start()
-    bucket = seaweed.create_bucket(f"node-{uuid.uuid4().hex[:8]}")
-    s3 = S3Store(bucket, seaweed.boto3_client())
-    store = BackgroundStore(StoreSettings(bucket=bucket, s3_endpoint=seaweed.endpoint_url,
-                                          region=seaweed.region, cache_dir=str(root / "cache"), port=0,
-                                          poll_interval_s=0.3), s3=s3)
+    store = make_store()
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
                                       max_loras=1, max_lora_rank=16, adapter_store=store.address,
                                       debug_checks=True))
     yield root, s3, store, node
     node.stop()
-    store.stop()
-    seaweed.close()
 
 
 def test_adapters_from_the_store(stack, tiny_llama_path) -> None:

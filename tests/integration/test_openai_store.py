@@ -3,15 +3,10 @@ before any is loaded (an invalid one is not), `model` loads one on demand, and a
 goes away leaves the listing of what the node holds."""
 from __future__ import annotations
 
-import uuid
-
 import openai
 import pytest
 
 from adapter_store.push import push_adapter
-from adapter_store.s3 import S3Store
-from adapter_store.seaweedfs import SeaweedFS
-from adapter_store.server import BackgroundStore, StoreSettings
 from harness import InProcessNode, make_peft_adapter, wait_for
 from inference_node.node import NodeSettings
 
@@ -19,26 +14,18 @@ PROMPT = [101, 2002, 3003, 4004, 505, 66]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_llama_path):
+def stack(tmp_path_factory, tiny_llama_path, seaweed, bucket, s3, make_store):
     root = tmp_path_factory.mktemp("openai-store")
-    seaweed = SeaweedFS(root / "seaweedfs")
-    seaweed.start()
-    bucket = seaweed.create_bucket(f"openai-{uuid.uuid4().hex[:8]}")
-    s3 = S3Store(bucket, seaweed.boto3_client())
     for seed, name in enumerate(["alpha", "beta"]):
         folder = make_peft_adapter(tiny_llama_path, root / name, 8, 16.0, ["q_proj", "v_proj"], seed=seed, scale=3.0)
         push_adapter(folder, name, s3, "adapters/", progress=False)
     seaweed.boto3_client().put_object(Bucket=bucket, Key="adapters/broken/adapter_config.json", Body=b"{}")
-    store = BackgroundStore(StoreSettings(bucket=bucket, s3_endpoint=seaweed.endpoint_url, region=seaweed.region,
-                                          cache_dir=str(root / "cache"), port=0, poll_interval_s=0.3), s3=s3)
+    store = make_store()
     node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=128, max_loras=2,
                                       max_lora_rank=8, adapter_store=store.address, adapter_fetch_timeout_s=3.0),
                          http=True)
     yield store, node
     node.stop()
-    if store.thread.is_alive():  # the test stops it
-        store.stop()
-    seaweed.close()
 
 
 def test_models_come_from_the_store_catalog(stack, tiny_llama_path) -> None:
