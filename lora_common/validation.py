@@ -29,9 +29,12 @@ DEFAULT_MAX_WEIGHT_ABS = 1000.0
 # safetensors dtypes and their sizes; only the float ones are accepted as LoRA weights.
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-# For each accepted dtype: the unsigned view and the exponent mask that marks NaN/Inf.
-_FLOAT_EXPONENT = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80),
-                   "F32": (np.uint32, 0x7F800000), "F64": (np.uint64, 0x7FF0000000000000)}
+# For each accepted dtype: the unsigned view, the mask of all bits but the sign, and Inf's
+# magnitude bits. An IEEE float's magnitude bits order like its magnitude, so one integer max
+# over them finds the largest value, and a max at or above Inf's bits means a NaN or an Inf.
+_FLOAT_BITS = {"F16": (np.uint16, 0x7FFF, 0x7C00), "BF16": (np.uint16, 0x7FFF, 0x7F80),
+               "F32": (np.uint32, 0x7FFFFFFF, 0x7F800000),
+               "F64": (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000)}
 _TENSOR_NAME = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d{1,6})\.(self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.default)?\.weight")
@@ -299,7 +302,7 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
         layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
         if MODULE_PARENT[module] != parent:
             raise AdapterInvalid(f"tensor {name!r}: {module} belongs under {MODULE_PARENT[module]}, not {parent}")
-        if info.dtype not in _FLOAT_EXPONENT:
+        if info.dtype not in _FLOAT_BITS:
             raise AdapterInvalid(f"tensor {name!r} has dtype {info.dtype}; LoRA weights must be F16, BF16, F32 or F64")
         if len(info.shape) != 2 or 0 in info.shape:
             raise AdapterInvalid(f"tensor {name!r} has shape {info.shape}; LoRA weights are non-empty matrices")
@@ -341,7 +344,7 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
     spec = AdapterSpec(config, modules, present, max(layer for layer, _ in modules) + 1, dtypes, nbytes)
     if data is not None:
         check_finite(header, data, max_weight_abs)
-        probe_lora_path(spec, data)
+        probe_lora_path(spec, data, max_weight_abs)
     return spec
 
 
@@ -358,72 +361,76 @@ def _unexpected_tensor(name: str) -> str:
 
 
 def check_finite(header: SafetensorsHeader, data: Buffer, max_abs: float = 0.0) -> None:
-    """Refuses NaN or Inf in any float tensor (testing the exponent bits), and with max_abs > 0
-    any value whose magnitude is above it; both in chunks, to bound temporary memory."""
+    """Refuses NaN or Inf in any float tensor, and with max_abs > 0 any value whose magnitude
+    is above it: one integer pass over each tensor's magnitude bits, in chunks to bound
+    temporary memory."""
     with memoryview(data) as whole, whole.cast("B") as view:
         if len(view) < header.file_size:
             raise AdapterInvalid(f"safetensors data is truncated: {len(view)} of {header.file_size} bytes")
         for info in header.tensors.values():
-            if not _all_finite(view, info):
+            largest = _largest_magnitude(view, info)
+            if largest is None:
                 raise AdapterInvalid(f"tensor {info.name[:200]!r} holds NaN or Inf values")
-            if max_abs > 0:
-                largest = _max_abs(view, info)
-                if largest > max_abs:
-                    raise AdapterInvalid(
-                        f"tensor {info.name[:200]!r} holds a value of magnitude {largest:.3g}; LoRA weights "
-                        f"above {max_abs:g} make the forward overflow (trained adapters stay well under 1); "
-                        "the bound is --max-weight-abs")
+            if max_abs > 0 and largest > max_abs:
+                raise AdapterInvalid(
+                    f"tensor {info.name[:200]!r} holds a value of magnitude {largest:.3g}; LoRA weights "
+                    f"above {max_abs:g} make the forward overflow (trained adapters stay well under 1); "
+                    "the bound is --max-weight-abs")
 
 
-def _all_finite(view: memoryview, info: TensorInfo) -> bool:
-    spec = _FLOAT_EXPONENT.get(info.dtype)
+def _largest_magnitude(view: memoryview, info: TensorInfo) -> float | None:
+    """The largest magnitude in a float tensor (0.0 for others), None where it holds a NaN or Inf."""
+    spec = _FLOAT_BITS.get(info.dtype)
     if spec is None:
-        return True
-    utype, mask = spec
+        return 0.0
+    utype, magnitude, inf_bits = spec
     itemsize = np.dtype(utype).itemsize
     count = info.nbytes // itemsize
+    largest = 0
+    scratch = np.empty(min(_FINITE_CHUNK, count), dtype=utype)
     for first in range(0, count, _FINITE_CHUNK):
         n = min(_FINITE_CHUNK, count - first)
         values = np.frombuffer(view, dtype=utype, count=n, offset=info.start + first * itemsize)
-        found = bool(np.any((values & utype(mask)) == utype(mask)))
+        largest = max(largest, int(np.bitwise_and(values, utype(magnitude), out=scratch[:n]).max()))
         del values  # the buffer must be free again when the caller's memoryview closes
-        if found:
-            return False
-    return True
-
-
-def _as_float(view: memoryview, info: TensorInfo, first: int = 0, count: int | None = None) -> np.ndarray:
-    """Elements [first, first + count) of a float tensor as a new float32/float64 array
-    (BF16 widened exactly through its bit pattern)."""
-    itemsize = DTYPE_SIZES[info.dtype]
-    count = info.nbytes // itemsize - first if count is None else count
-    offset = info.start + first * itemsize
+        if largest >= inf_bits:
+            return None
     if info.dtype == "BF16":
-        raw = np.frombuffer(view, dtype=np.uint16, count=count, offset=offset)
+        return float(np.array([largest << 16], dtype=np.uint32).view(np.float32)[0])
+    native = {"F16": np.float16, "F32": np.float32, "F64": np.float64}[info.dtype]
+    return float(np.array([largest], dtype=utype).view(native)[0])
+
+
+def _as_float(view: memoryview, info: TensorInfo) -> np.ndarray:
+    """A float tensor as a new float32/float64 array (BF16 widened exactly through its bit pattern)."""
+    itemsize = DTYPE_SIZES[info.dtype]
+    count = info.nbytes // itemsize
+    if info.dtype == "BF16":
+        raw = np.frombuffer(view, dtype=np.uint16, count=count, offset=info.start)
         return (raw.astype(np.uint32) << 16).view(np.float32)
     native = {"F16": np.float16, "F32": np.float32, "F64": np.float64}[info.dtype]
-    raw = np.frombuffer(view, dtype=native, count=count, offset=offset)
+    raw = np.frombuffer(view, dtype=native, count=count, offset=info.start)
     return raw.astype(np.float64 if info.dtype == "F64" else np.float32)
 
 
-def _max_abs(view: memoryview, info: TensorInfo) -> float:
-    count = info.nbytes // DTYPE_SIZES[info.dtype]
-    largest = 0.0
-    for first in range(0, count, _FINITE_CHUNK):
-        values = _as_float(view, info, first, min(_FINITE_CHUNK, count - first))
-        largest = max(largest, float(np.abs(values).max(initial=0.0)))
-    return largest
-
-
-def probe_lora_path(spec: AdapterSpec, data: Buffer) -> None:
+def probe_lora_path(spec: AdapterSpec, data: Buffer, max_weight_abs: float = 0.0) -> None:
     """Each module's LoRA update, scaling * B @ (A @ x), at its largest over inputs whose
     entries are at most 1 in magnitude (the scale the base model's norms give), must be
     finite in float32, the widest dtype a node serves in (bfloat16 has its range): weights
     that are finite one by one can still overflow together. Taken over |A| and |B|, so
-    weights of opposite signs cannot hide an overflow. Nodes probe again in their own dtype."""
+    weights of opposite signs cannot hide an overflow. Nodes probe again in their own dtype.
+
+    With every weight known to be at most max_weight_abs (> 0) in magnitude, a module whose
+    worst case |scaling| * rank * in_features * max_weight_abs**2 is far inside float32's
+    range cannot overflow and is not probed (with the default bound, every module of a
+    usual scaling): its casts and matmuls were most of a validation's time."""
     scaling = np.float32(spec.config.scaling)
+    limit = float(np.finfo(np.float32).max) / 1024
     with memoryview(data) as whole, whole.cast("B") as view:
         for (layer, module), m in spec.modules.items():
+            rank, in_features = m.a.shape
+            if 0 < max_weight_abs and abs(float(scaling)) * rank * in_features * max_weight_abs ** 2 < limit:
+                continue
             a = np.abs(_as_float(view, m.a).astype(np.float32)).reshape(m.a.shape)
             b = np.abs(_as_float(view, m.b).astype(np.float32)).reshape(m.b.shape)
             with np.errstate(over="ignore", invalid="ignore"):

@@ -71,3 +71,34 @@ def test_opposite_signs_do_not_hide_an_overflow(tmp_path) -> None:
     with pytest.raises(AdapterInvalid, match="overflows float32"):
         validate_adapter(json.dumps(adapter_config(4, ("q_proj",))), (tmp_path / "w.safetensors").read_bytes(),
                          max_weight_abs=0)
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
+def test_the_bound_holds_to_the_value_in_every_float_dtype(dtype) -> None:
+    """The largest magnitude (here a negative weight, beside -0.0 and a subnormal) is found
+    exactly: a bound at it passes, one just under it is refused naming it."""
+    from lora_common.validation import check_finite, parse_safetensors_header
+    from store_corpus import raw_safetensors
+
+    values = np.array([0.5, -3.0, -0.0, 1e-40, 2.0, 1.0], np.float64)
+    if dtype == "BF16":
+        blob = (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    else:
+        blob = values.astype({"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype]).tobytes()
+    header = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+              {"dtype": dtype, "shape": [2, 3], "data_offsets": [0, len(blob)]}}
+    data = raw_safetensors(header, blob)
+    check_finite(parse_safetensors_header(data), data, max_abs=3.0)
+    with pytest.raises(AdapterInvalid, match="magnitude 3; LoRA weights above 2.99"):
+        check_finite(parse_safetensors_header(data), data, max_abs=2.99)
+
+
+def test_under_the_bound_a_scaling_too_large_for_it_is_still_probed(tmp_path) -> None:
+    """Weights within the bound prove nothing when lora_alpha / r is huge: the update of
+    weights near 1 times a scaling of 1e37 overflows float32, and the probe refuses it."""
+    config, data = adapter_bytes(tmp_path, 40.0)  # weights up to a few units, under the bound
+    validate_adapter(config, data)
+    huge = json.loads(config)
+    huge["lora_alpha"] = 4e37
+    with pytest.raises(AdapterInvalid, match="overflows float32"):
+        validate_adapter(json.dumps(huge), data)
