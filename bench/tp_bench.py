@@ -18,7 +18,8 @@ the GPU and shard shape (--tuning-table auto); --mode builds the node again per 
 choices. Columns: the full-batch decode steps' wall time
 p50 (one engine call: launch step n+1, wait for step n), tokens/s over those steps, the ratio
 to the first size's step of the same row, and the step's floor per GPU (weights, KV and
-adapters read at copy bandwidth, plus the all-reduces) where bench.tp_floor is present.
+adapters read at the copy bandwidth measured on that GPU, plus the all-reduces) where
+bench.tp_floor is present.
 """
 from __future__ import annotations
 
@@ -86,6 +87,11 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
 
     count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
     choices = mode_choices(mode)
+    if not args.copy_bandwidth:  # this GPU's own, before the node takes its memory
+        from bench.common import copy_bandwidth
+
+        device = torch.device(args.device)
+        args.copy_bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
     settings = NodeSettings(
         tuning=tuning_from_text(choices), tuning_fixed=frozenset(choices), tuning_table=args.tuning_table,
         all_reduce=all_reduce if tp > 1 else "nccl",
@@ -124,7 +130,8 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
             floor = floor_ms(args, checkpoint, tp, row)
             out[-1]["floor_ms"] = floor
             print(f"# tp {tp} {row} ({mode}): step p50 {step * 1e3:.3f} ms over {len(full)} full-batch decode "
-                  f"steps; floor {'-' if floor is None else format(floor, '.3f')} ms", file=sys.stderr, flush=True)
+                  f"steps; floor {'-' if floor is None else format(floor, '.3f')} ms at "
+                  f"{args.copy_bandwidth / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
             if trace is not None and trace.exists():
                 print_rank0_timeline(f"tp {tp} {row} ({mode})", trace)
         print(CHILD_ROWS + json.dumps(out), flush=True)
@@ -184,8 +191,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="0: what the batch needs, twice over (each size's node then leaves the GPU to the next)")
-    p.add_argument("--copy-bandwidth", type=float, default=3.0e12,
-                   help="device copy bytes/s, read + write counted (KINDS.md: H100 3.0e12)")
+    p.add_argument("--copy-bandwidth", type=float, default=0.0,
+                   help="device copy bytes/s, read + write counted, for the floors (0: measured on "
+                        "each size's GPU by bench.common.copy_bandwidth before its node starts)")
     p.add_argument("--allreduce-json", type=Path, default=None,
                    help="a bench.allreduce_bench --json report of as many GPUs: the floor's collectives")
     p.add_argument("--tokenizer", type=Path, default=None)
