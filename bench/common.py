@@ -295,19 +295,38 @@ def _group_modules(group: str) -> tuple[str, ...]:
     return FUSED_MODULES[group]
 
 
+def rank_config(config: dict, tp: int) -> dict:
+    """An HF config of one tensor-parallel rank's shapes (parallel/shard.py): its heads, KV
+    heads and MLP width, the head size kept, and its block of the vocabulary (the LM head's).
+    A model of it on one GPU runs the kernels a rank runs, with its adapters' shards (A whole
+    and B split for q/k/v and gate/up, the reverse for o and down), but no collectives."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.parallel.shard import ShardingError, check_divisible
+
+    try:
+        check_divisible(ModelConfig.from_dict(config), tp)
+    except ShardingError as exc:
+        raise SystemExit(f"--tp {tp}: {exc}") from None
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    return {**config, "num_attention_heads": heads // tp, "num_key_value_heads": kv_heads // tp,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "intermediate_size": config["intermediate_size"] // tp, "vocab_size": -(-config["vocab_size"] // tp)}
+
+
 def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int,
-                 tuning=None, tiny: bool = False, model: str = "llama-1b-random"):
+                 tuning=None, tiny: bool = False, model: str = "llama-1b-random", tp: int = 1):
     """(config, LlamaModel) of a RANDOM_MODELS shape (Llama-3.2-1B's by default, TINY_LLAMA's
     with `tiny`: smoke runs) with random weights (`layers` of them if given): made on the
     device where the shape's weights are made at load (8B, 70B), else through a checkpoint
     written to a temporary directory; `tuning`: the model's kernels' (None: the node's
-    defaults)."""
+    defaults); `tp` > 1: one tensor-parallel rank's shapes (rank_config)."""
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
     from kernels.tuning import DEFAULT_TUNING
 
     shape, made_at_load, _ = RANDOM_MODELS["tiny" if tiny else model]
-    config = dict(shape)
+    config = dict(shape) if tp == 1 else rank_config(dict(shape), tp)
     if layers:
         config["num_hidden_layers"] = layers
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,6 +10,7 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
     python -m bench.decode_profile --configs base,c32    # a subset
     python -m bench.decode_profile --model llama-8b-random --configs base,c32 --timeline --no-profile
     python -m bench.decode_profile --device cpu --tiny --batch 4   # CPU smoke (no graphs)
+    python -m bench.decode_profile --model llama-70b-random --tp 4 --configs base,c32   # one TP=4 rank of 70B, one GPU
     python -m bench.decode_profile --mode default --mode serial --no-profile  # replay times only
     python -m bench.decode_profile --configs base,gu32,c32 --no-profile \
         --mode default --mode "fold_tilings=gate_up=32.128.4/silu_row_tile=512.2"
@@ -155,6 +156,11 @@ def main() -> None:
     p.add_argument("--model", default="llama-1b-random", choices=[m for m in RANDOM_MODELS if m != "tiny"],
                    help="the shape (8B and 70B: weights made on the device; 70B needs --layers to fit one GPU)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="one tensor-parallel rank of this many on one GPU: its shard's shapes, its "
+                        "adapters' shards, its tuning table and the LoRA choices TP forces (o and "
+                        "down expand before their all-reduce); no collectives, and o's and down's "
+                        "delta added in the add + norm instead of before an all-reduce")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke runs)")
     p.add_argument("--reps", type=int, default=20, help="replays per burst, forwards per profile")
     p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
@@ -177,6 +183,7 @@ def main() -> None:
     from inference_node.engine.kv_cache import KVCache
     from inference_node.lora_step.eager import StepLoraApplier
     from inference_node.lora_step.overlap import LoraOverlap
+    from inference_node.parallel.shard import tensor_parallel_tuning
     from kernels.tuning import DEFAULT_TUNING, tuning_from_text
     from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
 
@@ -185,7 +192,7 @@ def main() -> None:
     names = [c for c in args.configs.split(",") if c]
     block = 16
     max_len = args.context + 64
-    cfg, model = random_model(device, dtype, args.layers, max_len, tiny=args.tiny, model=args.model)
+    cfg, model = random_model(device, dtype, args.layers, max_len, tiny=args.tiny, model=args.model, tp=args.tp)
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
@@ -196,6 +203,8 @@ def main() -> None:
         given = {} if mode in ("default", "serial") else dict(item.split("=", 1) for item in mode.split("/"))
         tuning = tuning_from_text(given) if given else DEFAULT_TUNING
         steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
+        if args.tp > 1:  # as a tensor-parallel node maps every bucket's tuning
+            steps = steps.map(tensor_parallel_tuning)
         if mode == "serial":
             def factory(meta, groups):
                 return StepLoraApplier(buffers, meta, groups)

@@ -75,3 +75,28 @@ def test_decode_profile_runs_each_mode_on_cpu() -> None:
     for mode in ("default", "serial", "fold_groups=none/side_expand_segments=0"):
         for config in ("base", "c2"):
             assert f"[{mode}] {config}: eager forward ran" in proc.stdout, proc.stdout
+
+
+def test_a_tensor_parallel_rank_on_one_device_has_the_rank_s_shapes() -> None:
+    """decode_profile --tp N runs one rank's shapes: heads, KV heads and MLP width divided,
+    the head size kept, the LM head's block of the vocabulary; sizes that do not divide are
+    refused."""
+    from bench.common import TINY_LLAMA, random_model, rank_config
+
+    cfg, model = random_model(torch.device("cpu"), torch.float32, None, 64, tiny=True, tp=2)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size) == (
+        TINY_LLAMA["num_attention_heads"] // 2, TINY_LLAMA["num_key_value_heads"] // 2, TINY_LLAMA["head_dim"],
+        TINY_LLAMA["intermediate_size"] // 2, TINY_LLAMA["vocab_size"] // 2)
+    assert cfg.module_shapes()["o_proj"] == (cfg.num_heads * cfg.head_dim, TINY_LLAMA["hidden_size"])
+    with pytest.raises(SystemExit, match="--tp 3"):
+        rank_config(dict(TINY_LLAMA), 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the full profile is run by hand")
+def test_decode_profile_runs_a_tensor_parallel_rank_on_cpu() -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.decode_profile", "--device", "cpu", "--tiny",
+                           "--batch", "4", "--configs", "base,c2", "--tp", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for config in ("base", "c2"):
+        assert f"[default] {config}: eager forward ran" in proc.stdout, proc.stdout
