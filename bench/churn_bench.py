@@ -23,8 +23,10 @@ Rows, each on its own engine (built in turn, the same model, KV cache and places
 
 Columns: throughput (output tokens over the time from the first arrival to the last finish,
 and requests/s), TTFT p50/p99/max, the share of requests whose adapter was on the GPU, in
-host memory or only on disk when the node first saw them, the adapters copied to the GPU
-and evicted from it during the row, and the churn rows' throughput and TTFT p50 over the
+host memory or only on disk when the node first saw them, the share naming an adapter that
+no earlier request (the warm-up's included) named ("new": their disk loads are compulsory,
+whatever the policy or the host memory), the adapters copied to the GPU and evicted from it
+during the row, and the churn rows' throughput and TTFT p50 over the
 resident row's at the same alpha (the issue's targets at alpha 1.0: >= 0.8 and <= 2).
 Tier shares and GPU copies count the timed traffic only.
 """
@@ -75,6 +77,7 @@ class RowResult:
     wall: float = float("nan")
     ttft: list[float] = field(default_factory=list)
     tiers: dict[str, int] = field(default_factory=dict)
+    first_touch: int = 0           # requests naming an adapter no earlier request named
     gpu_loads: int = 0
     gpu_evictions: int = 0
     compiles: list[str] = field(default_factory=list)
@@ -193,13 +196,27 @@ def warm_up_tiers(engine, manager, specs: list[Spec], traffic: Traffic, args, de
     settle(engine, manager)
 
 
+def first_touches(specs: list[Spec], adapter_of: dict[int, str], seen: set[str]) -> int:
+    """Requests, in arrival order, naming an adapter that neither `seen` (what earlier traffic
+    named) nor an earlier request named: their disk loads are compulsory, whatever the policy
+    or the host memory."""
+    seen = set(seen)
+    count = 0
+    for spec in sorted(specs, key=lambda s: (s.arrival, s.index)):
+        count += adapter_of[spec.index] not in seen
+        seen.add(adapter_of[spec.index])
+    return count
+
+
 def run_row(key: str, engine, manager, specs: list[Spec], traffic: Traffic, ratio: float,
-            args, device: torch.device) -> RowResult:
+            args, device: torch.device, seen: set[str]) -> RowResult:
+    """`seen`: the adapters the row's untimed traffic named before it."""
     result = RowResult(key, traffic.alpha, ratio)
     hits_before = dict(manager.tier_hits)
     stats_before = dict(manager.stats)
     gpu_loads_before = sum(c.loads["gpu"] for c in manager.per_adapter.values())
     adapter_of = {spec.index: name for spec, name in zip(specs, traffic.adapters)}
+    result.first_touch = first_touches(specs, adapter_of, seen)
     driver = Driver(engine, device, args.concurrency, poisson=True)
     gc.collect()
     gc.freeze()
@@ -225,10 +242,10 @@ def run_row(key: str, engine, manager, specs: list[Spec], traffic: Traffic, rati
 
 # -- the table -----------------------------------------------------------------------------------------
 HEADER = (f"{'alpha':>5} {'row':<9} {'WS/mem':>6} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>9} "
-          f"{'max':>9} {'gpu':>6} {'host':>6} {'disk':>6} {'to GPU':>7} {'evicted':>7} "
+          f"{'max':>9} {'gpu':>6} {'host':>6} {'disk':>6} {'new':>6} {'to GPU':>7} {'evicted':>7} "
           f"{'tput/res':>8} {'p50/res':>8}")
 UNITS = (f"{'':>5} {'':<9} {'':>6} {'':>9} {'':>7} {'ms':>9} {'ms':>9} {'ms':>9} {'hit %':>6} "
-         f"{'hit %':>6} {'hit %':>6} {'':>7} {'':>7} {'':>8} {'':>8}")
+         f"{'hit %':>6} {'hit %':>6} {'%':>6} {'':>7} {'':>7} {'':>8} {'':>8}")
 
 
 def format_row(r: RowResult, resident: RowResult | None) -> str:
@@ -239,9 +256,10 @@ def format_row(r: RowResult, resident: RowResult | None) -> str:
         vs_tput = f"{r.tok_s / resident.tok_s:.3f}"
         vs_p50 = f"{r.ttft_pct(50) / resident.ttft_pct(50):.2f}"
     share = [f"{100 * r.tier_share(t):6.1f}" for t in TIERS]
+    new = "-" if r.key == "resident" else f"{100 * r.first_touch / r.requests:6.1f}"
     return (f"{r.alpha:5.2g} {r.key:<9} {r.ratio:6.2f} {r.tok_s:9.1f} {r.req_s:7.2f} "
             f"{r.ttft_pct(50) * 1e3:9.1f} {r.ttft_pct(99) * 1e3:9.1f} {max(r.ttft) * 1e3:9.1f} "
-            f"{' '.join(share)} {r.gpu_loads:7d} {r.gpu_evictions:7d} {vs_tput:>8} {vs_p50:>8}")
+            f"{' '.join(share)} {new:>6} {r.gpu_loads:7d} {r.gpu_evictions:7d} {vs_tput:>8} {vs_p50:>8}")
 
 
 def targets_line(results: list[RowResult]) -> list[str]:
@@ -423,7 +441,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
                     unload_all(engine, manager)
                     if args.start == "warm":
                         warm_up_tiers(engine, manager, warm_specs, warm_traffic[t.alpha], args, device)
-                r = run_row(key, engine, manager, specs, t, ratio, args, device)
+                seen = set(warm_traffic[t.alpha].adapters) if key != "resident" and args.start == "warm" else set()
+                r = run_row(key, engine, manager, specs, t, ratio, args, device, seen)
             except Exception as exc:  # one broken row must not lose the others
                 log.exception("row %s alpha %g failed", key, t.alpha)
                 r = RowResult(key, t.alpha, ratio, error=f"{type(exc).__name__}: {exc}"[:200])

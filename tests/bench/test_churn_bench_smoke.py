@@ -37,6 +37,8 @@ def test_churn_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], mo
             assert r.tiers["gpu"] == requests and r.gpu_loads == 0 and r.gpu_evictions == 0, r
         else:  # every row starts with nothing loaded: the first request of each adapter is cold
             assert r.tiers["disk"] > 0 and r.gpu_loads > 0, r
+            # an adapter no earlier request named was only on disk when its first request came
+            assert 0 < r.first_touch <= r.tiers["disk"], r
             resident = by[(alpha, "resident")]
             assert r.output_tokens == resident.output_tokens, "the same traffic on every row"
     assert by[(1.0, "lru")].ratio == pytest.approx(4.0, rel=0.15)  # the adapter memory: a quarter
