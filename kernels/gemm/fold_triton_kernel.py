@@ -41,6 +41,23 @@ from .triton_kernel import prefetch_l2
 
 
 @triton.jit
+def _shrink_step(acc, x, a_desc, a_ptr, a_row, k0, offs_r, offs_k, live_r, K: tl.constexpr,
+                 TMA: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + x @ A[a_row's R rows, k0:k0+BLOCK_K].T: one step of a shrink's K loop (A by TMA,
+    or by pointers with the rows past the rank masked)."""
+    if TMA:
+        a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+    else:
+        a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
+                    mask=live_r[:, None], other=0.0)
+    if DOT_F32:
+        acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+    else:
+        acc += tl.dot(x, a.T)
+    return acc
+
+
+@triton.jit
 def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
                     stride_xa, stride_seg, rank_col, ticket,
                     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
@@ -85,16 +102,10 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
             for k0 in range(0, K, BLOCK_K):
                 if TMA:
                     x = x_desc.load([0, k0])
-                    a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
                 else:
                     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
                                 mask=offs_m[:, None] < M, other=0.0)
-                    a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                                + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
-                if DOT_F32:
-                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-                else:
-                    acc += tl.dot(x, a.T)
+                acc = _shrink_step(acc, x, a_desc, a_ptr, a_row, k0, offs_r, offs_k, live_r, K, TMA, DOT_F32)
             acc = tl.where(live_r[None, :], acc * tl.load(scaling_ptr + slot), 0.0)
             in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
             tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
@@ -110,15 +121,7 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
                 for k0 in range(0, K, BLOCK_K):
                     x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :],
                                 mask=live[:, None], other=0.0)
-                    if TMA:
-                        a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
-                    else:
-                        a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                                    + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
-                    if DOT_F32:
-                        acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-                    else:
-                        acc += tl.dot(x, a.T)
+                    acc = _shrink_step(acc, x, a_desc, a_ptr, a_row, k0, offs_r, offs_k, live_r, K, TMA, DOT_F32)
                 acc = tl.where(live_r[None, :], acc * scale, 0.0)
                 tl.store(xa_ptr + rows[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
                          mask=live[:, None])
