@@ -139,33 +139,29 @@ class AdapterStoreClient:
         result: list[AdapterInfo] = []
         token = ""
         while True:
-            try:
-                page = self.stub.ListAdapters(pb.ListStoreAdaptersRequest(page_size=page_size, page_token=token),
-                                              timeout=self.timeout_s, metadata=self.metadata)
-            except grpc.RpcError as exc:
-                raise StoreError.from_rpc(exc) from None
+            page = self._unary(self.stub.ListAdapters,
+                               pb.ListStoreAdaptersRequest(page_size=page_size, page_token=token))
             result.extend(AdapterInfo.from_proto(a) for a in page.adapters)
             token = page.next_page_token
             if not token:
                 return result
 
-    def get_manifest(self, name: str, version: str = "", timeout_s: float | None = None) -> Manifest:
+    def _unary(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None = None) -> Any:
+        """One unary call with this client's deadline and metadata; its failure as StoreError."""
         try:
-            return Manifest.from_proto(self.stub.GetManifest(pb.GetManifestRequest(name=name, version=version),
-                                                             timeout=timeout_s or self.timeout_s,
-                                                             metadata=self.metadata))
+            return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise StoreError.from_rpc(exc) from None
+
+    def get_manifest(self, name: str, version: str = "", timeout_s: float | None = None) -> Manifest:
+        return Manifest.from_proto(self._unary(self.stub.GetManifest,
+                                               pb.GetManifestRequest(name=name, version=version), timeout_s))
 
     def get_read_plan(self, name: str, version: str = "", timeout_s: float | None = None) -> ReadPlan:
         """Presigned GETs of the adapter's files (see GetReadPlan); a plan without files when
         the store offers none. A store that predates the call raises StoreError(UNIMPLEMENTED)."""
-        try:
-            return ReadPlan.from_proto(self.stub.GetReadPlan(pb.GetReadPlanRequest(name=name, version=version),
-                                                             timeout=timeout_s or self.timeout_s,
-                                                             metadata=self.metadata))
-        except grpc.RpcError as exc:
-            raise StoreError.from_rpc(exc) from None
+        return ReadPlan.from_proto(self._unary(self.stub.GetReadPlan,
+                                               pb.GetReadPlanRequest(name=name, version=version), timeout_s))
 
     def watch(self, reconnect: bool = True, stop: threading.Event | None = None) -> Iterator[CatalogEvent]:
         """Catalog events: ADDED for each adapter, then SYNCED, then changes as they happen.
