@@ -2,9 +2,6 @@
 test, in-process stores polling fast, and synthetic adapters."""
 from __future__ import annotations
 
-import itertools
-import os
-import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -13,11 +10,8 @@ import pytest
 from adapter_store.s3 import S3Store
 from adapter_store.samples import write_adapter
 from adapter_store.seaweedfs import SeaweedFS
-from adapter_store.server import BackgroundStore, StoreSettings
-
-POLL_S = 0.3
-SETTLE_S = 0.2
-_counter = itertools.count()
+from adapter_store.server import BackgroundStore
+from store_servers import new_bucket, start_store
 
 
 @pytest.fixture(scope="session")
@@ -26,10 +20,6 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
     server.start()
     yield server
     server.close()
-
-
-def new_bucket(server: SeaweedFS) -> str:
-    return server.create_bucket(f"store-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:6]}")
 
 
 @pytest.fixture
@@ -43,16 +33,6 @@ def s3(seaweed: SeaweedFS, bucket: str) -> S3Store:
 
 
 StoreFactory = Callable[..., BackgroundStore]
-
-
-def start_store(server: SeaweedFS, bucket: str, cache_dir: Path, s3: S3Store | None = None,
-                **overrides: object) -> BackgroundStore:
-    settings = StoreSettings(bucket=bucket, s3_endpoint=server.endpoint_url, region=server.region,
-                             cache_dir=str(cache_dir), port=0, poll_interval_s=POLL_S, settle_s=SETTLE_S)
-    for key, value in overrides.items():
-        setattr(settings, key, value)
-    client_s3 = s3 or S3Store(bucket, server.boto3_client(retries={"max_attempts": 1}, read_timeout=5))
-    return BackgroundStore(settings, s3=client_s3)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore
 from adapter_store.shard_wire import decode_shard
 from google.protobuf.message import DecodeError
-from conftest import new_bucket, start_store
+from store_servers import new_bucket, start_store
 from lora.v1 import adapter_store_pb2 as pb
 from tcp_proxy import CuttingProxy
 

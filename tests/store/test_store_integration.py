@@ -228,7 +228,7 @@ def test_unsafe_names_are_invalid_argument(name: str, s3: S3Store, make_store) -
 
 def test_watch_survives_a_store_restart(seaweed, bucket: str, s3: S3Store, adapter_dir, tmp_path: Path) -> None:
     from adapter_store.seaweedfs import free_ports
-    from conftest import start_store
+    from store_servers import start_store
 
     push(s3, adapter_dir("kept"), "kept")
     push(s3, adapter_dir("dropped", seed=3), "dropped")
