@@ -30,7 +30,9 @@ and adapter-count bucket (--adapters: that many distinct rank-16 adapters, the r
 adapter as a decode graph orders them), in the mode the node's tuning runs that group in at
 that count (inference_node/lora_step/overlap.py step_lora_plan: with the defaults o folds
 whole, expand=True, in steps of up to 8 adapters, and q/k/v, gate/up and o only shrink,
-expand=False, in steps of more; groups the step does not fold are not swept). Each candidate
+expand=False, in steps of more; with --tp N a rank's plan, where o always folds whole: its
+delta must be in its partial output before the all-reduce; groups the step does not fold are
+not swept). Each candidate
 is checked against the reference x @ W + the LoRA delta (with expand=False: the delta of the
 shrink's stored rows) and timed in a CUDA graph over copies of the weight and of the adapters'
 A and B, each copy with its own launch counters as each layer has. Its winners go into the
@@ -374,11 +376,11 @@ def fold_modes(groups: list[str], adapters: int, tuning: Tuning = DEFAULT_TUNING
 
 def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int], groups: list[str],
                device: torch.device, dtype: torch.dtype, smoke: bool, budget_s: float,
-               rank: int = RANK, max_candidates: int | None = None,
+               rank: int = RANK, max_candidates: int | None = None, tuning: Tuning = DEFAULT_TUNING,
                ) -> tuple[list[Measured], list[tuple[str, int, int]]]:
     """The fold's sweep: (what was measured, the (group, batch, adapters) the budget left
     unmeasured). Batches in the order given, each adapter count (at most the batch) at each,
-    every group the step folds."""
+    every group a step of `tuning` folds."""
     from bench.decode_kernels_sweep import copies_for
     from kernels.gemm import DecodeGemm
 
@@ -406,7 +408,7 @@ def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int],
         for adapters in adapter_counts:
             if adapters > batch:
                 continue
-            modes = fold_modes(groups, adapters)
+            modes = fold_modes(groups, adapters, tuning)
             unfolded = [g for g in groups if g not in modes]
             if unfolded:
                 print(f"  batch {batch}, {adapters} adapters: the step does not fold "
@@ -519,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if smoke else torch.bfloat16
     model = args.model or ("tiny" if smoke else "llama-1b-random")
     shape = model_shape(model, args.tp)
+    # A rank's decode graphs never leave o's or down's delta unexpanded (parallel/shard.py):
+    # the fold is swept in the modes those steps run it.
+    from inference_node.parallel.shard import tensor_parallel_tuning
+    plan_tuning = tensor_parallel_tuning(DEFAULT_TUNING) if args.tp > 1 else DEFAULT_TUNING
     batches = [int(b) for b in (args.batches or ("1,4" if smoke else ",".join(map(str, BATCHES)))).split(",")]
     too_large = [b for b in batches if b > MAX_ROWS]
     if too_large:
@@ -552,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"budget of {args.budget_s:.0f} s spent: not measured {skipped}")
     if "fold" in fields:
         folded, fold_skipped = sweep_fold(shape, batches, adapter_counts, groups, device, dtype, smoke,
-                                          args.budget_s, max_candidates=3 if smoke else None)
+                                          args.budget_s, max_candidates=3 if smoke else None,
+                                          tuning=plan_tuning)
         results += folded
         if fold_skipped:
             print(f"budget of {args.budget_s:.0f} s spent: fold not measured (group, batch, "
@@ -593,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         tuning = steps.for_step(batch, adapters)
         fold, base = tuning.fold_tilings, getattr(tuning, field)
         print(f"  batch {batch:3d}, {adapters:3d} adapters: "
-              + ", ".join(f"{g}={'.'.join(map(str, fold[g]))}" for g in fold_modes(groups, adapters))
+              + ", ".join(f"{g}={'.'.join(map(str, fold[g]))}" for g in fold_modes(groups, adapters, plan_tuning))
               + "; base " + ", ".join(f"{g}={'.'.join(map(str, base[g]))}" for g in groups))
     return 0
 

@@ -128,6 +128,18 @@ def test_the_fold_is_swept_in_the_mode_the_node_runs_each_group() -> None:
     assert fold_modes(list(GROUPS), 32, other) == {"o": True, "down": True}
 
 
+def test_a_tensor_parallel_sweep_folds_as_a_rank_does() -> None:
+    """Under tensor parallelism o's delta must be in its partial output before the all-reduce:
+    o folds whole in steps of many adapters too (a shrink-only fold's tiling would be applied
+    to a whole one), while q/k/v and gate/up still only shrink in their matmul."""
+    from inference_node.parallel.shard import tensor_parallel_tuning
+
+    rank = tensor_parallel_tuning(DEFAULT_TUNING)
+    assert fold_modes(list(GROUPS), 8, rank) == {"o": True}
+    assert fold_modes(list(GROUPS), 32, rank) == {"qkv": False, "o": True, "gate_up": False}
+    assert fold_modes(list(GROUPS), 32) == {"qkv": False, "o": False, "gate_up": False}
+
+
 def test_fold_candidates_keep_every_tile_inside_one_slice() -> None:
     """gate/up of the tiny model: two slices of 160 columns; a 64- or 128-column tile would
     straddle them (the node runs the reference there), so only 16, 32 and the default."""
