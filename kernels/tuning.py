@@ -77,10 +77,6 @@ class Tuning:
     fold_prefetch_a: int = field(default=2048, metadata={"help": (
         "with PDL, columns of each adapter's A the shrink programs of a whole fold ask of L2 "
         "before their wait (0: none)")})
-    fold_shrink_rows: int = field(default=0, metadata={"help": (
-        "rows of x a fold's shrink program reads at a time: 0, every row of the step in one "
-        "pass (x read whole by each program); 16 or more (a power of two), only its "
-        "adapter's rows, in windows of that many")})
     # -- the LoRA step plan (inference_node/lora_step) --
     fold_groups: frozenset[str] = field(default=frozenset({"o"}), metadata={"help": (
         "groups whose LoRA their decode GEMM adds in the same launch (in steps of many "
@@ -119,9 +115,6 @@ class Tuning:
         for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings",
                      "side_expand_group_segments"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
-        rows = self.fold_shrink_rows
-        if rows and (rows < 16 or rows & (rows - 1)):
-            raise ValueError(f"fold_shrink_rows is 0 or a power of two of at least 16, not {rows}")
         bad = set(self.side_expand_group_segments) - set(GROUPS)
         if bad:
             raise ValueError(f"side_expand_group_segments names {sorted(bad)}: expected some "

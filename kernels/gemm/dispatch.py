@@ -32,11 +32,10 @@ def cublas(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: bool = False,
                      pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
                      block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
-                     prefetch_a: int = 0, shrink_rows: int = 0) -> torch.Tensor:
+                     prefetch_a: int = 0) -> torch.Tensor:
     """x [M, K] @ w [K, N] (w a transposed view of [N, K] for tma) plus the LoRA delta, in
     x's dtype. Triton where it runs and the fold fits, else the reference. prefetch_a (with
-    pdl): columns of A the shrink programs ask of L2 before their wait; shrink_rows: rows of
-    x a shrink program reads at a time (0: all)."""
+    pdl): columns of A the shrink programs ask of L2 before their wait."""
     K, N = x.shape[1], w.shape[1]
     kernel = (triton_kernel(x, FOLD_TRITON, "decode_gemm_lora_triton")
               if gemm_lora_fits(lora, N, block_n) and K % block_k == 0 else None)
@@ -44,7 +43,7 @@ def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: b
         return reference_gemm_lora(x, w, lora)
     return kernel(x, w, lora, tma=tma, pdl=pdl, prefetch_k=prefetch_k, block_n=block_n,
                   block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                  prefetch_a=prefetch_a, shrink_rows=shrink_rows)
+                  prefetch_a=prefetch_a)
 
 
 class DecodeGemm:
@@ -101,5 +100,4 @@ class DecodeGemm:
         block_n, block_k, stages = fold_tiling
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=tuning.gemm_prefetch_k,
                                 block_n=block_n, block_k=block_k, num_stages=stages,
-                                prefetch_a=tuning.fold_prefetch_a if lora.expand else 0,
-                                shrink_rows=tuning.fold_shrink_rows)
+                                prefetch_a=tuning.fold_prefetch_a if lora.expand else 0)

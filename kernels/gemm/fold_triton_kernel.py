@@ -41,37 +41,17 @@ from .triton_kernel import prefetch_l2
 
 
 @triton.jit
-def _shrink_step(acc, x, a_desc, a_ptr, a_row, k0, offs_r, offs_k, live_r, K: tl.constexpr,
-                 TMA: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc + x @ A[a_row's R rows, k0:k0+BLOCK_K].T: one step of a shrink's K loop (A by TMA,
-    or by pointers with the rows past the rank masked)."""
-    if TMA:
-        a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
-    else:
-        a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
-                    mask=live_r[:, None], other=0.0)
-    if DOT_F32:
-        acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-    else:
-        acc += tl.dot(x, a.T)
-    return acc
-
-
-@triton.jit
 def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
                     stride_xa, stride_seg, rank_col, ticket,
                     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                     PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-                    PREFETCH_A: tl.constexpr, LINE: tl.constexpr, SHRINK_M: tl.constexpr):
+                    PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
     """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s's rows].T *
     scaling[slot_s], zero past the slot's rank on the slice. EARLY_TRIGGER (with PDL): the
     next kernel may launch once this program has its input. PREFETCH_A (with PDL): columns of
     the slice's A asked of L2 before the wait, as the tiles ask for their W: A does not depend
-    on the kernel before, x does. SHRINK_M 0: every row of x in one pass over K (one K loop,
-    x read whole); else the segment's rows only, SHRINK_M at a time (a pass over K each): a
-    step of many adapters has segments of a few rows, and x read whole by every shrink
-    program is most of what they read (at Llama-70B's width, 1 MB of x beside 256 KB of A)."""
+    on the kernel before, x does."""
     seg = ticket // N_SLICES
     slc = ticket % N_SLICES
     row = table_ptr + seg * stride_seg
@@ -97,34 +77,24 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             if EARLY_TRIGGER:
                 tl.extra.cuda.gdc_launch_dependents()
-        if SHRINK_M == 0:
-            acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if TMA:
-                    x = x_desc.load([0, k0])
-                else:
-                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                mask=offs_m[:, None] < M, other=0.0)
-                acc = _shrink_step(acc, x, a_desc, a_ptr, a_row, k0, offs_r, offs_k, live_r, K, TMA, DOT_F32)
-            acc = tl.where(live_r[None, :], acc * tl.load(scaling_ptr + slot), 0.0)
-            in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
-            tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
-                     mask=in_segment[:, None])
-        else:
-            offs_w = tl.arange(0, SHRINK_M)
-            scale = tl.load(scaling_ptr + slot)
-            end = tl.minimum(first + length, M)
-            for w0 in range(first, end, SHRINK_M):
-                rows = w0 + offs_w
-                live = rows < end
-                acc = tl.zeros((SHRINK_M, R), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                mask=live[:, None], other=0.0)
-                    acc = _shrink_step(acc, x, a_desc, a_ptr, a_row, k0, offs_r, offs_k, live_r, K, TMA, DOT_F32)
-                acc = tl.where(live_r[None, :], acc * scale, 0.0)
-                tl.store(xa_ptr + rows[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
-                         mask=live[:, None])
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                x = x_desc.load([0, k0])
+                a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=offs_m[:, None] < M, other=0.0)
+                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                            + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+            else:
+                acc += tl.dot(x, a.T)
+        acc = tl.where(live_r[None, :], acc * tl.load(scaling_ptr + slot), 0.0)
+        in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
+        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
+                 mask=in_segment[:, None])
 
 
 @triton.jit
@@ -171,7 +141,7 @@ def _decode_gemm_lora_kernel(
     SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
-    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0, SHRINK_M: tl.constexpr = 0,
+    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
 ):
     NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
     if EXPAND:
@@ -189,7 +159,7 @@ def _decode_gemm_lora_kernel(
         _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
                         stride_xm, stride_xa, stride_seg, rank_col, role.to(tl.int32), K, R,
                         N_SLICES, ROWS, BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND,
-                        PREFETCH_A, LINE, SHRINK_M)
+                        PREFETCH_A, LINE)
         if EXPAND:
             if PDL:
                 tl.extra.cuda.gdc_launch_dependents()
@@ -244,13 +214,12 @@ def _decode_gemm_lora_kernel(
 def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
                             tma: bool = False, pdl: bool = False, prefetch_k: int = 0,
                             block_n: int = 16, block_k: int = 128, num_warps: int = 4,
-                            num_stages: int = 4, prefetch_a: int = 0, shrink_rows: int = 0) -> torch.Tensor:
+                            num_stages: int = 4, prefetch_a: int = 0) -> torch.Tensor:
     """x [M, K] @ w [K, N] plus the LoRA delta in one launch (gemm_lora_fits(lora, N,
     block_n), K a multiple of block_k). tma (Hopper): W, x and A tiles by TMA, w a transposed
     view of a contiguous [N, K]; pdl: launched with programmatic dependent launch. prefetch_a
     (with pdl): columns of A each shrink program asks of L2 before its wait (a multiple of 64;
-    at most K). shrink_rows: rows of x a shrink program reads at a time, its segment's only
-    (0: every row in one pass; used where it is below the step's row tile)."""
+    at most K)."""
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
@@ -287,7 +256,6 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
         PREFETCH_A=min(prefetch_a, K) if pdl else 0,
-        SHRINK_M=shrink_rows if 0 < shrink_rows < block_m else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

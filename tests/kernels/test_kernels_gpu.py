@@ -260,19 +260,17 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -
         assert int(split.arrivals.count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("prefetch_a,shrink_rows", [(0, 0), (2048, 0), (2048, 16)])
+@pytest.mark.parametrize("prefetch_a", [0, 2048])
 @pytest.mark.parametrize("adapters,segments", [(1, 1), (32, 32), (20, 32), (64, 64)])
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, segments: int,
-                                                  prefetch_a: int, shrink_rows: int) -> None:
+                                                  prefetch_a: int) -> None:
     """The decode GEMM with LoRA folded in (kernels/gemm/fold.py) as the decode graphs launch
     it: the engine's tiling, TMA and PDL on Hopper, right after the add + norm that writes
     its input (which lets it start early), captured and replayed with new inputs; 64 rows
     over `adapters` adapters in a bucket of `segments` (empty segments after the real ones),
-    the shrink programs asking L2 for `prefetch_a` columns of A before their wait (or none)
-    and reading x whole or only their segment's rows, `shrink_rows` at a time (one adapter's
-    64 rows: 4 windows). Each replay: the norm's new output @ W plus every row's delta, the
-    shrinks counted."""
+    the shrink programs asking L2 for `prefetch_a` columns of A before their wait (or none).
+    Each replay: the norm's new output @ W plus every row's delta, the shrinks counted."""
     from kernels.gemm import DecodeGemm
     from kernels.norm.triton_kernel import add_rms_norm_triton
     from kernels.tuning import Tuning
@@ -284,7 +282,7 @@ def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, seg
                           dtype=torch.bfloat16, device="cuda", seed=adapters)
     lora = make_gemm_lora(case, segments)
     w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
-    gemm = DecodeGemm(torch.device("cuda"), Tuning(fold_prefetch_a=prefetch_a, fold_shrink_rows=shrink_rows))
+    gemm = DecodeGemm(torch.device("cuda"), Tuning(fold_prefetch_a=prefetch_a))
     hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)

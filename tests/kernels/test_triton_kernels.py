@@ -769,33 +769,6 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
     assert counters_for(lora.sync, 16).tolist() == [3 * (shrinks + sum(outs) // 16), 3 * shrinks]
 
 
-@pytest.mark.parametrize("expand", [True, False], ids=["fold", "shrink-only"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fold_shrinks_its_segments_rows_in_windows(expand: bool, dtype: str) -> None:
-    """shrink_rows=16 (Tuning.fold_shrink_rows): each shrink program reads only its segment's
-    rows of x, 16 at a time, so segments longer than a window (20 and 17 rows) take several
-    passes and one of 2 rows takes one. The sums stored for the next op equal those of the
-    shrink that reads x whole, and the fold's output equals the reference."""
-    from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
-
-    dt = DTYPES[dtype]
-    gen = torch.Generator().manual_seed(5)
-    slots = [0] * 20 + [-1] * 3 + [2] * 2 + [-1] + [1] * 17
-    outs = [64, 32, 32]
-    case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
-                          h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=5).poison_free_rows()
-    w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
-    whole, windowed = (dataclasses.replace(make_gemm_lora(case, 4), expand=expand) for _ in range(2))
-    y_whole = decode_gemm_lora_triton(case.x, w, whole, block_n=16, block_k=64, num_stages=2)
-    y = decode_gemm_lora_triton(case.x, w, windowed, block_n=16, block_k=64, num_stages=2, shrink_rows=16)
-    active = torch.tensor(slots) >= 0
-    torch.testing.assert_close(windowed.xa.cpu()[active], whole.xa.cpu()[active], rtol=1e-5, atol=1e-5)
-    assert torch.isnan(windowed.xa.cpu()[~active]).all()  # rows without an adapter: never written
-    torch.testing.assert_close(y.float().cpu(), y_whole.float().cpu(), rtol=0, atol=0)
-    if expand:
-        assert_close_scaled(y, case.x.float().cpu() @ w.float().cpu() + naive_delta(case), dt)
-
-
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
 @pytest.mark.parametrize("group", ["qkv", "gate_up", "o", "o-split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

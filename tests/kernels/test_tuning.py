@@ -40,8 +40,6 @@ def test_text_replaces_only_the_named_choices() -> None:
     ({"fold_tilings": "gate_up"}, "expected GROUP=BLOCK_N.BLOCK_K.STAGES"),
     ({"side_expand_group_segments": "attn=4"}, r"side_expand_group_segments names \['attn'\]"),
     ({"fold_groupz": "o"}, r"no tuning choice \['fold_groupz'\]"),
-    ({"fold_shrink_rows": "24"}, "fold_shrink_rows is 0 or a power of two of at least 16, not 24"),
-    ({"fold_shrink_rows": "8"}, "fold_shrink_rows is 0 or a power of two of at least 16, not 8"),
 ])
 def test_bad_choices_are_refused_naming_the_choice(choices: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
