@@ -19,7 +19,12 @@ Rows, each on its own engine (built in turn, the same model, KV cache and places
              rows, host memory of `--host-adapters` adapters, the GPU eviction policy named
              (adapters/eviction.py); before each alpha every adapter is unloaded, then
              (`--start warm`, the default) untimed traffic of the same popularity fills the
-             tiers as serving would; `--start cold` times every adapter's first load too
+             tiers as serving would; `--start cold` times every adapter's first load too.
+             Before that, every adapter file is flushed and dropped from the OS page cache
+             (`--page-cache drop`, the default): the bench wrote them, but a node has read
+             from its disk only what it loaded, so a file first read in a row comes from the
+             disk and a file read again may come from the page cache, as on a serving node
+             (`--page-cache keep`: every file stays cached; on tmpfs files are memory either way)
 
 Columns: throughput (output tokens over the time from the first arrival to the last finish,
 and requests/s), TTFT p50/p99/max, the share of requests whose adapter was on the GPU, in
@@ -48,6 +53,7 @@ from typing import Sequence
 
 import torch
 
+from bench import page_cache
 from bench.common import ALL_MODULES, QV, CompileWatch, add_model_args, bench_model, bench_runtime, write_random_adapter
 from bench.engine_driver import Driver, Spec, make_specs, parse_range, pct, preload_adapters, zipf_index
 
@@ -186,6 +192,16 @@ def unload_all(engine, manager) -> None:
     engine.check_consistency()
 
 
+def drop_page_cache(adapter_root: Path, names: list[str]) -> float | None:
+    """Every adapter file flushed and dropped from the OS page cache, so the node's next read
+    of it comes from the disk; the share of the largest file's pages still cached after (None
+    where the OS cannot be asked: then nothing is known of the drop)."""
+    files = [f for name in names for f in sorted((adapter_root / name).iterdir()) if f.is_file()]
+    if not all(page_cache.drop(f) for f in files):
+        return None
+    return page_cache.resident_share(max(files, key=lambda f: f.stat().st_size))
+
+
 def warm_up_tiers(engine, manager, specs: list[Spec], traffic: Traffic, args, device: torch.device) -> None:
     """Untimed traffic of the same popularity (other draws), closed loop, a few tokens each:
     the row's tiers then hold what a node that has been serving this traffic holds, so the
@@ -301,6 +317,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--start", choices=["warm", "cold"], default="warm",
                    help="churn rows: warm (untimed traffic of the same popularity first) or cold")
     p.add_argument("--warmup-requests", type=int, default=0, help="--start warm's requests (0: --requests)")
+    p.add_argument("--page-cache", choices=["drop", "keep"], default="drop",
+                   help="churn rows: drop every adapter file from the OS page cache before the row "
+                        "(drop: a file the node has not read comes from the disk) or keep them cached")
     p.add_argument("--host-adapters", type=int, default=0,
                    help="adapters kept in host memory in the churn rows (0: half the --memory-alpha "
                         "working set's adapters)")
@@ -400,6 +419,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
         f"engine: {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of {args.block_size}, "
         f"decode graphs {'on' if args.use_graphs else 'off'}, piecewise graphs "
         f"{'on' if args.use_mixed else 'off'}, prefix cache off",
+        f"adapter folder on {page_cache.filesystem_of(adapter_root)}; before each churn row its files are "
+        + ("flushed and dropped from the OS page cache" if args.page_cache == "drop" else "kept in the OS page cache"),
         "start of each churn row: every adapter unloaded, then " + (
             f"{len(warm_specs)} untimed requests of the same popularity (other draws, closed loop, 4 tokens "
             "each): the timed traffic meets the tiers a serving node has" if args.start == "warm" else
@@ -439,6 +460,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, policies: l
             try:
                 if key != "resident":
                     unload_all(engine, manager)
+                    if args.page_cache == "drop":
+                        cached = drop_page_cache(adapter_root, names)
+                        log.info("row %s alpha %g: page cache dropped; %s of the largest file still cached",
+                                 key, t.alpha, "unknown" if cached is None else f"{100 * cached:.0f}%")
                     if args.start == "warm":
                         warm_up_tiers(engine, manager, warm_specs, warm_traffic[t.alpha], args, device)
                 seen = set(warm_traffic[t.alpha].adapters) if key != "resident" and args.start == "warm" else set()

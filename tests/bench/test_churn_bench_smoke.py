@@ -45,3 +45,23 @@ def test_churn_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], mo
     assert by[(0.5, "lru")].ratio > by[(1.5, "lru")].ratio          # flatter popularity, more adapters
     assert by[(0.5, "lru")].gpu_evictions > 0 and by[(0.5, "gdsf")].gpu_evictions > 0
     assert "alpha 1.0 lru: throughput" in out and "alpha 1.0 gdsf: throughput" in out, out
+    assert "before each churn row its files are flushed and dropped from the OS page cache" in out, out
+
+
+def test_every_adapter_file_is_dropped_from_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before a churn row, each file of every adapter folder is flushed and dropped (the bench
+    wrote them all, so without this every disk-tier load would read memory)."""
+    from bench import churn_bench, page_cache
+
+    names = churn_bench.adapter_names(3)
+    for name in names:
+        (tmp_path / name).mkdir()
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            (tmp_path / name / file).write_bytes(b"x" * (10 if file.endswith("json") else 9000))
+    dropped: list[Path] = []
+    monkeypatch.setattr(page_cache, "drop", lambda path: dropped.append(path) or True)
+    share = churn_bench.drop_page_cache(tmp_path, names)
+    assert sorted(dropped) == sorted(tmp_path.glob("churn-*/*"))
+    assert share is None or 0.0 <= share <= 1.0
+    monkeypatch.setattr(page_cache, "drop", lambda path: False)  # no posix_fadvise here
+    assert churn_bench.drop_page_cache(tmp_path, names) is None
