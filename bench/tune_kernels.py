@@ -39,6 +39,10 @@ A and B, each copy with its own launch counters as each layer has. Its winners g
 buckets (batch, adapters), each holding the base choices a step of that batch gets, and
 fold_tilings. Each field's sweep has its own --budget-s.
 
+The printed table gives each group's default and best tiling per bucket and, on the GPU,
+the best launch against its floor: the bytes it must move (its weight, x and y, and a fold's
+adapters' A and, where it expands, B) at the copy bandwidth measured in the same run.
+
 Where the table's file exists for the same device and shape, its buckets not swept this time
 are kept (and its "node" choices): `--fields fold` adds the fold buckets to a table of base
 tilings already there, and `--fields fold --batches 64 --adapters 32` re-tunes one bucket.
@@ -62,7 +66,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from bench.common import RANDOM_MODELS, bench_model_config
+from bench.common import RANDOM_MODELS, bench_model_config, copy_bandwidth
 from kernels.gemm import GemmLora, fold_counters
 from kernels.gemm.shapes import MAX_ROWS, row_tile, tiling as fitted_tiling
 from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
@@ -89,6 +93,15 @@ class Measured:
     rejected: tuple[str, ...] = ()   # candidates that failed to run or to match the reference
     adapters: int = 0                # distinct adapters in the step: 0 the base GEMM, else a fold
     expand: bool = True              # a fold's mode (GemmLora.expand)
+    nbytes: int = 0                  # what one launch must move: its floor's bytes (launch_bytes)
+
+
+def launch_bytes(N: int, K: int, batch: int, esize: int, adapters: int = 0, rank: int = RANK,
+                 slices: int = 1, expand: bool = True) -> int:
+    """The bytes a decode GEMM launch must read or write at least: its weight, x and y, and
+    with LoRA folded in each adapter's A (every slice's) and, where it expands, its B."""
+    lora = adapters * rank * (slices * K + (N if expand else 0))
+    return (N * K + batch * (K + N) + lora) * esize
 
 
 def model_shape(model: str, tp: int = 1) -> ModelShape:
@@ -309,7 +322,7 @@ def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torc
                 raise SystemExit(f"{group} at batch {batch}: the default tiling {default} failed: {rejected}")
             best = min(timings, key=timings.get)
             results.append(Measured(group, batch, default, timings[default], best, timings[best],
-                                    tuple(rejected)))
+                                    tuple(rejected), nbytes=launch_bytes(N, K, batch, w[0].element_size())))
             print(f"  {group} batch {batch}: {len(timings)} tilings timed, "
                   f"{time.monotonic() - started:.0f} s in", flush=True)
     return sorted(results, key=lambda r: (GROUPS.index(r.group), r.batch)), skipped
@@ -462,7 +475,9 @@ def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int],
                                      f"default tiling {default} failed: {rejected}")
                 best = min(timings, key=timings.get)
                 results.append(Measured(group, batch, default, timings[default], best,
-                                        timings[best], tuple(rejected), adapters, expand))
+                                        timings[best], tuple(rejected), adapters, expand,
+                                        launch_bytes(N, K, batch, esize, adapters, rank,
+                                                     len(slice_widths(shape, group)), expand)))
                 print(f"  {group} fold batch {batch}, {adapters} adapters "
                       f"({'expand' if expand else 'shrink only'}): {len(timings)} tilings timed, "
                       f"{time.monotonic() - started:.0f} s in", flush=True)
@@ -470,17 +485,21 @@ def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int],
     return sorted(results, key=lambda r: (GROUPS.index(r.group), r.batch, r.adapters)), skipped
 
 
-def print_results(results: list[Measured], smoke: bool) -> None:
+def print_results(results: list[Measured], smoke: bool, bandwidth: float | None = None) -> None:
+    """The table of the sweep; with `bandwidth` (bytes/s of a device copy) each best launch
+    against its floor: its bytes (launch_bytes) at that bandwidth."""
     unit = "us (CPU SMOKE: meaningless)" if smoke else "us per launch (CUDA graph)"
     fold = any(r.adapters for r in results)
     what = f" {'adapters':>8} {'fold':>6}" if fold else ""
     print(f"\n{'group':8} {'batch':>5}{what}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
-          f"{'us':>8} {'default/best':>12}   [{unit}]")
+          f"{'us':>8} {'default/best':>12} {'floor us':>8} {'best/floor':>10}   [{unit}]")
     for r in results:
         mode = (f" {r.adapters:8d} {('whole' if r.expand else 'shrink') if r.adapters else '-':>6}"
                 if fold else "")
+        floor = r.nbytes / bandwidth * 1e6 if bandwidth and r.nbytes else None
+        vs_floor = f"{floor:8.2f} {r.best_us / floor:10.2f}" if floor else f"{'-':>8} {'-':>10}"
         print(f"{r.group:8} {r.batch:5d}{mode}  {str(r.default):>16} {r.default_us:8.2f}  {str(r.best):>16} "
-              f"{r.best_us:8.2f} {r.default_us / r.best_us:12.3f}")
+              f"{r.best_us:8.2f} {r.default_us / r.best_us:12.3f} {vs_floor}")
         for why in r.rejected:
             print(f"{'':16}rejected {why}")
 
@@ -564,7 +583,10 @@ def main(argv: list[str] | None = None) -> int:
         if fold_skipped:
             print(f"budget of {args.budget_s:.0f} s spent: fold not measured (group, batch, "
                   f"adapters) {fold_skipped}")
-    print_results(results, smoke)
+    bandwidth = None if smoke else copy_bandwidth(device, 1 << 30)
+    if bandwidth:
+        print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
+    print_results(results, smoke, bandwidth)
 
     command = "python -m bench.tune_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="tune-kernels-")) if smoke

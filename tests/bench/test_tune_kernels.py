@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tune_kernels import (Measured, candidates, fold_copies, fold_modes, folded_output,
-                                model_shape, slice_widths, table_for)
+from bench.tune_kernels import (Measured, candidates, fold_copies, fold_modes, folded_output, launch_bytes,
+                                model_shape, print_results, slice_widths, table_for)
 from kernels.gemm import DecodeGemm
 from kernels.gemm.shapes import SHARED_MEMORY
 from kernels.tuning import DEFAULT_TUNING, GROUPS
@@ -295,3 +295,20 @@ def test_a_bucket_is_checked_at_its_largest_step() -> None:
     assert same_row_tile(1, 7) and same_row_tile(8, 15) and same_row_tile(16, 16)
     assert not same_row_tile(16, 31) and not same_row_tile(32, 63)
     assert bucket_top(4, [1, 4]) == 64  # the last bucket runs up to the decode GEMM's rows
+
+
+def test_each_best_launch_is_printed_against_its_floor(capsys: pytest.CaptureFixture[str]) -> None:
+    """A launch's floor is its bytes (weight, x and y; a fold adds its adapters' A per slice and,
+    where it expands, B) at the copy bandwidth; the row prints best us over that floor."""
+    assert launch_bytes(N=64, K=32, batch=2, esize=2) == (64 * 32 + 2 * (32 + 64)) * 2
+    shrink = launch_bytes(N=64, K=32, batch=2, esize=2, adapters=4, rank=16, slices=2, expand=False)
+    whole = launch_bytes(N=64, K=32, batch=2, esize=2, adapters=4, rank=16, slices=2, expand=True)
+    assert shrink - launch_bytes(N=64, K=32, batch=2, esize=2) == 4 * 16 * 2 * 32 * 2
+    assert whole - shrink == 4 * 16 * 64 * 2
+    nbytes = 3_000_000  # 1 us at 3 TB/s
+    print_results([Measured("qkv", 64, (32, 128, 4), 2.0, (16, 128, 4), 1.5, nbytes=nbytes)],
+                  smoke=False, bandwidth=3e12)
+    row = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert row[-2:] == ["1.00", "1.50"], row
+    print_results([Measured("qkv", 64, (32, 128, 4), 2.0, (16, 128, 4), 1.5, nbytes=nbytes)], smoke=True)
+    assert capsys.readouterr().out.strip().splitlines()[-1].split()[-2:] == ["-", "-"]
