@@ -98,6 +98,7 @@ def main() -> None:
     # The image lacks the test-only packages of a few CPU-only modules (openai, cryptography):
     # their collection errors must not stop the GPU tests.
     print("the GPU tests: python3 -m pytest -q -m gpu tests/ --continue-on-collection-errors")
+    print("or several jobs in one call, in turn: OUT=$OUT bash tools/gpu_jobs.sh DEADLINE_S 'NAME:COMMAND' ...")
 
 
 if __name__ == "__main__":
