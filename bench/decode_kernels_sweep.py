@@ -20,6 +20,7 @@ a real step where every layer reads its own:
     python -m bench.decode_kernels_sweep.py --parts pdl     # the decode GEMM after its norm, PDL on/off
     python -m bench.decode_kernels_sweep.py --parts warps   # its tilings with 8 warps, deeper pipelines
     python -m bench.decode_kernels_sweep.py --parts argmax  # greedy sampling's argmax, its tilings
+    python -m bench.decode_kernels_sweep.py --parts attention --attention-heads 32,8,128   # 8B's heads
 """
 from __future__ import annotations
 
@@ -160,12 +161,14 @@ def gemm_part(batch: int, bw: float, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def attention_part(batch: int, bw: float, device: torch.device) -> None:
+def attention_part(batch: int, bw: float, device: torch.device,
+                   heads: tuple[int, int, int] = (32, 8, 64)) -> None:
     """Both KV layouts (token-major [blocks, page, Hkv, D]; head-major, stored [blocks, Hkv,
-    page, D] and seen through transposed views as KVCache keeps it), default and a few tilings."""
+    page, D] and seen through transposed views as KVCache keeps it), default and a few tilings;
+    heads: (query heads, KV heads, head dim)."""
     from kernels.attention.triton_kernel import paged_attention_triton_impl
 
-    Hq, Hkv, D, page = 32, 8, 64, 16
+    (Hq, Hkv, D), page = heads, 16
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(32 + 64, 256 + 64, (batch,), generator=gen)  # prompt + half the output
     max_blocks = math.ceil(int(lens.max()) / page)
@@ -177,7 +180,7 @@ def attention_part(batch: int, bw: float, device: torch.device) -> None:
     seq_lens = lens.to(device, torch.int32)
     max_seq = 4096  # the decode graphs size the kernel for the longest context allowed
     floor = kv_bytes / bw * 1e6
-    print(f"\n== paged attention, batch {batch}, contexts {int(lens.min())}-{int(lens.max())} "
+    print(f"\n== paged attention, {Hq} query heads, {Hkv} KV heads of {D}, batch {batch}, contexts {int(lens.min())}-{int(lens.max())} "
           f"(mean {lens.float().mean():.0f}), {kv_bytes / 1e6:.1f} MB of KV: floor {floor:.2f} us")
 
     def run(k, v, **knobs):
@@ -528,7 +531,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--parts", default="rope,attention,gemm,fused")
     p.add_argument("--adapters", default="1,32", help="distinct adapters for --parts fused")
+    p.add_argument("--attention-heads", default="32,8,64",
+                   help="--parts attention: query heads, KV heads, head dim (Llama-3.2-1B; "
+                        "Llama-3.1-8B 32,8,128; one Llama-3.1-70B rank at TP 4 16,2,128)")
     args = p.parse_args()
+    heads = tuple(int(v) for v in args.attention_heads.split(","))
+    if len(heads) != 3 or heads[0] % heads[1]:
+        p.error(f"--attention-heads {args.attention_heads}: query heads, KV heads (dividing them), head dim")
     device = torch.device("cuda")
     bw = copy_bandwidth(device, 1 << 30)
     print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}, triton {triton.__version__}; "
@@ -537,7 +546,7 @@ def main() -> None:
     if "rope" in parts:
         rope_part(args.batch, device)
     if "attention" in parts:
-        attention_part(args.batch, bw, device)
+        attention_part(args.batch, bw, device, heads)
     if "gemm" in parts:
         gemm_part(args.batch, bw, device)
     if "pdl" in parts:
