@@ -25,8 +25,8 @@ for job in "$@"; do
   name=${job%%:*}; cmd=${job#*:}; cap=0
   case $name in *@*) cap=${name#*@}; name=${name%@*};; esac
   left=$(( deadline - ($(date +%s) - start) - 25 ))  # 25 s for the copies at the end
-  [ "$cap" -gt 0 ] && [ "$cap" -lt "$left" ] && left=$cap
   if [ "$left" -lt 10 ]; then echo "== $name skipped: no time left"; continue; fi
+  [ "$cap" -gt 0 ] && [ "$cap" -lt "$left" ] && left=$cap
   t0=$(date +%s)
   timeout -k 5 "$left" bash -c "$cmd" > "$OUT/$name.txt" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s"; tail -n 30 "$OUT/$name.txt"
