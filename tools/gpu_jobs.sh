@@ -28,9 +28,12 @@ for job in "$@"; do
   if [ "$left" -lt 10 ]; then echo "== $name skipped: no time left"; continue; fi
   [ "$cap" -gt 0 ] && [ "$cap" -lt "$left" ] && left=$cap
   t0=$(date +%s)
-  timeout -k 5 "$left" bash -c "$cmd" > "$OUT/$name.txt" 2>&1
-  echo "== $name rc=$? $(( $(date +%s) - t0 ))s"; tail -n 30 "$OUT/$name.txt"
-  pkill -x python3; pkill -x python; sleep 1  # a timed-out job's workers
+  # Its own session, so whatever the job started (a tensor-parallel node's ranks) ends with it.
+  setsid timeout -k 5 "$left" bash -c "$cmd" > "$OUT/$name.txt" 2>&1 &
+  job_pid=$!
+  wait "$job_pid"; rc=$?
+  kill -KILL -- "-$job_pid" 2>/dev/null; sleep 1
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 30 "$OUT/$name.txt"
 done
 find kernels/configs -type f -newer "$mark" -exec cp {} "$OUT/" \;
 (cd "$TRITON_CACHE_DIR" && tar -czf "$OUT/triton-cache.tgz" .)
