@@ -47,6 +47,9 @@ class Tuning:
         "and waits for the one ahead before reading its output")})
     attention_early_kv: bool = field(default=True, metadata={"help": (
         "with PDL, paged attention reads its first tile's older keys before its wait")})
+    attention_decode_key_tile: int = field(default=4096, metadata={"help": (
+        "keys times head dims of a decode program's key tile in paged attention, a power of "
+        "two: 64 keys of 64-wide heads, 32 of 128-wide ones")})
     expand_early_b: bool = field(default=True, metadata={"help": (
         "with PDL, the ops that expand a LoRA delta (RoPE + KV write, SiLU) read their rows' "
         "B before their wait")})
@@ -108,6 +111,10 @@ class Tuning:
             if unknown:
                 raise ValueError(f"{name} names {sorted(unknown)}: expected some of "
                                  f"{', '.join(GROUPS)}")
+        tile = self.attention_decode_key_tile
+        if tile < 256 or tile & (tile - 1):
+            raise ValueError(f"attention_decode_key_tile {tile}: expected a power of two of at "
+                             f"least 256")
         if not set(self.norm_split_groups) <= {"o", "down"}:
             raise ValueError(f"norm_split_groups takes o and down (an add + norm follows "
                              f"them), not {sorted(set(self.norm_split_groups) - {'o', 'down'})}")

@@ -40,6 +40,7 @@ def test_text_replaces_only_the_named_choices() -> None:
     ({"fold_tilings": "gate_up"}, "expected GROUP=BLOCK_N.BLOCK_K.STAGES"),
     ({"side_expand_group_segments": "attn=4"}, r"side_expand_group_segments names \['attn'\]"),
     ({"fold_groupz": "o"}, r"no tuning choice \['fold_groupz'\]"),
+    ({"attention_decode_key_tile": "3000"}, "attention_decode_key_tile 3000: expected a power of two"),
 ])
 def test_bad_choices_are_refused_naming_the_choice(choices: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -82,3 +83,15 @@ def test_tuning_survives_pickling_for_the_nodes_spawned_processes() -> None:
     tuning = Tuning().replace(fold_groups=frozenset({"qkv"}), side_expand_group_segments={"down": 16})
     again = pickle.loads(pickle.dumps(tuning))
     assert again == tuning and again.side_expand_group_segments["down"] == 16
+
+
+def test_decode_attention_key_tiles_follow_the_head_width() -> None:
+    """64 keys of 1B's 64-wide heads (unchanged), 32 of 8B's and 70B's 128-wide ones; prefill
+    and the interpreter keep their own tiles, and the choice moves them."""
+    from kernels.attention.triton_kernel import key_block
+
+    assert key_block(64, 1, True, DEFAULT_TUNING) == 64
+    assert key_block(128, 1, True, DEFAULT_TUNING) == 32
+    assert key_block(128, 256, True, DEFAULT_TUNING) == 64
+    assert key_block(128, 1, False, DEFAULT_TUNING) == 32
+    assert key_block(128, 1, True, tuning_from_text({"attention_decode_key_tile": "8192"})) == 64
