@@ -14,9 +14,14 @@ KEYS = ("resident", "lru", "gdsf")
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", [[], ["--decode-graphs", "on", "--mixed-graphs", "on"]], ids=["eager", "graphs"])
-def test_churn_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
+def test_churn_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                          mode: list[str]) -> None:
     from bench import churn_bench
 
+    drops: list[int] = []  # each churn row drops every adapter file from the page cache first
+    real_drop = churn_bench.drop_page_cache
+    monkeypatch.setattr(churn_bench, "drop_page_cache",
+                        lambda root, names: drops.append(len(names)) or real_drop(root, names))
     requests = 24
     results = churn_bench.main(["--device", "cpu", "--model", "tiny", "--adapters", "30", "--ranks", "2,4,8",
                                 "--requests", str(requests), "--rate", "40", "--concurrency", "4",
@@ -46,6 +51,7 @@ def test_churn_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], mo
     assert by[(0.5, "lru")].gpu_evictions > 0 and by[(0.5, "gdsf")].gpu_evictions > 0
     assert "alpha 1.0 lru: throughput" in out and "alpha 1.0 gdsf: throughput" in out, out
     assert "before each churn row its files are flushed and dropped from the OS page cache" in out, out
+    assert drops == [30] * len(ALPHAS) * (len(KEYS) - 1), drops  # not before the resident rows
 
 
 def test_every_adapter_file_is_dropped_from_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
