@@ -98,6 +98,11 @@ def main() -> None:
     # The image lacks the test-only packages of a few CPU-only modules (openai, cryptography):
     # their collection errors must not stop the GPU tests.
     print("the GPU tests: python3 -m pytest -q -m gpu tests/ --continue-on-collection-errors")
+    # The whole suite outlasts one call (11 tests in 450 s on an H100, compiles included):
+    # one job per folder, each with its own cap, keeps what finished.
+    print("  in parts: " + " ".join(
+        f"'gpu-{part}@280:python3 -m pytest -q -m gpu tests/{part} --durations=5'"
+        for part in ("adapters", "kernels", "node", "bench")))
     print("or several jobs in one call, in turn: OUT=$OUT bash tools/gpu_jobs.sh DEADLINE_S 'NAME:COMMAND' ...")
 
 
