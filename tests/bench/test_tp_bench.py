@@ -12,7 +12,9 @@ from bench import tp_bench
 
 def test_tp_bench_times_full_batch_decode_steps_at_each_size(tmp_path, capsys):
     results = tp_bench.main(["--device", "cpu", "--shape", "tiny", "--tp", "1,2", "--batch", "4",
-                             "--output", "12", "--rounds", "1", "--rows", "base,c2", "--workdir", str(tmp_path)])
+                             "--output", "12", "--rounds", "1", "--rows", "base,c2", "--workdir", str(tmp_path),
+                             # one bandwidth for every size: a busy CPU's measurements would order the floors
+                             "--copy-bandwidth", "1e10"])
     assert [(r["tp"], r["row"]) for r in results] == [(1, "base"), (1, "c2"), (2, "base"), (2, "c2")]
     for r in results:  # every answer's steps after the first few were decodes of the whole batch
         assert r["steps"] >= 8 and r["step_ms"] > 0 and r["tok_s"] > 0
