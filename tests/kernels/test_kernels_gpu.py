@@ -64,12 +64,17 @@ def test_lora_triton_matches_reference_on_gpu(group: str, T: int, num_adapters: 
     ([1, 1], [4096, 1500]),                            # small decode batch: split-KV path
     ([512, 1, 1, 1, 200], [512, 2048, 77, 4000, 900]),  # mixed prefill (fresh, chunked) + decode
 ])
-def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx: list[int]) -> None:
+@pytest.mark.parametrize("heads", [(32, 8, 64), (32, 8, 128), (16, 2, 128)],
+                         ids=["1b", "8b", "70b-tp4-rank"])  # decode key tiles of 64, 32, 32 keys
+def test_paged_attention_triton_matches_reference_on_gpu(q_lens: list[int], ctx: list[int],
+                                                         heads: tuple[int, int, int]) -> None:
     from kernels.attention.reference import paged_attention_ref
     from kernels.attention.triton_kernel import paged_attention_triton, paged_attention_triton_impl
 
-    case = make_attention_case(q_lens=q_lens, seq_lens=ctx, num_heads=32, num_kv_heads=8,
-                               head_dim=64, page=16, dtype=torch.bfloat16, device="cuda")
+    num_heads, num_kv_heads, head_dim = heads
+    case = make_attention_case(q_lens=q_lens, seq_lens=ctx, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, page=16,
+                               dtype=torch.bfloat16, device="cuda")
     ref = paged_attention_ref(*case.args())
     _bf16_close(paged_attention_triton(*case.args()), ref)
     for splits in (1, 4):
