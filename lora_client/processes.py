@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -18,23 +16,9 @@ from typing import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
-_handed_out: set[int] = set()
-_handed_out_lock = threading.Lock()
+from lora_common.ports import free_port  # noqa: F401  (the launchers' and tests' import)
 
 
-def free_port() -> int:
-    """A port nothing listens on now, never one this process handed out before: the kernel
-    can return the same free port to two calls in a row (about 1 in 10,000 here), and two
-    children told to listen on it would clash."""
-    with _handed_out_lock:
-        while True:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
 
 
 def describe_exit(code: int | None) -> str:

@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from adapter_store.client import AdapterStoreClient
-from adapter_store.seaweedfs import SeaweedFS, free_ports
+from adapter_store.seaweedfs import SeaweedFS
+from lora_common.ports import free_ports
 from store_corpus import pickle_only
 
 

@@ -17,7 +17,7 @@ from adapter_store.push import push_adapter
 from adapter_store.read_plans import DirectReads
 from adapter_store.records import FileRead, ReadPlan
 from adapter_store.s3 import S3Store
-from adapter_store.seaweedfs import free_ports
+from lora_common.ports import free_ports
 from tcp_proxy import CorruptingProxy
 from inference_node.adapters.direct_reads import DirectReader, DirectReadFailed, DirectReadSettings
 from store_corpus import BAD_ADAPTERS

@@ -227,7 +227,7 @@ def test_unsafe_names_are_invalid_argument(name: str, s3: S3Store, make_store) -
 
 
 def test_watch_survives_a_store_restart(seaweed, bucket: str, s3: S3Store, adapter_dir, tmp_path: Path) -> None:
-    from adapter_store.seaweedfs import free_ports
+    from lora_common.ports import free_ports
     from store_servers import start_store
 
     push(s3, adapter_dir("kept"), "kept")
