@@ -25,14 +25,32 @@ def test_ports_come_from_below_the_ephemeral_range_and_are_distinct_and_bindable
         s.bind(("127.0.0.1", handed[-1]))
 
 
+class _ScriptedDraws:
+    """Draws the next port of a scripted sequence."""
+
+    def __init__(self, ports_drawn: list[int]) -> None:
+        self.ports = iter(ports_drawn)
+
+    def choice(self, pool: range) -> int:
+        return next(self.ports)
+
+
 def test_a_port_drawn_twice_or_taken_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    draws = iter([20001, 20001, 20002, 20003])
-    monkeypatch.setattr(ports, "_draw", type("Draw", (), {"choice": staticmethod(lambda pool: next(draws))})())
+    monkeypatch.setattr(ports, "_draw", _ScriptedDraws([20001, 20001, 20002, 20003]))
     monkeypatch.setattr(ports, "_handed_out", set())
     monkeypatch.setattr(ports, "listen_range", lambda: range(20000, 30000))
     monkeypatch.setattr(ports, "_bindable", lambda port, host: port != 20002)  # 20002: listened on
     assert ports.free_port() == 20001
     assert ports.free_port() == 20003
+
+
+def test_without_a_known_range_the_kernels_choice_is_handed_out_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = iter([50001, 50001, 50001, 50002])  # the kernel may return a free port twice in a row
+    monkeypatch.setattr(ports, "_handed_out", set())
+    monkeypatch.setattr(ports, "listen_range", lambda: None)
+    monkeypatch.setattr(ports, "_kernel_choice", lambda host: next(chosen))
+    assert ports.free_port() == 50001
+    assert ports.free_port() == 50002
 
 
 @pytest.mark.parametrize("text,expected", [
