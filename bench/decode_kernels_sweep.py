@@ -217,6 +217,12 @@ def attention_part(batch: int, bw: float, device: torch.device,
               "; ".join(f"{us:.2f} us {knobs}" for us, knobs in results[:3]))
         for us, knobs in results:
             print(f"     {us:6.2f} us  {knobs}")
+        # Contexts differ up to 3x within the batch: split into more programs (each writing
+        # partials, then one merge launch), the longest sequences no longer end the launch alone.
+        splits = [(graph_us([lambda c=c, s=s: run(*c, num_splits=s) for c in caches], rounds=10), s)
+                  for s in (1, 2, 3, 4, 6)]
+        print("  key splits (default tiling, merge launch included): " +
+              "; ".join(f"{s}: {us:.2f} us" for us, s in splits))
         if layout == "head-major":  # how far attention is from only reading its KV
             sink = torch.empty(batch * Hkv * D, device=device)
             reads = []

@@ -119,6 +119,26 @@ def print_timeline(label: str, kernels: list[dict], reps: int) -> None:
     print("   chain kernels in the graph (us a replay, launches, us each):")
     for fam, (us, n) in sorted(spans.items(), key=lambda kv: -kv[1][0]):
         print(f"      {us / reps:8.1f} us  {n / reps:5.0f}  {us / n:6.1f}  {fam}")
+    print("   the replay's span by the chain kernel that ends each part of it (from the end of the "
+          "kernel before; with PDL a kernel's own time overlaps the one ahead, so this split sums "
+          "to the span):")
+    for label, (us, n) in sorted(span_shares(chain).items(), key=lambda kv: -kv[1][0]):
+        print(f"      {us / reps:8.1f} us  {n / reps:5.0f}  {us / n:6.1f}  {label}")
+
+
+def span_shares(chain: list[dict]) -> dict[str, list[float]]:
+    """Each chain kernel's share of the span: from the latest end before it to its own end
+    (the first from the first start), summed by (family, family of the kernel before it): the
+    decode GEMMs of o and down share a name and are told apart by what they follow."""
+    shares: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    prev_end, prev_family = min((k["start"] for k in chain), default=0.0), "start"
+    for k in sorted(chain, key=lambda k: k["end"]):
+        fam = family(k["name"])
+        share = shares[f"{fam} (after {prev_family})"]
+        share[0] += k["end"] - prev_end
+        share[1] += 1
+        prev_end, prev_family = k["end"], fam
+    return shares
 
 
 def burst_ms(graph, reps: int) -> float:

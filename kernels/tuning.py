@@ -100,6 +100,9 @@ class Tuning:
         "covers (0: one program a row)")})
     norm_split_groups: frozenset[str] = field(default=frozenset({"o"}), metadata={"help": (
         "of o and down, those whose LoRA add + norm spreads each row over programs")})
+    gate_up_silu: bool = field(default=True, metadata={"help": (
+        "in steps without LoRA on gate/up, its decode GEMM writes SiLU(gate) * up itself: "
+        "no SiLU launch")})
     # -- elementwise ops --
     silu_row_tile: tuple[int, int] = field(default=(256, 2), metadata={"help": (
         "(columns, warps) of a SiLU program expanding gate/up's LoRA delta")})

@@ -29,6 +29,9 @@ class StepLoraApplier:
     def fold(self, layer: int, group: str) -> None:
         return None  # eager steps: rows are not grouped into contiguous segments
 
+    def applies_to(self, group: str) -> bool:
+        return self.groups is None or group in self.groups
+
     def end(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.groups is not None and group not in self.groups:
             return None

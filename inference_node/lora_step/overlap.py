@@ -191,6 +191,9 @@ class OverlappedLoraApplier:
         stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(stream)
 
+    def applies_to(self, group: str) -> bool:
+        return group in self.groups
+
     def fold(self, layer: int, group: str) -> GemmLora | None:
         expand = group in self.folded
         if not expand and group not in self.shrink_folded:

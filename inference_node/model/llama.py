@@ -64,6 +64,9 @@ class LoraApplier(Protocol):
         or only to shrink in it (GemmLora.expand False: the next op expands), or None: then
         begin and end apply it."""
 
+    def applies_to(self, group: str) -> bool:
+        """Whether the step has LoRA on `group` (else its matmul runs as in a base step)."""
+
 
 @dataclass
 class ForwardBatch:
@@ -338,8 +341,12 @@ class LlamaModel:
         cfg, ops, layer = self.config, self.ops, self.layers[i]
         out, delta = self._reduce(*self._project(lora, i, "o", attn, layer.o))
         hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
-        gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
-        act = ops.silu_mul(gate_up, delta)
+        act = None
+        if lora is None or not lora.applies_to("gate_up"):
+            act = self.gemm.gated_silu(x, layer.gate_up)  # the SiLU in the GEMM's launch
+        if act is None:
+            gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
+            act = ops.silu_mul(gate_up, delta)
         down, delta = self._reduce(*self._project(lora, i, "down", act, layer.down))
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).

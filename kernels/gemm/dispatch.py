@@ -80,6 +80,28 @@ class DecodeGemm:
                             early_trigger=tuning.gemm_early_trigger)
         return cublas(x, w, bias)
 
+    def gated_silu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(x @ gate) * (x @ up) for gate/up's w [K, 2 I] in one decode GEMM launch (no
+        SiLU launch, half the output written), bit for bit what the GEMM then the SiLU kernel
+        give; None where the decode GEMM does not serve x (the caller runs the two). Each
+        program takes half its tiling's columns from each half, so it reads as many weight
+        bytes as in the plain launch, and the launch has as many programs."""
+        if not (self.tuning.gate_up_silu and self.serves("gate_up") and self.applies(x, w, "gate_up")):
+            return None
+        tuning = self.tuning
+        tma_tiling = (tiling(w, "gate_up", tuning.gemm_tma_tilings)
+                      if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
+        block_n, block_k, stages = tma_tiling or tiling(w, "gate_up", tuning.gemm_tilings)
+        block_n = max(16, block_n // 2)
+        if (w.shape[1] // 2) % block_n:
+            return None
+        gemm = triton_kernel(x, TRITON, "decode_gemm_tma" if tma_tiling else "decode_gemm_triton")
+        if gemm is None:
+            return None
+        return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,
+                    block_k=block_k, num_stages=stages, early_trigger=tuning.gemm_early_trigger,
+                    gated=True)
+
     def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   group: str | None, lora: GemmLora) -> torch.Tensor:
         """The matmul with its LoRA folded in (fold.py): this GEMM's tiling and launch where it

@@ -61,6 +61,17 @@ def test_decode_profile_timeline_counts_the_chains_idle_gaps(capsys: pytest.Capt
     assert "     1.0 us    0.5       0.0 us  GEMM (cuBLAS or the Triton decode GEMM)" in gap_lines, out
     for fam in ("paged_attention", "_row_pick_kernel", "lora_shrink"):
         assert fam not in gap_lines, out
+    # The span split by the chain kernel that ends each part: 10 + 7 + 5 + 8 + 3 us in the
+    # first replay, 12 (from the norm's end to the second GEMM's) + the same 23 in the second.
+    shares = decode_profile.span_shares([x for x in replay + [dict(x, start=x["start"] + 35,
+                                                                   end=x["end"] + 35) for x in replay]
+                                         if x["name"] != "_lora_shrink_kernel"])
+    gemm = "GEMM (cuBLAS or the Triton decode GEMM)"
+    assert shares[f"{gemm} (after start)"] == [10.0, 1]
+    assert shares[f"{gemm} (after add_rms_norm)"] == [12.0, 1]
+    assert shares[f"rope_cache (after {gemm})"] == [14.0, 2]
+    assert shares["paged_attention (after _row_pick_kernel)"] == [16.0, 2]
+    assert sum(us for us, _ in shares.values()) == 68.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the full profile is run by hand")

@@ -203,6 +203,27 @@ def test_decode_gemm_tma_matches_torch_mm(rows: int, dtype: torch.dtype) -> None
     assert bool((out[rows:] == 7.0).all()), "rows past the batch were written"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="TMA needs Hopper or newer")
+@pytest.mark.parametrize("rows", [1, 33, 64])
+def test_gated_decode_gemm_tma_is_the_gemm_then_the_silu(rows: int) -> None:
+    """At Llama-3.1-8B's gate/up (4096 -> 2 x 14336), TMA loads, PDL: the gated launch equals
+    the plain launch then the SiLU kernel, bit for bit (as the node's base step runs it and
+    as a LoRA step still does)."""
+    from kernels.activation.triton_kernel import silu_mul_triton
+    from kernels.gemm.triton_kernel import decode_gemm_tma
+
+    torch.manual_seed(rows)
+    K, I = 4096, 14336
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(2 * I, K, device="cuda", dtype=torch.bfloat16) / 64).t()
+    launch = dict(pdl=True, prefetch_k=512, block_n=16, block_k=128, num_stages=4, early_trigger=True)
+    gated = decode_gemm_tma(x, w, gated=True, **launch)
+    two_launches = silu_mul_triton(decode_gemm_tma(x, w, **launch))
+    torch.cuda.synchronize()
+    assert gated.shape == (rows, I) and torch.equal(gated, two_launches)
+
+
 @pytest.mark.parametrize("block", [128, 512])
 @pytest.mark.parametrize("adapters", [1, 32])
 def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -> None:

@@ -717,6 +717,28 @@ def test_decode_gemm_matches_torch_mm(rows: int, out_in: bool, dtype: str) -> No
     assert bool((out[rows:] == 7.0).all()), "rows past the batch were written"
 
 
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gated_decode_gemm_is_the_gemm_then_the_silu(rows: int, dtype: str) -> None:
+    """gate/up's GEMM with SiLU(gate) * up in its epilogue writes, bit for bit, what its plain
+    launch then the SiLU kernel write (the base step's two launches), and no more columns."""
+    from kernels.activation.reference import silu_mul
+    from kernels.activation.triton_kernel import silu_mul_triton
+    from kernels.gemm.triton_kernel import decode_gemm_triton
+
+    torch.manual_seed(rows)
+    dt = DTYPES[dtype]
+    K, I = 128, 48
+    x = torch.randn(rows, K, device=DEVICE, dtype=dt)
+    w = (torch.randn(2 * I, K, device=DEVICE, dtype=dt) / 8).t()  # [gate; up] as [out, in]
+    out = torch.full((rows, I + 5), 7.0, device=DEVICE, dtype=dt)
+    decode_gemm_triton(x, w, out[:, :I], block_n=16, block_k=64, gated=True)
+    two_launches = silu_mul_triton(decode_gemm_triton(x, w, block_n=16, block_k=64))
+    assert torch.equal(out[:, :I], two_launches)
+    assert bool((out[:, I:] == 7.0).all()), "columns past the activation were written"
+    assert_close_scaled(out[:, :I], silu_mul(x.float() @ w.float()), dt)
+
+
 def test_decode_gemm_serves_only_decode_shapes() -> None:
     """The dispatcher: decode-shaped CUDA inputs go to the Triton GEMM, prefill-sized ones and
     CPU to cuBLAS; both give x @ W. The tuning names the groups it serves."""

@@ -197,8 +197,12 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     from lora_client.node_client import NodeClient
 
     make_peft_adapter(tiny_llama_path, tmp_path / "adapters" / "qv", 4, 8.0, ["q_proj", "v_proj"], False, seed=1)
-    # Pointer-load tilings (gemm_tilings) on Hopper too: TMA off for the whole node.
-    path = write(tmp_path / "table.json", table_json(node={"gemm_tma": False}))
+    # Pointer-load tilings (gemm_tilings) on Hopper too: TMA off for the whole node. Without
+    # the (8 rows, 2 adapters) entry: a decode graph is captured for its bucket of adapters
+    # (up to max_loras), so a step of one adapter may replay the 2-adapter graph, and whether
+    # the two LoRA requests share an 8-row graph step depends on their timing.
+    buckets = [b for b in table_json()["buckets"] if b.get("adapters", 0) < 2]
+    path = write(tmp_path / "table.json", table_json(node={"gemm_tma": False}, buckets=buckets))
     seen: list[tuple[int, bool, Tuning]] = []
     real_forward = LlamaModel.forward
 
