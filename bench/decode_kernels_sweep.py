@@ -223,6 +223,12 @@ def attention_part(batch: int, bw: float, device: torch.device,
                   for s in (1, 2, 3, 4, 6)]
         print("  key splits (default tiling, merge launch included): " +
               "; ".join(f"{s}: {us:.2f} us" for us, s in splits))
+        # The same keys in all, every sequence at the mean length: what the spread of
+        # lengths costs (programs of one launch finishing at different times).
+        even = torch.full_like(seq_lens, int(lens.float().mean().round()))
+        even_us = graph_us([lambda c=c: paged_attention_triton_impl(
+            q, *c, tables, qsl, even, D ** -0.5, 1, max_seq) for c in caches], rounds=10)
+        print(f"  every context at the mean length: {even_us:.2f} us")
         if layout == "head-major":  # how far attention is from only reading its KV
             sink = torch.empty(batch * Hkv * D, device=device)
             reads = []

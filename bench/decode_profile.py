@@ -72,7 +72,8 @@ def graph_timeline(graph, reps: int) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
-    kernels = [dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))
+    kernels = [dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]),
+                    grid=tuple(e.get("args", {}).get("grid", ())))
                for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     return sorted(kernels, key=lambda k: k["start"])
 
@@ -129,12 +130,13 @@ def print_timeline(label: str, kernels: list[dict], reps: int) -> None:
 def span_shares(chain: list[dict]) -> dict[str, list[float]]:
     """Each chain kernel's share of the span: from the latest end before it to its own end
     (the first from the first start), summed by (family, family of the kernel before it): the
-    decode GEMMs of o and down share a name and are told apart by what they follow."""
+    decode GEMMs share a name and are told apart by their grids and what they follow."""
     shares: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     prev_end, prev_family = min((k["start"] for k in chain), default=0.0), "start"
     for k in sorted(chain, key=lambda k: k["end"]):
         fam = family(k["name"])
-        share = shares[f"{fam} (after {prev_family})"]
+        grid = f" grid {k['grid'][0]}" if k.get("grid") and fam.startswith("GEMM") else ""
+        share = shares[f"{fam}{grid} (after {prev_family})"]
         share[0] += k["end"] - prev_end
         share[1] += 1
         prev_end, prev_family = k["end"], fam
