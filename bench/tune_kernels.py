@@ -225,15 +225,26 @@ def cpu_timer(calls_for: Callable[[Any], Callable[[], object]], copies: Sequence
     return statistics.median(times)
 
 
+def gated(group: str, tuning: Tuning) -> bool:
+    """Whether the node's base steps run `group`'s decode GEMM with SiLU(gate) * up in it
+    (DecodeGemm.gated_silu): gate/up's tilings are then swept in that launch."""
+    return group == "gate_up" and tuning.gate_up_silu
+
+
 def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning,
               smoke: bool) -> Callable[[], torch.Tensor]:
-    """The node's decode GEMM for x @ w with `tuning`; in the CPU smoke the Triton kernel in
-    the interpreter where it runs, else the reference (torch.mm)."""
+    """The node's decode GEMM for x @ w with `tuning` (for gate/up, with SiLU * up in it where
+    the node runs it so); in the CPU smoke the Triton kernel in the interpreter where it
+    runs, else the reference (torch.mm)."""
+    from kernels.activation.reference import silu_mul
     from kernels.gemm import DecodeGemm
 
     if not smoke:
         gemm = DecodeGemm(x.device, tuning)
         assert gemm.applies(x, w, group), f"the decode GEMM does not take {group} at batch {len(x)}"
+        if gated(group, tuning):
+            assert gemm.gated_silu(x, w) is not None, f"no gated launch of gate/up at batch {len(x)}"
+            return lambda: gemm.gated_silu(x, w)
         return lambda: gemm(x, w, group=group)
     from kernels.dispatch import use_triton
 
@@ -241,8 +252,21 @@ def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning,
         from kernels.gemm.triton_kernel import decode_gemm_triton
 
         block_n, block_k, stages = fitted_tiling(w, group, tuning.gemm_tilings)
+        if gated(group, tuning):
+            return lambda: decode_gemm_triton(x, w, block_n=max(16, block_n // 2), block_k=block_k,
+                                              num_stages=stages, gated=True)
         return lambda: decode_gemm_triton(x, w, block_n=block_n, block_k=block_k, num_stages=stages)
+    if gated(group, tuning):
+        return lambda: silu_mul(torch.mm(x, w))
     return lambda: torch.mm(x, w)
+
+
+def gemm_reference(x: torch.Tensor, w: torch.Tensor, group: str) -> torch.Tensor:
+    """What gemm_call's launch computes, in float32."""
+    from kernels.activation.reference import silu_mul
+
+    y = x.float() @ w.float()
+    return silu_mul(y) if gated(group, DEFAULT_TUNING) else y
 
 
 def weight_copies(N: int, K: int, copies: int, device: torch.device, dtype: torch.dtype,
@@ -309,7 +333,7 @@ def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torc
                 tuning = DEFAULT_TUNING.replace(**{field: {**getattr(DEFAULT_TUNING, field), group: option}})
                 try:
                     errors = [(len(xi), rel_err(gemm_call(xi, w[0], group, tuning, smoke)(),
-                                                xi.float() @ w[0].float())) for xi in inputs]
+                                                gemm_reference(xi, w[0], group))) for xi in inputs]
                     bad = [f"rel err {err:.1e} at {rows} rows" for rows, err in errors if not err <= MAX_REL_ERR]
                     if bad:
                         rejected.append(f"{option}: {', '.join(bad)}")
