@@ -67,21 +67,26 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
 def _kv_read_kernel(k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, stride_kb, stride_kp, stride_kh,
                     stride_btb, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """Attention's reads alone: a program per (sequence, KV head), the same grid as the
-    decode attention, streaming the sequence's keys and values through its block table."""
+    decode attention, streaming the sequence's keys and values through its block table; with
+    a third grid axis of P programs, program p reads the p-th of P ranges of those keys."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    parts = tl.num_programs(2)
     length = tl.load(seq_lens_ptr + seq)
+    share = tl.cdiv(tl.cdiv(length, parts), BLOCK_N) * BLOCK_N
+    lo = tl.program_id(2) * share
+    hi = tl.minimum(length, lo + share)
     offs_d = tl.arange(0, D)
     acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
-    for n0 in range(0, length, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
-        live = offs < length
+        live = offs < hi
         blk = tl.load(bt_ptr + seq * stride_btb + offs // PAGE, mask=live, other=0).to(tl.int64)
         off = blk * stride_kb + (offs % PAGE) * stride_kp + head * stride_kh
         k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=live[:, None], other=0.0)
         acc += k.to(tl.float32) + v.to(tl.float32)
-    tl.store(out_ptr + (seq * tl.num_programs(1) + head) * D + offs_d, tl.sum(acc, 0))
+    tl.atomic_add(out_ptr + (seq * tl.num_programs(1) + head) * D + offs_d, tl.sum(acc, 0))
 
 
 def triton_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int, block_k: int,
@@ -240,6 +245,15 @@ def attention_part(batch: int, bw: float, device: torch.device,
             us, block_n, warps = min(reads)
             print(f"  only reading the same KV with the same grid: {us:.2f} us "
                   f"({block_n} keys a tile, {warps} warps; best of {len(reads)})")
+            # The same reads spread over 2-4x the programs, each a range of a sequence's keys:
+            # whether more programs in flight (flash-decoding's splits, without their merge)
+            # would read faster.
+            for parts in (2, 4):
+                finer = graph_us([lambda c=c: _kv_read_kernel[(batch, Hkv, parts)](
+                    c[0], c[1], tables, seq_lens, sink, c[0].stride(0), c[0].stride(1),
+                    c[0].stride(2), tables.stride(0), PAGE=page, BLOCK_N=block_n, D=D,
+                    num_warps=warps) for c in caches], rounds=10)
+                print(f"  only reading it with {parts} programs a sequence's KV head: {finer:.2f} us")
         del caches
     same = torch.equal(outputs["token-major"], outputs["head-major"])
     print(f"  outputs of the two layouts on the same values: {'identical' if same else 'DIFFER'}")
