@@ -70,11 +70,12 @@ class DecodeGemm:
             return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):
             tuning = self.tuning
-            tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings)
+            rows = x.shape[0]
+            tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings, rows)
                           if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
             gemm = triton_kernel(x, TRITON, "decode_gemm_tma" if tma_tiling else "decode_gemm_triton")
             if gemm is not None:
-                block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings)
+                block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings, rows)
                 return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k,
                             block_n=block_n, block_k=block_k, num_stages=stages,
                             early_trigger=tuning.gemm_early_trigger)
@@ -89,9 +90,10 @@ class DecodeGemm:
         if not (self.tuning.gate_up_silu and self.serves("gate_up") and self.applies(x, w, "gate_up")):
             return None
         tuning = self.tuning
-        tma_tiling = (tiling(w, "gate_up", tuning.gemm_tma_tilings)
+        rows = x.shape[0]
+        tma_tiling = (tiling(w, "gate_up", tuning.gemm_tma_tilings, rows)
                       if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
-        block_n, block_k, stages = tma_tiling or tiling(w, "gate_up", tuning.gemm_tilings)
+        block_n, block_k, stages = tma_tiling or tiling(w, "gate_up", tuning.gemm_tilings, rows)
         block_n = max(16, block_n // 2)
         if (w.shape[1] // 2) % block_n:
             return None
@@ -108,7 +110,7 @@ class DecodeGemm:
         serves the shape, the same kernel plainly launched where Triton runs otherwise (the
         interpreter), the reference elsewhere."""
         tuning = self.tuning
-        fold_tiling = tiling(w, group, tuning.fold_tilings)
+        fold_tiling = tiling(w, group, tuning.fold_tilings, x.shape[0])
         if fold_tiling is None or bias is not None:
             y = cublas(x, w, bias)
             if not lora.expand:

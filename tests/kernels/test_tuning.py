@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels.tuning import (DEFAULT_TUNING, GROUPS, Tuning, format_choice, parse_choice,
                             tuning_from_text)
@@ -95,3 +96,19 @@ def test_decode_attention_key_tiles_follow_the_head_width() -> None:
     assert key_block(128, 256, True, DEFAULT_TUNING) == 64
     assert key_block(128, 1, False, DEFAULT_TUNING) == 32
     assert key_block(128, 1, True, tuning_from_text({"attention_decode_key_tile": "8192"})) == 64
+
+
+def test_a_tiling_too_large_for_float32_halves_its_k_tiles_until_two_stages_fit() -> None:
+    """Tables are tuned in bfloat16; a float32 model with the same shapes (the GPU parity
+    tests) takes twice the shared memory a stage: its K tiles shrink until two stages fit,
+    instead of a launch the compiler refuses."""
+    from kernels.gemm.shapes import SHARED_MEMORY, tiling
+
+    table = {"gate_up": (64, 512, 2)}  # the 8B H100 table's, for steps of 1-31 rows
+    bf16 = torch.empty(4096, 28672, dtype=torch.bfloat16, device="meta")
+    assert tiling(bf16, "gate_up", table, rows=16) == (64, 512, 2)  # as tuned
+    for rows, block_k in [(16, 256), (64, 128)]:
+        block_n, got_k, stages = tiling(bf16.float(), "gate_up", table, rows=rows)
+        assert (block_n, got_k) == (64, block_k) and stages >= 2
+        assert 2 * (max(16, rows) + block_n) * got_k * 4 <= SHARED_MEMORY
+    assert tiling(bf16.float(), "gate_up", {"gate_up": (1024, 64, 2)}) is None  # no K tile fits
