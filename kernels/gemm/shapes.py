@@ -24,18 +24,20 @@ def tiling(w: torch.Tensor, group: str | None, table: Mapping[str, Tiling],
     """(block_n, block_k, stages) for w [K, N] from the group's entry of `table` (one of the
     Tuning's tiling tables), None where no tiling divides it (the group's own, else 64-column
     K steps: SmolLM2's hidden size is 576), with no more stages than shared memory holds
-    (float32 tiles are twice as large). A table is tuned in bfloat16: where two stages of a
-    launch of `rows` rows would not fit in float32, its K tiles are halved until they do."""
+    (float32 tiles are twice as large). Tables are tuned, and their tilings checked to
+    compile, in 16-bit types at each bucket's rows: where two stages of a wider type's launch
+    of `rows` rows would not fit, its K tiles are halved until they do."""
     block_n, block_k, stages = table.get(group, DEFAULT_TILING)
     if w.shape[0] % block_k:
         block_k = 64
     if w.shape[1] % block_n or w.shape[0] % block_k:
         return None
     esize = w.element_size()
-    while 2 * (row_tile(rows) + block_n) * block_k * esize > SHARED_MEMORY and block_k > 64:
-        block_k //= 2
-    if 2 * (row_tile(rows) + block_n) * block_k * esize > SHARED_MEMORY:
-        return None
+    if esize > 2:
+        while 2 * (row_tile(rows) + block_n) * block_k * esize > SHARED_MEMORY and block_k > 64:
+            block_k //= 2
+        if 2 * (row_tile(rows) + block_n) * block_k * esize > SHARED_MEMORY:
+            return None
     per_stage = (64 + block_n) * block_k * esize
     return block_n, block_k, max(2, min(stages, SHARED_MEMORY // per_stage))
 
