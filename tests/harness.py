@@ -34,7 +34,16 @@ class InProcessNode:
         self.engine = self.node.engine
         self.ipc_dir = tempfile.mkdtemp(prefix="lora-test-node-")
         self.core = EngineCore(self.node, f"ipc://{self.ipc_dir}/core")
-        self.core_thread = threading.Thread(target=self.core.run, name="engine-core", daemon=True)
+        self.core_error: BaseException | None = None
+
+        def run_core() -> None:
+            try:
+                self.core.run()
+            except BaseException as exc:  # the warm-up or a capture failed: start() says so
+                self.core_error = exc
+                raise
+
+        self.core_thread = threading.Thread(target=run_core, name="engine-core", daemon=True)
         self.core_thread.start()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -44,7 +53,16 @@ class InProcessNode:
                                  http_port=0 if http else None)
 
         async def start() -> None:
-            await self.client.connect(start_timeout)
+            # As the launcher does with the core's process: a core that dies while it starts
+            # fails the start at once, with its error, not after start_timeout.
+            connect = asyncio.ensure_future(self.client.connect(start_timeout))
+            while not connect.done():
+                await asyncio.wait({connect}, timeout=0.25)
+                if not connect.done() and not self.core_thread.is_alive():
+                    connect.cancel()
+                    raise RuntimeError(f"the engine core stopped while starting: "
+                                       f"{self.core_error!r}") from self.core_error
+            connect.result()
             await self.server.start()
 
         asyncio.run_coroutine_threadsafe(start(), self.loop).result(start_timeout)

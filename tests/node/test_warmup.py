@@ -8,6 +8,7 @@ import copy
 import os
 import random
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -158,3 +159,21 @@ def test_without_the_warm_up_on_cpu_nothing_runs_before_serving(tiny_llama_path,
         assert node.engine.model.device == torch.device("cpu")
     finally:
         node.stop()
+
+
+def test_a_core_that_fails_while_it_starts_fails_the_in_process_start_at_once(tiny_llama_path,
+                                                                             monkeypatch) -> None:
+    """The test harness, like the launcher: a warm-up or capture that raises on the core's
+    thread ends the start in seconds with that error (a GPU test whose kernels failed to
+    compile waited the whole 600 s start timeout, silent)."""
+    from inference_node.engine.engine import Engine
+
+    def broken(self) -> None:
+        raise RuntimeError("a kernel the warm-up compiles did not fit")
+
+    monkeypatch.setattr(Engine, "prepare", broken)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="engine core stopped while starting.*did not fit"):
+        InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=32),
+                      start_timeout=60)
+    assert time.monotonic() - started < 20
