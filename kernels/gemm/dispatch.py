@@ -69,16 +69,9 @@ class DecodeGemm:
         if lora is not None:
             return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):
-            tuning = self.tuning
-            rows = x.shape[0]
-            tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings, rows)
-                          if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
-            gemm = triton_kernel(x, TRITON, "decode_gemm_tma" if tma_tiling else "decode_gemm_triton")
-            if gemm is not None:
-                block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings, rows)
-                return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k,
-                            block_n=block_n, block_k=block_k, num_stages=stages,
-                            early_trigger=tuning.gemm_early_trigger)
+            y = self._launch(x, w, group)
+            if y is not None:
+                return y
         return cublas(x, w, bias)
 
     def gated_silu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -89,20 +82,26 @@ class DecodeGemm:
         bytes as in the plain launch, and the launch has as many programs."""
         if not (self.tuning.gate_up_silu and self.serves("gate_up") and self.applies(x, w, "gate_up")):
             return None
-        tuning = self.tuning
-        rows = x.shape[0]
-        tma_tiling = (tiling(w, "gate_up", tuning.gemm_tma_tilings, rows)
+        return self._launch(x, w, "gate_up", gated=True)
+
+    def _launch(self, x: torch.Tensor, w: torch.Tensor, group: str | None,
+                gated: bool = False) -> torch.Tensor | None:
+        """The Triton decode GEMM with the group's tiling (TMA's on Hopper); None where Triton
+        does not run x, or (gated) half the tiling's columns do not divide each half of w."""
+        tuning, rows = self.tuning, x.shape[0]
+        tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings, rows)
                       if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
-        block_n, block_k, stages = tma_tiling or tiling(w, "gate_up", tuning.gemm_tilings, rows)
-        block_n = max(16, block_n // 2)
-        if (w.shape[1] // 2) % block_n:
-            return None
         gemm = triton_kernel(x, TRITON, "decode_gemm_tma" if tma_tiling else "decode_gemm_triton")
         if gemm is None:
             return None
+        block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings, rows)
+        if gated:
+            block_n = max(16, block_n // 2)
+            if (w.shape[1] // 2) % block_n:
+                return None
         return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,
                     block_k=block_k, num_stages=stages, early_trigger=tuning.gemm_early_trigger,
-                    gated=True)
+                    gated=gated)
 
     def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   group: str | None, lora: GemmLora) -> torch.Tensor:
