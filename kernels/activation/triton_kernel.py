@@ -18,6 +18,16 @@ from ..tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """SiLU(gate) * up, rounded where F.silu(g) * u on `dtype` tensors rounds: g and u first
+    (a matmul's output), then the SiLU, then the product. Also the gated decode GEMM's
+    epilogue (kernels/gemm), so its output is this kernel's bit for bit."""
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+    return (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(
     gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, rows_ptr, dense_ptr,
     I, R,
@@ -66,10 +76,7 @@ def _silu_mul_kernel(
             du = tl.load(dense_ptr + t * stride_dense + I + offs, mask=mask, other=0.0)
             g = (g.to(tl.float32) + dg).to(g.dtype)
             u = (u.to(tl.float32) + du).to(u.dtype)
-    gf = g.to(tl.float32)
-    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded as F.silu rounds
-    act = silu.to(tl.float32) * u.to(tl.float32)
-    tl.store(act_ptr + t * stride_act + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
+    tl.store(act_ptr + t * stride_act + offs, silu_times(g, u, act_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,

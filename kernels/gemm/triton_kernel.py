@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..activation.triton_kernel import silu_times
 from ..host import dot_f32, pdl_launch
 from .shapes import MAX_ROWS, row_tile, tma_fits
 
@@ -33,16 +34,6 @@ def prefetch_l2(ptrs):
     """Ask L2 for the lines at `ptrs` (no registers filled, nothing waited for)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def silu_times(gate, up, dtype: tl.constexpr):
-    """SiLU(gate) * up of float32 tiles, rounded where F.silu(g) * u on `dtype` tensors rounds:
-    g and u first (the GEMM's output), then the SiLU, then the product (as
-    kernels/activation does)."""
-    g = gate.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
-    return (silu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit(do_not_specialize=["M"])
