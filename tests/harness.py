@@ -39,9 +39,8 @@ class InProcessNode:
         def run_core() -> None:
             try:
                 self.core.run()
-            except BaseException as exc:  # the warm-up or a capture failed: start() says so
+            except BaseException as exc:  # the warm-up or a capture failed: start() raises it
                 self.core_error = exc
-                raise
 
         self.core_thread = threading.Thread(target=run_core, name="engine-core", daemon=True)
         self.core_thread.start()
