@@ -68,7 +68,7 @@ import torch
 
 from bench.common import RANDOM_MODELS, bench_model_config, copy_bandwidth
 from kernels.gemm import GemmLora, fold_counters
-from kernels.gemm.shapes import MAX_ROWS, row_tile, tiling as fitted_tiling
+from kernels.gemm.shapes import MAX_ROWS, gated_block_n, row_tile, tiling as fitted_tiling
 from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
 from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError, device_name,
                                   load_table, table_name)
@@ -253,7 +253,7 @@ def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning,
 
         block_n, block_k, stages = fitted_tiling(w, group, tuning.gemm_tilings)
         if gated(group, tuning):
-            return lambda: decode_gemm_triton(x, w, block_n=max(16, block_n // 2), block_k=block_k,
+            return lambda: decode_gemm_triton(x, w, block_n=gated_block_n(block_n), block_k=block_k,
                                               num_stages=stages, gated=True)
         return lambda: decode_gemm_triton(x, w, block_n=block_n, block_k=block_k, num_stages=stages)
     if gated(group, tuning):

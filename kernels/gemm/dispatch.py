@@ -17,7 +17,7 @@ import torch
 from ..dispatch import triton_kernel
 from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
-from .shapes import MAX_ROWS, tiling, tma_fits
+from .shapes import MAX_ROWS, gated_block_n, tiling, tma_fits
 
 TRITON = "kernels.gemm.triton_kernel"
 FOLD_TRITON = "kernels.gemm.fold_triton_kernel"
@@ -96,7 +96,7 @@ class DecodeGemm:
             return None
         block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings, rows)
         if gated:
-            block_n = max(16, block_n // 2)
+            block_n = gated_block_n(block_n)
             if (w.shape[1] // 2) % block_n:
                 return None
         return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,

@@ -42,6 +42,13 @@ def tiling(w: torch.Tensor, group: str | None, table: Mapping[str, Tiling],
     return block_n, block_k, max(2, min(stages, SHARED_MEMORY // per_stage))
 
 
+def gated_block_n(block_n: int) -> int:
+    """Columns of each of gate and up a program of the gated launch (SiLU(gate) * up in the
+    GEMM) takes for a gate/up tiling of `block_n`: half, so it reads as many weight bytes as
+    a plain program (16 at least, the tensor cores' smallest)."""
+    return max(16, block_n // 2)
+
+
 def tma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether decode_gemm_tma takes x @ w: w a transposed view of a contiguous [out, in]
     matrix, both 16-byte aligned with 16-byte row strides (what a TMA descriptor needs)."""
