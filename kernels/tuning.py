@@ -103,6 +103,9 @@ class Tuning:
     gate_up_silu: bool = field(default=True, metadata={"help": (
         "in steps without LoRA on gate/up, its decode GEMM writes SiLU(gate) * up itself: "
         "no SiLU launch")})
+    qkv_rope: bool = field(default=True, metadata={"help": (
+        "in steps without LoRA on q/k/v, its decode GEMM rotates queries and keys and writes "
+        "keys and values to the KV cache itself: no RoPE launch")})
     # -- elementwise ops --
     silu_row_tile: tuple[int, int] = field(default=(256, 2), metadata={"help": (
         "(columns, warps) of a SiLU program expanding gate/up's LoRA delta")})

@@ -23,7 +23,7 @@ import torch
 from kernels.activation import silu_mul, silu_mul_lora
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
-from kernels.gemm import DecodeGemm, GemmLora, cublas
+from kernels.gemm import DecodeGemm, GemmLora, RopeOut, cublas
 from kernels.lora import LoraDelta, with_delta
 from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
 from kernels.rope import rope_and_cache
@@ -111,7 +111,8 @@ class ElementwiseOps:
     kernels/lora/delta.py) on the base path too, where they beat torch.compile's fusions,
     and the first norm is compiled (torch.compile, dynamic shapes); CUDA graphs then replay
     them. On a CPU the base path runs the PyTorch references. (RoPE and the KV-cache write
-    are one kernel of their own: kernels/rope.)"""
+    are one kernel of their own, kernels/rope, or in steps without LoRA on q/k/v the epilogue
+    of q/k/v's decode GEMM: Tuning.qkv_rope.)"""
 
     def __init__(self, device: torch.device, tuning: Tuning = DEFAULT_TUNING) -> None:
         self.tuning = tuning
@@ -320,11 +321,21 @@ class LlamaModel:
         """Layer i's rotated queries [T, Hq, D] (into q_out where given); its keys and values
         written to their cache slots."""
         cfg, layer = self.config, self.layers[i]
+        q = q_out
+        if (layer.qkv_bias is None and (lora is None or not lora.applies_to("qkv"))
+                and self.gemm.serves("qkv")):
+            # RoPE and the cache write in q/k/v's GEMM launch (no RoPE launch)
+            if q is None:
+                q = x.new_empty(x.shape[0], cfg.num_heads, cfg.head_dim)
+            rope = RopeOut(q, k_caches[i], v_caches[i], self.rope.cos, self.rope.sin, batch.positions,
+                           batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            if self.gemm.qkv_rope(x, layer.qkv, rope) is not None:
+                return q
         qkv, delta = self._project(lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
         # The LoRA delta added, q and k rotated, k and v written to their cache slots.
         return rope_and_cache(qkv, delta, self.rope.cos, self.rope.sin, batch.positions,
                               batch.slot_mapping, k_caches[i], v_caches[i], cfg.num_heads,
-                              cfg.num_kv_heads, cfg.head_dim, self.tuning, out=q_out)
+                              cfg.num_kv_heads, cfg.head_dim, self.tuning, out=q)
 
     def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor],
                v_caches: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,8 @@ import torch
 from ..dispatch import triton_kernel
 from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
-from .shapes import MAX_ROWS, gated_block_n, tiling, tma_fits
+from .rope_out import RopeOut
+from .shapes import MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits
 
 TRITON = "kernels.gemm.triton_kernel"
 FOLD_TRITON = "kernels.gemm.fold_triton_kernel"
@@ -84,10 +85,21 @@ class DecodeGemm:
             return None
         return self._launch(x, w, "gate_up", gated=True)
 
+    def qkv_rope(self, x: torch.Tensor, w: torch.Tensor, rope: RopeOut) -> torch.Tensor | None:
+        """q/k/v's projection with kernels/rope's work in the same launch: the rotated queries
+        in rope.q (returned), the rotated keys and the values in their cache slots, bit for
+        bit what the GEMM then the RoPE kernel write; None where the decode GEMM does not serve
+        x (the caller runs the two). Each program takes half its tiling's columns from each
+        half of one head, so it reads as many weight bytes as in the plain launch."""
+        if not (self.tuning.qkv_rope and self.serves("qkv") and self.applies(x, w, "qkv")):
+            return None
+        return self._launch(x, w, "qkv", rope=rope)
+
     def _launch(self, x: torch.Tensor, w: torch.Tensor, group: str | None,
-                gated: bool = False) -> torch.Tensor | None:
+                gated: bool = False, rope: RopeOut | None = None) -> torch.Tensor | None:
         """The Triton decode GEMM with the group's tiling (TMA's on Hopper); None where Triton
-        does not run x, or (gated) half the tiling's columns do not divide each half of w."""
+        does not run x, or (gated) half the tiling's columns do not divide each half of w, or
+        (rope) no tile of half a head's columns fits."""
         tuning, rows = self.tuning, x.shape[0]
         tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings, rows)
                       if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
@@ -99,9 +111,13 @@ class DecodeGemm:
             block_n = gated_block_n(block_n)
             if (w.shape[1] // 2) % block_n:
                 return None
+        if rope is not None:
+            block_n = rope_block_n(block_n, rope.head_dim)
+            if block_n < 16 or not rope.fits(x, w, block_n):
+                return None
         return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,
                     block_k=block_k, num_stages=stages, early_trigger=tuning.gemm_early_trigger,
-                    gated=gated)
+                    gated=gated, rope=rope)
 
     def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   group: str | None, lora: GemmLora) -> torch.Tensor:

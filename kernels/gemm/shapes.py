@@ -57,6 +57,14 @@ def gated_block_n(block_n: int) -> int:
     return max(16, block_n // 2)
 
 
+def rope_block_n(block_n: int, head_dim: int) -> int:
+    """Columns of each half of a head a program of the RoPE launch (q/k/v's GEMM with RoPE and
+    the KV-cache write in its epilogue) takes for a q/k/v tiling of `block_n`: half, so it
+    reads as many weight bytes as a plain program, at least 16 (the tensor cores' smallest),
+    at most half a head (a launch checks that it divides half a head)."""
+    return min(head_dim // 2, max(16, block_n // 2))
+
+
 def tma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether decode_gemm_tma takes x @ w: w a transposed view of a contiguous [out, in]
     matrix, both 16-byte aligned with 16-byte row strides (what a TMA descriptor needs)."""

@@ -224,6 +224,40 @@ def test_gated_decode_gemm_tma_is_the_gemm_then_the_silu(rows: int) -> None:
     assert gated.shape == (rows, I) and torch.equal(gated, two_launches)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="TMA needs Hopper or newer")
+@pytest.mark.parametrize("rows,block_n", [(1, 32), (64, 32), (64, 64)])
+def test_rope_decode_gemm_tma_is_the_gemm_then_rope_and_cache(rows: int, block_n: int) -> None:
+    """At Llama-3.1-8B's q/k/v (4096 -> 32 query and 8 KV heads of 128), Llama-3 RoPE tables,
+    TMA loads, PDL: the RoPE launch writes the queries and the cache slots, bit for bit, that
+    the plain launch then the RoPE kernel write (as the node's base step ran them)."""
+    from inference_node.model.rope import RotaryEmbedding
+    from kernels.gemm.rope_out import RopeOut
+    from kernels.gemm.triton_kernel import decode_gemm_tma
+    from kernels.rope.triton_kernel import rope_and_cache_triton
+
+    torch.manual_seed(rows)
+    heads, kv_heads, head_dim, K = 32, 8, 128, 4096
+    N = (heads + 2 * kv_heads) * head_dim
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64).t()
+    rope = RotaryEmbedding(head_dim, 8192, 500000.0, {"rope_type": "llama3", "factor": 8.0,
+                           "original_max_position_embeddings": 8192}, torch.device("cuda"))
+    positions = torch.randint(0, 8192, (rows,), device="cuda")
+    slots = torch.randperm(64 * 16, device="cuda")[:rows]
+    caches = [torch.zeros(64, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q = torch.empty(rows, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    launch = dict(pdl=True, prefetch_k=512, block_k=128, num_stages=4, early_trigger=True)
+    decode_gemm_tma(x, w, block_n=block_n, **launch, rope=RopeOut(
+        q, caches[0], caches[1], rope.cos, rope.sin, positions, slots, heads, kv_heads, head_dim))
+    qkv = decode_gemm_tma(x, w, block_n=2 * block_n, **launch)
+    q_two = rope_and_cache_triton(qkv, None, rope.cos, rope.sin, positions, slots, caches[2],
+                                  caches[3], heads, kv_heads, head_dim)
+    torch.cuda.synchronize()
+    assert torch.equal(q, q_two)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 @pytest.mark.parametrize("block", [128, 512])
 @pytest.mark.parametrize("adapters", [1, 32])
 def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -> None:

@@ -739,6 +739,45 @@ def test_gated_decode_gemm_is_the_gemm_then_the_silu(rows: int, dtype: str) -> N
     assert_close_scaled(out[:, :I], silu_mul(x.float() @ w.float()), dt)
 
 
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_rope_decode_gemm_is_the_gemm_then_rope_and_cache(rows: int, dtype: str) -> None:
+    """q/k/v's GEMM with RoPE and the KV-cache write in its epilogue (each program one head's
+    paired columns) writes the queries and the cache slots the plain launch then the RoPE
+    kernel write, and touches no other slot."""
+    from kernels.gemm.rope_out import RopeOut
+    from kernels.gemm.triton_kernel import decode_gemm_triton
+    from kernels.rope.reference import rope_and_cache_ref
+    from kernels.rope.triton_kernel import rope_and_cache_triton
+
+    gen = torch.Generator().manual_seed(rows)
+    dt = DTYPES[dtype]
+    heads, kv_heads, head_dim, K = 4, 2, 32, 64
+    N = (heads + 2 * kv_heads) * head_dim
+    x = torch.randn(rows, K, generator=gen).to(dt).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) / 8).to(dt).to(DEVICE).t()
+    theta = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.outer(torch.arange(64).float(), theta).repeat(1, 2)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    positions = torch.randint(0, 64, (rows,), generator=gen).to(DEVICE)
+    slots = torch.randperm(16 * 4, generator=gen)[:rows].to(DEVICE)
+    caches = [torch.full((16, 4, kv_heads, head_dim), 7.0, dtype=dt, device=DEVICE) for _ in range(4)]
+    q = torch.full((rows, heads, head_dim), 7.0, dtype=dt, device=DEVICE)
+    out = RopeOut(q, caches[0], caches[1], cos, sin, positions, slots, heads, kv_heads, head_dim)
+    assert decode_gemm_triton(x, w, block_n=16, block_k=32, rope=out) is q
+    qkv = decode_gemm_triton(x, w, block_n=16, block_k=32)
+    q_two = rope_and_cache_triton(qkv, None, cos, sin, positions, slots, caches[2], caches[3],
+                                  heads, kv_heads, head_dim)
+    assert torch.equal(q, q_two)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    ref_caches = [c.clone().fill_(7.0) for c in caches[:2]]
+    q_ref = rope_and_cache_ref((x.float() @ w.float()).to(dt), None, cos, sin, positions, slots,
+                               *ref_caches, heads, kv_heads, head_dim)
+    assert_close_scaled(q, q_ref, dt)
+    for got, want in zip(caches[:2], ref_caches):
+        assert_close_scaled(got, want, dt)
+
+
 def test_decode_gemm_serves_only_decode_shapes() -> None:
     """The dispatcher: decode-shaped CUDA inputs go to the Triton GEMM, prefill-sized ones and
     CPU to cuBLAS; both give x @ W. The tuning names the groups it serves."""
