@@ -36,27 +36,22 @@ import triton.language as tl
 
 from ..host import dot_f32, pdl_launch
 from .fold import GemmLora, counters_for, gemm_lora_fits
-from .shapes import row_tile, shrink_row_tile
+from .shapes import row_tile
 from .triton_kernel import prefetch_l2
 
 
 @triton.jit
-def _shrink_program(xs_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
+def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
                     stride_xa, stride_seg, rank_col, ticket,
                     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
-                    SHRINK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                     PDL: tl.constexpr, DOT_F32: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
                     PREFETCH_A: tl.constexpr, LINE: tl.constexpr):
     """xa[rows of segment s, slice*R:(slice+1)*R] = x @ A_slice[slot_s's rows].T *
     scaling[slot_s], zero past the slot's rank on the slice. EARLY_TRIGGER (with PDL): the
     next kernel may launch once this program has its input. PREFETCH_A (with PDL): columns of
     the slice's A asked of L2 before the wait, as the tiles ask for their W: A does not depend
-    on the kernel before, x does.
-
-    The segment's rows are read SHRINK_M at a time (xs_desc's row tile), from its first row:
-    with many adapters a segment holds a few rows, and a program that read every row of x
-    (BLOCK_M) for them read four times the bytes of its A from L2 at 32 adapters in 64 rows.
-    A longer segment takes more passes over its A (from L2 after the first)."""
+    on the kernel before, x does."""
     seg = ticket // N_SLICES
     slc = ticket % N_SLICES
     row = table_ptr + seg * stride_seg
@@ -70,6 +65,7 @@ def _shrink_program(xs_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_pt
         # its first row on; rows past its rank belong to other adapters (or lie past the
         # arena, where TMA reads zeros): masked, or their columns of the product zeroed.
         a_row = slc * ROWS + arena_row
+        offs_m = tl.arange(0, BLOCK_M)
         offs_r = tl.arange(0, R)
         offs_k = tl.arange(0, BLOCK_K)
         live_r = offs_r < rank
@@ -81,27 +77,24 @@ def _shrink_program(xs_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_pt
             tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
             if EARLY_TRIGGER:
                 tl.extra.cuda.gdc_launch_dependents()
-        scale = tl.load(scaling_ptr + slot)
-        for m0 in range(first, first + length, SHRINK_M):
-            offs_m = m0 + tl.arange(0, SHRINK_M)
-            acc = tl.zeros((SHRINK_M, R), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if TMA:  # rows past M read as zeros
-                    x = xs_desc.load([m0, k0])
-                    a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
-                else:
-                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                mask=offs_m[:, None] < M, other=0.0)
-                    a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                                + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
-                if DOT_F32:
-                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-                else:
-                    acc += tl.dot(x, a.T)
-            acc = tl.where(live_r[None, :], acc * scale, 0.0)
-            in_segment = (offs_m < first + length) & (offs_m < M)
-            tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
-                     mask=in_segment[:, None])
+        acc = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA:
+                x = x_desc.load([0, k0])
+                a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=offs_m[:, None] < M, other=0.0)
+                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                            + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+            else:
+                acc += tl.dot(x, a.T)
+        acc = tl.where(live_r[None, :], acc * tl.load(scaling_ptr + slot), 0.0)
+        in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
+        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (slc * R + offs_r)[None, :], acc,
+                 mask=in_segment[:, None])
 
 
 @triton.jit
@@ -141,11 +134,11 @@ def _row_delta(b, has, xa_ptr, slc, stride_xa, R: tl.constexpr, BLOCK_M: tl.cons
 
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_lora_kernel(
-    x_desc, xs_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
+    x_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
     rows_ptr, sync_ptr, M, off1, off2, stride_xm, stride_wn, stride_wk, stride_ym, stride_br,
     stride_rows, stride_xa, stride_seg, rank_col,
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
-    SEGMENTS: tl.constexpr, SHRINK_M: tl.constexpr,
+    SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
@@ -163,9 +156,9 @@ def _decode_gemm_lora_kernel(
         launch = 0
         role = tl.program_id(0).to(tl.int64)
     if role < NUM_SHRINK:
-        _shrink_program(xs_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
+        _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
                         stride_xm, stride_xa, stride_seg, rank_col, role.to(tl.int32), K, R,
-                        N_SLICES, ROWS, SHRINK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND,
+                        N_SLICES, ROWS, BLOCK_M, BLOCK_K, TMA, PDL, DOT_F32, not EXPAND,
                         PREFETCH_A, LINE)
         if EXPAND:
             if PDL:
@@ -235,7 +228,6 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         return y
     r, slices = lora.rank, lora.slices
     block_m = row_tile(M)
-    shrink_m = shrink_row_tile(M, lora.segments)
     rows = lora.a_all.shape[1]
     a2d = lora.a_all.reshape(-1, K)
     assert a2d.stride(1) == 1 and lora.b_all.stride(1) == 1 and lora.xa.stride(1) == 1
@@ -245,22 +237,21 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
 
         w_out_in = w.t()
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
-                 TensorDescriptor(x, [M, K], [x.stride(0), 1], [shrink_m, block_k]),
                  TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k]),
                  TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]))
         w_arg, stride_wn, stride_wk = w_out_in, K, 1
     else:
-        descs = (x, x, w, a2d)
+        descs = (x, w, a2d)
         w_arg, stride_wn, stride_wk = w, w.stride(1), w.stride(0)
     offs = [*lora.slice_offsets[1:], N, N][:2]
     table = lora.segment_table
     grid = (lora.segments * slices + N // block_n,)
     _decode_gemm_lora_kernel[grid](
-        descs[0], descs[1], x, descs[2], w_arg, y, descs[3], a2d, lora.b_all, lora.xa, lora.scaling, table,
+        descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
         lora.token_rows, counters_for(lora.sync, block_n), M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk,
         y.stride(0), lora.b_all.stride(0), lora.token_rows.stride(0), lora.xa.stride(0),
         table.stride(0), lora.rank_col,
-        K=K, R=r, N_SLICES=slices, ROWS=rows, SEGMENTS=lora.segments, SHRINK_M=shrink_m, BLOCK_M=block_m, BLOCK_N=block_n,
+        K=K, R=r, N_SLICES=slices, ROWS=rows, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,

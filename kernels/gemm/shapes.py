@@ -19,14 +19,6 @@ def row_tile(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def shrink_row_tile(rows: int, segments: int) -> int:
-    """The row tile a fold's shrink program reads its segment's rows of x in: the mean
-    segment's rows of a launch of `rows` rows over `segments` adapters (a graph's bucket), at
-    least 16 (the tensor cores' smallest), at most the launch's row tile."""
-    mean = -(-rows // max(segments, 1))
-    return min(row_tile(rows), row_tile(mean))
-
-
 def tiling(w: torch.Tensor, group: str | None, table: Mapping[str, Tiling],
            rows: int = MAX_ROWS) -> Tiling | None:
     """(block_n, block_k, stages) for w [K, N] from the group's entry of `table` (one of the

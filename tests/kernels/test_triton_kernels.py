@@ -830,36 +830,6 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
     assert counters_for(lora.sync, 16).tolist() == [3 * (shrinks + sum(outs) // 16), 3 * shrinks]
 
 
-@pytest.mark.parametrize("expand", [True, False], ids=["fold", "shrink-only"])
-def test_fold_shrink_covers_a_segment_longer_than_its_row_tile(expand: bool) -> None:
-    """A fold's shrink program reads its segment's rows of x a row tile at a time, sized for
-    the mean segment (kernels/gemm/shapes.py: shrink_row_tile): an adapter holding most of the
-    step's rows takes several passes, from a first row that is no multiple of the tile, and
-    every one of its rows gets its delta."""
-    from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
-    from kernels.gemm.shapes import shrink_row_tile
-
-    slots = [-1] * 3 + [2] * 37 + [5] * 2 + [-1] * 3
-    segments = 4
-    assert shrink_row_tile(len(slots), segments) == 16 < 37
-    case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
-                          h_in=128, outs=[32, 32], dtype=torch.float32, device=DEVICE,
-                          seed=7).poison_free_rows()
-    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=expand)
-    gen = torch.Generator().manual_seed(7)
-    w = (torch.randn(64, 128, generator=gen) / 16).to(DEVICE).t()
-    y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
-    base = case.x.float().cpu() @ w.float().cpu()
-    if expand:
-        assert_close_scaled(y, base + naive_delta(case), torch.float32)
-        return
-    assert_close_scaled(y, base, torch.float32)
-    active = torch.tensor(slots) >= 0
-    torch.testing.assert_close(lora.xa.cpu()[active], lora.shrink(case.x).cpu()[active],
-                               rtol=1e-4, atol=1e-4)
-    assert torch.isnan(lora.xa.cpu()[~active]).all()
-
-
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
 @pytest.mark.parametrize("group", ["qkv", "gate_up", "o", "o-split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
