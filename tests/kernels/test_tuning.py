@@ -112,3 +112,31 @@ def test_a_tiling_too_large_for_float32_halves_its_k_tiles_until_two_stages_fit(
         assert (block_n, got_k) == (64, block_k) and stages >= 2
         assert 2 * (max(16, rows) + block_n) * got_k * 4 <= SHARED_MEMORY
     assert tiling(bf16.float(), "gate_up", {"gate_up": (1024, 64, 2)}) is None  # no K tile fits
+
+
+def test_a_rope_launch_takes_only_qkv_weights_its_tiles_divide() -> None:
+    """q/k/v's GEMM with RoPE in its epilogue (RopeOut): half the tiling's columns from each
+    half of a head (as many weight bytes a program as the plain launch), at least the tensor
+    cores' 16 and at most half a head; a weight of other widths, a tile that does not divide
+    half a head, or caches of another dtype keep the plain launch and the RoPE kernel."""
+    from kernels.gemm.rope_out import RopeOut
+    from kernels.gemm.shapes import rope_block_n
+
+    assert [rope_block_n(n, 128) for n in (16, 32, 64, 128, 256)] == [16, 16, 32, 64, 64]
+    assert rope_block_n(64, 64) == 32 and rope_block_n(256, 64) == 32
+    heads, kv_heads, head_dim, rows = 32, 8, 128, 5
+
+    def out(cache_dtype: torch.dtype = torch.bfloat16) -> RopeOut:
+        caches = [torch.empty(4, 16, kv_heads, head_dim, dtype=cache_dtype) for _ in range(2)]
+        table = torch.empty(64, head_dim)
+        return RopeOut(torch.empty(rows, heads, head_dim, dtype=torch.bfloat16), *caches, table,
+                       table, torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                       heads, kv_heads, head_dim)
+
+    x = torch.empty(rows, 4096, dtype=torch.bfloat16)
+    qkv = torch.empty(6144, 4096, dtype=torch.bfloat16).t()
+    assert out().fits(x, qkv, 32) and out().fits(x, qkv, 64)
+    assert not out().fits(x, qkv, 128)  # wider than half a head
+    assert not out().fits(x, qkv, 48)  # does not divide it
+    assert not out().fits(x, torch.empty(4096, 4096, dtype=torch.bfloat16).t(), 32)  # o's weight
+    assert not out(torch.float32).fits(x, qkv, 32)
