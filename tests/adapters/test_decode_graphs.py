@@ -279,3 +279,64 @@ def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, t
         assert sizes_beside and all(size <= limit for size in sizes_beside)
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rope_in_the_qkv_gemm_matches_peft(device, tokenizer_dir, tmp_path, monkeypatch) -> None:
+    """Steps without LoRA on q/k/v rotate queries and keys and write the KV cache in q/k/v's
+    decode GEMM (Tuning.qkv_rope); q/v adapters' steps keep the RoPE kernel. A model with
+    32-wide heads (16 columns of each half a program). Same tokens as PEFT, in graph and
+    eager steps. On a CPU the decode GEMM serves q/k/v only where Triton's interpreter runs
+    (test_triton_interpreter.py runs this so): there the test makes it serve, and the RoPE
+    launch must run; in plain CPU runs the references run."""
+    from kernels.gemm import dispatch as gemm_dispatch
+    from kernels.gemm.shapes import tiling
+    from kernels.host import interpreting
+
+    from harness import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model", tokenizer_dir, hidden_size=128,
+                            num_attention_heads=4, num_key_value_heads=2)
+    launches = []
+    real = gemm_dispatch.DecodeGemm.qkv_rope
+
+    def spy(self, x, w, rope):
+        q = real(self, x, w, rope)
+        if q is not None:
+            launches.append(x.shape[0])
+        return q
+
+    monkeypatch.setattr(gemm_dispatch.DecodeGemm, "qkv_rope", spy)
+    fuse = device == "cuda" or interpreting()
+    if device == "cpu" and fuse:  # the decode GEMM serves q/k/v in the interpreter
+        monkeypatch.setattr(gemm_dispatch.DecodeGemm, "serves", lambda self, group: group == "qkv")
+        monkeypatch.setattr(gemm_dispatch.DecodeGemm, "applies", lambda self, x, w, group=None: (
+            0 < x.shape[0] <= 64 and tiling(w, group, self.tuning.gemm_tilings) is not None))
+    root = tmp_path / "adapters"
+    for seed, name in enumerate(["qv-r4", "mlp-r16"]):
+        rank, alpha, targets, rs = ADAPTERS[name]
+        make_peft_adapter(model, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
+    rng = random.Random(11)
+    jobs = [(name, [rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))], rng.randrange(3, 10))
+            for name in ["", "mlp-r16", "qv-r4", "", "mlp-r16", ""]]
+    folders = {"": None, **{n: root / n for n in ("qv-r4", "mlp-r16")}}
+    expected = [peft_greedy(model, folders[name], [prompt], max_new)[0] for name, prompt, max_new in jobs]
+    node = InProcessNode(NodeSettings(model=str(model), device=device, dtype="float32",
+                                      num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_lora_rank=16,
+                                      adapter_dir=str(root), decode_graphs="on", max_graph_batch=8,
+                                      debug_checks=True))
+    try:
+        def run(job):
+            name, prompt, max_new = job
+            with NodeClient(node.address) as client:
+                return client.generate(client.request(adapter=name, prompt_token_ids=prompt,
+                                                      max_tokens=max_new, ignore_eos=True),
+                                       timeout=300).token_ids
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(run, jobs))
+        assert got == expected
+        assert bool(launches) == fuse
+        node.check_idle()
+    finally:
+        node.stop()
