@@ -6,6 +6,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -91,6 +92,23 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def generate_all(node: "InProcessNode", jobs: Sequence[tuple[str, Sequence[int], int]],
+                 timeout: float = 300) -> list[list[int]]:
+    """Each (adapter, prompt, max tokens) job's greedy tokens from the node, all in flight at
+    once (so steps mix them)."""
+    from lora_client.node_client import NodeClient
+
+    def run(job):
+        name, prompt, max_new = job
+        with NodeClient(node.address) as client:
+            return client.generate(client.request(adapter=name, prompt_token_ids=list(prompt),
+                                                  max_tokens=max_new, ignore_eos=True),
+                                   timeout=timeout).token_ids
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, jobs))
 
 
 def make_tiny_llama(out: Path, tokenizer_from: Path, seed: int = 0, **overrides: object) -> Path:

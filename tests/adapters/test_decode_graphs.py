@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from harness import InProcessNode, make_peft_adapter, peft_greedy
+from harness import InProcessNode, generate_all, make_peft_adapter, peft_greedy
 from inference_node.engine.decode_graphs import graph_batch_sizes
 from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
@@ -19,6 +20,15 @@ ADAPTERS = {
     "all-r8": (8, 16.0, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
     "mlp-r16": (16, 16.0, ["gate_proj", "up_proj", "down_proj"], False),
 }
+
+
+def small_graph_node(model: Path, adapters: Path, device: str) -> InProcessNode:
+    """A node of 8 sequences and 2 adapter slots whose decode steps replay graphs of up to 8
+    rows, with its debug checks on."""
+    return InProcessNode(NodeSettings(model=str(model), device=device, dtype="float32",
+                                      num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_lora_rank=16,
+                                      adapter_dir=str(adapters), decode_graphs="on", max_graph_batch=8,
+                                      debug_checks=True))
 
 
 def test_graph_batch_sizes_cover_every_batch() -> None:
@@ -93,14 +103,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
                                       adapter_dir=str(root), decode_graphs="on", max_graph_batch=12,
                                       debug_checks=True, tuning=tuning))
     try:
-        def run(job):
-            name, prompt, max_new = job
-            with NodeClient(node.address) as client:
-                return client.generate(client.request(adapter=name, prompt_token_ids=prompt, max_tokens=max_new,
-                                                      ignore_eos=True), timeout=300).token_ids
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(run, jobs))
+        got = generate_all(node, jobs)
         assert got == expected
         snap = node.check_idle()
         assert snap["graph_steps"] > 0 and snap["steps"] > snap["graph_steps"]
@@ -197,19 +200,9 @@ def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, ti
     folders = {"": None, "all-r8": root / "all-r8"}
     expected = [peft_greedy(tiny_llama_path, folders[name], [prompt], max_new)[0]
                 for name, prompt, max_new in jobs]
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_lora_rank=16,
-                                      adapter_dir=str(root), decode_graphs="on", max_graph_batch=8,
-                                      debug_checks=True))
+    node = small_graph_node(tiny_llama_path, root, device)
     try:
-        def run(job):
-            name, prompt, max_new = job
-            with NodeClient(node.address) as client:
-                return client.generate(client.request(adapter=name, prompt_token_ids=prompt, max_tokens=max_new,
-                                                      ignore_eos=True), timeout=300).token_ids
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(run, jobs))
+        got = generate_all(node, jobs)
         assert got == expected
         graphs = node.engine.decode_graphs
         assert {k[1] for k in graphs.replays if k[1] > 0} == {1} and DEFAULT_TUNING.side_expand_segments >= 1
@@ -264,14 +257,7 @@ def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, t
                                       num_kv_blocks=256, max_num_seqs=rows, max_loras=2, max_lora_rank=16,
                                       adapter_dir=str(root), decode_graphs="on", debug_checks=True))
     try:
-        def run(job):
-            name, prompt, max_new = job
-            with NodeClient(node.address) as client:
-                return client.generate(client.request(adapter=name, prompt_token_ids=prompt, max_tokens=max_new,
-                                                      ignore_eos=True), timeout=300).token_ids
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(run, jobs))
+        got = generate_all(node, jobs)
         assert got == [expected[i] for i in range(rows)]
         node.check_idle()
         limit = 8 if device == "cpu" else 64
@@ -321,20 +307,9 @@ def test_rope_in_the_qkv_gemm_matches_peft(device, tokenizer_dir, tmp_path, monk
             for name in ["", "mlp-r16", "qv-r4", "", "mlp-r16", ""]]
     folders = {"": None, **{n: root / n for n in ("qv-r4", "mlp-r16")}}
     expected = [peft_greedy(model, folders[name], [prompt], max_new)[0] for name, prompt, max_new in jobs]
-    node = InProcessNode(NodeSettings(model=str(model), device=device, dtype="float32",
-                                      num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_lora_rank=16,
-                                      adapter_dir=str(root), decode_graphs="on", max_graph_batch=8,
-                                      debug_checks=True))
+    node = small_graph_node(model, root, device)
     try:
-        def run(job):
-            name, prompt, max_new = job
-            with NodeClient(node.address) as client:
-                return client.generate(client.request(adapter=name, prompt_token_ids=prompt,
-                                                      max_tokens=max_new, ignore_eos=True),
-                                       timeout=300).token_ids
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(run, jobs))
+        got = generate_all(node, jobs)
         assert got == expected
         assert bool(launches) == fuse
         node.check_idle()

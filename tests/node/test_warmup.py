@@ -9,18 +9,16 @@ import os
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import InProcessNode, make_peft_adapter, make_tiny_llama, peft_greedy
+from harness import InProcessNode, generate_all, make_peft_adapter, make_tiny_llama, peft_greedy
 from inference_node.engine.warmup import plan
 from inference_node.node import NodeSettings
 from kernels.lora.meta import LoraBatchMeta
 from kernels.lora.triton_kernel import choose_tiling
-from lora_client.node_client import NodeClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from kernel_cases import record_specialisations  # noqa: E402
@@ -69,14 +67,7 @@ def run_mixed_workload(node: InProcessNode, root: Path, tiny_llama_path: Path, s
             for name in ["", *ADAPTERS] for _ in range(3)]
     rng.shuffle(jobs)
 
-    def run(job):
-        name, prompt, max_new = job
-        with NodeClient(node.address) as client:
-            return client.generate(client.request(adapter=name, prompt_token_ids=prompt, max_tokens=max_new,
-                                                  ignore_eos=True), timeout=600).token_ids
-
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        got = list(pool.map(run, jobs))
+    got = generate_all(node, jobs, timeout=600)
     folders = {"": None, **{n: root / n for n in ADAPTERS}}
     assert got == [peft_greedy(tiny_llama_path, folders[n], [p], m)[0] for n, p, m in jobs]
     node.check_idle()
