@@ -54,35 +54,32 @@ def _first_column(pid, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def _rope_store(acc1, acc2, M, pid, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-                stride_vh, stride_cos, page, HQ: tl.constexpr, HKV: tl.constexpr,
-                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The ROPE epilogue: acc1 and acc2 hold the program's columns of the first and second
-    half of one head. Rounded to the output dtype first (as the plain launch stores them for
-    the RoPE kernel), rotated for query and key heads in float32 as kernels/rope does, and
-    stored: queries to q, keys and values to their rows' cache slots."""
+def _rope_reads(M, pid, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qt,
+                stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                stride_cos, page, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the ROPE epilogue reads besides the accumulators: its rows' cos and sin for both
+    halves (ones and zeros for value heads) and where it stores. All are step inputs, not the
+    kernel ahead's output, so the kernels read them before their wait: the dependent loads
+    (positions, then the tables; the slots) hide under the weight stream."""
     HALF: tl.constexpr = D // 2
     per_half: tl.constexpr = HALF // BLOCK_N
     head = pid // per_half
     offs_d = (pid % per_half) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     rows = offs_m < M
-    dtype = q_ptr.dtype.element_ty
-    x1 = acc1.to(dtype).to(tl.float32)
-    x2 = acc2.to(dtype).to(tl.float32)
-    if head < HQ + HKV:  # queries and keys rotate: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
+    if head < HQ + HKV:
         pos = tl.load(pos_ptr + offs_m, mask=rows, other=0)
         trig = pos[:, None] * stride_cos + offs_d[None, :]
         c1 = tl.load(cos_ptr + trig, mask=rows[:, None], other=0.0)
         s1 = tl.load(sin_ptr + trig, mask=rows[:, None], other=0.0)
         c2 = tl.load(cos_ptr + trig + HALF, mask=rows[:, None], other=0.0)
         s2 = tl.load(sin_ptr + trig + HALF, mask=rows[:, None], other=0.0)
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
     else:
-        y1 = x1
-        y2 = x2
+        c1 = tl.full((BLOCK_M, BLOCK_N), 1.0, tl.float32)
+        s1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        c2 = c1
+        s2 = s1
     if head < HQ:
         dst = q_ptr + offs_m[:, None].to(tl.int64) * stride_qt + head * stride_qh
     else:
@@ -93,8 +90,26 @@ def _rope_store(acc1, acc2, M, pid, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_p
         else:
             dst = (v_ptr + (slot // page) * stride_vb + (slot % page) * stride_vp
                    + (head - HQ - HKV) * stride_vh)[:, None]
-    tl.store(dst + offs_d[None, :], y1.to(dtype), mask=rows[:, None])
-    tl.store(dst + HALF + offs_d[None, :], y2.to(dtype), mask=rows[:, None])
+    return c1, s1, c2, s2, dst + offs_d[None, :]
+
+
+@triton.jit
+def _rope_store(acc1, acc2, M, c1, s1, c2, s2, dst, HQ: tl.constexpr, HKV: tl.constexpr,
+                D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The ROPE epilogue: acc1 and acc2 hold the program's columns of the first and second
+    half of one head. Rounded to the output dtype first (as the plain launch stores them for
+    the RoPE kernel), rotated for query and key heads in float32 as kernels/rope does
+    ((x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)), and stored at dst (_rope_reads): queries to
+    their buffer, keys and values to their rows' cache slots."""
+    HALF: tl.constexpr = D // 2
+    rows = tl.arange(0, BLOCK_M) < M
+    dtype = dst.dtype.element_ty
+    x1 = acc1.to(dtype).to(tl.float32)
+    x2 = acc2.to(dtype).to(tl.float32)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    tl.store(dst, y1.to(dtype), mask=rows[:, None])
+    tl.store(dst + HALF, y2.to(dtype), mask=rows[:, None])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -117,6 +132,11 @@ def _decode_gemm_kernel(
     offs_n = (_first_column(pid, BLOCK_N, ROPE, D) + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    if ROPE:
+        c1, s1, c2, s2, dst = _rope_reads(M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr,
+                                          slot_ptr, stride_ym, stride_qh, stride_kb, stride_kp,
+                                          stride_kh, stride_vb, stride_vp, stride_vh, stride_cos,
+                                          page, HQ, HKV, D, BLOCK_M, BLOCK_N)
     if PDL:
         if PREFETCH_K > 0:
             # One prefetch per 128-byte line of the slab's first PREFETCH_K columns (W is
@@ -152,9 +172,7 @@ def _decode_gemm_kernel(
     if PDL and not EARLY_TRIGGER:  # the next kernel may launch now (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
-        _rope_store(acc, acc_up, M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                    stride_ym, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-                    stride_vh, stride_cos, page, HQ, HKV, D, BLOCK_M, BLOCK_N)
+        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, HQ, HKV, D, BLOCK_M)
     else:
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if GATED:
@@ -182,6 +200,11 @@ def _decode_gemm_tma_kernel(
     pid = tl.program_id(0)
     n0 = _first_column(pid, BLOCK_N, ROPE, D)
     offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+    if ROPE:
+        c1, s1, c2, s2, dst = _rope_reads(M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr,
+                                          slot_ptr, stride_ym, stride_qh, stride_kb, stride_kp,
+                                          stride_kh, stride_vb, stride_vp, stride_vh, stride_cos,
+                                          page, HQ, HKV, D, BLOCK_M, BLOCK_N)
     if PDL:
         if PREFETCH_K > 0:
             lines = tl.arange(0, PREFETCH_K // LINE) * LINE
@@ -209,9 +232,7 @@ def _decode_gemm_tma_kernel(
     if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
-        _rope_store(acc, acc_up, M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                    stride_ym, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-                    stride_vh, stride_cos, page, HQ, HKV, D, BLOCK_M, BLOCK_N)
+        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, HQ, HKV, D, BLOCK_M)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
