@@ -126,11 +126,12 @@ def _row_rstd(sums_ptr, M, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.co
 
 
 @triton.jit
-def _normalise(x, rstd, g):
-    """NORM: an input tile of the residual stream normalised and weighted by g [1, BLOCK_K],
-    rounded as the add + norm kernel rounds the rows it writes."""
+def _normalise(x, rstd, g_ptr, k0, BLOCK_K: tl.constexpr):
+    """NORM: an input tile of the residual stream normalised and weighted, rounded as the add +
+    norm kernel rounds the rows it writes."""
+    g = tl.load(g_ptr + k0 + tl.arange(0, BLOCK_K))
     normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-    return (g.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    return (g.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
@@ -198,7 +199,7 @@ def _decode_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m, other=0.0)
         if NORM:
-            x = _normalise(x, rstd, tl.load(g_ptr + k0 + offs_k)[None, :])
+            x = _normalise(x, rstd, g_ptr, k0, BLOCK_K)
         w = tl.load(w_ptrs)
         if DOT_F32:  # kernels/host.py: dot_f32
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -272,8 +273,8 @@ def _decode_gemm_tma_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # PAIRED only: up, or RoPE's 2nd half
     for k0 in range(0, K, BLOCK_K):
         x = x_desc.load([0, k0])
-        if NORM:  # g_ptr: the norm weight's descriptor, its tiles in the TMA pipeline too
-            x = _normalise(x, rstd, g_ptr.load([0, k0]))
+        if NORM:
+            x = _normalise(x, rstd, g_ptr, k0, BLOCK_K)
         w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K] of W [out, in]
         if DOT_F32:  # kernels/host.py: dot_f32
             acc += tl.dot(x, w.T, input_precision="ieee")
@@ -320,9 +321,6 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
     block_m = row_tile(M)
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k])
     w_desc = TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k])
-    if norm is not None:  # the norm weight's tiles by TMA as well
-        g_desc = TensorDescriptor(norm.weight.view(1, K), [1, K], [K, 1], [1, block_k])
-        norm_args = (norm_args[0], norm_args[1], g_desc, *norm_args[3:])
     _decode_gemm_tma_kernel[(programs,)](
         x_desc, w_desc, w_out_in, y, M, K, y.stride(0), pair_offset, *rope_args, *norm_args,
         K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
