@@ -106,10 +106,6 @@ class Tuning:
     qkv_rope: bool = field(default=True, metadata={"help": (
         "in steps without LoRA on q/k/v, its decode GEMM rotates queries and keys and writes "
         "keys and values to the KV cache itself: no RoPE launch")})
-    norm_in_gemm: bool = field(default=True, metadata={"help": (
-        "in steps without LoRA on o and gate/up (on down and the next q/k/v), o's (down's) "
-        "decode GEMM adds the residual and sums its tiles' squares, and gate/up's (q/k/v's) "
-        "normalises its input tiles: no add + norm launch")})
     # -- elementwise ops --
     silu_row_tile: tuple[int, int] = field(default=(256, 2), metadata={"help": (
         "(columns, warps) of a SiLU program expanding gate/up's LoRA delta")})

@@ -23,7 +23,7 @@ import torch
 from kernels.activation import silu_mul, silu_mul_lora
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
-from kernels.gemm import DecodeGemm, GemmLora, NormedInput, RopeOut, cublas
+from kernels.gemm import DecodeGemm, GemmLora, RopeOut, cublas
 from kernels.lora import LoraDelta, with_delta
 from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
 from kernels.rope import rope_and_cache
@@ -315,24 +315,22 @@ class LlamaModel:
             hidden = self._embed_vocab_parallel(batch)
         return hidden, self.ops.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps)
 
-    def attention_inputs(self, i: int, x: torch.Tensor | NormedInput, batch: ForwardBatch,
+    def attention_inputs(self, i: int, x: torch.Tensor, batch: ForwardBatch,
                          k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                          lora: LoraApplier | None, q_out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's rotated queries [T, Hq, D] (into q_out where given); its keys and values
-        written to their cache slots. x: the normalised input, or the residual stream with its
-        norm left to q/k/v's GEMM (after_attention)."""
+        written to their cache slots."""
         cfg, layer = self.config, self.layers[i]
         q = q_out
-        if self._qkv_rope_serves(layer, lora):
+        if (layer.qkv_bias is None and (lora is None or not lora.applies_to("qkv"))
+                and self.gemm.serves("qkv")):
             # RoPE and the cache write in q/k/v's GEMM launch (no RoPE launch)
-            rows = x.hidden if isinstance(x, NormedInput) else x
             if q is None:
-                q = rows.new_empty(rows.shape[0], cfg.num_heads, cfg.head_dim)
+                q = x.new_empty(x.shape[0], cfg.num_heads, cfg.head_dim)
             rope = RopeOut(q, k_caches[i], v_caches[i], self.rope.cos, self.rope.sin, batch.positions,
                            batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             if self.gemm.qkv_rope(x, layer.qkv, rope) is not None:
                 return q
-        x = self._normalised(x)
         qkv, delta = self._project(lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
         # The LoRA delta added, q and k rotated, k and v written to their cache slots.
         return rope_and_cache(qkv, delta, self.rope.cos, self.rope.sin, batch.positions,
@@ -348,52 +346,24 @@ class LlamaModel:
         return attn.reshape(-1, self.config.q_size)
 
     def after_attention(self, i: int, attn: torch.Tensor, hidden: torch.Tensor,
-                        lora: LoraApplier | None) -> tuple[torch.Tensor, torch.Tensor | NormedInput]:
+                        lora: LoraApplier | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's o projection and MLP with their residual adds: (the residual stream, that
-        normalised for the next layer (or with its norm left to the next q/k/v GEMM), or by the
-        final norm after the last)."""
-        ops, layer = self.ops, self.layers[i]
-        hidden, x = self._add_norm(i, "o", attn, hidden, lora, layer.post_norm, "gate_up")
+        normalised for the next layer, or by the final norm after the last)."""
+        cfg, ops, layer = self.config, self.ops, self.layers[i]
+        out, delta = self._reduce(*self._project(lora, i, "o", attn, layer.o))
+        hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
         act = None
         if lora is None or not lora.applies_to("gate_up"):
             act = self.gemm.gated_silu(x, layer.gate_up)  # the SiLU in the GEMM's launch
         if act is None:
-            x = self._normalised(x)
             gate_up, delta = self._project(lora, i, "gate_up", x, layer.gate_up)
             act = ops.silu_mul(gate_up, delta)
+        down, delta = self._reduce(*self._project(lora, i, "down", act, layer.down))
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).
-        if i + 1 == len(self.layers):
-            return self._add_norm(i, "down", act, hidden, lora, self.final_norm, None)
-        next_qkv = "qkv" if self._qkv_rope_serves(self.layers[i + 1], lora) else None
-        return self._add_norm(i, "down", act, hidden, lora, self.layers[i + 1].input_norm, next_qkv)
-
-    def _add_norm(self, i: int, group: str, x: torch.Tensor, hidden: torch.Tensor,
-                  lora: LoraApplier | None, norm: torch.Tensor, next_group: str | None
-                  ) -> tuple[torch.Tensor, torch.Tensor | NormedInput]:
-        """Layer i's projection `group` (o or down) and the residual add + norm after it:
-        (the residual stream, the next GEMM's input). Where neither it nor `next_group` has
-        LoRA in this step, the add is in its GEMM's launch and the norm left to the next
-        GEMM's (a NormedInput): no add + norm launch (Tuning.norm_in_gemm)."""
-        weight, eps = getattr(self.layers[i], group), self.config.rms_norm_eps
-        if (next_group is not None and self.tp is None and self.gemm.splits_norm(group, next_group)
-                and (lora is None or not (lora.applies_to(group) or lora.applies_to(next_group)))):
-            done = self.gemm.residual(x, weight, group, hidden)
-            if done is not None:
-                return done[0], NormedInput(done[0], done[1], norm, eps)
-        out, delta = self._reduce(*self._project(lora, i, group, x, weight))
-        return self.ops.add_rms_norm(hidden, out, norm, eps, delta)
-
-    def _qkv_rope_serves(self, layer: LayerWeights, lora: LoraApplier | None) -> bool:
-        """Whether a layer's q/k/v may take the GEMM with RoPE in its launch in this step."""
-        return (layer.qkv_bias is None and (lora is None or not lora.applies_to("qkv"))
-                and self.gemm.serves("qkv"))
-
-    def _normalised(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
-        """x's normalised rows, where the GEMM that was to normalise them did not run."""
-        if isinstance(x, NormedInput):
-            return self.ops.rms_norm(x.hidden, x.weight, x.eps)
-        return x
+        last_layer = i + 1 == len(self.layers)
+        norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
+        return ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:

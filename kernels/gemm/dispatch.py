@@ -17,7 +17,6 @@ import torch
 from ..dispatch import triton_kernel
 from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
-from .norm_in import NormedInput
 from .rope_out import RopeOut
 from .shapes import MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits
 
@@ -76,61 +75,31 @@ class DecodeGemm:
                 return y
         return cublas(x, w, bias)
 
-    def gated_silu(self, x: torch.Tensor | NormedInput, w: torch.Tensor) -> torch.Tensor | None:
+    def gated_silu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         """SiLU(x @ gate) * (x @ up) for gate/up's w [K, 2 I] in one decode GEMM launch (no
         SiLU launch, half the output written), bit for bit what the GEMM then the SiLU kernel
         give; None where the decode GEMM does not serve x (the caller runs the two). Each
         program takes half its tiling's columns from each half, so it reads as many weight
-        bytes as in the plain launch, and the launch has as many programs. x may be a
-        NormedInput (its norm in this launch)."""
-        x, norm = _split(x)
+        bytes as in the plain launch, and the launch has as many programs."""
         if not (self.tuning.gate_up_silu and self.serves("gate_up") and self.applies(x, w, "gate_up")):
             return None
-        return self._launch(x, w, "gate_up", gated=True, norm=norm)
+        return self._launch(x, w, "gate_up", gated=True)
 
-    def qkv_rope(self, x: torch.Tensor | NormedInput, w: torch.Tensor,
-                 rope: RopeOut) -> torch.Tensor | None:
+    def qkv_rope(self, x: torch.Tensor, w: torch.Tensor, rope: RopeOut) -> torch.Tensor | None:
         """q/k/v's projection with kernels/rope's work in the same launch: the rotated queries
         in rope.q (returned), the rotated keys and the values in their cache slots, bit for
         bit what the GEMM then the RoPE kernel write; None where the decode GEMM does not serve
         x (the caller runs the two). Each program takes half its tiling's columns from each
-        half of one head, so it reads as many weight bytes as in the plain launch. x may be a
-        NormedInput (its norm in this launch)."""
-        x, norm = _split(x)
+        half of one head, so it reads as many weight bytes as in the plain launch."""
         if not (self.tuning.qkv_rope and self.serves("qkv") and self.applies(x, w, "qkv")):
             return None
-        return self._launch(x, w, "qkv", rope=rope, norm=norm)
-
-    def splits_norm(self, group: str, next_group: str) -> bool:
-        """Whether the add + norm between `group` (o or down) and `next_group` (gate/up, or the
-        next layer's q/k/v) is to be split over their GEMMs (residual, then a NormedInput
-        given to gated_silu or qkv_rope): in steps where neither has LoRA (the caller checks)."""
-        takes = {"gate_up": self.tuning.gate_up_silu, "qkv": self.tuning.qkv_rope}[next_group]
-        return (self.tuning.norm_in_gemm and takes and self.serves(group)
-                and self.serves(next_group))
-
-    def residual(self, x: torch.Tensor, w: torch.Tensor, group: str,
-                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden + x @ w, each row's sums of squares over the launch's column tiles [tiles,
-        T] float32) in one decode GEMM launch: the residual add after o or down, bit for bit
-        the add + norm kernel's, and what the next GEMM's norm reads (NormedInput); None where
-        the decode GEMM does not serve x (the caller runs the add + norm)."""
-        if not (self.serves(group) and self.applies(x, w, group)):
-            return None
-        sums = []
-        y = self._launch(x, w, group, residual=(hidden, sums))
-        return None if y is None else (y, sums[0])
+        return self._launch(x, w, "qkv", rope=rope)
 
     def _launch(self, x: torch.Tensor, w: torch.Tensor, group: str | None,
-                gated: bool = False, rope: RopeOut | None = None,
-                residual: tuple[torch.Tensor, list] | None = None,
-                norm: NormedInput | None = None) -> torch.Tensor | None:
+                gated: bool = False, rope: RopeOut | None = None) -> torch.Tensor | None:
         """The Triton decode GEMM with the group's tiling (TMA's on Hopper); None where Triton
         does not run x, or (gated) half the tiling's columns do not divide each half of w, or
-        (rope) no tile of half a head's columns fits, or (norm) x is not its residual stream.
-        residual: (hidden, a list the sums of squares are appended to)."""
-        if norm is not None and not norm.fits(x.shape[0], x.shape[1]):
-            return None
+        (rope) no tile of half a head's columns fits."""
         tuning, rows = self.tuning, x.shape[0]
         tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings, rows)
                       if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
@@ -146,16 +115,9 @@ class DecodeGemm:
             block_n = rope_block_n(block_n, rope.head_dim)
             if block_n < 16 or not rope.fits(x, w, block_n):
                 return None
-        out = sums = None
-        if residual is not None:
-            hidden, sums_out = residual
-            out = torch.empty_like(hidden)
-            sums = torch.empty(w.shape[1] // block_n, x.shape[0], dtype=torch.float32, device=x.device)
-            sums_out.append(sums)
-        return gemm(x, w, out, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k,
-                    block_n=block_n, block_k=block_k, num_stages=stages,
-                    early_trigger=tuning.gemm_early_trigger, gated=gated, rope=rope,
-                    residual=None if residual is None else (residual[0], sums), norm=norm)
+        return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,
+                    block_k=block_k, num_stages=stages, early_trigger=tuning.gemm_early_trigger,
+                    gated=gated, rope=rope)
 
     def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   group: str | None, lora: GemmLora) -> torch.Tensor:
@@ -178,8 +140,3 @@ class DecodeGemm:
         return decode_gemm_lora(x, w, lora, tma=tma, pdl=pdl, prefetch_k=tuning.gemm_prefetch_k,
                                 block_n=block_n, block_k=block_k, num_stages=stages,
                                 prefetch_a=tuning.fold_prefetch_a if lora.expand else 0)
-
-
-def _split(x: torch.Tensor | NormedInput) -> tuple[torch.Tensor, NormedInput | None]:
-    """(the GEMM's input rows, the norm it applies to them or None)."""
-    return (x.hidden, x) if isinstance(x, NormedInput) else (x, None)

@@ -45,7 +45,7 @@ GRAPH_CASES = {
     **{case: f"{MIXED}[{case}]" for case in ("cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold")},
     "variants": f"{GRAPHS}::test_steps_replay_the_smallest_group_variant_that_covers_their_adapters[cpu]",
     "single": f"{GRAPHS}::test_single_adapter_steps_expand_beside_the_matmul_and_match_peft[cpu]",
-    "rope-norms": f"{GRAPHS}::test_rope_and_the_norms_in_the_gemms_match_peft[cpu]",
+    "qkv-rope": f"{GRAPHS}::test_rope_in_the_qkv_gemm_matches_peft[cpu]",
     "pieces": f"{PIECES}::test_prompt_chunks_beside_decodes_match_peft[cpu]",
     "pieces-preempt": f"{PIECES}::test_preempted_requests_recompute_through_the_pieces[cpu]",
 }
