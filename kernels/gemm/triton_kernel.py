@@ -31,8 +31,7 @@ import triton
 import triton.language as tl
 
 from ..activation.triton_kernel import silu_times
-from ..host import dot_f32, next_power_of_2, pdl_launch
-from .norm_in import NormedInput, no_norm_args, residual_args
+from ..host import dot_f32, pdl_launch
 from .rope_out import RopeOut, no_rope_args
 from .shapes import MAX_ROWS, row_tile, tma_fits
 
@@ -113,52 +112,16 @@ def _rope_store(acc1, acc2, M, c1, s1, c2, s2, dst, HQ: tl.constexpr, HKV: tl.co
     tl.store(dst + HALF, y2.to(dtype), mask=rows[:, None])
 
 
-@triton.jit
-def _row_rstd(sums_ptr, M, eps, K: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr,
-              BLOCK_M: tl.constexpr):
-    """NORM: each row's 1 / RMS from the P partial sums of squares the GEMM ahead wrote (as the
-    add + norm kernel computes it, kernels/norm)."""
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_m = tl.arange(0, BLOCK_M)
-    s = tl.load(sums_ptr + offs_p[:, None] * M + offs_m[None, :],
-                mask=(offs_p[:, None] < P) & (offs_m[None, :] < M), other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(s, axis=0) / K + eps)
-
-
-@triton.jit
-def _normalise(x, rstd, g_ptr, k0, BLOCK_K: tl.constexpr):
-    """NORM: an input tile of the residual stream normalised and weighted, rounded as the add +
-    norm kernel rounds the rows it writes."""
-    g = tl.load(g_ptr + k0 + tl.arange(0, BLOCK_K))
-    normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-    return (g.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def _residual_store(acc, res, y_ptr, sums_ptr, M, pid, offs_m, offs_n, stride_ym):
-    """RESIDUAL: the tile's output added to its residual tile (as the add + norm kernel adds
-    them), stored, and each row's sum of squares over the tile's columns stored at sums[pid]."""
-    dtype = y_ptr.dtype.element_ty
-    rows = offs_m < M
-    new = (res.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], new, mask=rows[:, None])
-    newf = new.to(tl.float32)
-    tl.store(sums_ptr + pid * M + offs_m, tl.sum(newf * newf, axis=1), mask=rows)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_kernel(
     x_ptr, w_ptr, y_ptr, M,
     stride_xm, stride_wn, stride_wk, stride_ym, pair_offset,
     k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qh, stride_kb, stride_kp,
     stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page,
-    res_ptr, sums_ptr, g_ptr, stride_res, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr = False, GATED: tl.constexpr = False, ROPE: tl.constexpr = False,
     HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2,
-    RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, P: tl.constexpr = 1,
-    BLOCK_P: tl.constexpr = 1,
 ):
     """GATED: W is gate/up's [gate; up] (up from output column pair_offset) and each program
     writes SiLU(x @ gate) * (x @ up) for its BLOCK_N columns of both. ROPE: W is q/k/v's
@@ -186,20 +149,13 @@ def _decode_gemm_kernel(
         tl.extra.cuda.gdc_wait()  # the input rows are the previous kernel's output
         if EARLY_TRIGGER:  # every program runs: the next kernel may launch and wait
             tl.extra.cuda.gdc_launch_dependents()
-    if RESIDUAL:  # the residual tile, read now so its latency hides under the weight stream
-        res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_n[None, :],
-                      mask=offs_m[:, None] < M, other=0.0)
-    if NORM:
-        rstd = _row_rstd(sums_ptr, M, eps, K, P, BLOCK_P, BLOCK_M)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn  # [K, N] tile
     mask_m = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # PAIRED only: up, or RoPE's 2nd half
-    for k0 in range(0, K, BLOCK_K):
+    for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m, other=0.0)
-        if NORM:
-            x = _normalise(x, rstd, g_ptr, k0, BLOCK_K)
         w = tl.load(w_ptrs)
         if DOT_F32:  # kernels/host.py: dot_f32
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -217,8 +173,6 @@ def _decode_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
         _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, HQ, HKV, D, BLOCK_M)
-    elif RESIDUAL:
-        _residual_store(acc, res, y_ptr, sums_ptr, M, pid, offs_m, offs_n, stride_ym)
     else:
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if GATED:
@@ -232,13 +186,10 @@ def _decode_gemm_tma_kernel(
     x_desc, w_desc, w_ptr, y_ptr, M, stride_wn, stride_ym, pair_offset,
     k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qh, stride_kb, stride_kp,
     stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page,
-    res_ptr, sums_ptr, g_ptr, stride_res, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr = False, GATED: tl.constexpr = False, ROPE: tl.constexpr = False,
     HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2,
-    RESIDUAL: tl.constexpr = False, NORM: tl.constexpr = False, P: tl.constexpr = 1,
-    BLOCK_P: tl.constexpr = 1,
 ):
     """The same product with the tiles fetched by the tensor memory accelerator (Hopper): one
     copy instruction a tile, where the pointer loads issue one per 16 bytes per thread and
@@ -263,18 +214,10 @@ def _decode_gemm_tma_kernel(
         tl.extra.cuda.gdc_wait()
         if EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
-    offs_m = tl.arange(0, BLOCK_M)
-    if RESIDUAL:  # the residual tile, read now so its latency hides under the weight stream
-        res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_n[None, :],
-                      mask=offs_m[:, None] < M, other=0.0)
-    if NORM:
-        rstd = _row_rstd(sums_ptr, M, eps, K, P, BLOCK_P, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # PAIRED only: up, or RoPE's 2nd half
     for k0 in range(0, K, BLOCK_K):
         x = x_desc.load([0, k0])
-        if NORM:
-            x = _normalise(x, rstd, g_ptr, k0, BLOCK_K)
         w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K] of W [out, in]
         if DOT_F32:  # kernels/host.py: dot_f32
             acc += tl.dot(x, w.T, input_precision="ieee")
@@ -290,9 +233,8 @@ def _decode_gemm_tma_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
         _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, HQ, HKV, D, BLOCK_M)
-    elif RESIDUAL:
-        _residual_store(acc, res, y_ptr, sums_ptr, M, pid, offs_m, offs_n, stride_ym)
     else:
+        offs_m = tl.arange(0, BLOCK_M)
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if GATED:
             tl.store(y_ptrs, silu_times(acc, acc_up, y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
@@ -303,9 +245,7 @@ def _decode_gemm_tma_kernel(
 def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                     pdl: bool = False, prefetch_k: int = 0, block_n: int = 16, block_k: int = 128,
                     num_warps: int = 4, num_stages: int = 4, early_trigger: bool = False,
-                    gated: bool = False, rope: RopeOut | None = None,
-                    residual: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    norm: NormedInput | None = None) -> torch.Tensor:
+                    gated: bool = False, rope: RopeOut | None = None) -> torch.Tensor:
     """decode_gemm_triton with TMA tile loads (CUDA, Hopper or newer; tma_fits(x, w))."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -315,18 +255,17 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
     assert tma_fits(x, w) and M <= MAX_ROWS
     y, programs, pair_offset, rope_args, heads = _launch_shape(x, w, out, block_n, block_k, gated,
                                                                rope)
-    norm_args, norm_flags = _norm_launch(x, y, programs, residual, norm)
     if M == 0:
         return y
     block_m = row_tile(M)
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k])
     w_desc = TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k])
     _decode_gemm_tma_kernel[(programs,)](
-        x_desc, w_desc, w_out_in, y, M, K, y.stride(0), pair_offset, *rope_args, *norm_args,
+        x_desc, w_desc, w_out_in, y, M, K, y.stride(0), pair_offset, *rope_args,
         K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=128 // w.element_size(),
         DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger, GATED=gated,
-        ROPE=rope is not None, **heads, **norm_flags,
+        ROPE=rope is not None, **heads,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y
@@ -351,32 +290,11 @@ def _launch_shape(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, bl
     return y, cols // block_n, cols, no_rope_args(y), {}
 
 
-def _norm_launch(x: torch.Tensor, y: torch.Tensor, programs: int,
-                 residual: tuple[torch.Tensor, torch.Tensor] | None,
-                 norm: NormedInput | None) -> tuple[tuple, dict]:
-    """(the launch's residual or norm arguments, their constexprs): with `residual` (hidden,
-    sums) the output y is hidden + x @ w and sums [programs, M] each tile's sums of squares;
-    with `norm` x is the residual stream, normalised as its tiles are read."""
-    M = x.shape[0]
-    if residual is not None:
-        hidden, sums = residual
-        assert norm is None and hidden.shape == y.shape and hidden.stride(1) == 1
-        assert sums.shape == (programs, M) and sums.is_contiguous() and sums.dtype == torch.float32
-        return residual_args(hidden, sums), dict(RESIDUAL=True)
-    if norm is not None:
-        assert norm.fits(M, x.shape[1]) and norm.hidden.data_ptr() == x.data_ptr()
-        parts = norm.sums.shape[0]
-        return norm.kernel_args(), dict(NORM=True, P=parts, BLOCK_P=next_power_of_2(parts))
-    return no_norm_args(y), {}
-
-
 def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                        pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
                        block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
                        early_trigger: bool = False, gated: bool = False,
-                       rope: RopeOut | None = None,
-                    residual: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    norm: NormedInput | None = None) -> torch.Tensor:
+                       rope: RopeOut | None = None) -> torch.Tensor:
     """x [M, K] @ w [K, N] for M <= MAX_ROWS (w may be a transposed view of an [N, K] matrix).
     pdl: launch with programmatic dependent launch (CUDA, Hopper or newer only); prefetch_k:
     columns of each program's slab asked of L2 before the wait (a multiple of 64);
@@ -390,7 +308,6 @@ def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | Non
     assert w.shape[0] == K and x.stride(1) == 1 and M <= MAX_ROWS
     y, programs, pair_offset, rope_args, heads = _launch_shape(x, w, out, block_n, block_k, gated,
                                                                rope)
-    norm_args, norm_flags = _norm_launch(x, y, programs, residual, norm)
     if M == 0:
         return y
     line = 128 // w.element_size()
@@ -398,11 +315,10 @@ def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | Non
         prefetch_k = 0
     _decode_gemm_kernel[(programs,)](
         x, w, y, M, x.stride(0), w.stride(1), w.stride(0), y.stride(0), pair_offset, *rope_args,
-        *norm_args,
         K=K, BLOCK_M=row_tile(M), BLOCK_N=block_n, BLOCK_K=block_k,
         PDL=pdl, PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=line,
         DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger, GATED=gated,
-        ROPE=rope is not None, **heads, **norm_flags,
+        ROPE=rope is not None, **heads,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y
