@@ -94,8 +94,7 @@ def _rope_reads(M, pid, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr
 
 
 @triton.jit
-def _rope_store(acc1, acc2, M, c1, s1, c2, s2, dst, HQ: tl.constexpr, HKV: tl.constexpr,
-                D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _rope_store(acc1, acc2, M, c1, s1, c2, s2, dst, D: tl.constexpr, BLOCK_M: tl.constexpr):
     """The ROPE epilogue: acc1 and acc2 hold the program's columns of the first and second
     half of one head. Rounded to the output dtype first (as the plain launch stores them for
     the RoPE kernel), rotated for query and key heads in float32 as kernels/rope does
@@ -172,7 +171,7 @@ def _decode_gemm_kernel(
     if PDL and not EARLY_TRIGGER:  # the next kernel may launch now (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
-        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, HQ, HKV, D, BLOCK_M)
+        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, D, BLOCK_M)
     else:
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if GATED:
@@ -232,7 +231,7 @@ def _decode_gemm_tma_kernel(
     if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
-        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, HQ, HKV, D, BLOCK_M)
+        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, D, BLOCK_M)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
