@@ -93,6 +93,10 @@ class Tuning:
         default=frozenset({"qkv", "gate_up", "o"}), metadata={"help": (
             "groups whose decode GEMM computes their LoRA shrink while the op after it "
             "expands")})
+    fold_shrink_spread: frozenset[str] = field(default=frozenset(), metadata={"help": (
+        "of the groups whose decode GEMM only shrinks, those whose tile programs compute the "
+        "shrink in units of (adapter, slice, K range) before their weight stream, rather than "
+        "programs of their own over the whole K")})
     side_expand_segments: int = field(default=8, metadata={"help": (
         "steps with at most this many distinct adapters also run the LoRA expands on the side "
         "stream (0: never)")})
@@ -116,7 +120,8 @@ class Tuning:
         "(columns, warps) of a SiLU program expanding gate/up's LoRA delta")})
 
     def __post_init__(self) -> None:
-        for name in ("gemm_groups", "gemm_spread_groups", "fold_groups", "shrink_fold_groups"):
+        for name in ("gemm_groups", "gemm_spread_groups", "fold_groups", "shrink_fold_groups",
+                     "fold_shrink_spread"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
             unknown = getattr(self, name) - set(GROUPS)
             if unknown:

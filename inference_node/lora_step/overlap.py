@@ -43,6 +43,7 @@ from typing import Mapping, NamedTuple
 import torch
 
 from kernels.gemm import GemmLora, fold_counters
+from kernels.host import num_sms
 from kernels.lora import (MODULE_COLUMNS, SEGMENT_TABLE_RANKS, ColumnSplit, LoraBatchMeta,
                           LoraDelta, lora_expand, lora_shrink_partials, lora_workspace_numel)
 from kernels.tuning import DEFAULT_TUNING, Tuning
@@ -51,6 +52,7 @@ from ..adapters.slots import SlotBuffers
 from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
 
 GROUP_INDEX = {g: i for i, g in enumerate(FUSED_MODULES)}
+MAX_SHRINK_SPLITS = 8  # K ranges of a shrink spread over a GEMM's tile programs
 
 
 class LoraOverlap:
@@ -91,9 +93,14 @@ class LoraOverlap:
         self.fold_xa = (torch.empty(max_tokens, ranks, dtype=torch.float32, device=device)
                         if self.fold_groups else None)
         # The shrink-only folds' rows, read by the op after the matmul: a buffer of their own,
-        # so no full fold's launch overwrites them before that op has read them.
-        self.shrink_fold_xa = (torch.empty(max_tokens, ranks, dtype=torch.float32, device=device)
+        # so no full fold's launch overwrites them before that op has read them; room for
+        # MAX_SHRINK_SPLITS partial sums a row where the tile programs shrink.
+        self.shrink_fold_spread = tuning.fold_shrink_spread & self.shrink_fold_groups
+        self.shrink_fold_xa = (torch.empty(max_tokens, ranks * (MAX_SHRINK_SPLITS if
+                                                                self.shrink_fold_spread else 1),
+                                           dtype=torch.float32, device=device)
                                if self.shrink_fold_groups else None)
+        self.sms = num_sms(device)
         self.fold_sync = (fold_counters(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES),
                                         device=device)
                           if any_fold else None)
@@ -201,13 +208,18 @@ class OverlappedLoraApplier:
         overlap = self.overlap
         buf = overlap.buffers.layers[layer][group]
         segments = self.meta.num_segments
+        splits = 0
+        if not expand and group in overlap.shrink_fold_spread:
+            # About one unit of the shrink an SM: the tile programs share it evenly.
+            units = segments * len(buf.offsets)
+            splits = max(1, min(MAX_SHRINK_SPLITS, overlap.sms // max(units, 1)))
         return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
                         self.meta.segment_table, segments, _rank_col(group),
                         overlap.buffers.max_rank, self.meta.token_slots,
                         self._token_rows(group),
                         overlap.fold_xa if expand else overlap.shrink_fold_xa,
                         overlap.fold_sync[segments, layer, GROUP_INDEX[group]], expand,
-                        None if expand else overlap.split_for(group))
+                        None if expand else overlap.split_for(group), splits)
 
     def _token_rows(self, group: str) -> torch.Tensor:
         """[T, 2 x slices]: each row's adapter's (rank, first row) on the group's slices."""

@@ -72,6 +72,11 @@ class GemmLora:
     # expand=False for o or down: the add + norm's scratch to spread each row over several
     # programs (LoraDelta.column_split), which then read their B columns before their wait.
     column_split: ColumnSplit | None = None
+    # expand=False: 0, the shrink runs in programs of its own, one a (segment, slice) over
+    # the whole K; n > 0, the tile programs compute it in units of (segment, slice, one of n
+    # K ranges), each range's partial sums in xa's columns j x slices x R onwards (xa then
+    # holds n x slices x R columns).
+    shrink_splits: int = 0
 
     @property
     def rank(self) -> int:
@@ -87,9 +92,17 @@ class GemmLora:
         return scaled_shrink(x, tuple(self.a_all), self.scaling, self.token_slots,
                              self.token_rows, self.max_rank)
 
+    @property
+    def splits(self) -> int:
+        """Partial sums a row's shrink leaves in xa (expand=False)."""
+        return max(1, self.shrink_splits)
+
     def store_shrink(self, x: torch.Tensor) -> None:
-        """expand=False on the reference path: xa's rows as the kernel stores them."""
-        self.xa[:x.shape[0], :self.slices * self.rank] = self.shrink(x)
+        """expand=False on the reference path: xa's rows as the kernel stores them (the whole
+        sum in the first split, zeros in the others)."""
+        width = self.slices * self.rank
+        self.xa[:x.shape[0], :width] = self.shrink(x)
+        self.xa[:x.shape[0], width:self.splits * width] = 0.0
 
     def b_slices(self) -> tuple[torch.Tensor, ...]:
         """Each slice's B, [rows, out_i] views of b_all."""
@@ -106,20 +119,22 @@ class GemmLora:
                           for i, b in enumerate(self.b_slices())], dim=1)
 
     def unexpanded(self, rows: int) -> LoraDelta:
-        """expand=False: the shrink's rows of xa (stored by the launch) as a one-split
-        LoraDelta, for the op after the matmul to expand. Rows without an adapter are not
+        """expand=False: the shrink's rows of xa (stored by the launch) as a LoraDelta of its
+        splits, for the op after the matmul to expand. Rows without an adapter are not
         stored; the ops expanding it read no sums for them."""
         return LoraDelta.from_rows(self.xa, rows, self.rank, self.b_slices(), self.token_rows,
-                                   self.column_split)
+                                   self.column_split, self.splits)
 
 
 def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:
     """Whether the Triton kernel takes this fold: every tile inside one slice (at most 3),
-    a rank the tensor cores take (a power of 2, 16 or more), and a segment table."""
+    a rank the tensor cores take (a power of 2, 16 or more), a segment table, and room in xa
+    for every split's sums."""
     r = lora.rank
     return (lora.slices <= 3 and r >= 16 and r & (r - 1) == 0 and n % block_n == 0
             and all(off % block_n == 0 for off in lora.slice_offsets)
-            and lora.segment_table.shape[0] >= lora.segments)
+            and lora.segment_table.shape[0] >= lora.segments
+            and lora.xa.shape[1] >= lora.splits * lora.slices * r)
 
 
 def reference_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora) -> torch.Tensor:

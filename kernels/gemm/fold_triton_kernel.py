@@ -17,7 +17,12 @@ measured slower: its steps, each a dependent read, made a longer tail.)
 
 With GemmLora.expand False the launch only shrinks beside the matmul: the tiles are plain
 GEMM tiles (no B, no wait), each program's id is its role, and the op after the matmul
-expands the stored rows (GemmLora.unexpanded).
+expands the stored rows (GemmLora.unexpanded). With GemmLora.shrink_splits the shrink has no
+programs of its own: it is cut into units of (segment, slice, K range), and each tile program
+computes its share of them before its weight stream (only the segment's rows of x, in tiles
+of 16), storing each unit's partial sum for the op after the matmul to add. A shrink program
+over a whole K reads all of x and one adapter's A on one SM: for down (K = 14,336) that took
+longer than the matmul's tiles, and the tiles after it waited for its SM.
 
 Which kind a program is follows the order programs start, not its id: each takes a ticket
 from an atomic counter, and the first tickets shrink. A tile program only waits for tickets
@@ -98,6 +103,59 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
 
 
 @triton.jit
+def _shrink_unit(x16_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
+                 stride_xa, stride_seg, rank_col, unit,
+                 K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
+                 SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """One unit of a spread shrink (shrink_splits): for segment s, slice i and K range j,
+    xa[rows of s, (j * N_SLICES + i) * R ..] = x[rows of s, range j] @ A_i[slot_s's rows, range
+    j].T * scaling[slot_s], zero past the slot's rank: split j's partial sum. The segment's
+    rows go through the dot 16 at a time (rows past them are other segments' and not
+    stored)."""
+    ROW_TILE: tl.constexpr = 16
+    K_BLOCKS: tl.constexpr = K // BLOCK_K
+    PER_SPLIT: tl.constexpr = (K_BLOCKS + SPLITS - 1) // SPLITS * BLOCK_K
+    split = unit % SPLITS
+    slc = unit // SPLITS % N_SLICES
+    seg = unit // (SPLITS * N_SLICES)
+    row = table_ptr + seg * stride_seg
+    slot = tl.load(row)
+    first = tl.load(row + 1)
+    length = tl.load(row + 2)
+    if length > 0:  # padding segments (a graph's bucket) have none
+        rank = tl.load(row + rank_col + 2 * slc)
+        a_row = slc * ROWS + tl.load(row + rank_col + 2 * slc + 1)
+        offs_r = tl.arange(0, R)
+        offs_k = tl.arange(0, BLOCK_K)
+        live_r = offs_r < rank
+        scale = tl.load(scaling_ptr + slot)
+        k_lo = split * PER_SPLIT
+        k_hi = tl.minimum(k_lo + PER_SPLIT, K)
+        xa_cols = xa_ptr + (split * N_SLICES + slc) * R + offs_r
+        for m0 in range(first, first + length, ROW_TILE):
+            offs_m = m0 + tl.arange(0, ROW_TILE)
+            acc = tl.zeros((ROW_TILE, R), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):  # empty past K: the split stores zeros
+                if TMA:
+                    x = x16_desc.load([m0, k0])
+                    a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+                else:
+                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                                mask=offs_m[:, None] < M, other=0.0)
+                    a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                                + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
+                if DOT_F32:
+                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+                else:
+                    acc += tl.dot(x, a.T)
+            acc = tl.where(live_r[None, :], acc * scale, 0.0)
+            in_segment = (offs_m < first + length) & (offs_m < M)
+            tl.store(xa_cols[None, :] + offs_m[:, None] * stride_xa, acc,
+                     mask=in_segment[:, None])
+
+
+@triton.jit
 def _row_b(b_ptr, rows_ptr, M, n0, slc, stride_rows, stride_br, R: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Each row's adapter's B over the tile's columns, a rank row at a time: a tuple of R
@@ -136,14 +194,15 @@ def _row_delta(b, has, xa_ptr, slc, stride_xa, R: tl.constexpr, BLOCK_M: tl.cons
 def _decode_gemm_lora_kernel(
     x_desc, x_ptr, w_desc, w_ptr, y_ptr, a_desc, a_ptr, b_ptr, xa_ptr, scaling_ptr, table_ptr,
     rows_ptr, sync_ptr, M, off1, off2, stride_xm, stride_wn, stride_wk, stride_ym, stride_br,
-    stride_rows, stride_xa, stride_seg, rank_col,
+    stride_rows, stride_xa, stride_seg, rank_col, x16_desc,
     K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
     SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
-    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0,
+    EXPAND: tl.constexpr = True, PREFETCH_A: tl.constexpr = 0, SPLITS: tl.constexpr = 0,
 ):
-    NUM_SHRINK: tl.constexpr = SEGMENTS * N_SLICES
+    # SPLITS (shrink-only): the tile programs shrink, no program of its own does.
+    NUM_SHRINK: tl.constexpr = 0 if SPLITS else SEGMENTS * N_SLICES
     if EXPAND:
         # Tickets and finished shrinks only ever grow (int64): launch i of this site takes
         # tickets i*programs .. (i+1)*programs-1 and waits for (i+1)*NUM_SHRINK finished
@@ -185,6 +244,11 @@ def _decode_gemm_lora_kernel(
             tl.extra.cuda.gdc_wait()
             if not EXPAND:  # as decode_gemm_triton's early trigger
                 tl.extra.cuda.gdc_launch_dependents()
+        if SPLITS:  # this program's units of the shrink, before its weight stream
+            for unit in range(role, SEGMENTS * N_SLICES * SPLITS, tl.num_programs(0)):
+                _shrink_unit(x16_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
+                             stride_xm, stride_xa, stride_seg, rank_col, unit, K, R, N_SLICES,
+                             ROWS, SPLITS, BLOCK_K, TMA, DOT_F32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
@@ -223,6 +287,8 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
     M, K = x.shape
     N = w.shape[1]
     assert gemm_lora_fits(lora, N, block_n) and K % block_k == 0
+    splits = lora.shrink_splits
+    assert not (splits and lora.expand), "a spread shrink leaves the expand to the next op"
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
@@ -238,24 +304,25 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         w_out_in = w.t()
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
                  TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k]),
-                 TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]))
+                 TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]),
+                 TensorDescriptor(x, [M, K], [x.stride(0), 1], [16, block_k]))
         w_arg, stride_wn, stride_wk = w_out_in, K, 1
     else:
-        descs = (x, w, a2d)
+        descs = (x, w, a2d, x)
         w_arg, stride_wn, stride_wk = w, w.stride(1), w.stride(0)
     offs = [*lora.slice_offsets[1:], N, N][:2]
     table = lora.segment_table
-    grid = (lora.segments * slices + N // block_n,)
+    grid = ((0 if splits else lora.segments * slices) + N // block_n,)
     _decode_gemm_lora_kernel[grid](
         descs[0], x, descs[1], w_arg, y, descs[2], a2d, lora.b_all, lora.xa, lora.scaling, table,
         lora.token_rows, counters_for(lora.sync, block_n), M, offs[0], offs[1], x.stride(0), stride_wn, stride_wk,
         y.stride(0), lora.b_all.stride(0), lora.token_rows.stride(0), lora.xa.stride(0),
-        table.stride(0), lora.rank_col,
+        table.stride(0), lora.rank_col, descs[3],
         K=K, R=r, N_SLICES=slices, ROWS=rows, SEGMENTS=lora.segments, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, TMA=tma, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl and stride_wk == 1 else 0,
         LINE=128 // w.element_size(), DOT_F32=dot_f32(x.dtype, x.device), EXPAND=lora.expand,
-        PREFETCH_A=min(prefetch_a, K) if pdl else 0,
+        PREFETCH_A=min(prefetch_a, K) if pdl else 0, SPLITS=splits,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y

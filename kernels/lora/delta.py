@@ -101,13 +101,13 @@ class LoraDelta:
 
     @classmethod
     def from_rows(cls, xa: torch.Tensor, rows: int, rank: int, b: tuple[torch.Tensor, ...],
-                  token_rows: torch.Tensor, column_split: ColumnSplit | None = None
-                  ) -> "LoraDelta":
-        """The shrink's rows stored by the kernel ahead of the op (xa [>= rows, slices x
-        rank], slice by slice; rows without an adapter unwritten) as a one-split delta whose
-        sums that op reads only after its PDL wait."""
+                  token_rows: torch.Tensor, column_split: ColumnSplit | None = None,
+                  splits: int = 1) -> "LoraDelta":
+        """The shrink's rows stored by the kernel ahead of the op (xa [>= rows, splits x
+        slices x rank], split by split, slice by slice; rows without an adapter unwritten) as
+        a delta whose sums that op reads only after its PDL wait."""
         n = len(b)
-        partials = xa[:rows, :n * rank].view(rows, n, rank).permute(1, 0, 2).unsqueeze(0)
+        partials = xa[:rows, :splits * n * rank].view(rows, splits, n, rank).permute(1, 2, 0, 3)
         return cls(partials, b, token_rows[:rows], column_split=column_split,
                    sums_after_wait=True)
 

@@ -57,7 +57,8 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     (side_expand_group_segments). fold: the groups whose matmul adds their LoRA in the same
     launch (kernels/gemm/fold.py; None: the default fold_groups; "all": every group); the
     others of the shrink-fold groups (sfold: None for the default shrink_fold_groups, "none",
-    "all" for every group, o and down then expanded by the split add + norm) shrink in their
+    "all" for every group, o and down then expanded by the split add + norm, gate/up's and
+    down's shrink spread over their tile programs: fold_shrink_spread) shrink in their
     matmul. They run in Triton (natively, or interpreted by test_triton_interpreter.py); the
     CPU reference ignores the split."""
     from inference_node.lora_step import overlap
@@ -72,18 +73,21 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         tuning = tuning.replace(
             side_expand_segments=0, norm_split_columns=norm_split,
             side_expand_group_segments={"down": 64} if side_down else {},
-            fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups))
+            fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups),
+            fold_shrink_spread=frozenset({"gate_up", "down"} if sfold == "all" else ()))
         expands = []
         real_expand = overlap.lora_expand
         monkeypatch.setattr(overlap, "lora_expand",
                             lambda *a, **k: expands.append(a[1]) or real_expand(*a, **k))
-    folded, shrink_folded = set(), set()
+    folded, shrink_folded, spread = set(), set(), set()
     real_fold = overlap.OverlappedLoraApplier.fold
 
     def spy_fold(self, layer, group):
         lora = real_fold(self, layer, group)
         if lora is not None:
             (folded if lora.expand else shrink_folded).add(group)
+            if lora.shrink_splits:
+                spread.add(group)
         return lora
 
     monkeypatch.setattr(overlap.OverlappedLoraApplier, "fold", spy_fold)
@@ -119,6 +123,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         if side_down:
             shrink -= {"down"}
         assert shrink_folded == shrink
+        assert spread == ({"gate_up", "down"} if sfold == "all" else set())
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
             buffers = node.engine.decode_graphs.lora.applier.__self__.buffers
             downs = {id(layer["down"].b) for layer in buffers.layers}

@@ -856,12 +856,15 @@ def test_decode_gemm_lora_matches_reference(rows: int, used: list[int], segments
 @pytest.mark.parametrize("rows,used,segments", [(1, [2], 1), (9, [3, 0, 2], 4), (33, [1, 4, 0, 5, 2, 6], 8)])
 @pytest.mark.parametrize("group", ["qkv", "gate_up", "o", "o-split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [0, 3], ids=["shrink_programs", "spread_3"])
 def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list[int], segments: int,
-                                                           group: str, dtype: str) -> None:
+                                                           group: str, dtype: str, splits: int) -> None:
     """GemmLora(expand=False): the GEMM only shrinks beside its matmul (y = x @ W, each adapter
     row's x @ A stored in xa, no counters taken) and the op after it expands
     GemmLora.unexpanded: RoPE + KV write after q/k/v, SiLU after gate/up, the residual add +
     norm after o (one program a row, or spread over programs of 16 columns by a ColumnSplit).
+    The shrink runs in programs of its own, or (shrink_splits) in the tile programs as units
+    of 3 K ranges each, more units than programs (the last range of K empty: zeros).
     Rows without an adapter keep xa's NaN (never written): the op must read no sums for them.
     Its output equals the reference over x @ W + every delta."""
     from kernels.gemm.fold_triton_kernel import decode_gemm_lora_triton
@@ -884,6 +887,9 @@ def test_shrink_only_fold_leaves_the_delta_for_the_next_op(rows: int, used: list
                           h_in=128, outs=outs, dtype=dt, device=DEVICE, seed=rows).poison_free_rows()
     split = ColumnSplit.allocate(16, tokens, 64, torch.device(DEVICE)) if group == "o-split" else None
     lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False, column_split=split)
+    if splits:
+        lora = dataclasses.replace(lora, shrink_splits=splits, xa=torch.full(
+            (tokens, splits * lora.xa.shape[1]), float("nan"), device=DEVICE))
     w = (torch.randn(sum(outs), 128, generator=gen) / 16).to(dt).to(DEVICE).t()
     y = decode_gemm_lora_triton(case.x, w, lora, block_n=16, block_k=64, num_stages=2)
     assert_close_scaled(y, case.x.float().cpu() @ w.float().cpu(), dt)
