@@ -18,11 +18,11 @@ measured slower: its steps, each a dependent read, made a longer tail.)
 With GemmLora.expand False the launch only shrinks beside the matmul: the tiles are plain
 GEMM tiles (no B, no wait), each program's id is its role, and the op after the matmul
 expands the stored rows (GemmLora.unexpanded). With GemmLora.shrink_splits the shrink has no
-programs of its own: it is cut into units of (segment, slice, K range), and each tile program
-computes its share of them before its weight stream (only the segment's rows of x, in tiles
-of 16), storing each unit's partial sum for the op after the matmul to add. A shrink program
-over a whole K reads all of x and one adapter's A on one SM: for down (K = 14,336) that took
-longer than the matmul's tiles, and the tiles after it waited for its SM.
+programs of its own: it is cut into units of (segment, slice, K range), one a tile program,
+which reads its unit's A columns beside W over that K range and multiplies the x tiles it
+holds anyway, storing the unit's partial sum for the op after the matmul to add. A shrink
+program over a whole K reads all of x and one adapter's A on one SM: for down (K = 14,336)
+that took longer than the matmul's tiles, and the tiles after it waited for its SM.
 
 Which kind a program is follows the order programs start, not its id: each takes a ticket
 from an atomic counter, and the first tickets shrink. A tile program only waits for tickets
@@ -103,56 +103,71 @@ def _shrink_program(x_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr
 
 
 @triton.jit
+def _unit(table_ptr, stride_seg, rank_col, unit, valid, K: tl.constexpr,
+          N_SLICES: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """Unit `unit` of a spread shrink (shrink_splits), for segment s, slice i and K range j:
+    (slot, first row, rows (0 where not `valid`), rank, first A row, the K range, the unit's
+    first column of xa (split j's sums of slice i))."""
+    K_BLOCKS: tl.constexpr = K // BLOCK_K
+    PER_SPLIT: tl.constexpr = (K_BLOCKS + SPLITS - 1) // SPLITS * BLOCK_K
+    unit = tl.where(valid, unit, 0)
+    split = unit % SPLITS
+    slc = unit // SPLITS % N_SLICES
+    row = table_ptr + (unit // (SPLITS * N_SLICES)) * stride_seg
+    slot = tl.load(row)
+    first = tl.load(row + 1)
+    length = tl.where(valid, tl.load(row + 2), 0)
+    rank = tl.load(row + rank_col + 2 * slc)
+    a_row = slc * ROWS + tl.load(row + rank_col + 2 * slc + 1)
+    k_lo = split * PER_SPLIT
+    k_hi = tl.minimum(k_lo + PER_SPLIT, K)
+    return slot, first, length, rank, a_row, k_lo, k_hi, split * N_SLICES + slc
+
+
+@triton.jit
+def _store_unit(acc, xa_ptr, scaling_ptr, M, stride_xa, slot, first, length, rank, xa_slice,
+                offs_m, R: tl.constexpr):
+    """A unit's rows of its partial sum, scaled, zero past the rank, into xa (_unit)."""
+    offs_r = tl.arange(0, R)
+    if length > 0:  # padding segments (a graph's bucket) have no rows, nor a slot
+        acc = tl.where((offs_r < rank)[None, :], acc * tl.load(scaling_ptr + slot), 0.0)
+        in_segment = (offs_m >= first) & (offs_m < first + length) & (offs_m < M)
+        tl.store(xa_ptr + offs_m[:, None] * stride_xa + (xa_slice * R + offs_r)[None, :], acc,
+                 mask=in_segment[:, None])
+
+
+@triton.jit
 def _shrink_unit(x16_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
                  stride_xa, stride_seg, rank_col, unit,
                  K: tl.constexpr, R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
                  SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr,
                  DOT_F32: tl.constexpr):
-    """One unit of a spread shrink (shrink_splits): for segment s, slice i and K range j,
-    xa[rows of s, (j * N_SLICES + i) * R ..] = x[rows of s, range j] @ A_i[slot_s's rows, range
-    j].T * scaling[slot_s], zero past the slot's rank: split j's partial sum. The segment's
-    rows go through the dot 16 at a time (rows past them are other segments' and not
-    stored)."""
+    """A unit of a spread shrink on its own (a program's units past the one its weight
+    stream carries): the segment's rows 16 at a time over the unit's K range."""
     ROW_TILE: tl.constexpr = 16
-    K_BLOCKS: tl.constexpr = K // BLOCK_K
-    PER_SPLIT: tl.constexpr = (K_BLOCKS + SPLITS - 1) // SPLITS * BLOCK_K
-    split = unit % SPLITS
-    slc = unit // SPLITS % N_SLICES
-    seg = unit // (SPLITS * N_SLICES)
-    row = table_ptr + seg * stride_seg
-    slot = tl.load(row)
-    first = tl.load(row + 1)
-    length = tl.load(row + 2)
-    if length > 0:  # padding segments (a graph's bucket) have none
-        rank = tl.load(row + rank_col + 2 * slc)
-        a_row = slc * ROWS + tl.load(row + rank_col + 2 * slc + 1)
-        offs_r = tl.arange(0, R)
-        offs_k = tl.arange(0, BLOCK_K)
-        live_r = offs_r < rank
-        scale = tl.load(scaling_ptr + slot)
-        k_lo = split * PER_SPLIT
-        k_hi = tl.minimum(k_lo + PER_SPLIT, K)
-        xa_cols = xa_ptr + (split * N_SLICES + slc) * R + offs_r
-        for m0 in range(first, first + length, ROW_TILE):
-            offs_m = m0 + tl.arange(0, ROW_TILE)
-            acc = tl.zeros((ROW_TILE, R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):  # empty past K: the split stores zeros
-                if TMA:
-                    x = x16_desc.load([m0, k0])
-                    a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
-                else:
-                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                                mask=offs_m[:, None] < M, other=0.0)
-                    a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
-                                + (k0 + offs_k)[None, :], mask=live_r[:, None], other=0.0)
-                if DOT_F32:
-                    acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
-                else:
-                    acc += tl.dot(x, a.T)
-            acc = tl.where(live_r[None, :], acc * scale, 0.0)
-            in_segment = (offs_m < first + length) & (offs_m < M)
-            tl.store(xa_cols[None, :] + offs_m[:, None] * stride_xa, acc,
-                     mask=in_segment[:, None])
+    slot, first, length, rank, a_row, k_lo, k_hi, xa_slice = _unit(
+        table_ptr, stride_seg, rank_col, unit, True, K, N_SLICES, ROWS, SPLITS, BLOCK_K)
+    offs_r = tl.arange(0, R)
+    offs_k = tl.arange(0, BLOCK_K)
+    for m0 in range(first, first + length, ROW_TILE):
+        offs_m = m0 + tl.arange(0, ROW_TILE)
+        acc = tl.zeros((ROW_TILE, R), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # empty past K: the split stores zeros
+            if TMA:
+                x = x16_desc.load([m0, k0])
+                a = a_desc.load([a_row, k0])  # [R, BLOCK_K]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
+                            mask=offs_m[:, None] < M, other=0.0)
+                a = tl.load(a_ptr + (a_row + offs_r)[:, None].to(tl.int64) * K
+                            + (k0 + offs_k)[None, :], mask=(offs_r < rank)[:, None], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), a.to(tl.float32).T, input_precision="ieee")
+            else:
+                acc += tl.dot(x, a.T)
+        _store_unit(acc, xa_ptr, scaling_ptr, M, stride_xa, slot, first, length, rank, xa_slice,
+                    offs_m, R)
 
 
 @triton.jit
@@ -244,11 +259,21 @@ def _decode_gemm_lora_kernel(
             tl.extra.cuda.gdc_wait()
             if not EXPAND:  # as decode_gemm_triton's early trigger
                 tl.extra.cuda.gdc_launch_dependents()
-        if SPLITS:  # this program's units of the shrink, before its weight stream
-            for unit in range(role, SEGMENTS * N_SLICES * SPLITS, tl.num_programs(0)):
-                _shrink_unit(x16_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
-                             stride_xm, stride_xa, stride_seg, rank_col, unit, K, R, N_SLICES,
-                             ROWS, SPLITS, BLOCK_K, TMA, DOT_F32)
+        if SPLITS:
+            # The program's unit of the shrink rides on its weight stream: over the unit's K
+            # range each step also reads the adapter's A columns (masked loads elsewhere: no
+            # bytes) and multiplies the x tile it already holds. Units past one a program run
+            # after the stream (_shrink_unit).
+            UNITS: tl.constexpr = SEGMENTS * N_SLICES * SPLITS
+            u_slot, u_first, u_len, u_rank, u_row, u_lo, u_hi, u_slice = _unit(
+                table_ptr, stride_seg, rank_col, tl.program_id(0), tl.program_id(0) < UNITS, K,
+                N_SLICES, ROWS, SPLITS, BLOCK_K)
+            offs_r = tl.arange(0, R)
+            # (Every mask elementwise over vectors: Triton 3.9's interpreter rejects masks
+            # broadcast from a scalar comparison.)
+            u_live = (offs_r < tl.where(u_len > 0, u_rank, 0))[None, :]
+            a_cols = a_ptr + (u_row + offs_r)[None, :].to(tl.int64) * K + offs_k[:, None]
+            acc_a = tl.zeros((BLOCK_M, R), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA:
@@ -262,6 +287,21 @@ def _decode_gemm_lora_kernel(
                 acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
+            if SPLITS:
+                in_unit = ((k0 + offs_k >= u_lo) & (k0 + offs_k < u_hi))[:, None]
+                a = tl.load(a_cols + k0, mask=u_live & in_unit, other=0.0)
+                if DOT_F32:
+                    acc_a += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+                else:
+                    acc_a += tl.dot(x, a)
+        if SPLITS:
+            _store_unit(acc_a, xa_ptr, scaling_ptr, M, stride_xa, u_slot, u_first, u_len, u_rank,
+                        u_slice, offs_m, R)
+            # (32-bit: TMA takes 32-bit coordinates)
+            for unit in range(tl.program_id(0) + tl.num_programs(0), UNITS, tl.num_programs(0)):
+                _shrink_unit(x16_desc, x_ptr, a_desc, a_ptr, xa_ptr, scaling_ptr, table_ptr, M,
+                             stride_xm, stride_xa, stride_seg, rank_col, unit, K, R, N_SLICES,
+                             ROWS, SPLITS, BLOCK_K, TMA, DOT_F32)
         if EXPAND:
             if PDL:  # the next kernel may launch now (it waits for this one before reading y)
                 tl.extra.cuda.gdc_launch_dependents()

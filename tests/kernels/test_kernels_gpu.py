@@ -345,6 +345,48 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -
         assert int(split.arrivals.count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("adapters,segments,splits", [(1, 1, 8), (32, 32, 4), (20, 32, 4), (64, 64, 2)])
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_spread_shrink_fold_after_a_norm_in_a_graph(group: str, adapters: int, segments: int,
+                                                    splits: int) -> None:
+    """A shrink-only fold whose tile programs compute the shrink (GemmLora.shrink_splits), as
+    the decode graphs launch it: the engine's tiling, TMA and PDL on Hopper, after the add +
+    norm that writes its input, captured and replayed with new inputs. Each replay: y = the
+    norm's new output @ W, and the delta the op after it expands from the split sums equals
+    every row's delta."""
+    import dataclasses
+
+    from kernels.gemm import DecodeGemm
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+
+    k, outs = GROUPS[group]
+    none = 4 if adapters < 32 else 0  # a few rows on the base model
+    slots = [-1] * none + sorted(i % adapters for i in range(64 - none))
+    case = make_lora_case(token_slots=slots, num_slots=64, max_rank=16, h_in=k, outs=outs,
+                          dtype=torch.bfloat16, device="cuda", seed=adapters)
+    lora = make_gemm_lora(case, segments)
+    lora = dataclasses.replace(lora, expand=False, shrink_splits=splits, xa=torch.full(
+        (64, splits * lora.xa.shape[1]), float("nan"), device="cuda"))
+    w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
+    gemm = DecodeGemm(torch.device("cuda"))
+    hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(64, sum(outs), device="cuda", dtype=torch.bfloat16)
+    x_seen = torch.empty(64, k, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
+        y.copy_(gemm(x, w, group=group, lora=lora))
+        x_seen.copy_(x)
+
+    for _ in _replays_with_a_new_input(step, out):
+        case.x = x_seen.clone()
+        _bf16_close(y.cpu(), case.x.float().cpu() @ w.float().cpu())
+        _bf16_close(lora.unexpanded(64).dense().cpu(), naive_delta(case))
+    assert not lora.sync.any()  # a shrink-only launch waits on no counters
+
+
 @pytest.mark.parametrize("prefetch_a", [0, 2048])
 @pytest.mark.parametrize("adapters,segments", [(1, 1), (32, 32), (20, 32), (64, 64)])
 @pytest.mark.parametrize("group", list(GROUPS))
