@@ -28,8 +28,9 @@ FORMAT = 1
 
 # Choices that size buffers built once per node (the LoRA step plan's) or set the weights'
 # layout (gemm_groups): a table may set them for the whole node ("node"), never per bucket.
-NODE_CHOICES = frozenset({"gemm_groups", "fold_groups", "shrink_fold_groups", "side_expand_segments",
-                          "side_expand_group_segments", "norm_split_columns", "norm_split_groups"})
+NODE_CHOICES = frozenset({"gemm_groups", "fold_groups", "shrink_fold_groups", "fold_shrink_spread",
+                          "side_expand_segments", "side_expand_group_segments",
+                          "norm_split_columns", "norm_split_groups"})
 CHOICES = tuple(f.name for f in dataclasses.fields(Tuning))
 BUCKET_CHOICES = tuple(name for name in CHOICES if name not in NODE_CHOICES)
 _TOP_KEYS = {"format", "device", "shape", "produced_by", "node", "buckets"}

@@ -346,20 +346,26 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -
 
 
 @pytest.mark.parametrize("adapters,segments,splits", [(1, 1, 8), (32, 32, 4), (20, 32, 4), (64, 64, 2)])
-@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("group", [*GROUPS, "down-8b"])
 def test_spread_shrink_fold_after_a_norm_in_a_graph(group: str, adapters: int, segments: int,
                                                     splits: int) -> None:
     """A shrink-only fold whose tile programs compute the shrink (GemmLora.shrink_splits), as
-    the decode graphs launch it: the engine's tiling, TMA and PDL on Hopper, after the add +
-    norm that writes its input, captured and replayed with new inputs. Each replay: y = the
-    norm's new output @ W, and the delta the op after it expands from the split sums equals
-    every row's delta."""
+    the decode graphs launch it: the engine's tiling (down-8b: Llama-3.1-8B's down at the H100
+    table's fold tiling), TMA and PDL on Hopper, after the add + norm that writes its input,
+    captured and replayed with new inputs. Each replay: y = the norm's new output @ W, and the
+    delta the op after it expands from the split sums equals every row's delta."""
     import dataclasses
 
     from kernels.gemm import DecodeGemm
     from kernels.norm.triton_kernel import add_rms_norm_triton
+    from kernels.tuning import Tuning
 
-    k, outs = GROUPS[group]
+    tuning = Tuning()
+    if group == "down-8b":
+        group, (k, outs) = "down", (14336, [4096])
+        tuning = Tuning(fold_tilings={**tuning.fold_tilings, "down": (32, 128, 6)})
+    else:
+        k, outs = GROUPS[group]
     none = 4 if adapters < 32 else 0  # a few rows on the base model
     slots = [-1] * none + sorted(i % adapters for i in range(64 - none))
     case = make_lora_case(token_slots=slots, num_slots=64, max_rank=16, h_in=k, outs=outs,
@@ -368,7 +374,7 @@ def test_spread_shrink_fold_after_a_norm_in_a_graph(group: str, adapters: int, s
     lora = dataclasses.replace(lora, expand=False, shrink_splits=splits, xa=torch.full(
         (64, splits * lora.xa.shape[1]), float("nan"), device="cuda"))
     w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
-    gemm = DecodeGemm(torch.device("cuda"))
+    gemm = DecodeGemm(torch.device("cuda"), tuning)
     hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
