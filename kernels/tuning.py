@@ -71,11 +71,6 @@ class Tuning:
     gemm_tma_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
         "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 128, 8), "gate_up": (32, 128, 4)}),
         metadata={"help": "the decode GEMM's (block_n, block_k, stages) per group, TMA loads"})
-    gemm_spread_groups: frozenset[str] = field(default=frozenset(), metadata={"help": (
-        "groups whose TMA decode GEMM (no LoRA, no RoPE) launches one program an SM, each "
-        "storing an equal share of the columns from one tile that may overlap its "
-        "neighbours' (their shared weight rows come from L2): no last wave of fewer tiles "
-        "than SMs; where a share exceeds the tile, tiles side by side")})
     # At most 96 KB of pipeline a program, so that the shrink programs a fold adds do not
     # push its tiles into another wave (gate/up's 256 tiles then share one wave with them).
     fold_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
@@ -120,8 +115,7 @@ class Tuning:
         "(columns, warps) of a SiLU program expanding gate/up's LoRA delta")})
 
     def __post_init__(self) -> None:
-        for name in ("gemm_groups", "gemm_spread_groups", "fold_groups", "shrink_fold_groups",
-                     "fold_shrink_spread"):
+        for name in ("gemm_groups", "fold_groups", "shrink_fold_groups", "fold_shrink_spread"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
             unknown = getattr(self, name) - set(GROUPS)
             if unknown:

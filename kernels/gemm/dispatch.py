@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import triton_kernel
-from ..host import num_sms
 from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
 from .rope_out import RopeOut
-from .shapes import MAX_ROWS, gated_block_n, rope_block_n, spread_fits, tiling, tma_fits
+from .shapes import MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits
 
 TRITON = "kernels.gemm.triton_kernel"
 FOLD_TRITON = "kernels.gemm.fold_triton_kernel"
@@ -108,23 +107,17 @@ class DecodeGemm:
         if gemm is None:
             return None
         block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings, rows)
-        cols = w.shape[1] // 2 if gated else w.shape[1]
         if gated:
             block_n = gated_block_n(block_n)
-        spread = {}
-        if tma_tiling and rope is None and group in tuning.gemm_spread_groups:
-            programs = num_sms(x.device)
-            if spread_fits(cols, block_n, programs):
-                spread = {"spread": programs}
-        if gated and not spread and cols % block_n:
-            return None
+            if (w.shape[1] // 2) % block_n:
+                return None
         if rope is not None:
             block_n = rope_block_n(block_n, rope.head_dim)
             if block_n < 16 or not rope.fits(x, w, block_n):
                 return None
         return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,
                     block_k=block_k, num_stages=stages, early_trigger=tuning.gemm_early_trigger,
-                    gated=gated, rope=rope, **spread)
+                    gated=gated, rope=rope)
 
     def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   group: str | None, lora: GemmLora) -> torch.Tensor:

@@ -6,7 +6,6 @@ from typing import Mapping
 
 import torch
 
-from ..host import cdiv
 from ..tuning import Tiling
 
 MAX_ROWS = 64  # decode batches; larger (prefill) matmuls stay with cuBLAS
@@ -41,17 +40,6 @@ def tiling(w: torch.Tensor, group: str | None, table: Mapping[str, Tiling],
             return None
     per_stage = (64 + block_n) * block_k * esize
     return block_n, block_k, max(2, min(stages, SHARED_MEMORY // per_stage))
-
-
-SPREAD_STEP = 16  # a spread launch's shares of columns are multiples of this
-
-
-def spread_fits(cols: int, block_n: int, programs: int) -> bool:
-    """Whether `programs` programs of one block_n tile each can cover `cols` output columns in
-    equal shares of SPREAD_STEP columns (triton_kernel.decode_gemm_tma's spread)."""
-    if cols % SPREAD_STEP or cols < block_n or programs <= 0:
-        return False
-    return cdiv(cols // SPREAD_STEP, programs) * SPREAD_STEP <= block_n
 
 
 def gated_block_n(block_n: int) -> int:

@@ -33,9 +33,7 @@ import triton.language as tl
 from ..activation.triton_kernel import silu_times
 from ..host import dot_f32, pdl_launch
 from .rope_out import RopeOut, no_rope_args
-from .shapes import MAX_ROWS, SPREAD_STEP, row_tile, spread_fits, tma_fits
-
-_SPREAD_STEP = tl.constexpr(SPREAD_STEP)
+from .shapes import MAX_ROWS, row_tile, tma_fits
 
 
 @triton.jit
@@ -191,24 +189,15 @@ def _decode_gemm_tma_kernel(
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr = False, GATED: tl.constexpr = False, ROPE: tl.constexpr = False,
     HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2,
-    SPREAD: tl.constexpr = 0, COLS: tl.constexpr = 0,
 ):
     """The same product with the tiles fetched by the tensor memory accelerator (Hopper): one
     copy instruction a tile, where the pointer loads issue one per 16 bytes per thread and
     left the SM issue-bound (ncu, down projection: 1 warp per scheduler, 3.7 cycles between
     issues, DRAM at 47% of peak). Rows past M read as zero. GATED and ROPE as in the pointer
-    kernel. SPREAD programs (not ROPE): program p stores its equal share of the COLS output
-    columns, [start, end) in steps of SPREAD_STEP, from one tile at min(start, COLS - BLOCK_N)
-    that may overlap its neighbours' (spread_programs)."""
+    kernel."""
     PAIRED: tl.constexpr = GATED or ROPE
     pid = tl.program_id(0)
-    if SPREAD:
-        steps: tl.constexpr = COLS // _SPREAD_STEP
-        start = pid * steps // SPREAD * _SPREAD_STEP
-        end = (pid + 1) * steps // SPREAD * _SPREAD_STEP
-        n0 = tl.minimum(start, COLS - BLOCK_N)
-    else:
-        n0 = _first_column(pid, BLOCK_N, ROPE, D)
+    n0 = _first_column(pid, BLOCK_N, ROPE, D)
     offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     if ROPE:
         c1, s1, c2, s2, dst = _rope_reads(M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr,
@@ -246,24 +235,17 @@ def _decode_gemm_tma_kernel(
     else:
         offs_m = tl.arange(0, BLOCK_M)
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        mask = offs_m[:, None] < M
-        if SPREAD:  # only the program's share: a column it overlaps is its neighbour's
-            mask = mask & ((offs_n >= start) & (offs_n < end))[None, :]
         if GATED:
-            tl.store(y_ptrs, silu_times(acc, acc_up, y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptrs, silu_times(acc, acc_up, y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
         else:
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=offs_m[:, None] < M)
 
 
 def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                     pdl: bool = False, prefetch_k: int = 0, block_n: int = 16, block_k: int = 128,
                     num_warps: int = 4, num_stages: int = 4, early_trigger: bool = False,
-                    gated: bool = False, rope: RopeOut | None = None,
-                    spread: int = 0) -> torch.Tensor:
-    """decode_gemm_triton with TMA tile loads (CUDA, Hopper or newer; tma_fits(x, w)).
-    spread (no rope; shapes.spread_fits): that many programs, each storing an equal share of
-    the output columns from one block_n tile that may overlap its neighbours', where the
-    tiles side by side would leave a last wave of fewer programs than SMs."""
+                    gated: bool = False, rope: RopeOut | None = None) -> torch.Tensor:
+    """decode_gemm_triton with TMA tile loads (CUDA, Hopper or newer; tma_fits(x, w))."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = x.shape
@@ -271,8 +253,7 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
     w_out_in = w.t()
     assert tma_fits(x, w) and M <= MAX_ROWS
     y, programs, pair_offset, rope_args, heads = _launch_shape(x, w, out, block_n, block_k, gated,
-                                                               rope, spread)
-    cols = N // 2 if gated else N
+                                                               rope)
     if M == 0:
         return y
     block_m = row_tile(M)
@@ -283,33 +264,29 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
         K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=128 // w.element_size(),
         DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger, GATED=gated,
-        ROPE=rope is not None, **heads, SPREAD=spread, COLS=cols if spread else 0,
+        ROPE=rope is not None, **heads,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
     return y
 
 
 def _launch_shape(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, block_n: int,
-                  block_k: int, gated: bool, rope: RopeOut | None, spread: int = 0) -> tuple:
+                  block_k: int, gated: bool, rope: RopeOut | None) -> tuple:
     """(output, programs, the offset of a program's second columns, RoPE's arguments, its
     head counts): N columns, or with `gated` half of them (SiLU(gate) * up), or with `rope`
-    the queries (each program two tiles of one head); `spread` programs where given."""
+    the queries (each program two tiles of one head)."""
     M, K = x.shape
     N = w.shape[1]
     assert K % block_k == 0, "K tiles must divide the weight"
     if rope is not None:
-        assert not gated and not spread and rope.fits(x, w, block_n), \
-            "a RoPE launch needs q/k/v's weight, and its tiles side by side"
+        assert not gated and rope.fits(x, w, block_n), "a RoPE launch needs q/k/v's weight"
         heads = dict(HQ=rope.num_heads, HKV=rope.num_kv_heads, D=rope.head_dim)
         return rope.q, N // (2 * block_n), rope.head_dim // 2, (*rope.kernel_args(),), heads
     cols = N // 2 if gated else N
-    assert N % (2 if gated else 1) == 0
-    if spread:
-        assert spread_fits(cols, block_n, spread), "shares of the columns must fit a tile"
-    else:
-        assert cols % block_n == 0, "tiles must divide the weight (each half of it, gated)"
+    assert N % (2 if gated else 1) == 0 and cols % block_n == 0, \
+        "tiles must divide the weight (each half of it, gated)"
     y = out if out is not None else torch.empty(M, cols, dtype=x.dtype, device=x.device)
-    return y, spread or cols // block_n, cols, no_rope_args(y), {}
+    return y, cols // block_n, cols, no_rope_args(y), {}
 
 
 def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,

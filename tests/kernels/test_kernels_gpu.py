@@ -226,31 +226,6 @@ def test_gated_decode_gemm_tma_is_the_gemm_then_the_silu(rows: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="TMA needs Hopper or newer")
-@pytest.mark.parametrize("rows", [1, 64])
-@pytest.mark.parametrize("group", ["gate_up", "down"])
-def test_spread_decode_gemm_tma_is_the_tiles_side_by_side(rows: int, group: str) -> None:
-    """At Llama-3.1-8B's gate/up (gated: SiLU(gate) * up) and down, one program an SM, TMA,
-    PDL: the spread launch writes bit for bit what the tiles side by side write."""
-    from kernels.gemm.shapes import spread_fits
-    from kernels.gemm.triton_kernel import decode_gemm_tma
-    from kernels.host import num_sms
-
-    torch.manual_seed(rows)
-    gated = group == "gate_up"
-    K, N, block_n = (4096, 2 * 14336, 128) if gated else (14336, 4096, 32)
-    programs = num_sms(torch.device("cuda"))
-    assert spread_fits(N // 2 if gated else N, block_n, programs)
-    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64).t()
-    launch = dict(pdl=True, prefetch_k=512, block_k=64, num_stages=4, early_trigger=True, gated=gated)
-    spread = decode_gemm_tma(x, w, block_n=block_n, spread=programs, **launch)
-    side_by_side = decode_gemm_tma(x, w, block_n=16, **launch)
-    torch.cuda.synchronize()
-    assert torch.equal(spread, side_by_side)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="TMA needs Hopper or newer")
 @pytest.mark.parametrize("rows,block_n", [(1, 32), (64, 32), (64, 64)])
 def test_rope_decode_gemm_tma_is_the_gemm_then_rope_and_cache(rows: int, block_n: int) -> None:
     """At Llama-3.1-8B's q/k/v (4096 -> 32 query and 8 KV heads of 128), Llama-3 RoPE tables,

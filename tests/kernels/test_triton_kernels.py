@@ -739,29 +739,6 @@ def test_gated_decode_gemm_is_the_gemm_then_the_silu(rows: int, dtype: str) -> N
     assert_close_scaled(out[:, :I], silu_mul(x.float() @ w.float()), dt)
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("programs", [3, 5])
-def test_spread_decode_gemm_stores_each_column_from_one_share(gated: bool, programs: int) -> None:
-    """The spread TMA launch (one tile a program, at shares of the columns that do not fall
-    on tile boundaries, neighbours' tiles overlapping): every output column as the tiles side
-    by side give it, no column past the output and no row past the batch written."""
-    from kernels.gemm.shapes import spread_fits
-    from kernels.gemm.triton_kernel import decode_gemm_tma
-
-    torch.manual_seed(programs)
-    rows, K, cols = 5, 128, 176  # 11 steps of 16 columns: shares of 2 or 3 steps
-    x = torch.randn(rows, K, device=DEVICE)
-    w = (torch.randn(2 * cols if gated else cols, K, device=DEVICE) / 8).t()
-    assert spread_fits(cols, 64, programs) and not spread_fits(cols, 32, programs)
-    out = torch.full((rows + 2, cols + 5), 7.0, device=DEVICE)
-    y = decode_gemm_tma(x, w, out[:rows, :cols], block_n=64, block_k=64, num_stages=2,
-                        gated=gated, spread=programs)
-    side_by_side = decode_gemm_tma(x, w, block_n=16, block_k=64, num_stages=2, gated=gated)
-    assert y.data_ptr() == out.data_ptr()
-    assert_close_scaled(out[:rows, :cols], side_by_side, torch.float32)
-    assert bool((out[rows:] == 7.0).all()) and bool((out[:, cols:] == 7.0).all())
-
-
 @pytest.mark.parametrize("rows", [1, 33])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_rope_decode_gemm_is_the_gemm_then_rope_and_cache(rows: int, dtype: str) -> None:
