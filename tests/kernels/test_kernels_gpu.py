@@ -320,6 +320,38 @@ def test_add_rms_norm_split_over_columns_in_a_graph(block: int, adapters: int) -
         assert int(split.arrivals.count_nonzero()) == 0
 
 
+def _fold_case(k: int, outs: list[int], adapters: int, segments: int):
+    """64 rows over `adapters` adapters (a few rows on the base model below 32) in a bucket
+    of `segments` (empty segments after the real ones): the LoRA case, its GemmLora, and W
+    (a transposed view of [out, in], as the engine keeps it)."""
+    none = 4 if adapters < 32 else 0
+    slots = [-1] * none + sorted(i % adapters for i in range(64 - none))
+    case = make_lora_case(token_slots=slots, num_slots=64, max_rank=16, h_in=k, outs=outs,
+                          dtype=torch.bfloat16, device="cuda", seed=adapters)
+    w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
+    return case, make_gemm_lora(case, segments), w
+
+
+def _norm_then_fold(gemm, group: str, w: torch.Tensor, lora):
+    """A step as the decode graphs run it: the add + norm writing the GEMM's input, then the
+    GEMM with `lora` folded in. Returns (step, the norm's input to renew, y, the x seen)."""
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+
+    k, n = w.shape
+    hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
+    x_seen = torch.empty(64, k, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
+        y.copy_(gemm(x, w, group=group, lora=lora))
+        x_seen.copy_(x)
+
+    return step, out, y, x_seen
+
+
 @pytest.mark.parametrize("adapters,segments,splits", [(1, 1, 8), (32, 32, 4), (20, 32, 4), (64, 64, 2)])
 @pytest.mark.parametrize("group", [*GROUPS, "down-8b"])
 def test_spread_shrink_fold_after_a_norm_in_a_graph(group: str, adapters: int, segments: int,
@@ -332,7 +364,6 @@ def test_spread_shrink_fold_after_a_norm_in_a_graph(group: str, adapters: int, s
     import dataclasses
 
     from kernels.gemm import DecodeGemm
-    from kernels.norm.triton_kernel import add_rms_norm_triton
     from kernels.tuning import Tuning
 
     tuning = Tuning()
@@ -341,26 +372,10 @@ def test_spread_shrink_fold_after_a_norm_in_a_graph(group: str, adapters: int, s
         tuning = Tuning(fold_tilings={**tuning.fold_tilings, "down": (32, 128, 6)})
     else:
         k, outs = GROUPS[group]
-    none = 4 if adapters < 32 else 0  # a few rows on the base model
-    slots = [-1] * none + sorted(i % adapters for i in range(64 - none))
-    case = make_lora_case(token_slots=slots, num_slots=64, max_rank=16, h_in=k, outs=outs,
-                          dtype=torch.bfloat16, device="cuda", seed=adapters)
-    lora = make_gemm_lora(case, segments)
+    case, lora, w = _fold_case(k, outs, adapters, segments)
     lora = dataclasses.replace(lora, expand=False, shrink_splits=splits, xa=torch.full(
         (64, splits * lora.xa.shape[1]), float("nan"), device="cuda"))
-    w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
-    gemm = DecodeGemm(torch.device("cuda"), tuning)
-    hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(64, sum(outs), device="cuda", dtype=torch.bfloat16)
-    x_seen = torch.empty(64, k, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
-        y.copy_(gemm(x, w, group=group, lora=lora))
-        x_seen.copy_(x)
-
+    step, out, y, x_seen = _norm_then_fold(DecodeGemm(torch.device("cuda"), tuning), group, w, lora)
     for _ in _replays_with_a_new_input(step, out):
         case.x = x_seen.clone()
         _bf16_close(y.cpu(), case.x.float().cpu() @ w.float().cpu())
@@ -380,28 +395,12 @@ def test_decode_gemm_lora_after_a_norm_in_a_graph(group: str, adapters: int, seg
     the shrink programs asking L2 for `prefetch_a` columns of A before their wait (or none).
     Each replay: the norm's new output @ W plus every row's delta, the shrinks counted."""
     from kernels.gemm import DecodeGemm
-    from kernels.norm.triton_kernel import add_rms_norm_triton
     from kernels.tuning import Tuning
 
     k, outs = GROUPS[group]
-    none = 4 if adapters < 32 else 0  # a few rows on the base model
-    slots = [-1] * none + sorted(i % adapters for i in range(64 - none))
-    case = make_lora_case(token_slots=slots, num_slots=64, max_rank=16, h_in=k, outs=outs,
-                          dtype=torch.bfloat16, device="cuda", seed=adapters)
-    lora = make_gemm_lora(case, segments)
-    w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
+    case, lora, w = _fold_case(k, outs, adapters, segments)
     gemm = DecodeGemm(torch.device("cuda"), Tuning(fold_prefetch_a=prefetch_a))
-    hidden = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-    out = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
-    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(64, sum(outs), device="cuda", dtype=torch.bfloat16)
-    x_seen = torch.empty(64, k, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
-        y.copy_(gemm(x, w, group=group, lora=lora))
-        x_seen.copy_(x)
-
+    step, out, y, x_seen = _norm_then_fold(gemm, group, w, lora)
     for i in _replays_with_a_new_input(step, out):
         case.x = x_seen.clone()
         expected = case.x.float().cpu() @ w.float().cpu() + naive_delta(case)
