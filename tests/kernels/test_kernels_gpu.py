@@ -109,21 +109,11 @@ def test_decode_gemm_pdl_after_a_norm_in_a_graph(prefetch_k: int, tma: bool) -> 
     input (which lets it start early), replayed from a CUDA graph: it must still read the
     norm's new output, never the stale one (with pointer loads and with TMA tile loads)."""
     from kernels.gemm.triton_kernel import decode_gemm_tma, decode_gemm_triton
-    from kernels.norm.triton_kernel import add_rms_norm_triton
 
     K, N = 2048, 2048
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 32).t()
-    hidden = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
-    out = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
-    norm_w = torch.ones(K, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(64, N, device="cuda", dtype=torch.bfloat16)
-    x_seen = torch.empty(64, K, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
-        (decode_gemm_tma if tma else decode_gemm_triton)(x, w, y, pdl=True, prefetch_k=prefetch_k)
-        x_seen.copy_(x)
-
+    gemm = decode_gemm_tma if tma else decode_gemm_triton
+    step, out, y, x_seen = _norm_then(w, lambda x, y: gemm(x, w, y, pdl=True, prefetch_k=prefetch_k))
     for _ in _replays_with_a_new_input(step, out):
         torch.testing.assert_close(y.float(), (x_seen.float() @ w.float()).to(torch.bfloat16).float(),
                                    rtol=2e-2, atol=2e-2)
@@ -332,9 +322,9 @@ def _fold_case(k: int, outs: list[int], adapters: int, segments: int):
     return case, make_gemm_lora(case, segments), w
 
 
-def _norm_then_fold(gemm, group: str, w: torch.Tensor, lora):
-    """A step as the decode graphs run it: the add + norm writing the GEMM's input, then the
-    GEMM with `lora` folded in. Returns (step, the norm's input to renew, y, the x seen)."""
+def _norm_then(w: torch.Tensor, matmul):
+    """A step as the decode graphs run it: the add + norm writing the matmul's input x, then
+    matmul(x, y) writing y = x @ w. Returns (step, the norm's input to renew, y, the x seen)."""
     from kernels.norm.triton_kernel import add_rms_norm_triton
 
     k, n = w.shape
@@ -346,10 +336,15 @@ def _norm_then_fold(gemm, group: str, w: torch.Tensor, lora):
 
     def step():
         _, x = add_rms_norm_triton(hidden, out, norm_w, 1e-5)
-        y.copy_(gemm(x, w, group=group, lora=lora))
+        matmul(x, y)
         x_seen.copy_(x)
 
     return step, out, y, x_seen
+
+
+def _norm_then_fold(gemm, group: str, w: torch.Tensor, lora):
+    """_norm_then with the decode GEMM's LoRA fold as the matmul."""
+    return _norm_then(w, lambda x, y: y.copy_(gemm(x, w, group=group, lora=lora)))
 
 
 @pytest.mark.parametrize("adapters,segments,splits", [(1, 1, 8), (32, 32, 4), (20, 32, 4), (64, 64, 2)])
