@@ -103,7 +103,8 @@ class Tuning:
         "columns a program of the LoRA add + norm after the groups of norm_split_groups "
         "covers (0: one program a row)")})
     norm_split_groups: frozenset[str] = field(default=frozenset({"o"}), metadata={"help": (
-        "of o and down, those whose LoRA add + norm spreads each row over programs")})
+        "of o and down, those whose LoRA add + norm spreads each row over programs (where the "
+        "delta comes unexpanded: one expanded on the side stream takes one program a row)")})
     gate_up_silu: bool = field(default=True, metadata={"help": (
         "in steps without LoRA on gate/up, its decode GEMM writes SiLU(gate) * up itself: "
         "no SiLU launch")})

@@ -24,7 +24,8 @@ A shrink folded into its matmul leaves no side-stream edge before the op after i
 early (PDL) that op reads its rows' B while the GEMM streams its weights. A group in both
 fold sets (o) folds whole in steps of few adapters and only its shrink in the rest, where the
 add + norm after it, split into column programs (Tuning.norm_split_groups), reads B before
-its wait.
+its wait. A delta expanded on the side stream has no B left to read: its add + norm takes one
+program a row (measured faster at 16 adapters, docs/PERFORMANCE.md).
 
 The shrink writes its split partial sums into one static workspace (sized for the largest
 graph batch) that every group reuses: a group's shrink is queued on the side stream after
@@ -249,8 +250,11 @@ class OverlappedLoraApplier:
         if self.overlap.stream is not None:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
+        # The split lets the add + norm read B before its wait; an expanded delta has no B to
+        # read, and one program a row adds it with fewer launches' worth of programs.
+        split = self.overlap.split_for(group) if self._expanded is None else None
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
-                         self._token_rows(group), self._expanded, self.overlap.split_for(group))
+                         self._token_rows(group), self._expanded, split)
 
 
 def _rank_col(group: str) -> int:

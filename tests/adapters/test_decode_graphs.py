@@ -39,14 +39,15 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
 
 @pytest.mark.parametrize("device,norm_split,side_down,fold,sfold", [
     ("cpu", 0, False, None, None), ("cpu", 16, False, (), None), ("cpu", 0, True, (), None),
-    ("cpu", 0, False, "all", "none"), ("cpu", 16, False, (), "all"),
+    ("cpu", 0, False, "all", "none"), ("cpu", 16, False, (), "all"), ("cpu", 16, True, (), None),
     pytest.param("cuda", 0, False, None, None, marks=pytest.mark.gpu),
     pytest.param("cuda", 16, False, (), None, marks=pytest.mark.gpu),
     pytest.param("cuda", 0, True, (), None, marks=pytest.mark.gpu),
     pytest.param("cuda", 0, False, "all", "none", marks=pytest.mark.gpu),
-    pytest.param("cuda", 16, False, (), "all", marks=pytest.mark.gpu)],
-    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold", "cuda", "cuda-split",
-         "cuda-down", "cuda-fold", "cuda-sfold"])
+    pytest.param("cuda", 16, False, (), "all", marks=pytest.mark.gpu),
+    pytest.param("cuda", 16, True, (), None, marks=pytest.mark.gpu)],
+    ids=["cpu", "cpu-split", "cpu-down", "cpu-fold", "cpu-sfold", "cpu-split-down", "cuda",
+         "cuda-split", "cuda-down", "cuda-fold", "cuda-sfold", "cuda-split-down"])
 def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_down, fold, sfold,
                                                       tiny_llama_path, tmp_path, monkeypatch) -> None:
     """The node's tuning (kernels/tuning.py) picks how graph steps run LoRA. norm_split: the
@@ -59,7 +60,8 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     others of the shrink-fold groups (sfold: None for the default shrink_fold_groups, "none",
     "all" for every group, o and down then expanded by the split add + norm, gate/up's and
     down's shrink spread over their tile programs: fold_shrink_spread) shrink in their
-    matmul. They run in Triton (natively, or interpreted by test_triton_interpreter.py); the
+    matmul. With norm_split the add + norms after o and down split their rows, except where
+    the side stream expanded the delta (side_down): those take one program a row. They run in Triton (natively, or interpreted by test_triton_interpreter.py); the
     CPU reference ignores the split."""
     from inference_node.lora_step import overlap
     from inference_node.model.llama import FUSED_MODULES
@@ -73,6 +75,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         tuning = tuning.replace(
             side_expand_segments=0, norm_split_columns=norm_split,
             side_expand_group_segments={"down": 64} if side_down else {},
+            norm_split_groups=frozenset({"o", "down"}),
             fold_groups=frozenset(fold_groups), shrink_fold_groups=frozenset(sfold_groups),
             fold_shrink_spread=frozenset({"gate_up", "down"} if sfold == "all" else ()))
         expands = []
@@ -91,6 +94,16 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         return lora
 
     monkeypatch.setattr(overlap.OverlappedLoraApplier, "fold", spy_fold)
+    split_deltas = []  # (group, expanded on the side stream, split over column programs)
+    real_end = overlap.OverlappedLoraApplier.end
+
+    def spy_end(self, layer, group, x, y):
+        delta = real_end(self, layer, group, x, y)
+        if delta is not None and group in ("o", "down"):
+            split_deltas.append((group, delta.expanded is not None, delta.column_split is not None))
+        return delta
+
+    monkeypatch.setattr(overlap.OverlappedLoraApplier, "end", spy_end)
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
@@ -129,6 +142,11 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
             downs = {id(layer["down"].b) for layer in buffers.layers}
             assert {id(b) in downs for b in expands} == ({True} if side_down else set())
         if norm_split:
+            # Down's side-stream shrink leaves an unexpanded delta, which splits; expanded
+            # there too (side_down), it does not. (o, and down with sfold, shrink in their
+            # matmul: not seen here.)
+            assert set(split_deltas) == ({("down", side_down, not side_down)}
+                                         if "down" not in shrink_folded else set())
             from kernels.dispatch import use_triton
 
             split = node.engine.decode_graphs.lora.applier.__self__.beside.column_split
