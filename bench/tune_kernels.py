@@ -28,12 +28,13 @@ With --fields fold (or base,fold) it sweeps the tilings of the decode GEMM with 
 (Tuning.fold_tilings; kernels/gemm/fold.py), which steps with adapters run: per group, batch
 and adapter-count bucket (--adapters: that many distinct rank-16 adapters, the rows grouped by
 adapter as a decode graph orders them), in the mode the node's tuning runs that group in at
-that count (inference_node/lora_step/overlap.py step_lora_plan: with the defaults o folds
-whole, expand=True, in steps of up to 8 adapters, and q/k/v, gate/up and o only shrink,
-expand=False, in steps of more; with --tp N a rank's plan, where o always folds whole: its
-delta must be in its partial output before the all-reduce; groups the step does not fold are
-not swept). Each candidate
-is checked against the reference x @ W + the LoRA delta (with expand=False: the delta of the
+that count (inference_node/lora_step/overlap.py step_lora_plan, under the node choices of the
+table already at the output path: with the defaults o folds whole, expand=True, in steps of up
+to 8 adapters, and q/k/v, gate/up and o only shrink, expand=False, in steps of more; a group of
+the table's fold_shrink_spread shrinks in its tile programs, in as many K ranges as the node
+cuts it into; with --tp N a rank's plan, where o always folds whole: its delta must be in its
+partial output before the all-reduce; groups the step does not fold are not swept). Each
+candidate is checked against the reference x @ W + the LoRA delta (with expand=False: the delta of the
 shrink's stored rows) and timed in a CUDA graph over copies of the weight and of the adapters'
 A and B, each copy with its own launch counters as each layer has. Its winners go into the
 buckets (batch, adapters), each holding the base choices a step of that batch gets, and
@@ -93,6 +94,7 @@ class Measured:
     rejected: tuple[str, ...] = ()   # candidates that failed to run or to match the reference
     adapters: int = 0                # distinct adapters in the step: 0 the base GEMM, else a fold
     expand: bool = True              # a fold's mode (GemmLora.expand)
+    splits: int = 0                  # a shrink-only fold's K ranges (GemmLora.shrink_splits)
     nbytes: int = 0                  # what one launch must move: its floor's bytes (launch_bytes)
 
 
@@ -356,7 +358,7 @@ def sweep(shape: ModelShape, batches: list[int], groups: list[str], device: torc
 
 def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int, expand: bool,
                 copies: int, device: torch.device, dtype: torch.dtype,
-                gen: torch.Generator) -> list[GemmLora]:
+                gen: torch.Generator, splits: int = 0) -> list[GemmLora]:
     """One GemmLora per weight copy, as the LoRA step plan builds a layer's
     (inference_node/lora_step/overlap.py): `adapters` distinct adapters of rank `rank` on every
     slice, the batch's rows grouped by adapter in contiguous runs (as a decode graph orders
@@ -364,7 +366,7 @@ def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int,
     segment bucket), deltas about as large as the base output. Adapter s holds rank rows
     s*rank .. s*rank + rank - 1 of every slice's arena (adapters/slots.py). Each copy has its
     own A, B and launch counters (as each layer has); the shrink's rows are one buffer they
-    share."""
+    share, with room for `splits` partial sums a row (a spread shrink, GemmLora.shrink_splits)."""
     from inference_node.model.llama import LORA_MODULES
     from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta
 
@@ -373,7 +375,7 @@ def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int,
         [[rank, s * rank] * len(LORA_MODULES) for s in range(adapters)], adapters)
     n, slices = sum(widths), len(widths)
     offsets = tuple(sum(widths[:i]) for i in range(slices))
-    xa = torch.empty(batch, slices * rank, dtype=torch.float32, device=device)
+    xa = torch.empty(batch, max(1, splits) * slices * rank, dtype=torch.float32, device=device)
     scaling = torch.ones(adapters, dtype=torch.float32, device=device)
     out = []
     for _ in range(copies):
@@ -382,7 +384,7 @@ def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int,
         out.append(GemmLora(a_all, b_all, scaling, offsets, meta.segment_table, adapters,
                             SEGMENT_TABLE_RANKS, rank, meta.token_slots,
                             meta.token_table[:, :2 * slices], xa,
-                            fold_counters(device=device), expand))
+                            fold_counters(device=device), expand, shrink_splits=splits))
     return out
 
 
@@ -393,8 +395,8 @@ def folded_output(y: torch.Tensor, lora: GemmLora) -> torch.Tensor:
         return y.float()
     from kernels.lora import gather_rows
 
-    rows, r = y.shape[0], lora.rank
-    xa = lora.xa[:rows, :lora.slices * r]
+    rows, r, width = y.shape[0], lora.rank, lora.slices * lora.rank
+    xa = lora.xa[:rows, :lora.splits * width].view(rows, lora.splits, width).sum(1)
     runs = lora.token_rows[:rows]
     delta = torch.cat([torch.einsum("tr,tro->to", xa[:, i * r:(i + 1) * r],
                                     gather_rows(b, runs[:, 2 * i + 1], runs[:, 2 * i], r))
@@ -409,6 +411,18 @@ def fold_modes(groups: list[str], adapters: int, tuning: Tuning = DEFAULT_TUNING
 
     plan = tuning_lora_plan(tuning, adapters)
     return {g: g in plan.folded for g in groups if g in plan.folded | plan.shrink_folded}
+
+
+def fold_splits(group: str, expand: bool, adapters: int, slices: int, tuning: Tuning,
+                device: torch.device) -> int:
+    """The K ranges the node cuts a group's shrink-only fold into (its tile programs shrink:
+    Tuning.fold_shrink_spread), 0 where it has shrink programs."""
+    from inference_node.lora_step.overlap import spread_splits
+    from kernels.host import num_sms
+
+    if expand or group not in tuning.fold_shrink_spread:
+        return 0
+    return spread_splits(num_sms(device), adapters, slices)
 
 
 def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int], groups: list[str],
@@ -460,22 +474,23 @@ def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int],
                 if group not in weights:
                     weights[group] = weight_copies(N, K, copies[group], device, dtype, gen)
                 w = weights[group]
+                splits = fold_splits(group, expand, adapters, len(slice_widths(shape, group)),
+                                     tuning, device)
                 loras = fold_copies(K, slice_widths(shape, group), batch, adapters, rank, expand,
-                                    copies[group], device, dtype, gen)
+                                    copies[group], device, dtype, gen, splits)
                 x = torch.randn(batch, K, generator=gen).to(device, dtype)
                 checks = [(x, loras[0])]
                 top = bucket_top(batch, batches)
                 if not same_row_tile(batch, top):  # the bucket's largest step, checked untimed
                     checks.append((torch.randn(top, K, generator=gen).to(device, dtype),
                                    fold_copies(K, slice_widths(shape, group), top, adapters, rank,
-                                               expand, 1, device, dtype, gen)[0]))
+                                               expand, 1, device, dtype, gen, splits)[0]))
                 refs = [xi.float() @ w[0].float() + li.delta(xi) for xi, li in checks]
                 timings: dict[Tiling, float] = {}
                 rejected = []
                 for option in options[group]:
-                    tuning = DEFAULT_TUNING.replace(fold_tilings={**DEFAULT_TUNING.fold_tilings,
-                                                                 group: option})
-                    gemm = DecodeGemm(device, tuning)
+                    gemm = DecodeGemm(device, DEFAULT_TUNING.replace(
+                        fold_tilings={**DEFAULT_TUNING.fold_tilings, group: option}))
                     for lora in loras + [li for _, li in checks[1:]]:
                         lora.sync.zero_()
                     try:
@@ -500,10 +515,12 @@ def sweep_fold(shape: ModelShape, batches: list[int], adapter_counts: list[int],
                 best = min(timings, key=timings.get)
                 results.append(Measured(group, batch, default, timings[default], best,
                                         timings[best], tuple(rejected), adapters, expand,
-                                        launch_bytes(N, K, batch, esize, adapters, rank,
-                                                     len(slice_widths(shape, group)), expand)))
+                                        splits, launch_bytes(N, K, batch, esize, adapters, rank,
+                                                             len(slice_widths(shape, group)), expand)))
+                how = ("expand" if expand else f"shrink spread over {splits} K ranges" if splits
+                       else "shrink only")
                 print(f"  {group} fold batch {batch}, {adapters} adapters "
-                      f"({'expand' if expand else 'shrink only'}): {len(timings)} tilings timed, "
+                      f"({how}): {len(timings)} tilings timed, "
                       f"{time.monotonic() - started:.0f} s in", flush=True)
                 del loras
     return sorted(results, key=lambda r: (GROUPS.index(r.group), r.batch, r.adapters)), skipped
@@ -518,7 +535,8 @@ def print_results(results: list[Measured], smoke: bool, bandwidth: float | None 
     print(f"\n{'group':8} {'batch':>5}{what}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
           f"{'us':>8} {'default/best':>12} {'floor us':>8} {'best/floor':>10}   [{unit}]")
     for r in results:
-        mode = (f" {r.adapters:8d} {('whole' if r.expand else 'shrink') if r.adapters else '-':>6}"
+        kind = "whole" if r.expand else "spread" if r.splits else "shrink"
+        mode = (f" {r.adapters:8d} {kind if r.adapters else '-':>6}"
                 if fold else "")
         floor = r.nbytes / bandwidth * 1e6 if bandwidth and r.nbytes else None
         vs_floor = f"{floor:8.2f} {r.best_us / floor:10.2f}" if floor else f"{'-':>8} {'-':>10}"
@@ -564,10 +582,6 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if smoke else torch.bfloat16
     model = args.model or ("tiny" if smoke else "llama-1b-random")
     shape = model_shape(model, args.tp)
-    # A rank's decode graphs never leave o's or down's delta unexpanded (parallel/shard.py):
-    # the fold is swept in the modes those steps run it.
-    from inference_node.parallel.shard import tensor_parallel_tuning
-    plan_tuning = tensor_parallel_tuning(DEFAULT_TUNING) if args.tp > 1 else DEFAULT_TUNING
     batches = [int(b) for b in (args.batches or ("1,4" if smoke else ",".join(map(str, BATCHES)))).split(",")]
     too_large = [b for b in batches if b > MAX_ROWS]
     if too_large:
@@ -588,6 +602,25 @@ def main(argv: list[str] | None = None) -> int:
     tma = not smoke and DEFAULT_TUNING.gemm_tma and hopper(torch.empty(1, device=device))
     field = tiling_field(tma)
     name = device_name(device)
+    out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="tune-kernels-")) if smoke
+                                           else Path(__file__).resolve().parents[1] / "kernels" / "configs")
+    path = out if out.suffix == ".json" else out / table_name(name, shape)
+    existing = None
+    if path.is_file():
+        try:
+            existing = TuningTable.read(path)
+        except TuningTableError as exc:
+            raise SystemExit(f"{exc}: fix or remove it, or write elsewhere with --out") from None
+        if (existing.device, existing.shape) != (name, shape):
+            print(f"{path} is for {existing.device}, {existing.shape.key}: replaced, nothing kept")
+            existing = None
+    # The fold is swept in the modes the node's steps run it: the LoRA step plan of the table's
+    # node choices (kept), and a rank's, whose decode graphs never leave o's or down's delta
+    # unexpanded (parallel/shard.py).
+    from inference_node.parallel.shard import tensor_parallel_tuning
+    plan_tuning = existing.tunings(DEFAULT_TUNING).base if existing else DEFAULT_TUNING
+    if args.tp > 1:
+        plan_tuning = tensor_parallel_tuning(plan_tuning)
     print(("CPU SMOKE (no tuning: checks the sweep and the table's writing and reading)\n" if smoke else "")
           + f"device {name}; shape {shape.key} ({model}, tp {args.tp}); "
           + " and ".join(([field] if "base" in fields else [])
@@ -613,18 +646,6 @@ def main(argv: list[str] | None = None) -> int:
     print_results(results, smoke, bandwidth)
 
     command = "python -m bench.tune_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="tune-kernels-")) if smoke
-                                           else Path(__file__).resolve().parents[1] / "kernels" / "configs")
-    path = out if out.suffix == ".json" else out / table_name(name, shape)
-    existing = None
-    if path.is_file():
-        try:
-            existing = TuningTable.read(path)
-        except TuningTableError as exc:
-            raise SystemExit(f"{exc}: fix or remove it, or write elsewhere with --out") from None
-        if (existing.device, existing.shape) != (name, shape):
-            print(f"{path} is for {existing.device}, {existing.shape.key}: replaced, nothing kept")
-            existing = None
     swept = "+".join(([field] if "base" in fields else []) + (["fold_tilings"] if "fold" in fields else []))
     table = table_for(results, field, name, shape, args.min_gain,
                       f"{command.strip()} ({'CPU SMOKE' if smoke else swept}, min gain {args.min_gain})",

@@ -209,11 +209,8 @@ class OverlappedLoraApplier:
         overlap = self.overlap
         buf = overlap.buffers.layers[layer][group]
         segments = self.meta.num_segments
-        splits = 0
-        if not expand and group in overlap.shrink_fold_spread:
-            # About one unit of the shrink an SM: the tile programs share it evenly.
-            units = segments * len(buf.offsets)
-            splits = max(1, min(MAX_SHRINK_SPLITS, overlap.sms // max(units, 1)))
+        splits = (spread_splits(overlap.sms, segments, len(buf.offsets))
+                  if not expand and group in overlap.shrink_fold_spread else 0)
         return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
                         self.meta.segment_table, segments, _rank_col(group),
                         overlap.buffers.max_rank, self.meta.token_slots,
@@ -255,6 +252,12 @@ class OverlappedLoraApplier:
         split = self.overlap.split_for(group) if self._expanded is None else None
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
                          self._token_rows(group), self._expanded, split)
+
+
+def spread_splits(sms: int, segments: int, slices: int) -> int:
+    """The K ranges of a shrink spread over its GEMM's tile programs (GemmLora.shrink_splits):
+    about one unit of (segment, slice, K range) an SM, so the tile programs share it evenly."""
+    return max(1, min(MAX_SHRINK_SPLITS, sms // max(segments * slices, 1)))
 
 
 def _rank_col(group: str) -> int:

@@ -253,6 +253,32 @@ def test_the_cpu_smoke_sweeps_the_fold_and_adds_it_to_the_table_there(tmp_path: 
     assert "base buckets kept from" in table.produced_by
 
 
+def test_the_fold_sweep_runs_the_plan_of_the_tables_node_choices(tmp_path: Path) -> None:
+    """A table there whose node choices spread a group's folded shrink over its tile programs
+    (the H100 8B table does so for down; here gate/up, with no side-stream expands): the fold
+    sweep times it in that mode, its shrink's partial sums checked against the reference, and
+    keeps the node choices."""
+    import json
+
+    shape = model_shape("tiny")
+    run_smoke("--batches", "16", "--out", str(tmp_path))
+    path = tmp_path / table_name("cpu", shape)
+    raw = json.loads(path.read_text())
+    raw["node"] = {"shrink_fold_groups": ["qkv", "o", "gate_up", "down"], "fold_shrink_spread": ["gate_up"],
+                   "side_expand_segments": 0, "side_expand_group_segments": {}}
+    path.write_text(json.dumps(raw))
+    out = run_smoke("--fields", "fold", "--groups", "gate_up,o", "--batches", "16", "--adapters", "1",
+                    "--out", str(tmp_path))
+    assert "rejected" not in out, out
+    # 4 SMs on a CPU (kernels.host.num_sms) over 1 adapter's 2 slices: 2 K ranges.
+    assert "gate_up fold batch 16, 1 adapters (shrink spread over 2 K ranges)" in out, out
+    assert "o fold batch 16, 1 adapters (shrink only)" in out, out
+    assert any(line.split()[:4] == ["gate_up", "16", "1", "spread"] for line in out.splitlines()), out
+    table = load_table("auto", "cpu", shape, tmp_path)
+    assert table.node["fold_shrink_spread"] == frozenset({"gate_up"})
+    assert table.node["shrink_fold_groups"] == frozenset(GROUPS)
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the sweep is run by hand")
 def test_the_fold_sweep_runs_the_fold_kernel_in_the_interpreter(tmp_path: Path) -> None:
