@@ -35,8 +35,8 @@ the table's fold_shrink_spread shrinks in its tile programs, in as many K ranges
 cuts it into; with --tp N a rank's plan, where o always folds whole: its delta must be in its
 partial output before the all-reduce; groups the step does not fold are not swept). Each
 candidate is checked against the reference x @ W + the LoRA delta (with expand=False: the delta
-of the shrink's stored rows) and timed in a CUDA graph over copies of the weight and of the adapters'
-A and B, each copy with its own launch counters as each layer has. Its winners go into the
+of the shrink's stored rows) and timed in a CUDA graph over copies of the weight and of the
+adapters' A and B, each copy with its own launch counters as each layer has. Its winners go into the
 buckets (batch, adapters), each holding the base choices a step of that batch gets, and
 fold_tilings. Each field's sweep has its own --budget-s.
 
