@@ -279,6 +279,15 @@ def test_the_fold_sweep_runs_the_plan_of_the_tables_node_choices(tmp_path: Path)
     assert table.node["shrink_fold_groups"] == frozenset(GROUPS)
 
 
+def test_a_rank_s_plan_holds_for_every_bucket_of_the_fold_sweep(tmp_path: Path) -> None:
+    """Under --tp o folds whole at every adapter count (its delta must be in its partial
+    output before the all-reduce), also in the buckets after the first."""
+    out = run_smoke("--model", "llama-1b-random", "--tp", "2", "--fields", "fold", "--groups", "o",
+                    "--batches", "16", "--adapters", "1,16", "--out", str(tmp_path))
+    for adapters in (1, 16):
+        assert f"o fold batch 16, {adapters} adapters (expand)" in out, out
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the sweep is run by hand")
 def test_the_fold_sweep_runs_the_fold_kernel_in_the_interpreter(tmp_path: Path) -> None:
