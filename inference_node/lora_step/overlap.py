@@ -248,7 +248,7 @@ class OverlappedLoraApplier:
             torch.cuda.current_stream().wait_stream(self.overlap.stream)
         buffers = self.overlap.buffers
         # The split lets the add + norm read B before its wait; an expanded delta has no B to
-        # read, and one program a row adds it with fewer launches' worth of programs.
+        # read, and one program a row adds it faster (module docstring).
         split = self.overlap.split_for(group) if self._expanded is None else None
         return LoraDelta(self._partials, tuple(buffers.layers[layer][group].b),
                          self._token_rows(group), self._expanded, split)
