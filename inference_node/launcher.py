@@ -5,8 +5,10 @@ for its welcome, then serves gRPC (and the OpenAI-compatible HTTP API, with --ht
 from this process and from `api_processes - 1` more front ends sharing the ports. On SIGTERM
 or Ctrl-C this process drains the node (the others stop taking work); if the engine core
 dies, every front end answers its open streams with UNAVAILABLE, reports NOT_SERVING and the
-node exits non-zero. Children never outlive it: the core and the front ends watch their
-parent and exit when it is gone.
+node exits non-zero. A front end that dies takes the node down the same way (drained, exit 1):
+its port share would close unseen and its requests' answers have nowhere to go, so the
+node's supervisor restarts it whole. Children never outlive it: the core and the front ends
+watch their parent and exit when it is gone.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class Processes:
         self.core_address = f"ipc://{self.ipc_dir}/core"
         self.core: multiprocessing.Process | None = None
         self.frontends: list[multiprocessing.Process] = []
+        self.stopping = False
 
     def output_address(self, index: int) -> str:
         return f"ipc://{self.ipc_dir}/frontend-{index}"
@@ -87,7 +90,21 @@ class Processes:
                 if not proc.is_alive():
                     raise NodeStartError(f"{proc.name} exited with code {proc.exitcode} while starting")
 
+    def watch_frontends(self, on_exit) -> None:
+        """Calls on_exit(proc) when a front end exits before `stop_frontends` asked it to."""
+        loop = asyncio.get_running_loop()
+
+        def exited(proc: multiprocessing.Process) -> None:
+            loop.remove_reader(proc.sentinel)
+            if not self.stopping:
+                proc.join(1.0)
+                on_exit(proc)
+
+        for proc in self.frontends:
+            loop.add_reader(proc.sentinel, exited, proc)
+
     def stop_frontends(self) -> None:
+        self.stopping = True
         for proc in self.frontends:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
@@ -164,17 +181,25 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
             except NodeStartError as exc:
                 log.error("%s", exc)
                 server.request_stop()
+            procs.watch_frontends(lambda proc: frontend_died(server, proc))
             await server.set_serving()
         on_ready(server)
         await server.wait_for_stop()
         procs.stop_frontends()
         await server.stop()
-        return 1 if server.core_failed else 0
+        return 1 if server.core_failed or server.frontend_failed else 0
     finally:
         if server is None:
             client.close()
         await asyncio.get_running_loop().run_in_executor(None, procs.join, options.drain_seconds + 10.0)
         log.info("inference node stopped")
+
+
+def frontend_died(server, proc: multiprocessing.Process) -> None:
+    log.error("%s exited with code %s while serving: draining the node, which then exits 1",
+              proc.name, proc.exitcode)
+    server.frontend_failed = True
+    server.request_stop()
 
 
 def serve(settings: NodeSettings, options: ServeOptions) -> int:
