@@ -34,8 +34,10 @@ demo-node: $(VENV)/.installed
 	$(BIN)/python -m lora_client.demo
 
 # Three workers on two cores: the suite waits on subprocesses and sockets about half the time.
+# A module runs whole on one worker (loadfile): some are one scenario in steps over a shared
+# stack (tests/faults), and each builds its costly fixtures once.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n 3 -m "not interpreter"
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not interpreter"
 
 test-kernels: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m interpreter
