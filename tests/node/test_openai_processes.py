@@ -24,6 +24,10 @@ def _completion(url: str, body: dict) -> httpx.Response:
         return client.post(f"{url}/completions", json=body)
 
 
+def _tail(node: Node, lines: int = 60) -> str:
+    return "\n".join(node.log_text().splitlines()[-lines:])
+
+
 def test_two_front_ends_share_the_http_port_and_drain_it(tmp_path, tiny_llama_path, adapter_dir) -> None:
     http_port = free_port()
     url = f"http://127.0.0.1:{http_port}/v1"
@@ -49,11 +53,12 @@ def test_two_front_ends_share_the_http_port_and_drain_it(tmp_path, tiny_llama_pa
             t.start()
         for t in threads:
             t.join(120)
-        assert got == {(a, i, k): expected[(a, i)] for (a, i, k) in jobs}
+        assert got == {(a, i, k): expected[(a, i)] for (a, i, k) in jobs}, _tail(node)
         http_lines = [line for line in node.log_text().splitlines() if "api=http" in line]
         assert len(http_lines) == len(jobs)
-        assert any("frontend-1" in line for line in http_lines), "the second front end served no HTTP"
-        assert any("frontend-1" not in line for line in http_lines), "the first front end served no HTTP"
+        served_by_second = sum("frontend-1" in line for line in http_lines)
+        assert 0 < served_by_second < len(jobs), (f"{served_by_second} of {len(jobs)} connections went to the "
+                                                  f"second front end; the node's log:\n{_tail(node)}")
         listed = {m["id"] for m in httpx.get(f"{url}/models", timeout=30).json()["data"]}
         assert listed == {base, *ADAPTERS}
 
