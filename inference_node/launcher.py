@@ -5,9 +5,9 @@ for its welcome, then serves gRPC (and the OpenAI-compatible HTTP API, with --ht
 from this process and from `api_processes - 1` more front ends sharing the ports. On SIGTERM
 or Ctrl-C this process drains the node (the others stop taking work); if the engine core
 dies, every front end answers its open streams with UNAVAILABLE, reports NOT_SERVING and the
-node exits non-zero. A front end that dies takes the node down the same way (drained, exit 1):
-its port share would close unseen and its requests' answers have nowhere to go, so the
-node's supervisor restarts it whole. Children never outlive it: the core and the front ends
+node exits non-zero. A front end that dies drains the node, which then exits 1: its share of
+the port closed unseen and its requests' answers have nowhere to go, so the node's
+supervisor restarts it whole. Children never outlive it: the core and the front ends
 watch their parent and exit when it is gone.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from .core.engine_core import run_engine_core_process
 from .frontend.engine_client import EngineClient
@@ -31,6 +32,9 @@ from .model.embedded import default_checkpoint
 from .node import NodeSettings, check_tensor_parallel
 from .parallel.shard import ShardingError
 from .parent_watch import die_with_parent, parent_alive
+
+if TYPE_CHECKING:
+    from .server import NodeServer
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 3600.0  # loading, warming up and capturing a large model's graphs takes minutes
@@ -90,7 +94,7 @@ class Processes:
                 if not proc.is_alive():
                     raise NodeStartError(f"{proc.name} exited with code {proc.exitcode} while starting")
 
-    def watch_frontends(self, on_exit) -> None:
+    def watch_frontends(self, on_exit: Callable[[multiprocessing.Process], None]) -> None:
         """Calls on_exit(proc) when a front end exits before `stop_frontends` asked it to."""
         loop = asyncio.get_running_loop()
 
@@ -195,7 +199,7 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
         log.info("inference node stopped")
 
 
-def frontend_died(server, proc: multiprocessing.Process) -> None:
+def frontend_died(server: NodeServer, proc: multiprocessing.Process) -> None:
     log.error("%s exited with code %s while serving: draining the node, which then exits 1",
               proc.name, proc.exitcode)
     server.frontend_failed = True
