@@ -184,8 +184,10 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
                     dataclasses.replace(options, http_port=server.http_port), server.port)
             except NodeStartError as exc:
                 log.error("%s", exc)
+                server.frontend_failed = True
                 server.request_stop()
-            procs.watch_frontends(lambda proc: frontend_died(server, proc))
+            else:
+                procs.watch_frontends(lambda proc: frontend_died(server, proc))
             await server.set_serving()
         on_ready(server)
         await server.wait_for_stop()
