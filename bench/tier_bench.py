@@ -359,8 +359,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args.use_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and cuda)
     args.use_mixed = args.mixed_graphs == "on" or (args.mixed_graphs == "auto" and cuda)
     torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory(prefix="tier-bench-") as tmp:
-        return _run(args, args.workdir or Path(tmp), device, dtype)
+    # Each load from the disk tier says the store is unreachable: expected here. The level is
+    # put back after, for whatever else runs in this process (the test suite does).
+    store_source = logging.getLogger("inference_node.adapters.store_source")
+    level = store_source.level
+    if not args.verbose:
+        store_source.setLevel(logging.ERROR)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tier-bench-") as tmp:
+            return _run(args, args.workdir or Path(tmp), device, dtype)
+    finally:
+        store_source.setLevel(level)
 
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
@@ -396,8 +405,6 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
         refuser.bind(("127.0.0.1", 0))  # and never listening: connecting to it is refused
         settings = NodeSettings(adapter_store=f"127.0.0.1:{refuser.getsockname()[1]}", adapter_disk_dir=str(disk_dir))
         disk_line = "the node's disk tier of store adapters, the store refusing connections"
-        if not args.verbose:  # each load says the store is unreachable: expected here
-            logging.getLogger("inference_node.adapters.store_source").setLevel(logging.ERROR)
 
     max_model_len = args.prompt_len + args.background_tokens + args.block_size
     per_seq = -(-(max_model_len + 1) // args.block_size)

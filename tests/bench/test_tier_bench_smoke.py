@@ -2,10 +2,12 @@
 the tier it was set up for, by the adapter manager's own account (so a host-tier probe whose
 adapter was already on the GPU fails here), and the table and target lines print. With
 `--disk disk-tier` the store refuses connections, so a disk probe that did not read the
-node's disk tier fails."""
+node's disk tier fails. The bench quiets the store source's log for its run only: tests after
+it in the same process read that log."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -21,11 +23,14 @@ TIERS = ("gpu", "host", "disk")
 def test_tier_bench_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]) -> None:
     from bench import tier_bench
 
+    store_source = logging.getLogger("inference_node.adapters.store_source")
+    level = store_source.level
     result = tier_bench.main(["--device", "cpu", "--model", "tiny", "--probes", "2", "--background", "3",
                               "--background-tokens", "48", "--threads", "1", "--workdir", str(tmp_path),
                               "--json", str(tmp_path / "tiers.json"), *mode])
     out = capsys.readouterr().out
     assert result["ok"], out
+    assert store_source.level == level
     probes = result["probes"]
     assert sorted(p["tier"] for p in probes if p["timed"]) == sorted(TIERS * 2)
     for p in probes:  # the untimed first probe of each tier too
