@@ -229,16 +229,18 @@ def test_engine_death_answers_unavailable_and_the_node_exits_non_zero(tmp_path, 
 
 def test_a_front_end_death_drains_the_node_and_exits_non_zero(tmp_path, tiny_llama_path) -> None:
     node = Node(tmp_path, tiny_llama_path, "--api-processes", "2", "--drain-seconds", "30")
-    core = _core_pid(node)
-    spawned = [p for p in node.pids if p != core and "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-    assert len(spawned) == 1, (spawned, node.pids)
-    killed_at = time.monotonic()
-    os.kill(spawned[0], signal.SIGKILL)
-    assert node.child.proc.wait(30) == 1
-    assert time.monotonic() - killed_at < 20
-    assert "frontend-1 exited with code -9 while serving" in node.log_text(), node.log_text()
-    node.assert_no_children()
-    node.stop()
+    try:
+        core = _core_pid(node)
+        spawned = [p for p in node.pids if p != core and "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(spawned) == 1, (spawned, node.pids)
+        killed_at = time.monotonic()
+        os.kill(spawned[0], signal.SIGKILL)
+        assert node.child.proc.wait(30) == 1
+        assert time.monotonic() - killed_at < 20
+        assert "frontend-1 exited with code -9 while serving" in node.log_text(), node.log_text()
+        node.assert_no_children()
+    finally:
+        node.stop()
 
 
 def _core_pid(node: Node) -> int:
