@@ -24,7 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from .core.engine_core import run_engine_core_process
 from .frontend.engine_client import EngineClient
@@ -32,9 +32,6 @@ from .model.embedded import default_checkpoint
 from .node import NodeSettings, check_tensor_parallel
 from .parallel.shard import ShardingError
 from .parent_watch import die_with_parent, parent_alive
-
-if TYPE_CHECKING:
-    from .server import NodeServer
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 3600.0  # loading, warming up and capturing a large model's graphs takes minutes
@@ -71,6 +68,7 @@ class Processes:
         self.core: multiprocessing.Process | None = None
         self.frontends: list[multiprocessing.Process] = []
         self.stopping = False
+        self.frontend_failed = False  # one failed to start, or exited before it was asked to
 
     def output_address(self, index: int) -> str:
         return f"ipc://{self.ipc_dir}/frontend-{index}"
@@ -92,17 +90,21 @@ class Processes:
         for proc, event in zip(self.frontends, ready):
             while not event.wait(0.2):
                 if not proc.is_alive():
+                    self.frontend_failed = True
                     raise NodeStartError(f"{proc.name} exited with code {proc.exitcode} while starting")
 
-    def watch_frontends(self, on_exit: Callable[[multiprocessing.Process], None]) -> None:
-        """Calls on_exit(proc) when a front end exits before `stop_frontends` asked it to."""
+    def watch_frontends(self, on_exit: Callable[[], None]) -> None:
+        """Logs a front end that exits before `stop_frontends` asked it to, and calls on_exit."""
         loop = asyncio.get_running_loop()
 
         def exited(proc: multiprocessing.Process) -> None:
             loop.remove_reader(proc.sentinel)
             if not self.stopping:
                 proc.join(1.0)
-                on_exit(proc)
+                log.error("%s exited with code %s while serving: draining the node, which then exits 1",
+                          proc.name, proc.exitcode)
+                self.frontend_failed = True
+                on_exit()
 
         for proc in self.frontends:
             loop.add_reader(proc.sentinel, exited, proc)
@@ -184,28 +186,20 @@ async def run_node(settings: NodeSettings, options: ServeOptions,
                     dataclasses.replace(options, http_port=server.http_port), server.port)
             except NodeStartError as exc:
                 log.error("%s", exc)
-                server.frontend_failed = True
                 server.request_stop()
             else:
-                procs.watch_frontends(lambda proc: frontend_died(server, proc))
+                procs.watch_frontends(server.request_stop)
             await server.set_serving()
         on_ready(server)
         await server.wait_for_stop()
         procs.stop_frontends()
         await server.stop()
-        return 1 if server.core_failed or server.frontend_failed else 0
+        return 1 if server.core_failed or procs.frontend_failed else 0
     finally:
         if server is None:
             client.close()
         await asyncio.get_running_loop().run_in_executor(None, procs.join, options.drain_seconds + 10.0)
         log.info("inference node stopped")
-
-
-def frontend_died(server: NodeServer, proc: multiprocessing.Process) -> None:
-    log.error("%s exited with code %s while serving: draining the node, which then exits 1",
-              proc.name, proc.exitcode)
-    server.frontend_failed = True
-    server.request_stop()
 
 
 def serve(settings: NodeSettings, options: ServeOptions) -> int:

@@ -153,7 +153,6 @@ class NodeServer:
         self.port = 0
         self.address = ""
         self.core_failed = False
-        self.frontend_failed = False  # another front end of this node died (the launcher's watch)
         self._stopped = False
         self._stop_requested: asyncio.Event | None = None
 
