@@ -20,7 +20,7 @@ from inference_node.engine.kv_cache import KVCache
 from inference_node.engine.mixed_graphs import (MixedGraphs, MixedLora, lora_rows, lora_segments, rows_buckets,
                                                 token_buckets)
 from inference_node.model.llama import LlamaModel
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 ADAPTERS = {
@@ -92,10 +92,10 @@ def make_adapters(tiny_llama_path: Path, root: Path, names) -> dict[str, Path | 
 
 
 def start_node(tiny_llama_path: Path, root: Path, device: str, **settings) -> InProcessNode:
-    base = dict(model=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=160, max_num_seqs=8,
+    base = dict(checkpoint=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=160, max_num_seqs=8,
                 max_num_batched_tokens=64, max_loras=3, max_lora_rank=16, adapter_dir=str(root),
                 decode_graphs="on", mixed_graphs="on", debug_checks=True)
-    return InProcessNode(NodeSettings(**{**base, **settings}))
+    return InProcessNode(NodeConfig.of(**{**base, **settings}))
 
 
 def generate(node: InProcessNode, job, delay: float = 0.0) -> list[int]:
