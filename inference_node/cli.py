@@ -12,10 +12,14 @@ from kernels.tuning_table import TuningTable, TuningTableError
 from lora_common.envargs import EnvArgumentParser
 from lora_common.tls import TLSConfigError
 
-from .config import ConfigError, NodeConfig, add_flags, from_args
+from .config import ConfigError, NodeConfig, add_flags, from_args, tune_keys
 from .launcher import serve
 
 PROG = "inference-node"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in each flag's help; the epilog (--help-all's --tune keys) one key a line."""
 
 
 class HelpAll(argparse.Action):
@@ -35,7 +39,8 @@ def parser(show_hidden: bool = False) -> EnvArgumentParser:
     serve = sub.add_parser("serve", help="serve the InferenceNode gRPC API", env_prefix="INFERENCE_NODE",
                            description="Serve the InferenceNode gRPC API (and the OpenAI-compatible HTTP API "
                                        "with --http-port). Every flag is also an environment variable: "
-                                       "--max-num-seqs is INFERENCE_NODE_MAX_NUM_SEQS; the command line wins.")
+                                       "--max-num-seqs is INFERENCE_NODE_MAX_NUM_SEQS; the command line wins.",
+                           formatter_class=HelpFormatter, epilog=tune_keys() if show_hidden else None)
     # Not through EnvArgumentParser.add_argument: no environment variable asks for help.
     argparse.ArgumentParser.add_argument(serve, "--help-all", action=HelpAll,
                                          help="show every option, the developer ones too (--tune, the engine's "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -286,16 +287,21 @@ def tune_item(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _tune_help() -> str:
-    keys = "; ".join(f"{f.name}: {choice_help(f.name)} (default {format_choice(f.name, getattr(DEFAULT_TUNING, f.name))})"
-                     for f in dataclasses.fields(Tuning))
-    return ("one launch choice of the decode step, KEY=VALUE, repeatable (env: space-separated); it wins over "
-            f"the tuning table for every step. Groups are {', '.join(GROUPS)}. Keys: {keys}")
+def tune_keys() -> str:
+    """--tune's keys, one a line with its form and default (--help-all's epilog)."""
+    lines = [f"--tune keys (groups are {', '.join(GROUPS)}):"]
+    for f in dataclasses.fields(Tuning):
+        default = format_choice(f.name, getattr(DEFAULT_TUNING, f.name))
+        lines.append(textwrap.fill(f"{f.name} (default {default}): {choice_help(f.name)}", width=100,
+                                   initial_indent="  ", subsequent_indent="      "))
+    return "\n".join(lines)
 
 
 def _add_tune(parser: argparse._ActionsContainer, show_hidden: bool) -> None:
     parser.add_argument("--tune", action="append", type=tune_item, default=[], metavar="KEY=VALUE",
-                        help=_tune_help() if show_hidden else argparse.SUPPRESS)
+                        help="one launch choice of the decode step (keys: below), repeatable (the "
+                             "variable: space-separated); it wins over the tuning table for every step"
+                        if show_hidden else argparse.SUPPRESS)
 
 
 def _read_tuning(args: argparse.Namespace) -> Tuning:

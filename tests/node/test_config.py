@@ -37,7 +37,7 @@ def test_help_all_adds_the_developer_options_and_every_tune_key() -> None:
                  "--debug-checks", "--cpu-threads", "--load-format", "--prefill-delay-factor"):
         assert f"  {flag}" in full, flag
     for f in dataclasses.fields(Tuning):
-        assert f"{f.name}:" in full, f.name
+        assert f"\n  {f.name} (default " in full, f.name
     assert len(options(full)) > len(options(serve_parser().format_help()))
 
 
@@ -104,3 +104,32 @@ def test_auto_front_ends_follow_the_device_and_the_cores(monkeypatch, device, co
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
     assert frontend_count(NodeConfig.of(tensor_parallel_size=tp), core(device)) == expected
     assert frontend_count(NodeConfig.of(api_processes=3), core(device)) == 3  # a count given is kept
+
+
+def test_a_store_node_keeps_a_disk_tier_by_default_in_a_slot_of_its_own(tmp_path, monkeypatch) -> None:
+    """With a store and no disk settings the tier is on, bounded, under the cache directory in
+    a folder of the model's; nodes beside each other get a slot each and a restarted node its
+    old one. --no-adapter-disk-tier (or no store) keeps none; a directory given is one node's."""
+    from pathlib import Path
+
+    from inference_node.config import ConfigError
+    from inference_node.node import open_disk_tier
+
+    monkeypatch.setenv("LORA_SERVING_CACHE", str(tmp_path / "cache"))
+    checkpoint, config = Path("/models/tiny-llama"), NodeConfig.of(adapter_store="127.0.0.1:1")
+    first, second = open_disk_tier(config, checkpoint), open_disk_tier(config, checkpoint)
+    parent = tmp_path / "cache" / "adapter-disk" / "tiny-llama"
+    assert (first.root, second.root) == (parent / "0", parent / "1") and first.max_bytes == 20 * GB
+    first.close()
+    again = open_disk_tier(config, checkpoint)
+    assert again.root == parent / "0"
+    for tier in (again, second):
+        tier.close()
+    assert open_disk_tier(config.replace(adapter_disk_tier=False), checkpoint) is None
+    assert open_disk_tier(NodeConfig.of(adapter_dir=str(tmp_path)), checkpoint) is None
+    given = config.replace(adapter_disk_dir=str(tmp_path / "mine"), adapter_disk_bytes=GB)
+    mine = open_disk_tier(given, checkpoint)
+    assert mine.root == tmp_path / "mine" and mine.max_bytes == GB
+    with pytest.raises(ConfigError, match="--adapter-disk-dir: .* in use by another node"):
+        open_disk_tier(given, checkpoint)
+    mine.close()
