@@ -12,7 +12,7 @@ from kernels.tuning_table import TuningTable, TuningTableError
 from lora_common.envargs import EnvArgumentParser
 from lora_common.tls import TLSConfigError
 
-from .config import ConfigError, NodeConfig, add_flags, from_args, tune_keys
+from .config import CONFIG_EXIT, ConfigError, NodeConfig, add_flags, from_args, tune_keys
 from .launcher import serve
 
 PROG = "inference-node"
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         config = checked(from_args(args))
     except (ConfigError, TLSConfigError) as exc:
         print(f"{PROG} serve: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT
     logging.basicConfig(level=config.server.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve(config)

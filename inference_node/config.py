@@ -23,6 +23,9 @@ from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, LORA_MODULES
 MB, GB = 1 << 20, 1 << 30
 
 
+CONFIG_EXIT = 2  # the exit status of a node (or its engine core) refusing a setting it cannot run with
+
+
 class ConfigError(ValueError):
     """A setting the node cannot run with; the message names the flag."""
 

@@ -26,14 +26,13 @@ import sys
 import tempfile
 from typing import Callable
 
-from .config import NodeConfig
+from .config import CONFIG_EXIT, NodeConfig
 from .core.protocol import CoreInfo
 from .frontend.engine_client import EngineClient
 from .parent_watch import die_with_parent, parent_alive
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 3600.0  # loading, warming up and capturing a large model's graphs takes minutes
-CONFIG_EXIT = 2  # the engine core's exit status for a setting it cannot run with (engine_core.CONFIG_EXIT)
 MAX_AUTO_FRONTENDS = 4
 
 

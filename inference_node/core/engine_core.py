@@ -28,7 +28,7 @@ import zmq
 from lora_common.malloc import keep_freed_buffers
 
 from ..adapters.errors import AdapterError, AdapterNotFound
-from ..config import ConfigError, NodeConfig
+from ..config import CONFIG_EXIT, ConfigError, NodeConfig
 from ..engine.engine import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
 from ..engine.request import Request, SamplingParams, StreamEvent
 from ..node import Node
@@ -310,9 +310,6 @@ class EngineCore:
 
     def _shutdown(self) -> None:
         self.engine.shutdown(timeout=0)
-
-
-CONFIG_EXIT = 2  # the core's exit status for a setting it cannot run with (the launcher's too)
 
 
 def run_engine_core_process(config: NodeConfig, address: str) -> None:
