@@ -21,8 +21,6 @@ from lora_common.tls import (ClientTLS, ServerTLS, add_client_flags, add_server_
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, LORA_MODULES
 
 MB, GB = 1 << 20, 1 << 30
-
-
 CONFIG_EXIT = 2  # the exit status of a node (or its engine core) refusing a setting it cannot run with
 
 
