@@ -27,7 +27,7 @@ from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from lora_common.auth import bearer_metadata
 from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, FileEntry,
-                      FileRead, Manifest, ReadPlan, adapter_digest, file_offsets)
+                      FileRead, Manifest, ReadPlan, adapter_digest, file_offsets, version_of)
 from .shard_wire import decode_shard
 from lora_common.tls import ClientTLS, open_channel
 
@@ -35,7 +35,7 @@ from lora_common.tls import ClientTLS, open_channel
 # own modules.
 __all__ = ["ADDED", "DELETED", "SYNCED", "UPDATED", "AdapterInfo", "AdapterStoreClient", "AdapterTooLarge",
            "CatalogEvent", "FetchedAdapter", "FileEntry", "FileRead", "Manifest", "ReadPlan", "StoreError",
-           "StoreTLSRefused", "adapter_digest", "file_offsets"]
+           "StoreTLSRefused", "adapter_digest", "file_offsets", "version_of"]
 
 log = logging.getLogger(__name__)
 

@@ -160,6 +160,7 @@ class NodeFleet:
 
 # -- the fleet view ---------------------------------------------------------------------------------
 
+TIER_GPU, TIER_HOST = pb.ADAPTER_TIER_GPU, pb.ADAPTER_TIER_HOST
 TIER_NAMES = {pb.ADAPTER_TIER_GPU: "gpu", pb.ADAPTER_TIER_HOST: "host", pb.ADAPTER_TIER_DISK: "disk",
               pb.ADAPTER_TIER_LOADING: "loading"}
 
@@ -203,14 +204,15 @@ def fleet_view(nodes: Sequence[tuple[str, str, str]], client: Callable[[str], No
 
 def format_fleet(views: Sequence[NodeView]) -> str:
     """One line per node, then a table: each adapter, and its tier on each node."""
-    lines = [f"{'NODE':10} {'ADDRESS':22} {'PROXY':9} {'SLOTS':>7} {'ADAPTERS':>8} {'RUNNING':>7} {'WAITING':>7}"]
+    lines = [f"{'NODE':10} {'ADDRESS':22} {'PROXY':9} {'ON GPU':>6} {'PER STEP':>8} {'ADAPTERS':>8} "
+             f"{'RUNNING':>7} {'WAITING':>7}"]
     for v in views:
         if v.error:
             lines.append(f"{v.name:10} {v.address:22} {v.proxy_status or '-':9} {v.error}")
             continue
-        slots = f"{sum(1 for a in v.adapters if a.tier == pb.ADAPTER_TIER_GPU)}/{v.max_loras}"
-        lines.append(f"{v.name:10} {v.address:22} {v.proxy_status or '-':9} {slots:>7} {len(v.adapters):>8} "
-                     f"{v.running:>7} {v.waiting:>7}")
+        on_gpu = sum(1 for a in v.adapters if a.tier == pb.ADAPTER_TIER_GPU)
+        lines.append(f"{v.name:10} {v.address:22} {v.proxy_status or '-':9} {on_gpu:>6} {v.max_loras:>8} "
+                     f"{len(v.adapters):>8} {v.running:>7} {v.waiting:>7}")
     names = sorted({a.name for v in views for a in v.adapters})
     width = max([len(n) for n in names] + [7])
     lines.append("")
@@ -223,6 +225,7 @@ def format_fleet(views: Sequence[NodeView]) -> str:
         lines.append(f"{name:{width}} " + " ".join(f"{c:>10}" for c in cells))
     if not names:
         lines.append("(no adapter on any node)")
-    lines.append("(SLOTS: adapters in device slots; gpu: in a slot; host: in host memory; loading; *: pinned; "
-                 "-: not on that node)")
+    lines.append("(ON GPU: adapters in GPU memory; PER STEP: the most distinct adapters one step serves "
+                 "(--max-loras); gpu: in GPU memory; host: in host memory; disk: on the node's disk; loading; "
+                 "*: pinned; -: not on that node)")
     return "\n".join(lines)

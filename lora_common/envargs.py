@@ -35,7 +35,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
                     # the variable means what the flag means: NO_X=1 acts as --no-x
                     kwargs["default"] = truthy if kwargs["action"] == "store_true" else not truthy
                 else:
-                    kwargs["default"] = kwargs.get("type", str)(raw)
+                    try:
+                        kwargs["default"] = kwargs.get("type", str)(raw)
+                    except (ValueError, argparse.ArgumentTypeError) as exc:
+                        self.error(f"{env}={raw!r}: {exc}")  # as a bad flag is refused: usage, exit 2
                 kwargs["required"] = False
             kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
             if secret:  # '%(default).0s' formats to nothing and stops the default being shown

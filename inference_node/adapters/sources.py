@@ -6,11 +6,12 @@ on background threads; the engine thread never waits on them.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
-from blake3 import blake3
 
+from adapter_store.client import adapter_digest, version_of
 from lora_common.names import InvalidName, check_name
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid, Buffer, TensorInfo, validate_adapter
 
@@ -75,10 +76,10 @@ def _identity(*paths: Path) -> tuple:
 
 
 def content_hash(files: list[Buffer]) -> str:
-    """A local adapter's version: BLAKE3 over its files' BLAKE3 digests (about 2.5 times
-    sha256's speed on one core; a first load from the folder hashes every byte)."""
-    digests = b"".join(blake3(f).digest() for f in files)
-    return blake3(digests).hexdigest()
+    """A local adapter's version (config, then weights): the version the adapter store gives
+    the same bytes, so an adapter keeps its version id when it moves between a folder and
+    the store. A first load from the folder hashes every byte once (`_passed` keeps it)."""
+    return version_of(adapter_digest(hashlib.sha256(f).hexdigest() for f in files))
 
 
 class LocalDirSource:
