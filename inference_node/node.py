@@ -396,11 +396,12 @@ def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: tor
                              token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes,
                              fetch_deadline_s=settings.adapter_fetch_timeout_s, pin_memory=pin, disk=disk,
                              max_weight_abs=settings.max_weight_abs, dtype=dtype,
-                             direct_reads=DirectReadSettings() if settings.adapter_direct_reads else None)
+                             direct_reads=DirectReadSettings() if settings.adapter_direct_reads else None,
+                             modules=settings.lora_modules)
     elif settings.adapter_dir:
         source = LocalDirSource(Path(settings.adapter_dir), model.full_config, settings.max_lora_rank,
                                 max_bytes=settings.max_adapter_bytes, pin_memory=pin,
-                                max_weight_abs=settings.max_weight_abs, dtype=dtype)
+                                max_weight_abs=settings.max_weight_abs, dtype=dtype, modules=settings.lora_modules)
     if settings.adapter_disk_dir and not settings.adapter_store:
         log.warning("--adapter-disk-dir keeps adapters from --adapter-store; without a store it is unused")
     if buffers is None:

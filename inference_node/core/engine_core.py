@@ -42,7 +42,7 @@ def error_fields(error: BaseException) -> list[str]:
     if isinstance(error, CutShort):
         return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.CUT_SHORT]
     if isinstance(error, AdapterError):
-        return [error.status.name, str(error), ErrorKind.FAILED]
+        return [error.status.name, str(error), ErrorKind.FAILED if error.retry_may_help else ErrorKind.NO_RETRY]
     if isinstance(error, InvalidRequest):
         return [grpc.StatusCode.INVALID_ARGUMENT.name, str(error), ErrorKind.FAILED]
     if isinstance(error, QueueFull):

@@ -29,6 +29,10 @@ from .engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 DRAINING = "this node is draining and takes no new requests: retry on another node"
+# Sent as "false" (an HTTP header, gRPC trailing metadata) with an error that a retry on this
+# node would meet again soon, such as an adapter store that cannot be reached; the openai
+# client and lora_client's RetryPolicy then do not retry it.
+SHOULD_RETRY = "x-should-retry"
 
 
 @dataclass
@@ -49,13 +53,15 @@ class Frontend:
 
 class GenerationError(Exception):
     """A request refused or ended with an error; `code` is its gRPC status, `param` the
-    request field at fault when there is one (the OpenAI API's error `param`)."""
+    request field at fault when there is one (the OpenAI API's error `param`), `retry` False
+    when asking this node again soon would fail the same way (SHOULD_RETRY)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None, retry: bool = True) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.retry = retry
 
 
 @dataclass
@@ -156,7 +162,7 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
                         message = f"the node shut down after {len(output_ids)} tokens of this answer"
                         log.warning("request %s cut short at shutdown after %d tokens", request_name,
                                     len(output_ids))
-                    raise GenerationError(error.code, message)
+                    raise GenerationError(error.code, message, retry=error.kind != ErrorKind.NO_RETRY)
         finally:
             metrics.request_finished(spec.adapter, outcome,
                                      len(spec.prompt_token_ids) if finish_reason else 0, len(output_ids))

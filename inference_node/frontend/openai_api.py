@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine_client import CoreError
-from .generation import Chunk, Frontend, GenerationError, generate
+from .generation import SHOULD_RETRY, Chunk, Frontend, GenerationError, generate
 from .openai_protocol import ApiError, ApiRequest, ResponseWriter, model_list, model_not_found, parse_request
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,10 @@ class ClientGone(Exception):
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
+    if not error.retry:
+        headers = {SHOULD_RETRY: "false"}
+    else:
+        headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -196,7 +199,7 @@ class OpenAIApi:
             text, last = await unless_disconnected(request, _rest(stream, first))
             return JSONResponse(writer.response(text, last))
         except GenerationError as exc:
-            return error_response(ApiError.from_grpc(exc.code, exc.message, exc.param))
+            return error_response(ApiError.from_generation(exc))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
@@ -215,7 +218,7 @@ class OpenAIApi:
                 chunk = await stream.__anext__()
             yield "data: [DONE]\n\n"
         except GenerationError as exc:  # after part of the answer: the status is sent already
-            yield sse(ApiError.from_grpc(exc.code, exc.message).body())
+            yield sse(ApiError.from_generation(exc).body())
         finally:
             await stream.aclose()
 

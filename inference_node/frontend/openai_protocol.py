@@ -19,7 +19,7 @@ import grpc
 from lora.v1 import inference_pb2
 
 from ..request_builder import ADAPTER_NAME
-from .generation import Chunk
+from .generation import Chunk, GenerationError
 
 # The gRPC status of a refused or failed request -> the HTTP status the OpenAI API answers.
 HTTP_STATUS = {
@@ -44,20 +44,28 @@ OWNER = "lora-serving"
 class ApiError(Exception):
     """An answer of the OpenAI API's error shape: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry: bool = True) -> None:
+        """retry=False: a retry here would fail the same way soon (x-should-retry: false)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry = retry
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, message: str, param: str | None = None) -> "ApiError":
+    def from_grpc(cls, code: grpc.StatusCode, message: str, param: str | None = None,
+                  retry: bool = True) -> "ApiError":
         """The answer to a request the gRPC API answers with `code` (NOT_FOUND: the adapter
         that `model` names is unknown)."""
         if code == grpc.StatusCode.NOT_FOUND:
             return cls(404, message, param="model", code="model_not_found")
-        return cls(HTTP_STATUS.get(code, 500), message, param=param, code=code.name.lower())
+        return cls(HTTP_STATUS.get(code, 500), message, param=param, code=code.name.lower(), retry=retry)
+
+    @classmethod
+    def from_generation(cls, error: GenerationError) -> "ApiError":
+        return cls.from_grpc(error.code, error.message, error.param, error.retry)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
