@@ -399,8 +399,9 @@ class AdapterManager:
                 del self.jobs[key]
             elif weights is None:
                 continue  # a cancelled fetch replaced by a newer one: that one answers
-            if isinstance(error, AdapterCancelled):
-                continue  # nobody waited for it
+            if isinstance(error, AdapterCancelled):  # nobody waited for it
+                self._refetch.pop(key, None)  # a promotion that wants it again asks again
+                continue
             waiters = job.waiters
             target = self._refetch.pop(key, None)
             entry = None
