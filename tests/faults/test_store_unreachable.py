@@ -106,12 +106,13 @@ class NodeProcess:
         self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
         self.log = root / f"node-{self.port}.log"
         # --drain-min-seconds: the node stays NOT_SERVING this long before it closes its port,
-        # for a proxy's health checks; it is a wait of its own, not the fetch's.
+        # for a proxy's health checks (1.5 s by default); a wait of its own, not the fetch's,
+        # left out so that the 3 s bound measures the rest of the stop.
         self.child = Child("inference-node", [
             sys.executable, "-m", "inference_node.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
             "--http-port", str(self.http_port), "--model", str(model), "--device", "cpu", "--num-kv-blocks", "64",
             "--cpu-threads", "1", "--max-loras", "2", "--max-lora-rank", "8", "--adapter-store", store,
-            "--drain-min-seconds", "0.5"], self.log)
+            "--drain-min-seconds", "0"], self.log)
         wait_healthy(self.target, 120, self.child)
 
     def log_text(self) -> str:
