@@ -23,7 +23,8 @@ from typing import Callable
 from .cache import Blob, BlobReader, DiskCache
 from .metrics import StoreMetrics
 from lora_common.names import CONFIG_FILE, WEIGHTS_FILE, split_key
-from .records import ADDED, DELETED, UPDATED, AdapterInfo, CatalogEvent, FileEntry, Manifest, adapter_digest
+from .records import (ADDED, DELETED, UPDATED, AdapterInfo, CatalogEvent, FileEntry, Manifest, adapter_digest,
+                      version_of)
 from .s3 import ObjectInfo, S3Error, S3Store
 from lora_common.validation import (DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_RANK,
                                     DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid,
@@ -259,7 +260,7 @@ class Catalog:
         except AdapterInvalid as exc:
             return refused(f"{WEIGHTS_FILE}: {exc}", (config_file, weights_file), config_json)
         digest = adapter_digest([config_blob.sha256, weights_blob.sha256])
-        info = AdapterInfo(name, digest[:16], parsed.r, parsed.lora_alpha, parsed.use_rslora, spec.target_modules,
+        info = AdapterInfo(name, version_of(digest), parsed.r, parsed.lora_alpha, parsed.use_rslora, spec.target_modules,
                            parsed.base_model_name_or_path, size, True, "", updated)
         return CatalogEntry(info, fingerprint, (config_file, weights_file), config_json, digest)
 

@@ -24,7 +24,7 @@ log = logging.getLogger("adapter_store")
 
 
 def _add_s3_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--s3-endpoint", default=None,
+    parser.add_argument("--s3-endpoint", type=_http_url, default=None,
                         help="S3 endpoint URL (MinIO, SeaweedFS...); AWS when empty")
     parser.add_argument("--bucket", required=True, help="bucket holding the adapters")
     parser.add_argument("--prefix", default="adapters/", help="key prefix: <prefix><name>/adapter_config.json")
@@ -89,7 +89,7 @@ def build_parser(prog: str = "adapter-store", command_names: dict[str, str] | No
     ls = command("ls", help="list adapters")
     ls.add_argument("--store", default="", help="HOST:PORT of a running store (full, validated view); "
                                                 "without it the bucket is listed directly")
-    ls.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL")
+    ls.add_argument("--s3-endpoint", type=_http_url, default=None, help="S3 endpoint URL")
     ls.add_argument("--bucket", default="", help="bucket (when --store is not given)")
     ls.add_argument("--prefix", default="adapters/", help="key prefix")
     ls.add_argument("--region", default=None, help="S3 region")

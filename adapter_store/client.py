@@ -6,7 +6,9 @@ against the manifest, and the shards' own digests (BLAKE3, or sha256 from an old
 before resuming after them; when the
 stream breaks it resumes from the last verified byte (with backoff) until its deadline.
 `watch()` yields catalog events and, with reconnect=True, survives store restarts by
-turning the fresh snapshot into the difference from what it had already reported.
+turning the fresh snapshot into the difference from what it had already reported. A
+`Cancellation` ends a fetch (or a unary call) from another thread at once: its call in
+flight is cancelled and its backoff wait cut short.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Sequence
 
 import blake3
@@ -27,15 +30,15 @@ from lora.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from lora_common.auth import bearer_metadata
 from .records import (ADDED, DELETED, SYNCED, UPDATED, AdapterInfo, CatalogEvent, FetchedAdapter, FileEntry,
-                      FileRead, Manifest, ReadPlan, adapter_digest, file_offsets)
+                      FileRead, Manifest, ReadPlan, adapter_digest, file_offsets, version_of)
 from .shard_wire import decode_shard
 from lora_common.tls import ClientTLS, open_channel
 
 # The client's data model, which callers (the node) take from here rather than the store's
 # own modules.
 __all__ = ["ADDED", "DELETED", "SYNCED", "UPDATED", "AdapterInfo", "AdapterStoreClient", "AdapterTooLarge",
-           "CatalogEvent", "FetchedAdapter", "FileEntry", "FileRead", "Manifest", "ReadPlan", "StoreError",
-           "StoreTLSRefused", "adapter_digest", "file_offsets"]
+           "CatalogEvent", "Cancellation", "Cancelled", "FetchedAdapter", "FileEntry", "FileRead", "Manifest",
+           "ReadPlan", "StoreError", "StoreTLSRefused", "adapter_digest", "file_offsets", "version_of"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,50 @@ class AdapterTooLarge(StoreError):
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION,
                          f"adapter {name!r} is {size} bytes; the limit is {limit}")
         self.size, self.limit = size, limit
+
+
+class Cancelled(StoreError):
+    """The call was cancelled by its Cancellation (its request ended, the node is stopping)."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.CANCELLED, "cancelled")
+
+
+class Cancellation:
+    """Ends calls from another thread: `cancel()` cancels every call tracked now or later and
+    wakes a backoff wait, so a fetch ends at once rather than at its deadline."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._calls: set[grpc.Future] = set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._event.set()
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleeps `seconds` unless cancelled first; True when cancelled."""
+        return self._event.wait(seconds)
+
+    @contextmanager
+    def track(self, call: grpc.Future) -> Iterator[None]:
+        with self._lock:
+            self._calls.add(call)
+        if self._event.is_set():
+            call.cancel()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls.discard(call)
 
 
 class _Backoff:
@@ -146,22 +193,67 @@ class AdapterStoreClient:
             if not token:
                 return result
 
-    def _unary(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None = None) -> Any:
+    def _unary(self, rpc: Callable[..., Any], request: Any, timeout_s: float | None = None,
+               cancel: Cancellation | None = None) -> Any:
         """One unary call with this client's deadline and metadata; its failure as StoreError."""
         try:
-            return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+            if cancel is None:
+                return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+            call = rpc.future(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+            with cancel.track(call):
+                return call.result()
+        except grpc.FutureCancelledError:
+            raise Cancelled() from None
         except grpc.RpcError as exc:
+            if cancel is not None and cancel.cancelled:
+                raise Cancelled() from None
             raise StoreError.from_rpc(exc) from None
 
-    def get_manifest(self, name: str, version: str = "", timeout_s: float | None = None) -> Manifest:
-        return Manifest.from_proto(self._unary(self.stub.GetManifest,
-                                               pb.GetManifestRequest(name=name, version=version), timeout_s))
+    def get_manifest(self, name: str, version: str = "", timeout_s: float | None = None,
+                     cancel: Cancellation | None = None) -> Manifest:
+        return Manifest.from_proto(self._unary(self.stub.GetManifest, pb.GetManifestRequest(name=name, version=version),
+                                               timeout_s, cancel))
 
-    def get_read_plan(self, name: str, version: str = "", timeout_s: float | None = None) -> ReadPlan:
+    def get_read_plan(self, name: str, version: str = "", timeout_s: float | None = None,
+                      cancel: Cancellation | None = None) -> ReadPlan:
         """Presigned GETs of the adapter's files (see GetReadPlan); a plan without files when
         the store offers none. A store that predates the call raises StoreError(UNIMPLEMENTED)."""
-        return ReadPlan.from_proto(self._unary(self.stub.GetReadPlan,
-                                               pb.GetReadPlanRequest(name=name, version=version), timeout_s))
+        return ReadPlan.from_proto(self._unary(self.stub.GetReadPlan, pb.GetReadPlanRequest(name=name, version=version),
+                                               timeout_s, cancel))
+
+    def reachable(self, timeout_s: float, cancel: Cancellation | None = None) -> bool:
+        """Whether a connection to the store is up, or comes up within `timeout_s` (the
+        channel connects if idle). A store that is down answers False in `timeout_s` at most,
+        where a call would wait for the transport's own connect timeout."""
+        ready = grpc.channel_ready_future(self.channel)
+        try:
+            with cancel.track(ready) if cancel is not None else nullcontext():
+                ready.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            ready.cancel()  # stops watching the channel
+            return False
+        except grpc.FutureCancelledError:
+            raise Cancelled() from None
+        return True
+
+    def connect_error(self, timeout_s: float, cancel: Cancellation | None = None) -> StoreError | None:
+        """None when the store is `reachable` within `timeout_s`; else why not, as a call made
+        now fails: the transport's reason (refused, unresolvable...), or StoreTLSRefused for
+        a TLS handshake that fails (the channel kept trying meanwhile, so one failure is no
+        passing restart)."""
+        if self.reachable(timeout_s, cancel):
+            return None
+        try:
+            self._unary(self.stub.ListAdapters, pb.ListStoreAdaptersRequest(page_size=1), 0.5, cancel)
+        except Cancelled:
+            raise
+        except StoreError as exc:
+            if self._tls_refusal(exc):
+                return StoreTLSRefused(exc.details, self.tls.flag)
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:  # a host that takes the connection, then nothing
+                return StoreError(grpc.StatusCode.UNAVAILABLE, f"no connection within {timeout_s:g}s")
+            return exc
+        return None  # it came up meanwhile
 
     def watch(self, reconnect: bool = True, stop: threading.Event | None = None) -> Iterator[CatalogEvent]:
         """Catalog events: ADDED for each adapter, then SYNCED, then changes as they happen.
@@ -175,7 +267,7 @@ class AdapterStoreClient:
     # ------------------------------------------------------------------ fetch
 
     def fetch(self, name: str, version: str = "", deadline_s: float = 120.0, max_bytes: int = 0,
-              allocate: Allocate = bytearray) -> FetchedAdapter:
+              allocate: Allocate = bytearray, cancel: Cancellation | None = None) -> FetchedAdapter:
         """The adapter's files, verified. Resumes broken streams until `deadline_s` has
         passed, then raises StoreError(UNAVAILABLE). A checksum mismatch raises
         StoreError(DATA_LOSS); NOT_FOUND, INVALID_ARGUMENT, FAILED_PRECONDITION,
@@ -183,14 +275,15 @@ class AdapterStoreClient:
         (StoreTLSRefused: its own verification failing at once, a socket closed before any
         reply TLS_REFUSALS_BEFORE_GIVING_UP times in a row). An adapter over `max_bytes` (when > 0) raises
         AdapterTooLarge before any buffer is allocated. `allocate(nbytes)` gives the one
-        writable buffer the files are received into (pinned memory on a GPU node)."""
+        writable buffer the files are received into (pinned memory on a GPU node). `cancel`
+        ends it at once with Cancelled."""
         state = _FetchState(name, version, max_bytes, allocate)
         try:
-            return self._fetch(state, deadline_s)
+            return self._fetch(state, deadline_s, cancel or Cancellation())
         finally:
             state.close()
 
-    def _fetch(self, state: "_FetchState", deadline_s: float) -> FetchedAdapter:
+    def _fetch(self, state: "_FetchState", deadline_s: float, cancel: Cancellation) -> FetchedAdapter:
         name, version = state.name, state.pinned_version
         deadline = time.monotonic() + deadline_s
         backoff = _Backoff()
@@ -206,16 +299,19 @@ class AdapterStoreClient:
             call = self._fetch_stream(request, timeout=remaining, metadata=self.metadata)
             try:
                 try:
-                    for shard, data in call:
-                        state.accept(shard, data)
-                        backoff.attempt = refusals = 0
-                        if state.done:
-                            return state.result()
+                    with cancel.track(call):
+                        for shard, data in call:
+                            state.accept(shard, data)
+                            backoff.attempt = refusals = 0
+                            if state.done:
+                                return state.result()
                     raise StoreError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the last shard")
                 except FileMismatch as exc:
                     self._rewind(state, exc)
                     continue
             except grpc.RpcError as exc:
+                if cancel.cancelled:
+                    raise Cancelled() from None
                 code = exc.code()
                 if code == grpc.StatusCode.NOT_FOUND and state.pinned_version and not version:
                     log.info("fetch %s: version %s was replaced; starting over", name, state.pinned_version)
@@ -244,7 +340,8 @@ class AdapterStoreClient:
                                  f"({state.progress()}): {error.details}") from None
             log.warning("fetch %s: stream broke at %s (%s); resuming in %.2fs", name, state.progress(),
                         error, delay)
-            time.sleep(delay)
+            if cancel.wait(delay):
+                raise Cancelled()
 
     @staticmethod
     def _rewind(state: "_FetchState", mismatch: FileMismatch) -> None:

@@ -13,9 +13,15 @@ from lora.v1 import adapter_store_pb2 as pb
 
 
 def adapter_digest(file_sha256s: Iterable[str]) -> str:
-    """The whole adapter's sha256: over the files' raw sha256 digests in manifest order
-    (the same content hash the inference node computes for local adapters)."""
+    """The whole adapter's sha256: over the files' raw sha256 digests in manifest order."""
     return hashlib.sha256(b"".join(bytes.fromhex(h) for h in file_sha256s)).hexdigest()
+
+
+def version_of(adapter_sha256: str) -> str:
+    """An adapter's version id: the first 16 hex digits of its adapter_digest. The store names
+    a version so, and so does a node for an adapter in --adapter-dir: the same bytes have one
+    version whatever their source."""
+    return adapter_sha256[:16]
 
 
 @dataclass(frozen=True)

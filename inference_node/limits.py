@@ -16,7 +16,7 @@ def check_message(msg: inference_pb2.GenerateRequest, limits: RequestLimits) -> 
     """Cheap checks on the raw message, before any tokenizing (which costs CPU per character)."""
     if limits.max_tokens and msg.max_tokens > limits.max_tokens:
         raise BadRequest(f"max_tokens {msg.max_tokens} is above this node's limit of {limits.max_tokens} "
-                         "(--max-tokens-limit); 0 asks for the default")
+                         "(--max-tokens-limit); 0 asks for the default", "max_tokens")
     chars = len(msg.prompt) if msg.prompt else sum(len(m.content) + len(m.role) for m in msg.messages)
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
         raise BadRequest(f"the prompt has {chars} characters; this node accepts at most "

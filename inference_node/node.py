@@ -386,11 +386,12 @@ def build_adapter_manager(config: NodeConfig, model: LlamaModel, device: torch.d
                              token=sources.store_token, max_adapter_bytes=lora.max_adapter_bytes,
                              fetch_deadline_s=sources.adapter_fetch_timeout_s, pin_memory=pin, disk=disk,
                              max_weight_abs=lora.max_weight_abs, dtype=dtype,
-                             direct_reads=DirectReadSettings() if sources.adapter_direct_reads else None)
+                             direct_reads=DirectReadSettings() if sources.adapter_direct_reads else None,
+                             modules=lora.lora_modules)
     elif sources.adapter_dir:
         source = LocalDirSource(Path(sources.adapter_dir), model.full_config, lora.max_lora_rank,
                                 max_bytes=lora.max_adapter_bytes, pin_memory=pin,
-                                max_weight_abs=lora.max_weight_abs, dtype=dtype)
+                                max_weight_abs=lora.max_weight_abs, dtype=dtype, modules=lora.lora_modules)
     if buffers is None:
         buffers = adapter_memory(config, model.config, dtype, device)
     return AdapterManager(buffers, source, lora.max_cpu_loras, pin_host_memory=pin,

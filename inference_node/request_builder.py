@@ -14,10 +14,29 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_TEMPERATURE = 2.0   # the OpenAI API's range, on both APIs: a larger one samples noise
+# Chat roles the node renders; "developer" is OpenAI's newer name for a system message.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 class BadRequest(ValueError):
-    """A client error; the message is shown to the caller."""
+    """A client error; the message is shown to the caller, `param` names the field at fault
+    (the OpenAI API's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_role(role: str, index: int) -> str:
+    """The role the chat template is given for a message of `role` (developer -> system)."""
+    if role in ("tool", "function"):
+        raise BadRequest(f"messages[{index}] has role {role!r}: tool results are not supported by this node "
+                         "(it does no function calling)", param=f"messages[{index}].role")
+    if role not in CHAT_ROLES:
+        raise BadRequest(f"messages[{index}] has role {role!r}; the roles are {', '.join(CHAT_ROLES)}",
+                         param=f"messages[{index}].role")
+    return "system" if role == "developer" else role
 
 
 def output_budget(asked: int, prompt_len: int, max_model_len: int, default: int) -> int:
@@ -28,7 +47,7 @@ def output_budget(asked: int, prompt_len: int, max_model_len: int, default: int)
     if asked > room:
         raise BadRequest(f"max_tokens {asked} does not fit: this node's limit is {max_model_len} tokens of "
                          f"prompt + output (--max-model-len) and the prompt has {prompt_len}, so at most "
-                         f"{room} (0 asks for the default)")
+                         f"{room} (0 asks for the default)", "max_tokens")
     return asked or min(default, room)
 
 
@@ -38,29 +57,31 @@ def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: Co
     vocab_size, max_model_len = core.vocab_size, core.max_model_len
     if msg.adapter and not ADAPTER_NAME.match(msg.adapter):
         raise BadRequest("adapter names are 1-128 characters of letters, digits, '.', '_' and '-', "
-                         "starting with a letter or digit")
+                         "starting with a letter or digit", "model")
     if msg.max_tokens < 0:
-        raise BadRequest(f"max_tokens must be >= 0 (0 means the default), got {msg.max_tokens}")
-    if not math.isfinite(msg.temperature) or msg.temperature < 0:
-        raise BadRequest(f"temperature must be >= 0 (0 means greedy), got {msg.temperature}")
+        raise BadRequest(f"max_tokens must be >= 0 (0 means the default), got {msg.max_tokens}", "max_tokens")
+    if not math.isfinite(msg.temperature) or not 0.0 <= msg.temperature <= MAX_TEMPERATURE:
+        raise BadRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), got {msg.temperature:g}",
+                         "temperature")
     if not math.isfinite(msg.top_p) or not 0.0 <= msg.top_p <= 1.0:
-        raise BadRequest(f"top_p must be in [0, 1] (0 or 1 means off), got {msg.top_p}")
+        raise BadRequest(f"top_p must be in [0, 1] (0 or 1 means off), got {msg.top_p:g}", "top_p")
     if msg.top_k < 0:
-        raise BadRequest(f"top_k must be >= 0 (0 means off), got {msg.top_k}")
+        raise BadRequest(f"top_k must be >= 0 (0 means off), got {msg.top_k}", "top_k")
     if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
-        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+        raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
 
     if msg.prompt_token_ids:
         ids = list(msg.prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise BadRequest(f"prompt_token_ids holds {len(bad)} ids outside the vocabulary "
-                             f"[0, {vocab_size}), e.g. {bad[0]}")
+                             f"[0, {vocab_size}), e.g. {bad[0]}", "prompt")
     elif msg.messages:
+        messages = [{"role": check_role(m.role, i), "content": m.content} for i, m in enumerate(msg.messages)]
         try:
-            ids = codec.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+            ids = codec.encode_chat(messages)
         except ChatTemplateError as exc:
-            raise BadRequest(str(exc)) from exc
+            raise BadRequest(str(exc), "messages") from exc
     elif msg.prompt:
         if len(msg.prompt) > MAX_PROMPT_CHARS:
             raise BadRequest(f"the prompt has {len(msg.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")

@@ -25,7 +25,7 @@ from lora_common.tls import EXCLUSIVE_PORT, add_port
 from .auth import TokenAuth
 from .config import NodeConfig
 from .frontend.engine_client import CoreError, EngineClient
-from .frontend.generation import Frontend, GenerationError, generate
+from .frontend.generation import SHOULD_RETRY, Frontend, GenerationError, generate
 from .metrics import NodeMetrics
 from .request_builder import ADAPTER_NAME
 from .tokenizer import TextCodec
@@ -54,7 +54,7 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
                     reply.adapter_version = chunk.adapter_version
                 yield reply
         except GenerationError as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, () if exc.retry else ((SHOULD_RETRY, "false"),))
         finally:
             await stream.aclose()  # now, not at garbage collection: it aborts the engine request
 

@@ -7,16 +7,50 @@ naming the program, the command and the fix, never a traceback.
 """
 from __future__ import annotations
 
-import argparse
-import sys
+import os
 
-import grpc
+# gRPC's C core logs some connection failures (a TLS handshake that fails...) to stderr in its
+# own format; this CLI says what failed in one line instead. A GRPC_VERBOSITY the user set
+# (debug) still wins. It takes effect only if set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from lora_common.envargs import EnvArgumentParser
-from lora_common.tls import TLSConfigError, add_client_flags, client_tls_from_args
+import argparse  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from typing import Callable  # noqa: E402
 
-from .fleet import TIER_NAMES, fleet_view, format_fleet, nodes_from_proxy
-from .node_client import NodeClient, RetryPolicy
+import grpc  # noqa: E402
+
+from lora_common.envargs import EnvArgumentParser  # noqa: E402
+from lora_common.tls import TLSConfigError, add_client_flags, client_tls_from_args  # noqa: E402
+
+from .fleet import TIER_GPU, TIER_HOST, TIER_NAMES, fleet_view, format_fleet, nodes_from_proxy  # noqa: E402
+from .node_client import NodeClient, RetryPolicy  # noqa: E402
+
+INT32_MAX = (1 << 31) - 1   # max_tokens and top_k are int32 in a GenerateRequest
+UINT64_MAX = (1 << 64) - 1  # seed
+SIGPIPE_EXIT = 141          # what a program killed by SIGPIPE exits with (128 + 13), as `yes | head` does
+
+
+def bounded(kind: type, low: int | float, high: int | float, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a `kind` (int or float) in [low, high] (above=True: low excluded), so a
+    value the node could not take is refused here, naming the range, never as a traceback."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value) or value < low or value > high or (above and value == low):
+            where = f"above {low} and at most {high}" if above else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give a value {where}")
+        return value
+    return parse
+
+
+def _http_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL")
+    return text
 
 
 def _client(args: argparse.Namespace, target: str | None = None) -> NodeClient:
@@ -70,8 +104,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for a in reply.adapters:
         print(f"{a.name:24} {a.version[:12]:12} {TIER_NAMES.get(a.tier, '?'):8} {a.slot:>4} {a.rank:>4} "
               f"{a.ref_count:>4} {'yes' if a.pinned else 'no':6} {'yes' if a.pending_eviction else 'no'}")
-    print(f"({reply.max_loras} GPU slots, {reply.max_cpu_loras} in host memory)")
+    print(f"({ls_footer(reply)})")
     return 0
+
+
+def ls_footer(reply) -> str:
+    """What the node holds against its limits. GPU memory (--lora-memory-mb) may hold more
+    adapters than --max-loras, which bounds the distinct adapters one step serves."""
+    on_gpu = sum(1 for a in reply.adapters if a.tier == TIER_GPU)
+    in_host = sum(1 for a in reply.adapters if a.tier == TIER_HOST)
+    return (f"{on_gpu} on the GPU, of which at most {reply.max_loras} serve in one step (--max-loras); "
+            f"{in_host} only in host memory, which keeps up to {reply.max_cpu_loras}")
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
@@ -80,7 +123,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     else:
         try:
             nodes = nodes_from_proxy(args.proxy_stats)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             print(f"lora-client fleet: cannot read the proxy's stats page at {args.proxy_stats} ({exc}); "
                   "point --proxy-stats at it, or list the nodes with --nodes HOST:PORT,...", file=sys.stderr)
             return 1
@@ -102,11 +145,13 @@ def parser() -> argparse.ArgumentParser:
     ap = EnvArgumentParser(prog="lora-client", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter, env_prefix="LORA_CLIENT")
     ap.add_argument("--node", default="127.0.0.1:50051", help="inference node HOST:PORT (default 127.0.0.1:50051)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per call (default 300)")
+    ap.add_argument("--timeout", type=bounded(float, 0, 10**6, above=True), default=300,
+                    help="seconds per call (default 300)")
     ap.add_argument("--token", default=None, secret=True, help="bearer token for nodes that require one")
-    ap.add_argument("--retries", type=int, default=2,
+    ap.add_argument("--retries", type=bounded(int, 0, 100), default=2,
                     help="times an answer refused with UNAVAILABLE before its first token is asked again "
-                         "(a draining node, a fleet node going away); never after a token (default 2)")
+                         "(a draining node, a fleet node going away; not a node that says retrying will not "
+                         "help, such as one whose adapter store is down); never after a token (default 2)")
     add_client_flags(ap, "tls", "node")
     # Subcommand flags are per call: no environment variables for them.
     sub = ap.add_subparsers(dest="command", required=True, parser_class=argparse.ArgumentParser,
@@ -117,13 +162,16 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--adapter", default="", help="adapter name (empty: the base model)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--system", default=None, help="system message (chat)")
-    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    gen.add_argument("--max-tokens", type=bounded(int, 0, INT32_MAX), default=DEFAULT_MAX_TOKENS,
                      help="most tokens to generate (0: the node's --default-max-tokens)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    gen.add_argument("--top-p", type=float, default=0.0,
+    gen.add_argument("--temperature", type=bounded(float, 0, 2), default=0.0,
+                     help="sampling temperature, 0 to 2; 0 is greedy")
+    gen.add_argument("--top-p", type=bounded(float, 0, 1), default=0.0,
                      help="nucleus sampling: keep the most likely tokens up to this probability mass (0 or 1: off)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
-    gen.add_argument("--seed", type=int, default=None, help="seed of a sampled answer, for a reproducible one")
+    gen.add_argument("--top-k", type=bounded(int, 0, INT32_MAX), default=0,
+                     help="sample among the k most likely tokens (0: off)")
+    gen.add_argument("--seed", type=bounded(int, 0, UINT64_MAX), default=None,
+                     help="seed of a sampled answer, for a reproducible one (0 to 2**64 - 1)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="end the answer before this text (repeat for several)")
     gen.add_argument("-v", "--verbose", action="store_true",
@@ -141,7 +189,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("stats", help="engine counters").set_defaults(func=cmd_stats)
     fleet = sub.add_parser("fleet", help="which node of a fleet holds which adapter, in which tier")
     where = fleet.add_mutually_exclusive_group()
-    where.add_argument("--proxy-stats", default="http://127.0.0.1:8404/stats",
+    where.add_argument("--proxy-stats", type=_http_url, default="http://127.0.0.1:8404/stats",
                        help="the proxy's stats page, where the nodes' addresses are read (default %(default)s)")
     where.add_argument("--nodes", default="", metavar="HOST:PORT,...", help="the nodes, instead of the proxy's list")
     fleet.set_defaults(func=cmd_fleet)
@@ -177,12 +225,26 @@ def globals_first(argv: list[str], ap: argparse.ArgumentParser) -> tuple[list[st
     return front, rest
 
 
+# How gRPC's client reports a node it could not reach (no status came from any node).
+_UNREACHABLE = ("failed to connect to all addresses", "DNS resolution failed", "Name resolution failure",
+                "errors resolving", "empty address list", "Connection refused",
+                "connections to all backends failing", "Failed to create channel")
+_TLS_FAILED = ("Tls handshake failed", "SSL_ERROR", "Handshake failed")
+
+
 def failure(args: argparse.Namespace, exc: grpc.RpcError) -> str:
-    """One line: what failed, and what to do about it."""
+    """One line: what failed, and what to do about it. A status the node answered with is the
+    node's own message (e.g. naming an adapter store it cannot reach); only a call that
+    reached no node says the node could not be reached."""
     code, details = exc.code(), exc.details() or ""
     prog = f"lora-client {args.command}"
-    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in details.lower() or "resolve" in details.lower()):
-        return (f"{prog}: cannot reach the node at {args.node} ({details.splitlines()[0]}); is it running? "
+    first = details.splitlines()[0] if details else ""
+    if code == grpc.StatusCode.UNAVAILABLE and any(t in details for t in _TLS_FAILED):
+        hint = ("is it serving TLS? drop --tls for a plaintext node, or check --tls-ca" if args.tls or args.tls_ca
+                else "it may serve TLS: add --tls (and --tls-ca)")
+        return f"{prog}: the TLS handshake with the node at {args.node} failed; {hint}"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN) and details.startswith(_UNREACHABLE):
+        return (f"{prog}: cannot reach the node at {args.node} ({first}); is it running? "
                 "point --node HOST:PORT (or LORA_CLIENT_NODE) at it")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"{prog}: no answer from {args.node} within {args.timeout:g}s (--timeout)"
@@ -192,7 +254,16 @@ def failure(args: argparse.Namespace, exc: grpc.RpcError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except BrokenPipeError:
+        # The reader of stdout went away (`lora-client ls | head -1`): what it read was what it
+        # wanted. stdout now points nowhere, so the interpreter's last flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
+
+
+def _main(argv: list[str]) -> int:
     ap = parser()
     front, rest = globals_first(argv, ap)
     if rest and rest[0] in STORE_COMMANDS:  # the store's own CLI; node options do not apply to it

@@ -1,7 +1,7 @@
 """A fleet of inference nodes on this machine behind HAProxy, and the view of who holds what.
 
-NodeFleet starts N `inference-node serve` processes on free ports and the proxy in front of
-them (lora_client/haproxy.py); it restarts them one at a time (a rolling restart: SIGTERM,
+NodeFleet starts N `inference-node serve` processes on free ports (gRPC and the OpenAI HTTP
+API) and the proxy in front of them (lora_client/haproxy.py), with an entry for each API; it restarts them one at a time (a rolling restart: SIGTERM,
 the node drains while the proxy stops sending it work, it starts again and rejoins once its
 health checks pass) and kills them (SIGKILL) for fault drills. The local stack's --fleet
 and the fleet tests use it.
@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -33,11 +33,16 @@ class FleetNode:
     name: str
     port: int
     metrics_port: int
+    http_port: int
     child: Child | None = None
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_target(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -49,7 +54,9 @@ class NodeFleet:
 
     def __init__(self, work_dir: Path, size: int, node_args: Sequence[str], routing: Routing = "adapter",
                  env: dict[str, str] | None = None, proxy_port: int = 0, stats_port: int = 0,
-                 start_timeout: float = 600.0, drain_timeout: float = 120.0) -> None:
+                 start_timeout: float = 600.0, drain_timeout: float = 120.0, http_port: int = 0) -> None:
+        """Every node serves the OpenAI HTTP API too, and the proxy has its HTTP entry on
+        `http_port` (0: a free one) beside gRPC on `proxy_port`."""
         self.work_dir = work_dir
         self.logs = work_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -57,10 +64,11 @@ class NodeFleet:
         self.env = env
         self.start_timeout = start_timeout
         self.drain_timeout = drain_timeout
-        self.nodes = [FleetNode(f"n{i + 1}", free_port(), free_port()) for i in range(size)]
+        self.nodes = [FleetNode(f"n{i + 1}", free_port(), free_port(), free_port()) for i in range(size)]
         self.proxy_settings = ProxySettings(tuple((n.name, n.target) for n in self.nodes),
                                             port=proxy_port or free_port(), stats_port=stats_port or free_port(),
-                                            routing=routing)
+                                            routing=routing, http_port=http_port or free_port(),
+                                            http_servers=tuple((n.name, n.http_target) for n in self.nodes))
         self.proxy: Proxy | None = None
 
     # -- addresses ----------------------------------------------------------------------------------
@@ -72,6 +80,11 @@ class NodeFleet:
     @property
     def stats_url(self) -> str:
         return f"http://{self.proxy_settings.host}:{self.proxy_settings.stats_port}/stats"
+
+    @property
+    def http_url(self) -> str:
+        """The proxy's OpenAI-compatible API (the openai client's base_url)."""
+        return f"http://{self.proxy_settings.host}:{self.proxy_settings.http_port}/v1"
 
     def node(self, name: str) -> FleetNode:
         return next(n for n in self.nodes if n.name == name)
@@ -86,13 +99,15 @@ class NodeFleet:
             self._spawn(node)
         for node in self.nodes:
             wait_healthy(node.target, self.start_timeout, node.child)
+        with NodeClient(self.nodes[0].target) as client:  # its HTTP requests go least-busy, not hashed
+            self.proxy_settings = replace(self.proxy_settings, base_model=client.stats(timeout=30).model)
         self.proxy = Proxy(self.proxy_settings, self.work_dir / "haproxy")
         self.proxy.wait_all_up()
 
     def _spawn(self, node: FleetNode) -> None:
         node.child = Child(f"inference-node {node.name}", console_script("inference-node") + [
             "serve", "--host", "127.0.0.1", "--port", str(node.port), "--metrics-port", str(node.metrics_port),
-            *self.node_args], self.log_path(node), self.env)
+            "--http-port", str(node.http_port), *self.node_args], self.log_path(node), self.env)
 
     def start_node(self, name: str) -> None:
         """Starts a stopped node on its port again; returns once the proxy has it UP."""
@@ -160,6 +175,7 @@ class NodeFleet:
 
 # -- the fleet view ---------------------------------------------------------------------------------
 
+TIER_GPU, TIER_HOST = pb.ADAPTER_TIER_GPU, pb.ADAPTER_TIER_HOST
 TIER_NAMES = {pb.ADAPTER_TIER_GPU: "gpu", pb.ADAPTER_TIER_HOST: "host", pb.ADAPTER_TIER_DISK: "disk",
               pb.ADAPTER_TIER_LOADING: "loading"}
 
@@ -203,14 +219,15 @@ def fleet_view(nodes: Sequence[tuple[str, str, str]], client: Callable[[str], No
 
 def format_fleet(views: Sequence[NodeView]) -> str:
     """One line per node, then a table: each adapter, and its tier on each node."""
-    lines = [f"{'NODE':10} {'ADDRESS':22} {'PROXY':9} {'SLOTS':>7} {'ADAPTERS':>8} {'RUNNING':>7} {'WAITING':>7}"]
+    lines = [f"{'NODE':10} {'ADDRESS':22} {'PROXY':9} {'ON GPU':>6} {'PER STEP':>8} {'ADAPTERS':>8} "
+             f"{'RUNNING':>7} {'WAITING':>7}"]
     for v in views:
         if v.error:
             lines.append(f"{v.name:10} {v.address:22} {v.proxy_status or '-':9} {v.error}")
             continue
-        slots = f"{sum(1 for a in v.adapters if a.tier == pb.ADAPTER_TIER_GPU)}/{v.max_loras}"
-        lines.append(f"{v.name:10} {v.address:22} {v.proxy_status or '-':9} {slots:>7} {len(v.adapters):>8} "
-                     f"{v.running:>7} {v.waiting:>7}")
+        on_gpu = sum(1 for a in v.adapters if a.tier == pb.ADAPTER_TIER_GPU)
+        lines.append(f"{v.name:10} {v.address:22} {v.proxy_status or '-':9} {on_gpu:>6} {v.max_loras:>8} "
+                     f"{len(v.adapters):>8} {v.running:>7} {v.waiting:>7}")
     names = sorted({a.name for v in views for a in v.adapters})
     width = max([len(n) for n in names] + [7])
     lines.append("")
@@ -223,6 +240,7 @@ def format_fleet(views: Sequence[NodeView]) -> str:
         lines.append(f"{name:{width}} " + " ".join(f"{c:>10}" for c in cells))
     if not names:
         lines.append("(no adapter on any node)")
-    lines.append("(SLOTS: adapters in device slots; gpu: in a slot; host: in host memory; loading; *: pinned; "
-                 "-: not on that node)")
+    lines.append("(ON GPU: adapters in GPU memory; PER STEP: the most distinct adapters one step serves "
+                 "(--max-loras); gpu: in GPU memory; host: in host memory; disk: on the node's disk; loading; "
+                 "*: pinned; -: not on that node)")
     return "\n".join(lines)

@@ -7,8 +7,9 @@ mixes every sample adapter and the base model in one batch.
     python -m lora_client.local_stack --fleet 3    # 3 nodes behind HAProxy (make fleet), serving
 
 With --fleet N, N nodes (one torch thread each) serve behind HAProxy, which routes each
-adapter's requests to one node (docs/FLEET.md); the demo goes through the proxy, and
-SIGHUP to this launcher restarts the nodes one at a time under whatever load is running.
+adapter's requests to one node, gRPC and the OpenAI HTTP API alike (docs/FLEET.md); the demo
+goes through the proxy, and SIGHUP to this launcher restarts the nodes one at a time under
+whatever load is running.
 
 Ctrl-C (or the end of the demo) stops every process it started. Once up it prints where
 everything is: the node (gRPC and its OpenAI-compatible HTTP API), the store, their
@@ -50,8 +51,8 @@ class LocalStack:
     def __init__(self, work_dir: Path, node_port: int, store_port: int, max_loras: int,
                  node_args: list[str], node_metrics_port: int = 0, store_metrics_port: int = 0,
                  node_http_port: int = 0, fleet_size: int = 0, stats_port: int = 0) -> None:
-        """fleet_size > 0: that many nodes behind HAProxy, which listens on node_port (gRPC
-        only: the HTTP API is the single node's)."""
+        """fleet_size > 0: that many nodes behind HAProxy, which listens on node_port (gRPC)
+        and node_http_port (the OpenAI HTTP API)."""
         self.work_dir = work_dir
         self.fleet_size = fleet_size
         self.stats_port = stats_port
@@ -74,8 +75,8 @@ class LocalStack:
 
     @property
     def http_url(self) -> str:
-        """The node's OpenAI-compatible API (the openai client's base_url)."""
-        return f"http://127.0.0.1:{self.node_http_port}/v1"
+        """The OpenAI-compatible API, the node's or the fleet's proxy's (the openai client's base_url)."""
+        return self.fleet.http_url if self.fleet is not None else f"http://127.0.0.1:{self.node_http_port}/v1"
 
     @property
     def store_target(self) -> str:
@@ -128,12 +129,12 @@ class LocalStack:
         print(f"[stack] {self.fleet_size} inference nodes and HAProxy ...", flush=True)
         self.fleet = NodeFleet(self.work_dir, self.fleet_size, [
             "--adapter-store", self.store_target, "--max-loras", str(self.max_loras), *threads, *self.node_args],
-            env=env, proxy_port=self.node_port, stats_port=self.stats_port)
+            env=env, proxy_port=self.node_port, stats_port=self.stats_port, http_port=self.node_http_port)
         self.fleet.start()
         for node in self.fleet.nodes:
             print(f"[stack] inference node {node.name} on {node.target} (log: {self.fleet.log_path(node)})", flush=True)
-        print(f"[stack] HAProxy on {self.fleet.target}, stats {self.fleet.stats_url} "
-              f"(log: {self.fleet.proxy.child.log_path})", flush=True)
+        print(f"[stack] HAProxy on {self.fleet.target}, OpenAI API {self.fleet.http_url}, stats "
+              f"{self.fleet.stats_url} (log: {self.fleet.proxy.child.log_path})", flush=True)
 
     def summary(self, example: Path) -> str:
         """Where everything is, once up, with a push command that works as pasted."""
@@ -148,8 +149,8 @@ class LocalStack:
             nodes = [f"  HAProxy         {self.fleet.target}   stats {self.fleet.stats_url}"]
             nodes += [f"  inference node  {n.target}   {n.name}, metrics {n.metrics_url}" for n in self.fleet.nodes]
         else:
-            nodes = [f"  inference node  {self.node_target}   metrics http://127.0.0.1:{self.node_metrics_port}/metrics",
-                     f"  OpenAI API      {self.http_url}   (curl, or the openai client with this base_url)"]
+            nodes = [f"  inference node  {self.node_target}   metrics http://127.0.0.1:{self.node_metrics_port}/metrics"]
+        nodes.append(f"  OpenAI API      {self.http_url}   (curl, or the openai client with this base_url)")
         fleet_view = (["  which node holds which adapter:", f"    {client} fleet --proxy-stats {self.fleet.stats_url}"]
                       if self.fleet is not None else [])
         return "\n".join([
@@ -161,7 +162,7 @@ class LocalStack:
             "  push an adapter (then it is served by name within a few seconds):",
             f"    {credentials} {push}",
             f"    {client} --node {self.node_target} generate --adapter my-adapter \"Hello!\"",
-            *([f"    {shlex.join(curl_command(self.http_url, 'my-adapter', 'Hello!', 64))}"] if self.fleet is None else []),
+            f"    {shlex.join(curl_command(self.http_url, 'my-adapter', 'Hello!', 64))}",
             *fleet_view,
         ])
 
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-metrics-port", type=int, default=int(os.environ.get("STACK_NODE_METRICS_PORT", 0)),
                     help="the node's Prometheus metrics port (0: a free one; printed once up)")
     ap.add_argument("--node-http-port", type=int, default=int(os.environ.get("STACK_NODE_HTTP_PORT", 0)),
-                    help="the node's OpenAI-compatible HTTP API port (0: a free one; printed once up)")
+                    help="the node's OpenAI-compatible HTTP API port, with --fleet the proxy's (0: a free one; "
+                         "printed once up)")
     ap.add_argument("--store-metrics-port", type=int, default=int(os.environ.get("STACK_STORE_METRICS_PORT", 0)),
                     help="the store's Prometheus metrics port (0: a free one; printed once up)")
     ap.add_argument("--samples", default=str(REPO / "samples" / "adapters"), help="adapters pushed at start")
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results = demo(stack.node_target, names, args.max_tokens) if args.demo else []
             over_http = (curl_answer(stack.http_url, curl_adapter(names), args.max_tokens)
-                         if args.demo and names and stack.fleet is None else None)
+                         if args.demo and names else None)
         except Exception:
             stack.check_alive()  # a dead process explains a failed demo better than its symptom
             raise
@@ -335,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                        else f"--node {stack.node_target} ls")
             print(f"\n[stack] serving; try:\n  {client} --node {stack.node_target} generate "
                   f"--adapter {names[0]} \"Tell me about the sea.\"\n  {client} {listing}", flush=True)
-            if stack.fleet is None:
-                print(f"  curl -sS {stack.http_url}/models", flush=True)
+            print(f"  curl -sS {stack.http_url}/models", flush=True)
             if restart is not None:
                 print(f"[stack] kill -HUP {os.getpid()} restarts the nodes one at a time.", flush=True)
             print("[stack] Ctrl-C stops everything.", flush=True)

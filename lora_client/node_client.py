@@ -34,13 +34,17 @@ class Completion:
 
 ADAPTER_HEADER = "x-lora-adapter"
 NODE_HEADER = "x-lora-node"
+# "false" in an error's trailing metadata: the node says a retry would fail the same way soon
+# (e.g. its adapter store is down); the openai client honours the same header over HTTP.
+SHOULD_RETRY = "x-should-retry"
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
     """Asks again for an answer refused with UNAVAILABLE before its first token: up to
     `attempts` tries in all, waiting first_backoff_s, then twice as long each time, at most
-    max_backoff_s. Never after a token was streamed."""
+    max_backoff_s. Never after a token was streamed, nor when the node said a retry would
+    not help (SHOULD_RETRY)."""
 
     attempts: int = 5
     first_backoff_s: float = 0.1
@@ -130,7 +134,17 @@ class AnswerStream:
     def _may_retry(self, exc: grpc.RpcError, deadline: float | None) -> bool:
         return (self.retry is not None and not self._cancelled and self.tokens == 0
                 and exc.code() == grpc.StatusCode.UNAVAILABLE and self.attempts < self.retry.attempts
+                and not said_no_retry(exc)
                 and (deadline is None or time.monotonic() + self.retry.backoff(self.attempts) < deadline))
+
+
+def said_no_retry(exc: grpc.RpcError) -> bool:
+    """The node marked this error as one a retry would meet again (SHOULD_RETRY: false)."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    try:
+        return dict((trailing() if trailing else None) or ()).get(SHOULD_RETRY) == "false"
+    except grpc.RpcError:
+        return False
 
 
 def _header(call: grpc.Call, name: str) -> str:

@@ -18,6 +18,10 @@ def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
     return f"{prefix}_{flag.lstrip('-').replace('-', '_').upper()}"
 
 
+class BadEnvironmentValue(ValueError):
+    """A flag's environment variable holds a value its type refuses."""
+
+
 def with_env(names: tuple[str, ...], kwargs: dict[str, Any], prefix: str, secret: bool = False) -> dict[str, Any]:
     """add_argument's keywords with the flag's environment variable as its default (and named
     in its help). secret=True: a value from the environment is never shown (e.g. in --help)."""
@@ -33,10 +37,12 @@ def with_env(names: tuple[str, ...], kwargs: dict[str, Any], prefix: str, secret
             truthy = raw.strip().lower() in ("1", "true", "yes", "on")
             # the variable means what the flag means: NO_X=1 acts as --no-x
             kwargs["default"] = truthy if action == "store_true" else not truthy
-        elif action == "append":
-            kwargs["default"] = [parse(item) for item in raw.split()]
         else:
-            kwargs["default"] = parse(raw)
+            try:
+                kwargs["default"] = ([parse(item) for item in raw.split()] if action == "append"
+                                     else parse(raw))
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise BadEnvironmentValue(f"{env}={raw!r}: {exc}") from None
         kwargs["required"] = False
     if kwargs.get("help") != argparse.SUPPRESS:
         kwargs["help"] = (kwargs.get("help", "") + f" [env {env}]").strip()
@@ -51,17 +57,23 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self.env_prefix = env_prefix
         super().__init__(*args, **kwargs)
 
+    def _options(self, names: tuple[str, ...], kwargs: dict[str, Any], secret: bool) -> dict[str, Any]:
+        try:
+            return with_env(names, kwargs, self.env_prefix, secret)
+        except BadEnvironmentValue as exc:
+            self.error(str(exc))  # as a bad flag is refused: usage, exit 2
+
     def add_argument(self, *names: str, secret: bool = False,  # type: ignore[override]
                      **kwargs: Any) -> argparse.Action:
-        return super().add_argument(*names, **with_env(names, kwargs, self.env_prefix, secret))
+        return super().add_argument(*names, **self._options(names, kwargs, secret))
 
     def add_argument_group(self, *args: Any, **kwargs: Any) -> argparse._ArgumentGroup:
         """A group whose flags read the environment too."""
         group = super().add_argument_group(*args, **kwargs)
-        add, prefix = group.add_argument, self.env_prefix
+        add = group.add_argument
 
         def add_argument(*names: str, secret: bool = False, **options: Any) -> argparse.Action:
-            return add(*names, **with_env(names, options, prefix, secret))
+            return add(*names, **self._options(names, options, secret))
 
         group.add_argument = add_argument  # type: ignore[method-assign]
         return group

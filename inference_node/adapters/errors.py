@@ -6,6 +6,9 @@ import grpc
 
 class AdapterError(Exception):
     status = grpc.StatusCode.INTERNAL
+    # Whether asking this node again soon may succeed: clients are told not to retry when not
+    # (x-should-retry: false), e.g. the source cannot be reached at all.
+    retry_may_help = True
 
 
 class AdapterNotFound(AdapterError):
@@ -22,6 +25,19 @@ class AdapterUnavailable(AdapterError):
     """The source could not be reached in time; the client may retry."""
 
     status = grpc.StatusCode.UNAVAILABLE
+
+
+class SourceUnreachable(AdapterUnavailable):
+    """The adapter is on no tier of this node and its source cannot be reached: a retry here
+    fails the same way until the source is back."""
+
+    retry_may_help = False
+
+
+class AdapterCancelled(AdapterError):
+    """A fetch nobody waits for any more (its requests ended, the node is stopping)."""
+
+    status = grpc.StatusCode.CANCELLED
 
 
 class AdapterCorrupt(AdapterError):

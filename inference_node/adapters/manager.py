@@ -26,6 +26,8 @@ Rules:
   `max_loras` other adapters hold the step's places, the least valuable of them stops taking
   new requests until its running ones end. So a cold adapter waits at most for the running
   requests of the adapters it displaces: nobody starves.
+- A fetch that no waiting request, admin call or slot promotion wants any more (its requests
+  ended) is cancelled, and so is every fetch when the node stops: neither waits on a store.
 """
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
+from adapter_store.client import Cancellation
+
 from ..engine.request import Request
-from .errors import AdapterError, AdapterNotFound, AdapterNumericalFault, NoSlotAvailable
+from .errors import AdapterCancelled, AdapterError, AdapterNotFound, AdapterNumericalFault, NoSlotAvailable
 from .eviction import make_policy
 from .slots import SlotBuffers
 from .weights import AdapterWeights
@@ -53,8 +57,9 @@ DRAIN_COST = 1e12
 
 
 class AdapterSource(Protocol):
-    def load(self, name: str, version: str) -> AdapterWeights:
-        """Fetches and validates an adapter (version "" = current). Blocking; raises AdapterError."""
+    def load(self, name: str, version: str, cancel: Cancellation | None = None) -> AdapterWeights:
+        """Fetches and validates an adapter (version "" = current). Blocking; raises
+        AdapterError (AdapterCancelled once `cancel` is cancelled, if it stopped for it)."""
         ...
 
     def catalog(self) -> list[tuple[str, int]]:
@@ -104,6 +109,14 @@ class AdapterEntry:
 
 
 Done = Callable[[AdapterEntry | None, AdapterError | None], None]
+
+
+@dataclass(eq=False)
+class FetchJob:
+    """One fetch on a background thread: who waits for it, and how to end it early."""
+
+    waiters: list[Done] = field(default_factory=list)
+    cancel: Cancellation = field(default_factory=Cancellation)
 
 # Buckets (seconds) of an adapter's load time: fetch, validation and probe, into host memory.
 LOAD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -159,7 +172,7 @@ class AdapterManager:
         self.current: dict[str, AdapterEntry] = {}       # name -> the version new requests get
         self.retired: list[AdapterEntry] = []             # old versions still referenced
         self.host_lru: OrderedDict[int, AdapterEntry] = OrderedDict()
-        self.jobs: dict[tuple[str, str], list[Done]] = {}  # (name, version) -> waiters of a fetch
+        self.jobs: dict[tuple[str, str], FetchJob] = {}  # (name, version) -> its fetch
         self._refetch: dict[tuple[str, str], AdapterEntry] = {}  # fetches that restore a host copy
         self.resident_waiters: list[tuple[AdapterEntry, Done]] = []
         self._failed: dict[str, AdapterError] = {}
@@ -245,8 +258,9 @@ class AdapterManager:
             entry = self.current.get(name)
             if entry is None:
                 # Fetched ahead no deeper than host memory holds: a deeper prefetch would push
-                # out the host copies of older waiting adapters and fetch them again.
-                if position < self.max_cpu_loras:
+                # out the host copies of older waiting adapters and fetch them again. One that
+                # just failed is not fetched again for the requests its failure ends next.
+                if position < self.max_cpu_loras and name not in self._failed:
                     self._start_load(name, "")
             elif entry.slot < 0 and (reserved is None or entry is reserved):
                 placed = self._promote(entry, drain=may_drain)
@@ -258,6 +272,19 @@ class AdapterManager:
                 done(entry, None)
             elif entry.slot < 0 and (self._reserved is None or entry is self._reserved):
                 self._promote(entry, drain=entry.pinned)
+        self._cancel_unwanted()
+
+    def _cancel_unwanted(self) -> None:
+        """Cancels the fetches nobody wants any more: no waiter (an admin call), no waiting
+        request for the adapter, no admin load waiting to place it. A store that is slow or
+        gone then holds no thread and no connection for a request that has ended."""
+        wanted = set(self._wanted) | {e.name for e, _ in self.resident_waiters}
+        if self._reserved is not None:
+            wanted.add(self._reserved.name)
+        for (name, _), job in self.jobs.items():
+            if not job.waiters and name not in wanted and not job.cancel.cancelled:
+                log.info("adapter %s: no request waits for it any more; its fetch is cancelled", name)
+                job.cancel.cancel()
 
     def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, AdapterError]]:
         """Waiting requests whose adapter failed to load (the engine finishes them)."""
@@ -338,36 +365,44 @@ class AdapterManager:
                 waiter(None, error)
             return
         key = (name, version)
-        if key not in self.jobs:
-            self.jobs[key] = []
-            self._pool.submit(self._fetch, name, version)
+        job = self.jobs.get(key)
+        if job is None or job.cancel.cancelled:  # a cancelled fetch's result goes to nobody
+            job = self.jobs[key] = FetchJob()
+            self._pool.submit(self._fetch, name, version, job)
         if waiter is not None:
-            self.jobs[key].append(waiter)
+            job.waiters.append(waiter)
 
-    def _fetch(self, name: str, version: str) -> None:  # background thread
+    def _fetch(self, name: str, version: str, job: FetchJob) -> None:  # background thread
         started = time.monotonic()
         try:
-            weights = self.source.load(name, version)
+            weights = self.source.load(name, version, cancel=job.cancel)
             if self.pin_host_memory:
                 weights.tensors = {k: (a.pin_memory(), b.pin_memory())
                                    for k, (a, b) in weights.tensors.items()}
             weights.load_seconds = time.monotonic() - started
-            self._completions.put(((name, version), weights, None))
+            self._completions.put(((name, version), job, weights, None))
         except AdapterError as exc:
-            self._completions.put(((name, version), None, exc))
+            self._completions.put(((name, version), job, None, exc))
         except Exception as exc:  # unexpected: reported, never half-used
             log.exception("loading adapter %s failed", name)
-            self._completions.put(((name, version), None,
+            self._completions.put(((name, version), job, None,
                                    AdapterError(f"loading adapter {name!r} failed: {exc}")))
 
     def _apply_completions(self) -> None:
         while True:
             try:
-                key, weights, error = self._completions.get_nowait()
+                key, job, weights, error = self._completions.get_nowait()
             except queue.Empty:
                 return
             name = key[0]
-            waiters = self.jobs.pop(key, [])
+            if self.jobs.get(key) is job:
+                del self.jobs[key]
+            elif weights is None:
+                continue  # a cancelled fetch replaced by a newer one: that one answers
+            if isinstance(error, AdapterCancelled):  # nobody waited for it
+                self._refetch.pop(key, None)  # a promotion that wants it again asks again
+                continue
+            waiters = job.waiters
             target = self._refetch.pop(key, None)
             entry = None
             if error is not None:
@@ -684,4 +719,10 @@ class AdapterManager:
                                  f"resident adapters' own sizes sum to {own}")
 
     def shutdown(self) -> None:
+        """Ends every fetch now: the process's exit joins the fetch threads, and a fetch from a
+        store that is down would otherwise hold it until the fetch's deadline."""
+        for job in self.jobs.values():
+            job.cancel.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.source is not None and hasattr(self.source, "close"):
+            self.source.close()

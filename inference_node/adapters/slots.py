@@ -64,13 +64,18 @@ def row_nbytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
             for m, (fan_in, fan_out) in config.module_shapes().items() if m in LORA_MODULES}
 
 
+def held_modules(modules: Collection[str]) -> tuple[str, ...]:
+    """The modules adapter memory holds rows for when adapters are expected to target
+    `modules` (--lora-modules): every module of a fused group holding one of them."""
+    return tuple(m for fused in FUSED_MODULES.values() if set(fused) & set(modules) for m in fused)
+
+
 def rows_for_budget(config: ModelConfig, dtype: torch.dtype, budget_bytes: int,
                     modules: Collection[str] = LORA_MODULES) -> int:
     """Rank rows per module arena that `budget_bytes` of adapter memory holds (every arena of
     a fused group holding one of `modules` gets the same number of rows; SlotBuffers)."""
     sizes = row_nbytes(config, dtype)
-    held = [m for fused in FUSED_MODULES.values() if set(fused) & set(modules) for m in fused]
-    return max(1, budget_bytes // sum(sizes[m] for m in held))
+    return max(1, budget_bytes // sum(sizes[m] for m in held_modules(modules)))
 
 
 class SlotBuffers:

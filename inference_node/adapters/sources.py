@@ -6,17 +6,21 @@ on background threads; the engine thread never waits on them.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
-from blake3 import blake3
 
+from adapter_store.client import Cancellation, adapter_digest, version_of
 from lora_common.names import InvalidName, check_name
-from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid, Buffer, TensorInfo, validate_adapter
+from lora_common.validation import (DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_WEIGHT_ABS, AdapterInvalid, Buffer,
+                                    TensorInfo, parse_adapter_config, validate_adapter)
 
 from ..model.config import ModelConfig
 from .errors import AdapterNotFound, AdapterRejected
-from .weights import AdapterIncompatible, AdapterWeights, build_adapter_weights, probe_in_dtype
+from .slots import held_modules
+from .weights import (LORA_MODULES, AdapterIncompatible, AdapterWeights, build_adapter_weights, never_servable,
+                      probe_in_dtype)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -75,10 +79,10 @@ def _identity(*paths: Path) -> tuple:
 
 
 def content_hash(files: list[Buffer]) -> str:
-    """A local adapter's version: BLAKE3 over its files' BLAKE3 digests (about 2.5 times
-    sha256's speed on one core; a first load from the folder hashes every byte)."""
-    digests = b"".join(blake3(f).digest() for f in files)
-    return blake3(digests).hexdigest()
+    """A local adapter's version (config, then weights): the version the adapter store gives
+    the same bytes, so an adapter keeps its version id when it moves between a folder and
+    the store. A first load from the folder hashes every byte once (`_passed` keeps it)."""
+    return version_of(adapter_digest(hashlib.sha256(f).hexdigest() for f in files))
 
 
 class LocalDirSource:
@@ -92,12 +96,14 @@ class LocalDirSource:
 
     def __init__(self, root: Path, model: ModelConfig, max_rank: int, max_bytes: int = 0,
                  pin_memory: bool = False, *, max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, modules: tuple[str, ...] = LORA_MODULES) -> None:
         """max_bytes > 0: larger adapters are refused before they are read into memory;
-        max_weight_abs, dtype: the numerical checks (weights_from_files)."""
+        max_weight_abs, dtype: the numerical checks (weights_from_files); modules: those
+        adapters may target (--lora-modules)."""
         self.root = root.resolve()
         self.model = model
         self.max_rank = max_rank
+        self.modules = held_modules(modules)
         self.max_bytes = max_bytes
         self.pin_memory = pin_memory
         self.max_weight_abs = max_weight_abs
@@ -109,7 +115,8 @@ class LocalDirSource:
         return []
 
     def catalog(self) -> list[tuple[str, int]]:
-        """Folders with an allowed name and both files (their content is checked at load)."""
+        """Folders with an allowed name and both files whose config this node could serve
+        (their weights are checked at load)."""
         found = []
         for folder in sorted(self.root.iterdir()) if self.root.is_dir() else []:
             try:
@@ -117,11 +124,25 @@ class LocalDirSource:
             except InvalidName:
                 continue
             config = folder / CONFIG_FILE
-            if config.is_file() and (folder / WEIGHTS_FILE).is_file():
+            if config.is_file() and (folder / WEIGHTS_FILE).is_file() and self._refusal(folder.name, config) is None:
                 found.append((folder.name, int(config.stat().st_mtime)))
         return found
 
-    def load(self, name: str, version: str) -> AdapterWeights:
+    def _refusal(self, name: str, config: Path) -> str | None:
+        """Why the config says this node can never serve the adapter (its rank, its targets
+        unless a pattern names them); None when it may (an invalid config is refused at load,
+        with the reason)."""
+        try:
+            if config.stat().st_size > DEFAULT_MAX_CONFIG_BYTES:
+                return None
+            parsed = parse_adapter_config(config.read_bytes())
+        except (OSError, AdapterInvalid):
+            return None
+        targets = () if parsed.targets_from_pattern else parsed.target_modules
+        return never_servable(name, parsed.r, targets, self.max_rank, self.modules)
+
+    def load(self, name: str, version: str, cancel: Cancellation | None = None) -> AdapterWeights:
+        """The folder's adapter (`cancel` is not needed: a local read ends by itself)."""
         try:
             check_name(name)
         except InvalidName as exc:
@@ -133,6 +154,9 @@ class LocalDirSource:
             raise AdapterNotFound(f"adapter {name!r} not found in {self.root}")
         if not weights_path.is_file():
             raise AdapterRejected(f"adapter {name!r} has no {WEIGHTS_FILE} (pickle weights are never loaded)")
+        refusal = self._refusal(name, config_path)
+        if refusal is not None:
+            raise AdapterRejected(refusal)
         size = config_path.stat().st_size + weights_path.stat().st_size
         if self.max_bytes and size > self.max_bytes:
             raise AdapterRejected(f"adapter {name!r} is {size / 1e6:.1f} MB; this node loads adapters up to "

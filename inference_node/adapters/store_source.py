@@ -8,18 +8,19 @@ from typing import Callable
 import grpc
 import torch
 
-from adapter_store.client import (DELETED, UPDATED, AdapterStoreClient, AdapterTooLarge, FetchedAdapter, Manifest,
-                                  StoreError, StoreTLSRefused)
+from adapter_store.client import (DELETED, UPDATED, AdapterInfo, AdapterStoreClient, AdapterTooLarge, Cancellation,
+                                  Cancelled, FetchedAdapter, Manifest, ReadPlan, StoreError, StoreTLSRefused)
 from lora_common.tls import ClientTLS
 from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from ..model.config import ModelConfig
 from .direct_reads import DirectReader, DirectReadFailed, DirectReadSettings
 from .disk_tier import DiskCorrupt, DiskTier
-from .errors import (AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
-                     AdapterUnavailable)
+from .errors import (AdapterCancelled, AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
+                     AdapterUnavailable, SourceUnreachable)
+from .slots import held_modules
 from .sources import WEIGHTS_FILE, host_buffer, weights_from_files
-from .weights import AdapterWeights
+from .weights import LORA_MODULES, AdapterWeights, never_servable
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ _HINTS = {
 
 
 MANIFEST_CHECK_S = 2.0  # how long a load with a disk copy waits to hear the store's current version
+# How long a load of an adapter on no tier of this node waits for a connection to the store
+# before it fails (UNAVAILABLE, naming the store). A fetch that started resumes until its
+# deadline instead: that store was up a moment ago.
+STORE_CONNECT_S = 2.0
 
 
 class StoreSource:
@@ -48,20 +53,26 @@ class StoreSource:
     with the node's disk tier in front when one is configured: a load of a version kept on
     disk reads it from there (verified), and falls back to the store if it fails its checks.
 
-    With `direct_reads`, a load first asks the store for a read plan and reads the files
-    straight from the object store (direct_reads.py), into the same buffer; when the store
-    offers no plan or the plan's reads fail (expired, refused, unreachable, bytes that do
-    not match the catalog's BLAKE3), it streams the adapter from the store instead."""
+    Before any byte, a load asks the store for the adapter's manifest (the catalog's rank,
+    targets and sizes): an adapter this node can never serve (a rank over --max-lora-rank,
+    modules outside --lora-modules, over --max-adapter-mb) is refused from it, and a store
+    that cannot be reached fails the load within STORE_CONNECT_S, naming the store. With
+    `direct_reads`, the read plan carries that manifest, and the files are read straight
+    from the object store (direct_reads.py), into the same buffer; when the store offers no
+    plan or the plan's reads fail (expired, refused, unreachable, bytes that do not match the
+    catalog's BLAKE3), it streams the adapter from the store instead."""
 
     def __init__(self, target: str, model: ModelConfig, max_rank: int, fetch_deadline_s: float = 60.0, *,
                  tls: ClientTLS | None = None, token: str | None = None, max_adapter_bytes: int = 0,
                  pin_memory: bool = False, disk: DiskTier | None = None,
                  max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32,
-                 direct_reads: DirectReadSettings | None = None) -> None:
+                 direct_reads: DirectReadSettings | None = None, modules: tuple[str, ...] = LORA_MODULES) -> None:
+        """modules: those adapters may target (--lora-modules)."""
         self.target = target
         self.client = AdapterStoreClient(target, tls=tls, token=token)
         self.model = model
         self.max_rank = max_rank
+        self.modules = held_modules(modules)
         self.fetch_deadline_s = fetch_deadline_s
         self.max_adapter_bytes = max_adapter_bytes
         self.pin_memory = pin_memory
@@ -74,18 +85,28 @@ class StoreSource:
         self.direct_reads = {"direct": 0, "fallback": 0, "declined": 0}
         self._counts_lock = threading.Lock()
 
-    def load(self, name: str, version: str) -> AdapterWeights:
-        disk_failure = ""
-        if self.disk is not None:
-            try:
-                weights = self._load_from_disk(name, version)
-            except DiskCorrupt as exc:
-                log.warning("%s; fetching it from the store", exc)
-                disk_failure = " (its copy on this node's disk failed its checksum and was deleted)"
-            else:
-                if weights is not None:
-                    return weights
-        return self._load_from_store(name, version, disk_failure)
+    def load(self, name: str, version: str, cancel: Cancellation | None = None) -> AdapterWeights:
+        """The adapter's weights; `cancel` ends the load (AdapterCancelled) when nobody waits
+        for it any more."""
+        cancel = cancel or Cancellation()
+        try:
+            disk_failure = ""
+            if self.disk is not None:
+                try:
+                    weights = self._load_from_disk(name, version, cancel)
+                except DiskCorrupt as exc:
+                    log.warning("%s; fetching it from the store", exc)
+                    disk_failure = " (its copy on this node's disk failed its checksum and was deleted)"
+                else:
+                    if weights is not None:
+                        return weights
+            return self._load_from_store(name, version, cancel, disk_failure)
+        except Cancelled:
+            raise AdapterCancelled(f"loading adapter {name!r} was cancelled") from None
+
+    def refusal(self, info: AdapterInfo) -> str | None:
+        """Why this node can never serve the catalog entry `info` (None: it can)."""
+        return never_servable(info.name, info.rank, info.target_modules, self.max_rank, self.modules)
 
     def _allocate(self, holder: list[torch.Tensor]) -> Callable[[int], object]:
         """An allocator for the client and the disk tier, which fill any writable buffer (a
@@ -108,20 +129,58 @@ class StoreSource:
         with self._counts_lock:
             self.direct_reads[outcome] += 1
 
-    def _read_direct(self, name: str, version: str, holder: list[torch.Tensor]) -> FetchedAdapter | None:
-        """The adapter read by the store's read plan, or None when it must be streamed. Errors
-        of the plan call itself (an unknown or invalid adapter, a store that predates plans)
-        are left to the stream, which reports them as it always has."""
-        assert self.direct is not None
+    def _describe(self, name: str, version: str, cancel: Cancellation,
+                  disk_failure: str) -> tuple[Manifest, ReadPlan | None]:
+        """The adapter's manifest (and the read plan, with direct reads) before any byte of it,
+        refused when this node can never serve it. Fails within STORE_CONNECT_S when the store
+        cannot be reached."""
+        down = self.client.connect_error(STORE_CONNECT_S, cancel)
+        if isinstance(down, StoreTLSRefused):  # this node's TLS settings: no retry helps
+            raise AdapterRejected(f"adapter {name!r} from the store at {self.target}: {down.details}")
+        if down is not None:
+            reason = (down.details or down.code.name).splitlines()[0]
+            raise SourceUnreachable(f"adapter {name!r} is on no tier of this node and the adapter store at "
+                                    f"{self.target} cannot be reached ({reason}): the node serves it once the "
+                                    f"store is back{disk_failure}")
+        plan = None
         try:
-            plan = self.client.get_read_plan(name, version)
+            if self.direct is not None:
+                try:
+                    plan = self.client.get_read_plan(name, version, self.fetch_deadline_s, cancel)
+                except StoreError as exc:
+                    if exc.code != grpc.StatusCode.UNIMPLEMENTED:  # else a store that predates plans
+                        raise
+            manifest = plan.manifest if plan is not None else self.client.get_manifest(
+                name, version, self.fetch_deadline_s, cancel)
+        except Cancelled:
+            raise
         except StoreError as exc:
-            log.debug("adapter %s: no read plan (%s); streaming it", name, exc.code.name)
+            raise self._store_error(name, version, exc, disk_failure) from exc
+        refusal = self.refusal(manifest.info)
+        if refusal is not None:
+            raise AdapterRejected(refusal)
+        size = sum(f.size for f in manifest.files)
+        if self.max_adapter_bytes and size > self.max_adapter_bytes:
+            raise AdapterRejected(f"adapter {name!r} is {size / 1e6:.1f} MB; this node loads adapters up to "
+                                  f"{self.max_adapter_bytes / 1e6:.1f} MB (--max-adapter-mb)")
+        return manifest, plan
+
+    def _store_error(self, name: str, version: str, exc: StoreError, disk_failure: str) -> AdapterError:
+        if exc.code == grpc.StatusCode.NOT_FOUND and self.disk is not None and not version:
+            self.disk.remove_name(name)
+        error = _ERRORS.get(exc.code, AdapterError)
+        return error(f"adapter {name!r} from the store at {self.target}: {exc.code.name}: {exc.details}"
+                     f"{_HINTS.get(exc.code, '')}{disk_failure}")
+
+    def _read_direct(self, name: str, version: str, plan: ReadPlan | None,
+                     holder: list[torch.Tensor]) -> FetchedAdapter | None:
+        """The adapter read by the store's read plan, or None when it must be streamed (no
+        plan: a store that predates plans)."""
+        if plan is None:
             return None
-        size = sum(f.size for f in plan.manifest.files)
-        if not plan.files or (self.max_adapter_bytes and size > self.max_adapter_bytes):
+        if not plan.files:
             self._count("declined")
-            log.debug("adapter %s: no read plan (%s); streaming it", name, plan.reason or "over --max-adapter-mb")
+            log.debug("adapter %s: no read plan (%s); streaming it", name, plan.reason)
             return None
         try:
             fetched = self.direct.read(plan, self._allocate(holder), version)
@@ -133,24 +192,24 @@ class StoreSource:
         self._count("direct")
         return fetched
 
-    def _load_from_store(self, name: str, version: str, disk_failure: str = "") -> AdapterWeights:
+    def _load_from_store(self, name: str, version: str, cancel: Cancellation, disk_failure: str = "") -> AdapterWeights:
+        manifest, plan = self._describe(name, version, cancel, disk_failure)
         holder: list[torch.Tensor] = []
-        fetched = self._read_direct(name, version, holder) if self.direct is not None else None
+        fetched = self._read_direct(name, version, plan, holder) if self.direct is not None else None
         try:
             if fetched is None:
                 fetched = self.client.fetch(name, version, deadline_s=self.fetch_deadline_s,
-                                            max_bytes=self.max_adapter_bytes, allocate=self._allocate(holder))
+                                            max_bytes=self.max_adapter_bytes, allocate=self._allocate(holder),
+                                            cancel=cancel)
         except AdapterTooLarge as exc:
             raise AdapterRejected(f"adapter {name!r} is {exc.size / 1e6:.1f} MB; this node loads adapters up to "
                                   f"{exc.limit / 1e6:.1f} MB (--max-adapter-mb)") from exc
         except StoreTLSRefused as exc:  # this node's TLS settings: no retry helps
             raise AdapterRejected(f"adapter {name!r} from the store at {self.target}: {exc.details}") from exc
+        except Cancelled:
+            raise
         except StoreError as exc:
-            if exc.code == grpc.StatusCode.NOT_FOUND and self.disk is not None and not version:
-                self.disk.remove_name(name)
-            error = _ERRORS.get(exc.code, AdapterError)
-            raise error(f"adapter {name!r} from the store at {self.target}: {exc.code.name}: {exc.details}"
-                        f"{_HINTS.get(exc.code, '')}{disk_failure}") from exc
+            raise self._store_error(name, version, exc, disk_failure) from exc
         manifest = fetched.manifest
         weights = self._weights(manifest, holder[-1], [fetched.offsets[f.path] for f in manifest.files])
         weights.source_tier = "store"
@@ -158,7 +217,7 @@ class StoreSource:
             self.disk.put_later(manifest, list(fetched.files.values()))
         return weights
 
-    def _load_from_disk(self, name: str, version: str) -> AdapterWeights | None:
+    def _load_from_disk(self, name: str, version: str, cancel: Cancellation) -> AdapterWeights | None:
         """The adapter from the disk tier, or None when the store must be asked. A load of
         the current version ("") asks the store which one that is, and uses the disk copy
         as it is only while the store cannot be reached."""
@@ -167,7 +226,9 @@ class StoreSource:
             return None
         if not version:
             try:
-                current = self.client.get_manifest(name, timeout_s=MANIFEST_CHECK_S).info.version
+                current = self.client.get_manifest(name, timeout_s=MANIFEST_CHECK_S, cancel=cancel).info.version
+            except Cancelled:
+                raise
             except StoreError as exc:
                 if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     return None  # the fetch reports what the store says
@@ -189,9 +250,11 @@ class StoreSource:
         return weights
 
     def catalog(self) -> list[tuple[str, int]]:
-        """The store's valid adapters (raises AdapterError when it cannot be reached)."""
+        """The store's adapters this node can serve: valid, and not refused by `refusal`
+        (raises AdapterError when the store cannot be reached)."""
         try:
-            return [(a.name, a.updated_at) for a in self.client.list_adapters() if a.valid]
+            return [(a.name, a.updated_at) for a in self.client.list_adapters()
+                    if a.valid and self.refusal(a) is None]
         except StoreError as exc:
             error = _ERRORS.get(exc.code, AdapterError)
             raise error(f"listing the adapter store at {self.target}: {exc.code.name}: {exc.details}"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Collection, Iterable
 
 import torch
 
@@ -37,15 +38,29 @@ def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
+def never_servable(name: str, rank: int, targets: Iterable[str], max_rank: int,
+                   modules: Collection[str] = LORA_MODULES) -> str | None:
+    """Why this node can never serve an adapter of this rank and these target modules, from
+    metadata alone (a catalog entry, a config), before any weight is read; None if it can.
+    modules: those the node keeps adapter memory for (slots.held_modules)."""
+    if rank > max_rank:
+        return f"adapter {name!r} has rank {rank}; this node serves ranks up to {max_rank} (--max-lora-rank)"
+    missing = [m for m in targets if m not in modules]
+    if missing:
+        return (f"adapter {name!r} targets {','.join(missing)}; this node keeps adapter memory for "
+                f"{','.join(modules)} only (--lora-modules)")
+    return None
+
+
 def build_adapter_weights(name: str, version: str, rank: int, alpha: float, use_rslora: bool,
                           pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                           model: ModelConfig, max_rank: int) -> AdapterWeights:
     """Checks every (layer, module) pair of A [r, in] and B [out, r] against the model."""
     if rank <= 0:
         raise AdapterIncompatible(f"adapter {name!r} has rank {rank}")
-    if rank > max_rank:
-        raise AdapterIncompatible(f"adapter {name!r} has rank {rank}; this node serves ranks up to "
-                                  f"{max_rank} (--max-lora-rank)")
+    refusal = never_servable(name, rank, (), max_rank)
+    if refusal is not None:
+        raise AdapterIncompatible(refusal)
     shapes = model.module_shapes()
     for (layer, module), (a, b) in pairs.items():
         if module not in shapes:

@@ -46,7 +46,8 @@ def wire_error(error: BaseException) -> WireError:
     if isinstance(error, CutShort):
         return WireError(grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.CUT_SHORT)
     if isinstance(error, AdapterError):
-        return WireError(error.status.name, str(error))
+        return WireError(error.status.name, str(error),
+                         ErrorKind.FAILED if error.retry_may_help else ErrorKind.NO_RETRY)
     if isinstance(error, InvalidRequest):
         return WireError(grpc.StatusCode.INVALID_ARGUMENT.name, str(error))
     if isinstance(error, QueueFull):

@@ -31,6 +31,7 @@ class ErrorKind:
     FAILED = ""                 # anything else: the status says it
     NOT_STARTED = "not_started"  # a drain refused it before its first token: safe to retry
     CUT_SHORT = "cut_short"      # shutdown ended it after part of its answer was streamed
+    NO_RETRY = "no_retry"        # asking this node again soon fails the same way (its store is down)
 
 
 class WireError(msgspec.Struct, array_like=True, frozen=True):

@@ -29,6 +29,10 @@ from .engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 DRAINING = "this node is draining and takes no new requests: retry on another node"
+# Sent as "false" (an HTTP header, gRPC trailing metadata) with an error that a retry on this
+# node would meet again soon, such as an adapter store that cannot be reached; the openai
+# client and lora_client's RetryPolicy then do not retry it.
+SHOULD_RETRY = "x-should-retry"
 
 
 @dataclass
@@ -48,12 +52,16 @@ class Frontend:
 
 
 class GenerationError(Exception):
-    """A request refused or ended with an error; `code` is its gRPC status."""
+    """A request refused or ended with an error; `code` is its gRPC status, `param` the
+    request field at fault when there is one (the OpenAI API's error `param`), `retry` False
+    when asking this node again soon would fail the same way (SHOULD_RETRY)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None, retry: bool = True) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
+        self.retry = retry
 
 
 @dataclass
@@ -91,7 +99,7 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
             check_prompt_tokens(len(spec.prompt_token_ids), limits)
         except BadRequest as exc:
             metrics.request_finished(request.adapter, "invalid_argument")
-            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param) from None
         stream = client.submit(spec)
         text = TextStream(frontend.codec.step_decoder(), stop)
         output_ids: list[int] = []
@@ -99,18 +107,22 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
         outcome = "cancelled"
         started = last = time.monotonic()
         first_token_at = None
+        request_name = spec.client_request_id or spec.request_id
+
+        def log_request(ended: str) -> None:
+            now = time.monotonic()
+            log.info("request %s api=%s adapter=%s finished=%s prompt=%d completion=%d cached=%d "
+                     "ttft=%.3fs total=%.3fs", request_name, api, spec.adapter or "-", ended,
+                     len(spec.prompt_token_ids), len(output_ids), stream.cached_prompt_tokens,
+                     (first_token_at or now) - started, now - started)
+
         try:
             while finish_reason is None:
                 new_ids = await stream.next()
-                if stream.error is not None:
-                    error = stream.error
-                    outcome = error.code.name.lower()
-                    if error.kind == ErrorKind.CUT_SHORT:
-                        metrics.cut_short.inc()
-                        log.warning("request %s cut short at shutdown after %d tokens",
-                                    spec.client_request_id or spec.request_id, len(output_ids))
-                    raise GenerationError(error.code, error.message)
-                finish_reason = stream.finish_reason
+                error = stream.error
+                # Tokens that came with an error were sampled before it: the client gets them
+                # first, so what it holds is what the error's count says.
+                finish_reason = stream.finish_reason if error is None else None
                 if stop:  # token by token: the answer ends with the token that completed a stop string
                     for i, token in enumerate(new_ids):
                         output_ids.append(token)
@@ -139,16 +151,23 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
                     chunk.completion_tokens = len(output_ids)
                     chunk.cached_prompt_tokens = stream.cached_prompt_tokens
                     chunk.adapter_version = stream.adapter_version
-                    log.info("request %s api=%s adapter=%s finished=%s prompt=%d completion=%d cached=%d "
-                             "ttft=%.3fs total=%.3fs", spec.client_request_id or spec.request_id, api,
-                             spec.adapter or "-", finish_reason, len(spec.prompt_token_ids), len(output_ids),
-                             stream.cached_prompt_tokens, (first_token_at or now) - started, now - started)
+                    log_request(finish_reason)
                 if new_ids or chunk.text or finish_reason is not None:
                     yield chunk
+                if error is not None and finish_reason is None:
+                    outcome = error.code.name.lower()
+                    message = error.message
+                    if error.kind == ErrorKind.CUT_SHORT:
+                        metrics.cut_short.inc()
+                        message = f"the node shut down after {len(output_ids)} tokens of this answer"
+                        log.warning("request %s cut short at shutdown after %d tokens", request_name,
+                                    len(output_ids))
+                    raise GenerationError(error.code, message, retry=error.kind != ErrorKind.NO_RETRY)
         finally:
             metrics.request_finished(spec.adapter, outcome,
                                      len(spec.prompt_token_ids) if finish_reason else 0, len(output_ids))
             if finish_reason is None:  # the client went away, its deadline passed, or the engine failed
                 client.abort(spec.request_id)
+                log_request(outcome)
     finally:
         frontend.streams.release()

@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP API of a front end (Starlette): /v1/completions,
-/v1/chat/completions (streamed as server-sent events or whole) and /v1/models.
+/v1/chat/completions (streamed as server-sent events or whole), /v1/models and
+/v1/models/{id}.
 
 Every generation goes through `generation.generate`, the same path as gRPC's Generate:
 validation, limits, tokenising, stop strings, metrics and the request log are one code. The
 answer's status is decided by its first chunk: a request refused before its first token
 (bad input, unknown adapter, overload, drain) gets its HTTP error code even when streamed.
 A client that goes away, while waiting or while streaming, aborts the engine request.
+Every error is an answer in OpenAI's error shape on a connection that stays open: a fault of
+the node's own is a logged 500 (`ErrorsAsJson`), never a closed keep-alive connection.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine_client import CoreError
-from .generation import Chunk, Frontend, GenerationError, generate
-from .openai_protocol import ApiError, ApiRequest, ResponseWriter, model_list, parse_request
+from .generation import SHOULD_RETRY, Chunk, Frontend, GenerationError, generate
+from .openai_protocol import ApiError, ApiRequest, ResponseWriter, model_list, model_not_found, parse_request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,7 +41,10 @@ class ClientGone(Exception):
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
+    if not error.retry:
+        headers = {SHOULD_RETRY: "false"}
+    else:
+        headers = {"Retry-After": RETRY_AFTER_S} if error.status in (429, 503) else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -122,6 +128,20 @@ class OpenAIApi:
             return error_response(exc)
         return JSONResponse(model_list(self.frontend.info.model_name, self.created, adapters))
 
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: one entry of the list (openai's models.retrieve), else 404."""
+        model = request.path_params["model"]
+        base = self.frontend.info.model_name
+        try:
+            self._authorize(request)
+            adapters = [] if model == base else await self._adapters()
+        except ApiError as exc:
+            return error_response(exc)
+        found = [m for m in model_list(base, self.created, adapters)["data"] if m["id"] == model]
+        if not found:
+            return error_response(model_not_found(model, base))
+        return JSONResponse(found[0])
+
     # -- the pieces --------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         if not self.token:
@@ -148,12 +168,15 @@ class OpenAIApi:
             return json.loads(body)
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
 
     async def _parse(self, request: Request, chat: bool) -> ApiRequest:
         self._authorize(request)
         body = await self._body(request)
         try:
-            return parse_request(body, chat, self.frontend.info.model_name, request.headers.get("x-request-id", ""))
+            return parse_request(body, chat, self.frontend.info.model_name, request.headers.get("x-request-id", ""),
+                                 self.frontend.info.max_model_len)
         except ApiError as exc:  # counted as the gRPC API counts its refusals
             model = body.get("model") if isinstance(body, dict) else None
             adapter = "" if model == self.frontend.info.model_name or not isinstance(model, str) else model
@@ -176,7 +199,7 @@ class OpenAIApi:
             text, last = await unless_disconnected(request, _rest(stream, first))
             return JSONResponse(writer.response(text, last))
         except GenerationError as exc:
-            return error_response(ApiError.from_grpc(exc.code, exc.message))
+            return error_response(ApiError.from_generation(exc))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
@@ -195,7 +218,7 @@ class OpenAIApi:
                 chunk = await stream.__anext__()
             yield "data: [DONE]\n\n"
         except GenerationError as exc:  # after part of the answer: the status is sent already
-            yield sse(ApiError.from_grpc(exc.code, exc.message).body())
+            yield sse(ApiError.from_generation(exc).body())
         finally:
             await stream.aclose()
 
@@ -228,10 +251,49 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
                                    code="not_found" if exc.status_code == 404 else "method_not_allowed"))
 
 
-def build_app(frontend: Frontend) -> Starlette:
+INTERNAL_ERROR = ApiError(500, "the node failed to answer this request (a fault of the node's, logged there); "
+                               "retrying it may not help", code="internal_error")
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(INTERNAL_ERROR)
+
+
+class ErrorsAsJson:
+    """The outermost ASGI layer. Starlette answers an unexpected exception with a 500 (in
+    OpenAI's shape: `_internal_error`) and then raises it again for the server to log; uvicorn
+    then closes the connection, which resets the next request a client sends on it. Here the
+    exception is logged and ends with its answer, so the connection stays usable. An
+    exception after the answer began (mid-stream) still goes up: that answer is broken."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        state = {"started": False, "complete": False}
+
+        async def tracked(message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["complete"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            if state["started"] and not state["complete"]:
+                raise
+            log.exception("HTTP %s %s failed", scope.get("method", ""), scope.get("path", ""))
+            if not state["started"]:
+                await error_response(INTERNAL_ERROR)(scope, receive, send)
+
+
+def build_app(frontend: Frontend) -> ErrorsAsJson:
     api = OpenAIApi(frontend)
-    return Starlette(routes=[
+    return ErrorsAsJson(Starlette(routes=[
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
-    ], exception_handlers={HTTPException: _http_error})
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+    ], exception_handlers={HTTPException: _http_error, Exception: _internal_error}))

@@ -8,6 +8,7 @@ gRPC API answers the same request with.
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import grpc
 from lora.v1 import inference_pb2
 
 from ..request_builder import ADAPTER_NAME
-from .generation import Chunk
+from .generation import Chunk, GenerationError
 
 # The gRPC status of a refused or failed request -> the HTTP status the OpenAI API answers.
 HTTP_STATUS = {
@@ -36,26 +37,35 @@ HTTP_STATUS = {
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 SEED_MODULUS = 1 << 64   # the engine's seeds are unsigned 64-bit; OpenAI's are signed
+INT32_MAX = (1 << 31) - 1   # max_tokens and top_k are int32 in the GenerateRequest they become
 OWNER = "lora-serving"
 
 
 class ApiError(Exception):
     """An answer of the OpenAI API's error shape: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry: bool = True) -> None:
+        """retry=False: a retry here would fail the same way soon (x-should-retry: false)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry = retry
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, message: str) -> "ApiError":
+    def from_grpc(cls, code: grpc.StatusCode, message: str, param: str | None = None,
+                  retry: bool = True) -> "ApiError":
         """The answer to a request the gRPC API answers with `code` (NOT_FOUND: the adapter
         that `model` names is unknown)."""
         if code == grpc.StatusCode.NOT_FOUND:
             return cls(404, message, param="model", code="model_not_found")
-        return cls(HTTP_STATUS.get(code, 500), message, code=code.name.lower())
+        return cls(HTTP_STATUS.get(code, 500), message, param=param, code=code.name.lower(), retry=retry)
+
+    @classmethod
+    def from_generation(cls, error: GenerationError) -> "ApiError":
+        return cls.from_grpc(error.code, error.message, error.param, error.retry)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
@@ -86,12 +96,19 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _int(body: dict, name: str, default: int | None = None) -> int | None:
+def _int(body: dict, name: str, default: int | None = None, low: int | None = None,
+         high: int | None = None, hint: str = "") -> int | None:
+    """The integer field `name`, refused outside [low, high] before it reaches protobuf (whose
+    int32 fields raise on larger values) or the engine."""
     value = body.get(name)
     if value is None:
         return default
     if not _is_int(value):
-        raise bad(name, f"{name} must be an integer, got {value!r}")
+        raise bad(name, f"{name} must be an integer, got {_show(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"from {low} to {high}" if low is not None and high is not None else (
+            f"of at least {low}" if low is not None else f"of at most {high}")
+        raise bad(name, f"{name} must be an integer {bounds}{hint}, got {_show(value)}")
     return value
 
 
@@ -99,9 +116,15 @@ def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_number(value):
-        raise bad(name, f"{name} must be a number, got {value!r}")
+    if not _is_number(value) or not math.isfinite(value):
+        raise bad(name, f"{name} must be a finite number, got {_show(value)}")
     return float(value)
+
+
+def _show(value: Any) -> str:
+    """A value as an error message quotes it: never thousands of characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -139,8 +162,7 @@ def resolve_model(model: Any, base_model: str) -> str:
     if model == base_model:
         return ""
     if not ADAPTER_NAME.match(model):
-        raise ApiError(404, f"the model {model!r} does not exist on this node: GET /v1/models lists the base "
-                            f"model ({base_model}) and its adapters", param="model", code="model_not_found")
+        raise model_not_found(model, base_model)
     return model
 
 
@@ -163,33 +185,44 @@ def _prompt(body: dict, msg: inference_pb2.GenerateRequest) -> None:
 
 
 def _messages(body: dict, msg: inference_pb2.GenerateRequest) -> None:
+    """The messages' shape; their roles are checked where gRPC's are (request_builder)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list of {role, content}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string role")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise bad(f"messages[{i}]", f"messages[{i}] holds tool calls: function calling is not supported "
+                                        "by this node")
         content = m.get("content")
         if content is None:
-            content = ""
-        elif isinstance(content, list):  # content parts: text only
+            raise bad(f"messages[{i}].content", f"messages[{i}].content is required: a string or a list of "
+                                                "text parts")
+        if isinstance(content, list):  # content parts: text only
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content", "only text content parts are supported by this node")
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    raise bad(f"messages[{i}].content[{j}]",
+                              f"messages[{i}].content[{j}] is {_show(kind) if kind else 'not a text part'}: only "
+                              "{\"type\": \"text\", \"text\": ...} parts are supported by this node")
                 texts.append(part["text"])
             content = "".join(texts)
         elif not isinstance(content, str):
-            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or text parts")
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts, "
+                                                f"got {_show(content)}")
         msg.messages.add(role=m["role"], content=content)
 
 
-def parse_request(body: Any, chat: bool, base_model: str, request_id: str = "") -> ApiRequest:
+def parse_request(body: Any, chat: bool, base_model: str, request_id: str = "",
+                  max_model_len: int = 0) -> ApiRequest:
     """A completion (chat=False) or chat completion request as the node's GenerateRequest.
 
     Defaults are the OpenAI API's: temperature 1, top_p 1, max_tokens absent = the node's
     default (--default-max-tokens, cut to the context). `ignore_eos` and `top_k` are accepted
-    as extensions (as vLLM does)."""
+    as extensions (as vLLM does). Integers are bounded here, before protobuf holds them;
+    the ranges both APIs share (temperature, top_p, roles, the context) are request_builder's."""
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
     _refuse_unsupported(body, chat)
@@ -200,15 +233,16 @@ def parse_request(body: Any, chat: bool, base_model: str, request_id: str = "") 
     else:
         _prompt(body, msg)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, name, 0)
-    if body.get(name) is not None and max_tokens < 1:
-        raise bad(name, f"{name} must be at least 1 (leave it out for the node's default), got {max_tokens}")
+    max_tokens = _int(body, name, 0, low=1, hint=" (leave it out for the node's default)")
+    if max_tokens > INT32_MAX:  # more than protobuf holds; request_builder names the room left for less
+        limit = f"{max_model_len} tokens of prompt + output (--max-model-len)" if max_model_len else "its context"
+        raise bad(name, f"{name} {max_tokens} does not fit: this node's limit is {limit}")
     msg.max_tokens = max_tokens
     msg.temperature = _number(body, "temperature", 1.0)
     msg.top_p = _number(body, "top_p", 1.0)
-    top_k = _int(body, "top_k", 0)
+    top_k = _int(body, "top_k", 0, low=-1, high=INT32_MAX, hint=" (0 or -1: off)")
     msg.top_k = 0 if top_k == -1 else top_k   # vLLM spells "off" -1
-    seed = _int(body, "seed")
+    seed = _int(body, "seed", low=-(1 << 63), high=SEED_MODULUS - 1)
     if seed is not None:
         msg.seed = seed % SEED_MODULUS
     stop = body.get("stop")
@@ -221,13 +255,16 @@ def parse_request(body: Any, chat: bool, base_model: str, request_id: str = "") 
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", "ignore_eos must be true or false")
     msg.ignore_eos = ignore_eos
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise bad("stream", "stream must be true or false")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
         raise bad("stream_options", "stream_options must be an object")
-    return ApiRequest(msg, body["model"], chat, stream, bool(stream and options.get("include_usage")))
+    include_usage = (options or {}).get("include_usage", False)
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad("stream_options", "stream_options.include_usage must be true or false")
+    return ApiRequest(msg, body["model"], chat, bool(stream), bool(stream and include_usage))
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -292,3 +329,8 @@ def model_list(base_model: str, created: int, adapters: list[tuple[str, int]]) -
     data += [{"id": name, "object": "model", "created": updated or created, "owned_by": OWNER,
               "root": base_model, "parent": base_model} for name, updated in adapters if name != base_model]
     return {"object": "list", "data": data}
+
+
+def model_not_found(model: str, base_model: str) -> ApiError:
+    return ApiError(404, f"the model {model!r} does not exist on this node: GET /v1/models lists the base "
+                         f"model ({base_model}) and its adapters", param="model", code="model_not_found")

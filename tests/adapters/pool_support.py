@@ -26,7 +26,7 @@ class FakeSource:
         self.ranks = ranks or {}  # a rank of its own per name (else `rank`)
         self.loads: list[tuple[str, str]] = []
 
-    def load(self, name: str, version: str) -> AdapterWeights:
+    def load(self, name: str, version: str, cancel=None) -> AdapterWeights:
         if name not in self.versions:
             raise AdapterNotFound(f"no adapter {name!r}")
         version = version or self.versions[name]

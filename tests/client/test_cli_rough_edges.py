@@ -1,10 +1,12 @@
 """`lora-client` explains itself: global options in any position, store commands named as
 lora-client's, one-line errors with the fix (no traceback) for missing S3 credentials, an
-unreachable S3 or node, help text on every flag, a short default answer, and README's push
-line in the form the local stack prints."""
+unreachable S3 or node, a TLS mismatch, out-of-range arguments and a reader that stops
+reading; help text on every flag, a short default answer, counts that say what they count,
+and README's push line in the form the local stack prints."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -12,11 +14,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from harness import InProcessNode
 from inference_node.config import NodeConfig
-from lora_client.cli import DEFAULT_MAX_TOKENS, globals_first, main, parser
+from lora.v1 import inference_pb2 as pb
+from lora_client.cli import DEFAULT_MAX_TOKENS, failure, globals_first, ls_footer, main, parser
+from lora_client.fleet import NodeView, format_fleet
 from lora_client.local_stack import LocalStack
 from lora_client.processes import free_port
 
@@ -44,7 +49,7 @@ def test_global_options_go_before_or_after_the_command(node, capsys) -> None:
     for argv in (["--node", node.address, "ls"], ["ls", "--node", node.address],
                  ["ls", f"--node={node.address}", "--timeout", "20"]):
         assert main(argv) == 0, argv
-        assert "GPU slots" in capsys.readouterr().out
+        assert "serve in one step (--max-loras)" in capsys.readouterr().out
     assert main(["generate", "--raw", "--max-tokens", "2", "Hi", "--node", node.address]) == 0
     assert capsys.readouterr().out.strip()
     front, rest = globals_first(["generate", "--top-k", "3", "x", "--token", "t", "--", "--node"], parser())
@@ -136,3 +141,104 @@ def test_readme_push_line_has_the_form_the_stack_prints(tmp_path) -> None:
     ours, theirs = shape(printed), shape(documented)
     assert [w for w in ours if w.startswith(("--", "AWS_"))] == [w for w in theirs if w.startswith(("--", "AWS_"))]
     assert ours[ours.index("push") - 1] == "adapter-store" and theirs[theirs.index("push") - 1] == "lora-client"
+
+
+SCRIPT = Path(sys.executable).parent / "lora-client"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "hi", "--max-tokens", "99999999999"], "--max-tokens"),
+    (["generate", "hi", "--max-tokens", "-1"], "--max-tokens"),
+    (["generate", "hi", "--top-k", "3000000000"], "--top-k"),
+    (["generate", "hi", "--seed", str(2**64)], "--seed"),
+    (["generate", "hi", "--seed", str(10**30)], "--seed"),
+    (["generate", "hi", "--temperature", "1e9"], "--temperature"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature"),
+    (["generate", "hi", "--top-p", "1.5"], "--top-p"),
+    (["--retries", "-3", "ls"], "--retries"),
+    (["--timeout", "0", "ls"], "--timeout"),
+    (["fleet", "--proxy-stats", "notaurl"], "--proxy-stats"),
+    (["push", str(SAMPLE), "--name", "x", "--s3-endpoint", "notaurl", "--bucket", "b"], "--s3-endpoint"),
+    (["store-ls", "--s3-endpoint", "notaurl", "--bucket", "b"], "--s3-endpoint"),
+])
+def test_out_of_range_arguments_are_refused_before_any_call(argv, flag, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--node", f"127.0.0.1:{free_port()}", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"argument {flag}:" in err.splitlines()[-1]
+
+
+def test_an_environment_value_out_of_range_is_refused_like_a_flag(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("LORA_CLIENT_RETRIES", "-3")
+    with pytest.raises(SystemExit) as exit_:
+        main(["ls"])
+    assert exit_.value.code == 2 and "LORA_CLIENT_RETRIES='-3'" in capsys.readouterr().err
+
+
+def _closed_pipe() -> int:
+    """The write end of a pipe whose reader has gone (as `| head -1` once head has exited)."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["fleet", "--nodes", "NODE"], ["stats"]])
+def test_a_reader_that_stops_reading_is_no_traceback(node, argv) -> None:
+    out = _closed_pipe()
+    try:
+        done = subprocess.run([str(SCRIPT), "--node", node.address,
+                               *[node.address if a == "NODE" else a for a in argv]],
+                              stdout=out, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(out)
+    assert done.stderr == "" and done.returncode == 141
+
+
+def test_tls_against_a_plaintext_node_is_one_line(node) -> None:
+    done = subprocess.run([str(SCRIPT), "--tls", "--node", node.address, "--timeout", "20", "ls"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    line = one_line(done.stderr)  # no line of gRPC's own log
+    assert line.startswith(f"lora-client ls: the TLS handshake with the node at {node.address} failed")
+    assert "drop --tls" in line
+
+
+class Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_status_the_node_answered_is_not_blamed_on_reaching_the_node() -> None:
+    args = parser().parse_args(["--node", "127.0.0.1:50051", "generate", "hi"])
+    store_down = ("adapter 'x' is on no tier of this node and the adapter store at 127.0.0.1:9 cannot be "
+                  "reached (failed to connect to all addresses; last error: Connection refused)")
+    line = failure(args, Refused(grpc.StatusCode.UNAVAILABLE, store_down))
+    assert line == f"lora-client generate: UNAVAILABLE: {store_down}"
+    unreachable = failure(args, Refused(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; "
+                                        "last error: UNKNOWN: ipv4:127.0.0.1:50051: Connection refused"))
+    assert unreachable.startswith("lora-client generate: cannot reach the node at 127.0.0.1:50051")
+
+
+def _adapters(tiers: list[int]) -> list[pb.AdapterStatus]:
+    return [pb.AdapterStatus(name=f"a{i}", tier=tier) for i, tier in enumerate(tiers)]
+
+
+def test_counts_say_what_they_count() -> None:
+    """GPU memory may hold more adapters than --max-loras, the most one step serves: never
+    shown as "5/4 slots"."""
+    gpu, host = pb.ADAPTER_TIER_GPU, pb.ADAPTER_TIER_HOST
+    reply = pb.ListAdaptersResponse(adapters=_adapters([gpu] * 5 + [host] * 2), max_loras=4, max_cpu_loras=8)
+    assert ls_footer(reply) == ("5 on the GPU, of which at most 4 serve in one step (--max-loras); "
+                                "2 only in host memory, which keeps up to 8")
+    table = format_fleet([NodeView("n1", "127.0.0.1:1", "UP", list(reply.adapters), max_loras=4)])
+    header, row = table.splitlines()[:2]
+    assert header.split()[3:6] == ["ON", "GPU", "PER"]
+    assert row.split()[3:6] == ["5", "4", "7"]
+    assert "5/4" not in table

@@ -126,19 +126,26 @@ def test_ports_agree_with_the_services_settings(compose) -> None:
 def test_haproxy_config_is_the_rendered_one_for_the_compose_nodes(compose) -> None:
     """docker/haproxy.cfg is what lora_client.haproxy writes for the compose file's nodes,
     ports and Docker's DNS; the official image reads it; HAProxy accepts it (where installed)."""
+    from inference_node.model.embedded import CHECKPOINT_NAME
     from lora_client.haproxy import ProxySettings, haproxy_binary, render_config
 
     services = compose["services"]
     proxy = services["haproxy"]
     assert proxy["image"].startswith("haproxy:")
     assert "./haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in proxy["volumes"]
-    port, stats_port = (int(p.split(":")[1]) for p in proxy["ports"])
+    port, stats_port, http_port = (int(p.split(":")[1]) for p in proxy["ports"])
     servers = tuple((name, f"{name}:{services[name]['environment']['INFERENCE_NODE_PORT']}") for name in NODES)
+    http_servers = tuple((name, f"{name}:{services[name]['environment']['INFERENCE_NODE_HTTP_PORT']}")
+                         for name in NODES)
+    assert not any("INFERENCE_NODE_MODEL" in services[name]["environment"] for name in NODES)  # the embedded one
     expected = render_config(ProxySettings(servers, port=port, stats_port=stats_port, host="0.0.0.0",
-                                           dns_resolver="127.0.0.11:53"))
+                                           dns_resolver="127.0.0.11:53", http_port=http_port,
+                                           http_servers=http_servers, base_model=CHECKPOINT_NAME))
     assert (DOCKER / "haproxy.cfg").read_text() == expected, \
         "regenerate: python -m lora_client.haproxy --server inference-node=inference-node:50051 " \
-        "--server inference-node-2=inference-node-2:50051 --host 0.0.0.0 --dns-resolver 127.0.0.11:53"
+        "--server inference-node-2=inference-node-2:50051 --host 0.0.0.0 --dns-resolver 127.0.0.11:53 " \
+        "--http-port 8080 --http-server inference-node=inference-node:8000 " \
+        f"--http-server inference-node-2=inference-node-2:8000 --base-model {CHECKPOINT_NAME}"
     assert set(proxy["depends_on"]) == set(NODES)
     if haproxy_binary() is not None:
         done = subprocess.run([haproxy_binary(), "-c", "-f", str(DOCKER / "haproxy.cfg")], capture_output=True,

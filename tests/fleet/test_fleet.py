@@ -4,6 +4,8 @@
   against every node loading most adapters under round-robin (printed side by side:
   adapter loads per node, prefix-cache hit tokens).
 - Base-model requests (no header, or an empty one) reach every node.
+- The OpenAI HTTP entry routes each adapter to the node gRPC routes it to, by the JSON body's
+  model (or the header), and spreads the base model.
 - A draining node leaves the proxy's pool while it still runs, and its running answer ends;
   only its adapters move to other nodes, and they come back when it rejoins.
 - Under continuous load, a rolling restart of all 3 nodes fails no request (refusals are
@@ -23,6 +25,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -225,6 +228,32 @@ def test_base_model_requests_spread_over_every_node(fleet) -> None:
         for client in (plain, empty):  # no header, and an empty one
             for req in requests:
                 served[client.generate(req, timeout=60).node] += 1
+    assert set(served) == {n.name for n in fleet.nodes}, served
+
+
+def test_the_openai_http_entry_routes_as_grpc_does(fleet) -> None:
+    """The openai client against the proxy's HTTP port: each adapter's requests land on one
+    node, the node its gRPC requests go to (the same hash of the same name, read from the JSON
+    body's model, or from the x-lora-adapter header when set); base-model requests spread."""
+    with NodeClient(fleet.target) as client:
+        by_grpc = where(client)
+    with openai.OpenAI(base_url=fleet.http_url, api_key="-", max_retries=0, timeout=60) as api:
+        for adapter in ADAPTERS:
+            nodes = set()
+            for i in range(3):
+                raw = api.completions.with_raw_response.create(
+                    model=adapter, prompt=shared_prefix(adapter) + [500 + i], max_tokens=2, temperature=0)
+                assert raw.parse().usage.completion_tokens == 2
+                nodes.add(raw.headers["x-lora-node"])
+            assert nodes == {by_grpc[adapter]}, (adapter, nodes, by_grpc[adapter])
+        header = api.chat.completions.with_raw_response.create(  # the header names the adapter first
+            model=ADAPTERS[0], messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_headers={ADAPTER_HEADER: ADAPTERS[1]})
+        assert header.headers["x-lora-node"] == by_grpc[ADAPTERS[1]] and header.parse().choices
+        base = api.models.list().data[0].id
+        assert {m.id for m in api.models.list().data} >= {base, *ADAPTERS}
+        served = Counter(api.completions.with_raw_response.create(
+            model=base, prompt=[11, 2345, 876, 40 + i], max_tokens=2).headers["x-lora-node"] for i in range(6))
     assert set(served) == {n.name for n in fleet.nodes}, served
 
 

@@ -17,7 +17,8 @@ from lora.v1 import inference_pb2 as pb
 from lora.v1 import inference_pb2_grpc as pb_grpc
 from lora_client.haproxy import (HEALTH_SERVICE, MISSING, SERVING_REPLY, ProxySettings, grpc_health_check_request,
                                  haproxy_binary, render_config)
-from lora_client.node_client import ADAPTER_HEADER, NodeClient, NodeLost, RetryPolicy, lost_in_transit
+from lora_client.node_client import (ADAPTER_HEADER, SHOULD_RETRY, NodeClient, NodeLost, RetryPolicy, lost_in_transit,
+                                     said_no_retry)
 
 
 def raw_check(port: int) -> bytes:
@@ -59,7 +60,11 @@ def test_the_health_check_bytes_are_a_grpc_health_call_that_tells_serving_from_n
     ProxySettings((("n1", "127.0.0.1:50061"),), routing="roundrobin"),
     ProxySettings((("inference-node", "inference-node:50051"), ("inference-node-2", "inference-node-2:50051")),
                   host="0.0.0.0", dns_resolver="127.0.0.11:53"),
-], ids=["adapter", "roundrobin", "docker-names"])
+    ProxySettings((("n1", "127.0.0.1:50061"), ("n2", "127.0.0.1:50062")), http_port=8080,
+                  http_servers=(("n1", "127.0.0.1:8001"), ("n2", "127.0.0.1:8002")), base_model="base"),
+    ProxySettings((("inference-node", "inference-node:50051"),), host="0.0.0.0", dns_resolver="127.0.0.11:53",
+                  http_port=8080, http_servers=(("inference-node", "inference-node:8000"),)),
+], ids=["adapter", "roundrobin", "docker-names", "http", "http-docker-names"])
 def test_haproxy_accepts_the_rendered_config(settings, tmp_path) -> None:
     path = tmp_path / "haproxy.cfg"
     path.write_text(render_config(settings))
@@ -70,6 +75,18 @@ def test_haproxy_accepts_the_rendered_config(settings, tmp_path) -> None:
     if settings.routing == "adapter":
         assert f"balance hdr({ADAPTER_HEADER})" in text and "hash-type consistent" in text
         assert "hash-balance-factor 150" in text and "balance leastconn" in text
+    if settings.http_port:  # the HTTP entry: the body's model (or the header) hashed the same way
+        assert f"bind {settings.host}:{settings.http_port}\n" in text and "option http-buffer-request" in text
+        assert "req.body,json_query('$.model')" in text
+        assert text.count(f"balance hdr({ADAPTER_HEADER})") == 2
+        assert all(f"server {n} {a} track by_adapter/{n}" in text for n, a in settings.http_servers)
+    else:
+        assert "frontend openai" not in text
+
+
+def test_the_http_entry_needs_every_nodes_http_address() -> None:
+    with pytest.raises(ValueError, match="HTTP address"):
+        ProxySettings((("n1", "h:1"), ("n2", "h:2")), http_port=8080, http_servers=(("n1", "h:8001"),))
 
 
 class ScriptedNode(pb_grpc.InferenceNodeServicer):
@@ -85,6 +102,9 @@ class ScriptedNode(pb_grpc.InferenceNodeServicer):
         step = self.script.pop(0) if self.script else "ok"
         if step == "refuse":
             context.abort(grpc.StatusCode.UNAVAILABLE, "draining: retry on another node")
+        if step == "final":  # a retry would fail the same way: the node says so
+            context.set_trailing_metadata(((SHOULD_RETRY, "false"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the adapter store at s:1 cannot be reached")
         yield pb.GenerateResponse(token_ids=[1, 2])
         if step == "cut":
             context.abort(grpc.StatusCode.UNAVAILABLE, "engine died")
@@ -149,6 +169,16 @@ def test_retries_stop_at_the_policy_and_without_one_nothing_is_retried(scripted)
         with pytest.raises(grpc.RpcError):
             client.generate(client.request(prompt_token_ids=[1]), timeout=10)
     assert len(node.calls) == FAST.attempts + 1
+
+
+def test_a_refusal_the_node_marks_final_is_not_retried(scripted) -> None:
+    node, target = scripted(["final", "ok"])
+    with NodeClient(target, retry=FAST) as client:
+        answer = client.answer(client.request(prompt_token_ids=[1]), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(answer)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and said_no_retry(err.value)
+    assert answer.attempts == 1 and len(node.calls) == 1
 
 
 def test_retries_end_within_the_deadline(scripted) -> None:

@@ -1,14 +1,19 @@
 """GET /v1/models of a node fed by a real adapter store: the store's valid adapters are listed
-before any is loaded (an invalid one is not), `model` loads one on demand, and a store that
-goes away leaves the listing of what the node holds."""
+before any is loaded (an invalid one is not, nor one over the node's rank limit, which every
+request is refused from the catalog without a byte fetched), `model` loads one on demand, and
+a store that goes away leaves the listing of what the node holds. The same adapter bytes have
+one version id from the store and from a folder."""
 from __future__ import annotations
 
 import openai
 import pytest
 
+from adapter_store.client import AdapterStoreClient
 from adapter_store.push import push_adapter
 from harness import InProcessNode, make_peft_adapter, wait_for
+from inference_node.adapters.sources import LocalDirSource
 from inference_node.config import NodeConfig
+from inference_node.model.config import ModelConfig
 
 PROMPT = [101, 2002, 3003, 4004, 505, 66]
 
@@ -43,3 +48,50 @@ def test_models_come_from_the_store_catalog(stack, tiny_llama_path) -> None:
             api.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
         store.stop()  # the listing falls back to what the node holds
         assert {m.id for m in api.models.list().data} == {base, "beta"}
+
+
+@pytest.fixture(scope="module")
+def wide_stack(tmp_path_factory, tiny_llama_path, s3, make_store):
+    """A node serving ranks up to 8 (all modules) from a store that also holds a rank-16 adapter."""
+    root = tmp_path_factory.mktemp("openai-store-wide")
+    folders = {"wide": make_peft_adapter(tiny_llama_path, root / "wide", 16, 32.0, ["q_proj", "v_proj"], seed=5),
+               "narrow": make_peft_adapter(tiny_llama_path, root / "narrow", 8, 16.0, ["q_proj", "v_proj"], seed=6)}
+    for name, folder in folders.items():
+        push_adapter(folder, name, s3, "adapters/", progress=False)
+    store = make_store()
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=128, max_loras=2,
+                                       max_lora_rank=8, adapter_store=store.address), http=True)
+    yield store, node, root
+    node.stop()
+
+
+def test_an_adapter_over_the_rank_limit_is_refused_from_the_catalog_without_a_byte(wide_stack, tiny_llama_path):
+    store, node, _ = wide_stack
+    wait_for(lambda: store.catalog.get("wide") is not None and store.catalog.get("narrow") is not None, 30,
+             "the store to list both adapters")
+
+    def fetched() -> tuple[float, float]:
+        return (store.metrics.value("adapter_store_fetches_total"), store.metrics.value("adapter_store_fetch_bytes_total"))
+
+    before = fetched()
+    with openai.OpenAI(base_url=node.http_url, api_key="-", max_retries=0, timeout=60) as api:
+        for _ in range(3):  # every request, not only the first
+            with pytest.raises(openai.BadRequestError) as err:
+                api.completions.create(model="wide", prompt=PROMPT, max_tokens=2)
+            assert err.value.body["message"] == ("adapter 'wide' has rank 16; this node serves ranks up to 8 "
+                                                 "(--max-lora-rank)")
+        assert fetched() == before  # zero fetches, zero bytes
+        listed = {m.id for m in api.models.list().data}  # the module's bucket holds others' adapters too
+        assert "narrow" in listed and "wide" not in listed
+        with pytest.raises(openai.NotFoundError):
+            api.models.retrieve("wide")
+        assert api.completions.create(model="narrow", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    assert fetched()[0] == before[0] + 1
+    node.check_idle()
+
+
+def test_the_same_bytes_have_one_version_from_a_folder_and_from_the_store(wide_stack, tiny_llama_path) -> None:
+    store, _, root = wide_stack
+    folder = LocalDirSource(root, ModelConfig.from_checkpoint(tiny_llama_path), max_rank=8)
+    with AdapterStoreClient(store.address) as client:
+        assert folder.load("narrow", "").version == client.get_manifest("narrow").info.version

@@ -2,7 +2,8 @@
 
 Everything a client sees must work across the process boundary: outputs equal to PEFT,
 adapter RPCs, stats and metrics summed over front ends, cancellation freeing the engine's
-state, a drain that refuses what has not started and finishes what runs, the engine's
+state (and leaving a request-log line), a drain that refuses what has not started and
+finishes what runs (what its deadline cuts says the count of tokens the client got), the engine's
 death answered with UNAVAILABLE and a non-zero exit, and no process left behind.
 """
 from __future__ import annotations
@@ -190,6 +191,45 @@ def test_cancel_and_deadline_free_the_engine(tmp_path, tiny_llama_path) -> None:
         code = node.terminate()
         node.stop()
     assert code == 0
+    ended = re.findall(r"request \d+ api=grpc adapter=- finished=(\w+) prompt=(\d+)", node.log_text())
+    assert ended == [("cancelled", str(len(PROMPTS[0]))), ("cancelled", str(len(PROMPTS[1])))]  # in the request log too
+
+
+def test_answers_cut_at_the_drain_deadline_say_what_the_client_got(tmp_path, tiny_llama_path) -> None:
+    """The count in the error, the log's and the client's are the same number."""
+    node = Node(tmp_path, tiny_llama_path, "--max-model-len", "1024", "--drain-seconds", "1")
+    got: dict[int, tuple[grpc.StatusCode, str, int]] = {}
+    streaming = threading.Semaphore(0)
+
+    def run(i: int) -> None:
+        tokens = 0
+        with NodeClient(node.target) as client:
+            try:
+                for msg in client.stream(client.request(prompt_token_ids=PROMPTS[i], max_tokens=1000,
+                                                        ignore_eos=True), timeout=120):
+                    if msg.token_ids and not tokens:
+                        streaming.release()
+                    tokens += len(msg.token_ids)
+            except grpc.RpcError as exc:
+                got[i] = (exc.code(), exc.details(), tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert streaming.acquire(timeout=60)
+    node.child.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert node.child.proc.wait(60) == 0
+    node.stop()
+    log = node.log_text()
+    for code, details, tokens in got.values():
+        assert code == grpc.StatusCode.UNAVAILABLE and 0 < tokens < 1000
+        assert details == f"the node shut down after {tokens} tokens of this answer", (details, tokens)
+        assert f"cut short at shutdown after {tokens} tokens" in log
+        assert re.search(rf"finished=unavailable prompt=\d+ completion={tokens} ", log), log[-2000:]
+    assert len(got) == 3
 
 
 def test_engine_death_answers_unavailable_and_the_node_exits_non_zero(tmp_path, tiny_llama_path) -> None:

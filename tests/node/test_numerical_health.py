@@ -41,7 +41,7 @@ class OverflowAfterValidation:
     def __init__(self, inner: LocalDirSource) -> None:
         self.inner = inner
 
-    def load(self, name: str, version: str):
+    def load(self, name: str, version: str, cancel=None):
         weights = self.inner.load(name, version)
         if name == "broken":
             weights.tensors = {k: (a * 1e30, b * 1e30) for k, (a, b) in weights.tensors.items()}

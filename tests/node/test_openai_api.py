@@ -344,3 +344,157 @@ def test_the_generate_token_guards_the_http_api(guarded) -> None:
     with openai.OpenAI(base_url=guarded.http_url, api_key=TOKEN, max_retries=0) as api:
         assert api.completions.create(model=base, prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
         assert [m.id for m in api.models.list().data] == [base]  # LoRA off: the base model only
+
+
+# -- strict validation: every bad input a 400 in OpenAI's shape, on a connection that stays open ----
+class OneConnection:
+    """An openai client over one httpx client whose every answer records the local address of
+    the connection it came on: one address for all of them means one keep-alive connection."""
+
+    def __init__(self, base_url: str) -> None:
+        self.addresses: list[tuple[str, int]] = []
+        self.http = httpx.Client(base_url=base_url, timeout=60, event_hooks={"response": [self._seen]},
+                                 limits=httpx.Limits(max_connections=1))
+        self.api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=self.http)
+
+    def _seen(self, response: httpx.Response) -> None:
+        self.addresses.append(response.extensions["network_stream"].get_extra_info("client_addr"))
+
+    def close(self) -> None:
+        self.api.close()
+        self.http.close()
+
+
+@pytest.fixture()
+def one_connection(node):
+    client = OneConnection(node.http_url)
+    yield client
+    client.close()
+
+
+def _deep(depth: int) -> bytes:
+    return b'{"model": "m", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+BAD_COMPLETIONS = [  # (extra fields, the param the error names, words its message holds)
+    (dict(max_tokens=2**31), "max_tokens", "does not fit"),
+    (dict(max_tokens=2**40), "max_tokens", "--max-model-len"),
+    (dict(max_tokens=2**64), "max_tokens", "does not fit"),
+    (dict(extra_body={"top_k": 2**31}), "top_k", "from -1 to 2147483647"),
+    (dict(extra_body={"top_k": 2**40}), "top_k", "from -1 to 2147483647"),
+    (dict(extra_body={"top_k": -2}), "top_k", "from -1"),
+    (dict(temperature=1e9), "temperature", "[0, 2]"),
+    (dict(temperature=2.5), "temperature", "[0, 2]"),
+    (dict(top_p=1.5), "top_p", "[0, 1]"),
+    (dict(seed=2**64), "seed", "seed must be an integer from"),
+    (dict(seed=-(2**63) - 1), "seed", "seed must be an integer from"),
+    (dict(prompt=[5, 2**31]), "prompt", "[0, 2**31)"),
+    (dict(stream_options={"include_usage": "yes"}, stream=True), "stream_options", "true or false"),
+]
+BAD_CHATS = [
+    (dict(max_completion_tokens=2**63), "max_completion_tokens", "does not fit"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", "'wizard'"),
+    (dict(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "x"}]),
+     "messages[1].role", "tool results"),
+    (dict(messages=[{"role": "user", "content": None}]), "messages[0].content", "is required"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]", "'image_url'"),
+    (dict(messages=[{"role": "user", "content": 7}]), "messages[0].content", "string or a list"),
+    (dict(messages=[{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]), "messages[0]",
+     "function calling"),
+    (dict(temperature=1e9), "temperature", "[0, 2]"),
+]
+RAW_BODIES = [  # bodies the openai client would not send
+    (_deep(30_000), None, "too deeply"),
+    (b'{"model": "MODEL", "prompt": "hi", "temperature": NaN}', "temperature", "finite number"),
+    (b'{"model": "MODEL", "prompt": "hi", "max_tokens": 1e400}', "max_tokens", "must be an integer"),
+    (b'{"model": "MODEL", "prompt": "hi", "top_k": ' + b"9" * 5000 + b"}", None, "not valid JSON"),
+]
+
+
+def _error_shape(body: dict) -> dict:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    return error
+
+
+def test_every_bad_input_is_a_400_and_the_connection_serves_the_next_request(one_connection, base) -> None:
+    api, http = one_connection.api, one_connection.http
+    good = dict(model=base, prompt=PROMPT, max_tokens=2, temperature=0)
+    answers = 0
+    for fields, param, words in BAD_COMPLETIONS:
+        with pytest.raises(openai.BadRequestError) as err:
+            api.completions.create(**({"model": base, "prompt": PROMPT, "max_tokens": 4} | fields))
+        error = _error_shape(err.value.response.json())
+        assert error["param"] == param and words in error["message"], (fields, error)
+        assert api.completions.create(**good).usage.completion_tokens == 2
+        answers += 2
+    for fields, param, words in BAD_CHATS:
+        with pytest.raises(openai.BadRequestError) as err:
+            api.chat.completions.create(**({"model": base, "messages": MESSAGES, "max_tokens": 4} | fields))
+        error = _error_shape(err.value.response.json())
+        assert error["param"] == param and words in error["message"], (fields, error)
+        assert api.chat.completions.create(model=base, messages=MESSAGES, max_tokens=2).choices[0].message.content
+        answers += 2
+    for body, param, words in RAW_BODIES:
+        reply = http.post("/completions", content=body.replace(b"MODEL", base.encode()),
+                          headers={"content-type": "application/json"})
+        assert reply.status_code == 400, reply.text
+        error = _error_shape(reply.json())
+        assert error["param"] == param and words in error["message"], error
+        assert api.completions.create(**good).usage.completion_tokens == 2
+        answers += 2
+    assert len(one_connection.addresses) == answers and len(set(one_connection.addresses)) == 1
+
+
+def test_a_fault_of_the_nodes_is_a_json_500_on_a_connection_that_stays_open(node, one_connection, base,
+                                                                            monkeypatch) -> None:
+    api = one_connection.api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(node.server.frontend.codec, "encode", broken)
+        with pytest.raises(openai.InternalServerError) as err:
+            api.completions.create(model=base, prompt=PROMPT, max_tokens=2)
+    error = err.value.response.json()["error"]
+    assert err.value.status_code == 500 and error["code"] == "internal_error" and "a bug" not in error["message"]
+    assert api.completions.create(model=base, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    assert len(one_connection.addresses) == 2 and len(set(one_connection.addresses)) == 1
+
+
+def test_grpc_has_the_same_bounds(api, grpc_client, base) -> None:
+    for fields, grpc_fields in [(dict(temperature=1e9), dict(prompt=PROMPT, temperature=1e9)),
+                                (dict(temperature=2.5), dict(prompt=PROMPT, temperature=2.5))]:
+        error = grpc_error(grpc_client, **grpc_fields)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "[0, 2]" in error.details()
+        with pytest.raises(openai.BadRequestError) as err:
+            api.completions.create(model=base, prompt=PROMPT, max_tokens=2, **fields)
+        assert err.value.body["message"] == error.details()
+    error = grpc_error(grpc_client, messages=[pb.ChatMessage(role="wizard", content="hi")])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "'wizard'" in error.details()
+    with pytest.raises(openai.BadRequestError) as err:
+        api.chat.completions.create(model=base, messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)
+    assert err.value.body["message"] == error.details()
+
+
+def test_developer_messages_are_system_messages(api, grpc_client, base) -> None:
+    developer = [{"role": "developer", "content": "You are terse."}, MESSAGES[1]]
+    as_system = api.chat.completions.create(model=base, messages=MESSAGES, max_tokens=6, temperature=0)
+    as_developer = api.chat.completions.create(model=base, messages=developer, max_tokens=6, temperature=0)
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+
+
+def test_models_retrieve_gives_one_model_or_404(api, base) -> None:
+    adapter = api.models.retrieve("qv8")
+    assert (adapter.id, adapter.object, adapter.owned_by) == ("qv8", "model", "lora-serving")
+    assert adapter.model_extra["parent"] == base
+    model = api.models.retrieve(base)
+    assert model.id == base and model.model_extra["parent"] is None
+    assert {m.id: m for m in api.models.list().data}["qv8"] == adapter
+    for missing in ("no-such-adapter", "_hidden", "org/x"):
+        with pytest.raises(openai.NotFoundError) as err:
+            api.models.retrieve(missing)
+        assert err.value.code == "model_not_found" and missing in err.value.body["message"]

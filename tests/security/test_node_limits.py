@@ -136,7 +136,7 @@ class SlowSource:
         self.inner, self.delay_s = inner, delay_s
         self.started = threading.Event()
 
-    def load(self, name: str, version: str):
+    def load(self, name: str, version: str, cancel=None):
         self.started.set()
         time.sleep(self.delay_s)
         return self.inner.load(name, version)
