@@ -105,7 +105,7 @@ class Driver:
     def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
             max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
         from inference_node.engine.request import Request, SamplingParams
-        from inference_node.engine.token_feedback import SampledTokens
+        from inference_node.runner.token_feedback import SampledTokens
 
         engine = self.engine
         records = [ReqRecord() for _ in specs]

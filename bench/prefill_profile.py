@@ -2,7 +2,7 @@
 
 serving_bench.py's TTFT column is mostly prefill: in its closed loop a wave of 64 prompts is
 prefilled in chunks of up to 2048 tokens, eagerly (no CUDA graph), and a LoRA row adds a
-shrink and an expand launch per fused projection (inference_node/lora_step/eager.py). This script builds such
+shrink and an expand launch per fused projection (inference_node/runner/lora/eager.py). This script builds such
 a chunk (sequences of one prompt length, sequence i on adapter i mod N) and prints, per
 configuration, the forward's GPU time, the host's time to queue it (a prefill step is
 host-bound when the two are close: its launches cost more host time than GPU time) and, from
@@ -106,8 +106,8 @@ def main() -> None:
                    help="also print the host's Python profile of N forwards (where queueing time goes)")
     args = p.parse_args()
 
-    from inference_node.lora_step.eager import build_applier
-    from inference_node.engine.batch import build_forward_batch
+    from inference_node.runner.lora.eager import build_applier
+    from inference_node.runner.batch import build_forward_batch
     from inference_node.engine.kv_cache import KVCache
 
     device, dtype = torch.device(args.device), torch.bfloat16

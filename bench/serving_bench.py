@@ -89,7 +89,7 @@ class RowResult:
 def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool,
                  use_mixed: bool = False):
     from inference_node.engine.engine import Engine, EngineConfig
-    from inference_node.lora_step.plan import LoraStepPlan
+    from inference_node.runner.lora.plan import LoraStepPlan
 
     kw = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
               max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
@@ -109,7 +109,7 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         # The node's start-up warm-up (what Engine.start runs before serving), instead of
         # running each row's workload untimed: the timed runs' compile counts then say
         # whether the warm-up alone leaves anything to compile under requests.
-        from inference_node.engine.warmup import warm_up
+        from inference_node.runner.warmup import warm_up
 
         started = time.perf_counter()
         engine.warmup_forwards = warm_up(engine)
@@ -276,7 +276,7 @@ class Summary:
     adapters_per_step: float = float("nan")
     decode_steps: int = 0
     graph_steps: int | None = None
-    piecewise_steps: int | None = None  # other steps replayed piece by piece (mixed_graphs.py)
+    piecewise_steps: int | None = None  # other steps replayed piece by piece (piecewise_graphs.py)
     eager_steps: int | None = None      # steps run eagerly
     output_tokens: int = 0
     # decode_tps counts the decode steps whose call did not also launch a prefill or mixed

@@ -23,10 +23,10 @@ from .adapters.slots import SlotBuffers, rows_for_budget
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
-from .engine.kv_budget import kv_blocks_for_memory
+from .runner.kv_budget import kv_blocks_for_memory
 from .engine.kv_cache import KVCache
 from .limits import RequestLimits
-from .lora_step.plan import LoraStepPlan
+from .runner.lora.plan import LoraStepPlan
 from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
 from .model.config import ModelConfig
@@ -62,7 +62,7 @@ class NodeSettings:
     max_graph_batch: int = 0           # largest decode batch replayed from a graph; 0: max_num_seqs
     prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
     refill_wait_factor: float = 1.0    # after a burst of finishes, wait for its replacements (engine/scheduler.py)
-    warmup: str = "auto"  # compile eager steps' kernels before serving (engine/warmup.py); auto: on CUDA
+    warmup: str = "auto"  # compile eager steps' kernels before serving (runner/warmup.py); auto: on CUDA
     debug_checks: bool = False
     max_loras: int = 8                 # the most distinct adapters in one step; 0 disables LoRA
     max_lora_rank: int = 16

@@ -26,17 +26,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 from ..model.llama import LlamaModel, LoraApplier
-from .batch import HostBatch, build_host_batch
-from .decode_graphs import DecodeGraphs, GraphLora, StagedStep, ordered
-from .graph_plan import GraphPlan
+from ..runner.batch import HostBatch, build_host_batch
+from ..runner.decode_graphs import DecodeGraphs, GraphLora, StagedStep, ordered
+from ..runner.graph_plan import GraphPlan
 from .kv_cache import BlockAllocator, KVCache
-from .mixed_graphs import MixedGraphs, MixedLora, StagedPieces
+from ..runner.piecewise_graphs import MixedGraphs, MixedLora, StagedPieces
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
-from .sampler import row_finite, sample_on_device
+from ..runner.sampler import row_finite, sample_on_device
 from .scheduler import AdapterBinder, ScheduledChunk, Scheduler, SchedulerConfig
-from .token_feedback import NON_FINITE, SampledTokens, TokenFeedback
-from .warmup import warm_up
+from ..runner.token_feedback import NON_FINITE, SampledTokens, TokenFeedback
+from ..runner.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class LoraProvider(AdapterBinder, Protocol):
 
 
 class LoraPlan(Protocol):
-    """Which kernels add each step's LoRA deltas (inference_node.lora_step.LoraStepPlan)."""
+    """Which kernels add each step's LoRA deltas (inference_node.runner.lora.LoraStepPlan)."""
 
     max_loras: int
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
@@ -141,7 +141,7 @@ class EngineStats:
     graph_steps: int = 0             # decode steps replayed from CUDA graphs (static buffers)
     eager_decode_steps: int = 0      # decode-only steps that ran eagerly (larger than the graphs)
     mixed_steps: int = 0             # steps with prompt tokens (prefill chunks, maybe beside decodes) run eagerly
-    mixed_graph_steps: int = 0       # other steps than decode graphs', replayed piece by piece (mixed_graphs.py)
+    mixed_graph_steps: int = 0       # other steps than decode graphs', replayed piece by piece (piecewise_graphs.py)
     cut_short: int = 0               # answers ended part-way by shutdown
     non_finite_rows: int = 0         # sampled rows whose logits held NaN or Inf (their requests failed)
 

@@ -299,7 +299,7 @@ class LlamaModel:
         """Runs all layers over the step's tokens; returns logits [N, vocab] in the model's
         dtype (the sampler widens only the rows it samples from: a greedy argmax needs no
         float32 copy of 64 x vocab logits). The pieces it runs are also run one by one, with
-        attention between CUDA graphs of the rest (engine/mixed_graphs.py)."""
+        attention between CUDA graphs of the rest (runner/piecewise_graphs.py)."""
         hidden, x = self.embed_inputs(batch)
         for i in range(len(self.layers)):
             q = self.attention_inputs(i, x, batch, k_caches, v_caches, lora)

@@ -48,10 +48,10 @@ import torch
 import zmq
 
 from ..adapters.weights import AdapterWeights
-from ..engine.batch import HostBatch
-from ..engine.decode_graphs import DecodeGraphs, StagedStep
-from ..engine.graph_plan import GraphPlan
-from ..engine.mixed_graphs import MixedGraphs, StagedPieces, StepShape
+from ..runner.batch import HostBatch
+from ..runner.decode_graphs import DecodeGraphs, StagedStep
+from ..runner.graph_plan import GraphPlan
+from ..runner.piecewise_graphs import MixedGraphs, StagedPieces, StepShape
 from ..parent_watch import die_with_parent
 from .group import TensorParallel, leave_tensor_parallel
 from .shard import Shard
@@ -319,7 +319,7 @@ class RankWorker:
     @torch.inference_mode()
     def step(self, positions, slot_mapping, block_tables, query_start_loc, seq_lens, logits_indices,
              max_query_len, chunk_slots) -> None:
-        from ..lora_step.eager import applier_for_slots
+        from ..runner.lora.eager import applier_for_slots
 
         ids = torch.empty(len(positions), dtype=torch.long, device=self.device)
         self.tp.broadcast(ids, 0)
@@ -338,7 +338,7 @@ class RankWorker:
         """The graphs rank 0 has: the same sizes, buckets and LoRA variants, captured in its
         order (decode graphs, then the pieces). The feedback buffer only gives the graphs'
         token gather a valid place to read: the broadcast from rank 0 replaces what it reads."""
-        from ..lora_step.plan import LoraStepPlan
+        from ..runner.lora.plan import LoraStepPlan
 
         plan_lora = LoraStepPlan(self.slots, self.tuning) if self.slots is not None else None
         feedback = torch.zeros(plan.feedback_rows, dtype=torch.long, device=self.device)

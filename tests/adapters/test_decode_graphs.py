@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness import InProcessNode, generate_all, make_peft_adapter, peft_greedy
-from inference_node.engine.decode_graphs import graph_batch_sizes
+from inference_node.runner.decode_graphs import graph_batch_sizes
 from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
 
@@ -63,7 +63,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     matmul. With norm_split the add + norms after o and down split their rows, except where
     the side stream expanded the delta (side_down): those take one program a row. They run in Triton (natively, or interpreted by test_triton_interpreter.py); the
     CPU reference ignores the split."""
-    from inference_node.lora_step import overlap
+    from inference_node.runner.lora import overlap
     from inference_node.model.llama import FUSED_MODULES
     from kernels.tuning import DEFAULT_TUNING
 
@@ -206,9 +206,9 @@ def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(devi
 def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, tiny_llama_path,
                                                                        tmp_path, monkeypatch) -> None:
     """Steps whose rows share one adapter (some rows on the base model) run each LoRA expand
-    on the side stream into a delta buffer that the next op adds (lora_step/overlap.py,
+    on the side stream into a delta buffer that the next op adds (runner/lora/overlap.py,
     Tuning.side_expand_segments). Same tokens as PEFT; on CPU the expand calls are seen."""
-    from inference_node.lora_step import overlap
+    from inference_node.runner.lora import overlap
     from kernels.tuning import DEFAULT_TUNING
 
     expands = []
@@ -242,8 +242,8 @@ def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, t
     """Decode graphs of more rows than the decode GEMM takes (kernels.gemm
     MAX_ROWS, 64: on CPU lowered to 8 so the test stays small) run cuBLAS matmuls with the
     LoRA deltas added after them, and still match PEFT."""
-    from inference_node.lora_step import eager as plain
-    from inference_node.lora_step import overlap, plan
+    from inference_node.runner.lora import eager as plain
+    from inference_node.runner.lora import overlap, plan
 
     rows = 96 if device == "cuda" else 16
     if device == "cpu":

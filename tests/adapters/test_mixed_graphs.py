@@ -17,7 +17,7 @@ import torch
 
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.engine.kv_cache import KVCache
-from inference_node.engine.mixed_graphs import (MixedGraphs, MixedLora, lora_rows, lora_segments, rows_buckets,
+from inference_node.runner.piecewise_graphs import (MixedGraphs, MixedLora, lora_rows, lora_segments, rows_buckets,
                                                 token_buckets)
 from inference_node.model.llama import LlamaModel
 from inference_node.node import NodeSettings

@@ -61,11 +61,11 @@ def test_serve_flags_build_the_nodes_tuning(monkeypatch: pytest.MonkeyPatch) -> 
         parser().parse_args(["serve", "--gemm-tma", "sometimes"])
 
 
-def test_kernels_engine_and_lora_plan_read_no_environment() -> None:
+def test_kernels_engine_and_runner_read_no_environment() -> None:
     """Launch choices come from the Tuning passed in; the one environment read left is
     Triton's own interpreter switch (kernels/host.py)."""
     folders = ["kernels", "inference_node/engine", "inference_node/adapters",
-               "inference_node/model", "inference_node/lora_step"]
+               "inference_node/model", "inference_node/runner"]
     reads = []
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):

@@ -1,4 +1,4 @@
-"""The start-up warm-up (inference_node/engine/warmup.py): its synthetic eager steps reach
+"""The start-up warm-up (inference_node/runner/warmup.py): its synthetic eager steps reach
 every kernel tiling an eager step can take under the engine's limits, touch no request's
 state, and (run with Triton, interpreted here or compiled on a GPU) leave nothing for the
 first requests to compile."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import InProcessNode, generate_all, make_peft_adapter, make_tiny_llama, peft_greedy
-from inference_node.engine.warmup import plan
+from inference_node.runner.warmup import plan
 from inference_node.node import NodeSettings
 from kernels.lora.meta import LoraBatchMeta
 from kernels.lora.triton_kernel import choose_tiling

@@ -36,11 +36,11 @@ from kernels.dispatch import use_triton
 from kernels.lora import LoraBatchMeta
 
 from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
-from .kv_cache import KVCache
-from .request import PENDING_TOKEN
+from ..engine.kv_cache import KVCache
+from ..engine.request import PENDING_TOKEN
 from .sampler import checked_greedy
 from .staging import HostInputs, HostTurns
-from .scheduler import ScheduledChunk
+from ..engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ _ALIGN_BYTES = 16    # each packed input starts on a 16-byte boundary (Triton sp
 
 @dataclass(frozen=True)
 class MixedLora:
-    """What the piecewise graphs need of the LoRA step plan (inference_node/lora_step)."""
+    """What the piecewise graphs need of the LoRA step plan (inference_node/runner/lora)."""
 
     applier: Callable[[LoraBatchMeta], LoraApplier]  # adds each delta after its matmul
     max_loras: int                                   # adapter slots: a step's most adapters

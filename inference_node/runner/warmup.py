@@ -28,7 +28,7 @@ from kernels.sampling import first_argmax
 from ..model.llama import ForwardBatch
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ import torch
 from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta
 
 from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
-from .kv_cache import KVCache
-from .request import PENDING_TOKEN
+from ..engine.kv_cache import KVCache
+from ..engine.request import PENDING_TOKEN
 from .sampler import checked_greedy
 from .staging import HostInputs, HostTurns
-from .scheduler import ScheduledChunk
+from ..engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class StagedStep:
 
 @dataclass(frozen=True)
 class GraphLora:
-    """What the decode graphs need of the LoRA step plan (inference_node/lora_step)."""
+    """What the decode graphs need of the LoRA step plan (inference_node/runner/lora)."""
 
     applier: ApplierFactory   # (metadata in static buffers, groups) -> the step's applier
     max_loras: int            # adapter slots: a step's most distinct adapters

@@ -14,10 +14,10 @@ from kernels.gemm import MAX_ROWS
 from kernels.lora import LoraBatchMeta
 from kernels.tuning import DEFAULT_TUNING, Tuning
 
-from ..adapters.slots import SlotBuffers
-from ..engine.decode_graphs import GraphLora
-from ..engine.mixed_graphs import MixedLora
-from ..engine.scheduler import ScheduledChunk
+from ...adapters.slots import SlotBuffers
+from ..decode_graphs import GraphLora
+from ..piecewise_graphs import MixedLora
+from ...engine.scheduler import ScheduledChunk
 from .eager import StepLoraApplier, build_applier
 from .overlap import LoraOverlap
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import ForwardBatch
-from .scheduler import ScheduledChunk
+from ..engine.scheduler import ScheduledChunk
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """How many KV blocks a CUDA node can afford: what the device has free, less what the node may
 not take (1 - gpu_memory_utilization of it all), less the peak of the largest eager step's
 activations (measured by running one), less a reserve for the decode graphs' memory pool and
-the libraries' workspaces. With piecewise graphs for prefill and mixed steps (mixed_graphs.py)
+the libraries' workspaces. With piecewise graphs for prefill and mixed steps (piecewise_graphs.py)
 the largest step's activations are counted twice: their pool holds one piece's worth, which
 eager steps (and the warm-up) cannot use, beside the static buffers between the pieces. The
 weights and adapter slots are already allocated, so the free memory counts them."""
@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ..model.llama import ForwardBatch, LlamaModel
-from .kv_cache import KVCache
+from ..engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 GRAPHS_AND_WORKSPACES = 768 << 20  # decode graphs' pool (<= 64-row activations), cuBLAS/Triton scratch

@@ -8,9 +8,9 @@ import torch
 
 from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta, add_lora
 
-from ..adapters.slots import SlotBuffers
-from ..engine.scheduler import ScheduledChunk
-from ..model.llama import GROUP_FIRST_MODULE
+from ...adapters.slots import SlotBuffers
+from ...engine.scheduler import ScheduledChunk
+from ...model.llama import GROUP_FIRST_MODULE
 
 
 class StepLoraApplier:
