@@ -199,7 +199,7 @@ class Driver:
 
         SampledTokens.wait = timed_wait
         hooked = [(engine.model, "forward")]
-        for graphs in ("decode_graphs", "mixed_graphs"):
+        for graphs in ("decode_graphs", "piecewise_graphs"):
             if getattr(engine, graphs, None) is not None:
                 hooked.append((getattr(engine, graphs), "run"))
         engine.scheduler.schedule = schedule

@@ -99,8 +99,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["decode_graphs"] = use_graphs
     if "max_graph_batch" in names:
         kw["max_graph_batch"] = args.concurrency
-    if "mixed_graphs" in names:
-        kw["mixed_graphs"] = use_mixed
+    if "piecewise_graphs" in names:
+        kw["piecewise_graphs"] = use_mixed
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
     plan = LoraStepPlan(lora.buffers, model.tuning) if lora is not None else None
@@ -125,7 +125,7 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         except Exception:
             log.exception("decode graph capture failed: decode runs eagerly")
             engine.decode_graphs = None
-    mixed = getattr(engine, "mixed_graphs", None)
+    mixed = getattr(engine, "piecewise_graphs", None)
     if mixed is not None:
         started = time.perf_counter()
         try:
@@ -133,7 +133,7 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
             log.info("piecewise graphs captured in %.1fs", time.perf_counter() - started)
         except Exception:
             log.exception("piecewise graph capture failed: prefill and mixed steps run eagerly")
-            engine.mixed_graphs = None
+            engine.piecewise_graphs = None
     return engine
 
 
@@ -168,10 +168,10 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
         log.warning("row %s: compiled during the timed run: %s", row.key, what[:300])
     if graph_before is not None:
         result.graph_steps = engine.stats.graph_steps - graph_before
-    if "mixed_graph_steps" in stats_before:
+    if "piecewise_graph_steps" in stats_before:
         after = engine.stats.__dict__
-        result.other_steps = (after["mixed_graph_steps"] - stats_before["mixed_graph_steps"],
-                              after["mixed_steps"] - stats_before["mixed_steps"]
+        result.other_steps = (after["piecewise_graph_steps"] - stats_before["piecewise_graph_steps"],
+                              after["eager_prefill_steps"] - stats_before["eager_prefill_steps"]
                               + after["eager_decode_steps"] - stats_before["eager_decode_steps"])
     return result
 

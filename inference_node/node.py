@@ -339,7 +339,7 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, prefix_caching=settings.prefix_caching,
-        decode_graphs=decode_graphs, mixed_graphs=parts.mixed_graphs,
+        decode_graphs=decode_graphs, piecewise_graphs=parts.mixed_graphs,
         max_graph_batch=settings.max_graph_batch or parts.max_num_seqs,
         prefill_delay_factor=settings.prefill_delay_factor, refill_wait_factor=settings.refill_wait_factor,
         warmup=warmup,

@@ -30,7 +30,7 @@ from ..runner.batch import HostBatch, build_host_batch
 from ..runner.decode_graphs import DecodeGraphs, GraphLora, StagedStep, ordered
 from ..runner.graph_plan import GraphPlan
 from .kv_cache import BlockAllocator, KVCache
-from ..runner.piecewise_graphs import MixedGraphs, MixedLora, StagedPieces
+from ..runner.piecewise_graphs import PiecewiseGraphs, PiecewiseLora, StagedPieces
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status, StreamEvent
 from ..runner.sampler import row_finite, sample_on_device
@@ -85,7 +85,7 @@ class LoraPlan(Protocol):
     def applier(self, chunks: list[ScheduledChunk]) -> LoraApplier | None: ...
     def warmup_applier(self, token_slots: list[int]) -> LoraApplier: ...
     def graph_lora(self, max_tokens: int) -> GraphLora: ...
-    def mixed_lora(self) -> MixedLora: ...
+    def piecewise_lora(self) -> PiecewiseLora: ...
 
 
 class OtherRanks(Protocol):
@@ -112,7 +112,7 @@ class EngineConfig:
     prefix_caching: bool = True
     decode_graphs: bool = False      # decode steps through static buffers (CUDA graphs on CUDA)
     max_graph_batch: int = 64        # largest decode batch replayed from a graph
-    mixed_graphs: bool = False       # other steps piece by piece through static buffers (CUDA graphs on CUDA)
+    piecewise_graphs: bool = False      # other steps piece by piece through static buffers (CUDA graphs on CUDA)
     prefill_delay_factor: float = 0.0  # admission waits this x the last prefill step (scheduler.py)
     refill_wait_factor: float = 1.0    # after a burst of finishes, their replacements share a prefill step (scheduler.py)
     warmup: str = "auto"             # compile eager steps' kernels at start (warmup.py): auto = on CUDA
@@ -140,8 +140,8 @@ class EngineStats:
     max_adapters_in_step: int = 0
     graph_steps: int = 0             # decode steps replayed from CUDA graphs (static buffers)
     eager_decode_steps: int = 0      # decode-only steps that ran eagerly (larger than the graphs)
-    mixed_steps: int = 0             # steps with prompt tokens (prefill chunks, maybe beside decodes) run eagerly
-    mixed_graph_steps: int = 0       # other steps than decode graphs', replayed piece by piece (piecewise_graphs.py)
+    eager_prefill_steps: int = 0     # steps with prompt tokens (prefill chunks, maybe beside decodes) run eagerly
+    piecewise_graph_steps: int = 0   # other steps than decode graphs', replayed piece by piece (piecewise_graphs.py)
     cut_short: int = 0               # answers ended part-way by shutdown
     non_finite_rows: int = 0         # sampled rows whose logits held NaN or Inf (their requests failed)
 
@@ -181,15 +181,15 @@ class Engine:
                 lora=lora_plan.graph_lora(max_batch) if lora_plan is not None else None)
             if ranks is not None:  # every rank replays the graph rank 0 stages
                 self.decode_graphs.mirror = ranks.graph_step
-        self.mixed_graphs: MixedGraphs | None = None
-        if config.mixed_graphs:
-            self.mixed_graphs = MixedGraphs(
+        self.piecewise_graphs: PiecewiseGraphs | None = None
+        if config.piecewise_graphs:
+            self.piecewise_graphs = PiecewiseGraphs(
                 model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
                 max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
                 feedback=self.feedback.tokens,
-                lora=lora_plan.mixed_lora() if lora_plan is not None else None)
+                lora=lora_plan.piecewise_lora() if lora_plan is not None else None)
             if ranks is not None:  # every rank runs the pieces rank 0 stages
-                self.mixed_graphs.mirror = ranks.pieces_step
+                self.piecewise_graphs.mirror = ranks.pieces_step
         sched_cfg = SchedulerConfig(block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                                     max_num_batched_tokens=config.max_num_batched_tokens,
                                     prefill_delay_factor=config.prefill_delay_factor,
@@ -220,15 +220,15 @@ class Engine:
         if self.config.warmup == "on" or (self.config.warmup == "auto" and self.model.device.type == "cuda"):
             self.warmup_forwards = warm_up(self)
         if self.ranks is not None:  # the ranks capture beside this one: the collectives meet
-            decode, pieces = self.decode_graphs, self.mixed_graphs
+            decode, pieces = self.decode_graphs, self.piecewise_graphs
             self.ranks.capture_graphs(GraphPlan(
                 self.scratch_block, self.config.max_model_len, self.feedback.tokens.numel(),
                 decode.max_batch if decode is not None else 0, pieces.max_tokens if pieces is not None else 0,
                 pieces.max_seqs if pieces is not None else 0))
         if self.decode_graphs is not None:
             self.decode_graphs.capture_all()
-        if self.mixed_graphs is not None:
-            self.mixed_graphs.capture_all()
+        if self.piecewise_graphs is not None:
+            self.piecewise_graphs.capture_all()
         # Start-up objects (the model, torch, the graphs: hundreds of thousands) live as long as
         # the process. Frozen, a full garbage collection no longer walks them: unfrozen, one
         # took 160-180 ms on the development CPU, a stall of dozens of decode steps.
@@ -288,7 +288,7 @@ class Engine:
     def release_graphs(self) -> None:
         """Drops the captured graphs once the loop has ended: graphs that captured NCCL
         collectives may hold their communicators, so a tensor-parallel group ends after."""
-        self.decode_graphs = self.mixed_graphs = None
+        self.decode_graphs = self.piecewise_graphs = None
 
     def num_inflight(self) -> int:
         with self._inflight_lock:
@@ -390,8 +390,8 @@ class Engine:
         graph_step = self.decode_graphs is not None and self.decode_graphs.fits(chunks)
         if graph_step:
             chunks = ordered(chunks)  # each adapter's rows one run: the LoRA kernels' layout
-        piecewise = (not graph_step and self.mixed_graphs is not None
-                     and self.mixed_graphs.fits(chunks))
+        piecewise = (not graph_step and self.piecewise_graphs is not None
+                     and self.piecewise_graphs.fits(chunks))
         sampling = [c.request for c in chunks if c.completes_prompt]
         try:
             distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
@@ -401,11 +401,11 @@ class Engine:
                 logits, greedy, finite = self.decode_graphs.run(chunks)
                 self.stats.graph_steps += 1
             elif piecewise:
-                logits, greedy, finite = self.mixed_graphs.run(chunks)
-                self.stats.mixed_graph_steps += 1
+                logits, greedy, finite = self.piecewise_graphs.run(chunks)
+                self.stats.piecewise_graph_steps += 1
             else:
                 if any(c.request.in_prefill for c in chunks):
-                    self.stats.mixed_steps += 1
+                    self.stats.eager_prefill_steps += 1
                 else:
                     self.stats.eager_decode_steps += 1
                 host = build_host_batch(chunks, self.config.block_size)
@@ -572,8 +572,8 @@ class Engine:
             "max_adapters_in_step": self.stats.max_adapters_in_step,
             "graph_steps": self.stats.graph_steps,
             "eager_decode_steps": self.stats.eager_decode_steps,
-            "mixed_steps": self.stats.mixed_steps,
-            "mixed_graph_steps": self.stats.mixed_graph_steps,
+            "eager_prefill_steps": self.stats.eager_prefill_steps,
+            "piecewise_graph_steps": self.stats.piecewise_graph_steps,
             "cut_short": self.stats.cut_short,
             "non_finite_rows": self.stats.non_finite_rows,
             "tensor_parallel_size": self.ranks.size if self.ranks is not None else 1,

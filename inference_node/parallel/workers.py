@@ -11,7 +11,7 @@ tensors as raw frames, never pickle):
 - GRAPH: a decode step rank 0 staged for its graph (DecodeGraphs.mirror): its packed input
   buffers as raw frames; the rank copies them into its own graph's buffers and replays the
   same graph. The token ids go from rank 0 to the others by a broadcast inside the graph.
-- PIECES: the same for a step with prompt tokens (MixedGraphs.mirror): the rank runs the
+- PIECES: the same for a step with prompt tokens (PiecewiseGraphs.mirror): the rank runs the
   same pieces with attention between them.
 - STEP: an eager step's host inputs (positions, slot mapping, block tables, ...) and each chunk's
   adapter slot. The token ids follow as a broadcast from rank 0's device (a decode row's
@@ -51,7 +51,7 @@ from ..adapters.weights import AdapterWeights
 from ..runner.batch import HostBatch
 from ..runner.decode_graphs import DecodeGraphs, StagedStep
 from ..runner.graph_plan import GraphPlan
-from ..runner.piecewise_graphs import MixedGraphs, StagedPieces, StepShape
+from ..runner.piecewise_graphs import PiecewiseGraphs, StagedPieces, StepShape
 from ..parent_watch import die_with_parent
 from .group import TensorParallel, leave_tensor_parallel
 from .shard import Shard
@@ -289,7 +289,7 @@ class RankWorker:
         self.model, self.kv, self.slots, self.tp, self.tuning = model, kv, slots, tp, tuning
         self.device = model.device
         self.graphs: DecodeGraphs | None = None
-        self.pieces: MixedGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
 
     def release_graphs(self) -> None:
         """Drops the captured graphs before the group ends (their collectives may hold it)."""
@@ -348,10 +348,10 @@ class RankWorker:
                 max_batch=plan.decode_batch, feedback=feedback,
                 lora=plan_lora.graph_lora(plan.decode_batch) if plan_lora is not None else None)
         if plan.pieces_tokens:
-            self.pieces = MixedGraphs(
+            self.pieces = PiecewiseGraphs(
                 self.model, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
                 max_tokens=plan.pieces_tokens, max_seqs=plan.pieces_seqs, feedback=feedback,
-                lora=plan_lora.mixed_lora() if plan_lora is not None else None)
+                lora=plan_lora.piecewise_lora() if plan_lora is not None else None)
         with torch.inference_mode():
             if self.graphs is not None:
                 self.graphs.capture_all()

@@ -46,11 +46,11 @@ def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int
 
 
 def kv_blocks_for_memory(model: LlamaModel, utilization: float, block_size: int, tokens: int,
-                         sampled_rows: int, mixed_graphs: bool = False) -> int:
+                         sampled_rows: int, piecewise_graphs: bool = False) -> int:
     device = model.device
     activations = forward_peak_bytes(model, tokens, sampled_rows)
     free, total = torch.cuda.mem_get_info(device)
-    graphs = activations if mixed_graphs else 0
+    graphs = activations if piecewise_graphs else 0
     budget = free - int(total * (1.0 - utilization)) - activations - graphs - GRAPHS_AND_WORKSPACES
     per_block = KVCache.bytes_per_block(model.config, block_size, model.dtype)
     blocks = budget // per_block

@@ -50,7 +50,7 @@ _ALIGN_BYTES = 16    # each packed input starts on a 16-byte boundary (Triton sp
 
 
 @dataclass(frozen=True)
-class MixedLora:
+class PiecewiseLora:
     """What the piecewise graphs need of the LoRA step plan (inference_node/runner/lora)."""
 
     applier: Callable[[LoraBatchMeta], LoraApplier]  # adds each delta after its matmul
@@ -131,10 +131,10 @@ class StagedPieces:
     segments: tuple[tuple[int, int, int, int], ...]  # the CPU reference kernels' host segments
 
 
-class MixedGraphs:
+class PiecewiseGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_tokens: int, max_seqs: int, feedback: torch.Tensor | None = None,
-                 lora: MixedLora | None = None) -> None:
+                 lora: PiecewiseLora | None = None) -> None:
         """max_tokens / max_seqs: the most tokens and sequences a step holds (the engine's
         max_num_batched_tokens and max_num_seqs). lora: None for a node without LoRA."""
         self.model, self.kv, self.lora = model, kv, lora

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 GRAPHS = "tests/adapters/test_decode_graphs.py"
 MIXED = f"{GRAPHS}::test_graph_decode_matches_peft_for_mixed_adapters"
-PIECES = "tests/adapters/test_mixed_graphs.py"
+PIECES = "tests/adapters/test_piecewise_graphs.py"
 
 pytestmark = [pytest.mark.interpreter,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,

@@ -104,7 +104,7 @@ def test_a_non_finite_row_fails_its_request_and_spares_the_batch(tiny_llama_path
             assert not adapters["good"].unhealthy and adapters["good"].numerical_faults == 0
             assert alone(client, "good") == expected["good"]  # the node keeps serving
             if decode_graphs != "off":  # the broken rows' first samples came from prompt steps
-                assert node.engine.stats.mixed_graph_steps > 0 and node.engine.stats.mixed_steps == 0
+                assert node.engine.stats.piecewise_graph_steps > 0 and node.engine.stats.eager_prefill_steps == 0
         port = node.node.settings.metrics_port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'lora_node_adapter_numerical_faults_total{adapter="broken"} 2.0' in text

@@ -263,8 +263,8 @@ def test_tp2_graph_steps_give_tp1_greedy_tokens(nodes, graph_node):
     expected = generate_all(one.target, jobs)
     assert generate_all(graph_node.target, jobs) == expected
     s = stats(graph_node.target)
-    assert s.graph_steps > 0 and s.mixed_graph_steps > 0 and s.mixed_steps == 0
-    assert s.graph_steps + s.mixed_graph_steps + s.eager_decode_steps == s.steps
+    assert s.graph_steps > 0 and s.piecewise_graph_steps > 0 and s.eager_prefill_steps == 0
+    assert s.graph_steps + s.piecewise_graph_steps + s.eager_decode_steps == s.steps
     assert s.slot_table_checks == s.steps
     assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
 
@@ -387,7 +387,7 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
                 assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
             s = stats(two.target)
             assert s.tensor_parallel_size == 2 and s.slot_table_checks == s.steps > 0
-            assert s.graph_steps > 0 and s.mixed_graph_steps > 0  # both kinds of graphs, on both ranks
+            assert s.graph_steps > 0 and s.piecewise_graph_steps > 0  # both kinds of graphs, on both ranks
         finally:
             assert two.stop() == 0
     finally:

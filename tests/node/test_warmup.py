@@ -130,7 +130,7 @@ def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(to
                 "_chunk_max_kernel", "_row_pick_kernel"} <= set(warmed)
         run_mixed_workload(node, tmp_path / "adapters", tiny_llama_path, seed=2)
         if mixed_graphs == "on":
-            assert node.engine.stats.mixed_graph_steps > 0 and node.engine.stats.mixed_steps == 0
+            assert node.engine.stats.piecewise_graph_steps > 0 and node.engine.stats.eager_prefill_steps == 0
     finally:
         node.stop()
     for name, by_tiling in keys.items():

@@ -16,7 +16,7 @@ from kernels.tuning import DEFAULT_TUNING, Tuning
 
 from ...adapters.slots import SlotBuffers
 from ..decode_graphs import GraphLora
-from ..piecewise_graphs import MixedLora
+from ..piecewise_graphs import PiecewiseLora
 from ...engine.scheduler import ScheduledChunk
 from .eager import StepLoraApplier, build_applier
 from .overlap import LoraOverlap
@@ -53,10 +53,10 @@ class LoraStepPlan:
         engine's warm-up)."""
         return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
 
-    def mixed_lora(self) -> MixedLora:
+    def piecewise_lora(self) -> PiecewiseLora:
         """The piecewise graphs' LoRA (prefill and mixed steps): each delta added after its
         matmul, as in eager steps, over metadata in static buffers."""
-        return MixedLora(lambda meta: StepLoraApplier(self.buffers, meta), self.buffers.max_loras)
+        return PiecewiseLora(lambda meta: StepLoraApplier(self.buffers, meta), self.buffers.max_loras)
 
     def graph_lora(self, max_tokens: int) -> GraphLora:
         """The decode graphs' LoRA: appliers over static buffers for up to `max_tokens` rows."""
