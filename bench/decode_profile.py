@@ -202,6 +202,7 @@ def main() -> None:
     modes = args.modes or ["default", "serial"]
 
     from inference_node.runner.decode_graphs import DecodeGraphs, GraphLora
+    from inference_node.runner.launches import StepLaunches
     from inference_node.engine.kv_cache import KVCache
     from inference_node.runner.lora.eager import StepLoraApplier
     from inference_node.runner.lora.overlap import LoraOverlap
@@ -233,7 +234,8 @@ def main() -> None:
         else:
             factory = LoraOverlap(buffers, args.batch, steps.base).applier
         lora = GraphLora(factory, buffers.max_loras, buffers.groups_of, buffers.module_rows)
-        graphs = DecodeGraphs(model.with_step_tunings(steps), kv, scratch_block=args.batch * per_seq,
+        graphs = DecodeGraphs(model, StepLaunches(device, steps, model.gemm_groups), kv,
+                              scratch_block=args.batch * per_seq,
                               max_model_len=max_len, max_batch=args.batch, lora=lora,
                               **single_group_variants(names))
         graphs.sizes = [args.batch]  # only the batch size profiled here

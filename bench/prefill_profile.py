@@ -109,6 +109,8 @@ def main() -> None:
     from inference_node.runner.lora.eager import build_applier
     from inference_node.runner.batch import build_forward_batch
     from inference_node.engine.kv_cache import KVCache
+    from inference_node.model.launch import LaunchChoices
+    from kernels.tuning import DEFAULT_TUNING
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
@@ -117,6 +119,7 @@ def main() -> None:
     cfg, model = random_model(device, dtype, args.layers, args.prompt + 16, tiny=args.tiny)
     kv = KVCache(cfg, args.seqs * -(-args.prompt // block) + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
+    launch = LaunchChoices.of(device, DEFAULT_TUNING)
     tokens = args.seqs * args.prompt
     print(f"device {torch.cuda.get_device_name(device) if cuda else 'CPU'}; {cfg.num_layers} layers; "
           f"prefill of {args.seqs} x {args.prompt} = {tokens} tokens, eager")
@@ -127,7 +130,7 @@ def main() -> None:
         applier = build_applier(buffers, chunks) if plan[n] else None
 
         def run(batch=batch, applier=applier):
-            return model.forward(batch, kv.k, kv.v, applier)
+            return model.forward(batch, kv.k, kv.v, launch, applier)
 
         run()  # compiles
         ms = timed_ms(run, args.reps, cuda)

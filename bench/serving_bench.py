@@ -87,8 +87,9 @@ class RowResult:
 
 # -- the engine ---------------------------------------------------------------------------------------
 def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool,
-                 use_mixed: bool = False):
+                 use_mixed: bool = False, launches=None):
     from inference_node.engine.engine import Engine, EngineConfig
+    from inference_node.runner.launches import StepLaunches
     from inference_node.runner.lora.plan import LoraStepPlan
 
     kw = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
@@ -103,8 +104,9 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["piecewise_graphs"] = use_mixed
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
-    plan = LoraStepPlan(lora.buffers, model.tuning) if lora is not None else None
-    engine = Engine(model, EngineConfig(**kw), lora=lora, lora_plan=plan)
+    launches = launches or StepLaunches.fixed(model.device)
+    plan = LoraStepPlan(lora.buffers, launches.base.tuning) if lora is not None else None
+    engine = Engine(model, EngineConfig(**kw), lora=lora, lora_plan=plan, launches=launches)
     if args.warmup == "engine":
         # The node's start-up warm-up (what Engine.start runs before serving), instead of
         # running each row's workload untimed: the timed runs' compile counts then say
@@ -495,6 +497,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.adapters.sources import LocalDirSource
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
+    from inference_node.runner.launches import StepLaunches
     from kernels.tuning import tuning_from_text
     from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
 
@@ -536,8 +539,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     table = load_table(args.tuning_table, device_name(device), ModelShape.of(cfg))
     steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
     log.info("tuning table: %s", table.path if table is not None else f"none ({args.tuning_table})")
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=steps.base,
-                            load_format=load_format, step_tunings=steps)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len,
+                            gemm_groups=steps.base.gemm_groups, load_format=load_format)
+    launches = StepLaunches(device, steps, model.gemm_groups)
     itemsize = dtype.itemsize
     abytes = {n: adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) for n in r16}
     abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
@@ -611,7 +615,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     engines: dict[str, object] = {}
     manager = None
     if base_rows:
-        engines["base"] = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
+        engines["base"] = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed, launches)
     if lora_rows:
         names = list(dict.fromkeys(n for r in lora_rows for n in r.pool))
         slots = max(len(names), 1)
@@ -621,7 +625,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
                                  max_cpu_loras=slots if cuda else 1, pin_host_memory=cuda)
         log.info("LoRA: %d slots, %.2f GB", slots, buffers.nbytes() / 1e9)
         try:
-            engines["lora"] = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
+            engines["lora"] = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs, args.use_mixed, launches)
             t = time.perf_counter()
             preload_adapters(engines["lora"], manager, names)
             log.info("%d adapters pinned in slots in %.1fs", len(names), time.perf_counter() - t)
@@ -644,7 +648,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
 
     if control is not None:  # row a again, on a fresh engine: what order and drift alone do
         rows.insert(rows.index(next(r for r in rows if r.key == "a")) + 1, control)
-        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
+        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed, launches)
         run_guarded(control, lambda: run_engine_row(control, engine, specs, args, device))
         engine = None
         release()

@@ -24,6 +24,7 @@ from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
 from .engine.engine import Engine, EngineConfig
 from .runner.kv_budget import kv_blocks_for_memory
+from .runner.launches import StepLaunches
 from .engine.kv_cache import KVCache
 from .limits import RequestLimits
 from .runner.lora.plan import LoraStepPlan
@@ -180,7 +181,7 @@ class RankParts:
     max_num_seqs: int
     mixed_graphs: bool
     tp: TensorParallel | None
-    tuning: Tuning               # the node-wide one (the model's base; a table's buckets vary the rest per step)
+    launches: StepLaunches       # each step's launch choices (the node-wide ones, varied per bucket by a table)
     kv: KVCache | None = None    # ranks 1..N-1 only: rank 0's engine allocates its own
 
 
@@ -265,8 +266,9 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     tunings = step_tunings(settings, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
     if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
         tunings = tunings.map(tensor_parallel_tuning)
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tunings.base,
-                            load_format=settings.load_format, tp=tp, step_tunings=tunings)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
+                            load_format=settings.load_format, tp=tp)
+    launches = StepLaunches(device, tunings, model.gemm_groups)
     max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = settings.mixed_graphs == "on" or (settings.mixed_graphs == "auto" and device.type == "cuda")
     slots = None
@@ -278,12 +280,12 @@ def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> R
     elif settings.kv_cache_gb or device.type != "cuda":
         blocks = max(int((settings.kv_cache_gb or 0.5) * (1 << 30)) // per_block, 1)
     else:  # every rank runs the same measuring forward: its collectives meet
-        blocks = kv_blocks_for_memory(model, settings.gpu_memory_utilization, settings.block_size,
+        blocks = kv_blocks_for_memory(model, launches.base, settings.gpu_memory_utilization, settings.block_size,
                                       settings.max_num_batched_tokens, max_num_seqs, mixed_graphs)
     if tp is not None:
         blocks = tp.min_int(blocks)
     return RankParts(device, dtype, dtype_name, checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp,
-                     tunings.base)
+                     launches)
 
 
 def build_rank(settings: NodeSettings, shard: Shard, rendezvous: str) -> RankParts:
@@ -334,8 +336,8 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
         warmup = "off"
     adapters = build_adapter_manager(settings, model, device, dtype, buffers=parts.slots)
     blocks = parts.num_kv_blocks
-    lora_plan = LoraStepPlan(adapters.buffers, parts.tuning) if adapters is not None else None
-    engine = Engine(model, lora=adapters, lora_plan=lora_plan, ranks=ranks, config=EngineConfig(
+    lora_plan = LoraStepPlan(adapters.buffers, parts.launches.base.tuning) if adapters is not None else None
+    engine = Engine(model, lora=adapters, lora_plan=lora_plan, ranks=ranks, launches=parts.launches, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, prefix_caching=settings.prefix_caching,

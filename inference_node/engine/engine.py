@@ -25,10 +25,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
-from ..model.llama import LlamaModel, LoraApplier
+from ..model.forward import LoraApplier
+from ..model.llama import LlamaModel
 from ..runner.batch import HostBatch, build_host_batch
 from ..runner.decode_graphs import DecodeGraphs, GraphLora, StagedStep, ordered
 from ..runner.graph_plan import GraphPlan
+from ..runner.launches import StepLaunches
 from .kv_cache import BlockAllocator, KVCache
 from ..runner.piecewise_graphs import PiecewiseGraphs, PiecewiseLora, StagedPieces
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
@@ -149,7 +151,7 @@ class EngineStats:
 class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig,
                  lora: LoraProvider | None = None, lora_plan: LoraPlan | None = None,
-                 ranks: OtherRanks | None = None) -> None:
+                 ranks: OtherRanks | None = None, launches: StepLaunches | None = None) -> None:
         """lora (the adapters' lifecycles) and lora_plan (the steps' LoRA kernels) go
         together; None: LoRA disabled, base model only. ranks: the other ranks of a
         tensor-parallel node (this engine is rank 0), which run every step eagerly with it."""
@@ -161,6 +163,7 @@ class Engine:
                              "a tensor-parallel engine takes warmup='off'")
         self.ranks = ranks
         self.model = model
+        self.launches = launches or StepLaunches.fixed(model.device)
         self.config = config
         self.lora = lora
         self.lora_plan = lora_plan
@@ -176,7 +179,7 @@ class Engine:
         if config.decode_graphs:
             max_batch = min(config.max_num_seqs, config.max_graph_batch)
             self.decode_graphs = DecodeGraphs(
-                model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
+                model, self.launches, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
                 max_batch=max_batch, feedback=self.feedback.tokens,
                 lora=lora_plan.graph_lora(max_batch) if lora_plan is not None else None)
             if ranks is not None:  # every rank replays the graph rank 0 stages
@@ -184,7 +187,7 @@ class Engine:
         self.piecewise_graphs: PiecewiseGraphs | None = None
         if config.piecewise_graphs:
             self.piecewise_graphs = PiecewiseGraphs(
-                model, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
+                model, self.launches, self.kv, scratch_block=self.scratch_block, max_model_len=config.max_model_len,
                 max_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
                 feedback=self.feedback.tokens,
                 lora=lora_plan.piecewise_lora() if lora_plan is not None else None)
@@ -414,8 +417,8 @@ class Engine:
                 if self.ranks is not None:  # the other ranks run the same forward beside this one
                     self.ranks.step(host, [(c.request.lora_slot, c.num_new_tokens) for c in chunks],
                                     self.model.tp, batch.input_ids)
-                model = self.model.for_step(len(batch.input_ids), distinct)  # its bucket's launch choices
-                logits = model.forward(batch, self.kv.k, self.kv.v, applier)
+                launch = self.launches.for_step(len(batch.input_ids), distinct)  # its bucket's
+                logits = self.model.forward(batch, self.kv.k, self.kv.v, launch, applier)
                 finite = row_finite(logits)
             tokens = self.feedback.publish(sample_on_device(logits, sampling, greedy, finite), finite)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving

@@ -51,6 +51,7 @@ from ..adapters.weights import AdapterWeights
 from ..runner.batch import HostBatch
 from ..runner.decode_graphs import DecodeGraphs, StagedStep
 from ..runner.graph_plan import GraphPlan
+from ..runner.launches import StepLaunches
 from ..runner.piecewise_graphs import PiecewiseGraphs, StagedPieces, StepShape
 from ..parent_watch import die_with_parent
 from .group import TensorParallel, leave_tensor_parallel
@@ -259,7 +260,7 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(reply)
     built = build_rank(settings, Shard(rank, size), rendezvous)
-    worker = RankWorker(built.model, built.kv, built.slots, built.tp, built.tuning)
+    worker = RankWorker(built.model, built.kv, built.slots, built.tp, built.launches)
     out.send(_pack([READY, rank]))
     log.info("tensor-parallel rank %d of %d ready", rank, size)
     try:
@@ -285,8 +286,8 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
 class RankWorker:
     """One rank's model shard, KV cache and adapter slots, driven by rank 0's messages."""
 
-    def __init__(self, model, kv, slots, tp: TensorParallel, tuning) -> None:
-        self.model, self.kv, self.slots, self.tp, self.tuning = model, kv, slots, tp, tuning
+    def __init__(self, model, kv, slots, tp: TensorParallel, launches: StepLaunches) -> None:
+        self.model, self.kv, self.slots, self.tp, self.launches = model, kv, slots, tp, launches
         self.device = model.device
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
@@ -332,7 +333,8 @@ class RankWorker:
         # Rows and distinct adapters counted as rank 0's engine counts them, from the same
         # step: with the one tuning table every rank reads, every rank takes the same bucket.
         adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
-        self.model.for_step(len(positions), adapters).forward(batch, self.kv.k, self.kv.v, applier)
+        launch = self.launches.for_step(len(positions), adapters)
+        self.model.forward(batch, self.kv.k, self.kv.v, launch, applier)
 
     def capture(self, plan: GraphPlan) -> None:
         """The graphs rank 0 has: the same sizes, buckets and LoRA variants, captured in its
@@ -340,16 +342,16 @@ class RankWorker:
         token gather a valid place to read: the broadcast from rank 0 replaces what it reads."""
         from ..runner.lora.plan import LoraStepPlan
 
-        plan_lora = LoraStepPlan(self.slots, self.tuning) if self.slots is not None else None
+        plan_lora = LoraStepPlan(self.slots, self.launches.base.tuning) if self.slots is not None else None
         feedback = torch.zeros(plan.feedback_rows, dtype=torch.long, device=self.device)
         if plan.decode_batch:
             self.graphs = DecodeGraphs(
-                self.model, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
+                self.model, self.launches, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
                 max_batch=plan.decode_batch, feedback=feedback,
                 lora=plan_lora.graph_lora(plan.decode_batch) if plan_lora is not None else None)
         if plan.pieces_tokens:
             self.pieces = PiecewiseGraphs(
-                self.model, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
+                self.model, self.launches, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
                 max_tokens=plan.pieces_tokens, max_seqs=plan.pieces_seqs, feedback=feedback,
                 lora=plan_lora.piecewise_lora() if plan_lora is not None else None)
         with torch.inference_mode():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.llama import ForwardBatch
+from ..model.forward import ForwardBatch
 from ..engine.scheduler import ScheduledChunk
 
 

@@ -31,9 +31,11 @@ import torch
 
 from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta
 
-from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
+from ..model.forward import ForwardBatch, LoraApplier
+from ..model.llama import FUSED_MODULES, LORA_MODULES, LlamaModel
 from ..engine.kv_cache import KVCache
 from ..engine.request import PENDING_TOKEN
+from .launches import StepLaunches
 from .sampler import checked_greedy
 from .staging import HostInputs, HostTurns
 from ..engine.scheduler import ScheduledChunk
@@ -110,13 +112,13 @@ def ordered(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
+    def __init__(self, model: LlamaModel, launches: StepLaunches, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_batch: int, lora: GraphLora | None = None,
                  feedback: torch.Tensor | None = None,
                  group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS) -> None:
         """lora: None for a node without LoRA (base graphs only). group_variants: the LoRA
         graphs' group variants, the last one all groups."""
-        self.model, self.kv = model, kv
+        self.model, self.launches, self.kv = model, launches, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_seq_len = self.max_blocks * self.block_size
@@ -297,7 +299,8 @@ class DecodeGraphs:
                 segment_table=self.seg_table[:segments], token_table=self.token_table[:size])
             applier = self.lora.applier(meta, self.group_variants[variant])
         # The launch choices of this bucket (the node's tuning table), fixed at capture.
-        return self.model.for_step(size, segments).forward(batch, self.kv.k, self.kv.v, applier)
+        launch = self.launches.for_step(size, segments)
+        return self.model.forward(batch, self.kv.k, self.kv.v, launch, applier)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture_all(self) -> None:

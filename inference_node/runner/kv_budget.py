@@ -11,14 +11,16 @@ import logging
 
 import torch
 
-from ..model.llama import ForwardBatch, LlamaModel
+from ..model.forward import ForwardBatch
+from ..model.launch import LaunchChoices
+from ..model.llama import LlamaModel
 from ..engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 GRAPHS_AND_WORKSPACES = 768 << 20  # decode graphs' pool (<= 64-row activations), cuBLAS/Triton scratch
 
 
-def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int:
+def forward_peak_bytes(model: LlamaModel, launch: LaunchChoices, tokens: int, sampled_rows: int) -> int:
     """Peak memory one eager forward of `tokens` tokens takes beyond what is allocated now,
     with `sampled_rows` rows of logits (each token its own one-token sequence, writing its
     K/V into a one-block scratch cache: the activations are what a prefill step's are)."""
@@ -36,7 +38,7 @@ def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    logits = model.forward(batch, scratch.k, scratch.v)
+    logits = model.forward(batch, scratch.k, scratch.v, launch)
     widened = logits.float()  # the sampler's float32 copy of rows that sample
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
@@ -45,10 +47,10 @@ def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int
     return peak
 
 
-def kv_blocks_for_memory(model: LlamaModel, utilization: float, block_size: int, tokens: int,
-                         sampled_rows: int, piecewise_graphs: bool = False) -> int:
+def kv_blocks_for_memory(model: LlamaModel, launch: LaunchChoices, utilization: float, block_size: int,
+                         tokens: int, sampled_rows: int, piecewise_graphs: bool = False) -> int:
     device = model.device
-    activations = forward_peak_bytes(model, tokens, sampled_rows)
+    activations = forward_peak_bytes(model, launch, tokens, sampled_rows)
     free, total = torch.cuda.mem_get_info(device)
     graphs = activations if piecewise_graphs else 0
     budget = free - int(total * (1.0 - utilization)) - activations - graphs - GRAPHS_AND_WORKSPACES

@@ -35,9 +35,11 @@ import torch
 from kernels.dispatch import use_triton
 from kernels.lora import LoraBatchMeta
 
-from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
+from ..model.forward import ForwardBatch, LoraApplier
+from ..model.llama import LlamaModel
 from ..engine.kv_cache import KVCache
 from ..engine.request import PENDING_TOKEN
+from .launches import StepLaunches
 from .sampler import checked_greedy
 from .staging import HostInputs, HostTurns
 from ..engine.scheduler import ScheduledChunk
@@ -132,12 +134,12 @@ class StagedPieces:
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
+    def __init__(self, model: LlamaModel, launches: StepLaunches, kv: KVCache, scratch_block: int, max_model_len: int,
                  max_tokens: int, max_seqs: int, feedback: torch.Tensor | None = None,
                  lora: PiecewiseLora | None = None) -> None:
         """max_tokens / max_seqs: the most tokens and sequences a step holds (the engine's
         max_num_batched_tokens and max_num_seqs). lora: None for a node without LoRA."""
-        self.model, self.kv, self.lora = model, kv, lora
+        self.model, self.launches, self.kv, self.lora = model, launches, kv, lora
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.scratch_slot = scratch_block * self.block_size
@@ -218,11 +220,11 @@ class PiecewiseGraphs:
             logits_indices=None, max_query_len=step.max_query_len, max_seq_len=step.max_seq_len)
         # The bucket's launch choices, as captured (a LoRA graph serves any count of adapters:
         # it takes the tuning table's bucket for one).
-        model = self.model.for_step(step.bucket, int(step.lora))
+        launch = self.launches.for_step(step.bucket, int(step.lora))
         with torch.inference_mode():
             for layer in range(self.num_layers):
                 self._replay(step.bucket, step.lora, layer, 0)
-                model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, out=self.attn[:t])
+                self.model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, launch, out=self.attn[:t])
             self._replay(step.bucket, step.lora, self.num_layers, step.rows)
         k = step.sampled
         return self.logits[:k], self.greedy[:k], self.finite[:k]
@@ -339,7 +341,7 @@ class PiecewiseGraphs:
         """Piece 0: the embedding and layer 0's q/k/v. Piece i (1..layers-1): layer i-1 after
         its attention, then layer i's q/k/v. The last: the last layer after its attention,
         the final norm, the sampled rows' logits and their greedy tokens."""
-        model, b = self.model.for_step(bucket, int(lora)), bucket
+        model, launch, b = self.model, self.launches.for_step(bucket, int(lora)), bucket
         batch = ForwardBatch(
             input_ids=self.input_ids[:b], positions=self.positions[:b],
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables,
@@ -348,12 +350,12 @@ class PiecewiseGraphs:
             feedback=self.feedback, feedback_rows=self.feedback_rows[:b])
         applier = self._applier(b) if lora else None
         if piece == 0:
-            hidden, x = model.embed_inputs(batch)
+            hidden, x = model.embed_inputs(batch, launch)
         else:
             attn = self.attn[:b].view(b, -1)
-            hidden, x = model.after_attention(piece - 1, attn, self.hidden[:b], applier)
+            hidden, x = model.after_attention(piece - 1, attn, self.hidden[:b], launch, applier)
         if piece < self.num_layers:
-            model.attention_inputs(piece, x, batch, self.kv.k, self.kv.v, applier, q_out=self.q[:b])
+            model.attention_inputs(piece, x, batch, self.kv.k, self.kv.v, launch, applier, q_out=self.q[:b])
             self.hidden[:b].copy_(hidden)
             return
         logits = model.logits(x, batch.logits_indices, out=self.logits[:rows])

@@ -25,7 +25,7 @@ import torch
 
 from kernels.sampling import first_argmax
 
-from ..model.llama import ForwardBatch
+from ..model.forward import ForwardBatch
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -121,8 +121,8 @@ def warm_up(engine: "Engine") -> int:
         applier = (lora.warmup_applier(list(step.token_slots))
                    if step.token_slots is not None and lora is not None else None)
         adapters = len({s for s in step.token_slots if s >= 0}) if applier is not None else 0
-        tuned = model.for_step(len(batch.input_ids), adapters)  # the kernels its bucket launches
-        logits = tuned.forward(batch, engine.kv.k, engine.kv.v, applier)
+        launch = engine.launches.for_step(len(batch.input_ids), adapters)  # the kernels its bucket launches
+        logits = model.forward(batch, engine.kv.k, engine.kv.v, launch, applier)
         first_argmax(logits)  # the sampler's greedy pick: its kernels compile here too
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -20,6 +20,7 @@ from inference_node.engine.kv_cache import KVCache
 from inference_node.runner.piecewise_graphs import (PiecewiseGraphs, PiecewiseLora, lora_rows, lora_segments, rows_buckets,
                                                 token_buckets)
 from inference_node.model.llama import LlamaModel
+from inference_node.runner.launches import StepLaunches
 from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
 
@@ -50,7 +51,7 @@ def test_lora_segments_cover_each_adapter_token_once(tiny_llama_path) -> None:
     model = LlamaModel.load(tiny_llama_path, torch.device("cpu"), torch.float32)
     kv = KVCache(model.config, 9, 16, torch.float32, torch.device("cpu"))
     max_loras, max_tokens = 5, 600
-    graphs = PiecewiseGraphs(model, kv, scratch_block=8, max_model_len=128, max_tokens=max_tokens, max_seqs=64,
+    graphs = PiecewiseGraphs(model, StepLaunches.fixed(model.device), kv, scratch_block=8, max_model_len=128, max_tokens=max_tokens, max_seqs=64,
                          lora=PiecewiseLora(lambda meta: None, max_loras))
     h32, o32 = graphs._host.next().np32, graphs._o32
     rng = random.Random(0)

@@ -186,7 +186,7 @@ def test_serve_takes_auto_by_default_and_records_the_flags_given(tmp_path: Path)
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path, tmp_path, monkeypatch) -> None:
-    """Through the decode graphs' static buffers (eager on CPU: the same for_step call that
+    """Through the decode graphs' static buffers (eager on CPU: the same launch choices that
     a GPU's capture makes) and eager prefill steps, with and without an adapter: every
     forward's Tuning is its bucket's, and the tokens are those of the node without a table
     (on CUDA the decode GEMM launches the table's tilings). A flag given keeps its value in
@@ -206,9 +206,9 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     seen: list[tuple[int, bool, Tuning]] = []
     real_forward = LlamaModel.forward
 
-    def spy(self, batch, k, v, lora=None):
-        seen.append((len(batch.input_ids), lora is not None, self.tuning))
-        return real_forward(self, batch, k, v, lora)
+    def spy(self, batch, k, v, launch, lora=None):
+        seen.append((len(batch.input_ids), lora is not None, launch.tuning))
+        return real_forward(self, batch, k, v, launch, lora)
 
     monkeypatch.setattr(LlamaModel, "forward", spy)
 
@@ -292,13 +292,13 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
     caplog.set_level(logging.INFO)  # the ranks log at the node's level
     node = build_node(settings)
     try:
-        model = node.engine.model
-        assert model.step_tunings.table is not None and model.step_tunings.table.path == path
-        assert list(model.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
+        launches = node.engine.launches
+        assert launches.tunings.table is not None and launches.tunings.table.path == path
+        assert list(launches.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
         for rows, adapters in ((1, 0), (4, 0), (4, 1), (8, 2)):  # every bucket, and the base
-            tuning = model.for_step(rows, adapters).tuning
+            tuning = launches.for_step(rows, adapters).tuning
             assert tuning.shrink_fold_groups == {"qkv"} and tuning == tensor_parallel_tuning(tuning)
-        assert model.tuning.shrink_fold_groups == {"qkv"}
+        assert launches.base.tuning.shrink_fold_groups == {"qkv"}
         outs: dict[int, list[int]] = {}
         for i, prompt in enumerate(([5, 6, 7, 8, 9], [11, 12])):
             node.engine.submit(Request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
