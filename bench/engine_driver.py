@@ -198,10 +198,11 @@ class Driver:
                 waited[0] += time.perf_counter() - t
 
         SampledTokens.wait = timed_wait
-        hooked = [(engine.model, "forward")]
-        for graphs in ("decode_graphs", "piecewise_graphs"):
-            if getattr(engine, graphs, None) is not None:
-                hooked.append((getattr(engine, graphs), "run"))
+        runner = engine.runner
+        hooked = [(runner.model, "forward")]
+        for graphs in (runner.decode_graphs, runner.piecewise_graphs):
+            if graphs is not None:
+                hooked.append((graphs, "run"))
         engine.scheduler.schedule = schedule
         for obj, name in hooked:
             setattr(obj, name, timed(getattr(obj, name)))
@@ -306,4 +307,4 @@ def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) 
             raise RuntimeError(f"adapters still loading after {timeout:.0f}s: {sorted(pending)[:5]}")
     if failed:
         raise RuntimeError(f"adapters failed to load: {failed[:3]}")
-    sync(engine.model.device)
+    sync(engine.runner.model.device)

@@ -106,10 +106,10 @@ def main() -> None:
                    help="also print the host's Python profile of N forwards (where queueing time goes)")
     args = p.parse_args()
 
-    from inference_node.runner.lora.eager import build_applier
-    from inference_node.runner.batch import build_forward_batch
     from inference_node.engine.kv_cache import KVCache
     from inference_node.model.launch import LaunchChoices
+    from inference_node.runner.batch import build_forward_batch
+    from inference_node.runner.lora.eager import applier_for_slots
     from kernels.tuning import DEFAULT_TUNING
 
     device, dtype = torch.device(args.device), torch.bfloat16
@@ -127,7 +127,8 @@ def main() -> None:
     for n in names:
         chunks = prompt_chunks(args.seqs, args.prompt, block, plan[n])
         batch = build_forward_batch(chunks, block, device)
-        applier = build_applier(buffers, chunks) if plan[n] else None
+        applier = (applier_for_slots(buffers, [(c.request.lora_slot, c.num_new_tokens) for c in chunks])
+                   if plan[n] else None)
 
         def run(batch=batch, applier=applier):
             return model.forward(batch, kv.k, kv.v, launch, applier)

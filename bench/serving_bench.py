@@ -8,7 +8,7 @@ Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one tab
     python -m bench.serving_bench --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
 
 Rows (every one runs the same requests, in the same process):
-  a     base model, LoRA disabled (Engine(lora=None))
+  a     base model, LoRA disabled (build_engine(lora=None))
   b     LoRA enabled (slots allocated), no request uses an adapter
   c-N   N distinct adapters of rank 16 on all seven projections (N = 1, 8, 32, 128)
   d     32 adapters of rank 8 on q_proj and v_proj only
@@ -88,9 +88,8 @@ class RowResult:
 # -- the engine ---------------------------------------------------------------------------------------
 def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool,
                  use_mixed: bool = False, launches=None):
-    from inference_node.engine.engine import Engine, EngineConfig
-    from inference_node.runner.launches import StepLaunches
-    from inference_node.runner.lora.plan import LoraStepPlan
+    from inference_node.engine.build import build_engine as engine_for
+    from inference_node.engine.config import EngineConfig
 
     kw = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
               max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
@@ -104,20 +103,16 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["piecewise_graphs"] = use_mixed
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
-    launches = launches or StepLaunches.fixed(model.device)
-    plan = LoraStepPlan(lora.buffers, launches.base.tuning) if lora is not None else None
-    engine = Engine(model, EngineConfig(**kw), lora=lora, lora_plan=plan, launches=launches)
+    engine = engine_for(model, EngineConfig(**kw), lora=lora, launches=launches)
+    runner = engine.runner
     if args.warmup == "engine":
         # The node's start-up warm-up (what Engine.start runs before serving), instead of
         # running each row's workload untimed: the timed runs' compile counts then say
         # whether the warm-up alone leaves anything to compile under requests.
-        from inference_node.runner.warmup import warm_up
-
         started = time.perf_counter()
-        engine.warmup_forwards = warm_up(engine)
-        engine.warmup_seconds = time.perf_counter() - started
-        log.info("engine warm-up: %d forwards in %.1fs", engine.warmup_forwards, engine.warmup_seconds)
-    graphs = getattr(engine, "decode_graphs", None)
+        runner.warm_up()
+        log.info("engine warm-up: %d forwards in %.1fs", runner.warmup_forwards, time.perf_counter() - started)
+    graphs = runner.decode_graphs
     if graphs is not None:
         # What Engine.start does before its loop (this benchmark drives run_once itself).
         started = time.perf_counter()
@@ -126,8 +121,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
             log.info("decode graphs captured in %.1fs", time.perf_counter() - started)
         except Exception:
             log.exception("decode graph capture failed: decode runs eagerly")
-            engine.decode_graphs = None
-    mixed = getattr(engine, "piecewise_graphs", None)
+            runner.decode_graphs = None
+    mixed = runner.piecewise_graphs
     if mixed is not None:
         started = time.perf_counter()
         try:
@@ -135,7 +130,7 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
             log.info("piecewise graphs captured in %.1fs", time.perf_counter() - started)
         except Exception:
             log.exception("piecewise graph capture failed: prefill and mixed steps run eagerly")
-            engine.piecewise_graphs = None
+            runner.piecewise_graphs = None
     return engine
 
 

@@ -22,12 +22,11 @@ from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers, rows_for_budget
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
-from .engine.engine import Engine, EngineConfig
-from .runner.kv_budget import kv_blocks_for_memory
-from .runner.launches import StepLaunches
+from .engine.build import build_engine
+from .engine.config import EngineConfig
+from .engine.engine import Engine
 from .engine.kv_cache import KVCache
 from .limits import RequestLimits
-from .runner.lora.plan import LoraStepPlan
 from .model.checkpoint import validate_checkpoint_dir
 from .model.embedded import default_checkpoint
 from .model.config import ModelConfig
@@ -35,6 +34,8 @@ from .model.llama import LORA_MODULES, LlamaModel
 from .parallel.group import TensorParallel, init_tensor_parallel, leave_tensor_parallel
 from .parallel.shard import Shard, ShardingError, check_divisible, tensor_parallel_tuning
 from .parallel.workers import Workers
+from .runner.kv_budget import kv_blocks_for_memory
+from .runner.launches import StepLaunches
 from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
@@ -336,8 +337,7 @@ def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, s
         warmup = "off"
     adapters = build_adapter_manager(settings, model, device, dtype, buffers=parts.slots)
     blocks = parts.num_kv_blocks
-    lora_plan = LoraStepPlan(adapters.buffers, parts.launches.base.tuning) if adapters is not None else None
-    engine = Engine(model, lora=adapters, lora_plan=lora_plan, ranks=ranks, launches=parts.launches, config=EngineConfig(
+    engine = build_engine(model, lora=adapters, launches=parts.launches, ranks=ranks, config=EngineConfig(
         num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
         max_model_len=model_len, prefix_caching=settings.prefix_caching,

@@ -25,7 +25,7 @@ import zmq
 from lora_common.malloc import keep_freed_buffers
 
 from ..adapters.errors import AdapterError, AdapterNotFound
-from ..engine.engine import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
+from ..engine.errors import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
 from ..engine.request import Request, SamplingParams, StreamEvent
 from ..node import Node, NodeSettings, build_node
 from ..parent_watch import die_with_parent, parent_alive

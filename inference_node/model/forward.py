@@ -1,6 +1,7 @@
-"""What a decoder's forward pass takes besides its weights: one step's flattened inputs
-(ForwardBatch) and the LoRA deltas of its tokens (LoraApplier). Decoders of every family take
-the same two, so the runner stages and hooks them without knowing the model's internals."""
+"""What a decoder's forward pass takes besides its weights, one step's flattened inputs
+(ForwardBatch) and the LoRA deltas of its tokens (LoraApplier), and what a decoder offers the
+model runner (Decoder). Every family's decoder takes and offers the same, so the runner stages
+steps and captures graphs without knowing a model's internals."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,10 @@ import torch
 
 from kernels.gemm import GemmLora
 from kernels.lora import LoraDelta
+
+from ..parallel.group import TensorParallel
+from .config import ModelConfig
+from .launch import LaunchChoices
 
 
 @dataclass
@@ -48,3 +53,39 @@ class LoraApplier(Protocol):
 
     def applies_to(self, group: str) -> bool:
         """Whether the step has LoRA on `group` (else its matmul runs as in a base step)."""
+
+
+class Decoder(Protocol):
+    """What the model runner needs of a decoder (model/llama.py's LlamaModel; other families'
+    alike): weights behind a forward over a paged KV cache, and that forward's pieces, which
+    the piecewise graphs capture one by one with attention run between them."""
+
+    config: ModelConfig          # the shapes this process computes with (its shard's under TP)
+    device: torch.device
+    dtype: torch.dtype
+    tp: TensorParallel | None
+    gemm_groups: frozenset[str]  # projections laid out for the decode GEMM (fixed at load)
+
+    def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                launch: LaunchChoices, lora: LoraApplier | None = None) -> torch.Tensor:
+        """Logits [N, vocab] of the batch's logits rows."""
+
+    def embed_inputs(self, batch: ForwardBatch, launch: LaunchChoices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, that normalised for layer 0)."""
+
+    def attention_inputs(self, i: int, x: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor],
+                         v_caches: list[torch.Tensor], launch: LaunchChoices, lora: LoraApplier | None,
+                         q_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's queries (into q_out where given); its keys and values written to the cache."""
+
+    def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor],
+               v_caches: list[torch.Tensor], launch: LaunchChoices,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's attention output (into out where given)."""
+
+    def after_attention(self, i: int, attn: torch.Tensor, hidden: torch.Tensor, launch: LaunchChoices,
+                        lora: LoraApplier | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of layer i: (the residual stream, that normalised for the next layer)."""
+
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head over the final-normed rows `rows` (None: all), into out where given."""

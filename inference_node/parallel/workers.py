@@ -31,7 +31,6 @@ collective's timeout; a rank that dies ends the node (rank 0 watches every rank'
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -49,12 +48,16 @@ import zmq
 
 from ..adapters.weights import AdapterWeights
 from ..runner.batch import HostBatch
-from ..runner.decode_graphs import DecodeGraphs, StagedStep
+from ..runner.decode_graphs import StagedStep
+from ..runner.eager import EagerStep
 from ..runner.graph_plan import GraphPlan
 from ..runner.launches import StepLaunches
-from ..runner.piecewise_graphs import PiecewiseGraphs, StagedPieces, StepShape
+from ..runner.lora.plan import LoraStepPlan
+from ..runner.piecewise_graphs import StagedPieces, StepShape
+from ..runner.rank import RankRunner
+from ..runner.runner import Staged
 from ..parent_watch import die_with_parent
-from .group import TensorParallel, leave_tensor_parallel
+from .group import leave_tensor_parallel
 from .shard import Shard
 
 log = logging.getLogger(__name__)
@@ -141,24 +144,19 @@ class Workers:
         slots.on_free = self.clear_slot
 
     # -- per step and per slot change (the engine thread) ------------------------------------------
-    def step(self, host: HostBatch, chunk_slots: list[tuple[int, int]], tp: TensorParallel,
-             input_ids: torch.Tensor) -> None:
-        message = _pack([STEP, host.positions, host.slot_mapping, host.block_tables, host.query_start_loc,
-                         host.seq_lens, host.logits_indices, host.max_query_len, chunk_slots])
-        for sock in self.controls:
-            sock.send(message)
-        tp.broadcast(input_ids, 0)
-
-    def graph_step(self, step: StagedStep) -> None:
-        header = _pack([GRAPH, list(step.key), step.rows, step.width, [list(seg) for seg in step.segments]])
-        frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
-        for sock in self.controls:  # copied: the buffers are reused while a message may still be queued
-            sock.send_multipart(frames)
-
-    def pieces_step(self, step: StagedPieces) -> None:
-        shape = dataclasses.astuple(step.shape)
-        header = _pack([PIECES, list(shape), step.width, [list(seg) for seg in step.segments]])
-        frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
+    def mirror(self, step: Staged) -> None:
+        """Sends a step rank 0's runner staged: the other ranks run it the same way."""
+        if isinstance(step, EagerStep):
+            host = step.host
+            frames = [_pack([STEP, host.positions, host.slot_mapping, host.block_tables, host.query_start_loc,
+                             host.seq_lens, host.logits_indices, host.max_query_len, step.chunk_slots])]
+        elif isinstance(step, StagedStep):
+            header = _pack([GRAPH, list(step.key), step.rows, step.width, [list(seg) for seg in step.segments]])
+            frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
+        else:
+            shape = dataclasses.astuple(step.shape)
+            header = _pack([PIECES, list(shape), step.width, [list(seg) for seg in step.segments]])
+            frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
         for sock in self.controls:  # copied: the buffers are reused while a message may still be queued
             sock.send_multipart(frames)
 
@@ -260,7 +258,7 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(reply)
     built = build_rank(settings, Shard(rank, size), rendezvous)
-    worker = RankWorker(built.model, built.kv, built.slots, built.tp, built.launches)
+    worker = RankWorker(built.model, built.kv, built.slots, built.launches)
     out.send(_pack([READY, rank]))
     log.info("tensor-parallel rank %d of %d ready", rank, size)
     try:
@@ -284,18 +282,16 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
 
 
 class RankWorker:
-    """One rank's model shard, KV cache and adapter slots, driven by rank 0's messages."""
+    """One rank's adapter slots and runner (its model shard and KV cache), driven by rank 0's
+    messages."""
 
-    def __init__(self, model, kv, slots, tp: TensorParallel, launches: StepLaunches) -> None:
-        self.model, self.kv, self.slots, self.tp, self.launches = model, kv, slots, tp, launches
-        self.device = model.device
-        self.graphs: DecodeGraphs | None = None
-        self.pieces: PiecewiseGraphs | None = None
+    def __init__(self, model, kv, slots, launches: StepLaunches) -> None:
+        self.slots, self.device = slots, model.device
+        lora = LoraStepPlan(slots, launches.base.tuning) if slots is not None else None
+        self.runner = RankRunner(model, launches, kv, lora)
 
     def release_graphs(self) -> None:
-        """Drops the captured graphs before the group ends (their collectives may hold it)."""
-        self.graphs = self.pieces = None
-        gc.collect()
+        self.runner.release_graphs()
 
     def table(self) -> list:
         return _normalised(list(self.slots.table)) if self.slots is not None else []
@@ -303,78 +299,30 @@ class RankWorker:
     def handle(self, message: list, frames: list[bytes]) -> None:
         kind = message[0]
         if kind == STEP:
-            self.step(*message[1:])
+            positions, slot_mapping, block_tables, query_start_loc, seq_lens, logits_indices, max_query_len, \
+                chunk_slots = message[1:]
+            self.runner.run(EagerStep(HostBatch([], [], [], positions, slot_mapping, block_tables, query_start_loc,
+                                                seq_lens, logits_indices, max_query_len), chunk_slots))
         elif kind == GRAPH:
-            self.graph_step(message, frames)
+            _, key, rows, width, segments = message
+            self.runner.run(StagedStep(
+                tuple(key), rows, width, np.frombuffer(frames[0], dtype=np.int64),
+                np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
+                tuple(tuple(seg) for seg in segments)))
         elif kind == PIECES:
-            self.pieces_step(message, frames)
+            _, shape, width, segments = message
+            self.runner.run(StagedPieces(
+                StepShape(*shape), width, np.frombuffer(frames[0], dtype=np.int64),
+                np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
+                tuple(tuple(seg) for seg in segments)))
         elif kind == CAPTURE:
-            self.capture(GraphPlan(**message[1]))
+            self.runner.capture(GraphPlan(**message[1]))
         elif kind == WRITE:
             self.write(message, frames)
         elif kind == CLEAR:
             self.slots.free(message[1])
         else:
             raise ValueError(f"unknown control message {kind!r}")
-
-    @torch.inference_mode()
-    def step(self, positions, slot_mapping, block_tables, query_start_loc, seq_lens, logits_indices,
-             max_query_len, chunk_slots) -> None:
-        from ..runner.lora.eager import applier_for_slots
-
-        ids = torch.empty(len(positions), dtype=torch.long, device=self.device)
-        self.tp.broadcast(ids, 0)
-        host = HostBatch([], [], [], positions, slot_mapping, block_tables, query_start_loc, seq_lens,
-                         logits_indices, max_query_len)
-        batch = host.to_device(self.device, input_ids=ids)
-        applier = None
-        if self.slots is not None and any(slot >= 0 for slot, _ in chunk_slots):
-            applier = applier_for_slots(self.slots, chunk_slots)
-        # Rows and distinct adapters counted as rank 0's engine counts them, from the same
-        # step: with the one tuning table every rank reads, every rank takes the same bucket.
-        adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
-        launch = self.launches.for_step(len(positions), adapters)
-        self.model.forward(batch, self.kv.k, self.kv.v, launch, applier)
-
-    def capture(self, plan: GraphPlan) -> None:
-        """The graphs rank 0 has: the same sizes, buckets and LoRA variants, captured in its
-        order (decode graphs, then the pieces). The feedback buffer only gives the graphs'
-        token gather a valid place to read: the broadcast from rank 0 replaces what it reads."""
-        from ..runner.lora.plan import LoraStepPlan
-
-        plan_lora = LoraStepPlan(self.slots, self.launches.base.tuning) if self.slots is not None else None
-        feedback = torch.zeros(plan.feedback_rows, dtype=torch.long, device=self.device)
-        if plan.decode_batch:
-            self.graphs = DecodeGraphs(
-                self.model, self.launches, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
-                max_batch=plan.decode_batch, feedback=feedback,
-                lora=plan_lora.graph_lora(plan.decode_batch) if plan_lora is not None else None)
-        if plan.pieces_tokens:
-            self.pieces = PiecewiseGraphs(
-                self.model, self.launches, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
-                max_tokens=plan.pieces_tokens, max_seqs=plan.pieces_seqs, feedback=feedback,
-                lora=plan_lora.piecewise_lora() if plan_lora is not None else None)
-        with torch.inference_mode():
-            if self.graphs is not None:
-                self.graphs.capture_all()
-            if self.pieces is not None:
-                self.pieces.capture_all()
-
-    @torch.inference_mode()
-    def pieces_step(self, header: list, frames: list[bytes]) -> None:
-        _, shape, width, segments = header
-        self.pieces.run_staged(StagedPieces(
-            StepShape(*shape), width, np.frombuffer(frames[0], dtype=np.int64),
-            np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
-            tuple(tuple(seg) for seg in segments)))
-
-    @torch.inference_mode()
-    def graph_step(self, header: list, frames: list[bytes]) -> None:
-        _, key, rows, width, segments = header
-        self.graphs.run_staged(StagedStep(
-            tuple(key), rows, width, np.frombuffer(frames[0], dtype=np.int64),
-            np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
-            tuple(tuple(seg) for seg in segments)))
 
     def write(self, header: list, frames: list[bytes]) -> None:
         _, slot, name, version, rank, scaling, modules, firsts, shapes = header

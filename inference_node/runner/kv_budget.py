@@ -11,16 +11,15 @@ import logging
 
 import torch
 
-from ..model.forward import ForwardBatch
+from ..model.forward import Decoder, ForwardBatch
 from ..model.launch import LaunchChoices
-from ..model.llama import LlamaModel
 from ..engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 GRAPHS_AND_WORKSPACES = 768 << 20  # decode graphs' pool (<= 64-row activations), cuBLAS/Triton scratch
 
 
-def forward_peak_bytes(model: LlamaModel, launch: LaunchChoices, tokens: int, sampled_rows: int) -> int:
+def forward_peak_bytes(model: Decoder, launch: LaunchChoices, tokens: int, sampled_rows: int) -> int:
     """Peak memory one eager forward of `tokens` tokens takes beyond what is allocated now,
     with `sampled_rows` rows of logits (each token its own one-token sequence, writing its
     K/V into a one-block scratch cache: the activations are what a prefill step's are)."""
@@ -47,7 +46,7 @@ def forward_peak_bytes(model: LlamaModel, launch: LaunchChoices, tokens: int, sa
     return peak
 
 
-def kv_blocks_for_memory(model: LlamaModel, launch: LaunchChoices, utilization: float, block_size: int,
+def kv_blocks_for_memory(model: Decoder, launch: LaunchChoices, utilization: float, block_size: int,
                          tokens: int, sampled_rows: int, piecewise_graphs: bool = False) -> int:
     device = model.device
     activations = forward_peak_bytes(model, launch, tokens, sampled_rows)

@@ -35,8 +35,7 @@ import torch
 from kernels.dispatch import use_triton
 from kernels.lora import LoraBatchMeta
 
-from ..model.forward import ForwardBatch, LoraApplier
-from ..model.llama import LlamaModel
+from ..model.forward import Decoder, ForwardBatch, LoraApplier
 from ..engine.kv_cache import KVCache
 from ..engine.request import PENDING_TOKEN
 from .launches import StepLaunches
@@ -134,8 +133,8 @@ class StagedPieces:
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: LlamaModel, launches: StepLaunches, kv: KVCache, scratch_block: int, max_model_len: int,
-                 max_tokens: int, max_seqs: int, feedback: torch.Tensor | None = None,
+    def __init__(self, model: Decoder, launches: StepLaunches, kv: KVCache, scratch_block: int,
+                 max_model_len: int, max_tokens: int, max_seqs: int, feedback: torch.Tensor | None = None,
                  lora: PiecewiseLora | None = None) -> None:
         """max_tokens / max_seqs: the most tokens and sequences a step holds (the engine's
         max_num_batched_tokens and max_num_seqs). lora: None for a node without LoRA."""
@@ -145,7 +144,7 @@ class PiecewiseGraphs:
         self.scratch_slot = scratch_block * self.block_size
         self.buckets = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs = self.buckets[-1], max_seqs
-        self.num_layers = len(model.layers)
+        self.num_layers = model.config.num_layers
         self.max_loras = lora.max_loras if lora is not None else 0
         self.capture = model.device.type == "cuda"
         self.replays: dict[tuple[int, bool, int], int] = {}  # (bucket, LoRA, rows): count
@@ -180,36 +179,34 @@ class PiecewiseGraphs:
         self._host = HostTurns(o64[-1], o32[-1], B * self.max_blocks, self.capture)
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
         self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
-        # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
-        # which run the same pieces with it.
-        self.mirror: Callable[[StagedPieces], None] | None = None
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
         return (0 < len(chunks) <= self.max_seqs
                 and sum(c.num_new_tokens for c in chunks) <= self.max_tokens)
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits [sampled rows, vocab] of the step (rows in chunk order, of the chunks that
-        complete their prompt), each row's greedy token and whether its logits are finite
-        (sampler.checked_greedy, inside the last piece)."""
-        step, host, width = self._fill(chunks)
-        if self.mirror is not None:
-            self.mirror(StagedPieces(step, width, host.np64, host.np32, host.np_table[:step.seqs * width],
-                                     self._host_segments if step.lora else ()))
-        return self._execute(step)
+    def stage(self, chunks: list[ScheduledChunk]) -> StagedPieces:
+        """Writes the step's inputs into the pieces' buffers (their copies queued) and picks
+        its bucket and rows bucket."""
+        shape, host, width = self._fill(chunks)
+        return StagedPieces(shape, width, host.np64, host.np32, host.np_table[:shape.seqs * width],
+                            self._host_segments if shape.lora else ())
 
-    def run_staged(self, staged: "StagedPieces") -> None:
-        """Runs the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
-        sent its packed inputs), meeting rank 0's pieces at their collectives."""
+    def load(self, staged: StagedPieces) -> None:
+        """Writes the inputs another rank staged into the pieces' buffers (a tensor-parallel
+        rank: rank 0 scheduled the step and sent its packed inputs)."""
         host = self._host.next()
         host.load(staged.int64, staged.int32, staged.table)
         self._host_segments = staged.segments
         host.copy_packed(staged.shape.seqs, staged.width, self._dev64, self._dev32, self.block_tables)
-        self._execute(staged.shape)
 
-    def _execute(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pieces of a filled step, with attention between them."""
+    def run(self, staged: StagedPieces) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The staged step's pieces, with attention between them: logits [sampled rows, vocab]
+        (rows in chunk order, of the chunks that complete their prompt), each row's greedy
+        token and whether its logits are finite (sampler.checked_greedy, inside the last
+        piece). Under tensor parallelism every rank's pieces meet the others' at their
+        collectives."""
+        step = staged.shape
         key = (step.bucket, step.lora, step.rows)
         self.replays[key] = self.replays.get(key, 0) + 1
         n, t = step.seqs, step.tokens

@@ -138,7 +138,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         assert shrink_folded == shrink
         assert spread == ({"gate_up", "down"} if sfold == "all" else set())
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
-            buffers = node.engine.decode_graphs.lora.applier.__self__.buffers
+            buffers = node.engine.runner.decode_graphs.lora.applier.__self__.buffers
             downs = {id(layer["down"].b) for layer in buffers.layers}
             assert {id(b) in downs for b in expands} == ({True} if side_down else set())
         if norm_split:
@@ -149,7 +149,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
                                          if "down" not in shrink_folded else set())
             from kernels.dispatch import use_triton
 
-            split = node.engine.decode_graphs.lora.applier.__self__.beside.column_split
+            split = node.engine.runner.decode_graphs.lora.applier.__self__.beside.column_split
             assert split is not None and split.block == norm_split
             assert int(split.arrivals.count_nonzero()) == 0  # every row's count reset
             if use_triton(split.sums):  # the split kernel ran (the reference ignores it)
@@ -174,7 +174,7 @@ def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(devi
                                       adapter_dir=str(root), decode_graphs="on", max_graph_batch=4,
                                       debug_checks=True))
     try:
-        graphs = node.engine.decode_graphs
+        graphs = node.engine.runner.decode_graphs
         qkv_only = graphs.group_variants.index(frozenset({"qkv"}))
         everything = len(graphs.group_variants) - 1
 
@@ -227,7 +227,7 @@ def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, ti
     try:
         got = generate_all(node, jobs)
         assert got == expected
-        graphs = node.engine.decode_graphs
+        graphs = node.engine.runner.decode_graphs
         assert {k[1] for k in graphs.replays if k[1] > 0} == {1} and DEFAULT_TUNING.side_expand_segments >= 1
         if device == "cpu":  # eager: every LoRA decode step called the expand itself
             assert expands

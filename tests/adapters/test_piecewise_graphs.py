@@ -110,16 +110,16 @@ def generate(node: InProcessNode, job, delay: float = 0.0) -> list[int]:
 def spy_steps(monkeypatch) -> list[tuple[int, list[int]]]:
     """Each piecewise step's decode rows and the requests whose prompt chunks it carries."""
     seen: list[tuple[int, list[int]]] = []
-    real_run = PiecewiseGraphs.run
+    real_stage = PiecewiseGraphs.stage
     lock = threading.Lock()
 
-    def run(self, chunks):
+    def stage(self, chunks):
         with lock:
             seen.append((sum(not c.request.in_prefill for c in chunks),
                          [c.request.id for c in chunks if c.request.in_prefill]))
-        return real_run(self, chunks)
+        return real_stage(self, chunks)
 
-    monkeypatch.setattr(PiecewiseGraphs, "run", run)
+    monkeypatch.setattr(PiecewiseGraphs, "stage", stage)
     return seen
 
 
@@ -155,7 +155,7 @@ def test_prompt_chunks_beside_decodes_match_peft(device, tiny_llama_path, tmp_pa
         snap = node.check_idle()
         assert snap["piecewise_graph_steps"] > 0 and snap["eager_prefill_steps"] == 0 and snap["eager_decode_steps"] == 0
         assert snap["graph_steps"] > 0 and snap["cached_prompt_tokens"] > 0
-        graphs = node.engine.piecewise_graphs
+        graphs = node.engine.runner.piecewise_graphs
         assert {k[1] for k in graphs.replays} == {False, True}  # base-only steps and LoRA steps
         assert len({k[0] for k in graphs.replays}) >= 3       # several token buckets
         assert any(decodes and prompts for decodes, prompts in seen)  # prompt chunks beside decodes
@@ -196,7 +196,7 @@ def test_with_the_pieces_off_prompt_steps_run_eagerly(tiny_llama_path, tmp_path)
     job = ("qv-r4", [5, 900, 31, 4000, 77], 4)
     node = start_node(tiny_llama_path, tmp_path / "adapters", "cpu", mixed_graphs="off")
     try:
-        assert node.engine.piecewise_graphs is None
+        assert node.engine.runner.piecewise_graphs is None
         assert generate(node, job) == peft_greedy(tiny_llama_path, folders["qv-r4"], [job[1]], 4)[0]
         snap = node.check_idle()
         assert snap["eager_prefill_steps"] > 0 and snap["piecewise_graph_steps"] == 0
@@ -225,7 +225,7 @@ def test_piecewise_steps_compile_nothing_while_serving(tiny_llama_path, tmp_path
             list(pool.map(lambda ij: generate(node, ij[1], 0.01 * ij[0]), enumerate(jobs)))
         snap = node.check_idle()
         assert snap["piecewise_graph_steps"] > 0 and snap["eager_prefill_steps"] == 0
-        assert len({k[0] for k in node.engine.piecewise_graphs.replays}) >= 3
+        assert len({k[0] for k in node.engine.runner.piecewise_graphs.replays}) >= 3
         assert watch.since(mark) == []
     finally:
         node.stop()

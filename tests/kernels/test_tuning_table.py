@@ -292,7 +292,7 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
     caplog.set_level(logging.INFO)  # the ranks log at the node's level
     node = build_node(settings)
     try:
-        launches = node.engine.launches
+        launches = node.engine.runner.launches
         assert launches.tunings.table is not None and launches.tunings.table.path == path
         assert list(launches.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
         for rows, adapters in ((1, 0), (4, 0), (4, 1), (8, 2)):  # every bucket, and the base

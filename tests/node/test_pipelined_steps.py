@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from harness import hf_greedy
-from inference_node.engine.engine import Engine, EngineConfig
+from inference_node.engine.build import build_engine
+from inference_node.engine.config import EngineConfig
+from inference_node.engine.engine import Engine
 from inference_node.engine.request import Request, SamplingParams, StreamEvent
 from inference_node.model.llama import LlamaModel
 
@@ -41,7 +43,7 @@ def make_engine(model: LlamaModel, graphs: bool = False, **overrides) -> Engine:
                max_model_len=128, decode_graphs=graphs, piecewise_graphs=graphs, max_graph_batch=8,
                debug_checks=True)
     cfg.update(overrides)
-    return Engine(model, EngineConfig(**cfg))
+    return build_engine(model, EngineConfig(**cfg))
 
 
 def submit(engine: Engine, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> tuple[Request, Collected]:
