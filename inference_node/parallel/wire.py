@@ -29,7 +29,7 @@ import torch
 from ..adapters.slots import SlotRecord
 from ..adapters.weights import AdapterWeights
 from ..runner.batch import HostBatch
-from ..runner.decode_graphs import StagedStep
+from ..runner.decode_graphs import StagedDecode
 from ..runner.eager import EagerStep
 from ..runner.graph_plan import GraphPlan
 from ..runner.piecewise_graphs import StagedPieces, StepShape
@@ -116,7 +116,7 @@ def step_frames(step: Staged) -> list:
     if isinstance(step, EagerStep):
         host = dataclasses.replace(step.host, input_ids=[], pending_at=[], pending_rows=[])
         return [encode(EagerInputs(host, step.chunk_slots))]
-    if isinstance(step, StagedStep):
+    if isinstance(step, StagedDecode):
         header = DecodeGraphStep(step.key, step.rows, step.width, step.segments)
     else:
         header = PiecewiseStep(step.shape, step.width, step.segments)
@@ -130,7 +130,7 @@ def staged(message: DecodeGraphStep | PiecewiseStep | EagerInputs, frames: list[
     packed = (np.frombuffer(frames[0], dtype=np.int64), np.frombuffer(frames[1], dtype=np.int32),
               np.frombuffer(frames[2], dtype=np.int32))
     if isinstance(message, DecodeGraphStep):
-        return StagedStep(message.key, message.rows, message.width, *packed, message.segments)
+        return StagedDecode(message.key, message.rows, message.width, *packed, message.segments)
     return StagedPieces(message.shape, message.width, *packed, message.segments)
 
 

@@ -47,7 +47,7 @@ GroupsOf = Callable[[list[int]], frozenset[str]]
 
 
 @dataclass(frozen=True)
-class StagedStep:
+class StagedDecode:
     """A decode step's packed inputs as rank 0 staged them: what another tensor-parallel rank
     needs to replay the same graph (its token ids come from rank 0 inside the graph)."""
 
@@ -155,7 +155,7 @@ class DecodeGraphs:
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
         return 0 < len(chunks) <= self.max_batch and is_decode_step(chunks)
 
-    def stage(self, chunks: list[ScheduledChunk]) -> StagedStep:
+    def stage(self, chunks: list[ScheduledChunk]) -> StagedDecode:
         """Writes the inputs of a decode step whose rows are `ordered` into the graph's
         buffers (their copies queued) and picks its graph."""
         n = len(chunks)
@@ -166,10 +166,10 @@ class DecodeGraphs:
             segments = next(b for b in self.segment_buckets(size) if b >= len(slots))
             variant = self.variant_for(slots)
         host, width = self._fill(chunks, size, segments)
-        return StagedStep((size, segments, variant), n, width, host.np64, host.np32,
-                          host.np_table[:n * width], self._host_segments)
+        return StagedDecode((size, segments, variant), n, width, host.np64, host.np32,
+                            host.np_table[:n * width], self._host_segments)
 
-    def load(self, step: StagedStep) -> None:
+    def load(self, step: StagedDecode) -> None:
         """Writes the inputs another rank staged into the graph's buffers (a tensor-parallel
         rank: rank 0 scheduled the step and sent its packed inputs)."""
         host = self._host.next()
@@ -177,7 +177,7 @@ class DecodeGraphs:
         self._host_segments = step.segments
         host.copy_packed(step.rows, step.width, self._dev64, self._dev32, self.block_tables)
 
-    def run(self, step: StagedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, step: StagedDecode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Replays the staged step's graph: its logits [rows, vocab], each row's greedy token
         and whether its logits are finite (sampler.checked_greedy, computed inside the graph:
         no launches of their own). Under tensor parallelism every rank's replay meets the

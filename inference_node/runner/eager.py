@@ -48,7 +48,6 @@ class EagerForward:
     def load(self, step: EagerStep) -> None:
         """Nothing to load: the inputs go to the device when the step runs."""
 
-    @torch.inference_mode()
     def run(self, step: EagerStep) -> StepLogits:
         """The step's logits (its greedy tokens and finite flags left to the sampler)."""
         batch = self._inputs(step.host)

@@ -11,7 +11,7 @@ import torch
 
 from ..engine.kv_cache import KVCache
 from ..model.forward import Decoder
-from .decode_graphs import StagedStep
+from .decode_graphs import StagedDecode
 from .eager import EagerForward, EagerStep
 from .graph_plan import GraphPlan
 from .launches import StepLaunches
@@ -42,7 +42,7 @@ class RankRunner:
     def run(self, step: Staged) -> None:
         if isinstance(step, EagerStep):
             way = self.eager
-        elif isinstance(step, StagedStep):
+        elif isinstance(step, StagedDecode):
             way = self.decode_graphs
         else:
             way = self.piecewise_graphs

@@ -28,7 +28,7 @@ from ..engine.kv_cache import KVCache
 from ..engine.request import Request
 from ..engine.scheduler import ScheduledChunk
 from ..model.forward import Decoder
-from .decode_graphs import StagedStep, ordered
+from .decode_graphs import StagedDecode, ordered
 from .eager import EagerForward, EagerStep
 from .graph_plan import GraphPlan
 from .launches import StepLaunches
@@ -38,7 +38,7 @@ from .sampler import row_finite, sample_on_device
 from .token_feedback import SampledTokens, TokenFeedback
 from .warmup import warm_up
 
-Staged = StagedStep | StagedPieces | EagerStep  # a step as rank 0 staged it, for every rank to run
+Staged = StagedDecode | StagedPieces | EagerStep  # a step as rank 0 staged it, for every rank to run
 
 
 class ForwardMode(enum.Enum):
