@@ -26,8 +26,8 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from ..runner.runner import ModelRunner
-from ..runner.token_feedback import NON_FINITE, SampledTokens
+from ..runner.runner import ModelRunner, StepRun
+from ..runner.token_feedback import NON_FINITE
 from .admission import Admission
 from .config import EngineConfig
 from .errors import CutShort, EngineStopped, NonFiniteLogits, NotStarted
@@ -44,11 +44,9 @@ log = logging.getLogger(__name__)
 class LaunchedStep:
     """A step whose forward and sampling are queued on the device; its tokens not yet read."""
 
-    chunks: list[ScheduledChunk]
-    sampling: list[Request]
-    tokens: SampledTokens
-    started: float = 0.0             # time.monotonic() when it was scheduled
-    prefill: bool = False            # it carries prompt tokens
+    run: StepRun
+    started: float                   # time.monotonic() when it was scheduled
+    prefill: bool                    # it carries prompt tokens
 
 
 class Engine:
@@ -209,16 +207,14 @@ class Engine:
                 self._drain_commands(block=True, timeout=0.005)
             return
         prefill = any(c.request.num_computed < len(c.request.prompt_token_ids) for c in chunks)
-        launched = self._launch(chunks)
-        if launched is not None:
-            launched.started, launched.prefill = started, prefill
+        launched = self._launch(chunks, started, prefill)
         if self._launched is not None:
             self._resolve()
         self._launched = launched
         if self.config.debug_checks:
             self.check_consistency()
 
-    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
+    def _launch(self, chunks: list[ScheduledChunk], started: float, prefill: bool) -> LaunchedStep | None:
         """Queues the step's forward and sampling; the requests' counters move on at once."""
         distinct = len({c.request.lora_slot for c in chunks if c.request.lora_slot >= 0})
         self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
@@ -243,12 +239,13 @@ class Engine:
                                       or req.num_tokens >= self.config.max_model_len)
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
-        return LaunchedStep(run.chunks, run.sampled, run.tokens)
+        return LaunchedStep(run, started, prefill)
 
     def _resolve(self) -> None:
         """Waits for the launched step's tokens and streams them. Requests that ended (or were
         cancelled) since it was launched drop theirs."""
-        step, self._launched = self._launched, None
+        launched, self._launched = self._launched, None
+        step = launched.run
         try:
             tokens = step.tokens.wait()
         except Exception as exc:  # a device error surfaces here, at the step's one sync
@@ -256,9 +253,9 @@ class Engine:
             for c in step.chunks:
                 self._finish(c.request, "error", error=exc)
             return
-        if step.prefill:
-            self.scheduler.note_prefill_step(time.monotonic() - step.started)
-        for req, token in zip(step.sampling, tokens):
+        if launched.prefill:
+            self.scheduler.note_prefill_step(time.monotonic() - launched.started)
+        for req, token in zip(step.sampled, tokens):
             if req.status is Status.FINISHED:
                 continue
             req.num_pending -= 1
@@ -270,7 +267,7 @@ class Engine:
             for c in step.chunks:
                 if c.request.status is not Status.FINISHED:
                     self.prefix_cache.insert(c.request)
-        for req in step.sampling:
+        for req in step.sampled:
             if req.status is not Status.FINISHED:
                 self._on_token(req)
 
