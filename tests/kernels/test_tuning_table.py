@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels.tuning import DEFAULT_TUNING, Tuning
 from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError,
@@ -76,6 +77,27 @@ def test_a_step_takes_the_nearest_smaller_bucket_then_the_base(tmp_path: Path) -
         assert steps.for_step(rows, adapters).gemm_tilings["o"] == DEFAULT_TUNING.gemm_tilings["o"]
     late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}}]))
     assert late.tunings(base).for_step(8) == base  # below the smallest bucket: the base
+
+
+def test_the_runner_builds_each_buckets_launch_choices_once(tmp_path: Path) -> None:
+    """runner/launches.py: a step's LaunchChoices carry its bucket's Tuning, one object per
+    Tuning (its ops hold a compiled norm on CUDA: a step must not rebuild them), the base's
+    where no bucket applies; a table whose Tuning would change the weights' layout
+    (gemm_groups, fixed at load) is refused."""
+    from inference_node.runner.launches import StepLaunches
+
+    steps = TuningTable.read(write(tmp_path / "t.json", table_json())).tunings(DEFAULT_TUNING)
+    launches = StepLaunches(torch.device("cpu"), steps, DEFAULT_TUNING.gemm_groups)
+    for rows, adapters in [(1, 0), (3, 5), (4, 0), (64, 0), (4, 1), (8, 2), (9, 3)]:
+        launch = launches.for_step(rows, adapters)
+        assert launch.tuning is steps.for_step(rows, adapters)
+        assert launch.gemm.tuning is launch.tuning and launch.ops.tuning is launch.tuning
+        assert launches.for_step(rows, adapters) is launch
+    assert launches.for_step(1) is not launches.for_step(4) and launches.for_step(4, 1) is not launches.for_step(4)
+    late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}}])).tunings(DEFAULT_TUNING)
+    assert StepLaunches(torch.device("cpu"), late, DEFAULT_TUNING.gemm_groups).for_step(8).tuning is late.base
+    with pytest.raises(ValueError, match="gemm_groups sets the weights' layout"):
+        StepLaunches(torch.device("cpu"), steps, frozenset({"o"}))
 
 
 def test_node_choices_apply_to_every_step_and_flags_given_win(tmp_path: Path) -> None:
