@@ -105,7 +105,8 @@ class LlamaModel:
         full = ModelConfig.from_checkpoint(path)
         shard = tp.shard if tp is not None else Shard()
         config = shard.local_config(full)
-        gemm = DecodeGemm(device, DEFAULT_TUNING.replace(gemm_groups=gemm_groups))  # what it would serve
+        # The projections the decode GEMM serves on this device, whose layout it prefers.
+        layout = DecodeGemm(device, DEFAULT_TUNING.replace(gemm_groups=gemm_groups))
         if load_format == "dummy":
             tensors: SafetensorsTensors | DummyTensors = DummyTensors(full, device, dtype)
         else:
@@ -144,13 +145,13 @@ class LlamaModel:
             layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=projection(*(part(m, p + f"self_attn.{m}.weight") for m in FUSED_MODULES["qkv"]),
-                               decode_gemm=gemm.serves("qkv")),
+                               decode_gemm=layout.serves("qkv")),
                 qkv_bias=qkv_bias,
-                o=projection(part("o_proj", p + "self_attn.o_proj.weight"), decode_gemm=gemm.serves("o")),
+                o=projection(part("o_proj", p + "self_attn.o_proj.weight"), decode_gemm=layout.serves("o")),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=projection(*(part(m, p + f"mlp.{m}.weight") for m in FUSED_MODULES["gate_up"]),
-                                   decode_gemm=gemm.serves("gate_up")),
-                down=projection(part("down_proj", p + "mlp.down_proj.weight"), decode_gemm=gemm.serves("down")),
+                                   decode_gemm=layout.serves("gate_up")),
+                down=projection(part("down_proj", p + "mlp.down_proj.weight"), decode_gemm=layout.serves("down")),
             ))
         vocab_start, vocab_stop, vocab_rows = shard.vocab_block(full.vocab_size)
 
