@@ -8,7 +8,10 @@ each microsecond of Python per message is capacity. This times, per token of a 1
 answer, what `frontend.generation` does besides the gRPC write: detokenizing (the node's
 incremental decoder against decoding a window of tokens twice per token, the usual Python
 method), the per-adapter metrics (series looked up once against `labels()` per message), and
-building the protobuf reply. Prints one table, µs per token, medians of repeats.
+building the protobuf reply; and the core wire's share, a step of --streams requests each
+given one token: the core encodes the step's batch for the front end, which decodes it and
+feeds the requests' streams (the node's typed Structs, core/protocol.py, against a
+MessagePack map per request). Prints one table, µs per token, medians of repeats.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> list[tuple[str, float, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--streams", type=int, default=64, help="requests given a token in each step (the wire row)")
     args = p.parse_args(argv)
 
     from lora.v1 import inference_pb2
@@ -89,14 +93,44 @@ def main(argv: Sequence[str] | None = None) -> list[tuple[str, float, float]]:
         for token in ids:
             inference_pb2.GenerateResponse(token_ids=[token], text="x")
 
+    import msgspec
+
+    from inference_node.core import protocol as wire
+    from inference_node.frontend.engine_client import EngineClient, RequestStream
+
+    client = EngineClient("inproc://bench-core", "inproc://bench-frontend", "bench")
+    encode, decode = wire.encoder().encode, wire.frontend_decoder().decode
+
+    def typed_wire() -> None:
+        client.streams = {i: RequestStream(i) for i in range(args.streams)}
+        for token in ids:
+            data = encode(wire.Batch([wire.Output(i, [token]) for i in range(args.streams)], []))
+            message = decode(data)
+            client.deliver(message.outputs, message.replies)
+
+    def map_wire() -> None:
+        streams = {i: RequestStream(i) for i in range(args.streams)}
+        for token in ids:
+            data = msgspec.msgpack.encode({"kind": "batch", "replies": [], "outputs": [
+                {"request_id": i, "token_ids": [token], "finish_reason": None, "error": None,
+                 "cached_prompt_tokens": 0, "adapter_version": ""} for i in range(args.streams)]})
+            for out in msgspec.msgpack.decode(data)["outputs"]:
+                streams[out["request_id"]].feed(out["token_ids"], out["finish_reason"], None,
+                                                out["cached_prompt_tokens"], out["adapter_version"])
+
     rows = [
         ("detokenize", per_token_us(detokenize(lambda: window_decode_stream(codec.decode)), n, args.repeats),
          per_token_us(detokenize(codec.step_decoder), n, args.repeats)),
         ("metrics", per_token_us(metrics_lookup, n, args.repeats), per_token_us(metrics_cached, n, args.repeats)),
         ("protobuf reply", per_token_us(replies, n, args.repeats), float("nan")),
+        ("core wire", per_token_us(map_wire, n * args.streams, args.repeats),
+         per_token_us(typed_wire, n * args.streams, args.repeats)),
     ]
-    print(f"us per token of a {n}-token answer, median of {args.repeats}")
-    print("| piece | two decodes a token / labels() a message | the node's (incremental decoder / series kept) | ratio |")
+    client.close()
+    print(f"us per token of a {n}-token answer, median of {args.repeats}; the wire: {args.streams} streams a step")
+    print("usual method: two decodes a token / labels() a message / a MessagePack map per request; "
+          "the node's: incremental decoder / series kept / typed Structs")
+    print("| piece | usual method | the node's | ratio |")
     print("| --- | --- | --- | --- |")
     for name, before, after in rows:
         print(f"| {name} | {before:.2f} | {after:.2f} | {before / after:.1f}× |" if after == after

@@ -10,7 +10,7 @@ in-process, on the same requests and checkpoint, in one table.
 
 Rows, each at every concurrency: `base` (no adapter; LoRA on, unused) and `cN` (N distinct
 rank-16 adapters on all seven projections, request i on adapter i mod N, all pinned before
-timing). Both paths run the node's own settings (`build_node` in-process, the same flags
+timing). Both paths run the node's own settings (`LLM` in-process, the same flags
 for the subprocess), so the ratio is what the serving path costs: gRPC, tokenising,
 detokenising, IPC, the front-end processes. The `http` rows send the same token-id prompts
 with the `ignore_eos` extension and count tokens from the last chunk's `usage`; their
@@ -341,20 +341,20 @@ def node_flags(args, checkpoint: Path, adapters: Path, dummy: bool) -> list[str]
 def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -> list[Result]:
     import torch
 
-    from inference_node.node import NodeSettings, build_node
     from bench.engine_driver import Driver, Spec, preload_adapters
+    from inference_node.config import NodeConfig
+    from inference_node.llm import LLM
 
-    settings = NodeSettings(
-        model=str(checkpoint), device=None if args.device == "auto" else args.device,
+    llm = LLM(NodeConfig.of(
+        checkpoint=str(checkpoint), device=args.device,
         load_format="dummy" if dummy else "safetensors", adapter_dir=str(adapters),
         max_loras=max(args.adapters, 1), max_lora_rank=16, max_cpu_loras=max(args.adapters, 1),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens, max_model_len=1024,
         num_kv_blocks=args.num_kv_blocks, prefill_delay_factor=args.prefill_delay_factor,
         **({} if args.refill_wait_factor is None else {"refill_wait_factor": args.refill_wait_factor}),
-        mixed_graphs=args.mixed_graphs, tensor_parallel_size=args.tensor_parallel_size)
-    node = build_node(settings)
-    engine = node.engine
-    engine.prepare()
+        mixed_graphs=args.mixed_graphs, tensor_parallel_size=args.tensor_parallel_size))
+    node, engine = llm.node, llm.engine
+    llm.prepare()
     names = sorted({r.adapter for _, _, reqs in plan for r in reqs if r.adapter})
     if names:
         preload_adapters(engine, node.adapters, names)
@@ -373,9 +373,8 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
         out.append(Result(row, "engine", conc, [Record(r.submit, r.first, r.last, r.done or r.submit, r.tokens,
                                                        r.error) for r in records], steps))
         print(f"# {format_row(summarize(out[-1]))}", file=sys.stderr, flush=True)
-    engine.shutdown(timeout=0)
-    node.close()  # a tensor-parallel node's other ranks
-    del node, engine
+    llm.close()  # and a tensor-parallel node's other ranks
+    del llm, node, engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
@@ -448,7 +447,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--poisson", type=float, default=None, metavar="RATE", help="open loop at RATE requests/s")
     p.add_argument("--zipf-alpha", type=float, default=1.0)
     p.add_argument("--clients", type=int, default=4, help="client processes (of each API)")
-    p.add_argument("--api-processes", type=int, default=1, help="the node's front-end processes")
+    p.add_argument("--api-processes", default="auto", help="the node's front-end processes (auto: the node's "
+                                                           "choice by its device and cores)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the node's (CUDA 256, CPU 16)")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="the node's (CUDA 2048, CPU 256)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: the node's default sizing")

@@ -218,7 +218,9 @@ def disk_tier_bench(args: argparse.Namespace) -> None:
     buffer = host_buffer(file_offsets(manifest)[-1] + len(weights), cuda).numpy()
     with tempfile.TemporaryDirectory(prefix="disk-tier-bench-", dir=args.workdir) as tmp:
         root = Path(tmp)
-        DiskTier(root, 1 << 40).put(manifest, [config, weights])
+        writer = DiskTier(root, 1 << 40)
+        writer.put(manifest, [config, weights])
+        writer.close()  # one tier a folder: each reader count's below opens it again
         folder = root / digest
         paths = [folder / str(i) for i in range(len(files))]
         recorded = (folder / CHUNKS_FILE).read_bytes()
@@ -247,7 +249,7 @@ def disk_tier_bench(args: argparse.Namespace) -> None:
             rows.append((f"{threads:>2} readers, cold (page cache dropped)", measure(read, args.runs, [], drop)))
             rows.append((f"{threads:>2} readers, warm (page cache)", measure(read, args.runs, [], None)))
             older = measure(read, args.runs, [], as_older_entry)
-            tier.flush()  # it wrote the chunk digests again: the same record
+            tier.close()  # it wrote the chunk digests again: the same record
             assert (folder / CHUNKS_FILE).read_bytes() == recorded
             rows.append((f"{threads:>2} readers, cold, older entry (whole-file sha256)", older))
         filesystem = page_cache.filesystem_of(root)

@@ -6,7 +6,7 @@ host memory, or only on the node's disk, while a batch of other requests decodes
     python -m bench.tier_bench --device cpu --model tiny       # a smoke run
 
 Every probe has a fresh random PEFT adapter (rank --rank on --targets). The node is built as
-`inference-node serve` builds it (NodeSettings, build_adapter_manager), its disk tier one of:
+`inference-node serve` builds it (NodeConfig, open_disk_tier, build_adapter_manager), its disk tier one of:
   --disk folder     `--adapter-dir`: the adapter folder is the disk tier. A load reads the
                     files, hashes them for the version and validates them, scanning every
                     weight for NaN, Inf and the weight bound.
@@ -47,7 +47,6 @@ disk - host <= 50 ms.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import logging
@@ -272,6 +271,7 @@ def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> d
         if tier.lookup(name, info.version) is None and not tier.put(manifest, blobs):
             raise RuntimeError(f"the disk tier did not keep {name}")
         files[name] = [disk_dir / digest / CHUNKS_FILE] + [disk_dir / digest / str(i) for i in range(len(blobs))]
+    tier.close()  # the node's own tier takes the folder next
     return files
 
 
@@ -376,7 +376,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
     from bench.serving_bench import build_engine
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
-    from inference_node.node import NodeSettings, build_adapter_manager
+    from inference_node.config import NodeConfig
+    from inference_node.node import build_adapter_manager, open_disk_tier
 
     COMPILES.install()
     cuda = device.type == "cuda"
@@ -397,13 +398,13 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
     refuser = socket.socket()
     if args.disk == "folder":
         files = {n: [root / n / CONFIG_FILE, root / n / WEIGHTS_FILE] for n in names}
-        settings = NodeSettings(adapter_dir=str(root))
+        config = NodeConfig.of(adapter_dir=str(root))
         disk_line = "the node's adapter folder (serve --adapter-dir)"
     else:
         disk_dir = root.with_name(root.name + "-disk-tier")
         files = fill_disk_tier(root, names, args.rank, disk_dir)
         refuser.bind(("127.0.0.1", 0))  # and never listening: connecting to it is refused
-        settings = NodeSettings(adapter_store=f"127.0.0.1:{refuser.getsockname()[1]}", adapter_disk_dir=str(disk_dir))
+        config = NodeConfig.of(adapter_store=f"127.0.0.1:{refuser.getsockname()[1]}", adapter_disk_dir=str(disk_dir))
         disk_line = "the node's disk tier of store adapters, the store refusing connections"
 
     max_model_len = args.prompt_len + args.background_tokens + args.block_size
@@ -414,8 +415,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
                             load_format=bench.load_format)
     # Adapter memory for a few adapters of --rank (the background's, one probe's, spare),
     # host memory for as many.
-    settings = dataclasses.replace(settings, max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4)
-    manager = build_adapter_manager(settings, model, device, dtype)
+    config = config.replace(max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4)
+    disk = open_disk_tier(config, bench.checkpoint)
+    manager = build_adapter_manager(config, model, device, dtype, disk=disk)
     if not hasattr(manager, "prefetch"):
         raise SystemExit("this node's AdapterManager has no prefetch(): the host tier cannot be set up")
     engine = build_engine(model, manager, engine_args(argparse.Namespace(
@@ -463,6 +465,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict:
         loop.stop_background()
     finally:
         manager.shutdown()
+        if disk is not None:
+            disk.close()
         refuser.close()
     sync(device)
     engine.check_consistency()

@@ -8,7 +8,7 @@
     python -m bench.tp_bench --shape 8b --tp 1,2 --all-reduce nccl,symm      # NCCL against symmetric memory
 
 Each size (and all-reduce, and mode) builds the node as `inference-node serve
---tensor-parallel-size N` does, in a process of its own (`build_node`: rank 0 there, ranks
+--tensor-parallel-size N` does, in a process of its own (`LLM`: rank 0 there, ranks
 1..N-1 spawned; random weights made on the devices, `--load-format dummy`), which sends its
 rows back before its node stops: a node whose teardown hangs costs its size a bounded wait,
 not the sizes after it) and drives its engine in-process closed loop at a concurrency
@@ -82,7 +82,8 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
              all_reduce: str = "nccl") -> list[dict]:
     import torch
 
-    from inference_node.node import NodeSettings, build_node
+    from inference_node.config import NodeConfig
+    from inference_node.llm import LLM
     from kernels.tuning import tuning_from_text
 
     count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
@@ -92,19 +93,19 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
 
         device = torch.device(args.device)
         args.copy_bandwidth = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
-    settings = NodeSettings(
+    config = NodeConfig.of(
         tuning=tuning_from_text(choices), tuning_fixed=frozenset(choices), tuning_table=args.tuning_table,
         all_reduce=all_reduce if tp > 1 else "nccl",
-        model=str(checkpoint), device=args.device, load_format="dummy", adapter_dir=str(adapters),
+        checkpoint=str(checkpoint), device=args.device, load_format="dummy", adapter_dir=str(adapters),
         max_loras=max(count, 1), max_lora_rank=16, max_cpu_loras=max(count, 1), max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.prompt + args.output + 16,
         num_kv_blocks=args.num_kv_blocks, mixed_graphs="off", warmup="off",
         decode_graphs="auto", tensor_parallel_size=tp)
-    node = build_node(settings)
-    engine = node.engine
+    llm = LLM(config)
+    node, engine = llm.node, llm.engine
     out = []
     try:
-        engine.prepare()
+        llm.prepare()
         names = [f"r16-{k:03d}" for k in range(count)]
         if names:
             preload_adapters(engine, node.adapters, names)
@@ -137,11 +138,10 @@ def run_size(args, checkpoint: Path, adapters: Path, tp: int, rows: list[str], m
         print(CHILD_ROWS + json.dumps(out), flush=True)
     finally:
         try:  # a size's numbers are kept even if its node stops untidily
-            engine.shutdown(timeout=0)
-            node.close()
+            llm.close()
         except Exception:
             logging.getLogger(__name__).exception("tp %d: the node did not stop cleanly", tp)
-        del node, engine
+        del llm, node, engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

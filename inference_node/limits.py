@@ -6,23 +6,10 @@ message size), INVALID_ARGUMENT for a request that no retry will make acceptable
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from lora.v1 import inference_pb2
 
+from .config import RequestLimits
 from .request_builder import BadRequest
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_concurrent_streams: int = 0    # open generations (gRPC and HTTP), per front end; 0: --max-queue bounds them
-    max_request_bytes: int = 16 << 20  # one request message (enforced by gRPC)
-    max_prompt_chars: int = 1 << 20    # `prompt`, or all `messages` contents together
-    max_prompt_tokens: int = 0         # 0: --max-model-len - 1
-    max_tokens: int = 0                # cap on a request's max_tokens; 0: what --max-model-len leaves
-
-    def default_max_tokens(self, default: int) -> int:
-        return min(default, self.max_tokens) if self.max_tokens else default
 
 
 def check_message(msg: inference_pb2.GenerateRequest, limits: RequestLimits) -> None:

@@ -1,36 +1,32 @@
-"""Assembles a node from its settings: checkpoint, device, KV cache size, engine."""
+"""Assembles a node from its NodeConfig: checkpoint, device, KV cache size, adapter tiers, engine."""
 from __future__ import annotations
 
 import gc
 import logging
 import os
 import time
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kernels.tuning import Tuning
 from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, find_table, load_table
-from lora_common.tls import ClientTLS, ServerTLS
-from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS
 
 from .adapters.direct_reads import DirectReadSettings
-from .adapters.disk_tier import DiskTier
+from .adapters.disk_tier import DiskTier, DiskTierInUse
 from .adapters.manager import AdapterManager
 from .adapters.slots import SlotBuffers, rows_for_budget
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
+from .config import ConfigError, NodeConfig
 from .engine.build import build_engine
 from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.kv_cache import KVCache
-from .limits import RequestLimits
-from .model.checkpoint import validate_checkpoint_dir
-from .model.embedded import default_checkpoint
+from .model.checkpoint import CheckpointError, validate_checkpoint_dir
+from .model.embedded import cache_root, default_checkpoint
 from .model.config import ModelConfig
-from .model.llama import LORA_MODULES, LlamaModel
+from .model.llama import LlamaModel
 from .parallel.group import TensorParallel, init_tensor_parallel, leave_tensor_parallel
 from .parallel.shard import Shard, ShardingError, check_divisible, tensor_parallel_tuning
 from .parallel.workers import Workers
@@ -43,65 +39,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class NodeSettings:
-    model: str | None = None           # checkpoint directory; None = the embedded SmolLM2
-    device: str | None = None          # None = cuda when available
-    dtype: str = "auto"                # auto = bfloat16 on cuda, float32 on cpu
-    load_format: str = "safetensors"   # dummy: random weights of config.json's shapes (benchmarks)
-    kv_cache_gb: float = 0.0           # 0: CUDA sizes it by gpu_memory_utilization, CPU takes 0.5 GB
-    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device's memory the node may use
-    num_kv_blocks: int = 0             # overrides kv_cache_gb when > 0
-    block_size: int = 16
-    max_num_seqs: int = 0              # 0: 256 on CUDA, 64 on CPU
-    max_num_batched_tokens: int = 512
-    max_queue: int = 1024
-    max_model_len: int = 4096
-    default_max_tokens: int = 256
-    prefix_caching: bool = True        # reuse KV of cached prefixes, per adapter namespace
-    decode_graphs: str = "auto"        # auto: CUDA graphs for decode on CUDA; on: also on CPU (tests)
-    mixed_graphs: str = "auto"         # auto: piecewise CUDA graphs for other steps on CUDA; on: also on CPU
-    max_graph_batch: int = 0           # largest decode batch replayed from a graph; 0: max_num_seqs
-    prefill_delay_factor: float = 0.0  # hold new prompts while others decode (engine/scheduler.py)
-    refill_wait_factor: float = 1.0    # after a burst of finishes, wait for its replacements (engine/scheduler.py)
-    warmup: str = "auto"  # compile eager steps' kernels before serving (runner/warmup.py); auto: on CUDA
-    debug_checks: bool = False
-    max_loras: int = 8                 # the most distinct adapters in one step; 0 disables LoRA
-    max_lora_rank: int = 16
-    lora_memory_bytes: int = 0         # GPU adapter memory (0: max_loras adapters of max_lora_rank)
-    lora_modules: tuple[str, ...] = LORA_MODULES  # what adapters may target: the memory's arenas
-    adapter_eviction: str = "lru"      # GPU eviction policy (adapters/eviction.py)
-    max_cpu_loras: int = 32
-    adapter_dir: str | None = None     # local adapters: <dir>/<name>/adapter_config.json ...
-    adapter_store: str | None = None   # HOST:PORT of the adapter store
-    adapter_disk_dir: str | None = None  # the node's disk tier of store adapters (off when unset)
-    adapter_disk_bytes: int = 20 << 30   # its bound (least recently used evicted first)
-    adapter_direct_reads: bool = False   # read store adapters straight from S3 by the store's read plans
-    admin_token: str | None = field(default=None, repr=False)     # secrets: never in logs
-    generate_token: str | None = field(default=None, repr=False)
-    metrics_port: int = 0
-    metrics_max_adapters: int = 32     # adapters with their own metric labels; the rest share "_other"
-    tls: ServerTLS = field(default_factory=ServerTLS)                # the gRPC server's TLS / mTLS
-    store_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flag="--store-tls"))  # to the store
-    store_token: str | None = field(default=None, repr=False)       # bearer token sent to the store
-    adapter_fetch_timeout_s: float = 60.0  # a load retries the store this long, then UNAVAILABLE
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    max_adapter_bytes: int = 1 << 30   # adapters fetched from the store or read from --adapter-dir
-    cpu_threads: int = 0               # torch threads of a CPU engine; 0: the cores less one for the front end
-    max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS  # larger LoRA weights are refused (0: no bound)
-    tuning: Tuning = field(default_factory=Tuning)  # the decode step's launch choices (kernels/tuning.py)
-    # Per-step launch choices from a table kept as data (kernels/tuning_table.py): "auto" the
-    # one filed for this GPU and shape, "off", or a file's path. The choices named in
-    # tuning_fixed (the flags given) keep `tuning`'s values whatever the table says.
-    tuning_table: str = "off"
-    tuning_fixed: frozenset[str] = frozenset()
-    tensor_parallel_size: int = 1      # ranks (one GPU each) the model is split over (inference_node/parallel)
-    all_reduce: str = "nccl"           # decode-sized sums under TP: nccl or symm (parallel/symmetric.py)
-
-
 @dataclass
 class Node:
-    settings: NodeSettings
+    config: NodeConfig
     checkpoint: Path
     model: LlamaModel
     codec: TextCodec
@@ -109,9 +49,14 @@ class Node:
     adapters: AdapterManager | None = None
     catalog: CatalogWatcher | None = None   # follows the adapter store's catalog events
     ranks: Workers | None = None            # a tensor-parallel node's ranks 1..N-1
+    disk: DiskTier | None = None            # the store adapters' disk tier, its folder locked to this node
 
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (the engine loop has ended)."""
+        """Stops the other tensor-parallel ranks and lets the disk tier's directory go (the
+        engine loop has ended)."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         if self.ranks is not None:
             started = time.monotonic()
             # The group goes too (this process may build another node), after the graphs
@@ -154,18 +99,18 @@ def resolve_device(name: str | None) -> torch.device:
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but no CUDA device is available")
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
     return torch.device(name)
 
 
-def cpu_threads(settings: NodeSettings) -> int:
+def cpu_threads(config: NodeConfig) -> int:
     """A CPU engine's torch threads (per tensor-parallel rank). The front end needs a core of
     its own: an engine whose threads spin on every core stalls each op while the front end
     runs (OpenMP waits for its slowest thread), several times slower on a loaded machine."""
-    if settings.cpu_threads > 0:
-        return settings.cpu_threads
+    if config.runner.cpu_threads > 0:
+        return config.runner.cpu_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max((cores - 1) // max(settings.tensor_parallel_size, 1), 1)
+    return max((cores - 1) // max(config.model.tensor_parallel_size, 1), 1)
 
 
 @dataclass
@@ -186,227 +131,269 @@ class RankParts:
     kv: KVCache | None = None    # ranks 1..N-1 only: rank 0's engine allocates its own
 
 
-def check_tensor_parallel(settings: NodeSettings, checkpoint: Path) -> None:
+def check_tensor_parallel(config: NodeConfig, checkpoint: Path) -> None:
     """Fails before any process starts when the node cannot be split as asked."""
-    size = settings.tensor_parallel_size
+    size, all_reduce = config.model.tensor_parallel_size, config.model.all_reduce
     if size < 1:
         raise ShardingError("--tensor-parallel-size must be at least 1")
     if size == 1:
         return
     check_divisible(ModelConfig.from_checkpoint(checkpoint), size)
-    device = resolve_device(settings.device)
+    device = resolve_device(config.model.device)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ShardingError(f"--tensor-parallel-size {size} needs {size} GPUs (one per rank); "
                             f"{torch.cuda.device_count()} are visible")
-    if settings.all_reduce == "symm" and device.type != "cuda":
+    if all_reduce == "symm" and device.type != "cuda":
         raise ShardingError("--all-reduce symm needs CUDA GPUs (symmetric memory); on CPU the ranks sum "
                             "through gloo: leave --all-reduce at nccl")
 
 
-def resolve_tuning_table(settings: NodeSettings, checkpoint: Path) -> NodeSettings:
-    """settings with --tuning-table auto made the file filed for rank 0's GPU and shard
+def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
+    """config with --tuning-table auto made the file filed for rank 0's GPU and shard
     shape ("off" where none is), and a file given checked against that shape, before any
     rank starts. Every rank then reads that one file and checks it against its own shard's
     shape (the same on every rank: tensor parallelism divides heads, KV heads and the MLP
     width evenly), so all ranks launch the same choices for a step even where a rank's GPU
     reports another name."""
-    if settings.tuning_table == "off":
-        return settings
-    device = resolve_device(settings.device)
-    if device.type == "cuda" and settings.tensor_parallel_size > 1:
+    table, size = config.kernels.tuning_table, config.model.tensor_parallel_size
+    if table == "off":
+        return config
+    device = resolve_device(config.model.device)
+    if device.type == "cuda" and size > 1:
         device = torch.device("cuda", 0)  # load_rank's device of rank 0
-    shard = Shard(0, settings.tensor_parallel_size)
-    shape, name = ModelShape.of(shard.local_config(ModelConfig.from_checkpoint(checkpoint))), device_name(device)
-    if settings.tuning_table != "auto":
+    shape = ModelShape.of(Shard(0, size).local_config(ModelConfig.from_checkpoint(checkpoint)))
+    name = device_name(device)
+    if table != "auto":
         try:
-            load_table(settings.tuning_table, name, shape)
+            load_table(table, name, shape)
         except TuningTableError as exc:
-            raise ValueError(f"--tuning-table: {exc}") from None
-        return settings
+            raise ConfigError(f"--tuning-table: {exc}") from None
+        return config
     path = find_table(name, shape)
     if path is None:
         log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
-        return dataclasses.replace(settings, tuning_table="off")
-    return dataclasses.replace(settings, tuning_table=str(path))
+        return config.replace(tuning_table="off")
+    return config.replace(tuning_table=str(path))
 
 
-def step_tunings(settings: NodeSettings, device: torch.device, config: ModelConfig) -> StepTunings:
-    """Each step's launch choices: the tuning table settings.tuning_table names for this
-    device and (shard's) shape, over settings.tuning, the flags given kept; settings.tuning
-    for every step where no table applies."""
-    shape, name = ModelShape.of(config), device_name(device)
+def step_tunings(config: NodeConfig, device: torch.device, model_config: ModelConfig) -> StepTunings:
+    """Each step's launch choices: the tuning table config names for this device and
+    (shard's) shape, over the node's tuning, the choices given (--tune) kept; the node's
+    tuning for every step where no table applies."""
+    kernels = config.kernels
+    shape, name = ModelShape.of(model_config), device_name(device)
     try:
-        table = load_table(settings.tuning_table, name, shape)
+        table = load_table(kernels.tuning_table, name, shape)
     except TuningTableError as exc:
-        raise ValueError(f"--tuning-table: {exc}") from None
+        raise ConfigError(f"--tuning-table: {exc}") from None
     if table is None:
-        if settings.tuning_table == "auto":
+        if kernels.tuning_table == "auto":
             log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
-        return StepTunings.fixed(settings.tuning)
+        return StepTunings.fixed(kernels.tuning)
     if table.device != name:
         log.warning("tuning table %s was tuned on %s, not this %s", table.path, table.device, name)
     log.info("tuning table %s: %d buckets%s", table.path, len(table.buckets),
-             f" (flags kept: {', '.join(sorted(settings.tuning_fixed))})" if settings.tuning_fixed else "")
-    return table.tunings(settings.tuning, settings.tuning_fixed)
+             f" (--tune kept: {', '.join(sorted(kernels.tuning_fixed))})" if kernels.tuning_fixed else "")
+    return table.tunings(kernels.tuning, kernels.tuning_fixed)
 
 
-def load_rank(settings: NodeSettings, shard: Shard, rendezvous: str | None) -> RankParts:
+def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankParts:
     """One rank's device, model shard, adapter slots and KV block count (the least over all
     ranks, so every rank can hold every block rank 0's allocator hands out)."""
-    device = resolve_device(settings.device)
+    model_options, cache = config.model, config.cache
+    device = resolve_device(model_options.device)
     if shard.size > 1 and device.type == "cuda":
         device = torch.device("cuda", shard.rank)
         torch.cuda.set_device(device)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(settings))
-    dtype_name = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        torch.set_num_threads(cpu_threads(config))
+    dtype_name = model_options.dtype if model_options.dtype != "auto" else (
+        "bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
-    tp = (init_tensor_parallel(shard, device, rendezvous, all_reduce=settings.all_reduce, dtype=dtype)
+    tp = (init_tensor_parallel(shard, device, rendezvous, all_reduce=model_options.all_reduce, dtype=dtype)
           if shard.size > 1 else None)
-    checkpoint = Path(settings.model) if settings.model else default_checkpoint()
-    tunings = step_tunings(settings, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
+    checkpoint = Path(model_options.checkpoint) if model_options.checkpoint else default_checkpoint()
+    tunings = step_tunings(config, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
     if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
         tunings = tunings.map(tensor_parallel_tuning)
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
-                            load_format=settings.load_format, tp=tp)
+                            load_format=model_options.load_format, tp=tp)
     launches = StepLaunches(device, tunings, model.gemm_groups)
-    max_num_seqs = settings.max_num_seqs or (256 if device.type == "cuda" else 64)
-    mixed_graphs = settings.mixed_graphs == "on" or (settings.mixed_graphs == "auto" and device.type == "cuda")
+    max_num_seqs = config.scheduler.max_num_seqs or (256 if device.type == "cuda" else 64)
+    mixed_graphs = config.runner.mixed_graphs_on(device.type)
     slots = None
-    if settings.max_loras > 0:
-        slots = adapter_memory(settings, model.config, dtype, device, shard)
-    per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
-    if settings.num_kv_blocks:
-        blocks = settings.num_kv_blocks
-    elif settings.kv_cache_gb or device.type != "cuda":
-        blocks = max(int((settings.kv_cache_gb or 0.5) * (1 << 30)) // per_block, 1)
+    if config.lora.max_loras > 0:
+        slots = adapter_memory(config, model.config, dtype, device, shard)
+    per_block = KVCache.bytes_per_block(model.config, cache.block_size, dtype)
+    if cache.num_kv_blocks:
+        blocks = cache.num_kv_blocks
+    elif cache.kv_cache_gb or device.type != "cuda":
+        blocks = max(int((cache.kv_cache_gb or 0.5) * (1 << 30)) // per_block, 1)
     else:  # every rank runs the same measuring forward: its collectives meet
-        blocks = kv_blocks_for_memory(model, launches.base, settings.gpu_memory_utilization, settings.block_size,
-                                      settings.max_num_batched_tokens, max_num_seqs, mixed_graphs)
+        blocks = kv_blocks_for_memory(model, launches.base, cache.gpu_memory_utilization, cache.block_size,
+                                      config.scheduler.max_num_batched_tokens, max_num_seqs, mixed_graphs)
     if tp is not None:
         blocks = tp.min_int(blocks)
     return RankParts(device, dtype, dtype_name, checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp,
                      launches)
 
 
-def build_rank(settings: NodeSettings, shard: Shard, rendezvous: str) -> RankParts:
+def build_rank(config: NodeConfig, shard: Shard, rendezvous: str) -> RankParts:
     """A tensor-parallel rank other than 0: its parts and its KV cache (parallel/workers.py)."""
-    parts = load_rank(settings, shard, rendezvous)
-    parts.kv = KVCache(parts.model.config, parts.num_kv_blocks + 1, settings.block_size, parts.dtype, parts.device)
+    parts = load_rank(config, shard, rendezvous)
+    parts.kv = KVCache(parts.model.config, parts.num_kv_blocks + 1, config.cache.block_size, parts.dtype,
+                       parts.device)
     return parts
 
 
-def build_node(settings: NodeSettings) -> Node:
-    checkpoint = Path(settings.model) if settings.model else default_checkpoint()
-    validate_checkpoint_dir(checkpoint, settings.load_format)
-    check_tensor_parallel(settings, checkpoint)
-    settings = resolve_tuning_table(settings, checkpoint)  # before the other ranks start: one file for all
+def checked_config(config: NodeConfig) -> tuple[NodeConfig, Path]:
+    """The config with its tuning table resolved, and the checkpoint directory (the embedded
+    model converted on first use), once every setting that depends on the model or the
+    host is known to work: ConfigError, naming the flag, before any weight loads."""
+    checkpoint = Path(config.model.checkpoint) if config.model.checkpoint else default_checkpoint()
+    try:
+        validate_checkpoint_dir(checkpoint, config.model.load_format)
+        check_tensor_parallel(config, checkpoint)
+    except (CheckpointError, ShardingError) as exc:
+        raise ConfigError(str(exc)) from None
+    return resolve_tuning_table(config, checkpoint), checkpoint
+
+
+def build_node(config: NodeConfig) -> Node:
+    config, checkpoint = checked_config(config)  # before the other ranks start: one table file for all
+    disk = open_disk_tier(config, checkpoint)
     started = time.monotonic()
     ranks = None
-    if settings.tensor_parallel_size > 1:
-        # Ranks 1..N-1 load their shards while this process loads rank 0's.
-        ranks = Workers(settings, settings.tensor_parallel_size, build_rank,
-                        logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+    size = config.model.tensor_parallel_size
     try:
-        parts = load_rank(settings, Shard(0, settings.tensor_parallel_size),
-                          ranks.rendezvous if ranks is not None else None)
+        if size > 1:
+            # Ranks 1..N-1 load their shards while this process loads rank 0's.
+            ranks = Workers(config, size, build_rank, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        parts = load_rank(config, Shard(0, size), ranks.rendezvous if ranks is not None else None)
         if ranks is not None:
             ranks.wait_ready()
             if parts.slots is not None:
                 ranks.attach(parts.slots)
-        return _assemble(settings, parts, ranks, started)
+        return _assemble(config, parts, ranks, started, disk)
     except BaseException:
         if ranks is not None:
             # A process group left behind with its peers gone can hang this process's exit
             # (NCCL's teardown): the node must fail at start, not hang there.
             ranks.stop(leave=leave_tensor_parallel)
+        if disk is not None:
+            disk.close()
         raise
 
 
-def _assemble(settings: NodeSettings, parts: RankParts, ranks: Workers | None, started: float) -> Node:
+def _assemble(config: NodeConfig, parts: RankParts, ranks: Workers | None, started: float,
+              disk: DiskTier | None) -> Node:
     model, device, dtype, checkpoint = parts.model, parts.device, parts.dtype, parts.checkpoint
-    model_len = min(settings.max_model_len, model.config.max_position_embeddings)
+    cache, scheduler, runner, lora = config.cache, config.scheduler, config.runner, config.lora
+    model_len = min(config.model.max_model_len, model.config.max_position_embeddings)
     codec = TextCodec(checkpoint)
-    decode_graphs = settings.decode_graphs == "on" or (settings.decode_graphs == "auto" and device.type == "cuda")
-    warmup = settings.warmup
+    warmup = runner.warmup_setting()
     if ranks is not None:
-        if device.type == "cuda" and settings.warmup != "off":
+        if device.type == "cuda" and warmup != "off":
             log.info("tensor parallelism: the warm-up is off (the graphs' captures compile their "
                      "kernels; other eager steps compile theirs on all %d ranks at their first launch)",
                      ranks.size)
         warmup = "off"
-    adapters = build_adapter_manager(settings, model, device, dtype, buffers=parts.slots)
+    adapters = build_adapter_manager(config, model, device, dtype, buffers=parts.slots, disk=disk)
     blocks = parts.num_kv_blocks
     engine = build_engine(model, lora=adapters, launches=parts.launches, ranks=ranks, config=EngineConfig(
-        num_kv_blocks=blocks, block_size=settings.block_size, max_num_seqs=parts.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens, max_queue=settings.max_queue,
-        max_model_len=model_len, prefix_caching=settings.prefix_caching,
-        decode_graphs=decode_graphs, piecewise_graphs=parts.mixed_graphs,
-        max_graph_batch=settings.max_graph_batch or parts.max_num_seqs,
-        prefill_delay_factor=settings.prefill_delay_factor, refill_wait_factor=settings.refill_wait_factor,
-        warmup=warmup,
-        debug_checks=settings.debug_checks))
+        num_kv_blocks=blocks, block_size=cache.block_size, max_num_seqs=parts.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens, max_queue=scheduler.max_queue,
+        max_model_len=model_len, prefix_caching=cache.prefix_caching,
+        decode_graphs=runner.decode_graphs_on(device.type), piecewise_graphs=parts.mixed_graphs,
+        max_graph_batch=runner.max_graph_batch or parts.max_num_seqs,
+        prefill_delay_factor=scheduler.prefill_delay_factor, refill_wait_factor=scheduler.refill_wait_factor,
+        warmup=warmup, debug_checks=runner.debug_checks))
     cfg = model.full_config
-    per_block = KVCache.bytes_per_block(model.config, settings.block_size, dtype)
+    per_block = KVCache.bytes_per_block(model.config, cache.block_size, dtype)
     log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters%s) on %s as %s "
              "in %.1fs; KV cache: %d blocks x %d tokens (%.2f GiB%s), max model length %d",
              checkpoint, cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.num_heads,
              cfg.num_kv_heads, cfg.vocab_size, model.num_parameters() / 1e6,
              f" on rank 0 of {ranks.size}" if ranks else "", device, parts.dtype_name,
-             time.monotonic() - started, blocks, settings.block_size, blocks * per_block / (1 << 30),
+             time.monotonic() - started, blocks, cache.block_size, blocks * per_block / (1 << 30),
              " per rank" if ranks else "", model_len)
     if adapters is not None:
-        buffers = adapters.buffers
+        buffers, sources = adapters.buffers, config.sources
         log.info("LoRA: %.1f MB of GPU adapter memory%s (%d rank rows per module of %s: e.g. %d "
                  "adapters of rank %d on them), up to %d distinct adapters in a step, ranks up to %d, "
-                 "%s eviction, %d in host memory, source: %s",
+                 "%s eviction, %d in host memory, source: %s%s",
                  buffers.nbytes() / 1e6, " per rank" if ranks else "", buffers.rows,
-                 ",".join(settings.lora_modules), buffers.rows // settings.max_lora_rank,
-                 settings.max_lora_rank, settings.max_loras, settings.max_lora_rank,
-                 settings.adapter_eviction, settings.max_cpu_loras,
-                 settings.adapter_store or settings.adapter_dir or "none")
+                 ",".join(lora.lora_modules), buffers.rows // lora.max_lora_rank,
+                 lora.max_lora_rank, lora.max_loras, lora.max_lora_rank,
+                 lora.adapter_eviction, lora.max_cpu_loras,
+                 sources.adapter_store or sources.adapter_dir or "none",
+                 f", disk tier {disk.root} (up to {disk.max_bytes / (1 << 30):.1f} GiB)" if disk is not None else "")
     catalog = None
     if adapters is not None and isinstance(adapters.source, StoreSource):
         catalog = CatalogWatcher(adapters.source.client, engine.call, adapters.on_catalog_update,
                                  adapters.on_catalog_delete, disk=adapters.source.disk)
-    return Node(settings, checkpoint, model, codec, engine, adapters, catalog, ranks)
+    return Node(config, checkpoint, model, codec, engine, adapters, catalog, ranks, disk)
 
 
-def adapter_memory(settings: NodeSettings, config: ModelConfig, dtype: torch.dtype,
+def adapter_memory(config: NodeConfig, model_config: ModelConfig, dtype: torch.dtype,
                    device: torch.device, shard: Shard = Shard()) -> SlotBuffers:
     """The GPU adapter memory of one rank: arenas sized by --lora-memory-mb over the shapes
-    this rank computes with (`config`: its shard's; every rank's shard has the same shapes,
-    so every rank gets the same rows and rank 0's placements fit them all)."""
-    rows = (rows_for_budget(config, dtype, settings.lora_memory_bytes, settings.lora_modules)
-            if settings.lora_memory_bytes > 0 else None)
-    return SlotBuffers(config, settings.max_loras, settings.max_lora_rank, dtype, device,
-                       rows=rows, modules=settings.lora_modules, shard=shard)
+    this rank computes with (`model_config`: its shard's; every rank's shard has the same
+    shapes, so every rank gets the same rows and rank 0's placements fit them all)."""
+    lora = config.lora
+    rows = (rows_for_budget(model_config, dtype, lora.lora_memory_bytes, lora.lora_modules)
+            if lora.lora_memory_bytes > 0 else None)
+    return SlotBuffers(model_config, lora.max_loras, lora.max_lora_rank, dtype, device,
+                       rows=rows, modules=lora.lora_modules, shard=shard)
 
 
-def build_adapter_manager(settings: NodeSettings, model: LlamaModel, device: torch.device,
-                          dtype: torch.dtype, buffers: SlotBuffers | None = None) -> AdapterManager | None:
-    """The adapter tiers over `buffers` (new ones when None). Adapters are checked against the
-    whole model's shapes; the slots keep this rank's shard of each (parallel/shard.py)."""
-    if settings.max_loras <= 0:
+def default_disk_parent(checkpoint: Path) -> Path:
+    """Where the disk tiers of nodes serving this model live by default: under the cache
+    directory, in a folder named by the checkpoint's, so a restarted node finds its adapters
+    again and nodes of other models keep theirs apart. (A copy whose store no longer has it,
+    or has another version of it, is dropped or replaced at its first load.)"""
+    return cache_root() / "adapter-disk" / checkpoint.name
+
+
+def open_disk_tier(config: NodeConfig, checkpoint: Path) -> DiskTier | None:
+    """The node's disk tier of store adapters: --adapter-disk-dir, else a free slot of the
+    default folder (a restarted node takes the slot it had; nodes running beside it take
+    others); None without a store or with --no-adapter-disk-tier."""
+    sources = config.sources
+    if sources.adapter_disk_dir and not sources.adapter_store:
+        log.warning("--adapter-disk-dir keeps adapters from --adapter-store; without a store it is unused")
+    if not sources.adapter_store or not sources.adapter_disk_tier or config.lora.max_loras <= 0:
+        return None
+    if sources.adapter_disk_dir:
+        try:
+            return DiskTier(sources.adapter_disk_dir, sources.adapter_disk_bytes)
+        except DiskTierInUse as exc:
+            raise ConfigError(f"--adapter-disk-dir: {exc}") from None
+    return DiskTier.first_free(default_disk_parent(checkpoint), sources.adapter_disk_bytes)
+
+
+def build_adapter_manager(config: NodeConfig, model: LlamaModel, device: torch.device, dtype: torch.dtype,
+                          buffers: SlotBuffers | None = None, disk: DiskTier | None = None) -> AdapterManager | None:
+    """The adapter tiers over `buffers` (new ones when None), the store's behind `disk`.
+    Adapters are checked against the whole model's shapes; the slots keep this rank's shard
+    of each (parallel/shard.py)."""
+    lora, sources = config.lora, config.sources
+    if lora.max_loras <= 0:
         return None
     source: StoreSource | LocalDirSource | None = None
     pin = device.type == "cuda"  # adapters land in page-locked memory: slot copies run asynchronously
-    if settings.adapter_store:
-        disk = (DiskTier(settings.adapter_disk_dir, settings.adapter_disk_bytes)
-                if settings.adapter_disk_dir else None)
-        source = StoreSource(settings.adapter_store, model.full_config, settings.max_lora_rank, tls=settings.store_tls,
-                             token=settings.store_token, max_adapter_bytes=settings.max_adapter_bytes,
-                             fetch_deadline_s=settings.adapter_fetch_timeout_s, pin_memory=pin, disk=disk,
-                             max_weight_abs=settings.max_weight_abs, dtype=dtype,
-                             direct_reads=DirectReadSettings() if settings.adapter_direct_reads else None)
-    elif settings.adapter_dir:
-        source = LocalDirSource(Path(settings.adapter_dir), model.full_config, settings.max_lora_rank,
-                                max_bytes=settings.max_adapter_bytes, pin_memory=pin,
-                                max_weight_abs=settings.max_weight_abs, dtype=dtype)
-    if settings.adapter_disk_dir and not settings.adapter_store:
-        log.warning("--adapter-disk-dir keeps adapters from --adapter-store; without a store it is unused")
+    if sources.adapter_store:
+        source = StoreSource(sources.adapter_store, model.full_config, lora.max_lora_rank, tls=sources.store_tls,
+                             token=sources.store_token, max_adapter_bytes=lora.max_adapter_bytes,
+                             fetch_deadline_s=sources.adapter_fetch_timeout_s, pin_memory=pin, disk=disk,
+                             max_weight_abs=lora.max_weight_abs, dtype=dtype,
+                             direct_reads=DirectReadSettings() if sources.adapter_direct_reads else None)
+    elif sources.adapter_dir:
+        source = LocalDirSource(Path(sources.adapter_dir), model.full_config, lora.max_lora_rank,
+                                max_bytes=lora.max_adapter_bytes, pin_memory=pin,
+                                max_weight_abs=lora.max_weight_abs, dtype=dtype)
     if buffers is None:
-        buffers = adapter_memory(settings, model.config, dtype, device)
-    return AdapterManager(buffers, source, settings.max_cpu_loras, pin_host_memory=pin,
+        buffers = adapter_memory(config, model.config, dtype, device)
+    return AdapterManager(buffers, source, lora.max_cpu_loras, pin_host_memory=pin,
                           disk_copies=source.disk_copies if source is not None else None,
-                          eviction=settings.adapter_eviction)
+                          eviction=lora.adapter_eviction)

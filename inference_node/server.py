@@ -23,10 +23,10 @@ from lora.v1 import inference_pb2, inference_pb2_grpc
 from lora_common.tls import EXCLUSIVE_PORT, add_port
 
 from .auth import TokenAuth
+from .config import NodeConfig
 from .frontend.engine_client import CoreError, EngineClient
 from .frontend.generation import Frontend, GenerationError, generate
 from .metrics import NodeMetrics
-from .node import NodeSettings
 from .request_builder import ADAPTER_NAME
 from .tokenizer import TextCodec
 
@@ -129,11 +129,11 @@ class NodeServer:
     running at the deadline are cut (and counted). Other front ends only stop taking work and
     wait for their streams to end."""
 
-    def __init__(self, settings: NodeSettings, client: EngineClient, host: str, port: int,
+    def __init__(self, config: NodeConfig, client: EngineClient, host: str, port: int,
                  drain_seconds: float = 10.0, owns_core: bool = True, reuse_port: bool = False,
                  metrics_dir: str | None = None, http_port: int | None = None,
                  unhealthy_seconds: float = 0.0) -> None:
-        self.settings = settings
+        self.config = config
         self.client = client
         self.host = host
         self.requested_port = port
@@ -163,13 +163,13 @@ class NodeServer:
 
     def _build(self) -> grpc.aio.Server:
         """Creates the grpc.aio server (it must be made inside the running event loop)."""
-        settings = self.settings
+        config = self.config
         interceptors = []
-        if settings.admin_token or settings.generate_token:
-            interceptors.append(TokenAuth(settings.admin_token, settings.generate_token))
+        if config.server.admin_token or config.server.generate_token:
+            interceptors.append(TokenAuth(config.server.admin_token, config.server.generate_token))
         server = grpc.aio.server(interceptors=interceptors, options=[
             # A larger request is refused by gRPC itself with RESOURCE_EXHAUSTED (--max-request-bytes).
-            ("grpc.max_receive_message_length", settings.limits.max_request_bytes),
+            ("grpc.max_receive_message_length", config.limits.max_request_bytes),
             ("grpc.max_send_message_length", 16 << 20),
             # Several front-end processes share one port (the kernel spreads connections);
             # one alone holds it exclusively, so a second node on the port fails to start.
@@ -181,7 +181,7 @@ class NodeServer:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], server)
-        self.port = add_port(server, f"{self.host}:{self.requested_port}", settings.tls)
+        self.port = add_port(server, f"{self.host}:{self.requested_port}", config.server.tls)
         self.address = f"{self.host}:{self.port}"
         return server
 
@@ -189,11 +189,11 @@ class NodeServer:
         """Listens; health says SERVING now, or at `set_serving` (once other front ends are up)."""
         loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
-        info, settings = self.client.info, self.settings
+        info, server_options = self.client.info, self.config.server
         if metrics is None:
             metrics = NodeMetrics(lambda: asyncio.run_coroutine_threadsafe(self.client.call("snapshot"), loop).result(2.0),
-                                  max_adapter_labels=self.settings.metrics_max_adapters)
-        self.frontend = Frontend(self.settings, self.client, info, TextCodec(Path(info.checkpoint)), metrics)
+                                  max_adapter_labels=server_options.metrics_max_adapters)
+        self.frontend = Frontend(self.config, self.client, info, TextCodec(Path(info.checkpoint)), metrics)
         self.client.watch_core(info.pid)
         self.client.on_core_exit = self._on_core_exit
         self.server = self._build()
@@ -202,11 +202,11 @@ class NodeServer:
             from .frontend.http_server import HttpServer  # uvicorn and Starlette only when asked for
             from .frontend.openai_api import build_app
 
-            self.http = HttpServer(build_app(self.frontend), self.host, self.requested_http_port, settings.tls,
-                                   self.reuse_port)
+            self.http = HttpServer(build_app(self.frontend), self.host, self.requested_http_port,
+                                   server_options.tls, self.reuse_port)
             await self.http.start()
-        if self.settings.metrics_port and self.owns_core:
-            metrics.serve(self.settings.metrics_port, self.host, self.metrics_dir)
+        if server_options.metrics_port and self.owns_core:
+            metrics.serve(server_options.metrics_port, self.host, self.metrics_dir)
         if serving:
             await self.set_serving()
         else:  # grpc's health servicer starts the whole server as SERVING
@@ -214,7 +214,7 @@ class NodeServer:
 
     async def set_serving(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("inference node serving on %s (%s)", self.address, self.settings.tls.describe())
+        log.info("inference node serving on %s (%s)", self.address, self.config.server.tls.describe())
 
     async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):

@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
-
-from .host import hopper
+if TYPE_CHECKING:
+    import torch
 
 # The fused projection groups (the model's q/k/v, o, gate/up and down matmuls), in order.
 GROUPS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
@@ -163,6 +162,14 @@ class Tuning:
 
 
 DEFAULT_TUNING = Tuning()
+
+
+def hopper(t: torch.Tensor) -> bool:
+    """kernels.host.hopper, bound here at the first launch that asks: this module imports no
+    torch, so the node's command line parses --tune into a Tuning without loading it."""
+    global hopper
+    from .host import hopper
+    return hopper(t)
 
 
 # -- the choices as text: `inference-node serve`'s flags and the benchmarks' sweeps --

@@ -17,9 +17,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .tuning import DEFAULT_TUNING, GROUPS, Tuning
 
@@ -74,6 +75,8 @@ class ModelShape:
 def device_name(device: torch.device) -> str:
     """The name a table is filed under: the CUDA device's name, "cpu" elsewhere."""
     if device.type == "cuda":
+        import torch  # here only: the node's command line reads tables without loading torch
+
         return torch.cuda.get_device_name(device)
     return device.type
 

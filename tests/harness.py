@@ -12,9 +12,10 @@ from typing import Sequence
 
 import torch
 
+from inference_node.config import NodeConfig
 from inference_node.core.engine_core import EngineCore
 from inference_node.frontend.engine_client import EngineClient
-from inference_node.node import NodeSettings, build_node
+from inference_node.llm import LLM
 from inference_node.server import NodeServer
 
 
@@ -24,14 +25,15 @@ class InProcessNode:
     with the engine in reach of the test (tests/node/test_node_processes.py runs the real
     processes)."""
 
-    def __init__(self, settings: NodeSettings, start_timeout: float | None = None,
+    def __init__(self, config: NodeConfig, start_timeout: float | None = None,
                  drain_seconds: float = 2.0, http: bool = False) -> None:
         """http: also serve the OpenAI-compatible HTTP API on a free port (`http_url`).
         start_timeout: None waits 60 s on CPU and 600 s on a GPU, where the core's warm-up
         compiles every kernel variant it may launch (minutes on a machine with no Triton cache)."""
         if start_timeout is None:
-            start_timeout = 60.0 if settings.device == "cpu" else 600.0
-        self.node = build_node(settings)
+            start_timeout = 60.0 if config.model.device == "cpu" else 600.0
+        self.llm = LLM(config)
+        self.node = self.llm.node
         self.engine = self.node.engine
         self.ipc_dir = tempfile.mkdtemp(prefix="lora-test-node-")
         self.core = EngineCore(self.node, f"ipc://{self.ipc_dir}/core")
@@ -49,7 +51,7 @@ class InProcessNode:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.client = EngineClient(self.core.address, f"ipc://{self.ipc_dir}/frontend-0", "frontend-0")
-        self.server = NodeServer(settings, self.client, "127.0.0.1", 0, drain_seconds=drain_seconds,
+        self.server = NodeServer(config, self.client, "127.0.0.1", 0, drain_seconds=drain_seconds,
                                  http_port=0 if http else None)
 
         async def start() -> None:

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The packages the GPU image lacks, or has older than the generated protobuf code accepts.
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "blake3", "boto3", "botocore",
-          "s3transfer", "jmespath", "pyzmq", "msgpack", "prometheus-client", "python-dateutil", "urllib3", "six",
+          "s3transfer", "jmespath", "pyzmq", "msgpack", "msgspec", "prometheus-client", "python-dateutil", "urllib3",
+          "six",
           # The OpenAI-compatible HTTP API (server, and grpc_bench's HTTP clients).
           "starlette", "uvicorn", "httptools", "click", "h11", "anyio", "sniffio", "idna", "typing_extensions",
           "httpx", "httpcore", "certifi")

@@ -8,6 +8,11 @@ Layout under its directory:
   <adapter sha256>/chunks.json   the sha256 of every CHUNK_BYTES chunk of every file
   tmp/                           entries being written, renamed into place once whole and fsynced
 
+One node at a time owns a directory: it holds an exclusive lock on it (flock) from start to
+close, since a second one would wipe the first's writes in progress and evict by an index
+that is not the first's. `first_free` gives nodes sharing a parent folder (several on one
+host) a slot each; a restarted node takes its old slot again, and with it its adapters.
+
 A write checks the files against the manifest, whose digests must give the adapter sha256 the
 entry is named by, and records their chunk digests beside them. Every read checks every chunk
 against those, read and hashed by several threads at once (one stream's sha256 cannot be
@@ -19,6 +24,7 @@ survives restarts. Writes happen on a background thread, off the load's path.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -62,6 +68,25 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class DiskCorrupt(Exception):
     """An entry's bytes no longer match its manifest (the entry has been deleted)."""
+
+
+class DiskTierInUse(Exception):
+    """Another process's disk tier holds the directory."""
+
+
+MAX_SLOTS = 64  # nodes of one model and store on one host sharing first_free's folder
+
+
+def lock_directory(root: Path) -> int:
+    """An open descriptor of `root` holding its exclusive lock (released when it closes, or
+    when the process dies); DiskTierInUse when another holder has it."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DiskTierInUse(f"{root} is in use by another node's disk tier (one node a directory)") from None
+    return fd
 
 
 @dataclass(frozen=True)
@@ -140,6 +165,8 @@ def _check_manifest(manifest: Manifest) -> None:
 class DiskTier:
     def __init__(self, root: str | Path, max_bytes: int, read_threads: int = READ_THREADS) -> None:
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = lock_directory(self.root)
         self.max_bytes = max_bytes
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="adapter-disk-read")
         self._lock = threading.Lock()
@@ -147,7 +174,7 @@ class DiskTier:
         self._used: dict[str, float] = {}                 # adapter sha256 -> last use (mtime)
         self.total_bytes = 0
         self._writes: queue.Queue = queue.Queue(PENDING_WRITES)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._closed = False
         staging = self.root / "tmp"  # writes a crash cut short
         if staging.is_symlink() or staging.is_file():
             staging.unlink()
@@ -156,6 +183,26 @@ class DiskTier:
         self._recover()
         self._writer = threading.Thread(target=self._write_loop, name="adapter-disk-writer", daemon=True)
         self._writer.start()
+
+    @classmethod
+    def first_free(cls, parent: Path, max_bytes: int, read_threads: int = READ_THREADS) -> "DiskTier":
+        """The tier in the first slot of `parent` (parent/0, parent/1, ...) no other node holds."""
+        for slot in range(MAX_SLOTS):
+            try:
+                return cls(parent / str(slot), max_bytes, read_threads)
+            except DiskTierInUse:
+                continue
+        raise DiskTierInUse(f"all {MAX_SLOTS} disk tier slots under {parent} are in use")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finishes the queued writes (up to timeout_s) and lets the directory go; later
+        writes are dropped."""
+        if self._lock_fd is None:
+            return
+        self._closed = True
+        self.flush(timeout_s)
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     # -- index -------------------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -309,13 +356,15 @@ class DiskTier:
     def put_later(self, manifest: Manifest, files: Sequence[Any]) -> None:
         """Queues a verified adapter (its files as buffers, kept alive until written) for the
         writer; dropped with a log line when the writer is behind."""
-        if self.contains(manifest.adapter_sha256):
+        if self._closed or self.contains(manifest.adapter_sha256):
             return
         if not self._queue(f"{manifest.info.name}@{manifest.info.version}", lambda: self.put(manifest, files)):
             log.info("adapter disk tier: writer busy; %s@%s is not kept on disk this time", manifest.info.name,
                      manifest.info.version)
 
     def _queue(self, what: str, write: Callable[[], Any]) -> bool:
+        if self._closed:
+            return False
         try:
             self._writes.put_nowait((what, write))
         except queue.Full:

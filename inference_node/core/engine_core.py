@@ -3,55 +3,59 @@ and talks to front ends only through ZeroMQ (inference_node.core.protocol).
 
 Its main thread runs the engine loop; after every iteration it sends each front end one
 message with everything that happened for it (new tokens, finished requests, call replies),
-so the cost of streaming is one msgpack encode per front end per step, whatever the number
-of requests. A second thread only receives: it unpacks front-end messages and hands them to
-the engine as commands, so the loop never waits on a socket.
+so the cost of streaming is one encode per front end per step, whatever the number of
+requests. A second thread only receives: it decodes front-end messages and hands them to the
+engine as commands, so the loop never waits on a socket.
 
-It runs as a process of its own (`run_engine_core_process`, started by the launcher), or on
-a thread of the caller's process (tests and benchmarks that want to look inside the engine).
+It runs as a process of its own (`run_engine_core_process`, started by the launcher, which
+builds the node there through LLM), or on a thread of the caller's process (tests that want
+to look inside the engine).
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections import deque
 from functools import partial
 from typing import Any, Callable
 
 import grpc
+import msgspec
 import zmq
 
 from lora_common.malloc import keep_freed_buffers
 
 from ..adapters.errors import AdapterError, AdapterNotFound
+from ..config import CONFIG_EXIT, ConfigError, NodeConfig
 from ..engine.errors import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
 from ..engine.request import Request, SamplingParams, StreamEvent
-from ..node import Node, NodeSettings, build_node
+from ..node import Node
 from ..parent_watch import die_with_parent, parent_alive
 from . import protocol as wire
-from .protocol import CoreInfo, ErrorKind, GenerateSpec
+from .protocol import Abort, Add, Batch, Call, CoreInfo, ErrorKind, GenerateSpec, Hello, Output, Reply, WireError
 
 log = logging.getLogger(__name__)
 
 
-def error_fields(error: BaseException) -> list[str]:
-    """[grpc status name, message, ErrorKind] of an error that ended a request or a call."""
+def wire_error(error: BaseException) -> WireError:
+    """The status, message and kind of an error that ended a request or a call."""
     if isinstance(error, NotStarted):
-        return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.NOT_STARTED]
+        return WireError(grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.NOT_STARTED)
     if isinstance(error, CutShort):
-        return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.CUT_SHORT]
+        return WireError(grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.CUT_SHORT)
     if isinstance(error, AdapterError):
-        return [error.status.name, str(error), ErrorKind.FAILED]
+        return WireError(error.status.name, str(error))
     if isinstance(error, InvalidRequest):
-        return [grpc.StatusCode.INVALID_ARGUMENT.name, str(error), ErrorKind.FAILED]
+        return WireError(grpc.StatusCode.INVALID_ARGUMENT.name, str(error))
     if isinstance(error, QueueFull):
-        return [grpc.StatusCode.RESOURCE_EXHAUSTED.name, str(error), ErrorKind.FAILED]
+        return WireError(grpc.StatusCode.RESOURCE_EXHAUSTED.name, str(error))
     if isinstance(error, EngineStopped):
-        return [grpc.StatusCode.UNAVAILABLE.name, str(error), ErrorKind.FAILED]
+        return WireError(grpc.StatusCode.UNAVAILABLE.name, str(error))
     if isinstance(error, NonFiniteLogits):
-        return [grpc.StatusCode.INTERNAL.name, str(error), ErrorKind.FAILED]
-    return [grpc.StatusCode.INTERNAL.name, f"generation failed: {error}", ErrorKind.FAILED]
+        return WireError(grpc.StatusCode.INTERNAL.name, str(error))
+    return WireError(grpc.StatusCode.INTERNAL.name, f"generation failed: {error}")
 
 
 TIER_NAMES = ("gpu", "host", "loading")
@@ -69,9 +73,12 @@ class EngineCore:
         self.inbox.setsockopt(zmq.LINGER, 0)
         self.inbox.bind(address)
         self.outputs: dict[str, zmq.Socket] = {}               # front end -> its PULL socket
-        # Filled and sent by the loop thread.
-        self.outbox: dict[str, deque] = {}
-        self.replies: dict[str, deque] = {}
+        # Filled and sent by the loop thread alone (requests emit and calls reply there).
+        self.outbox: dict[str, list[Output]] = {}
+        self.replies: dict[str, deque[Reply]] = {}
+        self._encode = wire.encoder().encode                  # the loop thread's
+        self._encode_refusal = wire.encoder().encode          # the receiver thread's
+        self._decode = wire.core_decoder().decode
         self.requests: dict[tuple[str, int], int] = {}        # (front end, its id) -> engine id
         # The receiver's own sockets to the front ends: a refusal goes out at once, even while
         # the loop thread is busy with a step.
@@ -95,7 +102,7 @@ class EngineCore:
             lora_enabled=node.adapters is not None,
             max_loras=node.adapters.max_loras if node.adapters is not None else 0,
             max_cpu_loras=node.adapters.max_cpu_loras if node.adapters is not None else 0,
-            pid=os.getpid())
+            pid=os.getpid(), device=node.model.device.type)
 
     # -- running -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -129,14 +136,14 @@ class EngineCore:
             outputs, replies = self.outbox[frontend], self.replies[frontend]
             if not outputs and not replies:
                 continue
-            batch = [outputs.popleft() for _ in range(len(outputs))]
+            self.outbox[frontend] = []
             answered = [replies.popleft() for _ in range(len(replies))]
-            sock.send(wire.pack([wire.BATCH, batch, answered]))
+            sock.send(self._encode(Batch(outputs, answered)))
 
     def _emit(self, frontend: str, request_id: int, event: StreamEvent) -> None:
-        error = error_fields(event.error) if event.error is not None else None
-        self.outbox[frontend].append([request_id, event.token_ids, event.finish_reason, error,
-                                      event.cached_prompt_tokens, event.adapter_version])
+        error = wire_error(event.error) if event.error is not None else None
+        self.outbox[frontend].append(Output(request_id, event.token_ids, event.finish_reason, error,
+                                            event.cached_prompt_tokens, event.adapter_version))
         if event.finish_reason is not None:
             self.requests.pop((frontend, request_id), None)
 
@@ -146,10 +153,10 @@ class EngineCore:
             # The loop never blocks on a slow front end: messages queue in ZeroMQ instead.
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.connect(address)
-            self.outbox[frontend], self.replies[frontend] = deque(), deque()
+            self.outbox[frontend], self.replies[frontend] = [], deque()
             self.outputs[frontend] = sock
         log.info("front end %s connected", frontend)
-        self.outputs[frontend].send(wire.pack([wire.WELCOME, vars(self.info())]))
+        self.outputs[frontend].send(self._encode(wire.Welcome(self.info())))
 
     def _call(self, frontend: str, call_id: int, method: str, args: dict[str, Any]) -> None:
         if method == "load_adapter":
@@ -161,11 +168,11 @@ class EngineCore:
         try:
             result = self.calls[method](**args)
         except Exception as exc:  # handed to the caller as its status
-            self.replies[frontend].append([call_id, False, error_fields(exc)[:2]])
+            self.replies[frontend].append(Reply(call_id, error=wire_error(exc)))
             if not isinstance(exc, AdapterError):
                 log.exception("core call %s failed", method)
             return
-        self.replies[frontend].append([call_id, True, result])
+        self.replies[frontend].append(Reply(call_id, result))
 
     # -- the receiver thread ------------------------------------------------------------------
     def _receive(self) -> None:
@@ -185,28 +192,30 @@ class EngineCore:
                 continue
             while True:
                 try:
-                    kind, frontend, payload = wire.unpack(self.inbox.recv(zmq.NOBLOCK))
+                    message = self._decode(self.inbox.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                self._dispatch(kind, frontend, payload)
+                except msgspec.DecodeError as exc:  # not a front end of this node's version
+                    log.error("dropped a message the wire does not describe: %s", exc)
+                    continue
+                self._dispatch(message)
 
-    def _dispatch(self, kind: str, frontend: str, payload: Any) -> None:
-        if kind == wire.ADD:
-            self._add(frontend, GenerateSpec.unpack(payload))
-        elif kind == wire.ABORT:
-            engine_id = self.requests.get((frontend, payload))
+    def _dispatch(self, message: wire.ToCore) -> None:
+        if isinstance(message, Add):
+            self._add(message.frontend, message.spec)
+        elif isinstance(message, Abort):
+            engine_id = self.requests.get((message.frontend, message.request_id))
             if engine_id is not None:
                 self.engine.abort(engine_id)
-        elif kind == wire.CALL:
-            call_id, method, args = payload
-            self.engine.call(partial(self._call, frontend, call_id, method, args or {}))
-        elif kind == wire.HELLO:
-            if frontend not in self.refusals:
+        elif isinstance(message, Call):
+            self.engine.call(partial(self._call, message.frontend, message.call_id, message.method, message.args))
+        elif isinstance(message, Hello):
+            if message.frontend not in self.refusals:
                 sock = self.context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, 0)
-                sock.connect(payload)
-                self.refusals[frontend] = sock
-            self.engine.call(partial(self._connect, frontend, payload))
+                sock.connect(message.address)
+                self.refusals[message.frontend] = sock
+            self.engine.call(partial(self._connect, message.frontend, message.address))
 
     def _add(self, frontend: str, spec: GenerateSpec) -> None:
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
@@ -221,8 +230,8 @@ class EngineCore:
             self.engine.submit(request)
         except Exception as exc:  # refused before it started: tell the front end at once
             self.requests.pop((frontend, spec.request_id), None)
-            refusal = [spec.request_id, [], "error", error_fields(exc), 0, ""]
-            self.refusals[frontend].send(wire.pack([wire.BATCH, [refusal], []]))
+            refusal = Output(spec.request_id, [], "error", wire_error(exc))
+            self.refusals[frontend].send(self._encode_refusal(Batch([refusal], [])))
 
     # -- calls, on the loop thread --------------------------------------------------------------
     def _load_adapter(self, frontend: str, call_id: int, name: str, version: str = "", pin: bool = False) -> None:
@@ -230,9 +239,9 @@ class EngineCore:
 
         def done(entry, error) -> None:  # the loop thread
             if error is not None:
-                self.replies[frontend].append([call_id, False, [error.status.name, str(error)]])
+                self.replies[frontend].append(Reply(call_id, error=wire_error(error)))
             else:
-                self.replies[frontend].append([call_id, True, [entry.version, entry.tier]])
+                self.replies[frontend].append(Reply(call_id, [entry.version, entry.tier]))
 
         manager.load(name, version, pin, done)
 
@@ -242,11 +251,11 @@ class EngineCore:
         network round trip, which the loop never waits for. The reply goes out from the loop."""
         source = self.node.adapters.source if self.node.adapters is not None else None
         if source is None:
-            self.replies[frontend].append([call_id, True, []])
+            self.replies[frontend].append(Reply(call_id, []))
             return
 
-        def reply(ok: bool, result: Any) -> None:  # the loop thread
-            self.replies[frontend].append([call_id, ok, result])
+        def reply(answer: Reply) -> None:  # the loop thread
+            self.replies[frontend].append(answer)
 
         def run() -> None:
             try:
@@ -254,9 +263,9 @@ class EngineCore:
             except Exception as exc:  # handed to the caller as its status
                 if not isinstance(exc, AdapterError):
                     log.exception("listing the adapter source failed")
-                self.engine.call(partial(reply, False, error_fields(exc)[:2]))
+                self.engine.call(partial(reply, Reply(call_id, error=wire_error(exc))))
                 return
-            self.engine.call(partial(reply, True, listed))
+            self.engine.call(partial(reply, Reply(call_id, listed)))
 
         threading.Thread(target=run, name="adapter-catalog", daemon=True).start()
 
@@ -303,19 +312,28 @@ class EngineCore:
         self.engine.shutdown(timeout=0)
 
 
-def run_engine_core_process(settings: NodeSettings, address: str, log_level: str) -> None:
-    """The engine core process: builds the node, then serves until the launcher says stop.
+def run_engine_core_process(config: NodeConfig, address: str) -> None:
+    """The engine core process: builds the node (LLM), then serves until the launcher says
+    stop. A setting the node cannot run with (ConfigError) ends it with CONFIG_EXIT.
 
     It ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and the launcher
     decides how the node drains; if the launcher dies, the receiver notices and exits."""
     import signal
 
+    from ..llm import LLM
+
     die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_buffers()  # adapters arrive from the store as multi-megabyte messages (lora_common.malloc)
-    core = EngineCore(build_node(settings), address)
+    try:
+        llm = LLM(config)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        sys.exit(CONFIG_EXIT)
+    core = EngineCore(llm.node, address)
     core.watch_parent = True
     log.info("engine core started (pid %d)", os.getpid())
     core.run()

@@ -1,29 +1,28 @@
-"""The wire between front ends and the engine core: ZeroMQ sockets carrying msgpack lists.
+"""The wire between front ends and the engine core: ZeroMQ sockets carrying typed messages,
+msgspec Structs encoded as MessagePack.
 
 Front ends PUSH to the core's one PULL socket; the core PUSHes to each front end's own PULL
-socket (learned from its HELLO). Nothing here imports torch, so front ends stay light.
+socket (learned from its Hello). Every message is one Struct of a tagged union, encoded as an
+array (its tag first, then its fields in order: as compact as positional lists, and decoded
+into typed objects that say what each field is). Nothing here imports torch, so front ends
+stay light.
 
-To the core: [kind, frontend_id, payload]
-  HELLO  payload: the front end's output address; answered by WELCOME with the core's limits
-  ADD    payload: GenerateSpec.pack()
-  ABORT  payload: a request id
-  CALL   payload: [call_id, method, args]; answered in the next batch's replies
-From the core: [WELCOME, info] or [BATCH, outputs, replies]
-  outputs: [request_id, token_ids, finish_reason | None, error | None, cached_prompt_tokens,
-            adapter_version] per request with news since the last batch; the first and the
-            last of a request carry cached_prompt_tokens and adapter_version
-  error:   [grpc status name, message, kind]; kind tells drains and cuts apart (ErrorKind)
-  replies: [call_id, ok, result | [grpc status name, message]]
+To the core (ToCore), each naming the front end it comes from:
+  Hello  its output address; answered by Welcome with the core's limits (CoreInfo)
+  Add    a GenerateSpec
+  Abort  a request id
+  Call   a method of the core's, run between steps; answered by a Reply in a later Batch
+From the core (FromCore):
+  Welcome  CoreInfo
+  Batch    everything for one front end since the last step: an Output per request with
+           news (the first and the last of a request carry cached_prompt_tokens and
+           adapter_version) and a Reply per finished call
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
-import msgpack
-
-HELLO, ADD, ABORT, CALL = "hello", "add", "abort", "call"
-WELCOME, BATCH = "welcome", "batch"
+import msgspec
 
 
 class ErrorKind:
@@ -34,8 +33,15 @@ class ErrorKind:
     CUT_SHORT = "cut_short"      # shutdown ended it after part of its answer was streamed
 
 
-@dataclass(frozen=True)
-class GenerateSpec:
+class WireError(msgspec.Struct, array_like=True, frozen=True):
+    """An error that ended a request or a call: its gRPC status by name, and its kind."""
+
+    code: str
+    message: str
+    kind: str = ErrorKind.FAILED
+
+
+class GenerateSpec(msgspec.Struct, array_like=True, frozen=True):
     """A validated, tokenised request as the engine core takes it."""
 
     request_id: int
@@ -44,23 +50,13 @@ class GenerateSpec:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int | None = None
+    seed: Union[int, None] = None
     ignore_eos: bool = False
     adapter: str = ""
     client_request_id: str = ""   # the caller's own id, for logs
 
-    def pack(self) -> list[Any]:
-        return [self.request_id, self.prompt_token_ids, self.max_tokens, self.temperature,
-                self.top_p, self.top_k, self.seed, self.ignore_eos, self.adapter,
-                self.client_request_id]
 
-    @classmethod
-    def unpack(cls, fields: list[Any]) -> "GenerateSpec":
-        return cls(*fields)
-
-
-@dataclass(frozen=True)
-class CoreInfo:
+class CoreInfo(msgspec.Struct, frozen=True):
     """What a front end needs to validate requests the way the engine would."""
 
     model_name: str
@@ -73,11 +69,77 @@ class CoreInfo:
     max_loras: int
     max_cpu_loras: int
     pid: int                  # the core process, watched by front ends
+    device: str               # cuda or cpu: the launcher sizes its front ends by it
 
 
-def pack(message: list[Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+# -- to the core --------------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
+    frontend: str
+    address: str
 
 
-def unpack(data: bytes) -> list[Any]:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+class Add(msgspec.Struct, tag="add", array_like=True, frozen=True):
+    frontend: str
+    spec: GenerateSpec
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
+    frontend: str
+    request_id: int
+
+
+class Call(msgspec.Struct, tag="call", array_like=True, frozen=True):
+    frontend: str
+    call_id: int
+    method: str
+    args: dict[str, Any] = {}
+
+
+ToCore = Union[Hello, Add, Abort, Call]
+
+
+# -- from the core ------------------------------------------------------------------------------
+class Output(msgspec.Struct, array_like=True, gc=False):
+    """One request's news since the previous batch."""
+
+    request_id: int
+    token_ids: list[int]
+    finish_reason: Union[str, None] = None
+    error: Union[WireError, None] = None
+    cached_prompt_tokens: int = 0
+    adapter_version: str = ""
+
+
+class Reply(msgspec.Struct, array_like=True):
+    """A call's result, or the error it ended with."""
+
+    call_id: int
+    result: Any = None
+    error: Union[WireError, None] = None
+
+
+class Welcome(msgspec.Struct, tag="welcome", array_like=True, frozen=True):
+    info: CoreInfo
+
+
+class Batch(msgspec.Struct, tag="batch", array_like=True):
+    outputs: list[Output]
+    replies: list[Reply]
+
+
+FromCore = Union[Welcome, Batch]
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    """An encoder for one thread's messages (each thread that sends keeps its own)."""
+    return msgspec.msgpack.Encoder()
+
+
+def core_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what front ends send (ToCore)."""
+    return msgspec.msgpack.Decoder(ToCore)
+
+
+def frontend_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the core sends (FromCore)."""
+    return msgspec.msgpack.Decoder(FromCore)

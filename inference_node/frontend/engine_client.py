@@ -18,7 +18,8 @@ import zmq
 import zmq.asyncio
 
 from ..core import protocol as wire
-from ..core.protocol import CoreInfo, ErrorKind, GenerateSpec
+from ..core.protocol import (Abort, Add, Batch, Call, CoreInfo, ErrorKind, GenerateSpec, Hello, Output, Reply, Welcome,
+                             WireError)
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,8 @@ class CoreError(Exception):
         self.kind = kind
 
     @classmethod
-    def from_wire(cls, fields: list[str]) -> "CoreError":
-        code = getattr(grpc.StatusCode, fields[0], grpc.StatusCode.INTERNAL)
-        return cls(code, fields[1], fields[2] if len(fields) > 2 else ErrorKind.FAILED)
+    def from_wire(cls, error: WireError) -> "CoreError":
+        return cls(getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL), error.message, error.kind)
 
 
 class RequestStream:
@@ -97,18 +97,20 @@ class EngineClient:
         self.dead: CoreError | None = None   # set once the core is gone: everything fails with it
         self.on_core_exit: Callable[[CoreError], None] = lambda error: None
         self._watch_fd: int | None = None
+        self._encode = wire.encoder().encode
+        self._decode = wire.frontend_decoder().decode
 
     async def connect(self, timeout: float) -> CoreInfo:
         """Says hello and waits for the core's welcome (its limits), then starts reading."""
         self._from_core.bind(self.output_address)
         self._to_core.connect(self.core_address)
-        await self._to_core.send(wire.pack([wire.HELLO, self.frontend_id, self.output_address]))
+        await self._to_core.send(self._encode(Hello(self.frontend_id, self.output_address)))
         while True:
             if not await self._from_core.poll(timeout * 1000):
                 raise TimeoutError(f"the engine core did not answer within {timeout:.0f}s")
-            kind, *payload = wire.unpack(await self._from_core.recv())
-            if kind == wire.WELCOME:
-                self.info = CoreInfo(**payload[0])
+            message = self._decode(await self._from_core.recv())
+            if isinstance(message, Welcome):
+                self.info = message.info
                 break
         self._reader = asyncio.get_running_loop().create_task(self._read())
         return self.info
@@ -166,13 +168,13 @@ class EngineClient:
             stream.feed([], "error", self.dead, 0, "")
             return stream
         self.streams[spec.request_id] = stream
-        self._to_core.send(wire.pack([wire.ADD, self.frontend_id, spec.pack()]))
+        self._to_core.send(self._encode(Add(self.frontend_id, spec)))
         return stream
 
     def abort(self, request_id: int) -> None:
         """The client went away: the core frees the request's KV blocks and adapter reference."""
         if self.streams.pop(request_id, None) is not None and self.dead is None:
-            self._to_core.send(wire.pack([wire.ABORT, self.frontend_id, request_id]))
+            self._to_core.send(self._encode(Abort(self.frontend_id, request_id)))
 
     async def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
         """Runs `method` on the core between steps; raises CoreError with its status."""
@@ -181,7 +183,7 @@ class EngineClient:
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        await self._to_core.send(wire.pack([wire.CALL, self.frontend_id, [call_id, method, args]]))
+        await self._to_core.send(self._encode(Call(self.frontend_id, call_id, method, args)))
         try:
             return await asyncio.wait_for(future, timeout)
         finally:
@@ -189,31 +191,34 @@ class EngineClient:
 
     # -- the reader task -------------------------------------------------------------------------
     async def _read(self) -> None:
-        streams, calls = self.streams, self._calls
         while True:
             try:
-                kind, *payload = wire.unpack(await self._from_core.recv())
+                message = self._decode(await self._from_core.recv())
             except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
                 return
-            if kind != wire.BATCH:
+            if isinstance(message, Batch):
+                self.deliver(message.outputs, message.replies)
+
+    def deliver(self, outputs: list[Output], replies: list[Reply]) -> None:
+        """Spreads one batch from the core over its requests' streams and its calls' futures."""
+        streams, calls = self.streams, self._calls
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:  # aborted here already
                 continue
-            outputs, replies = payload
-            for request_id, token_ids, finish_reason, error, cached, version in outputs:
-                stream = streams.get(request_id)
-                if stream is None:  # aborted here already
-                    continue
-                if finish_reason is not None:
-                    del streams[request_id]
-                stream.feed(token_ids, finish_reason, CoreError.from_wire(error) if error else None,
-                            cached, version)
-            for call_id, ok, result in replies:
-                future = calls.get(call_id)
-                if future is None or future.done():
-                    continue
-                if ok:
-                    future.set_result(result)
-                else:
-                    future.set_exception(CoreError.from_wire(result))
+            if out.finish_reason is not None:
+                del streams[out.request_id]
+            stream.feed(out.token_ids, out.finish_reason,
+                        CoreError.from_wire(out.error) if out.error is not None else None,
+                        out.cached_prompt_tokens, out.adapter_version)
+        for reply in replies:
+            future = calls.get(reply.call_id)
+            if future is None or future.done():
+                continue
+            if reply.error is None:
+                future.set_result(reply.result)
+            else:
+                future.set_exception(CoreError.from_wire(reply.error))
 
     def close(self) -> None:
         if self._reader is not None:

@@ -18,10 +18,10 @@ import grpc
 
 from lora.v1 import inference_pb2
 
+from ..config import NodeConfig
 from ..core.protocol import CoreInfo, ErrorKind
 from ..limits import StreamSlots, check_message, check_prompt_tokens
 from ..metrics import NodeMetrics
-from ..node import NodeSettings
 from ..request_builder import BadRequest, build_request
 from ..tokenizer import TextCodec
 from .detokenizer import TextStream
@@ -35,7 +35,7 @@ DRAINING = "this node is draining and takes no new requests: retry on another no
 class Frontend:
     """What the request handlers of one front-end process share, whatever their API."""
 
-    settings: NodeSettings
+    config: NodeConfig
     client: EngineClient
     info: CoreInfo
     codec: TextCodec
@@ -44,7 +44,7 @@ class Frontend:
     streams: StreamSlots = field(init=False)   # open generations of every API together
 
     def __post_init__(self) -> None:
-        self.streams = StreamSlots(self.settings.limits.max_concurrent_streams)
+        self.streams = StreamSlots(self.config.limits.max_concurrent_streams)
 
 
 class GenerationError(Exception):
@@ -75,7 +75,7 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
 
     Raises GenerationError before the first chunk (draining, a stream limit, bad input, a
     refusal by the core such as an unknown adapter) or after some (the engine failed)."""
-    metrics, client, limits = frontend.metrics, frontend.client, frontend.settings.limits
+    metrics, client, limits = frontend.metrics, frontend.client, frontend.config.limits
     if frontend.draining:
         metrics.request_finished(request.adapter, "unavailable")
         raise GenerationError(grpc.StatusCode.UNAVAILABLE, DRAINING)
@@ -86,7 +86,7 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
         try:
             check_message(request, limits)
             spec, stop = build_request(request, frontend.codec, frontend.info,
-                                       limits.default_max_tokens(frontend.settings.default_max_tokens),
+                                       limits.max_tokens_default(),
                                        client.new_request_id())
             check_prompt_tokens(len(spec.prompt_token_ids), limits)
         except BadRequest as exc:

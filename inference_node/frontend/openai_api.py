@@ -103,7 +103,7 @@ async def _rest(stream: AsyncIterator[Chunk], first: Chunk) -> tuple[str, Chunk]
 class OpenAIApi:
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
-        self.token = frontend.settings.generate_token
+        self.token = frontend.config.server.generate_token
         config = Path(frontend.info.checkpoint) / "config.json"
         self.created = int(config.stat().st_mtime) if config.exists() else 0
 
@@ -133,7 +133,7 @@ class OpenAIApi:
 
     async def _body(self, request: Request) -> Any:
         """The JSON body, refused above --max-request-mb before it is all read."""
-        limit = self.frontend.settings.limits.max_request_bytes
+        limit = self.frontend.config.limits.max_request_bytes
         too_large = ApiError(413, f"the request body is larger than this node's limit of {limit} bytes "
                                   "(--max-request-mb)", code="request_too_large")
         declared = request.headers.get("content-length", "")

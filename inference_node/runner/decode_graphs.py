@@ -132,7 +132,7 @@ class DecodeGraphs:
         self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
         self.capture = model.device.type == "cuda"
         device, B = model.device, self.max_batch
-        # The tokens the previous step sampled (engine.token_feedback); a row whose token is
+        # The tokens the previous step sampled (token_feedback.py); a row whose token is
         # still on the device reads it from there inside the graph.
         self.feedback = feedback if feedback is not None else torch.zeros(1, dtype=torch.long, device=device)
         # Packed inputs: one host->device copy per dtype per step.

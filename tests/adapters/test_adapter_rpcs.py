@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from harness import InProcessNode, make_peft_adapter
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
@@ -37,9 +37,9 @@ def adapter_dir(tmp_path_factory, tiny_llama_path) -> Path:
 
 @pytest.fixture(scope="module")
 def node(tiny_llama_path, adapter_dir):
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
-                                   max_loras=2, max_lora_rank=16, adapter_dir=str(adapter_dir),
-                                   debug_checks=True))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
+                                    max_loras=2, max_lora_rank=16, adapter_dir=str(adapter_dir),
+                                    debug_checks=True))
     yield n
     n.stop()
 

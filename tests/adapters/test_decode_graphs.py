@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from harness import InProcessNode, generate_all, make_peft_adapter, peft_greedy
+from inference_node.config import NodeConfig
 from inference_node.runner.decode_graphs import graph_batch_sizes
-from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
 
 ADAPTERS = {
@@ -25,10 +25,10 @@ ADAPTERS = {
 def small_graph_node(model: Path, adapters: Path, device: str) -> InProcessNode:
     """A node of 8 sequences and 2 adapter slots whose decode steps replay graphs of up to 8
     rows, with its debug checks on."""
-    return InProcessNode(NodeSettings(model=str(model), device=device, dtype="float32",
-                                      num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_lora_rank=16,
-                                      adapter_dir=str(adapters), decode_graphs="on", max_graph_batch=8,
-                                      debug_checks=True))
+    return InProcessNode(NodeConfig.of(checkpoint=str(model), device=device, dtype="float32",
+                                       num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_lora_rank=16,
+                                       adapter_dir=str(adapters), decode_graphs="on", max_graph_batch=8,
+                                       debug_checks=True))
 
 
 def test_graph_batch_sizes_cover_every_batch() -> None:
@@ -115,10 +115,10 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     folders = {"": None, **{n: root / n for n in ADAPTERS}}
     expected = [peft_greedy(tiny_llama_path, folders[name], [prompt], max_new)[0]
                 for name, prompt, max_new in jobs]
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=128, max_num_seqs=16, max_loras=4, max_lora_rank=16,
-                                      adapter_dir=str(root), decode_graphs="on", max_graph_batch=12,
-                                      debug_checks=True, tuning=tuning))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device=device, dtype="float32",
+                                       num_kv_blocks=128, max_num_seqs=16, max_loras=4, max_lora_rank=16,
+                                       adapter_dir=str(root), decode_graphs="on", max_graph_batch=12,
+                                       debug_checks=True, tuning=tuning))
     try:
         got = generate_all(node, jobs)
         assert got == expected
@@ -169,10 +169,10 @@ def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(devi
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, rs, seed=seed, scale=3.0)
     rng = random.Random(5)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=64, max_num_seqs=4, max_loras=2, max_lora_rank=16,
-                                      adapter_dir=str(root), decode_graphs="on", max_graph_batch=4,
-                                      debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device=device, dtype="float32",
+                                       num_kv_blocks=64, max_num_seqs=4, max_loras=2, max_lora_rank=16,
+                                       adapter_dir=str(root), decode_graphs="on", max_graph_batch=4,
+                                       debug_checks=True))
     try:
         graphs = node.engine.runner.decode_graphs
         qkv_only = graphs.group_variants.index(frozenset({"qkv"}))
@@ -276,9 +276,9 @@ def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, t
         mine = [(i, job) for i, job in enumerate(jobs) if job[0] == name]
         for i, job in mine:
             expected[i] = peft_greedy(tiny_llama_path, folders[name], [job[1]], job[2])[0]
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=256, max_num_seqs=rows, max_loras=2, max_lora_rank=16,
-                                      adapter_dir=str(root), decode_graphs="on", debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device=device, dtype="float32",
+                                       num_kv_blocks=256, max_num_seqs=rows, max_loras=2, max_lora_rank=16,
+                                       adapter_dir=str(root), decode_graphs="on", debug_checks=True))
     try:
         got = generate_all(node, jobs)
         assert got == [expected[i] for i in range(rows)]

@@ -13,7 +13,7 @@ import pytest
 
 from adapter_store.records import FILE_ALIGN, AdapterInfo, FileEntry, Manifest, adapter_digest, file_offsets
 from inference_node.adapters import disk_tier
-from inference_node.adapters.disk_tier import CHUNKS_FILE, MANIFEST_FILE, DiskCorrupt, DiskTier
+from inference_node.adapters.disk_tier import CHUNKS_FILE, MANIFEST_FILE, DiskCorrupt, DiskTier, DiskTierInUse
 from lora_common.names import InvalidName
 
 
@@ -40,6 +40,7 @@ def test_roundtrip_and_restart(tmp_path: Path) -> None:
     assert tier.put(manifest, files)
     assert read_back(tier, "alpha") == files == read_back(tier, "alpha", manifest.info.version)
     assert tier.lookup("alpha", "0" * 16) is None and tier.lookup("beta") is None
+    tier.close()
     restarted = DiskTier(tmp_path, 1 << 20)
     assert [(e.name, e.version) for e in restarted.entries()] == [("alpha", manifest.info.version)]
     assert read_back(restarted, "alpha") == files
@@ -57,10 +58,12 @@ def test_lru_bound_and_its_order_survive_a_restart(tmp_path: Path) -> None:
         time.sleep(0.02)  # distinct mtimes
     read_back(tier, "a")  # a is now the most recently used
     assert tier.total_bytes <= 10_000
+    tier.close()
     restarted = DiskTier(tmp_path, 10_000)
     assert restarted.put(*adapter("d", os.urandom(3000)))  # one must go: b, the least recently used
     assert {e.name for e in restarted.entries()} == {"a", "c", "d"}
     assert not (tmp_path / put["b"][0].adapter_sha256).exists()
+    restarted.close()
     smaller = DiskTier(tmp_path, 7_000)  # a smaller bound applies at start
     assert {e.name for e in smaller.entries()} == {"a", "d"} and smaller.total_bytes <= 7_000
     assert not smaller.put(*adapter("huge", os.urandom(8000)))  # larger than the whole tier: not kept
@@ -93,6 +96,7 @@ def test_rot_is_detected_and_the_entry_deleted(tmp_path: Path) -> None:
     tier.put(manifest, files)
     with open(path, "r+b") as f:
         f.truncate(100)
+    tier.close()
     assert DiskTier(tmp_path, 1 << 20).entries() == []
 
 
@@ -102,7 +106,7 @@ def test_writes_are_atomic_and_leftovers_are_cleared(tmp_path: Path) -> None:
     (tmp_path / "tmp" / "half-written").mkdir()  # a crash in the middle of a write
     (tmp_path / "tmp" / "half-written" / "1").write_bytes(b"partial")
     tier.put_later(manifest, files)
-    tier.flush()
+    tier.close()  # after the queued write
     restarted = DiskTier(tmp_path, 1 << 20)
     assert list((tmp_path / "tmp").iterdir()) == []
     assert read_back(restarted, "alpha") == files
@@ -150,6 +154,7 @@ def test_names_and_manifests_are_untrusted(tmp_path: Path) -> None:
     os.symlink(outside / "keep", tmp_path / linked.adapter_sha256 / "1")
     os.rmdir(tmp_path / "tmp")
     os.symlink(outside, tmp_path / "tmp")  # staging must never be another directory
+    tier.close()
     restarted = DiskTier(tmp_path, 1 << 20)
     assert restarted.entries() == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"] and not (tmp_path / "tmp").is_symlink()
@@ -216,8 +221,11 @@ def test_chunk_digests_are_written_with_the_entry_and_reads_are_exact(tmp_path: 
     assert record["files"][1] == [hashlib.sha256(weights[at:at + SMALL_CHUNK]).hexdigest()
                                   for at in range(0, len(weights), SMALL_CHUNK)]
     assert len(record["files"][1]) == 4 and len(record["files"][0]) == 1
+    tier.close()
     for threads in (1, 3, 8):
-        assert read_back(DiskTier(tmp_path, 8 << 20, read_threads=threads), "alpha") == files
+        again = DiskTier(tmp_path, 8 << 20, read_threads=threads)
+        assert read_back(again, "alpha") == files
+        again.close()
 
 
 @pytest.mark.parametrize("with_digests", [True, False], ids=["chunk-digests", "older-entry"])
@@ -324,6 +332,7 @@ def test_an_older_entry_is_checked_whole_and_gains_its_chunk_digests(tmp_path: P
     tier, manifest, files, folder = chunked(tmp_path)
     written = (folder / CHUNKS_FILE).read_bytes()
     (folder / CHUNKS_FILE).unlink()  # as an older node left it
+    tier.close()
     restarted = DiskTier(tmp_path, 8 << 20, read_threads=2)
     assert [e.name for e in restarted.entries()] == ["alpha"]
     assert read_back(restarted, "alpha") == files
@@ -355,3 +364,28 @@ def test_put_refuses_bytes_that_are_not_the_manifests(tmp_path: Path) -> None:
             tier.put(manifest, wrong)
     assert tier.entries() == [] and sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_one_node_a_directory_and_first_free_gives_each_node_a_slot_of_its_own(tmp_path: Path) -> None:
+    """A second tier on a directory in use is refused (it would wipe the first's writes in
+    progress and evict by another index); nodes sharing a parent folder take a slot each,
+    and a restarted node its old slot, with the adapters it kept there."""
+    tier = DiskTier(tmp_path / "node", 1 << 20)
+    with pytest.raises(DiskTierInUse, match="in use by another node"):
+        DiskTier(tmp_path / "node", 1 << 20)
+    tier.close()
+    DiskTier(tmp_path / "node", 1 << 20).close()  # free again once closed
+
+    parent = tmp_path / "default"
+    first = DiskTier.first_free(parent, 1 << 20)
+    second = DiskTier.first_free(parent, 1 << 20)
+    assert (first.root, second.root) == (parent / "0", parent / "1")
+    manifest, files = adapter("alpha", os.urandom(3000))
+    first.put_later(manifest, files)
+    first.close()  # the queued write lands before the folder is let go
+    first.put_later(*adapter("late", b"x" * 10))  # a closed tier keeps nothing more
+    restarted = DiskTier.first_free(parent, 1 << 20)
+    assert restarted.root == parent / "0"
+    assert [e.name for e in restarted.entries()] == ["alpha"] and read_back(restarted, "alpha") == files
+    restarted.close()
+    second.close()

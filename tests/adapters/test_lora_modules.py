@@ -13,7 +13,7 @@ import torch
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.adapters.slots import row_nbytes
 from inference_node.model.config import ModelConfig
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 QV = ("q_proj", "v_proj")
@@ -31,11 +31,11 @@ def test_a_qv_node_keeps_memory_for_qkv_only_and_matches_peft(tiny_llama_path: P
     expected = {n: peft_greedy(tiny_llama_path, root / n, prompts, 8) for n in ("qv", "qv2")}
     config = ModelConfig.from_checkpoint(tiny_llama_path)
     sizes = row_nbytes(config, torch.float32)
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=128, max_loras=2, max_lora_rank=16,
-                                      lora_memory_bytes=24 * sum(sizes[m] for m in ("q_proj", "k_proj", "v_proj")),
-                                      lora_modules=QV, adapter_dir=str(root), decode_graphs="on",
-                                      mixed_graphs="on", debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device=device, dtype="float32",
+                                       num_kv_blocks=128, max_loras=2, max_lora_rank=16,
+                                       lora_memory_bytes=24 * sum(sizes[m] for m in ("q_proj", "k_proj", "v_proj")),
+                                       lora_modules=QV, adapter_dir=str(root), decode_graphs="on",
+                                       mixed_graphs="on", debug_checks=True))
     try:
         buffers = node.node.adapters.buffers
         assert buffers.rows == 24

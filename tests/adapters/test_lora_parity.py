@@ -13,7 +13,7 @@ import torch
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.adapters.slots import row_nbytes
 from inference_node.model.config import ModelConfig
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,13 +56,13 @@ def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompt
 
     # Room for 96 rank rows per module: ranks 64 and 32 together, not all six adapters (126).
     row = sum(row_nbytes(ModelConfig.from_checkpoint(base), torch.float32).values())
-    node = InProcessNode(NodeSettings(model=str(base), device=device, dtype="float32", num_kv_blocks=256,
-                                      max_loras=3, max_lora_rank=64, max_cpu_loras=4,
-                                      lora_memory_bytes=96 * row,
-                                      adapter_dir=str(adapter_dir), debug_checks=True,
-                                      max_num_batched_tokens=128,
-                                      # the node's own default (the tuning table filed for this GPU and shape)
-                                      tuning_table="auto"))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype="float32", num_kv_blocks=256,
+                                       max_loras=3, max_lora_rank=64, max_cpu_loras=4,
+                                       lora_memory_bytes=96 * row,
+                                       adapter_dir=str(adapter_dir), debug_checks=True,
+                                       max_num_batched_tokens=128,
+                                       # the node's own default (the tuning table filed for this GPU and shape)
+                                       tuning_table="auto"))
     try:
         jobs = [(name, i) for name in [""] + list(ADAPTERS) for i in range(len(prompts))]
         rng.shuffle(jobs)

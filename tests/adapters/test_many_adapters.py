@@ -20,7 +20,7 @@ from harness import InProcessNode, peft_greedy
 from inference_node.adapters.slots import row_nbytes
 from inference_node.model.config import ModelConfig
 from inference_node.model.llama import LORA_MODULES
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 RANKS = (8, 16, 32, 64)
@@ -48,10 +48,10 @@ def test_a_thousand_mixed_rank_adapters_match_peft_and_hold_their_own_size(tiny_
         write_random_adapter(root / name, config, spec[name][0], spec[name][1], seed=k,
                              device=torch.device("cpu"), dtype=torch.float32, std=0.1)
     row = sum(row_nbytes(config, torch.float32).values())
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=256, max_loras=MAX_LORAS, max_lora_rank=64, max_cpu_loras=16,
-                                      lora_memory_bytes=ROWS * row, adapter_dir=str(root),
-                                      max_num_batched_tokens=256, debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device=device, dtype="float32",
+                                       num_kv_blocks=256, max_loras=MAX_LORAS, max_lora_rank=64, max_cpu_loras=16,
+                                       lora_memory_bytes=ROWS * row, adapter_dir=str(root),
+                                       max_num_batched_tokens=256, debug_checks=True))
     engine, manager = node.engine, node.node.adapters
     checked = {"times": 0, "resident_max": 0, "adapters_in_a_step": 0}
 

@@ -20,8 +20,8 @@ from inference_node.engine.kv_cache import KVCache
 from inference_node.runner.piecewise_graphs import (PiecewiseGraphs, PiecewiseLora, lora_rows, lora_segments, rows_buckets,
                                                 token_buckets)
 from inference_node.model.llama import LlamaModel
+from inference_node.config import NodeConfig
 from inference_node.runner.launches import StepLaunches
-from inference_node.node import NodeSettings
 from lora_client.node_client import NodeClient
 
 ADAPTERS = {
@@ -51,8 +51,8 @@ def test_lora_segments_cover_each_adapter_token_once(tiny_llama_path) -> None:
     model = LlamaModel.load(tiny_llama_path, torch.device("cpu"), torch.float32)
     kv = KVCache(model.config, 9, 16, torch.float32, torch.device("cpu"))
     max_loras, max_tokens = 5, 600
-    graphs = PiecewiseGraphs(model, StepLaunches.fixed(model.device), kv, scratch_block=8, max_model_len=128, max_tokens=max_tokens, max_seqs=64,
-                         lora=PiecewiseLora(lambda meta: None, max_loras))
+    graphs = PiecewiseGraphs(model, StepLaunches.fixed(model.device), kv, scratch_block=8, max_model_len=128,
+                             max_tokens=max_tokens, max_seqs=64, lora=PiecewiseLora(lambda meta: None, max_loras))
     h32, o32 = graphs._host.next().np32, graphs._o32
     rng = random.Random(0)
     for _ in range(300):
@@ -93,10 +93,10 @@ def make_adapters(tiny_llama_path: Path, root: Path, names) -> dict[str, Path | 
 
 
 def start_node(tiny_llama_path: Path, root: Path, device: str, **settings) -> InProcessNode:
-    base = dict(model=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=160, max_num_seqs=8,
+    base = dict(checkpoint=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=160, max_num_seqs=8,
                 max_num_batched_tokens=64, max_loras=3, max_lora_rank=16, adapter_dir=str(root),
                 decode_graphs="on", mixed_graphs="on", debug_checks=True)
-    return InProcessNode(NodeSettings(**{**base, **settings}))
+    return InProcessNode(NodeConfig.of(**{**base, **settings}))
 
 
 def generate(node: InProcessNode, job, delay: float = 0.0) -> list[int]:

@@ -1,4 +1,5 @@
-"""bench.frontend_costs runs and compares like with like: both detokenizers give the same text."""
+"""bench.frontend_costs runs and compares like with like: both detokenizers give the same text,
+and the wire row runs the node's own encode, decode and delivery."""
 from __future__ import annotations
 
 from bench import frontend_costs
@@ -18,7 +19,8 @@ def test_both_detokenizers_stream_the_same_text_and_the_table_prints(capsys):
             stream.push(token)
         texts.append(stream.take(final=True))
     assert texts[0] == texts[1] == codec.decode(ids)
-    rows = frontend_costs.main(["--repeats", "2", "--tokens", "32"])
-    assert [name for name, *_ in rows] == ["detokenize", "metrics", "protobuf reply"]
-    assert all(before > 0 for _, before, _ in rows)
-    assert "| detokenize |" in capsys.readouterr().out
+    rows = frontend_costs.main(["--repeats", "2", "--tokens", "32", "--streams", "4"])
+    assert [name for name, *_ in rows] == ["detokenize", "metrics", "protobuf reply", "core wire"]
+    assert all(before > 0 for _, before, _ in rows) and rows[-1][2] > 0
+    out = capsys.readouterr().out
+    assert "| detokenize |" in out and "| core wire |" in out

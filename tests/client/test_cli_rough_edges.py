@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness import InProcessNode
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.cli import DEFAULT_MAX_TOKENS, globals_first, main, parser
 from lora_client.local_stack import LocalStack
 from lora_client.processes import free_port
@@ -28,7 +28,7 @@ NO_AWS = {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/no
 
 @pytest.fixture(scope="module")
 def node(tiny_llama_path):
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=0))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=0))
     yield n
     n.stop()
 

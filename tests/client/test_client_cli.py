@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from harness import InProcessNode, make_peft_adapter
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.cli import main
 
 
@@ -12,8 +12,8 @@ from lora_client.cli import main
 def node(tmp_path_factory, tiny_llama_path):
     root = tmp_path_factory.mktemp("cli-adapters")
     make_peft_adapter(tiny_llama_path, root / "style", 4, 8.0, ["q_proj", "v_proj"], seed=1, scale=3.0)
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=2,
-                                   adapter_dir=str(root)))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=2,
+                                    adapter_dir=str(root)))
     yield n
     n.stop()
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness import InProcessNode, make_peft_adapter, peft_greedy
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
@@ -58,9 +58,9 @@ def adapters(tmp_path_factory, tiny_llama_path) -> Path:
 
 @pytest.fixture(scope="module")
 def node(tiny_llama_path, adapters):
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=2,
-                                   max_lora_rank=8, adapter_dir=str(adapters), max_model_len=512,
-                                   admin_token=ADMIN, debug_checks=True))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=2,
+                                    max_lora_rank=8, adapter_dir=str(adapters), max_model_len=512,
+                                    admin_token=ADMIN, debug_checks=True))
     yield n
     n.stop()
 

@@ -82,7 +82,7 @@ class Stack:
             sys.executable, "-m", "inference_node.cli", "serve", "--host", "127.0.0.1",
             "--port", str(self.node_port), "--model", str(model), "--device", "cpu", "--num-kv-blocks", "256",
             "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
-            "--adapter-store", f"127.0.0.1:{self.store_port}",
+            "--adapter-store", f"127.0.0.1:{self.store_port}", "--no-adapter-disk-tier",
             "--adapter-fetch-timeout", str(FETCH_TIMEOUT_S), "--drain-seconds", str(DRAIN_S), "--debug-checks"],
             self.root / "inference-node.log")
         wait_healthy(self.node_target, 120, self.node)

@@ -20,7 +20,7 @@ from inference_node.adapters.errors import AdapterNotFound, AdapterRejected
 from inference_node.adapters.store_source import StoreSource
 from inference_node.metrics import NodeMetrics
 from inference_node.model.config import ModelConfig
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 PROMPT = [101, 2002, 3003, 4004, 505, 66]
@@ -43,9 +43,10 @@ def world(tmp_path_factory, tiny_llama_path, seaweed, bucket, s3, make_store):
 def test_a_node_reads_adapters_straight_from_s3(world, tiny_llama_path) -> None:
     seaweed, make_store, folder, expected = world
     store = make_store(direct_reads=DirectReads(enabled=True))
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=1,
-                                      max_lora_rank=16, adapter_store=store.address, adapter_direct_reads=True,
-                                      debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=1,
+                                       max_lora_rank=16, adapter_store=store.address, adapter_direct_reads=True,
+                                       adapter_disk_tier=False,
+                                       debug_checks=True))
     try:
         with NodeClient(node.address) as client:
             result = client.generate(client.request(adapter="alpha", prompt_token_ids=PROMPT, max_tokens=24,

@@ -13,7 +13,7 @@ import pytest
 
 from adapter_store.push import push_adapter
 from harness import InProcessNode, make_peft_adapter, peft_greedy
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
@@ -36,9 +36,9 @@ def world(tmp_path_factory, tiny_llama_path, s3, make_store):
 
 
 def start_node(tiny_llama_path: Path, store_address: str, disk: Path, fetch_timeout_s: float = 30.0) -> InProcessNode:
-    return InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=1,
-                                      max_lora_rank=16, adapter_store=store_address, adapter_disk_dir=str(disk),
-                                      adapter_fetch_timeout_s=fetch_timeout_s, debug_checks=True))
+    return InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=1,
+                                       max_lora_rank=16, adapter_store=store_address, adapter_disk_dir=str(disk),
+                                       adapter_fetch_timeout_s=fetch_timeout_s, debug_checks=True))
 
 
 def generate(node: InProcessNode, adapter: str):

@@ -11,7 +11,7 @@ import pytest
 from adapter_store.client import AdapterStoreClient
 from adapter_store.push import push_adapter
 from harness import InProcessNode, make_peft_adapter, peft_greedy, wait_for
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 PROMPT = [101, 2002, 3003, 4004, 505, 66]
@@ -21,9 +21,9 @@ PROMPT = [101, 2002, 3003, 4004, 505, 66]
 def stack(tmp_path_factory, tiny_llama_path, s3, make_store):
     root = tmp_path_factory.mktemp("stack")
     store = make_store()
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
-                                      max_loras=1, max_lora_rank=16, adapter_store=store.address,
-                                      debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
+                                       max_loras=1, max_lora_rank=16, adapter_store=store.address,
+                                       adapter_disk_tier=False, debug_checks=True))
     yield root, s3, store, node
     node.stop()
 

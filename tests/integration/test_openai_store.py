@@ -8,7 +8,7 @@ import pytest
 
 from adapter_store.push import push_adapter
 from harness import InProcessNode, make_peft_adapter, wait_for
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 
 PROMPT = [101, 2002, 3003, 4004, 505, 66]
 
@@ -21,8 +21,9 @@ def stack(tmp_path_factory, tiny_llama_path, seaweed, bucket, s3, make_store):
         push_adapter(folder, name, s3, "adapters/", progress=False)
     seaweed.boto3_client().put_object(Bucket=bucket, Key="adapters/broken/adapter_config.json", Body=b"{}")
     store = make_store()
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=128, max_loras=2,
-                                      max_lora_rank=8, adapter_store=store.address, adapter_fetch_timeout_s=3.0),
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=128, max_loras=2,
+                                       max_lora_rank=8, adapter_store=store.address, adapter_fetch_timeout_s=3.0,
+                                       adapter_disk_tier=False),
                          http=True)
     yield store, node
     node.stop()

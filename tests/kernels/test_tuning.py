@@ -1,6 +1,6 @@
 """The Tuning object: its text forms (inference-node serve's flags, the benchmarks' sweeps)
-round-trip, bad choices are refused with the choice named, the node's flags reach
-NodeSettings.tuning, and no kernel or engine module reads a choice from the environment."""
+round-trip, bad choices are refused with the choice named, the node's --tune reaches
+NodeConfig's kernels group, and no kernel or engine module reads a choice from the environment."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,17 +48,32 @@ def test_bad_choices_are_refused_naming_the_choice(choices: dict, message: str) 
         tuning_from_text(choices)
 
 
-def test_serve_flags_build_the_nodes_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
-    from inference_node.cli import parser, tuning_from_args
+def test_tune_builds_the_nodes_tuning_and_names_the_choices_it_keeps(monkeypatch, capsys) -> None:
+    """--tune KEY=VALUE (repeatable, also INFERENCE_NODE_TUNE, space-separated) sets choices
+    of the node's Tuning and marks them kept over a tuning table; a bad key or value is
+    refused by the parser, naming it, and choices that cannot go together by the config."""
+    from inference_node.cli import parser
+    from inference_node.config import ConfigError, from_args
 
-    assert tuning_from_args(parser().parse_args(["serve"])) == DEFAULT_TUNING
-    args = parser().parse_args(["serve", "--gemm-groups", "o,down", "--norm-split-columns", "0"])
-    tuning = tuning_from_args(args)
-    assert tuning.gemm_groups == {"o", "down"} and tuning.norm_split_columns == 0
-    monkeypatch.setenv("INFERENCE_NODE_SIDE_EXPAND_SEGMENTS", "2")  # each flag is an env var too
-    assert tuning_from_args(parser().parse_args(["serve"])).side_expand_segments == 2
-    with pytest.raises(SystemExit):
-        parser().parse_args(["serve", "--gemm-tma", "sometimes"])
+    def kernels(*argv: str):
+        return from_args(parser().parse_args(["serve", *argv])).kernels
+
+    assert kernels().tuning == DEFAULT_TUNING and kernels().tuning_fixed == frozenset()
+    given = kernels("--tune", "gemm_groups=o,down", "--tune", "norm-split-columns=0")
+    assert given.tuning.gemm_groups == {"o", "down"} and given.tuning.norm_split_columns == 0
+    assert given.tuning_fixed == {"gemm_groups", "norm_split_columns"}
+    monkeypatch.setenv("INFERENCE_NODE_TUNE", "side_expand_segments=2 pdl=off")
+    from_env = kernels("--tune", "pdl=on")  # the command line's after the environment's
+    assert from_env.tuning.side_expand_segments == 2 and from_env.tuning.pdl is True
+    monkeypatch.delenv("INFERENCE_NODE_TUNE")
+    for bad, message in (("gemm_tma=sometimes", "gemm_tma='sometimes': expected on or off"),
+                         ("gemm_tmaa=on", "expected KEY=VALUE with KEY one of pdl, "),
+                         ("pdl", "expected KEY=VALUE")):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["serve", "--tune", bad])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--tune: norm_split_groups takes o and down"):
+        kernels("--tune", "norm_split_groups=qkv")
 
 
 def test_kernels_engine_and_runner_read_no_environment() -> None:

@@ -193,17 +193,19 @@ def test_fold_tilings_are_chosen_per_adapter_bucket() -> None:
     assert steps.for_step(32, 32) == DEFAULT_TUNING  # no bucket at or below 32 rows
 
 
-def test_serve_takes_auto_by_default_and_records_the_flags_given(tmp_path: Path) -> None:
-    from inference_node.cli import given_tuning_flags, main, parser, tuning_from_args
+def test_serve_takes_auto_by_default_and_records_the_choices_given(tmp_path: Path, capsys) -> None:
+    from inference_node.cli import main, parser
+    from inference_node.config import from_args
 
-    args = parser().parse_args(["serve"])
-    assert args.tuning_table == "auto" and given_tuning_flags(args) == frozenset()
-    args = parser().parse_args(["serve", "--tuning-table", "off", "--pdl", "on", "--gemm-tilings", "qkv=64.64.2"])
-    assert args.tuning_table == "off" and given_tuning_flags(args) == {"pdl", "gemm_tilings"}
-    assert tuning_from_args(args).gemm_tilings["qkv"] == (64, 64, 2)
+    kernels = from_args(parser().parse_args(["serve"])).kernels
+    assert kernels.tuning_table == "auto" and kernels.tuning_fixed == frozenset()
+    kernels = from_args(parser().parse_args(["serve", "--tuning-table", "off", "--tune", "pdl=on",
+                                             "--tune", "gemm_tilings=qkv=64.64.2"])).kernels
+    assert kernels.tuning_table == "off" and kernels.tuning_fixed == {"pdl", "gemm_tilings"}
+    assert kernels.tuning.gemm_tilings["qkv"] == (64, 64, 2)
     bad = write(tmp_path / "bad.json", table_json(format=7))
-    with pytest.raises(SystemExit, match=f"--tuning-table: tuning table {bad}: format 7"):
-        main(["serve", "--tuning-table", str(bad)])  # refused before any model loads
+    assert main(["serve", "--tuning-table", str(bad)]) == 2  # refused before any model loads
+    assert f"--tuning-table: tuning table {bad}: format 7" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -215,7 +217,7 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     every bucket."""
     from harness import InProcessNode, make_peft_adapter
     from inference_node.model.llama import LlamaModel
-    from inference_node.node import NodeSettings
+    from inference_node.config import NodeConfig
     from lora_client.node_client import NodeClient
 
     make_peft_adapter(tiny_llama_path, tmp_path / "adapters" / "qv", 4, 8.0, ["q_proj", "v_proj"], False, seed=1)
@@ -236,8 +238,8 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
 
     def serve(**settings) -> tuple[list[tuple[int, bool, Tuning]], list[list[int]]]:
         seen.clear()
-        node = InProcessNode(NodeSettings(
-            model=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+        node = InProcessNode(NodeConfig.of(
+            checkpoint=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=64, max_num_seqs=8,
             max_loras=2, max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"), decode_graphs="on",
             max_graph_batch=8, mixed_graphs="off", **settings))
         try:
@@ -287,9 +289,10 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
     import logging
 
     import kernels.tuning_table as tuning_table
-    from inference_node.engine.request import Request, SamplingParams
+    from inference_node.config import ConfigError, NodeConfig
+    from inference_node.llm import LLM
     from inference_node.model.config import ModelConfig
-    from inference_node.node import NodeSettings, build_node, resolve_tuning_table
+    from inference_node.node import resolve_tuning_table
     from inference_node.parallel.shard import Shard, tensor_parallel_tuning
 
     full = ModelConfig.from_checkpoint(tiny_llama_path)
@@ -301,33 +304,25 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
     # has to be in the partial output before the all-reduce), table or not.
     path = write(folder / table_name("cpu", shard), table_json(shape=shard, node={"shrink_fold_groups": ["qkv", "o"]}))
     monkeypatch.setattr(tuning_table, "CONFIG_DIR", folder)
-    settings = NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, cpu_threads=1,
-                            tensor_parallel_size=2, max_loras=0, debug_checks=True, tuning_table="auto")
-    assert resolve_tuning_table(settings, tiny_llama_path).tuning_table == str(path)
-    one_rank = dataclasses.replace(settings, tensor_parallel_size=1)
-    assert resolve_tuning_table(one_rank, tiny_llama_path).tuning_table == "off"  # none for the whole shape
+    config = NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, cpu_threads=1,
+                           tensor_parallel_size=2, max_loras=0, debug_checks=True, tuning_table="auto")
+    assert resolve_tuning_table(config, tiny_llama_path).kernels.tuning_table == str(path)
+    one_rank = config.replace(tensor_parallel_size=1)
+    assert resolve_tuning_table(one_rank, tiny_llama_path).kernels.tuning_table == "off"  # none for the whole shape
 
     whole = write(tmp_path / "whole.json", table_json())
-    with pytest.raises(ValueError, match=f"is for shape {SHAPE.key}; this node's \\(shard's\\) shape is {shard.key}"):
-        build_node(dataclasses.replace(settings, tuning_table=str(whole)))
+    with pytest.raises(ConfigError, match=f"is for shape {SHAPE.key}; this node's \\(shard's\\) shape is {shard.key}"):
+        LLM(config.replace(tuning_table=str(whole)))
 
     caplog.set_level(logging.INFO)  # the ranks log at the node's level
-    node = build_node(settings)
-    try:
-        launches = node.engine.runner.launches
+    with LLM(config) as llm:
+        launches = llm.engine.runner.launches
         assert launches.tunings.table is not None and launches.tunings.table.path == path
         assert list(launches.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
         for rows, adapters in ((1, 0), (4, 0), (4, 1), (8, 2)):  # every bucket, and the base
             tuning = launches.for_step(rows, adapters).tuning
             assert tuning.shrink_fold_groups == {"qkv"} and tuning == tensor_parallel_tuning(tuning)
         assert launches.base.tuning.shrink_fold_groups == {"qkv"}
-        outs: dict[int, list[int]] = {}
-        for i, prompt in enumerate(([5, 6, 7, 8, 9], [11, 12])):
-            node.engine.submit(Request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                                       lambda event, i=i: outs.setdefault(i, []).extend(event.token_ids)))
-        for _ in range(16):
-            node.engine.run_once(block=False)
-        assert [len(outs.get(i, [])) for i in range(2)] == [4, 4]
-    finally:
-        node.close()
+        answers = llm.generate(([5, 6, 7, 8, 9], [11, 12]), max_tokens=4, ignore_eos=True)
+        assert [len(a.token_ids) for a in answers] == [4, 4]
     assert f"[rank 1]: tuning table {path}: 4 buckets" in capfd.readouterr().err

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import InProcessNode, make_peft_adapter
 from inference_node.metrics import OTHER, AdapterLabels, NodeMetrics
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 from lora_client.processes import free_port
 
@@ -37,9 +37,9 @@ def node(tmp_path_factory, tiny_llama_path):
     root = tmp_path_factory.mktemp("metric-adapters")
     for i, name in enumerate(("busy", "steady", "rare1", "rare2")):
         make_peft_adapter(tiny_llama_path, root / name, 4, 8.0, ["q_proj", "v_proj"], seed=i + 1)
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=128, max_loras=2,
-                                   max_cpu_loras=2, adapter_dir=str(root), metrics_port=free_port(),
-                                   metrics_max_adapters=2))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=128, max_loras=2,
+                                    max_cpu_loras=2, adapter_dir=str(root), metrics_port=free_port(),
+                                    metrics_max_adapters=2))
     yield n
     n.stop()
 
@@ -71,7 +71,7 @@ def test_per_adapter_metrics_after_a_mixed_burst(node) -> None:
             t.join(120)
     assert outcomes[len(plan) - 1] == "not_found" and all(outcomes[i] == "length" for i in range(len(plan) - 1))
 
-    found = samples(node.node.settings.metrics_port)
+    found = samples(node.node.config.server.metrics_port)
     req = "lora_node_requests_total"
     assert value(found, req, adapter="busy", status="length") == 7
     assert value(found, req, adapter="steady", status="length") == 5

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from harness import InProcessNode, make_peft_adapter
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 from lora_client.processes import free_port
@@ -20,9 +20,9 @@ ADMIN, GEN = "admin-s3cret-token", "generate-s3cret-token"
 def node(tmp_path_factory, tiny_llama_path):
     root = tmp_path_factory.mktemp("auth-adapters")
     make_peft_adapter(tiny_llama_path, root / "a", 4, 8.0, ["q_proj"], seed=1)
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=2,
-                                   adapter_dir=str(root), admin_token=ADMIN, generate_token=GEN,
-                                   metrics_port=free_port()))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=2,
+                                    adapter_dir=str(root), admin_token=ADMIN, generate_token=GEN,
+                                    metrics_port=free_port()))
     yield n
     n.stop()
 
@@ -60,7 +60,7 @@ def test_metrics_endpoint_reports_requests_latency_and_engine_state(node) -> Non
         client.generate(NodeClient.request(prompt_token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True), 30)
         for tail in ([1], [2]):
             client.generate(NodeClient.request(prompt_token_ids=shared + tail, max_tokens=2, ignore_eos=True), 30)
-    port = node.node.settings.metrics_port
+    port = node.node.config.server.metrics_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'lora_node_requests_total{adapter="",status="length"}' in text
     assert "lora_node_time_to_first_token_seconds_count" in text
@@ -76,9 +76,9 @@ def test_tokens_never_reach_logs_or_help(caplog, tiny_llama_path, monkeypatch) -
     from inference_node.cli import parser
     help_text = parser()._subparsers._group_actions[0].choices["serve"].format_help()
     assert ADMIN not in help_text and "INFERENCE_NODE_ADMIN_TOKEN" in help_text
-    assert ADMIN not in repr(NodeSettings(admin_token=ADMIN))
+    assert ADMIN not in repr(NodeConfig.of(admin_token=ADMIN))
     with caplog.at_level(logging.DEBUG):
-        n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=16,
-                                       admin_token=ADMIN, generate_token=GEN))
+        n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=16,
+                                        admin_token=ADMIN, generate_token=GEN))
         n.stop()
     assert ADMIN not in caplog.text and GEN not in caplog.text

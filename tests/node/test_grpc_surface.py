@@ -11,15 +11,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from harness import InProcessNode, hf_greedy
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
 
 @pytest.fixture(scope="module")
 def node(tiny_llama_path):
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=128,
-                                   block_size=16, max_num_seqs=4, max_queue=2))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=128,
+                                    block_size=16, max_num_seqs=4, max_queue=2))
     yield n
     n.stop()
 
@@ -143,8 +143,8 @@ def test_seeded_sampling_is_reproducible_through_grpc(client) -> None:
 
 def test_preemption_under_a_tiny_kv_cache_keeps_outputs(tiny_llama_path, tiny_llama_hf) -> None:
     # 12 blocks of 16 tokens cannot hold 6 requests of 40 + 30 tokens at once.
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=12,
-                                      block_size=16, max_num_seqs=6, debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=12,
+                                       block_size=16, max_num_seqs=6, debug_checks=True))
     try:
         prompts = [list(range(100 + i, 140 + i)) for i in range(6)]
         results: dict[int, list[int]] = {}
@@ -174,7 +174,7 @@ def test_a_second_server_on_a_taken_port_fails_instead_of_sharing_it(node) -> No
     from inference_node.server import NodeServer
 
     port = int(node.address.rsplit(":", 1)[1])
-    second = NodeServer(node.server.settings, node.client, "127.0.0.1", port)
+    second = NodeServer(node.server.config, node.client, "127.0.0.1", port)
     second.frontend = node.server.frontend
 
     async def build() -> None:

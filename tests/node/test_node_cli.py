@@ -32,3 +32,17 @@ def test_serve_from_env_answers_and_exits_cleanly_on_sigterm(tiny_llama_path: Pa
         log.close()
     text = (tmp_path / "node.log").read_text()
     assert "KV cache: 32 blocks" in text and "inference node stopped" in text
+
+
+def test_a_setting_the_core_cannot_run_with_ends_the_node_with_status_2(tmp_path: Path) -> None:
+    """The launcher never loads the model: the engine core checks the checkpoint (and tensor
+    parallelism, the tuning table, the disk tier) before any weight, and its status 2 is the
+    node's, as for a bad flag."""
+    proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--port", str(free_port()),
+                           "--model", str(tmp_path / "missing"), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"model path {tmp_path / 'missing'} is not a directory" in proc.stderr
+    bad_flag = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--tune", "pdl=maybe"],
+                              capture_output=True, text=True, timeout=60)
+    assert bad_flag.returncode == 2 and "pdl='maybe': expected on or off" in bad_flag.stderr

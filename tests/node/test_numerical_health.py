@@ -17,7 +17,7 @@ from harness import InProcessNode, make_peft_adapter, wait_for
 from inference_node.adapters.errors import AdapterRejected
 from inference_node.adapters.sources import LocalDirSource, weights_from_files
 from inference_node.model.config import ModelConfig
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 from lora_client.processes import free_port
@@ -55,11 +55,11 @@ GRAPH_MODES = ["off", "on", pytest.param("cuda", marks=pytest.mark.gpu)]
 def start_node(tiny_llama_path, adapter_root, decode_graphs: str) -> InProcessNode:
     device = "cuda" if decode_graphs == "cuda" else "cpu"
     decode_graphs = "on" if decode_graphs == "cuda" else decode_graphs
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device=device, dtype="float32",
-                                      num_kv_blocks=64, max_loras=4,
-                                      adapter_dir=str(adapter_root), decode_graphs=decode_graphs,
-                                      mixed_graphs=decode_graphs, prefix_caching=False,
-                                      metrics_port=free_port()))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device=device, dtype="float32",
+                                       num_kv_blocks=64, max_loras=4,
+                                       adapter_dir=str(adapter_root), decode_graphs=decode_graphs,
+                                       mixed_graphs=decode_graphs, prefix_caching=False,
+                                       metrics_port=free_port()))
     node.node.adapters.source = OverflowAfterValidation(node.node.adapters.source)
     return node
 
@@ -105,7 +105,7 @@ def test_a_non_finite_row_fails_its_request_and_spares_the_batch(tiny_llama_path
             assert alone(client, "good") == expected["good"]  # the node keeps serving
             if decode_graphs != "off":  # the broken rows' first samples came from prompt steps
                 assert node.engine.stats.piecewise_graph_steps > 0 and node.engine.stats.eager_prefill_steps == 0
-        port = node.node.settings.metrics_port
+        port = node.node.config.server.metrics_port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'lora_node_adapter_numerical_faults_total{adapter="broken"} 2.0' in text
         assert 'lora_node_requests_total{adapter="broken",status="data_loss"} 2.0' in text

@@ -16,8 +16,7 @@ import openai
 import pytest
 
 from harness import InProcessNode, make_peft_adapter, peft_greedy, wait_for
-from inference_node.limits import RequestLimits
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig, RequestLimits
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
@@ -43,9 +42,9 @@ def adapter_dir(tmp_path_factory, tiny_llama_path) -> Path:
 
 @pytest.fixture(scope="module")
 def node(tiny_llama_path, adapter_dir):
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=2,
-                                   max_lora_rank=8, adapter_dir=str(adapter_dir), max_model_len=1024,
-                                   limits=RequestLimits(max_concurrent_streams=3, max_request_bytes=1 << 16)),
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=2,
+                                    max_lora_rank=8, adapter_dir=str(adapter_dir), max_model_len=1024,
+                                    limits=RequestLimits(max_concurrent_streams=3, max_request_bytes=1 << 16)),
                       http=True)
     yield n
     n.stop()
@@ -327,8 +326,8 @@ def test_concurrent_requests_of_three_models_mix_in_one_batch(node, api, grpc_cl
 
 @pytest.fixture(scope="module")
 def guarded(tiny_llama_path):
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=0,
-                                   generate_token=TOKEN), http=True)
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=0,
+                                    generate_token=TOKEN), http=True)
     yield n
     n.stop()
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import InProcessNode, hf_greedy
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 TOPICS = ["the sea", "a robot who learns to paint", "the history of bread", "why the sky is blue",
@@ -35,8 +35,8 @@ def run_concurrently(address: str, requests: list) -> list:
 def test_concurrent_greedy_matches_transformers(which: str, device: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(f"{which}_path")
     hf = request.getfixturevalue(f"{which}_hf")
-    node = InProcessNode(NodeSettings(model=str(path), device=device, dtype="float32", num_kv_blocks=400,
-                                      block_size=16, max_num_batched_tokens=96, max_num_seqs=16))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(path), device=device, dtype="float32", num_kv_blocks=400,
+                                       block_size=16, max_num_batched_tokens=96, max_num_seqs=16))
     try:
         prompt_ids = [node.node.codec.encode(p) for p in prompts_of_many_lengths()]
         assert len({len(p) for p in prompt_ids}) == 12
@@ -57,7 +57,7 @@ def test_concurrent_greedy_matches_transformers(which: str, device: str, request
 
 
 def test_capital_of_france_through_chat_template(smollm2_path) -> None:
-    node = InProcessNode(NodeSettings(model=str(smollm2_path), device="cpu", num_kv_blocks=64))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(smollm2_path), device="cpu", num_kv_blocks=64))
     try:
         with NodeClient(node.address) as client:
             answer = client.generate(client.request("What is the capital of France?", max_tokens=32))

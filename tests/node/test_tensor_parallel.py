@@ -125,22 +125,12 @@ def test_control_messages_carry_staged_steps_and_adapters_whole():
 
 def greedy_in_process(model: Path, size: int, load_format: str = "safetensors") -> tuple[dict[int, list[int]], dict]:
     """Three prompts through a node built in this process (rank 0 here, rank 1 spawned)."""
-    from inference_node.engine.request import Request, SamplingParams
-    from inference_node.node import NodeSettings, build_node
+    from inference_node.llm import LLM
 
-    node = build_node(NodeSettings(model=str(model), device="cpu", num_kv_blocks=64, cpu_threads=1,
-                                   tensor_parallel_size=size, max_loras=0, debug_checks=True,
-                                   load_format=load_format))
-    try:
-        engine, outs = node.engine, {}
-        for i, prompt in enumerate(PROMPTS[:3]):
-            engine.submit(Request(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
-                                  lambda event, i=i: outs.setdefault(i, []).extend(event.token_ids)))
-        for _ in range(4 * NEW_TOKENS):
-            engine.run_once(block=False)
-        return outs, engine.snapshot()
-    finally:
-        node.close()
+    with LLM(checkpoint=str(model), device="cpu", num_kv_blocks=64, cpu_threads=1, tensor_parallel_size=size,
+             max_loras=0, debug_checks=True, load_format=load_format) as llm:
+        answers = llm.generate(PROMPTS[:3], NEW_TOKENS, ignore_eos=True)
+        return {i: a.token_ids for i, a in enumerate(answers)}, llm.engine.snapshot()
 
 
 def test_a_padded_vocabulary_block_tied_embeddings_and_qkv_bias_split_alike(tmp_path, tokenizer_dir):
@@ -173,26 +163,23 @@ def test_a_start_that_fails_after_the_ranks_met_leaves_no_process_group_behind(t
     """Rank 0 fails loading after the group formed: the node stops its ranks and leaves the
     group, so this process can build another node (and its exit does not wait on a group
     whose peers are gone)."""
+    from inference_node.config import NodeConfig
+    from inference_node.llm import LLM
     from inference_node.model.llama import LlamaModel
-    from inference_node.node import NodeSettings, build_node
 
     def planted(cls, *args, **kwargs):
         raise RuntimeError("planted failure while loading rank 0's shard")
 
-    settings = NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
-                            cpu_threads=1)
+    config = NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
+                           cpu_threads=1)
     with monkeypatch.context() as patch:
         patch.setattr(LlamaModel, "load", classmethod(planted))
         with pytest.raises(RuntimeError, match="planted failure"):
-            build_node(settings)
+            LLM(config)
     assert not torch.distributed.is_initialized()
-    node = build_node(settings)  # the next node forms its own group
-    try:
-        assert node.ranks is not None and node.ranks.size == 2
-        ranks = list(node.ranks.procs)
-    finally:
-        node.engine.shutdown(timeout=0)
-        node.close()
+    with LLM(config) as llm:  # the next node forms its own group
+        assert llm.node.ranks is not None and llm.node.ranks.size == 2
+        ranks = list(llm.node.ranks.procs)
     # Every rank left the group and exited by itself (a rank killed at the stop's timeout: -9).
     assert [p.exitcode for p in ranks] == [0]
     assert not torch.distributed.is_initialized()
@@ -303,7 +290,7 @@ def graph_node(tmp_path_factory, tiny_llama_path, adapter_dir):
     No expand on the side stream by default (as in steps of many adapters): o's and down's
     deltas must still reach their all-reduce expanded (parallel.shard.tensor_parallel_tuning)."""
     node = TPNode(tmp_path_factory.mktemp("tp-graph-logs"), tiny_llama_path, adapter_dir, 2, "--debug-checks",
-                  "--decode-graphs", "on", "--mixed-graphs", "on", "--side-expand-segments", "0")
+                  "--decode-graphs", "on", "--mixed-graphs", "on", "--tune", "side_expand_segments=0")
     yield node
     assert node.stop() == 0, node.log.read_text()
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from harness import InProcessNode, generate_all, make_peft_adapter, make_tiny_llama, peft_greedy
+from inference_node.config import NodeConfig
 from inference_node.runner.warmup import plan
-from inference_node.node import NodeSettings
 from kernels.lora.meta import LoraBatchMeta
 from kernels.lora.triton_kernel import choose_tiling
 
@@ -76,11 +76,11 @@ def run_mixed_workload(node: InProcessNode, root: Path, tiny_llama_path: Path, s
 def start_node(tiny_llama_path: Path, root: Path, warmup: str, mixed_graphs: str = "off") -> InProcessNode:
     for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
         make_peft_adapter(tiny_llama_path, root / name, rank, alpha, targets, seed=seed, scale=3.0)
-    return InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", dtype="float32",
-                                      num_kv_blocks=160, max_num_seqs=12, max_num_batched_tokens=300,
-                                      max_loras=4, max_lora_rank=16, adapter_dir=str(root),
-                                      decode_graphs="off", mixed_graphs=mixed_graphs, warmup=warmup,
-                                      debug_checks=True),
+    return InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", dtype="float32",
+                                       num_kv_blocks=160, max_num_seqs=12, max_num_batched_tokens=300,
+                                       max_loras=4, max_lora_rank=16, adapter_dir=str(root),
+                                       decode_graphs="off", mixed_graphs=mixed_graphs, warmup=warmup,
+                                       debug_checks=True),
                          start_timeout=900)  # the warm-up's forwards, in Triton's interpreter
 
 
@@ -165,6 +165,6 @@ def test_a_core_that_fails_while_it_starts_fails_the_in_process_start_at_once(ti
     monkeypatch.setattr(Engine, "prepare", broken)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="engine core stopped while starting.*did not fit"):
-        InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=32),
+        InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=32),
                       start_timeout=60)
     assert time.monotonic() - started < 20

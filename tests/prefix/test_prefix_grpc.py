@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import InProcessNode, make_peft_adapter, peft_greedy
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
@@ -54,9 +54,9 @@ def test_namespaces_isolate_and_hits_stay_within_them(adapters, tiny_llama_path)
     expected = {k: peft_greedy(tiny_llama_path, v, prompts, MAX_NEW) for k, v in folders.items()}
     assert len({tuple(e[0]) for e in expected.values()}) == 4, "the adapters must change the output"
 
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
-                                      max_loras=4, max_lora_rank=16, adapter_dir=str(adapters["root"]),
-                                      debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
+                                       max_loras=4, max_lora_rank=16, adapter_dir=str(adapters["root"]),
+                                       debug_checks=True))
     try:
         with NodeClient(node.address) as client:
             def run(adapter: str, prompt: list[int]):
@@ -109,9 +109,9 @@ def test_a_512_token_shared_prefix_is_prefilled_once(adapters, tiny_llama_path) 
     prefix = tokens(rng, 512)
     prompts = [prefix + tokens(rng, 11), prefix + tokens(rng, 7)]
     expected = peft_greedy(tiny_llama_path, adapters["alpha-v1"], prompts, MAX_NEW)
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
-                                      max_loras=2, max_lora_rank=16, adapter_dir=str(adapters["root"]),
-                                      debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256,
+                                       max_loras=2, max_lora_rank=16, adapter_dir=str(adapters["root"]),
+                                       debug_checks=True))
     try:
         with NodeClient(node.address) as client:
             first = client.generate(client.request(adapter="alpha", prompt_token_ids=prompts[0],
@@ -137,9 +137,9 @@ def test_preemption_with_shared_prefixes_keeps_every_output(adapters, tiny_llama
     folders = {"": None, "alpha": adapters["alpha-v1"], "beta": adapters["beta"]}
     expected = {i: peft_greedy(tiny_llama_path, folders[a], [p], 24)[0] for i, (a, p) in enumerate(jobs)}
     # 12 blocks of 16 tokens cannot hold 8 requests of ~40 + 24 tokens at once
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=12,
-                                      block_size=16, max_num_seqs=8, max_loras=2, max_lora_rank=16,
-                                      adapter_dir=str(adapters["root"]), debug_checks=True))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=12,
+                                       block_size=16, max_num_seqs=8, max_loras=2, max_lora_rank=16,
+                                       adapter_dir=str(adapters["root"]), debug_checks=True))
     try:
         results: dict[int, list[int]] = {}
 

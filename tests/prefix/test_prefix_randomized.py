@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from harness import hf_greedy, make_peft_adapter
 from inference_node.adapters.sources import content_hash
+from inference_node.config import NodeConfig
 from inference_node.engine.request import Request, SamplingParams, StreamEvent
-from inference_node.node import NodeSettings, build_node
+from inference_node.llm import LLM
 
 MAX_NEW = 5
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -99,10 +100,10 @@ def test_interleaved_namespaces_with_cancels_unloads_and_reuploads(world, tmp_pa
     adapter_root = tmp_path_factory.mktemp("adapters")
     shutil.copytree(variants["beta"], adapter_root / "beta")
     (adapter_root / "alpha").symlink_to(variants["alpha-1"])  # re-uploads swap the link atomically
-    node = build_node(NodeSettings(model=str(base), device="cpu", num_kv_blocks=14, block_size=4,
-                                   max_num_seqs=4, max_num_batched_tokens=24, max_loras=2, max_lora_rank=8,
-                                   max_cpu_loras=2, adapter_dir=str(adapter_root), debug_checks=True))
-    engine, manager = node.engine, node.adapters
+    llm = LLM(NodeConfig.of(checkpoint=str(base), device="cpu", num_kv_blocks=14, block_size=4, max_num_seqs=4,
+                            max_num_batched_tokens=24, max_loras=2, max_lora_rank=8, max_cpu_loras=2,
+                            adapter_dir=str(adapter_root), debug_checks=True))
+    engine, manager = llm.engine, llm.node.adapters
     tracked: list[Tracked] = []
 
     def step(times: int = 1) -> None:

@@ -12,8 +12,7 @@ import grpc
 import pytest
 
 from harness import InProcessNode, make_peft_adapter, wait_for
-from inference_node.limits import RequestLimits
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig, RequestLimits
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
 
@@ -32,9 +31,9 @@ def adapters(tmp_path_factory, tiny_llama_path):
 def node(tiny_llama_path, adapters):
     limits = RequestLimits(max_concurrent_streams=2, max_request_bytes=64 << 10, max_prompt_chars=2000,
                            max_prompt_tokens=40, max_tokens=1000)
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=2,
-                                   max_lora_rank=4, adapter_dir=str(adapters), default_max_tokens=2000,
-                                   limits=limits))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=256, max_loras=2,
+                                    max_lora_rank=4, adapter_dir=str(adapters), default_max_tokens=2000,
+                                    limits=limits))
     yield n
     n.stop()
 
@@ -144,8 +143,8 @@ class SlowSource:
 
 
 def test_a_deadline_passing_while_the_adapter_loads(tiny_llama_path, adapters) -> None:
-    n = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=1,
-                                   max_lora_rank=4, adapter_dir=str(adapters)))
+    n = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=1,
+                                    max_lora_rank=4, adapter_dir=str(adapters)))
     try:
         manager = n.node.adapters
         slow = SlowSource(manager.source, 2.0)
@@ -178,8 +177,8 @@ def test_an_adapter_dir_adapter_above_the_size_limit_is_refused_before_it_is_rea
     make_peft_adapter(tiny_llama_path, tmp_path / "small", 4, 8.0, ["q_proj"], seed=1)
     make_peft_adapter(tiny_llama_path, tmp_path / "large", 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=2)
     small = sum(f.stat().st_size for f in (tmp_path / "small").iterdir())
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=2,
-                                      max_lora_rank=4, adapter_dir=str(tmp_path), max_adapter_bytes=small + 64))
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=2,
+                                       max_lora_rank=4, adapter_dir=str(tmp_path), max_adapter_bytes=small + 64))
     try:
         with NodeClient(node.address) as client:
             err = refusal(client, adapter="large", prompt_token_ids=[5, 6], max_tokens=2)

@@ -12,7 +12,7 @@ import pytest
 
 from lora_common.tls import ClientTLS, ServerTLS, TLSConfigError
 from harness import InProcessNode
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client import cli, healthcheck
 from lora_client.node_client import NodeClient
 
@@ -21,16 +21,16 @@ REQUEST = NodeClient.request(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eo
 
 @pytest.fixture(scope="module")
 def tls_node(pki, tiny_llama_path):
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=32, max_loras=0,
-                                      tls=ServerTLS(cert=pki.server.cert, key=pki.server.key)), http=True)
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=32, max_loras=0,
+                                       tls=ServerTLS(cert=pki.server.cert, key=pki.server.key)), http=True)
     yield node
     node.stop()
 
 
 @pytest.fixture(scope="module")
 def mtls_node(pki, tiny_llama_path):
-    node = InProcessNode(NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=32, max_loras=0,
-                                      tls=ServerTLS(cert=pki.server.cert, key=pki.server.key, client_ca=pki.ca)),
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=32, max_loras=0,
+                                       tls=ServerTLS(cert=pki.server.cert, key=pki.server.key, client_ca=pki.ca)),
                          http=True)
     yield node
     node.stop()

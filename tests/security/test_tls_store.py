@@ -4,7 +4,6 @@ FAILED_PRECONDITION naming the store and the flag to fix; the store's RPCs need 
 but its health check does not; no token ever reaches a log, a message or --help."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 
@@ -19,7 +18,7 @@ from adapter_store.seaweedfs import SeaweedFS
 from adapter_store.server import BackgroundStore, StoreSettings
 from lora_common.tls import ClientTLS, ServerTLS
 from harness import InProcessNode, make_peft_adapter, peft_greedy
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client import healthcheck
 from lora_client.node_client import NodeClient
 
@@ -46,13 +45,13 @@ def secure_store(tmp_path_factory, tiny_llama_path, pki):
     seaweed.close()
 
 
-def node_settings(tiny_llama_path, store: BackgroundStore, pki, token: str | None) -> NodeSettings:
-    return NodeSettings(model=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=1, max_lora_rank=8,
-                        adapter_store=store.address, store_token=token,
-                        store_tls=ClientTLS(ca=pki.ca, cert=pki.client.cert, key=pki.client.key, flag="--store-tls"))
+def node_settings(tiny_llama_path, store: BackgroundStore, pki, token: str | None) -> NodeConfig:
+    return NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, max_loras=1, max_lora_rank=8,
+                         adapter_store=store.address, store_token=token, adapter_disk_tier=False,
+                         store_tls=ClientTLS(ca=pki.ca, cert=pki.client.cert, key=pki.client.key, flag="--store-tls"))
 
 
-def adapter_request_error(settings: NodeSettings, timeout_s: float) -> grpc.RpcError:
+def adapter_request_error(settings: NodeConfig, timeout_s: float) -> grpc.RpcError:
     """The error a Generate for the store's adapter ends with on a node with these settings
     (within `timeout_s`); the base model must keep serving and the node end idle."""
     node = InProcessNode(settings)
@@ -83,7 +82,7 @@ def test_node_loads_from_the_store_over_mtls_with_its_token(secure_store, tiny_l
         finally:
             node.stop()
     assert STORE_TOKEN not in caplog.text
-    assert STORE_TOKEN not in repr(node.node.settings)
+    assert STORE_TOKEN not in repr(node.node.config)
 
 
 def test_a_wrong_store_token_is_a_clear_error_for_the_caller(secure_store, tiny_llama_path, pki, caplog) -> None:
@@ -103,8 +102,8 @@ def test_a_store_refusing_the_nodes_tls_is_a_clear_error_not_a_wait_for_the_dead
     each handshake. The caller gets FAILED_PRECONDITION naming the flags to fix, well before
     the node's fetch deadline (60 s) and its own (30 s: a wait would end DEADLINE_EXCEEDED)."""
     store, _ = secure_store
-    settings = dataclasses.replace(node_settings(tiny_llama_path, store, pki, STORE_TOKEN),
-                                   store_tls=ClientTLS(ca=pki.ca, flag="--store-tls"))
+    settings = node_settings(tiny_llama_path, store, pki, STORE_TOKEN).replace(
+        store_tls=ClientTLS(ca=pki.ca, flag="--store-tls"))
     err = adapter_request_error(settings, 30)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
     details = err.details()
@@ -127,7 +126,7 @@ def test_fetch_gives_up_on_a_refused_tls_handshake(secure_store, pki) -> None:
 def test_an_adapter_above_the_nodes_size_limit_is_refused_before_download(secure_store, tiny_llama_path,
                                                                            pki) -> None:
     store, _ = secure_store
-    settings = dataclasses.replace(node_settings(tiny_llama_path, store, pki, STORE_TOKEN), max_adapter_bytes=1000)
+    settings = node_settings(tiny_llama_path, store, pki, STORE_TOKEN).replace(max_adapter_bytes=1000)
     node = InProcessNode(settings)
     try:
         with NodeClient(node.address) as client:
@@ -186,4 +185,4 @@ def test_tokens_stay_out_of_help_and_reprs(monkeypatch) -> None:
         assert STORE_TOKEN not in text
     assert "ADAPTER_STORE_TOKEN" in texts[0] and "INFERENCE_NODE_STORE_TOKEN" in texts[3]
     assert STORE_TOKEN not in repr(StoreSettings(bucket="b", token=STORE_TOKEN))
-    assert STORE_TOKEN not in repr(NodeSettings(store_token=STORE_TOKEN))
+    assert STORE_TOKEN not in repr(NodeConfig.of(store_token=STORE_TOKEN))
