@@ -315,12 +315,12 @@ def rank_config(config: dict, tp: int) -> dict:
 
 
 def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, max_positions: int,
-                 tuning=None, tiny: bool = False, model: str = "llama-1b-random", tp: int = 1):
+                 gemm_groups=None, tiny: bool = False, model: str = "llama-1b-random", tp: int = 1):
     """(config, LlamaModel) of a RANDOM_MODELS shape (Llama-3.2-1B's by default, TINY_LLAMA's
     with `tiny`: smoke runs) with random weights (`layers` of them if given): made on the
     device where the shape's weights are made at load (8B, 70B), else through a checkpoint
-    written to a temporary directory; `tuning`: the model's kernels' (None: the node's
-    defaults); `tp` > 1: one tensor-parallel rank's shapes (rank_config)."""
+    written to a temporary directory; `gemm_groups`: the projections laid out for the decode
+    GEMM (None: the node's defaults); `tp` > 1: one tensor-parallel rank's shapes (rank_config)."""
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
     from kernels.tuning import DEFAULT_TUNING
@@ -338,7 +338,7 @@ def random_model(device: torch.device, dtype: torch.dtype, layers: int | None, m
             ckpt = write_random_checkpoint(Path(tmp) / "model", config, dtype, device)
         return (ModelConfig.from_checkpoint(ckpt),
                 LlamaModel.load(ckpt, device, dtype, max_positions=max_positions,
-                                tuning=tuning or DEFAULT_TUNING,
+                                gemm_groups=gemm_groups or DEFAULT_TUNING.gemm_groups,
                                 load_format="dummy" if made_at_load else "safetensors"))
 
 

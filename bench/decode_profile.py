@@ -16,7 +16,7 @@ eager run under torch.profiler, the GPU time per kernel family per forward.
         --mode default --mode "fold_tilings=gate_up=32.128.4/silu_row_tile=512.2"
 
 Modes, timed side by side (interleaved bursts of graph replays, GPU time): default (the node's
-defaults, kernels/tuning.py), serial (LoRA added after each matmul: inference_node/lora_step/
+defaults, kernels/tuning.py), serial (LoRA added after each matmul: inference_node/runner/lora/
 eager.py), or launch choices other than the defaults, NAME=VALUE joined by "/", each NAME a
 Tuning field and VALUE in the form of `inference-node serve --NAME` (gemm_groups sets the
 weights' layout and stays).
@@ -44,7 +44,7 @@ from bench.common import (RANDOM_MODELS, SINGLE_GROUP_CONFIGS, config_slots, fam
 def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> list:
     """Decode chunks of `batch` sequences at `context` tokens, request i on slots[i % n], in
     the engine's row order for graph steps (grouped by slot)."""
-    from inference_node.engine.decode_graphs import ordered
+    from inference_node.runner.decode_graphs import ordered
 
     per_seq = -(-(context + 1) // block_size)
     chunks = []
@@ -78,7 +78,7 @@ def graph_timeline(graph, reps: int) -> list[dict]:
     return sorted(kernels, key=lambda k: k["start"])
 
 
-SIDE_FAMILIES = ("lora_shrink", "lora_expand")  # what the side stream runs (lora_step/overlap.py)
+SIDE_FAMILIES = ("lora_shrink", "lora_expand")  # what the side stream runs (runner/lora/overlap.py)
 
 
 def print_timeline(label: str, kernels: list[dict], reps: int) -> None:
@@ -160,7 +160,7 @@ def burst_ms(graph, reps: int) -> float:
 def single_group_variants(names: list[str]) -> dict:
     """DecodeGraphs' group_variants with one variant per fused group added, where a config
     of adapters on one group is profiled (else the default variants)."""
-    from inference_node.engine.decode_graphs import LORA_GROUP_VARIANTS
+    from inference_node.runner.decode_graphs import LORA_GROUP_VARIANTS
     from inference_node.model.llama import FUSED_MODULES
 
     if not set(names) & set(SINGLE_GROUP_CONFIGS):
@@ -201,10 +201,11 @@ def main() -> None:
     args = p.parse_args()
     modes = args.modes or ["default", "serial"]
 
-    from inference_node.engine.decode_graphs import DecodeGraphs, GraphLora
+    from inference_node.runner.decode_graphs import DecodeGraphs, GraphLora
+    from inference_node.runner.launches import StepLaunches
     from inference_node.engine.kv_cache import KVCache
-    from inference_node.lora_step.eager import StepLoraApplier
-    from inference_node.lora_step.overlap import LoraOverlap
+    from inference_node.runner.lora.eager import StepLoraApplier
+    from inference_node.runner.lora.overlap import LoraOverlap
     from inference_node.parallel.shard import tensor_parallel_tuning
     from kernels.tuning import DEFAULT_TUNING, tuning_from_text
     from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
@@ -233,7 +234,8 @@ def main() -> None:
         else:
             factory = LoraOverlap(buffers, args.batch, steps.base).applier
         lora = GraphLora(factory, buffers.max_loras, buffers.groups_of, buffers.module_rows)
-        graphs = DecodeGraphs(model.with_step_tunings(steps), kv, scratch_block=args.batch * per_seq,
+        graphs = DecodeGraphs(model, StepLaunches(device, steps, model.gemm_groups), kv,
+                              scratch_block=args.batch * per_seq,
                               max_model_len=max_len, max_batch=args.batch, lora=lora,
                               **single_group_variants(names))
         graphs.sizes = [args.batch]  # only the batch size profiled here

@@ -105,7 +105,7 @@ class Driver:
     def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
             max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
         from inference_node.engine.request import Request, SamplingParams
-        from inference_node.engine.token_feedback import SampledTokens
+        from inference_node.runner.token_feedback import SampledTokens
 
         engine = self.engine
         records = [ReqRecord() for _ in specs]
@@ -198,10 +198,11 @@ class Driver:
                 waited[0] += time.perf_counter() - t
 
         SampledTokens.wait = timed_wait
-        hooked = [(engine.model, "forward")]
-        for graphs in ("decode_graphs", "mixed_graphs"):
-            if getattr(engine, graphs, None) is not None:
-                hooked.append((getattr(engine, graphs), "run"))
+        runner = engine.runner
+        hooked = [(runner.model, "forward")]
+        for graphs in (runner.decode_graphs, runner.piecewise_graphs):
+            if graphs is not None:
+                hooked.append((graphs, "run"))
         engine.scheduler.schedule = schedule
         for obj, name in hooked:
             setattr(obj, name, timed(getattr(obj, name)))
@@ -306,4 +307,4 @@ def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) 
             raise RuntimeError(f"adapters still loading after {timeout:.0f}s: {sorted(pending)[:5]}")
     if failed:
         raise RuntimeError(f"adapters failed to load: {failed[:3]}")
-    sync(engine.model.device)
+    sync(engine.runner.model.device)

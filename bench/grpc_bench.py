@@ -296,8 +296,8 @@ class NodeProcess:
 
         with NodeClient(self.target) as client:
             s = client.stats()
-        return {"graph": s.graph_steps, "piecewise": s.mixed_graph_steps,
-                "eager_decode": s.eager_decode_steps, "mixed": s.mixed_steps}
+        return {"graph": s.graph_steps, "piecewise": s.piecewise_graph_steps,
+                "eager_decode": s.eager_decode_steps, "mixed": s.eager_prefill_steps}
 
     def pin(self, names: list[str]) -> None:
         from lora.v1 import inference_pb2 as pb
@@ -367,9 +367,9 @@ def run_engine_rows(args, checkpoint: Path, adapters: Path, dummy: bool, plan) -
         before = dict(engine.stats.__dict__)
         records, _ = driver.run(specs, lambda s: adapter_of[id(s)])
         steps = {"graph": engine.stats.graph_steps - before["graph_steps"],
-                 "piecewise": engine.stats.mixed_graph_steps - before["mixed_graph_steps"],
+                 "piecewise": engine.stats.piecewise_graph_steps - before["piecewise_graph_steps"],
                  "eager_decode": engine.stats.eager_decode_steps - before["eager_decode_steps"],
-                 "mixed": engine.stats.mixed_steps - before["mixed_steps"]}
+                 "mixed": engine.stats.eager_prefill_steps - before["eager_prefill_steps"]}
         out.append(Result(row, "engine", conc, [Record(r.submit, r.first, r.last, r.done or r.submit, r.tokens,
                                                        r.error) for r in records], steps))
         print(f"# {format_row(summarize(out[-1]))}", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 serving_bench.py's TTFT column is mostly prefill: in its closed loop a wave of 64 prompts is
 prefilled in chunks of up to 2048 tokens, eagerly (no CUDA graph), and a LoRA row adds a
-shrink and an expand launch per fused projection (inference_node/lora_step/eager.py). This script builds such
+shrink and an expand launch per fused projection (inference_node/runner/lora/eager.py). This script builds such
 a chunk (sequences of one prompt length, sequence i on adapter i mod N) and prints, per
 configuration, the forward's GPU time, the host's time to queue it (a prefill step is
 host-bound when the two are close: its launches cost more host time than GPU time) and, from
@@ -106,9 +106,11 @@ def main() -> None:
                    help="also print the host's Python profile of N forwards (where queueing time goes)")
     args = p.parse_args()
 
-    from inference_node.lora_step.eager import build_applier
-    from inference_node.engine.batch import build_forward_batch
     from inference_node.engine.kv_cache import KVCache
+    from inference_node.model.launch import LaunchChoices
+    from inference_node.runner.batch import build_forward_batch
+    from inference_node.runner.lora.eager import applier_for_slots
+    from kernels.tuning import DEFAULT_TUNING
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
@@ -117,6 +119,7 @@ def main() -> None:
     cfg, model = random_model(device, dtype, args.layers, args.prompt + 16, tiny=args.tiny)
     kv = KVCache(cfg, args.seqs * -(-args.prompt // block) + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
+    launch = LaunchChoices.of(device, DEFAULT_TUNING)
     tokens = args.seqs * args.prompt
     print(f"device {torch.cuda.get_device_name(device) if cuda else 'CPU'}; {cfg.num_layers} layers; "
           f"prefill of {args.seqs} x {args.prompt} = {tokens} tokens, eager")
@@ -124,10 +127,11 @@ def main() -> None:
     for n in names:
         chunks = prompt_chunks(args.seqs, args.prompt, block, plan[n])
         batch = build_forward_batch(chunks, block, device)
-        applier = build_applier(buffers, chunks) if plan[n] else None
+        applier = (applier_for_slots(buffers, [(c.request.lora_slot, c.num_new_tokens) for c in chunks])
+                   if plan[n] else None)
 
         def run(batch=batch, applier=applier):
-            return model.forward(batch, kv.k, kv.v, applier)
+            return model.forward(batch, kv.k, kv.v, launch, applier)
 
         run()  # compiles
         ms = timed_ms(run, args.reps, cuda)

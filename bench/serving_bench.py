@@ -8,7 +8,7 @@ Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one tab
     python -m bench.serving_bench --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
 
 Rows (every one runs the same requests, in the same process):
-  a     base model, LoRA disabled (Engine(lora=None))
+  a     base model, LoRA disabled (build_engine(lora=None))
   b     LoRA enabled (slots allocated), no request uses an adapter
   c-N   N distinct adapters of rank 16 on all seven projections (N = 1, 8, 32, 128)
   d     32 adapters of rank 8 on q_proj and v_proj only
@@ -87,9 +87,9 @@ class RowResult:
 
 # -- the engine ---------------------------------------------------------------------------------------
 def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_graphs: bool,
-                 use_mixed: bool = False):
-    from inference_node.engine.engine import Engine, EngineConfig
-    from inference_node.lora_step.plan import LoraStepPlan
+                 use_mixed: bool = False, launches=None):
+    from inference_node.engine.build import build_engine as engine_for
+    from inference_node.engine.config import EngineConfig
 
     kw = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
               max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
@@ -99,23 +99,20 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
         kw["decode_graphs"] = use_graphs
     if "max_graph_batch" in names:
         kw["max_graph_batch"] = args.concurrency
-    if "mixed_graphs" in names:
-        kw["mixed_graphs"] = use_mixed
+    if "piecewise_graphs" in names:
+        kw["piecewise_graphs"] = use_mixed
     if "prefill_delay_factor" in names and len(args.prefill_delay_factor) == 1:
         kw["prefill_delay_factor"] = args.prefill_delay_factor[0]
-    plan = LoraStepPlan(lora.buffers, model.tuning) if lora is not None else None
-    engine = Engine(model, EngineConfig(**kw), lora=lora, lora_plan=plan)
+    engine = engine_for(model, EngineConfig(**kw), lora=lora, launches=launches)
+    runner = engine.runner
     if args.warmup == "engine":
         # The node's start-up warm-up (what Engine.start runs before serving), instead of
         # running each row's workload untimed: the timed runs' compile counts then say
         # whether the warm-up alone leaves anything to compile under requests.
-        from inference_node.engine.warmup import warm_up
-
         started = time.perf_counter()
-        engine.warmup_forwards = warm_up(engine)
-        engine.warmup_seconds = time.perf_counter() - started
-        log.info("engine warm-up: %d forwards in %.1fs", engine.warmup_forwards, engine.warmup_seconds)
-    graphs = getattr(engine, "decode_graphs", None)
+        runner.warm_up()
+        log.info("engine warm-up: %d forwards in %.1fs", runner.warmup_forwards, time.perf_counter() - started)
+    graphs = runner.decode_graphs
     if graphs is not None:
         # What Engine.start does before its loop (this benchmark drives run_once itself).
         started = time.perf_counter()
@@ -124,8 +121,8 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
             log.info("decode graphs captured in %.1fs", time.perf_counter() - started)
         except Exception:
             log.exception("decode graph capture failed: decode runs eagerly")
-            engine.decode_graphs = None
-    mixed = getattr(engine, "mixed_graphs", None)
+            runner.decode_graphs = None
+    mixed = runner.piecewise_graphs
     if mixed is not None:
         started = time.perf_counter()
         try:
@@ -133,7 +130,7 @@ def build_engine(model, lora, args, max_model_len: int, num_blocks: int, use_gra
             log.info("piecewise graphs captured in %.1fs", time.perf_counter() - started)
         except Exception:
             log.exception("piecewise graph capture failed: prefill and mixed steps run eagerly")
-            engine.mixed_graphs = None
+            runner.piecewise_graphs = None
     return engine
 
 
@@ -168,10 +165,10 @@ def run_engine_row(row: Row, engine, specs: list[Spec], args, device: torch.devi
         log.warning("row %s: compiled during the timed run: %s", row.key, what[:300])
     if graph_before is not None:
         result.graph_steps = engine.stats.graph_steps - graph_before
-    if "mixed_graph_steps" in stats_before:
+    if "piecewise_graph_steps" in stats_before:
         after = engine.stats.__dict__
-        result.other_steps = (after["mixed_graph_steps"] - stats_before["mixed_graph_steps"],
-                              after["mixed_steps"] - stats_before["mixed_steps"]
+        result.other_steps = (after["piecewise_graph_steps"] - stats_before["piecewise_graph_steps"],
+                              after["eager_prefill_steps"] - stats_before["eager_prefill_steps"]
                               + after["eager_decode_steps"] - stats_before["eager_decode_steps"])
     return result
 
@@ -276,7 +273,7 @@ class Summary:
     adapters_per_step: float = float("nan")
     decode_steps: int = 0
     graph_steps: int | None = None
-    piecewise_steps: int | None = None  # other steps replayed piece by piece (mixed_graphs.py)
+    piecewise_steps: int | None = None  # other steps replayed piece by piece (piecewise_graphs.py)
     eager_steps: int | None = None      # steps run eagerly
     output_tokens: int = 0
     # decode_tps counts the decode steps whose call did not also launch a prefill or mixed
@@ -495,6 +492,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.adapters.sources import LocalDirSource
     from inference_node.model.config import ModelConfig
     from inference_node.model.llama import LlamaModel
+    from inference_node.runner.launches import StepLaunches
     from kernels.tuning import tuning_from_text
     from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
 
@@ -536,8 +534,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     table = load_table(args.tuning_table, device_name(device), ModelShape.of(cfg))
     steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
     log.info("tuning table: %s", table.path if table is not None else f"none ({args.tuning_table})")
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len, tuning=steps.base,
-                            load_format=load_format, step_tunings=steps)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len,
+                            gemm_groups=steps.base.gemm_groups, load_format=load_format)
+    launches = StepLaunches(device, steps, model.gemm_groups)
     itemsize = dtype.itemsize
     abytes = {n: adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) for n in r16}
     abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
@@ -611,7 +610,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     engines: dict[str, object] = {}
     manager = None
     if base_rows:
-        engines["base"] = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
+        engines["base"] = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed, launches)
     if lora_rows:
         names = list(dict.fromkeys(n for r in lora_rows for n in r.pool))
         slots = max(len(names), 1)
@@ -621,7 +620,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
                                  max_cpu_loras=slots if cuda else 1, pin_host_memory=cuda)
         log.info("LoRA: %d slots, %.2f GB", slots, buffers.nbytes() / 1e9)
         try:
-            engines["lora"] = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
+            engines["lora"] = build_engine(model, manager, args, max_model_len, num_blocks, use_graphs, args.use_mixed, launches)
             t = time.perf_counter()
             preload_adapters(engines["lora"], manager, names)
             log.info("%d adapters pinned in slots in %.1fs", len(names), time.perf_counter() - t)
@@ -644,7 +643,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
 
     if control is not None:  # row a again, on a fresh engine: what order and drift alone do
         rows.insert(rows.index(next(r for r in rows if r.key == "a")) + 1, control)
-        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed)
+        engine = build_engine(model, None, args, max_model_len, num_blocks, use_graphs, args.use_mixed, launches)
         run_guarded(control, lambda: run_engine_row(control, engine, specs, args, device))
         engine = None
         release()

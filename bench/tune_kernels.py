@@ -28,7 +28,7 @@ With --fields fold (or base,fold) it sweeps the tilings of the decode GEMM with 
 (Tuning.fold_tilings; kernels/gemm/fold.py), which steps with adapters run: per group, batch
 and adapter-count bucket (--adapters: that many distinct rank-16 adapters, the rows grouped by
 adapter as a decode graph orders them), in the mode the node's tuning runs that group in at
-that count (inference_node/lora_step/overlap.py step_lora_plan, under the node choices of the
+that count (inference_node/runner/lora/overlap.py step_lora_plan, under the node choices of the
 table already at the output path: with the defaults o folds whole, expand=True, in steps of up
 to 8 adapters, and q/k/v, gate/up and o only shrink, expand=False, in steps of more; a group of
 the table's fold_shrink_spread shrinks in its tile programs, in as many K ranges as the node
@@ -360,7 +360,7 @@ def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int,
                 copies: int, device: torch.device, dtype: torch.dtype,
                 gen: torch.Generator, splits: int = 0) -> list[GemmLora]:
     """One GemmLora per weight copy, as the LoRA step plan builds a layer's
-    (inference_node/lora_step/overlap.py): `adapters` distinct adapters of rank `rank` on every
+    (inference_node/runner/lora/overlap.py): `adapters` distinct adapters of rank `rank` on every
     slice, the batch's rows grouped by adapter in contiguous runs (as a decode graph orders
     them, DecodeGraphs._fill_lora) with a segment table of `adapters` rows (the step's
     segment bucket), deltas about as large as the base output. Adapter s holds rank rows
@@ -407,7 +407,7 @@ def folded_output(y: torch.Tensor, lora: GemmLora) -> torch.Tensor:
 def fold_modes(groups: list[str], adapters: int, tuning: Tuning = DEFAULT_TUNING) -> dict[str, bool]:
     """The groups a decode step of `adapters` distinct adapters folds under `tuning`, and
     how (GemmLora.expand): the node's plan (overlap.step_lora_plan)."""
-    from inference_node.lora_step.overlap import tuning_lora_plan
+    from inference_node.runner.lora.overlap import tuning_lora_plan
 
     plan = tuning_lora_plan(tuning, adapters)
     return {g: g in plan.folded for g in groups if g in plan.folded | plan.shrink_folded}
@@ -417,7 +417,7 @@ def fold_splits(group: str, expand: bool, adapters: int, slices: int, tuning: Tu
                 device: torch.device) -> int:
     """The K ranges the node cuts a group's shrink-only fold into (its tile programs shrink:
     Tuning.fold_shrink_spread), 0 where it has shrink programs."""
-    from inference_node.lora_step.overlap import spread_splits
+    from inference_node.runner.lora.overlap import spread_splits
     from kernels.host import num_sms
 
     if expand or group not in tuning.fold_shrink_spread:

@@ -271,7 +271,7 @@ class RunnerOptions:
         return not self.enforce_eager and _auto_on_off(self.mixed_graphs, device_type)
 
     def warmup_setting(self) -> str:
-        """The engine's warm-up setting (auto, on, off: engine/warmup.py)."""
+        """The engine's warm-up setting (auto, on, off: runner/warmup.py)."""
         return "off" if self.enforce_eager else self.warmup
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.tuning import Tuning
 from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, find_table, load_table
 
 from .adapters.direct_reads import DirectReadSettings
@@ -20,10 +19,10 @@ from .adapters.slots import SlotBuffers, rows_for_budget
 from .adapters.sources import LocalDirSource
 from .adapters.store_source import CatalogWatcher, StoreSource
 from .config import ConfigError, NodeConfig
-from .engine.engine import Engine, EngineConfig
-from .engine.kv_budget import kv_blocks_for_memory
+from .engine.build import build_engine
+from .engine.config import EngineConfig
+from .engine.engine import Engine
 from .engine.kv_cache import KVCache
-from .lora_step.plan import LoraStepPlan
 from .model.checkpoint import CheckpointError, validate_checkpoint_dir
 from .model.embedded import cache_root, default_checkpoint
 from .model.config import ModelConfig
@@ -31,6 +30,8 @@ from .model.llama import LlamaModel
 from .parallel.group import TensorParallel, init_tensor_parallel, leave_tensor_parallel
 from .parallel.shard import Shard, ShardingError, check_divisible, tensor_parallel_tuning
 from .parallel.workers import Workers
+from .runner.kv_budget import kv_blocks_for_memory
+from .runner.launches import StepLaunches
 from .tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class RankParts:
     max_num_seqs: int
     mixed_graphs: bool
     tp: TensorParallel | None
-    tuning: Tuning               # the node-wide one (the model's base; a table's buckets vary the rest per step)
+    launches: StepLaunches       # each step's launch choices (the node-wide ones, varied per bucket by a table)
     kv: KVCache | None = None    # ranks 1..N-1 only: rank 0's engine allocates its own
 
 
@@ -215,8 +216,9 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
     tunings = step_tunings(config, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
     if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
         tunings = tunings.map(tensor_parallel_tuning)
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, tuning=tunings.base,
-                            load_format=model_options.load_format, tp=tp, step_tunings=tunings)
+    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
+                            load_format=model_options.load_format, tp=tp)
+    launches = StepLaunches(device, tunings, model.gemm_groups)
     max_num_seqs = config.scheduler.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = config.runner.mixed_graphs_on(device.type)
     slots = None
@@ -228,12 +230,12 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
     elif cache.kv_cache_gb or device.type != "cuda":
         blocks = max(int((cache.kv_cache_gb or 0.5) * (1 << 30)) // per_block, 1)
     else:  # every rank runs the same measuring forward: its collectives meet
-        blocks = kv_blocks_for_memory(model, cache.gpu_memory_utilization, cache.block_size,
+        blocks = kv_blocks_for_memory(model, launches.base, cache.gpu_memory_utilization, cache.block_size,
                                       config.scheduler.max_num_batched_tokens, max_num_seqs, mixed_graphs)
     if tp is not None:
         blocks = tp.min_int(blocks)
     return RankParts(device, dtype, dtype_name, checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp,
-                     tunings.base)
+                     launches)
 
 
 def build_rank(config: NodeConfig, shard: Shard, rendezvous: str) -> RankParts:
@@ -298,12 +300,11 @@ def _assemble(config: NodeConfig, parts: RankParts, ranks: Workers | None, start
         warmup = "off"
     adapters = build_adapter_manager(config, model, device, dtype, buffers=parts.slots, disk=disk)
     blocks = parts.num_kv_blocks
-    lora_plan = LoraStepPlan(adapters.buffers, parts.tuning) if adapters is not None else None
-    engine = Engine(model, lora=adapters, lora_plan=lora_plan, ranks=ranks, config=EngineConfig(
+    engine = build_engine(model, lora=adapters, launches=parts.launches, ranks=ranks, config=EngineConfig(
         num_kv_blocks=blocks, block_size=cache.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_queue=scheduler.max_queue,
         max_model_len=model_len, prefix_caching=cache.prefix_caching,
-        decode_graphs=runner.decode_graphs_on(device.type), mixed_graphs=parts.mixed_graphs,
+        decode_graphs=runner.decode_graphs_on(device.type), piecewise_graphs=parts.mixed_graphs,
         max_graph_batch=runner.max_graph_batch or parts.max_num_seqs,
         prefill_delay_factor=scheduler.prefill_delay_factor, refill_wait_factor=scheduler.refill_wait_factor,
         warmup=warmup, debug_checks=runner.debug_checks))

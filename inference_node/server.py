@@ -102,8 +102,8 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
             prompt_tokens=snap["prompt_tokens"], cached_prompt_tokens=snap["cached_prompt_tokens"],
             block_size=self.frontend.info.block_size, model=self.frontend.info.model_name,
             preemptions=snap["preemptions"], prefix_cache=rows, graph_steps=snap["graph_steps"],
-            eager_decode_steps=snap["eager_decode_steps"], mixed_steps=snap["mixed_steps"],
-            mixed_graph_steps=snap["mixed_graph_steps"], tensor_parallel_size=snap["tensor_parallel_size"],
+            eager_decode_steps=snap["eager_decode_steps"], eager_prefill_steps=snap["eager_prefill_steps"],
+            piecewise_graph_steps=snap["piecewise_graph_steps"], tensor_parallel_size=snap["tensor_parallel_size"],
             slot_table_checks=snap["slot_table_checks"])
 
     async def _core_call(self, method: str, context: grpc.aio.ServicerContext, **args):

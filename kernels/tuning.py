@@ -79,7 +79,7 @@ class Tuning:
     fold_prefetch_a: int = field(default=2048, metadata={"help": (
         "with PDL, columns of each adapter's A the shrink programs of a whole fold ask of L2 "
         "before their wait (0: none)")})
-    # -- the LoRA step plan (inference_node/lora_step) --
+    # -- the LoRA step plan (inference_node/runner/lora) --
     fold_groups: frozenset[str] = field(default=frozenset({"o"}), metadata={"help": (
         "groups whose LoRA their decode GEMM adds in the same launch (in steps of many "
         "adapters, those also in shrink_fold_groups only shrink there)")})

@@ -29,7 +29,7 @@ from lora_common.malloc import keep_freed_buffers
 
 from ..adapters.errors import AdapterError, AdapterNotFound
 from ..config import CONFIG_EXIT, ConfigError, NodeConfig
-from ..engine.engine import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
+from ..engine.errors import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
 from ..engine.request import Request, SamplingParams, StreamEvent
 from ..node import Node
 from ..parent_watch import die_with_parent, parent_alive

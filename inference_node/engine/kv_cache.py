@@ -96,6 +96,20 @@ class BlockAllocator:
     def cached_blocks(self) -> set[int]:
         return set(self._cached)
 
+    def check_owners(self, owners: dict[int, list[int]]) -> None:
+        """Each block's reference count equals its holders among `owners` (each request's
+        blocks by its id), and no request holds a block twice."""
+        holders: dict[int, int] = {}
+        for owner, blocks in owners.items():
+            if len(set(blocks)) != len(blocks):
+                raise AssertionError(f"request {owner} holds a KV block twice")
+            for b in blocks:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(self.num_blocks):
+            if self._refs[b] != holders.get(b, 0):
+                raise AssertionError(f"KV block {b} has ref count {self._refs[b]}, "
+                                     f"held by {holders.get(b, 0)} live requests")
+
     def check_consistency(self) -> None:
         """Every block is exactly one of free, owned, cached-idle."""
         free, idle = set(self._free), set(self._idle)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 # token_at's answer for a position whose token was sampled but is still on the device: the
@@ -117,3 +119,21 @@ class Request:
     def in_prefill(self) -> bool:
         """True while more than the last token still needs its KV computed."""
         return self.num_tokens - self.num_computed > 1
+
+    def stream(self, reason: str | None = None, error: BaseException | None = None) -> None:
+        """Sends the tokens not streamed yet, and with `reason` the end of the answer."""
+        new_ids = self.output_token_ids[self.emitted_tokens:]
+        first = self.emitted_tokens == 0
+        self.emitted_tokens = len(self.output_token_ids)
+        event = StreamEvent(token_ids=new_ids, finish_reason=reason, error=error)
+        if first or reason is not None:  # what the answer was computed with, known from its start
+            event.cached_prompt_tokens = self.num_cached_prompt_tokens
+            event.adapter_version = self.adapter_version
+        if reason is not None:
+            event.prompt_tokens = len(self.prompt_token_ids)
+            event.completion_tokens = len(self.output_token_ids)
+        if new_ids or reason is not None:
+            try:
+                self.emit(event)
+            except Exception:  # a broken consumer must not stop the engine loop
+                log.exception("request %s: emit failed", self.id)

@@ -34,8 +34,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
+from .config import EngineConfig
 from .kv_cache import BlockAllocator
 from .prefix_cache import PrefixCache
 from .request import Request, Status
@@ -46,6 +47,18 @@ class AdapterBinder(Protocol):
 
     def try_bind(self, request: Request) -> bool: ...
     def release(self, request: Request) -> None: ...
+
+
+class LoraProvider(AdapterBinder, Protocol):
+    """The adapters' lifecycles: which adapter version a request binds to and when its slot
+    is ready (inference_node.adapters.AdapterManager)."""
+
+    def busy(self) -> bool: ...
+    def prepare(self, waiting: Iterable[Request]) -> None: ...
+    def collect_failures(self, waiting: Iterable[Request]) -> list[tuple[Request, Exception]]: ...
+    def check_consistency(self, live: Iterable[Request]) -> None: ...
+    def set_namespace_listener(self, on_dropped: Callable[[str], object]) -> None: ...
+    def numerical_fault(self, request: Request) -> Exception: ...
 
 
 class BaseModelOnly:
@@ -65,6 +78,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     prefill_delay_factor: float = 0.0  # 0: admit waiting requests as soon as they fit
     refill_wait_factor: float = 1.0    # after a burst of finishes, wait this x the last prefill step for its replacements (0: off)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "SchedulerConfig":
+        """The scheduler's part of the engine's settings."""
+        return cls(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                   config.prefill_delay_factor, config.refill_wait_factor)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,35 +3,17 @@
 Rank 0 is the engine core process: it alone runs the scheduler, the KV block allocator, the
 prefix cache and the adapter manager. Ranks 1..N-1 are processes it spawns; each holds its
 shard of the model, of the KV cache (its own KV heads, the same block ids) and of the adapter
-slots, and does what rank 0 tells it, in order, over one ZeroMQ socket (msgpack, adapter
-tensors as raw frames, never pickle):
-
-- CAPTURE: build and capture the decode graphs and the piecewise graphs rank 0 captures, in
-  the same order (each graph's collectives meet the same graph's on the other ranks).
-- GRAPH: a decode step rank 0 staged for its graph (DecodeGraphs.mirror): its packed input
-  buffers as raw frames; the rank copies them into its own graph's buffers and replays the
-  same graph. The token ids go from rank 0 to the others by a broadcast inside the graph.
-- PIECES: the same for a step with prompt tokens (MixedGraphs.mirror): the rank runs the
-  same pieces with attention between them.
-- STEP: an eager step's host inputs (positions, slot mapping, block tables, ...) and each chunk's
-  adapter slot. The token ids follow as a broadcast from rank 0's device (a decode row's
-  token is the previous step's sample, which only rank 0's device holds), then every rank
-  runs the same forward, meeting at the same collectives. Rank 0 samples; the others drop
-  the logits.
-- WRITE / CLEAR: rank 0's adapter manager wrote or freed a slot (SlotBuffers.on_write and
-  on_free); the rank places the same adapter at the same arena rows (a write carries the
-  first row of each module's run) and writes its shard of it there, or frees the slot's
-  rows, so every rank's slot table stays rank 0's.
-- REPORT: the rank answers its slot table (rank 0 compares them: check_slot_tables).
-- STOP.
+slots, and does what rank 0 tells it, in order, over one ZeroMQ socket (the typed messages of
+wire.py). Every step rank 0's model runner staged goes to them first (Workers.mirror), and
+their runner runs it the same way (runner/rank.py), meeting rank 0 at the forward's
+collectives; every adapter slot rank 0 writes or frees is written or freed alike, at the same
+arena rows, so every rank's slot table stays rank 0's (check_slot_tables compares them).
 
 The control line is ZeroMQ rather than a collective so an idle node waits without a
 collective's timeout; a rank that dies ends the node (rank 0 watches every rank's process).
 """
 from __future__ import annotations
 
-import dataclasses
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -42,45 +24,21 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-import msgpack
-import numpy as np
 import torch
 import zmq
 
 from ..adapters.weights import AdapterWeights
-from ..engine.batch import HostBatch
-from ..engine.decode_graphs import DecodeGraphs, StagedStep
-from ..engine.graph_plan import GraphPlan
-from ..engine.mixed_graphs import MixedGraphs, StagedPieces, StepShape
 from ..parent_watch import die_with_parent
-from .group import TensorParallel, leave_tensor_parallel
+from ..runner.graph_plan import GraphPlan
+from ..runner.launches import StepLaunches
+from ..runner.lora.plan import LoraStepPlan
+from ..runner.rank import RankRunner
+from ..runner.runner import Staged
+from . import wire
+from .group import leave_tensor_parallel
 from .shard import Shard
 
 log = logging.getLogger(__name__)
-
-STEP, WRITE, CLEAR, REPORT, STOP, READY, TABLE = "step", "write", "clear", "report", "stop", "ready", "table"
-CAPTURE, GRAPH, PIECES = "capture", "graph", "pieces"
-
-
-def _pack(message: list) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def _normalised(table: list) -> list:
-    """A slot table as it reads after the wire (tuples become lists)."""
-    return _unpack(_pack(table))
-
-
-def _tensor_frame(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy())
-
-
-def _frame_tensor(frame: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(frame), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
 class Workers:
@@ -126,9 +84,9 @@ class Workers:
         pending = set(range(1, self.size))
         while pending:
             if self.replies.poll(1000):
-                kind, rank, *_ = _unpack(self.replies.recv())
-                if kind == READY:
-                    pending.discard(rank)
+                reply = wire.decode_reply(self.replies.recv())
+                if isinstance(reply, wire.Ready):
+                    pending.discard(reply.rank)
             dead = [p.name for p in self.procs if not p.is_alive()]
             if dead and pending:
                 raise RuntimeError(f"tensor-parallel rank(s) {', '.join(dead)} died while loading (see the log above)")
@@ -140,61 +98,35 @@ class Workers:
         slots.on_free = self.clear_slot
 
     # -- per step and per slot change (the engine thread) ------------------------------------------
-    def step(self, host: HostBatch, chunk_slots: list[tuple[int, int]], tp: TensorParallel,
-             input_ids: torch.Tensor) -> None:
-        message = _pack([STEP, host.positions, host.slot_mapping, host.block_tables, host.query_start_loc,
-                         host.seq_lens, host.logits_indices, host.max_query_len, chunk_slots])
-        for sock in self.controls:
-            sock.send(message)
-        tp.broadcast(input_ids, 0)
-
-    def graph_step(self, step: StagedStep) -> None:
-        header = _pack([GRAPH, list(step.key), step.rows, step.width, [list(seg) for seg in step.segments]])
-        frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
-        for sock in self.controls:  # copied: the buffers are reused while a message may still be queued
-            sock.send_multipart(frames)
-
-    def pieces_step(self, step: StagedPieces) -> None:
-        shape = dataclasses.astuple(step.shape)
-        header = _pack([PIECES, list(shape), step.width, [list(seg) for seg in step.segments]])
-        frames = [header, memoryview(step.int64), memoryview(step.int32), memoryview(step.table)]
-        for sock in self.controls:  # copied: the buffers are reused while a message may still be queued
-            sock.send_multipart(frames)
+    def mirror(self, step: Staged) -> None:
+        """Sends a step rank 0's runner staged: the other ranks run it the same way."""
+        self._send(wire.step_frames(step))
 
     def capture_graphs(self, plan: GraphPlan) -> None:
-        for sock in self.controls:
-            sock.send(_pack([CAPTURE, dataclasses.asdict(plan)]))
+        self._send([wire.encode(wire.Capture(plan))])
 
     def write_slot(self, slot: int, weights: AdapterWeights, firsts: dict[str, int]) -> None:
-        keys = sorted(weights.tensors)
-        header = [WRITE, slot, weights.name, weights.version, weights.rank, float(weights.scaling),
-                  list(weights.target_modules), firsts,
-                  [[layer, module, str(a.dtype).removeprefix("torch."), list(a.shape), list(b.shape)]
-                   for (layer, module), (a, b) in ((k, weights.tensors[k]) for k in keys)]]
-        frames: list = [_pack(header)]
-        for key in keys:
-            a, b = weights.tensors[key]
-            frames += [_tensor_frame(a), _tensor_frame(b)]
-        for sock in self.controls:
-            sock.send_multipart(frames)
+        self._send(wire.write_frames(slot, weights, firsts))
 
     def clear_slot(self, slot: int) -> None:
-        for sock in self.controls:
-            sock.send(_pack([CLEAR, slot]))
+        self._send([wire.encode(wire.ClearSlot(slot))])
+
+    def _send(self, frames: list) -> None:
+        for sock in self.controls:  # copied: staged buffers are reused while a message may still be queued
+            sock.send_multipart(frames)
 
     # -- checks ----------------------------------------------------------------------------------
     def slot_tables(self) -> list[list]:
-        """Every rank's slot table, rank 0's first (as they read after the wire)."""
-        for sock in self.controls:
-            sock.send(_pack([REPORT]))
+        """Every rank's slot table, rank 0's first."""
+        self._send([wire.encode(wire.ReportSlots())])
         tables: dict[int, list] = {}
         while len(tables) < self.size - 1:
             if not self.replies.poll(30_000):
                 raise RuntimeError("a tensor-parallel rank did not report its slot table")
-            kind, rank, table = _unpack(self.replies.recv())
-            if kind == TABLE:
-                tables[rank] = table
-        own = _normalised(list(self.slots.table)) if self.slots is not None else []
+            reply = wire.decode_reply(self.replies.recv())
+            if isinstance(reply, wire.SlotTable):
+                tables[reply.rank] = reply.table
+        own = list(self.slots.table) if self.slots is not None else []
         return [own] + [tables[r] for r in range(1, self.size)]
 
     def check_slot_tables(self) -> None:
@@ -215,7 +147,7 @@ class Workers:
         self._stopping = True
         for sock in self.controls:
             try:
-                sock.send(_pack([STOP]), zmq.NOBLOCK)
+                sock.send(wire.encode(wire.Stop()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         if leave is not None:
@@ -259,19 +191,19 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
     out.setsockopt(zmq.LINGER, 1000)
     out.connect(reply)
     built = build_rank(settings, Shard(rank, size), rendezvous)
-    worker = RankWorker(built.model, built.kv, built.slots, built.tp, built.tuning)
-    out.send(_pack([READY, rank]))
+    worker = RankWorker(built.model, built.kv, built.slots, built.launches)
+    out.send(wire.encode(wire.Ready(rank)))
     log.info("tensor-parallel rank %d of %d ready", rank, size)
     try:
         while True:
             frames = inbox.recv_multipart()
-            message = _unpack(frames[0])
-            if message[0] == STOP:
+            message = wire.decode_control(frames[0])
+            if isinstance(message, wire.Stop):
                 worker.release_graphs()
                 leave_tensor_parallel()
                 return
-            if message[0] == REPORT:
-                out.send(_pack([TABLE, rank, worker.table()]))
+            if isinstance(message, wire.ReportSlots):
+                out.send(wire.encode(wire.SlotTable(rank, worker.table())))
                 continue
             worker.handle(message, frames[1:])
     except Exception:
@@ -283,105 +215,32 @@ def run_worker(build_rank: Callable[..., Any], settings, rank: int, size: int, r
 
 
 class RankWorker:
-    """One rank's model shard, KV cache and adapter slots, driven by rank 0's messages."""
+    """One rank's adapter slots and runner (its model shard and KV cache), driven by rank 0's
+    messages."""
 
-    def __init__(self, model, kv, slots, tp: TensorParallel, tuning) -> None:
-        self.model, self.kv, self.slots, self.tp, self.tuning = model, kv, slots, tp, tuning
-        self.device = model.device
-        self.graphs: DecodeGraphs | None = None
-        self.pieces: MixedGraphs | None = None
+    def __init__(self, model, kv, slots, launches: StepLaunches) -> None:
+        self.slots, self.device = slots, model.device
+        lora = LoraStepPlan(slots, launches.base.tuning) if slots is not None else None
+        self.runner = RankRunner(model, launches, kv, lora)
 
     def release_graphs(self) -> None:
-        """Drops the captured graphs before the group ends (their collectives may hold it)."""
-        self.graphs = self.pieces = None
-        gc.collect()
+        self.runner.release_graphs()
 
     def table(self) -> list:
-        return _normalised(list(self.slots.table)) if self.slots is not None else []
+        return list(self.slots.table) if self.slots is not None else []
 
-    def handle(self, message: list, frames: list[bytes]) -> None:
-        kind = message[0]
-        if kind == STEP:
-            self.step(*message[1:])
-        elif kind == GRAPH:
-            self.graph_step(message, frames)
-        elif kind == PIECES:
-            self.pieces_step(message, frames)
-        elif kind == CAPTURE:
-            self.capture(GraphPlan(**message[1]))
-        elif kind == WRITE:
-            self.write(message, frames)
-        elif kind == CLEAR:
-            self.slots.free(message[1])
+    def handle(self, message: wire.Control, frames: list[bytes]) -> None:
+        if isinstance(message, (wire.DecodeGraphStep, wire.PiecewiseStep, wire.EagerInputs)):
+            self.runner.run(wire.staged(message, frames))
+        elif isinstance(message, wire.Capture):
+            self.runner.capture(message.plan)
+        elif isinstance(message, wire.WriteSlot):
+            weights = wire.written(message, frames)
+            self.slots.place_at(message.slot, self.slots.ranks_of(weights), message.firsts)
+            event = self.slots.write(message.slot, weights)
+            if event is not None:  # the next step reads the slot: it waits for the copy on the device
+                torch.cuda.current_stream(self.device).wait_event(event)
+        elif isinstance(message, wire.ClearSlot):
+            self.slots.free(message.slot)
         else:
-            raise ValueError(f"unknown control message {kind!r}")
-
-    @torch.inference_mode()
-    def step(self, positions, slot_mapping, block_tables, query_start_loc, seq_lens, logits_indices,
-             max_query_len, chunk_slots) -> None:
-        from ..lora_step.eager import applier_for_slots
-
-        ids = torch.empty(len(positions), dtype=torch.long, device=self.device)
-        self.tp.broadcast(ids, 0)
-        host = HostBatch([], [], [], positions, slot_mapping, block_tables, query_start_loc, seq_lens,
-                         logits_indices, max_query_len)
-        batch = host.to_device(self.device, input_ids=ids)
-        applier = None
-        if self.slots is not None and any(slot >= 0 for slot, _ in chunk_slots):
-            applier = applier_for_slots(self.slots, chunk_slots)
-        # Rows and distinct adapters counted as rank 0's engine counts them, from the same
-        # step: with the one tuning table every rank reads, every rank takes the same bucket.
-        adapters = len({slot for slot, _ in chunk_slots if slot >= 0})
-        self.model.for_step(len(positions), adapters).forward(batch, self.kv.k, self.kv.v, applier)
-
-    def capture(self, plan: GraphPlan) -> None:
-        """The graphs rank 0 has: the same sizes, buckets and LoRA variants, captured in its
-        order (decode graphs, then the pieces). The feedback buffer only gives the graphs'
-        token gather a valid place to read: the broadcast from rank 0 replaces what it reads."""
-        from ..lora_step.plan import LoraStepPlan
-
-        plan_lora = LoraStepPlan(self.slots, self.tuning) if self.slots is not None else None
-        feedback = torch.zeros(plan.feedback_rows, dtype=torch.long, device=self.device)
-        if plan.decode_batch:
-            self.graphs = DecodeGraphs(
-                self.model, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
-                max_batch=plan.decode_batch, feedback=feedback,
-                lora=plan_lora.graph_lora(plan.decode_batch) if plan_lora is not None else None)
-        if plan.pieces_tokens:
-            self.pieces = MixedGraphs(
-                self.model, self.kv, scratch_block=plan.scratch_block, max_model_len=plan.max_model_len,
-                max_tokens=plan.pieces_tokens, max_seqs=plan.pieces_seqs, feedback=feedback,
-                lora=plan_lora.mixed_lora() if plan_lora is not None else None)
-        with torch.inference_mode():
-            if self.graphs is not None:
-                self.graphs.capture_all()
-            if self.pieces is not None:
-                self.pieces.capture_all()
-
-    @torch.inference_mode()
-    def pieces_step(self, header: list, frames: list[bytes]) -> None:
-        _, shape, width, segments = header
-        self.pieces.run_staged(StagedPieces(
-            StepShape(*shape), width, np.frombuffer(frames[0], dtype=np.int64),
-            np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
-            tuple(tuple(seg) for seg in segments)))
-
-    @torch.inference_mode()
-    def graph_step(self, header: list, frames: list[bytes]) -> None:
-        _, key, rows, width, segments = header
-        self.graphs.run_staged(StagedStep(
-            tuple(key), rows, width, np.frombuffer(frames[0], dtype=np.int64),
-            np.frombuffer(frames[1], dtype=np.int32), np.frombuffer(frames[2], dtype=np.int32),
-            tuple(tuple(seg) for seg in segments)))
-
-    def write(self, header: list, frames: list[bytes]) -> None:
-        _, slot, name, version, rank, scaling, modules, firsts, shapes = header
-        tensors = {}
-        for i, (layer, module, dtype, a_shape, b_shape) in enumerate(shapes):
-            tensors[(layer, module)] = (_frame_tensor(frames[2 * i], dtype, a_shape),
-                                        _frame_tensor(frames[2 * i + 1], dtype, b_shape))
-        weights = AdapterWeights(name, version, rank, scaling, tuple(modules), tensors)
-        self.slots.place_at(slot, self.slots.ranks_of(weights), firsts)
-        event = self.slots.write(slot, weights)
-        if event is not None:  # the next step reads the slot: it waits for the copy on the device
-            torch.cuda.current_stream(self.device).wait_event(event)
+            raise ValueError(f"unexpected control message {message!r}")

@@ -28,7 +28,7 @@ from ..lora.rows import gather_rows
 # A whole fold's tiles wait for its shrink programs through two counters that only grow
 # (tickets taken, shrinks finished): launch i of a site owns tickets i*programs ..
 # (i+1)*programs - 1, so every launch on the same counters must have the same grid
-# (segments x slices + N / block_n). A site's segments pick its counters (lora_step/overlap.py);
+# (segments x slices + N / block_n). A site's segments pick its counters (runner/lora/overlap.py);
 # the tuning table may give steps of other sizes another block_n at the same segments, so the
 # counters hold one row per block_n a tiling may take.
 SYNC_BLOCK_N = (16, 32, 64, 128, 256)

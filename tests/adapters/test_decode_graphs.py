@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from harness import InProcessNode, generate_all, make_peft_adapter, peft_greedy
-from inference_node.engine.decode_graphs import graph_batch_sizes
 from inference_node.config import NodeConfig
+from inference_node.runner.decode_graphs import graph_batch_sizes
 from lora_client.node_client import NodeClient
 
 ADAPTERS = {
@@ -63,7 +63,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
     matmul. With norm_split the add + norms after o and down split their rows, except where
     the side stream expanded the delta (side_down): those take one program a row. They run in Triton (natively, or interpreted by test_triton_interpreter.py); the
     CPU reference ignores the split."""
-    from inference_node.lora_step import overlap
+    from inference_node.runner.lora import overlap
     from inference_node.model.llama import FUSED_MODULES
     from kernels.tuning import DEFAULT_TUNING
 
@@ -138,7 +138,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
         assert shrink_folded == shrink
         assert spread == ({"gate_up", "down"} if sfold == "all" else set())
         if norm_split or side_down:  # the side stream expanded down's deltas, or none
-            buffers = node.engine.decode_graphs.lora.applier.__self__.buffers
+            buffers = node.engine.runner.decode_graphs.lora.applier.__self__.buffers
             downs = {id(layer["down"].b) for layer in buffers.layers}
             assert {id(b) in downs for b in expands} == ({True} if side_down else set())
         if norm_split:
@@ -149,7 +149,7 @@ def test_graph_decode_matches_peft_for_mixed_adapters(device, norm_split, side_d
                                          if "down" not in shrink_folded else set())
             from kernels.dispatch import use_triton
 
-            split = node.engine.decode_graphs.lora.applier.__self__.beside.column_split
+            split = node.engine.runner.decode_graphs.lora.applier.__self__.beside.column_split
             assert split is not None and split.block == norm_split
             assert int(split.arrivals.count_nonzero()) == 0  # every row's count reset
             if use_triton(split.sums):  # the split kernel ran (the reference ignores it)
@@ -174,7 +174,7 @@ def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(devi
                                        adapter_dir=str(root), decode_graphs="on", max_graph_batch=4,
                                        debug_checks=True))
     try:
-        graphs = node.engine.decode_graphs
+        graphs = node.engine.runner.decode_graphs
         qkv_only = graphs.group_variants.index(frozenset({"qkv"}))
         everything = len(graphs.group_variants) - 1
 
@@ -206,9 +206,9 @@ def test_steps_replay_the_smallest_group_variant_that_covers_their_adapters(devi
 def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, tiny_llama_path,
                                                                        tmp_path, monkeypatch) -> None:
     """Steps whose rows share one adapter (some rows on the base model) run each LoRA expand
-    on the side stream into a delta buffer that the next op adds (lora_step/overlap.py,
+    on the side stream into a delta buffer that the next op adds (runner/lora/overlap.py,
     Tuning.side_expand_segments). Same tokens as PEFT; on CPU the expand calls are seen."""
-    from inference_node.lora_step import overlap
+    from inference_node.runner.lora import overlap
     from kernels.tuning import DEFAULT_TUNING
 
     expands = []
@@ -227,7 +227,7 @@ def test_single_adapter_steps_expand_beside_the_matmul_and_match_peft(device, ti
     try:
         got = generate_all(node, jobs)
         assert got == expected
-        graphs = node.engine.decode_graphs
+        graphs = node.engine.runner.decode_graphs
         assert {k[1] for k in graphs.replays if k[1] > 0} == {1} and DEFAULT_TUNING.side_expand_segments >= 1
         if device == "cpu":  # eager: every LoRA decode step called the expand itself
             assert expands
@@ -242,8 +242,8 @@ def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, t
     """Decode graphs of more rows than the decode GEMM takes (kernels.gemm
     MAX_ROWS, 64: on CPU lowered to 8 so the test stays small) run cuBLAS matmuls with the
     LoRA deltas added after them, and still match PEFT."""
-    from inference_node.lora_step import eager as plain
-    from inference_node.lora_step import overlap, plan
+    from inference_node.runner.lora import eager as plain
+    from inference_node.runner.lora import overlap, plan
 
     rows = 96 if device == "cuda" else 16
     if device == "cpu":

@@ -14,7 +14,10 @@ from bench.common import ALL_MODULES, LLAMA_3_1_8B, LLAMA_3_2_1B, QV, TINY_LLAMA
 from inference_node.engine.kv_cache import KVCache
 from inference_node.model.checkpoint import DummyTensors
 from inference_node.model.config import ModelConfig
-from inference_node.model.llama import ForwardBatch, LlamaModel
+from inference_node.model.forward import ForwardBatch
+from inference_node.model.launch import LaunchChoices
+from inference_node.model.llama import LlamaModel
+from kernels.tuning import DEFAULT_TUNING
 from inference_node.parallel.group import TensorParallel
 from inference_node.parallel.shard import COLUMN_PARALLEL, Shard
 
@@ -204,7 +207,7 @@ def test_collectives_are_those_a_decode_forward_calls(tp: int, tmp_path: Path) -
         block_tables=torch.tensor([[0], [1], [2]], dtype=torch.int32),
         query_start_loc=torch.arange(rows + 1, dtype=torch.int32), seq_lens=torch.tensor(context, dtype=torch.int32),
         logits_indices=torch.arange(rows), max_query_len=1, max_seq_len=max(context))
-    logits = model.forward(batch, kv.k, kv.v)
+    logits = model.forward(batch, kv.k, kv.v, LaunchChoices.of(model.device, DEFAULT_TUNING))
     assert logits.shape == (rows, cfg.vocab_size)
     counts = tp_floor.collectives_per_step(model.full_config, tp)
     # broadcasts=1: a decode graph's step (ForwardBatch.feedback set) sends rank 0's token ids.

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 GRAPHS = "tests/adapters/test_decode_graphs.py"
 MIXED = f"{GRAPHS}::test_graph_decode_matches_peft_for_mixed_adapters"
-PIECES = "tests/adapters/test_mixed_graphs.py"
+PIECES = "tests/adapters/test_piecewise_graphs.py"
 
 pytestmark = [pytest.mark.interpreter,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -81,7 +81,7 @@ def test_decode_graph_steps_with_triton_kernels_match_peft_in_interpreter(case: 
 
 @pytest.mark.timeout(WARMUP_TIMEOUT + 30)
 def test_after_the_start_up_warm_up_serving_compiles_nothing_new_in_interpreter() -> None:
-    """The node's warm-up (engine/warmup.py) launches every kernel variant that a mixed
+    """The node's warm-up (runner/warmup.py) launches every kernel variant that a mixed
     workload then launches: on a GPU, nothing compiles under the first requests."""
     out = run_interpreted("-k", "interpreted", "tests/node/test_warmup.py", timeout=WARMUP_TIMEOUT)
     assert "2 passed" in out, out[-8000:]

@@ -76,11 +76,11 @@ def test_tune_builds_the_nodes_tuning_and_names_the_choices_it_keeps(monkeypatch
         kernels("--tune", "norm_split_groups=qkv")
 
 
-def test_kernels_engine_and_lora_plan_read_no_environment() -> None:
+def test_kernels_engine_and_runner_read_no_environment() -> None:
     """Launch choices come from the Tuning passed in; the one environment read left is
     Triton's own interpreter switch (kernels/host.py)."""
     folders = ["kernels", "inference_node/engine", "inference_node/adapters",
-               "inference_node/model", "inference_node/lora_step"]
+               "inference_node/model", "inference_node/runner"]
     reads = []
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):

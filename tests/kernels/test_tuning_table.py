@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels.tuning import DEFAULT_TUNING, Tuning
 from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError,
@@ -76,6 +77,27 @@ def test_a_step_takes_the_nearest_smaller_bucket_then_the_base(tmp_path: Path) -
         assert steps.for_step(rows, adapters).gemm_tilings["o"] == DEFAULT_TUNING.gemm_tilings["o"]
     late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}}]))
     assert late.tunings(base).for_step(8) == base  # below the smallest bucket: the base
+
+
+def test_the_runner_builds_each_buckets_launch_choices_once(tmp_path: Path) -> None:
+    """runner/launches.py: a step's LaunchChoices carry its bucket's Tuning, one object per
+    Tuning (its ops hold a compiled norm on CUDA: a step must not rebuild them), the base's
+    where no bucket applies; a table whose Tuning would change the weights' layout
+    (gemm_groups, fixed at load) is refused."""
+    from inference_node.runner.launches import StepLaunches
+
+    steps = TuningTable.read(write(tmp_path / "t.json", table_json())).tunings(DEFAULT_TUNING)
+    launches = StepLaunches(torch.device("cpu"), steps, DEFAULT_TUNING.gemm_groups)
+    for rows, adapters in [(1, 0), (3, 5), (4, 0), (64, 0), (4, 1), (8, 2), (9, 3)]:
+        launch = launches.for_step(rows, adapters)
+        assert launch.tuning is steps.for_step(rows, adapters)
+        assert launch.gemm.tuning is launch.tuning and launch.ops.tuning is launch.tuning
+        assert launches.for_step(rows, adapters) is launch
+    assert launches.for_step(1) is not launches.for_step(4) and launches.for_step(4, 1) is not launches.for_step(4)
+    late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}}])).tunings(DEFAULT_TUNING)
+    assert StepLaunches(torch.device("cpu"), late, DEFAULT_TUNING.gemm_groups).for_step(8).tuning is late.base
+    with pytest.raises(ValueError, match="gemm_groups sets the weights' layout"):
+        StepLaunches(torch.device("cpu"), steps, frozenset({"o"}))
 
 
 def test_node_choices_apply_to_every_step_and_flags_given_win(tmp_path: Path) -> None:
@@ -188,7 +210,7 @@ def test_serve_takes_auto_by_default_and_records_the_choices_given(tmp_path: Pat
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path, tmp_path, monkeypatch) -> None:
-    """Through the decode graphs' static buffers (eager on CPU: the same for_step call that
+    """Through the decode graphs' static buffers (eager on CPU: the same launch choices that
     a GPU's capture makes) and eager prefill steps, with and without an adapter: every
     forward's Tuning is its bucket's, and the tokens are those of the node without a table
     (on CUDA the decode GEMM launches the table's tilings). A flag given keeps its value in
@@ -208,9 +230,9 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     seen: list[tuple[int, bool, Tuning]] = []
     real_forward = LlamaModel.forward
 
-    def spy(self, batch, k, v, lora=None):
-        seen.append((len(batch.input_ids), lora is not None, self.tuning))
-        return real_forward(self, batch, k, v, lora)
+    def spy(self, batch, k, v, launch, lora=None):
+        seen.append((len(batch.input_ids), lora is not None, launch.tuning))
+        return real_forward(self, batch, k, v, launch, lora)
 
     monkeypatch.setattr(LlamaModel, "forward", spy)
 
@@ -294,13 +316,13 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
 
     caplog.set_level(logging.INFO)  # the ranks log at the node's level
     with LLM(config) as llm:
-        model = llm.engine.model
-        assert model.step_tunings.table is not None and model.step_tunings.table.path == path
-        assert list(model.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
+        launches = llm.engine.runner.launches
+        assert launches.tunings.table is not None and launches.tunings.table.path == path
+        assert list(launches.for_step(4).tuning.gemm_tilings["qkv"]) == QKV[4]
         for rows, adapters in ((1, 0), (4, 0), (4, 1), (8, 2)):  # every bucket, and the base
-            tuning = model.for_step(rows, adapters).tuning
+            tuning = launches.for_step(rows, adapters).tuning
             assert tuning.shrink_fold_groups == {"qkv"} and tuning == tensor_parallel_tuning(tuning)
-        assert model.tuning.shrink_fold_groups == {"qkv"}
+        assert launches.base.tuning.shrink_fold_groups == {"qkv"}
         answers = llm.generate(([5, 6, 7, 8, 9], [11, 12]), max_tokens=4, ignore_eos=True)
         assert [len(a.token_ids) for a in answers] == [4, 4]
     assert f"[rank 1]: tuning table {path}: 4 buckets" in capfd.readouterr().err

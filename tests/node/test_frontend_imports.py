@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # What only the engine core may load: torch and Triton, and the node's modules built on them.
 FORBIDDEN = ("torch", "triton", "inference_node.node", "inference_node.llm", "inference_node.engine",
-             "inference_node.model", "inference_node.parallel", "inference_node.lora_step",
+             "inference_node.model", "inference_node.parallel", "inference_node.runner",
              "inference_node.adapters", "inference_node.core.engine_core", "kernels.host")
 
 PROBE = """

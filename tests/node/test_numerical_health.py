@@ -104,7 +104,7 @@ def test_a_non_finite_row_fails_its_request_and_spares_the_batch(tiny_llama_path
             assert not adapters["good"].unhealthy and adapters["good"].numerical_faults == 0
             assert alone(client, "good") == expected["good"]  # the node keeps serving
             if decode_graphs != "off":  # the broken rows' first samples came from prompt steps
-                assert node.engine.stats.mixed_graph_steps > 0 and node.engine.stats.mixed_steps == 0
+                assert node.engine.stats.piecewise_graph_steps > 0 and node.engine.stats.eager_prefill_steps == 0
         port = node.node.config.server.metrics_port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'lora_node_adapter_numerical_faults_total{adapter="broken"} 2.0' in text
@@ -132,7 +132,7 @@ def test_a_base_row_gone_non_finite_in_decode_is_internal(tiny_llama_path, adapt
 
             def poison() -> None:
                 req = next(r for r in engine._requests.values() if not r.adapter)
-                engine.kv._v[:, req.block_ids] = float("nan")
+                engine.runner.kv._v[:, req.block_ids] = float("nan")
 
             other = client.stream(client.request(adapter="good", prompt_token_ids=PROMPTS["good"], max_tokens=12,
                                                  ignore_eos=True), timeout=60)
@@ -146,7 +146,7 @@ def test_a_base_row_gone_non_finite_in_decode_is_internal(tiny_llama_path, adapt
             if decode_graphs == "on":
                 assert engine.stats.graph_steps > 0
         wait_for(lambda: node.engine.call(node.engine.snapshot).result(10)["live_requests"] == 0, 30, "idle")
-        node.engine.kv._v.zero_()
+        node.engine.runner.kv._v.zero_()
         node.check_idle()
     finally:
         node.stop()

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from harness import hf_greedy
-from inference_node.engine.engine import Engine, EngineConfig
+from inference_node.engine.build import build_engine
+from inference_node.engine.config import EngineConfig
+from inference_node.engine.engine import Engine
 from inference_node.engine.request import Request, SamplingParams, StreamEvent
 from inference_node.model.llama import LlamaModel
 
@@ -38,10 +40,10 @@ class Collected:
 
 def make_engine(model: LlamaModel, graphs: bool = False, **overrides) -> Engine:
     cfg = dict(num_kv_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=128, decode_graphs=graphs, mixed_graphs=graphs, max_graph_batch=8,
+               max_model_len=128, decode_graphs=graphs, piecewise_graphs=graphs, max_graph_batch=8,
                debug_checks=True)
     cfg.update(overrides)
-    return Engine(model, EngineConfig(**cfg))
+    return build_engine(model, EngineConfig(**cfg))
 
 
 def submit(engine: Engine, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> tuple[Request, Collected]:
@@ -103,7 +105,7 @@ def test_eos_drops_the_in_flight_token_and_the_batch_stays_exact(tiny_model, tin
     # dropped: neither streamed nor counted.
     assert engine.stats.generated_tokens == len(a_out.tokens) + len(b_out.tokens)
     if graphs:
-        assert engine.stats.graph_steps > 0 and engine.stats.mixed_graph_steps > 0
+        assert engine.stats.graph_steps > 0 and engine.stats.piecewise_graph_steps > 0
     assert_idle(engine)
 
 
@@ -134,7 +136,7 @@ def test_preemption_with_tokens_in_flight_keeps_every_output(tiny_model, tiny_ll
     for (prompt, n), out in zip(jobs, outs):
         assert out.tokens == hf_greedy(tiny_llama_hf, prompt, n, eos=False) and out.reason == "length"
     if graphs:  # recomputed prompts (and their streamed tokens) replayed piece by piece
-        assert engine.stats.mixed_graph_steps > 0 and engine.stats.mixed_steps == 0
+        assert engine.stats.piecewise_graph_steps > 0 and engine.stats.eager_prefill_steps == 0
     assert_idle(engine)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from inference_node.frontend.detokenizer import TextStream
 from inference_node.engine.request import Request, SamplingParams
-from inference_node.engine.sampler import filter_logits, sample_on_device
+from inference_node.runner.sampler import filter_logits, sample_on_device
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:

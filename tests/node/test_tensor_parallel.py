@@ -72,6 +72,57 @@ def test_vocabulary_blocks_cover_it_once_and_uneven_sizes_are_refused():
         check_divisible(config, 3)
 
 
+def test_control_messages_carry_staged_steps_and_adapters_whole():
+    """What rank 0 sends its ranks (parallel/wire.py) reads back as it was staged: each kind of
+    step with its packed buffers (an eager step without its token ids, which come by broadcast),
+    a graph plan, an adapter's tensors bit for bit, and a slot table in the type rank 0 compares."""
+    import numpy as np
+
+    from inference_node.adapters.weights import AdapterWeights
+    from inference_node.parallel import wire
+    from inference_node.runner.batch import HostBatch
+    from inference_node.runner.decode_graphs import StagedDecode
+    from inference_node.runner.eager import EagerStep
+    from inference_node.runner.graph_plan import GraphPlan
+    from inference_node.runner.piecewise_graphs import StagedPieces, StepShape
+
+    def through(frames: list) -> tuple[wire.Control, list[bytes]]:
+        return wire.decode_control(bytes(frames[0])), [bytes(f) for f in frames[1:]]
+
+    packed = (np.arange(8, dtype=np.int64), np.arange(6, dtype=np.int32) - 3, np.array([4, 5, 6, 7], np.int32))
+    decode = StagedDecode((8, 2, 1), 5, 2, *packed, ((3, 0, 2, 0), (1, 2, 3, -1)))
+    pieces = StagedPieces(StepShape(32, 16, True, 20, 3, 2, 9, 40), 2, *packed, ((0, 0, 16, 0),))
+    host = HostBatch([11, 0], [1], [0], [4, 9], [20, 37], [[1], [2, 3]], [0, 1, 2], [5, 10], [0, 1], 1)
+    for step in (decode, pieces):
+        message, frames = through(wire.step_frames(step))
+        back = wire.staged(message, frames)
+        assert type(back) is type(step) and back.width == step.width and back.segments == step.segments
+        assert (back.key if step is decode else back.shape) == (step.key if step is decode else step.shape)
+        for got, sent in zip((back.int64, back.int32, back.table), packed):
+            assert got.dtype == sent.dtype and (got == sent).all()
+    back = wire.staged(*through(wire.step_frames(EagerStep(host, [(2, 1), (-1, 1)]))))
+    assert isinstance(back, EagerStep) and back.chunk_slots == [(2, 1), (-1, 1)]
+    assert back.host.input_ids == back.host.pending_at == back.host.pending_rows == []
+    assert (back.host.positions, back.host.block_tables, back.host.max_query_len) == ([4, 9], [[1], [2, 3]], 1)
+    plan = GraphPlan(64, 128, 8, 8, 64, 8)
+    assert through([wire.encode(wire.Capture(plan))])[0] == wire.Capture(plan)
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {(0, "q_proj"): (torch.randn(4, 64, generator=gen).to(torch.bfloat16),
+                               torch.randn(32, 4, generator=gen).to(torch.bfloat16)),
+               (1, "down_proj"): (torch.randn(4, 80, generator=gen), torch.randn(64, 4, generator=gen))}
+    weights = AdapterWeights("a", "v1", 4, 2.0, ("q_proj", "down_proj"), tensors)
+    message, frames = through(wire.write_frames(3, weights, {"q_proj": 8, "down_proj": 0}))
+    assert isinstance(message, wire.WriteSlot) and (message.slot, message.firsts) == (3, {"q_proj": 8, "down_proj": 0})
+    got = wire.written(message, frames)
+    assert (got.name, got.version, got.rank, got.scaling, got.target_modules) == ("a", "v1", 4, 2.0, ("q_proj", "down_proj"))
+    for key, (a, b) in tensors.items():
+        assert got.tensors[key][0].dtype == a.dtype and torch.equal(got.tensors[key][0], a)
+        assert torch.equal(got.tensors[key][1], b)
+    table = [None, ("a", "v1", 4, 2.0, ("q_proj",), (("q_proj", 8),))]
+    assert wire.decode_reply(wire.encode(wire.SlotTable(1, table))).table == table  # == rank 0's own, as is
+
+
 def greedy_in_process(model: Path, size: int, load_format: str = "safetensors") -> tuple[dict[int, list[int]], dict]:
     """Three prompts through a node built in this process (rank 0 here, rank 1 spawned)."""
     from inference_node.llm import LLM
@@ -250,8 +301,8 @@ def test_tp2_graph_steps_give_tp1_greedy_tokens(nodes, graph_node):
     expected = generate_all(one.target, jobs)
     assert generate_all(graph_node.target, jobs) == expected
     s = stats(graph_node.target)
-    assert s.graph_steps > 0 and s.mixed_graph_steps > 0 and s.mixed_steps == 0
-    assert s.graph_steps + s.mixed_graph_steps + s.eager_decode_steps == s.steps
+    assert s.graph_steps > 0 and s.piecewise_graph_steps > 0 and s.eager_prefill_steps == 0
+    assert s.graph_steps + s.piecewise_graph_steps + s.eager_decode_steps == s.steps
     assert s.slot_table_checks == s.steps
     assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
 
@@ -374,7 +425,7 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
                 assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
             s = stats(two.target)
             assert s.tensor_parallel_size == 2 and s.slot_table_checks == s.steps > 0
-            assert s.graph_steps > 0 and s.mixed_graph_steps > 0  # both kinds of graphs, on both ranks
+            assert s.graph_steps > 0 and s.piecewise_graph_steps > 0  # both kinds of graphs, on both ranks
         finally:
             assert two.stop() == 0
     finally:

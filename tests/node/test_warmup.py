@@ -1,4 +1,4 @@
-"""The start-up warm-up (inference_node/engine/warmup.py): its synthetic eager steps reach
+"""The start-up warm-up (inference_node/runner/warmup.py): its synthetic eager steps reach
 every kernel tiling an eager step can take under the engine's limits, touch no request's
 state, and (run with Triton, interpreted here or compiled on a GPU) leave nothing for the
 first requests to compile."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from harness import InProcessNode, generate_all, make_peft_adapter, make_tiny_llama, peft_greedy
-from inference_node.engine.warmup import plan
 from inference_node.config import NodeConfig
+from inference_node.runner.warmup import plan
 from kernels.lora.meta import LoraBatchMeta
 from kernels.lora.triton_kernel import choose_tiling
 
@@ -88,7 +88,7 @@ def test_a_warmed_up_node_serves_the_same_tokens_and_ends_idle(tiny_llama_path, 
     node = start_node(tiny_llama_path, tmp_path / "adapters", "on")
     try:
         # decode, prompts of 16, 200 and 299 tokens, a long context; with and without LoRA
-        assert node.engine.warmup_forwards == 10
+        assert node.engine.runner.warmup_forwards == 10
         assert node.engine.stats.steps == 0  # the warm-up is no engine step and holds no block
         node.check_idle()
         run_mixed_workload(node, tmp_path / "adapters", tiny_llama_path, seed=1)
@@ -130,7 +130,7 @@ def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(to
                 "_chunk_max_kernel", "_row_pick_kernel"} <= set(warmed)
         run_mixed_workload(node, tmp_path / "adapters", tiny_llama_path, seed=2)
         if mixed_graphs == "on":
-            assert node.engine.stats.mixed_graph_steps > 0 and node.engine.stats.mixed_steps == 0
+            assert node.engine.stats.piecewise_graph_steps > 0 and node.engine.stats.eager_prefill_steps == 0
     finally:
         node.stop()
     for name, by_tiling in keys.items():
@@ -140,14 +140,14 @@ def test_after_the_warm_up_serving_launches_no_new_kernel_variant_interpreted(to
 
 
 def test_without_the_warm_up_on_cpu_nothing_runs_before_serving(tiny_llama_path, tmp_path, monkeypatch) -> None:
-    from inference_node.engine import engine as engine_module
+    from inference_node.runner import runner as runner_module
 
     calls = []
-    monkeypatch.setattr(engine_module, "warm_up", lambda engine: calls.append(engine) or 0)
+    monkeypatch.setattr(runner_module, "warm_up", lambda *args: calls.append(args) or 0)
     node = start_node(tiny_llama_path, tmp_path / "adapters", "auto")  # auto: CUDA only
     try:
-        assert calls == [] and node.engine.warmup_forwards == 0
-        assert node.engine.model.device == torch.device("cpu")
+        assert calls == [] and node.engine.runner.warmup_forwards == 0
+        assert node.engine.runner.model.device == torch.device("cpu")
     finally:
         node.stop()
 

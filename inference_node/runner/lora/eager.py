@@ -8,9 +8,8 @@ import torch
 
 from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta, add_lora
 
-from ..adapters.slots import SlotBuffers
-from ..engine.scheduler import ScheduledChunk
-from ..model.llama import GROUP_FIRST_MODULE
+from ...adapters.slots import SlotBuffers
+from ...model.llama import GROUP_FIRST_MODULE
 
 
 class StepLoraApplier:
@@ -42,15 +41,9 @@ class StepLoraApplier:
         return None
 
 
-def build_applier(buffers: SlotBuffers, chunks: list[ScheduledChunk]) -> StepLoraApplier:
-    """The applier of an eager step's scheduled chunks (each chunk's tokens on its request's
-    adapter slot)."""
-    return applier_for_slots(buffers, [(c.request.lora_slot, c.num_new_tokens) for c in chunks])
-
-
 def applier_for_slots(buffers: SlotBuffers, chunk_slots: list[tuple[int, int]]) -> StepLoraApplier:
-    """The applier of a step given as (adapter slot, tokens) per chunk (how a tensor-parallel
-    rank receives it from rank 0: parallel/workers.py)."""
+    """The applier of an eager step given as (adapter slot, tokens) per chunk, in batch order
+    (each chunk's tokens on its request's adapter slot)."""
     token_slots: list[int] = []
     for slot, tokens in chunk_slots:
         token_slots += [slot] * tokens

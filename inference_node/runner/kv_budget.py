@@ -1,7 +1,7 @@
 """How many KV blocks a CUDA node can afford: what the device has free, less what the node may
 not take (1 - gpu_memory_utilization of it all), less the peak of the largest eager step's
 activations (measured by running one), less a reserve for the decode graphs' memory pool and
-the libraries' workspaces. With piecewise graphs for prefill and mixed steps (mixed_graphs.py)
+the libraries' workspaces. With piecewise graphs for prefill and mixed steps (piecewise_graphs.py)
 the largest step's activations are counted twice: their pool holds one piece's worth, which
 eager steps (and the warm-up) cannot use, beside the static buffers between the pieces. The
 weights and adapter slots are already allocated, so the free memory counts them."""
@@ -11,14 +11,15 @@ import logging
 
 import torch
 
-from ..model.llama import ForwardBatch, LlamaModel
-from .kv_cache import KVCache
+from ..model.forward import Decoder, ForwardBatch
+from ..model.launch import LaunchChoices
+from ..engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 GRAPHS_AND_WORKSPACES = 768 << 20  # decode graphs' pool (<= 64-row activations), cuBLAS/Triton scratch
 
 
-def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int:
+def forward_peak_bytes(model: Decoder, launch: LaunchChoices, tokens: int, sampled_rows: int) -> int:
     """Peak memory one eager forward of `tokens` tokens takes beyond what is allocated now,
     with `sampled_rows` rows of logits (each token its own one-token sequence, writing its
     K/V into a one-block scratch cache: the activations are what a prefill step's are)."""
@@ -36,7 +37,7 @@ def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    logits = model.forward(batch, scratch.k, scratch.v)
+    logits = model.forward(batch, scratch.k, scratch.v, launch)
     widened = logits.float()  # the sampler's float32 copy of rows that sample
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
@@ -45,12 +46,12 @@ def forward_peak_bytes(model: LlamaModel, tokens: int, sampled_rows: int) -> int
     return peak
 
 
-def kv_blocks_for_memory(model: LlamaModel, utilization: float, block_size: int, tokens: int,
-                         sampled_rows: int, mixed_graphs: bool = False) -> int:
+def kv_blocks_for_memory(model: Decoder, launch: LaunchChoices, utilization: float, block_size: int,
+                         tokens: int, sampled_rows: int, piecewise_graphs: bool = False) -> int:
     device = model.device
-    activations = forward_peak_bytes(model, tokens, sampled_rows)
+    activations = forward_peak_bytes(model, launch, tokens, sampled_rows)
     free, total = torch.cuda.mem_get_info(device)
-    graphs = activations if mixed_graphs else 0
+    graphs = activations if piecewise_graphs else 0
     budget = free - int(total * (1.0 - utilization)) - activations - graphs - GRAPHS_AND_WORKSPACES
     per_block = KVCache.bytes_per_block(model.config, block_size, model.dtype)
     blocks = budget // per_block

@@ -31,12 +31,14 @@ import torch
 
 from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta
 
-from ..model.llama import FUSED_MODULES, LORA_MODULES, ForwardBatch, LlamaModel, LoraApplier
-from .kv_cache import KVCache
-from .request import PENDING_TOKEN
+from ..model.forward import Decoder, ForwardBatch, LoraApplier
+from ..model.llama import FUSED_MODULES, LORA_MODULES
+from ..engine.kv_cache import KVCache
+from ..engine.request import PENDING_TOKEN
+from .launches import StepLaunches
 from .sampler import checked_greedy
 from .staging import HostInputs, HostTurns
-from .scheduler import ScheduledChunk
+from ..engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ GroupsOf = Callable[[list[int]], frozenset[str]]
 
 
 @dataclass(frozen=True)
-class StagedStep:
+class StagedDecode:
     """A decode step's packed inputs as rank 0 staged them: what another tensor-parallel rank
     needs to replay the same graph (its token ids come from rank 0 inside the graph)."""
 
@@ -60,7 +62,7 @@ class StagedStep:
 
 @dataclass(frozen=True)
 class GraphLora:
-    """What the decode graphs need of the LoRA step plan (inference_node/lora_step)."""
+    """What the decode graphs need of the LoRA step plan (inference_node/runner/lora)."""
 
     applier: ApplierFactory   # (metadata in static buffers, groups) -> the step's applier
     max_loras: int            # adapter slots: a step's most distinct adapters
@@ -105,18 +107,18 @@ def is_decode_step(chunks: list[ScheduledChunk]) -> bool:
 
 def ordered(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     """A decode step's rows grouped by adapter slot (base-model rows first, then each slot's
-    rows in their order): the order `DecodeGraphs.run` takes them in."""
+    rows in their order): the order `DecodeGraphs.stage` takes them in."""
     return sorted(chunks, key=lambda c: c.request.lora_slot)
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
-                 max_batch: int, lora: GraphLora | None = None,
+    def __init__(self, model: Decoder, launches: StepLaunches, kv: KVCache, scratch_block: int,
+                 max_model_len: int, max_batch: int, lora: GraphLora | None = None,
                  feedback: torch.Tensor | None = None,
                  group_variants: tuple[frozenset[str], ...] = LORA_GROUP_VARIANTS) -> None:
         """lora: None for a node without LoRA (base graphs only). group_variants: the LoRA
         graphs' group variants, the last one all groups."""
-        self.model, self.kv = model, kv
+        self.model, self.launches, self.kv = model, launches, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.max_seq_len = self.max_blocks * self.block_size
@@ -130,7 +132,7 @@ class DecodeGraphs:
         self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
         self.capture = model.device.type == "cuda"
         device, B = model.device, self.max_batch
-        # The tokens the previous step sampled (engine.token_feedback); a row whose token is
+        # The tokens the previous step sampled (token_feedback.py); a row whose token is
         # still on the device reads it from there inside the graph.
         self.feedback = feedback if feedback is not None else torch.zeros(1, dtype=torch.long, device=device)
         # Packed inputs: one host->device copy per dtype per step.
@@ -148,18 +150,14 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, int],
                            tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
-        # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
-        # which replay the same graph with it.
-        self.mirror: Callable[[StagedStep], None] | None = None
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
         return 0 < len(chunks) <= self.max_batch and is_decode_step(chunks)
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits [len(chunks), vocab] of a decode step whose rows are `ordered`, each row's
-        greedy token and whether its logits are finite (sampler.checked_greedy, computed
-        inside the graph: no launches of their own)."""
+    def stage(self, chunks: list[ScheduledChunk]) -> StagedDecode:
+        """Writes the inputs of a decode step whose rows are `ordered` into the graph's
+        buffers (their copies queued) and picks its graph."""
         n = len(chunks)
         size = next(s for s in self.sizes if s >= n)
         slots = {c.request.lora_slot for c in chunks if c.request.lora_slot >= 0}
@@ -167,23 +165,24 @@ class DecodeGraphs:
         if slots and self.lora is not None:
             segments = next(b for b in self.segment_buckets(size) if b >= len(slots))
             variant = self.variant_for(slots)
-        key = (size, segments, variant)
         host, width = self._fill(chunks, size, segments)
-        if self.mirror is not None:
-            self.mirror(StagedStep(key, n, width, host.np64, host.np32, host.np_table[:n * width],
-                                   self._host_segments))
-        return self._replay(key, n)
+        return StagedDecode((size, segments, variant), n, width, host.np64, host.np32,
+                            host.np_table[:n * width], self._host_segments)
 
-    def run_staged(self, step: "StagedStep") -> None:
-        """Replays the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
-        sent its packed inputs), meeting rank 0's replay at the graph's collectives."""
+    def load(self, step: StagedDecode) -> None:
+        """Writes the inputs another rank staged into the graph's buffers (a tensor-parallel
+        rank: rank 0 scheduled the step and sent its packed inputs)."""
         host = self._host.next()
         host.load(step.int64, step.int32, step.table)
         self._host_segments = step.segments
         host.copy_packed(step.rows, step.width, self._dev64, self._dev32, self.block_tables)
-        self._replay(step.key, step.rows)
 
-    def _replay(self, key: tuple[int, int, int], n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, step: StagedDecode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replays the staged step's graph: its logits [rows, vocab], each row's greedy token
+        and whether its logits are finite (sampler.checked_greedy, computed inside the graph:
+        no launches of their own). Under tensor parallelism every rank's replay meets the
+        others' at the graph's collectives."""
+        key, n = step.key, step.rows
         self.replays[key] = self.replays.get(key, 0) + 1
         if not self.capture:
             logits = self._forward(*key)[:n]
@@ -297,7 +296,8 @@ class DecodeGraphs:
                 segment_table=self.seg_table[:segments], token_table=self.token_table[:size])
             applier = self.lora.applier(meta, self.group_variants[variant])
         # The launch choices of this bucket (the node's tuning table), fixed at capture.
-        return self.model.for_step(size, segments).forward(batch, self.kv.k, self.kv.v, applier)
+        launch = self.launches.for_step(size, segments)
+        return self.model.forward(batch, self.kv.k, self.kv.v, launch, applier)
 
     # -- capture ---------------------------------------------------------------------------------
     def capture_all(self) -> None:

@@ -17,10 +17,11 @@ import torch
 
 from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.engine.kv_cache import KVCache
-from inference_node.engine.mixed_graphs import (MixedGraphs, MixedLora, lora_rows, lora_segments, rows_buckets,
+from inference_node.runner.piecewise_graphs import (PiecewiseGraphs, PiecewiseLora, lora_rows, lora_segments, rows_buckets,
                                                 token_buckets)
 from inference_node.model.llama import LlamaModel
 from inference_node.config import NodeConfig
+from inference_node.runner.launches import StepLaunches
 from lora_client.node_client import NodeClient
 
 ADAPTERS = {
@@ -50,8 +51,8 @@ def test_lora_segments_cover_each_adapter_token_once(tiny_llama_path) -> None:
     model = LlamaModel.load(tiny_llama_path, torch.device("cpu"), torch.float32)
     kv = KVCache(model.config, 9, 16, torch.float32, torch.device("cpu"))
     max_loras, max_tokens = 5, 600
-    graphs = MixedGraphs(model, kv, scratch_block=8, max_model_len=128, max_tokens=max_tokens, max_seqs=64,
-                         lora=MixedLora(lambda meta: None, max_loras))
+    graphs = PiecewiseGraphs(model, StepLaunches.fixed(model.device), kv, scratch_block=8, max_model_len=128,
+                             max_tokens=max_tokens, max_seqs=64, lora=PiecewiseLora(lambda meta: None, max_loras))
     h32, o32 = graphs._host.next().np32, graphs._o32
     rng = random.Random(0)
     for _ in range(300):
@@ -109,16 +110,16 @@ def generate(node: InProcessNode, job, delay: float = 0.0) -> list[int]:
 def spy_steps(monkeypatch) -> list[tuple[int, list[int]]]:
     """Each piecewise step's decode rows and the requests whose prompt chunks it carries."""
     seen: list[tuple[int, list[int]]] = []
-    real_run = MixedGraphs.run
+    real_stage = PiecewiseGraphs.stage
     lock = threading.Lock()
 
-    def run(self, chunks):
+    def stage(self, chunks):
         with lock:
             seen.append((sum(not c.request.in_prefill for c in chunks),
                          [c.request.id for c in chunks if c.request.in_prefill]))
-        return real_run(self, chunks)
+        return real_stage(self, chunks)
 
-    monkeypatch.setattr(MixedGraphs, "run", run)
+    monkeypatch.setattr(PiecewiseGraphs, "stage", stage)
     return seen
 
 
@@ -152,9 +153,9 @@ def test_prompt_chunks_beside_decodes_match_peft(device, tiny_llama_path, tmp_pa
             got += list(pool.map(lambda job: generate(node, job), second))
         assert got == [expected[(n, tuple(p), m)] for n, p, m in first + second]
         snap = node.check_idle()
-        assert snap["mixed_graph_steps"] > 0 and snap["mixed_steps"] == 0 and snap["eager_decode_steps"] == 0
+        assert snap["piecewise_graph_steps"] > 0 and snap["eager_prefill_steps"] == 0 and snap["eager_decode_steps"] == 0
         assert snap["graph_steps"] > 0 and snap["cached_prompt_tokens"] > 0
-        graphs = node.engine.mixed_graphs
+        graphs = node.engine.runner.piecewise_graphs
         assert {k[1] for k in graphs.replays} == {False, True}  # base-only steps and LoRA steps
         assert len({k[0] for k in graphs.replays}) >= 3       # several token buckets
         assert any(decodes and prompts for decodes, prompts in seen)  # prompt chunks beside decodes
@@ -184,7 +185,7 @@ def test_preempted_requests_recompute_through_the_pieces(device, tiny_llama_path
             got = list(pool.map(lambda job: generate(node, job), jobs))
         assert got == expected
         snap = node.check_idle()
-        assert snap["preemptions"] > 0 and snap["mixed_graph_steps"] > 0 and snap["mixed_steps"] == 0
+        assert snap["preemptions"] > 0 and snap["piecewise_graph_steps"] > 0 and snap["eager_prefill_steps"] == 0
     finally:
         node.stop()
 
@@ -195,10 +196,10 @@ def test_with_the_pieces_off_prompt_steps_run_eagerly(tiny_llama_path, tmp_path)
     job = ("qv-r4", [5, 900, 31, 4000, 77], 4)
     node = start_node(tiny_llama_path, tmp_path / "adapters", "cpu", mixed_graphs="off")
     try:
-        assert node.engine.mixed_graphs is None
+        assert node.engine.runner.piecewise_graphs is None
         assert generate(node, job) == peft_greedy(tiny_llama_path, folders["qv-r4"], [job[1]], 4)[0]
         snap = node.check_idle()
-        assert snap["mixed_steps"] > 0 and snap["mixed_graph_steps"] == 0
+        assert snap["eager_prefill_steps"] > 0 and snap["piecewise_graph_steps"] == 0
     finally:
         node.stop()
 
@@ -223,8 +224,8 @@ def test_piecewise_steps_compile_nothing_while_serving(tiny_llama_path, tmp_path
         with ThreadPoolExecutor(len(jobs)) as pool:
             list(pool.map(lambda ij: generate(node, ij[1], 0.01 * ij[0]), enumerate(jobs)))
         snap = node.check_idle()
-        assert snap["mixed_graph_steps"] > 0 and snap["mixed_steps"] == 0
-        assert len({k[0] for k in node.engine.mixed_graphs.replays}) >= 3
+        assert snap["piecewise_graph_steps"] > 0 and snap["eager_prefill_steps"] == 0
+        assert len({k[0] for k in node.engine.runner.piecewise_graphs.replays}) >= 3
         assert watch.since(mark) == []
     finally:
         node.stop()

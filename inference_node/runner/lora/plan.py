@@ -3,8 +3,8 @@ read from the adapter slots' GPU buffers (adapters/slots.py, filled by the adapt
 
 Eager and piecewise-graph steps (prefill, mixed batches) add each delta after its matmul
 (eager.py). Decode graph steps run LoRA beside the base matmuls, folded into them or expanded
-by the ops after them, as the node's Tuning says (overlap.py). The engine takes this one object; the adapter manager
-(adapters/manager.py) only decides which adapter sits in which slot.
+by the ops after them, as the node's Tuning says (overlap.py). The model runner takes this one
+object; the adapter manager (adapters/manager.py) only decides which adapter sits in which slot.
 """
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from kernels.gemm import MAX_ROWS
 from kernels.lora import LoraBatchMeta
 from kernels.tuning import DEFAULT_TUNING, Tuning
 
-from ..adapters.slots import SlotBuffers
-from ..engine.decode_graphs import GraphLora
-from ..engine.mixed_graphs import MixedLora
-from ..engine.scheduler import ScheduledChunk
-from .eager import StepLoraApplier, build_applier
+from ...adapters.slots import SlotBuffers
+from ..decode_graphs import GraphLora
+from ..piecewise_graphs import PiecewiseLora
+from .eager import StepLoraApplier, applier_for_slots
 from .overlap import LoraOverlap
 
 
@@ -41,11 +40,12 @@ class LoraStepPlan:
         """The fused projection groups the adapters in these slots target."""
         return self.buffers.groups_of(slots)
 
-    def applier(self, chunks: list[ScheduledChunk]) -> StepLoraApplier | None:
-        """An eager step's applier (None when no scheduled token uses an adapter)."""
-        if all(c.request.lora_slot < 0 for c in chunks):
+    def applier(self, chunk_slots: list[tuple[int, int]]) -> StepLoraApplier | None:
+        """An eager step's applier, from each chunk's (adapter slot, tokens); None when no
+        scheduled token uses an adapter."""
+        if all(slot < 0 for slot, _ in chunk_slots):
             return None
-        return build_applier(self.buffers, chunks)
+        return applier_for_slots(self.buffers, chunk_slots)
 
     def warmup_applier(self, token_slots: list[int]) -> StepLoraApplier:
         """An eager applier over the given slots for every fused group, whatever the slots
@@ -53,10 +53,10 @@ class LoraStepPlan:
         engine's warm-up)."""
         return StepLoraApplier(self.buffers, LoraBatchMeta.build(token_slots, self.buffers.device))
 
-    def mixed_lora(self) -> MixedLora:
+    def piecewise_lora(self) -> PiecewiseLora:
         """The piecewise graphs' LoRA (prefill and mixed steps): each delta added after its
         matmul, as in eager steps, over metadata in static buffers."""
-        return MixedLora(lambda meta: StepLoraApplier(self.buffers, meta), self.buffers.max_loras)
+        return PiecewiseLora(lambda meta: StepLoraApplier(self.buffers, meta), self.buffers.max_loras)
 
     def graph_lora(self, max_tokens: int) -> GraphLora:
         """The decode graphs' LoRA: appliers over static buffers for up to `max_tokens` rows."""

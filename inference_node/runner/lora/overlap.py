@@ -49,8 +49,8 @@ from kernels.lora import (MODULE_COLUMNS, SEGMENT_TABLE_RANKS, ColumnSplit, Lora
                           LoraDelta, lora_expand, lora_shrink_partials, lora_workspace_numel)
 from kernels.tuning import DEFAULT_TUNING, Tuning
 
-from ..adapters.slots import SlotBuffers
-from ..model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
+from ...adapters.slots import SlotBuffers
+from ...model.llama import FUSED_MODULES, GROUP_FIRST_MODULE
 
 GROUP_INDEX = {g: i for i, g in enumerate(FUSED_MODULES)}
 MAX_SHRINK_SPLITS = 8  # K ranges of a shrink spread over a GEMM's tile programs

@@ -19,19 +19,18 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.sampling import first_argmax
 
-from ..model.llama import ForwardBatch
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..engine.config import EngineConfig
+from ..engine.kv_cache import KVCache
+from ..model.forward import Decoder, ForwardBatch
+from .launches import StepLaunches
+from .lora.plan import LoraStepPlan
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -109,20 +108,20 @@ def scratch_batch(step: WarmupStep, block_size: int, scratch_block: int,
     )
 
 
-def warm_up(engine: "Engine") -> int:
-    """Runs the plan's forwards on the engine's model and KV scratch block; returns how many."""
-    config, model = engine.config, engine.model
-    lora = engine.lora_plan
+def warm_up(model: Decoder, launches: StepLaunches, kv: KVCache, lora: LoraStepPlan | None,
+            config: EngineConfig) -> int:
+    """Runs the plan's forwards for an engine of `config` on the model and the KV cache's
+    scratch block (block config.num_kv_blocks); returns how many."""
     max_loras = lora.max_loras if lora is not None else 0
     steps = plan(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, max_loras)
     started = time.monotonic()
     for step in steps:  # model.forward runs in inference mode, as in serving
-        batch = scratch_batch(step, config.block_size, engine.scratch_block, model.device)
+        batch = scratch_batch(step, config.block_size, config.num_kv_blocks, model.device)
         applier = (lora.warmup_applier(list(step.token_slots))
                    if step.token_slots is not None and lora is not None else None)
         adapters = len({s for s in step.token_slots if s >= 0}) if applier is not None else 0
-        tuned = model.for_step(len(batch.input_ids), adapters)  # the kernels its bucket launches
-        logits = tuned.forward(batch, engine.kv.k, engine.kv.v, applier)
+        launch = launches.for_step(len(batch.input_ids), adapters)  # the kernels its bucket launches
+        logits = model.forward(batch, kv.k, kv.v, launch, applier)
         first_argmax(logits)  # the sampler's greedy pick: its kernels compile here too
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.llama import ForwardBatch
-from .scheduler import ScheduledChunk
+from ..model.forward import ForwardBatch
+from ..engine.scheduler import ScheduledChunk
 
 
 @dataclass

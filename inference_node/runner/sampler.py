@@ -5,7 +5,7 @@ import torch
 
 from kernels.sampling import first_argmax
 
-from .request import Request, SamplingParams
+from ..engine.request import Request, SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -35,12 +35,13 @@ import torch
 from kernels.dispatch import use_triton
 from kernels.lora import LoraBatchMeta
 
-from ..model.llama import ForwardBatch, LlamaModel, LoraApplier
-from .kv_cache import KVCache
-from .request import PENDING_TOKEN
+from ..model.forward import Decoder, ForwardBatch, LoraApplier
+from ..engine.kv_cache import KVCache
+from ..engine.request import PENDING_TOKEN
+from .launches import StepLaunches
 from .sampler import checked_greedy
 from .staging import HostInputs, HostTurns
-from .scheduler import ScheduledChunk
+from ..engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ _ALIGN_BYTES = 16    # each packed input starts on a 16-byte boundary (Triton sp
 
 
 @dataclass(frozen=True)
-class MixedLora:
-    """What the piecewise graphs need of the LoRA step plan (inference_node/lora_step)."""
+class PiecewiseLora:
+    """What the piecewise graphs need of the LoRA step plan (inference_node/runner/lora)."""
 
     applier: Callable[[LoraBatchMeta], LoraApplier]  # adds each delta after its matmul
     max_loras: int                                   # adapter slots: a step's most adapters
@@ -131,19 +132,19 @@ class StagedPieces:
     segments: tuple[tuple[int, int, int, int], ...]  # the CPU reference kernels' host segments
 
 
-class MixedGraphs:
-    def __init__(self, model: LlamaModel, kv: KVCache, scratch_block: int, max_model_len: int,
-                 max_tokens: int, max_seqs: int, feedback: torch.Tensor | None = None,
-                 lora: MixedLora | None = None) -> None:
+class PiecewiseGraphs:
+    def __init__(self, model: Decoder, launches: StepLaunches, kv: KVCache, scratch_block: int,
+                 max_model_len: int, max_tokens: int, max_seqs: int, feedback: torch.Tensor | None = None,
+                 lora: PiecewiseLora | None = None) -> None:
         """max_tokens / max_seqs: the most tokens and sequences a step holds (the engine's
         max_num_batched_tokens and max_num_seqs). lora: None for a node without LoRA."""
-        self.model, self.kv, self.lora = model, kv, lora
+        self.model, self.launches, self.kv, self.lora = model, launches, kv, lora
         self.block_size = kv.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         self.scratch_slot = scratch_block * self.block_size
         self.buckets = token_buckets(max_tokens)
         self.max_tokens, self.max_seqs = self.buckets[-1], max_seqs
-        self.num_layers = len(model.layers)
+        self.num_layers = model.config.num_layers
         self.max_loras = lora.max_loras if lora is not None else 0
         self.capture = model.device.type == "cuda"
         self.replays: dict[tuple[int, bool, int], int] = {}  # (bucket, LoRA, rows): count
@@ -178,36 +179,34 @@ class MixedGraphs:
         self._host = HostTurns(o64[-1], o32[-1], B * self.max_blocks, self.capture)
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
         self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
-        # A tensor-parallel rank 0 sends each staged step to the other ranks (parallel/workers.py),
-        # which run the same pieces with it.
-        self.mirror: Callable[[StagedPieces], None] | None = None
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
         return (0 < len(chunks) <= self.max_seqs
                 and sum(c.num_new_tokens for c in chunks) <= self.max_tokens)
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits [sampled rows, vocab] of the step (rows in chunk order, of the chunks that
-        complete their prompt), each row's greedy token and whether its logits are finite
-        (sampler.checked_greedy, inside the last piece)."""
-        step, host, width = self._fill(chunks)
-        if self.mirror is not None:
-            self.mirror(StagedPieces(step, width, host.np64, host.np32, host.np_table[:step.seqs * width],
-                                     self._host_segments if step.lora else ()))
-        return self._execute(step)
+    def stage(self, chunks: list[ScheduledChunk]) -> StagedPieces:
+        """Writes the step's inputs into the pieces' buffers (their copies queued) and picks
+        its bucket and rows bucket."""
+        shape, host, width = self._fill(chunks)
+        return StagedPieces(shape, width, host.np64, host.np32, host.np_table[:shape.seqs * width],
+                            self._host_segments if shape.lora else ())
 
-    def run_staged(self, staged: "StagedPieces") -> None:
-        """Runs the step another rank staged (a tensor-parallel rank: rank 0 scheduled it and
-        sent its packed inputs), meeting rank 0's pieces at their collectives."""
+    def load(self, staged: StagedPieces) -> None:
+        """Writes the inputs another rank staged into the pieces' buffers (a tensor-parallel
+        rank: rank 0 scheduled the step and sent its packed inputs)."""
         host = self._host.next()
         host.load(staged.int64, staged.int32, staged.table)
         self._host_segments = staged.segments
         host.copy_packed(staged.shape.seqs, staged.width, self._dev64, self._dev32, self.block_tables)
-        self._execute(staged.shape)
 
-    def _execute(self, step: StepShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pieces of a filled step, with attention between them."""
+    def run(self, staged: StagedPieces) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The staged step's pieces, with attention between them: logits [sampled rows, vocab]
+        (rows in chunk order, of the chunks that complete their prompt), each row's greedy
+        token and whether its logits are finite (sampler.checked_greedy, inside the last
+        piece). Under tensor parallelism every rank's pieces meet the others' at their
+        collectives."""
+        step = staged.shape
         key = (step.bucket, step.lora, step.rows)
         self.replays[key] = self.replays.get(key, 0) + 1
         n, t = step.seqs, step.tokens
@@ -218,11 +217,11 @@ class MixedGraphs:
             logits_indices=None, max_query_len=step.max_query_len, max_seq_len=step.max_seq_len)
         # The bucket's launch choices, as captured (a LoRA graph serves any count of adapters:
         # it takes the tuning table's bucket for one).
-        model = self.model.for_step(step.bucket, int(step.lora))
+        launch = self.launches.for_step(step.bucket, int(step.lora))
         with torch.inference_mode():
             for layer in range(self.num_layers):
                 self._replay(step.bucket, step.lora, layer, 0)
-                model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, out=self.attn[:t])
+                self.model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, launch, out=self.attn[:t])
             self._replay(step.bucket, step.lora, self.num_layers, step.rows)
         k = step.sampled
         return self.logits[:k], self.greedy[:k], self.finite[:k]
@@ -339,7 +338,7 @@ class MixedGraphs:
         """Piece 0: the embedding and layer 0's q/k/v. Piece i (1..layers-1): layer i-1 after
         its attention, then layer i's q/k/v. The last: the last layer after its attention,
         the final norm, the sampled rows' logits and their greedy tokens."""
-        model, b = self.model.for_step(bucket, int(lora)), bucket
+        model, launch, b = self.model, self.launches.for_step(bucket, int(lora)), bucket
         batch = ForwardBatch(
             input_ids=self.input_ids[:b], positions=self.positions[:b],
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables,
@@ -348,12 +347,12 @@ class MixedGraphs:
             feedback=self.feedback, feedback_rows=self.feedback_rows[:b])
         applier = self._applier(b) if lora else None
         if piece == 0:
-            hidden, x = model.embed_inputs(batch)
+            hidden, x = model.embed_inputs(batch, launch)
         else:
             attn = self.attn[:b].view(b, -1)
-            hidden, x = model.after_attention(piece - 1, attn, self.hidden[:b], applier)
+            hidden, x = model.after_attention(piece - 1, attn, self.hidden[:b], launch, applier)
         if piece < self.num_layers:
-            model.attention_inputs(piece, x, batch, self.kv.k, self.kv.v, applier, q_out=self.q[:b])
+            model.attention_inputs(piece, x, batch, self.kv.k, self.kv.v, launch, applier, q_out=self.q[:b])
             self.hidden[:b].copy_(hidden)
             return
         logits = model.logits(x, batch.logits_indices, out=self.logits[:rows])
