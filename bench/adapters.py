@@ -36,8 +36,8 @@ import torch
 
 from bench.driver import Driver
 from bench.harness import (ALL_MODULES, COMPILES, QV, Col, Spec, Table, add_common_args, bench_model, build_llm,
-                           device_line, frozen_gc, make_specs, node_config, parse_range, pct, release_memory,
-                           runtime, sync, timed_runs, write_adapters, write_json, zipf_index)
+                           device_line, dtype_name, frozen_gc, make_specs, node_config, parse_range, pct,
+                           release_memory, runtime, sync, timed_runs, write_adapters, write_json, zipf_index)
 
 log = logging.getLogger("bench.adapters")
 TIERS = ("gpu", "host", "disk")
@@ -233,7 +233,8 @@ def churn_line(r: ChurnRow, resident: ChurnRow | None) -> str:
     return CHURN_TABLE.row(r.alpha, r.key, r.ratio, r.tok_s, r.requests / r.wall, pct(r.ttft, 50), pct(r.ttft, 99),
                            max(r.ttft), *(r.tier_share(t) for t in TIERS),
                            None if r.key == "resident" else r.first_touch / r.requests, r.gpu_loads, r.gpu_evictions,
-                           r.tok_s / resident.tok_s if vs else None, pct(r.ttft, 50) / pct(resident.ttft, 50) if vs else None)
+                           r.tok_s / resident.tok_s if vs else None,
+                           pct(r.ttft, 50) / pct(resident.ttft, 50) if vs else None)
 
 
 def churn(args) -> list[ChurnRow]:
@@ -264,7 +265,7 @@ def churn(args) -> list[ChurnRow]:
         names = adapter_names(args.adapters)
         # Named by the model's shapes, targets and ranks: a --workdir may serve several models.
         root = work / (f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}-{args.targets}-"
-                       f"{'-'.join(map(str, args.ranks))}-{str(dtype).removeprefix('torch.')}")
+                       f"{'-'.join(map(str, args.ranks))}-{dtype_name(dtype)}")
         rank_of = write_adapters(root, cfg, names, args.ranks, targets, device if cuda else torch.device("cpu"),
                                  dtype, seed=10_000)
         specs = make_specs(args.requests, prompt_len, output_len, cfg.vocab_size, args.rate, args.seed)
@@ -281,11 +282,12 @@ def churn(args) -> list[ChurnRow]:
         per_row, arena_row = sum(sizes[m] for m in targets), sum(sizes[m] for m in held_modules(targets))
         options = engine_options(args, prompt_len[1] + output_len[1] + args.block_size, args.concurrency, args.requests)
         header = [
-            device_line(device, dtype), f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}",
+            device_line(device, dtype),
+            f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}",
             f"adapters: {len(names)} in the node's adapter folder (its disk tier, on {filesystem_of(root)}), ranks "
             f"{','.join(map(str, args.ranks))} on {','.join(targets)}; a rank row on them {per_row / 1e6:.3f} MB",
-            f"traffic: {args.requests} requests, Poisson {args.rate:g}/s, prompt {prompt_len[0]}-{prompt_len[1]}, output "
-            f"{output_len[0]}-{output_len[1]} tokens (ignore EOS), at most {args.concurrency} running, "
+            f"traffic: {args.requests} requests, Poisson {args.rate:g}/s, prompt {prompt_len[0]}-{prompt_len[1]}, "
+            f"output {output_len[0]}-{output_len[1]} tokens (ignore EOS), at most {args.concurrency} running, "
             f"{args.max_loras} adapters a step",
             "working sets (distinct adapters, rank rows, MB): " + "; ".join(
                 f"alpha {t.alpha:g}: {len(t.distinct)}, {t.working_rows}, {t.working_rows * per_row / 1e6:.1f}"
@@ -296,7 +298,8 @@ def churn(args) -> list[ChurnRow]:
             f"{churn_rows * arena_row / 1e6:.1f}: alpha {args.memory_alpha:g}'s working set / "
             f"{args.working_set_ratio:g}); host memory {host} adapters",
             f"node: {args.max_batched_tokens} tokens per step, {options['num_kv_blocks']} KV blocks of "
-            f"{args.block_size}, decode graphs {args.decode_graphs}, piecewise graphs {args.mixed_graphs}, prefix cache off",
+            f"{args.block_size}, decode graphs {args.decode_graphs}, piecewise graphs {args.mixed_graphs}, "
+            "prefix cache off",
             "each churn row: every adapter unloaded, its files " + (
                 "dropped from the OS page cache" if args.page_cache == "drop" else "kept in the OS page cache")
             + ", then " + (f"{len(warm_specs)} untimed requests of the same popularity (other draws, closed loop, 4 "
@@ -307,7 +310,8 @@ def churn(args) -> list[ChurnRow]:
 
         results: list[ChurnRow] = []
         # The resident node's host copies are only a cache of what its memory holds: keep one.
-        nodes = [("resident", resident_rows, 1, "lru")] + [(p, churn_rows, host, p) for p in args.policies.split(",") if p]
+        nodes = [("resident", resident_rows, 1, "lru")]
+        nodes += [(p, churn_rows, host, p) for p in args.policies.split(",") if p]
         for key, rows, max_cpu, policy in nodes:
             llm = None
             try:
@@ -321,10 +325,12 @@ def churn(args) -> list[ChurnRow]:
                                 everyone if key == "resident" else ())
                 # Untimed: a few requests through every kind of step, on this node's adapters.
                 Driver(llm.engine, device, args.concurrency, poisson=False).run(
-                    specs[:2 * args.concurrency], lambda s: traffic[0].adapters[s.index], lambda s: min(4, s.max_tokens))
+                    specs[:2 * args.concurrency], lambda s: traffic[0].adapters[s.index],
+                    lambda s: min(4, s.max_tokens))
             except Exception as exc:
                 log.exception("%s node failed", key)
-                results += [ChurnRow(key, t.alpha, math.nan, error=f"{type(exc).__name__}: {exc}"[:200]) for t in traffic]
+                error = f"{type(exc).__name__}: {exc}"[:200]
+                results += [ChurnRow(key, t.alpha, math.nan, error=error) for t in traffic]
                 if llm is not None:
                     llm.close()
                 continue
@@ -550,7 +556,8 @@ def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> d
         digest = adapter_digest(f.sha256 for f in entries)
         info = AdapterInfo(name, digest[:16], rank=rank, valid=True, size_bytes=sum(map(len, blobs)),
                            updated_at=int(time.time()))
-        if tier.lookup(name, info.version) is None and not tier.put(Manifest(info, blobs[0].decode(), entries, digest), blobs):
+        manifest = Manifest(info, blobs[0].decode(), entries, digest)
+        if tier.lookup(name, info.version) is None and not tier.put(manifest, blobs):
             raise RuntimeError(f"the disk tier did not keep {name}")
         files[name] = [disk_dir / digest / CHUNKS_FILE] + [disk_dir / digest / str(i) for i in range(len(blobs))]
     tier.close()  # the node's own tier takes the folder next
@@ -559,7 +566,8 @@ def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> d
 
 TIER_TABLE = Table(Col("tier", 5), Col("probes", 6, "d"), Col("TTFT p50", 9, ".2f", "ms", 1e3),
                    Col("max", 8, ".2f", "ms", 1e3), Col("-gpu p50", 9, ".2f", "ms", 1e3), Col("steps", 6, ".2f"),
-                   Col("adapter", 8, ".2f", "MB"), Col("load p50", 9, ".1f", "ms", 1e3), Col("cached", 7, ".0f", "%", 100))
+                   Col("adapter", 8, ".2f", "MB"), Col("load p50", 9, ".1f", "ms", 1e3),
+                   Col("cached", 7, ".0f", "%", 100))
 
 
 def tiers(args) -> dict:
@@ -609,7 +617,7 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
     probes += [Probe(tier, f"tier-{tier}-{k:03d}", True) for k in range(args.probes) for tier in TIERS]
     background_adapter = "tier-background" if args.background_adapter else ""
     names = [p.adapter for p in probes] + ([background_adapter] if background_adapter else [])
-    root = work / f"tier-adapters-h{cfg.hidden_size}-l{cfg.num_layers}-{args.targets}-r{args.rank}-{dtype_tag(dtype)}"
+    root = work / f"tier-adapters-h{cfg.hidden_size}-l{cfg.num_layers}-{args.targets}-r{args.rank}-{dtype_name(dtype)}"
     write_adapters(root, cfg, names, [args.rank], targets, device, dtype)
     sizes = {tier: (root / f"tier-warm-{tier}" / WEIGHTS_FILE).stat().st_size / 1e6 for tier in TIERS}
     if args.disk == "folder":
@@ -663,7 +671,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
         cached = [p.cached_after_drop for p in timed if p.cached_after_drop is not None]
         loads = [p.load_seconds for p in timed if not math.isnan(p.load_seconds)]
         rows.append({"tier": tier, "ttft": [p.ttft for p in timed], "p50": pct([p.ttft for p in timed], 50),
-                     "adapter_mb": sizes[tier], "load_p50": pct(loads, 50), "cached_after_drop": max(cached, default=None)})
+                     "adapter_mb": sizes[tier], "load_p50": pct(loads, 50),
+                     "cached_after_drop": max(cached, default=None)})
     gpu = rows[0]["p50"]
     print(f"one decode step (the background's, {len(loop.steps)} quiet steps): p50 {step * 1e3:.2f} ms, "
           f"p90 {pct(loop.steps, 90) * 1e3:.2f} ms")
@@ -674,7 +683,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
     host_gpu, disk_host = rows[1]["p50"] - gpu, rows[2]["p50"] - rows[1]["p50"]
     targets_met = [f"target host - gpu <= one decode step: {host_gpu * 1e3:.2f} ms vs {step * 1e3:.2f} ms: "
                    f"{'met' if host_gpu <= step else 'NOT met'}",
-                   f"target disk - host <= 50 ms: {disk_host * 1e3:.2f} ms: {'met' if disk_host <= 0.05 else 'NOT met'}"]
+                   f"target disk - host <= 50 ms: {disk_host * 1e3:.2f} ms: "
+                   f"{'met' if disk_host <= 0.05 else 'NOT met'}"]
     failed = [p for p in probes if p.error]
     for line in targets_met + [f"probe {p.adapter} FAILED: {p.error}" for p in failed]:
         print(line)
@@ -686,10 +696,6 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
               "targets": targets_met, "compiles": len(compiles), "ok": not failed}
     write_json(args.json, result)
     return result
-
-
-def dtype_tag(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # -- fetch ---------------------------------------------------------------------------------------------
@@ -712,7 +718,8 @@ def store_child(args) -> None:
     keep_freed_buffers()  # as `adapter-store serve` does
     shard = args.shard_kb << 10
     store = BackgroundStore(StoreSettings(bucket=BUCKET, s3_endpoint=args.endpoint, cache_dir=args.cache_dir, port=0,
-                                          poll_interval_s=60, shard_bytes=shard, direct_reads=DirectReads(enabled=True)))
+                                          poll_interval_s=60, shard_bytes=shard,
+                                          direct_reads=DirectReads(enabled=True)))
     payload, servers = os.urandom(shard), []
 
     async def serve_raw() -> int:
@@ -808,7 +815,8 @@ def fetch(args) -> list[tuple[str, dict]]:
                   Col("median MB/s", 11, ".1f"), Col("best MB/s", 9, ".1f"), Col("CPU ms: node", 12, ".0f"),
                   Col("store", 5, ".0f"), Col("S3", 5, ".0f"))
     print(f"\nmedian and best of {args.runs} runs; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
-          f"torch threads {torch.get_num_threads()}; host memory {'page-locked' if torch.cuda.is_available() else 'pageable'}")
+          f"torch threads {torch.get_num_threads()}; host memory "
+          f"{'page-locked' if torch.cuda.is_available() else 'pageable'}")
     table.print([(label, r["size"], r["median"], r["best"], *r["cpu_ms"]) for label, r in rows])
     if not args.disk_tier:
         boto3 = rows[0][1]["median"]
@@ -857,7 +865,8 @@ def fetch_disk_tier(args) -> list[tuple[str, dict]]:
                 (folder / CHUNKS_FILE).unlink(missing_ok=True)
                 drop_all(paths)
 
-            rows.append((f"{threads:>2} readers, cold (page cache dropped)", measure(read, args.runs, (), lambda: drop_all(paths))))
+            rows.append((f"{threads:>2} readers, cold (page cache dropped)",
+                         measure(read, args.runs, (), lambda: drop_all(paths))))
             rows.append((f"{threads:>2} readers, warm (page cache)", measure(read, args.runs)))
             rows.append((f"{threads:>2} readers, cold, older entry (whole-file sha256)",
                          measure(read, args.runs, (), as_older_entry)))
@@ -895,14 +904,8 @@ def fetch_store(args) -> list[tuple[str, dict]]:
         with safe_open(str(folder / WEIGHTS_FILE), "np") as tensors:  # ...layers.{i}...: a base model it fits
             layers = 1 + max(int(k.split(".")[4]) for k in tensors.keys())
         model = ModelConfig.from_dict({"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192,
-                                       "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8})
-
-        def boto3_transfer() -> int:
-            import io
-
-            buffer = io.BytesIO()
-            s3.download_fileobj(BUCKET, key, buffer)
-            return buffer.getbuffer().nbytes
+                                       "num_hidden_layers": layers, "num_attention_heads": 32,
+                                       "num_key_value_heads": 8})
 
         store = StoreProcess(server, Path(tmp) / "cache", args.shard_kb)
         pids = [store.proc.pid, server.process.pid]
@@ -945,14 +948,15 @@ def fetch_store(args) -> list[tuple[str, dict]]:
                 rows = [
                     ("boto3 get_object (one stream)",
                      measure(lambda: len(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()), runs, pids)),
-                    ("boto3 download_fileobj (threaded)", measure(boto3_transfer, runs, pids)),
                     ("gRPC alone: same bytes as bare messages (nothing checked)",
                      measure(lambda: sum(len(m) for m in raw_stream(str(total).encode(), timeout=600)), runs, pids)),
                     ("store -> node cold (S3 -> store -> node host memory)",
-                     measure(lambda: fetched_bytes(client.fetch(NAME, deadline_s=600, allocate=fresh)), runs, pids, clear)),
+                     measure(lambda: fetched_bytes(client.fetch(NAME, deadline_s=600, allocate=fresh)), runs, pids,
+                             clear)),
                     ("store -> node cold, direct reads (read plan, S3 -> node host memory)",
                      measure(lambda: fetched_bytes(reader.read(client.get_read_plan(NAME), fresh)), runs, pids, clear)),
-                    ("node load, direct reads (+ validation, views)", measure(node_load(sources["direct"]), runs, pids)),
+                    ("node load, direct reads (+ validation, views)",
+                     measure(node_load(sources["direct"]), runs, pids)),
                 ]
                 store.command("settle")
                 rows += [
@@ -960,10 +964,12 @@ def fetch_store(args) -> list[tuple[str, dict]]:
                      measure(lambda: fetched_bytes(client.fetch(NAME, deadline_s=600, allocate=fresh)), runs, pids)),
                     ("store -> node warm, into one reused host buffer", measure(lambda: fetched_bytes(client.fetch(
                         NAME, deadline_s=600, allocate=lambda n: reused[:n].numpy())), runs, pids)),
-                    ("node load from the store, warm (+ validation, views)", measure(node_load(sources["streamed"]), runs, pids)),
+                    ("node load from the store, warm (+ validation, views)",
+                     measure(node_load(sources["streamed"]), runs, pids)),
                     ("node load from its disk tier (sha256-verified, header checked)",
                      measure(node_load(sources["disk"]), runs, pids)),
-                    (f"host -> slot copy ({'CUDA, pinned' if cuda else 'CPU slot buffers'})", measure(to_slot, runs, pids)),
+                    (f"host -> slot copy ({'CUDA, pinned' if cuda else 'CPU slot buffers'})",
+                     measure(to_slot, runs, pids)),
                 ]
                 for source in sources.values():
                     source.close()
@@ -1025,7 +1031,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--disk", choices=["folder", "disk-tier"], default="folder",
                    help="the disk tier: the --adapter-dir folder, or the node's disk tier of store adapters")
     t.add_argument("--background", type=int, help="requests decoding throughout (CUDA 32, CPU 4)")
-    t.add_argument("--background-tokens", type=int, help="a background request's length before restart (CUDA 1024, CPU 256)")
+    t.add_argument("--background-tokens", type=int,
+                   help="a background request's length before it restarts (CUDA 1024, CPU 256)")
     t.add_argument("--background-adapter", action="store_true", help="the background on one pinned adapter")
     t.add_argument("--probes", type=int, help="timed probes per tier (CUDA 8, CPU 2)")
     t.add_argument("--prompt-len", type=int, help="a probe's and the background's prompt tokens (CUDA 128, CPU 16)")

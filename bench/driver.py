@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,11 +40,9 @@ class Driver:
     in flight, the next submitted when one finishes; Poisson: each at its arrival time."""
 
     def __init__(self, engine, device: torch.device, concurrency: int, poisson: bool,
-                 stall_seconds: float = 300.0, trace: Path | None = None,
-                 trace_steps: tuple[int, int] = (100, 110)) -> None:
+                 stall_seconds: float = 300.0) -> None:
         self.engine, self.device, self.concurrency, self.poisson = engine, device, concurrency, poisson
         self.stall_seconds = stall_seconds
-        self.trace, self.trace_steps = trace, trace_steps
 
     def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
             max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
@@ -98,8 +95,8 @@ class Driver:
             if chunks:
                 pending_step["launched"] = True
             if chunks and all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks):
-                pending_step["decode"] = (len(chunks), frozenset(c.request.adapter for c in chunks if c.request.adapter),
-                                          sum(c.request.num_computed + 1 for c in chunks))
+                adapters = frozenset(c.request.adapter for c in chunks if c.request.adapter)
+                pending_step["decode"] = (len(chunks), adapters, sum(c.request.num_computed + 1 for c in chunks))
             return chunks
 
         # The forward's own time: CUDA events around the outermost call of the model's forward
@@ -151,7 +148,7 @@ class Driver:
             if not self.poisson:
                 for _ in range(min(self.concurrency, len(specs))):
                     submit_next(t0)
-            last_progress, seen, tracer = time.perf_counter(), 0, None
+            last_progress, seen = time.perf_counter(), 0
             outstanding = None  # (decode info or None, forward marks) of the step not yet read
             while state["finished"] < len(specs):
                 now = time.perf_counter()
@@ -163,7 +160,6 @@ class Driver:
                     if state["inflight"] == 0:
                         time.sleep(max(0.0, min(t0 + specs[order[state["next"]]].arrival - now, 0.01)))
                         continue
-                tracer = self._trace(tracer, len(steps))
                 pending_step.clear()
                 forward_marks.clear()
                 waited[0] = 0.0
@@ -203,23 +199,3 @@ class Driver:
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
         return records, steps
-
-    def _trace(self, tracer, decode_steps: int):
-        """A torch.profiler trace (host and device) of decode steps [first, last) into self.trace."""
-        first, last = self.trace_steps
-        if self.trace is None or decode_steps < first:
-            return tracer
-        if tracer is None and decode_steps == first:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            tracer = torch.profiler.profile(activities=activities)
-            tracer.__enter__()
-        elif tracer is not None and decode_steps >= last:
-            sync(self.device)
-            tracer.__exit__(None, None, None)
-            self.trace.parent.mkdir(parents=True, exist_ok=True)
-            tracer.export_chrome_trace(str(self.trace))
-            self.trace = None
-            return None
-        return tracer

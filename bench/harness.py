@@ -115,7 +115,8 @@ def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device:
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
 
-    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h),
+               "model.norm.weight": torch.ones(h, dtype=dtype)}
     if not config.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = rnd(config["vocab_size"], h)
     for i in range(config["num_hidden_layers"]):

@@ -69,7 +69,6 @@ class Row:
     lora: bool                  # runs on the node with LoRA on
     pool: list[str]             # adapter names (empty: every request uses the base model)
     peft: bool = False
-    delay: float | None = None  # the scheduler's prefill_delay_factor for this row (None: the node's)
 
     def adapter_of(self, spec: Spec, poisson: bool, alpha: float) -> str:
         if not self.pool:
@@ -93,8 +92,6 @@ class RowResult:
 def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
     engine, device = llm.engine, llm.node.model.device
     result = RowResult(row.key, "engine", row.label)
-    if row.delay is not None:  # rows compared by prefill delay share one node
-        engine.scheduler.config = dataclasses.replace(engine.scheduler.config, prefill_delay_factor=row.delay)
     adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
     # Untimed: "full" runs the row's whole workload once (every shape the timed run meets, so no
     # Triton compile lands in it); "short" one batch of few tokens; "engine" nothing here (the
@@ -104,8 +101,7 @@ def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
     elif args.warmup == "short":
         Driver(engine, device, args.concurrency, poisson=False).run(
             specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
-    trace = args.trace / f"{row.key}.json" if args.trace else None
-    driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson), trace=trace)
+    driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
     before, mark = dict(engine.stats.__dict__), COMPILES.mark()
     with frozen_gc():
         result.records, result.steps = driver.run(specs, adapter_of)
@@ -446,20 +442,22 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
     lines = []
     if a and a2:
         lines.append(f"control a2/a (same node setup, run after b-d): decode {a2.decode_tps / a.decode_tps:.3f}, "
-                     f"end-to-end {a2.e2e_tps / a.e2e_tps:.3f}, step {a2.step_p50 * 1e3:.2f} vs {a.step_p50 * 1e3:.2f} ms")
+                     f"end-to-end {a2.e2e_tps / a.e2e_tps:.3f}, step {a2.step_p50 * 1e3:.2f} vs "
+                     f"{a.step_p50 * 1e3:.2f} ms")
     for x, target in ((b, 0.97), (d, 0.95)):
         if a and x:
             r = x.decode_tps / a.decode_tps
             lines.append(f"{x.key}/a throughput: decode {r:.3f}, end-to-end {x.e2e_tps / a.e2e_tps:.3f}  (target >= "
-                         f"{target}: {verdict(r, r >= target)}); all decode steps {x.all_steps_tps / a.all_steps_tps:.3f} "
+                         f"{target}: {verdict(r, r >= target)}); all decode steps "
+                         f"{x.all_steps_tps / a.all_steps_tps:.3f} "
                          f"({a.steady_steps}/{a.decode_steps} and {x.steady_steps}/{x.decode_steps} steady), "
                          f"by step p50 {a.step_p50 / x.step_p50:.3f}")
     if a and c32:
         extra = c32.step_p50 - a.step_p50
         r = extra / adapter_read_32
         lines.append(f"{c32_key} extra decode step over a: {extra * 1e3:.3f} ms; reading 32 adapters' A and B at copy "
-                     f"bandwidth: {adapter_read_32 * 1e3:.3f} ms; ratio {r:.2f}  (target <= 1.25: {verdict(r, r <= 1.25)}; "
-                     f"{c32.adapters_per_step:.1f} adapters per decode step)")
+                     f"bandwidth: {adapter_read_32 * 1e3:.3f} ms; ratio {r:.2f}  (target <= 1.25: "
+                     f"{verdict(r, r <= 1.25)}; {c32.adapters_per_step:.1f} adapters per decode step)")
     if a:
         lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.15: "
                      f"{verdict(a.over_floor, a.over_floor <= 1.15)})")
@@ -494,7 +492,8 @@ def path_ratios(summaries: dict[tuple[str, str], Summary]) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "llama-1b-random on CUDA, embedded on CPU")
-    p.add_argument("--paths", default="engine", help="comma-separated: engine (in process), grpc, http (the served node)")
+    p.add_argument("--paths", default="engine",
+                   help="comma-separated: engine (in process), grpc, http (the served node)")
     p.add_argument("--rows", default="a,b,c,d,e", help="which rows to run")
     p.add_argument("--requests", type=int, help="requests per row (CUDA 128, CPU 8)")
     p.add_argument("--concurrency", type=int, help="closed-loop requests in flight = the node's max_num_seqs "
@@ -513,9 +512,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
                    help="replay prompt and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
-    p.add_argument("--prefill-delay-factor", type=lambda t: [float(x) for x in t.split(",")], default=[],
-                   help="admission delay, x the last prefill step (default: the node's); several, comma-separated: "
-                        "each engine row once per factor, as ROW@FACTOR")
+    p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's (x the last prefill step)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the engine rows a-d this many times, interleaved; each column is the median")
     p.add_argument("--control", action="store_true", help="run row a again after rows b-d (a2) on a fresh node")
@@ -525,8 +522,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--clients", type=int, default=4, help="client processes of each API (grpc, http paths)")
     p.add_argument("--api-processes", default="auto", help="the served node's front-end processes")
-    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
-                   help="torch.profiler trace of decode steps 100-109 per engine row to DIR/ROW.json")
     p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                    help="a launch choice other than the node's default (kernels/tuning.py), repeatable")
     p.add_argument("--tuning-table", default="auto", help="as `inference-node serve --tuning-table`")
@@ -591,9 +586,6 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
         rows += [Row(f"c-{n}", f"{n} adapters r16, all 7 projections", True, r16[:n]) for n in counts]
     if "d" in wanted:
         rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
-    if len(args.prefill_delay_factor) > 1:  # side by side: each engine row once per factor
-        rows = [dataclasses.replace(r, key=f"{r.key}@{f:g}", label=f"{r.label[:26]}, delay {f:g}", delay=f)
-                for r in rows for f in args.prefill_delay_factor]
     peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False, r16[:args.peft_adapters],
                      peft=True)] if "e" in wanted else []
 
@@ -605,11 +597,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                    max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
                    max_model_len=max_model_len, prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
                    mixed_graphs=args.mixed_graphs, max_graph_batch=args.concurrency, cpu_threads=args.threads,
+                   prefill_delay_factor=args.prefill_delay_factor,
                    warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
                    tuning_fixed=frozenset(given), tuning_table=args.tuning_table, log_level="WARNING",
                    api_processes=count_or_auto(args.api_processes))
-    if len(args.prefill_delay_factor) == 1:
-        options["prefill_delay_factor"] = args.prefill_delay_factor[0]
     names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
     configs = {False: node_config(model, device, dtype, max_loras=0, **options),
                True: node_config(model, device, dtype, max_loras=max(len(names), 1), max_lora_rank=16,
@@ -619,14 +610,16 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     header = [
         f"{device_line(device, dtype)}  copy bandwidth (D2D, read+write): {bw / 1e9:.1f} GB/s",
         f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/"
-        f"{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, {nbytes.weights / 1e9:.3f} GB of weights read per decode step",
+        f"{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, {nbytes.weights / 1e9:.3f} GB of weights read per "
+        "decode step",
         f"workload: {args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]} tokens, output "
         f"{args.output_len[0]}-{args.output_len[1]} tokens (ignore EOS), " + (
             f"open loop Poisson {args.poisson} req/s, Zipf({args.zipf_alpha}) adapter popularity, at most "
             f"{args.concurrency} running" if args.poisson else
             f"closed loop at concurrency {args.concurrency}, request i -> adapter i mod N"),
         f"node: max_num_seqs {args.concurrency}, {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of "
-        f"{args.block_size}, prefix cache {'on' if args.prefix_caching else 'off'}, decode graphs {args.decode_graphs}, "
+        f"{args.block_size}, prefix cache {'on' if args.prefix_caching else 'off'}, decode graphs "
+        f"{args.decode_graphs}, "
         f"piecewise graphs {args.mixed_graphs}; adapter bytes: r16 all 7 = "
         f"{abytes[r16[0]] / 1e6 if r16 else 0:.2f} MB" + (f", r8 q,v = {abytes[qv[0]] / 1e6:.2f} MB" if qv else ""),
         f"paths: {', '.join(args.paths)}" + (f"; served: {args.clients} client processes per API, front ends "
@@ -726,13 +719,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     print("steps by kind, decode from CUDA graphs / piecewise graphs / eager decode / eager with prompt tokens: "
           + ", ".join(f"{k} {v['graph']}/{v['piecewise']}/{v['eager_decode']}/{v['eager_prefill']}"
                       for k, v in kinds.items()))
-    print(f"decode columns (engine path): pure-decode steps only; decode tok/s leaves out the steps whose call also "
-          f"launched a prompt chunk (its host work is prefill's, in e2e); step = one Engine.run_once (schedule and "
-          f"launch step n+1, then wait for and stream step n), charged to step n, host time, no extra sync; fwd = the "
-          f"forward on the device (CUDA events around graph replay or eager forward); host = step minus the wait for "
-          f"sampled tokens; floor = (weights + distinct adapters' A,B + KV attended) / copy bandwidth; 'x floor' = p50 "
-          f"of step/floor. e: static batches of {args.concurrency}, TTFT taken as if generate streamed. Served rows: "
-          f"the clients' clock. Warm-up per row: {args.warmup}; total {time.perf_counter() - started:.0f}s")
+    print(f"columns: docs/PERFORMANCE.md. e: static batches of {args.concurrency}, TTFT as if generate streamed; "
+          f"warm-up per row: {args.warmup}; total {time.perf_counter() - started:.0f}s")
     write_json(args.json, {"header": header, "copy_bandwidth": bw,
                            "rows": {f"{k}@{p}": dataclasses.asdict(s) for (k, p), s in summaries.items()},
                            "rounds": {f"{k}@{p}": [dataclasses.asdict(r) for r in runs]

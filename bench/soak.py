@@ -73,9 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             def one(client) -> None:
                 r = rng.random()
+                prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(4, 48))]
                 request = client.request(adapter=rng.choice(names + [""]), max_tokens=rng.randrange(4, 24),
-                                         prompt_token_ids=[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 48))],
-                                         ignore_eos=True)
+                                         prompt_token_ids=prompt, ignore_eos=True)
                 if r < args.invalid_fraction:
                     request.max_tokens = -1  # INVALID_ARGUMENT
                 started = time.monotonic()
@@ -112,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'outcome':24} {'count':>7}")
     for outcome, count in sorted(outcomes.items()):
         print(f"{outcome:24} {count:>7}")
-    print(f"latency of completed requests: p50 {pct(latencies, 50) * 1000:.0f} ms, p99 {pct(latencies, 99) * 1000:.0f} ms")
+    print(f"latency of completed requests: p50 {pct(latencies, 50) * 1000:.0f} ms, "
+          f"p99 {pct(latencies, 99) * 1000:.0f} ms")
     print(f"node memory (RSS): {rss_start:.0f} MB after warm-up, {rss_end:.0f} MB at the end "
           f"(growth {rss_end - rss_start:+.0f} MB, bound {args.max_growth_mb:.0f} MB)")
     print(f"node at the end: {stats.running_requests} running, {stats.waiting_requests} waiting, "

@@ -26,7 +26,6 @@ run with another value is refused) and no multimem operation is called.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
@@ -71,7 +70,8 @@ def bus_bandwidth(nbytes: int, ranks: int, seconds: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / seconds
 
 
-def collective_times(report: dict, method: str, cfg, tp: int, rows: int, itemsize: int = 2) -> tuple[float, float, float]:
+def collective_times(report: dict, method: str, cfg, tp: int, rows: int,
+                     itemsize: int = 2) -> tuple[float, float, float]:
     """(all-reduce, all-gather, broadcast) seconds of a decode step of `rows` from an allreduce
     report of `tp` processes: the all-reduce measured at [rows, hidden]; the logits' all-gather
     at its bus bandwidth ((n-1)/n of the gathered bytes cross the bus); the broadcast (latency
@@ -322,7 +322,8 @@ def run_case(method: str, mode: str, x: torch.Tensor, symm, s: Settings, rank: i
         outputs = run()
         sync()
         try:
-            checked, failure = check_sums(outputs, s.nproc, f"{method} {mode}, {x.shape[1]} x {x.shape[2]}, rank {rank}"), None
+            what = f"{method} {mode}, {x.shape[1]} x {x.shape[2]}, rank {rank}"
+            checked, failure = check_sums(outputs, s.nproc, what), None
         except AssertionError as exc:
             checked, failure = 0, str(exc)
         if (failure := agree(failure)) is not None:
@@ -333,7 +334,8 @@ def run_case(method: str, mode: str, x: torch.Tensor, symm, s: Settings, rank: i
     for _ in range(s.warmup):
         run()
     if cuda:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(s.repeats)]
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(s.repeats)]
         for start, end in events:  # back to back: the ranks stay in step through the collectives
             start.record()
             run()
@@ -393,7 +395,8 @@ def worker(rank: int, s: Settings, rendezvous: str, result_path: str) -> None:
                 cell["seconds"] = max(times) if None not in times else None
                 cell["verified"] = min(c["verified"] for c in per_rank)
                 cell["bytes"] = cell["rows"] * cell["hidden"] * DTYPE.itemsize
-                cell["bus_bandwidth"] = bus_bandwidth(cell["bytes"], s.nproc, cell["seconds"]) if cell["seconds"] else None
+                cell["bus_bandwidth"] = (bus_bandwidth(cell["bytes"], s.nproc, cell["seconds"])
+                                         if cell["seconds"] else None)
                 merged.append(cell)
             versions = f"torch {torch.__version__}" + (f", NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
                                                        if cuda else "")
@@ -425,11 +428,13 @@ def format_report(report: dict, s: Settings) -> list[str]:
         ratio = [row[2 + i]["seconds"] / row[i]["seconds"] if row[2 + i]["seconds"] and row[i]["seconds"] else None
                  for i in range(2)]
         lines.append(table.row(rows, hidden, rows * hidden * DTYPE.itemsize, *shown, *ratio))
-    head = [f"all-reduce (sum) of bf16 [rows, hidden] over {report['world_size']} processes, {base}, {report['device']}, "
-            f"{report['versions']}", "env: " + " ".join(f"{k}={v}" for k, v in report["env"].items()),
+    head = [f"all-reduce (sum) of bf16 [rows, hidden] over {report['world_size']} processes, {base}, "
+            f"{report['device']}, {report['versions']}",
+            "env: " + " ".join(f"{k}={v}" for k, v in report["env"].items()),
             f"cells: us per all-reduce, median of {s.repeats} runs of {s.ops} (slowest rank), (bus bandwidth GB/s); "
             f"graph: one CUDA graph of {s.ops} all-reduces replayed; symm: the node's --all-reduce symm"]
-    notes = [f"[{i}] n/a ({reason}): {', '.join(sorted(set(where)))}" for i, (reason, where) in enumerate(reasons.items(), 1)]
+    notes = [f"[{i}] n/a ({reason}): {', '.join(sorted(set(where)))}"
+             for i, (reason, where) in enumerate(reasons.items(), 1)]
     return head + table.head() + lines + notes + [
         f"symm/{base}: symmetric memory's time / {base}'s in the same mode (< 1: faster); every result checked against "
         "the exact sum before and after timing"]
@@ -485,7 +490,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--child", default=None, help=argparse.SUPPRESS)  # TP,ALL_REDUCE,MODE of one child
     a = sub.add_parser("allreduce", help="NCCL against the node's symmetric-memory all-reduce, per message size")
     a.set_defaults(run=allreduce)
-    a.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cuda (NCCL) where a GPU is, else cpu (gloo)")
+    a.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda (NCCL) where a GPU is, else cpu (gloo)")
     a.add_argument("--nproc", type=int, default=None, help="processes (CUDA: every visible GPU; CPU: 2)")
     a.add_argument("--sizes", choices=tuple(SIZES), default="decode",
                    help="decode: rows 1..256 x hidden 4096, 8192; small: rows 1, 8 x hidden 256")

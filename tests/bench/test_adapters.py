@@ -26,7 +26,8 @@ def test_churn_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypa
                     mode: list[str]) -> None:
     drops: list[int] = []  # each churn row drops every adapter file from the page cache first
     real_drop = adapters.drop_page_cache
-    monkeypatch.setattr(adapters, "drop_page_cache", lambda root, names: drops.append(len(names)) or real_drop(root, names))
+    monkeypatch.setattr(adapters, "drop_page_cache",
+                        lambda root, names: drops.append(len(names)) or real_drop(root, names))
     requests = 24
     results = adapters.main(["churn", "--device", "cpu", "--model", "tiny", "--adapters", "30", "--ranks", "2,4,8",
                              "--requests", str(requests), "--rate", "40", "--concurrency", "4", "--prompt-len", "4:12",

@@ -55,8 +55,8 @@ def test_a_size_whose_node_hangs_while_stopping_keeps_its_rows_and_is_killed() -
 
 def test_allreduce_gloo_prints_the_table_with_verified_sums(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json = tmp_path / "ar.json"
-    report = tp.main(["allreduce", "--device", "cpu", "--nproc", "2", "--sizes", "small", "--ops", "6", "--repeats", "3",
-                      "--warmup", "1", "--json", str(out_json)])
+    report = tp.main(["allreduce", "--device", "cpu", "--nproc", "2", "--sizes", "small", "--ops", "6",
+                      "--repeats", "3", "--warmup", "1", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert report["world_size"] == 2 and report["backend"] == "gloo"
     assert json.loads(out_json.read_text()) == report
