@@ -163,10 +163,7 @@ def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
     and checks it against its own shard's shape (the same on every rank: tensor parallelism
     divides heads, KV heads and the MLP width evenly), so all ranks launch the same choices
     for a step even where a rank's GPU reports another name."""
-    from kernels import tuning_table
-
-    from .tuner.store import table_at_start
-    from .tuner.tune import key_for, node_tuner, why_not
+    from .tuner.tune import node_table
 
     table, size = config.kernels.tuning_table, config.model.tensor_parallel_size
     if table == "off":
@@ -175,17 +172,13 @@ def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
     if device.type == "cuda" and size > 1:
         device = torch.device("cuda", 0)  # load_rank's device of rank 0
     shape = ModelShape.of(Shard(0, size).local_config(ModelConfig.from_checkpoint(checkpoint)))
+    try:
+        found = node_table(table, device, shape, DTYPES[dtype_name(config, device)],
+                           budget_s=config.kernels.tune_budget, tp=size, cache=cache_root() / "tuning")
+    except TuningTableError as exc:
+        raise ConfigError(f"--tuning-table: {exc}") from None
     if table != "auto":
-        try:
-            load_table(table, shape)
-        except TuningTableError as exc:
-            raise ConfigError(f"--tuning-table: {exc}") from None
         return config
-    dtype = DTYPES[dtype_name(config, device)]
-    reason = why_not(device)
-    found = table_at_start(key_for(device, shape, dtype), tuning_table.CONFIG_DIR, cache_root() / "tuning",
-                           config.kernels.tune_budget, None if reason else node_tuner(device, shape, dtype, size),
-                           reason or "")
     log.info("tuning table: %s", found.describe())
     return config.replace(tuning_table=str(found.table.path) if found.table is not None else "off")
 

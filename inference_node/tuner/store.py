@@ -31,7 +31,8 @@ LOCK_MARGIN_S = 120.0  # waited beyond the other node's budget: its last case, i
 @dataclass(frozen=True)
 class Found:
     """The table a node runs with and where it came from: "seed" (the repository's), "cache"
-    (tuned before, by this or another node), "tuned" (now), or "defaults" (no table)."""
+    (tuned before, by this or another node), "tuned" (now), "given" (--tuning-table PATH), or
+    none: "defaults" (none found, none tuned) or "off"."""
 
     table: TuningTable | None
     source: str
@@ -39,7 +40,7 @@ class Found:
 
     def describe(self) -> str:
         if self.table is None:
-            return "none: default launch choices"
+            return f"{'off' if self.source == 'off' else 'none'}: default launch choices"
         how = f"tuned now in {self.seconds:.0f} s" if self.source == "tuned" else self.source
         return f"{self.table.path} ({how})"
 

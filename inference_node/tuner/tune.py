@@ -7,12 +7,16 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from kernels.tuning import DEFAULT_TUNING, GROUPS
-from kernels.tuning_table import ModelShape, TableKey, TuningTable, device_name
+from kernels import tuning_table
+from kernels.tuning_table import ModelShape, TableKey, TuningTable, device_name, load_table
+
+from .store import Found, table_at_start
 
 from .sweep import (ADAPTERS, BATCHES, MIN_GAIN, Budget, Measured, Sweep, Timer, TuningUnavailable,
                     buckets_for, cases, cpu_timer, cuda_timer, run, tiling_field)
@@ -120,3 +124,23 @@ def node_tuner(device: torch.device, shape: ModelShape, dtype: torch.dtype,
                                           + (f", a rank of --tensor-parallel-size {tp}" if tp > 1 else "") + ")")
         return table
     return tune
+
+
+def node_table(setting: str, device: torch.device, shape: ModelShape, dtype: torch.dtype, *,
+               budget_s: float, tp: int = 1, cache: Path | None = None) -> Found:
+    """The table a node with `--tuning-table setting` and `--tune-budget budget_s` runs with
+    on `device` for its (shard) `shape` in `dtype`: none ("off"), the file given (its shape
+    checked: TuningTableError), or with "auto" the seed, the cached table or one tuned now
+    (store.table_at_start; `cache`: the node's, under its cache directory). The benchmarks
+    take their table this way too (budget 0: never tune)."""
+    if setting == "off":
+        return Found(None, "off")
+    if setting != "auto":
+        return Found(load_table(setting, shape), "given")
+    if cache is None:
+        from inference_node.model.embedded import cache_root
+
+        cache = cache_root() / "tuning"
+    reason = why_not(device)
+    return table_at_start(key_for(device, shape, dtype), tuning_table.CONFIG_DIR, cache, budget_s,
+                          None if reason else node_tuner(device, shape, dtype, tp), reason or "")
