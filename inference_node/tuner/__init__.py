@@ -8,8 +8,10 @@ cache directory).
   versions) and its tuning time (TuningTable.tuning_s: what the benchmarks print per shape).
 - store.py: where a node's table comes from (seed, cache, tuned now), the lock and the refusal
   of tables that are not the key's. Torch-free.
-- cli.py: `inference-node tune`. profile.py: `python -m inference_node.tuner.profile`, a
-  decode step's graph replay and kernels per adapter configuration.
+- cli.py: `inference-node tune`.
+- For maintainers: profile.py (`python -m inference_node.tuner.profile`: a decode step's
+  graph replay and kernels per adapter configuration and launch choice) and lora_sweep.py
+  (the LoRA shrink/expand launches' tilings, not yet Tuning choices).
 
 Nothing here is imported by the launcher or the front ends: the engine core resolves the
 table (node.resolve_tuning_table) before any weight loads.
