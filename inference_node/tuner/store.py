@@ -77,18 +77,24 @@ def lookup(key: TableKey, seeds: Path, cache: Path | None) -> Found | None:
 @contextlib.contextmanager
 def exclusive(path: Path, wait_s: float, poll_s: float = 0.5,
               clock: Callable[[], float] = time.monotonic,
-              sleep: Callable[[float], None] = time.sleep) -> Iterator[bool]:
+              sleep: Callable[[float], None] = time.sleep,
+              waiting: Callable[[], None] = lambda: None) -> Iterator[bool]:
     """Holds the lock file `path` (an advisory flock: released when its holder exits, however
-    it exits) while the block runs; yields False where another holder kept it `wait_s`."""
+    it exits) while the block runs; yields False where another holder kept it `wait_s`
+    (`waiting` is called once, when the first try finds it held)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         deadline = clock() + wait_s
+        tries = 0
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 held = True
                 break
             except BlockingIOError:
+                if tries == 0:
+                    waiting()
+                tries += 1
                 if clock() >= deadline:
                     held = False
                     break
@@ -120,7 +126,11 @@ def table_at_start(key: TableKey, seeds: Path, cache: Path, budget_s: float,
         return Found(None, "defaults")
     lock = cache / f"{key.name}.lock"
     wait = budget_s + LOCK_MARGIN_S if wait_s is None else wait_s
-    with exclusive(lock, wait, clock=clock) as held:
+    def waiting() -> None:
+        log.info("another node is tuning kernels for %s (lock %s): waiting for its table, up to %.0f s",
+                 key, lock, wait)
+
+    with exclusive(lock, wait, clock=clock, waiting=waiting) as held:
         if not held:
             log.warning("another node has been tuning kernels for %s for over %.0f s (lock %s): default "
                         "launch choices", key, wait, lock)

@@ -95,6 +95,7 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
                   timer or (cuda_timer if device.type == "cuda" else cpu_timer),
                   list(batches), max_candidates)
     results, skipped = run(sweep, todo, budget)
+    del sweep  # its operand copies: freed before the node sizes its memory
     if skipped:
         log.debug("unmeasured: %s", ", ".join(case.describe() for case in skipped))
     buckets, kept = buckets_for(results, field, min_gain, existing)

@@ -164,8 +164,9 @@ def test_where_tuning_cannot_run_the_node_takes_the_defaults(tmp_path: Path, cap
     assert not (cache / KEY.name).exists() and list(cache.glob("*.tmp")) == []
 
 
-def test_two_nodes_starting_together_tune_once(tmp_path: Path) -> None:
-    """The second waits on the key's lock, then takes the table the first stored."""
+def test_two_nodes_starting_together_tune_once(tmp_path: Path, caplog) -> None:
+    """The second waits on the key's lock (saying so), then takes the table the first stored."""
+    caplog.set_level(logging.INFO)
     cache = tmp_path / "cache"
     started, release = threading.Event(), threading.Event()
     tune, calls = small_tune()
@@ -188,6 +189,7 @@ def test_two_nodes_starting_together_tune_once(tmp_path: Path) -> None:
     second.join(30)
     assert calls == [600]
     assert found["a"].source == "tuned" and found["b"].source == "cache"
+    assert "another node is tuning kernels for cpu" in caplog.text and "waiting for its table" in caplog.text
     assert found["a"].table == found["b"].table
 
 
