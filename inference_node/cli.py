@@ -77,10 +77,10 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
                            "with N rank-16 adapters")
     tune.add_argument("--budget-s", type=float, default=600.0,
                       help="seconds after which no new candidate starts (the table then holds what was measured)")
-    tune.add_argument("--out", default=None,
+    tune.add_argument("--tuning-cache-dir", "--out", dest="out", default=None,
                       help="the table's folder (its file named by device, shape and dtype) or a .json path "
-                           "(default: the node's cache directory, where `serve` finds it; kernels/configs for "
-                           "a seed)")
+                           "(default: where `serve` looks: its --tuning-cache-dir, else $LORA_SERVING_CACHE/tuning; "
+                           "kernels/configs for a seed)")
     tune.add_argument("--groups", default="qkv,o,gate_up,down", help="fused groups to sweep")
     tune.add_argument("--min-gain", type=float, default=0.02,
                       help="a tiling goes into the table where it is this much faster than the default")

@@ -155,6 +155,15 @@ def dtype_name(config: NodeConfig, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
+def tuning_cache(config: NodeConfig) -> Path:
+    """Where the tables this host tunes are kept (--tuning-cache-dir, else under the cache
+    directory, beside the embedded model)."""
+    from .tuner.tune import default_cache
+
+    folder = config.kernels.tuning_cache_dir
+    return Path(folder) if folder else default_cache()
+
+
 def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
     """config with --tuning-table auto made the file of rank 0's GPU, shard shape and dtype
     (the repository's seed, else this host's cached table, else one tuned now within
@@ -174,7 +183,7 @@ def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
     shape = ModelShape.of(Shard(0, size).local_config(ModelConfig.from_checkpoint(checkpoint)))
     try:
         found = node_table(table, device, shape, DTYPES[dtype_name(config, device)],
-                           budget_s=config.kernels.tune_budget, tp=size, cache=cache_root() / "tuning")
+                           budget_s=config.kernels.tune_budget, tp=size, cache=tuning_cache(config))
     except TuningTableError as exc:
         raise ConfigError(f"--tuning-table: {exc}") from None
     if table != "auto":

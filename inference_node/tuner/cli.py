@@ -17,7 +17,7 @@ from kernels.tuning_table import CONFIG_DIR, ModelShape, TuningTable
 
 from .store import exclusive, usable
 from .sweep import copy_bandwidth, print_results
-from .tune import base_field, key_for, tune_table, why_not
+from .tune import base_field, default_cache, key_for, tune_table, why_not
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,6 @@ def model_shape(model: str | None, tp: int) -> ModelShape:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference_node.model.embedded import cache_root
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     smoke = device.type == "cpu"
@@ -78,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"inference-node tune: --groups {args.groups!r}: expected some of {', '.join(GROUPS)}")
 
     key = key_for(device, shape, dtype)
-    out = Path(args.out) if args.out else cache_root() / "tuning"
+    out = Path(args.out) if args.out else default_cache()
     path = out if out.suffix == ".json" else out / key.name
     seed = path.parent.resolve() == CONFIG_DIR.resolve()
     print(("CPU SMOKE (numbers meaningless: checks the sweep and the table's writing and reading)\n" if smoke else "")

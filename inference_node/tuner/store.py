@@ -114,7 +114,8 @@ def table_at_start(key: TableKey, seeds: Path, cache: Path, budget_s: float,
     `cache` and used from then on. Defaults (no table) where the budget is 0, where tuning
     cannot run here (`tune` None: `why_not` says why, in an info line; the sweep raising
     TuningUnavailable or failing: a warning, nothing stored), or where another node has held
-    this key's lock for longer than its budget and a margin."""
+    this key's lock for longer than its budget and a margin, or where `cache` cannot be
+    written (a table tuned now could be kept nowhere)."""
     found = lookup(key, seeds, cache)
     if found is not None:
         return found
@@ -125,6 +126,14 @@ def table_at_start(key: TableKey, seeds: Path, cache: Path, budget_s: float,
         log.info("no tuning table for %s: default launch choices (%s)", key, why_not)
         return Found(None, "defaults")
     lock = cache / f"{key.name}.lock"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(lock, "a"):
+            pass
+    except OSError as exc:  # a table tuned now could be kept nowhere: every start would tune again
+        log.warning("cannot keep tuning tables in %s (%s): default launch choices (--tuning-cache-dir names "
+                    "a writable folder)", cache, exc)
+        return Found(None, "defaults")
     wait = budget_s + LOCK_MARGIN_S if wait_s is None else wait_s
     def waiting() -> None:
         log.info("another node is tuning kernels for %s (lock %s): waiting for its table, up to %.0f s",

@@ -127,6 +127,14 @@ def node_tuner(device: torch.device, shape: ModelShape, dtype: torch.dtype,
     return tune
 
 
+def default_cache() -> Path:
+    """Where a node keeps the tables it tunes unless told (--tuning-cache-dir): under the
+    cache directory, beside the embedded model."""
+    from inference_node.model.embedded import cache_root
+
+    return cache_root() / "tuning"
+
+
 def node_table(setting: str, device: torch.device, shape: ModelShape, dtype: torch.dtype, *,
                budget_s: float, tp: int = 1, cache: Path | None = None) -> Found:
     """The table a node with `--tuning-table setting` and `--tune-budget budget_s` runs with
@@ -138,10 +146,7 @@ def node_table(setting: str, device: torch.device, shape: ModelShape, dtype: tor
         return Found(None, "off")
     if setting != "auto":
         return Found(load_table(setting, shape), "given")
-    if cache is None:
-        from inference_node.model.embedded import cache_root
-
-        cache = cache_root() / "tuning"
+    cache = cache or default_cache()
     reason = why_not(device)
     return table_at_start(key_for(device, shape, dtype), tuning_table.CONFIG_DIR, cache, budget_s,
                           None if reason else node_tuner(device, shape, dtype, tp), reason or "")

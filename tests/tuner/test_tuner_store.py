@@ -164,6 +164,15 @@ def test_where_tuning_cannot_run_the_node_takes_the_defaults(tmp_path: Path, cap
     assert not (cache / KEY.name).exists() and list(cache.glob("*.tmp")) == []
 
 
+def test_a_cache_that_cannot_be_written_leaves_the_defaults_untuned(tmp_path: Path, caplog) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    tune, calls = small_tune()
+    found = table_at_start(KEY, tmp_path, tmp_path / "file" / "tuning", 600, tune)
+    assert found == Found(None, "defaults") and calls == []
+    assert f"cannot keep tuning tables in {tmp_path / 'file' / 'tuning'}" in caplog.text
+    assert "--tuning-cache-dir names a writable folder" in caplog.text
+
+
 def test_two_nodes_starting_together_tune_once(tmp_path: Path, caplog) -> None:
     """The second waits on the key's lock (saying so), then takes the table the first stored."""
     caplog.set_level(logging.INFO)
