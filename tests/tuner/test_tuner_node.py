@@ -94,3 +94,18 @@ def test_a_failed_tuning_leaves_the_node_started_on_the_defaults(node_config: No
         assert llm.generate([[5, 6, 7]], max_tokens=2, ignore_eos=True)[0].token_ids
     assert "failed (TuningError: o batch 4" in caplog.text
     assert not list((tmp_path / "cache" / "tuning").glob("*.json"))
+
+
+def test_tuning_cache_dir_names_where_the_tables_go(node_config: NodeConfig, tmp_path: Path, monkeypatch) -> None:
+    """--tuning-cache-dir: a writable folder of its own (a container's cache directory is the
+    image's, read-only)."""
+    def node_tuner(device, shape, dtype, tp):
+        return lambda budget_s: tune_module.tune_table(shape, device, dtype, budget_s=budget_s, batches=(4,),
+                                                       adapters=(0,), timer=FakeTimer(), max_candidates=2)[0]
+
+    monkeypatch.setattr(tune_module, "why_not", lambda device: None)
+    monkeypatch.setattr(tune_module, "node_tuner", node_tuner)
+    with LLM(node_config.replace(tuning_cache_dir=str(tmp_path / "mine"))) as llm:
+        path = Path(llm.node.config.kernels.tuning_table)
+    assert path.parent == tmp_path / "mine" and path.is_file()
+    assert not (tmp_path / "cache" / "tuning").exists()
