@@ -68,7 +68,8 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                       help="the model's dtype on the node (auto = bfloat16 on cuda, float32 on cpu)")
     tune.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                      help="cpu: a smoke through the PyTorch reference, 3 candidates a case, whose numbers mean nothing (tests)")
+                      help="cpu: a smoke through the PyTorch reference, 3 candidates a case, whose numbers "
+                           "mean nothing (tests)")
     tune.add_argument("--batches", default="64,32,16,8,1",
                       help="decode batch buckets, comma-separated, the most used first (above 64 rows cuBLAS "
                            "runs the matmuls: not swept)")

@@ -326,8 +326,8 @@ class KernelOptions:
                     "its kernels at start (CUDA; the table is stored in the cache directory and used from then "
                     "on; `inference-node tune` does it ahead of time); 0 = never tune, run the defaults")
     tuning_cache_dir: str | None = option(
-        None, hidden=True, help="folder of the tuning tables this host tunes (writable; default: $LORA_SERVING_CACHE/tuning, "
-                   "with the embedded model)")
+        None, hidden=True, help="writable folder of the tuning tables this host tunes (default: "
+                                "$LORA_SERVING_CACHE/tuning, beside the embedded model)")
     tuning: Tuning = option(default_factory=Tuning, help="", add=_add_tune, read=_read_tuning)
     # The choices given (--tune): they keep `tuning`'s values whatever the table says.
     tuning_fixed: frozenset[str] = option(frozenset(), help="", add=lambda parser, show_hidden: None,
