@@ -203,11 +203,13 @@ def device_line(device: torch.device, dtype: torch.dtype) -> str:
 
 def node_config(model: BenchModel, device: torch.device, dtype: torch.dtype, **options: Any):
     """The NodeConfig of a node serving `model`: each benchmark's nodes come from one, in
-    process (`LLM`) or served (`NodeProcess`, its flags)."""
+    process (`LLM`) or served (`NodeProcess`, its flags). Unless asked (tune_budget), a node
+    does not tune its kernels at start: it takes the repository's or this host's table for its
+    GPU and shape, else the defaults, so a run times serving and not a sweep."""
     from inference_node.config import NodeConfig
 
-    return NodeConfig.of(checkpoint=str(model.checkpoint), load_format=model.load_format,
-                         device=device.type, dtype=dtype_name(dtype), **options)
+    return NodeConfig.of(checkpoint=str(model.checkpoint), load_format=model.load_format, device=device.type,
+                         dtype=dtype_name(dtype), **{"tune_budget": 0.0, **options})
 
 
 def build_llm(config, adapters: Sequence[str] = ()):

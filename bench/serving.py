@@ -525,6 +525,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
                    help="a launch choice other than the node's default (kernels/tuning.py), repeatable")
     p.add_argument("--tuning-table", default="auto", help="as `inference-node serve --tuning-table`")
+    p.add_argument("--tune-budget", type=float, default=0.0,
+                   help="seconds each node may tune its kernels at start without a table (0: never)")
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]
     if set(args.paths) - set(PATHS):
@@ -599,7 +601,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                    mixed_graphs=args.mixed_graphs, max_graph_batch=args.concurrency, cpu_threads=args.threads,
                    prefill_delay_factor=args.prefill_delay_factor,
                    warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
-                   tuning_fixed=frozenset(given), tuning_table=args.tuning_table, log_level="WARNING",
+                   tuning_fixed=frozenset(given), tuning_table=args.tuning_table, tune_budget=args.tune_budget,
+                   log_level="WARNING",
                    api_processes=count_or_auto(args.api_processes))
     names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
     configs = {False: node_config(model, device, dtype, max_loras=0, **options),

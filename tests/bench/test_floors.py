@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench import harness
-from bench import tensor_parallel as tp_bench
+from bench import tensor_parallel
 from bench.harness import ALL_MODULES, QV
 from bench.shapes import LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
 from inference_node.engine.kv_cache import KVCache
@@ -101,9 +101,9 @@ def test_tp1_floor_is_the_loaded_models_bytes(name: str, tmp_path: Path, monkeyp
                                 (33, frozenset({"r8-qv-1"}), 5000)):
         assert new.step(batch, adapters, kv) == old.step(batch, adapters, kv)
     # The TP benchmark's floor at TP 1: the same bytes over the same bandwidth, no collectives.
-    memory, comm = tp_bench.decode_floor_s(cfg, BF16, 1, rows=64, context=700, read_bandwidth=3e12, adapters=3)
+    memory, comm = tensor_parallel.decode_floor_s(cfg, BF16, 1, rows=64, context=700, read_bandwidth=3e12, adapters=3)
     assert memory == pytest.approx(old.step(64, frozenset({"r16-0", "r16-1", "r16-2"}), 64 * 700) / 3e12)
-    assert comm == 0 and tp_bench.collectives_per_step(cfg, 1) == tp_bench.Collectives(0, 0, 0)
+    assert comm == 0 and tensor_parallel.collectives_per_step(cfg, 1) == tensor_parallel.Collectives(0, 0, 0)
 
 
 def loaded_weight_bytes(model: LlamaModel) -> int:
@@ -208,9 +208,9 @@ def test_collectives_are_those_a_decode_forward_calls(tp: int, tmp_path: Path) -
         logits_indices=torch.arange(rows), max_query_len=1, max_seq_len=max(context))
     logits = model.forward(batch, kv.k, kv.v, LaunchChoices.of(model.device, DEFAULT_TUNING))
     assert logits.shape == (rows, cfg.vocab_size)
-    counts = tp_bench.collectives_per_step(model.full_config, tp)
+    counts = tensor_parallel.collectives_per_step(model.full_config, tp)
     # broadcasts=1: a decode graph's step (ForwardBatch.feedback set) sends rank 0's token ids.
-    assert counts == tp_bench.Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1, broadcasts=1)
+    assert counts == tensor_parallel.Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1, broadcasts=1)
     assert len(group.all_reduces) == counts.all_reduces
     assert set(group.all_reduces) == {(rows, cfg.hidden_size)}
     assert len(group.gathers) == counts.all_gathers
@@ -223,18 +223,18 @@ def test_tensor_parallel_floor_adds_the_collectives_of_an_allreduce_report() -> 
         {"method": "nccl graph", "rows": rows, "hidden": 4096, "seconds": s}
         for rows, s in ((1, 8e-6), (64, 14e-6), (128, 20e-6))] + [
         {"method": "nccl graph", "rows": 64, "hidden": 8192, "seconds": 99e-6}]}
-    ar, gather, bcast = tp_bench.collective_times(report, "nccl graph", cfg, 2, 64)
+    ar, gather, bcast = tensor_parallel.collective_times(report, "nccl graph", cfg, 2, 64)
     assert (ar, bcast) == (14e-6, 8e-6)  # the broadcast: the smallest all-reduce of this hidden size
-    busbw = tp_bench.bus_bandwidth(64 * 4096 * 2, 2, 14e-6)
+    busbw = tensor_parallel.bus_bandwidth(64 * 4096 * 2, 2, 14e-6)
     assert busbw == pytest.approx(64 * 4096 * 2 / 14e-6)  # NCCL's convention: 2 (n-1)/n bytes / time
     assert gather == pytest.approx(0.5 * 64 * 2 * 24576 * 2 / busbw)  # (n-1)/n of the gathered logits
-    memory1, comm1 = tp_bench.decode_floor_s(cfg, BF16, 1, 64, 160, 3e12, adapters=32)
-    memory2, comm2 = tp_bench.decode_floor_s(cfg, BF16, 2, 64, 160, 3e12, adapters=32, comm=(ar, gather, bcast))
+    memory1, comm1 = tensor_parallel.decode_floor_s(cfg, BF16, 1, 64, 160, 3e12, adapters=32)
+    memory2, comm2 = tensor_parallel.decode_floor_s(cfg, BF16, 2, 64, 160, 3e12, adapters=32, comm=(ar, gather, bcast))
     assert comm1 == 0 and comm2 == pytest.approx(65 * ar + gather + bcast)
     assert memory2 < memory1 and memory2 * 3e12 == harness.StepBytes.of(
         cfg, BF16, {f"a{k}": harness.adapter_bytes_per_rank(cfg, 16, ALL_MODULES, BF16, 2) for k in range(32)}, 2).step(
         64, frozenset(f"a{k}" for k in range(32)), 64 * 160)
     with pytest.raises(ValueError, match="of 2 processes, not 4"):
-        tp_bench.collective_times(report, "nccl graph", cfg, 4, 64)
+        tensor_parallel.collective_times(report, "nccl graph", cfg, 4, 64)
     with pytest.raises(ValueError, match=r"no 'nccl graph' all-reduce of \[32, 4096\]"):
-        tp_bench.collective_times(report, "nccl graph", cfg, 2, 32)
+        tensor_parallel.collective_times(report, "nccl graph", cfg, 2, 32)

@@ -77,11 +77,27 @@ def test_a_config_built_in_python_is_served_with_the_same_flags() -> None:
                            lora_modules=("q_proj", "v_proj"), prefix_caching=False, warmup="off",
                            prefill_delay_factor=0.5, api_processes=2, tuning=tuning_from_text({"pdl": "off"}),
                            tuning_fixed=frozenset({"pdl"}), load_format="dummy", kv_cache_gb=1.5,
-                           limits=RequestLimits(max_request_bytes=3 * MB))
+                           tune_budget=0.0, limits=RequestLimits(max_request_bytes=3 * MB))
     flags = to_flags(config)
     assert "--no-prefix-caching" in flags and "--tune=pdl=off" in flags and "--lora-modules=q_proj,v_proj" in flags
+    assert "--tune-budget=0.0" in flags
     assert from_args(parser().parse_args(["serve", *flags])) == config
     assert to_flags(NodeConfig()) == []
+
+
+def test_the_tune_budget_is_an_operator_flag_and_tune_a_command(monkeypatch) -> None:
+    """--tune-budget (the kernels group: seconds a node without a tuning table may tune at
+    start, 0 never) is on the operator's --help and reads its variable; `inference-node tune`
+    takes the tuner's flags without loading torch here."""
+    shown = {m for line in options(serve_parser().format_help()) for m in re.findall(r"--[a-z0-9-]+", line)}
+    assert "--tune-budget" in shown
+    assert from_args(parser().parse_args(["serve", "--tune-budget", "0"])).kernels.tune_budget == 0.0
+    monkeypatch.setenv("INFERENCE_NODE_TUNE_BUDGET", "90")
+    assert from_args(parser().parse_args(["serve"])).kernels.tune_budget == 90.0
+    args = parser().parse_args(["tune", "--model", "/m", "--tp", "4", "--batches", "64,8", "--adapters", "0,32",
+                                "--budget-s", "30", "--out", "/t"])
+    assert (args.command, args.model, args.tensor_parallel_size, args.batches, args.adapters, args.budget_s,
+            args.out) == ("tune", "/m", 4, "64,8", "0,32", 30.0, "/t")
 
 
 def test_node_config_of_names_fields_of_any_group_and_refuses_others() -> None:
