@@ -901,6 +901,7 @@ def fetch_store(args) -> list[tuple[str, dict]]:
         push_adapter(folder, NAME, S3Store(BUCKET, s3), "adapters/", progress=False,
                      **({"multipart_bytes": 1 << 40} if args.single_part else {}))
         key = f"adapters/{NAME}/{WEIGHTS_FILE}"
+        weights_mb = (folder / WEIGHTS_FILE).stat().st_size / 1e6
         with safe_open(str(folder / WEIGHTS_FILE), "np") as tensors:  # ...layers.{i}...: a base model it fits
             layers = 1 + max(int(k.split(".")[4]) for k in tensors.keys())
         model = ModelConfig.from_dict({"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192,
@@ -977,7 +978,7 @@ def fetch_store(args) -> list[tuple[str, dict]]:
                 raw.close()
         finally:
             store.close()
-    print(f"\nadapter: {(folder / WEIGHTS_FILE).stat().st_size / 1e6:.1f} MB safetensors "
+    print(f"\nadapter: {weights_mb:.1f} MB safetensors "
           f"({'one PUT' if args.single_part else 'multipart'}); shards of {args.shard_kb} KiB; SeaweedFS and store on "
           "loopback; CPU: this process (the node), the store, SeaweedFS")
     return rows
