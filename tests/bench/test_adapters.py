@@ -118,3 +118,17 @@ def test_fetch_disk_tier_small(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert r["size"] > 9e6 and 0 < r["median"] <= r["best"] and r["cpu_ms"][0] >= 0, (label, r)
         assert label in out
     assert list(tmp_path.iterdir()) == []  # its files are gone
+
+
+@pytest.mark.timeout(300)
+def test_fetch_from_s3_through_the_store(capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole path on loopback: an embedded SeaweedFS, the store in a child process, every
+    row received and checked as the node does it."""
+    rows = dict(adapters.main(["fetch", "--mb", "4", "--runs", "1"]))
+    out = capsys.readouterr().out
+    assert len(rows) == 10 and all(r["median"] > 0 and r["size"] > 4e6 for r in rows.values()), rows
+    for label in ("boto3 get_object (one stream)", "store -> node cold (S3 -> store -> node host memory)",
+                  "store -> node warm, into one reused host buffer", "host -> slot copy (CPU slot buffers)"):
+        assert label in rows and label in out
+    assert all(len(r["cpu_ms"]) == 3 for r in rows.values())  # CPU per run of this process, the store and S3
+    assert "targets (issue 32): cold >=" in out
