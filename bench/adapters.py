@@ -704,39 +704,17 @@ BUCKET, NAME, FETCH_RANK = "bench-adapters", "bench-100mb", 64
 
 def store_child(args) -> None:
     """The store, in a process of its own (no GIL shared with the node's side): commands on
-    stdin ('clear', 'settle', 'quit'), replies on stdout; beside it a bare gRPC stream of
-    prebuilt messages (nothing read, hashed or encoded: what gRPC alone carries here)."""
-    import asyncio
-
-    import grpc
-
+    stdin ('clear', 'settle', 'quit'), replies on stdout."""
     from adapter_store.read_plans import DirectReads
     from adapter_store.server import BackgroundStore, StoreSettings
     from lora_common.malloc import keep_freed_buffers
 
     logging.basicConfig(level=logging.WARNING)
     keep_freed_buffers()  # as `adapter-store serve` does
-    shard = args.shard_kb << 10
     store = BackgroundStore(StoreSettings(bucket=BUCKET, s3_endpoint=args.endpoint, cache_dir=args.cache_dir, port=0,
-                                          poll_interval_s=60, shard_bytes=shard,
+                                          poll_interval_s=60, shard_bytes=args.shard_kb << 10,
                                           direct_reads=DirectReads(enabled=True)))
-    payload, servers = os.urandom(shard), []
-
-    async def serve_raw() -> int:
-        async def stream(request: bytes, context) -> None:
-            for left in range(int(request), 0, -shard):
-                await context.write(payload[:min(left, shard)])
-
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-            "bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        servers.append(server)
-        return port
-
-    raw_port = asyncio.run_coroutine_threadsafe(serve_raw(), store.loop).result(30)
-    print(json.dumps({"address": store.address, "raw": f"127.0.0.1:{raw_port}"}), flush=True)
+    print(json.dumps({"address": store.address}), flush=True)
     for line in sys.stdin:
         command = line.strip()
         if command == "quit":
@@ -754,8 +732,7 @@ class StoreProcess:
                                       server.endpoint_url, "--cache-dir", str(cache_dir), "--shard-kb", str(shard_kb)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, **server.env()})
-        reply = self.command(None)
-        self.address, self.raw_address = reply["address"], reply["raw"]
+        self.address = self.command(None)["address"]
 
     def command(self, command: str | None) -> dict:
         """'clear': the store's disk cache emptied (the next fetch downloads from S3); 'settle':
@@ -877,7 +854,6 @@ def fetch_disk_tier(args) -> list[tuple[str, dict]]:
 
 
 def fetch_store(args) -> list[tuple[str, dict]]:
-    import grpc
     from safetensors import safe_open
 
     from adapter_store.client import AdapterStoreClient
@@ -915,8 +891,6 @@ def fetch_store(args) -> list[tuple[str, dict]]:
                 manifest = client.get_manifest(NAME)
                 total = sum(f.size for f in manifest.files)
                 reused = host_buffer(file_offsets(manifest)[-1] + manifest.files[-1].size, cuda)
-                raw = grpc.insecure_channel(store.raw_address, options=[("grpc.max_receive_message_length", 64 << 20)])
-                raw_stream = raw.unary_stream("/bench.Raw/Stream")
                 reader = DirectReader()
                 sources = {"streamed": StoreSource(store.address, model, FETCH_RANK, pin_memory=cuda),
                            "direct": StoreSource(store.address, model, FETCH_RANK, pin_memory=cuda,
@@ -949,8 +923,6 @@ def fetch_store(args) -> list[tuple[str, dict]]:
                 rows = [
                     ("boto3 get_object (one stream)",
                      measure(lambda: len(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()), runs, pids)),
-                    ("gRPC alone: same bytes as bare messages (nothing checked)",
-                     measure(lambda: sum(len(m) for m in raw_stream(str(total).encode(), timeout=600)), runs, pids)),
                     ("store -> node cold (S3 -> store -> node host memory)",
                      measure(lambda: fetched_bytes(client.fetch(NAME, deadline_s=600, allocate=fresh)), runs, pids,
                              clear)),
@@ -975,7 +947,6 @@ def fetch_store(args) -> list[tuple[str, dict]]:
                 for source in sources.values():
                     source.close()
                 reader.close()
-                raw.close()
         finally:
             store.close()
     print(f"\nadapter: {weights_mb:.1f} MB safetensors "

@@ -21,13 +21,9 @@ and driven by --clients client processes; http, that node's OpenAI-compatible AP
 (/v1/completions streamed, token-id prompts with `ignore_eos`). All adapters are pinned in
 GPU adapter memory before timing; every row is warmed up first (--warmup).
 
-Columns: decode tok/s (tokens of pure-decode steps / their time), e2e tok/s (output tokens /
-wall time from the first arrival to the last finish), TTFT and time per output token (p50,
-p99), and for decode steps (engine path) the step time p50 next to its floor: the bytes a
-decode step must read (weights + the distinct adapters' A and B in that step + the KV it
-attends over) over the device-to-device copy bandwidth measured in the same run. Closed loop
-(default): --concurrency requests in flight, request i on adapter i mod N; --poisson RATE:
-arrivals at RATE requests/s, adapter popularity Zipf(--zipf-alpha).
+Columns (docs/PERFORMANCE.md says more): decode and e2e tok/s, TTFT and TPOT p50/p99, and on the
+engine path the decode step's p50 beside its floor (the bytes it must read over the copy
+bandwidth measured in the same run). Closed loop by default; --poisson RATE: Zipf popularity.
 """
 from __future__ import annotations
 

@@ -5,23 +5,18 @@
     python -m bench.tensor_parallel steps --model llama-70b-random --tp 4 --rows base,c32
     python -m bench.tensor_parallel steps --device cpu --model tiny --tp 1,2     # CPU smoke (gloo)
 
-`steps`: each size (and all-reduce, and --mode) builds the node as `serve
---tensor-parallel-size N` does, in a process of its own (rank 0 there, ranks 1..N-1 spawned;
-its rows come back before its node stops, so a teardown that hangs costs a bounded wait), and
-drives it closed loop at a concurrency equal to the batch, short prompts and long answers: the
-p50 of its full-batch decode steps (one engine call: launch step n+1, wait for step n) beside
-each rank's floor. A rank's floor is its shard's bytes (harness.StepBytes) over the copy
-bandwidth measured on its GPU, plus the step's collectives at their measured times (they sit
-between the layers' reads, so they add): 2 x layers + 1 all-reduces of [rows, hidden], the
-logits' all-gather and the token ids' broadcast, from an `allreduce --json` report.
+`steps`: each size (and all-reduce, and --mode) builds the node as `serve --tensor-parallel-size
+N` does, in a process of its own (its rows come back before its node stops: a teardown that
+hangs costs a bounded wait), and drives it closed loop at a concurrency equal to the batch:
+the p50 of its full-batch decode steps beside each rank's floor (its shard's bytes over the
+copy bandwidth of its GPU, plus 2 x layers + 1 all-reduces, the logits' all-gather and the
+token ids' broadcast at the times of an `allreduce --json` report).
 
-`allreduce`: one process per GPU sums bf16 [rows, hidden] messages, as a decode step does after
-o and down, by NCCL (torch.distributed, in place; gloo on CPU) and by the node's symmetric-memory
-all-reduce (`--all-reduce symm`: one-shot, two-shot above 512 KB), each launched eagerly and
-replayed from a CUDA graph of --ops; every sum is checked against the exact one on every rank
-before and after timing. NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set before any CUDA call (a
-run with another value is refused) and no multimem operation is called.
+`allreduce`: one process per GPU sums bf16 [rows, hidden] messages by NCCL (gloo on CPU) and by
+the node's symmetric-memory all-reduce (`--all-reduce symm`), eagerly and replayed from a CUDA
+graph, every sum checked against the exact one on every rank before and after timing. NVLink
+multicast stays off: its variables are set before any CUDA call (other values refused) and no
+multimem operation is called.
 """
 from __future__ import annotations
 

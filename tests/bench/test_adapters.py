@@ -126,7 +126,7 @@ def test_fetch_from_s3_through_the_store(capsys: pytest.CaptureFixture[str]) -> 
     row received and checked as the node does it."""
     rows = dict(adapters.main(["fetch", "--mb", "4", "--runs", "1"]))
     out = capsys.readouterr().out
-    assert len(rows) == 10 and all(r["median"] > 0 and r["size"] > 4e6 for r in rows.values()), rows
+    assert len(rows) == 9 and all(r["median"] > 0 and r["size"] > 4e6 for r in rows.values()), rows
     for label in ("boto3 get_object (one stream)", "store -> node cold (S3 -> store -> node host memory)",
                   "store -> node warm, into one reused host buffer", "host -> slot copy (CPU slot buffers)"):
         assert label in rows and label in out
