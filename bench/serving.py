@@ -606,6 +606,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                                  max_cpu_loras=max(len(names), 1) if cuda else 1, adapter_dir=str(adapter_root),
                                  **options)}
 
+    runner, on_off = configs[False].runner, lambda on: "on" if on else "off"
     header = [
         f"{device_line(device, dtype)}  copy bandwidth (D2D, read+write): {bw / 1e9:.1f} GB/s",
         f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/"
@@ -618,8 +619,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
             f"closed loop at concurrency {args.concurrency}, request i -> adapter i mod N"),
         f"node: max_num_seqs {args.concurrency}, {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of "
         f"{args.block_size}, prefix cache {'on' if args.prefix_caching else 'off'}, decode graphs "
-        f"{args.decode_graphs}, "
-        f"piecewise graphs {args.mixed_graphs}; adapter bytes: r16 all 7 = "
+        f"{on_off(runner.decode_graphs_on(device.type))}, piecewise graphs "
+        f"{on_off(runner.mixed_graphs_on(device.type))}; adapter bytes: r16 all 7 = "
         f"{abytes[r16[0]] / 1e6 if r16 else 0:.2f} MB" + (f", r8 q,v = {abytes[qv[0]] / 1e6:.2f} MB" if qv else ""),
         f"paths: {', '.join(args.paths)}" + (f"; served: {args.clients} client processes per API, front ends "
                                               f"{args.api_processes}" if set(args.paths) - {"engine"} else ""),
