@@ -15,8 +15,8 @@ token ids' broadcast at the times of an `allreduce --json` report).
 `allreduce`: one process per GPU sums bf16 [rows, hidden] messages by NCCL (gloo on CPU) and by
 the node's symmetric-memory all-reduce (`--all-reduce symm`), eagerly and replayed from a CUDA
 graph, every sum checked against the exact one on every rank before and after timing. NVLink
-multicast stays off: its variables are set before any CUDA call (other values refused) and no
-multimem operation is called.
+multicast stays off: its variables are set before any CUDA call (other values refused), and
+no multimem operation is called.
 """
 from __future__ import annotations
 
