@@ -1,3 +1,3 @@
-"""Benchmarks and profiles; run each as a module from the repository root, e.g.
-`python -m bench.serving_bench`. Shared helpers (random checkpoints and adapters, copy
-bandwidth, compile counting, profile configurations) live in bench/common.py."""
+"""Benchmarks a user or maintainer runs, each as a module from the repository root
+(`python -m bench.<name> --help`): serving, adapters, tensor_parallel, soak. What they share
+(models, nodes built from a NodeConfig, workload, timing, tables, floors) is bench/harness.py."""

@@ -417,6 +417,32 @@ def add_flags(parser: argparse.ArgumentParser, show_hidden: bool = False) -> Non
                                  help=help_text, secret=meta["secret"])
 
 
+def to_flags(config: NodeConfig) -> list[str]:
+    """The flags that give `config` back through from_args: each field that differs from its
+    default (a benchmark serves as a subprocess the node it builds in process)."""
+    flags: list[str] = []
+    for name, cls in _groups():
+        group, defaults = getattr(config, name), cls()
+        for f in dataclasses.fields(cls):
+            value, default = getattr(group, f.name), getattr(defaults, f.name)
+            if f.name == "tuning":
+                changed = {t.name for t in dataclasses.fields(Tuning) if getattr(value, t.name) != getattr(default, t.name)}
+                flags += [f"--tune={key}={format_choice(key, getattr(value, key))}"
+                          for key in sorted(changed | config.kernels.tuning_fixed)]
+                continue
+            if value == default or f.name == "tuning_fixed":
+                continue
+            if f.metadata["add"] is not None:
+                raise ConfigError(f"{f.name} has no flag of its own to write")
+            unit = f.metadata["unit"]
+            if isinstance(default, bool):
+                flags.append(_flag(f))
+            else:
+                text = ",".join(value) if isinstance(value, tuple) else repr(value / unit) if unit != 1 else str(value)
+                flags.append(f"{_flag(f)}={text}")
+    return flags
+
+
 def from_args(args: argparse.Namespace) -> NodeConfig:
     """The NodeConfig of parsed flags (ConfigError for choices that cannot go together)."""
     groups = {}

@@ -6,6 +6,7 @@ serves, and what tests and benchmarks build the same way to drive the engine dir
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -49,6 +50,33 @@ class LLM:
         if not self._prepared:
             self.engine.prepare()
             self._prepared = True
+
+    def pin_adapters(self, names: Sequence[str], timeout_s: float = 600.0) -> None:
+        """Loads each named adapter from the node's source into GPU adapter memory, pinned (never
+        evicted), running the loop here until all are there: benchmarks and tests start their
+        traffic with them resident. Raises naming the adapters that did not load."""
+        manager = self.node.adapters
+        if manager is None:
+            raise ValueError("this node has LoRA disabled (max_loras 0): it holds no adapters")
+        pending, failed = set(names), []
+
+        def done_for(name: str):
+            def done(entry, error) -> None:
+                pending.discard(name)
+                if error is not None or entry is None or not entry.resident:
+                    failed.append(f"{name}: {error or 'not in GPU adapter memory'}")
+            return done
+
+        for name in names:
+            manager.load(name, "", True, done_for(name))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            self.engine.run_once(block=False)
+            time.sleep(0.002)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"adapters still loading after {timeout_s:.0f}s: {sorted(pending)[:5]}")
+        if failed:
+            raise RuntimeError(f"{len(failed)} adapters did not load: {'; '.join(failed[:3])}")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, adapter: str = "",
                  ignore_eos: bool = False, temperature: float = 0.0, seed: int | None = None) -> list[Completion]:

@@ -3,7 +3,7 @@
 # working tree that carries what tools/gpu_machine_kit.py prepared (lora/v1, .whl, .tok):
 #
 #   OUT=$OUT bash tools/gpu_jobs.sh 590 "tests@200:python -m pytest -q -m gpu tests/ --continue-on-collection-errors" \
-#       "churn:python -m bench.churn_bench --alphas 1.0 --seed 1"
+#       "churn:python -m bench.adapters churn --alphas 1.0 --seed 1"
 #
 # The first argument is the call's deadline in seconds; each job is NAME[@CAP]:COMMAND, run
 # with the time left (or CAP seconds, if fewer), its whole output written to $OUT/NAME.txt

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "blake3", "boto3", "botocore",
           "s3transfer", "jmespath", "pyzmq", "msgpack", "msgspec", "prometheus-client", "python-dateutil", "urllib3",
           "six",
-          # The OpenAI-compatible HTTP API (server, and grpc_bench's HTTP clients).
+          # The OpenAI-compatible HTTP API (server, and bench.serving's HTTP clients).
           "starlette", "uvicorn", "httptools", "click", "h11", "anyio", "sniffio", "idna", "typing_extensions",
           "httpx", "httpcore", "certifi")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",

@@ -8,7 +8,7 @@ lowest total value among those whose rows make the room, arena.RowArena.window).
   counts those bound since it came onto the GPU, size is its GPU bytes, and L is the value of
   the last adapter evicted (so values of adapters long idle age against newcomers). Under a
   skewed (Zipf) popularity with mixed ranks it keeps the small popular adapters and lets a
-  large rarely used one go first, which LRU does not see: bench/churn_bench.py compares both.
+  large rarely used one go first, which LRU does not see: `python -m bench.adapters churn` compares both.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ these kernels for messages up to `max_bytes` and NCCL for larger ones (prompt st
 
 The buffer comes from the CUDA backend (peer memory by CUDA IPC). Nothing here turns NVLink
 multicast on: no multimem operation is called, and TORCH_SYMM_MEM_DISABLE_MULTICAST is the
-operator's to set (bench.allreduce_bench measures both ways of summing).
+operator's to set (`python -m bench.tensor_parallel allreduce` measures both ways of summing).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-ONE_SHOT_MAX_BYTES = 512 << 10  # one-shot below this, two-shot above (bench.allreduce_bench)
+ONE_SHOT_MAX_BYTES = 512 << 10  # one-shot below this, two-shot above (bench.tensor_parallel allreduce)
 MAX_BYTES = 4 << 20             # larger messages go to NCCL: two-shot's lead fades past this
 
 
@@ -51,6 +51,7 @@ class SymmetricAllReduce:
     device: torch.device
     max_bytes: int = MAX_BYTES
     buffer: torch.Tensor = field(init=False)
+    handle: object = field(init=False)   # the rendezvous' handle (a benchmark checks it has no multicast address)
 
     def __post_init__(self) -> None:
         ops = torch.ops.symm_mem
@@ -58,7 +59,7 @@ class SymmetricAllReduce:
             raise RuntimeError("--all-reduce symm needs torch.ops.symm_mem's one_shot_all_reduce_copy_out "
                                f"and two_shot_all_reduce_out, which torch {torch.__version__} lacks")
         numel = self.max_bytes // torch.empty((), dtype=self.dtype).element_size()
-        self.buffer, _, _ = open_symmetric_buffer(numel, self.dtype, self.device, self.group_name)
+        self.buffer, self.handle, _ = open_symmetric_buffer(numel, self.dtype, self.device, self.group_name)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.is_contiguous()

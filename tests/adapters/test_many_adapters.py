@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import ALL_MODULES, QV, write_random_adapter
+from bench.harness import ALL_MODULES, QV, write_random_adapter
 from harness import InProcessNode, peft_greedy
 from inference_node.adapters.slots import row_nbytes
 from inference_node.model.config import ModelConfig

@@ -210,7 +210,7 @@ def test_piecewise_steps_compile_nothing_while_serving(tiny_llama_path, tmp_path
     without LoRA launches no Triton kernel or torch.compile graph that compiles: the pieces
     replay what the capture compiled, and the attention between them takes the variants the
     warm-up compiled (its static buffers keep the alignment Triton specialises on)."""
-    from bench.common import CompileWatch
+    from bench.harness import CompileWatch
 
     make_adapters(tiny_llama_path, tmp_path / "adapters", list(ADAPTERS))
     watch = CompileWatch().install()

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from inference_node.cli import parser, serve_parser
-from inference_node.config import (GB, MB, NodeConfig, RequestLimits, RunnerOptions, from_args)
+from inference_node.config import (GB, MB, NodeConfig, RequestLimits, RunnerOptions, from_args, to_flags)
 from inference_node.core.protocol import CoreInfo
 from inference_node.launcher import frontend_count
 from kernels.tuning import Tuning
@@ -66,6 +66,23 @@ def test_flags_units_and_the_environment_reach_their_groups(monkeypatch) -> None
     assert config.sources.adapter_disk_tier is False and config.sources.adapter_fetch_timeout_s == 5.0
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--api-processes", "0"])
+
+
+def test_a_config_built_in_python_is_served_with_the_same_flags() -> None:
+    """to_flags: what a benchmark passes to `serve` for the NodeConfig it built in process
+    (units, booleans, tuples, hidden options and --tune choices alike)."""
+    from kernels.tuning import tuning_from_text
+
+    config = NodeConfig.of(checkpoint="/m", device="cpu", max_loras=0, lora_memory_bytes=123_456_789,
+                           lora_modules=("q_proj", "v_proj"), prefix_caching=False, warmup="off",
+                           prefill_delay_factor=0.5, api_processes=2, tuning=tuning_from_text({"pdl": "off"}),
+                           tuning_fixed=frozenset({"pdl"}), load_format="dummy", kv_cache_gb=1.5,
+                           tune_budget=0.0, limits=RequestLimits(max_request_bytes=3 * MB))
+    flags = to_flags(config)
+    assert "--no-prefix-caching" in flags and "--tune=pdl=off" in flags and "--lora-modules=q_proj,v_proj" in flags
+    assert "--tune-budget=0.0" in flags
+    assert from_args(parser().parse_args(["serve", *flags])) == config
+    assert to_flags(NodeConfig()) == []
 
 
 def test_the_tune_budget_is_an_operator_flag_and_tune_a_command(monkeypatch) -> None:

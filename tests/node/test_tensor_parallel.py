@@ -397,7 +397,8 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
     order are far from flipping a greedy choice."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from bench.common import LLAMA_3_1_8B, copy_tokenizer, write_random_adapter
+    from bench.harness import copy_tokenizer, write_random_adapter
+    from bench.shapes import LLAMA_3_1_8B
 
     model = tmp_path / "llama-8b-shapes"
     model.mkdir()

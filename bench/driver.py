@@ -1,58 +1,18 @@
-"""The engine driven in-process, as the serving benchmarks measure it: the synthetic workload
-(prompts, lengths, arrivals, Zipf adapter popularity) and the driver that runs it through an
-`Engine` from the calling thread, recording every request's timings and every decode step."""
+"""An engine driven in process from the calling thread, as the benchmarks measure it: every
+request's timings (submit, first and last token, finish) and every decode step's (its call,
+the forward on the device, the host's share), without a synchronize of its own."""
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-# -- workload --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Spec:
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    arrival: float      # seconds after the start (Poisson mode; 0 in closed loop)
-    pick: float         # uniform [0, 1): the adapter draw under Zipf popularity
+from bench.harness import Spec, sync
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
-
-
-def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
-               poisson_rate: float | None, seed: int) -> list[Spec]:
-    rng = random.Random(seed)
-    low = min(1000, vocab // 2)  # clear of the special tokens at the start of the vocabulary
-    specs, t = [], 0.0
-    for i in range(n):
-        if poisson_rate:
-            t += rng.expovariate(poisson_rate)
-        length = rng.randint(*prompt_len)
-        specs.append(Spec(i, [rng.randrange(low, vocab) for _ in range(length)],
-                          rng.randint(*output_len), t if poisson_rate else 0.0, rng.random()))
-    return specs
-
-
-def zipf_index(u: float, n: int, alpha: float) -> int:
-    """Inverse CDF of P(k) ~ 1/(k+1)^alpha over k < n."""
-    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
-    target, acc = u * sum(weights), 0.0
-    for k, w in enumerate(weights):
-        acc += w
-        if target < acc:
-            return k
-    return n - 1
-
-
-# -- measurement -------------------------------------------------------------------------------------
 @dataclass
 class ReqRecord:
     submit: float = 0.0
@@ -75,32 +35,14 @@ class DecodeStep:
     boundary: bool = False          # the call it is charged to also launched a prefill/mixed step
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Driver:
-    """Runs one row's requests through an engine from this thread and records everything."""
+    """Runs requests through an engine from this thread. Closed loop: `concurrency` requests
+    in flight, the next submitted when one finishes; Poisson: each at its arrival time."""
 
     def __init__(self, engine, device: torch.device, concurrency: int, poisson: bool,
-                 stall_seconds: float = 300.0, trace: Path | None = None,
-                 trace_steps: tuple[int, int] = (100, 110)) -> None:
-        self.engine = engine
-        self.device = device
-        self.concurrency = concurrency
-        self.poisson = poisson
+                 stall_seconds: float = 300.0) -> None:
+        self.engine, self.device, self.concurrency, self.poisson = engine, device, concurrency, poisson
         self.stall_seconds = stall_seconds
-        self.trace, self.trace_steps = trace, trace_steps
 
     def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
             max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
@@ -125,16 +67,14 @@ class Driver:
 
         def submit_next(now: float) -> None:
             if state["next"] < len(order):
-                i = order[state["next"]]
                 state["next"] += 1
-                submit(i, now)
+                submit(order[state["next"] - 1], now)
 
         def on_event(i: int, ev) -> None:
             now = time.perf_counter()
             rec = records[i]
             if ev.token_ids:
-                if rec.first is None:
-                    rec.first = now
+                rec.first = rec.first or now
                 rec.last = now
                 rec.tokens += len(ev.token_ids)
             if ev.finish_reason is not None:
@@ -146,6 +86,7 @@ class Driver:
                 if not self.poisson:
                     submit_next(now)
 
+        # Which steps are pure decode: every scheduled chunk one decode token.
         pending_step: dict = {}
         original = engine.scheduler.schedule
 
@@ -154,9 +95,8 @@ class Driver:
             if chunks:
                 pending_step["launched"] = True
             if chunks and all(c.num_new_tokens == 1 and c.completes_prompt for c in chunks):
-                pending_step["decode"] = (
-                    len(chunks), frozenset(c.request.adapter for c in chunks if c.request.adapter),
-                    sum(c.request.num_computed + 1 for c in chunks))
+                adapters = frozenset(c.request.adapter for c in chunks if c.request.adapter)
+                pending_step["decode"] = (len(chunks), adapters, sum(c.request.num_computed + 1 for c in chunks))
             return chunks
 
         # The forward's own time: CUDA events around the outermost call of the model's forward
@@ -197,12 +137,10 @@ class Driver:
             finally:
                 waited[0] += time.perf_counter() - t
 
-        SampledTokens.wait = timed_wait
         runner = engine.runner
-        hooked = [(runner.model, "forward")]
-        for graphs in (runner.decode_graphs, runner.piecewise_graphs):
-            if graphs is not None:
-                hooked.append((graphs, "run"))
+        hooked = [(runner.model, "forward")] + [(g, "run") for g in (runner.decode_graphs, runner.piecewise_graphs)
+                                                 if g is not None]
+        SampledTokens.wait = timed_wait
         engine.scheduler.schedule = schedule
         for obj, name in hooked:
             setattr(obj, name, timed(getattr(obj, name)))
@@ -211,20 +149,17 @@ class Driver:
                 for _ in range(min(self.concurrency, len(specs))):
                     submit_next(t0)
             last_progress, seen = time.perf_counter(), 0
-            tracer = None
             outstanding = None  # (decode info or None, forward marks) of the step not yet read
             while state["finished"] < len(specs):
                 now = time.perf_counter()
                 if self.poisson:
                     while state["next"] < len(order) and t0 + specs[order[state["next"]]].arrival <= now:
-                        i = order[state["next"]]
                         state["next"] += 1
+                        i = order[state["next"] - 1]
                         submit(i, t0 + specs[i].arrival)
                     if state["inflight"] == 0:
-                        wait = t0 + specs[order[state["next"]]].arrival - now
-                        time.sleep(max(0.0, min(wait, 0.01)))
+                        time.sleep(max(0.0, min(t0 + specs[order[state["next"]]].arrival - now, 0.01)))
                         continue
-                tracer = self._trace(tracer, len(steps))
                 pending_step.clear()
                 forward_marks.clear()
                 waited[0] = 0.0
@@ -237,9 +172,8 @@ class Driver:
                 if outstanding is not None and outstanding[0] is not None:
                     (batch, adapters, kv), marks = outstanding
                     boundary = bool(pending_step.get("launched")) and pending_step.get("decode") is None
-                    steps.append(DecodeStep(ended - started, batch, adapters, kv,
-                                            host=ended - started - waited[0], marks=marks,
-                                            boundary=boundary))
+                    steps.append(DecodeStep(ended - started, batch, adapters, kv, host=ended - started - waited[0],
+                                            marks=marks, boundary=boundary))
                 if pending_step.get("launched"):
                     outstanding = (pending_step.get("decode"), list(forward_marks))
                 elif outstanding is not None:
@@ -258,53 +192,10 @@ class Driver:
         sync(self.device)
         for step in steps:  # CUDA events are read once the device is done with all of them
             step.forward = sum(m if isinstance(m, float) else m[0].elapsed_time(m[1]) * 1e-3
-                               for m in step.marks) if step.marks else float("nan")
+                               for m in step.marks) if step.marks else math.nan
             step.marks = []
         engine.check_consistency()
         errors = [r.error for r in records if r.error]
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
         return records, steps
-
-
-    def _trace(self, tracer, decode_steps: int):
-        """--trace: a torch.profiler trace (host and device) of decode steps [first, last)."""
-        first, last = self.trace_steps
-        if self.trace is None or decode_steps < first:
-            return tracer
-        if tracer is None and decode_steps == first:
-            tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                            + ([torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
-            tracer.__enter__()
-        elif tracer is not None and decode_steps >= last:
-            sync(self.device)
-            tracer.__exit__(None, None, None)
-            self.trace.parent.mkdir(parents=True, exist_ok=True)
-            tracer.export_chrome_trace(str(self.trace))
-            self.trace = None
-            return None
-        return tracer
-
-
-def preload_adapters(engine, manager, names: list[str], timeout: float = 600.0) -> None:
-    """Loads and pins every adapter into a GPU slot (this thread drives the engine loop)."""
-    pending, failed = set(names), []
-
-    def done_for(name: str):
-        def done(entry, error) -> None:
-            pending.discard(name)
-            if error is not None or entry is None or not entry.resident:
-                failed.append(f"{name}: {error or 'not resident'}")
-        return done
-
-    for name in names:
-        manager.load(name, "", True, done_for(name))
-    deadline = time.monotonic() + timeout
-    while pending:
-        engine.run_once(block=False)
-        time.sleep(0.002)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"adapters still loading after {timeout:.0f}s: {sorted(pending)[:5]}")
-    if failed:
-        raise RuntimeError(f"adapters failed to load: {failed[:3]}")
-    sync(engine.runner.model.device)

@@ -1,6 +1,7 @@
-"""bench/tp_floor.py against the node's own code: the serving benchmark's former floor (the
-bytes of the tensors the loader makes) at TP 1, the shards the loader and parallel/shard.py
-give each rank at TP 2 and 4, and the collectives a forward pass really calls."""
+"""The floors' bytes (bench/harness.py) and a tensor-parallel step's collectives
+(bench/tensor_parallel.py) against the node's own code: the bytes of the tensors the loader
+makes at TP 1, the shards the loader and parallel/shard.py give each rank at TP 2 and 4, and
+the collectives a forward pass really calls."""
 from __future__ import annotations
 
 import json
@@ -9,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import tp_floor
-from bench.common import ALL_MODULES, LLAMA_3_1_8B, LLAMA_3_2_1B, QV, TINY_LLAMA
+from bench import harness
+from bench import tensor_parallel
+from bench.harness import ALL_MODULES, QV
+from bench.shapes import LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
 from inference_node.engine.kv_cache import KVCache
 from inference_node.model.checkpoint import DummyTensors
 from inference_node.model.config import ModelConfig
@@ -27,8 +30,7 @@ SHAPES = {"llama-1b": LLAMA_3_2_1B, "llama-8b": LLAMA_3_1_8B, "qwen-like-1b": QW
 
 
 class OldBytes:
-    """serving_bench's floor before it moved to tp_floor (verbatim): the bytes of the tensors
-    a loaded model holds."""
+    """The bytes of the tensors a loaded model holds, counted from the model itself."""
 
     def __init__(self, model, adapter_bytes: dict[str, int]) -> None:
         cfg = model.config
@@ -83,28 +85,25 @@ def meta_model(tmp_path: Path, raw: dict, monkeypatch: pytest.MonkeyPatch, shard
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_tp1_floor_is_the_serving_bench_floor(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tp1_floor_is_the_loaded_models_bytes(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     raw = SHAPES[name]
     cfg = ModelConfig.from_dict(raw)
     model = meta_model(tmp_path, raw, monkeypatch)
     abytes = {f"r16-{k}": old_adapter_nbytes(cfg, 16, ALL_MODULES, BF16) for k in range(3)}
     abytes |= {f"r8-qv-{k}": old_adapter_nbytes(cfg, 8, QV, BF16) for k in range(2)}
     old = OldBytes(model, abytes)
-    new = tp_floor.StepBytes.of(cfg, BF16, {n: tp_floor.adapter_bytes_per_rank(cfg, int(n[1:n.index("-")]),
-                                                                               QV if "qv" in n else ALL_MODULES, BF16)
-                                            for n in abytes})
+    new = harness.StepBytes.of(cfg, BF16, {n: harness.adapter_bytes_per_rank(cfg, int(n[1:n.index("-")]),
+                                                                             QV if "qv" in n else ALL_MODULES, BF16)
+                                           for n in abytes})
     assert (new.weights, new.embed_row, new.kv_token, dict(new.adapter)) == \
         (old.weights, old.embed_row, old.kv_token, abytes)
-    bw = 3.0e12
     for batch, adapters, kv in ((1, frozenset(), 17), (64, frozenset({"r16-0", "r16-2"}), 64 * 700),
                                 (33, frozenset({"r8-qv-1"}), 5000)):
         assert new.step(batch, adapters, kv) == old.step(batch, adapters, kv)
-    # decode_floor at TP 1: the same bytes over the same bandwidth, no collectives.
-    f = tp_floor.decode_floor(cfg, BF16, 1, rows=64, context_len=700, read_bandwidth=bw,
-                              adapters=[tp_floor.AdapterSet(3, 16, ALL_MODULES)])
-    assert f.bytes_read == old.step(64, frozenset({"r16-0", "r16-1", "r16-2"}), 64 * 700)
-    assert f.seconds == pytest.approx(old.step(64, frozenset({"r16-0", "r16-1", "r16-2"}), 64 * 700) / bw)
-    assert f.comm_s == 0 and f.collectives == tp_floor.Collectives(0, 0, 0)
+    # The TP benchmark's floor at TP 1: the same bytes over the same bandwidth, no collectives.
+    memory, comm = tensor_parallel.decode_floor_s(cfg, BF16, 1, rows=64, context=700, read_bandwidth=3e12, adapters=3)
+    assert memory == pytest.approx(old.step(64, frozenset({"r16-0", "r16-1", "r16-2"}), 64 * 700) / 3e12)
+    assert comm == 0 and tensor_parallel.collectives_per_step(cfg, 1) == tensor_parallel.Collectives(0, 0, 0)
 
 
 def loaded_weight_bytes(model: LlamaModel) -> int:
@@ -121,12 +120,12 @@ def test_weights_per_rank_are_the_loaders_shards(name: str, tp: int, tmp_path: P
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     raw = SHAPES[name]
     cfg = ModelConfig.from_dict(raw)
-    per_rank = tp_floor.weight_bytes_per_rank(cfg, BF16, tp)
+    per_rank = harness.weight_bytes_per_rank(cfg, BF16, tp)
     for rank in (0, tp - 1):
         assert loaded_weight_bytes(meta_model(tmp_path, raw, monkeypatch, Shard(rank, tp))) == per_rank
     # Everything but the replicated norms divides by TP (these vocabularies divide evenly).
-    norms = tp_floor.norm_bytes(cfg, BF16)
-    whole = tp_floor.weight_bytes_per_rank(cfg, BF16, 1)
+    norms = harness.norm_bytes(cfg, BF16)
+    whole = harness.weight_bytes_per_rank(cfg, BF16, 1)
     assert tp * (per_rank - norms) == whole - norms
     assert norms == (2 * cfg.num_layers + 1) * cfg.hidden_size * BF16
 
@@ -134,7 +133,7 @@ def test_weights_per_rank_are_the_loaders_shards(name: str, tp: int, tmp_path: P
 def test_uneven_vocabulary_counts_the_padded_block() -> None:
     cfg = ModelConfig.from_dict({**LLAMA_3_1_8B, "vocab_size": 49153})
     even = ModelConfig.from_dict(LLAMA_3_1_8B)
-    extra = tp_floor.weight_bytes_per_rank(cfg, BF16, 2) - tp_floor.weight_bytes_per_rank(even, BF16, 2)
+    extra = harness.weight_bytes_per_rank(cfg, BF16, 2) - harness.weight_bytes_per_rank(even, BF16, 2)
     assert extra == cfg.hidden_size * BF16  # ceil(49153 / 2) = 24577 rows on every rank
 
 
@@ -150,22 +149,22 @@ def test_adapter_bytes_per_rank_split_as_the_shards(tp: int) -> None:
         for rank in range(tp):
             a_s, b_s = Shard(rank, tp).lora_pair(module, a, b)
             held = (a_s.numel() + b_s.numel()) * BF16
-            assert tp_floor.adapter_bytes_per_rank(cfg, r, [module], BF16, tp) == cfg.num_layers * held
+            assert harness.adapter_bytes_per_rank(cfg, r, [module], BF16, tp) == cfg.num_layers * held
         split_b = module in COLUMN_PARALLEL  # B with column layers, A with row layers
         expected = r * (fan_in + fan_out // tp) if split_b else r * (fan_in // tp + fan_out)
-        assert tp_floor.adapter_bytes_per_rank(cfg, r, [module], BF16, tp) == cfg.num_layers * expected * BF16
-    whole = tp_floor.adapter_bytes_per_rank(cfg, r, ALL_MODULES, BF16, 1)
-    assert tp_floor.adapter_bytes_per_rank(cfg, r, ALL_MODULES, BF16, tp) < whole
-    assert tp_floor.adapter_bytes_per_rank(cfg, r, QV, BF16, tp) == \
-        tp_floor.adapter_bytes_per_rank(cfg, r, ["q_proj"], BF16, tp) + \
-        tp_floor.adapter_bytes_per_rank(cfg, r, ["v_proj"], BF16, tp)
+        assert harness.adapter_bytes_per_rank(cfg, r, [module], BF16, tp) == cfg.num_layers * expected * BF16
+    whole = harness.adapter_bytes_per_rank(cfg, r, ALL_MODULES, BF16, 1)
+    assert harness.adapter_bytes_per_rank(cfg, r, ALL_MODULES, BF16, tp) < whole
+    assert harness.adapter_bytes_per_rank(cfg, r, QV, BF16, tp) == \
+        harness.adapter_bytes_per_rank(cfg, r, ["q_proj"], BF16, tp) + \
+        harness.adapter_bytes_per_rank(cfg, r, ["v_proj"], BF16, tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_kv_per_token_is_the_ranks_cache(tp: int) -> None:
     cfg = ModelConfig.from_dict(LLAMA_3_1_8B)
     local = Shard(0, tp).local_config(cfg)
-    assert tp_floor.kv_bytes_per_token(cfg, BF16, tp) == KVCache.bytes_per_block(local, 1, torch.bfloat16)
+    assert harness.kv_bytes_per_token(cfg, BF16, tp) == KVCache.bytes_per_block(local, 1, torch.bfloat16)
 
 
 class CountingParallel:
@@ -209,71 +208,33 @@ def test_collectives_are_those_a_decode_forward_calls(tp: int, tmp_path: Path) -
         logits_indices=torch.arange(rows), max_query_len=1, max_seq_len=max(context))
     logits = model.forward(batch, kv.k, kv.v, LaunchChoices.of(model.device, DEFAULT_TUNING))
     assert logits.shape == (rows, cfg.vocab_size)
-    counts = tp_floor.collectives_per_step(model.full_config, tp)
+    counts = tensor_parallel.collectives_per_step(model.full_config, tp)
     # broadcasts=1: a decode graph's step (ForwardBatch.feedback set) sends rank 0's token ids.
-    assert counts == tp_floor.Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1, broadcasts=1)
+    assert counts == tensor_parallel.Collectives(all_reduces=2 * cfg.num_layers + 1, all_gathers=1, broadcasts=1)
     assert len(group.all_reduces) == counts.all_reduces
     assert set(group.all_reduces) == {(rows, cfg.hidden_size)}
     assert len(group.gathers) == counts.all_gathers
-    rows_per_rank = -(-cfg.vocab_size // tp)
-    assert group.gathers == [(rows, rows_per_rank)]
-    assert tp_floor.logits_gather_bytes(cfg, 4, tp, rows) == rows * tp * rows_per_rank * 4
+    assert group.gathers == [(rows, -(-cfg.vocab_size // tp))]
 
 
-def test_tensor_parallel_floor_adds_the_collectives() -> None:
+def test_tensor_parallel_floor_adds_the_collectives_of_an_allreduce_report() -> None:
     cfg = ModelConfig.from_dict(LLAMA_3_1_8B)
-    with pytest.raises(ValueError, match="all-reduce"):
-        tp_floor.decode_floor(cfg, BF16, 2, rows=64, context_len=512, read_bandwidth=3e12)
-    with pytest.raises(ValueError, match="broadcast"):
-        tp_floor.decode_floor(cfg, BF16, 2, 64, 512, 3e12, all_reduce_s=1e-5, all_gather_s=1e-5)
-    adapters = [tp_floor.AdapterSet(32, 16, ALL_MODULES)]
-    f2 = tp_floor.decode_floor(cfg, BF16, 2, 64, 512, 3e12, adapters, all_reduce_s=10e-6, all_gather_s=30e-6,
-                               broadcast_s=5e-6)
-    f1 = tp_floor.decode_floor(cfg, BF16, 1, 64, 512, 3e12, adapters)
-    assert f2.comm_s == pytest.approx((2 * 32 + 1) * 10e-6 + 30e-6 + 5e-6)
-    assert f2.memory_s == pytest.approx(f2.bytes_read / 3e12)
-    assert f2.seconds == pytest.approx(f2.memory_s + f2.comm_s)
-    assert f2.kv * 2 == f1.kv and f2.embed_rows == f1.embed_rows
-    assert f2.adapters == 32 * tp_floor.adapter_bytes_per_rank(cfg, 16, ALL_MODULES, BF16, 2)
-    # Bus bandwidth (NCCL's convention) and the all-gather estimate invert each other.
-    bw = tp_floor.bus_bandwidth_all_reduce(64 * 4096 * 2, 2, 10e-6)
-    assert bw == pytest.approx(64 * 4096 * 2 / 10e-6)
-    assert tp_floor.all_gather_seconds(1_000_000, 4, 1e11) == pytest.approx(0.75 * 1e6 / 1e11)
-
-
-def test_cli_reads_an_allreduce_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    results = [{"method": "nccl graph", "rows": rows, "hidden": h, "seconds": s * (1 + rows / 64)}
-               for h, s in ((4096, 6e-6), (8192, 10e-6)) for rows in (1, 64)]
-    report = tmp_path / "ar.json"
-    report.write_text(json.dumps({"world_size": 4, "device": "test", "results": results}))
-    floors = dict(tp_floor.main(["--allreduce-json", str(report), "--rows", "64"]))
-    out = capsys.readouterr().out
-    assert set(floors) == {"8B/0", "8B/32", "70B/0", "70B/32"}, out
-    assert floors["70B/0"].comm_s > 161 * 20e-6  # 161 all-reduces and the gather
-    assert floors["8B/32"].adapters > 0 and floors["8B/0"].adapters == 0
-
-
-def test_decode_step_floor_ms_for_tp_bench(tmp_path: Path) -> None:
-    """bench.tp_bench's call: a checkpoint folder, the batch's rows and context, N adapters."""
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
-    cfg = ModelConfig.from_dict(LLAMA_3_1_8B)
-    sets = [tp_floor.AdapterSet(32, 16, ALL_MODULES)]
-    one = tp_floor.decode_step_floor_ms(tmp_path, tp=1, batch=64, context=160, adapters=32, rank=16,
-                                        copy_bandwidth=3e12)
-    assert one == pytest.approx(tp_floor.decode_floor(cfg, BF16, 1, 64, 160, 3e12, sets).seconds * 1e3)
-    with pytest.warns(UserWarning, match="without collectives"):
-        bytes_only = tp_floor.decode_step_floor_ms(tmp_path, tp=2, batch=64, context=160, adapters=32)
-    assert bytes_only == pytest.approx(tp_floor.decode_floor(cfg, BF16, 2, 64, 160, 3e12, sets, 0, 0, 0).memory_s * 1e3)
     report = {"world_size": 2, "device": "test", "results": [
         {"method": "nccl graph", "rows": rows, "hidden": 4096, "seconds": s}
-        for rows, s in ((1, 8e-6), (64, 14e-6), (128, 20e-6))]}
-    ar, gather, bcast = tp_floor.collective_times(report, "nccl graph", cfg, 2, 64)
-    assert (ar, bcast) == (14e-6, 8e-6)
-    busbw = tp_floor.bus_bandwidth_all_reduce(64 * 4096 * 2, 2, 14e-6)
-    assert gather == pytest.approx(0.5 * 64 * 49152 * 2 / busbw)
-    with_comm = tp_floor.decode_step_floor_ms(tmp_path, tp=2, batch=64, context=160, adapters=32, allreduce=report)
-    assert with_comm == pytest.approx(bytes_only + (65 * ar + gather + bcast) * 1e3)
+        for rows, s in ((1, 8e-6), (64, 14e-6), (128, 20e-6))] + [
+        {"method": "nccl graph", "rows": 64, "hidden": 8192, "seconds": 99e-6}]}
+    ar, gather, bcast = tensor_parallel.collective_times(report, "nccl graph", cfg, 2, 64)
+    assert (ar, bcast) == (14e-6, 8e-6)  # the broadcast: the smallest all-reduce of this hidden size
+    busbw = tensor_parallel.bus_bandwidth(64 * 4096 * 2, 2, 14e-6)
+    assert busbw == pytest.approx(64 * 4096 * 2 / 14e-6)  # NCCL's convention: 2 (n-1)/n bytes / time
+    assert gather == pytest.approx(0.5 * 64 * 2 * 24576 * 2 / busbw)  # (n-1)/n of the gathered logits
+    memory1, comm1 = tensor_parallel.decode_floor_s(cfg, BF16, 1, 64, 160, 3e12, adapters=32)
+    memory2, comm2 = tensor_parallel.decode_floor_s(cfg, BF16, 2, 64, 160, 3e12, adapters=32, comm=(ar, gather, bcast))
+    assert comm1 == 0 and comm2 == pytest.approx(65 * ar + gather + bcast)
+    assert memory2 < memory1 and memory2 * 3e12 == harness.StepBytes.of(
+        cfg, BF16, {f"a{k}": harness.adapter_bytes_per_rank(cfg, 16, ALL_MODULES, BF16, 2) for k in range(32)}, 2).step(
+        64, frozenset(f"a{k}" for k in range(32)), 64 * 160)
     with pytest.raises(ValueError, match="of 2 processes, not 4"):
-        tp_floor.collective_times(report, "nccl graph", cfg, 4, 64)
+        tensor_parallel.collective_times(report, "nccl graph", cfg, 4, 64)
     with pytest.raises(ValueError, match=r"no 'nccl graph' all-reduce of \[32, 4096\]"):
-        tp_floor.collective_times(report, "nccl graph", cfg, 2, 32)
+        tensor_parallel.collective_times(report, "nccl graph", cfg, 2, 32)

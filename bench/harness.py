@@ -1,0 +1,557 @@
+"""What the benchmarks share: the named models (shapes with random weights: nothing is
+downloaded), random checkpoints and adapters, nodes built one way (a NodeConfig, in process
+through `LLM` or served as `inference-node serve` with the same flags), the synthetic
+workload, one timer, percentiles, tables, the floors (the bytes a decode step must read over
+the device's copy bandwidth) and JIT-compile counting."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import math
+import random
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+
+import torch
+
+from bench.shapes import LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QV = ("q_proj", "v_proj")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+# -- models ----------------------------------------------------------------------------------------
+class RandomModel(NamedTuple):
+    config: dict         # the Hugging Face config.json
+    made_at_load: bool   # weights made on the device by the node (--load-format dummy), else written once
+    description: str
+
+
+# The named shapes (bench/shapes.py), each with random weights.
+RANDOM_MODELS: dict[str, RandomModel] = {
+    "llama-1b-random": RandomModel(LLAMA_3_2_1B, False, "Llama-3.2-1B-shaped, random weights"),
+    "llama-8b-random": RandomModel(LLAMA_3_1_8B, True, "Llama-3.1-8B-shaped (vocab 49,152), random weights"),
+    "llama-70b-random": RandomModel(LLAMA_3_1_70B, True, "Llama-3.1-70B-shaped (vocab 49,152), random weights"),
+    "tiny": RandomModel(TINY_LLAMA, False, "tiny Llama-shaped, random weights"),
+}
+MODEL_HELP = ("a named shape with random weights (" + ", ".join(RANDOM_MODELS) + "), 'embedded' (SmolLM2-135M) "
+              "or an HF safetensors checkpoint folder")
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A benchmark's model: its checkpoint folder (with a tokenizer: a node needs one), how the
+    node loads it, what to print."""
+
+    checkpoint: Path
+    load_format: str   # "dummy": random weights of config.json's shapes, made on the device
+    description: str
+
+
+def embedded_checkpoint() -> Path:
+    from inference_node.model.embedded import default_checkpoint
+
+    return default_checkpoint()
+
+
+def bench_model(name: str, work: Path, dtype: torch.dtype, device: torch.device, seed: int = 0) -> BenchModel:
+    """A RANDOM_MODELS shape (its config and the embedded model's tokenizer in `work`, the
+    weights written once unless the node makes them at load), 'embedded' or a folder."""
+    if name not in RANDOM_MODELS:
+        folder = embedded_checkpoint() if name == "embedded" else Path(name)
+        return BenchModel(folder, "safetensors", "embedded SmolLM2-135M" if name == "embedded" else folder.name)
+    config, made_at_load, description = RANDOM_MODELS[name]
+    if made_at_load:
+        folder = work / name.replace("-random", "-dummy")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+    else:
+        folder = work / f"{name}-{dtype_name(dtype)}"
+        if not (folder / "model.safetensors").exists():
+            write_random_checkpoint(folder, config, dtype, device, seed=seed)
+    copy_tokenizer(embedded_checkpoint(), folder)
+    return BenchModel(folder, "dummy" if made_at_load else "safetensors", description)
+
+
+def model_config(name: str):
+    """The ModelConfig of bench_model(name) without making or writing anything."""
+    from inference_node.model.config import ModelConfig
+
+    if name in RANDOM_MODELS:
+        return ModelConfig.from_dict(RANDOM_MODELS[name].config)
+    return ModelConfig.from_checkpoint(embedded_checkpoint() if name == "embedded" else Path(name))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def copy_tokenizer(source: Path, dest: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source / name).exists() and not (dest / name).exists():
+            shutil.copy(source / name, dest / name)
+
+
+def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device: torch.device,
+                            seed: int = 0, std: float = 0.02) -> Path:
+    """An HF-format safetensors checkpoint (config.json + model.safetensors) of random weights."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
+
+    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h),
+               "model.norm.weight": torch.ones(h, dtype=dtype)}
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = rnd(config["vocab_size"], h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+                    p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+                    p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                    p + "mlp.down_proj.weight": rnd(h, inter)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[str], seed: int,
+                         device: torch.device, dtype: torch.dtype = torch.bfloat16, std: float = 0.02) -> Path:
+    """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) with
+    random, non-zero A and B, named as PEFT saves a Llama-family model's LoRA."""
+    from safetensors.torch import save_file
+
+    from adapter_store.samples import adapter_config
+    from lora_common.validation import MODULE_PARENT
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = model_cfg.module_shapes()
+    tensors = {}
+    for layer in range(model_cfg.num_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            base = f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
+            for kind, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
+                t = torch.randn(*shape, generator=gen, device=device) * std
+                tensors[f"{base}.lora_{kind}.weight"] = t.to(dtype).cpu()
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = adapter_config(rank, list(targets), base_model="bench-random")
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def write_adapters(root: Path, model_cfg, names: Sequence[str], ranks: Sequence[int], targets: Sequence[str],
+                   device: torch.device, dtype: torch.dtype, seed: int = 1000) -> dict[str, int]:
+    """Adapter k of `names` (rank ranks[k mod len]) into root/<name>, kept where it exists (a
+    --workdir reuses them); each one's rank."""
+    rank_of = {}
+    for k, name in enumerate(names):
+        rank_of[name] = ranks[k % len(ranks)]
+        if not (root / name / "adapter_model.safetensors").exists():
+            write_random_adapter(root / name, model_cfg, rank_of[name], targets, seed + k, device, dtype)
+    return rank_of
+
+
+# -- command lines and nodes -----------------------------------------------------------------------
+def add_common_args(p: argparse.ArgumentParser, model_default: str) -> None:
+    """The flags every engine benchmark takes."""
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: {model_default})")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: the node's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and adapters here")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def runtime(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """Logging, and the device and dtype a run takes from --device and --dtype."""
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    return torch.device("cuda" if cuda else "cpu"), dtype
+
+
+def device_line(device: torch.device, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return f"device: {name}  torch {torch.__version__}  dtype {dtype_name(dtype)}"
+
+
+def node_config(model: BenchModel, device: torch.device, dtype: torch.dtype, **options: Any):
+    """The NodeConfig of a node serving `model`: each benchmark's nodes come from one, in
+    process (`LLM`) or served (`NodeProcess`, its flags). Unless asked (tune_budget), a node
+    does not tune its kernels at start: it takes the repository's or this host's table for its
+    GPU and shape, else the defaults, so a run times serving and not a sweep."""
+    from inference_node.config import NodeConfig
+
+    return NodeConfig.of(checkpoint=str(model.checkpoint), load_format=model.load_format, device=device.type,
+                         dtype=dtype_name(dtype), **{"tune_budget": 0.0, **options})
+
+
+def build_llm(config, adapters: Sequence[str] = ()):
+    """The node in this process, prepared (warm-up and graph captures as `serve` runs them),
+    `adapters` pinned in GPU adapter memory."""
+    from inference_node.llm import LLM
+
+    llm = LLM(config)
+    try:
+        llm.prepare()
+        if adapters:
+            llm.pin_adapters(list(adapters))
+            sync(llm.node.model.device)
+    except BaseException:
+        llm.close()
+        raise
+    return llm
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class NodeProcess:
+    """`inference-node serve` of a NodeConfig as a subprocess, gRPC and HTTP on free ports."""
+
+    def __init__(self, config, log_path: Path, timeout_s: float = 1800.0) -> None:
+        from inference_node.config import to_flags
+        from lora_client.processes import Child, free_port, wait_healthy
+
+        self.port, self.http_port = free_port(), free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
+        flags = to_flags(config.replace(port=self.port, http_port=self.http_port))
+        self.child = Child("inference-node", [sys.executable, "-m", "inference_node.cli", "serve", *flags], log_path)
+        try:
+            wait_healthy(self.target, timeout_s, self.child)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.child.proc.pid
+
+    def client(self):
+        from lora_client.node_client import NodeClient
+
+        return NodeClient(self.target)
+
+    def steps(self) -> dict[str, int]:
+        """The engine's steps so far, by kind."""
+        with self.client() as client:
+            s = client.stats()
+        return {"graph": s.graph_steps, "piecewise": s.piecewise_graph_steps,
+                "eager_decode": s.eager_decode_steps, "eager_prefill": s.eager_prefill_steps}
+
+    def pin(self, names: Sequence[str]) -> None:
+        from lora.v1 import inference_pb2 as pb
+
+        with self.client() as client:
+            for name in names:
+                client.stub.LoadAdapter(pb.LoadAdapterRequest(name=name, pin=True), timeout=600)
+
+    def stop(self) -> None:
+        self.child.stop(120)
+
+
+# -- workload ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """One request of a synthetic workload."""
+
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    arrival: float      # seconds after the start (Poisson); 0 in closed loop
+    pick: float         # uniform [0, 1): the adapter drawn under Zipf popularity
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+               poisson_rate: float | None, seed: int) -> list[Spec]:
+    """Random prompt tokens clear of the special ones at the vocabulary's start, uniform
+    lengths, Poisson arrival times when a rate is given."""
+    rng = random.Random(seed)
+    low = min(1000, vocab // 2)
+    specs, t = [], 0.0
+    for i in range(n):
+        if poisson_rate:
+            t += rng.expovariate(poisson_rate)
+        length = rng.randint(*prompt_len)
+        specs.append(Spec(i, [rng.randrange(low, vocab) for _ in range(length)], rng.randint(*output_len),
+                          t if poisson_rate else 0.0, rng.random()))
+    return specs
+
+
+def zipf_index(u: float, n: int, alpha: float) -> int:
+    """Inverse CDF of P(k) ~ 1/(k+1)^alpha over k < n."""
+    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
+    target, acc = u * sum(weights), 0.0
+    for k, w in enumerate(weights):
+        acc += w
+        if target < acc:
+            return k
+    return n - 1
+
+
+# -- measurement ---------------------------------------------------------------------------------------
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, linearly interpolated (NaN of nothing)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_runs(run: Callable[[], object], runs: int, before: Callable[[], object] | None = None) -> list[float]:
+    """Wall seconds of each of `runs` calls of `run`; `before` runs untimed ahead of each."""
+    times = []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted): the practical ceiling of the
+    memory-bound decode step, against which every floor is computed."""
+    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        import triton.testing
+
+        seconds = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median") * 1e-3
+    else:
+        seconds = statistics.median(timed_runs(lambda: dst.copy_(src), 5, None))
+    return 2 * nbytes / seconds
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Set-up objects frozen out of the garbage collector while a row is timed, as
+    Engine.prepare freezes the node's start-up objects: a full collection of them stalls steps."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+# -- tables ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Col:
+    """A table column: its title, unit line, width and how a value prints (text left-aligned;
+    a number by `fmt` after `scale`, e.g. seconds as ms; None or NaN as '-')."""
+
+    title: str
+    width: int
+    fmt: str = ""
+    unit: str = ""
+    scale: float = 1.0
+    suffix: str = ""
+
+    def cell(self, value: Any) -> str:
+        if not self.fmt:
+            return f"{'' if value is None else value!s:<{self.width}}"
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return f"{'-':>{self.width}}"
+        text = f"{value if self.scale == 1 else value * self.scale:{self.fmt}}{self.suffix}"
+        return f"{text:>{self.width}}"
+
+
+class Table:
+    def __init__(self, *columns: Col) -> None:
+        self.columns = columns
+
+    def head(self) -> list[str]:
+        align = lambda c, text: f"{text:<{c.width}}" if not c.fmt else f"{text:>{c.width}}"  # noqa: E731
+        titles = " ".join(align(c, c.title) for c in self.columns)
+        units = " ".join(align(c, c.unit) for c in self.columns).rstrip()
+        return [titles, units, "-" * len(titles)] if units.strip() else [titles, "-" * len(titles)]
+
+    def row(self, *values: Any) -> str:
+        return " ".join(c.cell(v) for c, v in zip(self.columns, values)).rstrip()
+
+    def print(self, rows: Sequence[Sequence[Any] | str], out=None) -> None:
+        """The head, then each row (a string: a line as it is)."""
+        for line in self.head():
+            print(line, file=out)
+        for r in rows:
+            print(r if isinstance(r, str) else self.row(*r), file=out)
+
+
+def json_safe(value: Any) -> Any:
+    """JSON has no NaN: a value not measured is null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path | None, data: Any) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(json_safe(data), indent=2, default=str))
+
+
+# -- floors: the bytes a decode step must read ---------------------------------------------------
+# A decode step is memory-bound: each rank reads its shard of the weights (the embedding only
+# at the batch's rows unless tied to the LM head), the KV its heads attend over and A and B of
+# every distinct adapter in the batch. Layout as the node's (parallel/shard.py, Megatron's):
+# q/k/v and gate/up keep a block of output columns, o and down of input rows, the LM head a
+# block of ceil(vocab / TP) rows; norms are whole. LoRA follows: B split on column-parallel
+# projections, A on row-parallel ones. Bytes over `copy_bandwidth` (read + write counted: DRAM
+# serves both from one budget and a decode step writes next to nothing) give the floor.
+def _check_tp(cfg, tp: int) -> None:
+    from inference_node.parallel.shard import check_divisible
+
+    if tp < 1:
+        raise ValueError(f"tensor-parallel size must be at least 1, not {tp}")
+    if tp > 1:
+        check_divisible(cfg, tp)
+
+
+def norm_bytes(cfg, itemsize: int) -> int:
+    return (2 * cfg.num_layers + 1) * cfg.hidden_size * itemsize
+
+
+def weight_bytes_per_rank(cfg, itemsize: int, tp: int = 1) -> int:
+    _check_tp(cfg, tp)
+    h = cfg.hidden_size
+    qkv_out = (cfg.q_size + 2 * cfg.kv_size) // tp
+    per_layer = h * qkv_out + (cfg.q_size // tp) * h + 3 * h * (cfg.intermediate_size // tp)
+    if cfg.attention_bias:
+        per_layer += qkv_out
+    return (cfg.num_layers * per_layer + -(-cfg.vocab_size // tp) * h) * itemsize + norm_bytes(cfg, itemsize)
+
+
+def kv_bytes_per_token(cfg, itemsize: int, tp: int = 1) -> int:
+    _check_tp(cfg, tp)
+    return cfg.num_layers * 2 * (cfg.kv_size // tp) * itemsize
+
+
+def adapter_bytes_per_rank(cfg, rank: int, targets: Sequence[str], itemsize: int, tp: int = 1) -> int:
+    """One adapter's A [r, in] and B [out, r] over all layers, as one rank holds them."""
+    from inference_node.parallel.shard import COLUMN_PARALLEL
+
+    _check_tp(cfg, tp)
+    shapes = cfg.module_shapes()
+    per_layer = 0
+    for module in targets:
+        fan_in, fan_out = shapes[module]
+        split_b = module in COLUMN_PARALLEL
+        per_layer += rank * (fan_in if split_b else fan_in // tp) + (fan_out // tp if split_b else fan_out) * rank
+    return cfg.num_layers * per_layer * itemsize
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What one rank's decode step reads at least, for steps of varying batch, adapters and
+    attended KV (the serving benchmark's per-step floor)."""
+
+    weights: int
+    embed_row: int
+    kv_token: int
+    adapter: Mapping[str, int] = field(default_factory=dict)  # adapter name -> its bytes per rank
+
+    @classmethod
+    def of(cls, cfg, itemsize: int, adapter_bytes: Mapping[str, int], tp: int = 1) -> "StepBytes":
+        return cls(weight_bytes_per_rank(cfg, itemsize, tp), cfg.hidden_size * itemsize,
+                   kv_bytes_per_token(cfg, itemsize, tp), dict(adapter_bytes))
+
+    def step(self, batch: int, adapters: frozenset[str], kv_tokens: int) -> int:
+        return (self.weights + batch * self.embed_row + kv_tokens * self.kv_token
+                + sum(self.adapter[a] for a in adapters))
+
+
+# -- JIT compiles ------------------------------------------------------------------------------------
+class CompileWatch:
+    """Counts JIT compiles while a region runs: Triton kernels (a new specialisation compiles on
+    its first launch, 0.3-2 s) and torch.compile graphs. A step that compiles stalls every
+    request in flight, so the benchmarks report the compiles in their timed runs (none, if the
+    warm-up did its job)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self._installed = False
+
+    def install(self) -> "CompileWatch":
+        """Hooks Triton's post-compile callback (triton >= 3.3's knobs); idempotent."""
+        if self._installed:
+            return self
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            self.events.append(str(kwargs.get("repr", "triton kernel")))
+            return previous(*args, **kwargs) if previous else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        self._installed = True
+        return self
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.events), _dynamo_graphs()
+
+    def since(self, mark: tuple[int, int]) -> list[str]:
+        """What compiled after `mark`: Triton kernels by name, one entry per torch.compile graph."""
+        return self.events[mark[0]:] + ["torch.compile graph"] * max(0, _dynamo_graphs() - mark[1])
+
+
+def _dynamo_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+COMPILES = CompileWatch()

@@ -1,0 +1,732 @@
+"""Serving benchmark: the node with LoRA off, on but unused, and with many adapters, next to
+Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one table; each row
+in process and, when asked, through the served node's gRPC and HTTP APIs.
+
+    python -m bench.serving                              # CUDA: Llama-3.2-1B-shaped random bf16 model
+    python -m bench.serving --model llama-8b-random --rows a,c,d --adapter-counts 32
+    python -m bench.serving --poisson 20                 # open loop, Poisson arrivals, Zipf popularity
+    python -m bench.serving --device cpu                 # CPU: the embedded SmolLM2, small settings
+    python -m bench.serving --rows a,b,c,d --rounds 3    # rows take turns 3 times: medians
+    python -m bench.serving --paths engine,grpc,http --rows b,c --adapter-counts 32 --api-processes 2
+
+Rows (every one runs the same requests):
+  a     base model, LoRA disabled (--max-loras 0)
+  b     LoRA enabled (adapter memory for every row's adapters), no request uses an adapter
+  c-N   N distinct adapters of rank 16 on all seven projections (N = 1, 8, 32, 128)
+  d     32 adapters of rank 8 on q_proj and v_proj only
+  e     Hugging Face PEFT: one PeftModel holding the adapters of c-32, generate(adapter_names=...)
+Paths (rows a-d): engine, the node built in this process (`LLM`) and driven from this thread
+by `Engine.run_once`; grpc, the same NodeConfig served by `inference-node serve` (its flags)
+and driven by --clients client processes; http, that node's OpenAI-compatible API
+(/v1/completions streamed, token-id prompts with `ignore_eos`). All adapters are pinned in
+GPU adapter memory before timing; every row is warmed up first (--warmup).
+
+Columns (docs/PERFORMANCE.md says more): decode and e2e tok/s, TTFT and TPOT p50/p99, and on the
+engine path the decode step's p50 beside its floor (the bytes it must read over the copy
+bandwidth measured in the same run). Closed loop by default; --poisson RATE: Zipf popularity.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from bench.driver import DecodeStep, Driver, ReqRecord
+from bench.harness import (ALL_MODULES, COMPILES, QV, Col, NodeProcess, Spec, StepBytes, Table, adapter_bytes_per_rank,
+                           add_common_args, bench_model, build_llm, copy_bandwidth, device_line, frozen_gc, make_specs,
+                           node_config, parse_range, pct, release_memory, runtime, sync, write_adapters, write_json,
+                           zipf_index)
+
+log = logging.getLogger("bench.serving")
+PATHS = ("engine", "grpc", "http")
+STEP_KINDS = {"graph": "graph_steps", "piecewise": "piecewise_graph_steps", "eager_decode": "eager_decode_steps",
+              "eager_prefill": "eager_prefill_steps"}
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    lora: bool                  # runs on the node with LoRA on
+    pool: list[str]             # adapter names (empty: every request uses the base model)
+    peft: bool = False
+
+    def adapter_of(self, spec: Spec, poisson: bool, alpha: float) -> str:
+        if not self.pool:
+            return ""
+        return self.pool[zipf_index(spec.pick, len(self.pool), alpha) if poisson else spec.index % len(self.pool)]
+
+
+@dataclass
+class RowResult:
+    key: str
+    path: str
+    label: str
+    records: list[ReqRecord] = field(default_factory=list)
+    steps: list[DecodeStep] = field(default_factory=list)
+    step_kinds: dict[str, int] = field(default_factory=dict)  # the node's steps by kind during the timed run
+    compiles: list[str] = field(default_factory=list)         # JIT compiles during the timed run (engine path)
+    error: str | None = None
+
+
+# -- the engine in process --------------------------------------------------------------------------
+def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
+    engine, device = llm.engine, llm.node.model.device
+    result = RowResult(row.key, "engine", row.label)
+    adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
+    # Untimed: "full" runs the row's whole workload once (every shape the timed run meets, so no
+    # Triton compile lands in it); "short" one batch of few tokens; "engine" nothing here (the
+    # node's start-up warm-up ran).
+    if args.warmup == "full":
+        Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs, adapter_of)
+    elif args.warmup == "short":
+        Driver(engine, device, args.concurrency, poisson=False).run(
+            specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
+    driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
+    before, mark = dict(engine.stats.__dict__), COMPILES.mark()
+    with frozen_gc():
+        result.records, result.steps = driver.run(specs, adapter_of)
+    result.compiles = COMPILES.since(mark)
+    for what in result.compiles:
+        log.warning("row %s: compiled during the timed run: %s", row.key, what[:300])
+    result.step_kinds = {k: engine.stats.__dict__[s] - before[s] for k, s in STEP_KINDS.items()}
+    return result
+
+
+# -- the served node: client processes of gRPC and of the OpenAI-compatible HTTP API -----------------
+@dataclass(frozen=True)
+class ClientRequest:
+    prompt: list[int]
+    max_tokens: int
+    adapter: str
+    arrival: float
+
+
+def client_process(api: str, target: str, model: str, requests: list[ClientRequest], concurrency: int,
+                   poisson: bool, ready, start, results) -> None:
+    """Sends its requests, closed loop at `concurrency` or at their arrival times, and puts its
+    records on `results` (in request order)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    client = _grpc_client if api == "grpc" else _http_client
+    results.put(asyncio.run(client(target, model, requests, concurrency, poisson, ready, start)))
+
+
+async def _drive(requests: list[ClientRequest], concurrency: int, poisson: bool, start, one) -> list[ReqRecord]:
+    await asyncio.get_running_loop().run_in_executor(None, start.wait)
+    t0 = time.monotonic()
+    gate = asyncio.Semaphore(concurrency if not poisson else max(len(requests), 1))
+
+    async def timed(req: ClientRequest) -> ReqRecord:
+        if poisson:
+            await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
+        async with gate:
+            rec = ReqRecord(submit=t0 + req.arrival if poisson else time.monotonic())
+            await one(req, rec)
+            rec.done = time.monotonic()
+            return rec
+
+    return await asyncio.gather(*(timed(r) for r in requests))
+
+
+def _token(rec: ReqRecord, count: int) -> None:
+    now = time.monotonic()
+    rec.first = rec.first or now
+    rec.last = now
+    rec.tokens += count
+
+
+async def _grpc_client(target, model, requests, concurrency, poisson, ready, start) -> list[ReqRecord]:
+    """One connection, a Generate stream per request."""
+    import grpc
+
+    from lora.v1 import inference_pb2 as pb
+    from lora.v1 import inference_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        stub = pb_grpc.InferenceNodeStub(channel)
+        async for _ in stub.Generate(pb.GenerateRequest(prompt_token_ids=[1000, 1001], max_tokens=1)):
+            pass
+        ready.set()
+
+        async def one(req: ClientRequest, rec: ReqRecord) -> None:
+            try:
+                async for msg in stub.Generate(pb.GenerateRequest(
+                        prompt_token_ids=req.prompt, max_tokens=req.max_tokens, adapter=req.adapter,
+                        ignore_eos=True), timeout=600):
+                    if msg.token_ids:
+                        _token(rec, len(msg.token_ids))
+            except grpc.aio.AioRpcError as exc:
+                rec.error = f"{exc.code().name}: {exc.details()}"
+
+        return await _drive(requests, concurrency, poisson, start, one)
+
+
+async def _http_client(target, model, requests, concurrency, poisson, ready, start) -> list[ReqRecord]:
+    """POST /v1/completions streamed, a connection per request in flight; the tokens counted
+    from the last chunk's usage, the first and last token from the chunks carrying text."""
+    import httpx
+
+    url = f"{target}/completions"
+    limits = httpx.Limits(max_connections=max(concurrency, 1), max_keepalive_connections=max(concurrency, 1))
+    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+        (await http.post(url, json={"model": model, "prompt": [1000, 1001], "max_tokens": 1})).raise_for_status()
+        ready.set()
+
+        async def one(req: ClientRequest, rec: ReqRecord) -> None:
+            body = {"model": req.adapter or model, "prompt": req.prompt, "max_tokens": req.max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            try:
+                async with http.stream("POST", url, json=body) as reply:
+                    if reply.status_code != 200:
+                        rec.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:200]}"
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            rec.error = event["error"]["message"]
+                        elif event["choices"] and event["choices"][0]["text"]:
+                            _token(rec, 0)
+                        if event.get("usage"):
+                            rec.tokens = event["usage"]["completion_tokens"]
+            except httpx.HTTPError as exc:
+                rec.error = f"{type(exc).__name__}: {exc}"
+
+        return await _drive(requests, concurrency, poisson, start, one)
+
+
+def run_clients(api: str, target: str, model: str, requests: list[ClientRequest], concurrency: int,
+                clients: int, poisson: bool) -> list[ReqRecord]:
+    """The requests shared round robin over `clients` processes, `concurrency` split among them."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    clients = max(1, min(clients, len(requests)))
+    procs, readies = [], []
+    for i in range(clients):
+        ready = ctx.Event()
+        per = max(concurrency // clients + (1 if i < concurrency % clients else 0), 1)
+        p = ctx.Process(target=client_process, args=(api, target, model, requests[i::clients], per, poisson,
+                                                     ready, start, results))
+        p.start()
+        procs.append(p)
+        readies.append(ready)
+    for ready in readies:
+        if not ready.wait(120):
+            raise RuntimeError("a client process did not connect")
+    start.set()
+    records = [rec for _ in procs for rec in results.get(timeout=3600)]
+    for p in procs:
+        p.join(30)
+    return records
+
+
+def run_served_row(row: Row, api: str, node: NodeProcess, model: str, specs: list[Spec], args) -> RowResult:
+    poisson = bool(args.poisson)
+    requests = [ClientRequest(list(s.prompt), s.max_tokens, row.adapter_of(s, poisson, args.zipf_alpha), s.arrival)
+                for s in specs]
+    target = node.target if api == "grpc" else node.http_url
+    if args.warmup == "full":
+        run_clients(api, target, model, requests, args.concurrency, args.clients, poisson)
+    elif args.warmup == "short":
+        warm = [dataclasses.replace(r, max_tokens=min(args.warmup_tokens, r.max_tokens)) for r in requests]
+        run_clients(api, target, model, warm[:args.concurrency], args.concurrency, args.clients, False)
+    before = node.steps()
+    records = run_clients(api, target, model, requests, args.concurrency, args.clients, poisson)
+    errors = [r.error for r in records if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    after = node.steps()
+    return RowResult(row.key, api, row.label, records, step_kinds={k: after[k] - before[k] for k in after})
+
+
+# -- Hugging Face PEFT --------------------------------------------------------------------------------
+def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spec], args,
+                 device: torch.device, dtype: torch.dtype) -> RowResult:
+    """PEFT's mixed-adapter generate: static batches of up to `concurrency` requests, one
+    PeftModel holding every adapter of the row, adapter_names= per request."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    result = RowResult(row.key, "peft", row.label)
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    names = list(dict.fromkeys(row.pool))
+    model = PeftModel.from_pretrained(base, adapter_root / names[0], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_root / name, adapter_name=name)
+    model.eval()
+    poisson = bool(args.poisson)
+
+    class Stamp(LogitsProcessor):
+        """Called once per generated token position, after that step's forward."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            sync(device)
+            self.times.append(time.perf_counter())
+            return scores
+
+    def generate(batch: list[Spec], new_tokens: int) -> list[float]:
+        width = max(len(s.prompt) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for j, s in enumerate(batch):  # left padding
+            ids[j, width - len(s.prompt):] = torch.tensor(s.prompt)
+            mask[j, width - len(s.prompt):] = 1
+        stamp = Stamp()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 adapter_names=[row.adapter_of(s, poisson, args.zipf_alpha) for s in batch],
+                                 max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([stamp]))
+        sync(device)
+        if out.shape[1] - width != new_tokens:
+            raise RuntimeError(f"PEFT generated {out.shape[1] - width} tokens, not {new_tokens}")
+        return stamp.times
+
+    generate(specs[:min(2, len(specs))], 2)  # warm-up
+    records = [ReqRecord() for _ in specs]
+    order = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
+    t0, pos = time.perf_counter(), 0
+    while pos < len(order):
+        now = time.perf_counter()
+        if poisson:  # whatever has arrived, up to `concurrency` requests
+            ready = [i for i in order[pos:pos + args.concurrency] if t0 + specs[i].arrival <= now]
+            if not ready:
+                time.sleep(max(0.0, min(t0 + specs[order[pos]].arrival - now, 0.01)))
+                continue
+        else:  # closed loop: the next batch is submitted when the previous one returns
+            ready = order[pos:pos + args.concurrency]
+        pos += len(ready)
+        batch = [specs[i] for i in ready]
+        for i in ready:
+            records[i].submit = t0 + specs[i].arrival if poisson else now
+        times = generate(batch, max(s.max_tokens for s in batch))
+        end = time.perf_counter()
+        for i in ready:  # TTFT as if generate streamed (it does not: generous to PEFT)
+            r = records[i]
+            r.first, r.last, r.done, r.tokens = times[0], times[specs[i].max_tokens - 1], end, specs[i].max_tokens
+        adapters = frozenset(row.adapter_of(s, poisson, args.zipf_alpha) for s in batch)
+        for k in range(1, len(times)):
+            kv = sum(len(s.prompt) + k + 1 for s in batch)
+            result.steps.append(DecodeStep(times[k] - times[k - 1], len(batch), adapters, kv))
+    result.records = records
+    return result
+
+
+# -- the table -------------------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    key: str
+    path: str
+    label: str
+    error: str | None = None
+    decode_tps: float = math.nan
+    e2e_tps: float = math.nan
+    ttft_p50: float = math.nan
+    ttft_p99: float = math.nan
+    tpot_p50: float = math.nan
+    tpot_p99: float = math.nan
+    step_p50: float = math.nan
+    forward_p50: float = math.nan
+    host_p50: float = math.nan
+    floor_p50: float = math.nan
+    over_floor: float = math.nan
+    batch: float = math.nan
+    adapters_per_step: float = math.nan
+    decode_steps: int = 0
+    # decode_tps counts the decode steps whose call did not also launch a prompt step (that
+    # launch's host work lands in the call's time); all_steps_tps counts them all.
+    steady_steps: int = 0
+    all_steps_tps: float = math.nan
+    output_tokens: int = 0
+    step_kinds: dict = field(default_factory=dict)
+    compiles: list = field(default_factory=list)
+    step_seconds: list = field(default_factory=list)   # per decode step, in order (--json)
+    step_boundary: list = field(default_factory=list)
+
+
+def summarize(res: RowResult, nbytes: StepBytes, bw: float) -> Summary:
+    s = Summary(res.key, res.path, res.label, res.error)
+    if res.error:
+        return s
+    recs, s.compiles, s.step_kinds = res.records, list(res.compiles), dict(res.step_kinds)
+    s.output_tokens = sum(r.tokens for r in recs)
+    s.e2e_tps = s.output_tokens / (max(r.done for r in recs) - min(r.submit for r in recs))
+    ttft = [r.first - r.submit for r in recs]
+    tpot = [(r.last - r.first) / (r.tokens - 1) for r in recs if r.tokens > 1]
+    s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99 = pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99)
+    steps = res.steps
+    if steps:
+        # Decode throughput over the steady decode steps: a step whose call also launched a
+        # prompt chunk carries that launch's host work (an eager 2048-token forward: 12-55 ms
+        # on the H100 runs), which is prefill's cost, counted in e2e tok/s.
+        s.decode_steps = len(steps)
+        s.all_steps_tps = sum(st.batch for st in steps) / sum(st.seconds for st in steps)
+        steady = [st for st in steps if not st.boundary] or steps
+        s.steady_steps = len(steady)
+        s.decode_tps = sum(st.batch for st in steady) / sum(st.seconds for st in steady)
+        s.step_seconds = [round(st.seconds, 7) for st in steps]
+        s.step_boundary = [st.boundary for st in steps]
+        floors = [nbytes.step(st.batch, st.adapters, st.kv_tokens) / bw for st in steps]
+        s.step_p50 = pct([st.seconds for st in steps], 50)
+        s.forward_p50 = pct([st.forward for st in steps if not math.isnan(st.forward)], 50)
+        s.host_p50 = pct([st.host for st in steps if not math.isnan(st.host)], 50)
+        s.floor_p50 = pct(floors, 50)
+        s.over_floor = pct([st.seconds / f for st, f in zip(steps, floors)], 50)
+        s.batch = statistics.fmean(st.batch for st in steps)
+        s.adapters_per_step = statistics.fmean(len(st.adapters) for st in steps)
+    return s
+
+
+def median_summary(runs: list[Summary]) -> Summary:
+    """One row over several rounds: each numeric column's median (the first error, if any)."""
+    failed = [r for r in runs if r.error]
+    if len(runs) == 1 or failed:
+        return (failed or runs)[0]
+    merged = dataclasses.replace(runs[0])
+    for f in dataclasses.fields(Summary):
+        values = [getattr(r, f.name) for r in runs]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            med = statistics.median(values)
+            setattr(merged, f.name, type(values[0])(med) if isinstance(values[0], int) else med)
+    return merged
+
+
+MS = dict(fmt=".2f", unit="ms", scale=1e3)
+TABLE = Table(Col("row", 6), Col("path", 6), Col("what", 34), Col("decode", 9, ".1f", "tok/s"),
+              Col("e2e", 9, ".1f", "tok/s"), Col("TTFT p50", 9, ".1f", "ms", 1e3), Col("p99", 8, ".1f", "ms", 1e3),
+              Col("TPOT p50", 9, **MS), Col("p99", 8, **MS), Col("step p50", 9, **MS), Col("fwd p50", 8, **MS),
+              Col("host p50", 8, **MS), Col("floor", 8, ".3f", "ms", 1e3), Col("x floor", 8, ".2f", suffix="x"),
+              Col("batch", 6, ".1f"), Col("adp/st", 6, ".1f"))
+
+
+def format_row(s: Summary) -> str:
+    if s.error:
+        return f"{s.key:<6} {s.path:<6} {s.label:<34} FAILED: {s.error}"
+    return TABLE.row(s.key, s.path, s.label, s.decode_tps, s.e2e_tps, s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99,
+                     s.step_p50, s.forward_p50, s.host_p50, s.floor_p50, s.over_floor, s.batch, s.adapters_per_step)
+
+
+def verdict(value: float, good: bool) -> str:
+    return "n/a" if math.isnan(value) else ("met" if good else "NOT met")
+
+
+def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list[str]:
+    """The engine rows' targets (issue 33's), each with what was measured."""
+    def get(key: str) -> Summary | None:
+        s = by.get(key)
+        return s if s is not None and not s.error else None
+
+    a, a2, b, d, e, c32 = get("a"), get("a2"), get("b"), get("d"), get("e"), get(c32_key)
+    lines = []
+    if a and a2:
+        lines.append(f"control a2/a (same node setup, run after b-d): decode {a2.decode_tps / a.decode_tps:.3f}, "
+                     f"end-to-end {a2.e2e_tps / a.e2e_tps:.3f}, step {a2.step_p50 * 1e3:.2f} vs "
+                     f"{a.step_p50 * 1e3:.2f} ms")
+    for x, target in ((b, 0.97), (d, 0.95)):
+        if a and x:
+            r = x.decode_tps / a.decode_tps
+            lines.append(f"{x.key}/a throughput: decode {r:.3f}, end-to-end {x.e2e_tps / a.e2e_tps:.3f}  (target >= "
+                         f"{target}: {verdict(r, r >= target)}); all decode steps "
+                         f"{x.all_steps_tps / a.all_steps_tps:.3f} "
+                         f"({a.steady_steps}/{a.decode_steps} and {x.steady_steps}/{x.decode_steps} steady), "
+                         f"by step p50 {a.step_p50 / x.step_p50:.3f}")
+    if a and c32:
+        extra = c32.step_p50 - a.step_p50
+        r = extra / adapter_read_32
+        lines.append(f"{c32_key} extra decode step over a: {extra * 1e3:.3f} ms; reading 32 adapters' A and B at copy "
+                     f"bandwidth: {adapter_read_32 * 1e3:.3f} ms; ratio {r:.2f}  (target <= 1.25: "
+                     f"{verdict(r, r <= 1.25)}; {c32.adapters_per_step:.1f} adapters per decode step)")
+    if a:
+        lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.15: "
+                     f"{verdict(a.over_floor, a.over_floor <= 1.15)})")
+    lora = [s for k, s in by.items() if k not in ("a", "a2", "e") and not s.error]
+    if e and lora:
+        worst = min(lora, key=lambda s: s.e2e_tps)
+        r = worst.e2e_tps / e.e2e_tps
+        lines.append(f"slowest LoRA row ({worst.key}) / PEFT (e): end-to-end {r:.1f}x, decode (slowest) "
+                     f"{min(s.decode_tps for s in lora) / e.decode_tps:.1f}x  (target >= 20x: {verdict(r, r >= 20)})")
+    return lines
+
+
+def path_ratios(summaries: dict[tuple[str, str], Summary]) -> list[str]:
+    """Each served row against the same row in process (gRPC; issue 29's targets) and HTTP
+    against gRPC."""
+    lines = []
+    for (key, path), s in summaries.items():
+        ref = summaries.get((key, "engine" if path == "grpc" else "grpc"))
+        if path not in ("grpc", "http") or ref is None or s.error or ref.error:
+            continue
+        tps, ttft, tpot = s.e2e_tps / ref.e2e_tps, (s.ttft_p50 - ref.ttft_p50) * 1e3, s.tpot_p50 / ref.tpot_p50
+        if path == "grpc":
+            lines.append(f"{key}: grpc/engine tok/s {tps:.3f} (target >= 0.9: {verdict(tps, tps >= 0.9)}), TTFT p50 "
+                         f"{ttft:+.1f} ms (target <= +15: {verdict(ttft, ttft <= 15)}), TPOT p50 x{tpot:.3f} "
+                         f"(target <= 1.1: {verdict(tpot, tpot <= 1.1)})")
+        else:
+            lines.append(f"{key}: http/grpc tok/s {tps:.3f}, TTFT p50 {ttft:+.1f} ms, TPOT p50 x{tpot:.3f}")
+    return lines
+
+
+# -- main --------------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "llama-1b-random on CUDA, embedded on CPU")
+    p.add_argument("--paths", default="engine",
+                   help="comma-separated: engine (in process), grpc, http (the served node)")
+    p.add_argument("--rows", default="a,b,c,d,e", help="which rows to run")
+    p.add_argument("--requests", type=int, help="requests per row (CUDA 128, CPU 8)")
+    p.add_argument("--concurrency", type=int, help="closed-loop requests in flight = the node's max_num_seqs "
+                                                   "= PEFT batch (CUDA 64, CPU 4)")
+    p.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
+    p.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 128, CPU 8)")
+    p.add_argument("--poisson", type=float, default=None, metavar="RATE",
+                   help="open loop: Poisson arrivals at RATE requests/s, Zipf adapter popularity")
+    p.add_argument("--zipf-alpha", type=float, default=1.0)
+    p.add_argument("--adapter-counts", default="1,8,32,128", help="rows c: distinct rank-16 adapters")
+    p.add_argument("--qv-adapters", type=int, default=32, help="row d: rank-8 q/v adapters")
+    p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
+    p.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off: rows share prompts)")
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="replay prompt and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
+    p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's (x the last prefill step)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the engine rows a-d this many times, interleaved; each column is the median")
+    p.add_argument("--control", action="store_true", help="run row a again after rows b-d (a2) on a fresh node")
+    p.add_argument("--warmup", choices=["full", "short", "engine"], default=None,
+                   help="per row, untimed: its whole workload (CUDA default: compiles every shape), one batch "
+                        "of --warmup-tokens tokens (CPU default), or only the node's start-up warm-up")
+    p.add_argument("--warmup-tokens", type=int, default=4)
+    p.add_argument("--clients", type=int, default=4, help="client processes of each API (grpc, http paths)")
+    p.add_argument("--api-processes", default="auto", help="the served node's front-end processes")
+    p.add_argument("--tune", action="append", default=[], metavar="NAME=VALUE",
+                   help="a launch choice other than the node's default (kernels/tuning.py), repeatable")
+    p.add_argument("--tuning-table", default="auto", help="as `inference-node serve --tuning-table`")
+    p.add_argument("--tune-budget", type=float, default=0.0,
+                   help="seconds each node may tune its kernels at start without a table (0: never)")
+    args = p.parse_args(argv)
+    args.paths = [x for x in args.paths.split(",") if x]
+    if set(args.paths) - set(PATHS):
+        p.error(f"--paths: choose from {', '.join(PATHS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
+    args = parse_args(argv)
+    device, dtype = runtime(args)
+    log.setLevel(logging.INFO)
+    cuda = device.type == "cuda"
+    args.requests = args.requests or (128 if cuda else 8)
+    args.concurrency = args.concurrency or (64 if cuda else 4)
+    args.prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
+    args.output_len = parse_range(args.output_len or ("128" if cuda else "8"))
+    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
+    args.warmup = args.warmup or ("full" if cuda else "short")
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        return _run(args, args.workdir or Path(tmp), device, dtype)
+
+
+def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tuple[str, str], Summary]:
+    from inference_node.config import count_or_auto
+    from inference_node.model.config import ModelConfig
+    from kernels.tuning import tuning_from_text
+
+    cuda = device.type == "cuda"
+    started = time.perf_counter()
+    COMPILES.install()
+    model = bench_model(args.model or ("llama-1b-random" if cuda else "embedded"), work, dtype, device, args.seed)
+    cfg = ModelConfig.from_checkpoint(model.checkpoint)
+    wanted = set(args.rows.split(","))
+    if model.load_format == "dummy" and "e" in wanted:
+        log.warning("row e needs weights on disk for PEFT: skipped with weights made at load")
+        wanted.discard("e")
+    counts = [int(c) for c in args.adapter_counts.split(",") if c]
+    adapter_root = work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}"
+    r16 = [f"r16-all-{k:03d}" for k in range(max(counts + [args.peft_adapters if "e" in wanted else 0]))]
+    qv = [f"r8-qv-{k:03d}" for k in range(args.qv_adapters)] if "d" in wanted else []
+    made_on = device if cuda else torch.device("cpu")
+    write_adapters(adapter_root, cfg, r16, [16], ALL_MODULES, made_on, torch.bfloat16, seed=1000)
+    write_adapters(adapter_root, cfg, qv, [8], QV, made_on, torch.bfloat16, seed=5000)
+    os.sync()  # the written files' writeback must not run during the first timed row
+    bw = copy_bandwidth(device)
+    itemsize = dtype.itemsize
+    abytes = {n: adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) for n in r16}
+    abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
+    nbytes = StepBytes.of(cfg, itemsize, abytes)
+    specs = make_specs(args.requests, args.prompt_len, args.output_len, cfg.vocab_size, args.poisson, args.seed)
+
+    rows: list[Row] = []
+    if "a" in wanted:
+        rows.append(Row("a", "base, LoRA disabled", False, []))
+    if "b" in wanted:
+        rows.append(Row("b", "LoRA enabled, no adapter used", True, []))
+    if "c" in wanted:
+        rows += [Row(f"c-{n}", f"{n} adapters r16, all 7 projections", True, r16[:n]) for n in counts]
+    if "d" in wanted:
+        rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
+    peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False, r16[:args.peft_adapters],
+                     peft=True)] if "e" in wanted else []
+
+    # One NodeConfig per node: in process and served alike.
+    max_model_len = args.prompt_len[1] + args.output_len[1] + args.block_size
+    num_blocks = args.concurrency * -(-(max_model_len + 1) // args.block_size) + args.concurrency + 8
+    given = dict(item.split("=", 1) for item in args.tune)
+    options = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
+                   max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
+                   max_model_len=max_model_len, prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
+                   mixed_graphs=args.mixed_graphs, max_graph_batch=args.concurrency, cpu_threads=args.threads,
+                   prefill_delay_factor=args.prefill_delay_factor,
+                   warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
+                   tuning_fixed=frozenset(given), tuning_table=args.tuning_table, tune_budget=args.tune_budget,
+                   log_level="WARNING",
+                   api_processes=count_or_auto(args.api_processes))
+    names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
+    configs = {False: node_config(model, device, dtype, max_loras=0, **options),
+               True: node_config(model, device, dtype, max_loras=max(len(names), 1), max_lora_rank=16,
+                                 max_cpu_loras=max(len(names), 1) if cuda else 1, adapter_dir=str(adapter_root),
+                                 **options)}
+
+    runner, on_off = configs[False].runner, lambda on: "on" if on else "off"
+    header = [
+        f"{device_line(device, dtype)}  copy bandwidth (D2D, read+write): {bw / 1e9:.1f} GB/s",
+        f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/"
+        f"{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, {nbytes.weights / 1e9:.3f} GB of weights read per "
+        "decode step",
+        f"workload: {args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]} tokens, output "
+        f"{args.output_len[0]}-{args.output_len[1]} tokens (ignore EOS), " + (
+            f"open loop Poisson {args.poisson} req/s, Zipf({args.zipf_alpha}) adapter popularity, at most "
+            f"{args.concurrency} running" if args.poisson else
+            f"closed loop at concurrency {args.concurrency}, request i -> adapter i mod N"),
+        f"node: max_num_seqs {args.concurrency}, {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of "
+        f"{args.block_size}, prefix cache {'on' if args.prefix_caching else 'off'}, decode graphs "
+        f"{on_off(runner.decode_graphs_on(device.type))}, piecewise graphs "
+        f"{on_off(runner.mixed_graphs_on(device.type))}; adapter bytes: r16 all 7 = "
+        f"{abytes[r16[0]] / 1e6 if r16 else 0:.2f} MB" + (f", r8 q,v = {abytes[qv[0]] / 1e6:.2f} MB" if qv else ""),
+        f"paths: {', '.join(args.paths)}" + (f"; served: {args.clients} client processes per API, front ends "
+                                              f"{args.api_processes}" if set(args.paths) - {"engine"} else ""),
+    ]
+    for line in header:
+        print(line, flush=True)
+
+    results: dict[tuple[str, str], list[RowResult]] = {}
+
+    def run_guarded(row: Row, path: str, fn: Callable[[], RowResult]) -> None:
+        t = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as exc:  # one broken row must not lose the others
+            log.exception("row %s (%s) failed", row.key, path)
+            result = RowResult(row.key, path, row.label, error=f"{type(exc).__name__}: {exc}"[:200])
+        results.setdefault((row.key, path), []).append(result)
+        line = format_row(summarize(result, nbytes, bw))
+        log.info("row %s (%s) done in %.1fs", row.key, path, time.perf_counter() - t)
+        print(f"# {line}", file=sys.stderr, flush=True)
+
+    def fail(group: list[Row], path: str, exc: Exception) -> None:
+        log.exception("the %s node failed", path)
+        for row in group:
+            results[(row.key, path)] = [RowResult(row.key, path, row.label, error=f"{type(exc).__name__}: {exc}"[:200])]
+
+    groups = {lora: [r for r in rows if r.lora == lora] for lora in (False, True)}
+    if "engine" in args.paths:
+        # One node without LoRA (a) and one with adapter memory for every adapter (b, c, d),
+        # both alive through every round: with --rounds N the rows take turns N times and
+        # drift of the machine lands on all of them alike.
+        llms = {}
+        for lora, group in groups.items():
+            if group:
+                try:
+                    llms[lora] = build_llm(configs[lora], names if lora else ())
+                    print(f"tuning table ({'LoRA' if lora else 'base'} node): "
+                          f"{llms[lora].node.config.kernels.tuning_table}", flush=True)
+                except Exception as exc:
+                    fail(group, "engine", exc)
+        for _ in range(args.rounds):
+            for row in (r for lora in llms for r in groups[lora]):
+                run_guarded(row, "engine", lambda row=row: run_engine_row(row, llms[row.lora], specs, args))
+        for llm in llms.values():
+            llm.close()
+        llms.clear()
+        release_memory()
+        if args.control and groups[False]:  # row a again on a fresh node: what order and drift alone do
+            control = Row("a2", "base again, after b-d (control)", False, [])
+            rows.insert(rows.index(groups[False][0]) + 1, control)
+            llm = build_llm(configs[False])
+            run_guarded(control, "engine", lambda: run_engine_row(control, llm, specs, args))
+            llm.close()
+            release_memory()
+    served = [p for p in args.paths if p != "engine"]
+    for lora, group in groups.items():
+        if not served or not group:
+            continue
+        try:
+            node = NodeProcess(configs[lora], work / f"node-{'lora' if lora else 'base'}.log")
+        except Exception as exc:
+            for path in served:
+                fail(group, path, exc)
+            continue
+        try:
+            if lora:
+                node.pin(names)
+            for path in served:  # the same requests through each API in turn
+                for row in group:
+                    run_guarded(row, path, lambda: run_served_row(row, path, node, model.checkpoint.name, specs, args))
+        finally:
+            node.stop()
+    for row in peft_rows:
+        rows.append(row)
+        run_guarded(row, "peft", lambda: run_peft_row(row, model.checkpoint, adapter_root, specs, args, device, dtype))
+
+    order = [(r.key, p) for r in rows for p in ("engine", *served, "peft") if (r.key, p) in results]
+    per_round = {k: [summarize(r, nbytes, bw) for r in results[k]] for k in order}
+    summaries = {k: median_summary(runs) for k, runs in per_round.items()}
+    print()
+    TABLE.print([format_row(s) for s in summaries.values()] + ["-" * len(TABLE.head()[0])])
+    by_key = {k: s for (k, path), s in summaries.items() if path in ("engine", "peft")}
+    read_32 = 32 * adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) / bw
+    for line in ratios(by_key, read_32, "c-32") + path_ratios(summaries):
+        print(line)
+    if args.rounds > 1:
+        print(f"rounds: {args.rounds}, engine rows interleaved in each; every column is the median over rounds. "
+              "decode tok/s per round:")
+        for (key, _), runs in per_round.items():
+            if len(runs) > 1:
+                print(f"  {key:<6} " + "  ".join(f"{r.decode_tps:9.1f}" for r in runs))
+    engine_rows = {k: s for (k, p), s in summaries.items() if p == "engine" and not s.error}
+    print("JIT compiles during timed runs (Triton kernels, torch.compile graphs; each stalls the step it lands in): "
+          + ", ".join(f"{k} {sum(len(r.compiles) for r in results[(k, 'engine')])}" for k in engine_rows))
+    kinds = {f"{k}{'' if p == 'engine' else '@' + p}": s.step_kinds for (k, p), s in summaries.items() if s.step_kinds}
+    print("steps by kind, decode from CUDA graphs / piecewise graphs / eager decode / eager with prompt tokens: "
+          + ", ".join(f"{k} {v['graph']}/{v['piecewise']}/{v['eager_decode']}/{v['eager_prefill']}"
+                      for k, v in kinds.items()))
+    print(f"columns: docs/PERFORMANCE.md. e: static batches of {args.concurrency}, TTFT as if generate streamed; "
+          f"warm-up per row: {args.warmup}; total {time.perf_counter() - started:.0f}s")
+    write_json(args.json, {"header": header, "copy_bandwidth": bw,
+                           "rows": {f"{k}@{p}": dataclasses.asdict(s) for (k, p), s in summaries.items()},
+                           "rounds": {f"{k}@{p}": [dataclasses.asdict(r) for r in runs]
+                                      for (k, p), runs in per_round.items()}})
+    return summaries
+
+
+if __name__ == "__main__":
+    main()
