@@ -245,6 +245,7 @@ class NodeServer:
             await self._drain_core(deadline, closes_at)
         while self.client.streams and loop.time() < deadline + 2.0:  # their last messages
             await asyncio.sleep(0.02)
+        self.client.unwatch_core()  # nothing left to fail: the core may exit before this front end
         await asyncio.sleep(max(0.0, closes_at - loop.time()))
         if self.http is not None:
             await self.http.stop()
@@ -264,6 +265,7 @@ class NodeServer:
                 await asyncio.sleep(0.05)
                 inflight = await self.client.call("inflight", timeout=5.0)
             await asyncio.sleep(max(0.0, closes_at - loop.time()))
+            self.client.unwatch_core()  # it exits as soon as it has stopped, before this front end
             await self.client.call("shutdown", timeout=5.0)
         except (CoreError, asyncio.TimeoutError) as exc:
             log.error("the engine core did not drain cleanly: %s", exc)

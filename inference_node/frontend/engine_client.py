@@ -97,6 +97,7 @@ class EngineClient:
         self.dead: CoreError | None = None   # set once the core is gone: everything fails with it
         self.on_core_exit: Callable[[CoreError], None] = lambda error: None
         self._watch_fd: int | None = None
+        self._watching = False
         self._encode = wire.encoder().encode
         self._decode = wire.frontend_decoder().decode
 
@@ -118,11 +119,12 @@ class EngineClient:
     def watch_core(self, pid: int) -> None:
         """Fails every stream and call with UNAVAILABLE as soon as the core process exits."""
         loop = asyncio.get_running_loop()
+        self._watching = True
         try:
             self._watch_fd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # no pidfd (not Linux): look twice a second
             async def poll() -> None:
-                while self.dead is None:
+                while self.dead is None and self._watching:
                     try:
                         os.kill(pid, 0)
                     except ProcessLookupError:
@@ -133,11 +135,16 @@ class EngineClient:
             return
         loop.add_reader(self._watch_fd, self._core_exited, pid)
 
-    def _core_exited(self, pid: int) -> None:
+    def unwatch_core(self) -> None:
+        """Stops watching the core process: it was told to shut down, and its exit is no failure."""
+        self._watching = False
         if self._watch_fd is not None:
             asyncio.get_running_loop().remove_reader(self._watch_fd)
             os.close(self._watch_fd)
             self._watch_fd = None
+
+    def _core_exited(self, pid: int) -> None:
+        self.unwatch_core()
         if self.dead is not None:
             return
         error = CoreError(grpc.StatusCode.UNAVAILABLE,
