@@ -46,6 +46,10 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
         try:
             async for chunk in stream:
                 reply = inference_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+                if chunk.logprobs is not None:
+                    reply.logprobs.extend(inference_pb2.TokenLogprob(logprob=logprob, top_token_ids=ids,
+                                                                     top_logprobs=values)
+                                          for logprob, ids, values in chunk.logprobs)
                 if chunk.finish_reason is not None:
                     reply.finish_reason = chunk.finish_reason
                     reply.prompt_tokens = chunk.prompt_tokens
