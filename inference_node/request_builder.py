@@ -74,7 +74,8 @@ def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: Co
     if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
         raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
     if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise BadRequest(f"top_logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {msg.top_logprobs}", "top_logprobs")
+        raise BadRequest(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {msg.top_logprobs}",
+                         "top_logprobs")
     if msg.top_logprobs and not msg.logprobs:
         raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:

@@ -170,9 +170,7 @@ def _logprobs(body: dict, chat: bool, msg: inference_pb2.GenerateRequest) -> Non
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
             raise bad("logprobs", f"logprobs must be true or false, got {_show(logprobs)}")
-        if top is not None and not logprobs:
-            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
-        msg.logprobs = bool(logprobs)
+        msg.logprobs = bool(logprobs)   # top_logprobs without it: request_builder's refusal, as gRPC's
         msg.top_logprobs = top or 0
         return
     if top is not None:
