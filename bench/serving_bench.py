@@ -6,6 +6,7 @@ Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one tab
     python -m bench.serving_bench --poisson 20        # open loop, Poisson arrivals, Zipf popularity
     python -m bench.serving_bench --device cpu        # CPU: the embedded SmolLM2, small settings
     python -m bench.serving_bench --rows a,b,c,d --rounds 3   # rows take turns 3 times: medians
+    python -m bench.serving_bench --structured --rounds 3     # free text against response_format json_schema
 
 Rows (every one runs the same requests, in the same process):
   a     base model, LoRA disabled (build_engine(lora=None))
@@ -460,12 +461,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="per-bucket launch choices, as `inference-node serve --tuning-table`: auto "
                         "(the table filed for this GPU and shape, if any), off, or a file's path")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--structured", action="store_true",
+                   help="instead of the rows: the same prompts as free text and under response_format json_schema, "
+                        "one table (bench/structured_output.py; --model embedded or a checkpoint with its tokenizer)")
     args = p.parse_args(argv)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Summary]:
     args = parse_args(argv)
+    if args.structured:
+        from bench.structured_output import run as structured_table
+
+        structured_table(argparse.Namespace(
+            checkpoint="" if args.model in (None, "embedded") else args.model,
+            device=None if args.device == "auto" else args.device, requests=args.requests,
+            concurrency=args.concurrency, max_tokens=96, rounds=args.rounds, threads=args.threads))
+        return {}
     device, dtype = bench_runtime(args, log)
     cuda = device.type == "cuda"
     args.requests = args.requests or (128 if cuda else 8)

@@ -302,7 +302,7 @@ def _assemble(config: NodeConfig, parts: RankParts, ranks: Workers | None, start
     adapters = build_adapter_manager(config, model, device, dtype, buffers=parts.slots, disk=disk)
     blocks = parts.num_kv_blocks
     grammars = GrammarCompiler(checkpoint / "tokenizer.json", model.full_config.vocab_size,
-                               model.full_config.eos_token_ids)
+                               model.full_config.eos_token_ids, parallel_masks=device.type == "cuda")
     engine = build_engine(model, lora=adapters, launches=parts.launches, ranks=ranks, grammars=grammars, config=EngineConfig(
         num_kv_blocks=blocks, block_size=cache.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_queue=scheduler.max_queue,

@@ -15,8 +15,8 @@ length is not scheduled again; one that it ends by EOS or a stop string has step
 for it dropped (its KV blocks are freed first, which is safe: any later use of them is queued
 behind step n+1 on the same stream).
 
-Structured output: a constrained request waits (out of the scheduler) until its grammar has
-compiled off the loop (grammar.py). A step that samples constrained rows has its forward
+Structured output: a constrained request's grammar compiles off the loop from its submission
+(grammar.py); the request waits out of the scheduler until it has. A step that samples constrained rows has its forward
 launched as any other; its sampling is queued once step n's tokens are read and each
 constrained request's matcher has moved on by its token, so the host fills the masks while
 the device runs the forward (ModelRunner.sample).
@@ -111,7 +111,9 @@ class Engine:
         if request.grammar_source and self.grammars is None:
             raise InvalidRequest("structured output (response_format) is not available on this engine")
         self.admission.admit(request)
-        self._commands.put(("add", request))
+        # Compiling from now on, it is mostly done when the loop takes the request.
+        compiled = self.grammars.compile(request.grammar_source) if request.grammar_source else None
+        self._commands.put(("add", (request, compiled)))
 
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))
@@ -193,25 +195,23 @@ class Engine:
 
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            self._requests[arg.id] = arg
-            if arg.params.logprobs >= 0 or arg.grammar_source:
+            req, compiled = arg
+            self._requests[req.id] = req
+            if req.params.logprobs >= 0 or req.grammar_source:
                 self._special_requests += 1
-            if arg.grammar_source:
-                self._compiling.add(arg.id)
-                self.grammars.compile(arg.grammar_source, lambda grammar, error, req=arg: self._commands.put(
-                    ("compiled", (req, grammar, error))))
-            else:
-                self.scheduler.add(arg)
-        elif kind == "compiled":
-            req, grammar, error = arg
-            self._compiling.discard(req.id)
-            if req.id not in self._requests:
-                return  # cancelled while it compiled
-            if error is not None:
-                self._finish(req, "error", error=error)
-            else:
-                req.grammar = grammar
+            if compiled is None:
                 self.scheduler.add(req)
+            elif compiled.done():
+                self._compiled(req, compiled)
+            else:
+                self._compiling.add(req.id)
+                compiled.add_done_callback(lambda _, req=req, compiled=compiled: self._commands.put(
+                    ("compiled", (req, compiled))))
+        elif kind == "compiled":
+            req, compiled = arg
+            self._compiling.discard(req.id)
+            if req.id in self._requests:  # not cancelled while it compiled
+                self._compiled(req, compiled)
         elif kind == "abort":
             req = self._requests.get(arg)
             if req is not None:
@@ -228,6 +228,16 @@ class Engine:
                     future.set_result(fn())
                 except BaseException as exc:  # handed to the caller
                     future.set_exception(exc)
+
+    def _compiled(self, req: Request, compiled: Future) -> None:
+        """A constrained request whose grammar has compiled joins the scheduler; one whose
+        grammar failed ends with its GrammarError."""
+        error = compiled.exception()
+        if error is not None:
+            self._finish(req, "error", error=error)
+        else:
+            req.grammar = compiled.result()
+            self.scheduler.add(req)
 
     def _prepare_adapters(self) -> None:
         """Adapter loads progress; requests whose adapter failed to load end with its error."""

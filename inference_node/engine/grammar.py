@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import llguidance
 import llguidance.numpy
@@ -60,15 +60,20 @@ class GrammarCompiler:
     """Compiles grammars against the model's vocabulary off the engine loop, and fills the
     masks of a step's constrained rows."""
 
-    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: Sequence[int],
+                 parallel_masks: bool = False) -> None:
         """vocab_size: the model's logits width (may exceed the tokenizer's: those ids are never
-        allowed); eos_token_ids: what ends a complete answer."""
+        allowed); eos_token_ids: what ends a complete answer. parallel_masks: fill a step's
+        masks on the library's threads, for a GPU node, whose host cores are idle while the
+        device runs the forward; on a CPU node they run the forward, and threads that spin
+        between steps take them from it (measured: bench/structured_output.py), so one
+        thread fills the masks."""
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        self._executor = llguidance.LLExecutor()
+        self._executor = llguidance.LLExecutor() if parallel_masks else None
         self._lock = threading.Lock()
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
@@ -79,30 +84,30 @@ class GrammarCompiler:
                                                          eos_token=self.eos_token_ids)
             return self._tokenizer
 
-    def compile(self, grammar: str, done: Callable[[Grammar | None, Exception | None], None]) -> None:
-        """Compiles `grammar` (llguidance's JSON) on the compiler's thread; calls done(grammar,
-        None) or done(None, GrammarError) there."""
-        def run() -> None:
+    def compile(self, grammar: str) -> Future:
+        """Compiles `grammar` (llguidance's JSON) on the compiler's thread: a future of its
+        Grammar, or of GrammarError."""
+        def run() -> Grammar:
             try:
                 matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
-                if matcher.is_error():
-                    raise GrammarError(f"response_format does not compile: {matcher.get_error()}")
-            except GrammarError as exc:
-                done(None, exc)
-                return
             except Exception as exc:  # the library's own failure: the request ends with it
                 log.exception("compiling a grammar failed")
-                done(None, GrammarError(f"response_format does not compile: {exc}"))
-                return
-            done(Grammar(matcher), None)
+                raise GrammarError(f"response_format does not compile: {exc}") from None
+            if matcher.is_error():
+                raise GrammarError(f"response_format does not compile: {matcher.get_error()}")
+            return Grammar(matcher)
 
-        self._pool.submit(run)
+        return self._pool.submit(run)
 
     def fill_masks(self, grammars: Sequence[Grammar], out: np.ndarray) -> None:
         """Row i of `out` ([>= len(grammars), mask_words] int32, C-contiguous) gets the tokens
-        grammars[i] allows next (the library's threads compute the rows in parallel)."""
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], out[:len(grammars)])
+        grammars[i] allows next."""
+        if self._executor is not None and len(grammars) > 1:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self._executor, [(g.matcher, i) for i, g in enumerate(grammars)], out[:len(grammars)])
+            return
+        for i, grammar in enumerate(grammars):
+            llguidance.numpy.fill_next_token_bitmask(grammar.matcher, out, i)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
