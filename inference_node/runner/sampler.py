@@ -54,6 +54,16 @@ class StepMasks:
     bits: np.ndarray
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on the device without waiting for the queued step: a plain copy to
+    a GPU waits for the stream to finish (the forward the host means to overlap); a copy from
+    pinned memory is queued like a kernel (the caching host allocator keeps the pinned block
+    until the copy has run)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[k, vocab] bool from [k, words] int32 bitmasks. A row that allows nothing (its grammar
     failed) allows everything, so sampling stays defined; the engine ends that request."""
@@ -78,8 +88,8 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request], greedy: torc
     chosen = greedy.clone()
     constrained: dict[int, torch.Tensor] = {}
     if masks is not None and masks.rows:
-        rows = torch.tensor(masks.rows, device=logits.device)
-        allowed = allowed_tokens(torch.from_numpy(masks.bits).to(logits.device), logits.shape[-1])
+        rows = to_device(torch.tensor(masks.rows), logits.device)
+        allowed = allowed_tokens(to_device(torch.from_numpy(masks.bits), logits.device), logits.shape[-1])
         masked = logits[rows].float().masked_fill(~allowed, float("-inf"))
         chosen[rows] = torch.where(finite[rows], masked.argmax(dim=-1), 0)
         constrained = {row: masked[j] for j, row in enumerate(masks.rows)}
@@ -117,7 +127,7 @@ def logprobs_on_device(logits: torch.Tensor, requests: list[Request], chosen: to
     if not rows:
         return None
     tops = [requests[i].params.logprobs for i in rows]
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(torch.tensor(rows), logits.device)
     logprobs = torch.log_softmax(logits[index].float(), dim=-1)
     picked = logprobs.gather(1, chosen[index].unsqueeze(1)).squeeze(1)
     top_values, top_ids = logprobs.topk(max(tops), dim=-1)
