@@ -506,7 +506,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     from inference_node.model.llama import LlamaModel
     from inference_node.runner.launches import StepLaunches
     from kernels.tuning import tuning_from_text
-    from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
+    from inference_node.tuner.tune import node_table
+    from kernels.tuning_table import ModelShape, StepTunings
 
     cuda = device.type == "cuda"
     COMPILES.install()
@@ -543,7 +544,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype, prompt_len,
     bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
     given = dict(item.split("=", 1) for item in args.tune)
     tuning = tuning_from_text(given)
-    table = load_table(args.tuning_table, device_name(device), ModelShape.of(cfg))
+    table = node_table(args.tuning_table, device, ModelShape.of(cfg), dtype, budget_s=0).table  # never tunes
     steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
     log.info("tuning table: %s", table.path if table is not None else f"none ({args.tuning_table})")
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=max_model_len,

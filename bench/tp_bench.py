@@ -41,8 +41,8 @@ from bench.grpc_bench import SHAPES, prepare_adapters, prepare_checkpoint
 
 
 def mode_choices(mode: str) -> dict[str, str]:
-    """A --mode's Tuning choices: "default", or NAME=VALUE joined by "/" (bench.decode_profile's
-    form; VALUE as `inference-node serve --NAME` takes it)."""
+    """A --mode's Tuning choices: "default", or NAME=VALUE joined by "/" (inference_node.tuner.profile's
+    form; VALUE as `inference-node serve --tune NAME=VALUE` takes it)."""
     if mode == "default":
         return {}
     return dict(item.split("=", 1) for item in mode.split("/"))
@@ -152,10 +152,10 @@ TIMELINE_STEPS = 20  # decode steps traced per row with --timeline (from the 100
 
 
 def print_rank0_timeline(label: str, trace: Path) -> None:
-    """Rank 0's kernels over the traced decode steps, by family (bench.decode_profile's
+    """Rank 0's kernels over the traced decode steps, by family (inference_node.tuner.profile's
     timeline): where a tensor-parallel step's time goes beyond its floor. CUPTI records the
     kernels of the replayed graphs; steps that are not full-batch decode add their own."""
-    from bench.decode_profile import print_timeline
+    from inference_node.tuner.profile import print_timeline
 
     events = json.loads(trace.read_text()).get("traceEvents", [])
     kernels = sorted((dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))
@@ -205,7 +205,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "shard shape, if any), off, or a file")
     p.add_argument("--mode", dest="modes", action="append", default=None,
                    help="launch choices other than the defaults, NAME=VALUE joined by / (Tuning fields, "
-                        "as bench.decode_profile's --mode); repeat it to build the node once per mode, "
+                        "as inference_node.tuner.profile's --mode); repeat it to build the node once per mode, "
                         "rows labelled ROW@MODE")
     p.add_argument("--all-reduce", default="nccl",
                    help="nccl and/or symm, comma-separated: the node's --all-reduce at TP > 1 (each its own "

@@ -26,7 +26,9 @@ USER node
 ENV INFERENCE_NODE_HOST=0.0.0.0 \
     INFERENCE_NODE_PORT=50051
 EXPOSE 50051 8000
-HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+# A first start on a GPU without a tuning table tunes its kernels (up to --tune-budget, 240 s)
+# before its warm-up: the start period covers both.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=420s --retries=3 \
   CMD ["python", "-m", "lora_client.healthcheck", "127.0.0.1:50051"]
 ENTRYPOINT ["inference-node"]
 CMD ["serve"]

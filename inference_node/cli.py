@@ -1,7 +1,10 @@
 """`inference-node serve`: the node's command line, generated from NodeConfig (config.py), every
 flag also an environment variable. `--help` lists the operator's flags; `--help-all` adds the
 developer options (--tune and the engine's switches for tests and benchmarks). Nothing on
-this path imports torch: the engine core process alone loads it."""
+this path imports torch: the engine core process alone loads it.
+
+`inference-node tune`: the kernels' launch choices tuned ahead of time (inference_node/tuner,
+imported only when this command runs)."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +49,42 @@ def parser(show_hidden: bool = False) -> EnvArgumentParser:
                                          help="show every option, the developer ones too (--tune, the engine's "
                                               "switches for tests and benchmarks), and exit")
     add_flags(serve, show_hidden)
+    add_tune_command(sub)
     return root
+
+
+def add_tune_command(sub: argparse._SubParsersAction) -> None:
+    tune = sub.add_parser(
+        "tune", env_prefix="INFERENCE_NODE", formatter_class=HelpFormatter,
+        help="tune the kernels' launch choices for a model on this GPU ahead of time",
+        description="Tune the decode step's launch choices (the decode GEMM's tilings, plain and with LoRA "
+                    "folded in) for a model's shapes on this GPU, as `serve` does at its first start when no "
+                    "table matches, and write the tuning table where the node looks for it (or --out). "
+                    "Flags shared with serve read the same environment variables.")
+    tune.add_argument("--model", default=None,
+                      help="HF checkpoint directory (only its config.json is read; default: the embedded model)")
+    tune.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                      help="tune one rank's shard of a node split over this many GPUs")
+    tune.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                      help="the model's dtype on the node (auto = bfloat16 on cuda, float32 on cpu)")
+    tune.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                      help="cpu: a smoke through the PyTorch reference, 3 candidates a case, whose numbers "
+                           "mean nothing (tests)")
+    tune.add_argument("--batches", default="64,32,16,8,1",
+                      help="decode batch buckets, comma-separated, the most used first (above 64 rows cuBLAS "
+                           "runs the matmuls: not swept)")
+    tune.add_argument("--adapters", default="0,32,16,8,1",
+                      help="distinct adapters in a step, comma-separated: 0 the base GEMM, N its LoRA fold "
+                           "with N rank-16 adapters")
+    tune.add_argument("--budget-s", type=float, default=600.0,
+                      help="seconds after which no new candidate starts (the table then holds what was measured)")
+    tune.add_argument("--tuning-cache-dir", "--out", dest="out", default=None,
+                      help="the table's folder (its file named by device, shape and dtype) or a .json path "
+                           "(default: where `serve` looks: its --tuning-cache-dir, else $LORA_SERVING_CACHE/tuning; "
+                           "kernels/configs for a seed)")
+    tune.add_argument("--groups", default="qkv,o,gate_up,down", help="fused groups to sweep")
+    tune.add_argument("--min-gain", type=float, default=0.02,
+                      help="a tiling goes into the table where it is this much faster than the default")
 
 
 def serve_parser(show_hidden: bool = False) -> argparse.ArgumentParser:
@@ -70,7 +108,13 @@ def checked(config: NodeConfig) -> NodeConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    if args.command == "tune":
+        from .tuner.cli import run
+
+        args.argv = argv[1:]
+        return run(args)
     try:
         config = checked(from_args(args))
     except (ConfigError, TLSConfigError) as exc:

@@ -318,8 +318,16 @@ class KernelOptions:
 
     tuning_table: str = option(
         "auto", help="launch choices per decode batch and adapter-count bucket from a table kept as data "
-                     "(kernels/configs/README.md): auto = the one filed for this GPU and model shape if any, "
-                     "off, or a table file's path")
+                     "(kernels/configs/README.md): auto = the repository's table for this GPU, model (shard) "
+                     "shape and dtype, else the one this host tuned before (in the cache directory), else one "
+                     "tuned now within --tune-budget; off; or a table file's path")
+    tune_budget: float = option(
+        240.0, help="seconds a node that finds no tuning table for its GPU, shape and dtype may spend tuning "
+                    "its kernels at start (CUDA; the table is stored in the cache directory and used from then "
+                    "on; `inference-node tune` does it ahead of time); 0 = never tune, run the defaults")
+    tuning_cache_dir: str | None = option(
+        None, hidden=True, help="writable folder of the tuning tables this host tunes (default: "
+                                "$LORA_SERVING_CACHE/tuning, beside the embedded model)")
     tuning: Tuning = option(default_factory=Tuning, help="", add=_add_tune, read=_read_tuning)
     # The choices given (--tune): they keep `tuning`'s values whatever the table says.
     tuning_fixed: frozenset[str] = option(frozenset(), help="", add=lambda parser, show_hidden: None,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, find_table, load_table
+from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, load_table
 
 from .adapters.direct_reads import DirectReadSettings
 from .adapters.disk_tier import DiskTier, DiskTierInUse
@@ -149,13 +149,32 @@ def check_tensor_parallel(config: NodeConfig, checkpoint: Path) -> None:
                             "through gloo: leave --all-reduce at nccl")
 
 
+def dtype_name(config: NodeConfig, device: torch.device) -> str:
+    """The model's dtype on `device` (--dtype auto: bfloat16 on CUDA, float32 elsewhere)."""
+    if config.model.dtype != "auto":
+        return config.model.dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def tuning_cache(config: NodeConfig) -> Path:
+    """Where the tables this host tunes are kept (--tuning-cache-dir, else under the cache
+    directory, beside the embedded model)."""
+    from .tuner.tune import default_cache
+
+    folder = config.kernels.tuning_cache_dir
+    return Path(folder) if folder else default_cache()
+
+
 def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
-    """config with --tuning-table auto made the file filed for rank 0's GPU and shard
-    shape ("off" where none is), and a file given checked against that shape, before any
-    rank starts. Every rank then reads that one file and checks it against its own shard's
-    shape (the same on every rank: tensor parallelism divides heads, KV heads and the MLP
-    width evenly), so all ranks launch the same choices for a step even where a rank's GPU
-    reports another name."""
+    """config with --tuning-table auto made the file of rank 0's GPU, shard shape and dtype
+    (the repository's seed, else this host's cached table, else one tuned now within
+    --tune-budget: inference_node/tuner) or "off" where there is none, and a file given
+    checked against that shape, before any rank starts. Every rank then reads that one file
+    and checks it against its own shard's shape (the same on every rank: tensor parallelism
+    divides heads, KV heads and the MLP width evenly), so all ranks launch the same choices
+    for a step even where a rank's GPU reports another name."""
+    from .tuner.tune import node_table
+
     table, size = config.kernels.tuning_table, config.model.tensor_parallel_size
     if table == "off":
         return config
@@ -163,33 +182,28 @@ def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
     if device.type == "cuda" and size > 1:
         device = torch.device("cuda", 0)  # load_rank's device of rank 0
     shape = ModelShape.of(Shard(0, size).local_config(ModelConfig.from_checkpoint(checkpoint)))
-    name = device_name(device)
+    try:
+        found = node_table(table, device, shape, DTYPES[dtype_name(config, device)],
+                           budget_s=config.kernels.tune_budget, tp=size, cache=tuning_cache(config))
+    except TuningTableError as exc:
+        raise ConfigError(f"--tuning-table: {exc}") from None
     if table != "auto":
-        try:
-            load_table(table, name, shape)
-        except TuningTableError as exc:
-            raise ConfigError(f"--tuning-table: {exc}") from None
         return config
-    path = find_table(name, shape)
-    if path is None:
-        log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
-        return config.replace(tuning_table="off")
-    return config.replace(tuning_table=str(path))
+    log.info("tuning table: %s", found.describe())
+    return config.replace(tuning_table=str(found.table.path) if found.table is not None else "off")
 
 
 def step_tunings(config: NodeConfig, device: torch.device, model_config: ModelConfig) -> StepTunings:
-    """Each step's launch choices: the tuning table config names for this device and
-    (shard's) shape, over the node's tuning, the choices given (--tune) kept; the node's
-    tuning for every step where no table applies."""
+    """Each step's launch choices: the tuning table config names (resolved: a path or off)
+    over the node's tuning, the choices given (--tune) kept; the node's tuning for every step
+    where no table applies."""
     kernels = config.kernels
     shape, name = ModelShape.of(model_config), device_name(device)
     try:
-        table = load_table(kernels.tuning_table, name, shape)
+        table = load_table(kernels.tuning_table, shape)
     except TuningTableError as exc:
         raise ConfigError(f"--tuning-table: {exc}") from None
     if table is None:
-        if kernels.tuning_table == "auto":
-            log.info("no tuning table for %s at shape %s: default launch choices", name, shape.key)
         return StepTunings.fixed(kernels.tuning)
     if table.device != name:
         log.warning("tuning table %s was tuned on %s, not this %s", table.path, table.device, name)
@@ -208,9 +222,7 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
         torch.cuda.set_device(device)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(config))
-    dtype_name = model_options.dtype if model_options.dtype != "auto" else (
-        "bfloat16" if device.type == "cuda" else "float32")
-    dtype = DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name(config, device)]
     tp = (init_tensor_parallel(shard, device, rendezvous, all_reduce=model_options.all_reduce, dtype=dtype)
           if shard.size > 1 else None)
     checkpoint = Path(model_options.checkpoint) if model_options.checkpoint else default_checkpoint()
@@ -235,7 +247,7 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
                                       config.scheduler.max_num_batched_tokens, max_num_seqs, mixed_graphs)
     if tp is not None:
         blocks = tp.min_int(blocks)
-    return RankParts(device, dtype, dtype_name, checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp,
+    return RankParts(device, dtype, dtype_name(config, device), checkpoint, model, slots, blocks, max_num_seqs, mixed_graphs, tp,
                      launches)
 
 

@@ -3,7 +3,7 @@
 triton.cdiv and triton.next_power_of_2 are wrapped as JIT functions, and a call from Python
 goes through that wrapper: about 2 us each. An eager prefill step sizes a few hundred launches
 with a dozen such calls each, on the host's critical path (prefill steps are host-bound:
-bench/prefill_profile.py), so the wrappers use these plain versions.
+docs/PERFORMANCE.md), so the wrappers use these plain versions.
 """
 from __future__ import annotations
 

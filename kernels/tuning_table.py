@@ -1,9 +1,10 @@
-"""Tuned launch choices kept as data: one JSON file per (device, model shape) under
-kernels/configs/, holding per decode batch bucket (and adapter-count bucket) the Tuning
-fields that differ from the defaults. A tuning script writes them from a sweep on the device
-(bench/tune_kernels.py); the node picks the file that matches its GPU and its (shard's)
-shapes, and each step runs with its bucket's Tuning. kernels/configs/README.md documents the
-format.
+"""Tuned launch choices kept as data: one JSON file per (device, model shape, dtype), holding
+per decode batch bucket (and adapter-count bucket) the Tuning fields that differ from the
+defaults, and what it was tuned with (torch and Triton versions, how long it took). The tuner
+(inference_node/tuner) writes them from a sweep on the device: the seeds under
+kernels/configs/, and the tables a node makes for itself in its cache directory; the node
+picks the one whose key matches its GPU, its (shard's) shapes and its dtype, and each step
+runs with its bucket's Tuning. kernels/configs/README.md documents the format.
 
 Why per bucket: the decode GEMM's best tiling depends on the rows it multiplies (its
 BLOCK_M, and how many programs a wave holds), and on the device; one frozen Tuning tuned at
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -25,7 +28,8 @@ if TYPE_CHECKING:
 from .tuning import DEFAULT_TUNING, GROUPS, Tuning
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-FORMAT = 1
+FORMAT = 2
+DTYPES = ("bfloat16", "float16", "float32")
 
 # Choices that size buffers built once per node (the LoRA step plan's) or set the weights'
 # layout (gemm_groups): a table may set them for the whole node ("node"), never per bucket.
@@ -34,7 +38,9 @@ NODE_CHOICES = frozenset({"gemm_groups", "fold_groups", "shrink_fold_groups", "f
                           "norm_split_columns", "norm_split_groups"})
 CHOICES = tuple(f.name for f in dataclasses.fields(Tuning))
 BUCKET_CHOICES = tuple(name for name in CHOICES if name not in NODE_CHOICES)
-_TOP_KEYS = {"format", "device", "shape", "produced_by", "node", "buckets"}
+_TOP_KEYS = {"format", "device", "shape", "dtype", "versions", "tuning_s", "unmeasured", "produced_by",
+             "node", "buckets"}
+VERSIONS = ("torch", "triton")  # the libraries whose code generation a table's timings depend on
 _BUCKET_KEYS = {"batch", "adapters", "choices"}
 
 
@@ -81,10 +87,34 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def table_name(device: str, shape: ModelShape) -> str:
-    """The file name of (device, shape)'s table: e.g.
-    NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64.json."""
-    return f"{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}__{shape.key}.json"
+def table_name(device: str, shape: ModelShape, dtype: str) -> str:
+    """The file name of (device, shape, dtype)'s table: e.g.
+    NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64__bfloat16.json."""
+    return f"{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}__{shape.key}__{dtype}.json"
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """What a table is valid for: the device and the shapes its kernels run at, their dtype,
+    and the torch and Triton versions that compile them (a new compiler can move the best
+    tiling). The file name holds all but the versions, which the table records."""
+
+    device: str
+    shape: ModelShape
+    dtype: str
+    torch: str
+    triton: str
+
+    @property
+    def name(self) -> str:
+        return table_name(self.device, self.shape, self.dtype)
+
+    @property
+    def versions(self) -> dict[str, str]:
+        return {"torch": self.torch, "triton": self.triton}
+
+    def __str__(self) -> str:
+        return f"{self.device} {self.shape.key} {self.dtype}"
 
 
 # -- the choices as JSON ------------------------------------------------------------------------
@@ -170,10 +200,26 @@ class Bucket:
 class TuningTable:
     device: str
     shape: ModelShape
+    dtype: str
     node: Mapping[str, Any]          # choices for every step (Tuning values)
     buckets: tuple[Bucket, ...]      # sorted by (batch, adapters)
     produced_by: str = ""
+    versions: Mapping[str, str] = dataclasses.field(default_factory=dict)  # torch and Triton it was tuned with ({}: not recorded)
+    tuning_s: float | None = None    # seconds its sweep took (None: not recorded)
+    unmeasured: tuple[tuple[str, int, int], ...] = ()  # (group, batch, adapters) the sweep's budget left
     path: Path | None = None         # where it was read from (messages)
+
+    def refusal(self, key: TableKey, check_versions: bool = True) -> str | None:
+        """Why this table is not `key`'s (None: it is): another device, shape or dtype, or
+        (check_versions) versions other than the key's or none recorded."""
+        mine = (self.device, self.shape, self.dtype)
+        if mine != (key.device, key.shape, key.dtype):
+            return (f"it is for {self.device} {self.shape.key} {self.dtype}, not {key}")
+        if check_versions and dict(self.versions) != key.versions:
+            tuned = ", ".join(f"{k} {v}" for k, v in self.versions.items()) or "unrecorded versions"
+            return (f"it was tuned with {tuned}; this node runs "
+                    + ", ".join(f"{k} {v}" for k, v in key.versions.items()))
+        return None
 
     # -- reading and writing ----------------------------------------------------------------
     @classmethod
@@ -200,6 +246,23 @@ class TuningTable:
             raise ValueError(f"format {raw.get('format')!r}: this node reads format {FORMAT}")
         if not isinstance(raw.get("device"), str):
             raise ValueError("device: expected the device's name (torch.cuda.get_device_name)")
+        if raw.get("dtype") not in DTYPES:
+            raise ValueError(f"dtype {raw.get('dtype')!r}: expected one of {', '.join(DTYPES)}")
+        versions = raw.get("versions", {})
+        if (not isinstance(versions, dict) or not set(versions) <= set(VERSIONS)
+                or not all(isinstance(v, str) for v in versions.values())):
+            raise ValueError(f"versions: expected an object of version strings of {list(VERSIONS)}, "
+                             f"not {versions!r}")
+        tuning_s = raw.get("tuning_s")
+        if tuning_s is not None and (isinstance(tuning_s, bool) or not isinstance(tuning_s, (int, float))
+                                     or tuning_s < 0):
+            raise ValueError(f"tuning_s: expected a non-negative number of seconds, not {tuning_s!r}")
+        unmeasured = raw.get("unmeasured", [])
+        if not (isinstance(unmeasured, list) and all(
+                isinstance(u, list) and len(u) == 3 and u[0] in GROUPS
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in u[1:])
+                for u in unmeasured)):
+            raise ValueError(f"unmeasured: expected [group, batch, adapters] entries, not {unmeasured!r}")
         fields = {f.name for f in dataclasses.fields(ModelShape)}
         shape = raw.get("shape")
         if (not isinstance(shape, dict) or set(shape) != fields
@@ -224,27 +287,47 @@ class TuningTable:
             choices = _choices(entry.get("choices", {}), f"{where} (batch {batch}, adapters "
                                f"{adapters})", BUCKET_CHOICES)
             buckets.append(Bucket(batch, adapters, choices))
-        table = cls(raw["device"], ModelShape(**shape), node,
+        table = cls(raw["device"], ModelShape(**shape), raw["dtype"], node,
                     tuple(sorted(buckets, key=lambda b: (b.batch, b.adapters))),
-                    str(raw.get("produced_by", "")), path)
+                    str(raw.get("produced_by", "")), MappingProxyType(dict(versions)),
+                    None if tuning_s is None else float(tuning_s),
+                    tuple((g, b, a) for g, b, a in unmeasured), path)
         table.tunings(DEFAULT_TUNING)  # every entry builds a Tuning (group sets checked there)
         return table
 
     def to_json(self) -> dict[str, Any]:
+        recorded = ({"versions": dict(self.versions)} if self.versions else {}) | (
+            {"tuning_s": round(self.tuning_s, 1)} if self.tuning_s is not None else {}) | (
+            {"unmeasured": [list(u) for u in self.unmeasured]} if self.unmeasured else {})
         return {
             "format": FORMAT, "device": self.device, "shape": dataclasses.asdict(self.shape),
-            "produced_by": self.produced_by,
+            "dtype": self.dtype, **recorded, "produced_by": self.produced_by,
             "node": {n: choice_to_json(n, v) for n, v in self.node.items()},
             "buckets": [{"batch": b.batch, "adapters": b.adapters,
                          "choices": {n: choice_to_json(n, v) for n, v in b.choices.items()}}
                         for b in self.buckets],
         }
 
-    def write(self, path: Path) -> None:
+    def text(self) -> str:
+        """The table as its file holds it."""
         text = json.dumps(self.to_json(), indent=1)
         # Short lists (a tiling, a group set) on one line each.
         text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
-        Path(path).write_text(text + "\n")
+        return text + "\n"
+
+    def write(self, path: Path) -> None:
+        """The table into `path`, whole or not at all: written beside it and renamed over it,
+        so a node reading it while another writes it sees the old table or the new one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.text())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     # -- use ------------------------------------------------------------------------------------
     def tunings(self, base: Tuning, fixed: Iterable[str] = ()) -> "StepTunings":
@@ -307,22 +390,19 @@ class StepTunings:
         return cls(tuning)
 
 
-def find_table(device: str, shape: ModelShape, folder: Path | None = None) -> Path | None:
-    """The table filed for (device, shape) in `folder` (None: kernels/configs), if any."""
-    path = (folder or CONFIG_DIR) / table_name(device, shape)
+def find_table(device: str, shape: ModelShape, dtype: str, folder: Path | None = None) -> Path | None:
+    """The table filed for (device, shape, dtype) in `folder` (None: kernels/configs), if any."""
+    path = (folder or CONFIG_DIR) / table_name(device, shape, dtype)
     return path if path.is_file() else None
 
 
-def load_table(setting: str, device: str, shape: ModelShape,
-               folder: Path | None = None) -> TuningTable | None:
-    """The table `inference-node serve --tuning-table` names: "off" none, "auto" the one filed
-    for (device, shape) if any, else the file at that path, which must be for `shape`
-    (another device's is taken: its numbers are then a starting point, not tuned here)."""
+def load_table(setting: str, shape: ModelShape) -> TuningTable | None:
+    """The table a resolved `--tuning-table` names: "off" none, else the file at that path,
+    which must be for `shape` (another device's or dtype's is taken: its numbers are then a
+    starting point, not tuned here). "auto" is resolved to one of these before (the tuner's
+    lookup: inference_node/tuner)."""
     if setting == "off":
         return None
-    if setting == "auto":
-        path = find_table(device, shape, folder)
-        return TuningTable.read(path) if path is not None else None
     table = TuningTable.read(Path(setting))
     if table.shape != shape:
         raise TuningTableError(f"tuning table {setting} is for shape {table.shape.key}; this "

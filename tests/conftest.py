@@ -22,6 +22,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def no_kernel_tuning_at_start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU node that finds no tuning table for its GPU, shape and dtype tunes its kernels at
+    its first start (minutes per shape, and a bare GPU machine's cache starts empty): the
+    suite's in-process nodes run the defaults instead, as where tuning cannot run, unless a
+    test is marked `tunes`. (A test that starts a GPU node as a process passes --tune-budget 0.)"""
+    if not torch.cuda.is_available() or request.node.get_closest_marker("tunes"):
+        return
+    from inference_node.tuner import tune
+
+    monkeypatch.setattr(tune, "why_not", lambda device: "the test suite runs the defaults (tests/conftest.py)")
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from inference_node.model.embedded import default_checkpoint

@@ -50,7 +50,7 @@ GROUP_FIRST_MODULE: dict[str, int] = {g: LORA_MODULES.index(ms[0]) for g, ms in 
 class LayerWeights:
     """One decoder layer. Projection weights are kept [in, out] (transposed from the
     checkpoint's [out, in]): at decode batch sizes cuBLAS's kernels for x @ W are faster in
-    that layout (bench/decode_kernels_sweep.py). With the Triton decode GEMM (kernels/gemm)
+    that layout (measured on an H100: docs/PERFORMANCE.md). With the Triton decode GEMM (kernels/gemm)
     the projections it serves are transposed views of [out, in] matrices instead: each of its
     programs then streams contiguous rows."""
 

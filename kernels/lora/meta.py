@@ -142,7 +142,7 @@ class LoraBatchMeta:
     def padded_for_graph(self, num_segments: int, max_segment_len: int) -> "LoraBatchMeta":
         """This metadata as a decode CUDA graph sees it (DecodeGraphs._fill_lora): the real
         segments, then empty ones up to `num_segments`, each sized for `max_segment_len` rows.
-        Tests and bench/lora_tune.py use it to give the kernels a graph's launch shapes."""
+        Tests and the LoRA tiling sweep (inference_node/tuner/lora_sweep.py) use it to give the kernels a graph's launch shapes."""
         empty = num_segments - self.num_segments
         assert empty >= 0, f"{self.num_segments} segments do not fit in {num_segments}"
 

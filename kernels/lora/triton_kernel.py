@@ -214,7 +214,7 @@ def _lora_expand_kernel(
 
 @dataclass(frozen=True)
 class LoraTiling:
-    """How the shrink and expand launches tile a step (bench/lora_tune.py sweeps these).
+    """How the shrink and expand launches tile a step (inference_node/tuner/lora_sweep.py sweeps these).
 
     Rows are tiled by `block_m`. With `per_segment`, one program walks all of its segment's
     row tiles (in a CUDA graph every segment is sized for the whole batch, yet a decode
@@ -244,7 +244,7 @@ DECODE_SHAPED_TOKENS = 256  # steps up to this many LoRA tokens are decode-shape
 
 def choose_tiling(meta: LoraBatchMeta, rank: int, max_out: int = 0, n_slices: int = 1,
                   device: torch.device | None = None) -> LoraTiling:
-    """Defaults from bench/lora_tune.py on an H100 (Llama-3.2-1B shapes, batch 64, rank 16).
+    """Defaults from the LoRA tiling sweep (inference_node/tuner/lora_sweep.py) on an H100 (Llama-3.2-1B shapes, batch 64, rank 16).
 
     Decode-shaped steps (few rows per adapter) take 16-row tiles; prefill up to 64. With a
     row or two per segment, an expand program's fixed cost (its chain of dependent loads)

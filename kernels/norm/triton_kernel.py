@@ -171,8 +171,8 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
                         block_h: int | None = None, num_warps: int | None = None,
                         tuning: Tuning = DEFAULT_TUNING) -> tuple[torch.Tensor, torch.Tensor]:
     """As reference.add_rms_norm with delta.dense(), in one launch. block_h: columns per
-    unrolled chunk. With a delta the defaults (2048 columns, 8 warps) are the sweep's best
-    (bench/decode_kernels_sweep.py --parts fused). A delta that carries a ColumnSplit covers
+    unrolled chunk. With a delta the defaults (2048 columns, 8 warps) were the best of a sweep
+    of its tilings on an H100 (docs/PERFORMANCE.md). A delta that carries a ColumnSplit covers
     each row with programs of split.block columns instead (block_h then sizes only the
     normalising pass)."""
     T, H = hidden.shape

@@ -15,8 +15,7 @@ import triton.language as tl
 from ..host import cdiv, num_sms
 
 MAX_CHUNKS = 64  # the row pass walks a tile this wide: one compiled variant for any count
-# The chunk pass's tiling: the best of bench/decode_kernels_sweep.py --parts argmax (64 x
-# 128256 bf16 on an H100).
+# The chunk pass's tiling: the best of a sweep of its tilings (64 x 128256 bf16 on an H100).
 CHUNK_BLOCK = 4096
 CHUNK_WARPS = 4
 _PROGRAMS_PER_SM = 16
@@ -69,8 +68,7 @@ def chunks_for(rows: int, n_cols: int, device: torch.device, block: int = CHUNK_
 def first_argmax_triton(logits: torch.Tensor, chunks: int | None = None, *,
                         block: int = CHUNK_BLOCK, num_warps: int = CHUNK_WARPS) -> torch.Tensor:
     """[rows] int64: the first index of each row's maximum (as torch.argmax(dim=-1)).
-    chunks, block, num_warps: the chunk pass's tiling (bench/decode_kernels_sweep.py
-    --parts argmax)."""
+    chunks, block, num_warps: the chunk pass's tiling."""
     rows, n_cols = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)

@@ -14,6 +14,7 @@ from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.adapters.slots import row_nbytes
 from inference_node.model.config import ModelConfig
 from inference_node.config import NodeConfig
+from kernels.tuning_table import ModelShape, find_table
 from lora_client.node_client import NodeClient
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,13 +57,16 @@ def test_mixed_adapter_batch_matches_peft_with_eviction(which, scale, num_prompt
 
     # Room for 96 rank rows per module: ranks 64 and 32 together, not all six adapters (126).
     row = sum(row_nbytes(ModelConfig.from_checkpoint(base), torch.float32).values())
+    # On a GPU, the repository's table for its shape where one is filed: tables are tuned in
+    # bfloat16, and this float32 node's `auto` looks for a float32 one.
+    seed = find_table(torch.cuda.get_device_name(), ModelShape.of(ModelConfig.from_checkpoint(base)),
+                      "bfloat16") if device == "cuda" else None
     node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype="float32", num_kv_blocks=256,
                                        max_loras=3, max_lora_rank=64, max_cpu_loras=4,
                                        lora_memory_bytes=96 * row,
                                        adapter_dir=str(adapter_dir), debug_checks=True,
                                        max_num_batched_tokens=128,
-                                       # the node's own default (the tuning table filed for this GPU and shape)
-                                       tuning_table="auto"))
+                                       tuning_table=str(seed) if seed else "auto"))
     try:
         jobs = [(name, i) for name in [""] + list(ADAPTERS) for i in range(len(prompts))]
         rng.shuffle(jobs)

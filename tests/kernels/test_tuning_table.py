@@ -1,8 +1,9 @@
 """Tuning tables (kernels/tuning_table.py, kernels/configs/README.md): the file filed for a
-(device, shape) is the one found, a step takes its bucket's choices with the nearest smaller
-bucket and then the base as fallbacks, bad files are refused naming the file, a written table
-reads back the same, and the node runs each step (eager, and through the decode graphs' static
-buffers) with its bucket's Tuning, the choice flags given winning over the table."""
+(device, shape, dtype) is the one found, a step takes its bucket's choices with the nearest
+smaller bucket and then the base as fallbacks, bad files are refused naming the file, a written
+table reads back the same (its metadata too), the repository's seeds are valid, and the node
+runs each step (eager, and through the decode graphs' static buffers) with its bucket's Tuning,
+the choice flags given winning over the table."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from kernels.tuning import DEFAULT_TUNING, Tuning
-from kernels.tuning_table import (Bucket, ModelShape, TuningTable, TuningTableError,
+from kernels.tuning_table import (CONFIG_DIR, Bucket, ModelShape, TableKey, TuningTable, TuningTableError,
                                   changed_choices, find_table, load_table, table_name)
 
 SHAPE = ModelShape(hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16)  # tiny_llama's
@@ -22,7 +23,8 @@ QKV = {1: [16, 64, 8], 4: [64, 64, 2], "lora": [32, 64, 3]}  # qkv's tiling per 
 
 
 def table_json(device: str = "cpu", shape: ModelShape = SHAPE, **extra) -> dict:
-    raw = {"format": 1, "device": device, "shape": dataclasses.asdict(shape), "produced_by": "test",
+    raw = {"format": 2, "device": device, "shape": dataclasses.asdict(shape), "dtype": "float32",
+           "produced_by": "test",
            "buckets": [
                {"batch": 1, "choices": {"gemm_tilings": {"qkv": QKV[1]}}},
                {"batch": 4, "choices": {"gemm_tilings": {"qkv": QKV[4]}, "pdl": False}},
@@ -38,23 +40,53 @@ def write(path: Path, raw: dict) -> Path:
     return path
 
 
-def test_the_file_for_the_device_and_shape_is_the_one_found(tmp_path: Path) -> None:
+def test_the_file_for_the_device_shape_and_dtype_is_the_one_found(tmp_path: Path) -> None:
     h100 = "NVIDIA H100 80GB HBM3"
-    assert table_name(h100, OTHER) == "NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64.json"
-    write(tmp_path / table_name(h100, OTHER), table_json(h100, OTHER, produced_by="h100 1b"))
-    write(tmp_path / table_name(h100, SHAPE), table_json(h100, SHAPE, produced_by="h100 tiny"))
-    write(tmp_path / table_name("NVIDIA H200", OTHER), table_json("NVIDIA H200", OTHER, produced_by="h200 1b"))
-    assert load_table("auto", h100, OTHER, tmp_path).produced_by == "h100 1b"
-    assert load_table("auto", "NVIDIA H200", OTHER, tmp_path).produced_by == "h200 1b"
-    assert load_table("auto", h100, SHAPE, tmp_path).produced_by == "h100 tiny"
-    assert load_table("auto", "NVIDIA A100-SXM4-80GB", OTHER, tmp_path) is None
-    assert find_table(h100, ModelShape(4096, 14336, 32, 8, 128), tmp_path) is None
-    assert load_table("off", h100, OTHER, tmp_path) is None
-    path = tmp_path / table_name(h100, OTHER)
-    assert load_table(str(path), "NVIDIA H200", OTHER).produced_by == "h100 1b"  # by path: any device
+    assert (table_name(h100, OTHER, "bfloat16")
+            == "NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64__bfloat16.json")
+    write(tmp_path / table_name(h100, OTHER, "float32"), table_json(h100, OTHER, produced_by="h100 1b"))
+    write(tmp_path / table_name(h100, SHAPE, "float32"), table_json(h100, SHAPE, produced_by="h100 tiny"))
+    write(tmp_path / table_name("NVIDIA H200", OTHER, "float32"), table_json("NVIDIA H200", OTHER, produced_by="h200 1b"))
+    assert find_table(h100, OTHER, "float32", tmp_path) == tmp_path / table_name(h100, OTHER, "float32")
+    assert find_table("NVIDIA H200", OTHER, "float32", tmp_path).name.startswith("NVIDIA_H200__")
+    assert find_table(h100, OTHER, "bfloat16", tmp_path) is None  # another dtype's
+    assert find_table("NVIDIA A100-SXM4-80GB", OTHER, "float32", tmp_path) is None
+    assert find_table(h100, ModelShape(4096, 14336, 32, 8, 128), "float32", tmp_path) is None
+    assert load_table("off", OTHER) is None
+    path = tmp_path / table_name(h100, OTHER, "float32")
+    assert load_table(str(path), OTHER).produced_by == "h100 1b"  # by path: any device
     with pytest.raises(TuningTableError, match=r"is for shape h2048_i8192_q32_kv8_d64; this node's "
                                                r"\(shard's\) shape is h64_i160_q4_kv2_d16"):
-        load_table(str(path), h100, SHAPE)
+        load_table(str(path), SHAPE)
+
+
+def test_a_table_says_why_it_is_not_a_keys() -> None:
+    """A table names its device, shape and dtype, and records the torch and Triton it was
+    tuned with: a key with any of them other is refused (versions only where checked)."""
+    key = TableKey("cpu", SHAPE, "float32", torch="2.13.0", triton="3.9.0")
+    table = TuningTable.from_json(table_json(versions={"torch": "2.13.0", "triton": "3.9.0"}, tuning_s=42.5))
+    assert table.refusal(key) is None and table.tuning_s == 42.5
+    assert table.refusal(dataclasses.replace(key, device="NVIDIA H200")) == (
+        f"it is for cpu {SHAPE.key} float32, not NVIDIA H200 {SHAPE.key} float32")
+    assert "bfloat16" in table.refusal(dataclasses.replace(key, dtype="bfloat16"))
+    assert table.refusal(dataclasses.replace(key, shape=OTHER)).startswith(f"it is for cpu {SHAPE.key}")
+    newer = dataclasses.replace(key, triton="3.10.0")
+    assert table.refusal(newer) == ("it was tuned with torch 2.13.0, triton 3.9.0; this node runs "
+                                    "torch 2.13.0, triton 3.10.0")
+    assert table.refusal(newer, check_versions=False) is None
+    seed = TuningTable.from_json(table_json())  # no versions recorded
+    assert seed.versions == {} and seed.tuning_s is None
+    assert "unrecorded versions" in seed.refusal(key) and seed.refusal(key, check_versions=False) is None
+
+
+def test_the_repositorys_seeds_are_valid_and_filed_under_their_key() -> None:
+    seeds = sorted(CONFIG_DIR.glob("*.json"))
+    assert len(seeds) >= 5
+    for path in seeds:
+        table = TuningTable.read(path)
+        assert path.name == table_name(table.device, table.shape, table.dtype)
+        assert table.dtype == "bfloat16" and table.produced_by
+        table.tunings(DEFAULT_TUNING)
 
 
 def test_a_step_takes_the_nearest_smaller_bucket_then_the_base(tmp_path: Path) -> None:
@@ -117,7 +149,11 @@ def test_node_choices_apply_to_every_step_and_flags_given_win(tmp_path: Path) ->
 
 @pytest.mark.parametrize("change,message", [
     (lambda r: r.update(tilings={}), r"unknown keys \['tilings'\]"),
-    (lambda r: r.update(format=2), "format 2: this node reads format 1"),
+    (lambda r: r.update(format=1), "format 1: this node reads format 2"),
+    (lambda r: r.pop("dtype"), "dtype None: expected one of bfloat16, float16, float32"),
+    (lambda r: r.update(versions={"cuda": "12.8"}), "versions: expected an object of version strings"),
+    (lambda r: r.update(tuning_s=-1), "tuning_s: expected a non-negative number of seconds"),
+    (lambda r: r.update(unmeasured=[["lm_head", 8, 0]]), r"unmeasured: expected \[group, batch, adapters\]"),
     (lambda r: r["shape"].pop("head_dim"), "shape: expected positive integers"),
     (lambda r: r["buckets"][0]["choices"].update(gemm_tilingz={}),
      r"buckets\[0\] \(batch 1, adapters 0\): unknown choices \['gemm_tilingz'\]"),
@@ -146,7 +182,7 @@ def test_bad_files_are_refused_naming_the_file(tmp_path: Path, change, message: 
 
 def test_unreadable_files_are_refused_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "broken.json"
-    path.write_text("{\"format\": 1,")
+    path.write_text("{\"format\": 2,")
     with pytest.raises(TuningTableError, match=f"tuning table {path}: cannot be read"):
         TuningTable.read(path)
     with pytest.raises(TuningTableError, match="cannot be read"):
@@ -161,19 +197,23 @@ def test_a_written_table_reads_back_the_same(tmp_path: Path) -> None:
     choices = changed_choices(tuned)
     assert choices == {"gemm_tma_tilings": {"down": [32, 512, 3]}, "fold_tilings": {"o": [32, 128, 2]},
                        "gemm_early_trigger": False, "silu_row_tile": [512, 4]}
-    table = TuningTable.from_json({"format": 1, "device": "cpu", "shape": dataclasses.asdict(SHAPE),
+    table = TuningTable.from_json({"format": 2, "device": "cpu", "shape": dataclasses.asdict(SHAPE),
+                                   "dtype": "bfloat16", "versions": {"torch": "2.13.0", "triton": "3.9.0"},
+                                   "tuning_s": 97.25, "unmeasured": [["down", 1, 0], ["qkv", 1, 8]],
                                    "node": {"shrink_fold_groups": ["qkv"]},
                                    "buckets": [{"batch": 8, "adapters": 4, "choices": choices}]})
     table.write(tmp_path / "t.json")
     again = TuningTable.read(tmp_path / "t.json")
     assert again.to_json() == table.to_json()
+    assert (again.dtype, dict(again.versions), again.tuning_s) == ("bfloat16", {"torch": "2.13.0", "triton": "3.9.0"}, 97.2)
+    assert again.unmeasured == (("down", 1, 0), ("qkv", 1, 8))
     assert again.buckets == (Bucket(8, 4, table.buckets[0].choices),)
     got = again.tunings(DEFAULT_TUNING).for_step(8, 4)
     assert got == tuned.replace(shrink_fold_groups=frozenset({"qkv"}))
 
 
 def test_fold_tilings_are_chosen_per_adapter_bucket() -> None:
-    """bench.tune_kernels --fields fold files fold_tilings per (batch, adapters): a bucket may
+    """The tuner's fold sweep files fold_tilings per (batch, adapters): a bucket may
     set them, and a step takes its adapter bucket's (none for a step without adapters)."""
     from kernels.tuning_table import BUCKET_CHOICES
 
@@ -302,8 +342,10 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
     folder.mkdir()
     # o's LoRA left for the add + norm after it: what tensor parallelism must undo (its delta
     # has to be in the partial output before the all-reduce), table or not.
-    path = write(folder / table_name("cpu", shard), table_json(shape=shard, node={"shrink_fold_groups": ["qkv", "o"]}))
+    path = write(folder / table_name("cpu", shard, "float32"),
+                 table_json(shape=shard, node={"shrink_fold_groups": ["qkv", "o"]}))
     monkeypatch.setattr(tuning_table, "CONFIG_DIR", folder)
+    monkeypatch.setenv("LORA_SERVING_CACHE", str(tmp_path / "cache"))  # no table this host tuned
     config = NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, cpu_threads=1,
                            tensor_parallel_size=2, max_loras=0, debug_checks=True, tuning_table="auto")
     assert resolve_tuning_table(config, tiny_llama_path).kernels.tuning_table == str(path)

@@ -68,6 +68,21 @@ def test_flags_units_and_the_environment_reach_their_groups(monkeypatch) -> None
         parser().parse_args(["serve", "--api-processes", "0"])
 
 
+def test_the_tune_budget_is_an_operator_flag_and_tune_a_command(monkeypatch) -> None:
+    """--tune-budget (the kernels group: seconds a node without a tuning table may tune at
+    start, 0 never) is on the operator's --help and reads its variable; `inference-node tune`
+    takes the tuner's flags without loading torch here."""
+    shown = {m for line in options(serve_parser().format_help()) for m in re.findall(r"--[a-z0-9-]+", line)}
+    assert "--tune-budget" in shown
+    assert from_args(parser().parse_args(["serve", "--tune-budget", "0"])).kernels.tune_budget == 0.0
+    monkeypatch.setenv("INFERENCE_NODE_TUNE_BUDGET", "90")
+    assert from_args(parser().parse_args(["serve"])).kernels.tune_budget == 90.0
+    args = parser().parse_args(["tune", "--model", "/m", "--tp", "4", "--batches", "64,8", "--adapters", "0,32",
+                                "--budget-s", "30", "--out", "/t"])
+    assert (args.command, args.model, args.tensor_parallel_size, args.batches, args.adapters, args.budget_s,
+            args.out) == ("tune", "/m", 4, "64,8", "0,32", 30.0, "/t")
+
+
 def test_node_config_of_names_fields_of_any_group_and_refuses_others() -> None:
     config = NodeConfig.of(checkpoint="/m", device="cpu", max_loras=2, debug_checks=True,
                            limits=RequestLimits(max_prompt_chars=10))

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # What only the engine core may load: torch and Triton, and the node's modules built on them.
 FORBIDDEN = ("torch", "triton", "inference_node.node", "inference_node.llm", "inference_node.engine",
              "inference_node.model", "inference_node.parallel", "inference_node.runner",
-             "inference_node.adapters", "inference_node.core.engine_core", "kernels.host")
+             "inference_node.adapters", "inference_node.core.engine_core", "inference_node.tuner", "kernels.host")
 
 PROBE = """
 import importlib, json, pkgutil, sys

@@ -409,7 +409,8 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
     for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items(), start=1):
         write_random_adapter(adapters / name, config, rank, targets, seed, torch.device("cpu"),
                              dtype=torch.float32, std=0.05)
-    flags = ("--device", "cuda", "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "512")
+    flags = ("--device", "cuda", "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "512",
+             "--tune-budget", "0")  # no table for float32 8B shapes: the defaults, not minutes of tuning
     # TP=1 shares GPU 0 with rank 0 of TP=2: a fixed KV cache; TP=2 sizes its own by measuring
     # a forward on both ranks (their collectives must meet) and taking the least.
     one = TPNode(tmp_path, model, adapters, 1, "--num-kv-blocks", "512", "--decode-graphs", "off",

@@ -136,8 +136,8 @@ def step_lora_plan(groups: frozenset[str], segments: int, segment_table: bool,
                    side_expand_segments: int,
                    side_expand_group_segments: Mapping[str, int]) -> StepLoraPlan:
     """The plan of a step of `segments` distinct adapters over `groups`; folds need the rows
-    grouped by adapter (a segment table). Also what bench/tune_kernels.py times the folded
-    GEMM in, so its sweep and the node agree on which groups fold, and how."""
+    grouped by adapter (a segment table). Also what the tuner (inference_node/tuner/sweep.py)
+    times the folded GEMM in, so its sweep and the node agree on which groups fold, and how."""
     grouped = segment_table and segments > 0
     # A group in both fold sets folds whole only in steps of few adapters (those whose other
     # groups expand on the side stream), and only its shrink in the rest.

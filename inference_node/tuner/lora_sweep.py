@@ -1,29 +1,29 @@
-"""Sweeps the LoRA kernels' tilings on decode-shaped steps and prints the fastest per case.
+"""The LoRA shrink and expand launches' tilings (kernels/lora/triton_kernel.py LoraTiling) on
+decode-shaped steps, for a model's shapes: the fastest per case against the serving default
+(`choose_tiling`) and the bytes' floor. These tilings are not Tuning choices yet (the node
+takes choose_tiling's), so this prints and writes no table: it is where choose_tiling's
+defaults come from, and the measure of a LoRA step against its adapters' read.
 
 The decode step of a CUDA graph hands the kernels segments sized for the whole batch, one per
 distinct adapter; how rows, H_in and the outputs are tiled decides whether a launch is bound
-by bytes or by latency. For each (projection group, distinct adapters) case this times the
-shrink and the expand (triton.testing.do_bench, GPU time per launch) for every tiling in the
-grid, next to the time `choose_tiling` (the serving default) takes, and the bytes' floor.
+by bytes or by latency. Each (group, distinct adapters) case times the shrink and the expand
+(replayed from a CUDA graph, GPU time per launch) for every tiling of the grid.
 
-    python -m bench.lora_tune.py                    # Llama-3.2-1B shapes, batch 64, rank 16
-    python -m bench.lora_tune.py --adapters 1,32 --groups gate_up
+    python -m inference_node.tuner.lora_sweep --model DIR                 # batch 64, rank 16
+    python -m inference_node.tuner.lora_sweep --model DIR --adapters 1,32 --groups gate_up
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+from pathlib import Path
 
 import torch
 
-from bench.common import copy_bandwidth
+from kernels.tuning import GROUPS
+from kernels.tuning_table import ModelShape
 
-GROUPS = {  # name: (H_in, outputs of the fused slices), Llama-3.2-1B
-    "qkv": (2048, [2048, 512, 512]),
-    "o": (2048, [2048]),
-    "gate_up": (2048, [8192, 8192]),
-    "down": (8192, [2048]),
-}
+from .sweep import copy_bandwidth, slice_widths
 
 
 def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device, rank: int,
@@ -42,14 +42,15 @@ def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device, ran
                                    ).padded_for_graph(bucket, batch)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import triton.testing
 
+    from inference_node.model.config import ModelConfig
     from kernels.lora.rows import SlotRows
-    from kernels.lora.triton_kernel import (LoraTiling, choose_tiling, lora_expand_triton,
-                                     lora_shrink_partials)
+    from kernels.lora.triton_kernel import LoraTiling, choose_tiling, lora_expand_triton, lora_shrink_partials
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=Path, help="a checkpoint folder: only its config.json is read")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", default="1,8,32,64")
@@ -57,11 +58,14 @@ def main() -> None:
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--kinds", default="shrink,expand")
     p.add_argument("--no-sweep", action="store_true", help="only the default tiling, both layouts")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the LoRA tiling sweep times CUDA graphs: it needs a CUDA device")
 
     device, dtype = torch.device("cuda"), torch.bfloat16
-    bw = copy_bandwidth(device, 1 << 30)
-    print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {bw / 1e9:.0f} GB/s; batch "
+    shape = ModelShape.of(ModelConfig.from_checkpoint(args.model))
+    bw = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name(device)}; {shape.key}; copy bandwidth {bw / 1e9:.0f} GB/s; batch "
           f"{args.batch}, rank {args.rank}")
 
     def time_us(fn) -> float:
@@ -77,7 +81,7 @@ def main() -> None:
     kinds = set(args.kinds.split(","))
     R = args.rank
     for group in args.groups.split(","):
-        h_in, outs = GROUPS[group]
+        h_in, outs = shape.gemms()[group][1], slice_widths(shape, group)
         for distinct in (int(a) for a in args.adapters.split(",")):
             bucket = 1 << (distinct - 1).bit_length()
             meta = graph_meta(args.batch, distinct, bucket, device, args.rank)

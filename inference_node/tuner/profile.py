@@ -1,33 +1,36 @@
-"""Where a decode step's time goes: the node's decode forward, kernel by kernel.
+"""Where a decode step's time goes: the node's decode forward, kernel by kernel, for maintainers
+weighing a launch choice the tuner does not sweep.
 
-serving_bench.py says how far a step is from its floor; this script says which kernels make up
-the gap. It builds the same decode step the engine replays (DecodeGraphs, padded static
-buffers, one LoRA graph per bucket of distinct adapters) at one batch size and context length,
-then for each configuration prints the CUDA-graph replay time of the forward and, from an
-eager run under torch.profiler, the GPU time per kernel family per forward.
+It builds the same decode step the engine replays (DecodeGraphs, padded static buffers, one
+LoRA graph per bucket of distinct adapters) at one batch size and context length over a model
+of the checkpoint's shapes (random weights made on the device: only config.json is read), then
+for each configuration prints the CUDA-graph replay time of the forward and, from an eager run
+under torch.profiler, the GPU time per kernel family per forward.
 
-    python -m bench.decode_profile                       # CUDA: Llama-3.2-1B-shaped, batch 64
-    python -m bench.decode_profile --configs base,c32    # a subset
-    python -m bench.decode_profile --model llama-8b-random --configs base,c32 --timeline --no-profile
-    python -m bench.decode_profile --device cpu --tiny --batch 4   # CPU smoke (no graphs)
-    python -m bench.decode_profile --model llama-70b-random --tp 4 --configs base,c32   # one TP=4 rank of 70B, one GPU
-    python -m bench.decode_profile --mode default --mode serial --no-profile  # replay times only
-    python -m bench.decode_profile --configs base,gu32,c32 --no-profile \
+    python -m inference_node.tuner.profile --model DIR                     # batch 64, every config
+    python -m inference_node.tuner.profile --model DIR --configs base,c32 --timeline --no-profile
+    python -m inference_node.tuner.profile --model DIR --tp 4 --layers 8 --configs base,c32   # one TP rank
+    python -m inference_node.tuner.profile --model DIR --mode default --mode serial --no-profile
+    python -m inference_node.tuner.profile --model DIR --configs base,gu32,c32 --no-profile \\
         --mode default --mode "fold_tilings=gate_up=32.128.4/silu_row_tile=512.2"
+    python -m inference_node.tuner.profile --model DIR --device cpu --batch 4   # CPU smoke (no graphs)
 
 Modes, timed side by side (interleaved bursts of graph replays, GPU time): default (the node's
 defaults, kernels/tuning.py), serial (LoRA added after each matmul: inference_node/runner/lora/
 eager.py), or launch choices other than the defaults, NAME=VALUE joined by "/", each NAME a
-Tuning field and VALUE in the form of `inference-node serve --NAME` (gemm_groups sets the
-weights' layout and stays).
+Tuning field and VALUE in the form of `inference-node serve --tune NAME=VALUE` (gemm_groups
+sets the weights' layout and stays). Every mode runs over the node's tuning table for the
+shape (--tuning-table, as the node resolves it, never tuning), its own choices kept.
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
-c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8 q/v ones),
-qkv32/o32/gu32/down32 (32 rank-16 ones on one fused group: that group's share of c32).
+c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8
+q/v ones), qkv32/o32/gu32/down32 (32 rank-16 ones on one fused group: that group's share of c32).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import statistics
 import tempfile
 import time
@@ -37,8 +40,94 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import (RANDOM_MODELS, SINGLE_GROUP_CONFIGS, config_slots, family, kernel_families,
-                          random_model)
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIGS = {  # name: (distinct adapters, rank, targets)
+    "base": (0, 0, ()), "b": (0, 0, ()),
+    **{f"c{n}": (n, 16, ALL) for n in (1, 2, 4, 8, 16, 32, 64)},
+    "d32": (32, 8, ("q_proj", "v_proj")),
+    # 32 rank-16 adapters on one fused group each: what each group's LoRA adds to the step
+    # (their graphs apply that group alone: single_group_variants).
+    "qkv32": (32, 16, ("q_proj", "k_proj", "v_proj")), "o32": (32, 16, ("o_proj",)),
+    "gu32": (32, 16, ("gate_proj", "up_proj")), "down32": (32, 16, ("down_proj",)),
+}
+SINGLE_GROUP_CONFIGS = ("qkv32", "o32", "gu32", "down32")
+SIDE_FAMILIES = ("lora_shrink", "lora_expand")  # what the side stream runs (runner/lora/overlap.py)
+
+
+# -- the model and its adapters --------------------------------------------------------------------
+
+def rank_config(config: dict, tp: int) -> dict:
+    """An HF config of one tensor-parallel rank's shapes (parallel/shard.py): its heads, KV
+    heads and MLP width, the head size kept, and its block of the vocabulary (the LM head's).
+    A model of it on one GPU runs the kernels a rank runs, with its adapters' shards, but no
+    collectives."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.parallel.shard import ShardingError, check_divisible
+
+    try:
+        check_divisible(ModelConfig.from_dict(config), tp)
+    except ShardingError as exc:
+        raise SystemExit(f"--tp {tp}: {exc}") from None
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    return {**config, "num_attention_heads": heads // tp, "num_key_value_heads": kv_heads // tp,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "intermediate_size": config["intermediate_size"] // tp, "vocab_size": -(-config["vocab_size"] // tp)}
+
+
+def random_model(checkpoint: Path, device: torch.device, dtype: torch.dtype, layers: int | None,
+                 max_positions: int, tp: int = 1):
+    """(config, LlamaModel) of the checkpoint's shapes with random weights made on the device
+    (`layers` of them if given; `tp` > 1: one tensor-parallel rank's shapes, rank_config)."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.llama import LlamaModel
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = config if tp == 1 else rank_config(config, tp)
+    if layers:
+        config["num_hidden_layers"] = layers
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        return (ModelConfig.from_checkpoint(Path(tmp)),
+                LlamaModel.load(Path(tmp), device, dtype, max_positions=max_positions, load_format="dummy"))
+
+
+def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: int) -> list[int]:
+    """Random adapters of rank `rank` on `targets` in slots first..first+num-1, placed and
+    written as the adapter manager does (SlotBuffers.place, write)."""
+    from inference_node.adapters.weights import AdapterWeights
+    from inference_node.model.llama import FUSED_MODULES, LORA_MODULES
+
+    shapes = {m: (layer[group].a[i].shape[1], layer[group].b[i].shape[1])
+              for layer in buffers.layers[:1] for group in layer
+              for i, m in enumerate(m for m in LORA_MODULES if m in FUSED_MODULES[group])}
+    dtype = buffers.layers[0]["qkv"].a_all.dtype
+    slots = list(range(first, first + num))
+    for s in slots:
+        tensors = {(layer, m): (torch.randn(rank, shapes[m][0], dtype=dtype) * 0.02,
+                                torch.randn(shapes[m][1], rank, dtype=dtype) * 0.02)
+                   for layer in range(len(buffers.layers)) for m in LORA_MODULES if m in targets}
+        weights = AdapterWeights(f"profile-{s}", "v", rank, 2.0,
+                                 tuple(m for m in LORA_MODULES if m in targets), tensors)
+        assert buffers.place(s, buffers.ranks_of(weights)), "the profile's adapters outgrow the arenas"
+        event = buffers.write(s, weights)
+        if event is not None:
+            event.synchronize()
+    return slots
+
+
+def config_slots(cfg, names: list[str], dtype: torch.dtype, device: torch.device):
+    """(SlotBuffers, {config: its slots}): each named configuration's adapters (CONFIGS) in
+    slots of their own, rank-16 slot buffers."""
+    from inference_node.adapters.slots import SlotBuffers
+
+    buffers = SlotBuffers(cfg, sum(CONFIGS[n][0] for n in names) or 1, 16, dtype, device)
+    first, plan = 0, {}
+    for n in names:
+        num, rank, targets = CONFIGS[n]
+        plan[n] = fill_slots(buffers, num, rank, targets, first) if num else []
+        first += num
+    return buffers, plan
 
 
 def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> list:
@@ -56,11 +145,58 @@ def fake_chunks(batch: int, context: int, block_size: int, slots: list[int]) -> 
     return ordered(chunks)
 
 
+def single_group_variants(names: list[str]) -> dict:
+    """DecodeGraphs' group_variants with one variant per fused group added, where a config
+    of adapters on one group is profiled (else the default variants)."""
+    from inference_node.model.llama import FUSED_MODULES
+    from inference_node.runner.decode_graphs import LORA_GROUP_VARIANTS
+
+    if not set(names) & set(SINGLE_GROUP_CONFIGS):
+        return {}
+    singles = tuple(frozenset({g}) for g in FUSED_MODULES if frozenset({g}) not in LORA_GROUP_VARIANTS)
+    return {"group_variants": singles + LORA_GROUP_VARIANTS}
+
+
+# -- kernels by family -----------------------------------------------------------------------------
+
+def family(name: str) -> str:
+    """Groups kernel names: cuBLAS GEMMs, our Triton kernels by name, torch.compile fusions."""
+    if re.search(r"gemm|cutlass|sm90_|nvjet|cublas", name, re.I):
+        return "GEMM (cuBLAS or the Triton decode GEMM)"
+    m = re.match(r"_?(lora_\w+?|paged_attention\w*?|merge_splits\w*?|add_rms_norm|silu_mul|rope_cache)_kernel", name)
+    if m:
+        return m.group(1)
+    if name.startswith("triton_"):
+        return "fused elementwise (torch.compile)"
+    if "index" in name.lower() or "scatter" in name.lower():
+        return "index_copy (KV write)"
+    return name[:60]
+
+
+def kernel_families(run, reps: int, by_name: bool = False) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and launches per call of `run`, by kernel family (by kernel name:
+    by_name), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            fam = evt.name[:90] if by_name else family(evt.name)
+            totals[fam][0] += evt.device_time / reps
+            totals[fam][1] += 1 / reps
+    return {k: (v[0], round(v[1])) for k, v in totals.items()}
+
+
 def graph_timeline(graph, reps: int) -> list[dict]:
     """The kernels of `reps` replays of one captured graph, from a torch.profiler trace (CUPTI
     records a graph's kernel nodes): dicts with name, start and end in us, sorted by start.
-    The eager profile above cannot show where the step's chain waits for the side stream."""
-    import json
+    The eager profile cannot show where the step's chain waits for the side stream."""
     from torch.profiler import ProfilerActivity, profile
 
     graph.replay()
@@ -76,9 +212,6 @@ def graph_timeline(graph, reps: int) -> list[dict]:
                     grid=tuple(e.get("args", {}).get("grid", ())))
                for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     return sorted(kernels, key=lambda k: k["start"])
-
-
-SIDE_FAMILIES = ("lora_shrink", "lora_expand")  # what the side stream runs (runner/lora/overlap.py)
 
 
 def print_timeline(label: str, kernels: list[dict], reps: int) -> None:
@@ -157,33 +290,22 @@ def burst_ms(graph, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def single_group_variants(names: list[str]) -> dict:
-    """DecodeGraphs' group_variants with one variant per fused group added, where a config
-    of adapters on one group is profiled (else the default variants)."""
-    from inference_node.runner.decode_graphs import LORA_GROUP_VARIANTS
-    from inference_node.model.llama import FUSED_MODULES
+# -- the profile ------------------------------------------------------------------------------------
 
-    if not set(names) & set(SINGLE_GROUP_CONFIGS):
-        return {}
-    singles = tuple(frozenset({g}) for g in FUSED_MODULES if frozenset({g}) not in LORA_GROUP_VARIANTS)
-    return {"group_variants": singles + LORA_GROUP_VARIANTS}
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=Path,
+                   help="a checkpoint folder: only its config.json is read (random weights made on the device)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=200, help="tokens already in each sequence's KV")
     p.add_argument("--configs", default="base,c1,c8,c32,c64,d32")
-    p.add_argument("--model", default="llama-1b-random", choices=[m for m in RANDOM_MODELS if m != "tiny"],
-                   help="the shape (8B and 70B: weights made on the device; 70B needs --layers to fit one GPU)")
-    p.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers (a 70B rank on one GPU, smoke runs)")
     p.add_argument("--tp", type=int, default=1,
                    help="one tensor-parallel rank of this many on one GPU: its shard's shapes, its "
                         "adapters' shards, its tuning table and the LoRA choices TP forces (o and "
                         "down expand before their all-reduce); no collectives, and o's and down's "
                         "delta added in the add + norm instead of before an all-reduce")
-    p.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke runs)")
     p.add_argument("--reps", type=int, default=20, help="replays per burst, forwards per profile")
     p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
     p.add_argument("--top", type=int, default=12)
@@ -193,34 +315,39 @@ def main() -> None:
     p.add_argument("--no-profile", action="store_true", help="replay times only, no profiler")
     p.add_argument("--by-name", action="store_true", help="profile by kernel name, not family")
     p.add_argument("--tuning-table", default="auto",
-                   help="per-bucket launch choices, as `inference-node serve --tuning-table`: auto "
-                        "(the table filed for this GPU and shape, if any), off, or a path; a mode's "
-                        "own choices keep their values over the table's")
+                   help="per-bucket launch choices, as `inference-node serve --tuning-table` resolves them "
+                        "(auto: the seed or this host's cached table; never tuned here), off, or a path")
     p.add_argument("--timeline", action="store_true",
                    help="trace graph replays: where the step's chain of kernels idles, and why")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     modes = args.modes or ["default", "serial"]
+    names = [c for c in args.configs.split(",") if c]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; expected some of {', '.join(CONFIGS)}")
 
+    from inference_node.engine.kv_cache import KVCache
+    from inference_node.parallel.shard import tensor_parallel_tuning
     from inference_node.runner.decode_graphs import DecodeGraphs, GraphLora
     from inference_node.runner.launches import StepLaunches
-    from inference_node.engine.kv_cache import KVCache
     from inference_node.runner.lora.eager import StepLoraApplier
     from inference_node.runner.lora.overlap import LoraOverlap
-    from inference_node.parallel.shard import tensor_parallel_tuning
     from kernels.tuning import DEFAULT_TUNING, tuning_from_text
-    from kernels.tuning_table import ModelShape, StepTunings, device_name, load_table
+    from kernels.tuning_table import ModelShape, StepTunings
+
+    from .tune import node_table
 
     device, dtype = torch.device(args.device), torch.bfloat16
     cuda = device.type == "cuda"
-    names = [c for c in args.configs.split(",") if c]
     block = 16
     max_len = args.context + 64
-    cfg, model = random_model(device, dtype, args.layers, max_len, tiny=args.tiny, model=args.model, tp=args.tp)
+    cfg, model = random_model(args.model, device, dtype, args.layers, max_len, tp=args.tp)
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
-    table = load_table(args.tuning_table, device_name(device), ModelShape.of(cfg)) if cuda else None
-    print(f"tuning table: {table.path if table is not None else 'none (' + args.tuning_table + ')'}")
+    found = node_table(args.tuning_table, device, ModelShape.of(cfg), dtype, budget_s=0)
+    table = found.table
+    print(f"tuning table: {found.describe()}")
     all_graphs = {}
     for mode in modes:
         given = {} if mode in ("default", "serial") else dict(item.split("=", 1) for item in mode.split("/"))

@@ -1,12 +1,13 @@
-"""bench/tune_kernels.py: its candidate tilings are the ones the node would launch, the table
-it writes holds a bucket's best tiling only where it beats the default (and stops smaller
-buckets' entries at the buckets where none does), and its CPU smoke (the PyTorch reference,
-numbers meaningless) writes a table the node's loader reads back. The fold sweep
-(--fields fold): it times the groups the node folds at each adapter count in the node's mode,
-its reference check catches a wrong output or wrong stored shrink rows, and its winners go
-into (batch, adapters) buckets over the base choices of their batch, kept or swept."""
+"""inference_node/tuner/sweep.py and `inference-node tune`: the candidate tilings are the ones
+the node would launch, the table holds a bucket's best tiling only where it beats the default
+(and stops smaller buckets' entries at the buckets where none does), the fold is swept in the
+mode the node runs each group (a rank's under tensor parallelism), its reference check catches
+a wrong output, its winners go into (batch, adapters) buckets over their batch's base choices,
+and the CPU smoke (the PyTorch reference or Triton's interpreter, numbers meaningless) writes a
+table the node's lookup reads back, keeping what a table there already held."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,14 +16,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tune_kernels import (Measured, candidates, fold_copies, fold_modes, folded_output, launch_bytes,
-                                model_shape, print_results, slice_widths, table_for)
+from inference_node.tuner.cli import model_shape
+from inference_node.tuner.store import usable
+from inference_node.tuner.sweep import (Measured, bucket_top, buckets_for, candidates, cases, fold_copies,
+                                        fold_modes, folded_output, launch_bytes, print_results,
+                                        same_row_tile, slice_widths)
+from inference_node.tuner.tune import key_for
 from kernels.gemm import DecodeGemm
 from kernels.gemm.shapes import SHARED_MEMORY
 from kernels.tuning import DEFAULT_TUNING, GROUPS
-from kernels.tuning_table import ModelShape, TuningTable, load_table, table_name
+from kernels.tuning_table import ModelShape, TuningTable
 
 ROOT = Path(__file__).resolve().parents[2]
+TINY = ModelShape(hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16)
+LLAMA_8B = ModelShape(4096, 14336, 32, 8, 128)
+
+
+def config_dir(tmp_path: Path, name: str, **overrides) -> Path:
+    """A checkpoint folder holding only config.json (the tuner reads nothing else)."""
+    from bench.shapes import LLAMA_3_1_8B, LLAMA_3_1_70B, LLAMA_3_2_1B, TINY_LLAMA
+
+    config = {"tiny": TINY_LLAMA, "1b": LLAMA_3_2_1B, "8b": LLAMA_3_1_8B, "70b": LLAMA_3_1_70B}[name]
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**config, **overrides}))
+    return folder
 
 
 def test_candidates_are_what_the_node_would_launch() -> None:
@@ -38,24 +56,33 @@ def test_candidates_are_what_the_node_would_launch() -> None:
     assert candidates(down, "down", "gemm_tilings") == []
 
 
-def test_shapes_are_the_bench_models_and_a_tp_rank_keys_its_shard_as_the_node_does(tiny_llama_path) -> None:
+def test_the_shape_is_a_tp_ranks_shard_as_the_node_keys_it(tiny_llama_path, tmp_path) -> None:
     """The sweep's shape of a model split over N ranks is the table key a node with
     --tensor-parallel-size N looks up on every rank (its shard's shapes)."""
     from inference_node.model.config import ModelConfig
     from inference_node.parallel.shard import Shard
 
-    assert model_shape("llama-1b-random").key == "h2048_i8192_q32_kv8_d64"
-    assert model_shape("llama-8b-random").key == "h4096_i14336_q32_kv8_d128"
-    assert model_shape("llama-70b-random", 4).key == "h8192_i7168_q16_kv2_d128"
+    assert model_shape(str(config_dir(tmp_path, "1b")), 1).key == "h2048_i8192_q32_kv8_d64"
+    assert model_shape(str(config_dir(tmp_path, "8b")), 1) == LLAMA_8B
+    assert model_shape(str(config_dir(tmp_path, "70b")), 4).key == "h8192_i7168_q16_kv2_d128"
     full = ModelConfig.from_checkpoint(tiny_llama_path)
-    assert model_shape(str(tiny_llama_path)) == ModelShape.of(full) == model_shape("tiny")
+    assert model_shape(str(tiny_llama_path), 1) == ModelShape.of(full) == TINY
     for rank in range(2):  # every rank's shard, as node.load_rank builds it
         assert model_shape(str(tiny_llama_path), 2) == ModelShape.of(Shard(rank, 2).local_config(full))
-    assert model_shape("tiny", 2).key == "h64_i80_q2_kv1_d16"
-    with pytest.raises(SystemExit, match="--tp 16: .*8 key/value heads"):
-        model_shape("llama-8b-random", 16)
+    with pytest.raises(SystemExit, match="--tensor-parallel-size 16: .*8 key/value heads"):
+        model_shape(str(config_dir(tmp_path, "8b")), 16)
     with pytest.raises(SystemExit, match="--model .*no-such-model"):
-        model_shape(str(Path("no-such-model")))
+        model_shape(str(tmp_path / "no-such-model"), 1)
+
+
+def test_the_cases_go_most_used_first_each_fold_in_the_nodes_mode() -> None:
+    todo, notes = cases(TINY, [64, 8], [0, 32, 1], list(GROUPS), DEFAULT_TUNING, torch.device("cpu"))
+    assert [c.key for c in todo] == [
+        ("qkv", 64, 0), ("o", 64, 0), ("gate_up", 64, 0), ("down", 64, 0),
+        ("qkv", 64, 32), ("o", 64, 32), ("gate_up", 64, 32), ("o", 64, 1),
+        ("qkv", 8, 0), ("o", 8, 0), ("gate_up", 8, 0), ("down", 8, 0), ("o", 8, 1)]  # no 32 adapters in 8 rows
+    assert [c.expand for c in todo if c.adapters] == [False, False, False, True, True]
+    assert "batch 64, 32 adapters: the step does not fold down: not swept" in notes
 
 
 def test_the_table_holds_only_real_gains_and_stops_smaller_buckets() -> None:
@@ -66,55 +93,15 @@ def test_the_table_holds_only_real_gains_and_stops_smaller_buckets() -> None:
         Measured("qkv", 32, default_qkv, 10.0, default_qkv, 10.0),  # the default is best
         Measured("o", 32, default_o, 10.0, (32, 256, 3), 9.95),
     ]
-    table = table_for(results, "gemm_tma_tilings", "NVIDIA H100 80GB HBM3", model_shape("llama-1b-random"),
-                      0.02, "test")
-    assert [(b.batch, b.adapters) for b in table.buckets] == [(8, 0), (32, 0)]
+    buckets, kept = buckets_for(results, "gemm_tma_tilings", 0.02)
+    table = TuningTable("NVIDIA H100 80GB HBM3", LLAMA_8B, "bfloat16", {}, tuple(buckets))
+    assert [(b.batch, b.adapters) for b in table.buckets] == [(8, 0), (32, 0)] and kept == []
     assert table.to_json()["buckets"][0]["choices"] == {"gemm_tma_tilings": {"qkv": [64, 128, 4]}}
     assert table.to_json()["buckets"][1]["choices"] == {}
     steps = table.tunings(DEFAULT_TUNING)
     assert steps.for_step(16).gemm_tma_tilings["qkv"] == (64, 128, 4)
     assert steps.for_step(64).gemm_tma_tilings == DEFAULT_TUNING.gemm_tma_tilings  # not batch 8's
     assert steps.for_step(4) == DEFAULT_TUNING
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the sweep is run by hand")
-def test_the_cpu_smoke_writes_a_table_the_node_reads(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "bench.tune_kernels", "--out", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("CPU SMOKE")
-    shape = model_shape("tiny")
-    path = tmp_path / table_name("cpu", shape)
-    assert f"wrote {path}" in proc.stdout
-    table = load_table("auto", "cpu", shape, tmp_path)
-    assert table == TuningTable.read(path) and table.device == "cpu" and table.shape == shape
-    assert [b.batch for b in table.buckets] == [1, 4]  # every batch measured has its bucket
-    for bucket in table.buckets:
-        assert set(bucket.choices) <= {"gemm_tilings"}
-    for group in ("qkv", "o", "gate_up"):  # down's K (160) takes no tiling: cuBLAS, not swept
-        assert any(line.startswith(f"{group:8}     1") for line in proc.stdout.splitlines()), proc.stdout
-    assert "down: no tiling divides its [160, 64] weight" in proc.stdout
-
-
-@pytest.mark.gpu
-def test_the_sweep_on_the_gpu_writes_a_table_for_this_gpu(tmp_path: Path) -> None:
-    """One group at one batch of Llama-3.2-1B's shapes (a minute at most): every candidate
-    checked against the reference, the table filed under this GPU's name."""
-    from kernels.tuning_table import device_name
-
-    proc = subprocess.run([sys.executable, "-m", "bench.tune_kernels", "--model", "llama-1b-random", "--batches", "8",
-                           "--groups", "o", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    name = device_name(torch.device("cuda"))
-    table = load_table("auto", name, model_shape("llama-1b-random"), tmp_path)
-    assert table is not None and [b.batch for b in table.buckets] == [8]
-    assert "rel err" not in proc.stdout, proc.stdout  # no candidate disagreed with the reference
-    print(proc.stdout)
-
-
-TINY = ModelShape(hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16)
 
 
 def test_the_fold_is_swept_in_the_mode_the_node_runs_each_group() -> None:
@@ -183,14 +170,18 @@ def fold_result(group: str, batch: int, adapters: int, best: tuple, gain: float)
     return Measured(group, batch, default, 10.0, best, 10.0 / gain, (), adapters, adapters < 16)
 
 
+def table_of(results: list[Measured], existing: TuningTable | None = None) -> TuningTable:
+    buckets, kept = buckets_for(results, "gemm_tma_tilings", 0.02, existing)
+    return TuningTable("NVIDIA H100 80GB HBM3", LLAMA_8B, "bfloat16", {}, tuple(buckets), ",".join(kept))
+
+
 def test_fold_winners_go_into_adapter_buckets_over_their_batchs_base_choices() -> None:
-    shape = model_shape("llama-8b-random")
     base = [Measured("qkv", 32, DEFAULT_TUNING.gemm_tma_tilings["qkv"], 10.0, (16, 256, 4), 9.0),
             Measured("qkv", 64, DEFAULT_TUNING.gemm_tma_tilings["qkv"], 10.0, (64, 128, 4), 9.0)]
     folds = [fold_result("o", 64, 1, (32, 128, 4), 1.2),
              fold_result("qkv", 64, 32, (16, 256, 3), 1.1), fold_result("o", 64, 32, (64, 128, 2), 1.01),
              fold_result("o", 64, 8, DEFAULT_TUNING.fold_tilings["o"], 1.0)]
-    table = table_for(base + folds, "gemm_tma_tilings", "NVIDIA H100 80GB HBM3", shape, 0.02, "test")
+    table = table_of(base + folds)
     assert [(b.batch, b.adapters) for b in table.buckets] == [(32, 0), (64, 0), (64, 1), (64, 8), (64, 32)]
     raw = {(b["batch"], b["adapters"]): b["choices"] for b in table.to_json()["buckets"]}
     assert raw[64, 32] == {"gemm_tma_tilings": {"qkv": [64, 128, 4]}, "fold_tilings": {"qkv": [16, 256, 3]}}
@@ -206,14 +197,14 @@ def test_fold_winners_go_into_adapter_buckets_over_their_batchs_base_choices() -
 
     # A later sweep keeps every bucket of the table there that it did not measure.
     new_base = [Measured("qkv", 64, DEFAULT_TUNING.gemm_tma_tilings["qkv"], 10.0, (128, 128, 4), 8.0)]
-    again = table_for(new_base, "gemm_tma_tilings", table.device, shape, 0.02, "base again", table)
+    again = table_of(new_base, table)
     raw = {(b["batch"], b["adapters"]): b["choices"] for b in again.to_json()["buckets"]}
     assert list(raw) == [(32, 0), (64, 0), (64, 1), (64, 8), (64, 32)]
     assert raw[32, 0] == {"gemm_tma_tilings": {"qkv": [16, 256, 4]}}
     assert raw[64, 32] == {"gemm_tma_tilings": {"qkv": [128, 128, 4]}, "fold_tilings": {"qkv": [16, 256, 3]}}
-    assert "base and fold buckets kept from: test" in again.produced_by
+    assert again.produced_by == "base,fold"  # the kinds kept
     new_fold = [fold_result("o", 32, 16, (16, 256, 4), 1.5), fold_result("qkv", 64, 32, (64, 128, 4), 1.3)]
-    again = table_for(new_fold, "gemm_tma_tilings", table.device, shape, 0.02, "fold again", table)
+    again = table_of(new_fold, table)
     raw = {(b["batch"], b["adapters"]): b["choices"] for b in again.to_json()["buckets"]}
     assert list(raw) == [(32, 0), (32, 16), (64, 0), (64, 1), (64, 8), (64, 32)]
     assert raw[32, 16] == {"gemm_tma_tilings": {"qkv": [16, 256, 4]}, "fold_tilings": {"o": [16, 256, 4]}}
@@ -221,23 +212,46 @@ def test_fold_winners_go_into_adapter_buckets_over_their_batchs_base_choices() -
     assert raw[64, 1]["fold_tilings"] == {"o": [32, 128, 4]}  # not swept again: kept
 
 
-def run_smoke(*args: str, interpret: bool = False, timeout: float = 300) -> str:
+def tune(tmp_path: Path, model: Path, *args: str, interpret: bool = False, timeout: float = 300) -> str:
+    """`inference-node tune --device cpu` (the smoke) into tmp_path/out; its stdout."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "bench.tune_kernels", "--smoke", *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "tune", "--device", "cpu",
+                           "--model", str(model), "--out", str(tmp_path / "out"), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_the_cpu_smoke_sweeps_the_fold_and_adds_it_to_the_table_there(tmp_path: Path) -> None:
-    shape = model_shape("tiny")
-    run_smoke("--batches", "1,16", "--out", str(tmp_path))
-    base = load_table("auto", "cpu", shape, tmp_path)
-    out = run_smoke("--fields", "fold", "--batches", "1,16", "--adapters", "16,1", "--out", str(tmp_path))
+def read_back(tmp_path: Path, shape: ModelShape = TINY) -> TuningTable:
+    key = key_for(torch.device("cpu"), shape, torch.float32)
+    table = usable(tmp_path / "out" / key.name, key, check_versions=True)
+    assert table is not None
+    return table
+
+
+def test_the_cpu_smoke_writes_a_table_the_node_reads(tiny_llama_path: Path, tmp_path: Path) -> None:
+    out = tune(tmp_path, tiny_llama_path, "--batches", "4,1", "--adapters", "0")
+    assert out.startswith("CPU SMOKE")
+    table = read_back(tmp_path)
+    assert f"wrote {table.path}" in out
+    assert (table.device, table.shape, table.dtype) == ("cpu", TINY, "float32")
+    assert table.tuning_s is not None and table.tuning_s >= 0 and table.unmeasured == ()
+    assert table.produced_by.startswith("inference-node tune --device cpu")
+    assert [b.batch for b in table.buckets] == [1, 4]  # every batch measured has its bucket
+    for bucket in table.buckets:
+        assert set(bucket.choices) <= {"gemm_tilings"}
+    for group in ("qkv", "o", "gate_up"):  # down's K (160) takes no tiling: cuBLAS, not swept
+        assert any(line.startswith(f"{group:8}     1") for line in out.splitlines()), out
+
+
+def test_the_cpu_smoke_sweeps_the_fold_and_adds_it_to_the_table_there(tiny_llama_path, tmp_path) -> None:
+    tune(tmp_path, tiny_llama_path, "--batches", "1,16", "--adapters", "0")
+    base = read_back(tmp_path)
+    out = tune(tmp_path, tiny_llama_path, "--batches", "1,16", "--adapters", "16,1")
     assert "rejected" not in out, out
-    table = load_table("auto", "cpu", shape, tmp_path)
+    table = read_back(tmp_path)
     assert [(b.batch, b.adapters) for b in table.buckets] == [(1, 0), (1, 1), (16, 0), (16, 1), (16, 16)]
     assert [b for b in table.buckets if b.adapters == 0] == list(base.buckets)  # kept
     for bucket in table.buckets:
@@ -249,82 +263,59 @@ def test_the_cpu_smoke_sweeps_the_fold_and_adds_it_to_the_table_there(tmp_path: 
     for group, batch, adapters, mode in [("o", 1, 1, "whole"), ("o", 16, 1, "whole"), ("qkv", 16, 16, "shrink"),
                                          ("o", 16, 16, "shrink"), ("gate_up", 16, 16, "shrink")]:
         assert any(line.split()[:4] == [group, str(batch), str(adapters), mode] for line in lines), out
-    assert "batch 16, 16 adapters: the step does not fold down: not swept" in out
     assert "base buckets kept from" in table.produced_by
+    assert table.tuning_s >= base.tuning_s  # the two runs' time
 
 
-def test_the_fold_sweep_runs_the_plan_of_the_tables_node_choices(tmp_path: Path) -> None:
+def test_the_fold_sweep_runs_the_plan_of_the_tables_node_choices(tiny_llama_path, tmp_path) -> None:
     """A table there whose node choices spread a group's folded shrink over its tile programs
     (the H100 8B table does so for down; here gate/up, with no side-stream expands): the fold
     sweep times it in that mode, its shrink's partial sums checked against the reference, and
     keeps the node choices."""
-    import json
-
-    shape = model_shape("tiny")
-    run_smoke("--batches", "16", "--out", str(tmp_path))
-    path = tmp_path / table_name("cpu", shape)
+    tune(tmp_path, tiny_llama_path, "--batches", "16", "--adapters", "0")
+    path = read_back(tmp_path).path
     raw = json.loads(path.read_text())
     raw["node"] = {"shrink_fold_groups": ["qkv", "o", "gate_up", "down"], "fold_shrink_spread": ["gate_up"],
                    "side_expand_segments": 0, "side_expand_group_segments": {}}
     path.write_text(json.dumps(raw))
-    out = run_smoke("--fields", "fold", "--groups", "gate_up,o", "--batches", "16", "--adapters", "1",
-                    "--out", str(tmp_path))
+    out = tune(tmp_path, tiny_llama_path, "--groups", "gate_up,o", "--batches", "16", "--adapters", "1")
     assert "rejected" not in out, out
     # 4 SMs on a CPU (kernels.host.num_sms) over 1 adapter's 2 slices: 2 K ranges.
-    assert "gate_up fold batch 16, 1 adapters (shrink spread over 2 K ranges)" in out, out
-    assert "o fold batch 16, 1 adapters (shrink only)" in out, out
     assert any(line.split()[:4] == ["gate_up", "16", "1", "spread"] for line in out.splitlines()), out
-    table = load_table("auto", "cpu", shape, tmp_path)
+    assert any(line.split()[:4] == ["o", "16", "1", "shrink"] for line in out.splitlines()), out
+    table = read_back(tmp_path)
     assert table.node["fold_shrink_spread"] == frozenset({"gate_up"})
     assert table.node["shrink_fold_groups"] == frozenset(GROUPS)
 
 
 def test_a_rank_s_plan_holds_for_every_bucket_of_the_fold_sweep(tmp_path: Path) -> None:
-    """Under --tp o folds whole at every adapter count (its delta must be in its partial
-    output before the all-reduce), also in the buckets after the first."""
-    out = run_smoke("--model", "llama-1b-random", "--tp", "2", "--fields", "fold", "--groups", "o",
-                    "--batches", "16", "--adapters", "1,16", "--out", str(tmp_path))
+    """Under --tensor-parallel-size o folds whole at every adapter count (its delta must be in
+    its partial output before the all-reduce), also in the buckets after the first."""
+    out = tune(tmp_path, config_dir(tmp_path, "1b"), "--tp", "2", "--groups", "o", "--batches", "16",
+               "--adapters", "1,16")
     for adapters in (1, 16):
-        assert f"o fold batch 16, {adapters} adapters (expand)" in out, out
+        assert any(line.split()[:4] == ["o", "16", str(adapters), "whole"] for line in out.splitlines()), out
+    assert read_back(tmp_path, ModelShape(2048, 4096, 16, 4, 64)).buckets
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the sweep is run by hand")
-def test_the_fold_sweep_runs_the_fold_kernel_in_the_interpreter(tmp_path: Path) -> None:
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU tests sweep")
+def test_the_fold_sweep_runs_the_fold_kernel_in_the_interpreter(tiny_llama_path, tmp_path) -> None:
     """Both of the fold kernel's modes (whole at 1 adapter, shrink only at 16), every
-    candidate matching the reference (took 12 s on a shared two-core machine)."""
-    out = run_smoke("--fields", "fold", "--groups", "qkv,o", "--batches", "16", "--adapters", "16,1",
-                    "--out", str(tmp_path), interpret=True, timeout=240)
+    candidate matching the reference."""
+    out = tune(tmp_path, tiny_llama_path, "--groups", "qkv,o", "--batches", "16", "--adapters", "16,1",
+               interpret=True, timeout=300)
     assert "rejected" not in out, out
-    table = load_table("auto", "cpu", model_shape("tiny"), tmp_path)
+    table = read_back(tmp_path)
     assert [(b.batch, b.adapters) for b in table.buckets] == [(16, 1), (16, 16)]
-    for needle in ("o fold batch 16, 1 adapters (expand): 3 tilings timed",
-                   "qkv fold batch 16, 16 adapters (shrink only): 3 tilings timed",
-                   "o fold batch 16, 16 adapters (shrink only): 3 tilings timed"):
-        assert needle in out, out
-
-
-@pytest.mark.gpu
-def test_the_fold_sweep_on_the_gpu_writes_adapter_buckets(tmp_path: Path) -> None:
-    """o at batch 64 with 1 and 32 adapters (whole and shrink only) of Llama-3.2-1B's shapes:
-    every candidate checked against the reference."""
-    from kernels.tuning_table import device_name
-
-    proc = subprocess.run([sys.executable, "-m", "bench.tune_kernels", "--model", "llama-1b-random",
-                           "--fields", "fold", "--batches", "64", "--adapters", "32,1", "--groups", "o",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    table = load_table("auto", device_name(torch.device("cuda")), model_shape("llama-1b-random"), tmp_path)
-    assert table is not None and [(b.batch, b.adapters) for b in table.buckets] == [(64, 1), (64, 32)]
-    assert "rel err" not in proc.stdout, proc.stdout
-    print(proc.stdout)
+    rows = [line.split()[:4] for line in out.splitlines()]
+    for row in (["o", "16", "1", "whole"], ["qkv", "16", "16", "shrink"], ["o", "16", "16", "shrink"]):
+        assert row in rows, out
 
 
 def test_a_bucket_is_checked_at_its_largest_step() -> None:
     """A tiling chosen at a bucket's batch serves steps up to the next bucket: where those
     compile a larger row tile, the sweep also runs it there (shared memory grows with it)."""
-    from bench.tune_kernels import bucket_top, same_row_tile
-
     batches = [64, 32, 16, 8, 1]
     assert [bucket_top(b, batches) for b in batches] == [64, 63, 31, 15, 7]
     assert same_row_tile(1, 7) and same_row_tile(8, 15) and same_row_tile(16, 16)
@@ -347,3 +338,15 @@ def test_each_best_launch_is_printed_against_its_floor(capsys: pytest.CaptureFix
     assert row[-2:] == ["1.00", "1.50"], row
     print_results([Measured("qkv", 64, (32, 128, 4), 2.0, (16, 128, 4), 1.5, nbytes=nbytes)], smoke=True)
     assert capsys.readouterr().out.strip().splitlines()[-1].split()[-2:] == ["-", "-"]
+
+
+def test_tune_refuses_what_it_cannot_do(tmp_path: Path, capsys) -> None:
+    from inference_node.cli import main
+
+    if not torch.cuda.is_available():
+        assert main(["tune", "--device", "cuda", "--model", str(config_dir(tmp_path, "tiny"))]) == 1
+        assert "no CUDA device is available (--device cpu runs a smoke" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--batches '8,x'"):
+        main(["tune", "--device", "cpu", "--model", str(config_dir(tmp_path, "tiny")), "--batches", "8,x"])
+    with pytest.raises(SystemExit, match="--groups 'lm_head'"):
+        main(["tune", "--device", "cpu", "--model", str(config_dir(tmp_path, "tiny")), "--groups", "lm_head"])

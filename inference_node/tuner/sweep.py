@@ -1,0 +1,645 @@
+"""The sweep: the decode GEMM's tilings per fused group and decode batch bucket, plain (the
+base GEMM) and with LoRA folded in (per bucket of distinct adapters), each candidate run
+through the node's own dispatch, checked against the PyTorch reference and timed; the
+winners become a TuningTable (kernels/tuning_table.py).
+
+Timing: on CUDA each candidate is replayed from a CUDA graph over as many copies of the
+weight (and of the adapters' A and B) as it takes to overflow L2, as in a real step where
+every layer reads its own; in the CPU smoke (tests) through the reference, or Triton's
+interpreter with TRITON_INTERPRET=1, where the numbers mean nothing. The timer and the clock
+are passed in, so the budget's logic is tested with fakes.
+
+The work is a list of cases (group, batch, adapters), the most used first: each batch
+(64 first) its base GEMM, then its folds from the most adapters down. The budget is checked
+before every candidate: a case cut short keeps the best of the candidates it timed (the
+default is always first), and the cases never started are the table's `unmeasured`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kernels.gemm import GemmLora, fold_counters
+from kernels.gemm.shapes import MAX_ROWS, gated_block_n, row_tile, tiling as fitted_tiling
+from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
+from kernels.tuning_table import Bucket, ModelShape, TuningTable
+
+log = logging.getLogger(__name__)
+
+BATCHES = (64, 32, 16, 8, 1)     # decode batch buckets, the most used first
+ADAPTERS = (0, 32, 16, 8, 1)     # 0: the base GEMM; N: the fold in steps of N distinct adapters
+BLOCK_N = (16, 32, 64, 128)
+BLOCK_K_STAGES = ((128, 4), (128, 8), (256, 3), (256, 4), (512, 2))
+MAX_REL_ERR = 2e-2               # bf16 products, fp32 accumulation
+MIN_GAIN = 0.02                  # a tiling goes into the table where it is this much faster
+RANK = 16                        # the fold's adapters: rank 16 on every slice
+L2_OVERFLOW = 256 << 20          # bytes of distinct copies a timed graph walks through
+
+# A timer: GPU (or wall) microseconds per call of the launches `calls_for(copy)` builds, one
+# per copy of the operands.
+Timer = Callable[[Callable[[Any], Callable[[], object]], Sequence[Any]], float]
+
+
+class TuningError(RuntimeError):
+    """The sweep cannot produce a table (a default launch failed its check, or the device
+    refused it): the node runs the defaults."""
+
+
+class TuningUnavailable(TuningError):
+    """Tuning cannot run here at all (no CUDA device, no Triton)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One thing the sweep measures: a group's decode GEMM at `batch` rows, plain
+    (adapters 0) or with the LoRA of `adapters` distinct adapters folded in, whole (expand)
+    or only its shrink (the op after it expands), that shrink spread over `splits` K ranges
+    of the tile programs (0: programs of its own)."""
+
+    group: str
+    batch: int
+    adapters: int = 0
+    expand: bool = True
+    splits: int = 0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.group, self.batch, self.adapters
+
+    def describe(self) -> str:
+        if not self.adapters:
+            return f"{self.group} batch {self.batch}"
+        how = ("expand" if self.expand else f"shrink spread over {self.splits} K ranges"
+               if self.splits else "shrink only")
+        return f"{self.group} fold batch {self.batch}, {self.adapters} adapters ({how})"
+
+
+@dataclass(frozen=True)
+class Measured:
+    group: str
+    batch: int
+    default: Tiling
+    default_us: float
+    best: Tiling
+    best_us: float
+    rejected: tuple[str, ...] = ()   # candidates that failed to run or to match the reference
+    adapters: int = 0                # distinct adapters in the step: 0 the base GEMM, else a fold
+    expand: bool = True              # a fold's mode (GemmLora.expand)
+    splits: int = 0                  # a shrink-only fold's K ranges (GemmLora.shrink_splits)
+    nbytes: int = 0                  # what one launch must move: its floor's bytes (launch_bytes)
+    timed: int = 0                   # candidates timed (fewer than offered: the budget cut it)
+
+
+class Budget:
+    """The seconds a sweep may spend, checked before every candidate; and its progress line
+    in the log ("tuning kernels for <what>: 12/40 candidates, 35 s left"), one every `every_s`
+    seconds and one at the last candidate."""
+
+    def __init__(self, seconds: float, what: str, total: int = 0,
+                 clock: Callable[[], float] = time.monotonic, every_s: float = 10.0) -> None:
+        self.seconds, self.what, self.total, self.clock = seconds, what, total, clock
+        self.started = clock()
+        self.done = 0
+        self.every_s = every_s
+        self._said = self.started
+
+    def spent(self) -> float:
+        return self.clock() - self.started
+
+    def left(self) -> float:
+        return max(0.0, self.seconds - self.spent())
+
+    def out(self) -> bool:
+        return self.spent() >= self.seconds
+
+    def step(self) -> None:
+        """One candidate timed (or refused)."""
+        self.done += 1
+        now = self.clock()
+        if self.done == self.total or now - self._said >= self.every_s:
+            self._said = now
+            log.info("tuning kernels for %s: %d/%d candidates, %.0f s left", self.what, self.done,
+                     self.total, self.left())
+
+
+# -- what is swept ----------------------------------------------------------------------------
+
+def tiling_field(tma: bool) -> str:
+    """The Tuning table the node reads the decode GEMM's tiling from on this device."""
+    return "gemm_tma_tilings" if tma else "gemm_tilings"
+
+
+def candidates(w: torch.Tensor, group: str, field: str,
+               block_n: tuple[int, ...] = BLOCK_N,
+               block_k_stages: tuple[tuple[int, int], ...] = BLOCK_K_STAGES,
+               slice_offsets: tuple[int, ...] = ()) -> list[Tiling]:
+    """The distinct tilings the node would launch for w [K, N] (kernels.gemm.shapes.tiling:
+    stages cut to what shared memory holds, block_k 64 where the tile does not divide K),
+    the default first; none where no tiling divides w (the node runs cuBLAS there). For a
+    fold, slice_offsets: the first column of each slice, which a tile may not straddle
+    (kernels.gemm.gemm_lora_fits; where the default does not fit, the node runs it as the
+    reference, and the sweep times that)."""
+    default = fitted_tiling(w, group, getattr(DEFAULT_TUNING, field))
+    if default is None:
+        return []
+    options = [default]
+    for n in block_n:
+        for k, s in block_k_stages:
+            fitted = fitted_tiling(w, group, {group: (n, k, s)})
+            if (fitted is not None and fitted not in options
+                    and all(off % fitted[0] == 0 for off in slice_offsets)):
+                options.append(fitted)
+    return options
+
+
+def slice_widths(shape: ModelShape, group: str) -> list[int]:
+    """The output columns of each projection a fused group's matmul computes side by side."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return {"qkv": [q, kv, kv], "o": [shape.hidden], "gate_up": [shape.intermediate] * 2,
+            "down": [shape.hidden]}[group]
+
+
+def slice_offsets(shape: ModelShape, group: str) -> tuple[int, ...]:
+    widths = slice_widths(shape, group)
+    return tuple(sum(widths[:i]) for i in range(len(widths)))
+
+
+def fold_modes(groups: Sequence[str], adapters: int, tuning: Tuning = DEFAULT_TUNING) -> dict[str, bool]:
+    """The groups a decode step of `adapters` distinct adapters folds under `tuning`, and
+    how (GemmLora.expand): the node's plan (overlap.step_lora_plan)."""
+    from inference_node.runner.lora.overlap import tuning_lora_plan
+
+    plan = tuning_lora_plan(tuning, adapters)
+    return {g: g in plan.folded for g in groups if g in plan.folded | plan.shrink_folded}
+
+
+def fold_splits(group: str, expand: bool, adapters: int, slices: int, tuning: Tuning,
+                device: torch.device) -> int:
+    """The K ranges the node cuts a group's shrink-only fold into (its tile programs shrink:
+    Tuning.fold_shrink_spread), 0 where it has shrink programs."""
+    from inference_node.runner.lora.overlap import spread_splits
+    from kernels.host import num_sms
+
+    if expand or group not in tuning.fold_shrink_spread:
+        return 0
+    return spread_splits(num_sms(device), adapters, slices)
+
+
+def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], groups: Sequence[str],
+          plan: Tuning, device: torch.device) -> tuple[list[Case], list[str]]:
+    """(the cases to measure, most used first; notes on what is not swept). A batch's base
+    GEMM (adapters 0), then its folds in the order of `adapters` (at most the batch), each
+    fold only for the groups a step of that many adapters folds under `plan`, in its mode."""
+    out, notes = [], []
+    for batch in batches:
+        for count in adapters:
+            if count == 0:
+                out += [Case(g, batch) for g in groups]
+                continue
+            if count > batch:
+                continue
+            modes = fold_modes(groups, count, plan)
+            unfolded = [g for g in groups if g not in modes]
+            if unfolded:
+                notes.append(f"batch {batch}, {count} adapters: the step does not fold "
+                             f"{','.join(unfolded)}: not swept")
+            out += [Case(g, batch, count, expand, fold_splits(g, expand, count, len(slice_widths(shape, g)),
+                                                             plan, device))
+                    for g, expand in modes.items()]
+    return out, notes
+
+
+def launch_bytes(N: int, K: int, batch: int, esize: int, adapters: int = 0, rank: int = RANK,
+                 slices: int = 1, expand: bool = True) -> int:
+    """The bytes a decode GEMM launch must read or write at least: its weight, x and y, and
+    with LoRA folded in each adapter's A (every slice's) and, where it expands, its B."""
+    lora = adapters * rank * (slices * K + (N if expand else 0))
+    return (N * K + batch * (K + N) + lora) * esize
+
+
+def bucket_top(batch: int, batches: Sequence[int]) -> int:
+    """The most rows a step that takes `batch`'s bucket may have: one below the next bucket
+    swept, else the decode GEMM's MAX_ROWS. A tiling chosen at `batch` must also run there:
+    its kernels compile for row tiles of the next power of 2 (16 at least), which can take
+    more shared memory than `batch`'s did."""
+    return min([b - 1 for b in batches if b > batch] + [MAX_ROWS])
+
+
+def same_row_tile(a: int, b: int) -> bool:
+    return row_tile(a) == row_tile(b)
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+def graph_us(calls: list[Callable[[], object]], rounds: int = 10) -> float:
+    """GPU microseconds per call: the calls captured back to back in one CUDA graph, replayed
+    (median of `rounds`)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm-up: compiles outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def cuda_timer(calls_for: Callable[[Any], Callable[[], object]], copies: Sequence[Any]) -> float:
+    """GPU microseconds per launch: one launch per operand copy back to back in a CUDA graph."""
+    return graph_us([calls_for(c) for c in copies])
+
+
+def cpu_timer(calls_for: Callable[[Any], Callable[[], object]], copies: Sequence[Any]) -> float:
+    """CPU SMOKE: wall microseconds per call (median of 3); meaningless as a tuning."""
+    call = calls_for(copies[0])
+    call()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy (read and write counted): the practical ceiling of
+    the memory-bound launches, against which each floor is computed."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (graph_us([lambda: dst.copy_(src)]) * 1e-6)
+
+
+def copies_for(nbytes: int) -> int:
+    """Operand copies a timed graph walks through so that no launch finds its bytes in L2."""
+    return max(2, math.ceil(L2_OVERFLOW / max(nbytes, 1)))
+
+
+# -- the launches and their references -------------------------------------------------------------
+
+def gated(group: str, tuning: Tuning) -> bool:
+    """Whether the node's base steps run `group`'s decode GEMM with SiLU(gate) * up in it
+    (DecodeGemm.gated_silu): gate/up's tilings are then swept in that launch."""
+    return group == "gate_up" and tuning.gate_up_silu
+
+
+def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning) -> Callable[[], torch.Tensor]:
+    """The node's decode GEMM for x @ w with `tuning` (for gate/up, with SiLU * up in it where
+    the node runs it so); on the CPU the Triton kernel in the interpreter where it runs, else
+    the reference (torch.mm)."""
+    from kernels.activation.reference import silu_mul
+    from kernels.gemm import DecodeGemm
+
+    if x.is_cuda:
+        gemm = DecodeGemm(x.device, tuning)
+        if not gemm.applies(x, w, group):
+            raise TuningError(f"the decode GEMM does not take {group} at batch {len(x)}")
+        if gated(group, tuning):
+            if gemm.gated_silu(x, w) is None:
+                raise TuningError(f"no gated launch of gate/up at batch {len(x)}")
+            return lambda: gemm.gated_silu(x, w)
+        return lambda: gemm(x, w, group=group)
+    from kernels.dispatch import use_triton
+
+    if use_triton(x):
+        from kernels.gemm.triton_kernel import decode_gemm_triton
+
+        block_n, block_k, stages = fitted_tiling(w, group, tuning.gemm_tilings)
+        if gated(group, tuning):
+            return lambda: decode_gemm_triton(x, w, block_n=gated_block_n(block_n), block_k=block_k,
+                                              num_stages=stages, gated=True)
+        return lambda: decode_gemm_triton(x, w, block_n=block_n, block_k=block_k, num_stages=stages)
+    if gated(group, tuning):
+        return lambda: silu_mul(torch.mm(x, w))
+    return lambda: torch.mm(x, w)
+
+
+def gemm_reference(x: torch.Tensor, w: torch.Tensor, group: str) -> torch.Tensor:
+    """What gemm_call's launch computes, in float32."""
+    from kernels.activation.reference import silu_mul
+
+    y = x.float() @ w.float()
+    return silu_mul(y) if gated(group, DEFAULT_TUNING) else y
+
+
+def weight_copies(N: int, K: int, copies: int, device: torch.device, dtype: torch.dtype,
+                  gen: torch.Generator) -> list[torch.Tensor]:
+    """`copies` copies of a random W [K, N] (outputs about as large as the inputs): [out, in]
+    contiguous, multiplied through its transposed view, the node's layout for the groups the
+    decode GEMM serves (and what TMA needs)."""
+    first = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device, dtype)
+    return [first.t()] + [first.clone().t() for _ in range(copies - 1)]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int, expand: bool,
+                copies: int, device: torch.device, dtype: torch.dtype,
+                gen: torch.Generator, splits: int = 0) -> list[GemmLora]:
+    """One GemmLora per weight copy, as the LoRA step plan builds a layer's
+    (inference_node/runner/lora/overlap.py): `adapters` distinct adapters of rank `rank` on every
+    slice, the batch's rows grouped by adapter in contiguous runs (as a decode graph orders
+    them) with a segment table of `adapters` rows (the step's segment bucket), deltas about as
+    large as the base output. Adapter s holds rank rows s*rank .. s*rank + rank - 1 of every
+    slice's arena (adapters/slots.py). Each copy has its own A, B and launch counters (as
+    each layer has); the shrink's rows are one buffer they share, with room for `splits`
+    partial sums a row (a spread shrink, GemmLora.shrink_splits)."""
+    from inference_node.model.llama import LORA_MODULES
+    from kernels.lora import SEGMENT_TABLE_RANKS, LoraBatchMeta
+
+    slots = sorted(row % adapters for row in range(batch))
+    meta = LoraBatchMeta.build(slots, device).with_segment_table(
+        [[rank, s * rank] * len(LORA_MODULES) for s in range(adapters)], adapters)
+    n, slices = sum(widths), len(widths)
+    offsets = tuple(sum(widths[:i]) for i in range(slices))
+    xa = torch.empty(batch, max(1, splits) * slices * rank, dtype=torch.float32, device=device)
+    scaling = torch.ones(adapters, dtype=torch.float32, device=device)
+    out = []
+    for _ in range(copies):
+        a_all = (torch.randn(slices, adapters * rank, K, generator=gen) * K ** -0.5).to(device, dtype)
+        b_all = (torch.randn(adapters * rank, n, generator=gen) * rank ** -0.5).to(device, dtype)
+        out.append(GemmLora(a_all, b_all, scaling, offsets, meta.segment_table, adapters,
+                            SEGMENT_TABLE_RANKS, rank, meta.token_slots,
+                            meta.token_table[:, :2 * slices], xa,
+                            fold_counters(device=device), expand, shrink_splits=splits))
+    return out
+
+
+def folded_output(y: torch.Tensor, lora: GemmLora) -> torch.Tensor:
+    """[T, N] float32: what the step gets from a fold's launch: its output, plus (with
+    expand=False) the delta the op after it expands from the shrink's stored rows."""
+    if lora.expand:
+        return y.float()
+    from kernels.lora import gather_rows
+
+    rows, r, width = y.shape[0], lora.rank, lora.slices * lora.rank
+    xa = lora.xa[:rows, :lora.splits * width].view(rows, lora.splits, width).sum(1)
+    runs = lora.token_rows[:rows]
+    delta = torch.cat([torch.einsum("tr,tro->to", xa[:, i * r:(i + 1) * r],
+                                    gather_rows(b, runs[:, 2 * i + 1], runs[:, 2 * i], r))
+                       for i, b in enumerate(lora.b_slices())], dim=1)
+    return y.float() + delta
+
+
+# -- the sweep -------------------------------------------------------------------------------------
+
+@dataclass
+class Sweep:
+    """Measures cases of one shape on one device: every candidate checked against the
+    reference (at the case's batch, and at its bucket's largest step where that compiles
+    another row tile), then timed."""
+
+    shape: ModelShape
+    device: torch.device
+    dtype: torch.dtype
+    field: str                       # the base GEMM's tiling table (tiling_field)
+    timer: Timer
+    batches: Sequence[int]           # every bucket swept (a bucket's largest step: bucket_top)
+    max_candidates: int | None = None
+    rank: int = RANK
+    gen: torch.Generator = field(default_factory=lambda: torch.Generator(device="cpu").manual_seed(0))
+    _weights: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def copies(self, group: str, adapters: int = 0) -> int:
+        if self.device.type != "cuda":
+            return 1
+        N, K = self.shape.gemms()[group]
+        esize = torch.finfo(self.dtype).bits // 8
+        lora = adapters * self.rank * (len(slice_widths(self.shape, group)) * K + N) * esize
+        return copies_for(N * K * esize + lora)
+
+    def weights(self, group: str, copies: int) -> list[torch.Tensor]:
+        have = self._weights.get(group, [])
+        if len(have) < copies:
+            N, K = self.shape.gemms()[group]
+            have = self._weights[group] = weight_copies(N, K, copies, self.device, self.dtype, self.gen)
+        return have[:copies]
+
+    def options(self, case: Case) -> list[Tiling]:
+        N, K = self.shape.gemms()[case.group]
+        w = torch.empty(N, K, dtype=self.dtype, device="meta").t()
+        if case.adapters:
+            found = candidates(w, case.group, "fold_tilings", slice_offsets=slice_offsets(self.shape, case.group))
+        else:
+            found = candidates(w, case.group, self.field)
+        return found[:self.max_candidates]
+
+    def measure(self, case: Case, options: list[Tiling], budget: Budget) -> Measured:
+        """The case's candidates (the default first) checked and timed until the budget is
+        out; TuningError where the default fails."""
+        if case.adapters:
+            trials = self._fold_trials(case, options)
+        else:
+            trials = self._base_trials(case, options)
+        timings: dict[Tiling, float] = {}
+        rejected: list[str] = []
+        for i, (option, trial) in enumerate(zip(options, trials)):
+            if i > 0 and budget.out():
+                break
+            try:
+                bad = trial.check()
+                if bad:
+                    rejected.append(f"{option}: {', '.join(bad)}")
+                else:
+                    timings[option] = trial.time(self.timer)
+            except Exception as exc:  # a tiling the compiler or the device refuses
+                rejected.append(f"{option}: {type(exc).__name__}: {str(exc)[:120]}")
+            budget.step()
+        default = options[0]
+        if default not in timings:
+            raise TuningError(f"{case.describe()}: the default tiling {default} failed: {rejected}")
+        best = min(timings, key=timings.get)
+        N, K = self.shape.gemms()[case.group]
+        esize = torch.finfo(self.dtype).bits // 8
+        nbytes = launch_bytes(N, K, case.batch, esize, case.adapters, self.rank,
+                              len(slice_widths(self.shape, case.group)), case.expand)
+        return Measured(case.group, case.batch, default, timings[default], best, timings[best],
+                        tuple(rejected), case.adapters, case.expand, case.splits, nbytes, len(timings))
+
+    def _inputs(self, case: Case, K: int) -> list[torch.Tensor]:
+        """x at the case's batch, and at its bucket's largest step where that is another row tile."""
+        top = bucket_top(case.batch, self.batches)
+        rows = [case.batch] if same_row_tile(case.batch, top) else [case.batch, top]
+        return [torch.randn(r, K, generator=self.gen).to(self.device, self.dtype) for r in rows]
+
+    def _base_trials(self, case: Case, options: list[Tiling]) -> list["_Trial"]:
+        group = case.group
+        N, K = self.shape.gemms()[group]
+        w = self.weights(group, self.copies(group))
+        inputs = self._inputs(case, K)
+        refs = [gemm_reference(xi, w[0], group) for xi in inputs]
+        trials = []
+        for option in options:
+            tuning = DEFAULT_TUNING.replace(**{self.field: {**getattr(DEFAULT_TUNING, self.field), group: option}})
+
+            def check(t=tuning) -> list[str]:
+                errors = [(len(xi), rel_err(gemm_call(xi, w[0], group, t)(), ref)) for xi, ref in zip(inputs, refs)]
+                return [f"rel err {err:.1e} at {rows} rows" for rows, err in errors if not err <= MAX_REL_ERR]
+
+            def timed(timer: Timer, t=tuning) -> float:
+                return timer(lambda wc: gemm_call(inputs[0], wc, group, t), w)
+
+            trials.append(_Trial(check, timed))
+        return trials
+
+    def _fold_trials(self, case: Case, options: list[Tiling]) -> list["_Trial"]:
+        from kernels.gemm import DecodeGemm
+
+        group, widths = case.group, slice_widths(self.shape, case.group)
+        N, K = self.shape.gemms()[group]
+        copies = self.copies(group, case.adapters)
+        w = self.weights(group, copies)
+        loras = fold_copies(K, widths, case.batch, case.adapters, self.rank, case.expand, copies,
+                            self.device, self.dtype, self.gen, case.splits)
+        inputs = self._inputs(case, K)
+        checks = [(inputs[0], loras[0])] + [
+            (xi, fold_copies(K, widths, len(xi), case.adapters, self.rank, case.expand, 1, self.device,
+                             self.dtype, self.gen, case.splits)[0]) for xi in inputs[1:]]
+        refs = [xi.float() @ w[0].float() + li.delta(xi) for xi, li in checks]
+        trials = []
+        for option in options:
+            gemm = DecodeGemm(self.device, DEFAULT_TUNING.replace(
+                fold_tilings={**DEFAULT_TUNING.fold_tilings, group: option}))
+
+            def check(g=gemm) -> list[str]:
+                for lora in loras + [li for _, li in checks[1:]]:
+                    lora.sync.zero_()
+                bad = []
+                for (xi, li), ref in zip(checks, refs):
+                    li.xa.fill_(float("nan"))  # rows no shrink stores would spread
+                    err = rel_err(folded_output(g(xi, w[0], group=group, lora=li), li), ref)
+                    if not err <= MAX_REL_ERR:
+                        bad.append(f"rel err {err:.1e} at {len(xi)} rows")
+                return bad
+
+            def timed(timer: Timer, g=gemm) -> float:
+                return timer(lambda c: (lambda: g(inputs[0], c[0], group=group, lora=c[1])), list(zip(w, loras)))
+
+            trials.append(_Trial(check, timed))
+        return trials
+
+
+@dataclass(frozen=True)
+class _Trial:
+    check: Callable[[], list[str]]       # what disagrees with the reference ([]: nothing)
+    time: Callable[[Timer], float]
+
+
+def run(sweep: Sweep, todo: Sequence[Case], budget: Budget) -> tuple[list[Measured], list[Case]]:
+    """(what was measured, the cases the budget left unstarted), each case logged."""
+    plans = [(case, sweep.options(case)) for case in todo]
+    for case, options in plans:
+        if not options:
+            N, K = sweep.shape.gemms()[case.group]
+            log.debug("%s: no tiling divides its [%d, %d] weight: the node runs cuBLAS; not swept",
+                     case.describe(), K, N)
+    plans = [(c, o) for c, o in plans if o]
+    budget.total = sum(len(o) for _, o in plans)
+    results, skipped = [], []
+    for case, options in plans:
+        if budget.out():
+            skipped.append(case)
+            continue
+        measured = sweep.measure(case, options, budget)
+        if measured.timed < 2 and len(options) > 1:  # cut before any rival: nothing learnt
+            skipped.append(case)
+            continue
+        results.append(measured)
+        log.debug("%s: %d of %d tilings timed, %.0f s in", case.describe(), measured.timed,
+                  len(options), budget.spent())
+    if skipped:
+        log.info("tuning kernels for %s: the budget of %.0f s is spent after %d/%d candidates; %d of %d "
+                 "cases unmeasured", budget.what, budget.seconds, budget.done, budget.total, len(skipped),
+                 len(plans))
+    return results, skipped
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+def winners(results: Sequence[Measured], min_gain: float) -> dict[tuple[int, int], dict[str, Tiling]]:
+    """Per (batch, adapters) measured, the groups whose best tiling beats the default by more
+    than min_gain (a fraction of the default's time)."""
+    found: dict[tuple[int, int], dict[str, Tiling]] = {(r.batch, r.adapters): {} for r in results}
+    for r in results:
+        if r.best != r.default and r.best_us * (1 + min_gain) < r.default_us:
+            found[r.batch, r.adapters][r.group] = r.best
+    return found
+
+
+def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
+                existing: TuningTable | None = None) -> tuple[list[Bucket], list[str]]:
+    """(the buckets, the kinds of `existing`'s buckets kept): one at each (batch, adapters)
+    measured, holding the groups whose best tiling beats the default by more than min_gain;
+    a bucket where none does holds no choices of its own (so no smaller bucket's entry applies
+    to it). A fold bucket (adapters above 0) also holds the base choices a step of its batch
+    gets (a bucket stands alone over the node's tuning, and the groups a step does not fold
+    run the base GEMM). Buckets of `existing` that this sweep did not measure are kept."""
+    base = winners([r for r in results if r.adapters == 0], min_gain)
+    folds = winners([r for r in results if r.adapters > 0], min_gain)
+    default_table = getattr(DEFAULT_TUNING, field)
+    base_choices = {batch: ({field: {**default_table, **groups}} if groups else {})
+                    for (batch, _), groups in base.items()}
+    kept = []
+    if existing is not None:
+        old_base = {b.batch: dict(b.choices) for b in existing.buckets
+                    if b.adapters == 0 and b.batch not in base_choices}
+        old_folds = {(b.batch, b.adapters): {g: t for g, t in b.choices.get("fold_tilings", {}).items()
+                                             if DEFAULT_TUNING.fold_tilings.get(g) != t}
+                     for b in existing.buckets if b.adapters > 0 and (b.batch, b.adapters) not in folds}
+        if old_base:
+            base_choices = {**old_base, **base_choices}
+            kept.append("base")
+        if old_folds:
+            folds = {**old_folds, **folds}
+            kept.append("fold")
+
+    def base_for(batch: int) -> dict[str, Any]:  # the nearest base bucket's, as for_step picks
+        below = [b for b in base_choices if b <= batch]
+        return dict(base_choices[max(below)]) if below else {}
+
+    buckets = [Bucket(batch, 0, choices) for batch, choices in sorted(base_choices.items())]
+    buckets += [Bucket(batch, adapters, {**base_for(batch), **(
+                    {"fold_tilings": {**DEFAULT_TUNING.fold_tilings, **groups}} if groups else {})})
+                for (batch, adapters), groups in sorted(folds.items())]
+    return sorted(buckets, key=lambda b: (b.batch, b.adapters)), kept
+
+
+def print_results(results: Sequence[Measured], smoke: bool, bandwidth: float | None = None,
+                  out: Callable[[str], None] = print) -> None:
+    """The table of the sweep; with `bandwidth` (bytes/s of a device copy) each best launch
+    against its floor: its bytes (launch_bytes) at that bandwidth."""
+    unit = "us (CPU SMOKE: meaningless)" if smoke else "us per launch (CUDA graph)"
+    fold = any(r.adapters for r in results)
+    what = f" {'adapters':>8} {'fold':>6}" if fold else ""
+    out(f"\n{'group':8} {'batch':>5}{what}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
+        f"{'us':>8} {'default/best':>12} {'floor us':>8} {'best/floor':>10}   [{unit}]")
+    for r in sorted(results, key=lambda r: (GROUPS.index(r.group), r.batch, r.adapters)):
+        kind = "whole" if r.expand else "spread" if r.splits else "shrink"
+        mode = (f" {r.adapters:8d} {kind if r.adapters else '-':>6}"
+                if fold else "")
+        floor = r.nbytes / bandwidth * 1e6 if bandwidth and r.nbytes else None
+        vs_floor = f"{floor:8.2f} {r.best_us / floor:10.2f}" if floor else f"{'-':>8} {'-':>10}"
+        out(f"{r.group:8} {r.batch:5d}{mode}  {str(r.default):>16} {r.default_us:8.2f}  {str(r.best):>16} "
+            f"{r.best_us:8.2f} {r.default_us / r.best_us:12.3f} {vs_floor}")
+        for why in r.rejected:
+            out(f"{'':16}rejected {why}")

@@ -1,0 +1,152 @@
+"""A tuning table made on this device: the sweep (sweep.py) over the cases asked for, its
+winners filed as buckets, with the key's metadata (dtype, torch and Triton versions) and the
+time it took. What the node runs at its first start (store.table_at_start) and what
+`inference-node tune` runs ahead of time."""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from kernels.tuning import DEFAULT_TUNING, GROUPS
+from kernels import tuning_table
+from kernels.tuning_table import ModelShape, TableKey, TuningTable, device_name, load_table
+
+from .store import Found, table_at_start
+
+from .sweep import (ADAPTERS, BATCHES, MIN_GAIN, Budget, Measured, Sweep, Timer, TuningUnavailable,
+                    buckets_for, cases, cpu_timer, cuda_timer, run, tiling_field)
+
+log = logging.getLogger(__name__)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def versions() -> dict[str, str]:
+    """The torch and Triton a table tuned here is valid for ("none": Triton not installed)."""
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "none"
+    return {"torch": torch.__version__, "triton": triton}
+
+
+def key_for(device: torch.device, shape: ModelShape, dtype: torch.dtype) -> TableKey:
+    """The key of the table this node needs on `device` for (shard) `shape` in `dtype`."""
+    return TableKey(device_name(device), shape, dtype_name(dtype), **versions())
+
+
+def why_not(device: torch.device) -> str | None:
+    """Why the sweep cannot run on `device` (None: it can). Only on CUDA: elsewhere the kernels
+    are the PyTorch references, which take no launch choices."""
+    from kernels.dispatch import triton_installed
+
+    if device.type != "cuda":
+        return f"{device.type}: launch choices are tuned on CUDA devices only"
+    if not triton_installed():
+        return "Triton is not installed: the node runs the PyTorch references"
+    return None
+
+
+def base_field(device: torch.device) -> str:
+    """The Tuning table the node reads the base decode GEMM's tilings from on `device`: the
+    TMA launch's on Hopper (with the defaults' gemm_tma), the pointer loads' elsewhere."""
+    from kernels.host import hopper
+
+    tma = device.type == "cuda" and DEFAULT_TUNING.gemm_tma and hopper(torch.empty(1, device=device))
+    return tiling_field(tma)
+
+
+def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, budget_s: float,
+               batches: Sequence[int] = BATCHES, adapters: Sequence[int] = ADAPTERS,
+               groups: Sequence[str] = GROUPS, tp: int = 1, existing: TuningTable | None = None,
+               min_gain: float = MIN_GAIN, timer: Timer | None = None,
+               clock: Callable[[], float] = time.monotonic, max_candidates: int | None = None,
+               produced_by: str = "") -> tuple[TuningTable, list[Measured]]:
+    """(the table, what was measured) of `shape`'s decode GEMMs on `device` in `dtype`: the
+    base GEMM at each batch (adapters 0) and its folds at each count of distinct adapters,
+    within `budget_s` seconds. The fold is swept in the LoRA step plan the node runs: the
+    node choices of `existing` (kept, as are its buckets this sweep does not measure) and,
+    with tp > 1, a rank's (parallel/shard.py: o never leaves its delta for the norm after
+    it). Off CUDA (tests) the candidates run through the reference, or Triton's interpreter,
+    timed by the wall clock: the numbers mean nothing there."""
+    from inference_node.parallel.shard import tensor_parallel_tuning
+
+    if device.type == "cuda":
+        reason = why_not(device)
+        if reason is not None:
+            raise TuningUnavailable(reason)
+    field = base_field(device)
+    plan = existing.tunings(DEFAULT_TUNING).base if existing is not None else DEFAULT_TUNING
+    if tp > 1:
+        plan = tensor_parallel_tuning(plan)
+    todo, notes = cases(shape, batches, adapters, groups, plan, device)
+    for note in notes:
+        log.debug("%s", note)
+    name = device_name(device)
+    budget = Budget(budget_s, f"{name} {shape.key} {dtype_name(dtype)}", clock=clock)
+    sweep = Sweep(shape, device, dtype, field,
+                  timer or (cuda_timer if device.type == "cuda" else cpu_timer),
+                  list(batches), max_candidates)
+    results, skipped = run(sweep, todo, budget)
+    del sweep  # its operand copies: freed before the node sizes its memory
+    if skipped:
+        log.debug("unmeasured: %s", ", ".join(case.describe() for case in skipped))
+    buckets, kept = buckets_for(results, field, min_gain, existing)
+    measured = {(r.group, r.batch, r.adapters) for r in results}
+    unmeasured = {c.key for c in skipped}
+    spent = budget.spent()
+    produced_by = f"{produced_by} ({field}, min gain {min_gain})".strip()
+    if existing is not None:
+        unmeasured |= {u for u in existing.unmeasured if u not in measured}
+        spent += existing.tuning_s or 0.0
+        if kept and existing.buckets:
+            produced_by += f"; {' and '.join(kept)} buckets kept from: {existing.produced_by}"
+    table = TuningTable(name, shape, dtype_name(dtype), dict(existing.node) if existing else {},
+                        tuple(buckets), produced_by, versions(), spent, tuple(sorted(unmeasured)))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the node sizes its KV cache by the memory left after this
+    return table, results
+
+
+def node_tuner(device: torch.device, shape: ModelShape, dtype: torch.dtype,
+               tp: int) -> Callable[[float], TuningTable]:
+    """What a node starting without a table runs (store.table_at_start): the default cases
+    within the budget it is given."""
+    def tune(budget_s: float) -> TuningTable:
+        table, _ = tune_table(shape, device, dtype, budget_s=budget_s, tp=tp,
+                              produced_by=f"inference-node serve at its first start (--tune-budget {budget_s:g}"
+                                          + (f", a rank of --tensor-parallel-size {tp}" if tp > 1 else "") + ")")
+        return table
+    return tune
+
+
+def default_cache() -> Path:
+    """Where a node keeps the tables it tunes unless told (--tuning-cache-dir): under the
+    cache directory, beside the embedded model."""
+    from inference_node.model.embedded import cache_root
+
+    return cache_root() / "tuning"
+
+
+def node_table(setting: str, device: torch.device, shape: ModelShape, dtype: torch.dtype, *,
+               budget_s: float, tp: int = 1, cache: Path | None = None) -> Found:
+    """The table a node with `--tuning-table setting` and `--tune-budget budget_s` runs with
+    on `device` for its (shard) `shape` in `dtype`: none ("off"), the file given (its shape
+    checked: TuningTableError), or with "auto" the seed, the cached table or one tuned now
+    (store.table_at_start; `cache`: the node's, under its cache directory). The benchmarks
+    take their table this way too (budget 0: never tune)."""
+    if setting == "off":
+        return Found(None, "off")
+    if setting != "auto":
+        return Found(load_table(setting, shape), "given")
+    cache = cache or default_cache()
+    reason = why_not(device)
+    return table_at_start(key_for(device, shape, dtype), tuning_table.CONFIG_DIR, cache, budget_s,
+                          None if reason else node_tuner(device, shape, dtype, tp), reason or "")

@@ -1,0 +1,229 @@
+"""The tuner on a GPU: `inference-node tune` writes a table for this GPU with every candidate
+checked against the reference; a node with an empty cache tunes at its first start within
+its budget and takes the cached table at its second; and greedy decoding matches PEFT token
+for token for every launch choice the tuner may pick (each candidate tiling of every group,
+plain and with LoRA folded in, in the mode the node's plan runs it), on a reduced-layer model
+of Llama-3.1-8B's widths.
+
+One call runs them all: `pytest -q -m gpu tests/tuner/test_tuner_gpu.py` (the parity sweep
+takes most of it: four node starts at 8B widths, each compiling its round's tilings).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config_dir(tmp_path: Path, config: dict) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def tune(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "tune", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_tune_writes_a_table_for_this_gpu(tmp_path: Path) -> None:
+    """One group at one batch, plain and folded, of Llama-3.2-1B's shapes (a minute at most):
+    every candidate checked against the reference, the table filed under this GPU's key."""
+    from bench.shapes import LLAMA_3_2_1B
+    from inference_node.tuner.store import usable
+    from inference_node.tuner.tune import key_for
+    from kernels.tuning_table import ModelShape
+
+    model = config_dir(tmp_path, LLAMA_3_2_1B)
+    proc = tune("--model", str(model), "--batches", "64,8", "--adapters", "0,32,1", "--groups", "o",
+                "--budget-s", "300", "--out", str(tmp_path / "out"))
+    key = key_for(torch.device("cuda"), ModelShape(2048, 8192, 32, 8, 64), torch.bfloat16)
+    table = usable(tmp_path / "out" / key.name, key, check_versions=True)
+    assert table is not None and table.device == torch.cuda.get_device_name()
+    assert [(b.batch, b.adapters) for b in table.buckets] == [(8, 0), (8, 1), (64, 0), (64, 1), (64, 32)]
+    assert table.unmeasured == () and 0 < table.tuning_s < 300
+    assert "rejected" not in proc.stdout, proc.stdout  # no candidate disagreed with the reference
+    assert "copy bandwidth" in proc.stdout and "floor us" in proc.stdout
+    print(proc.stdout)
+
+
+@pytest.mark.tunes
+def test_a_node_tunes_at_its_first_start_and_takes_the_cache_at_its_second(
+        tiny_llama_path: Path, tmp_path: Path, monkeypatch, caplog) -> None:
+    from inference_node.llm import LLM
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("LORA_SERVING_CACHE", str(tmp_path / "cache"))
+    config = dict(checkpoint=str(tiny_llama_path), device="cuda", dtype="float32", num_kv_blocks=64,
+                  max_num_seqs=8, max_loras=2, tune_budget=45.0)
+    with LLM(**config) as llm:
+        path = Path(llm.node.config.kernels.tuning_table)
+        table = llm.engine.runner.launches.tunings.table
+        assert table is not None and table.path == path and path.parent == tmp_path / "cache" / "tuning"
+        assert table.device == torch.cuda.get_device_name() and table.dtype == "float32"
+        assert table.tuning_s <= 45 + 30  # the budget, and the last candidate it let start
+        assert len(llm.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)[0].token_ids) == 4
+    assert "tuning kernels for" in caplog.text and "candidates," in caplog.text  # progress lines
+    assert f"tuning table: {path} (tuned now in" in caplog.text
+    caplog.clear()
+    with LLM(**config) as llm:
+        assert llm.node.config.kernels.tuning_table == str(path)
+    assert f"tuning table: {path} (cache)" in caplog.text
+    assert "tuning its kernels now" not in caplog.text
+
+
+def test_the_lora_tiling_sweep_runs(tmp_path: Path) -> None:
+    from bench.shapes import LLAMA_3_2_1B
+
+    proc = subprocess.run([sys.executable, "-m", "inference_node.tuner.lora_sweep", "--model",
+                           str(config_dir(tmp_path, LLAMA_3_2_1B)), "--groups", "o", "--adapters", "8",
+                           "--no-sweep"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "o          8 adapters shrink: default" in proc.stdout and "expand: default" in proc.stdout
+
+
+# -- greedy parity for every choice the tuner may pick -------------------------------------------------
+
+BUCKETS = (1, 8, 32, 64)  # decode batch buckets of one round: row tiles of 16, 32 and 64 rows
+# The LoRA step plans a round runs under: the defaults (o folds whole in a step of one adapter,
+# the other groups expand on the side stream), and one where every group folds only its
+# shrink, down's spread over its tile programs (the H100 8B seed's plan, and the defaults' in
+# steps of more than 8 adapters).
+PLANS = {"whole": {},
+         "shrink": {"shrink_fold_groups": ["qkv", "o", "gate_up", "down"], "fold_shrink_spread": ["down"],
+                    "side_expand_segments": 0, "side_expand_group_segments": {}}}
+
+
+def choice_space(shape, field: str, plan: dict) -> dict[tuple[str, str], list[tuple[int, int, int]]]:
+    """(Tuning field, group) -> every tiling the tuner may pick for it on this float32 node
+    (its candidates: a bfloat16 table's tilings are fitted to these at launch), for the base
+    GEMM and for the folds the plan runs in a step of one adapter."""
+    from inference_node.tuner.sweep import candidates, fold_modes, slice_offsets
+    from kernels.tuning import DEFAULT_TUNING, GROUPS
+    from kernels.tuning_table import choice_from_json
+
+    tuning = DEFAULT_TUNING.replace(**{name: choice_from_json(name, value) for name, value in plan.items()})
+    space: dict[tuple[str, str], list] = {}
+    for group in GROUPS:
+        N, K = shape.gemms()[group]
+        w = torch.empty(N, K, dtype=torch.float32, device="meta").t()
+        space[(field, group)] = candidates(w, group, field)
+        if group in fold_modes([group], 1, tuning):
+            space[("fold_tilings", group)] = candidates(w, group, "fold_tilings",
+                                                        slice_offsets=slice_offsets(shape, group))
+    return {k: v for k, v in space.items() if v}
+
+
+def round_table(shape, field: str, plan: dict, space: dict, first: int) -> dict:
+    """A table whose buckets (b, 0) and (b, 1) of BUCKETS give every group the candidates
+    first, first + 1, ... of its lists (wrapping), for the base GEMM and for the fold."""
+    def pick(name: str, group: str, i: int) -> list[int]:
+        options = space[(name, group)]
+        return list(options[(first + i) % len(options)])
+
+    import dataclasses
+
+    buckets = []
+    for i, batch in enumerate(BUCKETS):
+        base = {group: pick(field, group, i) for (name, group) in space if name == field}
+        fold = {group: pick("fold_tilings", group, i) for (name, group) in space if name == "fold_tilings"}
+        buckets.append({"batch": batch, "adapters": 0, "choices": {field: base}})
+        buckets.append({"batch": batch, "adapters": 1, "choices": {field: base, "fold_tilings": fold}})
+    return {"format": 2, "device": torch.cuda.get_device_name(), "shape": dataclasses.asdict(shape),
+            "dtype": "float32", "produced_by": f"tests/tuner parity round from candidate {first}",
+            "node": plan, "buckets": buckets}
+
+
+def generate(llm, prompts: list[list[int]], adapters: list[str], max_tokens: int) -> list[list[int]]:
+    """All prompts in flight together (a decode step of len(prompts) rows), prompt i with
+    adapter adapters[i]: LLM.generate with an adapter per prompt."""
+    from inference_node.engine.request import Request, SamplingParams
+
+    llm.prepare()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+
+    def emit(i: int, event) -> None:
+        assert event.error is None, event.error
+        tokens[i].extend(event.token_ids)
+        done[i] = event.finish_reason is not None
+
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        llm.engine.submit(Request(list(prompt), params, lambda event, i=i: emit(i, event), adapter=adapter))
+    while not all(done):
+        llm.engine.run_once()
+    return tokens
+
+
+@pytest.mark.timeout(600)
+def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths_path: Path, tmp_path: Path) -> None:
+    """Rounds of node starts, each over a table that gives each decode batch bucket (1, 8, 32,
+    64 rows; without and with an adapter) the next candidates of every group, until every
+    candidate of every group has run, plain (the base GEMM, in the launch the node fuses it
+    into: RoPE for q/k/v, SiLU for gate/up) and folded (whole, or shrink only), under both
+    plans. Steps of 1, 8, 32 and 64 rows, base, adapter and mixed, each prompt's tokens equal
+    to PEFT's."""
+    from harness import make_peft_adapter, peft_greedy
+    from inference_node.llm import LLM
+    from inference_node.model.config import ModelConfig
+    from inference_node.tuner.tune import base_field
+    from kernels.tuning_table import ModelShape, TuningTable
+
+    shape = ModelShape.of(ModelConfig.from_checkpoint(llama_8b_widths_path))
+    field = base_field(torch.device("cuda"))
+    adapter_dir = tmp_path / "adapters"
+    make_peft_adapter(llama_8b_widths_path, adapter_dir / "all", 16, 16.0,
+                      ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], seed=3)
+    distinct = [[100 + 37 * i + j for j in range(3 + i % 5)] for i in range(16)]
+    prompts = [distinct[i % 16] for i in range(max(BUCKETS))]  # PEFT runs the 16 distinct ones
+    max_new = 6
+    refs = {"": peft_greedy(llama_8b_widths_path, None, distinct, max_new),
+            "all": peft_greedy(llama_8b_widths_path, adapter_dir / "all", distinct, max_new)}
+    assert sum(a != b for a, b in zip(refs[""], refs["all"])) >= 8, "the adapter barely changes the model"
+    expected = {name: [tokens[i % 16] for i in range(len(prompts))] for name, tokens in refs.items()}
+    # (rows, adapters of the prompts): every bucket without and with the adapter, and mixed.
+    top = max(BUCKETS)
+    calls = [(n, [""] * n) for n in BUCKETS] + [(n, ["all"] * n) for n in BUCKETS] + [(top, ["", "all"] * (top // 2))]
+    covered: dict[tuple[str, str], set] = {}
+    starts = 0
+    for plan_name, plan in PLANS.items():
+        space = choice_space(shape, field, plan)
+        rounds = math.ceil(max(len(v) for v in space.values()) / len(BUCKETS))
+        for r in range(rounds):
+            raw = round_table(shape, field, plan, space, r * len(BUCKETS))
+            path = tmp_path / f"{plan_name}-{r}.json"
+            path.write_text(json.dumps(raw))
+            table = TuningTable.read(path)
+            with LLM(checkpoint=str(llama_8b_widths_path), device="cuda", dtype="float32", num_kv_blocks=256,
+                     max_num_seqs=top, max_loras=1, max_lora_rank=16, adapter_dir=str(adapter_dir),
+                     max_num_batched_tokens=512, tuning_table=str(path), debug_checks=True,
+                     mixed_graphs="off") as llm:  # decode graphs (where folds run) and eager prefill
+                starts += 1
+                for rows, adapters in calls:
+                    got = generate(llm, prompts[:rows], adapters, max_new)
+                    for i, (tokens, adapter) in enumerate(zip(got, adapters)):
+                        assert tokens == expected[adapter][i], (
+                            f"plan {plan_name}, round {r}, {rows} rows, prompt {i} ({adapter or 'base'}): "
+                            f"{tokens} != PEFT's {expected[adapter][i]}; table {raw['buckets']}")
+            for bucket in table.buckets:
+                for name in (field, "fold_tilings"):
+                    for group, tiling in bucket.choices.get(name, {}).items():
+                        covered.setdefault((name, group), set()).add(tuple(tiling))
+        for key, options in space.items():
+            assert set(options) <= covered.get(key, set()), (plan_name, key)
+    print(f"{starts} node starts; choices covered: " + ", ".join(
+        f"{name}.{group}: {len(tilings)}" for (name, group), tilings in sorted(covered.items())))
