@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from harness import InProcessNode
+from harness import InProcessNode, wait_for
 from inference_node.config import NodeConfig, RequestLimits
 from lora.v1 import inference_pb2 as pb
 from lora_client.node_client import NodeClient
@@ -148,10 +148,7 @@ def test_closing_a_stream_of_n_answers_frees_every_one(node, api, base) -> None:
         if len(seen) == 3:
             break
     stream.close()
-    deadline = 100
-    while engine_stats(node)["live_requests"] and deadline:
-        deadline -= 1
-        threading.Event().wait(0.1)
+    wait_for(lambda: engine_stats(node)["live_requests"] == 0, 10, "the engine to free the three answers")
     node.check_idle()
 
 
