@@ -22,6 +22,7 @@ from .config import ConfigError, NodeConfig
 from .engine.build import build_engine
 from .engine.config import EngineConfig
 from .engine.engine import Engine
+from .engine.grammar import GrammarCompiler
 from .engine.kv_cache import KVCache
 from .model.checkpoint import CheckpointError, validate_checkpoint_dir
 from .model.embedded import cache_root, default_checkpoint
@@ -312,7 +313,9 @@ def _assemble(config: NodeConfig, parts: RankParts, ranks: Workers | None, start
         warmup = "off"
     adapters = build_adapter_manager(config, model, device, dtype, buffers=parts.slots, disk=disk)
     blocks = parts.num_kv_blocks
-    engine = build_engine(model, lora=adapters, launches=parts.launches, ranks=ranks, config=EngineConfig(
+    grammars = GrammarCompiler(checkpoint / "tokenizer.json", model.full_config.vocab_size,
+                               model.full_config.eos_token_ids, parallel_masks=device.type == "cuda")
+    engine = build_engine(model, lora=adapters, launches=parts.launches, ranks=ranks, grammars=grammars, config=EngineConfig(
         num_kv_blocks=blocks, block_size=cache.block_size, max_num_seqs=parts.max_num_seqs,
         max_num_batched_tokens=scheduler.max_num_batched_tokens, max_queue=scheduler.max_queue,
         max_model_len=model_len, prefix_caching=cache.prefix_caching,

@@ -7,11 +7,12 @@ import re
 
 from lora.v1 import inference_pb2
 
-from .core.protocol import CoreInfo, GenerateSpec
+from .core.protocol import MAX_TOP_LOGPROBS, CoreInfo, GenerateSpec
 from .tokenizer import ChatTemplateError, TextCodec
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPT_CHARS = 1 << 20
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_TEMPERATURE = 2.0   # the OpenAI API's range, on both APIs: a larger one samples noise
@@ -52,8 +53,11 @@ def output_budget(asked: int, prompt_len: int, max_model_len: int, default: int)
 
 
 def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: CoreInfo,
-                  default_max_tokens: int, request_id: int) -> tuple[GenerateSpec, tuple[str, ...]]:
-    """The engine's request and the stop strings the front end watches for."""
+                  default_max_tokens: int, request_id: int, grammar: str = "",
+                  n: int = 1) -> tuple[GenerateSpec, tuple[str, ...]]:
+    """The engine's request and the stop strings the front end watches for. grammar: the
+    response format's (frontend/response_format.py, "" for none); n: answers to the prompt
+    (engine requests request_id .. request_id + n - 1)."""
     vocab_size, max_model_len = core.vocab_size, core.max_model_len
     if msg.adapter and not ADAPTER_NAME.match(msg.adapter):
         raise BadRequest("adapter names are 1-128 characters of letters, digits, '.', '_' and '-', "
@@ -69,6 +73,20 @@ def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: Co
         raise BadRequest(f"top_k must be >= 0 (0 means off), got {msg.top_k}", "top_k")
     if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
         raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
+    if not 0 <= msg.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {msg.top_logprobs}",
+                         "top_logprobs")
+    if msg.top_logprobs and not msg.logprobs:
+        raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(msg.stop_token_ids)}", "stop_token_ids")
+    outside = [t for t in msg.stop_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise BadRequest(f"stop_token_ids holds ids outside the vocabulary [0, {vocab_size}), e.g. {outside[0]}",
+                         "stop_token_ids")
+    if grammar and msg.ignore_eos:
+        raise BadRequest("ignore_eos cannot be used with a response_format: a constrained answer ends when its "
+                         "JSON is whole", "ignore_eos")
 
     if msg.prompt_token_ids:
         ids = list(msg.prompt_token_ids)
@@ -101,5 +119,7 @@ def build_request(msg: inference_pb2.GenerateRequest, codec: TextCodec, core: Co
     spec = GenerateSpec(request_id=request_id, prompt_token_ids=ids, max_tokens=max_tokens,
                         temperature=msg.temperature, top_p=top_p, top_k=msg.top_k,
                         seed=msg.seed if msg.HasField("seed") else None, ignore_eos=msg.ignore_eos,
-                        adapter=msg.adapter, client_request_id=msg.request_id)
+                        adapter=msg.adapter, client_request_id=msg.request_id, n=n,
+                        logprobs=msg.top_logprobs if msg.logprobs else -1,
+                        stop_token_ids=list(dict.fromkeys(msg.stop_token_ids)), grammar=grammar)
     return spec, tuple(s for s in msg.stop if s)

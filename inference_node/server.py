@@ -46,6 +46,10 @@ class InferenceNodeService(inference_pb2_grpc.InferenceNodeServicer):
         try:
             async for chunk in stream:
                 reply = inference_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+                if chunk.logprobs is not None:
+                    reply.logprobs.extend(inference_pb2.TokenLogprob(logprob=logprob, top_token_ids=ids,
+                                                                     top_logprobs=values)
+                                          for logprob, ids, values in chunk.logprobs)
                 if chunk.finish_reason is not None:
                     reply.finish_reason = chunk.finish_reason
                     reply.prompt_tokens = chunk.prompt_tokens
@@ -245,6 +249,7 @@ class NodeServer:
             await self._drain_core(deadline, closes_at)
         while self.client.streams and loop.time() < deadline + 2.0:  # their last messages
             await asyncio.sleep(0.02)
+        self.client.unwatch_core()  # nothing left to fail: the core may exit before this front end
         await asyncio.sleep(max(0.0, closes_at - loop.time()))
         if self.http is not None:
             await self.http.stop()
@@ -264,6 +269,7 @@ class NodeServer:
                 await asyncio.sleep(0.05)
                 inflight = await self.client.call("inflight", timeout=5.0)
             await asyncio.sleep(max(0.0, closes_at - loop.time()))
+            self.client.unwatch_core()  # it exits as soon as it has stopped, before this front end
             await self.client.call("shutdown", timeout=5.0)
         except (CoreError, asyncio.TimeoutError) as exc:
             log.error("the engine core did not drain cleanly: %s", exc)

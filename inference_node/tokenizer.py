@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -12,6 +13,23 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # a byte-fallback token of a SentencePiece vocabulary
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level map from a vocabulary's characters back to bytes: printable bytes
+    stand for themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
 class ChatTemplateError(ValueError):
     """The messages could not be rendered with the model's chat template."""
 
@@ -19,6 +37,9 @@ class ChatTemplateError(ValueError):
 class TextCodec:
     def __init__(self, path: Path) -> None:
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        decoder = json.loads((path / "tokenizer.json").read_text()).get("decoder") or {}
+        self._byte_level = byte_level_alphabet() if decoder.get("type") == "ByteLevel" else None
+        self._token_bytes: dict[int, bytes] = {}
         config_path = path / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.bos_token = _token_text(config.get("bos_token"))
@@ -46,6 +67,24 @@ class TextCodec:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for in the text (a token may hold part of a character):
+        exact for byte-level vocabularies and SentencePiece byte pieces; a special token's
+        bytes are its name's."""
+        known = self._token_bytes.get(token_id)
+        if known is not None:
+            return known
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        alphabet = self._byte_level
+        if alphabet is not None and all(c in alphabet for c in piece):
+            data = bytes(alphabet[c] for c in piece)
+        elif (match := BYTE_PIECE.fullmatch(piece)) is not None:
+            data = bytes([int(match.group(1), 16)])
+        else:
+            data = piece.replace("\u2581", " ").encode()   # SentencePiece's word-start mark
+        self._token_bytes[token_id] = data
+        return data
 
     def step_decoder(self) -> Callable[[int], str | None]:
         """An incremental decoder for one output: fed token by token, it returns the text each

@@ -30,6 +30,8 @@ class Completion:
     adapter_version: str = ""
     node: str = ""        # the node that answered, as the proxy names it (x-lora-node); "" direct
     attempts: int = 1     # 1 + the refusals retried before the first token
+    # With GenerateRequest.logprobs: one per token id.
+    logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
 
 
 ADAPTER_HEADER = "x-lora-adapter"
@@ -218,6 +220,7 @@ class NodeClient:
         for msg in answer:
             result.text += msg.text
             result.token_ids += msg.token_ids
+            result.logprobs += msg.logprobs
             if msg.finish_reason:
                 result.finish_reason = msg.finish_reason
                 result.prompt_tokens = msg.prompt_tokens

@@ -35,7 +35,9 @@ WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "
           "six",
           # The OpenAI-compatible HTTP API (server, and bench.serving's HTTP clients).
           "starlette", "uvicorn", "httptools", "click", "h11", "anyio", "sniffio", "idna", "typing_extensions",
-          "httpx", "httpcore", "certifi")
+          "httpx", "httpcore", "certifi",
+          # Structured output's grammars (an abi3 wheel: one for every Python).
+          "llguidance")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "any")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -37,6 +37,7 @@ from . import protocol as wire
 from .protocol import Abort, Add, Batch, Call, CoreInfo, ErrorKind, GenerateSpec, Hello, Output, Reply, WireError
 
 log = logging.getLogger(__name__)
+SEED_MODULUS = 1 << 64   # seeds are uint64 (the gRPC field)
 
 
 def wire_error(error: BaseException) -> WireError:
@@ -86,6 +87,12 @@ class EngineCore:
         self.refusals: dict[str, zmq.Socket] = {}
         self._receiver = threading.Thread(target=self._receive, name="core-inbox", daemon=True)
         self._stopping = threading.Event()
+        # Wakes the receiver's poll when the loop ends, so a stop does not wait out its timeout.
+        wake = f"inproc://core-wake-{id(self)}"
+        self._wake_in = self.context.socket(zmq.PAIR)
+        self._wake_in.bind(wake)
+        self._wake_out = self.context.socket(zmq.PAIR)
+        self._wake_out.connect(wake)
         self.watch_parent = False                             # set by the process entry point
         self.calls: dict[str, Callable[..., Any]] = {
             "list_adapters": self._list_adapters, "stats": self._stats, "snapshot": node.snapshot,
@@ -116,6 +123,7 @@ class EngineCore:
             self.engine.run_forever(after_each=self.flush)
         finally:
             self._stopping.set()
+            self._wake_out.send(b"")
             if self.node.catalog is not None:
                 self.node.catalog.stop()
             if self.node.adapters is not None:
@@ -124,7 +132,8 @@ class EngineCore:
             self.node.close()
             for sock in [*self.outputs.values(), *self.refusals.values()]:
                 sock.close(linger=1000)  # the last batch (cut answers) still goes out
-            self.inbox.close()
+            for sock in (self.inbox, self._wake_in, self._wake_out):
+                sock.close()
 
     def stop(self) -> None:
         """From another thread: ends the loop (running requests end as at shutdown)."""
@@ -144,7 +153,7 @@ class EngineCore:
     def _emit(self, frontend: str, request_id: int, event: StreamEvent) -> None:
         error = wire_error(event.error) if event.error is not None else None
         self.outbox[frontend].append(Output(request_id, event.token_ids, event.finish_reason, error,
-                                            event.cached_prompt_tokens, event.adapter_version))
+                                            event.cached_prompt_tokens, event.adapter_version, event.logprobs))
         if event.finish_reason is not None:
             self.requests.pop((frontend, request_id), None)
 
@@ -179,14 +188,15 @@ class EngineCore:
     def _receive(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
         while not self._stopping.is_set():
             try:
-                ready = poller.poll(500)
+                ready = dict(poller.poll(500))  # the timeout only paces the launcher check
             except zmq.ZMQError:  # the socket closed under a stopping core
                 if self._stopping.is_set():
                     return
                 raise
-            if not ready:
+            if self.inbox not in ready:
                 if self.watch_parent and not parent_alive():
                     log.error("the node's launcher is gone: stopping the engine core")
                     os._exit(1)
@@ -219,20 +229,30 @@ class EngineCore:
             self.engine.call(partial(self._connect, message.frontend, message.address))
 
     def _add(self, frontend: str, spec: GenerateSpec) -> None:
-        params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
-                                top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
-                                ignore_eos=spec.ignore_eos)
-        request = Request(spec.prompt_token_ids, params, partial(self._emit, frontend, spec.request_id),
-                          adapter=spec.adapter, request_id=spec.client_request_id)
-        try:
-            if spec.adapter and self.node.adapters is None:
-                raise AdapterNotFound(f"adapter {spec.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
-            self.requests[(frontend, spec.request_id)] = request.id
-            self.engine.submit(request)
-        except Exception as exc:  # refused before it started: tell the front end at once
-            self.requests.pop((frontend, spec.request_id), None)
-            refusal = Output(spec.request_id, [], "error", wire_error(exc))
-            self.refusals[frontend].send(self._encode_refusal(Batch([refusal], [])))
+        """The spec's n engine requests: the later ones follow the first, whose prompt's KV
+        they reuse from the prefix cache, and sample with seeds of their own (seed + i)."""
+        first = None
+        for i in range(spec.n):
+            request_id = spec.request_id + i
+            seed = None if spec.seed is None else (spec.seed + i) % SEED_MODULUS
+            params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                                    top_p=spec.top_p, top_k=spec.top_k, seed=seed, ignore_eos=spec.ignore_eos,
+                                    logprobs=spec.logprobs, stop_token_ids=frozenset(spec.stop_token_ids))
+            request = Request(spec.prompt_token_ids, params, partial(self._emit, frontend, request_id),
+                              adapter=spec.adapter, request_id=spec.client_request_id, grammar_source=spec.grammar,
+                              follows=first)
+            first = first or request
+            try:
+                if spec.adapter and self.node.adapters is None:
+                    raise AdapterNotFound(f"adapter {spec.adapter!r}: LoRA is disabled on this node (--max-loras 0)")
+                self.requests[(frontend, request_id)] = request.id
+                self.engine.submit(request)
+            except Exception as exc:  # refused before it started: tell the front end at once
+                self.requests.pop((frontend, request_id), None)
+                error = wire_error(exc)  # the later answers are refused with it (the front end aborts the earlier)
+                refusals = [Output(spec.request_id + j, [], "error", error) for j in range(i, spec.n)]
+                self.refusals[frontend].send(self._encode_refusal(Batch(refusals, [])))
+                return
 
     # -- calls, on the loop thread --------------------------------------------------------------
     def _load_adapter(self, frontend: str, call_id: int, name: str, version: str = "", pin: bool = False) -> None:
@@ -338,4 +358,10 @@ def run_engine_core_process(config: NodeConfig, address: str) -> None:
     core.watch_parent = True
     log.info("engine core started (pid %d)", os.getpid())
     core.run()
+    core.context.destroy(linger=1000)  # once the sockets' last messages are out
     log.info("engine core stopped")
+    logging.shutdown()
+    # Nothing is left to close, and the interpreter's own teardown of the model, torch and the
+    # objects the loop froze out of the collector takes over a second of CPU: a stop waits for
+    # this process, so it ends here.
+    os._exit(0)

@@ -9,14 +9,16 @@ stay light.
 
 To the core (ToCore), each naming the front end it comes from:
   Hello  its output address; answered by Welcome with the core's limits (CoreInfo)
-  Add    a GenerateSpec
+  Add    a GenerateSpec (n answers to one prompt: n engine requests, ids request_id ..
+         request_id + n - 1, each streamed as its own)
   Abort  a request id
   Call   a method of the core's, run between steps; answered by a Reply in a later Batch
 From the core (FromCore):
   Welcome  CoreInfo
   Batch    everything for one front end since the last step: an Output per request with
            news (the first and the last of a request carry cached_prompt_tokens and
-           adapter_version) and a Reply per finished call
+           adapter_version; with logprobs asked, one TokenLogprobs per token id) and a Reply
+           per finished call
 """
 from __future__ import annotations
 
@@ -42,6 +44,13 @@ class WireError(msgspec.Struct, array_like=True, frozen=True):
     kind: str = ErrorKind.FAILED
 
 
+# A sampled token's log-probability, and the most likely tokens at its position with theirs
+# (most likely first): what a request that asks for logprobs gets beside each token, built
+# by the engine and sent as it is.
+TokenLogprobs = tuple[float, list[int], list[float]]
+MAX_TOP_LOGPROBS = 20   # most likely alternatives a request may ask for at each position
+
+
 class GenerateSpec(msgspec.Struct, array_like=True, frozen=True):
     """A validated, tokenised request as the engine core takes it."""
 
@@ -55,6 +64,10 @@ class GenerateSpec(msgspec.Struct, array_like=True, frozen=True):
     ignore_eos: bool = False
     adapter: str = ""
     client_request_id: str = ""   # the caller's own id, for logs
+    n: int = 1                    # answers to this prompt (engine requests request_id + 0..n-1)
+    logprobs: int = -1            # -1: none; k >= 0: each token's log-probability and the top k
+    stop_token_ids: list[int] = []
+    grammar: str = ""             # structured output: an llguidance grammar ("" for none)
 
 
 class CoreInfo(msgspec.Struct, frozen=True):
@@ -109,6 +122,7 @@ class Output(msgspec.Struct, array_like=True, gc=False):
     error: Union[WireError, None] = None
     cached_prompt_tokens: int = 0
     adapter_version: str = ""
+    logprobs: Union[list[TokenLogprobs], None] = None   # beside token_ids, when asked
 
 
 class Reply(msgspec.Struct, array_like=True):

@@ -14,6 +14,12 @@ streaming overlap the GPU instead of adding to each step. A request that step n 
 length is not scheduled again; one that it ends by EOS or a stop string has step n+1's token
 for it dropped (its KV blocks are freed first, which is safe: any later use of them is queued
 behind step n+1 on the same stream).
+
+Structured output: a constrained request's grammar compiles off the loop from its submission
+(grammar.py); the request waits out of the scheduler until it has. A step that samples constrained rows has its forward
+launched as any other; its sampling is queued once step n's tokens are read and each
+constrained request's matcher has moved on by its token, so the host fills the masks while
+the device runs the forward (ModelRunner.sample).
 """
 from __future__ import annotations
 
@@ -26,11 +32,15 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from ..runner.runner import ModelRunner, StepRun
+from ..runner.sampler import StepMasks
 from ..runner.token_feedback import NON_FINITE
 from .admission import Admission
 from .config import EngineConfig
-from .errors import CutShort, EngineStopped, NonFiniteLogits, NotStarted
+from .errors import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted
+from .grammar import GrammarCompiler, mask_words
 from .kv_cache import BlockAllocator
 from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
 from .request import Request, Status
@@ -50,9 +60,11 @@ class LaunchedStep:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, config: EngineConfig, lora: LoraProvider | None = None) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, lora: LoraProvider | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         """runner: the model runner (its LoRA step plan and this lora, the adapters'
-        lifecycles, go together; None: LoRA disabled, base model only)."""
+        lifecycles, go together; None: LoRA disabled, base model only). grammars: compiles
+        structured output's grammars (None: requests with one are refused)."""
         if (lora is None) != (runner.lora is None):
             raise ValueError("LoRA needs both the adapter manager and the step plan")
         self.runner = runner
@@ -69,6 +81,12 @@ class Engine:
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.admission = Admission(config)
         self._requests: dict[int, Request] = {}
+        self.grammars = grammars
+        self._compiling: set[int] = set()   # live requests whose grammar is being compiled
+        self._masks: np.ndarray | None = None
+        # Live requests that ask for logprobs or have a grammar: while there are none, no
+        # step's rows are looked at for them.
+        self._special_requests = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -90,8 +108,12 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queues the request for the loop, or raises why the node does not take it."""
+        if request.grammar_source and self.grammars is None:
+            raise InvalidRequest("structured output (response_format) is not available on this engine")
         self.admission.admit(request)
-        self._commands.put(("add", request))
+        # Compiling from now on, it is mostly done when the loop takes the request.
+        compiled = self.grammars.compile(request.grammar_source) if request.grammar_source else None
+        self._commands.put(("add", (request, compiled)))
 
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))
@@ -115,6 +137,8 @@ class Engine:
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.grammars is not None:
+            self.grammars.close()
         gc.unfreeze()  # what start froze may be collected again (and is, at interpreter exit)
 
     def release_graphs(self) -> None:
@@ -171,8 +195,23 @@ class Engine:
 
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            self._requests[arg.id] = arg
-            self.scheduler.add(arg)
+            req, compiled = arg
+            self._requests[req.id] = req
+            if req.params.logprobs >= 0 or req.grammar_source:
+                self._special_requests += 1
+            if compiled is None:
+                self.scheduler.add(req)
+            elif compiled.done():
+                self._compiled(req, compiled)
+            else:
+                self._compiling.add(req.id)
+                compiled.add_done_callback(lambda _, req=req, compiled=compiled: self._commands.put(
+                    ("compiled", (req, compiled))))
+        elif kind == "compiled":
+            req, compiled = arg
+            self._compiling.discard(req.id)
+            if req.id in self._requests:  # not cancelled while it compiled
+                self._compiled(req, compiled)
         elif kind == "abort":
             req = self._requests.get(arg)
             if req is not None:
@@ -189,6 +228,16 @@ class Engine:
                     future.set_result(fn())
                 except BaseException as exc:  # handed to the caller
                     future.set_exception(exc)
+
+    def _compiled(self, req: Request, compiled: Future) -> None:
+        """A constrained request whose grammar has compiled joins the scheduler; one whose
+        grammar failed ends with its GrammarError."""
+        error = compiled.exception()
+        if error is not None:
+            self._finish(req, "error", error=error)
+        else:
+            req.grammar = compiled.result()
+            self.scheduler.add(req)
 
     def _prepare_adapters(self) -> None:
         """Adapter loads progress; requests whose adapter failed to load end with its error."""
@@ -210,6 +259,8 @@ class Engine:
         launched = self._launch(chunks, started, prefill)
         if self._launched is not None:
             self._resolve()
+        if launched is not None and launched.run.tokens is None:
+            launched = self._sample_constrained(launched)
         self._launched = launched
         if self.config.debug_checks:
             self.check_consistency()
@@ -220,7 +271,7 @@ class Engine:
         self.stats.max_adapters_in_step = max(self.stats.max_adapters_in_step, distinct)
         eager_prefill = any(c.request.in_prefill for c in chunks)
         try:
-            run = self.runner.run(chunks)
+            run = self.runner.run(chunks, special_rows=self._special_requests > 0)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
             log.exception("engine step failed")
             for c in chunks:
@@ -241,6 +292,28 @@ class Engine:
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
         return LaunchedStep(run, started, prefill)
 
+    def _sample_constrained(self, launched: LaunchedStep) -> LaunchedStep | None:
+        """Queues the sampling of a step with constrained rows, now that every earlier token is
+        known: each grammar's mask for its row (rows of requests that ended allow anything:
+        their token is dropped)."""
+        run = launched.run
+        rows = [i for i, req in enumerate(run.sampled) if req.grammar is not None and req.status is not Status.FINISHED]
+        try:
+            masks = None
+            if rows:
+                if self._masks is None:
+                    words = mask_words(self.grammars.vocab_size)
+                    self._masks = np.zeros((self.config.max_num_seqs, words), dtype=np.int32)
+                self.grammars.fill_masks([run.sampled[i].grammar for i in rows], self._masks)
+                masks = StepMasks(rows, self._masks[:len(rows)])
+            self.runner.sample(run, masks)
+        except Exception as exc:  # as a failed launch: its requests fail, the node keeps serving
+            log.exception("engine step failed")
+            for c in run.chunks:
+                self._finish(c.request, "error", error=exc)
+            return None
+        return launched
+
     def _resolve(self) -> None:
         """Waits for the launched step's tokens and streams them. Requests that ended (or were
         cancelled) since it was launched drop theirs."""
@@ -255,7 +328,8 @@ class Engine:
             return
         if launched.prefill:
             self.scheduler.note_prefill_step(time.monotonic() - launched.started)
-        for req, token in zip(step.sampled, tokens):
+        logprobs = step.tokens.token_logprobs() if step.tokens.logprobs is not None else None
+        for row, (req, token) in enumerate(zip(step.sampled, tokens)):
             if req.status is Status.FINISHED:
                 continue
             req.num_pending -= 1
@@ -263,6 +337,10 @@ class Engine:
                 self._fail_non_finite(req)
                 continue
             req.output_token_ids.append(token)
+            if logprobs is not None and logprobs[row] is not None:
+                req.output_logprobs.append(logprobs[row])
+            if req.grammar is not None and not req.grammar.accept(token):
+                self._fail_grammar(req, token)
         if self.prefix_cache is not None:  # now that the blocks' tokens are known on the host
             for c in step.chunks:
                 if c.request.status is not Status.FINISHED:
@@ -283,13 +361,23 @@ class Engine:
         log.error("request %s: %s", req.request_id or req.id, error)
         self._finish(req, "error", error=error)
 
+    def _fail_grammar(self, req: Request, token: int) -> None:
+        """A sampled token its grammar refuses: the mask allowed only grammatical tokens, so
+        this is a fault of the node's (INTERNAL), and the request ends with it."""
+        error = RuntimeError(f"structured output failed at output token {len(req.output_token_ids)} "
+                             f"({token}): {req.grammar.error or 'the grammar refused the token'}")
+        log.error("request %s: %s", req.request_id or req.id, error)
+        self._finish(req, "error", error=error)
+
     def _on_token(self, req: Request) -> None:
         """The newest known token of req: stop checks, then stream it."""
         self.stats.generated_tokens += 1
         token = req.output_token_ids[-1]
         reason = None
-        if token in self.eos_ids and not req.params.ignore_eos:
+        if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
             reason = "stop"
+        elif req.grammar is not None and req.grammar.complete:
+            reason = "stop"  # the answer is whole: its grammar allows only the end of sequence
         elif (len(req.output_token_ids) >= req.params.max_tokens
               or req.num_known_tokens >= self.config.max_model_len):
             reason = "length"
@@ -301,6 +389,9 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         if self._requests.pop(req.id, None) is None:
             return
+        if req.params.logprobs >= 0 or req.grammar_source:
+            self._special_requests -= 1
+        self._compiling.discard(req.id)
         self.scheduler.remove(req)
         req.num_pending = 0  # a token still on the device for it is dropped
         self.admission.finished()
@@ -318,7 +409,8 @@ class Engine:
         elif self.allocator.num_cached_idle:
             raise AssertionError("cached KV blocks without a prefix cache")
         live = set(self._requests)
-        queued = {r.id for r in self.scheduler.running} | {r.id for r in self.scheduler.waiting}
+        queued = ({r.id for r in self.scheduler.running} | {r.id for r in self.scheduler.waiting}
+                  | self._compiling)
         if queued != live:
             raise AssertionError(f"scheduler holds {sorted(queued)} but live requests are {sorted(live)}")
         if self.lora is not None:

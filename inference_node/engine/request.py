@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.protocol import TokenLogprobs
+
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
@@ -26,6 +28,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int = -1          # -1: none; k >= 0: each token's log-probability and the top k
+    stop_token_ids: frozenset[int] = frozenset()   # end the answer like EOS (also with ignore_eos)
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +54,7 @@ class StreamEvent:
     cached_prompt_tokens: int = 0
     adapter_version: str = ""
     error: BaseException | None = None
+    logprobs: list[TokenLogprobs] | None = None   # one per token id, when the request asks
 
 
 @dataclass(eq=False)
@@ -59,6 +64,14 @@ class Request:
     emit: Callable[[StreamEvent], None]
     adapter: str = ""
     request_id: str = ""
+    # Structured output: the grammar its answer must follow (llguidance's JSON; "" for none),
+    # and once compiled its matcher (engine/grammar.py Grammar), which the loop moves on.
+    grammar_source: str = ""
+    grammar: Any = None
+    # One of n answers to a prompt, after the first: it is admitted once `follows` (the first)
+    # has its prompt's full blocks in the prefix cache, so it reuses them instead of computing
+    # the prompt again (the scheduler drops the reference then).
+    follows: "Request | None" = None
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 
@@ -91,6 +104,7 @@ class Request:
     num_pending: int = 0
     feedback_row: int = -1
     last_token_pending: bool = False
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)   # beside output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -126,6 +140,8 @@ class Request:
         first = self.emitted_tokens == 0
         self.emitted_tokens = len(self.output_token_ids)
         event = StreamEvent(token_ids=new_ids, finish_reason=reason, error=error)
+        if self.params.logprobs >= 0:
+            event.logprobs = self.output_logprobs[len(self.output_token_ids) - len(new_ids):]
         if first or reason is not None:  # what the answer was computed with, known from its start
             event.cached_prompt_tokens = self.num_cached_prompt_tokens
             event.adapter_version = self.adapter_version

@@ -6,7 +6,9 @@ Policy (one step = one forward pass):
 3. Waiting requests are admitted in arrival order while the token budget, the sequence
    limit and free KV blocks allow, and while their adapter can be bound to a device slot
    (a request whose adapter is not resident is skipped, not blocking the others). An
-   admitted request starts from the longest cached prefix of its own KV namespace.
+   admitted request starts from the longest cached prefix of its own KV namespace. The
+   later answers of a prompt asked for n times (Request.follows) wait until the first has
+   its prompt's full blocks cached, so all n share one computation of the prompt.
    With `prefill_delay_factor` > 0, while requests are decoding, admission waits until the
    oldest waiting request has waited that many times the last prefill step's duration (or
    the waiting prompts fill the step's token budget). A step that carries a prompt runs
@@ -238,11 +240,23 @@ class Scheduler:
         for req in self.waiting:
             if req.last_token_pending:
                 continue  # preempted while its last token was being sampled: it ends with it
+            if req.follows is not None:
+                if self._prompt_pending(req.follows):
+                    continue
+                req.follows = None
             if req.adapter_entry is not None:
                 return req, False
             if self.binder.try_bind(req):
                 return req, True
         return None
+
+    def _prompt_pending(self, first: Request) -> bool:
+        """Whether `first` (of n answers to one prompt) is still to cache its prompt's full
+        blocks, which the others will reuse. The blocks are indexed when the step that
+        computed them is read (Engine._resolve)."""
+        if first.status is Status.FINISHED or self.prefix_cache is None:
+            return False
+        return first.num_indexed_blocks < len(first.prompt_token_ids) // self.config.block_size
 
     def _blocks_needed(self, req: Request, num_new: int) -> int:
         total = -(-(req.num_computed + num_new) // self.config.block_size)

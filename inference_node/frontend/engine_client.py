@@ -18,8 +18,8 @@ import zmq
 import zmq.asyncio
 
 from ..core import protocol as wire
-from ..core.protocol import (Abort, Add, Batch, Call, CoreInfo, ErrorKind, GenerateSpec, Hello, Output, Reply, Welcome,
-                             WireError)
+from ..core.protocol import (Abort, Add, Batch, Call, CoreInfo, ErrorKind, GenerateSpec, Hello, Output, Reply,
+                             TokenLogprobs, Welcome, WireError)
 
 log = logging.getLogger(__name__)
 
@@ -39,40 +39,45 @@ class CoreError(Exception):
 
 
 class RequestStream:
-    """One request's outputs as they arrive from the core."""
+    """One request's outputs as they arrive from the core. `ready` is set when news arrives;
+    the n answers to one prompt share one, so their reader wakes for any of them."""
 
-    __slots__ = ("request_id", "_token_ids", "finish_reason", "error", "cached_prompt_tokens",
-                 "adapter_version", "_ready")
+    __slots__ = ("request_id", "_token_ids", "_logprobs", "finish_reason", "error", "cached_prompt_tokens",
+                 "adapter_version", "ready")
 
-    def __init__(self, request_id: int) -> None:
+    def __init__(self, request_id: int, ready: asyncio.Event | None = None) -> None:
         self.request_id = request_id
         self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] | None = None
         self.finish_reason: str | None = None
         self.error: CoreError | None = None
         self.cached_prompt_tokens = 0
         self.adapter_version = ""
-        self._ready = asyncio.Event()
+        self.ready = ready or asyncio.Event()
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def feed(self, token_ids: list[int], finish_reason: str | None, error: CoreError | None,
-             cached_prompt_tokens: int, adapter_version: str) -> None:
+             cached_prompt_tokens: int, adapter_version: str, logprobs: list[TokenLogprobs] | None = None) -> None:
         self._token_ids.extend(token_ids)
+        if logprobs:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(logprobs)
         if adapter_version:
             self.cached_prompt_tokens, self.adapter_version = cached_prompt_tokens, adapter_version
         if finish_reason is not None:
             self.cached_prompt_tokens = max(self.cached_prompt_tokens, cached_prompt_tokens)
             self.finish_reason, self.error = finish_reason, error
-        self._ready.set()
+        self.ready.set()
 
-    async def next(self) -> list[int]:
-        """The tokens that arrived since the last call (waits for at least one, or the end)."""
-        await self._ready.wait()
-        self._ready.clear()
+    def take(self) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """The tokens (and their logprobs, when asked) that arrived since the last take."""
         token_ids, self._token_ids = self._token_ids, []
-        return token_ids
+        logprobs, self._logprobs = self._logprobs, None
+        return token_ids, logprobs
 
 
 class EngineClient:
@@ -97,6 +102,7 @@ class EngineClient:
         self.dead: CoreError | None = None   # set once the core is gone: everything fails with it
         self.on_core_exit: Callable[[CoreError], None] = lambda error: None
         self._watch_fd: int | None = None
+        self._watching = False
         self._encode = wire.encoder().encode
         self._decode = wire.frontend_decoder().decode
 
@@ -118,11 +124,12 @@ class EngineClient:
     def watch_core(self, pid: int) -> None:
         """Fails every stream and call with UNAVAILABLE as soon as the core process exits."""
         loop = asyncio.get_running_loop()
+        self._watching = True
         try:
             self._watch_fd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # no pidfd (not Linux): look twice a second
             async def poll() -> None:
-                while self.dead is None:
+                while self.dead is None and self._watching:
                     try:
                         os.kill(pid, 0)
                     except ProcessLookupError:
@@ -133,11 +140,16 @@ class EngineClient:
             return
         loop.add_reader(self._watch_fd, self._core_exited, pid)
 
-    def _core_exited(self, pid: int) -> None:
+    def unwatch_core(self) -> None:
+        """Stops watching the core process: it was told to shut down, and its exit is no failure."""
+        self._watching = False
         if self._watch_fd is not None:
             asyncio.get_running_loop().remove_reader(self._watch_fd)
             os.close(self._watch_fd)
             self._watch_fd = None
+
+    def _core_exited(self, pid: int) -> None:
+        self.unwatch_core()
         if self.dead is not None:
             return
         error = CoreError(grpc.StatusCode.UNAVAILABLE,
@@ -159,17 +171,25 @@ class EngineClient:
         self._calls.clear()
 
     # -- requests and calls --------------------------------------------------------------------
-    def new_request_id(self) -> int:
-        return next(self._ids)
+    def new_request_id(self, n: int = 1) -> int:
+        """A fresh request id, the first of n consecutive ones (n answers to one prompt)."""
+        first = next(self._ids)
+        for _ in range(n - 1):
+            next(self._ids)
+        return first
 
-    def submit(self, spec: GenerateSpec) -> RequestStream:
-        stream = RequestStream(spec.request_id)
+    def submit(self, spec: GenerateSpec) -> list[RequestStream]:
+        """The streams of the spec's n answers (ids request_id + 0..n-1), sharing one `ready`."""
+        ready = asyncio.Event()
+        streams = [RequestStream(spec.request_id + i, ready) for i in range(spec.n)]
         if self.dead is not None:
-            stream.feed([], "error", self.dead, 0, "")
-            return stream
-        self.streams[spec.request_id] = stream
+            for stream in streams:
+                stream.feed([], "error", self.dead, 0, "")
+            return streams
+        for stream in streams:
+            self.streams[stream.request_id] = stream
         self._to_core.send(self._encode(Add(self.frontend_id, spec)))
-        return stream
+        return streams
 
     def abort(self, request_id: int) -> None:
         """The client went away: the core frees the request's KV blocks and adapter reference."""
@@ -210,7 +230,7 @@ class EngineClient:
                 del streams[out.request_id]
             stream.feed(out.token_ids, out.finish_reason,
                         CoreError.from_wire(out.error) if out.error is not None else None,
-                        out.cached_prompt_tokens, out.adapter_version)
+                        out.cached_prompt_tokens, out.adapter_version, out.logprobs)
         for reply in replies:
             future = calls.get(reply.call_id)
             if future is None or future.done():

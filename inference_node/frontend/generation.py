@@ -6,9 +6,14 @@ way whichever door it came in by. Failures are GenerationError carrying the gRPC
 gRPC API answers with; the HTTP API maps that status to its own codes. Closing the generator
 before its last chunk (a client that went away) aborts the engine request, so its KV blocks
 and adapter reference are freed at the core's next step.
+
+A request may ask for n answers to its prompt (the OpenAI API's `n`): n engine requests, whose
+chunks come interleaved, each with its answer's index; each answer has its own text, stop
+strings and end, and the request ends when all of them have.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,13 +24,14 @@ import grpc
 from lora.v1 import inference_pb2
 
 from ..config import NodeConfig
-from ..core.protocol import CoreInfo, ErrorKind
+from ..core.protocol import CoreInfo, ErrorKind, TokenLogprobs
 from ..limits import StreamSlots, check_message, check_prompt_tokens
 from ..metrics import NodeMetrics
 from ..request_builder import BadRequest, build_request
 from ..tokenizer import TextCodec
 from .detokenizer import TextStream
-from .engine_client import EngineClient
+from .engine_client import EngineClient, RequestStream
+from .response_format import grammar_of
 
 log = logging.getLogger(__name__)
 DRAINING = "this node is draining and takes no new requests: retry on another node"
@@ -66,7 +72,8 @@ class GenerationError(Exception):
 
 @dataclass
 class Chunk:
-    """New tokens and their text; the last chunk of a request has finish_reason and the counts."""
+    """New tokens of one answer and their text; the last chunk of an answer has finish_reason
+    and its counts."""
 
     token_ids: list[int]
     text: str
@@ -75,11 +82,38 @@ class Chunk:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     adapter_version: str = ""
+    index: int = 0                                   # which of the request's n answers
+    logprobs: list[TokenLogprobs] | None = None      # one per token id, when the request asks
+    text_offsets: list[int] | None = None            # with logprobs: where each token's text starts in the answer
+
+
+class Answer:
+    """One of a request's answers as its tokens arrive: text, stop strings, end."""
+
+    __slots__ = ("index", "stream", "text", "output_ids", "finish_reason")
+
+    def __init__(self, index: int, stream: RequestStream, text: TextStream) -> None:
+        self.index = index
+        self.stream = stream
+        self.text = text
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+
+
+async def response_grammar(request: inference_pb2.GenerateRequest) -> str:
+    """The request's structured-output grammar ("" for none), checked off the event loop (a
+    large schema takes a while)."""
+    if not request.HasField("response_format"):
+        return ""
+    if request.response_format.type == inference_pb2.ResponseFormat.TEXT:
+        return grammar_of(request.response_format)
+    return await asyncio.to_thread(grammar_of, request.response_format)
 
 
 async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
-                   api: str = "grpc") -> AsyncIterator[Chunk]:
-    """Runs `request` (a GenerateRequest, whichever API it came from); yields its chunks.
+                   api: str = "grpc", n: int = 1) -> AsyncIterator[Chunk]:
+    """Runs `request` (a GenerateRequest, whichever API it came from) for n answers; yields
+    their chunks.
 
     Raises GenerationError before the first chunk (draining, a stream limit, bad input, a
     refusal by the core such as an unknown adapter) or after some (the engine failed)."""
@@ -93,81 +127,105 @@ async def generate(frontend: Frontend, request: inference_pb2.GenerateRequest,
     try:
         try:
             check_message(request, limits)
+            grammar = await response_grammar(request)
             spec, stop = build_request(request, frontend.codec, frontend.info,
                                        limits.max_tokens_default(),
-                                       client.new_request_id())
+                                       client.new_request_id(n), grammar, n)
             check_prompt_tokens(len(spec.prompt_token_ids), limits)
         except BadRequest as exc:
             metrics.request_finished(request.adapter, "invalid_argument")
             raise GenerationError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.param) from None
-        stream = client.submit(spec)
-        text = TextStream(frontend.codec.step_decoder(), stop)
-        output_ids: list[int] = []
-        finish_reason: str | None = None
+        streams = client.submit(spec)
+        ready = streams[0].ready
+        answers = [Answer(i, s, TextStream(frontend.codec.step_decoder(), stop)) for i, s in enumerate(streams)]
+        stop_ids = frozenset(spec.stop_token_ids)
+        with_offsets = spec.logprobs >= 0
+        open_answers = n
         outcome = "cancelled"
         started = last = time.monotonic()
         first_token_at = None
         request_name = spec.client_request_id or spec.request_id
 
+        def completion_tokens() -> int:
+            return sum(len(a.output_ids) for a in answers)
+
         def log_request(ended: str) -> None:
             now = time.monotonic()
             log.info("request %s api=%s adapter=%s finished=%s prompt=%d completion=%d cached=%d "
-                     "ttft=%.3fs total=%.3fs", request_name, api, spec.adapter or "-", ended,
-                     len(spec.prompt_token_ids), len(output_ids), stream.cached_prompt_tokens,
-                     (first_token_at or now) - started, now - started)
+                     "ttft=%.3fs total=%.3fs%s", request_name, api, spec.adapter or "-", ended,
+                     len(spec.prompt_token_ids), completion_tokens(), streams[0].cached_prompt_tokens,
+                     (first_token_at or now) - started, now - started, f" n={n}" if n > 1 else "")
 
         try:
-            while finish_reason is None:
-                new_ids = await stream.next()
-                error = stream.error
-                # Tokens that came with an error were sampled before it: the client gets them
-                # first, so what it holds is what the error's count says.
-                finish_reason = stream.finish_reason if error is None else None
-                if stop:  # token by token: the answer ends with the token that completed a stop string
+            while open_answers:
+                await ready.wait()
+                ready.clear()
+                for answer in answers:
+                    if answer.finish_reason is not None:
+                        continue
+                    stream = answer.stream
+                    new_ids, logprobs = stream.take()
+                    error = stream.error
+                    # Tokens that came with an error were sampled before it: the client gets them
+                    # first, so what it holds is what the error's count says.
+                    finish_reason = stream.finish_reason if error is None else None
+                    if not new_ids and finish_reason is None and error is None:
+                        continue
+                    text, output_ids = answer.text, answer.output_ids
+                    offsets: list[int] | None = [] if with_offsets else None
                     for i, token in enumerate(new_ids):
                         output_ids.append(token)
+                        if offsets is not None:
+                            offsets.append(len(text.text))
+                        if token in stop_ids and finish_reason == "stop" and i == len(new_ids) - 1:
+                            break  # a stop token ends the answer's tokens but not its text
                         text.push(token)
-                        if text.stopped:
+                        if text.stopped:  # the answer ends with the token that completed a stop string
                             new_ids, finish_reason = new_ids[:i + 1], "stop"
-                            client.abort(spec.request_id)
+                            if logprobs is not None:
+                                logprobs = logprobs[:i + 1]
+                            client.abort(stream.request_id)
                             break
-                elif new_ids:
-                    output_ids.extend(new_ids)
-                    for token in new_ids:
-                        text.push(token)
-                now = time.monotonic()
-                if new_ids:
-                    if first_token_at is None:
-                        first_token_at = now
-                        metrics.first_token(spec.adapter, now - started, len(new_ids))
-                    else:
-                        metrics.tokens_streamed(spec.adapter, len(new_ids), now - last)
-                    last = now
-                chunk = Chunk(new_ids, text.take(final=finish_reason is not None))
-                if finish_reason is not None:
-                    outcome = finish_reason
-                    chunk.finish_reason = finish_reason
-                    chunk.prompt_tokens = len(spec.prompt_token_ids)
-                    chunk.completion_tokens = len(output_ids)
-                    chunk.cached_prompt_tokens = stream.cached_prompt_tokens
-                    chunk.adapter_version = stream.adapter_version
-                    log_request(finish_reason)
-                if new_ids or chunk.text or finish_reason is not None:
-                    yield chunk
-                if error is not None and finish_reason is None:
-                    outcome = error.code.name.lower()
-                    message = error.message
-                    if error.kind == ErrorKind.CUT_SHORT:
-                        metrics.cut_short.inc()
-                        message = f"the node shut down after {len(output_ids)} tokens of this answer"
-                        log.warning("request %s cut short at shutdown after %d tokens", request_name,
-                                    len(output_ids))
-                    raise GenerationError(error.code, message, retry=error.kind != ErrorKind.NO_RETRY)
+                    now = time.monotonic()
+                    if new_ids:
+                        if first_token_at is None:
+                            first_token_at = now
+                            metrics.first_token(spec.adapter, now - started, len(new_ids))
+                        else:
+                            metrics.tokens_streamed(spec.adapter, len(new_ids), now - last)
+                        last = now
+                    chunk = Chunk(new_ids, text.take(final=finish_reason is not None), index=answer.index,
+                                  logprobs=logprobs, text_offsets=offsets)
+                    if finish_reason is not None:
+                        answer.finish_reason = finish_reason
+                        open_answers -= 1
+                        chunk.finish_reason = finish_reason
+                        chunk.prompt_tokens = len(spec.prompt_token_ids)
+                        chunk.completion_tokens = len(output_ids)
+                        chunk.cached_prompt_tokens = stream.cached_prompt_tokens
+                        chunk.adapter_version = stream.adapter_version
+                        if not open_answers:
+                            outcome = answers[0].finish_reason
+                            log_request(outcome)
+                    if new_ids or chunk.text or finish_reason is not None:
+                        yield chunk
+                    if error is not None and finish_reason is None:
+                        outcome = error.code.name.lower()
+                        message = error.message
+                        if error.kind == ErrorKind.CUT_SHORT:
+                            metrics.cut_short.inc()
+                            message = f"the node shut down after {len(output_ids)} tokens of this answer"
+                            log.warning("request %s cut short at shutdown after %d tokens", request_name,
+                                        len(output_ids))
+                        raise GenerationError(error.code, message, retry=error.kind != ErrorKind.NO_RETRY)
         finally:
-            metrics.request_finished(spec.adapter, outcome,
-                                     len(spec.prompt_token_ids) if finish_reason else 0, len(output_ids))
-            if finish_reason is None:  # the client went away, its deadline passed, or the engine failed
-                client.abort(spec.request_id)
+            done = not open_answers
+            metrics.request_finished(spec.adapter, outcome, len(spec.prompt_token_ids) if done else 0,
+                                     completion_tokens())
+            if not done:  # the client went away, its deadline passed, or the engine failed
+                for answer in answers:
+                    if answer.finish_reason is None:
+                        client.abort(answer.stream.request_id)
                 log_request(outcome)
     finally:
         frontend.streams.release()

@@ -97,13 +97,11 @@ async def _next(stream: AsyncIterator[Chunk]) -> Chunk:
     return await stream.__anext__()
 
 
-async def _rest(stream: AsyncIterator[Chunk], first: Chunk) -> tuple[str, Chunk]:
-    """The whole answer's text and its last chunk."""
-    texts, chunk = [first.text], first
-    while chunk.finish_reason is None:
-        chunk = await stream.__anext__()
-        texts.append(chunk.text)
-    return "".join(texts), chunk
+async def _rest(stream: AsyncIterator[Chunk], first: Chunk, writer: ResponseWriter) -> None:
+    """Gathers every answer's chunks into the writer, up to the last answer's last chunk."""
+    writer.add(first)
+    while not writer.done:
+        writer.add(await stream.__anext__())
 
 
 class OpenAIApi:
@@ -188,16 +186,16 @@ class OpenAIApi:
             parsed = await self._parse(request, chat)
         except ApiError as exc:
             return error_response(exc)
-        stream = generate(self.frontend, parsed.generate, "http")
+        stream = generate(self.frontend, parsed.generate, "http", parsed.n)
         handed_over = False  # to the event stream, which closes it when its response ends
         try:
             first = await unless_disconnected(request, _next(stream))
-            writer = ResponseWriter(parsed)
+            writer = ResponseWriter(parsed, self.frontend.codec.token_bytes)
             if parsed.stream:
                 handed_over = True
                 return EventStream(self._events(stream, first, writer), stream)
-            text, last = await unless_disconnected(request, _rest(stream, first))
-            return JSONResponse(writer.response(text, last))
+            await unless_disconnected(request, _rest(stream, first, writer))
+            return JSONResponse(writer.response())
         except GenerationError as exc:
             return error_response(ApiError.from_generation(exc))
         except ClientGone:
@@ -207,13 +205,12 @@ class OpenAIApi:
                 await stream.aclose()
 
     async def _events(self, stream: AsyncIterator[Chunk], first: Chunk, writer: ResponseWriter) -> AsyncIterator[str]:
-        chunk, is_first = first, True
+        chunk = first
         try:
             while True:
-                for obj in writer.chunks(chunk, is_first):
+                for obj in writer.chunks(chunk):
                     yield sse(obj)
-                is_first = False
-                if chunk.finish_reason is not None:
+                if writer.streamed_all:
                     break
                 chunk = await stream.__anext__()
             yield "data: [DONE]\n\n"

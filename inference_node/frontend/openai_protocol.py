@@ -5,21 +5,30 @@ run one validation path (request_builder, limits) and answer alike; this module 
 the JSON's shape and what the OpenAI API has that gRPC does not (`model`, `n`, ...). Errors
 are ApiError: OpenAI's error object with an HTTP status, mapped from the gRPC status the
 gRPC API answers the same request with.
+
+Logprobs come in the API's two shapes: a completion's {tokens, token_logprobs, top_logprobs,
+text_offset} and a chat answer's {content: [{token, logprob, bytes, top_logprobs}]}, a token's
+text being the bytes it stands for (`TokenBytes`, the tokenizer's).
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import grpc
 
 from lora.v1 import inference_pb2
 
-from ..request_builder import ADAPTER_NAME
+from ..core.protocol import MAX_TOP_LOGPROBS
+from ..request_builder import ADAPTER_NAME, MAX_STOP_TOKEN_IDS
 from .generation import Chunk, GenerationError
+
+TokenBytes = Callable[[int], bytes]   # a token id's bytes in the text (TextCodec.token_bytes)
 
 # The gRPC status of a refused or failed request -> the HTTP status the OpenAI API answers.
 HTTP_STATUS = {
@@ -39,6 +48,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 SEED_MODULUS = 1 << 64   # the engine's seeds are unsigned 64-bit; OpenAI's are signed
 INT32_MAX = (1 << 31) - 1   # max_tokens and top_k are int32 in the GenerateRequest they become
 OWNER = "lora-serving"
+MAX_N = 128              # answers per request (OpenAI's bound)
+SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's json_schema.name
+FORMAT_TYPES = {"json_object": inference_pb2.ResponseFormat.JSON_OBJECT,
+                "json_schema": inference_pb2.ResponseFormat.JSON_SCHEMA}
 
 
 class ApiError(Exception):
@@ -85,6 +98,7 @@ class ApiRequest:
     chat: bool
     stream: bool
     include_usage: bool   # stream_options.include_usage: a last chunk with the usage
+    n: int = 1            # answers to the prompt
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -127,21 +141,17 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def _refuse_unsupported(body: dict, chat: bool) -> None:
+def _refuse_unsupported(body: dict, chat: bool, n: int) -> None:
     """Parameters this node does not implement: refused unless left at their no-op value,
     so no client silently gets something other than it asked for."""
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise bad("n", f"n must be 1: this node returns one choice per request (send {n} requests instead)")
-    if _int(body, "best_of", 1) != 1:
-        raise bad("best_of", "best_of must be 1: this node returns one choice per request")
+    best_of = _int(body, "best_of", n)
+    if best_of != n:
+        raise bad("best_of", f"best_of must equal n ({n}) or be left out: this node returns every answer it samples")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0) != 0.0:
             raise bad(name, f"{name} is not supported by this node: leave it out or at 0")
     if body.get("logit_bias"):
         raise bad("logit_bias", "logit_bias is not supported by this node")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise bad("logprobs", "logprobs are not supported by this node")
     if body.get("echo"):
         raise bad("echo", "echo is not supported by this node")
     if body.get("suffix"):
@@ -150,9 +160,74 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         for name in ("tools", "functions"):
             if body.get(name):
                 raise bad(name, f"{name} (function calling) is not supported by this node")
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise bad("response_format", "only response_format {\"type\": \"text\"} is supported by this node")
+
+
+def _logprobs(body: dict, chat: bool, msg: inference_pb2.GenerateRequest) -> None:
+    """Chat: logprobs (true/false) and top_logprobs (0-20, with logprobs). Completions:
+    logprobs, the number of alternatives (0-20)."""
+    top = _int(body, "top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    if chat:
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise bad("logprobs", f"logprobs must be true or false, got {_show(logprobs)}")
+        msg.logprobs = bool(logprobs)   # top_logprobs without it: request_builder's refusal, as gRPC's
+        msg.top_logprobs = top or 0
+        return
+    if top is not None:
+        raise bad("top_logprobs", f"completions take the number of alternatives as logprobs (0-{MAX_TOP_LOGPROBS}), "
+                                  "not top_logprobs")
+    count = _int(body, "logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    if count is not None:
+        msg.logprobs, msg.top_logprobs = True, count
+
+
+def _response_format(body: dict, msg: inference_pb2.GenerateRequest) -> None:
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"?, "description"?}}; the schema itself is checked where gRPC's
+    is (frontend/response_format.py)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise bad("response_format", "response_format must be an object with a type: \"text\", \"json_object\" "
+                                     "or \"json_schema\"")
+    kind = fmt["type"]
+    if kind == "text":
+        return
+    if kind not in FORMAT_TYPES:
+        raise bad("response_format", f"response_format type {_show(kind)} is not one of \"text\", \"json_object\", "
+                                     "\"json_schema\"")
+    msg.response_format.type = FORMAT_TYPES[kind]
+    if kind == "json_object":
+        return
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "response_format of type json_schema needs \"json_schema\": "
+                                                 "{\"name\": ..., \"schema\": {...}}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not SCHEMA_NAME.match(name):
+        raise bad("response_format.json_schema.name", "response_format.json_schema.name must be 1-64 letters, "
+                                                      f"digits, '_' or '-', got {_show(name)}")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema", "response_format.json_schema.schema must be a JSON Schema "
+                                                        f"object, got {_show(schema)}")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad("response_format.json_schema.strict", "response_format.json_schema.strict must be true or false")
+    msg.response_format.json_schema = json.dumps(schema)
+
+
+def _stop_token_ids(body: dict, msg: inference_pb2.GenerateRequest) -> None:
+    """stop_token_ids (an extension, as vLLM's): ids the answer ends after, beside EOS."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return
+    if not (isinstance(ids, list) and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
+        raise bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}")
+    msg.stop_token_ids.extend(ids)
 
 
 def resolve_model(model: Any, base_model: str) -> str:
@@ -225,9 +300,13 @@ def parse_request(body: Any, chat: bool, base_model: str, request_id: str = "",
     the ranges both APIs share (temperature, top_p, roles, the context) are request_builder's."""
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
-    _refuse_unsupported(body, chat)
+    n = _int(body, "n", 1, low=1, high=MAX_N)
+    _refuse_unsupported(body, chat, n)
     msg = inference_pb2.GenerateRequest(adapter=resolve_model(body.get("model"), base_model),
                                         request_id=request_id)
+    _logprobs(body, chat, msg)
+    _response_format(body, msg)
+    _stop_token_ids(body, msg)
     if chat:
         _messages(body, msg)
     else:
@@ -264,61 +343,156 @@ def parse_request(body: Any, chat: bool, base_model: str, request_id: str = "",
     include_usage = (options or {}).get("include_usage", False)
     if include_usage is not None and not isinstance(include_usage, bool):
         raise bad("stream_options", "stream_options.include_usage must be true or false")
-    return ApiRequest(msg, body["model"], chat, bool(stream), bool(stream and include_usage))
+    return ApiRequest(msg, body["model"], chat, bool(stream), bool(stream and include_usage), n)
 
 
 # -- writing -------------------------------------------------------------------------------------
+def token_text(data: bytes) -> str:
+    """A token's text (a token holding part of a character shows U+FFFD for it)."""
+    return data.decode("utf-8", errors="replace")
+
+
+@dataclass
+class AnswerState:
+    """What a whole (non-streamed) answer has gathered so far."""
+
+    texts: list[str] = field(default_factory=list)
+    last: Chunk | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)   # chat: content entries
+    completion: dict[str, list] | None = None                       # completions: the four lists
+
+
 class ResponseWriter:
     """The OpenAI objects of one request: whole responses, or stream chunks that share its id."""
 
-    def __init__(self, request: ApiRequest) -> None:
+    def __init__(self, request: ApiRequest, token_bytes: TokenBytes) -> None:
         self.request = request
+        self.token_bytes = token_bytes
         self.id = f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.answers = [AnswerState() for _ in range(request.n)]
+        self._started: set[int] = set()      # streamed answers that sent their role
+        self._finished: list[Chunk] = []     # streamed answers' last chunks
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
 
     @staticmethod
-    def usage(last: Chunk) -> dict[str, Any]:
-        return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                "total_tokens": last.prompt_tokens + last.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": last.cached_prompt_tokens}}
+    def usage(lasts: list[Chunk]) -> dict[str, Any]:
+        """Prompt tokens once, completion tokens of every answer."""
+        prompt = lasts[0].prompt_tokens
+        completion = sum(last.completion_tokens for last in lasts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": max(last.cached_prompt_tokens for last in lasts)}}
 
-    def response(self, text: str, last: Chunk) -> dict[str, Any]:
-        """The whole answer (stream: false)."""
+    # -- logprobs --------------------------------------------------------------------------------
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        data = self.token_bytes(token)
+        return {"token": token_text(data), "logprob": logprob, "bytes": list(data)}
+
+    def chat_logprobs(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """The chunk's tokens as chat logprobs' content entries."""
+        return [{**self._entry(token, logprob), "top_logprobs": [self._entry(t, v) for t, v in zip(ids, values)]}
+                for token, (logprob, ids, values) in zip(chunk.token_ids, chunk.logprobs)]
+
+    def completion_logprobs(self, chunk: Chunk) -> dict[str, list]:
+        """The chunk's tokens as a completion's logprobs lists (the top alternatives with the
+        sampled token among them)."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, (logprob, ids, values), offset in zip(chunk.token_ids, chunk.logprobs, chunk.text_offsets):
+            text = token_text(self.token_bytes(token))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            top = {token_text(self.token_bytes(t)): v for t, v in zip(ids, values)}
+            top.setdefault(text, logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+        return out
+
+    def _chunk_logprobs(self, chunk: Chunk) -> dict[str, Any] | None:
+        if chunk.logprobs is None or not chunk.token_ids:
+            return None
         if self.request.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": last.finish_reason}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": self.usage(last),
-                "system_fingerprint": last.adapter_version or None}
+            return {"content": self.chat_logprobs(chunk)}
+        return self.completion_logprobs(chunk)
 
-    def chunks(self, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
-        """The stream objects for one chunk of the answer (stream: true)."""
+    # -- whole answers ---------------------------------------------------------------------------
+    def add(self, chunk: Chunk) -> None:
+        """Gathers a chunk of an answer that is not streamed."""
+        answer = self.answers[chunk.index]
+        answer.texts.append(chunk.text)
+        if chunk.finish_reason is not None:
+            answer.last = chunk
+        if chunk.logprobs is None or not chunk.token_ids:
+            return
+        if self.request.chat:
+            answer.logprobs += self.chat_logprobs(chunk)
+        else:
+            part = self.completion_logprobs(chunk)
+            if answer.completion is None:
+                answer.completion = part
+            else:
+                for key, values in part.items():
+                    answer.completion[key] += values
+
+    @property
+    def done(self) -> bool:
+        return all(answer.last is not None for answer in self.answers)
+
+    def response(self) -> dict[str, Any]:
+        """The whole answers (stream: false), once every one has its last chunk."""
+        asked = self.request.generate.logprobs
+        choices = []
+        for index, answer in enumerate(self.answers):
+            text = "".join(answer.texts)
+            if self.request.chat:
+                logprobs = {"content": answer.logprobs} if asked else None
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": answer.last.finish_reason})
+            else:
+                logprobs = (answer.completion or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                  "text_offset": []}) if asked else None
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": answer.last.finish_reason})
+        lasts = [answer.last for answer in self.answers]
+        head = self._head("chat.completion" if self.request.chat else "text_completion")
+        return {**head, "choices": choices, "usage": self.usage(lasts),
+                "system_fingerprint": lasts[0].adapter_version or None}
+
+    # -- streams ---------------------------------------------------------------------------------
+    @property
+    def streamed_all(self) -> bool:
+        """Every answer's last chunk has been written (stream: true)."""
+        return len(self._finished) == self.request.n
+
+    def chunks(self, chunk: Chunk) -> list[dict[str, Any]]:
+        """The stream objects for one chunk of an answer (stream: true); after the last answer's
+        last chunk, the usage when asked."""
         out = []
         usage = {"usage": None} if self.request.include_usage else {}
+        index = chunk.index
+        logprobs = self._chunk_logprobs(chunk)
         if self.request.chat:
             head = self._head("chat.completion.chunk")
-            if first:
-                out.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            if index not in self._started:
+                self._started.add(index)
+                out.append({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], **usage})
-            if chunk.text:
-                out.append({**head, "choices": [{"index": 0, "delta": {"content": chunk.text},
-                                                 "logprobs": None, "finish_reason": None}], **usage})
+            if chunk.text or logprobs is not None:
+                out.append({**head, "choices": [{"index": index, "delta": {"content": chunk.text},
+                                                 "logprobs": logprobs, "finish_reason": None}], **usage})
             if chunk.finish_reason is not None:
-                out.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                out.append({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
                                                  "finish_reason": chunk.finish_reason}], **usage})
         else:
             head = self._head("text_completion")
-            if chunk.text or chunk.finish_reason is not None:
-                out.append({**head, "choices": [{"index": 0, "text": chunk.text, "logprobs": None,
+            if chunk.text or chunk.finish_reason is not None or logprobs is not None:
+                out.append({**head, "choices": [{"index": index, "text": chunk.text, "logprobs": logprobs,
                                                  "finish_reason": chunk.finish_reason}], **usage})
-        if chunk.finish_reason is not None and self.request.include_usage:
-            out.append({**head, "choices": [], "usage": self.usage(chunk)})
+        if chunk.finish_reason is not None:
+            self._finished.append(chunk)
+            if self.request.include_usage and len(self._finished) == self.request.n:
+                out.append({**head, "choices": [], "usage": self.usage(self._finished)})
         return out
 
 

@@ -16,6 +16,12 @@ Each stages a step (`stage`: rank 0, from the chunks; `load`: another rank, from
 sent) and then runs it (`run`). On a CPU the graph ways run their static buffers without
 capture. Before serving, `prepare` compiles the eager steps' kernels (warmup.py) and
 captures the graphs, on every rank alike.
+
+Sampling follows the forward at once, except in a step that samples a constrained request
+(structured output): its mask depends on the token the previous step sampled, which the host
+reads only after this step's forward is queued. Such a step's sampling waits for `sample`,
+which the engine calls with the masks once it has read that token, while the device still
+runs this step's forward; other steps pay nothing for it.
 """
 from __future__ import annotations
 
@@ -34,7 +40,9 @@ from .graph_plan import GraphPlan
 from .launches import StepLaunches
 from .lora.plan import LoraStepPlan
 from .piecewise_graphs import StagedPieces
-from .sampler import row_finite, sample_on_device
+import torch
+
+from .sampler import StepMasks, logprobs_on_device, row_finite, sample_on_device
 from .token_feedback import SampledTokens, TokenFeedback
 from .warmup import warm_up
 
@@ -49,12 +57,15 @@ class ForwardMode(enum.Enum):
 
 @dataclass
 class StepRun:
-    """A launched step: its forward and sampling queued on the device."""
+    """A launched step: its forward queued on the device, and its sampling unless it waits for
+    masks (tokens None until `ModelRunner.sample`)."""
 
     chunks: list[ScheduledChunk]   # in the order of the step's rows
     sampled: list[Request]         # whose next token it samples, row by row (TokenFeedback's rows)
-    tokens: SampledTokens
+    tokens: SampledTokens | None
     mode: ForwardMode
+    # The forward's logits, greedy tokens and finite flags, kept while sampling waits.
+    outputs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
 
 
 class OtherRanks(Protocol):
@@ -104,8 +115,10 @@ class ModelRunner:
     def warm_up(self) -> None:
         self.warmup_forwards = warm_up(self.model, self.launches, self.kv, self.lora, self.config)
 
-    def run(self, chunks: list[ScheduledChunk]) -> StepRun:
-        """Queues the step's forward and the sampling of the rows that complete a prompt."""
+    def run(self, chunks: list[ScheduledChunk], special_rows: bool = False) -> StepRun:
+        """Queues the step's forward and the sampling of the rows that complete a prompt; the
+        sampling waits for `sample` where a sampled request has a grammar. special_rows: some
+        live request asks for a grammar or logprobs (otherwise no row is looked at for them)."""
         if self.decode_graphs is not None and self.decode_graphs.fits(chunks):
             chunks = ordered(chunks)  # each adapter's rows one run: the LoRA kernels' layout
             mode, way = ForwardMode.DECODE_GRAPHS, self.decode_graphs
@@ -120,8 +133,19 @@ class ModelRunner:
         logits, greedy, finite = way.run(staged)
         if finite is None:
             finite = row_finite(logits)
-        tokens = self.feedback.publish(sample_on_device(logits, sampled, greedy, finite), finite)
-        return StepRun(chunks, sampled, tokens, mode)
+        step = StepRun(chunks, sampled, None, mode, (logits, greedy, finite))
+        if not (special_rows and any(req.grammar is not None for req in sampled)):
+            self.sample(step, special_rows=special_rows)
+        return step
+
+    def sample(self, step: StepRun, masks: StepMasks | None = None, special_rows: bool = True) -> None:
+        """Queues the step's sampling (its constrained rows limited to their masks) and the
+        log-probabilities of the rows that ask; sets step.tokens."""
+        logits, greedy, finite = step.outputs
+        step.outputs = None
+        chosen = sample_on_device(logits, step.sampled, greedy, finite, masks)
+        logprobs = logprobs_on_device(logits, step.sampled, chosen) if special_rows else None
+        step.tokens = self.feedback.publish(chosen, finite, logprobs)
 
     def release_graphs(self) -> None:
         """Drops the captured graphs once the engine loop has ended: graphs that captured NCCL

@@ -6,7 +6,8 @@ serve`, `lora-client`, the `openai` client), one scenario in steps over one node
 - with the store stopped, a request for an adapter on no tier of the node fails within 5 s on
   every API, UNAVAILABLE / 503 naming the store and telling clients a retry will not help
   (so their default retries do not multiply the wait), never blaming the node;
-- SIGTERM while a fetch streams stops the node within 3 s (the store sees the call cancelled).
+- SIGTERM while a fetch streams stops the node within 3 s at the default drain settings (the
+  store sees the call cancelled).
 
 The store is a fake gRPC AdapterStore: it describes one adapter, then streams its bytes never
 (FetchAdapter waits until cancelled). A store that takes connections and never answers is
@@ -105,14 +106,12 @@ class NodeProcess:
         self.target = f"127.0.0.1:{self.port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
         self.log = root / f"node-{self.port}.log"
-        # --drain-min-seconds: the node stays NOT_SERVING this long before it closes its port,
-        # for a proxy's health checks (1.5 s by default); a wait of its own, not the fetch's,
-        # left out so that the 3 s bound measures the rest of the stop.
+        # The default drain settings: the 3 s bound of a stop includes the NOT_SERVING window
+        # (--drain-min-seconds, 1.5 s) that a proxy's health checks need.
         self.child = Child("inference-node", [
             sys.executable, "-m", "inference_node.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
             "--http-port", str(self.http_port), "--model", str(model), "--device", "cpu", "--num-kv-blocks", "64",
-            "--cpu-threads", "1", "--max-loras", "2", "--max-lora-rank", "8", "--adapter-store", store,
-            "--drain-min-seconds", "0"], self.log)
+            "--cpu-threads", "1", "--max-loras", "2", "--max-lora-rank", "8", "--adapter-store", store], self.log)
         wait_healthy(self.target, 120, self.child)
 
     def log_text(self) -> str:

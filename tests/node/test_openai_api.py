@@ -198,8 +198,8 @@ def test_bad_parameters_are_400_with_grpcs_message(api, grpc_client, base, field
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(n=2), "n"), (dict(max_tokens=0), "max_tokens"), (dict(stop=5), "stop"),
-    (dict(prompt=["a", "b"]), "prompt"), (dict(logprobs=2), "logprobs"), (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(stop=5), "stop"),
+    (dict(prompt=["a", "b"]), "prompt"), (dict(logprobs=21), "logprobs"), (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(temperature="hot"), "temperature"), (dict(model=None), "model"),
 ])
 def test_what_the_openai_api_has_and_grpc_lacks_is_checked_too(node, base, fields, param) -> None:
