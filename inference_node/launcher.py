@@ -24,11 +24,14 @@ import shutil
 import signal
 import sys
 import tempfile
+from pathlib import Path
 from typing import Callable
 
 from .config import CONFIG_EXIT, NodeConfig
 from .core.protocol import CoreInfo
 from .frontend.engine_client import EngineClient
+from .model.config import ModelConfig
+from .model.families import UnsupportedModel
 from .parent_watch import die_with_parent, parent_alive
 
 log = logging.getLogger(__name__)
@@ -151,10 +154,30 @@ async def _connect(client: EngineClient, core: multiprocessing.Process) -> None:
     connect.result()
 
 
+def check_served(config: NodeConfig) -> None:
+    """Raises UnsupportedModel (one line naming what the node serves) for a checkpoint whose
+    config.json is of an architecture the node does not serve. config.json is read without
+    torch; a checkpoint that is not there or not readable is the engine core's to report."""
+    if not config.model.checkpoint:
+        return  # the embedded model
+    path = Path(config.model.checkpoint) / "config.json"
+    try:
+        ModelConfig.from_checkpoint(path.parent)
+    except UnsupportedModel:
+        raise
+    except (OSError, KeyError, TypeError, ValueError):
+        return
+
+
 async def run_node(config: NodeConfig, on_ready: Callable = lambda server: None) -> int:
     """Runs the node until SIGTERM/SIGINT (0), until its engine core dies (1), or not at all
-    when a setting cannot work (2)."""
+    when a setting cannot work (2) or its checkpoint is of an architecture it does not serve (1)."""
     server_options = config.server
+    try:  # fails now, in one line, before any process starts
+        check_served(config)
+    except UnsupportedModel as exc:
+        log.error("%s", exc)
+        return 1
     procs = Processes()
     procs.start_core(config)
     client = EngineClient(procs.core_address, procs.output_address(0), "frontend-0")

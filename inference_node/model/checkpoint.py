@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .families import UnsupportedModel
 
 LOAD_FORMATS = ("safetensors", "dummy")
 
@@ -110,11 +111,22 @@ class DummyTensors:
         return out.clone() if rows is not None or cols is not None else out
 
 
-def validate_checkpoint_dir(path: Path, load_format: str = "safetensors") -> None:
+def validate_checkpoint_dir(path: Path, load_format: str = "safetensors") -> ModelConfig:
+    """The checkpoint's config, or CheckpointError / UnsupportedModel in one line saying why
+    the node cannot serve it (the launcher's check_served reads the architecture before any
+    process starts)."""
     if not path.is_dir():
         raise CheckpointError(f"model path {path} is not a directory")
     for needed in ("config.json", "tokenizer.json"):
         if not (path / needed).exists():
             raise CheckpointError(f"{path} has no {needed}")
+    try:
+        config = ModelConfig.from_checkpoint(path)
+    except UnsupportedModel:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} is not a usable model config ({type(exc).__name__}: "
+                              f"{exc})") from None
     if load_format == "safetensors":
         safetensors_files(path)
+    return config

@@ -1,4 +1,5 @@
-"""Model hyper-parameters read from a Hugging Face `config.json` of the Llama family."""
+"""Model hyper-parameters read from a Hugging Face `config.json`, for every family the node
+serves (families.py): the shapes, and the switches that tell the families' decoders apart."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from .families import FAMILIES, UnsupportedModel, family_of
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+# Gated MLP activations: SiLU (SwiGLU) and GeLU's tanh approximation (Gemma's GeGLU).
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+ROPE_TYPES = ("default", "linear", "llama3")  # model/rope.py
 
 
 @dataclass(frozen=True)
@@ -24,10 +31,24 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
+    attention_bias: bool          # biases on q, k and v
+    mlp_bias: bool                # biases on gate, up and down
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    family: str = "llama"         # families.FAMILIES key
+    o_bias: bool = False          # a bias on o (Llama's attention_bias puts one there too)
+    qk_norm: bool = False         # per-head RMSNorm of queries and keys before RoPE (Qwen3, Gemma 3)
+    sliding_window: int = 0       # keys a windowed layer's query sees, itself included (0: none)
+    # Per layer "full_attention" or "sliding_attention" (empty: every layer windowed when
+    # sliding_window is set, else every layer full).
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5 (0: head_dim's)
+    attn_logit_softcap: float = 0.0     # scores = cap * tanh(scores / cap) (0: none)
+    final_logit_softcap: float = 0.0
+    activation: str = "silu"            # the gated MLP's: "silu" or "gelu_tanh"
+    # Windowed layers' RoPE where it is not the others' (Gemma 3's local base).
+    sliding_rope_theta: float = 0.0
+    sliding_rope_scaling: dict[str, Any] | None = None
 
     @property
     def q_size(self) -> int:
@@ -37,35 +58,74 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: it attends to the whole context)."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types or self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return 0
+
+    @property
+    def every_layer_windowed(self) -> bool:
+        """Every layer forgets keys past its window: KV blocks behind it can be freed."""
+        return all(self.layer_window(i) for i in range(self.num_layers))
+
     def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each LoRA-targetable projection."""
+        """(in_features, out_features) of each LoRA-targetable projection of a layer."""
         h, i = self.hidden_size, self.intermediate_size
         return {
             "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
         }
 
+    def edge_shapes(self) -> dict[str, tuple[int, int]]:
+        """(A's in_features, B's out_features) of the LoRA modules outside the layers: the
+        embedding's A is [r, vocab] and B [hidden, r]; the LM head's A [r, hidden], B [vocab, r]."""
+        return {"embed_tokens": (self.vocab_size, self.hidden_size),
+                "lm_head": (self.hidden_size, self.vocab_size)}
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        model_type = raw.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not of the Llama family "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        # transformers 5 moved rope_theta/rope_scaling under rope_parameters.
-        rope_params = dict(raw.get("rope_parameters") or {})
-        rope_theta = float(raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
-        rope_scaling = raw.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = rope_params
+        """The config of a family this node serves; UnsupportedModel (one line naming what it
+        serves) for any other, or for a switch of a served family that it does not implement."""
+        family = family_of(raw)
+        model_type = raw.get("model_type", family.model_types[0])
+        gemma = FAMILIES[family.name].decoder == "gemma"
+        rope_theta, rope_scaling = _rope(raw, FULL_ATTENTION if gemma else None, default_theta=10000.0)
+        sliding_theta, sliding_scaling = 0.0, None
+        if family.name == "gemma3":
+            sliding_theta, sliding_scaling = _rope(raw, SLIDING_ATTENTION,
+                                                   float(raw.get("rope_local_base_freq", 10000.0)))
+        partial = float((raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                               raw.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            raise UnsupportedModel(f"{family.name}: partial rotary embeddings (partial_rotary_factor "
+                                   f"{partial}) are not served")
         heads = int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        act_name = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act_name not in ACTIVATIONS:
+            raise UnsupportedModel(f"{family.name}: MLP activation {act_name!r} is not served "
+                                   f"(served: {', '.join(ACTIVATIONS)})")
+        window, layer_types = _windows(raw, family.name, layers)
+        # Qwen2's q/k/v always carry biases; Llama's attention_bias puts them on q, k, v and o.
+        qkv_bias = bool(raw.get("attention_bias", family.name == "qwen2"))
+        o_bias = family.name in ("llama", "mistral") and bool(raw.get("attention_bias", False))
+        if gemma and raw.get("use_bidirectional_attention"):
+            raise UnsupportedModel(f"{family.name}: bidirectional attention (an embedding model) is not served")
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
@@ -73,11 +133,22 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            attention_bias=qkv_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            family=family.name,
+            o_bias=o_bias,
+            qk_norm=family.name in ("qwen3", "gemma3"),
+            sliding_window=window,
+            layer_types=layer_types,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 0.0) if gemma else 0.0,
+            attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            activation=ACTIVATIONS[act_name],
+            sliding_rope_theta=sliding_theta,
+            sliding_rope_scaling=sliding_scaling,
         )
 
     @classmethod
@@ -89,3 +160,52 @@ class ModelConfig:
             if gen_eos is not None:
                 raw = {**raw, "eos_token_id": gen_eos}
         return cls.from_dict(raw)
+
+
+def _rope(raw: dict[str, Any], layer_type: str | None, default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling or None) of RoPE, from transformers 5's rope_parameters (per layer type
+    where a family has one per type) or the older rope_theta / rope_scaling."""
+    params = dict(raw.get("rope_parameters") or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type is not None and any(isinstance(v, dict) for v in params.values()):
+        params = {}
+    if layer_type == SLIDING_ATTENTION and not params:
+        return default_theta, None  # Gemma 3's local layers: rope_local_base_freq, unscaled
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+    scaling = raw.get("rope_scaling") if layer_type != SLIDING_ATTENTION else None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModel(f"RoPE scaling {rope_type!r} is not served (served: {', '.join(ROPE_TYPES)})")
+    return theta, scaling if rope_type != "default" else None
+
+
+def _windows(raw: dict[str, Any], family: str, layers: int) -> tuple[int, tuple[str, ...]]:
+    """(sliding window, per-layer types) as transformers builds them for the family."""
+    window = raw.get("sliding_window")
+    if family == "llama" or (family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False)):
+        window = None  # transformers' Llama has no window; Qwen's is off unless use_sliding_window
+    if not window:
+        return 0, ()
+    if family in ("mistral", "phi3"):
+        return int(window), ()  # every layer (transformers reads no layer_types for them)
+    types = raw.get("layer_types")
+    if types is None:
+        if family in ("qwen2", "qwen3"):
+            first = int(raw.get("max_window_layers", layers))
+            types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers)]
+        elif family == "gemma2":
+            types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(layers)]
+        else:  # gemma3
+            pattern = int(raw.get("sliding_window_pattern", 6))
+            types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)]
+    types = tuple(types)
+    if len(types) != layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise UnsupportedModel(f"{family}: layer_types {list(types)[:8]} is not {layers} of "
+                               f"{FULL_ATTENTION!r} / {SLIDING_ATTENTION!r}")
+    if SLIDING_ATTENTION not in types:
+        return 0, ()
+    return int(window), types
+

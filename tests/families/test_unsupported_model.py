@@ -1,0 +1,60 @@
+"""A checkpoint of an architecture the node does not serve: `inference-node serve` exits 1 at
+start with one line naming what it serves, and no traceback."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference_node.model.config import ModelConfig
+from inference_node.model.families import UnsupportedModel
+
+
+def _checkpoint(tmp_path: Path, tokenizer_dir: Path, config: dict) -> Path:
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    (out / "model.safetensors").write_bytes(b"")  # never read: the node refuses before
+    return out
+
+
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_local_experts": 8, "num_experts_per_tok": 2}
+
+
+@pytest.mark.parametrize("config, named", [
+    (MIXTRAL, "mixture-of-experts"),
+    ({**MIXTRAL, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}, "GPTNeoXForCausalLM"),
+])
+def test_serve_refuses_an_unserved_architecture_in_one_line(config, named, tmp_path, tokenizer_dir) -> None:
+    model = _checkpoint(tmp_path, tokenizer_dir, config)
+    proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--model", str(model),
+                           "--device", "cpu", "--port", "0"], capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, output
+    assert named in errors[0] and "it serves: llama (LlamaForCausalLM)" in errors[0]
+    for family in ("qwen3", "gemma2", "gemma3", "phi3", "mistral", "qwen2"):
+        assert family in errors[0]
+
+
+@pytest.mark.parametrize("raw, phrase", [
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}, "Gemma3ForConditionalGeneration"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+     "partial rotary"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not served"),
+    ({"model_type": "llama", "hidden_act": "relu"}, "activation 'relu'"),
+])
+def test_config_switches_the_node_does_not_implement_are_refused(raw, phrase) -> None:
+    base = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4}
+    with pytest.raises(UnsupportedModel, match=phrase):
+        ModelConfig.from_dict({**base, **raw})
