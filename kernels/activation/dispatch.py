@@ -11,9 +11,9 @@ from .reference import silu_mul
 
 
 def silu_mul_lora(gate_up: torch.Tensor, delta: LoraDelta | None,
-                  tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
-    """SiLU(gate + its delta) * (up + its delta), see reference.silu_mul."""
+                  tuning: Tuning = DEFAULT_TUNING, *, activation: str = "silu") -> torch.Tensor:
+    """act(gate + its delta) * (up + its delta), see reference.silu_mul."""
     kernel = triton_kernel(gate_up, "kernels.activation.triton_kernel", "silu_mul_triton")
     if kernel is not None:
-        return kernel(gate_up, delta, tuning=tuning)
-    return silu_mul(gate_up, delta.dense() if delta is not None else None)
+        return kernel(gate_up, delta, tuning=tuning, activation=activation)
+    return silu_mul(gate_up, delta.dense() if delta is not None else None, activation)

@@ -81,11 +81,13 @@ def _silu_mul_kernel(
 
 def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
                     block_i: int | None = None, num_warps: int | None = None,
-                    tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+                    tuning: Tuning = DEFAULT_TUNING, activation: str = "silu") -> torch.Tensor:
     """As reference.silu_mul with delta.dense(), in one launch. block_i: columns per
     program. With a delta to expand the defaults are the tuning's silu_row_tile, the decode
     graph's best: alone, wider programs were faster, but in the graph a program's B, read
     before its wait, is less to hold while the gate/up GEMM still runs."""
+    if activation != "silu":
+        raise NotImplementedError("not yet in the Triton kernel")
     T, two_i = gate_up.shape
     I = two_i // 2
     assert gate_up.stride(1) == 1

@@ -19,12 +19,17 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys.
 
     Query i of sequence b (of q_len_b) sits at position seq_len_b - q_len_b + i and attends
-    keys 0..that position. Returns [T, Hq, D] in q's dtype. max_query_len and max_seq_len are
-    host integers so that no device synchronisation is needed.
+    keys 0..that position, or with a sliding `window` (> 0) only the last `window` of them,
+    itself included (transformers' sliding_window). `softcap` > 0 caps the scaled scores at
+    softcap * tanh(score / softcap) before the mask and softmax (Gemma 2). Returns [T, Hq, D]
+    in q's dtype. max_query_len and max_seq_len are host integers so that no device
+    synchronisation is needed.
     """
     T, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -40,9 +45,14 @@ def paged_attention_ref(
     keys = k_cache[blocks, offsets]        # [B, S, Hkv, D], whatever the caches' strides
     values = v_cache[blocks, offsets]
     # Positions past a sequence's context read other blocks (its table's padding, blocks of
-    # another request): zeroed, since a masked weight of 0 times a NaN there is still NaN,
-    # and one request's non-finite KV must not reach another's output.
-    outside = (positions[None, :] >= seq_lens.long()[:, None])[:, :, None, None]
+    # another request), and so may positions before every query's window (blocks the request
+    # gave back): zeroed, since a masked weight of 0 times a NaN there is still NaN, and one
+    # request's non-finite KV must not reach another's output.
+    outside = positions[None, :] >= seq_lens.long()[:, None]
+    if window > 0:
+        first_visible = seq_lens.long() - q_lens - window + 1  # the first query's first key
+        outside |= positions[None, :] < first_visible[:, None]
+    outside = outside[:, :, None, None]
     keys = keys.masked_fill(outside, 0)
     values = values.masked_fill(outside, 0)
 
@@ -55,15 +65,22 @@ def paged_attention_ref(
     # Causal mask: key j visible to query i iff j <= its absolute position (and j < seq_len).
     abs_pos = seq_lens.long()[:, None] - q_lens[:, None] + q_pos[None, :]
     mask = positions[None, None, :] <= abs_pos[:, :, None]
+    if window > 0:
+        mask &= positions[None, None, :] > abs_pos[:, :, None] - window
     mask &= q_valid[:, :, None]
     mask[:, :, 0] |= ~q_valid  # padded queries attend one key so softmax stays finite
 
     groups = num_heads // num_kv_heads
     keys = keys.repeat_interleave(groups, dim=2) if groups > 1 else keys
     values = values.repeat_interleave(groups, dim=2) if groups > 1 else values
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2).float(), keys.transpose(1, 2).float(),
-        values.transpose(1, 2).float(), attn_mask=mask[:, None], scale=scale,
-    ).transpose(1, 2).to(q.dtype)  # [B, Qmax, Hq, D]
+    qf, kf, vf = queries.transpose(1, 2).float(), keys.transpose(1, 2).float(), values.transpose(1, 2).float()
+    if softcap > 0:  # SDPA has no soft-cap: the scores written out (as transformers' eager path)
+        scores = torch.matmul(qf, kf.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), vf)
+    else:
+        out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask[:, None], scale=scale)
+    out = out.transpose(1, 2).to(q.dtype)  # [B, Qmax, Hq, D]
     del batch
     return out[q_valid]

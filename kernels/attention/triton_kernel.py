@@ -315,9 +315,12 @@ def paged_attention_triton(
     max_query_len: int,
     max_seq_len: int,
     *, tuning: Tuning = DEFAULT_TUNING, out: torch.Tensor | None = None,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached keys (see the reference),
     into `out` where given."""
+    if window or softcap:
+        raise NotImplementedError("not yet in the Triton kernel")
     return paged_attention_triton_impl(q, k_cache, v_cache, block_tables, query_start_loc,
                                        seq_lens, scale, max_query_len, max_seq_len, tuning=tuning,
                                        out=out)

@@ -11,10 +11,14 @@ from .reference import add_rms_norm
 
 
 def add_rms_norm_lora(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float,
-                      delta: LoraDelta | None, tuning: Tuning = DEFAULT_TUNING
+                      delta: LoraDelta | None, tuning: Tuning = DEFAULT_TUNING, *,
+                      unit_offset: bool = False, out_norm: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden + out + the expanded delta, that normalised), see reference.add_rms_norm."""
+    """(hidden + out + the expanded delta, that normalised), see reference.add_rms_norm for
+    unit_offset and out_norm."""
     kernel = triton_kernel(hidden, "kernels.norm.triton_kernel", "add_rms_norm_triton")
     if kernel is not None:
-        return kernel(hidden, out, weight, eps, delta, tuning=tuning)
-    return add_rms_norm(hidden, out, weight, eps, delta.dense() if delta is not None else None)
+        return kernel(hidden, out, weight, eps, delta, tuning=tuning, unit_offset=unit_offset,
+                      out_norm=out_norm)
+    return add_rms_norm(hidden, out, weight, eps, delta.dense() if delta is not None else None,
+                        unit_offset, out_norm)

@@ -135,8 +135,10 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
                           v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                           head_dim: int, *, num_warps: int = 4,
                           tuning: Tuning = DEFAULT_TUNING,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, qk_norm=None) -> torch.Tensor:
     """As rope_and_cache_ref, in one launch; the queries go to `out` where given."""
+    if qk_norm is not None:
+        raise NotImplementedError("not yet in the Triton kernel")
     T = qkv.shape[0]
     assert head_dim % 2 == 0, "RoPE needs an even head size"
     assert qkv.stride(1) == 1

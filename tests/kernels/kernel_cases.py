@@ -245,8 +245,9 @@ def make_attention_case(*, q_lens: Sequence[int], seq_lens: Sequence[int], num_h
     )
 
 
-def naive_attention(case: AttentionCase) -> torch.Tensor:
-    """Per token and head: softmax over the keys at positions 0..pos, read block by block."""
+def naive_attention(case: AttentionCase, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Per token and head: softmax over the keys at positions 0..pos (the last `window` of
+    them where window > 0), read block by block; scores soft-capped where softcap > 0."""
     q, k, v = case.q.float().cpu(), case.k_cache.float().cpu(), case.v_cache.float().cpu()
     table = case.block_tables.cpu()
     page = k.shape[1]
@@ -258,9 +259,12 @@ def naive_attention(case: AttentionCase) -> torch.Tensor:
         values = torch.stack([v[table[b, j // page], j % page] for j in range(sl)])
         for i in range(ql):
             pos = sl - ql + i
+            first = max(0, pos - window + 1) if window > 0 else 0
             for h in range(q.shape[1]):
-                scores = keys[:pos + 1, h // group] @ q[t, h] * case.scale
-                out[t, h] = torch.softmax(scores, 0) @ values[:pos + 1, h // group]
+                scores = keys[first:pos + 1, h // group] @ q[t, h] * case.scale
+                if softcap > 0:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[t, h] = torch.softmax(scores, 0) @ values[first:pos + 1, h // group]
             t += 1
     return out.to(case.q.dtype)
 

@@ -52,3 +52,34 @@ def test_non_finite_kv_outside_a_sequence_does_not_reach_its_output() -> None:
     assert torch.isfinite(out[0]).all()
     torch.testing.assert_close(out[0], clean[0])
     assert not torch.isfinite(out[1]).all()  # sequence 1's own context holds NaN: it shows
+
+
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (0, 2.0), (6, 1.5), (1, 0.0), (64, 0.0)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_window_and_softcap_match_per_token_loop(name: str, window: int, softcap: float) -> None:
+    """A sliding window (keys within the last `window` positions, the query's own included)
+    and soft-capped scores, as transformers' Mistral and Gemma 2 compute them."""
+    q_lens, seq_lens, hq, hkv, d, page = CASES[name]
+    case = make_attention_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=hq, num_kv_heads=hkv,
+                               head_dim=d, page=page, seed=len(name))
+    out = paged_attention_ref(*case.args(), window=window, softcap=softcap)
+    torch.testing.assert_close(out, naive_attention(case, window, softcap), rtol=1e-5, atol=1e-5)
+    if window < max(seq_lens) or softcap:
+        assert not torch.allclose(out, paged_attention_ref(*case.args()), atol=1e-3)
+
+
+def test_non_finite_kv_before_every_window_does_not_reach_the_output() -> None:
+    """Blocks a windowed request gave back (wholly before its first query's window) may hold
+    another request's NaN: its output is unchanged."""
+    window, page = 6, 4
+    case = make_attention_case(q_lens=[2, 1], seq_lens=[17, 9], num_heads=4, num_kv_heads=2,
+                               head_dim=8, page=page)
+    clean = paged_attention_ref(*case.args(), window=window)
+    first_visible = 17 - 2 - window + 1  # position 10: blocks 0 and 1 are wholly before it
+    for block in range(first_visible // page):
+        b = case.block_tables[0, block].long()
+        case.k_cache[b] = float("nan")
+        case.v_cache[b] = float("nan")
+    out = paged_attention_ref(*case.args(), window=window)
+    torch.testing.assert_close(out[:2], clean[:2])
+    assert torch.isfinite(out[:2]).all()
