@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from family_checkpoints import FAMILIES, make_tiny_family  # noqa: E402
 from harness import make_tiny_llama  # noqa: E402
 
 
@@ -76,3 +77,17 @@ def tiny_llama_hf(tiny_llama_path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
+
+
+def _tiny_family_fixture(family: str):
+    @pytest.fixture(scope="session")
+    def path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+        return make_tiny_family(family, tmp_path_factory.mktemp(f"tiny-{family}"), tokenizer_dir)
+
+    path.__doc__ = f"A tiny random {family} checkpoint with its family's quirks on (tests/family_checkpoints.py)."
+    return path
+
+
+for _family in FAMILIES:  # tiny_llama_path is the one above (the suite's own tiny Llama)
+    if _family != "llama":
+        globals()[f"tiny_{_family}_path"] = _tiny_family_fixture(_family)

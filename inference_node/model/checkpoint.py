@@ -56,6 +56,12 @@ class SafetensorsTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
+    def peek(self, name: str, rows: tuple[int, int]) -> torch.Tensor:
+        """Rows [rows[0]:rows[1]] of a tensor, left in place (a fused tensor read in parts)."""
+        file, stored = self.files[name]
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return f.get_slice(stored)[rows[0]:rows[1]]
+
     def pop(self, name: str, rows: tuple[int, int] | None = None,
             cols: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor, or its [rows[0]:rows[1]] rows and/or [cols[0]:cols[1]] columns."""
@@ -71,39 +77,43 @@ class SafetensorsTensors:
 
 
 class DummyTensors:
-    """The checkpoint's tensor names, each made on first `pop` (random normal * std, norms
-    one), so no more than one tensor beyond the model's own is ever alive."""
+    """The checkpoint's tensor names (loader.checkpoint_shapes), each made on first `pop`
+    (random normal * std, norms `norm_value`), so no more than one tensor beyond the model's
+    own is ever alive."""
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 std: float = 0.02) -> None:
-        self.device, self.dtype, self.std = device, dtype, std
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device, dtype: torch.dtype,
+                 seed: int = 0, std: float = 0.02, norm_value: float = 1.0) -> None:
+        self.device, self.dtype, self.std, self.norm_value = device, dtype, std, norm_value
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        h, shapes = config.hidden_size, config.module_shapes()
-        self.shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, h), "norm.weight": (h,)}
-        if not config.tie_word_embeddings:
-            self.shapes["lm_head.weight"] = (config.vocab_size, h)
-        for i in range(config.num_layers):
-            p = f"layers.{i}."
-            self.shapes[p + "input_layernorm.weight"] = (h,)
-            self.shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for module, (fan_in, fan_out) in shapes.items():
-                parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                self.shapes[f"{p}{parent}.{module}.weight"] = (fan_out, fan_in)
-                if config.attention_bias and module in ("q_proj", "k_proj", "v_proj"):
-                    self.shapes[f"{p}{parent}.{module}.bias"] = (fan_out,)
+        self.shapes = dict(shapes)
+        self._made: tuple[str, torch.Tensor] | None = None  # the tensor peek made last
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
+
+    def _make(self, name: str) -> torch.Tensor:
+        if self._made is not None and self._made[0] == name:
+            return self._made[1]
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            out = torch.full(shape, self.norm_value, dtype=self.dtype, device=self.device)
+        else:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+            out.normal_(0.0, self.std, generator=self.generator)
+        self._made = (name, out)
+        return out
+
+    def peek(self, name: str, rows: tuple[int, int]) -> torch.Tensor:
+        """Rows of a tensor left in place (as SafetensorsTensors.peek)."""
+        return self._make(name)[rows[0]:rows[1]].clone()
 
     def pop(self, name: str, rows: tuple[int, int] | None = None,
             cols: tuple[int, int] | None = None) -> torch.Tensor:
         """As SafetensorsTensors.pop. Every rank draws the whole tensor from the same seed and
         keeps its part, so the ranks of a tensor-parallel node hold one model's shards."""
-        shape = self.shapes.pop(name)
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=self.dtype, device=self.device)
-        out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        out.normal_(0.0, self.std, generator=self.generator)
+        out = self._make(name)
+        del self.shapes[name]
+        self._made = None
         if rows is not None:
             out = out[rows[0]:rows[1]]
         if cols is not None:

@@ -30,20 +30,25 @@ class ElementwiseOps:
         self._rms_norm = (torch.compile(rms_norm, dynamic=True, fullgraph=True) if self.triton
                           else rms_norm)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._rms_norm(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps, unit_offset)
 
     def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
-                     eps: float, delta: LoraDelta | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + out (+ its LoRA delta), that normalised)."""
+                     eps: float, delta: LoraDelta | None, *, unit_offset: bool = False,
+                     out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + out (+ its LoRA delta, and normalised by out_norm where given), that
+        normalised); unit_offset: Gemma's (1 + w) norms."""
         if delta is not None or self.triton:
-            return add_rms_norm_lora(hidden, out, weight, eps, delta, self.tuning)
-        return add_rms_norm(hidden, out, weight, eps)
+            return add_rms_norm_lora(hidden, out, weight, eps, delta, self.tuning,
+                                     unit_offset=unit_offset, out_norm=out_norm)
+        return add_rms_norm(hidden, out, weight, eps, None, unit_offset, out_norm)
 
-    def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None,
+                 activation: str = "silu") -> torch.Tensor:
         if delta is not None or self.triton:
-            return silu_mul_lora(gate_up, delta, self.tuning)
-        return silu_mul(gate_up)
+            return silu_mul_lora(gate_up, delta, self.tuning, activation=activation)
+        return silu_mul(gate_up, None, activation)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""Llama-family causal LM (Llama 2/3, SmolLM2, Qwen2, Mistral) over a paged KV cache.
+"""Llama-family causal LM (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Phi-3) over a paged
+KV cache; the families differ by switches of the config (model/families.py): biases, per-head
+q/k norms, sliding windows. Gemma 2 and 3 run the same attention with their own embedding,
+norms and MLP (model/gemma.py). Checkpoints are read by model/loader.py.
 
 The projections are fused (q/k/v into one matrix, gate/up into one) so one matmul and one
 LoRA launch serve each group. LoRA enters through a `LoraApplier` that the runner builds
@@ -20,14 +23,12 @@ import torch
 
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
-from kernels.gemm import DecodeGemm, RopeOut, cublas
+from kernels.gemm import RopeOut, cublas
 from kernels.lora import LoraDelta, with_delta
-from kernels.rope import rope_and_cache
+from kernels.rope import QKNorm, rope_and_cache
 from kernels.tuning import DEFAULT_TUNING
 
 from ..parallel.group import TensorParallel
-from ..parallel.shard import COLUMN_PARALLEL, Shard
-from .checkpoint import CheckpointError, DummyTensors, SafetensorsTensors
 from .config import ModelConfig
 from .forward import ForwardBatch, LoraApplier
 from .launch import LaunchChoices
@@ -58,9 +59,22 @@ class LayerWeights:
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor         # the norm of the residual stream before the MLP
     gate_up: torch.Tensor
     down: torch.Tensor
+    # What some families have (None where the config says not): biases of o (whole under
+    # tensor parallelism: added after the all-reduce), gate/up and down; per-head q/k norms
+    # (Qwen3, Gemma 3); Gemma's norms of the attention's and the MLP's outputs.
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if t is not None]
 
 
 class LlamaModel:
@@ -88,7 +102,8 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
-        self.scale = config.head_dim ** -0.5
+        self.layer_ropes = [self.rope] * config.num_layers  # Gemma 3's windowed layers have their own
+        self.scale = config.attention_scale
         if device.type == "cuda":
             # cuBLASLt's kernels for the matmuls cuBLAS runs: faster than cuBLAS's own choice
             # at decode batch sizes (docs/PERFORMANCE.md). A process-wide setting: the node
@@ -99,90 +114,19 @@ class LlamaModel:
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
              max_positions: int | None = None, gemm_groups: frozenset[str] = DEFAULT_TUNING.gemm_groups,
              load_format: str = "safetensors", tp: TensorParallel | None = None) -> "LlamaModel":
-        """The model, or with `tp` this rank's shard of it (parallel/shard.py), read from the
-        checkpoint's slices so a rank never reads another's part of a weight. gemm_groups: the
-        projections whose weights are laid out for the decode GEMM (Tuning.gemm_groups)."""
-        full = ModelConfig.from_checkpoint(path)
-        shard = tp.shard if tp is not None else Shard()
-        config = shard.local_config(full)
-        # The projections the decode GEMM serves on this device, whose layout it prefers.
-        layout = DecodeGemm(device, DEFAULT_TUNING.replace(gemm_groups=gemm_groups))
-        if load_format == "dummy":
-            tensors: SafetensorsTensors | DummyTensors = DummyTensors(full, device, dtype)
-        else:
-            tensors = SafetensorsTensors(path)
-        fan = full.module_shapes()
+        """The model of the checkpoint's family (this class, or model/gemma.py's), or with
+        `tp` this rank's shard of it (model/loader.py). gemm_groups: the projections whose
+        weights are laid out for the decode GEMM (Tuning.gemm_groups)."""
+        from .loader import load_model
 
-        def take(name: str, rows: tuple[int, int] | None = None,
-                 cols: tuple[int, int] | None = None) -> torch.Tensor:
-            if name not in tensors:
-                raise CheckpointError(f"checkpoint {path} lacks tensor {name!r}")
-            return tensors.pop(name, rows, cols).to(device=device, dtype=dtype)
-
-        def part(module: str, name: str) -> torch.Tensor:
-            """This rank's rows (column-parallel) or columns (row-parallel) of a weight or bias."""
-            if shard.size == 1:
-                return take(name)
-            fan_in, fan_out = fan[module]
-            if module in COLUMN_PARALLEL:
-                return take(name, rows=shard.block(fan_out))
-            return take(name, cols=shard.block(fan_in))
-
-        def projection(*weights: torch.Tensor, decode_gemm: bool = False) -> torch.Tensor:
-            """[out, in] weights side by side as one [in, sum(out)] matrix (a view of an
-            [out, in] one where the decode GEMM serves it and prefers that layout)."""
-            stacked = torch.cat(weights)
-            if decode_gemm:
-                return stacked.contiguous().t()
-            return stacked.t().contiguous()
-
-        layers = []
-        for i in range(config.num_layers):
-            p = f"layers.{i}."
-            qkv_bias = None
-            if config.attention_bias:
-                qkv_bias = torch.cat([part(m, p + f"self_attn.{m}.bias") for m in FUSED_MODULES["qkv"]])
-            layers.append(LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=projection(*(part(m, p + f"self_attn.{m}.weight") for m in FUSED_MODULES["qkv"]),
-                               decode_gemm=layout.serves("qkv")),
-                qkv_bias=qkv_bias,
-                o=projection(part("o_proj", p + "self_attn.o_proj.weight"), decode_gemm=layout.serves("o")),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=projection(*(part(m, p + f"mlp.{m}.weight") for m in FUSED_MODULES["gate_up"]),
-                                   decode_gemm=layout.serves("gate_up")),
-                down=projection(part("down_proj", p + "mlp.down_proj.weight"), decode_gemm=layout.serves("down")),
-            ))
-        vocab_start, vocab_stop, vocab_rows = shard.vocab_block(full.vocab_size)
-
-        def vocab_part(name: str) -> torch.Tensor:
-            """This rank's block of vocabulary rows, zero-padded to the blocks' common height."""
-            if shard.size == 1:
-                return take(name)
-            rows = take(name, rows=(vocab_start, vocab_stop))
-            pad = vocab_rows - rows.shape[0]
-            return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
-
-        if "lm_head.weight" in tensors:
-            lm_head = projection(vocab_part("lm_head.weight"))
-            embed = vocab_part("embed_tokens.weight")
-        elif config.tie_word_embeddings:
-            # One copy serves both: the LM head reads it as [hidden, vocab]; the embedding
-            # looks up its columns (a strided gather of a few rows' worth of bytes per step).
-            lm_head = projection(vocab_part("embed_tokens.weight"))
-            embed = lm_head.t()
-        else:
-            raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
-        positions = max_positions or config.max_position_embeddings
-        return cls(config, layers, embed, take("norm.weight"), lm_head, device, positions, gemm_groups,
-                   tp=tp, full_config=full, vocab_start=vocab_start)
+        return load_model(path, device, dtype, max_positions, gemm_groups, load_format, tp)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
         if self.lm_head.data_ptr() != self.embed.data_ptr():
             tensors.append(self.lm_head)
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+            tensors += layer.tensors()
         return sum(t.numel() for t in tensors)
 
     @torch.inference_mode()
@@ -208,28 +152,37 @@ class LlamaModel:
             hidden = self._embed_vocab_parallel(batch)
         return hidden, launch.ops.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps)
 
+    def qk_norm(self, i: int) -> QKNorm | None:
+        """Layer i's per-head q/k norm (None where the family has none)."""
+        layer = self.layers[i]
+        if layer.q_norm is None:
+            return None
+        return QKNorm(layer.q_norm, layer.k_norm, self.config.rms_norm_eps)
+
     def attention_inputs(self, i: int, x: torch.Tensor, batch: ForwardBatch,
                          k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                          launch: LaunchChoices, lora: LoraApplier | None,
                          q_out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's rotated queries [T, Hq, D] (into q_out where given); its keys and values
         written to their cache slots."""
-        cfg, layer, gemm = self.config, self.layers[i], launch.gemm
+        cfg, layer, gemm, rope_table = self.config, self.layers[i], launch.gemm, self.layer_ropes[i]
         q = q_out
-        if (layer.qkv_bias is None and (lora is None or not lora.applies_to("qkv"))
+        qk_norm = self.qk_norm(i)
+        if (layer.qkv_bias is None and qk_norm is None and (lora is None or not lora.applies_to("qkv"))
                 and gemm.serves("qkv")):
             # RoPE and the cache write in q/k/v's GEMM launch (no RoPE launch)
             if q is None:
                 q = x.new_empty(x.shape[0], cfg.num_heads, cfg.head_dim)
-            rope = RopeOut(q, k_caches[i], v_caches[i], self.rope.cos, self.rope.sin, batch.positions,
+            rope = RopeOut(q, k_caches[i], v_caches[i], rope_table.cos, rope_table.sin, batch.positions,
                            batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             if gemm.qkv_rope(x, layer.qkv, rope) is not None:
                 return q
         qkv, delta = self._project(launch, lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
-        # The LoRA delta added, q and k rotated, k and v written to their cache slots.
-        return rope_and_cache(qkv, delta, self.rope.cos, self.rope.sin, batch.positions,
+        # The LoRA delta added, q and k normalised (where the family does) and rotated, k and
+        # v written to their cache slots.
+        return rope_and_cache(qkv, delta, rope_table.cos, rope_table.sin, batch.positions,
                               batch.slot_mapping, k_caches[i], v_caches[i], cfg.num_heads,
-                              cfg.num_kv_heads, cfg.head_dim, launch.tuning, out=q)
+                              cfg.num_kv_heads, cfg.head_dim, launch.tuning, out=q, qk_norm=qk_norm)
 
     def attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor],
                v_caches: list[torch.Tensor], launch: LaunchChoices,
@@ -237,7 +190,8 @@ class LlamaModel:
         """Layer i's attention output [T, Hq * D] (into out, [T, Hq, D], where given)."""
         attn = paged_attention(q, k_caches[i], v_caches[i], batch.block_tables, batch.query_start_loc,
                                batch.seq_lens, self.scale, batch.max_query_len, batch.max_seq_len,
-                               launch.tuning, out=out)
+                               launch.tuning, out=out, window=self.config.layer_window(i),
+                               softcap=self.config.attn_logit_softcap)
         return attn.reshape(-1, self.config.q_size)
 
     def after_attention(self, i: int, attn: torch.Tensor, hidden: torch.Tensor, launch: LaunchChoices,
@@ -245,15 +199,19 @@ class LlamaModel:
         """Layer i's o projection and MLP with their residual adds: (the residual stream, that
         normalised for the next layer, or by the final norm after the last)."""
         cfg, ops, layer = self.config, launch.ops, self.layers[i]
-        out, delta = self._reduce(*self._project(launch, lora, i, "o", attn, layer.o))
+        # A row-parallel bias is added after the ranks' partial outputs are summed (_reduce).
+        tp, o_bias, down_bias = self.tp is not None, layer.o_bias, layer.down_bias
+        out, delta = self._reduce(*self._project(launch, lora, i, "o", attn, layer.o, None if tp else o_bias),
+                                  o_bias if tp else None)
         hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
         act = None
-        if lora is None or not lora.applies_to("gate_up"):
+        if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
             act = launch.gemm.gated_silu(x, layer.gate_up)  # the SiLU in the GEMM's launch
         if act is None:
-            gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up)
+            gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
             act = ops.silu_mul(gate_up, delta)
-        down, delta = self._reduce(*self._project(launch, lora, i, "down", act, layer.down))
+        down, delta = self._reduce(*self._project(launch, lora, i, "down", act, layer.down,
+                                                  None if tp else down_bias), down_bias if tp else None)
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).
         last_layer = i + 1 == len(self.layers)
@@ -268,8 +226,14 @@ class LlamaModel:
             logits = self.tp.gather_columns(torch.mm(last, self.lm_head))
             if logits.shape[1] != self.config.vocab_size:  # the last block's padding rows
                 logits = logits[:, :self.config.vocab_size].contiguous()
-            return logits if out is None else out.copy_(logits)
-        return torch.mm(last, self.lm_head) if out is None else torch.mm(last, self.lm_head, out=out)
+        else:
+            logits = torch.mm(last, self.lm_head, out=out) if out is not None else torch.mm(last, self.lm_head)
+        cap = self.config.final_logit_softcap
+        if cap:  # as transformers: in the logits' dtype, op by op
+            logits = torch.tanh(logits / cap) * cap
+        if out is None or logits is out:
+            return logits
+        return out.copy_(logits)
 
     def _embed_vocab_parallel(self, batch: ForwardBatch) -> torch.Tensor:
         """Each rank looks up the tokens of its vocabulary block (zeros for the others); the
@@ -286,9 +250,11 @@ class LlamaModel:
         hidden = self.embed[torch.where(inside, local, 0)].masked_fill(~inside[:, None], 0)
         return self.tp.all_reduce(hidden)
 
-    def _reduce(self, out: torch.Tensor, delta: LoraDelta | None) -> tuple[torch.Tensor, LoraDelta | None]:
+    def _reduce(self, out: torch.Tensor, delta: LoraDelta | None,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, LoraDelta | None]:
         """A row-parallel projection's output summed over the ranks (its LoRA delta, added
-        into each rank's partial output, is summed with it)."""
+        into each rank's partial output, is summed with it), then its bias (whole on every
+        rank: added once, after the sum)."""
         if self.tp is None:
             return out, delta
         if delta is not None:  # expanded beside the matmul (parallel.shard.tensor_parallel_tuning)
@@ -296,7 +262,8 @@ class LlamaModel:
                 raise RuntimeError("a row-parallel projection's LoRA delta must be expanded before its "
                                    "all-reduce (parallel.shard.tensor_parallel_tuning)")
             out = with_delta(out, delta.expanded)
-        return self.tp.all_reduce(out), None
+        out = self.tp.all_reduce(out)
+        return (out if bias is None else out + bias), None
 
     def _project(self, launch: LaunchChoices, lora: LoraApplier | None, layer: int, group: str,
                  x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

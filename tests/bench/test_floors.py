@@ -59,8 +59,8 @@ class MetaTensors(DummyTensors):
     """The dummy checkpoint's tensors on the meta device: shapes without memory, so the real
     loader builds an 8B model (or one rank's shard of it) in a test."""
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(config, torch.device("cpu"), dtype)
+    def __init__(self, shapes: dict, device: torch.device, dtype: torch.dtype, **kwargs) -> None:
+        super().__init__(shapes, torch.device("cpu"), dtype, **kwargs)
         self.device = torch.device("meta")
 
     def pop(self, name, rows=None, cols=None):
@@ -73,9 +73,9 @@ class MetaTensors(DummyTensors):
 
 
 def meta_model(tmp_path: Path, raw: dict, monkeypatch: pytest.MonkeyPatch, shard: Shard | None = None) -> LlamaModel:
-    import inference_node.model.llama as llama
+    import inference_node.model.loader as loader
 
-    monkeypatch.setattr(llama, "DummyTensors", MetaTensors)
+    monkeypatch.setattr(loader, "DummyTensors", MetaTensors)
     folder = tmp_path / f"{raw['model_type']}-{raw['hidden_size']}-{raw.get('attention_bias')}"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(raw))

@@ -1,0 +1,191 @@
+"""Reads a checkpoint of any served family into the node's model: each family's tensor names
+(families.py) onto the node's fused groups (q/k/v and gate/up one matrix each), this
+tensor-parallel rank's shard of every weight read from the file's slices.
+
+Phi-3 stores q/k/v and gate/up fused already: its matrices are the node's groups as they are
+(a rank reads its heads' rows of each part of the fused tensor). Gemma's extra norms and every
+family's optional biases and q/k norms are read where the config says they exist.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels.gemm import DecodeGemm
+from kernels.tuning import DEFAULT_TUNING
+
+from ..parallel.group import TensorParallel
+from ..parallel.shard import COLUMN_PARALLEL, Shard
+from .checkpoint import CheckpointError, DummyTensors, SafetensorsTensors
+from .config import ModelConfig
+from .families import FAMILIES, Family
+from .llama import FUSED_MODULES, LayerWeights, LlamaModel
+
+_PARENT = {"qkv": "self_attn", "o": "self_attn", "gate_up": "mlp", "down": "mlp"}
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `config`'s family holds (names without "model."), with
+    its shape: what a dummy checkpoint makes up and the loader reads."""
+    family = FAMILIES[config.family]
+    h, fan = config.hidden_size, config.module_shapes()
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, h), "norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if family.decoder == "gemma":
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for norm in norms:
+            shapes[f"{p}{norm}.weight"] = (h,)
+        if config.qk_norm:
+            shapes[f"{p}self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"{p}self_attn.k_norm.weight"] = (config.head_dim,)
+        for group, modules in FUSED_MODULES.items():
+            fan_in, outs = fan[modules[0]][0], [fan[m][1] for m in modules]
+            names = ([family.fused_weights[group]] if group in family.fused_weights
+                     else [f"{_PARENT[group]}.{m}" for m in modules])
+            sizes = [sum(outs)] if group in family.fused_weights else outs
+            for name, out in zip(names, sizes):
+                shapes[f"{p}{name}.weight"] = (out, fan_in)
+                if _has_bias(config, group):
+                    shapes[f"{p}{name}.bias"] = (out,)
+    return shapes
+
+
+def _has_bias(config: ModelConfig, group: str) -> bool:
+    return {"qkv": config.attention_bias, "o": config.o_bias}.get(group, config.mlp_bias)
+
+
+class _Reader:
+    """Takes this rank's part of each tensor off the checkpoint, on the device in the dtype."""
+
+    def __init__(self, path: Path, tensors: SafetensorsTensors | DummyTensors, full: ModelConfig,
+                 shard: Shard, device: torch.device, dtype: torch.dtype, gemm: DecodeGemm) -> None:
+        self.path, self.tensors, self.full, self.shard = path, tensors, full, shard
+        self.device, self.dtype, self.gemm = device, dtype, gemm
+        self.fan = full.module_shapes()
+
+    def take(self, name: str, rows: tuple[int, int] | None = None,
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r}")
+        return self.tensors.pop(name, rows, cols).to(device=self.device, dtype=self.dtype)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def group(self, family: Family, prefix: str, group: str, suffix: str) -> torch.Tensor:
+        """The fused group's weights ("weight": [sum(out), in]) or biases ("bias": [sum(out)])
+        of this rank, its modules' parts stacked in FUSED_MODULES order. A row-parallel bias
+        stays whole: it is added once, after the all-reduce."""
+        modules = FUSED_MODULES[group]
+        column = modules[0] in COLUMN_PARALLEL
+        if group in family.fused_weights:  # one tensor holds every module's rows
+            name = f"{prefix}{family.fused_weights[group]}.{suffix}"
+            if self.shard.size == 1 or (not column and suffix == "bias"):
+                return self.take(name)
+            if not column:
+                return self.take(name, cols=self.shard.block(self.fan[modules[0]][0]))
+            parts, start = [], 0
+            for m in modules:  # this rank's rows of each module's part of the fused tensor
+                lo, hi = self.shard.block(self.fan[m][1])
+                parts.append(self._rows_of(name, start + lo, start + hi))
+                start += self.fan[m][1]
+            self.tensors.pop(name)
+            return torch.cat(parts)
+        parts = []
+        for m in modules:
+            name = f"{prefix}{_PARENT[group]}.{m}.{suffix}"
+            if self.shard.size == 1 or (not column and suffix == "bias"):
+                parts.append(self.take(name))
+            elif column:
+                parts.append(self.take(name, rows=self.shard.block(self.fan[m][1])))
+            else:
+                parts.append(self.take(name, cols=self.shard.block(self.fan[m][0])))
+        return torch.cat(parts)
+
+    def _rows_of(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor still in the checkpoint (not popped: a fused tensor
+        is read in several parts, then popped)."""
+        if name not in self.tensors:
+            raise CheckpointError(f"checkpoint {self.path} lacks tensor {name!r}")
+        return self.tensors.peek(name, (start, stop)).to(device=self.device, dtype=self.dtype)
+
+    def projection(self, weights: torch.Tensor, group: str | None) -> torch.Tensor:
+        """[out, in] weights as the [in, out] matrix the model multiplies by (a view of the
+        [out, in] one where the decode GEMM serves the group and prefers that layout)."""
+        if group is not None and self.gemm.serves(group):
+            return weights.contiguous().t()
+        return weights.t().contiguous()
+
+
+def read_layer(reader: _Reader, family: Family, config: ModelConfig, i: int) -> LayerWeights:
+    """Layer i's weights: the fused groups, their biases and q/k norms where the family has them."""
+    p = f"layers.{i}."
+    groups = {g: reader.projection(reader.group(family, p, g, "weight"), g) for g in FUSED_MODULES}
+    biases = {g: reader.group(family, p, g, "bias") if _has_bias(config, g) else None for g in FUSED_MODULES}
+    qk = config.qk_norm
+    return LayerWeights(
+        input_norm=reader.take(p + "input_layernorm.weight"),
+        qkv=groups["qkv"], qkv_bias=biases["qkv"], o=groups["o"],
+        post_norm=reader.take(p + ("pre_feedforward_layernorm.weight" if family.decoder == "gemma"
+                                   else "post_attention_layernorm.weight")),
+        gate_up=groups["gate_up"], down=groups["down"],
+        o_bias=biases["o"], gate_up_bias=biases["gate_up"], down_bias=biases["down"],
+        q_norm=reader.take(p + "self_attn.q_norm.weight") if qk else None,
+        k_norm=reader.take(p + "self_attn.k_norm.weight") if qk else None,
+        attn_out_norm=reader.take(p + "post_attention_layernorm.weight") if family.decoder == "gemma" else None,
+        mlp_out_norm=reader.take(p + "post_feedforward_layernorm.weight") if family.decoder == "gemma" else None,
+    )
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
+               gemm_groups: frozenset[str] = DEFAULT_TUNING.gemm_groups, load_format: str = "safetensors",
+               tp: TensorParallel | None = None) -> LlamaModel:
+    """The model of the checkpoint's family, or with `tp` this rank's shard of it
+    (parallel/shard.py), read from the checkpoint's slices so a rank never reads another's
+    part of a weight. gemm_groups: the projections whose weights are laid out for the decode
+    GEMM (Tuning.gemm_groups)."""
+    from .gemma import GemmaModel
+
+    full = ModelConfig.from_checkpoint(path)
+    family = FAMILIES[full.family]
+    shard = tp.shard if tp is not None else Shard()
+    config = shard.local_config(full)
+    if load_format == "dummy":
+        norm_value = 0.0 if family.decoder == "gemma" else 1.0  # Gemma's norms scale by (1 + w)
+        tensors: SafetensorsTensors | DummyTensors = DummyTensors(checkpoint_shapes(full), device, dtype,
+                                                                  norm_value=norm_value)
+    else:
+        tensors = SafetensorsTensors(path)
+    # The projections the decode GEMM serves on this device, whose layout it prefers.
+    layout = DecodeGemm(device, DEFAULT_TUNING.replace(gemm_groups=gemm_groups))
+    reader = _Reader(path, tensors, full, shard, device, dtype, layout)
+    layers = [read_layer(reader, family, full, i) for i in range(config.num_layers)]
+    vocab_start, vocab_stop, vocab_rows = shard.vocab_block(full.vocab_size)
+
+    def vocab_part(name: str) -> torch.Tensor:
+        """This rank's block of vocabulary rows, zero-padded to the blocks' common height."""
+        if shard.size == 1:
+            return reader.take(name)
+        rows = reader.take(name, rows=(vocab_start, vocab_stop))
+        pad = vocab_rows - rows.shape[0]
+        return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
+
+    if reader.has("lm_head.weight"):
+        lm_head = reader.projection(vocab_part("lm_head.weight"), None)
+        embed = vocab_part("embed_tokens.weight")
+    elif config.tie_word_embeddings:
+        # One copy serves both: the LM head reads it as [hidden, vocab]; the embedding looks up
+        # its columns (a strided gather of a few rows' worth of bytes per step).
+        lm_head = reader.projection(vocab_part("embed_tokens.weight"), None)
+        embed = lm_head.t()
+    else:
+        raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
+    positions = max_positions or config.max_position_embeddings
+    cls = GemmaModel if family.decoder == "gemma" else LlamaModel
+    return cls(config, layers, embed, reader.take("norm.weight"), lm_head, device, positions, gemm_groups,
+               tp=tp, full_config=full, vocab_start=vocab_start)
