@@ -18,7 +18,7 @@ from typing import Any, Callable
 from kernels.tuning import DEFAULT_TUNING, GROUPS, Tuning, choice_help, format_choice, parse_choice
 from lora_common.tls import (ClientTLS, ServerTLS, add_client_flags, add_server_flags, client_tls_from_args,
                              server_tls_from_args)
-from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, LORA_MODULES
+from lora_common.validation import DEFAULT_MAX_WEIGHT_ABS, EDGE_MODULES, LORA_MODULES
 
 MB, GB = 1 << 20, 1 << 30
 CONFIG_EXIT = 2  # the exit status of a node (or its engine core) refusing a setting it cannot run with
@@ -43,13 +43,18 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
     return field(default=default, default_factory=default_factory, repr=not secret, metadata=meta)
 
 
+# Every module adapter memory can hold: the decoder layers' projections, the embedding's and
+# the LM head's (a Phi-3 adapter's fused qkv_proj and gate_up_proj count as their modules).
+ADAPTER_MODULES = LORA_MODULES + EDGE_MODULES
+
+
 def lora_modules(text: str) -> tuple[str, ...]:
     """--lora-modules: names of LoRA target modules, comma-separated."""
     names = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    unknown = [m for m in names if m not in LORA_MODULES]
+    unknown = [m for m in names if m not in ADAPTER_MODULES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown LoRA modules {unknown or text!r}; choose from "
-                                         f"{', '.join(LORA_MODULES)}")
+                                         f"{', '.join(ADAPTER_MODULES)}")
     return names
 
 
@@ -131,9 +136,11 @@ class LoraOptions:
              "holds its own rank's rows on each module it targets (0: --max-loras adapters of "
              "--max-lora-rank)")
     lora_modules: tuple[str, ...] = option(
-        LORA_MODULES, parse=lora_modules, shown=",".join(LORA_MODULES),
-        help="comma-separated modules adapters may target (default: all seven); the adapter memory keeps "
-             "rank rows only for their fused groups (q,k,v / o / gate,up / down)")
+        ADAPTER_MODULES, parse=lora_modules, shown=",".join(ADAPTER_MODULES),
+        help="comma-separated modules adapters may target (default: all: the seven projections, embed_tokens "
+             "and lm_head; a Phi-3 adapter's qkv_proj and gate_up_proj count as q,k,v and gate,up); the "
+             "adapter memory keeps rank rows only for their fused groups (q,k,v / o / gate,up / down) and the "
+             "edge modules named")
     adapter_eviction: str = option("lru", choices=("lru", "gdsf"),
                                    help="which idle adapters leave the GPU first when memory is wanted: least "
                                         "recently used, or GreedyDual-Size-Frequency (requests per byte, aged)")

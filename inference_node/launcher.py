@@ -30,8 +30,6 @@ from typing import Callable
 from .config import CONFIG_EXIT, NodeConfig
 from .core.protocol import CoreInfo
 from .frontend.engine_client import EngineClient
-from .model.config import ModelConfig
-from .model.families import UnsupportedModel
 from .parent_watch import die_with_parent, parent_alive
 
 log = logging.getLogger(__name__)
@@ -154,29 +152,33 @@ async def _connect(client: EngineClient, core: multiprocessing.Process) -> None:
     connect.result()
 
 
-def check_served(config: NodeConfig) -> None:
-    """Raises UnsupportedModel (one line naming what the node serves) for a checkpoint whose
-    config.json is of an architecture the node does not serve. config.json is read without
-    torch; a checkpoint that is not there or not readable is the engine core's to report."""
+def unserved_model(config: NodeConfig) -> str | None:
+    """Why the checkpoint's config.json is of an architecture the node does not serve (one
+    line naming what it serves), or None. Read here, before any process starts, by the model's
+    config parser (model/config.py, model/families.py: plain Python, no torch; imported only
+    when the node starts, never by a front end). A checkpoint that is not there or not readable
+    is the engine core's to report."""
     if not config.model.checkpoint:
-        return  # the embedded model
-    path = Path(config.model.checkpoint) / "config.json"
+        return None  # the embedded model
+    from .model.config import ModelConfig
+    from .model.families import UnsupportedModel
+
     try:
-        ModelConfig.from_checkpoint(path.parent)
-    except UnsupportedModel:
-        raise
+        ModelConfig.from_checkpoint(Path(config.model.checkpoint))
+    except UnsupportedModel as exc:
+        return str(exc)
     except (OSError, KeyError, TypeError, ValueError):
-        return
+        return None
+    return None
 
 
 async def run_node(config: NodeConfig, on_ready: Callable = lambda server: None) -> int:
     """Runs the node until SIGTERM/SIGINT (0), until its engine core dies (1), or not at all
     when a setting cannot work (2) or its checkpoint is of an architecture it does not serve (1)."""
     server_options = config.server
-    try:  # fails now, in one line, before any process starts
-        check_served(config)
-    except UnsupportedModel as exc:
-        log.error("%s", exc)
+    refusal = unserved_model(config)
+    if refusal is not None:  # fails now, in one line, before any process starts
+        log.error("%s", refusal)
         return 1
     procs = Processes()
     procs.start_core(config)

@@ -18,6 +18,15 @@ import numpy as np
 LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Every projection of a decoder layer that a served family names (Phi-3 fuses q/k/v and
+# gate/up), and the modules outside the layers: which of them fit a base model is the node's
+# check (inference_node/model/families.py); the store knows no base model.
+LAYER_PARENT = {**MODULE_PARENT, "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+LAYER_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
+                                  "gate_up_proj", "down_proj")
+EDGE_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+TARGET_MODULES: tuple[str, ...] = LAYER_MODULES + EDGE_MODULES
+EDGE_LAYER = -1  # the layer index of an embed_tokens or lm_head LoRA in AdapterSpec.modules
 DEFAULT_MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_MAX_HEADER_BYTES = 16 << 20
 DEFAULT_MAX_RANK = 4096
@@ -37,7 +46,13 @@ _FLOAT_BITS = {"F16": (np.uint16, 0x7FFF, 0x7C00), "BF16": (np.uint16, 0x7FFF, 0
                "F64": (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000)}
 _TENSOR_NAME = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d{1,6})\.(self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.default)?\.weight")
+    r"(q_proj|k_proj|v_proj|qkv_proj|o_proj|gate_proj|up_proj|gate_up_proj|down_proj)"
+    r"\.lora_([AB])(?:\.default)?\.weight")
+# PEFT's embedding LoRA (A [r, vocab], B [hidden, r]: parameters, no ".weight") and the LM
+# head's (a Linear's: A [r, hidden], B [vocab, r]).
+_EDGE_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?(?:(embed_tokens)\.lora_embedding_([AB])(?:\.default)?"
+    r"|(lm_head)\.lora_([AB])(?:\.default)?\.weight)")
 _FINITE_CHUNK = 1 << 22  # elements checked at a time, to bound temporary memory
 
 Buffer = Union[bytes, bytearray, memoryview, Any]  # anything with the buffer protocol (mmap too)
@@ -187,11 +202,11 @@ def _normalize_targets(value: Any) -> tuple[tuple[str, ...], bool]:
     """Short module names. A regex is never evaluated (it is untrusted): the modules it
     names literally are the candidates and the weights decide."""
     if isinstance(value, str):
-        if value == "all-linear":
-            return LORA_MODULES, True
-        found = tuple(m for m in LORA_MODULES if m in value)
+        if value == "all-linear":  # PEFT's: every linear layer but the LM head
+            return LAYER_MODULES, True
+        found = tuple(m for m in TARGET_MODULES if m in value)
         if not found:
-            raise AdapterInvalid(f"target_modules pattern {value[:200]!r} names none of {', '.join(LORA_MODULES)}")
+            raise AdapterInvalid(f"target_modules pattern {value[:200]!r} names none of {', '.join(TARGET_MODULES)}")
         return found, True
     if not isinstance(value, (list, tuple)) or not value:
         raise AdapterInvalid("target_modules must be a non-empty list of module names")
@@ -200,11 +215,11 @@ def _normalize_targets(value: Any) -> tuple[tuple[str, ...], bool]:
         if not isinstance(item, str) or not item:
             raise AdapterInvalid(f"target_modules holds {item!r}, not a module name")
         leaf = item.rsplit(".", 1)[-1]
-        if leaf not in MODULE_PARENT:
+        if leaf not in TARGET_MODULES:
             raise AdapterInvalid(f"target module {item[:200]!r} is not supported "
-                                 f"(supported: {', '.join(LORA_MODULES)})")
+                                 f"(supported: {', '.join(TARGET_MODULES)})")
         short.add(leaf)
-    return tuple(m for m in LORA_MODULES if m in short), False
+    return tuple(m for m in TARGET_MODULES if m in short), False
 
 
 # ------------------------------------------------------------------------- safetensors
@@ -297,11 +312,15 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
     pairs: dict[tuple[int, str], dict[str, TensorInfo]] = {}
     for name, info in header.tensors.items():
         match = _TENSOR_NAME.fullmatch(name)
-        if match is None:
-            raise AdapterInvalid(_unexpected_tensor(name))
-        layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
-        if MODULE_PARENT[module] != parent:
-            raise AdapterInvalid(f"tensor {name!r}: {module} belongs under {MODULE_PARENT[module]}, not {parent}")
+        if match is not None:
+            layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
+            if LAYER_PARENT[module] != parent:
+                raise AdapterInvalid(f"tensor {name!r}: {module} belongs under {LAYER_PARENT[module]}, not {parent}")
+        else:
+            edge = _EDGE_TENSOR.fullmatch(name)
+            if edge is None:
+                raise AdapterInvalid(_unexpected_tensor(name))
+            layer, module, which = EDGE_LAYER, edge[1] or edge[3], edge[2] or edge[4]
         if info.dtype not in _FLOAT_BITS:
             raise AdapterInvalid(f"tensor {name!r} has dtype {info.dtype}; LoRA weights must be F16, BF16, F32 or F64")
         if len(info.shape) != 2 or 0 in info.shape:
@@ -314,7 +333,7 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
         raise AdapterInvalid("the safetensors file holds no LoRA weights")
     modules: dict[tuple[int, str], ModuleSpec] = {}
     shapes: dict[str, tuple[int, int, int]] = {}
-    for (layer, module), pair in sorted(pairs.items(), key=lambda kv: (kv[0][0], LORA_MODULES.index(kv[0][1]))):
+    for (layer, module), pair in sorted(pairs.items(), key=lambda kv: (kv[0][0], TARGET_MODULES.index(kv[0][1]))):
         missing = {"A", "B"} - set(pair)
         if missing:
             raise AdapterInvalid(f"layer {layer} {module} has no lora_{missing.pop()} weight")
@@ -334,7 +353,7 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
             raise AdapterInvalid(f"{module} is {seen[0]}->{seen[1]} in layer {seen[2]} but "
                                  f"{fan_in}->{fan_out} in layer {layer}")
         modules[(layer, module)] = ModuleSpec(layer, module, fan_in, fan_out, rank_a, a.dtype, a, b)
-    present = tuple(m for m in LORA_MODULES if m in shapes)
+    present = tuple(m for m in TARGET_MODULES if m in shapes)
     if not config.targets_from_pattern:
         absent = [m for m in config.target_modules if m not in shapes]
         if absent:
@@ -352,12 +371,17 @@ def _unexpected_tensor(name: str) -> str:
     shown = name[:200]
     if "lora_magnitude_vector" in name:
         return f"tensor {shown!r} is a DoRA magnitude; DoRA adapters are not supported"
+    if name.endswith("base_layer.weight") and any(m in name for m in EDGE_MODULES):
+        return (f"tensor {shown!r} is a copy of the base model's weights (PEFT saves one with an embedding or "
+                "LM head LoRA, save_embedding_layers); the node serves LoRA weights only: save the adapter "
+                "with save_embedding_layers=False")
     if "lora_embedding" in name:
-        return f"tensor {shown!r} is an embedding LoRA, which is not supported"
+        return f"tensor {shown!r} is not an embedding LoRA of embed_tokens"
     if ".bias" in name:
         return f"tensor {shown!r} is a bias; LoRA biases are not supported"
-    return (f"tensor {shown!r} is not a LoRA weight of a supported projection "
-            f"(expected base_model.model.model.layers.N.self_attn|mlp.<module>.lora_A|lora_B.weight)")
+    return (f"tensor {shown!r} is not a LoRA weight of a supported module (expected "
+            f"base_model.model.model.layers.N.self_attn|mlp.<module>.lora_A|lora_B.weight, "
+            f"base_model.model.model.embed_tokens.lora_embedding_A|B or base_model.model.lm_head.lora_A|B.weight)")
 
 
 def check_finite(header: SafetensorsHeader, data: Buffer, max_abs: float = 0.0) -> None:

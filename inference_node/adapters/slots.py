@@ -9,6 +9,10 @@ first row) that the kernels read beside the step's rows; `num_slots` of them exi
 than the distinct adapters one step holds (`max_loras`). Which slot's rows go where is the
 RowArena's (arena.py); which adapters stay is the adapter manager's.
 
+The embedding and the LM head (an adapter's embed_tokens and lm_head LoRA) have arenas of their
+own, one per model rather than per layer (`edges`), filled and freed with the rest; their
+slot tables live on the host (`edge_rows`), read by the eager steps that apply them.
+
 Writing an adapter copies its host tensors on a side stream (CUDA), recording an event that
 tells the engine when it is ready, so the running batch is not stalled by the copy.
 
@@ -29,11 +33,14 @@ import torch
 from kernels.lora import MODULE_COLUMNS, SlotRows
 
 from ..model.config import ModelConfig
+from ..model.families import EDGE_MODULES
 from ..model.llama import FUSED_MODULES, LORA_MODULES
 from ..parallel.shard import Shard
 from .arena import Cost, RowArena
-from .weights import AdapterWeights
+from .weights import EDGE_LAYER, AdapterWeights
 
+# Every module with an arena: the decoder layers' (per layer) and the embedding's and LM head's.
+ADAPTER_MODULES: tuple[str, ...] = LORA_MODULES + EDGE_MODULES
 MAX_SLOTS = 4096  # per-slot tables: a few KB; more resident adapters than that are not kept
 
 # What a slot holds, as every tensor-parallel rank must agree: (name, version, rank, scaling,
@@ -58,22 +65,28 @@ class GroupBuffers:
 
 
 def row_nbytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of one rank row of each module over all layers: A's row and B's column."""
+    """Bytes of one rank row of each module over all layers (the embedding's and the LM
+    head's: once): A's row and B's column."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return {m: config.num_layers * (fan_in + fan_out) * itemsize
-            for m, (fan_in, fan_out) in config.module_shapes().items() if m in LORA_MODULES}
+    sizes = {m: config.num_layers * (fan_in + fan_out) * itemsize
+             for m, (fan_in, fan_out) in config.module_shapes().items() if m in LORA_MODULES}
+    sizes.update({m: (fan_in + fan_out) * itemsize for m, (fan_in, fan_out) in config.edge_shapes().items()})
+    return sizes
 
 
 def held_modules(modules: Collection[str]) -> tuple[str, ...]:
     """The modules adapter memory holds rows for when adapters are expected to target
-    `modules` (--lora-modules): every module of a fused group holding one of them."""
-    return tuple(m for fused in FUSED_MODULES.values() if set(fused) & set(modules) for m in fused)
+    `modules` (--lora-modules): every module of a fused group holding one of them, and the
+    edge modules named."""
+    return (tuple(m for fused in FUSED_MODULES.values() if set(fused) & set(modules) for m in fused)
+            + tuple(m for m in EDGE_MODULES if m in modules))
 
 
 def rows_for_budget(config: ModelConfig, dtype: torch.dtype, budget_bytes: int,
-                    modules: Collection[str] = LORA_MODULES) -> int:
+                    modules: Collection[str] = ADAPTER_MODULES) -> int:
     """Rank rows per module arena that `budget_bytes` of adapter memory holds (every arena of
-    a fused group holding one of `modules` gets the same number of rows; SlotBuffers)."""
+    a fused group holding one of `modules`, and of an edge module named, gets the same number
+    of rows; SlotBuffers)."""
     sizes = row_nbytes(config, dtype)
     return max(1, budget_bytes // sum(sizes[m] for m in held_modules(modules)))
 
@@ -81,7 +94,7 @@ def rows_for_budget(config: ModelConfig, dtype: torch.dtype, budget_bytes: int,
 class SlotBuffers:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, rows: int | None = None,
-                 num_slots: int | None = None, modules: Collection[str] = LORA_MODULES,
+                 num_slots: int | None = None, modules: Collection[str] = ADAPTER_MODULES,
                  shard: Shard = Shard()) -> None:
         """config: the shapes this process computes with (its shard's, under tensor
         parallelism; adapters arrive whole and `shard` keeps this rank's part of each).
@@ -90,7 +103,8 @@ class SlotBuffers:
         num_slots: resident adapters the tables track (default: one per row, at least
         max_loras, at most MAX_SLOTS). modules: those adapters are expected to target; a
         fused group holding none of them gets a one-row arena (its kernels then always
-        have rows to point at), so a fleet of q/v adapters spends no memory on o or the MLP."""
+        have rows to point at), so a fleet of q/v adapters spends no memory on o or the MLP;
+        likewise the embedding's and the LM head's arenas (EDGE_MODULES)."""
         self.shard = shard
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -100,6 +114,9 @@ class SlotBuffers:
         self.row_nbytes = row_nbytes(config, dtype)
         self.group_rows = {group: self.rows if set(fused) & set(modules) else 1
                            for group, fused in FUSED_MODULES.items()}
+        # The embedding's and LM head's arenas, whole on every tensor-parallel rank (the LM
+        # head's delta takes the rank's block of vocabulary columns of B).
+        self.edge_rows_held = {m: self.rows if m in modules else 1 for m in EDGE_MODULES}
         shapes = config.module_shapes()
         self.layers: list[dict[str, GroupBuffers]] = []
         for _ in range(config.num_layers):
@@ -119,9 +136,14 @@ class SlotBuffers:
                 b = [b_all[:, off:off + shapes[m][1]] for off, m in zip(offsets, modules)]
                 groups[group] = GroupBuffers(a, b, offsets, a_all, b_all)
             self.layers.append(groups)
+        self.edges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
+            m: (torch.zeros(self.edge_rows_held[m], fan_in, dtype=dtype, device=device),
+                torch.zeros(self.edge_rows_held[m], fan_out, dtype=dtype, device=device))
+            for m, (fan_in, fan_out) in config.edge_shapes().items()}
         S = self.num_slots
         self.arenas = {m: RowArena(self.group_rows[group])
                        for group, fused in FUSED_MODULES.items() for m in fused}
+        self.arenas.update({m: RowArena(self.edge_rows_held[m]) for m in EDGE_MODULES})
         self.scaling = torch.zeros(S, dtype=torch.float32, device=device)
         # Per fused group, [slices, slots]: the slot's rank on each module its adapter targets,
         # else 0, so the kernels skip what an adapter leaves alone (a q/v adapter does no k,
@@ -139,6 +161,9 @@ class SlotBuffers:
         # order]: decode graphs copy a step's rows of it into their segment and token tables
         # (kernels/lora/meta.py).
         self.module_rows = np.zeros((S, MODULE_COLUMNS * len(LORA_MODULES)), dtype=np.int32)
+        # Per edge module, [slot, (rank, first row)] on the host (0 rank: not targeted).
+        self.edge_rows = {m: np.zeros((S, 2), dtype=np.int64) for m in EDGE_MODULES}
+        self.slot_edges: list[frozenset[str]] = [frozenset()] * S
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.table: list[SlotRecord] = [None] * S
         # Called after every write and free: a tensor-parallel node's rank 0 sends them on to
@@ -150,8 +175,9 @@ class SlotBuffers:
     # -- memory ------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """The arenas' bytes (the adapter memory allocated)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for g in layer.values()
-                   for t in (g.a_all, g.b_all))
+        return (sum(t.numel() * t.element_size() for layer in self.layers for g in layer.values()
+                    for t in (g.a_all, g.b_all))
+                + sum(t.numel() * t.element_size() for pair in self.edges.values() for t in pair))
 
     def used_nbytes(self) -> int:
         """Bytes of the rows resident adapters hold: the sum of their own sizes."""
@@ -160,7 +186,7 @@ class SlotBuffers:
     @staticmethod
     def ranks_of(weights: AdapterWeights) -> dict[str, int]:
         """The rank rows an adapter needs per module: its rank on every module it targets."""
-        return {m: weights.rank for m in LORA_MODULES if m in weights.target_modules}
+        return {m: weights.rank for m in ADAPTER_MODULES if m in weights.target_modules}
 
     def adapter_nbytes(self, ranks: dict[str, int]) -> int:
         """Bytes an adapter of these per-module ranks holds on the GPU."""
@@ -209,6 +235,9 @@ class SlotBuffers:
             self.slice_rows[group][:, slot] = 0
         self.slot_groups[slot] = frozenset()
         self.module_rows[slot] = 0
+        for rows in self.edge_rows.values():
+            rows[slot] = 0
+        self.slot_edges[slot] = frozenset()
         held, self.table[slot] = self.table[slot], None
         if held is not None and self.on_free is not None:
             self.on_free(slot)
@@ -241,6 +270,12 @@ class SlotBuffers:
                         # B [out, r] arrives as it is stored and is turned into rank rows on
                         # the device (a transposed copy there, not on the host).
                         b_rows.copy_(b.to(self.device, non_blocking=True).t())
+            for module, (a_arena, b_arena) in self.edges.items():
+                if module in runs:
+                    first = runs[module][0]
+                    a, b = weights.tensors[(EDGE_LAYER, module)]
+                    a_arena[first:first + r].copy_(a, non_blocking=True)
+                    b_arena[first:first + r].copy_(b.to(self.device, non_blocking=True).t())
             self.scaling[slot] = weights.scaling
             firsts = {m: run[0] for m, run in runs.items()}
             self._set_tables(slot, r, firsts)
@@ -265,10 +300,21 @@ class SlotBuffers:
             g for g, modules in FUSED_MODULES.items() if rank > 0 and any(m in firsts for m in modules))
         self.module_rows[slot] = [v for m in LORA_MODULES
                                   for v in ((rank, firsts[m]) if m in firsts else (0, 0))]
+        for m, rows in self.edge_rows.items():
+            rows[slot] = (rank, firsts[m]) if m in firsts else (0, 0)
+        self.slot_edges[slot] = frozenset(m for m in EDGE_MODULES if m in firsts and rank > 0)
 
     def slot_rows(self, group: str) -> SlotRows:
         """Where every slot's rows of a fused group lie (what the LoRA kernels take)."""
         return self._slot_rows[group]
+
+    def edges_of(self, slots: Iterable[int]) -> frozenset[str]:
+        """The edge modules (embed_tokens, lm_head) any of these slots targets."""
+        edges: frozenset[str] = frozenset()
+        for slot in set(slots):
+            if slot >= 0:
+                edges |= self.slot_edges[slot]
+        return edges
 
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
         """The fused groups any of these slots targets (slot -1: none)."""

@@ -18,8 +18,9 @@ from lora_common.validation import (DEFAULT_MAX_CONFIG_BYTES, DEFAULT_MAX_WEIGHT
 
 from ..model.config import ModelConfig
 from .errors import AdapterNotFound, AdapterRejected
-from .slots import held_modules
-from .weights import (LORA_MODULES, AdapterIncompatible, AdapterWeights, build_adapter_weights, never_servable,
+from ..model.families import FAMILIES
+from .slots import ADAPTER_MODULES, held_modules
+from .weights import (AdapterIncompatible, AdapterWeights, build_adapter_weights, never_servable,
                       probe_in_dtype)
 
 CONFIG_FILE = "adapter_config.json"
@@ -96,7 +97,7 @@ class LocalDirSource:
 
     def __init__(self, root: Path, model: ModelConfig, max_rank: int, max_bytes: int = 0,
                  pin_memory: bool = False, *, max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS,
-                 dtype: torch.dtype = torch.float32, modules: tuple[str, ...] = LORA_MODULES) -> None:
+                 dtype: torch.dtype = torch.float32, modules: tuple[str, ...] = ADAPTER_MODULES) -> None:
         """max_bytes > 0: larger adapters are refused before they are read into memory;
         max_weight_abs, dtype: the numerical checks (weights_from_files); modules: those
         adapters may target (--lora-modules)."""
@@ -139,7 +140,8 @@ class LocalDirSource:
         except (OSError, AdapterInvalid):
             return None
         targets = () if parsed.targets_from_pattern else parsed.target_modules
-        return never_servable(name, parsed.r, targets, self.max_rank, self.modules)
+        return never_servable(name, parsed.r, targets, self.max_rank, self.modules,
+                              FAMILIES[self.model.family])
 
     def load(self, name: str, version: str, cancel: Cancellation | None = None) -> AdapterWeights:
         """The folder's adapter (`cancel` is not needed: a local read ends by itself)."""

@@ -18,9 +18,10 @@ from .direct_reads import DirectReader, DirectReadFailed, DirectReadSettings
 from .disk_tier import DiskCorrupt, DiskTier
 from .errors import (AdapterCancelled, AdapterCorrupt, AdapterError, AdapterNotFound, AdapterRejected,
                      AdapterUnavailable, SourceUnreachable)
-from .slots import held_modules
+from ..model.families import FAMILIES
+from .slots import ADAPTER_MODULES, held_modules
 from .sources import WEIGHTS_FILE, host_buffer, weights_from_files
-from .weights import LORA_MODULES, AdapterWeights, never_servable
+from .weights import AdapterWeights, never_servable
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class StoreSource:
                  tls: ClientTLS | None = None, token: str | None = None, max_adapter_bytes: int = 0,
                  pin_memory: bool = False, disk: DiskTier | None = None,
                  max_weight_abs: float = DEFAULT_MAX_WEIGHT_ABS, dtype: torch.dtype = torch.float32,
-                 direct_reads: DirectReadSettings | None = None, modules: tuple[str, ...] = LORA_MODULES) -> None:
+                 direct_reads: DirectReadSettings | None = None, modules: tuple[str, ...] = ADAPTER_MODULES) -> None:
         """modules: those adapters may target (--lora-modules)."""
         self.target = target
         self.client = AdapterStoreClient(target, tls=tls, token=token)
@@ -106,7 +107,8 @@ class StoreSource:
 
     def refusal(self, info: AdapterInfo) -> str | None:
         """Why this node can never serve the catalog entry `info` (None: it can)."""
-        return never_servable(info.name, info.rank, info.target_modules, self.max_rank, self.modules)
+        return never_servable(info.name, info.rank, info.target_modules, self.max_rank, self.modules,
+                              FAMILIES[self.model.family])
 
     def _allocate(self, holder: list[torch.Tensor]) -> Callable[[int], object]:
         """An allocator for the client and the disk tier, which fill any writable buffer (a

@@ -8,8 +8,10 @@ from typing import Collection, Iterable
 import torch
 
 from ..model.config import ModelConfig
+from ..model.families import EDGE_MODULES, FAMILIES, Family
+from ..model.llama import LORA_MODULES
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EDGE_LAYER = -1  # the layer key of an embed_tokens or lm_head pair in AdapterWeights.tensors
 
 
 class AdapterIncompatible(ValueError):
@@ -22,14 +24,16 @@ class AdapterWeights:
     version: str
     rank: int
     scaling: float
-    target_modules: tuple[str, ...]
-    # (layer, module) -> (A [r, in], B [out, r]) on the host
+    target_modules: tuple[str, ...]  # the node's modules (LORA_MODULES, EDGE_MODULES)
+    # (layer, module) -> (A [r, in], B [out, r]) on the host; (EDGE_LAYER, embed_tokens or
+    # lm_head) for the modules outside the layers
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     load_seconds: float = 0.0  # fetch, validation and probe (AdapterManager's load-time metric)
     source_tier: str = "store"  # where the source found it: "disk" (a disk tier, a directory) or "store"
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its weights (a fused projection's A counted once per module it feeds)."""
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
                    for a, b in self.tensors.values())
 
@@ -39,13 +43,21 @@ def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
 
 
 def never_servable(name: str, rank: int, targets: Iterable[str], max_rank: int,
-                   modules: Collection[str] = LORA_MODULES) -> str | None:
-    """Why this node can never serve an adapter of this rank and these target modules, from
-    metadata alone (a catalog entry, a config), before any weight is read; None if it can.
-    modules: those the node keeps adapter memory for (slots.held_modules)."""
+                   modules: Collection[str] = LORA_MODULES + EDGE_MODULES,
+                   family: Family = FAMILIES["llama"]) -> str | None:
+    """Why this node can never serve an adapter of this rank and these target modules (PEFT's
+    names, by the base model's family), from metadata alone (a catalog entry, a config),
+    before any weight is read; None if it can. modules: those the node keeps adapter memory
+    for (slots.held_modules)."""
     if rank > max_rank:
         return f"adapter {name!r} has rank {rank}; this node serves ranks up to {max_rank} (--max-lora-rank)"
-    missing = [m for m in targets if m not in modules]
+    targets = list(targets)
+    foreign = sorted({t for t in targets if t not in family.peft_targets()})
+    if foreign:
+        return (f"adapter {name!r} targets {', '.join(foreign)}, which this {family.name} base model does not "
+                f"have: its adapters target {', '.join(family.peft_targets())}")
+    held = dict.fromkeys(m for t in targets for m in family.adapter_modules.get(t, (t,)))
+    missing = [m for m in held if m not in modules]
     if missing:
         return (f"adapter {name!r} targets {','.join(missing)}; this node keeps adapter memory for "
                 f"{','.join(modules)} only (--lora-modules)")
@@ -55,28 +67,46 @@ def never_servable(name: str, rank: int, targets: Iterable[str], max_rank: int,
 def build_adapter_weights(name: str, version: str, rank: int, alpha: float, use_rslora: bool,
                           pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                           model: ModelConfig, max_rank: int) -> AdapterWeights:
-    """Checks every (layer, module) pair of A [r, in] and B [out, r] against the model."""
+    """Checks every (layer, PEFT module) pair of A [r, in] and B [out, r] against the model's
+    family and shapes, and maps it onto the node's modules: a fused projection's pair (Phi-3's
+    qkv_proj, gate_up_proj) becomes one pair per module it holds, the same A with that
+    module's rows of B, which is the fused LoRA's output column for column."""
     if rank <= 0:
         raise AdapterIncompatible(f"adapter {name!r} has rank {rank}")
-    refusal = never_servable(name, rank, (), max_rank)
+    family = FAMILIES[model.family]
+    refusal = never_servable(name, rank, {m for _, m in pairs}, max_rank, family=family)
     if refusal is not None:
         raise AdapterIncompatible(refusal)
-    shapes = model.module_shapes()
+    shapes, edges = model.module_shapes(), model.edge_shapes()
+    mapped: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), (a, b) in pairs.items():
-        if module not in shapes:
-            raise AdapterIncompatible(f"adapter {name!r}: module {module} is not a Llama projection")
-        if layer >= model.num_layers:
-            raise AdapterIncompatible(f"adapter {name!r}: layer {layer} but the base model has "
-                                      f"{model.num_layers} layers")
-        fan_in, fan_out = shapes[module]
+        if module in EDGE_MODULES:
+            fan_in, fan_out = edges[module]
+            targets: tuple[str, ...] = (module,)
+            where = module
+        else:
+            if not 0 <= layer < model.num_layers:
+                raise AdapterIncompatible(f"adapter {name!r}: layer {layer} but the base model has "
+                                          f"{model.num_layers} layers")
+            targets = family.adapter_modules[module]
+            fan_in, fan_out = shapes[targets[0]][0], sum(shapes[m][1] for m in targets)
+            where = f"layer {layer} {module}"
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise AdapterIncompatible(
-                f"adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
-                f"{tuple(b.shape)}; this base model needs A ({rank}, {fan_in}) and B ({fan_out}, {rank})")
-    if not pairs:
+                f"adapter {name!r}: {where} has A {tuple(a.shape)} and B {tuple(b.shape)}; this base "
+                f"model needs A ({rank}, {fan_in}) and B ({fan_out}, {rank})")
+        if module in EDGE_MODULES:
+            mapped[(EDGE_LAYER, module)] = (a, b)
+            continue
+        start = 0
+        for m in targets:
+            mapped[(layer, m)] = (a, b[start:start + shapes[m][1]])
+            start += shapes[m][1]
+    if not mapped:
         raise AdapterIncompatible(f"adapter {name!r} has no LoRA weights")
-    modules = tuple(m for m in LORA_MODULES if any(mod == m for _, mod in pairs))
-    return AdapterWeights(name, version, rank, lora_scaling(rank, alpha, use_rslora), modules, dict(pairs))
+    held = {m for _, m in mapped}
+    modules = tuple(m for m in LORA_MODULES + EDGE_MODULES if m in held)
+    return AdapterWeights(name, version, rank, lora_scaling(rank, alpha, use_rslora), modules, mapped)
 
 
 def probe_in_dtype(weights: AdapterWeights, dtype: torch.dtype, max_weight_abs: float = 0.0) -> None:

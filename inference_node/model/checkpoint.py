@@ -123,7 +123,7 @@ class DummyTensors:
 
 def validate_checkpoint_dir(path: Path, load_format: str = "safetensors") -> ModelConfig:
     """The checkpoint's config, or CheckpointError / UnsupportedModel in one line saying why
-    the node cannot serve it (the launcher's check_served reads the architecture before any
+    the node cannot serve it (the launcher reads the architecture, unserved_model, before any
     process starts)."""
     if not path.is_dir():
         raise CheckpointError(f"model path {path} is not a directory")

@@ -5,7 +5,7 @@ steps and captures graphs without knowing a model's internals."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +39,10 @@ class ForwardBatch:
 class LoraApplier(Protocol):
     """The LoRA deltas of one step's tokens for each fused projection."""
 
+    # The embedding's and LM head's LoRA of the step (runner/lora/edge.py: `embedding(ids)`,
+    # `lm_head(x, columns)`), None where no adapter of the step has them.
+    edge: Any
+
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         """Called before the base matmul of `group` is launched: may start the delta beside it."""
 
@@ -70,8 +74,9 @@ class Decoder(Protocol):
                 launch: LaunchChoices, lora: LoraApplier | None = None) -> torch.Tensor:
         """Logits [N, vocab] of the batch's logits rows."""
 
-    def embed_inputs(self, batch: ForwardBatch, launch: LaunchChoices) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the residual stream, that normalised for layer 0)."""
+    def embed_inputs(self, batch: ForwardBatch, launch: LaunchChoices, lora: LoraApplier | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, that normalised for layer 0; lora: its embedding LoRA)."""
 
     def attention_inputs(self, i: int, x: torch.Tensor, batch: ForwardBatch, k_caches: list[torch.Tensor],
                          v_caches: list[torch.Tensor], launch: LaunchChoices, lora: LoraApplier | None,
@@ -87,5 +92,7 @@ class Decoder(Protocol):
                         lora: LoraApplier | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of layer i: (the residual stream, that normalised for the next layer)."""
 
-    def logits(self, x: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The LM head over the final-normed rows `rows` (None: all), into out where given."""
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None = None,
+               lora: LoraApplier | None = None) -> torch.Tensor:
+        """The LM head over the final-normed rows `rows` (None: all), with their LM head LoRA,
+        into out where given."""

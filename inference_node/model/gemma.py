@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.embedding import embed_tokens
 from kernels.rope import QKNorm
 
 from .forward import ForwardBatch, LoraApplier
@@ -45,12 +44,9 @@ class GemmaModel(LlamaModel):
             return None
         return QKNorm(layer.q_norm, layer.k_norm, self.config.rms_norm_eps, unit_offset=True)
 
-    def embed_inputs(self, batch: ForwardBatch, launch: LaunchChoices) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.tp is None:
-            hidden = embed_tokens(self.embed, batch.input_ids, batch.feedback, batch.feedback_rows)
-        else:
-            hidden = self._embed_vocab_parallel(batch)
-        hidden = hidden * self.normalizer
+    def embed_inputs(self, batch: ForwardBatch, launch: LaunchChoices, lora: LoraApplier | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self._embed(batch, lora, self.normalizer)
         return hidden, launch.ops.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps,
                                            unit_offset=True)
 

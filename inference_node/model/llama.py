@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -137,20 +138,42 @@ class LlamaModel:
         from: a greedy argmax needs no float32 copy of 64 x vocab logits). The pieces it runs
         are also run one by one, with attention between CUDA graphs of the rest
         (runner/piecewise_graphs.py)."""
-        hidden, x = self.embed_inputs(batch, launch)
+        hidden, x = self.embed_inputs(batch, launch, lora)
         for i in range(len(self.layers)):
             q = self.attention_inputs(i, x, batch, k_caches, v_caches, launch, lora)
             attn = self.attend(i, q, batch, k_caches, v_caches, launch)
             hidden, x = self.after_attention(i, attn, hidden, launch, lora)
-        return self.logits(x, batch.logits_indices)
+        return self.logits(x, batch.logits_indices, lora=lora)
 
-    def embed_inputs(self, batch: ForwardBatch, launch: LaunchChoices) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed_inputs(self, batch: ForwardBatch, launch: LaunchChoices, lora: LoraApplier | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens' embeddings: the residual stream, that normalised for layer 0)."""
+        hidden = self._embed(batch, lora)
+        return hidden, launch.ops.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps)
+
+    def _embed(self, batch: ForwardBatch, lora: LoraApplier | None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens' embeddings (times `scale` where given, Gemma's), with their adapters'
+        embedding LoRA (scaled alike, as PEFT scales it with the embedding's own scale)."""
         if self.tp is None:
             hidden = embed_tokens(self.embed, batch.input_ids, batch.feedback, batch.feedback_rows)
         else:
             hidden = self._embed_vocab_parallel(batch)
-        return hidden, launch.ops.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps)
+        if scale is not None:
+            hidden = hidden * scale
+        edge = lora.edge if lora is not None else None
+        delta = edge.embedding(self._token_ids(batch)) if edge is not None else None
+        if delta is not None:
+            hidden = with_delta(hidden, delta if scale is None else delta * scale.float())
+        return hidden
+
+    @staticmethod
+    def _token_ids(batch: ForwardBatch) -> torch.Tensor:
+        """The step's token ids, those the previous step sampled on the device included."""
+        if batch.feedback is None or batch.feedback_rows is None:
+            return batch.input_ids
+        from_feedback = batch.feedback_rows >= 0
+        return torch.where(from_feedback, batch.feedback[batch.feedback_rows.clamp(min=0)], batch.input_ids)
 
     def qk_norm(self, i: int) -> QKNorm | None:
         """Layer i's per-head q/k norm (None where the family has none)."""
@@ -218,14 +241,21 @@ class LlamaModel:
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
         return ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
 
-    def logits(self, x: torch.Tensor, rows: torch.Tensor | None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """The LM head over the final-normed rows `rows` (None: all), into `out` where given."""
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None = None,
+               lora: LoraApplier | None = None) -> torch.Tensor:
+        """The LM head over the final-normed rows `rows` (None: all), with their adapters' LM
+        head LoRA, into `out` where given."""
         last = x if rows is None else x[rows]
+        edge = lora.edge if lora is not None else None
         if self.tp is not None:  # each rank's block of the vocabulary, then all of them
-            logits = self.tp.gather_columns(torch.mm(last, self.lm_head))
+            part = torch.mm(last, self.lm_head)
+            if edge is not None:
+                part = self._lm_head_lora(edge, last, part)
+            logits = self.tp.gather_columns(part)
             if logits.shape[1] != self.config.vocab_size:  # the last block's padding rows
                 logits = logits[:, :self.config.vocab_size].contiguous()
+        elif edge is not None:
+            logits = self._lm_head_lora(edge, last, torch.mm(last, self.lm_head))
         else:
             logits = torch.mm(last, self.lm_head, out=out) if out is not None else torch.mm(last, self.lm_head)
         cap = self.config.final_logit_softcap
@@ -235,6 +265,16 @@ class LlamaModel:
             return logits
         return out.copy_(logits)
 
+    def _lm_head_lora(self, edge: Any, last: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """logits (this rank's block of the vocabulary) plus the rows' LM head LoRA delta."""
+        stop = min(self.vocab_start + logits.shape[1], self.config.vocab_size)
+        delta = edge.lm_head(last, (self.vocab_start, stop))
+        if delta is None:
+            return logits
+        if delta.shape[1] < logits.shape[1]:  # the last block's padding columns
+            delta = torch.nn.functional.pad(delta, (0, logits.shape[1] - delta.shape[1]))
+        return with_delta(logits, delta)
+
     def _embed_vocab_parallel(self, batch: ForwardBatch) -> torch.Tensor:
         """Each rank looks up the tokens of its vocabulary block (zeros for the others); the
         all-reduce sums every token's one real row."""
@@ -242,9 +282,7 @@ class LlamaModel:
         if batch.feedback is not None:
             # Only rank 0 holds the tokens the previous step sampled: its ids go to every rank
             # (inside a decode graph, where the other ranks cannot be sent them beforehand).
-            from_feedback = batch.feedback_rows >= 0
-            ids = torch.where(from_feedback, batch.feedback[batch.feedback_rows.clamp(min=0)], ids)
-            ids = self.tp.broadcast(ids, 0)
+            ids = self.tp.broadcast(self._token_ids(batch), 0)
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.embed.shape[0])
         hidden = self.embed[torch.where(inside, local, 0)].masked_fill(~inside[:, None], 0)

@@ -70,8 +70,9 @@ class Shard:
         return full[:, start:stop]
 
     def lora_pair(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (A [r, in], B [out, r]) of one module of an adapter."""
-        if self.size == 1:
+        """This rank's (A [r, in], B [out, r]) of one module of an adapter (the embedding's
+        and the LM head's: whole on every rank)."""
+        if self.size == 1 or module not in COLUMN_PARALLEL | ROW_PARALLEL:
             return a, b
         if module in COLUMN_PARALLEL:
             start, stop = self.block(b.shape[0])

@@ -51,7 +51,7 @@ class EagerForward:
     def run(self, step: EagerStep) -> StepLogits:
         """The step's logits (its greedy tokens and finite flags left to the sampler)."""
         batch = self._inputs(step.host)
-        applier = self.lora.applier(step.chunk_slots) if self.lora is not None else None
+        applier = self.lora.applier(step.chunk_slots, step.host.logits_indices) if self.lora is not None else None
         tp = self.model.tp
         if tp is not None and self.feedback is not None:  # rank 0: its ids to the other ranks
             tp.broadcast(batch.input_ids, 0)

@@ -10,7 +10,8 @@ bucket (launches.py) and samples. Three ways, tried in order:
   CUDA graph replay each;
 - piecewise graphs (piecewise_graphs.py): other steps up to the token budget, CUDA graphs
   between attentions;
-- eager (eager.py): what neither takes, or everything when both are off.
+- eager (eager.py): what neither takes, or everything when both are off, and every step
+  whose adapters have LoRA on the embedding or the LM head (lora/edge.py).
 
 Each stages a step (`stage`: rank 0, from the chunks; `load`: another rank, from what rank 0
 sent) and then runs it (`run`). On a CPU the graph ways run their static buffers without
@@ -119,10 +120,12 @@ class ModelRunner:
         """Queues the step's forward and the sampling of the rows that complete a prompt; the
         sampling waits for `sample` where a sampled request has a grammar. special_rows: some
         live request asks for a grammar or logprobs (otherwise no row is looked at for them)."""
-        if self.decode_graphs is not None and self.decode_graphs.fits(chunks):
+        # A step whose adapters have embedding or LM head LoRA runs eagerly (lora/edge.py).
+        graphs = self.lora is None or not self.lora.has_edge_lora(chunks)
+        if graphs and self.decode_graphs is not None and self.decode_graphs.fits(chunks):
             chunks = ordered(chunks)  # each adapter's rows one run: the LoRA kernels' layout
             mode, way = ForwardMode.DECODE_GRAPHS, self.decode_graphs
-        elif self.piecewise_graphs is not None and self.piecewise_graphs.fits(chunks):
+        elif graphs and self.piecewise_graphs is not None and self.piecewise_graphs.fits(chunks):
             mode, way = ForwardMode.PIECEWISE_GRAPHS, self.piecewise_graphs
         else:
             mode, way = ForwardMode.EAGER, self.eager

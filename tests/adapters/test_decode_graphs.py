@@ -251,9 +251,9 @@ def test_graphs_larger_than_the_decode_gemm_add_lora_after_the_matmuls(device, t
     sizes_after: set[int] = set()
     real_init = plain.StepLoraApplier.__init__
 
-    def spy(self, buffers, meta, groups=None):
+    def spy(self, buffers, meta, groups=None, **edge):
         sizes_after.add(meta.num_active_tokens)
-        real_init(self, buffers, meta, groups)
+        real_init(self, buffers, meta, groups, **edge)
 
     monkeypatch.setattr(plain.StepLoraApplier, "__init__", spy)
     sizes_beside: set[int] = set()

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 from adapter_store.push import check_local_adapter
 from adapter_store.samples import adapter_config, lora_tensors, write_adapter
-from lora_common.validation import (LORA_MODULES, AdapterInvalid, check_finite, parse_adapter_config,
+from lora_common.validation import (LAYER_MODULES, AdapterInvalid, check_finite, parse_adapter_config,
                                       parse_safetensors_header, validate_adapter, validate_weights)
 from store_corpus import BAD_ADAPTERS, raw_safetensors
 
@@ -63,10 +63,41 @@ def test_peft_saved_adapter_is_accepted(tmp_path: Path) -> None:
                                     "down_proj": (48, 32)}
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_peft_embedding_and_lm_head_loras_are_accepted(family: str, tmp_path: Path) -> None:
+    """PEFT's embedding LoRA (lora_embedding_A/B), an LM head LoRA and Phi-3's fused
+    qkv_proj / gate_up_proj pass; a copy of the base embeddings (save_embedding_layers) is
+    refused saying how to save without it."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config_cls, model_cls = ((tf.LlamaConfig, tf.LlamaForCausalLM) if family == "llama"
+                             else (tf.Phi3Config, tf.Phi3ForCausalLM))
+    model = model_cls(config_cls(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                 bos_token_id=1, eos_token_id=2))
+    layer = ["q_proj", "v_proj"] if family == "llama" else ["qkv_proj", "gate_up_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_modules=layer + ["embed_tokens", "lm_head"])
+    peft_model = peft.get_peft_model(model, config)
+    peft_model.save_pretrained(tmp_path / "lean", safe_serialization=True, save_embedding_layers=False)
+    spec = check_local_adapter(tmp_path / "lean")
+    assert spec.target_modules == tuple(layer) + ("embed_tokens", "lm_head")
+    shapes = spec.module_shapes()
+    assert shapes["embed_tokens"] == (128, 32) and shapes["lm_head"] == (32, 128)
+    if family == "phi3":
+        assert shapes["qkv_proj"] == (32, 32 + 2 * 16) and shapes["gate_up_proj"] == (32, 2 * 48)
+    peft_model.save_pretrained(tmp_path / "copies", safe_serialization=True)  # save_embedding_layers "auto"
+    with pytest.raises(AdapterInvalid, match="save_embedding_layers=False"):
+        check_local_adapter(tmp_path / "copies")
+
+
 def test_config_normalizes_targets() -> None:
     full = adapter_config(4, ["model.layers.0.self_attn.q_proj", "v_proj", "q_proj"])
     assert parse_adapter_config(json.dumps(full)).target_modules == ("q_proj", "v_proj")
-    assert parse_adapter_config(adapter_config(4, "all-linear")).target_modules == LORA_MODULES
+    assert parse_adapter_config(adapter_config(4, "all-linear")).target_modules == LAYER_MODULES
     pattern = parse_adapter_config(adapter_config(4, r".*\.(q_proj|up_proj)"))
     assert pattern.target_modules == ("q_proj", "up_proj") and pattern.targets_from_pattern
 
@@ -80,7 +111,7 @@ def test_config_normalizes_targets() -> None:
     ({"use_rslora": "yes"}, "use_rslora"),
     ({"rank_pattern": {"q_proj": 16}}, "rank_pattern"),
     ({"alpha_pattern": {"q_proj": 16}}, "alpha_pattern"),
-    ({"target_modules": ["lm_head"]}, "not supported"),
+    ({"target_modules": ["router"]}, "not supported"),
     ({"target_modules": []}, "non-empty list"),
     ({"target_modules": "embed.*"}, "names none"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),

@@ -1,7 +1,8 @@
 """LoRA after each matmul, for eager steps (prefill and mixed batches): the kernels' metadata
 is built once per step from each token's slot, then every layer's fused projections add their
 deltas in one launch each. Groups that no adapter in the step targets (the MLP, for q/v
-adapters) launch nothing."""
+adapters) launch nothing. The embedding's and LM head's LoRA, where an adapter of the step
+has them, come with the applier (`edge`, edge.py)."""
 from __future__ import annotations
 
 import torch
@@ -10,17 +11,20 @@ from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta, add
 
 from ...adapters.slots import SlotBuffers
 from ...model.llama import GROUP_FIRST_MODULE
+from .edge import EdgeLora
 
 
 class StepLoraApplier:
     """Adds each delta into its projection's output, after the base matmul."""
 
     def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta,
-                 groups: frozenset[str] | None = None) -> None:
-        """groups: the fused groups to apply (None: all)."""
+                 groups: frozenset[str] | None = None, edge: EdgeLora | None = None) -> None:
+        """groups: the fused groups to apply (None: all); edge: the embedding's and LM head's
+        LoRA (None: no adapter of the step has one)."""
         self.buffers = buffers
         self.meta = meta
         self.groups = groups
+        self.edge = edge
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         return None
@@ -41,11 +45,17 @@ class StepLoraApplier:
         return None
 
 
-def applier_for_slots(buffers: SlotBuffers, chunk_slots: list[tuple[int, int]]) -> StepLoraApplier:
+def applier_for_slots(buffers: SlotBuffers, chunk_slots: list[tuple[int, int]],
+                      logits_rows: list[int] = ()) -> StepLoraApplier:
     """The applier of an eager step given as (adapter slot, tokens) per chunk, in batch order
-    (each chunk's tokens on its request's adapter slot)."""
+    (each chunk's tokens on its request's adapter slot), and the tokens whose logits it
+    samples (the embedding's and LM head's LoRA read each row's adapter)."""
     token_slots: list[int] = []
     for slot, tokens in chunk_slots:
         token_slots += [slot] * tokens
-    groups = buffers.groups_of(slot for slot, _ in chunk_slots)
-    return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device), groups)
+    slots = {slot for slot, _ in chunk_slots}
+    edge = None
+    if buffers.edges_of(slots):
+        edge = EdgeLora(buffers, token_slots, [token_slots[i] for i in logits_rows])
+    return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device),
+                           buffers.groups_of(slots), edge=edge)

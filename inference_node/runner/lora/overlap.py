@@ -166,6 +166,8 @@ class OverlappedLoraApplier:
     """One step's LoRA shrinks on the side stream; `end` joins and returns the group's delta,
     unexpanded, for the op after the matmul."""
 
+    edge = None  # decode graphs never run a step whose adapters have embedding or LM head LoRA
+
     def __init__(self, overlap: LoraOverlap, meta: LoraBatchMeta,
                  groups: frozenset[str] | None = None) -> None:
         """groups: the fused groups to apply (None: all); the others launch nothing."""

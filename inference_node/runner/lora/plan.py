@@ -15,6 +15,7 @@ from kernels.lora import LoraBatchMeta
 from kernels.tuning import DEFAULT_TUNING, Tuning
 
 from ...adapters.slots import SlotBuffers
+from ...engine.scheduler import ScheduledChunk
 from ..decode_graphs import GraphLora
 from ..piecewise_graphs import PiecewiseLora
 from .eager import StepLoraApplier, applier_for_slots
@@ -40,12 +41,17 @@ class LoraStepPlan:
         """The fused projection groups the adapters in these slots target."""
         return self.buffers.groups_of(slots)
 
-    def applier(self, chunk_slots: list[tuple[int, int]]) -> StepLoraApplier | None:
-        """An eager step's applier, from each chunk's (adapter slot, tokens); None when no
-        scheduled token uses an adapter."""
+    def has_edge_lora(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether an adapter of the step has embedding or LM head LoRA: such steps run
+        eagerly (the graphs' appliers have none)."""
+        return bool(self.buffers.edges_of(c.request.lora_slot for c in chunks))
+
+    def applier(self, chunk_slots: list[tuple[int, int]], logits_rows: list[int] = ()) -> StepLoraApplier | None:
+        """An eager step's applier, from each chunk's (adapter slot, tokens) and the tokens
+        whose logits it samples; None when no scheduled token uses an adapter."""
         if all(slot < 0 for slot, _ in chunk_slots):
             return None
-        return applier_for_slots(self.buffers, chunk_slots)
+        return applier_for_slots(self.buffers, chunk_slots, logits_rows)
 
     def warmup_applier(self, token_slots: list[int]) -> StepLoraApplier:
         """An eager applier over the given slots for every fused group, whatever the slots

@@ -1,0 +1,83 @@
+"""Every served family through the node, as a new user runs it: a tiny random checkpoint
+with the family's quirks on (tests/family_checkpoints.py), PEFT adapters on the family's own
+module names of mixed ranks and targets (the embedding and the LM head included), all of them
+and the base model in one mixed batch through gRPC, with less adapter memory than they need
+(evictions), against transformers + PEFT running each alone: token for token, greedy."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from family_checkpoints import FAMILIES, family_spec, make_family_adapter
+from harness import InProcessNode, generate_all, peft_greedy
+from inference_node.adapters.slots import row_nbytes
+from inference_node.model.config import ModelConfig
+from inference_node.config import NodeConfig
+
+
+def family_adapters(family: str, edges: bool = True) -> dict[str, tuple[int, float, list[str], bool]]:
+    """name: (rank, alpha, PEFT targets, rsLoRA), by the family's own module names; edges:
+    with LoRA on the embedding and the LM head."""
+    spec = family_spec(family)
+    attn, mlp = list(spec.attention), list(spec.mlp)
+    embed, head = (["embed_tokens"], ["lm_head"]) if edges else ([], [])
+    return {
+        "r2-attn": (2, 4.0, attn[:1] + attn[-1:], False),
+        "r8-all-embed": (8, 16.0, attn + mlp + embed, True),
+        "r16-mlp-head": (16, 16.0, mlp + head, False),
+        "r4-edges": (4, 8.0, embed + head + [attn[-1]], False),
+    }
+
+
+def run_family_parity(base: Path, family: str, adapter_root: Path, device: str, dtype: str,
+                      num_prompts: int, max_new: int, scale: float, edges: bool = True,
+                      **settings: object) -> InProcessNode:
+    """Runs the mixed batch and checks it; returns the (stopped) node for further checks."""
+    adapters = family_adapters(family, edges)
+    for seed, (name, (rank, alpha, targets, rs)) in enumerate(adapters.items()):
+        make_family_adapter(base, adapter_root / name, rank, alpha, targets, rs, seed=seed, scale=scale)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(num_prompts)]
+    expected = {name: peft_greedy(base, adapter_root / name, prompts, max_new) for name in adapters}
+    expected[""] = peft_greedy(base, None, prompts, max_new)
+    differs = sum(expected[n] != expected[""] for n in adapters)
+    assert differs >= len(adapters) - 1, "the adapters barely change the model: the test would be weak"
+
+    # Room for 16 rank rows per module: r16-mlp-head and r8-all-embed never on the GPU at once.
+    row = sum(row_nbytes(ModelConfig.from_checkpoint(base), torch.float32).values())
+    node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype=dtype, num_kv_blocks=256,
+                                      max_loras=3, max_lora_rank=16, max_cpu_loras=4,
+                                      lora_memory_bytes=16 * row, adapter_dir=str(adapter_root),
+                                      debug_checks=True, max_num_batched_tokens=128, **settings))
+    try:
+        jobs = [(name, prompts[i], max_new) for name in [""] + list(adapters) for i in range(len(prompts))]
+        rng.shuffle(jobs)
+        results = generate_all(node, jobs)
+        for (name, prompt, _), got in zip(jobs, results):
+            assert got == expected[name][prompts.index(prompt)], f"{family}: adapter {name or 'base'} diverged"
+        assert node.node.adapters.stats["evictions"] > 0
+        node.check_idle()
+        assert all(e.refs == 0 for e in node.node.adapters.entries())
+    finally:
+        node.stop()
+    return node
+
+
+@pytest.mark.parametrize("graphs", ["eager", "graphs"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_mixed_batch_matches_peft(family: str, graphs: str, request: pytest.FixtureRequest,
+                                         tmp_path: Path) -> None:
+    """graphs: the decode graphs' and piecewise graphs' static-buffer paths (run without
+    capture on CPU), with adapters on the decoder layers only (a step whose adapters have
+    embedding or LM head LoRA runs eagerly)."""
+    base = request.getfixturevalue(f"tiny_{family}_path")
+    mode = "on" if graphs == "graphs" else "off"
+    node = run_family_parity(base, family, tmp_path / "adapters", "cpu", "float32", num_prompts=3,
+                             max_new=12, scale=3.0, edges=graphs == "eager", decode_graphs=mode,
+                             mixed_graphs=mode)
+    if graphs == "graphs":
+        stats = node.engine.snapshot()
+        assert stats["graph_steps"] > 0 and stats["piecewise_graph_steps"] > 0, stats
