@@ -106,7 +106,7 @@ class EngineCore:
         return CoreInfo(
             model_name=node.model_name, checkpoint=str(node.checkpoint),
             vocab_size=node.model.config.vocab_size, max_model_len=cfg.max_model_len,
-            kv_capacity_tokens=cfg.num_kv_blocks * cfg.block_size, block_size=cfg.block_size,
+            kv_capacity_tokens=self.engine.kv_capacity_tokens, block_size=cfg.block_size,
             lora_enabled=node.adapters is not None,
             max_loras=node.adapters.max_loras if node.adapters is not None else 0,
             max_cpu_loras=node.adapters.max_cpu_loras if node.adapters is not None else 0,

@@ -11,9 +11,22 @@ from .errors import InvalidRequest, NotStarted, QueueFull
 from .request import Request
 
 
+def kv_capacity_tokens(config: EngineConfig, window: int = 0) -> int:
+    """The longest context (prompt and the token it samples) the KV cache can hold. With a
+    window on every layer (`window`) a request holds its window and a chunk at most (blocks
+    behind it go back as it moves, engine/scheduler.py): any length the model allows, where
+    those fit."""
+    capacity = config.num_kv_blocks * config.block_size
+    if window and window + config.max_num_batched_tokens + 2 * config.block_size <= capacity:
+        return max(capacity, config.max_model_len)
+    return capacity
+
+
 class Admission:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, window: int = 0) -> None:
+        """window: the model's sliding window where every layer has one (0: none)."""
         self.config = config
+        self.capacity_tokens = kv_capacity_tokens(config, window)
         self.accepting = True     # False once the node drains or shuts down
         self._inflight = 0
         self._lock = threading.Lock()
@@ -36,10 +49,9 @@ class Admission:
         if prompt_len >= cfg.max_model_len:
             raise InvalidRequest(f"the prompt has {prompt_len} tokens; this node's limit is "
                                  f"{cfg.max_model_len - 1} (max model length {cfg.max_model_len})")
-        capacity = cfg.num_kv_blocks * cfg.block_size
-        if prompt_len + 1 > capacity:
+        if prompt_len + 1 > self.capacity_tokens:
             raise InvalidRequest(f"the prompt needs {prompt_len + 1} KV slots; the whole KV "
-                                 f"cache holds {capacity}")
+                                 f"cache holds {self.capacity_tokens}")
 
     def finished(self) -> None:
         with self._lock:

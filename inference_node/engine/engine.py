@@ -73,13 +73,16 @@ class Engine:
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self._launched: LaunchedStep | None = None
         self.prefix_cache = PrefixCache(self.allocator, config.block_size) if config.prefix_caching else None
-        self.scheduler = Scheduler(SchedulerConfig.of(config), self.allocator, lora, self.prefix_cache)
+        # Blocks behind a sliding window are given back only where every layer forgets them.
+        model = runner.model.config
+        window = model.sliding_window if model.every_layer_windowed else 0
+        self.scheduler = Scheduler(SchedulerConfig.of(config, window), self.allocator, lora, self.prefix_cache)
         if lora is not None and self.prefix_cache is not None:
             lora.set_namespace_listener(self.prefix_cache.drop_namespace)
         self.stats = EngineStats()
         self.eos_ids = frozenset(runner.model.config.eos_token_ids)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self.admission = Admission(config)
+        self.admission = Admission(config, window)
         self._requests: dict[int, Request] = {}
         self.grammars = grammars
         self._compiling: set[int] = set()   # live requests whose grammar is being compiled
@@ -105,6 +108,11 @@ class Engine:
         # took 160-180 ms on the development CPU, a stall of dozens of decode steps.
         gc.collect()
         gc.freeze()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The longest context (prompt and the token it samples) the KV cache can hold."""
+        return self.admission.capacity_tokens
 
     def submit(self, request: Request) -> None:
         """Queues the request for the loop, or raises why the node does not take it."""

@@ -22,6 +22,10 @@ class BlockAllocator:
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
+        # What a request's block table keeps where it gave a block back (behind its sliding
+        # window): the KV cache's scratch block, one past the allocator's, never handed out.
+        # Attention masks those positions, so any valid block id serves.
+        self.released = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self._cached: set[int] = set()                     # content indexed by the prefix cache
@@ -98,9 +102,14 @@ class BlockAllocator:
 
     def check_owners(self, owners: dict[int, list[int]]) -> None:
         """Each block's reference count equals its holders among `owners` (each request's
-        blocks by its id), and no request holds a block twice."""
+        blocks by its id, those it gave back behind a window its leading `released` ones), and
+        no request holds a block twice."""
         holders: dict[int, int] = {}
         for owner, blocks in owners.items():
+            gave_back = next((i for i, b in enumerate(blocks) if b != self.released), len(blocks))
+            blocks = blocks[gave_back:]
+            if self.released in blocks:
+                raise AssertionError(f"request {owner}'s released blocks are not its leading ones")
             if len(set(blocks)) != len(blocks):
                 raise AssertionError(f"request {owner} holds a KV block twice")
             for b in blocks:

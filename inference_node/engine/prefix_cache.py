@@ -116,6 +116,8 @@ class PrefixCache:
         stats = self._stats(namespace)
         for i in range(request.num_indexed_blocks, full):
             block = request.block_ids[i]
+            if block == self.allocator.released:
+                continue  # given back behind a sliding window before it could be indexed
             if hashes[i] in self._index or block in self._keys:
                 continue  # the same prefix computed twice at once: the first copy is the cached one
             self._index[hashes[i]] = block

@@ -80,6 +80,8 @@ class Request:
     # KV state: tokens whose KV is in the cache, and the blocks holding them.
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Leading blocks given back behind a sliding window (BlockAllocator.released in block_ids).
+    num_released_blocks: int = 0
     num_cached_prompt_tokens: int = 0
     # Prefix cache: the namespace fixed at first admission, the chain hashes of full blocks,
     # and how many leading blocks are already indexed.

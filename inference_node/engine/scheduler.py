@@ -22,6 +22,11 @@ Policy (one step = one forward pass):
    burst's replacements one network round trip apart; admitting the first alone would
    split them over several prefill steps, each a step for every decoding row. Lone
    finishes never hold anyone, so independent arrivals are admitted at once.
+With a sliding window on every layer (`window`: Mistral, Phi-3), a request gives back the
+blocks wholly behind its next query's window before its chunk is planned: no later query of it
+reads them. A full block is indexed by the prefix cache first, so it stays as cache (valid KV
+for another request whose prefix it is) rather than going to the free list; its table entry
+becomes the allocator's `released` id.
 When a running request needs a KV block and none is free, the latest-arrived running
 request is preempted: its blocks are released (its full blocks stay as prefix cache) and
 it is recomputed later from its prompt plus the tokens it already streamed, under the same
@@ -80,12 +85,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     prefill_delay_factor: float = 0.0  # 0: admit waiting requests as soon as they fit
     refill_wait_factor: float = 1.0    # after a burst of finishes, wait this x the last prefill step for its replacements (0: off)
+    window: int = 0                    # every layer's sliding window: blocks behind it are given back (0: none)
 
     @classmethod
-    def of(cls, config: EngineConfig) -> "SchedulerConfig":
-        """The scheduler's part of the engine's settings."""
+    def of(cls, config: EngineConfig, window: int = 0) -> "SchedulerConfig":
+        """The scheduler's part of the engine's settings (window: the model's, where every
+        layer has one)."""
         return cls(config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                   config.prefill_delay_factor, config.refill_wait_factor)
+                   config.prefill_delay_factor, config.refill_wait_factor, window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +164,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING or req.last_token_pending:
                 continue  # preempted earlier in this loop, or its last token is being sampled
+            self._release_behind_window(req)
             n = min(req.num_tokens - req.num_computed, budget)
             needed = self._blocks_needed(req, n)  # 0 for most decode rows: the last block has room
             if needed and not self._reserve(req, needed, scheduled):
@@ -184,6 +192,7 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.acquire(req, hit)
             req.block_ids += self.allocator.allocate(needed)
+            self._release_behind_window(req)  # a cached prefix longer than the window
             if req.preemptions == 0:
                 req.num_cached_prompt_tokens = min(computed, len(req.prompt_token_ids))
                 self.num_cached_prompt_tokens += req.num_cached_prompt_tokens
@@ -258,6 +267,22 @@ class Scheduler:
             return False
         return first.num_indexed_blocks < len(first.prompt_token_ids) // self.config.block_size
 
+    def _release_behind_window(self, req: Request) -> None:
+        """Gives back the request's blocks that lie wholly before its next query's window."""
+        window = self.config.window
+        if not window:
+            return
+        behind = max(req.num_computed - window + 1, 0) // self.config.block_size
+        behind = min(behind, len(req.block_ids))
+        if behind <= req.num_released_blocks:
+            return
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(req)  # indexed first: they stay as cache, not free
+        released = req.block_ids[req.num_released_blocks:behind]
+        req.block_ids[req.num_released_blocks:behind] = [self.allocator.released] * len(released)
+        req.num_released_blocks = behind
+        self.allocator.free(released)
+
     def _blocks_needed(self, req: Request, num_new: int) -> int:
         total = -(-(req.num_computed + num_new) // self.config.block_size)
         return max(total - len(req.block_ids), 0)
@@ -287,5 +312,6 @@ class Scheduler:
 
     def _free_blocks(self, req: Request) -> None:
         if req.block_ids:
-            self.allocator.free(req.block_ids)
+            self.allocator.free(req.block_ids[req.num_released_blocks:])
             req.block_ids = []
+        req.num_released_blocks = 0
