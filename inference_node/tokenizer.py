@@ -1,18 +1,27 @@
-"""Text in and out: the checkpoint's tokenizer.json (HF `tokenizers`) and its chat template."""
+"""Text in and out: the checkpoint's tokenizer.json (HF `tokenizers`) and its chat template,
+rendered as transformers' apply_chat_template renders it: the same sandboxed Jinja
+environment (loop controls, the `generation` tag, `tojson` without HTML escapes,
+`raise_exception`, `strftime_now`, `namespace`), the same variables (the messages, `tools`
+and `documents` as None, the tokenizer's named special tokens), so every family's template
+(Qwen's tool branches, Gemma's role checks, ...) gives the prompt its model was trained on."""
 from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from jinja2 import StrictUndefined
-from jinja2.exceptions import TemplateError
+import jinja2.ext
+import jinja2.nodes
+from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-
+# The named special tokens transformers hands a chat template (its special_tokens_map).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # a byte-fallback token of a SentencePiece vocabulary
 
 
@@ -42,8 +51,9 @@ class TextCodec:
         self._token_bytes: dict[int, bytes] = {}
         config_path = path / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
+        self.special_tokens = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k))) is not None}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
         template = config.get("chat_template")
         jinja_path = path / "chat_template.jinja"
         if jinja_path.exists():
@@ -53,10 +63,7 @@ class TextCodec:
         self.chat_template: str | None = template
         self._template = None
         if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                undefined=StrictUndefined)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(template)
+            self._template = _environment().from_string(template)
 
     @property
     def vocab_size(self) -> int:
@@ -97,8 +104,8 @@ class TextCodec:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send a raw prompt instead")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=True,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                                         add_generation_prompt=True, **self.special_tokens)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
@@ -115,3 +122,54 @@ def _token_text(token: object) -> str | None:
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant spans for training masks): rendered
+    as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _Namespace(Namespace):
+    """`namespace(...)` refusing underscore attributes (no path to the interpreter's internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates cannot store underscore attributes on a namespace ({name!r})")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
+    env.globals["namespace"] = _Namespace
+    return env
