@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from bench.shapes import LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
+from bench.shapes import FAMILY_SHAPES, LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QV = ("q_proj", "v_proj")
@@ -42,6 +42,10 @@ RANDOM_MODELS: dict[str, RandomModel] = {
     "llama-8b-random": RandomModel(LLAMA_3_1_8B, True, "Llama-3.1-8B-shaped (vocab 49,152), random weights"),
     "llama-70b-random": RandomModel(LLAMA_3_1_70B, True, "Llama-3.1-70B-shaped (vocab 49,152), random weights"),
     "tiny": RandomModel(TINY_LLAMA, False, "tiny Llama-shaped, random weights"),
+    # The served families' real widths (bench/shapes.py: vocabulary 49,152), weights made at load.
+    **{f"{name}-random": RandomModel(config, True, f"{config['architectures'][0]} {name.split('-', 1)[1]}-shaped "
+                                                   f"(vocab 49,152), random weights")
+       for name, config in FAMILY_SHAPES.items()},
 }
 MODEL_HELP = ("a named shape with random weights (" + ", ".join(RANDOM_MODELS) + "), 'embedded' (SmolLM2-135M) "
               "or an HF safetensors checkpoint folder")
@@ -135,25 +139,30 @@ def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device:
 def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[str], seed: int,
                          device: torch.device, dtype: torch.dtype = torch.bfloat16, std: float = 0.02) -> Path:
     """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) with
-    random, non-zero A and B, named as PEFT saves a Llama-family model's LoRA."""
+    random, non-zero A and B, named as PEFT saves the model's family's LoRA: `targets` are the
+    node's modules (q_proj, ...), a fused projection of the family (Phi-3's qkv_proj) taken
+    where any of its modules is."""
     from safetensors.torch import save_file
 
     from adapter_store.samples import adapter_config
-    from lora_common.validation import MODULE_PARENT
+    from inference_node.model.families import FAMILIES
+    from lora_common.validation import LAYER_PARENT
 
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = model_cfg.module_shapes()
+    peft_modules = {peft: held for peft, held in FAMILIES[model_cfg.family].adapter_modules.items()
+                    if set(held) & set(targets)}
     tensors = {}
     for layer in range(model_cfg.num_layers):
-        for module in targets:
-            fan_in, fan_out = shapes[module]
-            base = f"base_model.model.model.layers.{layer}.{MODULE_PARENT[module]}.{module}"
+        for module, held in peft_modules.items():
+            fan_in, fan_out = shapes[held[0]][0], sum(shapes[m][1] for m in held)
+            base = f"base_model.model.model.layers.{layer}.{LAYER_PARENT[module]}.{module}"
             for kind, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
                 t = torch.randn(*shape, generator=gen, device=device) * std
                 tensors[f"{base}.lora_{kind}.weight"] = t.to(dtype).cpu()
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = adapter_config(rank, list(targets), base_model="bench-random")
+    config = adapter_config(rank, list(peft_modules), base_model="bench-random")
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return folder
 

@@ -4,6 +4,7 @@ in process and, when asked, through the served node's gRPC and HTTP APIs.
 
     python -m bench.serving                              # CUDA: Llama-3.2-1B-shaped random bf16 model
     python -m bench.serving --model llama-8b-random --rows a,c,d --adapter-counts 32
+    python -m bench.serving --model qwen3-8b-random --paths engine,grpc   # a served family's shapes (bench/shapes.py)
     python -m bench.serving --poisson 20                 # open loop, Poisson arrivals, Zipf popularity
     python -m bench.serving --device cpu                 # CPU: the embedded SmolLM2, small settings
     python -m bench.serving --rows a,b,c,d --rounds 3    # rows take turns 3 times: medians

@@ -36,3 +36,42 @@ TINY_LLAMA = {**LLAMA_3_2_1B, "vocab_size": 49152, "hidden_size": 64, "intermedi
               "head_dim": 16, "max_position_embeddings": 1024, "rope_scaling": None,
               "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
               "eos_token_id": 2, "torch_dtype": "float32"}
+
+# The served families' shapes: each model's real widths, heads, layers and quirks, with
+# SmolLM2's vocabulary (49,152) as the 8B's (so every token id detokenizes through the
+# embedded tokenizer), weights made on the device (`load_format="dummy"`).
+_FAMILY_COMMON = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+                  "tie_word_embeddings": False}
+QWEN2_5_7B = {  # q/k/v biases
+    **_FAMILY_COMMON, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 28, "hidden_act": "silu",
+}
+QWEN3_8B = {  # per-head q/k norms
+    **_FAMILY_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "attention_bias": False, "use_sliding_window": False, "hidden_act": "silu",
+}
+MISTRAL_7B = {  # v0.1: a 4,096-token window on every layer
+    **_FAMILY_COMMON, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "sliding_window": 4096, "hidden_act": "silu",
+}
+GEMMA_2_9B = {  # soft-caps, windowed and full layers alternating, head_dim 256, tied embeddings
+    **_FAMILY_COMMON, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584,
+    "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+}
+PHI_3_MINI = {  # fused q/k/v and gate/up, a 2,047-token window on every layer
+    **_FAMILY_COMMON, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+    "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "sliding_window": 2047, "hidden_act": "silu",
+}
+FAMILY_SHAPES = {"qwen2.5-7b": QWEN2_5_7B, "qwen3-8b": QWEN3_8B, "mistral-7b": MISTRAL_7B,
+                 "gemma2-9b": GEMMA_2_9B, "phi3-mini": PHI_3_MINI}
