@@ -1,4 +1,5 @@
-"""SiLU(gate) * up with the gate/up LoRA delta expanded in, in one Triton launch.
+"""SiLU(gate) * up (or GeLU-tanh(gate) * up, Gemma's) with the gate/up LoRA delta expanded
+in, in one Triton launch.
 
 Programs cover (row, a span of the intermediate columns): each reads its gate and up columns,
 expands the row's delta for them from the shrink's partial sums and the adapter's B columns
@@ -28,6 +29,17 @@ def silu_times(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def gelu_tanh_times(gate, up, dtype: tl.constexpr):
+    """GeLU(gate, tanh approximation) * up, rounded as F.gelu(g, approximate="tanh") * u on
+    `dtype` tensors rounds (transformers' gelu_pytorch_tanh): g and u, the GeLU, the product."""
+    g = gate.to(dtype).to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+    tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+    gelu = (0.5 * g * (1.0 + tanh)).to(dtype)
+    return (gelu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(
     gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, rows_ptr, dense_ptr,
     I, R,
@@ -35,6 +47,7 @@ def _silu_mul_kernel(
     stride_rows, stride_bgr, stride_bur, stride_dense,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY_B: tl.constexpr = False,
+    GELU_TANH: tl.constexpr = False,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
@@ -76,18 +89,21 @@ def _silu_mul_kernel(
             du = tl.load(dense_ptr + t * stride_dense + I + offs, mask=mask, other=0.0)
             g = (g.to(tl.float32) + dg).to(g.dtype)
             u = (u.to(tl.float32) + du).to(u.dtype)
-    tl.store(act_ptr + t * stride_act + offs, silu_times(g, u, act_ptr.dtype.element_ty), mask=mask)
+    if GELU_TANH:
+        act = gelu_tanh_times(g, u, act_ptr.dtype.element_ty)
+    else:
+        act = silu_times(g, u, act_ptr.dtype.element_ty)
+    tl.store(act_ptr + t * stride_act + offs, act, mask=mask)
 
 
 def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
                     block_i: int | None = None, num_warps: int | None = None,
                     tuning: Tuning = DEFAULT_TUNING, activation: str = "silu") -> torch.Tensor:
-    """As reference.silu_mul with delta.dense(), in one launch. block_i: columns per
-    program. With a delta to expand the defaults are the tuning's silu_row_tile, the decode
-    graph's best: alone, wider programs were faster, but in the graph a program's B, read
-    before its wait, is less to hold while the gate/up GEMM still runs."""
-    if activation != "silu":
-        raise NotImplementedError("not yet in the Triton kernel")
+    """As reference.silu_mul with delta.dense() and its activation, in one launch. block_i:
+    columns per program. With a delta to expand the defaults are the tuning's silu_row_tile,
+    the decode graph's best: alone, wider programs were faster, but in the graph a program's
+    B, read before its wait, is less to hold while the gate/up GEMM still runs."""
+    assert activation in ("silu", "gelu_tanh"), activation
     T, two_i = gate_up.shape
     I = two_i // 2
     assert gate_up.stride(1) == 1
@@ -119,7 +135,7 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
         act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
         BLOCK_R=next_power_of_2(R), PDL=pdl,
-        EARLY_B=tuning.expand_early_b_on(gate_up), **pdl_launch(pdl),
+        EARLY_B=tuning.expand_early_b_on(gate_up), **pdl_launch(pdl), GELU_TANH=activation == "gelu_tanh",
         num_warps=num_warps or default_warps,
     )
     return act

@@ -8,6 +8,12 @@ online softmax in fp32 (log2 domain).
 Decode-heavy batches with few (sequence, KV head) pairs would leave most of the GPU idle
 while a few programs walk long contexts: those split the keys into NUM_SPLITS ranges
 (flash-decoding), write partial (max, sum, acc) in fp32, and a second small kernel merges them.
+
+With a sliding window (Mistral, Gemma's local layers) a tile walks only the keys from its
+first query's window on: the blocks behind it, which a request may have given back (their
+table entries point at the scratch block), are never read, and the splits divide the window's
+keys. Soft-capped scores (Gemma 2) are capped before the mask and the softmax, as transformers
+does.
 """
 from __future__ import annotations
 
@@ -32,14 +38,22 @@ _MERGE_DYNAMIC = ["NUM_SPLITS", "stride_ps"]
 
 
 @triton.jit
-def _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, DOT_F32: tl.constexpr):
+def _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, window, softcap,
+                 DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One key tile of the online softmax: the running (max, sum, acc) after keys offs_n."""
     if DOT_F32:
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k.to(q.dtype)))
     visible = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
-    qk = tl.where(visible, qk * qk_scale, float("-inf"))
+    if HAS_WINDOW:  # the last `window` keys of each query, its own included
+        visible = visible & (offs_n[None, :] > pos[:, None] - window)
+    if HAS_SOFTCAP:  # cap * tanh(score / cap), the score in natural units, then to log2's
+        capped = qk * (qk_scale / _LOG2E) / softcap
+        qk = (2.0 / (1.0 + tl.exp(-2.0 * capped)) - 1.0) * (softcap * _LOG2E)
+    else:
+        qk = qk * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -56,7 +70,7 @@ def _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, DOT_F32:
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    qk_scale, head_dim, NUM_SPLITS,
+    qk_scale, head_dim, NUM_SPLITS, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kp, stride_kh, stride_kd,
     stride_vb, stride_vp, stride_vh, stride_vd,
@@ -67,6 +81,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr, EARLY_KV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False, HAS_SOFTCAP: tl.constexpr = False,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
@@ -106,8 +121,11 @@ def _paged_attention_kernel(
     # splits divide each sequence's own keys, so a graph sized for the longest context allowed
     # still spreads a short one over all of its splits).
     kv_end = ctx0 + tl.minimum(q0 + BLOCK_Q, q_len)
-    split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_lo = split * split_len
+    kv_start = 0
+    if HAS_WINDOW:  # nothing before the tile's first query's window
+        kv_start = tl.maximum(ctx0 + q0 - window + 1, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = kv_start + split * split_len
     kv_hi = tl.minimum(kv_end, kv_lo + split_len)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
 
@@ -143,7 +161,8 @@ def _paged_attention_kernel(
     m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    m_i, l_i, acc = _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, DOT_F32)
+    m_i, l_i, acc = _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, window, softcap,
+                                 DOT_F32, HAS_WINDOW, HAS_SOFTCAP)
     for n0 in range(kv_lo + BLOCK_N, kv_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_hi
@@ -156,8 +175,8 @@ def _paged_attention_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc,
-                                     DOT_F32)
+        m_i, l_i, acc = _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, window,
+                                     softcap, DOT_F32, HAS_WINDOW, HAS_SOFTCAP)
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -234,6 +253,7 @@ def paged_attention_triton_impl(
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, early_kv: bool | None = None,
     tuning: Tuning = DEFAULT_TUNING, out: torch.Tensor | None = None,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """paged_attention_triton with the tiling knobs exposed (tests force splits and tiles).
     early_kv: with PDL, load the first tile's older keys before waiting for the kernel ahead
@@ -278,7 +298,7 @@ def paged_attention_triton_impl(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         out, part_acc, part_m, part_l,
-        scale * _LOG2E, head_dim, num_splits,
+        scale * _LOG2E, head_dim, num_splits, max(window, 0), float(softcap) or 1.0,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -288,6 +308,7 @@ def paged_attention_triton_impl(
         PAGE=page, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         SPLIT=num_splits > 1, PDL=pdl, **pdl_launch(pdl),
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
         EARLY_KV=pdl and (early_kv if early_kv is not None else tuning.attention_early_kv_on(q)),
         DOT_F32=dot_f32(q.dtype, q.device),
         num_warps=num_warps or (4 if block_q * group_pad * block_d <= 64 * 128 else 8),
@@ -317,10 +338,9 @@ def paged_attention_triton(
     *, tuning: Tuning = DEFAULT_TUNING, out: torch.Tensor | None = None,
     window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached keys (see the reference),
-    into `out` where given."""
-    if window or softcap:
-        raise NotImplementedError("not yet in the Triton kernel")
+    """Causal attention of each new token over its sequence's cached keys, within its
+    `window` where > 0, its scores soft-capped where `softcap` > 0 (see the reference), into
+    `out` where given."""
     return paged_attention_triton_impl(q, k_cache, v_cache, block_tables, query_start_loc,
                                        seq_lens, scale, max_query_len, max_seq_len, tuning=tuning,
-                                       out=out)
+                                       out=out, window=window, softcap=softcap)

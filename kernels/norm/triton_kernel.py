@@ -15,6 +15,10 @@ that program, so graph replays need no clearing. In the decode graph it pays aft
 shrink runs in o's GEMM: the programs, launched early (PDL), read their B columns while that
 GEMM runs, which one program holding a whole row's B could not (kernels/tuning.py:
 norm_split_groups).
+
+Gemma's layers norm a sublayer's output before the residual add (`out_norm`) and scale every
+norm by (1 + w) in float32 (`unit_offset`): the row kernel then makes one more pass, the
+output's own sum of squares before the add (its rows are never split over programs).
 """
 from __future__ import annotations
 
@@ -49,8 +53,19 @@ def _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride
 
 
 @triton.jit
+def _weigh(v, rstd, w, UNIT_OFFSET: tl.constexpr):
+    """v normalised by rstd and weighted, rounded as the reference rounds: Llama's w times
+    the normalised value in v's dtype; Gemma's (1 + w), multiplied in float32, rounded once."""
+    if UNIT_OFFSET:
+        return v.to(tl.float32) * rstd * (1.0 + w.to(tl.float32))
+    normed = (v.to(tl.float32) * rstd).to(v.dtype)
+    return w.to(tl.float32) * normed.to(tl.float32)
+
+
+@triton.jit
 def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x,
-                   H: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr):
+                   H: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr,
+                   UNIT_OFFSET: tl.constexpr = False):
     """Reads row t of the new residual stream back and writes it normalised and weighted.
     CG: load through L2 only (rows other programs wrote)."""
     for c0 in tl.static_range(0, H, BLOCK_H):
@@ -61,20 +76,20 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride
                           cache_modifier=".cg")
         else:
             new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
-        normed = (new.to(tl.float32) * rstd).to(new.dtype)
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-        x = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = _weigh(new, rstd, w, UNIT_OFFSET).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
 
 
 @triton.jit
 def _add_rms_norm_kernel(
     hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, rows_ptr,
-    dense_ptr, eps, R,
+    dense_ptr, out_norm_ptr, eps, R,
     stride_h, stride_o, stride_nh, stride_x,
     stride_ps, stride_pt, stride_rows, stride_br, stride_dense,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr = False, OUT_NORM: tl.constexpr = False,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
@@ -96,12 +111,29 @@ def _add_rms_norm_kernel(
         elif HAS_LORA:  # rows without an adapter read no B and add zero (exact in float32)
             b = load_b_rows(b_rows, stride_br, offs, mask, r_live, BLOCK_R)
             o = (o.to(tl.float32) + expand_rows(h, b, BLOCK_R)).to(o.dtype)
-        newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
-        sumsq += newf * newf
+        if OUT_NORM:  # held in the new row until the output's own norm is known
+            tl.store(new_hidden_ptr + t * stride_nh + offs, o, mask=mask)
+            of = o.to(tl.float32)
+            sumsq += of * of
+        else:
+            newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
+            sumsq += newf * newf
+    if OUT_NORM:  # the output normalised by out_norm, then added to the residual stream
+        out_rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
+        tl.debug_barrier()  # the row's stores above, by every thread, before it is read back
+        sumsq = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for c0 in tl.static_range(0, H, BLOCK_H):
+            offs = c0 + tl.arange(0, BLOCK_H)
+            mask = offs < H
+            o = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
+            w = tl.load(out_norm_ptr + offs, mask=mask, other=0.0)
+            normed = _weigh(o, out_rstd, w, UNIT_OFFSET).to(o.dtype)
+            newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, normed, stride_h, stride_nh)
+            sumsq += newf * newf
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
     tl.debug_barrier()  # the row's stores above, by every thread, before it is read back
     _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H, BLOCK_H,
-                   False)
+                   False, UNIT_OFFSET)
 
 
 @triton.jit
@@ -171,14 +203,14 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
                         block_h: int | None = None, num_warps: int | None = None,
                         tuning: Tuning = DEFAULT_TUNING, unit_offset: bool = False,
                         out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """As reference.add_rms_norm with delta.dense(), in one launch. block_h: columns per
-    unrolled chunk. With a delta the defaults (2048 columns, 8 warps) were the best of a sweep
-    of its tilings on an H100 (docs/PERFORMANCE.md). A delta that carries a ColumnSplit covers
-    each row with programs of split.block columns instead (block_h then sizes only the
-    normalising pass)."""
-    if unit_offset or out_norm is not None:
-        raise NotImplementedError("not yet in the Triton kernel")
+    """As reference.add_rms_norm with delta.dense() (and its unit_offset and out_norm), in
+    one launch. block_h: columns per unrolled chunk. With a delta the defaults (2048 columns,
+    8 warps) were the best of a sweep of its tilings on an H100 (docs/PERFORMANCE.md). A delta
+    that carries a ColumnSplit covers each row with programs of split.block columns instead
+    (block_h then sizes only the normalising pass), except where the output is normalised
+    first."""
     T, H = hidden.shape
+    assert out_norm is None or out_norm.is_contiguous()
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
     x = torch.empty_like(hidden)
@@ -203,7 +235,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     dense_args = (delta.expanded if dense else hidden, delta.expanded.stride(0) if dense else 0)
     block_h = min(block_h or default_block, next_power_of_2(H))
     split = delta.column_split if delta is not None else None
-    if split is not None and split.block < H and split.fits(T, H):
+    if split is not None and split.block < H and split.fits(T, H) and out_norm is None and not unit_offset:
         chunks = cdiv(H, split.block)
         _add_rms_norm_split_kernel[(T, chunks)](
             hidden, out, weight, new_hidden, x, *lora, dense_args[0], split.arrivals, split.sums,
@@ -218,11 +250,13 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
         )
     else:
         _add_rms_norm_kernel[(T,)](
-            hidden, out, weight, new_hidden, x, *lora, dense_args[0], eps, R,
+            hidden, out, weight, new_hidden, x, *lora, dense_args[0],
+            out_norm if out_norm is not None else weight, eps, R,
             hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
             dense_args[1],
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
             BLOCK_H=block_h, BLOCK_R=next_power_of_2(R), PDL=pdl, **pdl_launch(pdl),
+            UNIT_OFFSET=unit_offset, OUT_NORM=out_norm is not None,
             num_warps=num_warps or (8 if delta is not None else 4),
         )
     return new_hidden, x

@@ -7,7 +7,9 @@ each rotate a group of query heads (as many as there are KV heads), then one par
 key heads and writes them to the cache, and one copies the value heads into it. A part adds
 its columns' LoRA delta first when given, expanded from the shrink's partial sums and the
 adapter's B rows in the arena (kernels/lora/delta.py, kernels/lora/rows.py). Heads are handled as their two halves, the pairs that
-RoPE's rotate_half mixes, so each column is loaded (and its delta expanded) once.
+RoPE's rotate_half mixes, so each column is loaded (and its delta expanded) once. Where the
+family norms each query and key head before RoPE (Qwen3, Gemma 3: QK_NORM), a part holds its
+heads whole, so it normalises them in place before the rotation.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from ..tuning import DEFAULT_TUNING, Tuning
 
 from ..lora.delta import LoraDelta
 from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
+from ..norm.triton_kernel import _weigh
+from .reference import QKNorm
 
 
 @triton.jit
@@ -36,14 +40,14 @@ def _half(qkv_row, d, col, mask, ADD: tl.constexpr):
 @triton.jit
 def _rope_cache_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    part_ptr, bq_ptr, bk_ptr, bv_ptr, lrows_ptr, dense_ptr,
+    part_ptr, bq_ptr, bk_ptr, bv_ptr, lrows_ptr, dense_ptr, qn_ptr, kn_ptr, norm_eps,
     stride_qkv, stride_dense, stride_qo_t, stride_qo_h, stride_cos,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
     R, stride_ps, stride_pslice, stride_pt, stride_lrows, stride_br_q, stride_br_kv,
     Hq, Hkv, D, HALF, PAGE, Q_PARTS,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_HG: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
-    EARLY_B: tl.constexpr = False,
+    EARLY_B: tl.constexpr = False, QK_NORM: tl.constexpr = False, UNIT_OFFSET: tl.constexpr = False,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
@@ -111,6 +115,16 @@ def _rope_cache_kernel(
         tl.extra.cuda.gdc_wait()
     x1 = _half(qkv_row, d1, col, mask, HAS_LORA)
     x2 = _half(qkv_row, d2, col + HALF, mask, HAS_LORA)
+    if QK_NORM and part <= Q_PARTS:  # each head RMS-normalised over its D columns, rounded
+        dt = qkv_ptr.dtype.element_ty
+        sq = tl.reshape(x1 * x1 + x2 * x2, (BLOCK_HG, BLOCK_HALF))
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / D + norm_eps)
+        rstd = tl.reshape(tl.broadcast_to(rstd[:, None], (BLOCK_HG, BLOCK_HALF)), (BLOCK_HG * BLOCK_HALF,))
+        w_ptr = qn_ptr if is_q else kn_ptr
+        w1 = tl.load(w_ptr + offs_d, mask=mask, other=0.0)
+        w2 = tl.load(w_ptr + offs_d + HALF, mask=mask, other=0.0)
+        x1 = _weigh(x1.to(dt), rstd, w1, UNIT_OFFSET).to(dt).to(tl.float32)
+        x2 = _weigh(x2.to(dt), rstd, w2, UNIT_OFFSET).to(dt).to(tl.float32)
     if part <= Q_PARTS:  # queries and keys rotate: (x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)
         pos = tl.load(pos_ptr + t)
         trig = pos * stride_cos + offs_d
@@ -135,10 +149,10 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
                           v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                           head_dim: int, *, num_warps: int = 4,
                           tuning: Tuning = DEFAULT_TUNING,
-                          out: torch.Tensor | None = None, qk_norm=None) -> torch.Tensor:
-    """As rope_and_cache_ref, in one launch; the queries go to `out` where given."""
-    if qk_norm is not None:
-        raise NotImplementedError("not yet in the Triton kernel")
+                          out: torch.Tensor | None = None,
+                          qk_norm: QKNorm | None = None) -> torch.Tensor:
+    """As rope_and_cache_ref (its qk_norm too), in one launch; the queries go to `out` where
+    given."""
     T = qkv.shape[0]
     assert head_dim % 2 == 0, "RoPE needs an even head size"
     assert qkv.stride(1) == 1
@@ -168,9 +182,12 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         R, splits, lora_strides = 1, 0, (1,) + (0,) * 6
     q_parts = cdiv(num_heads, num_kv_heads)
     pdl = tuning.pdl_on(qkv)
+    norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (qkv, qkv, 0.0)
+    if qk_norm is not None:
+        assert qk_norm.q_weight.is_contiguous() and qk_norm.k_weight.is_contiguous()
     _rope_cache_kernel[(T, q_parts + 2)](
         qkv, cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache, *lora,
-        delta.expanded if dense else qkv, qkv.stride(0),
+        delta.expanded if dense else qkv, *norm, qkv.stride(0),
         delta.expanded.stride(0) if dense else 0, q.stride(0), q.stride(1), cos_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -179,6 +196,7 @@ def rope_and_cache_triton(qkv: torch.Tensor, delta: LoraDelta | None, cos_table:
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_HG=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_R=next_power_of_2(R),
         PDL=pdl, EARLY_B=tuning.expand_early_b_on(qkv),
+        QK_NORM=qk_norm is not None, UNIT_OFFSET=qk_norm is not None and qk_norm.unit_offset,
         num_warps=num_warps, **pdl_launch(pdl),
     )
     return q

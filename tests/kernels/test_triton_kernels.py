@@ -334,12 +334,12 @@ def test_dispatcher_picks_triton_where_it_runs(monkeypatch: pytest.MonkeyPatch) 
 # ---------------------------------------------------------------------------------------------
 # Paged attention
 
-def check_attention(case, dtype: torch.dtype, **knobs) -> None:
+def check_attention(case, dtype: torch.dtype, window: int = 0, softcap: float = 0.0, **knobs) -> None:
     from kernels.attention.reference import paged_attention_ref
     from kernels.attention.triton_kernel import paged_attention_triton_impl
 
-    out = paged_attention_triton_impl(*case.args(), **knobs)
-    ref = paged_attention_ref(*case.args())
+    out = paged_attention_triton_impl(*case.args(), window=window, softcap=softcap, **knobs)
+    ref = paged_attention_ref(*case.args(), window=window, softcap=softcap)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     rel = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), rtol=rel, atol=rel)
@@ -365,6 +365,29 @@ def test_paged_attention_cases(name: str, num_splits: int, dtype: str, head_majo
                                head_dim=d, page=page, dtype=DTYPES[dtype], device=DEVICE,
                                seed=len(name), head_major=head_major)
     check_attention(case, DTYPES[dtype], num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window, softcap", [(7, 0.0), (0, 1.5), (20, 2.0), (1, 0.0)])
+@pytest.mark.parametrize("name", ["mixed_prefill_decode_gqa", "long_prefill_many_query_tiles",
+                                  "decode_long_contexts_many_splits"])
+def test_paged_attention_window_and_softcap(name: str, window: int, softcap: float, num_splits: int,
+                                            dtype: str) -> None:
+    """Sliding windows (Mistral, Gemma's local layers) and soft-capped scores (Gemma 2), with
+    the blocks wholly behind each sequence's first window holding NaN (given back and reused
+    by another request): never read."""
+    q_lens, seq_lens, hq, hkv, d, page = ATTENTION_CASES[name]
+    case = make_attention_case(q_lens=q_lens, seq_lens=seq_lens, num_heads=hq, num_kv_heads=hkv,
+                               head_dim=d, page=page, dtype=DTYPES[dtype], device=DEVICE, seed=len(name))
+    if window:
+        for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+            behind = max(seq_len - q_len - window + 1, 0) // page
+            for j in range(behind):
+                block = case.block_tables[b, j].long()
+                case.k_cache[block] = float("nan")
+                case.v_cache[block] = float("nan")
+    check_attention(case, DTYPES[dtype], window=window, softcap=softcap, num_splits=num_splits, block_n=16)
 
 
 @st.composite
@@ -476,14 +499,16 @@ def maybe_expanded(delta, expanded: bool):
 @HYPO
 @given(tokens=st.integers(1, 9), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4]),
        head_dim=st.sampled_from([8, 24, 64]), with_delta=st.booleans(), expanded=st.booleans(),
-       dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16), head_major=st.booleans())
+       dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**16), head_major=st.booleans(),
+       qk_norm=st.sampled_from(["none", "qwen3", "gemma3"]))
 def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int, head_dim: int,
                                           with_delta: bool, expanded: bool, dtype: str, seed: int,
-                                          head_major: bool) -> None:
+                                          head_major: bool, qk_norm: str) -> None:
     """Rotated queries and the cache slots written equal the reference, the other slots are
-    untouched, with and without a LoRA delta to expand; q, k and v are
-    column views of a wider projection output, as the fused q/k/v matmul gives them."""
-    from kernels.rope.reference import rope_and_cache_ref
+    untouched, with and without a LoRA delta to expand, with each head normalised first where
+    the family does (Qwen3's w, Gemma 3's 1 + w); q, k and v are column views of a wider
+    projection output, as the fused q/k/v matmul gives them."""
+    from kernels.rope.reference import QKNorm, rope_and_cache_ref
     from kernels.rope.triton_kernel import rope_and_cache_triton
 
     gen = torch.Generator().manual_seed(seed)
@@ -504,9 +529,16 @@ def test_rope_and_cache_matches_reference(tokens: int, kv_heads: int, group: int
     if head_major:  # stored [blocks, Hkv, page, D], seen through transposed views (KVCache)
         caches = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches]
     ref_caches = [c.clone() for c in caches]
-    q = rope_and_cache_triton(qkv, delta, cos, sin, positions, slots, *caches, heads, kv_heads, head_dim)
+    norm = None
+    if qk_norm != "none":
+        gemma = qk_norm == "gemma3"
+        weights = [((0.0 if gemma else 1.0) + 0.3 * torch.randn(head_dim, generator=gen)).to(dt).to(DEVICE)
+                   for _ in range(2)]
+        norm = QKNorm(*weights, 1e-6, unit_offset=gemma)
+    q = rope_and_cache_triton(qkv, delta, cos, sin, positions, slots, *caches, heads, kv_heads, head_dim,
+                              qk_norm=norm)
     q_ref = rope_and_cache_ref(qkv, delta, cos, sin, positions, slots, *ref_caches, heads, kv_heads,
-                               head_dim)
+                               head_dim, qk_norm=norm)
     rel = 1e-5 if dt == torch.float32 else 2e-2  # bf16: a rounding step apart at most
     torch.testing.assert_close(q.float().cpu(), q_ref.float().cpu(), rtol=rel, atol=rel)
     for got, want in zip(caches, ref_caches):
@@ -541,6 +573,37 @@ def test_add_rms_norm_matches_reference(tokens: int, hidden: int, with_delta: bo
                            expanded)
     new, x = add_rms_norm_triton(res, out, weight, 1e-5, delta)
     new_ref, x_ref = add_rms_norm(res, out, weight, 1e-5, delta.dense() if delta else None)
+    assert not new.isnan().any() and not x.isnan().any()
+    assert_close_scaled(new, new_ref, dt)
+    assert_close_scaled(x, x_ref, dt)
+
+
+@HYPO
+@given(tokens=st.integers(1, 9), hidden=st.sampled_from([24, 200, 2304]), with_delta=st.booleans(),
+       expanded=st.booleans(), split=st.booleans(), dtype=st.sampled_from(list(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_gemma_norms_around_a_sublayer_match_reference(tokens: int, hidden: int, with_delta: bool,
+                                                       expanded: bool, split: bool, dtype: str,
+                                                       seed: int) -> None:
+    """Gemma's add + norm: the sublayer's output (with its delta) normalised by its own (1 + w)
+    norm, added, and the sum normalised by (1 + w); a ColumnSplit the delta carries is not
+    taken (the output's norm needs its whole row first)."""
+    from kernels.lora.delta import ColumnSplit
+    from kernels.norm.reference import add_rms_norm
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    res = torch.randn(tokens, hidden, generator=gen).to(dt).to(DEVICE)
+    out = (3 * torch.randn(tokens, hidden + 3, generator=gen)).to(dt)[:, :hidden].to(DEVICE)
+    weight = (0.3 * torch.randn(hidden, generator=gen)).to(dt).to(DEVICE)
+    out_norm = (0.3 * torch.randn(hidden, generator=gen)).to(dt).to(DEVICE)
+    delta = maybe_expanded(random_lora_delta(gen, tokens, [hidden], dt) if with_delta else None, expanded)
+    if delta is not None and split:
+        delta = dataclasses.replace(delta, column_split=ColumnSplit.allocate(16, 16, hidden, torch.device(DEVICE)))
+    new, x = add_rms_norm_triton(res, out, weight, 1e-6, delta, unit_offset=True, out_norm=out_norm)
+    new_ref, x_ref = add_rms_norm(res, out, weight, 1e-6, delta.dense() if delta else None,
+                                  unit_offset=True, out_norm=out_norm)
     assert not new.isnan().any() and not x.isnan().any()
     assert_close_scaled(new, new_ref, dt)
     assert_close_scaled(x, x_ref, dt)
@@ -595,11 +658,11 @@ def test_column_split_fits_only_what_its_scratch_holds() -> None:
 @HYPO
 @given(tokens=st.integers(1, 9), inter=st.sampled_from([24, 64, 200, 1536]),
        with_delta=st.booleans(), expanded=st.booleans(), dtype=st.sampled_from(list(DTYPES)),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), activation=st.sampled_from(["silu", "gelu_tanh"]))
 def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, expanded: bool,
-                                    dtype: str, seed: int) -> None:
-    """SiLU(gate) * up equals the reference on the expanded gate/up delta (1536 columns take
-    two programs per row)."""
+                                    dtype: str, seed: int, activation: str) -> None:
+    """act(gate) * up, SiLU or Gemma's GeLU-tanh, equals the reference on the expanded gate/up
+    delta (1536 columns take two programs per row)."""
     from kernels.activation.reference import silu_mul
     from kernels.activation.triton_kernel import silu_mul_triton
 
@@ -608,8 +671,8 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, e
     gate_up = (2 * torch.randn(tokens, 2 * inter + 5, generator=gen)).to(dt)[:, :2 * inter].to(DEVICE)
     delta = maybe_expanded(random_lora_delta(gen, tokens, [inter, inter], dt) if with_delta else None,
                            expanded)
-    act = silu_mul_triton(gate_up, delta)
-    ref = silu_mul(gate_up, delta.dense() if delta else None)
+    act = silu_mul_triton(gate_up, delta, activation=activation)
+    ref = silu_mul(gate_up, delta.dense() if delta else None, activation)
     assert not act.isnan().any()
     assert_close_scaled(act, ref, dt)  # bf16: g + delta may round a step apart, times up
 
