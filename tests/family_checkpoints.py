@@ -90,15 +90,40 @@ def make_tiny_family(family: str, out: Path, tokenizer_from: Path, seed: int = 0
     params = {**TINY, **spec.params, **overrides}
     model = spec.model(spec.config(**params)).to(torch.float32)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                # Gemma's norms scale by (1 + w), the others by w: both away from neutral
-                neutral = 0.0 if family.startswith("gemma") else 1.0
-                p.copy_(neutral + 0.3 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.5)
+        _off_neutral(model, family)
         model.get_input_embeddings().weight.mul_(spec.embed_scale)
         model.model.norm.weight.add_(spec.final_norm_gain)
+    return _save(model, out, tokenizer_from)
+
+
+def make_family_widths(family: str, shape: dict[str, Any], out: Path, tokenizer_from: Path,
+                       device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                       **overrides: object) -> Path:
+    """A checkpoint of `shape` (a config dict: bench.shapes' families) made by transformers on
+    `device` in `dtype`, random weights, norms and biases off neutral, with SmolLM2's tokenizer."""
+    spec = family_spec(family)
+    torch.manual_seed(seed)
+    params = {k: v for k, v in shape.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    params.update(pad_token_id=0, **overrides)
+    with torch.device(device):
+        model = spec.model(spec.config(**params)).to(dtype)
+    with torch.no_grad():
+        _off_neutral(model, family, spread=0.1)
+    return _save(model, out, tokenizer_from)
+
+
+def _off_neutral(model: torch.nn.Module, family: str, spread: float = 0.3) -> None:
+    """Norm weights and biases drawn at random (transformers makes them neutral)."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            # Gemma's norms scale by (1 + w), the others by w: both away from neutral
+            neutral = 0.0 if family.startswith("gemma") else 1.0
+            p.copy_(neutral + spread * torch.randn_like(p))
+        elif name.endswith(".bias"):
+            p.normal_(0.0, 0.5 * spread / 0.3)
+
+
+def _save(model: torch.nn.Module, out: Path, tokenizer_from: Path) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer_from / name).exists():

@@ -1,0 +1,122 @@
+"""Each served family on the GPU in bfloat16 (the Triton kernels with the families' options,
+the decode and piecewise graphs, the loader at real widths): a checkpoint of the family's real
+widths (bench.shapes FAMILY_SHAPES) in 2 layers, its window shortened so the prompts cross it,
+PEFT adapters on the family's module names (one on the layers only, one with the embedding and
+the LM head), all with the base model in one mixed batch through gRPC.
+
+The oracle is transformers + PEFT in bfloat16 on the same GPU, teacher-forced over the node's
+answer: each token the node chose must be transformers' greedy choice, or a near-tie with it
+within bfloat16's rounding (two implementations of bfloat16 arithmetic round differently, and
+random weights make near-ties common); most must be its exact choice. A wrong window, a
+missing soft-cap or norm, or a LoRA on the wrong rows moves logits far past that.
+
+One module, parametrized by family, run on one H200: `pytest -m gpu tests/families/test_family_gpu.py`.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.shapes import FAMILY_SHAPES
+from family_checkpoints import family_spec, make_family_adapter, make_family_widths
+from harness import InProcessNode, generate_all
+from inference_node.model.config import ModelConfig
+from inference_node.node import NodeSettings
+
+pytestmark = pytest.mark.gpu
+
+WINDOW = 48           # every windowed layer's, so the prompts below cross it
+PROMPT_LENGTHS = (12, 70, 121)
+MAX_NEW = 16
+# A token the node chose is a near-tie with transformers' choice when its logit is within this
+# share of the largest logit's magnitude (at least 1) below it: a few bfloat16 steps.
+NEAR_TIE = 0.03
+EXACT_SHARE = 0.75    # the share of tokens that must be transformers' exact choice
+
+
+def family_of(shape_name: str) -> str:
+    return ModelConfig.from_dict(FAMILY_SHAPES[shape_name]).family
+
+
+def teacher_forced_logits(model, prompt: list[int], answer: list[int], device: str) -> torch.Tensor:
+    """[len(answer), vocab] float32: the model's logits at each position that predicts a token
+    of the answer, given the prompt and the answer's tokens before it."""
+    ids = torch.tensor([prompt + answer], device=device)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(answer)].float()
+
+
+def check_answers(base: Path, adapter_root: Path, jobs, answers, device: str, dtype: torch.dtype) -> None:
+    """Each answer against transformers + PEFT (its adapter alone) teacher-forced over it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    exact = total = 0
+    for name in dict.fromkeys(job[0] for job in jobs):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(device).eval()
+        if name:
+            model = PeftModel.from_pretrained(model, adapter_root / name).to(device).eval()
+        for (adapter, prompt, max_new), answer in zip(jobs, answers):
+            if adapter != name:
+                continue
+            assert len(answer) == max_new
+            logits = teacher_forced_logits(model, list(prompt), answer, device)
+            best = logits.max(dim=-1)
+            chosen = logits.gather(1, torch.tensor(answer, device=device)[:, None])[:, 0]
+            gap = best.values - chosen
+            allowed = NEAR_TIE * best.values.abs().clamp(min=1.0)
+            far = (gap > allowed).nonzero().flatten().tolist()
+            assert not far, (f"adapter {name or 'base'}, prompt of {len(prompt)}: tokens {far} are not "
+                             f"transformers' choice (gaps {gap[far].tolist()}, allowed {allowed[far].tolist()})")
+            exact += int((best.indices == torch.tensor(answer, device=device)).sum())
+            total += len(answer)
+        del model
+        torch.cuda.empty_cache() if device == "cuda" else None
+    assert exact >= EXACT_SHARE * total, f"{exact} of {total} tokens are transformers' exact choice"
+
+
+def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str) -> None:
+    spec = family_spec(family)
+    adapters = {
+        "r16-layers": (16, 32.0, [*spec.attention, *spec.mlp]),
+        "r8-edges": (8, 16.0, [*spec.attention, "embed_tokens", "lm_head"]),
+    }
+    for seed, (name, (rank, alpha, targets)) in enumerate(adapters.items(), start=1):
+        make_family_adapter(base, root / name, rank, alpha, targets, seed=seed)
+    rng = random.Random(7)
+    prompts = [tuple(rng.randrange(100, 40000) for _ in range(n)) for n in PROMPT_LENGTHS]
+    # The embedding's and LM head's LoRA runs in eager steps: its answers end first, so the
+    # others' last steps replay the decode graphs.
+    jobs = [(name, list(p), MAX_NEW // 2 if name == "r8-edges" else MAX_NEW)
+            for name in ("", *adapters) for p in prompts]
+    node = InProcessNode(NodeSettings(model=str(base), device=device, dtype=dtype_name, num_kv_blocks=256,
+                                      block_size=16, max_model_len=512, max_num_seqs=8, max_graph_batch=8,
+                                      max_num_batched_tokens=256, warmup="off", max_loras=2, max_lora_rank=16,
+                                      adapter_dir=str(root), debug_checks=True))
+    try:
+        answers = generate_all(node, jobs)
+        stats = node.check_idle()
+        assert stats["graph_steps"] > 0 or device != "cuda", stats  # the decode graphs ran
+    finally:
+        node.stop()
+    by_job = {(name, tuple(p)): a for (name, p, _), a in zip(jobs, answers)}
+    for name in adapters:  # each adapter changes the answers: the test would be weak otherwise
+        assert any(by_job[(name, p)] != by_job[("", p)] for p in prompts), name
+    check_answers(base, root, jobs, answers, device, torch.bfloat16 if dtype_name == "bfloat16" else torch.float32)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("shape", list(FAMILY_SHAPES))
+def test_family_at_real_widths_matches_peft_in_bfloat16(shape: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    family = family_of(shape)
+    overrides = {"num_hidden_layers": 2}
+    if FAMILY_SHAPES[shape].get("sliding_window") and family != "qwen2":
+        overrides["sliding_window"] = WINDOW
+    base = make_family_widths(family, FAMILY_SHAPES[shape], tmp_path / "model", tokenizer_dir, **overrides)
+    config = ModelConfig.from_checkpoint(base)
+    assert config.family == family and config.num_layers == 2
+    run_family(base, family, tmp_path / "adapters", "cuda", "bfloat16")
