@@ -76,8 +76,9 @@ class ModelOptions:
     """model: the checkpoint and how it is placed."""
 
     checkpoint: str | None = option(None, flag="--model",
-                                    help="HF safetensors checkpoint directory of the Llama family (default: "
-                                         "the embedded SmolLM2-135M-Instruct)")
+                                    help="HF safetensors checkpoint directory of a served family: Llama, "
+                                         "Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2, Gemma 3 (default: the "
+                                         "embedded SmolLM2-135M-Instruct)")
     device: str = option("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available")
     dtype: str = option("auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto = bfloat16 on cuda, float32 on cpu")
