@@ -115,9 +115,16 @@ class ModelConfig:
             raise UnsupportedModel(f"{family.name}: MLP activation {act_name!r} is not served "
                                    f"(served: {', '.join(ACTIVATIONS)})")
         window, layer_types = _windows(raw, family.name, layers)
-        # Qwen2's q/k/v always carry biases; Llama's attention_bias puts them on q, k, v and o.
-        qkv_bias = bool(raw.get("attention_bias", family.name == "qwen2"))
-        o_bias = family.name in ("llama", "mistral") and bool(raw.get("attention_bias", False))
+        # As transformers builds each family: Qwen2's q/k/v always carry biases (o never);
+        # Llama's, Qwen3's and Gemma's attention_bias puts them on q, k, v and o; Mistral's and
+        # Phi-3's attention has none; only Llama has MLP biases (mlp_bias).
+        if family.name == "qwen2":
+            qkv_bias, o_bias = True, False
+        elif family.name in ("mistral", "phi3"):
+            qkv_bias = o_bias = False
+        else:
+            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        mlp_bias = family.name == "llama" and bool(raw.get("mlp_bias", False))
         if gemma and raw.get("use_bidirectional_attention"):
             raise UnsupportedModel(f"{family.name}: bidirectional attention (an embedding model) is not served")
         return cls(
@@ -135,7 +142,7 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             attention_bias=qkv_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=mlp_bias,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             family=family.name,

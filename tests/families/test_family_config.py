@@ -1,5 +1,7 @@
-"""A checkpoint of an architecture the node does not serve: `inference-node serve` exits 1 at
-start with one line naming what it serves, and no traceback."""
+"""config.json per family: an architecture the node does not serve makes `inference-node
+serve` exit 1 at start with one line naming what it serves, and no traceback; a switch of a
+served family the node does not implement is refused alike; the switches it reads are where
+transformers reads them."""
 from __future__ import annotations
 
 import json
@@ -58,3 +60,17 @@ def test_config_switches_the_node_does_not_implement_are_refused(raw, phrase) ->
             "num_attention_heads": 4}
     with pytest.raises(UnsupportedModel, match=phrase):
         ModelConfig.from_dict({**base, **raw})
+
+
+@pytest.mark.parametrize("model_type, attention_bias, expected", [
+    ("llama", True, (True, True)), ("qwen2", False, (True, False)), ("qwen3", True, (True, True)),
+    ("gemma2", True, (True, True)), ("mistral", True, (False, False)), ("phi3", True, (False, False)),
+])
+def test_biases_are_where_transformers_puts_them(model_type, attention_bias, expected) -> None:
+    """(q/k/v bias, o bias) as each family's transformers attention builds them."""
+    config = ModelConfig.from_dict({"model_type": model_type, "vocab_size": 100, "hidden_size": 64,
+                                    "intermediate_size": 128, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "attention_bias": attention_bias,
+                                    "mlp_bias": True})
+    assert (config.attention_bias, config.o_bias) == expected
+    assert config.mlp_bias == (model_type == "llama")
