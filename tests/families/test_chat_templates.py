@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import InProcessNode, hf_greedy
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from inference_node.tokenizer import ChatTemplateError, TextCodec
 from lora_client.node_client import NodeClient
 
@@ -116,7 +116,7 @@ def test_chat_requests_on_grpc_and_http_answer_from_the_templates_tokens(family,
     ids = hf_tok(hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                  add_special_tokens=False)["input_ids"]
     expected = hf_greedy(hf, ids, 8, eos=False)
-    node = InProcessNode(NodeSettings(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+    node = InProcessNode(NodeConfig.of(checkpoint=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
                                       max_loras=0), http=True)
     try:
         with NodeClient(node.address) as client:

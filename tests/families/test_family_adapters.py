@@ -13,7 +13,7 @@ from harness import InProcessNode
 from inference_node.adapters.errors import AdapterRejected
 from inference_node.adapters.sources import LocalDirSource
 from inference_node.model.config import ModelConfig
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 from lora_client.node_client import NodeClient
 
 
@@ -44,7 +44,7 @@ def test_an_adapter_of_another_family_is_refused_naming_the_modules(base, adapte
 
 
 def test_node_refuses_a_foreign_adapter_and_serves_the_rest(foreign_adapters, tiny_phi3_path) -> None:
-    node = InProcessNode(NodeSettings(model=str(tiny_phi3_path), device="cpu", num_kv_blocks=64,
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_phi3_path), device="cpu", num_kv_blocks=64,
                                       max_lora_rank=16, adapter_dir=str(foreign_adapters)))
     try:
         with NodeClient(node.address) as client:

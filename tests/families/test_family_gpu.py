@@ -24,7 +24,7 @@ from bench.shapes import FAMILY_SHAPES
 from family_checkpoints import family_spec, make_family_adapter, make_family_widths
 from harness import InProcessNode, generate_all
 from inference_node.model.config import ModelConfig
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +93,7 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
     # others' last steps replay the decode graphs.
     jobs = [(name, list(p), MAX_NEW // 2 if name == "r8-edges" else MAX_NEW)
             for name in ("", *adapters) for p in prompts]
-    node = InProcessNode(NodeSettings(model=str(base), device=device, dtype=dtype_name, num_kv_blocks=256,
+    node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype=dtype_name, num_kv_blocks=256,
                                       block_size=16, max_model_len=512, max_num_seqs=8, max_graph_batch=8,
                                       max_num_batched_tokens=256, warmup="off", max_loras=2, max_lora_rank=16,
                                       adapter_dir=str(root), debug_checks=True))

@@ -12,7 +12,7 @@ import pytest
 
 from family_checkpoints import family_spec, make_family_adapter
 from harness import InProcessNode, generate_all
-from inference_node.node import NodeSettings
+from inference_node.config import NodeConfig
 
 
 @pytest.mark.parametrize("family", ["phi3", "qwen2", "qwen3", "gemma2"])
@@ -28,7 +28,7 @@ def test_tp2_gives_tp1_tokens_for_the_familys_weights_and_adapters(family, reque
     jobs = [(name, p, 6) for name in ("", "all-edges", "mlp") for p in prompts]
     answers = []
     for size in (1, 2):
-        node = InProcessNode(NodeSettings(model=str(base), device="cpu", dtype="float32", num_kv_blocks=128,
+        node = InProcessNode(NodeConfig.of(checkpoint=str(base), device="cpu", dtype="float32", num_kv_blocks=128,
                                           cpu_threads=1, tensor_parallel_size=size, max_loras=2,
                                           max_lora_rank=8, adapter_dir=str(root), debug_checks=True))
         try:
