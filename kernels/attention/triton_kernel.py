@@ -27,6 +27,7 @@ from ..tuning import DEFAULT_TUNING, Tuning
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2 of a difference stays 0/1
+_LOG2E_IN_KERNEL = tl.constexpr(_LOG2E)  # a jit function reads only constexpr globals
 
 
 # Launch arguments that follow a step's batch (the split count, the block table's width, the
@@ -49,8 +50,8 @@ def _attend_tile(q, k, v, offs_n, mask_n, pos, qk_scale, m_i, l_i, acc, window, 
     if HAS_WINDOW:  # the last `window` keys of each query, its own included
         visible = visible & (offs_n[None, :] > pos[:, None] - window)
     if HAS_SOFTCAP:  # cap * tanh(score / cap), the score in natural units, then to log2's
-        capped = qk * (qk_scale / _LOG2E) / softcap
-        qk = (2.0 / (1.0 + tl.exp(-2.0 * capped)) - 1.0) * (softcap * _LOG2E)
+        capped = qk * (qk_scale / _LOG2E_IN_KERNEL) / softcap
+        qk = (2.0 / (1.0 + tl.exp(-2.0 * capped)) - 1.0) * (softcap * _LOG2E_IN_KERNEL)
     else:
         qk = qk * qk_scale
     qk = tl.where(visible, qk, float("-inf"))

@@ -1,0 +1,75 @@
+"""The Triton kernels' family options compile for a Hopper GPU (sm_90: Triton's frontend, its
+passes, ptxas and a cubin), without one: Triton's interpreter runs the kernels as Python and
+so accepts what the compiler refuses (a global read inside a jit function, a type a branch
+changes). One variant per option, beside the options off (the slow tier, make test-kernels: a
+minute with a cold Triton cache)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.interpreter,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")]
+
+
+def compile_for_hopper(fn, types: dict[str, str], constexprs: dict[str, object]) -> None:
+    """Compiles the jit function with these argument types (others i32) and constexprs."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm
+
+
+@pytest.mark.parametrize("window, softcap, split, head_dim", [
+    (False, False, False, 128), (True, False, False, 128), (False, True, True, 128), (True, True, True, 256),
+])
+def test_attention_with_window_and_softcap(window: bool, softcap: bool, split: bool, head_dim: int) -> None:
+    from kernels.attention.triton_kernel import _paged_attention_kernel
+
+    types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    types |= {"bt_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "part_acc_ptr": "*fp32",
+              "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32"}
+    compile_for_hopper(_paged_attention_kernel, types, dict(
+        PAGE=16, GROUP=2, GROUP_PAD=2, BLOCK_Q=8, BLOCK_M=16, BLOCK_N=32, BLOCK_D=head_dim, SPLIT=split,
+        DOT_F32=False, PDL=False, EARLY_KV=False, HAS_WINDOW=window, HAS_SOFTCAP=softcap))
+
+
+@pytest.mark.parametrize("lora, unit_offset, out_norm", [(False, True, True), (True, True, True), (True, False, False)])
+def test_add_rms_norm_with_gemmas_norms(lora: bool, unit_offset: bool, out_norm: bool) -> None:
+    from kernels.norm.triton_kernel import _add_rms_norm_kernel
+
+    types = {n: "*bf16" for n in ("hidden_ptr", "out_ptr", "weight_ptr", "new_hidden_ptr", "x_ptr", "b_ptr",
+                                  "out_norm_ptr")}
+    types |= {"part_ptr": "*fp32", "rows_ptr": "*i32", "dense_ptr": "*fp32", "eps": "fp32"}
+    compile_for_hopper(_add_rms_norm_kernel, types, dict(
+        H=3584, SPLITS=2, HAS_LORA=lora, DENSE=False, BLOCK_H=2048, BLOCK_R=16, PDL=False,
+        UNIT_OFFSET=unit_offset, OUT_NORM=out_norm))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gelu_tanh_gating(lora: bool) -> None:
+    from kernels.activation.triton_kernel import _silu_mul_kernel
+
+    types = {n: "*bf16" for n in ("gu_ptr", "act_ptr", "bg_ptr", "bu_ptr")}
+    types |= {"part_ptr": "*fp32", "rows_ptr": "*i32", "dense_ptr": "*fp32"}
+    compile_for_hopper(_silu_mul_kernel, types, dict(
+        SPLITS=2, HAS_LORA=lora, DENSE=False, BLOCK_I=1024, BLOCK_R=16, PDL=False, EARLY_B=False, GELU_TANH=True))
+
+
+@pytest.mark.parametrize("lora, unit_offset", [(False, False), (True, True)])
+def test_rope_with_qk_norm(lora: bool, unit_offset: bool) -> None:
+    from kernels.rope.triton_kernel import _rope_cache_kernel
+
+    types = {n: "*bf16" for n in ("qkv_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "bq_ptr", "bk_ptr",
+                                  "bv_ptr", "qn_ptr", "kn_ptr")}
+    types |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "part_ptr": "*fp32",
+              "lrows_ptr": "*i32", "dense_ptr": "*fp32", "norm_eps": "fp32"}
+    compile_for_hopper(_rope_cache_kernel, types, dict(
+        SPLITS=2, HAS_LORA=lora, DENSE=False, BLOCK_HG=8, BLOCK_HALF=64, BLOCK_R=16, PDL=False, EARLY_B=False,
+        QK_NORM=True, UNIT_OFFSET=unit_offset))
