@@ -1,1 +1,2 @@
-"""The model: an own Llama-family forward over HF safetensors checkpoints with paged KV."""
+"""The model: an own forward of the served families (families.py: Llama, Mistral, Qwen2/2.5,
+Qwen3, Phi-3, Gemma 2 and 3) over HF safetensors checkpoints with paged KV."""
