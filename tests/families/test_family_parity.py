@@ -34,7 +34,8 @@ def family_adapters(family: str, edges: bool = True) -> dict[str, tuple[int, flo
 
 def run_family_parity(base: Path, family: str, adapter_root: Path, device: str, dtype: str,
                       num_prompts: int, max_new: int, scale: float, edges: bool = True,
-                      float_ties: bool = False, **settings: object) -> InProcessNode:
+                      float_ties: bool = False, start_timeout: float | None = None,
+                      **settings: object) -> InProcessNode:
     """Runs the mixed batch and checks it; returns the (stopped) node for further checks.
     float_ties: a token may also be one whose logit ties transformers' greedy choice within
     float32 rounding (kernels that sum in another order: the Triton path)."""
@@ -53,7 +54,8 @@ def run_family_parity(base: Path, family: str, adapter_root: Path, device: str, 
     node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype=dtype, num_kv_blocks=256,
                                       max_loras=3, max_lora_rank=16, max_cpu_loras=4,
                                       lora_memory_bytes=16 * row, adapter_dir=str(adapter_root),
-                                      debug_checks=True, max_num_batched_tokens=128, **settings))
+                                      debug_checks=True, max_num_batched_tokens=128, **settings),
+                        start_timeout=start_timeout)
     try:
         jobs = [(name, prompts[i], max_new) for name in [""] + list(adapters) for i in range(len(prompts))]
         rng.shuffle(jobs)
@@ -100,8 +102,10 @@ def test_family_with_the_triton_kernels_matches_peft(family: str, request: pytes
     if not interpreting():
         pytest.skip("runs the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1)")
     base = request.getfixturevalue(f"tiny_{family}_path")
+    # Few graph sizes (8 rows): each is run through at start, every kernel interpreted.
     run_family_parity(base, family, tmp_path / "adapters", "cpu", "float32", num_prompts=2, max_new=10,
-                      scale=3.0, edges=False, float_ties=True, decode_graphs="on", mixed_graphs="on")
+                      scale=3.0, edges=False, float_ties=True, start_timeout=300.0, decode_graphs="on",
+                      mixed_graphs="on", max_num_seqs=8)
 
 
 @pytest.mark.parametrize("graphs", ["eager", "graphs"])
