@@ -38,7 +38,7 @@ WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "
           "httpx", "httpcore", "certifi",
           # Structured output's grammars (an abi3 wheel: one for every Python).
           "llguidance")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "any")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "config.json", "generation_config.json")
