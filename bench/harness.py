@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import statistics
@@ -67,6 +68,14 @@ def embedded_checkpoint() -> Path:
     return default_checkpoint()
 
 
+def tokenizer_source() -> Path:
+    """Where a random checkpoint's tokenizer comes from: the folder LORA_TEST_TOKENIZER_DIR
+    names (a GPU machine without the embedded model's package, tools/gpu_machine_kit.py), else
+    the embedded model's."""
+    folder = os.environ.get("LORA_TEST_TOKENIZER_DIR")
+    return Path(folder) if folder else embedded_checkpoint()
+
+
 def bench_model(name: str, work: Path, dtype: torch.dtype, device: torch.device, seed: int = 0) -> BenchModel:
     """A RANDOM_MODELS shape (its config and the embedded model's tokenizer in `work`, the
     weights written once unless the node makes them at load), 'embedded' or a folder."""
@@ -82,7 +91,7 @@ def bench_model(name: str, work: Path, dtype: torch.dtype, device: torch.device,
         folder = work / f"{name}-{dtype_name(dtype)}"
         if not (folder / "model.safetensors").exists():
             write_random_checkpoint(folder, config, dtype, device, seed=seed)
-    copy_tokenizer(embedded_checkpoint(), folder)
+    copy_tokenizer(tokenizer_source(), folder)
     return BenchModel(folder, "dummy" if made_at_load else "safetensors", description)
 
 
