@@ -90,11 +90,12 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
     rng = random.Random(7)
     prompts = [tuple(rng.randrange(100, 40000) for _ in range(n)) for n in PROMPT_LENGTHS]
     # The embedding's and LM head's LoRA runs in eager steps: its answers end first, so the
-    # others' last steps replay the decode graphs.
+    # others' last steps replay the decode graphs (every job is admitted at once for that:
+    # max_num_seqs holds them all, or the last edge job would start late and run to the end).
     jobs = [(name, list(p), MAX_NEW // 2 if name == "r8-edges" else MAX_NEW)
             for name in ("", *adapters) for p in prompts]
     node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype=dtype_name, num_kv_blocks=256,
-                                      block_size=16, max_model_len=512, max_num_seqs=8, max_graph_batch=8,
+                                      block_size=16, max_model_len=512, max_num_seqs=16, max_graph_batch=16,
                                       max_num_batched_tokens=256, warmup="off", max_loras=2, max_lora_rank=16,
                                       adapter_dir=str(root), debug_checks=True))
     try:
