@@ -243,7 +243,9 @@ def key_block(block_d: int, max_query_len: int, on_gpu: bool, tuning: Tuning) ->
     if not on_gpu:
         return 32  # the interpreter: small tiles run fastest
     if max_query_len > 16:
-        return 64
+        # 64 keys of heads up to 128 wide; 32 of Gemma 2's 256-wide heads, whose 64-key K and
+        # V tiles over the pipeline's stages would need 288 KB of shared memory (Hopper: 227).
+        return max(16, min(64, 8192 // block_d))
     return max(16, min(256, tuning.attention_decode_key_tile // block_d))
 
 
