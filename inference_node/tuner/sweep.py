@@ -94,6 +94,7 @@ class Measured:
     splits: int = 0                  # a shrink-only fold's K ranges (GemmLora.shrink_splits)
     nbytes: int = 0                  # what one launch must move: its floor's bytes (launch_bytes)
     timed: int = 0                   # candidates timed (fewer than offered: the budget cut it)
+    unfit: tuple[str, ...] = ()      # candidates this GPU cannot launch (too much shared memory)
 
 
 class Budget:
@@ -453,6 +454,7 @@ class Sweep:
             trials = self._base_trials(case, options)
         timings: dict[Tiling, float] = {}
         rejected: list[str] = []
+        unfit: list[str] = []
         for i, (option, trial) in enumerate(zip(options, trials)):
             if i > 0 and budget.out():
                 break
@@ -463,7 +465,9 @@ class Sweep:
                 else:
                     timings[option] = trial.time(self.timer)
             except Exception as exc:  # a tiling the compiler or the device refuses
-                rejected.append(f"{option}: {type(exc).__name__}: {str(exc)[:120]}")
+                # Triton's OutOfResources: a tiling for a GPU with more shared memory, not a fault.
+                (unfit if type(exc).__name__ == "OutOfResources" else rejected).append(
+                    f"{option}: {type(exc).__name__}: {str(exc)[:120]}")
             budget.step()
         default = options[0]
         if default not in timings:
@@ -474,7 +478,8 @@ class Sweep:
         nbytes = launch_bytes(N, K, case.batch, esize, case.adapters, self.rank,
                               len(slice_widths(self.shape, case.group)), case.expand)
         return Measured(case.group, case.batch, default, timings[default], best, timings[best],
-                        tuple(rejected), case.adapters, case.expand, case.splits, nbytes, len(timings))
+                        tuple(rejected), case.adapters, case.expand, case.splits, nbytes, len(timings),
+                        tuple(unfit))
 
     def _inputs(self, case: Case, K: int) -> list[torch.Tensor]:
         """x at the case's batch, and at its bucket's largest step where that is another row tile."""
@@ -643,3 +648,6 @@ def print_results(results: Sequence[Measured], smoke: bool, bandwidth: float | N
             f"{r.best_us:8.2f} {r.default_us / r.best_us:12.3f} {vs_floor}")
         for why in r.rejected:
             out(f"{'':16}rejected {why}")
+        if r.unfit:
+            out(f"{'':16}{len(r.unfit)} tiling(s) need more shared memory than this GPU has: "
+                f"{', '.join(why.split(':')[0] for why in r.unfit)}")
