@@ -68,7 +68,7 @@ def run_row(llm, name: str, prompts: list[list[int]], grammar: str, lengths: lis
     from inference_node.engine.request import Request, SamplingParams
 
     engine = llm.engine
-    grammars = engine.grammars
+    grammars = engine.constraints.grammars
     fill = grammars.fill_masks
     calls: list[tuple[float, int]] = []
 

@@ -24,6 +24,7 @@ from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.grammar import GrammarCompiler
 from .engine.kv_cache import KVCache
+from .engine.stats import prefix_cache_rows
 from .model.checkpoint import CheckpointError, validate_checkpoint_dir
 from .model.embedded import cache_root, default_checkpoint
 from .model.config import ModelConfig
@@ -76,7 +77,7 @@ class Node:
         """Engine, adapter and prefix-cache counters; runs on the engine thread (Engine.call)."""
         snap: dict = self.engine.snapshot()
         per_adapter: dict[str, dict[str, int]] = {}
-        for (adapter, _), stats in self.engine.prefix_cache_rows():
+        for (adapter, _), stats in prefix_cache_rows(self.engine.prefix_cache):
             row = per_adapter.setdefault(adapter, {"hit_tokens": 0, "hits": 0, "lookups": 0, "blocks": 0})
             for key in row:
                 row[key] += getattr(stats, key)

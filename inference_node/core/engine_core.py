@@ -31,6 +31,7 @@ from ..adapters.errors import AdapterError, AdapterNotFound
 from ..config import CONFIG_EXIT, ConfigError, NodeConfig
 from ..engine.errors import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted, QueueFull
 from ..engine.request import Request, SamplingParams, StreamEvent
+from ..engine.stats import prefix_cache_rows
 from ..node import Node
 from ..parent_watch import die_with_parent, parent_alive
 from . import protocol as wire
@@ -106,7 +107,7 @@ class EngineCore:
         return CoreInfo(
             model_name=node.model_name, checkpoint=str(node.checkpoint),
             vocab_size=node.model.config.vocab_size, max_model_len=cfg.max_model_len,
-            kv_capacity_tokens=self.engine.kv_capacity_tokens, block_size=cfg.block_size,
+            kv_capacity_tokens=self.engine.admission.capacity_tokens, block_size=cfg.block_size,
             lora_enabled=node.adapters is not None,
             max_loras=node.adapters.max_loras if node.adapters is not None else 0,
             max_cpu_loras=node.adapters.max_cpu_loras if node.adapters is not None else 0,
@@ -319,7 +320,7 @@ class EngineCore:
     def _stats(self) -> dict[str, Any]:
         snap: dict[str, Any] = self.engine.snapshot()
         snap["prefix_cache"] = [[adapter, version, s.lookups, s.hits, s.hit_tokens, s.blocks]
-                                for (adapter, version), s in self.engine.prefix_cache_rows()]
+                                for (adapter, version), s in prefix_cache_rows(self.engine.prefix_cache)]
         return snap
 
     def _check_consistency(self) -> dict[str, Any]:

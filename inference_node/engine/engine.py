@@ -1,51 +1,42 @@
 """The engine loop: a single thread owns the scheduler, the KV blocks and the model runner.
 
-Other threads only talk to it through a command queue (`submit`, `abort`, `call`), and
-receive results through each request's `emit` callback, so no lock guards model state. The
-model runner (inference_node/runner) turns each scheduled step into sampled tokens. The
-engine streams token ids: text, stop strings and everything else per request belong to the
-front end (inference_node/frontend), which runs in other processes and aborts a request
-once its text hits a stop string.
+Other threads talk to it through commands (`submit`, `abort`, `call`: mailbox.py) and hear
+back through each request's `emit` callback, so no lock guards model state. The runner
+(inference_node/runner) turns a scheduled step into sampled tokens. The engine streams token
+ids; text and stop strings belong to the front ends (inference_node/frontend).
 
-Steps are pipelined one deep: the loop schedules and launches step n+1, then waits for step
-n's sampled tokens and streams them while the GPU runs step n+1. Step n+1 reads the tokens
-step n sampled on the device (TokenFeedback), so the host's scheduling, input writes and
-streaming overlap the GPU instead of adding to each step. A request that step n ends by
-length is not scheduled again; one that it ends by EOS or a stop string has step n+1's token
-for it dropped (its KV blocks are freed first, which is safe: any later use of them is queued
-behind step n+1 on the same stream).
+Steps are pipelined one deep: the loop launches step n+1, then waits for step n's tokens and
+streams them while the GPU runs step n+1, which reads them on the device (TokenFeedback). A
+request that step n ends by length is not scheduled again; one it ends by EOS or a stop string
+has step n+1's token dropped (its blocks freed first: their later use queues behind step n+1).
 
-Structured output: a constrained request's grammar compiles off the loop from its submission
-(grammar.py); the request waits out of the scheduler until it has. A step that samples constrained rows has its forward
-launched as any other; its sampling is queued once step n's tokens are read and each
-constrained request's matcher has moved on by its token, so the host fills the masks while
-the device runs the forward (ModelRunner.sample).
+Structured output (constraints.py): a step with constrained rows has its sampling queued
+after step n's tokens are read, so the host fills the masks while the device runs the forward.
 """
 from __future__ import annotations
 
 import gc
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from ..runner.runner import ModelRunner, StepRun
-from ..runner.sampler import StepMasks
 from ..runner.token_feedback import NON_FINITE
 from .admission import Admission
 from .config import EngineConfig
-from .errors import CutShort, EngineStopped, InvalidRequest, NonFiniteLogits, NotStarted
-from .grammar import GrammarCompiler, mask_words
+from .constraints import Constraints
+from .errors import CutShort, EngineStopped, NonFiniteLogits, NotStarted
+from .grammar import GrammarCompiler
+from .invariants import check_engine
 from .kv_cache import BlockAllocator
-from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
+from .mailbox import Mailbox
+from .prefix_cache import PrefixCache
 from .request import Request, Status
 from .scheduler import LoraProvider, ScheduledChunk, Scheduler, SchedulerConfig
-from .stats import EngineStats
+from .stats import EngineStats, engine_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +53,8 @@ class LaunchedStep:
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, lora: LoraProvider | None = None,
                  grammars: GrammarCompiler | None = None) -> None:
-        """runner: the model runner (its LoRA step plan and this lora, the adapters'
-        lifecycles, go together; None: LoRA disabled, base model only). grammars: compiles
-        structured output's grammars (None: requests with one are refused)."""
+        """lora: the adapters' lifecycles, with the runner's LoRA step plan (None: base model
+        only). grammars: structured output's compiler (None: requests with one are refused)."""
         if (lora is None) != (runner.lora is None):
             raise ValueError("LoRA needs both the adapter manager and the step plan")
         self.runner = runner
@@ -81,15 +71,11 @@ class Engine:
             lora.set_namespace_listener(self.prefix_cache.drop_namespace)
         self.stats = EngineStats()
         self.eos_ids = frozenset(runner.model.config.eos_token_ids)
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._commands = Mailbox()
         self.admission = Admission(config, window)
         self._requests: dict[int, Request] = {}
-        self.grammars = grammars
-        self._compiling: set[int] = set()   # live requests whose grammar is being compiled
-        self._masks: np.ndarray | None = None
-        # Live requests that ask for logprobs or have a grammar: while there are none, no
-        # step's rows are looked at for them.
-        self._special_requests = 0
+        self.constraints = Constraints(grammars, config.max_num_seqs)
+        self._special_requests = 0  # live requests with logprobs or a grammar (none: rows unread)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -109,19 +95,11 @@ class Engine:
         gc.collect()
         gc.freeze()
 
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """The longest context (prompt and the token it samples) the KV cache can hold."""
-        return self.admission.capacity_tokens
-
     def submit(self, request: Request) -> None:
         """Queues the request for the loop, or raises why the node does not take it."""
-        if request.grammar_source and self.grammars is None:
-            raise InvalidRequest("structured output (response_format) is not available on this engine")
+        self.constraints.check(request)
         self.admission.admit(request)
-        # Compiling from now on, it is mostly done when the loop takes the request.
-        compiled = self.grammars.compile(request.grammar_source) if request.grammar_source else None
-        self._commands.put(("add", (request, compiled)))
+        self._commands.put(("add", (request, self.constraints.compile(request))))
 
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))
@@ -145,13 +123,11 @@ class Engine:
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
-        if self.grammars is not None:
-            self.grammars.close()
+        self.constraints.close()
         gc.unfreeze()  # what start froze may be collected again (and is, at interpreter exit)
 
     def release_graphs(self) -> None:
-        """Drops the runner's captured graphs once the loop has ended (a tensor-parallel group
-        ends after them)."""
+        """Drops the runner's graphs once the loop has ended (before a tensor-parallel group ends)."""
         self.runner.release_graphs()
 
     def num_inflight(self) -> int:
@@ -190,16 +166,8 @@ class Engine:
             self._drain_commands(block=True, timeout=0.005)
 
     def _drain_commands(self, block: bool, timeout: float = 0.05) -> None:
-        try:
-            cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._handle(*cmd)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._commands.take(block, timeout):
+            self._handle(kind, arg)
 
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "add":
@@ -209,17 +177,17 @@ class Engine:
                 self._special_requests += 1
             if compiled is None:
                 self.scheduler.add(req)
-            elif compiled.done():
-                self._compiled(req, compiled)
             else:
-                self._compiling.add(req.id)
-                compiled.add_done_callback(lambda _, req=req, compiled=compiled: self._commands.put(
-                    ("compiled", (req, compiled))))
-        elif kind == "compiled":
+                self.constraints.wait(req, compiled, lambda: self._commands.put(("compiled", (req, compiled))))
+        elif kind == "compiled":  # a constrained request joins the scheduler, or ends with its GrammarError
             req, compiled = arg
-            self._compiling.discard(req.id)
-            if req.id in self._requests:  # not cancelled while it compiled
-                self._compiled(req, compiled)
+            error = self.constraints.compiled(req, compiled)
+            if req.id not in self._requests:  # cancelled while it compiled
+                pass
+            elif error is not None:
+                self._finish(req, "error", error=error)
+            else:
+                self.scheduler.add(req)
         elif kind == "abort":
             req = self._requests.get(arg)
             if req is not None:
@@ -236,16 +204,6 @@ class Engine:
                     future.set_result(fn())
                 except BaseException as exc:  # handed to the caller
                     future.set_exception(exc)
-
-    def _compiled(self, req: Request, compiled: Future) -> None:
-        """A constrained request whose grammar has compiled joins the scheduler; one whose
-        grammar failed ends with its GrammarError."""
-        error = compiled.exception()
-        if error is not None:
-            self._finish(req, "error", error=error)
-        else:
-            req.grammar = compiled.result()
-            self.scheduler.add(req)
 
     def _prepare_adapters(self) -> None:
         """Adapter loads progress; requests whose adapter failed to load end with its error."""
@@ -281,44 +239,22 @@ class Engine:
         try:
             run = self.runner.run(chunks, special_rows=self._special_requests > 0)
         except Exception as exc:  # a failed step fails its requests, the node keeps serving
-            log.exception("engine step failed")
-            for c in chunks:
-                self._finish(c.request, "error", error=exc)
+            self._fail_step(chunks, exc)
             return None
         self.stats.count(run.mode, eager_prefill)
-        for c in run.chunks:
-            req = c.request
-            if req.num_computed < len(req.prompt_token_ids):
-                self.stats.prompt_tokens += min(c.num_new_tokens, len(req.prompt_token_ids) - req.num_computed)
-            req.num_computed += c.num_new_tokens
+        self.stats.prompt_tokens += sum(c.request.computed(c.num_new_tokens) for c in run.chunks)
         for row, req in enumerate(run.sampled):
-            req.num_pending += 1
-            req.feedback_row = row
-            req.last_token_pending = (len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
-                                      or req.num_tokens >= self.config.max_model_len)
+            req.sampling(row, self.config.max_model_len)
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
         return LaunchedStep(run, started, prefill)
 
     def _sample_constrained(self, launched: LaunchedStep) -> LaunchedStep | None:
-        """Queues the sampling of a step with constrained rows, now that every earlier token is
-        known: each grammar's mask for its row (rows of requests that ended allow anything:
-        their token is dropped)."""
-        run = launched.run
-        rows = [i for i, req in enumerate(run.sampled) if req.grammar is not None and req.status is not Status.FINISHED]
+        """Queues a constrained step's sampling, now that every earlier token is known."""
         try:
-            masks = None
-            if rows:
-                if self._masks is None:
-                    words = mask_words(self.grammars.vocab_size)
-                    self._masks = np.zeros((self.config.max_num_seqs, words), dtype=np.int32)
-                self.grammars.fill_masks([run.sampled[i].grammar for i in rows], self._masks)
-                masks = StepMasks(rows, self._masks[:len(rows)])
-            self.runner.sample(run, masks)
+            self.runner.sample(launched.run, self.constraints.masks(launched.run))
         except Exception as exc:  # as a failed launch: its requests fail, the node keeps serving
-            log.exception("engine step failed")
-            for c in run.chunks:
-                self._finish(c.request, "error", error=exc)
+            self._fail_step(launched.run.chunks, exc)
             return None
         return launched
 
@@ -330,9 +266,7 @@ class Engine:
         try:
             tokens = step.tokens.wait()
         except Exception as exc:  # a device error surfaces here, at the step's one sync
-            log.exception("engine step failed")
-            for c in step.chunks:
-                self._finish(c.request, "error", error=exc)
+            self._fail_step(step.chunks, exc)
             return
         if launched.prefill:
             self.scheduler.note_prefill_step(time.monotonic() - launched.started)
@@ -347,8 +281,9 @@ class Engine:
             req.output_token_ids.append(token)
             if logprobs is not None and logprobs[row] is not None:
                 req.output_logprobs.append(logprobs[row])
-            if req.grammar is not None and not req.grammar.accept(token):
-                self._fail_grammar(req, token)
+            refusal = self.constraints.refusal(req, token)
+            if refusal is not None:
+                self._fail(req, refusal)
         if self.prefix_cache is not None:  # now that the blocks' tokens are known on the host
             for c in step.chunks:
                 if c.request.status is not Status.FINISHED:
@@ -356,6 +291,12 @@ class Engine:
         for req in step.sampled:
             if req.status is not Status.FINISHED:
                 self._on_token(req)
+
+    def _fail_step(self, chunks: list[ScheduledChunk], error: Exception) -> None:
+        """A step that failed fails its requests; the node keeps serving the others."""
+        log.exception("engine step failed")
+        for c in chunks:
+            self._finish(c.request, "error", error=error)
 
     def _fail_non_finite(self, req: Request) -> None:
         """A row whose logits held NaN or Inf: its request ends with an error, not a token
@@ -366,29 +307,16 @@ class Engine:
         else:
             error = NonFiniteLogits(f"the base model's logits were not finite (NaN or Inf) at output token "
                                     f"{len(req.output_token_ids) + 1}; the node or its checkpoint is at fault")
-        log.error("request %s: %s", req.request_id or req.id, error)
-        self._finish(req, "error", error=error)
+        self._fail(req, error)
 
-    def _fail_grammar(self, req: Request, token: int) -> None:
-        """A sampled token its grammar refuses: the mask allowed only grammatical tokens, so
-        this is a fault of the node's (INTERNAL), and the request ends with it."""
-        error = RuntimeError(f"structured output failed at output token {len(req.output_token_ids)} "
-                             f"({token}): {req.grammar.error or 'the grammar refused the token'}")
+    def _fail(self, req: Request, error: Exception) -> None:
         log.error("request %s: %s", req.request_id or req.id, error)
         self._finish(req, "error", error=error)
 
     def _on_token(self, req: Request) -> None:
         """The newest known token of req: stop checks, then stream it."""
         self.stats.generated_tokens += 1
-        token = req.output_token_ids[-1]
-        reason = None
-        if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
-            reason = "stop"
-        elif req.grammar is not None and req.grammar.complete:
-            reason = "stop"  # the answer is whole: its grammar allows only the end of sequence
-        elif (len(req.output_token_ids) >= req.params.max_tokens
-              or req.num_known_tokens >= self.config.max_model_len):
-            reason = "length"
+        reason = req.stop_reason(self.eos_ids, self.config.max_model_len)
         if reason is not None:
             self._finish(req, reason)
         else:
@@ -399,7 +327,7 @@ class Engine:
             return
         if req.params.logprobs >= 0 or req.grammar_source:
             self._special_requests -= 1
-        self._compiling.discard(req.id)
+        self.constraints.compiling.discard(req.id)
         self.scheduler.remove(req)
         req.num_pending = 0  # a token still on the device for it is dropped
         self.admission.finished()
@@ -407,40 +335,13 @@ class Engine:
 
     # -- invariants ------------------------------------------------------------------------------
     def check_consistency(self) -> None:
-        """Every KV block is free, cached-idle or owned, exactly once; each block's reference
-        count equals the live requests holding it; the prefix index agrees with the allocator;
-        every adapter reference count equals the live requests bound to it (raises otherwise)."""
-        self.allocator.check_owners({req.id: req.block_ids for req in self._requests.values()})
-        self.allocator.check_consistency()
-        if self.prefix_cache is not None:
-            self.prefix_cache.check_consistency()
-        elif self.allocator.num_cached_idle:
-            raise AssertionError("cached KV blocks without a prefix cache")
-        live = set(self._requests)
-        queued = ({r.id for r in self.scheduler.running} | {r.id for r in self.scheduler.waiting}
-                  | self._compiling)
-        if queued != live:
-            raise AssertionError(f"scheduler holds {sorted(queued)} but live requests are {sorted(live)}")
-        if self.lora is not None:
-            self.lora.check_consistency(self._requests.values())
-        self.runner.check_ranks()
+        """Raises where the KV blocks, the prefix index, the queues or the adapters' references
+        disagree with the live requests (invariants.py)."""
+        check_engine(self)
 
-    def prefix_cache_rows(self) -> list[tuple[tuple[str, str], NamespaceStats]]:
-        """((adapter, version), counters) per live KV namespace; "" adapter = the base model."""
-        cache = self.prefix_cache
-        return [] if cache is None else [(split_namespace(ns), s) for ns, s in sorted(cache.stats.items())]
+    def live_requests(self) -> list[Request]:
+        return list(self._requests.values())
 
     def snapshot(self) -> dict[str, int]:
         """Counters for stats RPCs; call through `call` from other threads."""
-        return {
-            **asdict(self.stats),
-            "kv_blocks_total": self.allocator.num_blocks,
-            "kv_blocks_free": self.allocator.num_free,
-            "kv_blocks_cached": self.prefix_cache.num_blocks if self.prefix_cache is not None else 0,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions,
-            "live_requests": len(self._requests),
-            "tensor_parallel_size": self.runner.tensor_parallel_size,
-            "slot_table_checks": self.runner.slot_table_checks,
-        }
+        return engine_snapshot(self)

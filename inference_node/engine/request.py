@@ -136,6 +136,30 @@ class Request:
         """True while more than the last token still needs its KV computed."""
         return self.num_tokens - self.num_computed > 1
 
+    def computed(self, num_new_tokens: int) -> int:
+        """A launched step computes num_new_tokens more of its KV: the prompt tokens among them."""
+        prompt = max(0, min(num_new_tokens, len(self.prompt_token_ids) - self.num_computed))
+        self.num_computed += num_new_tokens
+        return prompt
+
+    def sampling(self, row: int, max_model_len: int) -> None:
+        """A launched step samples a token for it at feedback row `row`, known after the step."""
+        self.num_pending += 1
+        self.feedback_row = row
+        self.last_token_pending = (len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
+                                   or self.num_tokens >= max_model_len)
+
+    def stop_reason(self, eos_ids: frozenset[int], max_model_len: int) -> str | None:
+        """Why the answer ends at its newest token ("stop", "length"), or None: it goes on."""
+        token = self.output_token_ids[-1]
+        if (token in eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
+            return "stop"
+        if self.grammar is not None and self.grammar.complete:
+            return "stop"  # the answer is whole: its grammar allows only the end of sequence
+        if len(self.output_token_ids) >= self.params.max_tokens or self.num_known_tokens >= max_model_len:
+            return "length"
+        return None
+
     def stream(self, reason: str | None = None, error: BaseException | None = None) -> None:
         """Sends the tokens not streamed yet, and with `reason` the end of the answer."""
         new_ids = self.output_token_ids[self.emitted_tokens:]

@@ -1,9 +1,14 @@
 """The engine's counters, read by GetStats and the metrics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ..runner.runner import ForwardMode
+from .prefix_cache import NamespaceStats, PrefixCache, split_namespace
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 @dataclass
@@ -32,3 +37,24 @@ class EngineStats:
             self.eager_prefill_steps += 1
         else:
             self.eager_decode_steps += 1
+
+
+def engine_snapshot(engine: Engine) -> dict[str, int]:
+    """The counters with the KV cache's and the queues' gauges, for GetStats and the metrics."""
+    return {
+        **asdict(engine.stats),
+        "kv_blocks_total": engine.allocator.num_blocks,
+        "kv_blocks_free": engine.allocator.num_free,
+        "kv_blocks_cached": engine.prefix_cache.num_blocks if engine.prefix_cache is not None else 0,
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "preemptions": engine.scheduler.num_preemptions,
+        "live_requests": len(engine.live_requests()),
+        "tensor_parallel_size": engine.runner.tensor_parallel_size,
+        "slot_table_checks": engine.runner.slot_table_checks,
+    }
+
+
+def prefix_cache_rows(cache: PrefixCache | None) -> list[tuple[tuple[str, str], NamespaceStats]]:
+    """((adapter, version), counters) per live KV namespace; "" adapter = the base model."""
+    return [] if cache is None else [(split_namespace(ns), s) for ns, s in sorted(cache.stats.items())]
