@@ -125,8 +125,8 @@ def test_a_per_tensor_scale_broadcast_by_a_stride_0_view() -> None:
 def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
         rows: int, block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Triton runs, fp8_matmul launches the kernel (decode tiling up to DECODE_ROWS rows,
-    prefill tiling above) and gives the reference's values; with prefill_w8a8 on a device
-    other than Hopper too (W8A8 is Hopper's only)."""
+    prefill tiling above) and gives the reference's values; with prefill_w8a8 too where W8A8
+    does not take the shape (K = 136: torch's row-wise scaled GEMM needs multiples of 16)."""
     from kernels.gemm import fp8, fp8_triton_kernel
 
     launches = []
@@ -138,6 +138,7 @@ def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
 
     monkeypatch.setattr(fp8_triton_kernel, "fp8_gemm_triton", spy)
     x, weight, scale = make_case(rows, 144, 136, block, torch.bfloat16)
+    assert not fp8.w8a8_runs(x, weight)
     for w8a8 in (False, True):
         y = fp8.fp8_matmul(x, weight, scale, block, prefill_w8a8=w8a8)
         assert_matches_reference(y, x, weight, scale, block)
@@ -156,3 +157,19 @@ def test_x_with_a_row_stride_of_its_own() -> None:
     view = wide[:, 10:74]
     assert view.stride(0) == 100
     assert_matches_reference(fp8_matmul(view, weight, scale, None), x, weight, scale, None)
+
+
+@needs_triton_device
+def test_the_bench_sweep_checks_each_tiling_against_the_reference() -> None:
+    """inference_node/tuner/fp8_gemm.py's --sweep path: each tiling's launch (the kernel with
+    those keywords, K tiles narrowed to the scale blocks) is checked before it is timed."""
+    from inference_node.tuner import fp8_gemm
+    from kernels.gemm.fp8 import DECODE_TILING, Fp8Tiling
+    from kernels.tuning_table import ModelShape
+
+    shape = ModelShape(hidden=64, intermediate=96, heads=2, kv_heads=1, head_dim=32)
+    tilings = [Fp8Tiling(block_n=16, block_k=32, split_k=2), Fp8Tiling(block_n=32, block_k=64, split_k=1)]
+    timer = fp8_gemm.wall_timer if INTERPRET else fp8_gemm.cuda_timer
+    rows = fp8_gemm.measure(shape, [3], (32, 32), torch.device(DEVICE), timer, copies=1, tilings=tilings)
+    assert [(r.group, r.n, r.k) for r in rows] == [(g, n, k) for g, (n, k) in shape.gemms().items()]
+    assert all(r.tiling in (DECODE_TILING, *tilings) and r.fp8_us > 0 for r in rows)
