@@ -10,7 +10,8 @@ the bf16 tensor-core path is left to the GPU tests (test_fp8_gemm_gpu.py).
 
 The interpreter must be on before Triton is imported: the `interpreter`-marked test below runs
 this file in a child pytest with TRITON_INTERPRET=1 (as test_triton_interpreter.py does for the
-other kernels); on a CUDA machine the cases also run natively.
+other kernels); on a CUDA machine the cases also run natively. The compile tests run in the
+parent: Triton's compiler for sm_90, no GPU needed.
 """
 from __future__ import annotations
 
@@ -38,9 +39,52 @@ CHILD_TIMEOUT = 300  # the cases took about 20 s on a shared two-core machine
 @pytest.mark.skipif(INTERPRET, reason="the interpreted child itself")
 @pytest.mark.timeout(CHILD_TIMEOUT + 30)
 def test_fp8_gemm_in_interpreter() -> None:
-    out = run_interpreted("-k", "not in_interpreter", str(Path(__file__).resolve()),
+    out = run_interpreted("-k", "not in_interpreter and not for_hopper", str(Path(__file__).resolve()),
                           timeout=CHILD_TIMEOUT)
     assert " passed" in out and "skipped" not in out, out[-8000:]
+
+
+# (x type, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, PARTIAL, EVEN_K, warps, stages)
+HOPPER_VARIANTS = [
+    ("bf16", 64, 64, 128, False, True, True, 4, 4),    # decode: 64 rows, K split, per-channel
+    ("bf16", 16, 64, 128, True, False, True, 4, 4),    # decode: one row tile, block scales
+    ("fp16", 64, 64, 128, False, False, True, 4, 4),
+    ("bf16", 128, 128, 64, True, False, False, 8, 4),  # prefill, a K tail
+]
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles: the interpreter has no compiler")
+@pytest.mark.parametrize("variant", HOPPER_VARIANTS, ids=[f"{v[0]}-m{v[1]}-n{v[2]}-k{v[3]}" for v in HOPPER_VARIANTS])
+def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> None:
+    """Triton's compiler (which the interpreter skips) takes every variant for sm_90 without a
+    GPU, and its loads go through cp.async (the software pipeline over num_stages), as at run
+    time where the launch's pointers and strides are 16-divisible (the hints given here)."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.gemm.fp8_triton_kernel import _fp8_gemm_kernel, _split_k_sum
+
+    x_type, block_m, block_n, block_k, block_scales, partial, even_k, warps, stages = variant
+    constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
+                      DOT_F32=False, PARTIAL=partial, EVEN_K=even_k)
+    types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+             "out_ptr": "*fp32" if partial else f"*{x_type}"}
+    aligned = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "stride_xm", "stride_wn", "stride_om")
+    fn = _fp8_gemm_kernel
+    signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    assert "cubin" in compiled.asm and "cp.async" in compiled.asm["ptx"]
+    if partial:
+        sum_signature = {"part_ptr": "*fp32", "y_ptr": f"*{x_type}", "numel": "i32",
+                         "SPLIT_K": "constexpr", "BLOCK": "constexpr"}
+        summed = triton.compile(ASTSource(_split_k_sum, sum_signature, dict(SPLIT_K=4, BLOCK=1024)),
+                                target=GPUTarget("cuda", 90, 32))
+        assert "cubin" in summed.asm
 
 
 def make_case(rows: int, n: int, k: int, block: tuple[int, int] | None, dtype: torch.dtype,
