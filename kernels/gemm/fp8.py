@@ -20,8 +20,8 @@ Which computation runs (fp8_matmul):
   cores by torch._scaled_mm with row-wise scales. Faster for compute-bound prefill, but NOT
   the reference's math: each activation loses all but 3 mantissa bits, so outputs move by
   about 2^-4 relative per term. It is an approximation the caller opts into.
-- Elsewhere (CPU, older GPUs, block shapes whose columns no 16-wide K tile divides): the
-  reference.
+- Elsewhere (CPU, older GPUs, block shapes whose columns no 16-wide K tile divides, a weight
+  whose rows are not contiguous): the reference.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return w8a8_matmul(x, weight, scale)
     tiling = DECODE_TILING if rows <= DECODE_ROWS else PREFILL_TILING
     block_k = k_tile(block, tiling.block_k)
-    kernel = _triton_gemm(x) if block_k else None
+    kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
     if kernel is None:
         return reference_fp8_matmul(x, weight, scale, block)
     if x.stride(1) != 1:
