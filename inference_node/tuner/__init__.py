@@ -11,7 +11,9 @@ cache directory).
 - cli.py: `inference-node tune`.
 - For maintainers: profile.py (`python -m inference_node.tuner.profile`: a decode step's
   graph replay and kernels per adapter configuration and launch choice) and lora_sweep.py
-  (the LoRA shrink/expand launches' tilings, not yet Tuning choices).
+  (the LoRA shrink/expand launches' tilings, not yet Tuning choices), fp8_gemm.py (`python -m
+  inference_node.tuner.fp8_gemm`: the FP8 decode GEMM against bf16 per projection, with an
+  optional sweep of its tilings).
 
 Nothing here is imported by the launcher or the front ends: the engine core resolves the
 table (node.resolve_tuning_table) before any weight loads.

@@ -1,0 +1,227 @@
+"""The FP8 decode GEMM against the bf16 one, per projection: what an FP8 base model's decode
+step gains where it reads one byte a weight instead of two (kernels/gemm/fp8.py).
+
+For each fused projection of a model's shapes (Llama-3.1-8B's widths unless --model says) and
+each batch size: GPU microseconds per launch of fp8_matmul (the Triton weight-only kernel, its
+decode tiling) and of torch.mm over the same projection in bf16 (cuBLAS, weights [in, out] as
+the node keeps them for it), each replayed from a CUDA graph over enough weight copies to
+overflow L2 (sweep.py's timing); the bytes each moves per second against the device's copy
+bandwidth. Every FP8 launch's output is checked against the reference before it is timed.
+
+    python -m inference_node.tuner.fp8_gemm                           # 8B widths, 64 rows, per-channel
+    python -m inference_node.tuner.fp8_gemm --rows 1,16,64 --block 128,128
+    python -m inference_node.tuner.fp8_gemm --model DIR --tp 2
+    python -m inference_node.tuner.fp8_gemm --sweep                   # and the best of a tiling grid
+    python -m inference_node.tuner.fp8_gemm --device cpu --hidden 64  # CPU smoke (numbers meaningless)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+
+from kernels.gemm.fp8 import DECODE_TILING, Fp8Tiling, fp8_matmul, reference_fp8_matmul
+from kernels.tuning import GROUPS
+from kernels.tuning_table import ModelShape
+
+LLAMA_3_1_8B = ModelShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
+# The sweep's grid: each tiling compiles once per projection (a few seconds each), so it is
+# kept to columns x K splits at 128-wide K tiles, and 256-wide ones at the default columns.
+SWEEP_BLOCK_N = (32, 64, 128)
+SWEEP_SPLIT_K = (None, 1, 2, 4)
+
+# Microseconds per call of each of `calls` (one per weight copy), run back to back.
+Timer = Callable[[Sequence[Callable[[], object]]], float]
+
+
+@dataclass(frozen=True)
+class Row:
+    group: str
+    rows: int
+    n: int
+    k: int
+    bf16_us: float
+    fp8_us: float
+    fp8_bytes: int   # what one FP8 launch must move: weights, scales, x and y
+    bf16_bytes: int
+    tiling: Fp8Tiling = DECODE_TILING
+    note: str = ""   # the sweep's unfit tilings
+
+
+def wall_timer(calls: Sequence[Callable[[], object]], rounds: int = 3) -> float:
+    """CPU smoke: wall microseconds per call (median of `rounds`)."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        times.append((time.perf_counter() - start) * 1e6 / len(calls))
+    return statistics.median(times)
+
+
+def cuda_timer(calls: Sequence[Callable[[], object]]) -> float:
+    from .sweep import graph_us
+
+    return graph_us(list(calls))
+
+
+def operands(n: int, k: int, copies: int, block: tuple[int, int] | None, device: torch.device,
+             gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """`copies` of a projection's weights: bf16 [K, N] (cuBLAS's layout in the node), fp8
+    [N, K] and their float32 scales ([N], or per block)."""
+    scale_shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    made = dict(device=device, generator=gen)
+    bf16 = [(torch.randn(k, n, **made) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    fp8 = [(torch.randn(n, k, **made) * 60).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(copies)]
+    scales = [torch.rand(scale_shape, **made) * 2e-3 + 1e-4 for _ in range(copies)]
+    return bf16, fp8, scales
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+          call: Callable[[], torch.Tensor], what: str) -> None:
+    """Raises where the launch's output is not the reference's (bf16 rounding aside)."""
+    y, expected = call().float(), reference_fp8_matmul(x, weight, scale, block).float()
+    err = (y - expected).abs().max().item()
+    bound = 2 ** -7 * max(1e-6, expected.abs().max().item())
+    if not err <= bound:
+        raise AssertionError(f"{what}: max error {err:.3g} against the reference (bound {bound:.3g})")
+
+
+def fp8_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block: tuple[int, int] | None, tiling: Fp8Tiling | None) -> Callable[[], torch.Tensor]:
+    """fp8_matmul as the node calls it (tiling None), or the Triton kernel with `tiling`."""
+    if tiling is None:
+        return lambda: fp8_matmul(x, weight, scale, block)
+    from kernels.gemm.fp8 import k_tile
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
+
+    keywords = {**asdict(tiling), "block_k": k_tile(block, tiling.block_k)}
+    return lambda: fp8_gemm_triton(x, weight, scale, block, **keywords)
+
+
+def sweep_tilings() -> list[Fp8Tiling]:
+    grid = [replace(DECODE_TILING, block_n=n, block_k=128, split_k=s)
+            for n, s in itertools.product(SWEEP_BLOCK_N, SWEEP_SPLIT_K)]
+    wide_k = [replace(DECODE_TILING, block_k=256, split_k=s) for s in SWEEP_SPLIT_K]
+    return [t for t in grid + wide_k if t != DECODE_TILING]  # the default is timed anyway
+
+
+def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | None,
+            device: torch.device, timer: Timer, copies: int | None = None,
+            tilings: Sequence[Fp8Tiling] = ()) -> list[Row]:
+    """A Row per projection and batch: bf16 and FP8 (the node's dispatch; with `tilings`, the
+    fastest of them that the device can launch) microseconds per launch. copies: weight
+    copies a timed graph walks through (None: enough to overflow L2)."""
+    from .sweep import copies_for
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for group, (n, k) in shape.gemms().items():
+        bf16, fp8, scales = operands(n, k, copies or copies_for(2 * n * k), block, device, gen)
+        scale_bytes = scales[0].numel() * 4
+        for rows in batches:
+            x = torch.randn(rows, k, device=device, generator=gen).to(torch.bfloat16)
+            act_bytes = 2 * rows * (k + n)
+            bf16_us = timer([lambda w=w: torch.mm(x, w) for w in bf16])
+            check(x, fp8[0], scales[0], block, fp8_call(x, fp8[0], scales[0], block, None), group)
+            fp8_us = timer([fp8_call(x, w, s, block, None) for w, s in zip(fp8, scales)])
+            best, unfit = DECODE_TILING, []
+            for tiling in tilings:
+                try:
+                    check(x, fp8[0], scales[0], block, fp8_call(x, fp8[0], scales[0], block, tiling),
+                          f"{group} {tiling}")
+                    us = timer([fp8_call(x, w, s, block, tiling) for w, s in zip(fp8, scales)])
+                except Exception as exc:  # Triton's OutOfResources: more shared memory than here
+                    if type(exc).__name__ != "OutOfResources":
+                        raise
+                    unfit.append(tiling)
+                    continue
+                if us < fp8_us:
+                    best, fp8_us = tiling, us
+            note = f"{len(unfit)} tiling(s) unfit (shared memory)" if unfit else ""
+            out.append(Row(group, rows, n, k, bf16_us, fp8_us, n * k + scale_bytes + act_bytes,
+                           2 * n * k + act_bytes, best, note))
+    return out
+
+
+def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
+                out: Callable[[str], None] = print) -> None:
+    """projection, N, K, bf16 and FP8 us, bf16/FP8, and each one's GB/s (with `bandwidth`, the
+    copy's bytes/s: also its share of it)."""
+    unit = "CPU SMOKE: meaningless" if smoke else "us per launch, CUDA graph replays"
+    tuned = any(r.tiling != DECODE_TILING for r in rows)
+    out(f"\n{'projection':10} {'rows':>4} {'N':>6} {'K':>6} {'bf16 us':>8} {'fp8 us':>8} "
+        f"{'bf16/fp8':>8} {'fp8 GB/s':>8} {'of copy':>7} {'bf16 GB/s':>9} {'of copy':>7}"
+        + ("  fp8 tiling (n, k, split)" if tuned else "") + f"   [{unit}]")
+    for r in sorted(rows, key=lambda r: (r.rows, GROUPS.index(r.group))):
+        fp8_rate, bf16_rate = r.fp8_bytes / r.fp8_us * 1e-3, r.bf16_bytes / r.bf16_us * 1e-3
+        share = ((lambda rate: f"{rate * 1e9 / bandwidth:7.0%}") if bandwidth else (lambda rate: f"{'-':>7}"))
+        tiling = (f"  ({r.tiling.block_n}, {r.tiling.block_k}, {r.tiling.split_k or 'auto'})"
+                  if tuned else "")
+        out(f"{r.group:10} {r.rows:4d} {r.n:6d} {r.k:6d} {r.bf16_us:8.2f} {r.fp8_us:8.2f} "
+            f"{r.bf16_us / r.fp8_us:8.2f} {fp8_rate:8.0f} {share(fp8_rate)} {bf16_rate:9.0f} "
+            f"{share(bf16_rate)}{tiling}" + (f"  {r.note}" if r.note else ""))
+    if bandwidth:
+        out(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
+
+
+def parse_block(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        bn, bk = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--block {text!r}: expected two integers, e.g. 128,128") from None
+    return bn, bk
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint folder (only config.json is read); default: "
+                        "Llama-3.1-8B's widths")
+    parser.add_argument("--tp", type=int, default=1, help="one tensor-parallel rank's shapes")
+    parser.add_argument("--hidden", type=int, help="CPU smoke: a model of this hidden size")
+    parser.add_argument("--rows", default="64", help="batch sizes, comma-separated")
+    parser.add_argument("--block", help="block scales BN,BK (e.g. 128,128); default per-channel")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time a grid of tilings (block_n x split_k, block_k) per projection")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device if args.device != "auto" else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    smoke = device.type == "cpu"
+    if args.model:
+        from .cli import model_shape
+
+        shape = model_shape(args.model, args.tp)
+    elif args.hidden:
+        h = args.hidden
+        shape = ModelShape(hidden=h, intermediate=3 * h, heads=4, kv_heads=2, head_dim=h // 4)
+    else:
+        shape = LLAMA_3_1_8B
+    from .cli import integers
+
+    batches = integers(args.rows, "--rows", 1)
+    block = parse_block(args.block)
+    if smoke:
+        rows = measure(shape, batches, block, device, wall_timer, copies=1)
+        bandwidth = None
+    else:
+        from .sweep import copy_bandwidth
+
+        rows = measure(shape, batches, block, device, cuda_timer,
+                       tilings=sweep_tilings() if args.sweep else ())
+        bandwidth = copy_bandwidth(device)
+    print(f"FP8 weight-only GEMM vs bf16 torch.mm, {shape.key}, "
+          f"{'per-channel' if block is None else f'{block[0]}x{block[1]} block'} scales, {device}")
+    print_table(rows, bandwidth, smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

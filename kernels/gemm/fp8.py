@@ -1,0 +1,155 @@
+"""x @ W.T for a projection whose weight W [N, K] is stored as float8_e4m3fn with float32 scales:
+one per output row (per-channel; a per-tensor scale is broadcast to [N] by the loader), or
+one per [block_n, block_k] tile of W (Hugging Face's fine-grained FP8). The scales multiply
+the fp8 values (dequant W = fp8 * scale), as the checkpoints' `weight_scale` /
+`weight_scale_inv` tensors mean them.
+
+`fp8_matmul` is the one entry point the model calls; the reference below is what CPU nodes
+run and what the GPU kernel is checked against. No host synchronisation on any path: the
+decode graphs capture it.
+
+Which computation runs (fp8_matmul):
+- CUDA with e4m3 conversions (compute capability 8.9 or newer), and Triton's interpreter: the
+  weight-only Triton GEMM (fp8_triton_kernel.py) at every batch size, with a decode tiling up
+  to DECODE_ROWS rows (split-K over the SMs) and a prefill tiling above. It reads the weight's
+  one byte an element (the point at decode, where the step is its weight stream) and is the
+  reference's math: exact fp8 -> 16-bit widening, float32 accumulation, scales on the
+  accumulator.
+- With prefill_w8a8, above DECODE_ROWS rows, per-channel scales, on Hopper (sm_90): W8A8, the
+  activations quantized to e4m3 per row (scale amax / 448) and multiplied on the fp8 tensor
+  cores by torch._scaled_mm with row-wise scales. Faster for compute-bound prefill, but NOT
+  the reference's math: each activation loses all but 3 mantissa bits, so outputs move by
+  about 2^-4 relative per term. It is an approximation the caller opts into.
+- Elsewhere (CPU, older GPUs, block shapes whose columns no 16-wide K tile divides, a weight
+  whose rows are not contiguous): the reference.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+
+from ..dispatch import triton_kernel
+from .shapes import MAX_ROWS
+
+TRITON = "kernels.gemm.fp8_triton_kernel"
+DECODE_ROWS = MAX_ROWS  # rows up to which a matmul is a decode step's (its weight stream)
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+@dataclass(frozen=True)
+class Fp8Tiling:
+    """The Triton FP8 GEMM's launch (fp8_gemm_triton's keywords). block_m None: every row of a
+    decode batch in one tile; split_k None: enough K splits to give every SM a program."""
+
+    block_m: int | None = None
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Decode: 64-column tiles (each program rereads the batch's rows from L2 once per tile, so
+# wider tiles cost fewer L2 bytes), K split to fill the SMs. Prefill: the usual compute tile.
+DECODE_TILING = Fp8Tiling()
+PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8,
+                           num_stages=4)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 [N, K] matrix `weight` [N, K] (fp8) and `scale` stand for: scale [N] per
+    row when block is None, else scale [ceil(N/bn), ceil(K/bk)] per tile (edge tiles
+    partial)."""
+    w = weight.float()
+    if block is None:
+        return w * scale.float().unsqueeze(1)
+    n, k = w.shape
+    bn, bk = block
+    per_element = scale.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
+    return w * per_element[:n, :k]
+
+
+def reference_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         block: tuple[int, int] | None) -> torch.Tensor:
+    """x [M, K] @ dequant(weight [N, K]).T in float32, returned in x's dtype."""
+    return (x.float() @ dequantize_fp8(weight, scale, block).t()).to(x.dtype)
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, prefill_w8a8: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
+    dtype, float32 accumulation. scale: float32 [N] when block is None, else
+    [ceil(N/block[0]), ceil(K/block[1])]. prefill_w8a8: above DECODE_ROWS rows on Hopper with
+    per-channel scales, quantize x to e4m3 per row and run W8A8 (w8a8_matmul), an
+    approximation of x (module docstring); off, every path computes the reference's math."""
+    rows = x.shape[0]
+    if prefill_w8a8 and block is None and rows > DECODE_ROWS and w8a8_runs(x, weight):
+        return w8a8_matmul(x, weight, scale)
+    tiling = DECODE_TILING if rows <= DECODE_ROWS else PREFILL_TILING
+    block_k = k_tile(block, tiling.block_k)
+    kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
+    if kernel is None:
+        return reference_fp8_matmul(x, weight, scale, block)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return kernel(x, weight, scale, block, **{**asdict(tiling), "block_k": block_k})
+
+
+def k_tile(block: tuple[int, int] | None, block_k: int) -> int | None:
+    """The Triton GEMM's K tile for scale blocks `block` (at most block_k): a power of two
+    dividing the block's columns, so no K tile straddles two scales; None where that is below
+    16 (the tensor cores' smallest): the reference runs those."""
+    if block is None:
+        return block_k
+    while block_k >= 16 and block[1] % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else None
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (read once per device)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _triton_gemm(x: torch.Tensor):
+    """The Triton FP8 GEMM where it runs x; None on GPUs without e4m3 conversions (before
+    Ada, compute capability 8.9), which Triton does not compile."""
+    if x.is_cuda and capability(x.device) < (8, 9):
+        return None
+    return triton_kernel(x, TRITON, "fp8_gemm_triton")
+
+
+def w8a8_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether w8a8_matmul takes x and weight: Hopper (torch's row-wise scaled GEMM is sm_90's),
+    K and N multiples of 16, weight contiguous (its transpose the column-major operand)."""
+    return (x.is_cuda and capability(x.device) == (9, 0) and weight.is_contiguous()
+            and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3 [M, K], float32 scales [M, 1]) with x ~ e4m3 * scale: each row scaled so its
+    largest magnitude is e4m3's largest (an all-zero row keeps a tiny scale, not 0 / 0)."""
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12)
+    scale = amax / E4M3_MAX
+    quantized = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ dequant(weight).T with x quantized per row to e4m3 (quantize_rows) and both operands
+    multiplied on the fp8 tensor cores (torch._scaled_mm, row-wise scales: scale_a [M, 1] and
+    scale_b [1, N] float32 contiguous, weight passed column-major, bf16 out), in x's dtype.
+    Per-channel scales only. Not the reference: x's rounding to 3 mantissa bits shows."""
+    quantized, row_scale = quantize_rows(x)
+    col_scale = scale.float().reshape(1, -1).contiguous()
+    y = torch._scaled_mm(quantized, weight.t(), scale_a=row_scale, scale_b=col_scale,
+                         out_dtype=torch.bfloat16)
+    return y.to(x.dtype)

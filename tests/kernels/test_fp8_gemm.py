@@ -1,0 +1,219 @@
+"""The weight-only FP8 GEMM (kernels/gemm/fp8_triton_kernel.py) against the PyTorch reference
+(kernels/gemm/fp8.py) on small odd shapes: per-channel and block scales, N and K tails that no
+tile divides, scale blocks narrower than a program's columns, K split over programs, decode
+and prefill row counts, and the dispatcher's choice of the kernel.
+
+Triton's interpreter decodes float8_e4m3fn loads exactly (every finite code; probe: the 256
+byte values through tl.load and .to(float32 / bfloat16)), so the kernel's production path runs
+here unchanged. The interpreter's tl.dot takes float32 operands (kernels/host.py: dot_f32), so
+the bf16 tensor-core path is left to the GPU tests (test_fp8_gemm_gpu.py).
+
+The interpreter must be on before Triton is imported: the `interpreter`-marked test below runs
+this file in a child pytest with TRITON_INTERPRET=1 (as test_triton_interpreter.py does for the
+other kernels); on a CUDA machine the cases also run natively. The compile tests run in the
+parent: Triton's compiler for sm_90, no GPU needed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_triton_interpreter import run_interpreted
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+needs_triton_device = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(),
+    reason="needs CUDA, or TRITON_INTERPRET=1 (test_fp8_gemm_in_interpreter runs it that way)")
+pytestmark = [pytest.mark.interpreter,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="Triton not installed")]
+
+CHILD_TIMEOUT = 300  # the cases took about 20 s on a shared two-core machine
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreted child itself")
+@pytest.mark.timeout(CHILD_TIMEOUT + 30)
+def test_fp8_gemm_in_interpreter() -> None:
+    out = run_interpreted("-k", "not in_interpreter and not for_hopper", str(Path(__file__).resolve()),
+                          timeout=CHILD_TIMEOUT)
+    assert " passed" in out and "skipped" not in out, out[-8000:]
+
+
+# (x type, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, PARTIAL, EVEN_K, warps, stages)
+HOPPER_VARIANTS = [
+    ("bf16", 64, 64, 128, False, True, True, 4, 4),    # decode: 64 rows, K split, per-channel
+    ("bf16", 16, 64, 128, True, False, True, 4, 4),    # decode: one row tile, block scales
+    ("fp16", 64, 64, 128, False, False, True, 4, 4),
+    ("bf16", 128, 128, 64, True, False, False, 8, 4),  # prefill, a K tail
+]
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles: the interpreter has no compiler")
+@pytest.mark.parametrize("variant", HOPPER_VARIANTS, ids=[f"{v[0]}-m{v[1]}-n{v[2]}-k{v[3]}" for v in HOPPER_VARIANTS])
+def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> None:
+    """Triton's compiler (which the interpreter skips) takes every variant for sm_90 without a
+    GPU, and its loads go through cp.async (the software pipeline over num_stages), as at run
+    time where the launch's pointers and strides are 16-divisible (the hints given here)."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.gemm.fp8_triton_kernel import _fp8_gemm_kernel, _split_k_sum
+
+    x_type, block_m, block_n, block_k, block_scales, partial, even_k, warps, stages = variant
+    constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
+                      DOT_F32=False, PARTIAL=partial, EVEN_K=even_k)
+    types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+             "out_ptr": "*fp32" if partial else f"*{x_type}"}
+    aligned = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "stride_xm", "stride_wn", "stride_om")
+    fn = _fp8_gemm_kernel
+    signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    assert "cubin" in compiled.asm and "cp.async" in compiled.asm["ptx"]
+    if partial:
+        sum_signature = {"part_ptr": "*fp32", "y_ptr": f"*{x_type}", "numel": "i32",
+                         "SPLIT_K": "constexpr", "BLOCK": "constexpr"}
+        summed = triton.compile(ASTSource(_split_k_sum, sum_signature, dict(SPLIT_K=4, BLOCK=1024)),
+                                target=GPUTarget("cuda", 90, 32))
+        assert "cubin" in summed.asm
+
+
+def make_case(rows: int, n: int, k: int, block: tuple[int, int] | None, dtype: torch.dtype,
+              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, weight, scale): weights spread over e4m3's range (subnormals to 448), scales of a
+    real checkpoint's size (around 1e-2), each block or row its own."""
+    gen = torch.Generator().manual_seed(seed + rows * 7 + n * 13 + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.rand(shape, generator=gen) * 0.02 + 1e-3
+    return x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE)
+
+
+def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+    """y is the reference's value up to float32 summation order, then one rounding to x's
+    dtype (a bf16 ulp: 2^-8 relative)."""
+    from kernels.gemm.fp8 import reference_fp8_matmul
+
+    expected = reference_fp8_matmul(x, weight, scale, block)
+    assert y.shape == expected.shape and y.dtype == x.dtype
+    magnitude = expected.float().abs().max().item()
+    rel = 1e-5 if x.dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(y.float().cpu(), expected.float().cpu(), rtol=rel, atol=rel * magnitude)
+
+
+# (rows, N, K, kernel keywords): N past the last full column tile, K past the last K tile.
+SHAPES = [
+    (1, 72, 200, dict(block_n=32, block_k=64)),
+    (7, 72, 200, dict(block_n=32, block_k=64, split_k=3)),
+    (64, 100, 160, dict(block_n=16, block_k=32)),
+    (7, 48, 256, dict(block_n=16, block_k=32, split_k=None)),  # auto: splits to fill the SMs
+    (37, 40, 96, dict(block_m=16, block_n=32, block_k=32, split_k=2)),  # rows over 3 row tiles
+]
+BLOCKS = [None, (32, 64), (16, 32)]  # per-channel; scale blocks wider and narrower than block_n
+
+
+@needs_triton_device
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block", BLOCKS, ids=["channel", "block32x64", "block16x32"])
+@pytest.mark.parametrize("rows,n,k,tiling", SHAPES, ids=[f"m{s[0]}-n{s[1]}-k{s[2]}" for s in SHAPES])
+def test_kernel_matches_reference(rows: int, n: int, k: int, tiling: dict,
+                                  block: tuple[int, int] | None, dtype: torch.dtype) -> None:
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
+
+    if block is not None and block[1] % tiling["block_k"]:
+        tiling = {**tiling, "block_k": block[1]}
+    x, weight, scale = make_case(rows, n, k, block, dtype)
+    assert_matches_reference(fp8_gemm_triton(x, weight, scale, block, **tiling), x, weight, scale, block)
+
+
+@needs_triton_device
+def test_split_k_partials_sum_to_the_unsplit_result() -> None:
+    """Each K split's partial, summed in split order, is the whole K range's value (to float32
+    summation order): no column is dropped or counted twice at the splits' edges."""
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
+
+    x, weight, scale = make_case(5, 32, 16 * 11, (16, 16), torch.float32)
+    whole = fp8_gemm_triton(x, weight, scale, (16, 16), block_n=16, block_k=16, split_k=1)
+    for split in (2, 3, 4, 11, 40):  # 40: clamped to the 11 K tiles
+        y = fp8_gemm_triton(x, weight, scale, (16, 16), block_n=16, block_k=16, split_k=split)
+        torch.testing.assert_close(y, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
+
+
+@needs_triton_device
+def test_a_per_tensor_scale_broadcast_by_a_stride_0_view() -> None:
+    """The loader broadcasts a per-tensor scale to [N]: an expanded view (stride 0) reads as
+    that scale on every row."""
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
+
+    x, weight, _ = make_case(3, 40, 64, None, torch.float32)
+    scale = torch.tensor([0.0125], device=DEVICE).expand(40)
+    assert scale.stride(0) == 0
+    y = fp8_gemm_triton(x, weight, scale, None, block_n=16, block_k=32)
+    assert_matches_reference(y, x, weight, scale, None)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("rows", [1, 7, 64, 100])  # 100: past DECODE_ROWS, the prefill tiling
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block128"])
+def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
+        rows: int, block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Triton runs, fp8_matmul launches the kernel (decode tiling up to DECODE_ROWS rows,
+    prefill tiling above) and gives the reference's values; with prefill_w8a8 too where W8A8
+    does not take the shape (K = 136: torch's row-wise scaled GEMM needs multiples of 16)."""
+    from kernels.gemm import fp8, fp8_triton_kernel
+
+    launches = []
+    real = fp8_triton_kernel.fp8_gemm_triton
+
+    def spy(*args, **kwargs):
+        launches.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_triton_kernel, "fp8_gemm_triton", spy)
+    x, weight, scale = make_case(rows, 144, 136, block, torch.bfloat16)
+    assert not fp8.w8a8_runs(x, weight)
+    for w8a8 in (False, True):
+        y = fp8.fp8_matmul(x, weight, scale, block, prefill_w8a8=w8a8)
+        assert_matches_reference(y, x, weight, scale, block)
+    tiling = fp8.DECODE_TILING if rows <= fp8.DECODE_ROWS else fp8.PREFILL_TILING
+    assert [kw["block_n"] for kw in launches] == [tiling.block_n] * 2
+
+
+@needs_triton_device
+def test_x_with_a_row_stride_of_its_own() -> None:
+    """x a column slice of a wider buffer (rows not adjacent) reads its own columns only."""
+    from kernels.gemm.fp8 import fp8_matmul
+
+    x, weight, scale = make_case(9, 48, 64, None, torch.bfloat16)
+    wide = torch.randn(9, 100, device=DEVICE).to(torch.bfloat16)
+    wide[:, 10:74] = x
+    view = wide[:, 10:74]
+    assert view.stride(0) == 100
+    assert_matches_reference(fp8_matmul(view, weight, scale, None), x, weight, scale, None)
+
+
+@needs_triton_device
+def test_the_bench_sweep_checks_each_tiling_against_the_reference() -> None:
+    """inference_node/tuner/fp8_gemm.py's --sweep path: each tiling's launch (the kernel with
+    those keywords, K tiles narrowed to the scale blocks) is checked before it is timed."""
+    from inference_node.tuner import fp8_gemm
+    from kernels.gemm.fp8 import DECODE_TILING, Fp8Tiling
+    from kernels.tuning_table import ModelShape
+
+    shape = ModelShape(hidden=64, intermediate=96, heads=2, kv_heads=1, head_dim=32)
+    tilings = [Fp8Tiling(block_n=16, block_k=32, split_k=2), Fp8Tiling(block_n=32, block_k=64, split_k=1)]
+    timer = fp8_gemm.wall_timer if INTERPRET else fp8_gemm.cuda_timer
+    rows = fp8_gemm.measure(shape, [3], (32, 32), torch.device(DEVICE), timer, copies=1, tilings=tilings)
+    assert [(r.group, r.n, r.k) for r in rows] == [(g, n, k) for g, (n, k) in shape.gemms().items()]
+    assert all(r.tiling in (DECODE_TILING, *tilings) and r.fp8_us > 0 for r in rows)

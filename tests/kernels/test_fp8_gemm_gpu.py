@@ -1,0 +1,136 @@
+"""The weight-only FP8 GEMM natively on CUDA at Llama-3.1-8B's widths against the float32
+dequantized product: decode rows (the kernel fp8_matmul launches, bit for bit), prefill rows,
+replays of a CUDA graph that captured it, W8A8 prefill on Hopper; and, printed not asserted,
+its time against bf16 torch.mm at 64 rows (inference_node/tuner/fp8_gemm.py's table).
+Skipped where no CUDA device is present."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA device of compute capability 8.9 or newer (e4m3 conversions)")]
+
+WIDTHS_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+BLOCKS = {"channel": None, "block128": (128, 128)}
+
+
+def _case(rows: int, n: int, k: int, block: tuple[int, int] | None,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x bf16, weight e4m3 [N, K], float32 scales): weights over e4m3's range, scales of a real
+    checkpoint's size, each row or block its own."""
+    gen = torch.Generator(device="cuda").manual_seed(seed + rows + n + k)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.rand(shape, device="cuda", generator=gen) * 2e-3 + 1e-4
+    return x, weight, scale
+
+
+def _expected(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              block: tuple[int, int] | None) -> torch.Tensor:
+    from kernels.gemm.fp8 import dequantize_fp8
+
+    return x.float() @ dequantize_fp8(weight, scale, block).t()
+
+
+def _assert_bf16_close(y: torch.Tensor, expected: torch.Tensor) -> None:
+    """y (bf16) is the float32 value rounded once (an ulp: up to 2^-7 relative)."""
+    assert y.dtype == torch.bfloat16 and y.shape == expected.shape
+    magnitude = expected.abs().max().item()
+    torch.testing.assert_close(y.float(), expected, rtol=2 ** -7, atol=2 ** -7 * magnitude)
+
+
+@pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("group", list(WIDTHS_8B))
+def test_decode_kernel_matches_reference_at_8b_widths(group: str, rows: int,
+                                                      block: tuple[int, int] | None) -> None:
+    from kernels.gemm.fp8 import DECODE_TILING, fp8_matmul
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
+
+    n, k = WIDTHS_8B[group]
+    x, weight, scale = _case(rows, n, k, block)
+    y = fp8_gemm_triton(x, weight, scale, block, **asdict(DECODE_TILING))
+    _assert_bf16_close(y, _expected(x, weight, scale, block))
+    assert torch.equal(fp8_matmul(x, weight, scale, block), y)  # the dispatcher launches it
+
+
+@pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
+@pytest.mark.parametrize("group", ["o", "down"])
+def test_prefill_rows_match_reference(group: str, block: tuple[int, int] | None) -> None:
+    """300 rows: the prefill tiling (two full row tiles and a partial one), weight-only."""
+    from kernels.gemm.fp8 import fp8_matmul
+
+    n, k = WIDTHS_8B[group]
+    x, weight, scale = _case(300, n, k, block)
+    _assert_bf16_close(fp8_matmul(x, weight, scale, block), _expected(x, weight, scale, block))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="W8A8 runs on Hopper (sm_90) only")
+def test_w8a8_prefill_is_the_row_quantized_product_on_hopper() -> None:
+    """prefill_w8a8 above DECODE_ROWS: x quantized per row to e4m3, torch's row-wise scaled
+    GEMM; its value is the float32 product of the quantized operands (bf16 out), within fp8's
+    rounding of x of the weight-only one, and not the weight-only one. At decode rows the
+    switch changes nothing."""
+    from kernels.gemm.fp8 import fp8_matmul, quantize_rows
+
+    n, k = WIDTHS_8B["o"]
+    x, weight, scale = _case(512, n, k, None)
+    y = fp8_matmul(x, weight, scale, None, prefill_w8a8=True)
+    quantized, row_scale = quantize_rows(x)
+    emulated = (quantized.float() * row_scale) @ (weight.float() * scale.unsqueeze(1)).t()
+    _assert_bf16_close(y, emulated)
+    weight_only = fp8_matmul(x, weight, scale, None)
+    magnitude = emulated.abs().max().item()
+    assert not torch.equal(y, weight_only)
+    assert (y.float() - weight_only.float()).abs().max().item() <= 0.1 * magnitude
+    decode = x[:64]
+    assert torch.equal(fp8_matmul(decode, weight, scale, None, prefill_w8a8=True),
+                       fp8_matmul(decode, weight, scale, None))
+
+
+@pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
+@pytest.mark.parametrize("group,rows", [("o", 1), ("o", 64), ("gate_up", 64)])
+def test_decode_gemm_replays_from_a_cuda_graph(group: str, rows: int,
+                                               block: tuple[int, int] | None) -> None:
+    """Captured once, replayed on new rows written into the captured input: each replay is the
+    new rows' product. o's 64 column tiles split K (partials, then the sum launch); gate/up's
+    448 tiles do not."""
+    from kernels.gemm.fp8 import DECODE_TILING, fp8_matmul
+    from kernels.gemm.fp8_triton_kernel import auto_split_k
+    from kernels.host import num_sms
+
+    n, k = WIDTHS_8B[group]
+    splits = auto_split_k(n // DECODE_TILING.block_n, k // DECODE_TILING.block_k,
+                          num_sms(torch.device("cuda")))
+    assert (splits > 1) == (group == "o")
+    x, weight, scale = _case(rows, n, k, block)
+    fp8_matmul(x, weight, scale, block)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_matmul(x, weight, scale, block)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for _ in range(3):
+        x.copy_(torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_bf16_close(y, _expected(x, weight, scale, block))
+
+
+def test_fp8_decode_gemm_against_bf16_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark at 64 rows, per-channel scales (printed; only the FP8 outputs, checked
+    against the reference before timing, are asserted)."""
+    from inference_node.tuner.fp8_gemm import LLAMA_3_1_8B, cuda_timer, measure, print_table
+    from inference_node.tuner.sweep import copy_bandwidth
+
+    device = torch.device("cuda")
+    rows = measure(LLAMA_3_1_8B, [64], None, device, cuda_timer)
+    assert [r.group for r in rows] == list(WIDTHS_8B)
+    with capsys.disabled():
+        print_table(rows, copy_bandwidth(device), smoke=False)
