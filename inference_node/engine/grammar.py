@@ -1,7 +1,7 @@
 """Structured output: each constrained request's grammar matcher (llguidance), and the masks of
 the tokens it allows next.
 
-A front end turns a response format into an llguidance grammar (inference_node/structured.py)
+A front end turns a response format into an llguidance grammar (inference_node/frontend/response_format.py)
 and has already checked that it compiles; here it is compiled against the model's vocabulary
 on a thread of its own, never on the engine loop (the vocabulary's tables take seconds to
 build once, a schema milliseconds to seconds), while the request waits. The loop then moves

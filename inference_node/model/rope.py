@@ -1,5 +1,5 @@
 """Rotary position embeddings (default, linear and Llama-3 scaling), HF "rotate_half" layout:
-the tables. kernels/rope_cache.py applies them (and writes the KV cache) in one pass."""
+the tables. kernels/rope/ applies them (and writes the KV cache) in one pass."""
 from __future__ import annotations
 
 import math

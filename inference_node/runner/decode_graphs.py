@@ -11,7 +11,7 @@ sized for the longest context the node allows, and the LoRA kernels are sized fo
 distinct adapters (one graph per bucket), reading the real segments' lengths from device memory.
 A LoRA step's rows are ordered by adapter slot (`ordered`), so each adapter's rows are one
 contiguous run and the kernels read a segment's slot, rows and ranks from one row of a
-segment table (kernels.lora_meta) rather than through chains of dependent loads.
+segment table (kernels/lora/meta.py) rather than through chains of dependent loads.
 LoRA graphs also come in variants by the fused projection groups they apply (LORA_GROUP_
 VARIANTS): a step whose adapters only target q/k/v (PEFT's default for Llama is q and v)
 replays a graph with no o or MLP launches.
