@@ -12,30 +12,47 @@ from harness import InProcessNode, generate_all, peft_greedy
 from inference_node.config import NodeConfig
 
 
-def test_windowed_requests_outgrow_the_kv_cache_and_match_transformers(tiny_mistral_path) -> None:
-    """Prompts longer than the whole KV cache: only the window (20 tokens) and a chunk are
-    ever held, so they run, in one batch, sharing blocks, with prefix-cache hits on blocks
-    that were given back."""
+def _prompts() -> list[list[int]]:
+    """Three prompts sharing a 70-token prefix, and one of its own."""
     rng = random.Random(3)
     shared = [rng.randrange(100, 40000) for _ in range(70)]
     prompts = [shared + [rng.randrange(100, 40000) for _ in range(n)] for n in (20, 9, 31)]
-    prompts.append([rng.randrange(100, 40000) for _ in range(95)])
-    max_new = 14
+    return prompts + [[rng.randrange(100, 40000) for _ in range(95)]]
+
+
+def test_windowed_requests_outgrow_the_kv_cache_and_match_transformers(tiny_mistral_path) -> None:
+    """Prompts longer than the whole KV cache: only the window (20 tokens) and a chunk are
+    ever held, so they run, alone and in one batch, and answer as transformers does."""
+    prompts, max_new = _prompts(), 14
     expected = peft_greedy(tiny_mistral_path, None, prompts, max_new)
     node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_mistral_path), device="cpu", dtype="float32",
                                       block_size=4, num_kv_blocks=22, max_num_batched_tokens=16,
                                       max_loras=0, debug_checks=True))
     try:
-        engine = node.engine
-        assert engine.scheduler.config.window == 20
+        assert node.engine.scheduler.config.window == 20
         assert all(len(p) + max_new > 22 * 4 for p in prompts)  # each alone outgrows the whole cache
         assert generate_all(node, [("", prompts[0], max_new)]) == [expected[0]]
-        got = generate_all(node, [("", p, max_new) for p in prompts[1:]])
-        assert got == expected[1:]
-        stats = node.check_idle()
-        # The shared prefix (given back behind the first request's window, kept as cache) hit
-        # by a later request: 16 blocks of it before the cache's recycling could take them.
-        assert stats["cached_prompt_tokens"] >= 64, stats
+        assert generate_all(node, [("", p, max_new) for p in prompts[1:]]) == expected[1:]
+        node.check_idle()
+    finally:
+        node.stop()
+
+
+def test_blocks_behind_the_window_stay_cached_for_a_later_prefix(tiny_mistral_path) -> None:
+    """The blocks a request gives back behind its window are indexed by the prefix cache
+    first: a later request with the same prefix reuses them. (Under a full cache the oldest
+    blocks are recycled first, so which of a batch's requests hits them is a race: here the
+    cache has room and the requests run one after the other.)"""
+    prompts, max_new = _prompts()[:2], 14
+    expected = peft_greedy(tiny_mistral_path, None, prompts, max_new)
+    node = InProcessNode(NodeConfig.of(checkpoint=str(tiny_mistral_path), device="cpu", dtype="float32",
+                                      block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
+                                      max_loras=0, debug_checks=True))
+    try:
+        assert generate_all(node, [("", prompts[0], max_new)]) == [expected[0]]
+        assert node.check_idle()["cached_prompt_tokens"] == 0
+        assert generate_all(node, [("", prompts[1], max_new)]) == [expected[1]]
+        assert node.check_idle()["cached_prompt_tokens"] >= 64  # 16 blocks of the 70-token prefix
     finally:
         node.stop()
 
