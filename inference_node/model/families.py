@@ -51,8 +51,9 @@ class Family:
     expert_parent: str = "mlp"
 
     def peft_targets(self) -> tuple[str, ...]:
-        """The module names this family's adapters may target."""
-        return tuple(self.adapter_modules) + EDGE_MODULES
+        """The module names this family's adapters may target (an expert parameter as
+        "experts.<parameter>", lora_common.validation's EXPERT_TARGETS)."""
+        return tuple(self.adapter_modules) + EDGE_MODULES + tuple(f"experts.{p}" for p in self.expert_parameters)
 
 
 _FAMILIES = (
@@ -75,6 +76,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
 # Mixture-of-experts families not served (yet): refused by name.
 _MOE_TYPES = frozenset({"qwen2_moe", "deepseek_v2", "deepseek_v3", "dbrx",
                         "phimoe", "olmoe", "jamba", "granitemoe", "llama4", "gpt_oss"})
+
+
+def expert_target(target: str) -> str | None:
+    """The expert parameter an adapter target names ("experts.gate_up_proj"), else None."""
+    parameter = target.removeprefix("experts.")
+    return parameter if parameter != target and parameter in EXPERT_PARAMETERS else None
 
 
 def served() -> str:
