@@ -106,3 +106,48 @@ def test_moe_mixed_batch_matches_peft(family: str, graphs: str, request: pytest.
     if graphs == "graphs":
         stats = node.engine.snapshot()
         assert stats["graph_steps"] > 0, stats
+
+
+def _adapter_bytes(folder: Path) -> tuple[bytes, bytes]:
+    return (folder / "adapter_config.json").read_bytes(), (folder / "adapter_model.safetensors").read_bytes()
+
+
+def test_expert_adapters_are_validated_and_refused_in_one_line(request: pytest.FixtureRequest,
+                                                               tmp_path: Path) -> None:
+    """The store's rules accept PEFT's expert layout (every expert's pairs, gate_up at its own
+    rank) and refuse what the node cannot serve, each in one line: transformers 4's
+    per-expert tensors, a rank_pattern on a module that is not an expert parameter, the
+    router as a target parameter; a dense base model refuses expert LoRA."""
+    from lora_common.validation import AdapterInvalid, validate_adapter
+    from safetensors.torch import save_file
+    from inference_node.adapters.weights import never_servable
+    from inference_node.model.families import FAMILIES
+
+    path = request.getfixturevalue("tiny_qwen3_moe_path")
+    out = make_family_adapter(path, tmp_path / "a", 4, 8.0, ["q_proj", "gate_proj", "up_proj", "down_proj"])
+    config, weights = _adapter_bytes(out)
+    spec = validate_adapter(config, weights)
+    assert spec.target_modules == ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+    gate_up = spec.modules[(0, "experts.gate_up_proj")]
+    assert (gate_up.rank, gate_up.experts, gate_up.in_features, gate_up.out_features) == (8, 8, 64, 96)
+    assert spec.config.expert_scaling("gate_up_proj") == spec.config.scaling == 2.0
+
+    raw = json.loads(config)
+    refusals = {
+        "rank_pattern": ({**raw, "rank_pattern": {"q_proj": 8}}, weights),
+        "router": ({**raw, "target_parameters": ["mlp.gate.weight"]}, weights),
+    }
+    per_expert = {f"base_model.model.model.layers.0.mlp.experts.{e}.gate_proj.lora_{w}.weight":
+                  torch.zeros((4, 64) if w == "A" else (48, 4)) for e in range(2) for w in "AB"}
+    save_file(per_expert, str(tmp_path / "v4.safetensors"))
+    refusals["transformers 4"] = ({**raw, "target_parameters": None, "target_modules": ["gate_proj"],
+                                   "rank_pattern": {}, "alpha_pattern": {}},
+                                  (tmp_path / "v4.safetensors").read_bytes())
+    for what, (cfg, data) in refusals.items():
+        with pytest.raises(AdapterInvalid) as caught:
+            validate_adapter(json.dumps(cfg), data)
+        assert "\n" not in str(caught.value), what
+    assert "transformers 5" in str(caught.value)
+    refusal = never_servable("a", 4, spec.target_modules, 16, family=FAMILIES["qwen3"])
+    assert refusal is not None and "experts.gate_up_proj" in refusal and "\n" not in refusal
+    assert never_servable("a", 4, spec.target_modules, 16, family=FAMILIES["qwen3_moe"]) is None
