@@ -14,20 +14,22 @@ decoder_sparse_step) run the Llama MLP.
 An adapter's expert LoRA (PEFT's target_parameters gate_up_proj / down_proj: per expert an
 A [r, in] and a B [out, r]) is added beside each expert's matmul for the rows whose adapter
 has it: x_e A_e^T B_e^T * scaling, exact as PEFT's merged weights are up to rounding
-(`ExpertLoraApplier`, runner/lora/experts.py). Steps with expert LoRA run eagerly.
-
-This module is the reference path (loops over the experts hit); kernels/moe holds the fused
-one the GPU runs. Under tensor parallelism every rank holds every expert's block of
+(`ExpertLoraApplier`, runner/lora/experts.py). Steps with expert LoRA run eagerly, on the
+reference path (kernels/moe/reference.py: a loop over the experts hit); the others, on a GPU,
+on the fused grouped GEMMs (kernels/moe/triton_kernel.py), whose routing a graph captures.
+Under tensor parallelism every rank holds every expert's block of
 intermediate columns (gate/up rows, down columns, like the dense MLP): its outputs are
 partial sums that the layer's one all-reduce adds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
+
+from kernels.moe import route, routed_experts
 
 from ..parallel.shard import Shard
 from .config import ModelConfig
@@ -58,41 +60,6 @@ class ExpertLora(Protocol):
         `expert` for rows x [n, in], which are the step's tokens token_idx."""
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool,
-          weights_in_model_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-k weights [T, k], expert ids [T, k]) of each row, as transformers' routers."""
-    logits = F.linear(x, router)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if weights_in_model_dtype:
-        weights = weights.to(logits.dtype)
-    return weights, experts
-
-
-def experts_reference(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, layer: ExpertWeights,
-                      lora: ExpertLora | None = None, layer_index: int = 0) -> torch.Tensor:
-    """The routed experts' weighted sum [T, hidden]: a loop over the experts hit, each over
-    the rows routed to it, with each row's adapter's expert LoRA beside its matmuls."""
-    out = torch.zeros_like(x)
-    num_experts = layer.gate_up.shape[0]
-    hits = torch.bincount(picks.flatten(), minlength=num_experts)
-    for expert in hits.nonzero()[:, 0].tolist():
-        token_idx, pick = torch.where(picks == expert)
-        rows = x[token_idx]
-        gate_up = F.linear(rows, layer.gate_up[expert])
-        if lora is not None:
-            lora.add(layer_index, "gate_up_proj", expert, token_idx, rows, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        down = F.linear(act, layer.down[expert])
-        if lora is not None:
-            lora.add(layer_index, "down_proj", expert, token_idx, act, down)
-        out.index_add_(0, token_idx, (down * weights[token_idx, pick, None]).to(out.dtype))
-    return out
-
-
 class MoeModel(LlamaModel):
     """Qwen3-MoE / Mixtral: weights and forward pass over the paged KV cache."""
 
@@ -115,8 +82,9 @@ class MoeModel(LlamaModel):
         cfg = self.config
         weights, picks = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                self.weights_in_model_dtype)
-        expert_lora = getattr(lora, "experts", None) if lora is not None else None
-        out = experts_reference(x, weights, picks, layer, expert_lora, i)
+        expert_lora: ExpertLora | None = getattr(lora, "experts", None) if lora is not None else None
+        delta = partial(expert_lora.add, i) if expert_lora is not None else None
+        out = routed_experts(x, weights, picks, layer.gate_up, layer.down, delta)
         return self._reduce(out, None)
 
 
