@@ -73,5 +73,13 @@ PHI_3_MINI = {  # fused q/k/v and gate/up, a 2,047-token window on every layer
     "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0, "sliding_window": 2047, "hidden_act": "silu",
 }
+QWEN3_30B_A3B = {  # 128 experts of 768, 8 routed per token, q/k norms, every layer routed
+    **_FAMILY_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False,
+    "hidden_act": "silu", "vocab_size": 151936,
+}
 FAMILY_SHAPES = {"qwen2.5-7b": QWEN2_5_7B, "qwen3-8b": QWEN3_8B, "mistral-7b": MISTRAL_7B,
                  "gemma2-9b": GEMMA_2_9B, "phi3-mini": PHI_3_MINI}

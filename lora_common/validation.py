@@ -25,6 +25,13 @@ LAYER_PARENT = {**MODULE_PARENT, "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 LAYER_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
                                   "gate_up_proj", "down_proj")
 EDGE_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+# The experts' 3D parameters of transformers 5's MoE blocks (Qwen3-MoE, Mixtral), which PEFT
+# targets with target_parameters, in the order PEFT nests its wrappers of them: the first
+# targeted is innermost ("experts.base_layer.lora_A" when both are), the last outermost
+# ("experts.lora_A"). Each holds every expert's pair in one matrix: A [r x experts, in]
+# (expert-major rows), B [out, r x experts] (rank-major columns).
+EXPERT_PARAMETERS: tuple[str, ...] = ("gate_up_proj", "down_proj")
+EXPERT_TARGETS: tuple[str, ...] = tuple(f"experts.{p}" for p in EXPERT_PARAMETERS)
 TARGET_MODULES: tuple[str, ...] = LAYER_MODULES + EDGE_MODULES
 EDGE_LAYER = -1  # the layer index of an embed_tokens or lm_head LoRA in AdapterSpec.modules
 DEFAULT_MAX_CONFIG_BYTES = 1 << 20
@@ -53,6 +60,11 @@ _TENSOR_NAME = re.compile(
 _EDGE_TENSOR = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?(?:(embed_tokens)\.lora_embedding_([AB])(?:\.default)?"
     r"|(lm_head)\.lora_([AB])(?:\.default)?\.weight)")
+_EXPERT_TENSOR = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d{1,6})\.mlp\.experts((?:\.base_layer)*)"
+    r"\.lora_([AB])(?:\.default)?\.weight")
+# transformers 4's per-expert Linear modules (and PEFT's names for them then).
+_PER_EXPERT_TENSOR = re.compile(r".*layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\..*lora_[AB].*")
 _FINITE_CHUNK = 1 << 22  # elements checked at a time, to bound temporary memory
 
 Buffer = Union[bytes, bytearray, memoryview, Any]  # anything with the buffer protocol (mmap too)
@@ -78,10 +90,24 @@ class LoraConfig:
     # True when target_modules was a regex: the weights then decide what is targeted.
     targets_from_pattern: bool = False
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The experts' parameters targeted (EXPERT_PARAMETERS, in that order), and the rank and
+    # alpha of those PEFT's rank_pattern / alpha_pattern set apart from r and lora_alpha
+    # (PEFT doubles both for gate_up_proj, which holds gate and up).
+    target_parameters: tuple[str, ...] = ()
+    expert_ranks: Mapping[str, int] = field(default_factory=dict)
+    expert_alphas: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def scaling(self) -> float:
         return self.lora_alpha / (self.r ** 0.5) if self.use_rslora else self.lora_alpha / self.r
+
+    def expert_rank(self, parameter: str) -> int:
+        """The rank of each expert's LoRA on an expert parameter."""
+        return self.expert_ranks.get(parameter, self.r)
+
+    def expert_scaling(self, parameter: str) -> float:
+        rank, alpha = self.expert_rank(parameter), self.expert_alphas.get(parameter, self.lora_alpha)
+        return alpha / (rank ** 0.5) if self.use_rslora else alpha / rank
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,9 @@ class ModuleSpec:
     dtype: str
     a: TensorInfo
     b: TensorInfo
+    # An expert parameter's pair (EXPERT_TARGETS) holds this many experts' pairs, each of
+    # `rank` (A [rank x experts, in], B [out, rank x experts]); 0 for any other module.
+    experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,26 +205,68 @@ def parse_adapter_config(data: str | bytes | bytearray | Mapping[str, Any],
     if not isinstance(use_rslora, bool):
         raise AdapterInvalid(f"use_rslora must be true or false, not {use_rslora!r}")
     _refuse_unsupported(raw)
-    targets, from_pattern = _normalize_targets(raw.get("target_modules"))
+    parameters = _expert_parameters(raw.get("target_parameters"))
+    ranks, alphas = _expert_patterns(raw, parameters)
+    if parameters and raw.get("target_modules") in (None, []):
+        targets, from_pattern = (), False
+    else:
+        targets, from_pattern = _normalize_targets(raw.get("target_modules"))
     base = raw.get("base_model_name_or_path") or ""
     if not isinstance(base, str):
         raise AdapterInvalid(f"base_model_name_or_path must be a string, not {base!r}")
-    return LoraConfig(r, float(alpha), use_rslora, targets, base, from_pattern, raw)
+    return LoraConfig(r, float(alpha), use_rslora, targets, base, from_pattern, raw, parameters, ranks, alphas)
 
 
 def _refuse_unsupported(raw: Mapping[str, Any]) -> None:
     if raw.get("use_dora"):
         raise AdapterInvalid("DoRA adapters (use_dora: true) are not supported")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if raw.get(key):
-            raise AdapterInvalid(f"per-module {key} is not supported (all modules must share r and lora_alpha)")
     if raw.get("lora_bias"):
         raise AdapterInvalid("LoRA biases (lora_bias: true) are not supported")
     if raw.get("fan_in_fan_out"):
         raise AdapterInvalid("fan_in_fan_out adapters (Conv1D layouts) are not supported")
-    for key in ("modules_to_save", "layer_replication", "trainable_token_indices", "target_parameters"):
+    for key in ("modules_to_save", "layer_replication", "trainable_token_indices"):
         if raw.get(key):
             raise AdapterInvalid(f"{key} is not supported (the adapter must hold only LoRA weights)")
+
+
+def _expert_parameters(value: Any) -> tuple[str, ...]:
+    """The experts' parameters of PEFT's target_parameters ("gate_up_proj",
+    "mlp.experts.down_proj", ...), in EXPERT_PARAMETERS order; anything else is refused."""
+    if not value:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise AdapterInvalid("target_parameters must be a list of parameter names")
+    found = set()
+    for item in value:
+        leaf = item.rsplit(".", 1)[-1] if isinstance(item, str) else None
+        container = item.rsplit(".", 1)[0] if isinstance(item, str) and "." in item else "experts"
+        if leaf not in EXPERT_PARAMETERS or container.rsplit(".", 1)[-1] != "experts":
+            raise AdapterInvalid(f"target parameter {str(item)[:200]!r} is not supported (supported: the "
+                                 f"experts' {', '.join(EXPERT_PARAMETERS)})")
+        found.add(leaf)
+    return tuple(p for p in EXPERT_PARAMETERS if p in found)
+
+
+def _expert_patterns(raw: Mapping[str, Any], parameters: tuple[str, ...]) -> tuple[dict[str, int], dict[str, float]]:
+    """rank_pattern and alpha_pattern, which the node serves only where they name an expert
+    parameter (PEFT's ".*\\.gate_up_proj"): one rank and alpha per module of the rest."""
+    out: list[dict[str, Any]] = []
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = raw.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise AdapterInvalid(f"{key} must be an object")
+        values: dict[str, Any] = {}
+        for name, value in pattern.items():
+            leaf = next((p for p in parameters if isinstance(name, str) and name.endswith(p)), None)
+            if leaf is None:
+                raise AdapterInvalid(f"per-module {key} entry {str(name)[:200]!r} is not supported (modules share "
+                                     "r and lora_alpha; only the experts' parameters may have their own)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+                    key == "rank_pattern" and not isinstance(value, int)):
+                raise AdapterInvalid(f"{key}[{name[:200]!r}] must be a positive {'integer' if key == 'rank_pattern' else 'number'}")
+            values[leaf] = value
+        out.append(values)
+    return out[0], {p: float(a) for p, a in out[1].items()}
 
 
 def _normalize_targets(value: Any) -> tuple[tuple[str, ...], bool]:
@@ -312,10 +383,13 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
     pairs: dict[tuple[int, str], dict[str, TensorInfo]] = {}
     for name, info in header.tensors.items():
         match = _TENSOR_NAME.fullmatch(name)
+        expert = _EXPERT_TENSOR.fullmatch(name)
         if match is not None:
             layer, parent, module, which = int(match[1]), match[2], match[3], match[4]
             if LAYER_PARENT[module] != parent:
                 raise AdapterInvalid(f"tensor {name!r}: {module} belongs under {LAYER_PARENT[module]}, not {parent}")
+        elif expert is not None:
+            layer, module, which = int(expert[1]), _expert_target(config, name, expert[2].count(".base_layer")), expert[3]
         else:
             edge = _EDGE_TENSOR.fullmatch(name)
             if edge is None:
@@ -333,7 +407,8 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
         raise AdapterInvalid("the safetensors file holds no LoRA weights")
     modules: dict[tuple[int, str], ModuleSpec] = {}
     shapes: dict[str, tuple[int, int, int]] = {}
-    for (layer, module), pair in sorted(pairs.items(), key=lambda kv: (kv[0][0], TARGET_MODULES.index(kv[0][1]))):
+    num_experts: int | None = None
+    for (layer, module), pair in sorted(pairs.items(), key=lambda kv: (kv[0][0], _ORDER.index(kv[0][1]))):
         missing = {"A", "B"} - set(pair)
         if missing:
             raise AdapterInvalid(f"layer {layer} {module} has no lora_{missing.pop()} weight")
@@ -342,20 +417,29 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
         if rank_a != rank_b:
             raise AdapterInvalid(f"layer {layer} {module}: rank mismatch between lora_A {a.shape} "
                                  f"(r={rank_a}) and lora_B {b.shape} (r={rank_b})")
-        if rank_a != config.r:
+        experts = 0
+        if module in EXPERT_TARGETS:
+            rank = config.expert_rank(module.removeprefix("experts."))
+            experts = rank_a // rank
+            if rank_a % rank or (num_experts or experts) != experts:
+                raise AdapterInvalid(f"layer {layer} {module}: lora_A {a.shape} is not {rank}-rank pairs of "
+                                     f"{num_experts or 'some number of'} experts")
+            num_experts, rank_a = experts, rank
+        elif rank_a != config.r:
             raise AdapterInvalid(f"layer {layer} {module}: lora_A {a.shape} and lora_B {b.shape} have rank "
                                  f"{rank_a} but the config says r={config.r}")
-        if module not in config.target_modules:
+        elif module not in config.target_modules:
             raise AdapterInvalid(f"layer {layer} {module} has weights but the config does not target "
                                  f"{module} (target_modules: {', '.join(config.target_modules)})")
         seen = shapes.setdefault(module, (fan_in, fan_out, layer))
         if seen[:2] != (fan_in, fan_out):
             raise AdapterInvalid(f"{module} is {seen[0]}->{seen[1]} in layer {seen[2]} but "
                                  f"{fan_in}->{fan_out} in layer {layer}")
-        modules[(layer, module)] = ModuleSpec(layer, module, fan_in, fan_out, rank_a, a.dtype, a, b)
-    present = tuple(m for m in TARGET_MODULES if m in shapes)
+        modules[(layer, module)] = ModuleSpec(layer, module, fan_in, fan_out, rank_a, a.dtype, a, b, experts)
+    present = tuple(m for m in _ORDER if m in shapes)
     if not config.targets_from_pattern:
-        absent = [m for m in config.target_modules if m not in shapes]
+        absent = [m for m in config.target_modules + tuple(f"experts.{p}" for p in config.target_parameters)
+                  if m not in shapes]
         if absent:
             raise AdapterInvalid(f"the config targets {', '.join(absent)} but the weights hold none for it")
     dtypes = tuple(sorted({t.dtype for t in header.tensors.values()}))
@@ -367,8 +451,24 @@ def validate_weights(config: LoraConfig, header: SafetensorsHeader, data: Buffer
     return spec
 
 
+_ORDER = TARGET_MODULES + EXPERT_TARGETS  # the modules of an AdapterSpec, in its order
+
+
+def _expert_target(config: LoraConfig, name: str, depth: int) -> str:
+    """The expert parameter a PEFT wrapper `depth` levels inside the outermost one adapts."""
+    index = len(config.target_parameters) - 1 - depth
+    if index < 0:
+        raise AdapterInvalid(f"tensor {name[:200]!r} adapts an expert parameter, but the config's target_parameters "
+                             f"name {len(config.target_parameters)} of the experts' {', '.join(EXPERT_PARAMETERS)}")
+    return f"experts.{config.target_parameters[index]}"
+
+
 def _unexpected_tensor(name: str) -> str:
     shown = name[:200]
+    if _PER_EXPERT_TENSOR.fullmatch(name):
+        return (f"tensor {shown!r} is a LoRA of one expert's Linear (transformers 4's layout); the node serves "
+                "expert LoRA as PEFT saves it over transformers 5's fused experts (target_parameters "
+                "gate_up_proj / down_proj): load the adapter with PEFT >= 0.19 on transformers 5 and save it again")
     if "lora_magnitude_vector" in name:
         return f"tensor {shown!r} is a DoRA magnitude; DoRA adapters are not supported"
     if name.endswith("base_layer.weight") and any(m in name for m in EDGE_MODULES):
@@ -448,10 +548,12 @@ def probe_lora_path(spec: AdapterSpec, data: Buffer, max_weight_abs: float = 0.0
     worst case |scaling| * rank * in_features * max_weight_abs**2 is far inside float32's
     range cannot overflow and is not probed (with the default bound, every module of a
     usual scaling): its casts and matmuls were most of a validation's time."""
-    scaling = np.float32(spec.config.scaling)
     limit = float(np.finfo(np.float32).max) / 1024
     with memoryview(data) as whole, whole.cast("B") as view:
         for (layer, module), m in spec.modules.items():
+            # An expert parameter's pairs are probed together: a bound of each expert's.
+            scaling = np.float32(spec.config.expert_scaling(module.removeprefix("experts."))
+                                 if m.experts else spec.config.scaling)
             rank, in_features = m.a.shape
             if 0 < max_weight_abs and abs(float(scaling)) * rank * in_features * max_weight_abs ** 2 < limit:
                 continue

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from family_checkpoints import FAMILIES, make_tiny_family  # noqa: E402
+from family_checkpoints import FAMILIES, MOE_FAMILIES, make_tiny_family  # noqa: E402
 from harness import make_tiny_llama  # noqa: E402
 
 
@@ -88,6 +88,6 @@ def _tiny_family_fixture(family: str):
     return path
 
 
-for _family in FAMILIES:  # tiny_llama_path is the one above (the suite's own tiny Llama)
+for _family in FAMILIES + MOE_FAMILIES:  # tiny_llama_path is the one above (the suite's own tiny Llama)
     if _family != "llama":
         globals()[f"tiny_{_family}_path"] = _tiny_family_fixture(_family)

@@ -69,6 +69,15 @@ def _specs() -> dict[str, FamilySpec]:
                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
                                                 "factor": 4.0}}), llama_attn, llama_mlp,
             embed_scale=0.1, final_norm_gain=10.0),
+        # experts (PEFT converts the per-expert names to target_parameters on transformers 5):
+        # q/k norms, top-k renormalised, a dense layer (mlp_only_layers) of its own width
+        "qwen3_moe": FamilySpec(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+            head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
+            mlp_only_layers=[1]), llama_attn, llama_mlp),
+        # experts w1 (gate), w3 (up), w2 (down), every layer routed and windowed
+        "mixtral": FamilySpec(tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+            num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, sliding_window=TINY_WINDOW),
+            llama_attn, ("w1", "w3", "w2")),
         # fused qkv_proj and gate_up_proj in the checkpoint and in PEFT's names; windowed
         "phi3": FamilySpec(tf.Phi3Config, tf.Phi3ForCausalLM, dict(sliding_window=TINY_WINDOW),
                            ("qkv_proj", "o_proj"), ("gate_up_proj", "down_proj")),
@@ -76,6 +85,9 @@ def _specs() -> dict[str, FamilySpec]:
 
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+# Mixture-of-experts families (tests/families/test_moe_parity.py): their adapters' MLP LoRA is
+# on the experts, which the dense families' tests do not know.
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral")
 
 
 def family_spec(family: str) -> FamilySpec:

@@ -708,7 +708,8 @@ class AdapterManager:
         for slot, e in enumerate(self.slots):
             if e is not None:
                 for module in e.target_modules:
-                    expected[module][slot] = e.rank
+                    if module in expected:  # expert LoRA is held outside the arenas
+                        expected[module][slot] = e.rank
         for module, arena in self.buffers.arenas.items():
             held = {owner: length for _, length, owner in arena.runs()}
             if held != expected[module]:

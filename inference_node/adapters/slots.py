@@ -37,6 +37,7 @@ from ..model.families import EDGE_MODULES
 from ..model.llama import FUSED_MODULES, LORA_MODULES
 from ..parallel.shard import Shard
 from .arena import Cost, RowArena
+from .experts import ExpertSlots
 from .weights import EDGE_LAYER, AdapterWeights
 
 # Every module with an arena: the decoder layers' (per layer) and the embedding's and LM head's.
@@ -165,6 +166,8 @@ class SlotBuffers:
         self.edge_rows = {m: np.zeros((S, 2), dtype=np.int64) for m in EDGE_MODULES}
         self.slot_edges: list[frozenset[str]] = [frozenset()] * S
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # A mixture-of-experts model's expert LoRA, held per slot outside the arenas.
+        self.experts = ExpertSlots(config.moe_intermediate_size, dtype, device, shard)
         self.table: list[SlotRecord] = [None] * S
         # Called after every write and free: a tensor-parallel node's rank 0 sends them on to
         # the other ranks (parallel/workers.py), so every rank's arenas hold the same adapters
@@ -238,6 +241,7 @@ class SlotBuffers:
         for rows in self.edge_rows.values():
             rows[slot] = 0
         self.slot_edges[slot] = frozenset()
+        self.experts.free(slot)
         held, self.table[slot] = self.table[slot], None
         if held is not None and self.on_free is not None:
             self.on_free(slot)
@@ -276,6 +280,7 @@ class SlotBuffers:
                     a, b = weights.tensors[(EDGE_LAYER, module)]
                     a_arena[first:first + r].copy_(a, non_blocking=True)
                     b_arena[first:first + r].copy_(b.to(self.device, non_blocking=True).t())
+            self.experts.write(slot, weights)
             self.scaling[slot] = weights.scaling
             firsts = {m: run[0] for m, run in runs.items()}
             self._set_tables(slot, r, firsts)
@@ -315,6 +320,10 @@ class SlotBuffers:
             if slot >= 0:
                 edges |= self.slot_edges[slot]
         return edges
+
+    def has_experts(self, slots: Iterable[int]) -> bool:
+        """Whether any of these slots' adapters has expert LoRA."""
+        return any(slot >= 0 and self.experts.of(slot) is not None for slot in set(slots))
 
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
         """The fused groups any of these slots targets (slot -1: none)."""

@@ -52,8 +52,10 @@ def weights_from_files(name: str, version: str, config_text: str | bytes, weight
     base = weights if tensor else torch.frombuffer(weights, dtype=torch.uint8)
     pairs = {key: (_view(base, m.a), _view(base, m.b)) for key, m in spec.modules.items()}
     try:
-        built = build_adapter_weights(name, version, spec.config.r, spec.config.lora_alpha,
-                                      spec.config.use_rslora, pairs, model, max_rank)
+        config = spec.config
+        built = build_adapter_weights(name, version, config.r, config.lora_alpha, config.use_rslora, pairs, model,
+                                      max_rank, {p: config.expert_rank(p) for p in config.target_parameters},
+                                      {p: config.expert_scaling(p) for p in config.target_parameters})
         probe_in_dtype(built, dtype, max_weight_abs)
         return built
     except AdapterIncompatible as exc:
@@ -139,7 +141,8 @@ class LocalDirSource:
             parsed = parse_adapter_config(config.read_bytes())
         except (OSError, AdapterInvalid):
             return None
-        targets = () if parsed.targets_from_pattern else parsed.target_modules
+        targets = (() if parsed.targets_from_pattern else parsed.target_modules) + tuple(
+            f"experts.{p}" for p in parsed.target_parameters)
         return never_servable(name, parsed.r, targets, self.max_rank, self.modules,
                               FAMILIES[self.model.family])
 

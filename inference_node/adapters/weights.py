@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Collection, Iterable, Mapping
 
 import torch
 
 from ..model.config import ModelConfig
-from ..model.families import EDGE_MODULES, FAMILIES, Family
+from ..model.families import EDGE_MODULES, FAMILIES, Family, expert_target
 from ..model.llama import LORA_MODULES
 
 EDGE_LAYER = -1  # the layer key of an embed_tokens or lm_head pair in AdapterWeights.tensors
@@ -30,12 +30,16 @@ class AdapterWeights:
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     load_seconds: float = 0.0  # fetch, validation and probe (AdapterManager's load-time metric)
     source_tier: str = "store"  # where the source found it: "disk" (a disk tier, a directory) or "store"
+    # (layer, expert parameter: "gate_up_proj" or "down_proj") -> (A [experts, r, in],
+    # B [experts, out, r], scaling) on the host: the experts' LoRA of a mixture-of-experts
+    # base model (its rank and scaling its own: PEFT doubles both for gate_up_proj).
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         """Bytes of its weights (a fused projection's A counted once per module it feeds)."""
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-                   for a, b in self.tensors.values())
+                   for a, b, *_ in list(self.tensors.values()) + list(self.experts.values()))
 
 
 def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -56,7 +60,9 @@ def never_servable(name: str, rank: int, targets: Iterable[str], max_rank: int,
     if foreign:
         return (f"adapter {name!r} targets {', '.join(foreign)}, which this {family.name} base model does not "
                 f"have: its adapters target {', '.join(family.peft_targets())}")
-    held = dict.fromkeys(m for t in targets for m in family.adapter_modules.get(t, (t,)))
+    # Expert LoRA is held per resident adapter (adapters/experts.py), not in the arenas.
+    held = dict.fromkeys(m for t in targets if expert_target(t) is None
+                         for m in family.adapter_modules.get(t, (t,)))
     missing = [m for m in held if m not in modules]
     if missing:
         return (f"adapter {name!r} targets {','.join(missing)}; this node keeps adapter memory for "
@@ -66,17 +72,25 @@ def never_servable(name: str, rank: int, targets: Iterable[str], max_rank: int,
 
 def build_adapter_weights(name: str, version: str, rank: int, alpha: float, use_rslora: bool,
                           pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                          model: ModelConfig, max_rank: int) -> AdapterWeights:
+                          model: ModelConfig, max_rank: int,
+                          expert_ranks: Mapping[str, int] = {},
+                          expert_scalings: Mapping[str, float] = {}) -> AdapterWeights:
     """Checks every (layer, PEFT module) pair of A [r, in] and B [out, r] against the model's
     family and shapes, and maps it onto the node's modules: a fused projection's pair (Phi-3's
     qkv_proj, gate_up_proj) becomes one pair per module it holds, the same A with that
-    module's rows of B, which is the fused LoRA's output column for column."""
+    module's rows of B, which is the fused LoRA's output column for column. An expert
+    parameter's pair ("experts.gate_up_proj": PEFT's A [r x experts, in], B [out, r x
+    experts]) becomes each expert's, of its own rank and scaling (expert_ranks,
+    expert_scalings by parameter)."""
     if rank <= 0:
         raise AdapterIncompatible(f"adapter {name!r} has rank {rank}")
     family = FAMILIES[model.family]
     refusal = never_servable(name, rank, {m for _, m in pairs}, max_rank, family=family)
     if refusal is not None:
         raise AdapterIncompatible(refusal)
+    experts = _expert_pairs(name, {k: v for k, v in pairs.items() if expert_target(k[1])}, model, max_rank,
+                            expert_ranks, expert_scalings)
+    pairs = {k: v for k, v in pairs.items() if not expert_target(k[1])}
     shapes, edges = model.module_shapes(), model.edge_shapes()
     mapped: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), (a, b) in pairs.items():
@@ -102,11 +116,42 @@ def build_adapter_weights(name: str, version: str, rank: int, alpha: float, use_
         for m in targets:
             mapped[(layer, m)] = (a, b[start:start + shapes[m][1]])
             start += shapes[m][1]
-    if not mapped:
+    if not mapped and not experts:
         raise AdapterIncompatible(f"adapter {name!r} has no LoRA weights")
     held = {m for _, m in mapped}
     modules = tuple(m for m in LORA_MODULES + EDGE_MODULES if m in held)
-    return AdapterWeights(name, version, rank, lora_scaling(rank, alpha, use_rslora), modules, mapped)
+    modules += tuple(dict.fromkeys(f"experts.{p}" for _, p in sorted(experts)))
+    return AdapterWeights(name, version, rank, lora_scaling(rank, alpha, use_rslora), modules, mapped,
+                          experts=experts)
+
+
+def _expert_pairs(name: str, pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], model: ModelConfig,
+                  max_rank: int, ranks: Mapping[str, int], scalings: Mapping[str, float]
+                  ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    """Each MoE layer's expert pairs as A [experts, r, in] and B [experts, out, r] (views of
+    PEFT's A [r x experts, in], expert-major rows, and B [out, r x experts], rank-major
+    columns), checked against the model's experts."""
+    out = {}
+    shapes, num = model.expert_shapes(), model.num_experts
+    for (layer, target), (a, b) in pairs.items():
+        parameter = expert_target(target)
+        if not (0 <= layer < model.num_layers and model.is_moe_layer(layer)):
+            raise AdapterIncompatible(f"adapter {name!r}: layer {layer} {target}, but layer {layer} of the base "
+                                      "model has no experts")
+        r = ranks.get(parameter, 0)
+        # gate_up_proj holds gate and up: PEFT gives it twice the rank of the other modules.
+        limit = max_rank * (2 if parameter == "gate_up_proj" else 1)
+        if not 0 < r <= limit:
+            raise AdapterIncompatible(f"adapter {name!r} has rank {r} on the experts' {parameter}; this node "
+                                      f"serves up to {limit} there (--max-lora-rank)")
+        fan_in, fan_out = shapes[parameter]
+        if tuple(a.shape) != (r * num, fan_in) or tuple(b.shape) != (fan_out, r * num):
+            raise AdapterIncompatible(
+                f"adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
+                f"base model's {num} experts need A ({r * num}, {fan_in}) and B ({fan_out}, {r * num})")
+        out[(layer, parameter)] = (a.reshape(num, r, fan_in), b.reshape(fan_out, r, num).permute(2, 0, 1),
+                                   scalings[parameter])
+    return out
 
 
 def probe_in_dtype(weights: AdapterWeights, dtype: torch.dtype, max_weight_abs: float = 0.0) -> None:

@@ -49,6 +49,15 @@ class ModelConfig:
     # Windowed layers' RoPE where it is not the others' (Gemma 3's local base).
     sliding_rope_theta: float = 0.0
     sliding_rope_scaling: dict[str, Any] | None = None
+    # Mixture of experts (families.py's "moe" decoder): experts per MoE layer, the experts
+    # each token is routed to, each expert's intermediate width, whether the top-k routing
+    # weights are renormalised to sum to 1, and the layers with a dense MLP instead
+    # (Qwen3-MoE's mlp_only_layers / decoder_sparse_step), of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -69,6 +78,16 @@ class ModelConfig:
         if not self.layer_types or self.layer_types[layer] == SLIDING_ATTENTION:
             return self.sliding_window
         return 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is routed over experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each expert's fused projections, by the PEFT
+        parameter name an adapter targets them with (gate and up stacked, as transformers)."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
 
     @property
     def every_layer_windowed(self) -> bool:
@@ -120,13 +139,14 @@ class ModelConfig:
         # Phi-3's attention has none; only Llama has MLP biases (mlp_bias).
         if family.name == "qwen2":
             qkv_bias, o_bias = True, False
-        elif family.name in ("mistral", "phi3"):
+        elif family.name in ("mistral", "phi3", "mixtral"):
             qkv_bias = o_bias = False
         else:
             qkv_bias = o_bias = bool(raw.get("attention_bias", False))
         mlp_bias = family.name == "llama" and bool(raw.get("mlp_bias", False))
         if gemma and raw.get("use_bidirectional_attention"):
             raise UnsupportedModel(f"{family.name}: bidirectional attention (an embedding model) is not served")
+        moe = _experts(raw, family.name, layers) if family.decoder == "moe" else {}
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -147,7 +167,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             family=family.name,
             o_bias=o_bias,
-            qk_norm=family.name in ("qwen3", "gemma3"),
+            qk_norm=family.name in ("qwen3", "gemma3", "qwen3_moe"),
             sliding_window=window,
             layer_types=layer_types,
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 0.0) if gemma else 0.0,
@@ -156,6 +176,7 @@ class ModelConfig:
             activation=ACTIVATIONS[act_name],
             sliding_rope_theta=sliding_theta,
             sliding_rope_scaling=sliding_scaling,
+            **moe,
         )
 
     @classmethod
@@ -192,11 +213,13 @@ def _rope(raw: dict[str, Any], layer_type: str | None, default_theta: float) -> 
 def _windows(raw: dict[str, Any], family: str, layers: int) -> tuple[int, tuple[str, ...]]:
     """(sliding window, per-layer types) as transformers builds them for the family."""
     window = raw.get("sliding_window")
-    if family == "llama" or (family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False)):
+    if family == "qwen3_moe" and raw.get("use_sliding_window", False):
+        raise UnsupportedModel("qwen3_moe: use_sliding_window is not served")
+    if family in ("llama", "qwen3_moe") or (family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False)):
         window = None  # transformers' Llama has no window; Qwen's is off unless use_sliding_window
     if not window:
         return 0, ()
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "phi3", "mixtral"):
         return int(window), ()  # every layer (transformers reads no layer_types for them)
     types = raw.get("layer_types")
     if types is None:
@@ -216,3 +239,26 @@ def _windows(raw: dict[str, Any], family: str, layers: int) -> tuple[int, tuple[
         return 0, ()
     return int(window), types
 
+
+
+def _experts(raw: dict[str, Any], family: str, layers: int) -> dict[str, Any]:
+    """The MoE fields of ModelConfig, as transformers builds each family: Mixtral routes every
+    layer, renormalises its top-k and its experts are intermediate_size wide; Qwen3-MoE's
+    experts are moe_intermediate_size wide and its dense layers are mlp_only_layers and those
+    decoder_sparse_step skips."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise UnsupportedModel(f"{family}: {experts} experts with {top_k} per token is not a mixture of experts "
+                               "this node serves")
+    if family == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    if raw.get("shared_expert_intermediate_size"):
+        raise UnsupportedModel(f"{family}: shared experts are not served")
+    step = int(raw.get("decoder_sparse_step") or 1)
+    only = set(raw.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)), dense_layers=dense)

@@ -223,23 +223,31 @@ class LlamaModel:
         normalised for the next layer, or by the final norm after the last)."""
         cfg, ops, layer = self.config, launch.ops, self.layers[i]
         # A row-parallel bias is added after the ranks' partial outputs are summed (_reduce).
-        tp, o_bias, down_bias = self.tp is not None, layer.o_bias, layer.down_bias
+        tp, o_bias = self.tp is not None, layer.o_bias
         out, delta = self._reduce(*self._project(launch, lora, i, "o", attn, layer.o, None if tp else o_bias),
                                   o_bias if tp else None)
         hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
-        act = None
-        if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
-            act = launch.gemm.gated_silu(x, layer.gate_up)  # the SiLU in the GEMM's launch
-        if act is None:
-            gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
-            act = ops.silu_mul(gate_up, delta)
-        down, delta = self._reduce(*self._project(launch, lora, i, "down", act, layer.down,
-                                                  None if tp else down_bias), down_bias if tp else None)
+        down, delta = self.mlp(i, x, launch, lora)
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).
         last_layer = i + 1 == len(self.layers)
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
         return ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
+
+    def mlp(self, i: int, x: torch.Tensor, launch: LaunchChoices,
+            lora: LoraApplier | None) -> tuple[torch.Tensor, LoraDelta | None]:
+        """Layer i's MLP over the normed residual stream x: (its output summed over the ranks,
+        a LoRA delta left for the add + norm after it or None). The MoE decoder's routed
+        layers have their own (model/moe.py)."""
+        layer, tp, down_bias = self.layers[i], self.tp is not None, self.layers[i].down_bias
+        act = None
+        if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
+            act = launch.gemm.gated_silu(x, layer.gate_up)  # the SiLU in the GEMM's launch
+        if act is None:
+            gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
+            act = launch.ops.silu_mul(gate_up, delta)
+        return self._reduce(*self._project(launch, lora, i, "down", act, layer.down,
+                                           None if tp else down_bias), down_bias if tp else None)
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None = None,
                lora: LoraApplier | None = None) -> torch.Tensor:

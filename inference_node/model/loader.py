@@ -21,8 +21,10 @@ from .checkpoint import CheckpointError, DummyTensors, SafetensorsTensors
 from .config import ModelConfig
 from .families import FAMILIES, Family
 from .llama import FUSED_MODULES, LayerWeights, LlamaModel
+from .moe import ExpertWeights, MoeModel, expert_checkpoint_shapes, read_experts
 
 _PARENT = {"qkv": "self_attn", "o": "self_attn", "gate_up": "mlp", "down": "mlp"}
+_MLP_GROUPS = ("gate_up", "down")
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -43,7 +45,11 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[f"{p}self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[f"{p}self_attn.k_norm.weight"] = (config.head_dim,)
+        if config.is_moe_layer(i):
+            shapes.update(expert_checkpoint_shapes(config, family, i))
         for group, modules in FUSED_MODULES.items():
+            if config.is_moe_layer(i) and group in _MLP_GROUPS:
+                continue
             fan_in, outs = fan[modules[0]][0], [fan[m][1] for m in modules]
             names = ([family.fused_weights[group]] if group in family.fused_weights
                      else [f"{_PARENT[group]}.{m}" for m in modules])
@@ -125,8 +131,12 @@ class _Reader:
 def read_layer(reader: _Reader, family: Family, config: ModelConfig, i: int) -> LayerWeights:
     """Layer i's weights: the fused groups, their biases and q/k norms where the family has them."""
     p = f"layers.{i}."
-    groups = {g: reader.projection(reader.group(family, p, g, "weight"), g) for g in FUSED_MODULES}
-    biases = {g: reader.group(family, p, g, "bias") if _has_bias(config, g) else None for g in FUSED_MODULES}
+    # A routed layer's MLP is its experts (read_experts): its dense groups hold nothing.
+    dense = [g for g in FUSED_MODULES if not (config.is_moe_layer(i) and g in _MLP_GROUPS)]
+    groups = {g: reader.projection(reader.group(family, p, g, "weight"), g) if g in dense
+              else torch.empty(0, device=reader.device, dtype=reader.dtype) for g in FUSED_MODULES}
+    biases = {g: reader.group(family, p, g, "bias") if g in dense and _has_bias(config, g) else None
+              for g in FUSED_MODULES}
     qk = config.qk_norm
     return LayerWeights(
         input_norm=reader.take(p + "input_layernorm.weight"),
@@ -186,6 +196,11 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, max_positio
     else:
         raise CheckpointError(f"checkpoint {path} has no lm_head.weight")
     positions = max_positions or config.max_position_embeddings
-    cls = GemmaModel if family.decoder == "gemma" else LlamaModel
+    extra = {}
+    if family.decoder == "moe":
+        experts: list[ExpertWeights | None] = [read_experts(reader, family, full, shard, i)
+                                               if full.is_moe_layer(i) else None for i in range(config.num_layers)]
+        extra = {"experts": experts}
+    cls = {"gemma": GemmaModel, "moe": MoeModel}.get(family.decoder, LlamaModel)
     return cls(config, layers, embed, reader.take("norm.weight"), lm_head, device, positions, gemm_groups,
-               tp=tp, full_config=full, vocab_start=vocab_start)
+               tp=tp, full_config=full, vocab_start=vocab_start, **extra)

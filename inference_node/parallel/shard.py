@@ -57,7 +57,8 @@ class Shard:
         check_divisible(config, self.size)
         return dataclasses.replace(
             config, num_heads=config.num_heads // self.size, num_kv_heads=config.num_kv_heads // self.size,
-            intermediate_size=config.intermediate_size // self.size)
+            intermediate_size=config.intermediate_size // self.size,
+            moe_intermediate_size=config.moe_intermediate_size // self.size)
 
     def weight(self, module: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a projection's [out, in] weight (or [out] bias)."""
@@ -91,6 +92,8 @@ def check_divisible(config: ModelConfig, size: int) -> None:
                         "replicating them is not supported)")
     if config.intermediate_size % size:
         problems.append(f"an intermediate size of {config.intermediate_size}")
+    if config.moe_intermediate_size % size:
+        problems.append(f"an expert intermediate size of {config.moe_intermediate_size}")
     if problems:
         raise ShardingError(f"--tensor-parallel-size {size} does not divide the model's "
                             f"{' and '.join(problems)}: pick a size that divides each")

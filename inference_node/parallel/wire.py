@@ -70,6 +70,18 @@ class TensorPair(msgspec.Struct, frozen=True):
     b_shape: tuple[int, ...]
 
 
+class ExpertPair(msgspec.Struct, frozen=True):
+    """One MoE layer's expert LoRA of one expert parameter (AdapterWeights.experts): its
+    A [experts, r, in] and B [experts, out, r] are the two frames after the TensorPairs'."""
+
+    layer: int
+    parameter: str
+    dtype: str
+    a_shape: tuple[int, ...]
+    b_shape: tuple[int, ...]
+    scaling: float
+
+
 class WriteSlot(msgspec.Struct, frozen=True, tag="write_slot"):
     slot: int
     name: str
@@ -79,6 +91,7 @@ class WriteSlot(msgspec.Struct, frozen=True, tag="write_slot"):
     target_modules: tuple[str, ...]
     firsts: dict[str, int]          # each module's first arena row (SlotBuffers.place_at)
     tensors: tuple[TensorPair, ...]
+    experts: tuple[ExpertPair, ...] = ()
 
 
 class ClearSlot(msgspec.Struct, frozen=True, tag="clear_slot"):
@@ -139,12 +152,16 @@ def write_frames(slot: int, weights: AdapterWeights, firsts: dict[str, int]) -> 
     """A slot write as the frames of its message: the header, then each pair's A and B."""
     keys = sorted(weights.tensors)
     pairs = [(key, weights.tensors[key]) for key in keys]
+    experts = [(key, weights.experts[key]) for key in sorted(weights.experts)]
     header = WriteSlot(slot, weights.name, weights.version, weights.rank, float(weights.scaling),
                        tuple(weights.target_modules), firsts,
                        tuple(TensorPair(layer, module, str(a.dtype).removeprefix("torch."), tuple(a.shape),
-                                        tuple(b.shape)) for (layer, module), (a, b) in pairs))
+                                        tuple(b.shape)) for (layer, module), (a, b) in pairs),
+                       tuple(ExpertPair(layer, parameter, str(a.dtype).removeprefix("torch."), tuple(a.shape),
+                                        tuple(b.shape), float(scaling))
+                             for (layer, parameter), (a, b, scaling) in experts))
     frames: list = [encode(header)]
-    for _, (a, b) in pairs:
+    for _, (a, b, *_) in pairs + experts:
         frames += [_tensor_frame(a), _tensor_frame(b)]
     return frames
 
@@ -154,8 +171,12 @@ def written(message: WriteSlot, frames: list[bytes]) -> AdapterWeights:
     tensors = {(p.layer, p.module): (_frame_tensor(frames[2 * i], p.dtype, p.a_shape),
                                      _frame_tensor(frames[2 * i + 1], p.dtype, p.b_shape))
                for i, p in enumerate(message.tensors)}
+    first = 2 * len(message.tensors)
+    experts = {(p.layer, p.parameter): (_frame_tensor(frames[first + 2 * i], p.dtype, p.a_shape),
+                                        _frame_tensor(frames[first + 2 * i + 1], p.dtype, p.b_shape), p.scaling)
+               for i, p in enumerate(message.experts)}
     return AdapterWeights(message.name, message.version, message.rank, message.scaling,
-                          message.target_modules, tensors)
+                          message.target_modules, tensors, experts=experts)
 
 
 def _tensor_frame(t: torch.Tensor) -> memoryview:

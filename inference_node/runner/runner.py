@@ -121,7 +121,7 @@ class ModelRunner:
         sampling waits for `sample` where a sampled request has a grammar. special_rows: some
         live request asks for a grammar or logprobs (otherwise no row is looked at for them)."""
         # A step whose adapters have embedding or LM head LoRA runs eagerly (lora/edge.py).
-        graphs = self.lora is None or not self.lora.has_edge_lora(chunks)
+        graphs = self.lora is None or not self.lora.needs_eager(chunks)
         if graphs and self.decode_graphs is not None and self.decode_graphs.fits(chunks):
             chunks = ordered(chunks)  # each adapter's rows one run: the LoRA kernels' layout
             mode, way = ForwardMode.DECODE_GRAPHS, self.decode_graphs

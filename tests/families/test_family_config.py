@@ -25,14 +25,14 @@ def _checkpoint(tmp_path: Path, tokenizer_dir: Path, config: dict) -> Path:
     return out
 
 
-MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
-           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_local_experts": 8, "num_experts_per_tok": 2}
+QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 32000,
+             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_experts": 8, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 128}
 
 
 @pytest.mark.parametrize("config, named", [
-    (MIXTRAL, "mixture-of-experts"),
-    ({**MIXTRAL, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}, "GPTNeoXForCausalLM"),
+    (QWEN2_MOE, "mixture-of-experts"),
+    ({**QWEN2_MOE, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}, "GPTNeoXForCausalLM"),
 ])
 def test_serve_refuses_an_unserved_architecture_in_one_line(config, named, tmp_path, tokenizer_dir) -> None:
     model = _checkpoint(tmp_path, tokenizer_dir, config)
@@ -44,7 +44,7 @@ def test_serve_refuses_an_unserved_architecture_in_one_line(config, named, tmp_p
     errors = [line for line in output.splitlines() if " ERROR " in line]
     assert len(errors) == 1, output
     assert named in errors[0] and "it serves: llama (LlamaForCausalLM)" in errors[0]
-    for family in ("qwen3", "gemma2", "gemma3", "phi3", "mistral", "qwen2"):
+    for family in ("qwen3", "gemma2", "gemma3", "phi3", "mistral", "qwen2", "qwen3_moe", "mixtral"):
         assert family in errors[0]
 
 

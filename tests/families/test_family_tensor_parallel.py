@@ -2,7 +2,8 @@
 gate/up (each rank reads its heads' rows of every part of the fused tensor) and its fused
 adapters, Qwen2's biases, Qwen3's q/k norms, Gemma's norms, soft-caps and tied embeddings,
 and LoRA on the embedding and the LM head (whole on every rank; the LM head's delta taken
-over each rank's block of the vocabulary): TP=2 gives TP=1's greedy tokens, base and adapters
+over each rank's block of the vocabulary), the MoE families' experts and expert LoRA (each
+rank its block of every expert's intermediate columns): TP=2 gives TP=1's greedy tokens, base and adapters
 in one batch."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from harness import InProcessNode, generate_all
 from inference_node.config import NodeConfig
 
 
-@pytest.mark.parametrize("family", ["phi3", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["phi3", "qwen2", "qwen3", "gemma2", "qwen3_moe", "mixtral"])
 def test_tp2_gives_tp1_tokens_for_the_familys_weights_and_adapters(family, request, tmp_path) -> None:
     base = request.getfixturevalue(f"tiny_{family}_path")
     spec = family_spec(family)

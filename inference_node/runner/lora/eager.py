@@ -2,7 +2,8 @@
 is built once per step from each token's slot, then every layer's fused projections add their
 deltas in one launch each. Groups that no adapter in the step targets (the MLP, for q/v
 adapters) launch nothing. The embedding's and LM head's LoRA, where an adapter of the step
-has them, come with the applier (`edge`, edge.py)."""
+has them, come with the applier (`edge`, edge.py), as do the experts' LoRA of a mixture-of-
+experts model (`experts`, experts.py)."""
 from __future__ import annotations
 
 import torch
@@ -12,19 +13,22 @@ from kernels.lora import MODULE_COLUMNS, SEGMENT_TABLE_RANKS, LoraBatchMeta, add
 from ...adapters.slots import SlotBuffers
 from ...model.llama import GROUP_FIRST_MODULE
 from .edge import EdgeLora
+from .experts import ExpertLoraApplier
 
 
 class StepLoraApplier:
     """Adds each delta into its projection's output, after the base matmul."""
 
     def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta,
-                 groups: frozenset[str] | None = None, edge: EdgeLora | None = None) -> None:
+                 groups: frozenset[str] | None = None, edge: EdgeLora | None = None,
+                 experts: ExpertLoraApplier | None = None) -> None:
         """groups: the fused groups to apply (None: all); edge: the embedding's and LM head's
-        LoRA (None: no adapter of the step has one)."""
+        LoRA, experts: the experts' (None: no adapter of the step has one)."""
         self.buffers = buffers
         self.meta = meta
         self.groups = groups
         self.edge = edge
+        self.experts = experts
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         return None
@@ -57,5 +61,6 @@ def applier_for_slots(buffers: SlotBuffers, chunk_slots: list[tuple[int, int]],
     edge = None
     if buffers.edges_of(slots):
         edge = EdgeLora(buffers, token_slots, [token_slots[i] for i in logits_rows])
+    experts = ExpertLoraApplier(buffers.experts, token_slots) if buffers.has_experts(slots) else None
     return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device),
-                           buffers.groups_of(slots), edge=edge)
+                           buffers.groups_of(slots), edge=edge, experts=experts)

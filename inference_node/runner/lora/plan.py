@@ -41,10 +41,11 @@ class LoraStepPlan:
         """The fused projection groups the adapters in these slots target."""
         return self.buffers.groups_of(slots)
 
-    def has_edge_lora(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether an adapter of the step has embedding or LM head LoRA: such steps run
-        eagerly (the graphs' appliers have none)."""
-        return bool(self.buffers.edges_of(c.request.lora_slot for c in chunks))
+    def needs_eager(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether an adapter of the step has embedding, LM head or expert LoRA: such steps
+        run eagerly (the graphs' appliers have none)."""
+        slots = [c.request.lora_slot for c in chunks]
+        return bool(self.buffers.edges_of(slots)) or self.buffers.has_experts(slots)
 
     def applier(self, chunk_slots: list[tuple[int, int]], logits_rows: list[int] = ()) -> StepLoraApplier | None:
         """An eager step's applier, from each chunk's (adapter slot, tokens) and the tokens

@@ -1,0 +1,97 @@
+"""The fused MoE kernel (kernels/moe/triton_kernel.py) against its PyTorch reference, in
+Triton's interpreter on the CPU (the slow tier: a child pytest with TRITON_INTERPRET=1, as
+test_triton_interpreter.py runs the others); the fixed-size expert sort in plain PyTorch."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.host import interpreting
+from kernels.moe import experts_reference, route
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
+def test_align_sorts_pairs_into_one_expert_blocks() -> None:
+    from kernels.moe.triton_kernel import align_by_expert
+
+    picks = torch.tensor([[3, 0], [0, 2], [3, 1], [0, 3], [2, 0]])
+    sorted_ids, block_expert = align_by_expert(picks, num_experts=5, block_m=4)
+    flat = picks.flatten()
+    assert sorted_ids.numel() == 28 and block_expert.numel() == 7  # 10 pairs + 5 experts' padding, in blocks
+    seen = []
+    for b, expert in enumerate(block_expert.tolist()):
+        ids = [i for i in sorted_ids[4 * b:4 * b + 4].tolist() if i < flat.numel()]
+        if expert < 0:
+            assert not ids
+            continue
+        assert ids and all(flat[i] == expert for i in ids) and ids == sorted(ids)
+        seen += ids
+    assert sorted(seen) == list(range(flat.numel()))
+    assert block_expert.tolist()[:5] == [0, 1, 2, 3, -1]  # expert 0's four pairs fill one block; 4 has none
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
+def test_fused_experts_in_the_interpreter() -> None:
+    if interpreting():
+        pytest.skip("the child's own run (test_fused_experts_match_the_reference)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                            f"{__file__}::test_fused_experts_match_the_reference"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and " passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(5, 4, 2), (37, 8, 3)])
+def test_fused_experts_match_the_reference(tokens: int, experts: int, top_k: int) -> None:
+    """float32 (the interpreter rounds casts to bfloat16 otherwise than a GPU)."""
+    if not interpreting():
+        pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
+    _check_fused_experts(tokens, experts, top_k, torch.float32, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_fused_experts_on_the_gpu_match_the_reference(tokens: int) -> None:
+    """bfloat16 on CUDA, and the routing captured in a CUDA graph (no host sync)."""
+    _check_fused_experts(tokens, 16, 4, torch.bfloat16, "cuda")
+
+
+def _check_fused_experts(tokens: int, experts: int, top_k: int, dtype: torch.dtype, device: str) -> None:
+    from kernels.moe.triton_kernel import fused_experts_triton
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter = 48, 40  # not multiples of the tiles: the masks are exercised
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    router = torch.randn(experts, hidden, generator=gen).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
+    x, router, gate_up, down = (t.to(device) for t in (x, router, gate_up, down))
+    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=dtype != torch.float32)
+    ours = fused_experts_triton(x, weights, picks, gate_up, down)
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        fused_experts_triton(x, weights, picks, gate_up, down)  # compiled before the capture
+        with torch.cuda.graph(graph):
+            replayed = fused_experts_triton(x, weights, picks, gate_up, down)
+        graph.replay()
+        torch.testing.assert_close(replayed, ours, rtol=0, atol=0)
+    theirs = experts_reference(x, weights, picks, gate_up, down)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        return
+    # bfloat16: the reference sums a token's picks in bfloat16 (index_add), the kernel in
+    # float32: each is held to the float32 experts over the same bfloat16 weights.
+    truth = experts_reference(x.float(), weights.float(), picks, gate_up.float(), down.float())
+    scale = max(1.0, truth.abs().max().item())
+    for result in (ours, theirs):
+        torch.testing.assert_close(result.float(), truth, rtol=2e-2, atol=2e-2 * scale)
