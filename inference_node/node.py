@@ -230,7 +230,7 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
     if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
         tunings = tunings.map(tensor_parallel_tuning)
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
-                            load_format=model_options.load_format, tp=tp)
+                            load_format=model_options.load_format, tp=tp, quantization=model_options.quantization)
     launches = StepLaunches(device, tunings, model.gemm_groups)
     max_num_seqs = config.scheduler.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = config.runner.mixed_graphs_on(device.type)

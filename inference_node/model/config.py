@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .families import FAMILIES, UnsupportedModel, family_of
+from .quant import WeightQuant, checkpoint_quant
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -49,6 +50,8 @@ class ModelConfig:
     # Windowed layers' RoPE where it is not the others' (Gemma 3's local base).
     sliding_rope_theta: float = 0.0
     sliding_rope_scaling: dict[str, Any] | None = None
+    # The checkpoint's FP8 projections (quantization_config; model/quant.py), None: plain weights.
+    weight_quant: WeightQuant | None = None
 
     @property
     def q_size(self) -> int:
@@ -115,6 +118,7 @@ class ModelConfig:
             raise UnsupportedModel(f"{family.name}: MLP activation {act_name!r} is not served "
                                    f"(served: {', '.join(ACTIVATIONS)})")
         window, layer_types = _windows(raw, family.name, layers)
+        weight_quant = checkpoint_quant(raw, layers)
         # As transformers builds each family: Qwen2's q/k/v always carry biases (o never);
         # Llama's, Qwen3's and Gemma's attention_bias puts them on q, k, v and o; Mistral's and
         # Phi-3's attention has none; only Llama has MLP biases (mlp_bias).
@@ -156,6 +160,7 @@ class ModelConfig:
             activation=ACTIVATIONS[act_name],
             sliding_rope_theta=sliding_theta,
             sliding_rope_scaling=sliding_scaling,
+            weight_quant=weight_quant,
         )
 
     @classmethod
