@@ -478,14 +478,37 @@ def norm_bytes(cfg, itemsize: int) -> int:
     return (2 * cfg.num_layers + 1) * cfg.hidden_size * itemsize
 
 
-def weight_bytes_per_rank(cfg, itemsize: int, tp: int = 1) -> int:
+def projection_shapes_per_rank(cfg, tp: int = 1) -> list[tuple[int, int]]:
+    """(out, in) of one layer's fused projections (q/k/v, o, gate/up, down) on one rank."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size // tp
+    return [((cfg.q_size + 2 * cfg.kv_size) // tp, h), (h, cfg.q_size // tp), (2 * inter, h), (h, inter)]
+
+
+def fp8_block(cfg, fp8: bool) -> tuple[int, int] | None | bool:
+    """The projections' FP8 scale tiles: the checkpoint's (quantization_config), per channel
+    (None) where `fp8` quantizes a plain checkpoint at load, False where they stay plain."""
+    if cfg.weight_quant is not None:
+        return cfg.weight_quant.block
+    return None if fp8 else False
+
+
+def weight_bytes_per_rank(cfg, itemsize: int, tp: int = 1, fp8: bool = False) -> int:
+    """The weights one rank reads per decode step; FP8 projections (an FP8 checkpoint, or
+    `fp8`: --quantization fp8) at one byte a weight plus their float32 scales (one per output
+    channel, or per block of the checkpoint's tiles)."""
     _check_tp(cfg, tp)
     h = cfg.hidden_size
-    qkv_out = (cfg.q_size + 2 * cfg.kv_size) // tp
-    per_layer = h * qkv_out + (cfg.q_size // tp) * h + 3 * h * (cfg.intermediate_size // tp)
+    block = fp8_block(cfg, fp8)
+    per_layer = 0
+    for out, fan_in in projection_shapes_per_rank(cfg, tp):
+        if block is False:
+            per_layer += out * fan_in * itemsize
+        else:
+            scales = out if block is None else -(-out // block[0]) * -(-fan_in // block[1])
+            per_layer += out * fan_in + 4 * scales
     if cfg.attention_bias:
-        per_layer += qkv_out
-    return (cfg.num_layers * per_layer + -(-cfg.vocab_size // tp) * h) * itemsize + norm_bytes(cfg, itemsize)
+        per_layer += (cfg.q_size + 2 * cfg.kv_size) // tp * itemsize
+    return cfg.num_layers * per_layer + -(-cfg.vocab_size // tp) * h * itemsize + norm_bytes(cfg, itemsize)
 
 
 def kv_bytes_per_token(cfg, itemsize: int, tp: int = 1) -> int:
@@ -518,8 +541,8 @@ class StepBytes:
     adapter: Mapping[str, int] = field(default_factory=dict)  # adapter name -> its bytes per rank
 
     @classmethod
-    def of(cls, cfg, itemsize: int, adapter_bytes: Mapping[str, int], tp: int = 1) -> "StepBytes":
-        return cls(weight_bytes_per_rank(cfg, itemsize, tp), cfg.hidden_size * itemsize,
+    def of(cls, cfg, itemsize: int, adapter_bytes: Mapping[str, int], tp: int = 1, fp8: bool = False) -> "StepBytes":
+        return cls(weight_bytes_per_rank(cfg, itemsize, tp, fp8), cfg.hidden_size * itemsize,
                    kv_bytes_per_token(cfg, itemsize, tp), dict(adapter_bytes))
 
     def step(self, batch: int, adapters: frozenset[str], kv_tokens: int) -> int:

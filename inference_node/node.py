@@ -325,12 +325,13 @@ def _assemble(config: NodeConfig, parts: RankParts, ranks: Workers | None, start
         warmup=warmup, debug_checks=runner.debug_checks))
     cfg = model.full_config
     per_block = KVCache.bytes_per_block(model.config, cache.block_size, dtype)
-    log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters%s) on %s as %s "
-             "in %.1fs; KV cache: %d blocks x %d tokens (%.2f GiB%s), max model length %d",
+    log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters%s) on %s as %s%s "
+             "in %.1fs: %.2f GiB of weights%s; KV cache: %d blocks x %d tokens (%.2f GiB%s), max model length %d",
              checkpoint, cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.num_heads,
              cfg.num_kv_heads, cfg.vocab_size, model.num_parameters() / 1e6,
              f" on rank 0 of {ranks.size}" if ranks else "", device, parts.dtype_name,
-             time.monotonic() - started, blocks, cache.block_size, blocks * per_block / (1 << 30),
+             " with FP8 projections" if model.fp8_projections else "", time.monotonic() - started, model.weight_bytes() / (1 << 30),
+             " per rank" if ranks else "", blocks, cache.block_size, blocks * per_block / (1 << 30),
              " per rank" if ranks else "", model_len)
     if adapters is not None:
         buffers, sources = adapters.buffers, config.sources

@@ -135,6 +135,22 @@ class LlamaModel:
             tensors += layer.tensors()
         return sum(t.numel() for t in tensors)
 
+    @property
+    def fp8_projections(self) -> bool:
+        """Whether the decoder's projections are held as FP8 (model/quant.py)."""
+        return isinstance(self.layers[0].qkv, Fp8Weight)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this process holds (an FP8 projection's fp8 bytes and scales; a
+        tied LM head once): what the KV cache does not get."""
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            for t in vars(layer).values():
+                tensors += [t.weight, t.scale] if isinstance(t, Fp8Weight) else [t] if t is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                 launch: LaunchChoices, lora: LoraApplier | None = None) -> torch.Tensor:
