@@ -82,6 +82,7 @@ def test_quantized_at_load_matches_peft_over_its_fp8_values(graphs: bool, tiny_l
     ("qwen3", (32, 32)),   # k and v 48 rows wide: the fused q/k/v's scales go per row
     ("llama", (48, 48)),   # no width a multiple: partial edge tiles on both sides
     ("phi3", (48, 48)),    # q/k/v and gate/up fused in the checkpoint, parts off the block edges
+    ("gemma3", (32, 32)),  # Gemma's own layer (model/gemma.py) over FP8 projections, tied LM head unquantized
 ])
 def test_block_fp8_checkpoint_matches_peft(family: str, block: tuple[int, int], request: pytest.FixtureRequest,
                                            tmp_path: Path) -> None:
