@@ -35,10 +35,6 @@ class Fp8Weight:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
     def to(self, device: torch.device) -> "Fp8Weight":
         return Fp8Weight(self.weight.to(device), self.scale.to(device), self.block)
 
