@@ -478,18 +478,45 @@ def norm_bytes(cfg, itemsize: int) -> int:
     return (2 * cfg.num_layers + 1) * cfg.hidden_size * itemsize
 
 
-def weight_bytes_per_rank(cfg, itemsize: int, tp: int = 1) -> int:
-    """The weights every decode step reads: all of them, but a mixture-of-experts model's
-    experts (expert_bytes_per_rank: a step reads those its tokens are routed to)."""
+def projection_shapes_per_rank(cfg, tp: int = 1, mlp: bool = True) -> list[tuple[int, int]]:
+    """(out, in) of one layer's fused projections (q/k/v, o, and gate/up, down where `mlp`: a
+    routed layer's MLP is its experts) on one rank."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size // tp
+    shapes = [((cfg.q_size + 2 * cfg.kv_size) // tp, h), (h, cfg.q_size // tp)]
+    return shapes + [(2 * inter, h), (h, inter)] if mlp else shapes
+
+
+def fp8_block(cfg, fp8: bool) -> tuple[int, int] | None | bool:
+    """The projections' FP8 scale tiles: the checkpoint's (quantization_config), per channel
+    (None) where `fp8` quantizes a plain checkpoint at load, False where they stay plain."""
+    if cfg.weight_quant is not None:
+        return cfg.weight_quant.block
+    return None if fp8 else False
+
+
+def weight_bytes_per_rank(cfg, itemsize: int, tp: int = 1, fp8: bool = False) -> int:
+    """The weights one rank reads every decode step: all of them but a mixture-of-experts
+    model's experts (expert_bytes_per_rank: a step reads those its tokens are routed to); FP8
+    projections (an FP8 checkpoint, or `fp8`: --quantization fp8) at one byte a weight plus
+    their float32 scales (one per output channel, or per block of the checkpoint's tiles)."""
     _check_tp(cfg, tp)
     h = cfg.hidden_size
-    qkv_out = (cfg.q_size + 2 * cfg.kv_size) // tp
-    attention = h * qkv_out + (cfg.q_size // tp) * h + (qkv_out if cfg.attention_bias else 0)
-    routed = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    dense_mlp = (cfg.num_layers - routed) * 3 * h * (cfg.intermediate_size // tp)
-    routers = routed * cfg.num_experts * h
-    return ((cfg.num_layers * attention + dense_mlp + routers + -(-cfg.vocab_size // tp) * h) * itemsize
-            + norm_bytes(cfg, itemsize))
+    block = fp8_block(cfg, fp8)
+
+    def projection(out: int, fan_in: int) -> int:
+        if block is False:
+            return out * fan_in * itemsize
+        scales = out if block is None else -(-out // block[0]) * -(-fan_in // block[1])
+        return out * fan_in + 4 * scales
+
+    total = 0
+    for i in range(cfg.num_layers):
+        routed = cfg.is_moe_layer(i)
+        total += sum(projection(out, fan_in) for out, fan_in in projection_shapes_per_rank(cfg, tp, not routed))
+        total += cfg.num_experts * h * itemsize if routed else 0   # the router
+    if cfg.attention_bias:
+        total += cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size) // tp * itemsize
+    return total + -(-cfg.vocab_size // tp) * h * itemsize + norm_bytes(cfg, itemsize)
 
 
 def expert_bytes_per_rank(cfg, itemsize: int, tp: int = 1) -> int:
@@ -542,8 +569,8 @@ class StepBytes:
     top_k: int = 0
 
     @classmethod
-    def of(cls, cfg, itemsize: int, adapter_bytes: Mapping[str, int], tp: int = 1) -> "StepBytes":
-        return cls(weight_bytes_per_rank(cfg, itemsize, tp), cfg.hidden_size * itemsize,
+    def of(cls, cfg, itemsize: int, adapter_bytes: Mapping[str, int], tp: int = 1, fp8: bool = False) -> "StepBytes":
+        return cls(weight_bytes_per_rank(cfg, itemsize, tp, fp8), cfg.hidden_size * itemsize,
                    kv_bytes_per_token(cfg, itemsize, tp), dict(adapter_bytes),
                    expert_bytes_per_rank(cfg, itemsize, tp), cfg.num_experts, cfg.num_experts_per_tok)
 

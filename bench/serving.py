@@ -7,6 +7,7 @@ in process and, when asked, through the served node's gRPC and HTTP APIs.
     python -m bench.serving --model qwen3-8b-random --paths engine,grpc   # a served family's shapes (bench/shapes.py)
     python -m bench.serving --poisson 20                 # open loop, Poisson arrivals, Zipf popularity
     python -m bench.serving --device cpu                 # CPU: the embedded SmolLM2, small settings
+    python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections (or an FP8 checkpoint's folder)
     python -m bench.serving --rows a,b,c,d --rounds 3    # rows take turns 3 times: medians
     python -m bench.serving --paths engine,grpc,http --rows b,c --adapter-counts 32 --api-processes 2
 
@@ -49,9 +50,9 @@ import torch
 
 from bench.driver import DecodeStep, Driver, ReqRecord
 from bench.harness import (ALL_MODULES, COMPILES, QV, Col, NodeProcess, Spec, StepBytes, Table, adapter_bytes_per_rank,
-                           add_common_args, bench_model, build_llm, copy_bandwidth, device_line, frozen_gc, make_specs,
-                           node_config, parse_range, pct, release_memory, runtime, sync, write_adapters, write_json,
-                           zipf_index)
+                           add_common_args, bench_model, build_llm, copy_bandwidth, device_line, dtype_name, frozen_gc,
+                           kv_bytes_per_token, make_specs, node_config, parse_range, pct, release_memory, runtime, sync,
+                           write_adapters, write_json, zipf_index)
 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
@@ -504,6 +505,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--qv-adapters", type=int, default=32, help="row d: rank-8 q/v adapters")
     p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="as `inference-node serve --quantization` (an FP8 checkpoint is FP8 without it); the "
+                        "floor counts its projections at 1 byte a weight plus their scales")
     p.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
     p.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off: rows share prompts)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
@@ -529,6 +533,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if set(args.paths) - set(PATHS):
         p.error(f"--paths: choose from {', '.join(PATHS)}")
     return args
+
+
+def memory_line(llm, kv_block: int, which: str) -> str:
+    """The node's weights as loaded on its device, and the KV blocks a GB of what they leave
+    holds: bf16 against --quantization fp8 (or an FP8 checkpoint) is read off two runs' lines.
+    (The rows' KV cache itself is sized to the workload, --num-kv-blocks, to time alike.)"""
+    model = llm.node.model
+    device_total = (torch.cuda.get_device_properties(model.device).total_memory
+                    if model.device.type == "cuda" else 0)
+    free = (f"; at --gpu-memory-utilization 0.9 of {device_total / 1e9:.1f} GB, "
+            f"{(0.9 * device_total - model.weight_bytes()) / kv_block:.0f} KV blocks beside the weights "
+            "(before adapters and activations)" if device_total else "")
+    return (f"weights ({which} node): {model.weight_bytes() / 1e9:.3f} GB on the device"
+            f"{' with FP8 projections' if model.fp8_projections else ''}; a KV block of "
+            f"{llm.node.config.cache.block_size} tokens is {kv_block / 1e6:.3f} MB{free}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
@@ -573,7 +592,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     itemsize = dtype.itemsize
     abytes = {n: adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) for n in r16}
     abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
-    nbytes = StepBytes.of(cfg, itemsize, abytes)
+    fp8 = args.quantization == "fp8" or cfg.weight_quant is not None
+    nbytes = StepBytes.of(cfg, itemsize, abytes, fp8=fp8)
+    plain_weights = StepBytes.of(cfg, itemsize, {}).weights
+    kv_block = kv_bytes_per_token(cfg, itemsize) * args.block_size
     specs = make_specs(args.requests, args.prompt_len, args.output_len, cfg.vocab_size, args.poisson, args.seed)
 
     rows: list[Row] = []
@@ -599,7 +621,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                    prefill_delay_factor=args.prefill_delay_factor,
                    warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
                    tuning_fixed=frozenset(given), tuning_table=args.tuning_table, tune_budget=args.tune_budget,
-                   log_level="WARNING",
+                   log_level="WARNING", quantization=args.quantization,
                    api_processes=count_or_auto(args.api_processes))
     names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
     configs = {False: node_config(model, device, dtype, max_loras=0, **options),
@@ -612,7 +634,9 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
         f"{device_line(device, dtype)}  copy bandwidth (D2D, read+write): {bw / 1e9:.1f} GB/s",
         f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/"
         f"{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}, {nbytes.weights / 1e9:.3f} GB of weights read per "
-        "decode step",
+        "decode step" + (f" (FP8 projections: {(plain_weights - nbytes.weights) / 1e9:.3f} GB less than in "
+                         f"{dtype_name(dtype)}, room for {(plain_weights - nbytes.weights) // kv_block} more KV blocks "
+                         f"of {args.block_size} tokens)" if fp8 else ""),
         f"workload: {args.requests} requests, prompt {args.prompt_len[0]}-{args.prompt_len[1]} tokens, output "
         f"{args.output_len[0]}-{args.output_len[1]} tokens (ignore EOS), " + (
             f"open loop Poisson {args.poisson} req/s, Zipf({args.zipf_alpha}) adapter popularity, at most "
@@ -660,6 +684,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                     llms[lora] = build_llm(configs[lora], names if lora else ())
                     print(f"tuning table ({'LoRA' if lora else 'base'} node): "
                           f"{llms[lora].node.config.kernels.tuning_table}", flush=True)
+                    print(memory_line(llms[lora], kv_block, 'LoRA' if lora else 'base'), flush=True)
                 except Exception as exc:
                     fail(group, "engine", exc)
         for _ in range(args.rounds):

@@ -82,6 +82,12 @@ class ModelOptions:
     device: str = option("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available")
     dtype: str = option("auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto = bfloat16 on cuda, float32 on cpu")
+    quantization: str = option("none", choices=("none", "fp8"),
+                               help="fp8: the decoder's projections (q, k, v, o, gate, up, down) held as FP8 "
+                                    "(e4m3, one scale per output channel) made at load from a 16/32-bit "
+                                    "checkpoint; embeddings, norms and the LM head stay in --dtype. An FP8 "
+                                    "checkpoint (config.json quantization_config: fine-grained fp8, "
+                                    "compressed-tensors FP8) is served with its own scales either way")
     max_model_len: int = option(4096, help="prompt + output tokens")
     tensor_parallel_size: int = option(1, help="split the model over this many GPUs of the host (one process "
                                                "each; gloo on CPU)")

@@ -164,11 +164,14 @@ def unserved_model(config: NodeConfig) -> str | None:
     from .model.families import UnsupportedModel
 
     try:
-        ModelConfig.from_checkpoint(Path(config.model.checkpoint))
+        model = ModelConfig.from_checkpoint(Path(config.model.checkpoint))
     except UnsupportedModel as exc:
         return str(exc)
     except (OSError, KeyError, TypeError, ValueError):
         return None
+    if config.model.quantization == "fp8" and model.num_experts:
+        return (f"{model.family}: --quantization fp8 of a mixture-of-experts model is not served "
+                f"(its experts would stay 16-bit); serve it without --quantization")
     return None
 
 

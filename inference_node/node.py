@@ -231,7 +231,7 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
     if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
         tunings = tunings.map(tensor_parallel_tuning)
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
-                            load_format=model_options.load_format, tp=tp)
+                            load_format=model_options.load_format, tp=tp, quantization=model_options.quantization)
     launches = StepLaunches(device, tunings, model.gemm_groups)
     max_num_seqs = config.scheduler.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = config.runner.mixed_graphs_on(device.type)
@@ -326,12 +326,13 @@ def _assemble(config: NodeConfig, parts: RankParts, ranks: Workers | None, start
         warmup=warmup, debug_checks=runner.debug_checks))
     cfg = model.full_config
     per_block = KVCache.bytes_per_block(model.config, cache.block_size, dtype)
-    log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters%s) on %s as %s "
-             "in %.1fs; KV cache: %d blocks x %d tokens (%.2f GiB%s), max model length %d",
+    log.info("loaded %s (%s, %d layers, hidden %d, %d/%d heads, vocab %d, %.1fM parameters%s) on %s as %s%s "
+             "in %.1fs: %.2f GiB of weights%s; KV cache: %d blocks x %d tokens (%.2f GiB%s), max model length %d",
              checkpoint, cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.num_heads,
              cfg.num_kv_heads, cfg.vocab_size, model.num_parameters() / 1e6,
              f" on rank 0 of {ranks.size}" if ranks else "", device, parts.dtype_name,
-             time.monotonic() - started, blocks, cache.block_size, blocks * per_block / (1 << 30),
+             " with FP8 projections" if model.fp8_projections else "", time.monotonic() - started, model.weight_bytes() / (1 << 30),
+             " per rank" if ranks else "", blocks, cache.block_size, blocks * per_block / (1 << 30),
              " per rank" if ranks else "", model_len)
     if adapters is not None:
         buffers, sources = adapters.buffers, config.sources

@@ -56,6 +56,16 @@ class SafetensorsTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
+    def discard(self, name: str) -> None:
+        """Forget a tensor read in parts (never read whole); nothing where it was popped."""
+        self.files.pop(name, None)
+
+    def read(self, name: str) -> torch.Tensor:
+        """A whole tensor, left in place (the scales of a fused tensor read in parts)."""
+        file, stored = self.files[name]
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return f.get_tensor(stored)
+
     def peek(self, name: str, rows: tuple[int, int]) -> torch.Tensor:
         """Rows [rows[0]:rows[1]] of a tensor, left in place (a fused tensor read in parts)."""
         file, stored = self.files[name]
@@ -102,6 +112,14 @@ class DummyTensors:
             out.normal_(0.0, self.std, generator=self.generator)
         self._made = (name, out)
         return out
+
+    def discard(self, name: str) -> None:
+        self.shapes.pop(name, None)
+        self._made = None
+
+    def read(self, name: str) -> torch.Tensor:
+        """A whole tensor left in place (as SafetensorsTensors.read)."""
+        return self._make(name)
 
     def peek(self, name: str, rows: tuple[int, int]) -> torch.Tensor:
         """Rows of a tensor left in place (as SafetensorsTensors.peek)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .families import FAMILIES, UnsupportedModel, family_of
+from .quant import WeightQuant, checkpoint_quant
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -58,6 +59,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # The checkpoint's FP8 projections (quantization_config; model/quant.py), None: plain weights.
+    weight_quant: WeightQuant | None = None
 
     @property
     def q_size(self) -> int:
@@ -134,6 +137,7 @@ class ModelConfig:
             raise UnsupportedModel(f"{family.name}: MLP activation {act_name!r} is not served "
                                    f"(served: {', '.join(ACTIVATIONS)})")
         window, layer_types = _windows(raw, family.name, layers)
+        weight_quant = checkpoint_quant(raw, layers)
         # As transformers builds each family: Qwen2's q/k/v always carry biases (o never);
         # Llama's, Qwen3's and Gemma's attention_bias puts them on q, k, v and o; Mistral's and
         # Phi-3's attention has none; only Llama has MLP biases (mlp_bias).
@@ -147,6 +151,9 @@ class ModelConfig:
         if gemma and raw.get("use_bidirectional_attention"):
             raise UnsupportedModel(f"{family.name}: bidirectional attention (an embedding model) is not served")
         moe = _experts(raw, family.name, layers) if family.decoder == "moe" else {}
+        if moe and weight_quant is not None:
+            raise UnsupportedModel(f"{family.name}: FP8 weights (quantization_config) of a mixture-of-experts "
+                                   f"model are not served; serve its 16-bit checkpoint")
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
@@ -177,6 +184,7 @@ class ModelConfig:
             sliding_rope_theta=sliding_theta,
             sliding_rope_scaling=sliding_scaling,
             **moe,
+            weight_quant=weight_quant,
         )
 
     @classmethod

@@ -24,7 +24,7 @@ import torch
 
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
-from kernels.gemm import RopeOut, cublas
+from kernels.gemm import Fp8Weight, RopeOut, cublas, fp8_linear
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
 from kernels.tuning import DEFAULT_TUNING
@@ -54,15 +54,17 @@ class LayerWeights:
     checkpoint's [out, in]): at decode batch sizes cuBLAS's kernels for x @ W are faster in
     that layout (measured on an H100: docs/PERFORMANCE.md). With the Triton decode GEMM (kernels/gemm)
     the projections it serves are transposed views of [out, in] matrices instead: each of its
-    programs then streams contiguous rows."""
+    programs then streams contiguous rows. FP8 projections (an FP8 checkpoint, or
+    --quantization fp8) are Fp8Weights instead, [out, in] with their scales: fp8_matmul's
+    layout, whichever GEMM the step's choices name for the group."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | Fp8Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | Fp8Weight
     post_norm: torch.Tensor         # the norm of the residual stream before the MLP
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | Fp8Weight
+    down: torch.Tensor | Fp8Weight
     # What some families have (None where the config says not): biases of o (whole under
     # tensor parallelism: added after the all-reduce), gate/up and down; per-head q/k norms
     # (Qwen3, Gemma 3); Gemma's norms of the attention's and the MLP's outputs.
@@ -75,7 +77,8 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if t is not None]
+        """Every weight tensor (an FP8 projection's fp8 matrix, not its scales)."""
+        return [t.weight if isinstance(t, Fp8Weight) else t for t in vars(self).values() if t is not None]
 
 
 class LlamaModel:
@@ -114,13 +117,15 @@ class LlamaModel:
     @classmethod
     def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
              max_positions: int | None = None, gemm_groups: frozenset[str] = DEFAULT_TUNING.gemm_groups,
-             load_format: str = "safetensors", tp: TensorParallel | None = None) -> "LlamaModel":
+             load_format: str = "safetensors", tp: TensorParallel | None = None,
+             quantization: str = "none") -> "LlamaModel":
         """The model of the checkpoint's family (this class, or model/gemma.py's), or with
         `tp` this rank's shard of it (model/loader.py). gemm_groups: the projections whose
-        weights are laid out for the decode GEMM (Tuning.gemm_groups)."""
+        weights are laid out for the decode GEMM (Tuning.gemm_groups). quantization "fp8":
+        plain projections quantized at load (an FP8 checkpoint is read as one regardless)."""
         from .loader import load_model
 
-        return load_model(path, device, dtype, max_positions, gemm_groups, load_format, tp)
+        return load_model(path, device, dtype, max_positions, gemm_groups, load_format, tp, quantization)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]
@@ -129,6 +134,22 @@ class LlamaModel:
         for layer in self.layers:
             tensors += layer.tensors()
         return sum(t.numel() for t in tensors)
+
+    @property
+    def fp8_projections(self) -> bool:
+        """Whether the decoder's projections are held as FP8 (model/quant.py)."""
+        return isinstance(self.layers[0].qkv, Fp8Weight)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this process holds (an FP8 projection's fp8 bytes and scales; a
+        tied LM head once): what the KV cache does not get."""
+        tensors = [self.embed, self.final_norm]
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            for t in vars(layer).values():
+                tensors += [t.weight, t.scale] if isinstance(t, Fp8Weight) else [t] if t is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -312,11 +333,15 @@ class LlamaModel:
         return (out if bias is None else out + bias), None
 
     def _project(self, launch: LaunchChoices, lora: LoraApplier | None, layer: int, group: str,
-                 x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                 x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, LoraDelta | None]:
         """A fused projection with its LoRA: (output, a delta left for the next op or None).
-        weight is [in, out]; the decode GEMM serves decode-shaped x where configured."""
-        gemm = launch.gemm if launch.gemm.serves(group) else cublas
+        weight is [in, out] (or an Fp8Weight); the decode GEMM serves decode-shaped x where
+        configured."""
+        if isinstance(weight, Fp8Weight):
+            gemm = fp8_linear
+        else:
+            gemm = launch.gemm if launch.gemm.serves(group) else cublas
         if lora is None:
             return gemm(x, weight, bias, group), None
         fold = lora.fold(layer, group)

@@ -1,7 +1,9 @@
 """Which kernel computes a projection x @ W: the Triton decode GEMM (triton_kernel.py) for
 decode-shaped inputs on CUDA in the groups the tuning names (Tuning.gemm_groups), cuBLAS for
 everything else (prefill, CPU, shapes its tiles do not divide); with a fused group's LoRA
-folded in, the fold kernel (fold_triton_kernel.py) or its reference.
+folded in, the fold kernel (fold_triton_kernel.py) or its reference. An FP8 projection
+(fp8_weight.Fp8Weight) goes to fp8_matmul whatever the step's choices: the decode GEMM and the
+fold kernel read 16-bit weights only, so its LoRA runs beside it as beside cuBLAS.
 
 Why the Triton GEMM: launched with programmatic dependent launch (Hopper) it starts while the
 kernel ahead of it ends and asks L2 for its first weights (Tuning.gemm_prefetch_k) before it
@@ -17,6 +19,7 @@ import torch
 from ..dispatch import triton_kernel
 from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
+from .fp8_weight import Fp8Weight, fp8_linear
 from .rope_out import RopeOut
 from .shapes import MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits
 
@@ -47,6 +50,15 @@ def decode_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *, tma: b
                   prefetch_a=prefetch_a)
 
 
+def beside_lora(y: torch.Tensor, x: torch.Tensor, lora: GemmLora) -> torch.Tensor:
+    """A matmul's output y = x @ W with the fold's LoRA done as the fold kernel's reference
+    does it: the delta added (expand), or only the shrink's rows stored for the next op."""
+    if not lora.expand:
+        lora.store_shrink(x)
+        return y
+    return (y.float() + lora.delta(x)).to(x.dtype)
+
+
 class DecodeGemm:
     """x @ W for the model's projections, W given as [in, out] (possibly a transposed view)."""
 
@@ -60,13 +72,15 @@ class DecodeGemm:
         contiguous) rather than [in, out] (cuBLAS's faster layout at decode batch sizes)."""
         return self.cuda and group in self.tuning.gemm_groups
 
-    def applies(self, x: torch.Tensor, w: torch.Tensor, group: str | None = None) -> bool:
-        return (self.cuda and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
-                and tiling(w, group, self.tuning.gemm_tilings) is not None)
+    def applies(self, x: torch.Tensor, w: torch.Tensor | Fp8Weight, group: str | None = None) -> bool:
+        return (self.cuda and not isinstance(w, Fp8Weight) and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS
+                and x.stride(1) == 1 and tiling(w, group, self.tuning.gemm_tilings) is not None)
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+    def __call__(self, x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
                  group: str | None = None, lora: GemmLora | None = None) -> torch.Tensor:
         """x @ w (+ bias), plus `lora`'s delta folded into the same launch where given."""
+        if isinstance(w, Fp8Weight):
+            return fp8_linear(x, w, bias) if lora is None else beside_lora(fp8_linear(x, w, bias), x, lora)
         if lora is not None:
             return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):
@@ -127,11 +141,7 @@ class DecodeGemm:
         tuning = self.tuning
         fold_tiling = tiling(w, group, tuning.fold_tilings, x.shape[0])
         if fold_tiling is None or bias is not None:
-            y = cublas(x, w, bias)
-            if not lora.expand:
-                lora.store_shrink(x)
-                return y
-            return (y.float() + lora.delta(x)).to(x.dtype)
+            return beside_lora(cublas(x, w, bias), x, lora)
         tma = pdl = False
         if self.serves(group) and self.applies(x, w, group):
             pdl = tuning.pdl_on(x)

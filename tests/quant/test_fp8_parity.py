@@ -1,0 +1,128 @@
+"""LoRA over FP8 bases (#57), as a user runs them: a mixed batch of the base model and PEFT
+adapters of several ranks and targets through gRPC, over (a) a plain checkpoint served with
+`--quantization fp8` and (b) checkpoints written in Hugging Face's fine-grained FP8 format
+(block scales, the projections' widths multiples of the block or not: the fused q/k/v then
+holds per-row scales) and in compressed-tensors' per-channel and per-tensor formats, against
+transformers + PEFT running the same FP8 values dequantized to float32 (tests/fp8_checkpoints.py):
+token for token, greedy."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from family_checkpoints import family_spec, make_family_adapter
+from fp8_checkpoints import write_dequantized_twin, write_fp8_checkpoint, write_quantized_twin
+from harness import InProcessNode, generate_all, peft_greedy
+from inference_node.adapters.slots import row_nbytes
+from inference_node.config import NodeConfig
+from inference_node.model.config import ModelConfig
+from kernels.gemm import Fp8Weight
+
+
+def adapters_of(family: str, edges: bool) -> dict[str, tuple[int, float, list[str]]]:
+    spec = family_spec(family)
+    attn, mlp = list(spec.attention), list(spec.mlp)
+    embed, head = (["embed_tokens"], ["lm_head"]) if edges else ([], [])
+    return {"r2-attn": (2, 4.0, attn[:1] + attn[-1:]), "r8-all": (8, 16.0, attn + mlp + embed),
+            "r16-mlp-head": (16, 16.0, mlp + head)}
+
+
+def run_parity(served: Path, oracle: Path, family: str, tmp_path: Path, graphs: bool = False,
+               **settings: object) -> InProcessNode:
+    """Serves `served` with `settings`, checks every job's tokens against transformers + PEFT
+    over `oracle` (plain weights), and returns the stopped node."""
+    adapters = adapters_of(family, edges=not graphs)
+    root = tmp_path / "adapters"
+    for seed, (name, (rank, alpha, targets)) in enumerate(adapters.items()):
+        make_family_adapter(oracle, root / name, rank, alpha, targets, seed=seed, scale=3.0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(3)]
+    expected = {name: peft_greedy(oracle, root / name, prompts, 10) for name in adapters}
+    expected[""] = peft_greedy(oracle, None, prompts, 10)
+    assert sum(expected[n] != expected[""] for n in adapters) >= len(adapters) - 1, "adapters too weak"
+    row = sum(row_nbytes(ModelConfig.from_checkpoint(oracle), torch.float32).values())
+    mode = "on" if graphs else "off"
+    node = InProcessNode(NodeConfig.of(checkpoint=str(served), device="cpu", dtype="float32", num_kv_blocks=256,
+                                      max_loras=3, max_lora_rank=16, lora_memory_bytes=16 * row,
+                                      adapter_dir=str(root), debug_checks=True, max_num_batched_tokens=128,
+                                      decode_graphs=mode, mixed_graphs=mode, **settings))
+    try:
+        jobs = [(name, prompts[i], 10) for name in ["", *adapters] for i in range(len(prompts))]
+        rng.shuffle(jobs)
+        for (name, prompt, _), got in zip(jobs, generate_all(node, jobs)):
+            assert got == expected[name][prompts.index(prompt)], f"adapter {name or 'base'} diverged"
+        node.check_idle()
+        assert all(e.refs == 0 for e in node.node.adapters.entries())
+        if graphs:
+            stats = node.engine.snapshot()
+            assert stats["graph_steps"] > 0 and stats["piecewise_graph_steps"] > 0, stats
+    finally:
+        node.stop()
+    return node
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_quantized_at_load_matches_peft_over_its_fp8_values(graphs: bool, tiny_llama_path: Path,
+                                                            tmp_path: Path) -> None:
+    """`--quantization fp8` on a plain checkpoint: the node answers as transformers + PEFT over
+    the per-channel FP8 values dequantized (and not as over the plain weights: the check
+    would be weak otherwise). graphs: the decode and piecewise graphs' paths, where the
+    step's LoRA may be folded into the projection's matmul (routed beside fp8_matmul)."""
+    twin = write_quantized_twin(tiny_llama_path, tmp_path / "twin")
+    run_parity(tiny_llama_path, twin, "llama", tmp_path, graphs=graphs, quantization="fp8")
+    plain = peft_greedy(tiny_llama_path, None, [[500, 600, 700, 800]], 10)
+    assert plain != peft_greedy(twin, None, [[500, 600, 700, 800]], 10), "FP8 rounding changes no answer"
+
+
+@pytest.mark.parametrize("family, block", [
+    ("llama", (32, 32)),   # every width a multiple of the block
+    ("qwen3", (32, 32)),   # k and v 48 rows wide: the fused q/k/v's scales go per row
+    ("llama", (48, 48)),   # no width a multiple: partial edge tiles on both sides
+    ("phi3", (48, 48)),    # q/k/v and gate/up fused in the checkpoint, parts off the block edges
+    ("gemma3", (32, 32)),  # Gemma's own layer (model/gemma.py) over FP8 projections, tied LM head unquantized
+])
+def test_block_fp8_checkpoint_matches_peft(family: str, block: tuple[int, int], request: pytest.FixtureRequest,
+                                           tmp_path: Path) -> None:
+    plain = request.getfixturevalue(f"tiny_{family}_path")
+    fp8 = write_fp8_checkpoint(plain, tmp_path / "fp8", "fp8", block)
+    run_parity(fp8, write_dequantized_twin(fp8, tmp_path / "twin"), family, tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8_checkpoint_matches_peft(strategy: str, tiny_qwen2_path: Path, tmp_path: Path) -> None:
+    """compressed-tensors' float-quantized FP8 (dynamic per-token activations declared: the
+    node keeps activations unquantized), on Qwen2 (q/k/v biases beside the FP8 weights)."""
+    fp8 = write_fp8_checkpoint(tiny_qwen2_path, tmp_path / "fp8", strategy)
+    run_parity(fp8, write_dequantized_twin(fp8, tmp_path / "twin"), "qwen2", tmp_path, quantization="fp8")
+
+
+def test_fp8_checkpoint_is_held_as_its_own_fp8_bytes_and_scales(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """The pre-quantized checkpoint is not read as plain weights: every projection is an
+    Fp8Weight holding the checkpoint's own bytes and scales (q/k/v fused in order), and the
+    same file without its quantization_config is refused, not read as plain weights."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from inference_node.model.checkpoint import CheckpointError
+    from inference_node.model.llama import LlamaModel
+
+    fp8 = write_fp8_checkpoint(tiny_llama_path, tmp_path / "fp8", "fp8", (32, 32))
+    model = LlamaModel.load(fp8, torch.device("cpu"), torch.float32)
+    stored = load_file(str(fp8 / "model.safetensors"))
+    qkv = model.layers[1].qkv
+    assert isinstance(qkv, Fp8Weight) and qkv.weight.dtype == torch.float8_e4m3fn and qkv.block == (32, 32)
+    names = [f"model.layers.1.self_attn.{m}_proj.weight" for m in "qkv"]
+    assert torch.equal(qkv.weight.view(torch.uint8), torch.cat([stored[n] for n in names]).view(torch.uint8))
+    assert torch.equal(qkv.scale, torch.cat([stored[n + "_scale_inv"] for n in names]))
+    assert all(isinstance(getattr(layer, g), Fp8Weight) for layer in model.layers for g in ("qkv", "o", "gate_up", "down"))
+    assert model.lm_head.dtype == torch.float32 and model.embed.dtype == torch.float32
+
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"float8_e4m3fn, not plain weights.*quantization_config"):
+        LlamaModel.load(fp8, torch.device("cpu"), torch.float32)
