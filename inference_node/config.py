@@ -223,7 +223,7 @@ class ServerOptions:
                  "share adapter=\"_other\" (bounds the series count)")
     drain_seconds: float = option(10.0, help="on SIGTERM, time running requests get to finish")
     drain_min_seconds: float = option(
-        1.5, help="on SIGTERM, the least time the node answers NOT_SERVING (refusing new requests with "
+        1.5, hidden=True, help="on SIGTERM, the least time the node answers NOT_SERVING (refusing new requests with "
                   "UNAVAILABLE) before it closes its port, so a proxy's health checks see it first")
     log_level: str = option("INFO", help="DEBUG, INFO, WARNING or ERROR")
 

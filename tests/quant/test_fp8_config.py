@@ -113,3 +113,24 @@ def test_quantization_flag_takes_fp8_or_none(capsys) -> None:
     with pytest.raises(SystemExit) as exited:
         parser.parse_args(["--quantization", "int8"])
     assert exited.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+MOE = {**BASE, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
+def test_fp8_of_a_mixture_of_experts_model_is_refused() -> None:
+    with pytest.raises(UnsupportedModel, match="FP8 weights .* mixture-of-experts"):
+        ModelConfig.from_dict({**MOE, "quantization_config": FP8})
+    assert ModelConfig.from_dict(MOE).num_experts == 4  # the 16-bit checkpoint is served
+
+
+def test_serve_refuses_quantizing_a_mixture_of_experts_model_in_one_line(tmp_path, tokenizer_dir) -> None:
+    model = _checkpoint(tmp_path, tokenizer_dir, MOE)
+    proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--model", str(model),
+                           "--device", "cpu", "--port", "0", "--quantization", "fp8"],
+                          capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    errors = [line for line in output.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "--quantization fp8 of a mixture-of-experts model" in errors[0], output
