@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -93,9 +94,12 @@ def submit(engine: Engine, prompt: list[int] = PROMPT, grammar: str = "", follow
     return req, out
 
 
-def drain(engine: Engine, outs: list[Collected], limit: int = 4000) -> None:
-    for _ in range(limit):
-        engine.run_once(block=False)
+def drain(engine: Engine, outs: list[Collected], timeout: float = 120.0) -> None:
+    """Runs the loop until every answer ended: blocking while idle, so a grammar compiling on
+    its thread (slow on a loaded machine) wakes the loop when it is done."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        engine.run_once(block=True)
         if all(o.reason is not None for o in outs) and engine._launched is None:
             return
     raise AssertionError("the engine did not finish its requests")
