@@ -17,7 +17,6 @@ bandwidth. Every FP8 launch's output is checked against the reference before it 
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -30,10 +29,30 @@ from kernels.tuning import GROUPS
 from kernels.tuning_table import ModelShape
 
 LLAMA_3_1_8B = ModelShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
-# The sweep's grid: each tiling compiles once per projection (a few seconds each), so it is
-# kept to columns x K splits at 128-wide K tiles, and 256-wide ones at the default columns.
-SWEEP_BLOCK_N = (32, 64, 128)
-SWEEP_SPLIT_K = (None, 1, 2, 4)
+# The sweep's grid: each tiling compiles once per projection (a few seconds each), so it is kept
+# to the designs that could beat today's default (fp8_triton_kernel.py's docstring): swap-AB
+# (the widened weight wgmma's register operand) with pointer or TMA loads, wider column tiles
+# (fewer rereads of x from L2) and K tiles, 8 warps, and the integer e4m3 -> bf16 widening,
+# alone and with the rest, so each one's effect shows against the others.
+SWEEP_TILINGS = (
+    # (block_n, block_k, split_k, num_warps, num_stages, swap_ab, tma, widen_prmt)
+    (64, 128, None, 4, 4, False, False, True),     # today's kernel, only the widening changed
+    (128, 128, None, 4, 4, True, False, False),    # swap-AB, pointer loads
+    (128, 128, None, 8, 4, True, False, True),
+    (64, 128, None, 4, 4, True, True, False),      # swap-AB, TMA
+    (128, 128, None, 4, 4, True, True, False),
+    (128, 128, None, 8, 4, True, True, False),
+    (128, 128, 2, 8, 4, True, True, False),
+    (128, 128, 1, 8, 6, True, True, False),
+    (64, 256, None, 4, 4, True, True, False),
+    (128, 256, None, 8, 3, True, True, False),
+    (256, 128, None, 8, 4, True, True, False),
+    (64, 128, None, 4, 4, True, True, True),       # swap-AB, TMA, integer widening
+    (128, 128, None, 4, 4, True, True, True),
+    (128, 128, None, 8, 4, True, True, True),
+    (128, 256, None, 8, 3, True, True, True),
+    (256, 128, None, 8, 4, True, True, True),
+)
 
 # Microseconds per call of each of `calls` (one per weight copy), run back to back.
 Timer = Callable[[Sequence[Callable[[], object]]], float]
@@ -50,7 +69,8 @@ class Row:
     fp8_bytes: int   # what one FP8 launch must move: weights, scales, x and y
     bf16_bytes: int
     tiling: Fp8Tiling = DECODE_TILING
-    note: str = ""   # the sweep's unfit tilings
+    note: str = ""   # the sweep's tilings left out
+    swept: tuple[tuple[Fp8Tiling, float | None], ...] = ()  # each tiling's us (None: left out)
 
 
 def wall_timer(calls: Sequence[Callable[[], object]], rounds: int = 3) -> float:
@@ -105,10 +125,17 @@ def fp8_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def sweep_tilings() -> list[Fp8Tiling]:
-    grid = [replace(DECODE_TILING, block_n=n, block_k=128, split_k=s)
-            for n, s in itertools.product(SWEEP_BLOCK_N, SWEEP_SPLIT_K)]
-    wide_k = [replace(DECODE_TILING, block_k=256, split_k=s) for s in SWEEP_SPLIT_K]
-    return [t for t in grid + wide_k if t != DECODE_TILING]  # the default is timed anyway
+    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt")
+    grid = [replace(DECODE_TILING, **dict(zip(keys, values))) for values in SWEEP_TILINGS]
+    return [t for t in grid if t != DECODE_TILING]  # the default is timed anyway
+
+
+def describe(tiling: Fp8Tiling) -> str:
+    """A tiling in a table's width: (block_n, block_k, split) warps/stages and its options."""
+    flags = "".join(name for name, on in ((" swap", tiling.swap_ab), (" tma", tiling.tma),
+                                          (" prmt", tiling.widen_prmt)) if on)
+    return (f"({tiling.block_n}, {tiling.block_k}, {tiling.split_k or 'auto'}) "
+            f"w{tiling.num_warps} s{tiling.num_stages}{flags}")
 
 
 def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | None,
@@ -130,22 +157,27 @@ def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | 
             bf16_us = timer([lambda w=w: torch.mm(x, w) for w in bf16])
             check(x, fp8[0], scales[0], block, fp8_call(x, fp8[0], scales[0], block, None), group)
             fp8_us = timer([fp8_call(x, w, s, block, None) for w, s in zip(fp8, scales)])
-            best, unfit = DECODE_TILING, []
+            best, failed, swept = DECODE_TILING, [], [(DECODE_TILING, fp8_us)]
             for tiling in tilings:
                 try:
                     check(x, fp8[0], scales[0], block, fp8_call(x, fp8[0], scales[0], block, tiling),
                           f"{group} {tiling}")
                     us = timer([fp8_call(x, w, s, block, tiling) for w, s in zip(fp8, scales)])
-                except Exception as exc:  # Triton's OutOfResources: more shared memory than here
-                    if type(exc).__name__ != "OutOfResources":
-                        raise
-                    unfit.append(tiling)
+                except Exception as exc:
+                    # A candidate that does not fit (Triton's OutOfResources: more shared memory
+                    # than here), does not compile, or misses the reference is reported and left
+                    # out: the one run still times the others.
+                    failed.append(f"{describe(tiling)}: {type(exc).__name__}: {str(exc)[:200]}")
+                    swept.append((tiling, None))
                     continue
+                swept.append((tiling, us))
                 if us < fp8_us:
                     best, fp8_us = tiling, us
-            note = f"{len(unfit)} tiling(s) unfit (shared memory)" if unfit else ""
+            for line in failed:
+                print(f"{group} rows {rows}: left out {line}")
+            note = f"{len(failed)} tiling(s) left out (unfit, failed or wrong)" if failed else ""
             out.append(Row(group, rows, n, k, bf16_us, fp8_us, n * k + scale_bytes + act_bytes,
-                           2 * n * k + act_bytes, best, note))
+                           2 * n * k + act_bytes, best, note, tuple(swept)))
     return out
 
 
@@ -157,17 +189,23 @@ def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
     tuned = any(r.tiling != DECODE_TILING for r in rows)
     out(f"\n{'projection':10} {'rows':>4} {'N':>6} {'K':>6} {'bf16 us':>8} {'fp8 us':>8} "
         f"{'bf16/fp8':>8} {'fp8 GB/s':>8} {'of copy':>7} {'bf16 GB/s':>9} {'of copy':>7}"
-        + ("  fp8 tiling (n, k, split)" if tuned else "") + f"   [{unit}]")
+        + ("  fastest fp8 tiling" if tuned else "") + f"   [{unit}]")
     for r in sorted(rows, key=lambda r: (r.rows, GROUPS.index(r.group))):
         fp8_rate, bf16_rate = r.fp8_bytes / r.fp8_us * 1e-3, r.bf16_bytes / r.bf16_us * 1e-3
         share = ((lambda rate: f"{rate * 1e9 / bandwidth:7.0%}") if bandwidth else (lambda rate: f"{'-':>7}"))
-        tiling = (f"  ({r.tiling.block_n}, {r.tiling.block_k}, {r.tiling.split_k or 'auto'})"
-                  if tuned else "")
+        tiling = f"  {describe(r.tiling)}" if tuned else ""
         out(f"{r.group:10} {r.rows:4d} {r.n:6d} {r.k:6d} {r.bf16_us:8.2f} {r.fp8_us:8.2f} "
             f"{r.bf16_us / r.fp8_us:8.2f} {fp8_rate:8.0f} {share(fp8_rate)} {bf16_rate:9.0f} "
             f"{share(bf16_rate)}{tiling}" + (f"  {r.note}" if r.note else ""))
     if bandwidth:
         out(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
+    swept = [r for r in rows if len(r.swept) > 1]
+    if swept:  # every tiling's time, so one run shows each design's effect
+        out(f"\n{'fp8 us per tiling':42}" + "".join(f" {f'{r.group}/{r.rows}':>12}" for r in swept))
+        for i, (tiling, _) in enumerate(swept[0].swept):
+            cells = [r.swept[i][1] for r in swept]
+            out(f"{describe(tiling):42}" + "".join(f" {'left out' if us is None else f'{us:.2f}':>12}"
+                                                   for us in cells))
 
 
 def parse_block(text: str | None) -> tuple[int, int] | None:
@@ -189,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", default="64", help="batch sizes, comma-separated")
     parser.add_argument("--block", help="block scales BN,BK (e.g. 128,128); default per-channel")
     parser.add_argument("--sweep", action="store_true",
-                        help="also time a grid of tilings (block_n x split_k, block_k) per projection")
+                        help="also time a grid of tilings and designs (swap-AB, TMA, integer "
+                        "widening) per projection, each checked against the reference first")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     args = parser.parse_args(argv)
     device = torch.device(args.device if args.device != "auto" else

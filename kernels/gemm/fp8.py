@@ -41,7 +41,9 @@ E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 @dataclass(frozen=True)
 class Fp8Tiling:
     """The Triton FP8 GEMM's launch (fp8_gemm_triton's keywords). block_m None: every row of a
-    decode batch in one tile; split_k None: enough K splits to give every SM a program."""
+    decode batch in one tile; split_k None: enough K splits to give every SM a program;
+    swap_ab: tiles computed as W @ x.T; tma: tiles fetched by TMA where it runs; widen_prmt:
+    e4m3 -> bf16 by integer ops and one packed multiply (fp8_triton_kernel.py)."""
 
     block_m: int | None = None
     block_n: int = 64
@@ -49,6 +51,9 @@ class Fp8Tiling:
     split_k: int | None = None
     num_warps: int = 4
     num_stages: int = 4
+    swap_ab: bool = False
+    tma: bool = False
+    widen_prmt: bool = False
 
 
 # Decode: 64-column tiles (each program rereads the batch's rows from L2 once per tile, so

@@ -16,6 +16,19 @@ launch sums in a fixed order (deterministic, so replays are bit-identical). Rows
 (prefill) get programs of their own, the row tile fastest so that the programs running
 together share their weight tile in L2.
 
+On Hopper the tile's product runs on wgmma, whose second operand must sit in shared memory and
+whose first may come from registers. As x @ W.T the widened weight is the second operand: each
+K tile is widened in registers, written back to shared memory and multiplied with a wait for
+the MMA (ttgir: local_alloc, warp_group_dot, pendings 0). With SWAP_AB each tile is computed as
+W @ x.T, the decode GEMM's usual orientation: the widened weight is the register operand (no
+shared-memory round trip, and the MMAs of a K tile overlap), the large N is the MMA's 64-row
+dimension and the batch's rows its N (16 to 64). TMA: the x and W tiles are fetched by the
+tensor memory accelerator (one instruction a tile; zero past the matrices' edges) where the
+pointer loads issue one 16-byte copy per thread. WIDEN_PRMT: e4m3 -> bf16 by integer ops
+(E4M3_TO_BF16_ASM) where Triton's conversion takes one F2F (a quarter-rate conversion) per
+element. All three are exact; which is fastest is measured (inference_node/tuner/fp8_gemm.py
+--sweep).
+
 Everything is sized from shapes, nothing from data: a CUDA graph captures both launches.
 """
 from __future__ import annotations
@@ -24,34 +37,96 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, dot_f32, num_sms
+from ..host import cdiv, dot_f32, hopper, interpreting, num_sms
 from .shapes import row_tile
 
 MAX_BLOCK_M = 64  # rows a program's tile holds by default; more rows get more programs
 MIN_K_TILES_PER_SPLIT = 4  # a split's K range keeps a few tiles to pipeline
 
 
+# e4m3 -> bf16 in four bytes at a time (WIDEN_PRMT): each byte moved to the top of a 16-bit lane
+# (prmt), its 7 magnitude bits shifted under bf16's sign (shr, and, or): that bf16 is the e4m3
+# value times 2^-120 (the exponent biases differ by 120; e4m3's subnormals land on bf16's, the
+# same mantissa bits), and one packed multiply by 2^120 (0x7B80) makes it the value, exactly
+# (a power of two; subnormal inputs come out normal). fma with -0.0 added is the multiply, on
+# sm_80 and newer. Triton's own widening goes through f16 with one F2F per element.
+E4M3_TO_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 lo, hi, t, two120, nz;
+mov.b32 two120, 0x7B807B80;
+mov.b32 nz, 0x80008000;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 t, lo, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 lo, lo, 0x80008000;
+or.b32 lo, lo, t;
+shr.b32 t, hi, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 hi, hi, 0x80008000;
+or.b32 hi, hi, t;
+fma.rn.bf16x2 $0, lo, two120, nz;
+fma.rn.bf16x2 $1, hi, two120, nz;
+}
+""")
+
+
 @triton.jit
-def _dot_wt(x, w, acc, DOT_F32: tl.constexpr):
-    """acc + x @ w.T for x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] e4m3, w widened to x's
-    type (exact), or both to float32 with DOT_F32 (kernels/host.py: dot_f32)."""
+def _widen(w, dtype: tl.constexpr, WIDEN_PRMT: tl.constexpr):
+    """e4m3 w in `dtype` (exact): Triton's conversion, or with WIDEN_PRMT (bf16 only) the
+    integer path of E4M3_TO_BF16_ASM."""
+    if WIDEN_PRMT:
+        wide = tl.inline_asm_elementwise(E4M3_TO_BF16_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        wide = w.to(dtype)
+    return wide
+
+
+@triton.jit
+def _tile_product(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr,
+                  WIDEN_PRMT: tl.constexpr):
+    """acc + x @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc + w @ x.T ([BLOCK_N, BLOCK_M]),
+    for x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] e4m3, w widened to x's type (exact),
+    or both to float32 with DOT_F32 (kernels/host.py: dot_f32)."""
     if DOT_F32:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        a = w.to(tl.float32)
+        b = x.to(tl.float32)
+    else:
+        a = _widen(w, x.dtype, WIDEN_PRMT)
+        b = x
+    if SWAP_AB:
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee" if DOT_F32 else None)
+    else:
+        acc = tl.dot(b, tl.trans(a), acc, input_precision="ieee" if DOT_F32 else None)
+    return acc
+
+
+@triton.jit
+def _along_n(v, SWAP_AB: tl.constexpr):
+    """A per-column vector [BLOCK_N] shaped to broadcast over the accumulator."""
+    if SWAP_AB:
+        shaped = v[:, None]
+    else:
+        shaped = v[None, :]
+    return shaped
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N,
+    x_ptr, w_ptr, x_desc, w_desc, s_ptr, out_ptr, M, N,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed by _split_k_sum; else out is y and gets x's dtype.
     BLOCK_SCALES: s is [ceil(N/SCALE_BN), ceil(K/SCALE_BK)] and BLOCK_K divides SCALE_BK; else
-    s is [N] (stride stride_sn). EVEN_K: BLOCK_K divides K (no column mask)."""
+    s is [N] (stride stride_sn). EVEN_K: BLOCK_K divides K (no column mask). SWAP_AB: the
+    tile is computed as W @ x.T (module docstring). TMA: x and W tiles come through the
+    descriptors x_desc [M, K] and w_desc [N, K] (zero past their edges), not the pointers."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -66,29 +141,39 @@ def _fp8_gemm_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     if BLOCK_SCALES:
         s_ptrs = s_ptr + (offs_n // SCALE_BN) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
+        if TMA:
+            x = x_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K] e4m3
+        elif EVEN_K:
             x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
         else:
             in_k = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
         if BLOCK_SCALES:  # this K tile's scales, applied to its products only
-            part = _dot_wt(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), DOT_F32)
+            part = _tile_product(x, w, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT)
             scale = tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=mask_n, other=0.0)
-            acc += part * scale.to(tl.float32)[None, :]
+            acc += part * _along_n(scale.to(tl.float32), SWAP_AB)
         else:
-            acc = _dot_wt(x, w, acc, DOT_F32)
+            acc = _tile_product(x, w, acc, SWAP_AB, DOT_F32, WIDEN_PRMT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not BLOCK_SCALES:
         scale = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)
-        acc = acc * scale.to(tl.float32)[None, :]
-    out_ptrs = (out_ptr + pid_k * stride_split + offs_m[:, None].to(tl.int64) * stride_om
-                + offs_n[None, :])
-    mask = mask_m[:, None] & mask_n[None, :]
+        acc = acc * _along_n(scale.to(tl.float32), SWAP_AB)
+    rows = offs_m.to(tl.int64) * stride_om
+    if SWAP_AB:
+        out_ptrs = out_ptr + pid_k * stride_split + offs_n[:, None] + rows[None, :]
+        mask = mask_n[:, None] & mask_m[None, :]
+    else:
+        out_ptrs = out_ptr + pid_k * stride_split + rows[:, None] + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
     if PARTIAL:
         tl.store(out_ptrs, acc, mask=mask)
     else:
@@ -116,16 +201,42 @@ def auto_split_k(programs: int, k_tiles: int, sms: int) -> int:
     return split
 
 
+def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address x [M, K] and weight [N, K]: 16-byte aligned bases
+    and row strides (a K of one byte a weight that is a multiple of 16), K contiguous."""
+    return (x.stride(1) == 1 and weight.stride(1) == 1 and x.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
+            and weight.stride(0) % 16 == 0)
+
+
+def descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: int,
+                block_k: int) -> tuple[object, object] | tuple[None, None]:
+    """TMA descriptors of x [M, K] and weight [N, K] for [block_m, block_k] and [block_n,
+    block_k] tiles where TMA runs them (Hopper, or Triton's interpreter, and tma_fits); else
+    (None, None): the pointer loads."""
+    if not (tma_fits(x, weight) and (hopper(x) or interpreting())):
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (M, K), N = x.shape, weight.shape[0]
+    return (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
+            TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, block_k]))
+
+
 def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int] | None, *, block_m: int | None = None,
                     block_n: int = 64, block_k: int = 128, split_k: int | None = None,
-                    num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int = 4, swap_ab: bool = False,
+                    tma: bool = False, widen_prmt: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. scale: float32 [N] (block None), else
     [ceil(N/block[0]), ceil(K/block[1])] with block_k dividing block[1]. block_m: rows a
     program takes (None: every row of a decode batch, up to MAX_BLOCK_M; at least 16, the
     tensor cores' smallest); split_k: programs sharing a tile's K range (None: enough to give
-    every SM a program, auto_split_k)."""
+    every SM a program, auto_split_k). swap_ab: each tile computed as W @ x.T (the widened
+    weight the MMA's register operand); tma: tiles fetched by the tensor memory accelerator
+    where the device has one (Hopper) and tma_fits, else by pointer loads; widen_prmt: e4m3 ->
+    bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere)."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K or weight.dtype != torch.float8_e4m3fn:
@@ -150,12 +261,15 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         scale_bn, scale_bk, stride_sn, stride_sk = 1, 1, scale.stride(0), 0
     else:
         (scale_bn, scale_bk), (stride_sn, stride_sk) = block, scale.stride()
+    f32 = dot_f32(x.dtype, x.device)
+    x_desc, w_desc = descriptors(x, weight, block_m, block_n, block_k) if tma else (None, None)
     _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
-        x, weight, scale, out, M, N,
+        x, weight, x_desc, w_desc, scale, out, M, N,
         x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N,
         K=K, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        DOT_F32=dot_f32(x.dtype, x.device), PARTIAL=partial, EVEN_K=K % block_k == 0,
+        DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
+        TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if partial:

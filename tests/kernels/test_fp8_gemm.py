@@ -39,26 +39,43 @@ CHILD_TIMEOUT = 300  # the cases took about 20 s on a shared two-core machine
 @pytest.mark.skipif(INTERPRET, reason="the interpreted child itself")
 @pytest.mark.timeout(CHILD_TIMEOUT + 30)
 def test_fp8_gemm_in_interpreter() -> None:
-    out = run_interpreted("-k", "not in_interpreter and not for_hopper", str(Path(__file__).resolve()),
+    out = run_interpreted("-k", "not in_interpreter and not for_hopper and not integer_widening",
+                          str(Path(__file__).resolve()),
                           timeout=CHILD_TIMEOUT)
     assert " passed" in out and "skipped" not in out, out[-8000:]
 
 
-# (x type, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, PARTIAL, EVEN_K, warps, stages)
+# (x type, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, PARTIAL, EVEN_K, warps, stages,
+#  SWAP_AB, TMA, WIDEN_PRMT)
 HOPPER_VARIANTS = [
-    ("bf16", 64, 64, 128, False, True, True, 4, 4),    # decode: 64 rows, K split, per-channel
-    ("bf16", 16, 64, 128, True, False, True, 4, 4),    # decode: one row tile, block scales
-    ("fp16", 64, 64, 128, False, False, True, 4, 4),
-    ("bf16", 128, 128, 64, True, False, False, 8, 4),  # prefill, a K tail
+    ("bf16", 64, 64, 128, False, True, True, 4, 4, False, False, False),  # decode: 64 rows, K split
+    ("bf16", 16, 64, 128, True, False, True, 4, 4, False, False, False),  # one row tile, block scales
+    ("fp16", 64, 64, 128, False, False, True, 4, 4, False, False, False),
+    ("bf16", 128, 128, 64, True, False, False, 8, 4, False, False, False),  # prefill, a K tail
+    ("bf16", 64, 128, 128, False, True, True, 4, 4, True, False, False),  # swap-AB, pointer loads
+    ("bf16", 64, 128, 128, False, True, True, 8, 4, True, True, False),   # swap-AB, TMA
+    ("bf16", 16, 64, 128, True, False, True, 4, 4, True, True, True),     # + integer widening
+    ("bf16", 64, 128, 256, False, True, True, 8, 3, True, True, True),
+    ("bf16", 64, 64, 128, False, False, False, 4, 4, False, True, True),  # TMA without swap, a K tail
+    ("fp16", 64, 64, 128, True, True, True, 4, 4, True, True, False),
 ]
 
 
+def _variant_id(v: tuple) -> str:
+    flags = "".join(name for name, on in zip(("-swap", "-tma", "-prmt"), v[9:]) if on)
+    return f"{v[0]}-m{v[1]}-n{v[2]}-k{v[3]}-w{v[7]}{flags}"
+
+
 @pytest.mark.skipif(INTERPRET, reason="compiles: the interpreter has no compiler")
-@pytest.mark.parametrize("variant", HOPPER_VARIANTS, ids=[f"{v[0]}-m{v[1]}-n{v[2]}-k{v[3]}" for v in HOPPER_VARIANTS])
+@pytest.mark.parametrize("variant", HOPPER_VARIANTS, ids=[_variant_id(v) for v in HOPPER_VARIANTS])
 def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> None:
     """Triton's compiler (which the interpreter skips) takes every variant for sm_90 without a
-    GPU, and its loads go through cp.async (the software pipeline over num_stages), as at run
-    time where the launch's pointers and strides are 16-divisible (the hints given here)."""
+    GPU, as at run time where the launch's pointers and strides are 16-divisible (the hints
+    given here): its loads go through cp.async (the software pipeline over num_stages), or with
+    TMA through bulk tensor copies; with SWAP_AB the widened weight is wgmma's register operand
+    (no shared-memory round trip; without it, wgmma reads the widened weight from shared
+    memory, or under 64 rows Ampere's mma.sync runs); with WIDEN_PRMT no conversion goes
+    through f16."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -66,25 +83,101 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
 
     from kernels.gemm.fp8_triton_kernel import _fp8_gemm_kernel, _split_k_sum
 
-    x_type, block_m, block_n, block_k, block_scales, partial, even_k, warps, stages = variant
+    (x_type, block_m, block_n, block_k, block_scales, partial, even_k, warps, stages, swap, tma,
+     prmt) = variant
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
-                      DOT_F32=False, PARTIAL=partial, EVEN_K=even_k)
+                      DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
+                      WIDEN_PRMT=prmt)
     types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
              "out_ptr": "*fp32" if partial else f"*{x_type}"}
+    if tma:
+        types.update(x_desc=f"tensordesc<{x_type}[{block_m},{block_k}]>",
+                     w_desc=f"tensordesc<fp8e4nv[{block_n},{block_k}]>")
+    else:
+        constexprs.update(x_desc=None, w_desc=None)
     aligned = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "stride_xm", "stride_wn", "stride_om")
     fn = _fp8_gemm_kernel
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
-    assert "cubin" in compiled.asm and "cp.async" in compiled.asm["ptx"]
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    assert "cubin" in compiled.asm
+    assert ("cp.async.bulk.tensor" in ptx) if tma else ("cp.async.cg" in ptx)
+    dots = [line for line in ttgir.splitlines() if "ttng.warp_group_dot " in line]
+    if not dots:  # x @ W.T with fewer than 64 rows: wgmma's M is 64, so Ampere's mma.sync
+        assert not swap and block_m < 64 and "mma.sync" in ptx
+    operand_types = [line.split("} : ", 1)[1] for line in dots]  # "A type * B type -> acc"
+    register_a = [t.startswith("tensor<") and " * !ttg.memdesc" in t for t in operand_types]
+    assert all(register_a) if swap else not any(register_a)
+    if prmt:
+        assert "fma.rn.bf16x2" in ptx and "cvt.bf16.f16" not in ptx and "e4m3x2" not in ptx
+    elif x_type == "bf16":
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
     if partial:
         sum_signature = {"part_ptr": "*fp32", "y_ptr": f"*{x_type}", "numel": "i32",
                          "SPLIT_K": "constexpr", "BLOCK": "constexpr"}
         summed = triton.compile(ASTSource(_split_k_sum, sum_signature, dict(SPLIT_K=4, BLOCK=1024)),
                                 target=GPUTarget("cuda", 90, 32))
         assert "cubin" in summed.asm
+
+
+def _run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
+    """The straight-line PTX of E4M3_TO_BF16_ASM run on 32-bit values: prmt (default mode),
+    shr, and, or, mov and fma.rn.bf16x2 (each lane rounded to bf16 from the exact value)."""
+    def value(token: str) -> int:
+        return int(token, 0) if token[0].isdigit() else registers[token]
+
+    def bf16x2(word: int) -> torch.Tensor:
+        return torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+    for line in asm.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        a = [value(t) for t in src]
+        if op == "prmt.b32":
+            pool = a[0].to_bytes(4, "little") + a[1].to_bytes(4, "little")
+            out = bytes(pool[(a[2] >> (4 * i)) & 0x7] for i in range(4))
+            registers[dst] = int.from_bytes(out, "little")
+        elif op == "shr.b32":
+            registers[dst] = a[0] >> a[1]
+        elif op == "and.b32":
+            registers[dst] = a[0] & a[1]
+        elif op == "or.b32":
+            registers[dst] = a[0] | a[1]
+        elif op == "mov.b32":
+            registers[dst] = a[0]
+        elif op == "fma.rn.bf16x2":
+            exact = bf16x2(a[0]).double() * bf16x2(a[1]).double() + bf16x2(a[2]).double()
+            lanes = exact.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+            registers[dst] = int(lanes[0]) | int(lanes[1]) << 16
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return registers
+
+
+@pytest.mark.skipif(INTERPRET, reason="no kernel: the asm's arithmetic, checked on the host")
+def test_the_integer_widening_is_exact_for_every_e4m3_code() -> None:
+    """E4M3_TO_BF16_ASM (the GPU-only WIDEN_PRMT path, which the interpreter cannot run) maps
+    each of four packed e4m3 bytes, in order, to its bf16 value exactly: all 254 finite codes,
+    subnormals and both zeros included (NaN codes excepted: no weight holds one)."""
+    from kernels.gemm.fp8_triton_kernel import E4M3_TO_BF16_ASM
+
+    codes = torch.arange(256, dtype=torch.int32)
+    expected = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.bfloat16)
+    finite = ~expected.isnan()
+    got = []
+    for word in codes.reshape(64, 4).tolist():
+        packed = word[0] | word[1] << 8 | word[2] << 16 | word[3] << 24
+        out = _run_ptx(E4M3_TO_BF16_ASM.value, {"$2": packed})
+        got += [out["$0"] & 0xFFFF, out["$0"] >> 16, out["$1"] & 0xFFFF, out["$1"] >> 16]
+    got_bf16 = torch.tensor(got, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(got_bf16[finite].view(torch.int16), expected[finite].view(torch.int16))
+    assert int(finite.sum()) == 254
 
 
 def make_case(rows: int, n: int, k: int, block: tuple[int, int] | None, dtype: torch.dtype,
@@ -120,21 +213,50 @@ SHAPES = [
     (7, 48, 256, dict(block_n=16, block_k=32, split_k=None)),  # auto: splits to fill the SMs
     (37, 40, 96, dict(block_m=16, block_n=32, block_k=32, split_k=2)),  # rows over 3 row tiles
 ]
-BLOCKS = [None, (32, 64), (16, 32)]  # per-channel; scale blocks wider and narrower than block_n
+# per-channel; scale blocks wider and narrower than block_n; one scale a row per 32 columns (the
+# loader's spread block scales of fused groups and shards off block edges)
+BLOCKS = [None, (32, 64), (16, 32), (1, 32)]
+
+
+# The launch options on top of each shape's tiling: today's x @ W.T, swap-AB, swap-AB with TMA
+# (and the integer widening, which runs on a compiled GPU only: here Triton's conversion).
+LAUNCHES = [{}, dict(swap_ab=True), dict(swap_ab=True, tma=True, widen_prmt=True)]
 
 
 @needs_triton_device
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["xwt", "swap", "swap-tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block", BLOCKS, ids=["channel", "block32x64", "block16x32"])
+@pytest.mark.parametrize("block", BLOCKS, ids=["channel", "block32x64", "block16x32", "block1x32"])
 @pytest.mark.parametrize("rows,n,k,tiling", SHAPES, ids=[f"m{s[0]}-n{s[1]}-k{s[2]}" for s in SHAPES])
 def test_kernel_matches_reference(rows: int, n: int, k: int, tiling: dict,
-                                  block: tuple[int, int] | None, dtype: torch.dtype) -> None:
+                                  block: tuple[int, int] | None, dtype: torch.dtype,
+                                  launch: dict) -> None:
     from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
 
     if block is not None and block[1] % tiling["block_k"]:
         tiling = {**tiling, "block_k": block[1]}
     x, weight, scale = make_case(rows, n, k, block, dtype)
-    assert_matches_reference(fp8_gemm_triton(x, weight, scale, block, **tiling), x, weight, scale, block)
+    y = fp8_gemm_triton(x, weight, scale, block, **tiling, **launch)
+    assert_matches_reference(y, x, weight, scale, block)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("block", [None, (32, 64), (1, 32)], ids=["channel", "block32x64", "block1x32"])
+@pytest.mark.parametrize("rows,n,k", [(1, 72, 208), (7, 100, 160), (64, 40, 96)])
+def test_tma_tiles_past_the_edges_read_as_zero(rows: int, n: int, k: int,
+                                               block: tuple[int, int] | None) -> None:
+    """Where TMA runs (here: K a multiple of 16, 16-byte aligned rows), its descriptors are
+    built and the tiles past N, past K and past the batch's rows read as zeros: the swap-AB and
+    x @ W.T launches give the reference's values, split over K or not."""
+    from kernels.gemm.fp8_triton_kernel import descriptors, fp8_gemm_triton
+
+    x, weight, scale = make_case(rows, n, k, block, torch.bfloat16)
+    assert all(d is not None for d in descriptors(x, weight, 16, 32, 32))
+    for swap_ab in (False, True):
+        for split_k in (1, 2):
+            y = fp8_gemm_triton(x, weight, scale, block, block_n=32, block_k=32, split_k=split_k,
+                                swap_ab=swap_ab, tma=True)
+            assert_matches_reference(y, x, weight, scale, block)
 
 
 @needs_triton_device
@@ -165,12 +287,15 @@ def test_a_per_tensor_scale_broadcast_by_a_stride_0_view() -> None:
 
 @needs_triton_device
 @pytest.mark.parametrize("rows", [1, 7, 64, 100])  # 100: past DECODE_ROWS, the prefill tiling
-@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block128"])
+@pytest.mark.parametrize("block", [None, (128, 128), (1, 128), (128, 1)],
+                         ids=["channel", "block128", "block1x128", "block128x1"])
 def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
         rows: int, block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Triton runs, fp8_matmul launches the kernel (decode tiling up to DECODE_ROWS rows,
     prefill tiling above) and gives the reference's values; with prefill_w8a8 too where W8A8
-    does not take the shape (K = 136: torch's row-wise scaled GEMM needs multiples of 16)."""
+    does not take the shape (K = 136: torch's row-wise scaled GEMM needs multiples of 16).
+    Scale blocks one column wide (the loader's spread of a shard off a block edge) no K tile
+    divides: the reference runs them, no launch."""
     from kernels.gemm import fp8, fp8_triton_kernel
 
     launches = []
@@ -187,7 +312,7 @@ def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
         y = fp8.fp8_matmul(x, weight, scale, block, prefill_w8a8=w8a8)
         assert_matches_reference(y, x, weight, scale, block)
     tiling = fp8.DECODE_TILING if rows <= fp8.DECODE_ROWS else fp8.PREFILL_TILING
-    assert [kw["block_n"] for kw in launches] == [tiling.block_n] * 2
+    assert [kw["block_n"] for kw in launches] == ([] if block == (128, 1) else [tiling.block_n] * 2)
 
 
 @needs_triton_device
@@ -212,8 +337,29 @@ def test_the_bench_sweep_checks_each_tiling_against_the_reference() -> None:
     from kernels.tuning_table import ModelShape
 
     shape = ModelShape(hidden=64, intermediate=96, heads=2, kv_heads=1, head_dim=32)
-    tilings = [Fp8Tiling(block_n=16, block_k=32, split_k=2), Fp8Tiling(block_n=32, block_k=64, split_k=1)]
+    tilings = [Fp8Tiling(block_n=16, block_k=32, split_k=2),
+               Fp8Tiling(block_n=32, block_k=64, split_k=1, swap_ab=True, tma=True, widen_prmt=True)]
     timer = fp8_gemm.wall_timer if INTERPRET else fp8_gemm.cuda_timer
     rows = fp8_gemm.measure(shape, [3], (32, 32), torch.device(DEVICE), timer, copies=1, tilings=tilings)
     assert [(r.group, r.n, r.k) for r in rows] == [(g, n, k) for g, (n, k) in shape.gemms().items()]
     assert all(r.tiling in (DECODE_TILING, *tilings) and r.fp8_us > 0 for r in rows)
+    assert all([t for t, _ in r.swept] == [DECODE_TILING, *tilings] for r in rows)
+    lines: list[str] = []
+    fp8_gemm.print_table(rows, None, smoke=True, out=lines.append)
+    per_tiling = lines[next(i for i, line in enumerate(lines) if "fp8 us per tiling" in line):]
+    assert [line.split(")")[0] + ")" for line in per_tiling[1:]] == ["(64, 128, auto)", "(16, 32, 2)", "(32, 64, 1)"]
+    assert "w4 s4 swap tma prmt" in per_tiling[3]
+
+
+def test_the_sweep_grid_covers_each_design() -> None:
+    """The --sweep grid times each new design against today's default: swap-AB with pointer
+    and TMA loads, the integer widening with and without swap-AB, 8 warps, wider tiles; each
+    tiling once, and within one H200 call's budget (about 20)."""
+    from inference_node.tuner.fp8_gemm import sweep_tilings
+    from kernels.gemm.fp8 import DECODE_TILING
+
+    grid = sweep_tilings()
+    assert DECODE_TILING not in grid and len(set(grid)) == len(grid) <= 20
+    designs = {(t.swap_ab, t.tma, t.widen_prmt) for t in grid}
+    assert {(False, False, True), (True, False, False), (True, True, False), (True, True, True)} <= designs
+    assert {t.block_n for t in grid} >= {64, 128, 256} and {t.num_warps for t in grid} == {4, 8}

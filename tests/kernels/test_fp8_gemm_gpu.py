@@ -59,6 +59,28 @@ def test_decode_kernel_matches_reference_at_8b_widths(group: str, rows: int,
     assert torch.equal(fp8_matmul(x, weight, scale, block), y)  # the dispatcher launches it
 
 
+# The sweep's new designs (kernels/gemm/fp8_triton_kernel.py), as launch keywords.
+DESIGNS = {"swap": dict(swap_ab=True, block_n=128),
+           "swap-tma": dict(swap_ab=True, tma=True, block_n=128, num_warps=8),
+           "swap-tma-prmt": dict(swap_ab=True, tma=True, widen_prmt=True, block_n=128, num_warps=8),
+           "prmt": dict(widen_prmt=True)}
+
+
+@pytest.mark.parametrize("design", list(DESIGNS.values()), ids=list(DESIGNS))
+@pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("group", ["o", "down"])
+def test_each_design_matches_reference_at_8b_widths(group: str, rows: int, block: tuple[int, int] | None,
+                                                    design: dict) -> None:
+    """Swap-AB, TMA and the integer e4m3 -> bf16 widening compute the reference's value (bf16
+    rounding aside) natively, as the interpreter tests check them off the GPU."""
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
+
+    n, k = WIDTHS_8B[group]
+    x, weight, scale = _case(rows, n, k, block)
+    _assert_bf16_close(fp8_gemm_triton(x, weight, scale, block, **design), _expected(x, weight, scale, block))
+
+
 @pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
 @pytest.mark.parametrize("group", ["o", "down"])
 def test_prefill_rows_match_reference(group: str, block: tuple[int, int] | None) -> None:
