@@ -583,7 +583,7 @@ class AdapterManager:
         over = [m for m, r in entry.ranks.items() if r > buffers.arenas[m].rows]
         if not over:
             return None
-        module, mb = over[0], 1 << 20
+        module, mb = max(over, key=lambda m: entry.ranks[m] * buffers.row_nbytes[m]), 1 << 20
         rows, need = buffers.arenas[module].rows, entry.ranks[module]
         if module in buffers.held:
             hint = "raise --lora-memory-mb or serve a smaller adapter"
