@@ -151,3 +151,24 @@ def test_the_node_refuses_an_expert_adapter_too_large_for_its_memory_and_serves_
         assert all(e.refs == 0 for e in node.node.adapters.entries())
     finally:
         node.stop()
+
+
+def test_the_experts_arenas_are_held_with_the_mlp_modules_named(tiny_qwen3_moe_path: Path) -> None:
+    """--lora-modules q_proj,v_proj keeps no expert memory and refuses expert adapters from
+    their config, naming the flag; gate_proj,up_proj hold the experts' gate_up_proj only."""
+    from inference_node.adapters.slots import held_modules
+    from inference_node.adapters.weights import never_servable
+    from inference_node.model.families import FAMILIES
+
+    config, family = ModelConfig.from_checkpoint(tiny_qwen3_moe_path), FAMILIES["qwen3_moe"]
+    targets = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+    qv = SlotBuffers(config, 2, 8, torch.float32, torch.device("cpu"), rows=8, modules=("q_proj", "v_proj"))
+    assert qv.experts.nbytes() == 0 and qv.arenas["experts.gate_up_proj"].rows == 0
+    refusal = never_servable("a", 4, targets, 16, held_modules(("q_proj", "v_proj")), family)
+    assert refusal is not None and "\n" not in refusal and "--lora-modules" in refusal
+    assert "experts.gate_up_proj,experts.down_proj" in refusal, refusal
+    gate_up = SlotBuffers(config, 2, 8, torch.float32, torch.device("cpu"), rows=8, modules=("q_proj", "gate_proj"))
+    assert (gate_up.arenas["experts.gate_up_proj"].rows, gate_up.arenas["experts.down_proj"].rows) == (16, 0)
+    refusal = never_servable("a", 4, targets, 16, held_modules(("q_proj", "gate_proj")), family)
+    assert refusal is not None and "experts.down_proj" in refusal and "gate_up" not in refusal.split(";")[0]
+    assert never_servable("a", 4, targets, 16, held_modules(("q_proj", "gate_proj", "down_proj")), family) is None
