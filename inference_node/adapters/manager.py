@@ -305,15 +305,15 @@ class AdapterManager:
             if entry is None:
                 done(None, error)
                 return
+            too_large = self._too_large(entry)
+            if too_large is not None:  # refused now, not pinned: it never holds the GPU
+                done(None, too_large)
+                return
             if pin:
                 entry.pinned = True
                 entry.draining = False  # a pinned slot is never given away
             if entry.resident:
                 done(entry, None)
-                return
-            too_large = self._too_large(entry)
-            if too_large is not None:
-                done(None, too_large)
                 return
             self.resident_waiters.append((entry, done))
             if entry.slot < 0:

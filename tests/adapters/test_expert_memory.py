@@ -107,8 +107,9 @@ def test_an_expert_adapter_larger_than_adapter_memory_is_refused_in_one_line(tin
     an admin load and for a request, RESOURCE_EXHAUSTED with the sizes, no retry."""
     config = ModelConfig.from_checkpoint(tiny_mixtral_path)
     m = expert_manager(config, 6 * budget_row_nbytes(config, torch.float32), {"big": 8, "small": 4})
-    entry, error = load(m, "big")
+    entry, error = load(m, "big", pin=True)
     assert entry is None and isinstance(error, AdapterTooLarge)
+    assert not m.current["big"].pinned  # its host copy may go like any idle one's
     message = str(error)
     assert error.status == grpc.StatusCode.RESOURCE_EXHAUSTED and not error.retry_may_help
     assert "\n" not in message and "16 rank rows of experts.gate_up_proj" in message, message
