@@ -243,7 +243,7 @@ def churn(args) -> list[ChurnRow]:
     set / --working-set-ratio rank rows, host memory of --host-adapters): before each alpha every
     adapter is unloaded and its files dropped from the page cache, then (--start warm) untimed
     traffic of the same popularity fills the tiers as serving would."""
-    from inference_node.adapters.slots import held_modules, row_nbytes
+    from inference_node.adapters.slots import budget_row_nbytes, row_nbytes
     from inference_node.model.config import ModelConfig
 
     device, dtype = runtime(args)
@@ -279,7 +279,7 @@ def churn(args) -> list[ChurnRow]:
         everyone = sorted({n for t in traffic for n in t.distinct})
         resident_rows = sum(rank_of[n] for n in everyone)
         sizes = row_nbytes(cfg, dtype)
-        per_row, arena_row = sum(sizes[m] for m in targets), sum(sizes[m] for m in held_modules(targets))
+        per_row, arena_row = sum(sizes[m] for m in targets), budget_row_nbytes(cfg, dtype, targets)
         options = engine_options(args, prompt_len[1] + output_len[1] + args.block_size, args.concurrency, args.requests)
         header = [
             device_line(device, dtype),

@@ -140,14 +140,14 @@ class LoraOptions:
     lora_memory_bytes: int = option(
         0, flag="--lora-memory-mb", unit=MB,
         help="GPU memory for adapters (on each GPU of a tensor-parallel node), shared by rank: an adapter "
-             "holds its own rank's rows on each module it targets (0: --max-loras adapters of "
-             "--max-lora-rank)")
+             "holds its own rank's rows on each module it targets, a mixture-of-experts model's experts "
+             "included (0: --max-loras adapters of --max-lora-rank)")
     lora_modules: tuple[str, ...] = option(
         ADAPTER_MODULES, parse=lora_modules, shown=",".join(ADAPTER_MODULES),
         help="comma-separated modules adapters may target (default: all: the seven projections, embed_tokens "
              "and lm_head; a Phi-3 adapter's qkv_proj and gate_up_proj count as q,k,v and gate,up); the "
-             "adapter memory keeps rank rows only for their fused groups (q,k,v / o / gate,up / down) and the "
-             "edge modules named")
+             "adapter memory keeps rank rows only for their fused groups (q,k,v / o / gate,up / down), the "
+             "edge modules named and a mixture-of-experts model's experts of the MLP modules named")
     adapter_eviction: str = option("lru", choices=("lru", "gdsf"),
                                    help="which idle adapters leave the GPU first when memory is wanted: least "
                                         "recently used, or GreedyDual-Size-Frequency (requests per byte, aged)")

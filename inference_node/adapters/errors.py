@@ -50,6 +50,13 @@ class NoSlotAvailable(AdapterError):
     status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class AdapterTooLarge(NoSlotAvailable):
+    """It needs more of some module's adapter memory than this node has at all (rank rows of
+    an arena, --lora-memory-mb): it can never become resident here."""
+
+    retry_may_help = False
+
+
 class AdapterNumericalFault(AdapterError):
     """The adapter's forward gave logits that are not finite (NaN or Inf) for a request: its
     weights make the model overflow. Retrying the same version cannot help."""

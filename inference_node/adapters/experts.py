@@ -1,37 +1,103 @@
 """The experts' LoRA of resident adapters on a mixture-of-experts base model, on the device:
-per adapter slot, each MoE layer's A [experts, r, in] and B [experts, out, r] of the expert
-parameters it targets (model/moe.py adds them beside each expert's matmuls).
+per MoE layer and expert parameter, an arena of rank rows shared by every resident adapter,
+A [experts, rows, in] and B [experts, rows, out] (model/moe.py adds each row's adapter's
+delta beside each expert's matmul).
 
-Not paged in the arenas' rank rows (slots.py): an adapter's expert LoRA is allocated when its
-slot is written and freed with the slot. Under tensor parallelism each rank keeps the
-experts' block of intermediate columns its base experts hold: gate/up's B rows (gate's block,
-then up's), down's A columns.
+Paged like the projections' arenas (slots.py), and from the same --lora-memory-mb: an
+adapter of expert rank r holds r consecutive rows of every expert in each parameter's arena,
+the same rows in every MoE layer, placed and evicted with the rest of its slot. All of it is
+allocated when the node starts, so no adapter allocates device memory while serving. Under
+tensor parallelism each rank keeps the experts' block of intermediate columns its base
+experts hold: gate/up's B columns (gate's block, then up's), down's A columns.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from ..model.config import ModelConfig
+from ..model.families import EXPERT_PARAMETERS
 from ..parallel.shard import Shard
-from .weights import AdapterWeights
 
-# (A [experts, r, in], B [experts, out, r], scaling) by (layer, expert parameter)
+if TYPE_CHECKING:  # weights.py reads EXPERT_MODULES
+    from .weights import AdapterWeights
+
+# The expert parameters' arena names (as AdapterWeights.target_modules names them), and the
+# MLP modules whose adapter memory (--lora-modules) holds each.
+EXPERT_MODULES: dict[str, tuple[str, ...]] = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
+                                              "experts.down_proj": ("down_proj",)}
+# Rows an arena holds per rank row of the others: PEFT gives gate_up_proj, which holds gate
+# and up, twice the adapter's rank (and --max-lora-rank allows twice there).
+EXPERT_ROW_FACTOR: dict[str, int] = {"experts.gate_up_proj": 2, "experts.down_proj": 1}
+
+# (A [experts, r, in], B [experts, r, out], scaling) by (layer, expert parameter): views of
+# one slot's rows in the arenas.
 ExpertPairs = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
-class ExpertSlots:
-    def __init__(self, inter: int, dtype: torch.dtype, device: torch.device, shard: Shard = Shard()) -> None:
-        """inter: each expert's intermediate width on this rank."""
-        self.inter, self.dtype, self.device, self.shard = inter, dtype, device, shard
+def expert_row_nbytes(config: ModelConfig, itemsize: int) -> dict[str, int]:
+    """Bytes of one rank row of each expert parameter's arena over all MoE layers and every
+    expert (none for a dense model)."""
+    layers = sum(1 for layer in range(config.num_layers) if config.is_moe_layer(layer))
+    if not layers:
+        return {}
+    shapes = config.expert_shapes()
+    return {f"experts.{p}": layers * config.num_experts * sum(shapes[p]) * itemsize for p in EXPERT_PARAMETERS}
+
+
+def expert_ranks(weights: AdapterWeights) -> dict[str, int]:
+    """The rank rows an adapter's expert LoRA needs per expert arena."""
+    return {f"experts.{parameter}": a.shape[1] for (_, parameter), (a, _, _) in weights.experts.items()}
+
+
+class ExpertArenas:
+    def __init__(self, config: ModelConfig, rows: dict[str, int], dtype: torch.dtype, device: torch.device,
+                 shard: Shard = Shard()) -> None:
+        """config: the shapes this rank computes with; rows: each expert arena's rank rows
+        (the arenas' names, EXPERT_MODULES)."""
+        self.inter, self.device, self.shard = config.moe_intermediate_size, device, shard
+        self.layers = [layer for layer in range(config.num_layers) if config.is_moe_layer(layer)]
+        self.rows = dict(rows) if self.layers else {}
+        shapes = config.expert_shapes()
+        # Zeros: no row ever holds anything but an adapter's validated weights or zero.
+        self.a = {(layer, p): torch.zeros(config.num_experts, rows[f"experts.{p}"], shapes[p][0], dtype=dtype,
+                                          device=device)
+                  for layer in self.layers for p in EXPERT_PARAMETERS}
+        self.b = {(layer, p): torch.zeros(config.num_experts, rows[f"experts.{p}"], shapes[p][1], dtype=dtype,
+                                          device=device)
+                  for layer in self.layers for p in EXPERT_PARAMETERS}
         self.held: dict[int, ExpertPairs] = {}
 
-    def write(self, slot: int, weights: AdapterWeights) -> None:
-        """Copies the adapter's expert LoRA (this rank's part) to the device (in the caller's
-        stream), or forgets the slot's where it has none."""
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.a.values()) + list(self.b.values()))
+
+    def write(self, slot: int, weights: AdapterWeights, firsts: dict[str, int]) -> None:
+        """Copies the adapter's expert LoRA (this rank's part) into the rows placed for it
+        (first row per expert arena; in the caller's stream), zeroing those of a layer it
+        leaves alone."""
         self.held.pop(slot, None)
-        if not weights.experts:
-            return
-        self.held[slot] = {key: (*self._part(parameter, a, b), scaling)
-                           for key, (a, b, scaling) in weights.experts.items() for parameter in (key[1],)}
+        ranks = expert_ranks(weights)
+        pairs: ExpertPairs = {}
+        for (layer, parameter), a_arena in self.a.items():
+            module = f"experts.{parameter}"
+            if module not in ranks:
+                continue
+            first, r = firsts[module], ranks[module]
+            a_rows, b_rows = a_arena[:, first:first + r], self.b[(layer, parameter)][:, first:first + r]
+            pair = weights.experts.get((layer, parameter))
+            if pair is None:
+                a_rows.zero_()
+                b_rows.zero_()
+                continue
+            a, b = self._part(parameter, *pair[:2])
+            a_rows.copy_(a, non_blocking=True)
+            # B [experts, out, r] arrives as it is stored and is turned into rank rows on the
+            # device (a transposed copy there, not on the host).
+            b_rows.copy_(b.to(self.device, non_blocking=True).transpose(1, 2))
+            pairs[(layer, parameter)] = (a_rows, b_rows, pair[2])
+        if pairs:
+            self.held[slot] = pairs
 
     def _part(self, parameter: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.shard.size > 1:
@@ -41,8 +107,7 @@ class ExpertSlots:
                 b = torch.cat([b[:, lo:hi], b[:, full + lo:full + hi]], dim=1)
             else:
                 a = a[:, :, lo:hi]
-        move = dict(device=self.device, dtype=self.dtype, non_blocking=True)
-        return a.to(**move).contiguous(), b.to(**move).contiguous()
+        return a, b
 
     def free(self, slot: int) -> None:
         self.held.pop(slot, None)
@@ -50,7 +115,3 @@ class ExpertSlots:
     def of(self, slot: int) -> ExpertPairs | None:
         """The slot's expert LoRA (None: its adapter has none)."""
         return self.held.get(slot)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pairs in self.held.values()
-                   for a, b, _ in pairs.values() for t in (a, b))

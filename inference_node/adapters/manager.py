@@ -6,7 +6,8 @@ a disk tier of its own (disk_tier.py), which entries() lists for adapters held n
 Fetches run on background threads and report back through a queue that the engine thread
 drains, so every state change happens on one thread and no lock guards this state.
 
-Two GPU resources: memory (the arenas' rank rows: an adapter holds its own rank's worth,
+Two GPU resources: memory (the arenas' rank rows: an adapter holds its own rank's worth on
+each module it targets, a mixture-of-experts model's expert parameters included,
 `--lora-memory-mb`) and places in a step (at most `max_loras` distinct adapters have running
 requests at once: a step's LoRA kernels and graphs are sized for that many).
 
@@ -44,7 +45,9 @@ import torch
 from adapter_store.client import Cancellation
 
 from ..engine.request import Request
-from .errors import AdapterCancelled, AdapterError, AdapterNotFound, AdapterNumericalFault, NoSlotAvailable
+from .errors import (AdapterCancelled, AdapterError, AdapterNotFound, AdapterNumericalFault, AdapterTooLarge,
+                     NoSlotAvailable)
+from .experts import EXPERT_MODULES
 from .eviction import make_policy
 from .slots import SlotBuffers
 from .weights import AdapterWeights
@@ -84,6 +87,7 @@ class AdapterEntry:
     on_disk: bool = False                      # only in the source's disk tier (a listing, never bound)
     rank: int = 0
     target_modules: tuple[str, ...] = ()
+    ranks: dict[str, int] = field(default_factory=dict)  # rank rows it holds per arena on the GPU
     source_tier: str = ""                      # where its host copy came from (disk, store)
     gpu_nbytes: int = 0                        # its rows' bytes on the GPU (its own size)
     last_used: float = field(default_factory=time.monotonic)
@@ -301,6 +305,10 @@ class AdapterManager:
             if entry is None:
                 done(None, error)
                 return
+            too_large = self._too_large(entry)
+            if too_large is not None:  # refused now, not pinned: it never holds the GPU
+                done(None, too_large)
+                return
             if pin:
                 entry.pinned = True
                 entry.draining = False  # a pinned slot is never given away
@@ -434,7 +442,7 @@ class AdapterManager:
         self._generation += 1
         entry = AdapterEntry(weights.name, weights.version, self._generation, weights,
                              rank=weights.rank, target_modules=weights.target_modules,
-                             source_tier=weights.source_tier)
+                             ranks=self.buffers.ranks_of(weights), source_tier=weights.source_tier)
         self.current[weights.name] = entry
         self._touch_host(entry)
         self.stats["loads"] += 1
@@ -486,11 +494,15 @@ class AdapterManager:
         evicted as the policy picks. drain: else drain the running adapters whose rows make
         the room (no new binds; they leave once their requests end) and keep younger
         promotions back meanwhile. True once it is placed (its copy may still run)."""
+        too_large = self._too_large(entry)
+        if too_large is not None:
+            self._fail(entry, too_large)
+            return False
         if entry.weights is None:  # dropped from host memory: fetch it again into this entry
             self._refetch[(entry.name, entry.version)] = entry
             self._start_load(entry.name, entry.version)
             return False
-        ranks = self.buffers.ranks_of(entry.weights)
+        ranks = entry.ranks
         slot = self._room_for(entry, ranks, drain)
         if slot is None:
             return False
@@ -550,8 +562,8 @@ class AdapterManager:
         return slot
 
     def _check_fits(self, entry: AdapterEntry, ranks: dict[str, int]) -> None:
-        """Fails the adapter's waiting requests when nothing but pinned adapters and the
-        arenas' size keep it off the GPU (so waiting would never end)."""
+        """Fails the adapter's waiting requests when nothing but pinned adapters keep it off
+        the GPU (so waiting would never end)."""
         def cost(s: int) -> float | None:
             e = self.slots[s]
             return None if e is None or e is entry or (e.pinned and not e.retired) else 0.0
@@ -559,12 +571,32 @@ class AdapterManager:
         if self.buffers.plan(ranks, cost) is not None:
             return
         worst = max(ranks, key=lambda m: ranks[m] / self.buffers.arenas[m].rows)
-        held = self.buffers.arenas[worst].rows
-        hint = ("unpin one or raise --lora-memory-mb" if held == self.buffers.rows else
-                f"this node keeps adapter memory for other modules only: add {worst} to --lora-modules")
-        error = NoSlotAvailable(
+        self._fail(entry, NoSlotAvailable(
             f"adapter {entry.name!r} needs {ranks[worst]} rank rows of {worst} on the GPU; the arena "
-            f"holds {held} rows and pinned adapters keep the rest: {hint}")
+            f"holds {self.buffers.arenas[worst].rows} rows and pinned adapters keep the rest: unpin one "
+            "or raise --lora-memory-mb"))
+
+    def _too_large(self, entry: AdapterEntry) -> AdapterTooLarge | None:
+        """Why the adapter can never be placed, whatever leaves the GPU: it needs more rank
+        rows of a module than that module's arena has (None: it fits an empty memory)."""
+        buffers = self.buffers
+        over = [m for m, r in entry.ranks.items() if r > buffers.arenas[m].rows]
+        if not over:
+            return None
+        module, mb = max(over, key=lambda m: entry.ranks[m] * buffers.row_nbytes[m]), 1 << 20
+        rows, need = buffers.arenas[module].rows, entry.ranks[module]
+        if module in buffers.held:
+            hint = "raise --lora-memory-mb or serve a smaller adapter"
+        else:
+            hint = f"this node keeps no adapter memory for it: add {','.join(EXPERT_MODULES.get(module, (module,)))} to --lora-modules"
+        return AdapterTooLarge(
+            f"adapter {entry.name!r} needs {need} rank rows of {module} ({need * buffers.row_nbytes[module] / mb:.1f} MB; "
+            f"{buffers.adapter_nbytes(entry.ranks) / mb:.1f} MB in all) on the GPU, but this node's adapter memory "
+            f"holds {rows} rows of it ({rows * buffers.row_nbytes[module] / mb:.1f} MB of "
+            f"{buffers.nbytes() / mb:.1f} MB): {hint}")
+
+    def _fail(self, entry: AdapterEntry, error: AdapterError) -> None:
+        """Ends the adapter's waiting requests and the admin loads waiting to place it."""
         self._failed[entry.name] = error
         for e, done in list(self.resident_waiters):
             if e is entry:
@@ -703,13 +735,13 @@ class AdapterManager:
 
     def check_memory(self) -> None:
         """The arenas hold exactly the rows of the adapters on the GPU, each its own rank on
-        each module it targets: memory used is the sum of their own sizes."""
+        each module it targets: memory used is the sum of their own sizes, within what was
+        allocated at start."""
         expected: dict[str, dict[int, int]] = {m: {} for m in self.buffers.arenas}
         for slot, e in enumerate(self.slots):
             if e is not None:
-                for module in e.target_modules:
-                    if module in expected:  # expert LoRA is held outside the arenas
-                        expected[module][slot] = e.rank
+                for module, rank in e.ranks.items():
+                    expected[module][slot] = rank
         for module, arena in self.buffers.arenas.items():
             held = {owner: length for _, length, owner in arena.runs()}
             if held != expected[module]:
@@ -718,6 +750,8 @@ class AdapterManager:
         if self.buffers.used_nbytes() != own:
             raise AssertionError(f"adapter memory used is {self.buffers.used_nbytes()} bytes, the "
                                  f"resident adapters' own sizes sum to {own}")
+        if own > self.buffers.nbytes():
+            raise AssertionError(f"resident adapters hold {own} bytes of {self.buffers.nbytes()} allocated")
 
     def shutdown(self) -> None:
         """Ends every fetch now: the process's exit joins the fetch threads, and a fetch from a

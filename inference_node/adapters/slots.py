@@ -11,7 +11,10 @@ RowArena's (arena.py); which adapters stay is the adapter manager's.
 
 The embedding and the LM head (an adapter's embed_tokens and lm_head LoRA) have arenas of their
 own, one per model rather than per layer (`edges`), filled and freed with the rest; their
-slot tables live on the host (`edge_rows`), read by the eager steps that apply them.
+slot tables live on the host (`edge_rows`), read by the eager steps that apply them. So do a
+mixture-of-experts model's expert parameters (`experts`, experts.py): every arena, the
+experts' included, is cut from the one --lora-memory-mb and allocated at start, so the
+adapter manager's placement and eviction see every byte an adapter holds on the GPU.
 
 Writing an adapter copies its host tensors on a side stream (CUDA), recording an event that
 tells the engine when it is ready, so the running batch is not stalled by the copy.
@@ -37,7 +40,7 @@ from ..model.families import EDGE_MODULES
 from ..model.llama import FUSED_MODULES, LORA_MODULES
 from ..parallel.shard import Shard
 from .arena import Cost, RowArena
-from .experts import ExpertSlots
+from .experts import EXPERT_MODULES, EXPERT_ROW_FACTOR, ExpertArenas, expert_ranks, expert_row_nbytes
 from .weights import EDGE_LAYER, AdapterWeights
 
 # Every module with an arena: the decoder layers' (per layer) and the embedding's and LM head's.
@@ -66,30 +69,46 @@ class GroupBuffers:
 
 
 def row_nbytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes of one rank row of each module over all layers (the embedding's and the LM
-    head's: once): A's row and B's column."""
+    """Bytes of one rank row of each module's arena over all layers (the embedding's and the
+    LM head's: once; an expert parameter's: over every MoE layer and expert): A's row and
+    B's column."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = {m: config.num_layers * (fan_in + fan_out) * itemsize
              for m, (fan_in, fan_out) in config.module_shapes().items() if m in LORA_MODULES}
     sizes.update({m: (fan_in + fan_out) * itemsize for m, (fan_in, fan_out) in config.edge_shapes().items()})
+    sizes.update(expert_row_nbytes(config, itemsize))
     return sizes
 
 
 def held_modules(modules: Collection[str]) -> tuple[str, ...]:
     """The modules adapter memory holds rows for when adapters are expected to target
-    `modules` (--lora-modules): every module of a fused group holding one of them, and the
-    edge modules named."""
+    `modules` (--lora-modules): every module of a fused group holding one of them, the edge
+    modules named, and the expert parameters of the MLP modules named (on a
+    mixture-of-experts model)."""
     return (tuple(m for fused in FUSED_MODULES.values() if set(fused) & set(modules) for m in fused)
-            + tuple(m for m in EDGE_MODULES if m in modules))
+            + tuple(m for m in EDGE_MODULES if m in modules)
+            + tuple(m for m, mlp in EXPERT_MODULES.items() if set(mlp) & set(modules)))
+
+
+def arena_rows(module: str, rows: int) -> int:
+    """Rows of a held module's arena when every module holds `rows` rank rows of adapters:
+    the experts' gate_up_proj holds twice as many (PEFT doubles an adapter's rank there)."""
+    return rows * EXPERT_ROW_FACTOR.get(module, 1)
+
+
+def budget_row_nbytes(config: ModelConfig, dtype: torch.dtype, modules: Collection[str] = ADAPTER_MODULES) -> int:
+    """Bytes of adapter memory per rank row of every held module's arena (`rows` in
+    SlotBuffers): what --lora-memory-mb is divided by."""
+    sizes = row_nbytes(config, dtype)
+    return sum(arena_rows(m, sizes[m]) for m in held_modules(modules) if m in sizes)
 
 
 def rows_for_budget(config: ModelConfig, dtype: torch.dtype, budget_bytes: int,
                     modules: Collection[str] = ADAPTER_MODULES) -> int:
     """Rank rows per module arena that `budget_bytes` of adapter memory holds (every arena of
-    a fused group holding one of `modules`, and of an edge module named, gets the same number
-    of rows; SlotBuffers)."""
-    sizes = row_nbytes(config, dtype)
-    return max(1, budget_bytes // sum(sizes[m] for m in held_modules(modules)))
+    a fused group holding one of `modules`, of an edge module named, and of an expert
+    parameter of an MLP module named gets the same number of rows, arena_rows; SlotBuffers)."""
+    return max(1, budget_bytes // budget_row_nbytes(config, dtype, modules))
 
 
 class SlotBuffers:
@@ -105,7 +124,8 @@ class SlotBuffers:
         max_loras, at most MAX_SLOTS). modules: those adapters are expected to target; a
         fused group holding none of them gets a one-row arena (its kernels then always
         have rows to point at), so a fleet of q/v adapters spends no memory on o or the MLP;
-        likewise the embedding's and the LM head's arenas (EDGE_MODULES)."""
+        likewise the embedding's and the LM head's arenas (EDGE_MODULES); an expert
+        parameter whose MLP modules are not named gets none (only its steps read it)."""
         self.shard = shard
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -118,6 +138,9 @@ class SlotBuffers:
         # The embedding's and LM head's arenas, whole on every tensor-parallel rank (the LM
         # head's delta takes the rank's block of vocabulary columns of B).
         self.edge_rows_held = {m: self.rows if m in modules else 1 for m in EDGE_MODULES}
+        self.held = held = held_modules(modules)  # the modules whose arenas --lora-memory-mb sizes
+        self.experts = ExpertArenas(config, {m: arena_rows(m, self.rows) if m in held else 0
+                                             for m in EXPERT_MODULES}, dtype, device, shard)
         shapes = config.module_shapes()
         self.layers: list[dict[str, GroupBuffers]] = []
         for _ in range(config.num_layers):
@@ -145,6 +168,7 @@ class SlotBuffers:
         self.arenas = {m: RowArena(self.group_rows[group])
                        for group, fused in FUSED_MODULES.items() for m in fused}
         self.arenas.update({m: RowArena(self.edge_rows_held[m]) for m in EDGE_MODULES})
+        self.arenas.update({m: RowArena(rows) for m, rows in self.experts.rows.items()})
         self.scaling = torch.zeros(S, dtype=torch.float32, device=device)
         # Per fused group, [slices, slots]: the slot's rank on each module its adapter targets,
         # else 0, so the kernels skip what an adapter leaves alone (a q/v adapter does no k,
@@ -166,8 +190,6 @@ class SlotBuffers:
         self.edge_rows = {m: np.zeros((S, 2), dtype=np.int64) for m in EDGE_MODULES}
         self.slot_edges: list[frozenset[str]] = [frozenset()] * S
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # A mixture-of-experts model's expert LoRA, held per slot outside the arenas.
-        self.experts = ExpertSlots(config.moe_intermediate_size, dtype, device, shard)
         self.table: list[SlotRecord] = [None] * S
         # Called after every write and free: a tensor-parallel node's rank 0 sends them on to
         # the other ranks (parallel/workers.py), so every rank's arenas hold the same adapters
@@ -180,7 +202,8 @@ class SlotBuffers:
         """The arenas' bytes (the adapter memory allocated)."""
         return (sum(t.numel() * t.element_size() for layer in self.layers for g in layer.values()
                     for t in (g.a_all, g.b_all))
-                + sum(t.numel() * t.element_size() for pair in self.edges.values() for t in pair))
+                + sum(t.numel() * t.element_size() for pair in self.edges.values() for t in pair)
+                + self.experts.nbytes())
 
     def used_nbytes(self) -> int:
         """Bytes of the rows resident adapters hold: the sum of their own sizes."""
@@ -188,8 +211,10 @@ class SlotBuffers:
 
     @staticmethod
     def ranks_of(weights: AdapterWeights) -> dict[str, int]:
-        """The rank rows an adapter needs per module: its rank on every module it targets."""
-        return {m: weights.rank for m in ADAPTER_MODULES if m in weights.target_modules}
+        """The rank rows an adapter needs per module: its rank on every module it targets,
+        its own rank on each expert parameter."""
+        return {**{m: weights.rank for m in ADAPTER_MODULES if m in weights.target_modules},
+                **expert_ranks(weights)}
 
     def adapter_nbytes(self, ranks: dict[str, int]) -> int:
         """Bytes an adapter of these per-module ranks holds on the GPU."""
@@ -252,9 +277,10 @@ class SlotBuffers:
         layer it leaves alone, and fills the slot's tables."""
         r = weights.rank
         stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
-        runs = {m: self.arenas[m].run_of(slot) for m in self.ranks_of(weights)}
-        assert all(run is not None and run[1] == r for run in runs.values()), \
-            f"slot {slot} has no rows placed for rank {r}"
+        ranks = self.ranks_of(weights)
+        runs = {m: self.arenas[m].run_of(slot) for m in ranks}
+        assert all(run is not None and run[1] == ranks[m] for m, run in runs.items()), \
+            f"slot {slot} has no rows placed for ranks {ranks}"
         with stream_ctx:
             for layer_idx, groups in enumerate(self.layers):
                 for group, modules in FUSED_MODULES.items():
@@ -280,7 +306,7 @@ class SlotBuffers:
                     a, b = weights.tensors[(EDGE_LAYER, module)]
                     a_arena[first:first + r].copy_(a, non_blocking=True)
                     b_arena[first:first + r].copy_(b.to(self.device, non_blocking=True).t())
-            self.experts.write(slot, weights)
+            self.experts.write(slot, weights, {m: runs[m][0] for m in EXPERT_MODULES if m in runs})
             self.scaling[slot] = weights.scaling
             firsts = {m: run[0] for m, run in runs.items()}
             self._set_tables(slot, r, firsts)

@@ -10,6 +10,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.families import EDGE_MODULES, FAMILIES, Family, expert_target
 from ..model.llama import LORA_MODULES
+from .experts import EXPERT_MODULES
 
 EDGE_LAYER = -1  # the layer key of an embed_tokens or lm_head pair in AdapterWeights.tensors
 
@@ -60,13 +61,16 @@ def never_servable(name: str, rank: int, targets: Iterable[str], max_rank: int,
     if foreign:
         return (f"adapter {name!r} targets {', '.join(foreign)}, which this {family.name} base model does not "
                 f"have: its adapters target {', '.join(family.peft_targets())}")
-    # Expert LoRA is held per resident adapter (adapters/experts.py), not in the arenas.
     held = dict.fromkeys(m for t in targets if expert_target(t) is None
                          for m in family.adapter_modules.get(t, (t,)))
     missing = [m for m in held if m not in modules]
-    if missing:
-        return (f"adapter {name!r} targets {','.join(missing)}; this node keeps adapter memory for "
-                f"{','.join(modules)} only (--lora-modules)")
+    # An expert parameter's arena is held with the MLP modules that name it (experts.py).
+    experts = [t for t in dict.fromkeys(targets) if expert_target(t) is not None
+               and t not in modules and not set(EXPERT_MODULES[t]) & set(modules)]
+    if missing or experts:
+        hint = "; gate_proj,up_proj hold the experts' gate_up_proj, down_proj their down_proj" if experts else ""
+        return (f"adapter {name!r} targets {','.join(missing + experts)}; this node keeps adapter memory for "
+                f"{','.join(modules)} only (--lora-modules{hint})")
     return None
 
 

@@ -13,7 +13,7 @@ import torch
 
 from family_checkpoints import FAMILIES, family_spec, make_family_adapter
 from harness import InProcessNode, generate_all, peft_greedy
-from inference_node.adapters.slots import row_nbytes
+from inference_node.adapters.slots import budget_row_nbytes
 from inference_node.model.config import ModelConfig
 from inference_node.config import NodeConfig
 
@@ -34,12 +34,11 @@ def family_adapters(family: str, edges: bool = True) -> dict[str, tuple[int, flo
 
 def run_family_parity(base: Path, family: str, adapter_root: Path, device: str, dtype: str,
                       num_prompts: int, max_new: int, scale: float, edges: bool = True,
-                      float_ties: bool = False, start_timeout: float | None = None, memory_rows: int = 16,
+                      float_ties: bool = False, start_timeout: float | None = None,
                       **settings: object) -> InProcessNode:
     """Runs the mixed batch and checks it; returns the (stopped) node for further checks.
     float_ties: a token may also be one whose logit ties transformers' greedy choice within
-    float32 rounding (kernels that sum in another order: the Triton path). memory_rows: rank
-    rows of adapter memory per module, few enough that the adapters evict each other."""
+    float32 rounding (kernels that sum in another order: the Triton path)."""
     adapters = family_adapters(family, edges)
     for seed, (name, (rank, alpha, targets, rs)) in enumerate(adapters.items()):
         make_family_adapter(base, adapter_root / name, rank, alpha, targets, rs, seed=seed, scale=scale)
@@ -50,13 +49,12 @@ def run_family_parity(base: Path, family: str, adapter_root: Path, device: str, 
     differs = sum(expected[n] != expected[""] for n in adapters)
     assert differs >= len(adapters) - 1, "the adapters barely change the model: the test would be weak"
 
-    # Room for 16 rank rows per module: r16-mlp-head and r8-all-embed never on the GPU at once
-    # (for the MoE families, whose expert LoRA is held outside the arenas: 10 rows, so
-    # r8-all-embed and r4-edges never are).
-    row = sum(row_nbytes(ModelConfig.from_checkpoint(base), torch.float32).values())
+    # Room for 16 rank rows per module (the experts' gate_up_proj: 32): r16-mlp-head and
+    # r8-all-embed never on the GPU at once.
+    row = budget_row_nbytes(ModelConfig.from_checkpoint(base), torch.float32)
     node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype=dtype, num_kv_blocks=256,
                                       max_loras=3, max_lora_rank=16, max_cpu_loras=4,
-                                      lora_memory_bytes=memory_rows * row, adapter_dir=str(adapter_root),
+                                      lora_memory_bytes=16 * row, adapter_dir=str(adapter_root),
                                       debug_checks=True, max_num_batched_tokens=128, **settings),
                         start_timeout=start_timeout)
     try:

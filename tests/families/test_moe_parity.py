@@ -101,8 +101,7 @@ def test_moe_mixed_batch_matches_peft(family: str, graphs: str, request: pytest.
     base = request.getfixturevalue(f"tiny_{family}_path")
     mode = "on" if graphs == "graphs" else "off"
     node = run_family_parity(base, family, tmp_path / "adapters", "cpu", "float32", num_prompts=3,
-                             max_new=12, scale=3.0, edges=graphs == "eager", memory_rows=16 if graphs == "eager" else 10, decode_graphs=mode,
-                             mixed_graphs=mode)
+                             max_new=12, scale=3.0, edges=graphs == "eager", decode_graphs=mode, mixed_graphs=mode)
     if graphs == "graphs":
         stats = node.engine.snapshot()
         assert stats["graph_steps"] > 0, stats

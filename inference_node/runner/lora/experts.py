@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ...adapters.experts import ExpertSlots
+from ...adapters.experts import ExpertArenas
 
 
 class ExpertLoraApplier:
-    def __init__(self, store: ExpertSlots, token_slots: list[int]) -> None:
+    def __init__(self, store: ExpertArenas, token_slots: list[int]) -> None:
         """token_slots: each token's adapter slot (-1: none)."""
         held = {slot: store.of(slot) for slot in set(token_slots) if slot >= 0}
         self.held = {slot: pairs for slot, pairs in held.items() if pairs is not None}
@@ -28,5 +28,5 @@ class ExpertLoraApplier:
             if rows.numel() == 0:
                 continue
             a, b, scaling = pair
-            delta = (x[rows].float() @ a[expert].float().t()) @ b[expert].float().t()
+            delta = (x[rows].float() @ a[expert].float().t()) @ b[expert].float()  # B: rank rows
             y.index_add_(0, rows, (delta * scaling).to(y.dtype))
