@@ -35,14 +35,17 @@ from typing import Callable, Sequence
 import torch
 
 from bench.driver import Driver
-from bench.harness import (ALL_MODULES, COMPILES, QV, Col, Spec, Table, add_common_args, bench_model, build_llm,
-                           device_line, dtype_name, frozen_gc, make_specs, node_config, parse_range, pct,
-                           release_memory, runtime, sync, timed_runs, write_adapters, write_json, zipf_index)
+from bench.harness import (ALL_MODULES, QV, Col, Spec, Table, add_common_args, add_node_args, bench_model, build_llm,
+                           by_device, device_line, dtype_name, engine_options, error_text, make_specs, node_config,
+                           parse_range, pct, release_memory, runtime, sync, timed_region, timed_runs, verdict,
+                           write_adapters, write_json, zipf_index)
 
 log = logging.getLogger("bench.adapters")
 TIERS = ("gpu", "host", "disk")
 TARGETS = {"qv": QV, "all": ALL_MODULES}
 WEIGHTS_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+# The adapter benchmarks' nodes: the start-up warm-up on, so the timed traffic compiles nothing.
+NODE_OPTIONS = dict(prefix_caching=False, warmup="on")
 
 
 # -- the OS page cache ------------------------------------------------------------------------------
@@ -109,15 +112,6 @@ def filesystem_of(path: Path) -> str:
         if mount and (resolved == mount or resolved.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
             best, kind = mount, fields[2]
     return kind
-
-
-def engine_options(args, max_model_len: int, seqs: int, requests: int) -> dict:
-    """The node settings every adapter benchmark shares (its start-up warm-up on, so the timed
-    traffic compiles nothing)."""
-    return dict(num_kv_blocks=seqs * -(-(max_model_len + 1) // args.block_size) + seqs + 8, block_size=args.block_size,
-                max_num_seqs=seqs, max_num_batched_tokens=args.max_batched_tokens, max_queue=requests + seqs,
-                max_model_len=max_model_len, prefix_caching=False, decode_graphs=args.decode_graphs,
-                mixed_graphs=args.mixed_graphs, max_graph_batch=seqs, warmup="on", cpu_threads=args.threads)
 
 
 def settle(engine, manager, timeout: float = 600.0) -> None:
@@ -202,13 +196,9 @@ def run_churn_row(key: str, llm, specs: list[Spec], traffic: Traffic, ratio: flo
     gpu_loads = sum(c.loads["gpu"] for c in manager.per_adapter.values())
     adapter_of = {spec.index: name for spec, name in zip(specs, traffic.adapters)}
     result.first_touch = first_touches(specs, adapter_of, seen)
-    mark = COMPILES.mark()
-    with frozen_gc():
+    with timed_region(f"row {key} alpha {traffic.alpha:g}", log) as result.compiles:
         records, _ = Driver(engine, llm.node.model.device, args.concurrency, poisson=True).run(
             specs, lambda s: adapter_of[s.index])
-    result.compiles = COMPILES.since(mark)
-    for what in result.compiles:
-        log.warning("row %s alpha %g: compiled during the timed run: %s", key, traffic.alpha, what[:300])
     result.requests, result.output_tokens = len(records), sum(r.tokens for r in records)
     result.wall = max(r.done for r in records) - min(r.submit for r in records)
     result.ttft = [r.first - r.submit for r in records]
@@ -248,14 +238,10 @@ def churn(args) -> list[ChurnRow]:
 
     device, dtype = runtime(args)
     cuda = device.type == "cuda"
-    args.requests = args.requests or (600 if cuda else 60)
-    args.rate = args.rate or (20.0 if cuda else 10.0)
-    args.concurrency = args.concurrency or (64 if cuda else 8)
+    by_device(args, cuda, requests=(600, 60), rate=(20.0, 10.0), concurrency=(64, 8), max_batched_tokens=(2048, 256),
+              prompt_len=("32:256", "8:32"), output_len=("32:128", "4:8"))
     args.max_loras = args.max_loras or args.concurrency
-    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
-    prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
-    output_len = parse_range(args.output_len or ("32:128" if cuda else "4:8"))
-    COMPILES.install()
+    prompt_len, output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
         work = args.workdir or Path(tmp)
@@ -280,7 +266,8 @@ def churn(args) -> list[ChurnRow]:
         resident_rows = sum(rank_of[n] for n in everyone)
         sizes = row_nbytes(cfg, dtype)
         per_row, arena_row = sum(sizes[m] for m in targets), sum(sizes[m] for m in held_modules(targets))
-        options = engine_options(args, prompt_len[1] + output_len[1] + args.block_size, args.concurrency, args.requests)
+        options = engine_options(args, prompt_len[1] + output_len[1] + args.block_size, args.concurrency, args.requests,
+                                 **NODE_OPTIONS)
         header = [
             device_line(device, dtype),
             f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}",
@@ -329,8 +316,7 @@ def churn(args) -> list[ChurnRow]:
                     lambda s: min(4, s.max_tokens))
             except Exception as exc:
                 log.exception("%s node failed", key)
-                error = f"{type(exc).__name__}: {exc}"[:200]
-                results += [ChurnRow(key, t.alpha, math.nan, error=error) for t in traffic]
+                results += [ChurnRow(key, t.alpha, math.nan, error=error_text(exc)) for t in traffic]
                 if llm is not None:
                     llm.close()
                 continue
@@ -356,7 +342,7 @@ def churn(args) -> list[ChurnRow]:
                     r = run_churn_row(key, llm, specs, t, ratio, args, seen)
                 except Exception as exc:  # one broken row must not lose the others
                     log.exception("row %s alpha %g failed", key, t.alpha)
-                    r = ChurnRow(key, t.alpha, ratio, error=f"{type(exc).__name__}: {exc}"[:200])
+                    r = ChurnRow(key, t.alpha, ratio, error=error_text(exc))
                 results.append(r)
                 print(f"# {churn_line(r, None)}", file=sys.stderr, flush=True)
             llm.close()
@@ -371,9 +357,9 @@ def churn(args) -> list[ChurnRow]:
         res = next((x for x in results if x.key == "resident" and x.alpha == r.alpha and not x.error), None)
         if r.key != "resident" and not r.error and math.isclose(r.alpha, 1.0) and res is not None:
             tput, p50 = r.tok_s / res.tok_s, pct(r.ttft, 50) / pct(res.ttft, 50)
-            print(f"alpha 1.0 {r.key}: throughput {tput:.3f}x resident (target >= 0.8: "
-                  f"{'met' if tput >= 0.8 else 'NOT met'}), TTFT p50 {p50:.2f}x (target <= 2: "
-                  f"{'met' if p50 <= 2 else 'NOT met'}), working set {r.ratio:.2f}x the adapter memory")
+            print(f"alpha 1.0 {r.key}: throughput {tput:.3f}x resident (target >= 0.8: {verdict(tput, tput >= 0.8)}), "
+                  f"TTFT p50 {p50:.2f}x (target <= 2: {verdict(p50, p50 <= 2)}), working set {r.ratio:.2f}x the "
+                  "adapter memory")
     compiled = sum(len(r.compiles) for r in results)
     if compiled:
         print(f"note: {compiled} JIT compiles landed in timed rows (see the log)")
@@ -542,23 +528,30 @@ def run_probes(loop: Loop, manager, probes: list[Probe], prompts: list[list[int]
                  f" ({probe.error})" if probe.error else "")
 
 
+def manifest_of(name: str, rank: int, config: bytes, weights: bytes):
+    """The store's manifest of an adapter of these two files."""
+    from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest
+
+    files = tuple(FileEntry(path, len(blob), hashlib.sha256(blob).hexdigest())
+                  for path, blob in ((CONFIG_FILE, config), (WEIGHTS_FILE, weights)))
+    digest = adapter_digest(f.sha256 for f in files)
+    info = AdapterInfo(name, digest[:16], rank=rank, valid=True, size_bytes=len(config) + len(weights),
+                       updated_at=int(time.time()))
+    return Manifest(info, config.decode(), files, digest)
+
+
 def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> dict[str, list[Path]]:
     """The folder's adapters as entries of the node's disk tier of store adapters, each as a
     fetch from the store leaves it; each one's files there that a load reads, weights last."""
-    from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest
     from inference_node.adapters.disk_tier import CHUNKS_FILE, DiskTier
 
     tier, files = DiskTier(disk_dir, 1 << 40), {}
     for name in names:
         blobs = [(root / name / CONFIG_FILE).read_bytes(), (root / name / WEIGHTS_FILE).read_bytes()]
-        entries = tuple(FileEntry(path, len(blob), hashlib.sha256(blob).hexdigest())
-                        for path, blob in zip((CONFIG_FILE, WEIGHTS_FILE), blobs))
-        digest = adapter_digest(f.sha256 for f in entries)
-        info = AdapterInfo(name, digest[:16], rank=rank, valid=True, size_bytes=sum(map(len, blobs)),
-                           updated_at=int(time.time()))
-        manifest = Manifest(info, blobs[0].decode(), entries, digest)
-        if tier.lookup(name, info.version) is None and not tier.put(manifest, blobs):
+        manifest = manifest_of(name, rank, *blobs)
+        if tier.lookup(name, manifest.info.version) is None and not tier.put(manifest, blobs):
             raise RuntimeError(f"the disk tier did not keep {name}")
+        digest = manifest.adapter_sha256
         files[name] = [disk_dir / digest / CHUNKS_FILE] + [disk_dir / digest / str(i) for i in range(len(blobs))]
     tier.close()  # the node's own tier takes the folder next
     return files
@@ -581,15 +574,10 @@ def tiers(args) -> dict:
     is the p50 of quiet loop iterations (no probe or adapter work in flight) in the same run.
     Targets (issue 32, Llama-3.1-8B shapes): host - gpu <= one decode step; disk - host <= 50 ms."""
     device, dtype = runtime(args)
-    cuda = device.type == "cuda"
-    args.background = args.background if args.background is not None else (32 if cuda else 4)
+    by_device(args, device.type == "cuda", background=(32, 4), background_tokens=(1024, 256), probes=(8, 2),
+              prompt_len=(128, 16), max_batched_tokens=(2048, 256))
     if args.background < 1:
         raise SystemExit("--background must be at least 1: its decode step is the yardstick")
-    args.background_tokens = args.background_tokens or (1024 if cuda else 256)
-    args.probes = args.probes or (8 if cuda else 2)
-    args.prompt_len = args.prompt_len or (128 if cuda else 16)
-    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
-    COMPILES.install()
     torch.manual_seed(args.seed)
     # Each load from the disk tier says the store is unreachable: expected here, so quiet for
     # this run (the level is put back for whatever else runs in this process).
@@ -631,7 +619,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
         source = dict(adapter_store=f"127.0.0.1:{refuser.getsockname()[1]}", adapter_disk_dir=str(disk_dir))
         disk_line = "the node's disk tier of store adapters, the store refusing connections"
     seqs = args.background + 1
-    options = engine_options(args, args.prompt_len + args.background_tokens + args.block_size, seqs, seqs)
+    options = engine_options(args, args.prompt_len + args.background_tokens + args.block_size, seqs, seqs,
+                             **NODE_OPTIONS)
     # Adapter memory for a few adapters (the background's, one probe's, spare), host memory for as many.
     llm = build_llm(node_config(model, device, dtype, max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4,
                                 **source, **options), [background_adapter] if background_adapter else [])
@@ -655,9 +644,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
     try:
         loop.start_background()
         run_probes(loop, manager, probes[:len(TIERS)], prompts, files, args)
-        mark = COMPILES.mark()
-        run_probes(loop, manager, probes[len(TIERS):], prompts[len(TIERS):], files, args)
-        compiles = COMPILES.since(mark)
+        with timed_region("the timed probes", log) as compiles:
+            run_probes(loop, manager, probes[len(TIERS):], prompts[len(TIERS):], files, args)
         loop.stop_background()
         sync(device)
         llm.engine.check_consistency()
@@ -682,9 +670,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
                       for r in rows])
     host_gpu, disk_host = rows[1]["p50"] - gpu, rows[2]["p50"] - rows[1]["p50"]
     targets_met = [f"target host - gpu <= one decode step: {host_gpu * 1e3:.2f} ms vs {step * 1e3:.2f} ms: "
-                   f"{'met' if host_gpu <= step else 'NOT met'}",
-                   f"target disk - host <= 50 ms: {disk_host * 1e3:.2f} ms: "
-                   f"{'met' if disk_host <= 0.05 else 'NOT met'}"]
+                   f"{verdict(host_gpu, host_gpu <= step)}",
+                   f"target disk - host <= 50 ms: {disk_host * 1e3:.2f} ms: {verdict(disk_host, disk_host <= 0.05)}"]
     failed = [p for p in probes if p.error]
     for line in targets_met + [f"probe {p.adapter} FAILED: {p.error}" for p in failed]:
         print(line)
@@ -808,16 +795,12 @@ def fetch_disk_tier(args) -> list[tuple[str, dict]]:
     to measure) into one reused host buffer: cold (pages dropped) and warm, checked against
     its chunk digests, and cold as an entry an older node wrote (no chunk digests: every file
     checked whole against the manifest's sha256)."""
-    from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest, file_offsets
+    from adapter_store.records import file_offsets
     from inference_node.adapters.disk_tier import CHUNKS_FILE, DiskTier
     from inference_node.adapters.sources import host_buffer
 
     weights, config = os.urandom(int(args.mb * 1e6)), b'{"r": 16}'
-    files = tuple(FileEntry(name, len(blob), hashlib.sha256(blob).hexdigest())
-                  for name, blob in ((CONFIG_FILE, config), (WEIGHTS_FILE, weights)))
-    digest = adapter_digest(f.sha256 for f in files)
-    manifest = Manifest(AdapterInfo(NAME, digest[:16], rank=16, valid=True, size_bytes=len(config) + len(weights),
-                                    updated_at=1), config.decode(), files, digest)
+    manifest = manifest_of(NAME, 16, config, weights)
     buffer = host_buffer(file_offsets(manifest)[-1] + len(weights), torch.cuda.is_available()).numpy()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-disk-tier-", dir=args.workdir) as tmp:
@@ -825,8 +808,8 @@ def fetch_disk_tier(args) -> list[tuple[str, dict]]:
         writer = DiskTier(root, 1 << 40)
         writer.put(manifest, [config, weights])
         writer.close()  # one tier a folder: each reader count's below opens it again
-        folder = root / digest
-        paths = [folder / str(i) for i in range(len(files))]
+        folder = root / manifest.adapter_sha256
+        paths = [folder / str(i) for i in range(len(manifest.files))]
         recorded = (folder / CHUNKS_FILE).read_bytes()
         print(f"DiskTier.read of {(len(config) + len(weights)) / 1e6:.1f} MB on {filesystem_of(root)}")
         for threads in args.read_threads:
@@ -964,11 +947,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     def node_args(q: argparse.ArgumentParser) -> None:
         add_common_args(q, "llama-1b-random on CUDA, tiny on CPU")
+        add_node_args(q)
         q.add_argument("--targets", choices=sorted(TARGETS), help="modules every adapter targets")
-        q.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
-        q.add_argument("--block-size", type=int, default=16)
-        q.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
-        q.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto")
 
     c = sub.add_parser("churn", help=churn.__doc__.split(":")[0], description=churn.__doc__)
     node_args(c)

@@ -202,6 +202,22 @@ def add_common_args(p: argparse.ArgumentParser, model_default: str) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the node a serving-style benchmark builds (engine_options reads them)."""
+    p.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="replay prompt and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
+
+
+def by_device(args: argparse.Namespace, cuda: bool, **defaults: tuple[Any, Any]) -> None:
+    """Each option left unset (None) takes its default on CUDA or on the CPU: (cuda, cpu)."""
+    for name, (on_cuda, on_cpu) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, on_cuda if cuda else on_cpu)
+
+
 def runtime(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     """Logging, and the device and dtype a run takes from --device and --dtype."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -217,6 +233,15 @@ def runtime(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
 def device_line(device: torch.device, dtype: torch.dtype) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return f"device: {name}  torch {torch.__version__}  dtype {dtype_name(dtype)}"
+
+
+def engine_options(args: argparse.Namespace, max_model_len: int, seqs: int, requests: int, **options: Any) -> dict:
+    """The node settings of add_node_args' flags for `seqs` sequences of up to max_model_len
+    tokens (KV blocks for all of them) and a queue of `requests`; `options` add to them."""
+    return dict(num_kv_blocks=seqs * -(-(max_model_len + 1) // args.block_size) + seqs + 8, block_size=args.block_size,
+                max_num_seqs=seqs, max_num_batched_tokens=args.max_batched_tokens, max_queue=requests + seqs,
+                max_model_len=max_model_len, decode_graphs=args.decode_graphs, mixed_graphs=args.mixed_graphs,
+                max_graph_batch=seqs, cpu_threads=args.threads, **options)
 
 
 def node_config(model: BenchModel, device: torch.device, dtype: torch.dtype, **options: Any):
@@ -253,6 +278,11 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# The engine's step counters (EngineStats, the Stats RPC) by the kind of step.
+STEP_KINDS = {"graph": "graph_steps", "piecewise": "piecewise_graph_steps", "eager_decode": "eager_decode_steps",
+              "eager_prefill": "eager_prefill_steps"}
+
+
 class NodeProcess:
     """`inference-node serve` of a NodeConfig as a subprocess, gRPC and HTTP on free ports."""
 
@@ -283,9 +313,8 @@ class NodeProcess:
     def steps(self) -> dict[str, int]:
         """The engine's steps so far, by kind."""
         with self.client() as client:
-            s = client.stats()
-        return {"graph": s.graph_steps, "piecewise": s.piecewise_graph_steps,
-                "eager_decode": s.eager_decode_steps, "eager_prefill": s.eager_prefill_steps}
+            stats = client.stats()
+        return {kind: getattr(stats, name) for kind, name in STEP_KINDS.items()}
 
     def pin(self, names: Sequence[str]) -> None:
         from lora.v1 import inference_pb2 as pb
@@ -386,15 +415,30 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
 
 
 @contextlib.contextmanager
-def frozen_gc() -> Iterator[None]:
-    """Set-up objects frozen out of the garbage collector while a row is timed, as
-    Engine.prepare freezes the node's start-up objects: a full collection of them stalls steps."""
+def timed_region(what: str, log: logging.Logger) -> Iterator[list[str]]:
+    """A timed run: set-up objects frozen out of the garbage collector, as Engine.prepare
+    freezes the node's start-up objects (a full collection of them stalls steps); the list it
+    gives fills with the JIT compiles that landed in the run (CompileWatch), each logged."""
+    compiles, mark = [], COMPILES.install().mark()
     gc.collect()
     gc.freeze()
     try:
-        yield
+        yield compiles
     finally:
         gc.unfreeze()
+    compiles += COMPILES.since(mark)
+    for name in compiles:
+        log.warning("%s: compiled during the timed run: %s", what, name[:300])
+
+
+def error_text(exc: BaseException) -> str:
+    """A failed row's error, as its table line shows it."""
+    return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def verdict(value: float, good: bool) -> str:
+    """A target's line: met, NOT met, or n/a where nothing was measured."""
+    return "n/a" if math.isnan(value) else ("met" if good else "NOT met")
 
 
 # -- tables ------------------------------------------------------------------------------------------------

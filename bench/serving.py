@@ -49,15 +49,14 @@ from typing import Callable, Sequence
 import torch
 
 from bench.driver import DecodeStep, Driver, ReqRecord
-from bench.harness import (ALL_MODULES, COMPILES, QV, Col, NodeProcess, Spec, StepBytes, Table, adapter_bytes_per_rank,
-                           add_common_args, bench_model, build_llm, copy_bandwidth, device_line, dtype_name, frozen_gc,
-                           kv_bytes_per_token, make_specs, node_config, parse_range, pct, release_memory, runtime, sync,
-                           write_adapters, write_json, zipf_index)
+from bench.harness import (ALL_MODULES, QV, STEP_KINDS, Col, NodeProcess, Spec, StepBytes, Table,
+                           adapter_bytes_per_rank, add_common_args, add_node_args, bench_model, build_llm, by_device,
+                           copy_bandwidth, device_line, dtype_name, engine_options, error_text, kv_bytes_per_token,
+                           make_specs, node_config, parse_range, pct, release_memory, runtime, sync, timed_region,
+                           verdict, write_adapters, write_json, zipf_index)
 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
-STEP_KINDS = {"graph": "graph_steps", "piecewise": "piecewise_graph_steps", "eager_decode": "eager_decode_steps",
-              "eager_prefill": "eager_prefill_steps"}
 
 
 @dataclass
@@ -100,12 +99,9 @@ def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
         Driver(engine, device, args.concurrency, poisson=False).run(
             specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
     driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
-    before, mark = dict(engine.stats.__dict__), COMPILES.mark()
-    with frozen_gc():
+    before = dict(engine.stats.__dict__)
+    with timed_region(f"row {row.key}", log) as result.compiles:
         result.records, result.steps = driver.run(specs, adapter_of)
-    result.compiles = COMPILES.since(mark)
-    for what in result.compiles:
-        log.warning("row %s: compiled during the timed run: %s", row.key, what[:300])
     result.step_kinds = {k: engine.stats.__dict__[s] - before[s] for k, s in STEP_KINDS.items()}
     return result
 
@@ -426,10 +422,6 @@ def format_row(s: Summary) -> str:
                      s.step_p50, s.forward_p50, s.host_p50, s.floor_p50, s.over_floor, s.batch, s.adapters_per_step)
 
 
-def verdict(value: float, good: bool) -> str:
-    return "n/a" if math.isnan(value) else ("met" if good else "NOT met")
-
-
 def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list[str]:
     """The engine rows' targets (issue 33's), each with what was measured."""
     def get(key: str) -> Summary | None:
@@ -504,15 +496,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--adapter-counts", default="1,8,32,128", help="rows c: distinct rank-16 adapters")
     p.add_argument("--qv-adapters", type=int, default=32, help="row d: rank-8 q/v adapters")
     p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="as `inference-node serve --quantization` (an FP8 checkpoint is FP8 without it); the "
                         "floor counts its projections at 1 byte a weight plus their scales")
-    p.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
+    add_node_args(p)
     p.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off: rows share prompts)")
-    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="replay prompt and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's (x the last prefill step)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the engine rows a-d this many times, interleaved; each column is the median")
@@ -554,13 +542,9 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
     args = parse_args(argv)
     device, dtype = runtime(args)
     log.setLevel(logging.INFO)
-    cuda = device.type == "cuda"
-    args.requests = args.requests or (128 if cuda else 8)
-    args.concurrency = args.concurrency or (64 if cuda else 4)
-    args.prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
-    args.output_len = parse_range(args.output_len or ("128" if cuda else "8"))
-    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
-    args.warmup = args.warmup or ("full" if cuda else "short")
+    by_device(args, device.type == "cuda", requests=(128, 8), concurrency=(64, 4), prompt_len=("32:256", "8:32"),
+              output_len=("128", "8"), max_batched_tokens=(2048, 256), warmup=("full", "short"))
+    args.prompt_len, args.output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         return _run(args, args.workdir or Path(tmp), device, dtype)
@@ -573,7 +557,6 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
 
     cuda = device.type == "cuda"
     started = time.perf_counter()
-    COMPILES.install()
     model = bench_model(args.model or ("llama-1b-random" if cuda else "embedded"), work, dtype, device, args.seed)
     cfg = ModelConfig.from_checkpoint(model.checkpoint)
     wanted = set(args.rows.split(","))
@@ -611,18 +594,15 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                      peft=True)] if "e" in wanted else []
 
     # One NodeConfig per node: in process and served alike.
-    max_model_len = args.prompt_len[1] + args.output_len[1] + args.block_size
-    num_blocks = args.concurrency * -(-(max_model_len + 1) // args.block_size) + args.concurrency + 8
     given = dict(item.split("=", 1) for item in args.tune)
-    options = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
-                   max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
-                   max_model_len=max_model_len, prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
-                   mixed_graphs=args.mixed_graphs, max_graph_batch=args.concurrency, cpu_threads=args.threads,
-                   prefill_delay_factor=args.prefill_delay_factor,
-                   warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
-                   tuning_fixed=frozenset(given), tuning_table=args.tuning_table, tune_budget=args.tune_budget,
-                   log_level="WARNING", quantization=args.quantization,
-                   api_processes=count_or_auto(args.api_processes))
+    options = engine_options(args, args.prompt_len[1] + args.output_len[1] + args.block_size, args.concurrency,
+                             args.requests, prefix_caching=args.prefix_caching,
+                             prefill_delay_factor=args.prefill_delay_factor,
+                             warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
+                             tuning_fixed=frozenset(given), tuning_table=args.tuning_table,
+                             tune_budget=args.tune_budget, log_level="WARNING", quantization=args.quantization,
+                             api_processes=count_or_auto(args.api_processes))
+    num_blocks = options["num_kv_blocks"]
     names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
     configs = {False: node_config(model, device, dtype, max_loras=0, **options),
                True: node_config(model, device, dtype, max_loras=max(len(names), 1), max_lora_rank=16,
@@ -661,7 +641,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
             result = fn()
         except Exception as exc:  # one broken row must not lose the others
             log.exception("row %s (%s) failed", row.key, path)
-            result = RowResult(row.key, path, row.label, error=f"{type(exc).__name__}: {exc}"[:200])
+            result = RowResult(row.key, path, row.label, error=error_text(exc))
         results.setdefault((row.key, path), []).append(result)
         line = format_row(summarize(result, nbytes, bw))
         log.info("row %s (%s) done in %.1fs", row.key, path, time.perf_counter() - t)
@@ -670,7 +650,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     def fail(group: list[Row], path: str, exc: Exception) -> None:
         log.exception("the %s node failed", path)
         for row in group:
-            results[(row.key, path)] = [RowResult(row.key, path, row.label, error=f"{type(exc).__name__}: {exc}"[:200])]
+            results[(row.key, path)] = [RowResult(row.key, path, row.label, error=error_text(exc))]
 
     groups = {lora: [r for r in rows if r.lora == lora] for lora in (False, True)}
     if "engine" in args.paths:
