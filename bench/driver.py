@@ -20,6 +20,7 @@ class ReqRecord:
     last: float | None = None
     done: float | None = None
     tokens: int = 0
+    finish_reason: str | None = None
     error: str | None = None
 
 
@@ -44,8 +45,10 @@ class Driver:
         self.engine, self.device, self.concurrency, self.poisson = engine, device, concurrency, poisson
         self.stall_seconds = stall_seconds
 
-    def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
-            max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
+    def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str], max_tokens: Callable[[Spec], int] | None = None,
+            grammar: str = "") -> tuple[list[ReqRecord], list[DecodeStep]]:
+        """Every request ignores EOS (runs to its max_tokens) unless a `grammar` constrains it:
+        then it ends when its grammar is complete."""
         from inference_node.engine.request import Request, SamplingParams
         from inference_node.runner.token_feedback import SampledTokens
 
@@ -60,9 +63,9 @@ class Driver:
             spec = specs[i]
             records[i].submit = at
             n = max_tokens(spec) if max_tokens else spec.max_tokens
-            engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=True),
+            engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=not grammar),
                                   emit=lambda ev, i=i: on_event(i, ev), adapter=adapter_of(spec),
-                                  request_id=f"bench-{i}"))
+                                  request_id=f"bench-{i}", grammar_source=grammar))
             state["inflight"] += 1
 
         def submit_next(now: float) -> None:
@@ -78,7 +81,7 @@ class Driver:
                 rec.last = now
                 rec.tokens += len(ev.token_ids)
             if ev.finish_reason is not None:
-                rec.done = now
+                rec.done, rec.finish_reason = now, ev.finish_reason
                 if ev.error is not None or ev.finish_reason == "error":
                     rec.error = f"{ev.finish_reason}: {ev.error}"
                 state["inflight"] -= 1
