@@ -5,10 +5,9 @@
     python -m bench.adapters fetch     # a 100 MB adapter from S3 through the store into host memory and a slot
     python -m bench.adapters fetch --disk-tier   # the node's disk tier alone
 
-Every node is built as `inference-node serve` builds it (a NodeConfig, `LLM`) and driven from
-this thread; adapters are random PEFT folders. A disk tier's files are flushed and dropped from
-the OS page cache before they are meant to be read from disk (posix_fadvise DONTNEED; on
-tmpfs files are memory either way), and what stayed cached is measured (mincore).
+Nodes are built as `inference-node serve` builds them, adapters are random PEFT folders. Files
+meant to be read from disk are dropped from the OS page cache first (posix_fadvise DONTNEED; on
+tmpfs they are memory either way), and what stayed cached is measured (mincore).
 """
 from __future__ import annotations
 
@@ -35,10 +34,10 @@ from typing import Callable, Sequence
 import torch
 
 from bench.driver import Driver
-from bench.harness import (ALL_MODULES, QV, Col, Spec, Table, add_common_args, add_node_args, bench_model, build_llm,
-                           by_device, device_line, dtype_name, engine_options, error_text, make_specs, node_config,
-                           parse_range, pct, release_memory, runtime, sync, timed_region, timed_runs, verdict,
-                           write_adapters, write_json, zipf_index)
+from bench.harness import (ALL_MODULES, QV, Col, Spec, Table, add_by_device, add_common_args, add_node_args,
+                           bench_model, build_llm, device_line, dtype_name, engine_options, error_text, make_specs,
+                           node_config, parse_range, pct, release_memory, runtime, sync, timed_region, timed_runs,
+                           verdict, write_adapters, write_json, zipf_index)
 
 log = logging.getLogger("bench.adapters")
 TIERS = ("gpu", "host", "disk")
@@ -219,7 +218,7 @@ CHURN_TABLE = Table(Col("alpha", 5, ".2g"), Col("row", 9), Col("WS/mem", 6, ".2f
 def churn_line(r: ChurnRow, resident: ChurnRow | None) -> str:
     if r.error:
         return f"{r.alpha:5.2g} {r.key:<9} FAILED: {r.error}"
-    vs = resident is not None and not resident.error and r is not resident
+    vs = resident is not None and r is not resident
     return CHURN_TABLE.row(r.alpha, r.key, r.ratio, r.tok_s, r.requests / r.wall, pct(r.ttft, 50), pct(r.ttft, 99),
                            max(r.ttft), *(r.tier_share(t) for t in TIERS),
                            None if r.key == "resident" else r.first_touch / r.requests, r.gpu_loads, r.gpu_evictions,
@@ -237,23 +236,19 @@ def churn(args) -> list[ChurnRow]:
     from inference_node.model.config import ModelConfig
 
     device, dtype = runtime(args)
-    cuda = device.type == "cuda"
-    by_device(args, cuda, requests=(600, 60), rate=(20.0, 10.0), concurrency=(64, 8), max_batched_tokens=(2048, 256),
-              prompt_len=("32:256", "8:32"), output_len=("32:128", "4:8"))
     args.max_loras = args.max_loras or args.concurrency
     prompt_len, output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
         work = args.workdir or Path(tmp)
-        model = bench_model(args.model or ("llama-1b-random" if cuda else "tiny"), work, dtype, device, args.seed)
+        model = bench_model(args.model, work, dtype, device, args.seed)
         cfg = ModelConfig.from_checkpoint(model.checkpoint)
         targets = TARGETS[args.targets]
         names = adapter_names(args.adapters)
         # Named by the model's shapes, targets and ranks: a --workdir may serve several models.
         root = work / (f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}-{args.targets}-"
                        f"{'-'.join(map(str, args.ranks))}-{dtype_name(dtype)}")
-        rank_of = write_adapters(root, cfg, names, args.ranks, targets, device if cuda else torch.device("cpu"),
-                                 dtype, seed=10_000)
+        rank_of = write_adapters(root, cfg, names, args.ranks, targets, device, dtype, seed=10_000)
         specs = make_specs(args.requests, prompt_len, output_len, cfg.vocab_size, args.rate, args.seed)
         traffic = [make_traffic(specs, names, rank_of, alpha, args.seed) for alpha in args.alphas]
         reference = make_traffic(specs, names, rank_of, args.memory_alpha, args.seed)
@@ -302,7 +297,7 @@ def churn(args) -> list[ChurnRow]:
         for key, rows, max_cpu, policy in nodes:
             llm = None
             try:
-                if cuda and rows * arena_row > 0.9 * torch.cuda.mem_get_info(device)[0]:
+                if device.type == "cuda" and rows * arena_row > 0.9 * torch.cuda.mem_get_info(device)[0]:
                     raise RuntimeError(f"{rows} rank rows of adapter memory need {rows * arena_row / 2**30:.1f} GiB: "
                                        "lower --requests, --ranks or --working-set-ratio")
                 llm = build_llm(node_config(model, device, dtype, adapter_dir=str(root), max_loras=args.max_loras,
@@ -348,13 +343,10 @@ def churn(args) -> list[ChurnRow]:
             llm.close()
             release_memory()
 
-    lines = []
-    for t in traffic:
-        resident = next((r for r in results if r.key == "resident" and r.alpha == t.alpha), None)
-        lines += [churn_line(r, resident) for r in results if r.alpha == t.alpha]
-    CHURN_TABLE.print(lines)
+    resident_of = {r.alpha: r for r in results if r.key == "resident" and not r.error}
+    CHURN_TABLE.print([churn_line(r, resident_of.get(t.alpha)) for t in traffic for r in results if r.alpha == t.alpha])
     for r in results:  # the issue's targets: working set 4x the adapter memory, alpha 1.0
-        res = next((x for x in results if x.key == "resident" and x.alpha == r.alpha and not x.error), None)
+        res = resident_of.get(r.alpha)
         if r.key != "resident" and not r.error and math.isclose(r.alpha, 1.0) and res is not None:
             tput, p50 = r.tok_s / res.tok_s, pct(r.ttft, 50) / pct(res.ttft, 50)
             print(f"alpha 1.0 {r.key}: throughput {tput:.3f}x resident (target >= 0.8: {verdict(tput, tput >= 0.8)}), "
@@ -574,8 +566,6 @@ def tiers(args) -> dict:
     is the p50 of quiet loop iterations (no probe or adapter work in flight) in the same run.
     Targets (issue 32, Llama-3.1-8B shapes): host - gpu <= one decode step; disk - host <= 50 ms."""
     device, dtype = runtime(args)
-    by_device(args, device.type == "cuda", background=(32, 4), background_tokens=(1024, 256), probes=(8, 2),
-              prompt_len=(128, 16), max_batched_tokens=(2048, 256))
     if args.background < 1:
         raise SystemExit("--background must be at least 1: its decode step is the yardstick")
     torch.manual_seed(args.seed)
@@ -597,8 +587,7 @@ def tiers(args) -> dict:
 def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: socket.socket) -> dict:
     from inference_node.model.config import ModelConfig
 
-    model = bench_model(args.model or ("llama-1b-random" if device.type == "cuda" else "tiny"), work, dtype, device,
-                        args.seed)
+    model = bench_model(args.model, work, dtype, device, args.seed)
     cfg = ModelConfig.from_checkpoint(model.checkpoint)
     targets = TARGETS[args.targets]
     probes = [Probe(tier, f"tier-warm-{tier}", False) for tier in TIERS]
@@ -946,7 +935,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
 
     def node_args(q: argparse.ArgumentParser) -> None:
-        add_common_args(q, "llama-1b-random on CUDA, tiny on CPU")
+        add_common_args(q, ("llama-1b-random", "tiny"))
         add_node_args(q)
         q.add_argument("--targets", choices=sorted(TARGETS), help="modules every adapter targets")
 
@@ -958,11 +947,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="adapter k has rank ranks[k mod len]")
     c.add_argument("--alphas", type=lambda t: [float(x) for x in t.split(",")], default=[0.5, 1.0, 1.5])
     c.add_argument("--policies", default="lru,gdsf", help="churn rows: GPU eviction policies")
-    c.add_argument("--requests", type=int, help="requests per row (CUDA 600, CPU 60)")
-    c.add_argument("--rate", type=float, help="Poisson arrivals per second (CUDA 20, CPU 10)")
-    c.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
-    c.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 32:128, CPU 4:8)")
-    c.add_argument("--concurrency", type=int, help="max_num_seqs (CUDA 64, CPU 8)")
+    add_by_device(c, "--requests", 600, 60, "requests per row", type=int)
+    add_by_device(c, "--rate", 20.0, 10.0, "Poisson arrivals per second", type=float)
+    add_by_device(c, "--prompt-len", "32:256", "8:32", "LO:HI tokens, uniform")
+    add_by_device(c, "--output-len", "32:128", "4:8", "LO:HI tokens, uniform")
+    add_by_device(c, "--concurrency", 64, 8, "max_num_seqs", type=int)
     c.add_argument("--max-loras", type=int, help="distinct adapters in one step (default: --concurrency)")
     c.add_argument("--working-set-ratio", type=float, default=4.0,
                    help="the churn rows' adapter memory: the --memory-alpha working set over this")
@@ -982,12 +971,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--rank", type=int, default=16)
     t.add_argument("--disk", choices=["folder", "disk-tier"], default="folder",
                    help="the disk tier: the --adapter-dir folder, or the node's disk tier of store adapters")
-    t.add_argument("--background", type=int, help="requests decoding throughout (CUDA 32, CPU 4)")
-    t.add_argument("--background-tokens", type=int,
-                   help="a background request's length before it restarts (CUDA 1024, CPU 256)")
+    add_by_device(t, "--background", 32, 4, "requests decoding throughout", type=int)
+    add_by_device(t, "--background-tokens", 1024, 256, "a background request's length before it restarts", type=int)
     t.add_argument("--background-adapter", action="store_true", help="the background on one pinned adapter")
-    t.add_argument("--probes", type=int, help="timed probes per tier (CUDA 8, CPU 2)")
-    t.add_argument("--prompt-len", type=int, help="a probe's and the background's prompt tokens (CUDA 128, CPU 16)")
+    add_by_device(t, "--probes", 8, 2, "timed probes per tier", type=int)
+    add_by_device(t, "--prompt-len", 128, 16, "a probe's and the background's prompt tokens", type=int)
     t.add_argument("--new-tokens", type=int, default=4, help="tokens a probe generates")
     t.add_argument("--quiet-steps", type=int, default=6, help="quiet loop iterations before each probe")
 

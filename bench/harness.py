@@ -189,10 +189,17 @@ def write_adapters(root: Path, model_cfg, names: Sequence[str], ranks: Sequence[
 
 
 # -- command lines and nodes -----------------------------------------------------------------------
-def add_common_args(p: argparse.ArgumentParser, model_default: str) -> None:
-    """The flags every engine benchmark takes."""
+def add_by_device(p: argparse.ArgumentParser, flag: str, on_cuda: Any, on_cpu: Any, help: str, **kw: Any) -> None:
+    """An option whose default depends on the device, said once: in its help, and to runtime()
+    that fills it in where left unset."""
+    p.add_argument(flag, help=f"{help} (CUDA {on_cuda}, CPU {on_cpu})", **kw)
+    p.set_defaults(by_device={**(p.get_default("by_device") or {}), flag[2:].replace("-", "_"): (on_cuda, on_cpu)})
+
+
+def add_common_args(p: argparse.ArgumentParser, model: tuple[str, str]) -> None:
+    """The flags every engine benchmark takes; `model`: the default on CUDA and on the CPU."""
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: {model_default})")
+    add_by_device(p, "--model", *model, MODEL_HELP)
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                    help="bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: the node's choice)")
@@ -204,27 +211,24 @@ def add_common_args(p: argparse.ArgumentParser, model_default: str) -> None:
 
 def add_node_args(p: argparse.ArgumentParser) -> None:
     """The flags of the node a serving-style benchmark builds (engine_options reads them)."""
-    p.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
+    add_by_device(p, "--max-batched-tokens", 2048, 256, "token budget per step", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
                    help="replay prompt and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
 
 
-def by_device(args: argparse.Namespace, cuda: bool, **defaults: tuple[Any, Any]) -> None:
-    """Each option left unset (None) takes its default on CUDA or on the CPU: (cuda, cpu)."""
-    for name, (on_cuda, on_cpu) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, on_cuda if cuda else on_cpu)
-
-
 def runtime(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    """Logging, and the device and dtype a run takes from --device and --dtype."""
+    """Logging, the device and dtype a run takes from --device and --dtype, and the device's
+    defaults of the options left unset (add_by_device)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    for name, (on_cuda, on_cpu) in getattr(args, "by_device", {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, on_cuda if cuda else on_cpu)
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "float32": torch.float32}[args.dtype]
     return torch.device("cuda" if cuda else "cpu"), dtype
@@ -482,6 +486,16 @@ class Table:
             print(line, file=out)
         for r in rows:
             print(r if isinstance(r, str) else self.row(*r), file=out)
+
+
+def medians(rounds: Sequence[Mapping[str, Any]]) -> dict:
+    """Each number's median over the rounds (an int stays an int); anything else as in the first."""
+    def median(values: list) -> Any:
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return values[0]
+        return type(values[0])(statistics.median(values)) if isinstance(values[0], int) else statistics.median(values)
+
+    return {key: median([r[key] for r in rounds]) for key in rounds[0]}
 
 
 def json_safe(value: Any) -> Any:

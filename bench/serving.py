@@ -1,31 +1,25 @@
 """Serving benchmark: the node with LoRA off, on but unused, and with many adapters, next to
-Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one table; each row
-in process and, when asked, through the served node's gRPC and HTTP APIs.
+Hugging Face PEFT's mixed-adapter generate, on the same requests, in one table; each row in
+process and, when asked, through the served node's gRPC and HTTP APIs.
 
-    python -m bench.serving                              # CUDA: Llama-3.2-1B-shaped random bf16 model
-    python -m bench.serving --model llama-8b-random --rows a,c,d --adapter-counts 32
-    python -m bench.serving --model qwen3-8b-random --paths engine,grpc   # a served family's shapes (bench/shapes.py)
-    python -m bench.serving --poisson 20                 # open loop, Poisson arrivals, Zipf popularity
+    python -m bench.serving                              # CUDA: Llama-3.2-1B shapes, random bf16 weights
     python -m bench.serving --device cpu                 # CPU: the embedded SmolLM2, small settings
-    python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections (or an FP8 checkpoint's folder)
-    python -m bench.serving --rows a,b,c,d --rounds 3    # rows take turns 3 times: medians
+    python -m bench.serving --model qwen3-8b-random --rows a,c,d --adapter-counts 32 --paths engine,grpc
+    python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections
+    python -m bench.serving --poisson 20 --rounds 3      # open loop, Zipf popularity; rows take turns: medians
     python -m bench.serving --paths engine,grpc,http --rows b,c --adapter-counts 32 --api-processes 2
 
 Rows (every one runs the same requests):
   a     base model, LoRA disabled (--max-loras 0)
   b     LoRA enabled (adapter memory for every row's adapters), no request uses an adapter
-  c-N   N distinct adapters of rank 16 on all seven projections (N = 1, 8, 32, 128)
+  c-N   N distinct adapters of rank 16 on all seven projections (--adapter-counts)
   d     32 adapters of rank 8 on q_proj and v_proj only
   e     Hugging Face PEFT: one PeftModel holding the adapters of c-32, generate(adapter_names=...)
-Paths (rows a-d): engine, the node built in this process (`LLM`) and driven from this thread
-by `Engine.run_once`; grpc, the same NodeConfig served by `inference-node serve` (its flags)
-and driven by --clients client processes; http, that node's OpenAI-compatible API
-(/v1/completions streamed, token-id prompts with `ignore_eos`). All adapters are pinned in
-GPU adapter memory before timing; every row is warmed up first (--warmup).
-
-Columns (docs/PERFORMANCE.md says more): decode and e2e tok/s, TTFT and TPOT p50/p99, and on the
-engine path the decode step's p50 beside its floor (the bytes it must read over the copy
-bandwidth measured in the same run). Closed loop by default; --poisson RATE: Zipf popularity.
+Paths (rows a-d): engine, the node in this process (`LLM`) driven by `Engine.run_once`; grpc
+and http, the same NodeConfig served by `inference-node serve`, driven by --clients processes
+(Generate streams; /v1/completions streamed). Adapters are pinned in GPU adapter memory and
+every row is warmed up (--warmup) before timing. Columns: docs/PERFORMANCE.md; on the engine
+path, the decode step's p50 beside its floor (the bytes it must read over the copy bandwidth).
 """
 from __future__ import annotations
 
@@ -50,10 +44,10 @@ import torch
 
 from bench.driver import DecodeStep, Driver, ReqRecord
 from bench.harness import (ALL_MODULES, QV, STEP_KINDS, Col, NodeProcess, Spec, StepBytes, Table,
-                           adapter_bytes_per_rank, add_common_args, add_node_args, bench_model, build_llm, by_device,
-                           copy_bandwidth, device_line, dtype_name, engine_options, error_text, kv_bytes_per_token,
-                           make_specs, node_config, parse_range, pct, release_memory, runtime, sync, timed_region,
-                           verdict, write_adapters, write_json, zipf_index)
+                           adapter_bytes_per_rank, add_by_device, add_common_args, add_node_args, bench_model,
+                           build_llm, copy_bandwidth, device_line, dtype_name, engine_options, error_text,
+                           kv_bytes_per_token, make_specs, medians, node_config, parse_range, pct, release_memory,
+                           runtime, sync, timed_region, verdict, write_adapters, write_json, zipf_index)
 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
@@ -65,7 +59,6 @@ class Row:
     label: str
     lora: bool                  # runs on the node with LoRA on
     pool: list[str]             # adapter names (empty: every request uses the base model)
-    peft: bool = False
 
     def adapter_of(self, spec: Spec, poisson: bool, alpha: float) -> str:
         if not self.pool:
@@ -398,13 +391,7 @@ def median_summary(runs: list[Summary]) -> Summary:
     failed = [r for r in runs if r.error]
     if len(runs) == 1 or failed:
         return (failed or runs)[0]
-    merged = dataclasses.replace(runs[0])
-    for f in dataclasses.fields(Summary):
-        values = [getattr(r, f.name) for r in runs]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            med = statistics.median(values)
-            setattr(merged, f.name, type(values[0])(med) if isinstance(values[0], int) else med)
-    return merged
+    return Summary(**medians([dataclasses.asdict(r) for r in runs]))
 
 
 MS = dict(fmt=".2f", unit="ms", scale=1e3)
@@ -481,15 +468,15 @@ def path_ratios(summaries: dict[tuple[str, str], Summary]) -> list[str]:
 # -- main --------------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p, "llama-1b-random on CUDA, embedded on CPU")
+    add_common_args(p, ("llama-1b-random", "embedded"))
     p.add_argument("--paths", default="engine",
                    help="comma-separated: engine (in process), grpc, http (the served node)")
     p.add_argument("--rows", default="a,b,c,d,e", help="which rows to run")
-    p.add_argument("--requests", type=int, help="requests per row (CUDA 128, CPU 8)")
-    p.add_argument("--concurrency", type=int, help="closed-loop requests in flight = the node's max_num_seqs "
-                                                   "= PEFT batch (CUDA 64, CPU 4)")
-    p.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
-    p.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 128, CPU 8)")
+    add_by_device(p, "--requests", 128, 8, "requests per row", type=int)
+    add_by_device(p, "--concurrency", 64, 4, "closed-loop requests in flight = the node's max_num_seqs = PEFT batch",
+                  type=int)
+    add_by_device(p, "--prompt-len", "32:256", "8:32", "LO:HI tokens, uniform")
+    add_by_device(p, "--output-len", "128", "8", "LO:HI tokens, uniform")
     p.add_argument("--poisson", type=float, default=None, metavar="RATE",
                    help="open loop: Poisson arrivals at RATE requests/s, Zipf adapter popularity")
     p.add_argument("--zipf-alpha", type=float, default=1.0)
@@ -505,9 +492,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the engine rows a-d this many times, interleaved; each column is the median")
     p.add_argument("--control", action="store_true", help="run row a again after rows b-d (a2) on a fresh node")
-    p.add_argument("--warmup", choices=["full", "short", "engine"], default=None,
-                   help="per row, untimed: its whole workload (CUDA default: compiles every shape), one batch "
-                        "of --warmup-tokens tokens (CPU default), or only the node's start-up warm-up")
+    add_by_device(p, "--warmup", "full", "short", "per row, untimed: its whole workload (compiles every shape), one "
+                  "batch of --warmup-tokens tokens, or only the node's start-up warm-up",
+                  choices=["full", "short", "engine"])
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--clients", type=int, default=4, help="client processes of each API (grpc, http paths)")
     p.add_argument("--api-processes", default="auto", help="the served node's front-end processes")
@@ -542,8 +529,6 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
     args = parse_args(argv)
     device, dtype = runtime(args)
     log.setLevel(logging.INFO)
-    by_device(args, device.type == "cuda", requests=(128, 8), concurrency=(64, 4), prompt_len=("32:256", "8:32"),
-              output_len=("128", "8"), max_batched_tokens=(2048, 256), warmup=("full", "short"))
     args.prompt_len, args.output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
@@ -557,7 +542,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
 
     cuda = device.type == "cuda"
     started = time.perf_counter()
-    model = bench_model(args.model or ("llama-1b-random" if cuda else "embedded"), work, dtype, device, args.seed)
+    model = bench_model(args.model, work, dtype, device, args.seed)
     cfg = ModelConfig.from_checkpoint(model.checkpoint)
     wanted = set(args.rows.split(","))
     if model.load_format == "dummy" and "e" in wanted:
@@ -567,9 +552,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     adapter_root = work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}"
     r16 = [f"r16-all-{k:03d}" for k in range(max(counts + [args.peft_adapters if "e" in wanted else 0]))]
     qv = [f"r8-qv-{k:03d}" for k in range(args.qv_adapters)] if "d" in wanted else []
-    made_on = device if cuda else torch.device("cpu")
-    write_adapters(adapter_root, cfg, r16, [16], ALL_MODULES, made_on, torch.bfloat16, seed=1000)
-    write_adapters(adapter_root, cfg, qv, [8], QV, made_on, torch.bfloat16, seed=5000)
+    write_adapters(adapter_root, cfg, r16, [16], ALL_MODULES, device, torch.bfloat16, seed=1000)
+    write_adapters(adapter_root, cfg, qv, [8], QV, device, torch.bfloat16, seed=5000)
     os.sync()  # the written files' writeback must not run during the first timed row
     bw = copy_bandwidth(device)
     itemsize = dtype.itemsize
@@ -590,8 +574,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
         rows += [Row(f"c-{n}", f"{n} adapters r16, all 7 projections", True, r16[:n]) for n in counts]
     if "d" in wanted:
         rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
-    peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False, r16[:args.peft_adapters],
-                     peft=True)] if "e" in wanted else []
+    peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False,
+                     r16[:args.peft_adapters])] if "e" in wanted else []
 
     # One NodeConfig per node: in process and served alike.
     given = dict(item.split("=", 1) for item in args.tune)

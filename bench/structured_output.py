@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from bench.driver import Driver, ReqRecord
-from bench.harness import Col, Spec, Table, by_device, pct
+from bench.harness import Col, Spec, Table, medians, pct
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 24},
@@ -93,12 +93,6 @@ def summarize(row: RowResult) -> dict:
             "stops": sum(r.finish_reason == "stop" for r in recs)}
 
 
-def median_row(rounds: list[dict]) -> dict:
-    """Each numeric column's median over the rounds."""
-    return {key: (statistics.median(r[key] for r in rounds) if isinstance(value, float) else value)
-            for key, value in rounds[0].items()}
-
-
 US = dict(fmt=".0f", unit="us", scale=1e6)
 TABLE = Table(Col("row", 12), Col("reqs", 5, "d"), Col("tokens", 7, "d"), Col("tok/req", 8, ".1f"),
               Col("tok/s", 8, ".1f"), Col("TPOT p50", 9, ".2f", "ms", 1e3), Col("p99", 8, ".2f", "ms", 1e3),
@@ -128,8 +122,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     from lora.v1 import inference_pb2
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    by_device(args, device == "cuda", requests=(128, 8), concurrency=(64, 4))
-    requests, concurrency = args.requests, args.concurrency
+    cuda = device == "cuda"
+    requests, concurrency = args.requests or (128 if cuda else 8), args.concurrency or (64 if cuda else 4)
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(NodeConfig.of(checkpoint=args.checkpoint, device=device, max_loras=0,
@@ -151,7 +145,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         free_rounds.append(summarize(run_row(llm, "free text", prompts, "", lengths, concurrency)))
         constrained_rounds.append(summarize(constrained_run))
     llm.close()
-    free, constrained = rows = [median_row(free_rounds), median_row(constrained_rounds)]
+    free, constrained = rows = [medians(free_rounds), medians(constrained_rounds)]
     print(f"device: {device}; model: {llm.checkpoint.name}; {requests} requests, {concurrency} in flight, greedy"
           f"{f'; medians of {args.rounds} rounds' if args.rounds > 1 else ''}")
     TABLE.print([[row[key] for key in COLUMNS] for row in rows])
