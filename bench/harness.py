@@ -341,6 +341,7 @@ class Spec:
     max_tokens: int
     arrival: float      # seconds after the start (Poisson); 0 in closed loop
     pick: float         # uniform [0, 1): the adapter drawn under Zipf popularity
+    adapter: str = ""   # the one its row gives it, where a client process sends it
 
 
 def parse_range(text: str) -> tuple[int, int]:

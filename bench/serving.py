@@ -100,15 +100,7 @@ def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
 
 
 # -- the served node: client processes of gRPC and of the OpenAI-compatible HTTP API -----------------
-@dataclass(frozen=True)
-class ClientRequest:
-    prompt: list[int]
-    max_tokens: int
-    adapter: str
-    arrival: float
-
-
-def client_process(api: str, target: str, model: str, requests: list[ClientRequest], concurrency: int,
+def client_process(api: str, target: str, model: str, requests: list[Spec], concurrency: int,
                    poisson: bool, ready, start, results) -> None:
     """Sends its requests, closed loop at `concurrency` or at their arrival times, and puts its
     records on `results` (in request order)."""
@@ -117,12 +109,12 @@ def client_process(api: str, target: str, model: str, requests: list[ClientReque
     results.put(asyncio.run(client(target, model, requests, concurrency, poisson, ready, start)))
 
 
-async def _drive(requests: list[ClientRequest], concurrency: int, poisson: bool, start, one) -> list[ReqRecord]:
+async def _drive(requests: list[Spec], concurrency: int, poisson: bool, start, one) -> list[ReqRecord]:
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
     t0 = time.monotonic()
     gate = asyncio.Semaphore(concurrency if not poisson else max(len(requests), 1))
 
-    async def timed(req: ClientRequest) -> ReqRecord:
+    async def timed(req: Spec) -> ReqRecord:
         if poisson:
             await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
         async with gate:
@@ -154,7 +146,7 @@ async def _grpc_client(target, model, requests, concurrency, poisson, ready, sta
             pass
         ready.set()
 
-        async def one(req: ClientRequest, rec: ReqRecord) -> None:
+        async def one(req: Spec, rec: ReqRecord) -> None:
             try:
                 async for msg in stub.Generate(pb.GenerateRequest(
                         prompt_token_ids=req.prompt, max_tokens=req.max_tokens, adapter=req.adapter,
@@ -178,7 +170,7 @@ async def _http_client(target, model, requests, concurrency, poisson, ready, sta
         (await http.post(url, json={"model": model, "prompt": [1000, 1001], "max_tokens": 1})).raise_for_status()
         ready.set()
 
-        async def one(req: ClientRequest, rec: ReqRecord) -> None:
+        async def one(req: Spec, rec: ReqRecord) -> None:
             body = {"model": req.adapter or model, "prompt": req.prompt, "max_tokens": req.max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             try:
@@ -201,7 +193,7 @@ async def _http_client(target, model, requests, concurrency, poisson, ready, sta
         return await _drive(requests, concurrency, poisson, start, one)
 
 
-def run_clients(api: str, target: str, model: str, requests: list[ClientRequest], concurrency: int,
+def run_clients(api: str, target: str, model: str, requests: list[Spec], concurrency: int,
                 clients: int, poisson: bool) -> list[ReqRecord]:
     """The requests shared round robin over `clients` processes, `concurrency` split among them."""
     ctx = multiprocessing.get_context("spawn")
@@ -228,8 +220,7 @@ def run_clients(api: str, target: str, model: str, requests: list[ClientRequest]
 
 def run_served_row(row: Row, api: str, node: NodeProcess, model: str, specs: list[Spec], args) -> RowResult:
     poisson = bool(args.poisson)
-    requests = [ClientRequest(list(s.prompt), s.max_tokens, row.adapter_of(s, poisson, args.zipf_alpha), s.arrival)
-                for s in specs]
+    requests = [dataclasses.replace(s, adapter=row.adapter_of(s, poisson, args.zipf_alpha)) for s in specs]
     target = node.target if api == "grpc" else node.http_url
     if args.warmup == "full":
         run_clients(api, target, model, requests, args.concurrency, args.clients, poisson)
@@ -410,12 +401,8 @@ def format_row(s: Summary) -> str:
 
 
 def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list[str]:
-    """The engine rows' targets (issue 33's), each with what was measured."""
-    def get(key: str) -> Summary | None:
-        s = by.get(key)
-        return s if s is not None and not s.error else None
-
-    a, a2, b, d, e, c32 = get("a"), get("a2"), get("b"), get("d"), get("e"), get(c32_key)
+    """The engine rows' targets (issue 33's), each with what was measured (`by`: the rows that ran)."""
+    a, a2, b, d, e, c32 = (by.get(key) for key in ("a", "a2", "b", "d", "e", c32_key))
     lines = []
     if a and a2:
         lines.append(f"control a2/a (same node setup, run after b-d): decode {a2.decode_tps / a.decode_tps:.3f}, "
@@ -438,7 +425,7 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
     if a:
         lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.15: "
                      f"{verdict(a.over_floor, a.over_floor <= 1.15)})")
-    lora = [s for k, s in by.items() if k not in ("a", "a2", "e") and not s.error]
+    lora = [s for k, s in by.items() if k not in ("a", "a2", "e")]
     if e and lora:
         worst = min(lora, key=lambda s: s.e2e_tps)
         r = worst.e2e_tps / e.e2e_tps
@@ -692,7 +679,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     summaries = {k: median_summary(runs) for k, runs in per_round.items()}
     print()
     TABLE.print([format_row(s) for s in summaries.values()] + ["-" * len(TABLE.head()[0])])
-    by_key = {k: s for (k, path), s in summaries.items() if path in ("engine", "peft")}
+    by_key = {k: s for (k, path), s in summaries.items() if path in ("engine", "peft") and not s.error}
     read_32 = 32 * adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) / bw
     for line in ratios(by_key, read_32, "c-32") + path_ratios(summaries):
         print(line)
