@@ -35,9 +35,9 @@ import torch
 
 from bench.driver import Driver
 from bench.harness import (ALL_MODULES, QV, Col, Spec, Table, add_by_device, add_common_args, add_node_args,
-                           bench_model, build_llm, device_line, dtype_name, engine_options, error_text, make_specs,
-                           node_config, parse_range, pct, release_memory, runtime, sync, timed_region, timed_runs,
-                           verdict, write_adapters, write_json, zipf_index)
+                           assign_adapters, bench_model, build_llm, device_line, dtype_name, engine_options, error_text,
+                           make_specs, node_config, parse_range, pct, release_memory, runtime, sync, timed_region,
+                           timed_runs, verdict, write_adapters, write_json)
 
 log = logging.getLogger("bench.adapters")
 TIERS = ("gpu", "host", "disk")
@@ -126,10 +126,10 @@ def settle(engine, manager, timeout: float = 600.0) -> None:
 # -- churn -----------------------------------------------------------------------------------------
 @dataclass
 class Traffic:
-    """One alpha's requests: the adapter each names, and its working set."""
+    """One alpha's requests, each on its adapter, and their working set."""
 
     alpha: float
-    adapters: list[str]            # per spec
+    specs: list[Spec]
     distinct: list[str]
     working_rows: int              # rank rows per targeted module the distinct adapters hold
 
@@ -166,9 +166,9 @@ def adapter_names(n: int) -> list[str]:
 def make_traffic(specs: list[Spec], names: list[str], rank_of: dict[str, int], alpha: float, seed: int) -> Traffic:
     order = list(names)
     random.Random(seed).shuffle(order)  # popularity independent of rank
-    adapters = [order[zipf_index(spec.pick, len(order), alpha)] for spec in specs]
-    distinct = sorted(set(adapters))
-    return Traffic(alpha, adapters, distinct, sum(rank_of[n] for n in distinct))
+    specs = assign_adapters(specs, order, alpha)
+    distinct = sorted({s.adapter for s in specs})
+    return Traffic(alpha, specs, distinct, sum(rank_of[n] for n in distinct))
 
 
 def drop_page_cache(root: Path, names: list[str]) -> float | None:
@@ -177,27 +177,25 @@ def drop_page_cache(root: Path, names: list[str]) -> float | None:
     return drop_all([f for name in names for f in sorted((root / name).iterdir()) if f.is_file()])
 
 
-def first_touches(specs: list[Spec], adapter_of: dict[int, str], seen: set[str]) -> int:
+def first_touches(specs: list[Spec], seen: set[str]) -> int:
     """Requests, in arrival order, naming an adapter neither `seen` (earlier traffic) nor an
     earlier request named: their disk loads are compulsory, whatever the policy."""
     seen, count = set(seen), 0
     for spec in sorted(specs, key=lambda s: (s.arrival, s.index)):
-        count += adapter_of[spec.index] not in seen
-        seen.add(adapter_of[spec.index])
+        count += spec.adapter not in seen
+        seen.add(spec.adapter)
     return count
 
 
-def run_churn_row(key: str, llm, specs: list[Spec], traffic: Traffic, ratio: float, args, seen: set[str]) -> ChurnRow:
+def run_churn_row(key: str, llm, traffic: Traffic, ratio: float, args, seen: set[str]) -> ChurnRow:
     """`seen`: the adapters the row's untimed traffic named before it."""
     manager, engine = llm.node.adapters, llm.engine
     result = ChurnRow(key, traffic.alpha, ratio)
     hits, evictions = dict(manager.tier_hits), manager.stats["evictions"]
     gpu_loads = sum(c.loads["gpu"] for c in manager.per_adapter.values())
-    adapter_of = {spec.index: name for spec, name in zip(specs, traffic.adapters)}
-    result.first_touch = first_touches(specs, adapter_of, seen)
+    result.first_touch = first_touches(traffic.specs, seen)
     with timed_region(f"row {key} alpha {traffic.alpha:g}", log) as result.compiles:
-        records, _ = Driver(engine, llm.node.model.device, args.concurrency, poisson=True).run(
-            specs, lambda s: adapter_of[s.index])
+        records, _ = Driver(engine, llm.node.model.device, args.concurrency, poisson=True).run(traffic.specs)
     result.requests, result.output_tokens = len(records), sum(r.tokens for r in records)
     result.wall = max(r.done for r in records) - min(r.submit for r in records)
     result.ttft = [r.first - r.submit for r in records]
@@ -307,8 +305,7 @@ def churn(args) -> list[ChurnRow]:
                                 everyone if key == "resident" else ())
                 # Untimed: a few requests through every kind of step, on this node's adapters.
                 Driver(llm.engine, device, args.concurrency, poisson=False).run(
-                    specs[:2 * args.concurrency], lambda s: traffic[0].adapters[s.index],
-                    lambda s: min(4, s.max_tokens))
+                    traffic[0].specs[:2 * args.concurrency], lambda s: min(4, s.max_tokens))
             except Exception as exc:
                 log.exception("%s node failed", key)
                 results += [ChurnRow(key, t.alpha, math.nan, error=error_text(exc)) for t in traffic]
@@ -329,12 +326,11 @@ def churn(args) -> list[ChurnRow]:
                             log.info("row %s alpha %g: page cache dropped, %s of the largest file still cached", key,
                                      t.alpha, "unknown" if cached is None else f"{100 * cached:.0f}%")
                         if args.start == "warm":
-                            warm = {s.index: n for s, n in zip(warm_specs, warm_traffic[t.alpha].adapters)}
                             Driver(engine, device, args.concurrency, poisson=False).run(
-                                warm_specs, lambda s: warm[s.index], lambda s: min(4, s.max_tokens))
+                                warm_traffic[t.alpha].specs, lambda s: min(4, s.max_tokens))
                             settle(engine, manager)
-                    seen = set(warm_traffic[t.alpha].adapters) if key != "resident" and args.start == "warm" else set()
-                    r = run_churn_row(key, llm, specs, t, ratio, args, seen)
+                    seen = set(warm_traffic[t.alpha].distinct) if key != "resident" and args.start == "warm" else set()
+                    r = run_churn_row(key, llm, t, ratio, args, seen)
                 except Exception as exc:  # one broken row must not lose the others
                     log.exception("row %s alpha %g failed", key, t.alpha)
                     r = ChurnRow(key, t.alpha, ratio, error=error_text(exc))

@@ -45,7 +45,7 @@ class Driver:
         self.engine, self.device, self.concurrency, self.poisson = engine, device, concurrency, poisson
         self.stall_seconds = stall_seconds
 
-    def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str], max_tokens: Callable[[Spec], int] | None = None,
+    def run(self, specs: list[Spec], max_tokens: Callable[[Spec], int] | None = None,
             grammar: str = "") -> tuple[list[ReqRecord], list[DecodeStep]]:
         """Every request ignores EOS (runs to its max_tokens) unless a `grammar` constrains it:
         then it ends when its grammar is complete."""
@@ -64,7 +64,7 @@ class Driver:
             records[i].submit = at
             n = max_tokens(spec) if max_tokens else spec.max_tokens
             engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=not grammar),
-                                  emit=lambda ev, i=i: on_event(i, ev), adapter=adapter_of(spec),
+                                  emit=lambda ev, i=i: on_event(i, ev), adapter=spec.adapter,
                                   request_id=f"bench-{i}", grammar_source=grammar))
             state["inflight"] += 1
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -341,7 +342,7 @@ class Spec:
     max_tokens: int
     arrival: float      # seconds after the start (Poisson); 0 in closed loop
     pick: float         # uniform [0, 1): the adapter drawn under Zipf popularity
-    adapter: str = ""   # the one its row gives it, where a client process sends it
+    adapter: str = ""   # "": the base model (assign_adapters)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -363,6 +364,15 @@ def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
         specs.append(Spec(i, [rng.randrange(low, vocab) for _ in range(length)], rng.randint(*output_len),
                           t if poisson_rate else 0.0, rng.random()))
     return specs
+
+
+def assign_adapters(specs: list[Spec], pool: Sequence[str], zipf_alpha: float | None = None) -> list[Spec]:
+    """The specs, each on an adapter of `pool`: request i on adapter i mod N, or by Zipf(alpha)
+    popularity of its `pick`; on the base model where the pool is empty."""
+    if not pool:
+        return specs
+    return [dataclasses.replace(s, adapter=pool[s.index % len(pool) if zipf_alpha is None else
+                                                zipf_index(s.pick, len(pool), zipf_alpha)]) for s in specs]
 
 
 def zipf_index(u: float, n: int, alpha: float) -> int:

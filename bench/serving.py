@@ -44,10 +44,10 @@ import torch
 
 from bench.driver import DecodeStep, Driver, ReqRecord
 from bench.harness import (ALL_MODULES, QV, STEP_KINDS, Col, NodeProcess, Spec, StepBytes, Table,
-                           adapter_bytes_per_rank, add_by_device, add_common_args, add_node_args, bench_model,
-                           build_llm, copy_bandwidth, device_line, dtype_name, engine_options, error_text,
+                           adapter_bytes_per_rank, add_by_device, add_common_args, add_node_args, assign_adapters,
+                           bench_model, build_llm, copy_bandwidth, device_line, dtype_name, engine_options, error_text,
                            kv_bytes_per_token, make_specs, medians, node_config, parse_range, pct, release_memory,
-                           runtime, sync, timed_region, verdict, write_adapters, write_json, zipf_index)
+                           runtime, sync, timed_region, verdict, write_adapters, write_json)
 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
@@ -60,10 +60,9 @@ class Row:
     lora: bool                  # runs on the node with LoRA on
     pool: list[str]             # adapter names (empty: every request uses the base model)
 
-    def adapter_of(self, spec: Spec, poisson: bool, alpha: float) -> str:
-        if not self.pool:
-            return ""
-        return self.pool[zipf_index(spec.pick, len(self.pool), alpha) if poisson else spec.index % len(self.pool)]
+    def requests(self, specs: list[Spec], args) -> list[Spec]:
+        """The workload on this row's adapters: in turn, or (--poisson) by Zipf popularity."""
+        return assign_adapters(specs, self.pool, args.zipf_alpha if args.poisson else None)
 
 
 @dataclass
@@ -81,20 +80,19 @@ class RowResult:
 # -- the engine in process --------------------------------------------------------------------------
 def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
     engine, device = llm.engine, llm.node.model.device
-    result = RowResult(row.key, "engine", row.label)
-    adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
+    result, specs = RowResult(row.key, "engine", row.label), row.requests(specs, args)
     # Untimed: "full" runs the row's whole workload once (every shape the timed run meets, so no
     # Triton compile lands in it); "short" one batch of few tokens; "engine" nothing here (the
     # node's start-up warm-up ran).
     if args.warmup == "full":
-        Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs, adapter_of)
+        Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs)
     elif args.warmup == "short":
         Driver(engine, device, args.concurrency, poisson=False).run(
-            specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
+            specs[:args.concurrency], lambda s: min(args.warmup_tokens, s.max_tokens))
     driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
     before = dict(engine.stats.__dict__)
     with timed_region(f"row {row.key}", log) as result.compiles:
-        result.records, result.steps = driver.run(specs, adapter_of)
+        result.records, result.steps = driver.run(specs)
     result.step_kinds = {k: engine.stats.__dict__[s] - before[s] for k, s in STEP_KINDS.items()}
     return result
 
@@ -220,7 +218,7 @@ def run_clients(api: str, target: str, model: str, requests: list[Spec], concurr
 
 def run_served_row(row: Row, api: str, node: NodeProcess, model: str, specs: list[Spec], args) -> RowResult:
     poisson = bool(args.poisson)
-    requests = [dataclasses.replace(s, adapter=row.adapter_of(s, poisson, args.zipf_alpha)) for s in specs]
+    requests = row.requests(specs, args)
     target = node.target if api == "grpc" else node.http_url
     if args.warmup == "full":
         run_clients(api, target, model, requests, args.concurrency, args.clients, poisson)
@@ -251,7 +249,7 @@ def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spe
     for name in names[1:]:
         model.load_adapter(adapter_root / name, adapter_name=name)
     model.eval()
-    poisson = bool(args.poisson)
+    poisson, specs = bool(args.poisson), row.requests(specs, args)
 
     class Stamp(LogitsProcessor):
         """Called once per generated token position, after that step's forward."""
@@ -274,7 +272,7 @@ def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spe
         stamp = Stamp()
         with torch.inference_mode():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 adapter_names=[row.adapter_of(s, poisson, args.zipf_alpha) for s in batch],
+                                 adapter_names=[s.adapter for s in batch],
                                  max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                                  logits_processor=LogitsProcessorList([stamp]))
         sync(device)
@@ -304,7 +302,7 @@ def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spe
         for i in ready:  # TTFT as if generate streamed (it does not: generous to PEFT)
             r = records[i]
             r.first, r.last, r.done, r.tokens = times[0], times[specs[i].max_tokens - 1], end, specs[i].max_tokens
-        adapters = frozenset(row.adapter_of(s, poisson, args.zipf_alpha) for s in batch)
+        adapters = frozenset(s.adapter for s in batch)
         for k in range(1, len(times)):
             kv = sum(len(s.prompt) + k + 1 for s in batch)
             result.steps.append(DecodeStep(times[k] - times[k - 1], len(batch), adapters, kv))
@@ -333,8 +331,9 @@ class Summary:
     batch: float = math.nan
     adapters_per_step: float = math.nan
     decode_steps: int = 0
-    # decode_tps counts the decode steps whose call did not also launch a prompt step (that
-    # launch's host work lands in the call's time); all_steps_tps counts them all.
+    # decode_tps counts the decode steps whose call did not also launch a prompt step (that launch's
+    # host work, an eager 2048-token forward: 12-55 ms on an H100, is prefill's cost, counted in e2e
+    # tok/s); all_steps_tps counts them all.
     steady_steps: int = 0
     all_steps_tps: float = math.nan
     output_tokens: int = 0
@@ -356,9 +355,6 @@ def summarize(res: RowResult, nbytes: StepBytes, bw: float) -> Summary:
     s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99 = pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99)
     steps = res.steps
     if steps:
-        # Decode throughput over the steady decode steps: a step whose call also launched a
-        # prompt chunk carries that launch's host work (an eager 2048-token forward: 12-55 ms
-        # on the H100 runs), which is prefill's cost, counted in e2e tok/s.
         s.decode_steps = len(steps)
         s.all_steps_tps = sum(st.batch for st in steps) / sum(st.seconds for st in steps)
         steady = [st for st in steps if not st.boundary] or steps

@@ -71,7 +71,7 @@ def run_row(llm, name: str, prompts: list[list[int]], grammar: str, lengths: lis
     specs = [Spec(i, prompt, n, 0.0, 0.0) for i, (prompt, n) in enumerate(zip(prompts, lengths))]
     try:
         result.records, _ = Driver(engine, llm.node.model.device, concurrency, poisson=False).run(
-            specs, lambda s: "", grammar=grammar)
+            specs, grammar=grammar)
     finally:
         grammars.fill_masks = fill
         del runner.sample    # the class's method again

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from bench.driver import Driver
-from bench.harness import (ALL_MODULES, Col, StepBytes, Table, adapter_bytes_per_rank, add_common_args, bench_model,
-                           build_llm, copy_bandwidth, make_specs, model_config, node_config, pct, release_memory,
-                           runtime, timed_runs, write_adapters, write_json)
+from bench.harness import (ALL_MODULES, Col, StepBytes, Table, adapter_bytes_per_rank, add_common_args, assign_adapters,
+                           bench_model, build_llm, copy_bandwidth, make_specs, model_config, node_config, pct,
+                           release_memory, runtime, timed_runs, write_adapters, write_json)
 
 log = logging.getLogger("bench.tensor_parallel")
 
@@ -143,12 +143,11 @@ def run_size(args, device: torch.device, dtype: torch.dtype, tp: int, rows: list
         engine = llm.engine
         for row in rows:
             pool = names[:int(row[1:])] if row.startswith("c") else []
-            specs = make_specs(args.batch * args.rounds, (args.prompt,) * 2, (args.output,) * 2, cfg.vocab_size, None,
-                               args.seed)
+            specs = assign_adapters(make_specs(args.batch * args.rounds, (args.prompt,) * 2, (args.output,) * 2,
+                                               cfg.vocab_size, None, args.seed), pool)
             driver = Driver(engine, llm.node.model.device, args.batch, poisson=False)
-            adapter_of = (lambda s: pool[s.index % len(pool)]) if pool else (lambda s: "")
-            driver.run(specs[:args.batch], adapter_of, lambda s: 8)  # warm: this row's graphs and kernels
-            _, steps = driver.run(specs, adapter_of)
+            driver.run(specs[:args.batch], lambda s: 8)  # warm: this row's graphs and kernels
+            _, steps = driver.run(specs)
             full = [s for s in steps if s.batch == args.batch and not s.boundary]
             step = pct([s.seconds for s in full], 50)
             comm, note = (0.0, 0.0, 0.0), "" if tp == 1 else "no all-reduce report: bytes alone"
