@@ -36,8 +36,8 @@ import torch
 from bench.driver import Driver
 from bench.harness import (ALL_MODULES, QV, Col, Spec, Table, add_by_device, add_common_args, add_node_args,
                            assign_adapters, bench_model, build_llm, device_line, dtype_name, engine_options, error_text,
-                           make_specs, node_config, parse_range, pct, release_memory, runtime, sync, timed_region,
-                           timed_runs, verdict, write_adapters, write_json)
+                           make_specs, model_config, node_config, parse_range, pct, release_memory, runtime, sync,
+                           timed_region, timed_runs, verdict, write_adapters, write_json)
 
 log = logging.getLogger("bench.adapters")
 TIERS = ("gpu", "host", "disk")
@@ -231,7 +231,6 @@ def churn(args) -> list[ChurnRow]:
     adapter is unloaded and its files dropped from the page cache, then (--start warm) untimed
     traffic of the same popularity fills the tiers as serving would."""
     from inference_node.adapters.slots import held_modules, row_nbytes
-    from inference_node.model.config import ModelConfig
 
     device, dtype = runtime(args)
     args.max_loras = args.max_loras or args.concurrency
@@ -240,7 +239,7 @@ def churn(args) -> list[ChurnRow]:
     with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
         work = args.workdir or Path(tmp)
         model = bench_model(args.model, work, dtype, device, args.seed)
-        cfg = ModelConfig.from_checkpoint(model.checkpoint)
+        cfg = model_config(args.model)
         targets = TARGETS[args.targets]
         names = adapter_names(args.adapters)
         # Named by the model's shapes, targets and ranks: a --workdir may serve several models.
@@ -581,10 +580,8 @@ def tiers(args) -> dict:
 
 
 def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: socket.socket) -> dict:
-    from inference_node.model.config import ModelConfig
-
     model = bench_model(args.model, work, dtype, device, args.seed)
-    cfg = ModelConfig.from_checkpoint(model.checkpoint)
+    cfg = model_config(args.model)
     targets = TARGETS[args.targets]
     probes = [Probe(tier, f"tier-warm-{tier}", False) for tier in TIERS]
     probes += [Probe(tier, f"tier-{tier}-{k:03d}", True) for k in range(args.probes) for tier in TIERS]

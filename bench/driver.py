@@ -47,8 +47,7 @@ class Driver:
 
     def run(self, specs: list[Spec], max_tokens: Callable[[Spec], int] | None = None,
             grammar: str = "") -> tuple[list[ReqRecord], list[DecodeStep]]:
-        """Every request ignores EOS (runs to its max_tokens) unless a `grammar` constrains it:
-        then it ends when its grammar is complete."""
+        """Requests run to max_tokens (ignore_eos), or under a `grammar` until it is complete."""
         from inference_node.engine.request import Request, SamplingParams
         from inference_node.runner.token_feedback import SampledTokens
 

@@ -46,8 +46,8 @@ from bench.driver import DecodeStep, Driver, ReqRecord
 from bench.harness import (ALL_MODULES, QV, STEP_KINDS, Col, NodeProcess, Spec, StepBytes, Table,
                            adapter_bytes_per_rank, add_by_device, add_common_args, add_node_args, assign_adapters,
                            bench_model, build_llm, copy_bandwidth, device_line, dtype_name, engine_options, error_text,
-                           kv_bytes_per_token, make_specs, medians, node_config, parse_range, pct, release_memory,
-                           runtime, sync, timed_region, verdict, write_adapters, write_json)
+                           kv_bytes_per_token, make_specs, medians, model_config, node_config, parse_range, pct,
+                           release_memory, runtime, sync, timed_region, verdict, write_adapters, write_json)
 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
@@ -520,13 +520,12 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tuple[str, str], Summary]:
     from inference_node.config import count_or_auto
-    from inference_node.model.config import ModelConfig
     from kernels.tuning import tuning_from_text
 
     cuda = device.type == "cuda"
     started = time.perf_counter()
     model = bench_model(args.model, work, dtype, device, args.seed)
-    cfg = ModelConfig.from_checkpoint(model.checkpoint)
+    cfg = model_config(args.model)
     wanted = set(args.rows.split(","))
     if model.load_format == "dummy" and "e" in wanted:
         log.warning("row e needs weights on disk for PEFT: skipped with weights made at load")

@@ -102,16 +102,6 @@ COLUMNS = ("row", "requests", "output_tokens", "tokens_per_request", "tok_s", "t
            "sample_per_step", "mask_per_token", "mask_per_step")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", default="", help="an HF safetensors checkpoint (default: the embedded SmolLM2)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda where there is one")
-    p.add_argument("--requests", type=int, default=None, help="prompts per row (CUDA 128, CPU 8)")
-    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (CUDA 64, CPU 4)")
-    p.add_argument("--max-tokens", type=int, default=96, help="constrained answers' cap")
-    p.add_argument("--rounds", type=int, default=1, help="rows in turn this many times; medians")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-
-
 def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
@@ -157,7 +147,13 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_args(p)
+    p.add_argument("--checkpoint", default="", help="an HF safetensors checkpoint (default: the embedded SmolLM2)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda where there is one")
+    p.add_argument("--requests", type=int, default=None, help="prompts per row (CUDA 128, CPU 8)")
+    p.add_argument("--concurrency", type=int, default=None, help="requests in flight (CUDA 64, CPU 4)")
+    p.add_argument("--max-tokens", type=int, default=96, help="constrained answers' cap")
+    p.add_argument("--rounds", type=int, default=1, help="rows in turn this many times; medians")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return run(p.parse_args(argv))
 
 

@@ -125,7 +125,7 @@ def run_size(args, device: torch.device, dtype: torch.dtype, tp: int, rows: list
     model = bench_model(args.model, args.work, dtype, device, args.seed)
     count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
     names = [f"r16-{k:03d}" for k in range(count)]
-    cfg = model_config(str(model.checkpoint))
+    cfg = model_config(args.model)
     adapters = args.work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}"
     write_adapters(adapters, cfg, names, [16], ALL_MODULES, device, dtype)  # once: kept in the workdir
     bandwidth = args.copy_bandwidth or copy_bandwidth(device)  # this GPU's own, before the node takes its memory
