@@ -156,9 +156,7 @@ class Driver:
                 now = time.perf_counter()
                 if self.poisson:
                     while state["next"] < len(order) and t0 + specs[order[state["next"]]].arrival <= now:
-                        state["next"] += 1
-                        i = order[state["next"] - 1]
-                        submit(i, t0 + specs[i].arrival)
+                        submit_next(t0 + specs[order[state["next"]]].arrival)
                     if state["inflight"] == 0:
                         time.sleep(max(0.0, min(t0 + specs[order[state["next"]]].arrival - now, 0.01)))
                         continue
@@ -171,15 +169,14 @@ class Driver:
                 # A call launches step n+1 and then waits for step n, so in steady state it lasts
                 # as long as step n on the GPU: its time belongs to the step launched before it
                 # (a decode step right after a long prefill step is not charged for the prefill).
+                launched = bool(pending_step.get("launched"))
                 if outstanding is not None and outstanding[0] is not None:
                     (batch, adapters, kv), marks = outstanding
-                    boundary = bool(pending_step.get("launched")) and pending_step.get("decode") is None
+                    boundary = launched and pending_step.get("decode") is None
                     steps.append(DecodeStep(ended - started, batch, adapters, kv, host=ended - started - waited[0],
                                             marks=marks, boundary=boundary))
-                if pending_step.get("launched"):
-                    outstanding = (pending_step.get("decode"), list(forward_marks))
-                elif outstanding is not None:
-                    outstanding = None  # this call only read it
+                # The step this call launched is read by the next (a call that launched nothing only read).
+                outstanding = (pending_step.get("decode"), list(forward_marks)) if launched else None
                 progress = state["finished"] + sum(r.tokens for r in records)
                 if progress != seen:
                     seen, last_progress = progress, ended

@@ -452,8 +452,7 @@ def path_ratios(summaries: dict[tuple[str, str], Summary]) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, ("llama-1b-random", "embedded"))
-    p.add_argument("--paths", default="engine",
-                   help="comma-separated: engine (in process), grpc, http (the served node)")
+    p.add_argument("--paths", default="engine", help="comma-separated: engine (in process), grpc, http (served)")
     p.add_argument("--rows", default="a,b,c,d,e", help="which rows to run")
     add_by_device(p, "--requests", 128, 8, "requests per row", type=int)
     add_by_device(p, "--concurrency", 64, 4, "closed-loop requests in flight = the node's max_num_seqs = PEFT batch",
@@ -472,8 +471,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_node_args(p)
     p.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off: rows share prompts)")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's (x the last prefill step)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the engine rows a-d this many times, interleaved; each column is the median")
+    p.add_argument("--rounds", type=int, default=1, help="engine rows a-d this many times, interleaved: medians")
     p.add_argument("--control", action="store_true", help="run row a again after rows b-d (a2) on a fresh node")
     add_by_device(p, "--warmup", "full", "short", "per row, untimed: its whole workload (compiles every shape), one "
                   "batch of --warmup-tokens tokens, or only the node's start-up warm-up",
