@@ -941,7 +941,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     c.add_argument("--alphas", type=lambda t: [float(x) for x in t.split(",")], default=[0.5, 1.0, 1.5])
     c.add_argument("--policies", default="lru,gdsf", help="churn rows: GPU eviction policies")
     add_by_device(c, "--requests", 600, 60, "requests per row", type=int)
-    add_by_device(c, "--rate", 20.0, 10.0, "Poisson arrivals per second", type=float)
+    add_by_device(c, "--rate", 20, 10, "Poisson arrivals per second", type=float)
     add_by_device(c, "--prompt-len", "32:256", "8:32", "LO:HI tokens, uniform")
     add_by_device(c, "--output-len", "32:128", "4:8", "LO:HI tokens, uniform")
     add_by_device(c, "--concurrency", 64, 8, "max_num_seqs", type=int)
