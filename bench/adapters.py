@@ -5,10 +5,9 @@
     python -m bench.adapters fetch     # a 100 MB adapter from S3 through the store into host memory and a slot
     python -m bench.adapters fetch --disk-tier   # the node's disk tier alone
 
-Every node is built as `inference-node serve` builds it (a NodeConfig, `LLM`) and driven from
-this thread; adapters are random PEFT folders. A disk tier's files are flushed and dropped from
-the OS page cache before they are meant to be read from disk (posix_fadvise DONTNEED; on
-tmpfs files are memory either way), and what stayed cached is measured (mincore).
+Nodes are built as `inference-node serve` builds them, adapters are random PEFT folders. Files
+meant to be read from disk are dropped from the OS page cache first (posix_fadvise DONTNEED; on
+tmpfs they are memory either way), and what stayed cached is measured (mincore).
 """
 from __future__ import annotations
 
@@ -35,14 +34,17 @@ from typing import Callable, Sequence
 import torch
 
 from bench.driver import Driver
-from bench.harness import (ALL_MODULES, COMPILES, QV, Col, Spec, Table, add_common_args, bench_model, build_llm,
-                           device_line, dtype_name, frozen_gc, make_specs, node_config, parse_range, pct,
-                           release_memory, runtime, sync, timed_runs, write_adapters, write_json, zipf_index)
+from bench.harness import (ALL_MODULES, QV, Col, Spec, Table, add_by_device, add_common_args, add_node_args,
+                           assign_adapters, bench_model, build_llm, device_line, dtype_name, engine_options, error_text,
+                           make_specs, model_config, node_config, parse_range, pct, release_memory, runtime, sync,
+                           timed_region, timed_runs, verdict, write_adapters, write_json)
 
 log = logging.getLogger("bench.adapters")
 TIERS = ("gpu", "host", "disk")
 TARGETS = {"qv": QV, "all": ALL_MODULES}
 WEIGHTS_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+# The adapter benchmarks' nodes: the start-up warm-up on, so the timed traffic compiles nothing.
+NODE_OPTIONS = dict(prefix_caching=False, warmup="on")
 
 
 # -- the OS page cache ------------------------------------------------------------------------------
@@ -111,15 +113,6 @@ def filesystem_of(path: Path) -> str:
     return kind
 
 
-def engine_options(args, max_model_len: int, seqs: int, requests: int) -> dict:
-    """The node settings every adapter benchmark shares (its start-up warm-up on, so the timed
-    traffic compiles nothing)."""
-    return dict(num_kv_blocks=seqs * -(-(max_model_len + 1) // args.block_size) + seqs + 8, block_size=args.block_size,
-                max_num_seqs=seqs, max_num_batched_tokens=args.max_batched_tokens, max_queue=requests + seqs,
-                max_model_len=max_model_len, prefix_caching=False, decode_graphs=args.decode_graphs,
-                mixed_graphs=args.mixed_graphs, max_graph_batch=seqs, warmup="on", cpu_threads=args.threads)
-
-
 def settle(engine, manager, timeout: float = 600.0) -> None:
     """Runs the engine loop until no adapter fetch or copy is in flight."""
     deadline = time.monotonic() + timeout
@@ -133,10 +126,10 @@ def settle(engine, manager, timeout: float = 600.0) -> None:
 # -- churn -----------------------------------------------------------------------------------------
 @dataclass
 class Traffic:
-    """One alpha's requests: the adapter each names, and its working set."""
+    """One alpha's requests, each on its adapter, and their working set."""
 
     alpha: float
-    adapters: list[str]            # per spec
+    specs: list[Spec]
     distinct: list[str]
     working_rows: int              # rank rows per targeted module the distinct adapters hold
 
@@ -173,9 +166,9 @@ def adapter_names(n: int) -> list[str]:
 def make_traffic(specs: list[Spec], names: list[str], rank_of: dict[str, int], alpha: float, seed: int) -> Traffic:
     order = list(names)
     random.Random(seed).shuffle(order)  # popularity independent of rank
-    adapters = [order[zipf_index(spec.pick, len(order), alpha)] for spec in specs]
-    distinct = sorted(set(adapters))
-    return Traffic(alpha, adapters, distinct, sum(rank_of[n] for n in distinct))
+    specs = assign_adapters(specs, order, alpha)
+    distinct = sorted({s.adapter for s in specs})
+    return Traffic(alpha, specs, distinct, sum(rank_of[n] for n in distinct))
 
 
 def drop_page_cache(root: Path, names: list[str]) -> float | None:
@@ -184,31 +177,25 @@ def drop_page_cache(root: Path, names: list[str]) -> float | None:
     return drop_all([f for name in names for f in sorted((root / name).iterdir()) if f.is_file()])
 
 
-def first_touches(specs: list[Spec], adapter_of: dict[int, str], seen: set[str]) -> int:
+def first_touches(specs: list[Spec], seen: set[str]) -> int:
     """Requests, in arrival order, naming an adapter neither `seen` (earlier traffic) nor an
     earlier request named: their disk loads are compulsory, whatever the policy."""
     seen, count = set(seen), 0
     for spec in sorted(specs, key=lambda s: (s.arrival, s.index)):
-        count += adapter_of[spec.index] not in seen
-        seen.add(adapter_of[spec.index])
+        count += spec.adapter not in seen
+        seen.add(spec.adapter)
     return count
 
 
-def run_churn_row(key: str, llm, specs: list[Spec], traffic: Traffic, ratio: float, args, seen: set[str]) -> ChurnRow:
+def run_churn_row(key: str, llm, traffic: Traffic, ratio: float, args, seen: set[str]) -> ChurnRow:
     """`seen`: the adapters the row's untimed traffic named before it."""
     manager, engine = llm.node.adapters, llm.engine
     result = ChurnRow(key, traffic.alpha, ratio)
     hits, evictions = dict(manager.tier_hits), manager.stats["evictions"]
     gpu_loads = sum(c.loads["gpu"] for c in manager.per_adapter.values())
-    adapter_of = {spec.index: name for spec, name in zip(specs, traffic.adapters)}
-    result.first_touch = first_touches(specs, adapter_of, seen)
-    mark = COMPILES.mark()
-    with frozen_gc():
-        records, _ = Driver(engine, llm.node.model.device, args.concurrency, poisson=True).run(
-            specs, lambda s: adapter_of[s.index])
-    result.compiles = COMPILES.since(mark)
-    for what in result.compiles:
-        log.warning("row %s alpha %g: compiled during the timed run: %s", key, traffic.alpha, what[:300])
+    result.first_touch = first_touches(traffic.specs, seen)
+    with timed_region(f"row {key} alpha {traffic.alpha:g}", log) as result.compiles:
+        records, _ = Driver(engine, llm.node.model.device, args.concurrency, poisson=True).run(traffic.specs)
     result.requests, result.output_tokens = len(records), sum(r.tokens for r in records)
     result.wall = max(r.done for r in records) - min(r.submit for r in records)
     result.ttft = [r.first - r.submit for r in records]
@@ -229,7 +216,7 @@ CHURN_TABLE = Table(Col("alpha", 5, ".2g"), Col("row", 9), Col("WS/mem", 6, ".2f
 def churn_line(r: ChurnRow, resident: ChurnRow | None) -> str:
     if r.error:
         return f"{r.alpha:5.2g} {r.key:<9} FAILED: {r.error}"
-    vs = resident is not None and not resident.error and r is not resident
+    vs = resident is not None and r is not resident
     return CHURN_TABLE.row(r.alpha, r.key, r.ratio, r.tok_s, r.requests / r.wall, pct(r.ttft, 50), pct(r.ttft, 99),
                            max(r.ttft), *(r.tier_share(t) for t in TIERS),
                            None if r.key == "resident" else r.first_touch / r.requests, r.gpu_loads, r.gpu_evictions,
@@ -244,30 +231,21 @@ def churn(args) -> list[ChurnRow]:
     adapter is unloaded and its files dropped from the page cache, then (--start warm) untimed
     traffic of the same popularity fills the tiers as serving would."""
     from inference_node.adapters.slots import budget_row_nbytes, row_nbytes
-    from inference_node.model.config import ModelConfig
 
     device, dtype = runtime(args)
-    cuda = device.type == "cuda"
-    args.requests = args.requests or (600 if cuda else 60)
-    args.rate = args.rate or (20.0 if cuda else 10.0)
-    args.concurrency = args.concurrency or (64 if cuda else 8)
     args.max_loras = args.max_loras or args.concurrency
-    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
-    prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
-    output_len = parse_range(args.output_len or ("32:128" if cuda else "4:8"))
-    COMPILES.install()
+    prompt_len, output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
         work = args.workdir or Path(tmp)
-        model = bench_model(args.model or ("llama-1b-random" if cuda else "tiny"), work, dtype, device, args.seed)
-        cfg = ModelConfig.from_checkpoint(model.checkpoint)
+        model = bench_model(args.model, work, dtype, device, args.seed)
+        cfg = model_config(args.model)
         targets = TARGETS[args.targets]
         names = adapter_names(args.adapters)
         # Named by the model's shapes, targets and ranks: a --workdir may serve several models.
         root = work / (f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}-{args.targets}-"
                        f"{'-'.join(map(str, args.ranks))}-{dtype_name(dtype)}")
-        rank_of = write_adapters(root, cfg, names, args.ranks, targets, device if cuda else torch.device("cpu"),
-                                 dtype, seed=10_000)
+        rank_of = write_adapters(root, cfg, names, args.ranks, targets, device, dtype, seed=10_000)
         specs = make_specs(args.requests, prompt_len, output_len, cfg.vocab_size, args.rate, args.seed)
         traffic = [make_traffic(specs, names, rank_of, alpha, args.seed) for alpha in args.alphas]
         reference = make_traffic(specs, names, rank_of, args.memory_alpha, args.seed)
@@ -280,7 +258,8 @@ def churn(args) -> list[ChurnRow]:
         resident_rows = sum(rank_of[n] for n in everyone)
         sizes = row_nbytes(cfg, dtype)
         per_row, arena_row = sum(sizes[m] for m in targets), budget_row_nbytes(cfg, dtype, targets)
-        options = engine_options(args, prompt_len[1] + output_len[1] + args.block_size, args.concurrency, args.requests)
+        options = engine_options(args, prompt_len[1] + output_len[1] + args.block_size, args.concurrency, args.requests,
+                                 **NODE_OPTIONS)
         header = [
             device_line(device, dtype),
             f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}",
@@ -315,7 +294,7 @@ def churn(args) -> list[ChurnRow]:
         for key, rows, max_cpu, policy in nodes:
             llm = None
             try:
-                if cuda and rows * arena_row > 0.9 * torch.cuda.mem_get_info(device)[0]:
+                if device.type == "cuda" and rows * arena_row > 0.9 * torch.cuda.mem_get_info(device)[0]:
                     raise RuntimeError(f"{rows} rank rows of adapter memory need {rows * arena_row / 2**30:.1f} GiB: "
                                        "lower --requests, --ranks or --working-set-ratio")
                 llm = build_llm(node_config(model, device, dtype, adapter_dir=str(root), max_loras=args.max_loras,
@@ -325,12 +304,10 @@ def churn(args) -> list[ChurnRow]:
                                 everyone if key == "resident" else ())
                 # Untimed: a few requests through every kind of step, on this node's adapters.
                 Driver(llm.engine, device, args.concurrency, poisson=False).run(
-                    specs[:2 * args.concurrency], lambda s: traffic[0].adapters[s.index],
-                    lambda s: min(4, s.max_tokens))
+                    traffic[0].specs[:2 * args.concurrency], lambda s: min(4, s.max_tokens))
             except Exception as exc:
                 log.exception("%s node failed", key)
-                error = f"{type(exc).__name__}: {exc}"[:200]
-                results += [ChurnRow(key, t.alpha, math.nan, error=error) for t in traffic]
+                results += [ChurnRow(key, t.alpha, math.nan, error=error_text(exc)) for t in traffic]
                 if llm is not None:
                     llm.close()
                 continue
@@ -348,32 +325,28 @@ def churn(args) -> list[ChurnRow]:
                             log.info("row %s alpha %g: page cache dropped, %s of the largest file still cached", key,
                                      t.alpha, "unknown" if cached is None else f"{100 * cached:.0f}%")
                         if args.start == "warm":
-                            warm = {s.index: n for s, n in zip(warm_specs, warm_traffic[t.alpha].adapters)}
                             Driver(engine, device, args.concurrency, poisson=False).run(
-                                warm_specs, lambda s: warm[s.index], lambda s: min(4, s.max_tokens))
+                                warm_traffic[t.alpha].specs, lambda s: min(4, s.max_tokens))
                             settle(engine, manager)
-                    seen = set(warm_traffic[t.alpha].adapters) if key != "resident" and args.start == "warm" else set()
-                    r = run_churn_row(key, llm, specs, t, ratio, args, seen)
+                    seen = set(warm_traffic[t.alpha].distinct) if key != "resident" and args.start == "warm" else set()
+                    r = run_churn_row(key, llm, t, ratio, args, seen)
                 except Exception as exc:  # one broken row must not lose the others
                     log.exception("row %s alpha %g failed", key, t.alpha)
-                    r = ChurnRow(key, t.alpha, ratio, error=f"{type(exc).__name__}: {exc}"[:200])
+                    r = ChurnRow(key, t.alpha, ratio, error=error_text(exc))
                 results.append(r)
                 print(f"# {churn_line(r, None)}", file=sys.stderr, flush=True)
             llm.close()
             release_memory()
 
-    lines = []
-    for t in traffic:
-        resident = next((r for r in results if r.key == "resident" and r.alpha == t.alpha), None)
-        lines += [churn_line(r, resident) for r in results if r.alpha == t.alpha]
-    CHURN_TABLE.print(lines)
+    resident_of = {r.alpha: r for r in results if r.key == "resident" and not r.error}
+    CHURN_TABLE.print([churn_line(r, resident_of.get(t.alpha)) for t in traffic for r in results if r.alpha == t.alpha])
     for r in results:  # the issue's targets: working set 4x the adapter memory, alpha 1.0
-        res = next((x for x in results if x.key == "resident" and x.alpha == r.alpha and not x.error), None)
+        res = resident_of.get(r.alpha)
         if r.key != "resident" and not r.error and math.isclose(r.alpha, 1.0) and res is not None:
             tput, p50 = r.tok_s / res.tok_s, pct(r.ttft, 50) / pct(res.ttft, 50)
-            print(f"alpha 1.0 {r.key}: throughput {tput:.3f}x resident (target >= 0.8: "
-                  f"{'met' if tput >= 0.8 else 'NOT met'}), TTFT p50 {p50:.2f}x (target <= 2: "
-                  f"{'met' if p50 <= 2 else 'NOT met'}), working set {r.ratio:.2f}x the adapter memory")
+            print(f"alpha 1.0 {r.key}: throughput {tput:.3f}x resident (target >= 0.8: {verdict(tput, tput >= 0.8)}), "
+                  f"TTFT p50 {p50:.2f}x (target <= 2: {verdict(p50, p50 <= 2)}), working set {r.ratio:.2f}x the "
+                  "adapter memory")
     compiled = sum(len(r.compiles) for r in results)
     if compiled:
         print(f"note: {compiled} JIT compiles landed in timed rows (see the log)")
@@ -542,23 +515,30 @@ def run_probes(loop: Loop, manager, probes: list[Probe], prompts: list[list[int]
                  f" ({probe.error})" if probe.error else "")
 
 
+def manifest_of(name: str, rank: int, config: bytes, weights: bytes):
+    """The store's manifest of an adapter of these two files."""
+    from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest
+
+    files = tuple(FileEntry(path, len(blob), hashlib.sha256(blob).hexdigest())
+                  for path, blob in ((CONFIG_FILE, config), (WEIGHTS_FILE, weights)))
+    digest = adapter_digest(f.sha256 for f in files)
+    info = AdapterInfo(name, digest[:16], rank=rank, valid=True, size_bytes=len(config) + len(weights),
+                       updated_at=int(time.time()))
+    return Manifest(info, config.decode(), files, digest)
+
+
 def fill_disk_tier(root: Path, names: list[str], rank: int, disk_dir: Path) -> dict[str, list[Path]]:
     """The folder's adapters as entries of the node's disk tier of store adapters, each as a
     fetch from the store leaves it; each one's files there that a load reads, weights last."""
-    from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest
     from inference_node.adapters.disk_tier import CHUNKS_FILE, DiskTier
 
     tier, files = DiskTier(disk_dir, 1 << 40), {}
     for name in names:
         blobs = [(root / name / CONFIG_FILE).read_bytes(), (root / name / WEIGHTS_FILE).read_bytes()]
-        entries = tuple(FileEntry(path, len(blob), hashlib.sha256(blob).hexdigest())
-                        for path, blob in zip((CONFIG_FILE, WEIGHTS_FILE), blobs))
-        digest = adapter_digest(f.sha256 for f in entries)
-        info = AdapterInfo(name, digest[:16], rank=rank, valid=True, size_bytes=sum(map(len, blobs)),
-                           updated_at=int(time.time()))
-        manifest = Manifest(info, blobs[0].decode(), entries, digest)
-        if tier.lookup(name, info.version) is None and not tier.put(manifest, blobs):
+        manifest = manifest_of(name, rank, *blobs)
+        if tier.lookup(name, manifest.info.version) is None and not tier.put(manifest, blobs):
             raise RuntimeError(f"the disk tier did not keep {name}")
+        digest = manifest.adapter_sha256
         files[name] = [disk_dir / digest / CHUNKS_FILE] + [disk_dir / digest / str(i) for i in range(len(blobs))]
     tier.close()  # the node's own tier takes the folder next
     return files
@@ -581,15 +561,8 @@ def tiers(args) -> dict:
     is the p50 of quiet loop iterations (no probe or adapter work in flight) in the same run.
     Targets (issue 32, Llama-3.1-8B shapes): host - gpu <= one decode step; disk - host <= 50 ms."""
     device, dtype = runtime(args)
-    cuda = device.type == "cuda"
-    args.background = args.background if args.background is not None else (32 if cuda else 4)
     if args.background < 1:
         raise SystemExit("--background must be at least 1: its decode step is the yardstick")
-    args.background_tokens = args.background_tokens or (1024 if cuda else 256)
-    args.probes = args.probes or (8 if cuda else 2)
-    args.prompt_len = args.prompt_len or (128 if cuda else 16)
-    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
-    COMPILES.install()
     torch.manual_seed(args.seed)
     # Each load from the disk tier says the store is unreachable: expected here, so quiet for
     # this run (the level is put back for whatever else runs in this process).
@@ -607,11 +580,8 @@ def tiers(args) -> dict:
 
 
 def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: socket.socket) -> dict:
-    from inference_node.model.config import ModelConfig
-
-    model = bench_model(args.model or ("llama-1b-random" if device.type == "cuda" else "tiny"), work, dtype, device,
-                        args.seed)
-    cfg = ModelConfig.from_checkpoint(model.checkpoint)
+    model = bench_model(args.model, work, dtype, device, args.seed)
+    cfg = model_config(args.model)
     targets = TARGETS[args.targets]
     probes = [Probe(tier, f"tier-warm-{tier}", False) for tier in TIERS]
     probes += [Probe(tier, f"tier-{tier}-{k:03d}", True) for k in range(args.probes) for tier in TIERS]
@@ -631,7 +601,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
         source = dict(adapter_store=f"127.0.0.1:{refuser.getsockname()[1]}", adapter_disk_dir=str(disk_dir))
         disk_line = "the node's disk tier of store adapters, the store refusing connections"
     seqs = args.background + 1
-    options = engine_options(args, args.prompt_len + args.background_tokens + args.block_size, seqs, seqs)
+    options = engine_options(args, args.prompt_len + args.background_tokens + args.block_size, seqs, seqs,
+                             **NODE_OPTIONS)
     # Adapter memory for a few adapters (the background's, one probe's, spare), host memory for as many.
     llm = build_llm(node_config(model, device, dtype, max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4,
                                 **source, **options), [background_adapter] if background_adapter else [])
@@ -655,9 +626,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
     try:
         loop.start_background()
         run_probes(loop, manager, probes[:len(TIERS)], prompts, files, args)
-        mark = COMPILES.mark()
-        run_probes(loop, manager, probes[len(TIERS):], prompts[len(TIERS):], files, args)
-        compiles = COMPILES.since(mark)
+        with timed_region("the timed probes", log) as compiles:
+            run_probes(loop, manager, probes[len(TIERS):], prompts[len(TIERS):], files, args)
         loop.stop_background()
         sync(device)
         llm.engine.check_consistency()
@@ -682,9 +652,8 @@ def _tiers(args, work: Path, device: torch.device, dtype: torch.dtype, refuser: 
                       for r in rows])
     host_gpu, disk_host = rows[1]["p50"] - gpu, rows[2]["p50"] - rows[1]["p50"]
     targets_met = [f"target host - gpu <= one decode step: {host_gpu * 1e3:.2f} ms vs {step * 1e3:.2f} ms: "
-                   f"{'met' if host_gpu <= step else 'NOT met'}",
-                   f"target disk - host <= 50 ms: {disk_host * 1e3:.2f} ms: "
-                   f"{'met' if disk_host <= 0.05 else 'NOT met'}"]
+                   f"{verdict(host_gpu, host_gpu <= step)}",
+                   f"target disk - host <= 50 ms: {disk_host * 1e3:.2f} ms: {verdict(disk_host, disk_host <= 0.05)}"]
     failed = [p for p in probes if p.error]
     for line in targets_met + [f"probe {p.adapter} FAILED: {p.error}" for p in failed]:
         print(line)
@@ -808,16 +777,12 @@ def fetch_disk_tier(args) -> list[tuple[str, dict]]:
     to measure) into one reused host buffer: cold (pages dropped) and warm, checked against
     its chunk digests, and cold as an entry an older node wrote (no chunk digests: every file
     checked whole against the manifest's sha256)."""
-    from adapter_store.records import AdapterInfo, FileEntry, Manifest, adapter_digest, file_offsets
+    from adapter_store.records import file_offsets
     from inference_node.adapters.disk_tier import CHUNKS_FILE, DiskTier
     from inference_node.adapters.sources import host_buffer
 
     weights, config = os.urandom(int(args.mb * 1e6)), b'{"r": 16}'
-    files = tuple(FileEntry(name, len(blob), hashlib.sha256(blob).hexdigest())
-                  for name, blob in ((CONFIG_FILE, config), (WEIGHTS_FILE, weights)))
-    digest = adapter_digest(f.sha256 for f in files)
-    manifest = Manifest(AdapterInfo(NAME, digest[:16], rank=16, valid=True, size_bytes=len(config) + len(weights),
-                                    updated_at=1), config.decode(), files, digest)
+    manifest = manifest_of(NAME, 16, config, weights)
     buffer = host_buffer(file_offsets(manifest)[-1] + len(weights), torch.cuda.is_available()).numpy()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-disk-tier-", dir=args.workdir) as tmp:
@@ -825,8 +790,8 @@ def fetch_disk_tier(args) -> list[tuple[str, dict]]:
         writer = DiskTier(root, 1 << 40)
         writer.put(manifest, [config, weights])
         writer.close()  # one tier a folder: each reader count's below opens it again
-        folder = root / digest
-        paths = [folder / str(i) for i in range(len(files))]
+        folder = root / manifest.adapter_sha256
+        paths = [folder / str(i) for i in range(len(manifest.files))]
         recorded = (folder / CHUNKS_FILE).read_bytes()
         print(f"DiskTier.read of {(len(config) + len(weights)) / 1e6:.1f} MB on {filesystem_of(root)}")
         for threads in args.read_threads:
@@ -963,12 +928,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
 
     def node_args(q: argparse.ArgumentParser) -> None:
-        add_common_args(q, "llama-1b-random on CUDA, tiny on CPU")
+        add_common_args(q, ("llama-1b-random", "tiny"))
+        add_node_args(q)
         q.add_argument("--targets", choices=sorted(TARGETS), help="modules every adapter targets")
-        q.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
-        q.add_argument("--block-size", type=int, default=16)
-        q.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
-        q.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto")
 
     c = sub.add_parser("churn", help=churn.__doc__.split(":")[0], description=churn.__doc__)
     node_args(c)
@@ -978,11 +940,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="adapter k has rank ranks[k mod len]")
     c.add_argument("--alphas", type=lambda t: [float(x) for x in t.split(",")], default=[0.5, 1.0, 1.5])
     c.add_argument("--policies", default="lru,gdsf", help="churn rows: GPU eviction policies")
-    c.add_argument("--requests", type=int, help="requests per row (CUDA 600, CPU 60)")
-    c.add_argument("--rate", type=float, help="Poisson arrivals per second (CUDA 20, CPU 10)")
-    c.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
-    c.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 32:128, CPU 4:8)")
-    c.add_argument("--concurrency", type=int, help="max_num_seqs (CUDA 64, CPU 8)")
+    add_by_device(c, "--requests", 600, 60, "requests per row", type=int)
+    add_by_device(c, "--rate", 20, 10, "Poisson arrivals per second", type=float)
+    add_by_device(c, "--prompt-len", "32:256", "8:32", "LO:HI tokens, uniform")
+    add_by_device(c, "--output-len", "32:128", "4:8", "LO:HI tokens, uniform")
+    add_by_device(c, "--concurrency", 64, 8, "max_num_seqs", type=int)
     c.add_argument("--max-loras", type=int, help="distinct adapters in one step (default: --concurrency)")
     c.add_argument("--working-set-ratio", type=float, default=4.0,
                    help="the churn rows' adapter memory: the --memory-alpha working set over this")
@@ -1002,12 +964,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--rank", type=int, default=16)
     t.add_argument("--disk", choices=["folder", "disk-tier"], default="folder",
                    help="the disk tier: the --adapter-dir folder, or the node's disk tier of store adapters")
-    t.add_argument("--background", type=int, help="requests decoding throughout (CUDA 32, CPU 4)")
-    t.add_argument("--background-tokens", type=int,
-                   help="a background request's length before it restarts (CUDA 1024, CPU 256)")
+    add_by_device(t, "--background", 32, 4, "requests decoding throughout", type=int)
+    add_by_device(t, "--background-tokens", 1024, 256, "a background request's length before it restarts", type=int)
     t.add_argument("--background-adapter", action="store_true", help="the background on one pinned adapter")
-    t.add_argument("--probes", type=int, help="timed probes per tier (CUDA 8, CPU 2)")
-    t.add_argument("--prompt-len", type=int, help="a probe's and the background's prompt tokens (CUDA 128, CPU 16)")
+    add_by_device(t, "--probes", 8, 2, "timed probes per tier", type=int)
+    add_by_device(t, "--prompt-len", 128, 16, "a probe's and the background's prompt tokens", type=int)
     t.add_argument("--new-tokens", type=int, default=4, help="tokens a probe generates")
     t.add_argument("--quiet-steps", type=int, default=6, help="quiet loop iterations before each probe")
 

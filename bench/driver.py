@@ -20,6 +20,7 @@ class ReqRecord:
     last: float | None = None
     done: float | None = None
     tokens: int = 0
+    finish_reason: str | None = None
     error: str | None = None
 
 
@@ -44,8 +45,9 @@ class Driver:
         self.engine, self.device, self.concurrency, self.poisson = engine, device, concurrency, poisson
         self.stall_seconds = stall_seconds
 
-    def run(self, specs: list[Spec], adapter_of: Callable[[Spec], str],
-            max_tokens: Callable[[Spec], int] | None = None) -> tuple[list[ReqRecord], list[DecodeStep]]:
+    def run(self, specs: list[Spec], max_tokens: Callable[[Spec], int] | None = None,
+            grammar: str = "") -> tuple[list[ReqRecord], list[DecodeStep]]:
+        """Requests run to max_tokens (ignore_eos), or under a `grammar` until it is complete."""
         from inference_node.engine.request import Request, SamplingParams
         from inference_node.runner.token_feedback import SampledTokens
 
@@ -60,9 +62,9 @@ class Driver:
             spec = specs[i]
             records[i].submit = at
             n = max_tokens(spec) if max_tokens else spec.max_tokens
-            engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=True),
-                                  emit=lambda ev, i=i: on_event(i, ev), adapter=adapter_of(spec),
-                                  request_id=f"bench-{i}"))
+            engine.submit(Request(list(spec.prompt), SamplingParams(max_tokens=n, ignore_eos=not grammar),
+                                  emit=lambda ev, i=i: on_event(i, ev), adapter=spec.adapter,
+                                  request_id=f"bench-{i}", grammar_source=grammar))
             state["inflight"] += 1
 
         def submit_next(now: float) -> None:
@@ -78,7 +80,7 @@ class Driver:
                 rec.last = now
                 rec.tokens += len(ev.token_ids)
             if ev.finish_reason is not None:
-                rec.done = now
+                rec.done, rec.finish_reason = now, ev.finish_reason
                 if ev.error is not None or ev.finish_reason == "error":
                     rec.error = f"{ev.finish_reason}: {ev.error}"
                 state["inflight"] -= 1
@@ -154,9 +156,7 @@ class Driver:
                 now = time.perf_counter()
                 if self.poisson:
                     while state["next"] < len(order) and t0 + specs[order[state["next"]]].arrival <= now:
-                        state["next"] += 1
-                        i = order[state["next"] - 1]
-                        submit(i, t0 + specs[i].arrival)
+                        submit_next(t0 + specs[order[state["next"]]].arrival)
                     if state["inflight"] == 0:
                         time.sleep(max(0.0, min(t0 + specs[order[state["next"]]].arrival - now, 0.01)))
                         continue
@@ -169,15 +169,14 @@ class Driver:
                 # A call launches step n+1 and then waits for step n, so in steady state it lasts
                 # as long as step n on the GPU: its time belongs to the step launched before it
                 # (a decode step right after a long prefill step is not charged for the prefill).
+                launched = bool(pending_step.get("launched"))
                 if outstanding is not None and outstanding[0] is not None:
                     (batch, adapters, kv), marks = outstanding
-                    boundary = bool(pending_step.get("launched")) and pending_step.get("decode") is None
+                    boundary = launched and pending_step.get("decode") is None
                     steps.append(DecodeStep(ended - started, batch, adapters, kv, host=ended - started - waited[0],
                                             marks=marks, boundary=boundary))
-                if pending_step.get("launched"):
-                    outstanding = (pending_step.get("decode"), list(forward_marks))
-                elif outstanding is not None:
-                    outstanding = None  # this call only read it
+                # The step this call launched is read by the next (a call that launched nothing only read).
+                outstanding = (pending_step.get("decode"), list(forward_marks)) if launched else None
                 progress = state["finished"] + sum(r.tokens for r in records)
                 if progress != seen:
                     seen, last_progress = progress, ended

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -189,10 +190,17 @@ def write_adapters(root: Path, model_cfg, names: Sequence[str], ranks: Sequence[
 
 
 # -- command lines and nodes -----------------------------------------------------------------------
-def add_common_args(p: argparse.ArgumentParser, model_default: str) -> None:
-    """The flags every engine benchmark takes."""
+def add_by_device(p: argparse.ArgumentParser, flag: str, on_cuda: Any, on_cpu: Any, help: str, **kw: Any) -> None:
+    """An option whose default depends on the device, said once: in its help, and to runtime()
+    that fills it in where left unset."""
+    p.add_argument(flag, help=f"{help} (CUDA {on_cuda}, CPU {on_cpu})", **kw)
+    p.set_defaults(by_device={**(p.get_default("by_device") or {}), flag[2:].replace("-", "_"): (on_cuda, on_cpu)})
+
+
+def add_common_args(p: argparse.ArgumentParser, model: tuple[str, str]) -> None:
+    """The flags every engine benchmark takes; `model`: the default on CUDA and on the CPU."""
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: {model_default})")
+    add_by_device(p, "--model", *model, MODEL_HELP)
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                    help="bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: the node's choice)")
@@ -202,13 +210,26 @@ def add_common_args(p: argparse.ArgumentParser, model_default: str) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the node a serving-style benchmark builds (engine_options reads them)."""
+    add_by_device(p, "--max-batched-tokens", 2048, 256, "token budget per step", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="replay prompt and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
+
+
 def runtime(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    """Logging, and the device and dtype a run takes from --device and --dtype."""
+    """Logging, the device and dtype a run takes from --device and --dtype, and the device's
+    defaults of the options left unset (add_by_device)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    for name, (on_cuda, on_cpu) in getattr(args, "by_device", {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, on_cuda if cuda else on_cpu)
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "float32": torch.float32}[args.dtype]
     return torch.device("cuda" if cuda else "cpu"), dtype
@@ -217,6 +238,15 @@ def runtime(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
 def device_line(device: torch.device, dtype: torch.dtype) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return f"device: {name}  torch {torch.__version__}  dtype {dtype_name(dtype)}"
+
+
+def engine_options(args: argparse.Namespace, max_model_len: int, seqs: int, requests: int, **options: Any) -> dict:
+    """The node settings of add_node_args' flags for `seqs` sequences of up to max_model_len
+    tokens (KV blocks for all of them) and a queue of `requests`; `options` add to them."""
+    return dict(num_kv_blocks=seqs * -(-(max_model_len + 1) // args.block_size) + seqs + 8, block_size=args.block_size,
+                max_num_seqs=seqs, max_num_batched_tokens=args.max_batched_tokens, max_queue=requests + seqs,
+                max_model_len=max_model_len, decode_graphs=args.decode_graphs, mixed_graphs=args.mixed_graphs,
+                max_graph_batch=seqs, cpu_threads=args.threads, **options)
 
 
 def node_config(model: BenchModel, device: torch.device, dtype: torch.dtype, **options: Any):
@@ -253,6 +283,11 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# The engine's step counters (EngineStats, the Stats RPC) by the kind of step.
+STEP_KINDS = {"graph": "graph_steps", "piecewise": "piecewise_graph_steps", "eager_decode": "eager_decode_steps",
+              "eager_prefill": "eager_prefill_steps"}
+
+
 class NodeProcess:
     """`inference-node serve` of a NodeConfig as a subprocess, gRPC and HTTP on free ports."""
 
@@ -283,9 +318,8 @@ class NodeProcess:
     def steps(self) -> dict[str, int]:
         """The engine's steps so far, by kind."""
         with self.client() as client:
-            s = client.stats()
-        return {"graph": s.graph_steps, "piecewise": s.piecewise_graph_steps,
-                "eager_decode": s.eager_decode_steps, "eager_prefill": s.eager_prefill_steps}
+            stats = client.stats()
+        return {kind: getattr(stats, name) for kind, name in STEP_KINDS.items()}
 
     def pin(self, names: Sequence[str]) -> None:
         from lora.v1 import inference_pb2 as pb
@@ -308,6 +342,7 @@ class Spec:
     max_tokens: int
     arrival: float      # seconds after the start (Poisson); 0 in closed loop
     pick: float         # uniform [0, 1): the adapter drawn under Zipf popularity
+    adapter: str = ""   # "": the base model (assign_adapters)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -329,6 +364,15 @@ def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
         specs.append(Spec(i, [rng.randrange(low, vocab) for _ in range(length)], rng.randint(*output_len),
                           t if poisson_rate else 0.0, rng.random()))
     return specs
+
+
+def assign_adapters(specs: list[Spec], pool: Sequence[str], zipf_alpha: float | None = None) -> list[Spec]:
+    """The specs, each on an adapter of `pool`: request i on adapter i mod N, or by Zipf(alpha)
+    popularity of its `pick`; on the base model where the pool is empty."""
+    if not pool:
+        return specs
+    return [dataclasses.replace(s, adapter=pool[s.index % len(pool) if zipf_alpha is None else
+                                                zipf_index(s.pick, len(pool), zipf_alpha)]) for s in specs]
 
 
 def zipf_index(u: float, n: int, alpha: float) -> int:
@@ -386,15 +430,30 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
 
 
 @contextlib.contextmanager
-def frozen_gc() -> Iterator[None]:
-    """Set-up objects frozen out of the garbage collector while a row is timed, as
-    Engine.prepare freezes the node's start-up objects: a full collection of them stalls steps."""
+def timed_region(what: str, log: logging.Logger) -> Iterator[list[str]]:
+    """A timed run: set-up objects frozen out of the garbage collector, as Engine.prepare
+    freezes the node's start-up objects (a full collection of them stalls steps); the list it
+    gives fills with the JIT compiles that landed in the run (CompileWatch), each logged."""
+    compiles, mark = [], COMPILES.install().mark()
     gc.collect()
     gc.freeze()
     try:
-        yield
+        yield compiles
     finally:
         gc.unfreeze()
+    compiles += COMPILES.since(mark)
+    for name in compiles:
+        log.warning("%s: compiled during the timed run: %s", what, name[:300])
+
+
+def error_text(exc: BaseException) -> str:
+    """A failed row's error, as its table line shows it."""
+    return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def verdict(value: float, good: bool) -> str:
+    """A target's line: met, NOT met, or n/a where nothing was measured."""
+    return "n/a" if math.isnan(value) else ("met" if good else "NOT met")
 
 
 # -- tables ------------------------------------------------------------------------------------------------
@@ -438,6 +497,16 @@ class Table:
             print(line, file=out)
         for r in rows:
             print(r if isinstance(r, str) else self.row(*r), file=out)
+
+
+def medians(rounds: Sequence[Mapping[str, Any]]) -> dict:
+    """Each number's median over the rounds (an int stays an int); anything else as in the first."""
+    def median(values: list) -> Any:
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return values[0]
+        return type(values[0])(statistics.median(values)) if isinstance(values[0], int) else statistics.median(values)
+
+    return {key: median([r[key] for r in rounds]) for key in rounds[0]}
 
 
 def json_safe(value: Any) -> Any:

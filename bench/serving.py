@@ -1,31 +1,25 @@
 """Serving benchmark: the node with LoRA off, on but unused, and with many adapters, next to
-Hugging Face PEFT's mixed-adapter generate, all on the same requests, in one table; each row
-in process and, when asked, through the served node's gRPC and HTTP APIs.
+Hugging Face PEFT's mixed-adapter generate, on the same requests, in one table; each row in
+process and, when asked, through the served node's gRPC and HTTP APIs.
 
-    python -m bench.serving                              # CUDA: Llama-3.2-1B-shaped random bf16 model
-    python -m bench.serving --model llama-8b-random --rows a,c,d --adapter-counts 32
-    python -m bench.serving --model qwen3-8b-random --paths engine,grpc   # a served family's shapes (bench/shapes.py)
-    python -m bench.serving --poisson 20                 # open loop, Poisson arrivals, Zipf popularity
+    python -m bench.serving                              # CUDA: Llama-3.2-1B shapes, random bf16 weights
     python -m bench.serving --device cpu                 # CPU: the embedded SmolLM2, small settings
-    python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections (or an FP8 checkpoint's folder)
-    python -m bench.serving --rows a,b,c,d --rounds 3    # rows take turns 3 times: medians
+    python -m bench.serving --model qwen3-8b-random --rows a,c,d --adapter-counts 32 --paths engine,grpc
+    python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections
+    python -m bench.serving --poisson 20 --rounds 3      # open loop, Zipf popularity; rows take turns: medians
     python -m bench.serving --paths engine,grpc,http --rows b,c --adapter-counts 32 --api-processes 2
 
 Rows (every one runs the same requests):
   a     base model, LoRA disabled (--max-loras 0)
   b     LoRA enabled (adapter memory for every row's adapters), no request uses an adapter
-  c-N   N distinct adapters of rank 16 on all seven projections (N = 1, 8, 32, 128)
+  c-N   N distinct adapters of rank 16 on all seven projections (--adapter-counts)
   d     32 adapters of rank 8 on q_proj and v_proj only
   e     Hugging Face PEFT: one PeftModel holding the adapters of c-32, generate(adapter_names=...)
-Paths (rows a-d): engine, the node built in this process (`LLM`) and driven from this thread
-by `Engine.run_once`; grpc, the same NodeConfig served by `inference-node serve` (its flags)
-and driven by --clients client processes; http, that node's OpenAI-compatible API
-(/v1/completions streamed, token-id prompts with `ignore_eos`). All adapters are pinned in
-GPU adapter memory before timing; every row is warmed up first (--warmup).
-
-Columns (docs/PERFORMANCE.md says more): decode and e2e tok/s, TTFT and TPOT p50/p99, and on the
-engine path the decode step's p50 beside its floor (the bytes it must read over the copy
-bandwidth measured in the same run). Closed loop by default; --poisson RATE: Zipf popularity.
+Paths (rows a-d): engine, the node in this process (`LLM`) driven by `Engine.run_once`; grpc
+and http, the same NodeConfig served by `inference-node serve`, driven by --clients processes
+(Generate streams; /v1/completions streamed). Adapters are pinned in GPU adapter memory and
+every row is warmed up (--warmup) before timing. Columns: docs/PERFORMANCE.md; on the engine
+path, the decode step's p50 beside its floor (the bytes it must read over the copy bandwidth).
 """
 from __future__ import annotations
 
@@ -49,15 +43,14 @@ from typing import Callable, Sequence
 import torch
 
 from bench.driver import DecodeStep, Driver, ReqRecord
-from bench.harness import (ALL_MODULES, COMPILES, QV, Col, NodeProcess, Spec, StepBytes, Table, adapter_bytes_per_rank,
-                           add_common_args, bench_model, build_llm, copy_bandwidth, device_line, dtype_name, frozen_gc,
-                           kv_bytes_per_token, make_specs, node_config, parse_range, pct, release_memory, runtime, sync,
-                           write_adapters, write_json, zipf_index)
+from bench.harness import (ALL_MODULES, QV, STEP_KINDS, Col, NodeProcess, Spec, StepBytes, Table,
+                           adapter_bytes_per_rank, add_by_device, add_common_args, add_node_args, assign_adapters,
+                           bench_model, build_llm, copy_bandwidth, device_line, dtype_name, engine_options, error_text,
+                           kv_bytes_per_token, make_specs, medians, model_config, node_config, parse_range, pct,
+                           release_memory, runtime, sync, timed_region, verdict, write_adapters, write_json)
 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
-STEP_KINDS = {"graph": "graph_steps", "piecewise": "piecewise_graph_steps", "eager_decode": "eager_decode_steps",
-              "eager_prefill": "eager_prefill_steps"}
 
 
 @dataclass
@@ -66,12 +59,10 @@ class Row:
     label: str
     lora: bool                  # runs on the node with LoRA on
     pool: list[str]             # adapter names (empty: every request uses the base model)
-    peft: bool = False
 
-    def adapter_of(self, spec: Spec, poisson: bool, alpha: float) -> str:
-        if not self.pool:
-            return ""
-        return self.pool[zipf_index(spec.pick, len(self.pool), alpha) if poisson else spec.index % len(self.pool)]
+    def requests(self, specs: list[Spec], args) -> list[Spec]:
+        """The workload on this row's adapters: in turn, or (--poisson) by Zipf popularity."""
+        return assign_adapters(specs, self.pool, args.zipf_alpha if args.poisson else None)
 
 
 @dataclass
@@ -89,37 +80,25 @@ class RowResult:
 # -- the engine in process --------------------------------------------------------------------------
 def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
     engine, device = llm.engine, llm.node.model.device
-    result = RowResult(row.key, "engine", row.label)
-    adapter_of = lambda s: row.adapter_of(s, bool(args.poisson), args.zipf_alpha)  # noqa: E731
+    result, specs = RowResult(row.key, "engine", row.label), row.requests(specs, args)
     # Untimed: "full" runs the row's whole workload once (every shape the timed run meets, so no
     # Triton compile lands in it); "short" one batch of few tokens; "engine" nothing here (the
     # node's start-up warm-up ran).
     if args.warmup == "full":
-        Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs, adapter_of)
+        Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs)
     elif args.warmup == "short":
         Driver(engine, device, args.concurrency, poisson=False).run(
-            specs[:args.concurrency], adapter_of, lambda s: min(args.warmup_tokens, s.max_tokens))
+            specs[:args.concurrency], lambda s: min(args.warmup_tokens, s.max_tokens))
     driver = Driver(engine, device, args.concurrency, poisson=bool(args.poisson))
-    before, mark = dict(engine.stats.__dict__), COMPILES.mark()
-    with frozen_gc():
-        result.records, result.steps = driver.run(specs, adapter_of)
-    result.compiles = COMPILES.since(mark)
-    for what in result.compiles:
-        log.warning("row %s: compiled during the timed run: %s", row.key, what[:300])
+    before = dict(engine.stats.__dict__)
+    with timed_region(f"row {row.key}", log) as result.compiles:
+        result.records, result.steps = driver.run(specs)
     result.step_kinds = {k: engine.stats.__dict__[s] - before[s] for k, s in STEP_KINDS.items()}
     return result
 
 
 # -- the served node: client processes of gRPC and of the OpenAI-compatible HTTP API -----------------
-@dataclass(frozen=True)
-class ClientRequest:
-    prompt: list[int]
-    max_tokens: int
-    adapter: str
-    arrival: float
-
-
-def client_process(api: str, target: str, model: str, requests: list[ClientRequest], concurrency: int,
+def client_process(api: str, target: str, model: str, requests: list[Spec], concurrency: int,
                    poisson: bool, ready, start, results) -> None:
     """Sends its requests, closed loop at `concurrency` or at their arrival times, and puts its
     records on `results` (in request order)."""
@@ -128,12 +107,12 @@ def client_process(api: str, target: str, model: str, requests: list[ClientReque
     results.put(asyncio.run(client(target, model, requests, concurrency, poisson, ready, start)))
 
 
-async def _drive(requests: list[ClientRequest], concurrency: int, poisson: bool, start, one) -> list[ReqRecord]:
+async def _drive(requests: list[Spec], concurrency: int, poisson: bool, start, one) -> list[ReqRecord]:
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
     t0 = time.monotonic()
     gate = asyncio.Semaphore(concurrency if not poisson else max(len(requests), 1))
 
-    async def timed(req: ClientRequest) -> ReqRecord:
+    async def timed(req: Spec) -> ReqRecord:
         if poisson:
             await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
         async with gate:
@@ -165,7 +144,7 @@ async def _grpc_client(target, model, requests, concurrency, poisson, ready, sta
             pass
         ready.set()
 
-        async def one(req: ClientRequest, rec: ReqRecord) -> None:
+        async def one(req: Spec, rec: ReqRecord) -> None:
             try:
                 async for msg in stub.Generate(pb.GenerateRequest(
                         prompt_token_ids=req.prompt, max_tokens=req.max_tokens, adapter=req.adapter,
@@ -189,7 +168,7 @@ async def _http_client(target, model, requests, concurrency, poisson, ready, sta
         (await http.post(url, json={"model": model, "prompt": [1000, 1001], "max_tokens": 1})).raise_for_status()
         ready.set()
 
-        async def one(req: ClientRequest, rec: ReqRecord) -> None:
+        async def one(req: Spec, rec: ReqRecord) -> None:
             body = {"model": req.adapter or model, "prompt": req.prompt, "max_tokens": req.max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             try:
@@ -212,7 +191,7 @@ async def _http_client(target, model, requests, concurrency, poisson, ready, sta
         return await _drive(requests, concurrency, poisson, start, one)
 
 
-def run_clients(api: str, target: str, model: str, requests: list[ClientRequest], concurrency: int,
+def run_clients(api: str, target: str, model: str, requests: list[Spec], concurrency: int,
                 clients: int, poisson: bool) -> list[ReqRecord]:
     """The requests shared round robin over `clients` processes, `concurrency` split among them."""
     ctx = multiprocessing.get_context("spawn")
@@ -239,8 +218,7 @@ def run_clients(api: str, target: str, model: str, requests: list[ClientRequest]
 
 def run_served_row(row: Row, api: str, node: NodeProcess, model: str, specs: list[Spec], args) -> RowResult:
     poisson = bool(args.poisson)
-    requests = [ClientRequest(list(s.prompt), s.max_tokens, row.adapter_of(s, poisson, args.zipf_alpha), s.arrival)
-                for s in specs]
+    requests = row.requests(specs, args)
     target = node.target if api == "grpc" else node.http_url
     if args.warmup == "full":
         run_clients(api, target, model, requests, args.concurrency, args.clients, poisson)
@@ -271,7 +249,7 @@ def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spe
     for name in names[1:]:
         model.load_adapter(adapter_root / name, adapter_name=name)
     model.eval()
-    poisson = bool(args.poisson)
+    poisson, specs = bool(args.poisson), row.requests(specs, args)
 
     class Stamp(LogitsProcessor):
         """Called once per generated token position, after that step's forward."""
@@ -294,7 +272,7 @@ def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spe
         stamp = Stamp()
         with torch.inference_mode():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 adapter_names=[row.adapter_of(s, poisson, args.zipf_alpha) for s in batch],
+                                 adapter_names=[s.adapter for s in batch],
                                  max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                                  logits_processor=LogitsProcessorList([stamp]))
         sync(device)
@@ -324,7 +302,7 @@ def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spe
         for i in ready:  # TTFT as if generate streamed (it does not: generous to PEFT)
             r = records[i]
             r.first, r.last, r.done, r.tokens = times[0], times[specs[i].max_tokens - 1], end, specs[i].max_tokens
-        adapters = frozenset(row.adapter_of(s, poisson, args.zipf_alpha) for s in batch)
+        adapters = frozenset(s.adapter for s in batch)
         for k in range(1, len(times)):
             kv = sum(len(s.prompt) + k + 1 for s in batch)
             result.steps.append(DecodeStep(times[k] - times[k - 1], len(batch), adapters, kv))
@@ -353,8 +331,9 @@ class Summary:
     batch: float = math.nan
     adapters_per_step: float = math.nan
     decode_steps: int = 0
-    # decode_tps counts the decode steps whose call did not also launch a prompt step (that
-    # launch's host work lands in the call's time); all_steps_tps counts them all.
+    # decode_tps counts the decode steps whose call did not also launch a prompt step (that launch's
+    # host work, an eager 2048-token forward: 12-55 ms on an H100, is prefill's cost, counted in e2e
+    # tok/s); all_steps_tps counts them all.
     steady_steps: int = 0
     all_steps_tps: float = math.nan
     output_tokens: int = 0
@@ -376,9 +355,6 @@ def summarize(res: RowResult, nbytes: StepBytes, bw: float) -> Summary:
     s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99 = pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99)
     steps = res.steps
     if steps:
-        # Decode throughput over the steady decode steps: a step whose call also launched a
-        # prompt chunk carries that launch's host work (an eager 2048-token forward: 12-55 ms
-        # on the H100 runs), which is prefill's cost, counted in e2e tok/s.
         s.decode_steps = len(steps)
         s.all_steps_tps = sum(st.batch for st in steps) / sum(st.seconds for st in steps)
         steady = [st for st in steps if not st.boundary] or steps
@@ -402,13 +378,7 @@ def median_summary(runs: list[Summary]) -> Summary:
     failed = [r for r in runs if r.error]
     if len(runs) == 1 or failed:
         return (failed or runs)[0]
-    merged = dataclasses.replace(runs[0])
-    for f in dataclasses.fields(Summary):
-        values = [getattr(r, f.name) for r in runs]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            med = statistics.median(values)
-            setattr(merged, f.name, type(values[0])(med) if isinstance(values[0], int) else med)
-    return merged
+    return Summary(**medians([dataclasses.asdict(r) for r in runs]))
 
 
 MS = dict(fmt=".2f", unit="ms", scale=1e3)
@@ -426,17 +396,9 @@ def format_row(s: Summary) -> str:
                      s.step_p50, s.forward_p50, s.host_p50, s.floor_p50, s.over_floor, s.batch, s.adapters_per_step)
 
 
-def verdict(value: float, good: bool) -> str:
-    return "n/a" if math.isnan(value) else ("met" if good else "NOT met")
-
-
 def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list[str]:
-    """The engine rows' targets (issue 33's), each with what was measured."""
-    def get(key: str) -> Summary | None:
-        s = by.get(key)
-        return s if s is not None and not s.error else None
-
-    a, a2, b, d, e, c32 = get("a"), get("a2"), get("b"), get("d"), get("e"), get(c32_key)
+    """The engine rows' targets (issue 33's), each with what was measured (`by`: the rows that ran)."""
+    a, a2, b, d, e, c32 = (by.get(key) for key in ("a", "a2", "b", "d", "e", c32_key))
     lines = []
     if a and a2:
         lines.append(f"control a2/a (same node setup, run after b-d): decode {a2.decode_tps / a.decode_tps:.3f}, "
@@ -459,7 +421,7 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
     if a:
         lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.15: "
                      f"{verdict(a.over_floor, a.over_floor <= 1.15)})")
-    lora = [s for k, s in by.items() if k not in ("a", "a2", "e") and not s.error]
+    lora = [s for k, s in by.items() if k not in ("a", "a2", "e")]
     if e and lora:
         worst = min(lora, key=lambda s: s.e2e_tps)
         r = worst.e2e_tps / e.e2e_tps
@@ -489,37 +451,31 @@ def path_ratios(summaries: dict[tuple[str, str], Summary]) -> list[str]:
 # -- main --------------------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p, "llama-1b-random on CUDA, embedded on CPU")
-    p.add_argument("--paths", default="engine",
-                   help="comma-separated: engine (in process), grpc, http (the served node)")
+    add_common_args(p, ("llama-1b-random", "embedded"))
+    p.add_argument("--paths", default="engine", help="comma-separated: engine (in process), grpc, http (served)")
     p.add_argument("--rows", default="a,b,c,d,e", help="which rows to run")
-    p.add_argument("--requests", type=int, help="requests per row (CUDA 128, CPU 8)")
-    p.add_argument("--concurrency", type=int, help="closed-loop requests in flight = the node's max_num_seqs "
-                                                   "= PEFT batch (CUDA 64, CPU 4)")
-    p.add_argument("--prompt-len", help="LO:HI tokens, uniform (CUDA 32:256, CPU 8:32)")
-    p.add_argument("--output-len", help="LO:HI tokens, uniform (CUDA 128, CPU 8)")
+    add_by_device(p, "--requests", 128, 8, "requests per row", type=int)
+    add_by_device(p, "--concurrency", 64, 4, "closed-loop requests in flight = the node's max_num_seqs = PEFT batch",
+                  type=int)
+    add_by_device(p, "--prompt-len", "32:256", "8:32", "LO:HI tokens, uniform")
+    add_by_device(p, "--output-len", "128", "8", "LO:HI tokens, uniform")
     p.add_argument("--poisson", type=float, default=None, metavar="RATE",
                    help="open loop: Poisson arrivals at RATE requests/s, Zipf adapter popularity")
     p.add_argument("--zipf-alpha", type=float, default=1.0)
     p.add_argument("--adapter-counts", default="1,8,32,128", help="rows c: distinct rank-16 adapters")
     p.add_argument("--qv-adapters", type=int, default=32, help="row d: rank-8 q/v adapters")
     p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="as `inference-node serve --quantization` (an FP8 checkpoint is FP8 without it); the "
                         "floor counts its projections at 1 byte a weight plus their scales")
-    p.add_argument("--max-batched-tokens", type=int, help="token budget per step (CUDA 2048, CPU 256)")
+    add_node_args(p)
     p.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off: rows share prompts)")
-    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto")
-    p.add_argument("--mixed-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="replay prompt and mixed steps piece by piece from CUDA graphs (auto: on CUDA)")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's (x the last prefill step)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the engine rows a-d this many times, interleaved; each column is the median")
+    p.add_argument("--rounds", type=int, default=1, help="engine rows a-d this many times, interleaved: medians")
     p.add_argument("--control", action="store_true", help="run row a again after rows b-d (a2) on a fresh node")
-    p.add_argument("--warmup", choices=["full", "short", "engine"], default=None,
-                   help="per row, untimed: its whole workload (CUDA default: compiles every shape), one batch "
-                        "of --warmup-tokens tokens (CPU default), or only the node's start-up warm-up")
+    add_by_device(p, "--warmup", "full", "short", "per row, untimed: its whole workload (compiles every shape), one "
+                  "batch of --warmup-tokens tokens, or only the node's start-up warm-up",
+                  choices=["full", "short", "engine"])
     p.add_argument("--warmup-tokens", type=int, default=4)
     p.add_argument("--clients", type=int, default=4, help="client processes of each API (grpc, http paths)")
     p.add_argument("--api-processes", default="auto", help="the served node's front-end processes")
@@ -554,13 +510,7 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
     args = parse_args(argv)
     device, dtype = runtime(args)
     log.setLevel(logging.INFO)
-    cuda = device.type == "cuda"
-    args.requests = args.requests or (128 if cuda else 8)
-    args.concurrency = args.concurrency or (64 if cuda else 4)
-    args.prompt_len = parse_range(args.prompt_len or ("32:256" if cuda else "8:32"))
-    args.output_len = parse_range(args.output_len or ("128" if cuda else "8"))
-    args.max_batched_tokens = args.max_batched_tokens or (2048 if cuda else 256)
-    args.warmup = args.warmup or ("full" if cuda else "short")
+    args.prompt_len, args.output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         return _run(args, args.workdir or Path(tmp), device, dtype)
@@ -568,14 +518,12 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tuple[str, str], Summary]:
     from inference_node.config import count_or_auto
-    from inference_node.model.config import ModelConfig
     from kernels.tuning import tuning_from_text
 
     cuda = device.type == "cuda"
     started = time.perf_counter()
-    COMPILES.install()
-    model = bench_model(args.model or ("llama-1b-random" if cuda else "embedded"), work, dtype, device, args.seed)
-    cfg = ModelConfig.from_checkpoint(model.checkpoint)
+    model = bench_model(args.model, work, dtype, device, args.seed)
+    cfg = model_config(args.model)
     wanted = set(args.rows.split(","))
     if model.load_format == "dummy" and "e" in wanted:
         log.warning("row e needs weights on disk for PEFT: skipped with weights made at load")
@@ -584,9 +532,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     adapter_root = work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}"
     r16 = [f"r16-all-{k:03d}" for k in range(max(counts + [args.peft_adapters if "e" in wanted else 0]))]
     qv = [f"r8-qv-{k:03d}" for k in range(args.qv_adapters)] if "d" in wanted else []
-    made_on = device if cuda else torch.device("cpu")
-    write_adapters(adapter_root, cfg, r16, [16], ALL_MODULES, made_on, torch.bfloat16, seed=1000)
-    write_adapters(adapter_root, cfg, qv, [8], QV, made_on, torch.bfloat16, seed=5000)
+    write_adapters(adapter_root, cfg, r16, [16], ALL_MODULES, device, torch.bfloat16, seed=1000)
+    write_adapters(adapter_root, cfg, qv, [8], QV, device, torch.bfloat16, seed=5000)
     os.sync()  # the written files' writeback must not run during the first timed row
     bw = copy_bandwidth(device)
     itemsize = dtype.itemsize
@@ -607,22 +554,19 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
         rows += [Row(f"c-{n}", f"{n} adapters r16, all 7 projections", True, r16[:n]) for n in counts]
     if "d" in wanted:
         rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
-    peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False, r16[:args.peft_adapters],
-                     peft=True)] if "e" in wanted else []
+    peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False,
+                     r16[:args.peft_adapters])] if "e" in wanted else []
 
     # One NodeConfig per node: in process and served alike.
-    max_model_len = args.prompt_len[1] + args.output_len[1] + args.block_size
-    num_blocks = args.concurrency * -(-(max_model_len + 1) // args.block_size) + args.concurrency + 8
     given = dict(item.split("=", 1) for item in args.tune)
-    options = dict(num_kv_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
-                   max_num_batched_tokens=args.max_batched_tokens, max_queue=args.requests + args.concurrency,
-                   max_model_len=max_model_len, prefix_caching=args.prefix_caching, decode_graphs=args.decode_graphs,
-                   mixed_graphs=args.mixed_graphs, max_graph_batch=args.concurrency, cpu_threads=args.threads,
-                   prefill_delay_factor=args.prefill_delay_factor,
-                   warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
-                   tuning_fixed=frozenset(given), tuning_table=args.tuning_table, tune_budget=args.tune_budget,
-                   log_level="WARNING", quantization=args.quantization,
-                   api_processes=count_or_auto(args.api_processes))
+    options = engine_options(args, args.prompt_len[1] + args.output_len[1] + args.block_size, args.concurrency,
+                             args.requests, prefix_caching=args.prefix_caching,
+                             prefill_delay_factor=args.prefill_delay_factor,
+                             warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
+                             tuning_fixed=frozenset(given), tuning_table=args.tuning_table,
+                             tune_budget=args.tune_budget, log_level="WARNING", quantization=args.quantization,
+                             api_processes=count_or_auto(args.api_processes))
+    num_blocks = options["num_kv_blocks"]
     names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
     configs = {False: node_config(model, device, dtype, max_loras=0, **options),
                True: node_config(model, device, dtype, max_loras=max(len(names), 1), max_lora_rank=16,
@@ -661,7 +605,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
             result = fn()
         except Exception as exc:  # one broken row must not lose the others
             log.exception("row %s (%s) failed", row.key, path)
-            result = RowResult(row.key, path, row.label, error=f"{type(exc).__name__}: {exc}"[:200])
+            result = RowResult(row.key, path, row.label, error=error_text(exc))
         results.setdefault((row.key, path), []).append(result)
         line = format_row(summarize(result, nbytes, bw))
         log.info("row %s (%s) done in %.1fs", row.key, path, time.perf_counter() - t)
@@ -670,7 +614,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     def fail(group: list[Row], path: str, exc: Exception) -> None:
         log.exception("the %s node failed", path)
         for row in group:
-            results[(row.key, path)] = [RowResult(row.key, path, row.label, error=f"{type(exc).__name__}: {exc}"[:200])]
+            results[(row.key, path)] = [RowResult(row.key, path, row.label, error=error_text(exc))]
 
     groups = {lora: [r for r in rows if r.lora == lora] for lora in (False, True)}
     if "engine" in args.paths:
@@ -728,7 +672,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     summaries = {k: median_summary(runs) for k, runs in per_round.items()}
     print()
     TABLE.print([format_row(s) for s in summaries.values()] + ["-" * len(TABLE.head()[0])])
-    by_key = {k: s for (k, path), s in summaries.items() if path in ("engine", "peft")}
+    by_key = {k: s for (k, path), s in summaries.items() if path in ("engine", "peft") and not s.error}
     read_32 = 32 * adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) / bw
     for line in ratios(by_key, read_32, "c-32") + path_ratios(summaries):
         print(line)

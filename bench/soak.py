@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from bench.harness import NodeProcess, bench_model, node_config, pct, write_random_adapter
+from bench.harness import NodeProcess, bench_model, model_config, node_config, pct, write_random_adapter
 
 TARGETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))
 
@@ -38,8 +38,6 @@ def rss_mb(pid: int) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     import grpc
-
-    from inference_node.model.config import ModelConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=3000)
@@ -57,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tmp)
         print(f"making a random Llama and {args.adapters} adapters ...", flush=True)
         model = bench_model("tiny", root, torch.float32, cpu)
-        cfg = ModelConfig.from_checkpoint(model.checkpoint)
+        cfg = model_config("tiny")
         names = [f"soak-{i:03d}" for i in range(args.adapters)]
         for i, name in enumerate(names):
             write_random_adapter(root / "adapters" / name, cfg, (2, 4, 8, 16)[i % 4], TARGETS[i % 3], seed=i,

@@ -6,17 +6,14 @@
     python -m bench.tensor_parallel steps --device cpu --model tiny --tp 1,2     # CPU smoke (gloo)
 
 `steps`: each size (and all-reduce, and --mode) builds the node as `serve --tensor-parallel-size
-N` does, in a process of its own (its rows come back before its node stops: a teardown that
-hangs costs a bounded wait), and drives it closed loop at a concurrency equal to the batch:
-the p50 of its full-batch decode steps beside each rank's floor (its shard's bytes over the
-copy bandwidth of its GPU, plus 2 x layers + 1 all-reduces, the logits' all-gather and the
-token ids' broadcast at the times of an `allreduce --json` report).
+N` does, in a process of its own (a teardown that hangs costs a bounded wait), and drives it
+closed loop at a concurrency equal to the batch: the p50 of its full-batch decode steps beside
+each rank's floor (docs/PERFORMANCE.md; the collectives at an `allreduce --json` report's times).
 
-`allreduce`: one process per GPU sums bf16 [rows, hidden] messages by NCCL (gloo on CPU) and by
-the node's symmetric-memory all-reduce (`--all-reduce symm`), eagerly and replayed from a CUDA
-graph, every sum checked against the exact one on every rank before and after timing. NVLink
-multicast stays off: its variables are set before any CUDA call (other values refused), and
-no multimem operation is called.
+`allreduce`: one process per GPU sums bf16 [rows, hidden] by NCCL (gloo on CPU) and by the
+node's symmetric-memory all-reduce (`--all-reduce symm`), eager and from a CUDA graph, every sum
+checked exactly on every rank before and after timing. NVLink multicast stays off: its variables
+are set before any CUDA call (other values refused), and no multimem operation is called.
 """
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import MutableMapping, Sequence
@@ -39,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from bench.driver import Driver
-from bench.harness import (ALL_MODULES, Col, StepBytes, Table, adapter_bytes_per_rank, bench_model, build_llm,
-                           copy_bandwidth, make_specs, model_config, node_config, pct, release_memory, write_adapters,
-                           write_json)
+from bench.harness import (ALL_MODULES, Col, StepBytes, Table, adapter_bytes_per_rank, add_common_args, assign_adapters,
+                           bench_model, build_llm, copy_bandwidth, make_specs, model_config, node_config, pct,
+                           release_memory, runtime, timed_runs, write_adapters, write_json)
 
 log = logging.getLogger("bench.tensor_parallel")
 
@@ -122,14 +118,14 @@ def run_child(argv: list[str], what: str, wait_s: float = 120.0,
     return rows
 
 
-def run_size(args, model, tp: int, rows: list[str], mode: str, all_reduce: str) -> list[dict]:
+def run_size(args, device: torch.device, dtype: torch.dtype, tp: int, rows: list[str], mode: str,
+             all_reduce: str) -> list[dict]:
     from kernels.tuning import tuning_from_text
 
-    device = torch.device(args.device)
+    model = bench_model(args.model, args.work, dtype, device, args.seed)
     count = max([int(r[1:]) for r in rows if r.startswith("c")] or [0])
     names = [f"r16-{k:03d}" for k in range(count)]
-    cfg = model_config(str(model.checkpoint))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config(args.model)
     adapters = args.work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}"
     write_adapters(adapters, cfg, names, [16], ALL_MODULES, device, dtype)  # once: kept in the workdir
     bandwidth = args.copy_bandwidth or copy_bandwidth(device)  # this GPU's own, before the node takes its memory
@@ -139,19 +135,19 @@ def run_size(args, model, tp: int, rows: list[str], mode: str, all_reduce: str) 
         tuning_table=args.tuning_table, all_reduce=all_reduce if tp > 1 else "nccl", adapter_dir=str(adapters),
         max_loras=max(count, 1), max_lora_rank=16, max_cpu_loras=max(count, 1), max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_batched_tokens, max_model_len=args.prompt + args.output + 16,
-        num_kv_blocks=args.num_kv_blocks, mixed_graphs="off", warmup="off", tensor_parallel_size=tp), names)
+        num_kv_blocks=args.num_kv_blocks, mixed_graphs="off", warmup="off", tensor_parallel_size=tp,
+        cpu_threads=args.threads), names)
     report = json.loads(args.allreduce_json.read_text()) if args.allreduce_json and tp > 1 else None
     out = []
     try:
         engine = llm.engine
         for row in rows:
             pool = names[:int(row[1:])] if row.startswith("c") else []
-            specs = make_specs(args.batch * args.rounds, (args.prompt,) * 2, (args.output,) * 2, cfg.vocab_size, None,
-                               args.seed)
+            specs = assign_adapters(make_specs(args.batch * args.rounds, (args.prompt,) * 2, (args.output,) * 2,
+                                               cfg.vocab_size, None, args.seed), pool)
             driver = Driver(engine, llm.node.model.device, args.batch, poisson=False)
-            adapter_of = (lambda s: pool[s.index % len(pool)]) if pool else (lambda s: "")
-            driver.run(specs[:args.batch], adapter_of, lambda s: 8)  # warm: this row's graphs and kernels
-            _, steps = driver.run(specs, adapter_of)
+            driver.run(specs[:args.batch], lambda s: 8)  # warm: this row's graphs and kernels
+            _, steps = driver.run(specs)
             full = [s for s in steps if s.batch == args.batch and not s.boundary]
             step = pct([s.seconds for s in full], 50)
             comm, note = (0.0, 0.0, 0.0), "" if tp == 1 else "no all-reduce report: bytes alone"
@@ -182,17 +178,14 @@ def run_size(args, model, tp: int, rows: list[str], mode: str, all_reduce: str) 
 
 
 def steps(args) -> list[dict]:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    device, dtype = runtime(args)
     rows, sizes = args.rows.split(","), [int(t) for t in args.tp.split(",")]
     args.num_kv_blocks = args.num_kv_blocks or 2 * args.batch * -(-(args.prompt + args.output + 16) // 16)
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         args.work = args.workdir or Path(tmp)
         if args.child is not None:
-            device = torch.device(args.device)
-            model = bench_model(args.model, args.work, torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                device, args.seed)
             tp, all_reduce, mode = args.child.split(",", 2)
-            return run_size(args, model, int(tp), rows, mode, all_reduce)
+            return run_size(args, device, dtype, int(tp), rows, mode, all_reduce)
         results = []
         child_argv = [*(args.argv if args.argv is not None else sys.argv[2:]), "--workdir", str(args.work)]
         for tp in sizes:
@@ -338,11 +331,7 @@ def run_case(method: str, mode: str, x: torch.Tensor, symm, s: Settings, rank: i
         sync()
         times = [start.elapsed_time(end) * 1e-3 for start, end in events]
     else:
-        times = []
-        for _ in range(s.repeats):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
+        times = timed_runs(run, s.repeats)
     seconds = statistics.median(times) / x.shape[0]
     return seconds, None, checked + verify()
 
@@ -461,8 +450,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("steps", help="decode steps at several tensor-parallel sizes, beside their floors")
     t.set_defaults(run=steps)
-    t.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    t.add_argument("--model", default="llama-8b-random", help="a harness model name or a checkpoint folder")
+    add_common_args(t, ("llama-8b-random", "tiny"))
     t.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel sizes")
     t.add_argument("--rows", default="base,c32", help="base and/or cN (N distinct rank-16 all-linear adapters)")
     t.add_argument("--batch", type=int, default=64)
@@ -478,10 +466,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--mode", dest="modes", action="append", default=None,
                    help="launch choices other than the defaults, NAME=VALUE joined by /; repeatable, rows ROW@MODE")
     t.add_argument("--all-reduce", default="nccl", help="nccl and/or symm: the node's --all-reduce at TP > 1")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--workdir", type=Path, default=None)
-    t.add_argument("--json", type=Path, default=None)
-    t.add_argument("-v", "--verbose", action="store_true")
     t.add_argument("--child", default=None, help=argparse.SUPPRESS)  # TP,ALL_REDUCE,MODE of one child
     a = sub.add_parser("allreduce", help="NCCL against the node's symmetric-memory all-reduce, per message size")
     a.set_defaults(run=allreduce)
