@@ -73,3 +73,36 @@ def test_rope_with_qk_norm(lora: bool, unit_offset: bool) -> None:
     compile_for_hopper(_rope_cache_kernel, types, dict(
         SPLITS=2, HAS_LORA=lora, DENSE=False, BLOCK_HG=8, BLOCK_HALF=64, BLOCK_R=16, PDL=False, EARLY_B=False,
         QK_NORM=True, UNIT_OFFSET=unit_offset))
+
+
+@pytest.mark.parametrize("dtype, world, hidden, gemma", [("bf16", 2, 4096, False), ("bf16", 4, 5376, True),
+                                                         ("fp32", 8, 4096, False)])
+def test_fused_all_reduce_flags_and_peer_loads(dtype: str, world: int, hidden: int, gemma: bool) -> None:
+    """The fused all-reduce (kernels/allreduce) compiles with its flags as system-scope release
+    exchanges into each peer's buffer and acquire loads of its own (no multimem instruction:
+    NVLink multicast stays off), and its peer rows read 16 bytes at a time, around L1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.allreduce.triton_kernel import _all_reduce_add_rms_norm_kernel as fn
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    pointers = {n: f"*{dtype}" for n in ("x_ptr", "residual_ptr", "weight_ptr", "bias_ptr", "out_norm_ptr",
+                                         "new_residual_ptr", "normed_ptr", "rows_ptr")}
+    pointers |= {"flags_ptr": "*i32", "offsets_ptr": "*i64", "epochs_ptr": "*i32"}
+    constexprs = dict(RANK=1, WORLD=world, H=hidden, BLOCK_H=1 << (hidden - 1).bit_length(), HAS_BIAS=not gemma,
+                      UNIT_OFFSET=gemma, OUT_NORM=gemma, SYNC=True)
+    types = pointers | {"eps": "fp32"}
+    signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
+    # What the launch's specialisation gives: pointers and the slot size divisible by 16.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+               if p.name in pointers or p.name == "slot_numel"}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8))
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.global.sys.release.exch.b32") == world - 1
+    assert "multimem" not in ptx
+    acquires = [line for line in ptx.splitlines() if ".global.sys.acquire" in line]
+    assert len(acquires) >= world - 1
+    assert ptx.count("ld.global.cg.v4.b32") >= world - 1 and "ld.global.cg.b16" not in ptx

@@ -6,6 +6,8 @@ shared pytest process cannot guarantee without changing how every other test see
 Each test here runs a child pytest with the variable set, so the switch stays local.
 
 - test_triton_kernels.py, in three parts: every kernel against its PyTorch reference.
+- test_allreduce_triton.py: the fused all-reduce's copy, sum, add and norm in one process
+  (its flags between GPUs left out: the math only).
 - The engine's decode-graph path, one case a child: the node's CPU graph steps with the
   Triton kernels (interpreted) instead of the references, so the seam between the engine
   (rows ordered by adapter, the segment table it fills) and the kernels that read it is
@@ -76,6 +78,12 @@ def test_triton_kernels_match_reference_in_interpreter(part: str) -> None:
     out = run_interpreted(f"--confcutdir={HERE}", "-k", KERNEL_PARTS[part],
                           str(HERE / "test_triton_kernels.py"), timeout=KERNELS_TIMEOUT)
     assert " passed" in out and "skipped" not in out, out[-8000:]
+
+
+@pytest.mark.timeout(KERNELS_TIMEOUT + 30)
+def test_fused_all_reduce_matches_reference_in_interpreter() -> None:
+    out = run_interpreted(f"--confcutdir={HERE}", str(HERE / "test_allreduce_triton.py"), timeout=KERNELS_TIMEOUT)
+    assert " passed" in out and "skipped" not in out and "failed" not in out, out[-8000:]
 
 
 @pytest.mark.timeout(GRAPH_TIMEOUT + 30)
