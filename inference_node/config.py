@@ -91,10 +91,11 @@ class ModelOptions:
     max_model_len: int = option(4096, help="prompt + output tokens")
     tensor_parallel_size: int = option(1, help="split the model over this many GPUs of the host (one process "
                                                "each; gloo on CPU)")
-    all_reduce: str = option("nccl", choices=("nccl", "symm"),
+    all_reduce: str = option("nccl", choices=("nccl", "symm", "fused"),
                              help="with --tensor-parallel-size > 1 on GPUs: sum decode-sized messages (up to "
                                   "4 MB) through PyTorch's symmetric-memory one-shot/two-shot kernels instead "
-                                  "of NCCL")
+                                  "of NCCL (symm), or those up to 1 MB after o and down in one kernel with the "
+                                  "residual add and norm that follow them (fused)")
     load_format: str = option("safetensors", choices=("safetensors", "dummy"), hidden=True,
                               help="dummy: random weights of the shapes in the checkpoint's config.json, made "
                                    "on the device (benchmarks of models whose weights are not at hand)")

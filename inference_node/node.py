@@ -145,9 +145,9 @@ def check_tensor_parallel(config: NodeConfig, checkpoint: Path) -> None:
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ShardingError(f"--tensor-parallel-size {size} needs {size} GPUs (one per rank); "
                             f"{torch.cuda.device_count()} are visible")
-    if all_reduce == "symm" and device.type != "cuda":
-        raise ShardingError("--all-reduce symm needs CUDA GPUs (symmetric memory); on CPU the ranks sum "
-                            "through gloo: leave --all-reduce at nccl")
+    if all_reduce != "nccl" and device.type != "cuda":
+        raise ShardingError(f"--all-reduce {all_reduce} needs CUDA GPUs (symmetric memory); on CPU the ranks "
+                            "sum through gloo: leave --all-reduce at nccl")
 
 
 def dtype_name(config: NodeConfig, device: torch.device) -> str:

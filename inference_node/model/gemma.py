@@ -52,14 +52,12 @@ class GemmaModel(LlamaModel):
 
     def after_attention(self, i: int, attn: torch.Tensor, hidden: torch.Tensor, launch: LaunchChoices,
                         lora: LoraApplier | None) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, ops, layer = self.config, launch.ops, self.layers[i]
-        eps = cfg.rms_norm_eps
-        out, delta = self._reduce(*self._project(launch, lora, i, "o", attn, layer.o))
-        hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, eps, delta, unit_offset=True,
-                                     out_norm=layer.attn_out_norm)
+        cfg, layer = self.config, self.layers[i]
+        hidden, x = self._add_norm(launch, *self._project(launch, lora, i, "o", attn, layer.o), hidden,
+                                   layer.post_norm, unit_offset=True, out_norm=layer.attn_out_norm)
         gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up)
-        act = ops.silu_mul(gate_up, delta, activation=cfg.activation)
-        down, delta = self._reduce(*self._project(launch, lora, i, "down", act, layer.down))
+        act = launch.ops.silu_mul(gate_up, delta, activation=cfg.activation)
         last_layer = i + 1 == len(self.layers)
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
-        return ops.add_rms_norm(hidden, down, norm, eps, delta, unit_offset=True, out_norm=layer.mlp_out_norm)
+        return self._add_norm(launch, *self._project(launch, lora, i, "down", act, layer.down), hidden, norm,
+                              unit_offset=True, out_norm=layer.mlp_out_norm)

@@ -242,24 +242,23 @@ class LlamaModel:
                         lora: LoraApplier | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's o projection and MLP with their residual adds: (the residual stream, that
         normalised for the next layer, or by the final norm after the last)."""
-        cfg, ops, layer = self.config, launch.ops, self.layers[i]
-        # A row-parallel bias is added after the ranks' partial outputs are summed (_reduce).
+        layer = self.layers[i]
+        # A row-parallel bias is added after the ranks' partial outputs are summed (_add_norm).
         tp, o_bias = self.tp is not None, layer.o_bias
-        out, delta = self._reduce(*self._project(launch, lora, i, "o", attn, layer.o, None if tp else o_bias),
-                                  o_bias if tp else None)
-        hidden, x = ops.add_rms_norm(hidden, out, layer.post_norm, cfg.rms_norm_eps, delta)
-        down, delta = self.mlp(i, x, launch, lora)
+        out, delta = self._project(launch, lora, i, "o", attn, layer.o, None if tp else o_bias)
+        hidden, x = self._add_norm(launch, out, delta, hidden, layer.post_norm, o_bias if tp else None)
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).
         last_layer = i + 1 == len(self.layers)
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
-        return ops.add_rms_norm(hidden, down, norm, cfg.rms_norm_eps, delta)
+        return self._add_norm(launch, *self.mlp(i, x, launch, lora), hidden, norm)
 
-    def mlp(self, i: int, x: torch.Tensor, launch: LaunchChoices,
-            lora: LoraApplier | None) -> tuple[torch.Tensor, LoraDelta | None]:
-        """Layer i's MLP over the normed residual stream x: (its output summed over the ranks,
-        a LoRA delta left for the add + norm after it or None). The MoE decoder's routed
-        layers have their own (model/moe.py)."""
+    def mlp(self, i: int, x: torch.Tensor, launch: LaunchChoices, lora: LoraApplier | None
+            ) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor | None]:
+        """Layer i's MLP over the normed residual stream x: (its output, this rank's partial
+        sum under tensor parallelism; a LoRA delta left for the add + norm after it or None; a
+        bias to add after the sum or None), for _add_norm. The MoE decoder's routed layers
+        have their own (model/moe.py)."""
         layer, tp, down_bias = self.layers[i], self.tp is not None, self.layers[i].down_bias
         act = None
         if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
@@ -267,8 +266,8 @@ class LlamaModel:
         if act is None:
             gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
             act = launch.ops.silu_mul(gate_up, delta)
-        return self._reduce(*self._project(launch, lora, i, "down", act, layer.down,
-                                           None if tp else down_bias), down_bias if tp else None)
+        out, delta = self._project(launch, lora, i, "down", act, layer.down, None if tp else down_bias)
+        return out, delta, down_bias if tp else None
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None = None,
                lora: LoraApplier | None = None) -> torch.Tensor:
@@ -317,20 +316,23 @@ class LlamaModel:
         hidden = self.embed[torch.where(inside, local, 0)].masked_fill(~inside[:, None], 0)
         return self.tp.all_reduce(hidden)
 
-    def _reduce(self, out: torch.Tensor, delta: LoraDelta | None,
-                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, LoraDelta | None]:
-        """A row-parallel projection's output summed over the ranks (its LoRA delta, added
-        into each rank's partial output, is summed with it), then its bias (whole on every
-        rank: added once, after the sum)."""
+    def _add_norm(self, launch: LaunchChoices, out: torch.Tensor, delta: LoraDelta | None, hidden: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None, *, unit_offset: bool = False,
+                  out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + a row-parallel projection's output, that normalised by weight). Under tensor
+        parallelism `out` is this rank's partial sum: its LoRA delta is added into it, the ranks'
+        are summed, then the bias (whole on every rank: added once, after the sum), in one
+        kernel with the add + norm where the group fuses them (parallel/group.py)."""
+        eps, add_norm = self.config.rms_norm_eps, launch.ops.add_rms_norm
         if self.tp is None:
-            return out, delta
+            return add_norm(hidden, out, weight, eps, delta, unit_offset=unit_offset, out_norm=out_norm)
         if delta is not None:  # expanded beside the matmul (parallel.shard.tensor_parallel_tuning)
             if delta.expanded is None:
                 raise RuntimeError("a row-parallel projection's LoRA delta must be expanded before its "
                                    "all-reduce (parallel.shard.tensor_parallel_tuning)")
             out = with_delta(out, delta.expanded)
-        out = self.tp.all_reduce(out)
-        return (out if bias is None else out + bias), None
+        return self.tp.all_reduce_add_norm(out, hidden, weight, eps, add_norm, bias, unit_offset=unit_offset,
+                                           out_norm=out_norm)
 
     def _project(self, launch: LaunchChoices, lora: LoraApplier | None, layer: int, group: str,
                  x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kernels.lora import LoraDelta
 from kernels.moe import route, routed_experts
 
 from ..parallel.shard import Shard
@@ -75,7 +76,7 @@ class MoeModel(LlamaModel):
                                               for t in e.tensors())
 
     def mlp(self, i: int, x: torch.Tensor, launch: LaunchChoices,
-            lora: LoraApplier | None) -> tuple[torch.Tensor, None]:
+            lora: LoraApplier | None) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor | None]:
         layer = self.experts[i]
         if layer is None:
             return super().mlp(i, x, launch, lora)
@@ -85,7 +86,7 @@ class MoeModel(LlamaModel):
         expert_lora: ExpertLora | None = getattr(lora, "experts", None) if lora is not None else None
         delta = partial(expert_lora.add, i) if expert_lora is not None else None
         out = routed_experts(x, weights, picks, layer.gate_up, layer.down, delta)
-        return self._reduce(out, None)
+        return out, None, None  # a partial sum under tensor parallelism, as the dense MLP's
 
 
 # ---------------------------------------------------------------------------- checkpoint

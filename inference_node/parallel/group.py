@@ -3,7 +3,8 @@
 torch.distributed carries them: NCCL between GPUs (one per rank), gloo on CPU (CI runs
 TP=2 on a tiny model that way). The ranks rendezvous through a file, so no port is chosen.
 With `--all-reduce symm` the decode-sized sums go through symmetric memory instead
-(symmetric.py); larger ones stay on NCCL.
+(symmetric.py); larger ones stay on NCCL. With `--all-reduce fused` the decode-sized sums that
+an add + norm follows (after o and down) are one kernel with it (fused.py).
 """
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import datetime
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
 
+from .fused import FusedAllReduce
 from .shard import Shard
 from .symmetric import SymmetricAllReduce
 
-AllReduce = Literal["nccl", "symm"]
+AllReduce = Literal["nccl", "symm", "fused"]
+# The model's add + norm: (residual, out, weight, eps, delta, *, unit_offset, out_norm) ->
+# (new residual, normed), as model/launch.py's ElementwiseOps.add_rms_norm.
+AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 class TensorParallel:
     shard: Shard
     symmetric: SymmetricAllReduce | None = None  # --all-reduce symm: decode-sized sums
+    fused: FusedAllReduce | None = None          # --all-reduce fused: decode-sized sums with their add + norm
 
     @property
     def rank(self) -> int:
@@ -44,6 +50,19 @@ class TensorParallel:
             return self.symmetric(x)
         dist.all_reduce(x)
         return x
+
+    def all_reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            add_norm: AddNorm, bias: torch.Tensor | None = None, *, unit_offset: bool = False,
+                            out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x summed over the ranks (+ bias, whole on every rank), that normalised
+        by weight): one fused kernel for decode-sized x under --all-reduce fused; otherwise
+        all_reduce, the bias, then the model's own add + norm `add_norm`, op for op."""
+        if self.fused is not None and self.fused.fits(x):
+            return self.fused(x, residual, weight, eps, bias, unit_offset, out_norm)
+        out = self.all_reduce(x)
+        if bias is not None:
+            out = out + bias
+        return add_norm(residual, out, weight, eps, None, unit_offset=unit_offset, out_norm=out_norm)
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x side by side along the last dimension (the vocabulary's logits)."""
@@ -73,16 +92,16 @@ def init_tensor_parallel(shard: Shard, device: torch.device, rendezvous_file: st
                          dtype: torch.dtype = torch.bfloat16) -> TensorParallel:
     """Joins the group (blocking until every rank has). The timeout bounds one collective:
     a rank that dies mid-step fails the others' next collective instead of hanging them.
-    all_reduce "symm" (CUDA only) also opens a symmetric buffer of `dtype` on every rank."""
-    if all_reduce == "symm" and device.type != "cuda":
-        raise ValueError("--all-reduce symm needs CUDA GPUs (symmetric memory); on CPU use nccl (gloo)")
+    all_reduce "symm" or "fused" (CUDA only) also opens a symmetric buffer for `dtype` on every rank."""
+    if all_reduce != "nccl" and device.type != "cuda":
+        raise ValueError(f"--all-reduce {all_reduce} needs CUDA GPUs (symmetric memory); on CPU use nccl (gloo)")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{rendezvous_file}", rank=shard.rank,
                             world_size=shard.size, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
-    symmetric = (SymmetricAllReduce(dist.group.WORLD.group_name, dtype, device)
-                 if all_reduce == "symm" else None)
-    return TensorParallel(shard, symmetric)
+    group = dist.group.WORLD.group_name
+    return TensorParallel(shard, SymmetricAllReduce(group, dtype, device) if all_reduce == "symm" else None,
+                          FusedAllReduce(group, dtype, device) if all_reduce == "fused" else None)
 
 
 def leave_tensor_parallel(timeout_s: float = 60.0) -> bool:

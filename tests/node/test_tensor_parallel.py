@@ -354,12 +354,14 @@ def test_loads_unloads_and_replacements_keep_every_rank_slot_table_equal(nodes, 
     assert s.running_requests == 0 and s.kv_blocks_free == s.kv_blocks_total
 
 
-def test_symmetric_memory_sums_are_refused_on_cpu_at_start(tiny_llama_path):
+@pytest.mark.parametrize("all_reduce", ["symm", "fused"])
+def test_symmetric_memory_sums_are_refused_on_cpu_at_start(tiny_llama_path, all_reduce):
     proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--port", str(free_port()),
                            "--model", str(tiny_llama_path), "--device", "cpu", "--tensor-parallel-size", "2",
-                           "--all-reduce", "symm"], capture_output=True, text=True, timeout=120)
+                           "--all-reduce", all_reduce], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--all-reduce symm needs CUDA GPUs" in proc.stderr
+    assert f"--all-reduce {all_reduce} needs CUDA GPUs" in proc.stderr
+    assert "Traceback" not in proc.stderr  # a line saying why, not a crash
 
 
 def test_all_reduce_takes_symmetric_memory_for_messages_it_fits_and_nccl_for_the_rest(monkeypatch):
@@ -380,6 +382,52 @@ def test_all_reduce_takes_symmetric_memory_for_messages_it_fits_and_nccl_for_the
     assert tp.all_reduce(large) is large and nccl == [large.shape]
 
 
+def test_add_norm_after_a_sum_is_the_fused_kernel_for_what_it_fits_and_todays_ops_otherwise(monkeypatch):
+    """all_reduce_add_norm: the fused kernel for messages it fits; otherwise the all-reduce,
+    the bias after it, then the model's own add + norm with the norm options passed on (the
+    ops --all-reduce nccl and symm run, in that order)."""
+    from inference_node.parallel.group import TensorParallel
+    from kernels.norm.reference import add_rms_norm
+
+    calls = []
+
+    class Fused:  # the kernel's stand-in
+        def fits(self, x: torch.Tensor) -> bool:
+            return x.shape[0] <= 2
+
+        def __call__(self, x, residual, weight, eps, bias, unit_offset, out_norm):
+            calls.append(("fused", x.shape, bias is not None, unit_offset, out_norm is not None))
+            return residual + 2 * x, x
+
+    def add_norm(residual, out, weight, eps, delta, *, unit_offset, out_norm):
+        calls.append(("add_norm", out.clone(), delta, unit_offset, out_norm))
+        return add_rms_norm(residual, out, weight, eps, delta, unit_offset, out_norm)
+
+    monkeypatch.setattr("torch.distributed.all_reduce", lambda x: (calls.append(("nccl", x.shape)), x.mul_(2)))
+    gen = torch.Generator().manual_seed(0)
+    weight, bias, out_norm = torch.randn(8, generator=gen), torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    tp = TensorParallel(Shard(0, 2), fused=Fused())
+    small, residual = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)
+    new, _ = tp.all_reduce_add_norm(small, residual, weight, 1e-6, add_norm, bias, unit_offset=True, out_norm=out_norm)
+    assert calls == [("fused", small.shape, True, True, True)] and torch.equal(new, residual + 2 * small)
+
+    calls.clear()
+    large, residual = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    summed = large * 2  # what the stand-in all-reduce makes of it
+    got = tp.all_reduce_add_norm(large.clone(), residual, weight, 1e-6, add_norm, bias, unit_offset=True,
+                                 out_norm=out_norm)
+    assert [c[0] for c in calls] == ["nccl", "add_norm"]
+    assert torch.equal(calls[1][1], summed + bias) and calls[1][2:4] == (None, True) and calls[1][4] is out_norm
+    for a, b in zip(got, add_rms_norm(residual, summed + bias, weight, 1e-6, None, True, out_norm)):
+        assert torch.equal(a, b)
+
+    calls.clear()  # no fused kernel (--all-reduce nccl): every size takes the ops, no bias added
+    plain = TensorParallel(Shard(0, 2))
+    got = plain.all_reduce_add_norm(small.clone(), residual[:2], weight, 1e-6, add_norm)
+    assert [c[0] for c in calls] == ["nccl", "add_norm"] and torch.equal(calls[1][1], small * 2)
+    assert torch.equal(got[0], residual[:2] + small * 2)
+
+
 def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--port", str(free_port()),
                            "--model", str(tiny_llama_path), "--device", "cpu", "--tensor-parallel-size", "4"],
@@ -390,11 +438,12 @@ def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path
 
 # -- GPU: Llama-3.1-8B's shapes (4 of its 32 layers), float32 -----------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("all_reduce", ["nccl", "symm"])
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm", "fused"])
 def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir, all_reduce):
     """TP=1 runs eagerly (its graphs and warm-up off); TP=2 replays decode and piecewise
-    graphs on both ranks, its sums through NCCL or symmetric memory. Float32 sums in another
-    order are far from flipping a greedy choice."""
+    graphs on both ranks, its sums through NCCL, symmetric memory, or the fused all-reduce +
+    add + norm kernel (decode steps; prompt steps' larger sums through NCCL). Float32 sums in
+    another order are far from flipping a greedy choice."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from bench.harness import copy_tokenizer, write_random_adapter
