@@ -1,6 +1,6 @@
 """Tensor parallelism, two subcommands (`python -m bench.tensor_parallel NAME --help`):
 
-    python -m bench.tensor_parallel allreduce --nproc 2 --json ar2.json     # NCCL vs the node's symmetric memory
+    python -m bench.tensor_parallel allreduce --nproc 2 --json ar2.json     # NCCL vs symm and fused
     python -m bench.tensor_parallel steps --model llama-8b-random --tp 1,2 --allreduce-json ar2.json
     python -m bench.tensor_parallel steps --model llama-70b-random --tp 4 --rows base,c32
     python -m bench.tensor_parallel steps --device cpu --model tiny --tp 1,2     # CPU smoke (gloo)
@@ -10,14 +10,16 @@ N` does, in a process of its own (a teardown that hangs costs a bounded wait), a
 closed loop at a concurrency equal to the batch: the p50 of its full-batch decode steps beside
 each rank's floor (docs/PERFORMANCE.md; the collectives at an `allreduce --json` report's times).
 
-`allreduce`: one process per GPU sums bf16 [rows, hidden] by NCCL (gloo on CPU) and by the
-node's symmetric-memory all-reduce (`--all-reduce symm`), eager and from a CUDA graph, every sum
+`allreduce`: one process per GPU sums bf16 [rows, hidden] by NCCL (gloo on CPU), by the node's
+symmetric-memory all-reduce (`--all-reduce symm`) and by its all-reduce + add + norm kernel
+(`--all-reduce fused`, the sum read back as the new residual of a zero one), eager and from a CUDA graph, every sum
 checked exactly on every rank before and after timing. NVLink multicast stays off: its variables
 are set before any CUDA call (other values refused), and no multimem operation is called.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -211,7 +213,7 @@ def steps(args) -> list[dict]:
 # -- all-reduce ----------------------------------------------------------------------------------------------
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SIZES = {"decode": ((1, 8, 32, 64, 128, 256), (4096, 8192)), "small": ((1, 8), (256,))}
-METHODS, MODES, MAX_RANKS, DTYPE = ("nccl", "symm"), ("eager", "graph"), 8, torch.bfloat16
+METHODS, MODES, MAX_RANKS, DTYPE = ("nccl", "symm", "fused"), ("eager", "graph"), 8, torch.bfloat16
 
 
 def keep_multicast_off(env: MutableMapping[str, str] = os.environ) -> None:
@@ -265,10 +267,17 @@ def agree(reason: str | None) -> str | None:
     return next((r for r in reasons if r is not None), None)
 
 
-def run_case(method: str, mode: str, x: torch.Tensor, symm, s: Settings, rank: int,
-             symm_reason: str = "symmetric memory needs CUDA") -> tuple[float | None, str | None, int]:
+def fused_sum(fused, residual: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """--all-reduce fused's new residual stream of a zero one (the sum), its norm computed beside."""
+    if not fused.fits(x):
+        raise RuntimeError(f"over the fused kernel's {fused.max_rows} rows or {fused.max_bytes >> 10} KB (NCCL's)")
+    return fused(x, residual, weight, 1e-5)[0]
+
+
+def run_case(method: str, mode: str, x: torch.Tensor, impl, s: Settings,
+             rank: int) -> tuple[float | None, str | None, int]:
     """(seconds per all-reduce on this rank, why not, outputs verified) of --ops all-reduces of
-    x [ops, rows, hidden]: NCCL in place, symmetric memory into new tensors."""
+    x [ops, rows, hidden]: NCCL in place, the others (impl: a callable, or why there is none) into new tensors."""
     cuda = s.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -281,12 +290,12 @@ def run_case(method: str, mode: str, x: torch.Tensor, symm, s: Settings, rank: i
             for k in range(x.shape[0]):
                 dist.all_reduce(x[k])
             return list(x)
-        return [symm(x[k]) for k in range(x.shape[0])]
+        return [impl(x[k]) for k in range(x.shape[0])]
 
     run, reason = step, None
     try:
-        if method == "symm" and symm is None:
-            raise RuntimeError(symm_reason)
+        if isinstance(impl, str):
+            raise RuntimeError(impl)
         if mode == "graph" and not cuda:
             raise RuntimeError("CUDA graphs need CUDA")
         fill()
@@ -346,27 +355,33 @@ def worker(rank: int, s: Settings, rendezvous: str, result_path: str) -> None:
     if cuda:
         torch.cuda.set_device(device)
     init_tensor_parallel(Shard(rank, s.nproc), device, rendezvous, timeout_s=300)
-    symm, reason = None, "symmetric memory needs CUDA"
-    if cuda:  # the node's own symmetric all-reduce (--all-reduce symm), beside NCCL
+    impls: dict = {m: "symmetric memory needs CUDA" for m in METHODS[1:]}
+    if cuda:  # the node's own (--all-reduce symm, fused), beside NCCL
+        from inference_node.parallel.fused import FusedAllReduce
         from inference_node.parallel.symmetric import SymmetricAllReduce
 
-        try:
-            symm, reason = SymmetricAllReduce(dist.group.WORLD.group_name, DTYPE, device), None
-        except Exception as exc:  # noqa: BLE001 - reported as n/a (reason)
-            reason = f"{type(exc).__name__}: {str(exc)[:120]}"
-        if symm is not None and getattr(symm.handle, "multicast_ptr", 0):
-            raise SystemExit("the symmetric buffer has an NVLink multicast address although "
-                             "TORCH_SYMM_MEM_DISABLE_MULTICAST=1: stopping (multicast must stay off)")
-        if (reason := agree(reason)) is not None:
-            symm = None
+        for method, make in (("symm", SymmetricAllReduce), ("fused", FusedAllReduce)):
+            impl, reason = None, None
+            try:
+                impl = make(dist.group.WORLD.group_name, DTYPE, device)
+            except Exception as exc:  # noqa: BLE001 - reported as n/a (reason)
+                reason = f"{type(exc).__name__}: {str(exc)[:120]}"
+            if impl is not None and getattr(impl.handle, "multicast_ptr", 0):
+                raise SystemExit("the symmetric buffer has an NVLink multicast address although "
+                                 "TORCH_SYMM_MEM_DISABLE_MULTICAST=1: stopping (multicast must stay off)")
+            impls[method] = agree(reason) or impl
     try:
         cells = []
         for hidden in s.hidden:
             for rows in s.rows:
                 x = torch.empty(s.ops, rows, hidden, dtype=DTYPE, device=device)
+                cases = dict(impls)
+                if not isinstance(impls["fused"], str):
+                    cases["fused"] = functools.partial(fused_sum, impls["fused"], torch.zeros_like(x[0]),
+                                                       torch.ones(hidden, dtype=DTYPE, device=device))
                 for method in METHODS:
                     for mode in MODES:
-                        seconds, why, verified = run_case(method, mode, x, symm, s, rank, reason or "")
+                        seconds, why, verified = run_case(method, mode, x, cases.get(method), s, rank)
                         name = f"{dist.get_backend() if method == 'nccl' else method} {mode}"
                         cells.append({"method": name, "rows": rows, "hidden": hidden, "seconds": seconds,
                                       "reason": why, "verified": verified})
@@ -394,12 +409,13 @@ def worker(rank: int, s: Settings, rendezvous: str, result_path: str) -> None:
 
 
 def format_report(report: dict, s: Settings) -> list[str]:
-    """One line per size, the methods side by side, then symm's time over NCCL's per mode."""
+    """One line per size, the methods side by side, then symm's and fused's times over NCCL's per mode."""
     base = report["backend"]
-    names = [f"{m} {mode}" for m in (base, "symm") for mode in MODES]
+    names = [f"{m} {mode}" for m in (base, *METHODS[1:]) for mode in MODES]
     reasons: dict[str, list[str]] = {}
     table = Table(Col("rows", 5, "d"), Col("hidden", 6, "d"), Col("KB", 7, ".1f", scale=1 / 1024),
-                  *(Col(n, 19) for n in names), Col(f"symm/{base} eager", 18, ".2f"), Col("graph", 6, ".2f"))
+                  *(Col(n, 19) for n in names),
+                  *(c for m in METHODS[1:] for c in (Col(f"{m}/{base} eager", 19, ".2f"), Col("graph", 6, ".2f"))))
     cells = {(r["method"], r["rows"], r["hidden"]): r for r in report["results"]}
     lines = []
     for rows, hidden in dict.fromkeys((r["rows"], r["hidden"]) for r in report["results"]):
@@ -409,19 +425,20 @@ def format_report(report: dict, s: Settings) -> list[str]:
                 reasons.setdefault(r["reason"], []).append(r["method"])
         shown = [f"{r['seconds'] * 1e6:9.1f} ({r['bus_bandwidth'] / 1e9:6.1f})" if r["seconds"] else
                  f"n/a [{list(reasons).index(r['reason']) + 1}]" for r in row]
-        ratio = [row[2 + i]["seconds"] / row[i]["seconds"] if row[2 + i]["seconds"] and row[i]["seconds"] else None
-                 for i in range(2)]
+        ratio = [row[2 * j + i]["seconds"] / row[i]["seconds"] if row[2 * j + i]["seconds"] and row[i]["seconds"]
+                 else None for j in range(1, len(METHODS)) for i in range(2)]
         lines.append(table.row(rows, hidden, rows * hidden * DTYPE.itemsize, *shown, *ratio))
     head = [f"all-reduce (sum) of bf16 [rows, hidden] over {report['world_size']} processes, {base}, "
             f"{report['device']}, {report['versions']}",
             "env: " + " ".join(f"{k}={v}" for k, v in report["env"].items()),
             f"cells: us per all-reduce, median of {s.repeats} runs of {s.ops} (slowest rank), (bus bandwidth GB/s); "
-            f"graph: one CUDA graph of {s.ops} all-reduces replayed; symm: the node's --all-reduce symm"]
+            f"graph: one CUDA graph of {s.ops} all-reduces replayed; symm, fused: the node's --all-reduce symm, fused "
+            "(fused: with the residual add and norm, its new residual checked)"]
     notes = [f"[{i}] n/a ({reason}): {', '.join(sorted(set(where)))}"
              for i, (reason, where) in enumerate(reasons.items(), 1)]
     return head + table.head() + lines + notes + [
-        f"symm/{base}: symmetric memory's time / {base}'s in the same mode (< 1: faster); every result checked against "
-        "the exact sum before and after timing"]
+        f"symm/{base}, fused/{base}: their time / {base}'s in the same mode (< 1: faster); every result checked "
+        "against the exact sum before and after timing"]
 
 
 def allreduce(args) -> dict:
@@ -465,9 +482,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--tuning-table", default="auto", help="as `inference-node serve --tuning-table`")
     t.add_argument("--mode", dest="modes", action="append", default=None,
                    help="launch choices other than the defaults, NAME=VALUE joined by /; repeatable, rows ROW@MODE")
-    t.add_argument("--all-reduce", default="nccl", help="nccl and/or symm: the node's --all-reduce at TP > 1")
+    t.add_argument("--all-reduce", default="nccl", help="nccl, symm and/or fused: the node's --all-reduce at TP > 1")
     t.add_argument("--child", default=None, help=argparse.SUPPRESS)  # TP,ALL_REDUCE,MODE of one child
-    a = sub.add_parser("allreduce", help="NCCL against the node's symmetric-memory all-reduce, per message size")
+    a = sub.add_parser("allreduce", help="NCCL against the node's symm and fused all-reduces, per message size")
     a.set_defaults(run=allreduce)
     a.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (NCCL) where a GPU is, else cpu (gloo)")

@@ -251,7 +251,8 @@ class LlamaModel:
         # so the logits rows are picked after it).
         last_layer = i + 1 == len(self.layers)
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
-        return self._add_norm(launch, *self.mlp(i, x, launch, lora), hidden, norm)
+        down, delta, bias = self.mlp(i, x, launch, lora)
+        return self._add_norm(launch, down, delta, hidden, norm, bias)
 
     def mlp(self, i: int, x: torch.Tensor, launch: LaunchChoices, lora: LoraApplier | None
             ) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor | None]:

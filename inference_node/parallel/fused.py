@@ -39,9 +39,13 @@ class FusedAllReduce:
         layout = PeerLayout(world, self.max_rows, self.max_bytes)
         buffer, self.handle, _ = open_symmetric_buffer(layout.nbytes, torch.uint8, self.device, self.group_name)
         # Where each rank's buffer starts in its allocation (PyTorch's pool may place it past the
-        # allocation's start): the same on every rank, as every rank allocates alike.
+        # allocation's start, which buffer_ptrs give): the same on every rank, checked.
         start = buffer.data_ptr() - self.handle.buffer_ptrs[rank]
-        assert 0 <= start and start + layout.nbytes <= self.handle.buffer_size, (start, layout.nbytes)
+        starts: list = [None] * world
+        dist.all_gather_object(starts, start)
+        if start < 0 or len(set(starts)) != 1:
+            raise RuntimeError(f"--all-reduce fused: the ranks' buffers lie at offsets {starts} in their "
+                               "symmetric allocations, not at one offset >= 0")
         addresses = [base + start for base in self.handle.buffer_ptrs]
         buffer[:layout.flags_bytes].zero_()  # epoch 0: no peer has arrived
         epochs = torch.zeros(layout.max_rows, dtype=torch.int32, device=self.device)

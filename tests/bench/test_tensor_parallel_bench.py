@@ -62,22 +62,24 @@ def test_allreduce_gloo_prints_the_table_with_verified_sums(tmp_path: Path, caps
     assert report["world_size"] == 2 and report["backend"] == "gloo"
     assert json.loads(out_json.read_text()) == report
     header = next(line for line in out.splitlines() if line.lstrip().startswith("rows"))
-    for name in ("gloo eager", "gloo graph", "symm eager", "symm graph", "symm/gloo eager"):
+    for name in ("gloo eager", "gloo graph", "symm eager", "symm graph", "symm/gloo eager", "fused eager",
+                 "fused graph", "fused/gloo eager"):
         assert name in header, out
     cells = {(r["method"], r["rows"], r["hidden"]): r for r in report["results"]}
-    assert len(cells) == 4 * 2  # every method and mode at both sizes: none dropped
+    assert len(cells) == 6 * 2  # every method and mode at both sizes: none dropped
     for rows in (1, 8):
         line = next(line for line in out.splitlines() if line.split()[:2] == [str(rows), "256"])
         eager = cells[("gloo eager", rows, 256)]
         assert eager["seconds"] > 0 and eager["reason"] is None, eager
         assert eager["verified"] == 2 * 6  # every output, before and after timing, on the slowest rank
         assert eager["bus_bandwidth"] == pytest.approx(2 * (2 - 1) / 2 * rows * 256 * 2 / eager["seconds"])
-        assert f"{eager['seconds'] * 1e6:.1f}" in line and line.count("n/a [") == 3, line
-        for method in ("gloo graph", "symm eager", "symm graph"):
+        assert f"{eager['seconds'] * 1e6:.1f}" in line and line.count("n/a [") == 5, line
+        for method in ("gloo graph", "symm eager", "symm graph", "fused eager", "fused graph"):
             cell = cells[(method, rows, 256)]
             assert cell["seconds"] is None and cell["verified"] == 0 and cell["reason"], cell
     assert "n/a (RuntimeError: CUDA graphs need CUDA): gloo graph" in out, out
-    assert "n/a (RuntimeError: symmetric memory needs CUDA): symm eager, symm graph" in out, out
+    assert ("n/a (RuntimeError: symmetric memory needs CUDA): fused eager, fused graph, symm eager, symm graph"
+            in out), out
     assert report["env"] == tp.MULTICAST_OFF  # what the workers ran with
 
 
@@ -141,7 +143,8 @@ def test_more_ranks_than_the_exact_check_holds_are_refused() -> None:
 
 def test_report_of_a_gpu_run_has_the_ratios() -> None:
     """The GPU-only columns, from a report shaped as the workers write it on CUDA."""
-    times = {"nccl eager": 20e-6, "nccl graph": 10e-6, "symm eager": 8e-6, "symm graph": None}
+    times = {"nccl eager": 20e-6, "nccl graph": 10e-6, "symm eager": 8e-6, "symm graph": None,
+             "fused eager": 6e-6, "fused graph": 4e-6}
     results = [{"method": m, "rows": 64, "hidden": 4096, "seconds": t, "reason": None if t else "RuntimeError: x",
                 "verified": 40 if t else 0, "bytes": 524288, "bus_bandwidth": 524288 / t if t else None}
                for m, t in times.items()]
@@ -150,7 +153,7 @@ def test_report_of_a_gpu_run_has_the_ratios() -> None:
     lines = tp.format_report(report, tp.Settings("cuda", 2, (64,), (4096,)))
     row = next(line for line in lines if line.split()[:2] == ["64", "4096"])
     assert "20.0 (  26.2)" in row and "8.0 (  65.5)" in row  # 2 * 1/2 * 524288 B / 20 us
-    assert row.split()[-2:] == ["0.40", "-"], row
+    assert row.split()[-4:] == ["0.40", "-", "0.30", "0.40"], row
     assert any(line.startswith("[1] n/a (RuntimeError: x): symm graph") for line in lines), lines
 
 
