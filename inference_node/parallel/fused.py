@@ -10,6 +10,7 @@ kernel, as with --all-reduce nccl.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,12 @@ class FusedAllReduce:
     max_rows: int = MAX_ROWS
     peers: PeerBuffers = field(init=False)
     handle: object = field(init=False)  # the rendezvous' handle (a benchmark checks it has no multicast address)
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        from kernels.allreduce.triton_kernel import all_reduce_add_rms_norm_triton  # CUDA only: Triton
+
+        self.kernel = all_reduce_add_rms_norm_triton
         rank, world = dist.get_rank(), dist.get_world_size()
         layout = PeerLayout(world, self.max_rows, self.max_bytes)
         buffer, self.handle, _ = open_symmetric_buffer(layout.nbytes, torch.uint8, self.device, self.group_name)
@@ -62,7 +67,5 @@ class FusedAllReduce:
                  out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + the sum of every rank's x (+ bias), that normalised): see
         kernels/allreduce/reference.py."""
-        from kernels.allreduce.triton_kernel import all_reduce_add_rms_norm_triton
-
-        return all_reduce_add_rms_norm_triton(x, residual, weight, eps, self.peers, bias=bias,
-                                              unit_offset=unit_offset, out_norm=out_norm)
+        return self.kernel(x, residual, weight, eps, self.peers, bias=bias, unit_offset=unit_offset,
+                           out_norm=out_norm)
