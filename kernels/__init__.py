@@ -5,6 +5,8 @@
     attention/   paged attention over the KV cache
     rope/        RoPE with the KV-cache write (and the q/k/v LoRA delta)
     norm/        the residual add + RMSNorm (and the o/down LoRA delta)
+    allreduce/   a decode-sized tensor-parallel sum with the add + norm after it (CUDA only:
+                 no dispatch, its peers are other GPUs)
     activation/  SiLU(gate) * up (and the gate/up LoRA delta)
     embedding/   the token embedding lookup
     sampling/    greedy argmax
