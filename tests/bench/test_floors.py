@@ -173,6 +173,7 @@ class CountingParallel:
     def __init__(self, size: int) -> None:
         self.shard = Shard(0, size)
         self.rank, self.size = 0, size
+        self.fused = None  # the real group's sum-then-add + norm (all_reduce_add_norm) runs its all_reduce
         self.all_reduces: list[tuple[int, ...]] = []
         self.gathers: list[tuple[int, ...]] = []
         self.broadcasts: list[tuple[int, ...]] = []
@@ -180,6 +181,8 @@ class CountingParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.all_reduces.append(tuple(x.shape))
         return x
+
+    all_reduce_add_norm = TensorParallel.all_reduce_add_norm
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         self.gathers.append(tuple(x.shape))
