@@ -69,6 +69,7 @@ class Row:
     fp8_bytes: int   # what one FP8 launch must move: weights, scales, x and y
     bf16_bytes: int
     tiling: Fp8Tiling = DECODE_TILING
+    w8a8_us: float | None = None  # x quantized per row + torch._scaled_mm (per-channel, Hopper)
     note: str = ""   # the sweep's tilings left out
     swept: tuple[tuple[Fp8Tiling, float | None], ...] = ()  # each tiling's us (None: left out)
 
@@ -173,11 +174,17 @@ def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | 
                 swept.append((tiling, us))
                 if us < fp8_us:
                     best, fp8_us = tiling, us
+            w8a8_us = None
+            if block is None and device.type == "cuda":
+                from kernels.gemm.fp8 import w8a8_matmul, w8a8_runs
+
+                if w8a8_runs(x, fp8[0]):  # the approximation's price, beside the exact kernels
+                    w8a8_us = timer([lambda w=w, s=s: w8a8_matmul(x, w, s) for w, s in zip(fp8, scales)])
             for line in failed:
                 print(f"{group} rows {rows}: left out {line}")
             note = f"{len(failed)} tiling(s) left out (unfit, failed or wrong)" if failed else ""
             out.append(Row(group, rows, n, k, bf16_us, fp8_us, n * k + scale_bytes + act_bytes,
-                           2 * n * k + act_bytes, best, note, tuple(swept)))
+                           2 * n * k + act_bytes, best, w8a8_us, note, tuple(swept)))
     return out
 
 
@@ -189,14 +196,15 @@ def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
     tuned = any(r.tiling != DECODE_TILING for r in rows)
     out(f"\n{'projection':10} {'rows':>4} {'N':>6} {'K':>6} {'bf16 us':>8} {'fp8 us':>8} "
         f"{'bf16/fp8':>8} {'fp8 GB/s':>8} {'of copy':>7} {'bf16 GB/s':>9} {'of copy':>7}"
-        + ("  fastest fp8 tiling" if tuned else "") + f"   [{unit}]")
+        + f" {'w8a8 us':>8}" + ("  fastest fp8 tiling" if tuned else "") + f"   [{unit}]")
     for r in sorted(rows, key=lambda r: (r.rows, GROUPS.index(r.group))):
         fp8_rate, bf16_rate = r.fp8_bytes / r.fp8_us * 1e-3, r.bf16_bytes / r.bf16_us * 1e-3
         share = ((lambda rate: f"{rate * 1e9 / bandwidth:7.0%}") if bandwidth else (lambda rate: f"{'-':>7}"))
         tiling = f"  {describe(r.tiling)}" if tuned else ""
         out(f"{r.group:10} {r.rows:4d} {r.n:6d} {r.k:6d} {r.bf16_us:8.2f} {r.fp8_us:8.2f} "
             f"{r.bf16_us / r.fp8_us:8.2f} {fp8_rate:8.0f} {share(fp8_rate)} {bf16_rate:9.0f} "
-            f"{share(bf16_rate)}{tiling}" + (f"  {r.note}" if r.note else ""))
+            f"{share(bf16_rate)} {'-' if r.w8a8_us is None else f'{r.w8a8_us:.2f}':>8}{tiling}"
+            + (f"  {r.note}" if r.note else ""))
     if bandwidth:
         out(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
     swept = [r for r in rows if len(r.swept) > 1]
