@@ -146,6 +146,13 @@ class Tuning:
         """This tuning with some choices changed (a benchmark's sweep)."""
         return dataclasses.replace(self, **changes)
 
+    def without_folds(self) -> "Tuning":
+        """The LoRA plan where the decode GEMM computes no projection (FP8 weights: fp8_matmul
+        has no fold): every shrink and expand runs beside the matmul. A fold asked of a matmul
+        that has none falls back to the fold's reference, a gather of each row's adapter."""
+        return self.replace(fold_groups=frozenset(), shrink_fold_groups=frozenset(),
+                            fold_shrink_spread=frozenset())
+
     # -- what a launch on tensor t's device does --
     def pdl_on(self, t: torch.Tensor) -> bool:
         """Programmatic dependent launch for kernels on t's device: on, and Hopper."""

@@ -126,3 +126,21 @@ def test_fp8_checkpoint_is_held_as_its_own_fp8_bytes_and_scales(tiny_llama_path:
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"float8_e4m3fn, not plain weights.*quantization_config"):
         LlamaModel.load(fp8, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_fp8_projections_fold_no_lora_into_their_matmul(quantization: str, tiny_llama_path: Path) -> None:
+    """fp8_matmul has no LoRA fold: over FP8 projections the step plan shrinks and expands
+    beside every matmul (a fold would fall back to its reference's per-row gather, the
+    c-32 row's step tripled on the GPU); bf16 projections keep the table's folds."""
+    from inference_node.node import Shard, checked_config, load_rank
+
+    config, _ = checked_config(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", quantization=quantization,
+                                             num_kv_blocks=8, max_loras=2, max_lora_rank=16))
+    parts = load_rank(config, Shard(0, 1), None)
+    tunings = [parts.launches.tunings.base, *(t for _, _, t in parts.launches.tunings.entries)]
+    folds = [t.fold_groups | t.shrink_fold_groups for t in tunings]
+    if quantization == "fp8":
+        assert parts.model.fp8_projections and not any(folds)
+    else:
+        assert all(folds)
