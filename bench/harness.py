@@ -24,9 +24,10 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from bench.shapes import FAMILY_SHAPES, LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
+from bench.shapes import FAMILY_SHAPES, LLAMA_3_1_70B, MOE_SHAPES, LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ALL_MODULES[:4]
 QV = ("q_proj", "v_proj")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -46,8 +47,8 @@ RANDOM_MODELS: dict[str, RandomModel] = {
     "tiny": RandomModel(TINY_LLAMA, False, "tiny Llama-shaped, random weights"),
     # The served families' real widths (bench/shapes.py: vocabulary 49,152), weights made at load.
     **{f"{name}-random": RandomModel(config, True, f"{config['architectures'][0]} {name.split('-', 1)[1]}-shaped "
-                                                   f"(vocab 49,152), random weights")
-       for name, config in FAMILY_SHAPES.items()},
+                                                   f"(vocab {config['vocab_size']:,}), random weights")
+       for name, config in {**FAMILY_SHAPES, **MOE_SHAPES}.items()},
 }
 MODEL_HELP = ("a named shape with random weights (" + ", ".join(RANDOM_MODELS) + "), 'embedded' (SmolLM2-135M) "
               "or an HF safetensors checkpoint folder")

@@ -81,5 +81,13 @@ QWEN3_30B_A3B = {  # 128 experts of 768, 8 routed per token, q/k norms, every la
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False,
     "hidden_act": "silu", "vocab_size": 151936,
 }
+MIXTRAL_8X7B = {  # 8 experts of 14,336, 2 routed per token, every layer routed, no window
+    **_FAMILY_COMMON, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None, "hidden_act": "silu",
+}
 FAMILY_SHAPES = {"qwen2.5-7b": QWEN2_5_7B, "qwen3-8b": QWEN3_8B, "mistral-7b": MISTRAL_7B,
                  "gemma2-9b": GEMMA_2_9B, "phi3-mini": PHI_3_MINI}
+# Mixture-of-experts shapes (their adapters' MLP LoRA is on the experts: see bench/serving.py).
+MOE_SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}

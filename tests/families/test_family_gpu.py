@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.shapes import FAMILY_SHAPES
+from bench.shapes import FAMILY_SHAPES, MOE_SHAPES
 from family_checkpoints import family_spec, make_family_adapter, make_family_widths
 from harness import InProcessNode, generate_all
 from inference_node.model.config import ModelConfig
@@ -37,8 +37,11 @@ NEAR_TIE = 0.03
 EXACT_SHARE = 0.75    # the share of tokens that must be transformers' exact choice
 
 
+SHAPES = {**FAMILY_SHAPES, **MOE_SHAPES}
+
+
 def family_of(shape_name: str) -> str:
-    return ModelConfig.from_dict(FAMILY_SHAPES[shape_name]).family
+    return ModelConfig.from_dict(SHAPES[shape_name]).family
 
 
 def teacher_forced_logits(model, prompt: list[int], answer: list[int], device: str) -> torch.Tensor:
@@ -111,11 +114,13 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("shape", list(FAMILY_SHAPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_family_at_real_widths_matches_peft_in_bfloat16(shape: str, tmp_path: Path, tokenizer_dir: Path) -> None:
+    """Mixture-of-experts shapes too: their "r16-layers" adapter's MLP LoRA is on every expert
+    (PEFT's target_parameters), run by the node's expert path beside the grouped GEMMs."""
     family = family_of(shape)
     overrides = {"num_hidden_layers": 2}
-    if FAMILY_SHAPES[shape].get("sliding_window") and family != "qwen2":
+    if SHAPES[shape].get("sliding_window") and family != "qwen2":
         overrides["sliding_window"] = WINDOW
     if family.startswith("gemma"):
         # Random weights with Gemma's embedding tied to the LM head and scaled by sqrt(hidden):
@@ -123,7 +128,7 @@ def test_family_at_real_widths_matches_peft_in_bfloat16(shape: str, tmp_path: Pa
         # adapters' and transformers' too, repeats the prompt's last token. An untied head (the
         # node serves both) keeps answers that an adapter can change.
         overrides["tie_word_embeddings"] = False
-    base = make_family_widths(family, FAMILY_SHAPES[shape], tmp_path / "model", tokenizer_dir, **overrides)
+    base = make_family_widths(family, SHAPES[shape], tmp_path / "model", tokenizer_dir, **overrides)
     config = ModelConfig.from_checkpoint(base)
     assert config.family == family and config.num_layers == 2
     run_family(base, family, tmp_path / "adapters", "cuda", "bfloat16")
