@@ -48,7 +48,6 @@ SWEEP_TILINGS = (
     (128, 128, None, 4, 4, True, True, False),
     (128, 128, None, 8, 4, True, True, False),
     (128, 128, 2, 8, 4, True, True, False),
-    (128, 128, 1, 8, 6, True, True, False),
     (64, 256, None, 4, 4, True, True, False),
     (128, 256, None, 8, 3, True, True, False),
     (256, 128, None, 8, 4, True, True, False),
@@ -56,7 +55,6 @@ SWEEP_TILINGS = (
     (128, 128, None, 4, 4, True, True, True),
     (128, 128, None, 8, 4, True, True, True),
     (128, 256, None, 8, 3, True, True, True),
-    (256, 128, None, 8, 4, True, True, True),
 )
 
 # Microseconds per call of each of `calls` (one per weight copy), run back to back.

@@ -85,16 +85,13 @@ def _widen(w, dtype: tl.constexpr, WIDEN_PRMT: tl.constexpr):
 
 @triton.jit
 def _tile_product(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr,
-                  WIDEN_PRMT: tl.constexpr, WIDEN_F16: tl.constexpr = False):
+                  WIDEN_PRMT: tl.constexpr):
     """acc + x @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc + w @ x.T ([BLOCK_N, BLOCK_M]),
     for x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] e4m3, w widened to x's type (exact),
     or both to float32 with DOT_F32 (kernels/host.py: dot_f32)."""
     if DOT_F32:
         a = w.to(tl.float32)
         b = x.to(tl.float32)
-    elif WIDEN_F16:
-        a = w.to(tl.float16)
-        b = x.to(tl.float16)
     else:
         a = _widen(w, x.dtype, WIDEN_PRMT)
         b = x
@@ -103,6 +100,16 @@ def _tile_product(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr,
     else:
         acc = tl.dot(b, tl.trans(a), acc, input_precision="ieee" if DOT_F32 else None)
     return acc
+
+
+@triton.jit
+def _mma_rows(x, WIDEN_F16: tl.constexpr):
+    """x as the MMA takes it: in fp16 with WIDEN_F16 (the weight then widens to fp16 too)."""
+    if WIDEN_F16:
+        out = x.to(tl.float16)
+    else:
+        out = x
+    return out
 
 
 @triton.jit
@@ -160,12 +167,13 @@ def _fp8_gemm_kernel(
             in_k = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+        x = _mma_rows(x, WIDEN_F16)
         if BLOCK_SCALES:  # this K tile's scales, applied to its products only
-            part = _tile_product(x, w, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT, WIDEN_F16)
+            part = _tile_product(x, w, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT)
             scale = tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=mask_n, other=0.0)
             acc += part * _along_n(scale.to(tl.float32), SWAP_AB)
         else:
-            acc = _tile_product(x, w, acc, SWAP_AB, DOT_F32, WIDEN_PRMT, WIDEN_F16)
+            acc = _tile_product(x, w, acc, SWAP_AB, DOT_F32, WIDEN_PRMT)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not BLOCK_SCALES:
