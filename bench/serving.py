@@ -574,6 +574,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
     configs = {False: node_config(model, device, dtype, max_loras=0, **options),
                True: node_config(model, device, dtype, max_loras=max(len(names), 1), max_lora_rank=16,
+                                 # (a mixture of experts' node then reserves no expert arenas)
+                                 **({"lora_modules": targets} if cfg.num_experts else {}),
                                  max_cpu_loras=max(len(names), 1) if cuda else 1, adapter_dir=str(adapter_root),
                                  **options)}
 

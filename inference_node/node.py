@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.tuning import Tuning
 from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, load_table
 
 from .adapters.direct_reads import DirectReadSettings
@@ -233,8 +232,9 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
         tunings = tunings.map(tensor_parallel_tuning)
     model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
                             load_format=model_options.load_format, tp=tp, quantization=model_options.quantization)
-    if model.fp8_projections:
-        tunings = tunings.map(Tuning.without_folds)
+    unfoldable = model.unfoldable_groups()
+    if unfoldable:
+        tunings = tunings.map(lambda tuning: tuning.without_folds(unfoldable))
     launches = StepLaunches(device, tunings, model.gemm_groups)
     max_num_seqs = config.scheduler.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = config.runner.mixed_graphs_on(device.type)

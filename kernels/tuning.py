@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -146,12 +146,14 @@ class Tuning:
         """This tuning with some choices changed (a benchmark's sweep)."""
         return dataclasses.replace(self, **changes)
 
-    def without_folds(self) -> "Tuning":
-        """The LoRA plan where the decode GEMM computes no projection (FP8 weights: fp8_matmul
-        has no fold): every shrink and expand runs beside the matmul. A fold asked of a matmul
-        that has none falls back to the fold's reference, a gather of each row's adapter."""
-        return self.replace(fold_groups=frozenset(), shrink_fold_groups=frozenset(),
-                            fold_shrink_spread=frozenset())
+    def without_folds(self, groups: Collection[str]) -> "Tuning":
+        """The LoRA plan where the matmuls of `groups` cannot fold their LoRA in (FP8 weights:
+        fp8_matmul has no fold; a bias: the fold kernel adds none): their shrinks and expands
+        run beside the matmul. A fold asked of a matmul that has none falls back to the fold's
+        reference, a gather of each row's adapter."""
+        return self.replace(fold_groups=self.fold_groups - set(groups),
+                            shrink_fold_groups=self.shrink_fold_groups - set(groups),
+                            fold_shrink_spread=self.fold_shrink_spread - set(groups))
 
     # -- what a launch on tensor t's device does --
     def pdl_on(self, t: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ from kernels.embedding import embed_tokens
 from kernels.gemm import Fp8Weight, RopeOut, cublas, fp8_linear
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
-from kernels.tuning import DEFAULT_TUNING
+from kernels.tuning import DEFAULT_TUNING, GROUPS
 
 from ..parallel.group import TensorParallel
 from .config import ModelConfig
@@ -139,6 +139,17 @@ class LlamaModel:
     def fp8_projections(self) -> bool:
         """Whether the decoder's projections are held as FP8 (model/quant.py)."""
         return isinstance(self.layers[0].qkv, Fp8Weight)
+
+    def unfoldable_groups(self) -> frozenset[str]:
+        """The fused groups whose matmul cannot add its LoRA itself (kernels/gemm/fold.py):
+        all of them over FP8 projections (fp8_matmul has no fold), and those with a bias
+        (the fold kernel adds none)."""
+        if self.fp8_projections:
+            return frozenset(GROUPS)
+        layer = self.layers[0]
+        biases = {"qkv": layer.qkv_bias, "o": layer.o_bias, "gate_up": layer.gate_up_bias,
+                  "down": layer.down_bias}
+        return frozenset(group for group, bias in biases.items() if bias is not None)
 
     def weight_bytes(self) -> int:
         """Bytes of weights this process holds (an FP8 projection's fp8 bytes and scales; a

@@ -35,6 +35,11 @@ MAX_NEW = 16
 # share of the largest logit's magnitude (at least 1) below it: a few bfloat16 steps.
 NEAR_TIE = 0.03
 EXACT_SHARE = 0.75    # the share of tokens that must be transformers' exact choice
+# A mixture of experts' routing is discrete: where a position's k-th and (k+1)-th router
+# logits are this close in some layer (a few bfloat16 steps at their scale), the two
+# implementations' roundings may pick different experts there, and that token's logits then
+# differ by more than NEAR_TIE. Such a token is excused, reported, and counted as not exact.
+ROUTER_TIE = 0.02
 
 
 SHAPES = {**FAMILY_SHAPES, **MOE_SHAPES}
@@ -44,17 +49,28 @@ def family_of(shape_name: str) -> str:
     return ModelConfig.from_dict(SHAPES[shape_name]).family
 
 
-def teacher_forced_logits(model, prompt: list[int], answer: list[int], device: str) -> torch.Tensor:
+def teacher_forced_logits(model, prompt: list[int], answer: list[int], device: str,
+                          top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[len(answer), vocab] float32: the model's logits at each position that predicts a token
-    of the answer, given the prompt and the answer's tokens before it."""
+    of the answer, given the prompt and the answer's tokens before it; with top_k (a mixture
+    of experts), also [len(answer)]: each such position's smallest margin over the layers
+    between its k-th and (k+1)-th router logits."""
     ids = torch.tensor([prompt + answer], device=device)
+    at = slice(len(prompt) - 1, len(prompt) - 1 + len(answer))
     with torch.no_grad():
-        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0]
-    return logits[len(prompt) - 1:len(prompt) - 1 + len(answer)].float()
+        out = model(ids, attention_mask=torch.ones_like(ids), **({"output_router_logits": True} if top_k else {}))
+    margins = None
+    if top_k and out.router_logits is not None:
+        ranked = [layer.float().reshape(-1, layer.shape[-1]).sort(dim=-1, descending=True).values
+                  for layer in out.router_logits]
+        margins = torch.stack([r[:, top_k - 1] - r[:, top_k] for r in ranked]).min(dim=0).values[at]
+    return out.logits[0][at].float(), margins
 
 
-def check_answers(base: Path, adapter_root: Path, jobs, answers, device: str, dtype: torch.dtype) -> None:
-    """Each answer against transformers + PEFT (its adapter alone) teacher-forced over it."""
+def check_answers(base: Path, adapter_root: Path, jobs, answers, device: str, dtype: torch.dtype,
+                  top_k: int = 0) -> None:
+    """Each answer against transformers + PEFT (its adapter alone) teacher-forced over it;
+    top_k: a mixture of experts' picks per token (ROUTER_TIE)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -67,14 +83,21 @@ def check_answers(base: Path, adapter_root: Path, jobs, answers, device: str, dt
             if adapter != name:
                 continue
             assert len(answer) == max_new
-            logits = teacher_forced_logits(model, list(prompt), answer, device)
+            logits, margins = teacher_forced_logits(model, list(prompt), answer, device, top_k)
             best = logits.max(dim=-1)
             chosen = logits.gather(1, torch.tensor(answer, device=device)[:, None])[:, 0]
             gap = best.values - chosen
             allowed = NEAR_TIE * best.values.abs().clamp(min=1.0)
             far = (gap > allowed).nonzero().flatten().tolist()
+            if margins is not None:
+                tied = [i for i in far if margins[i] < ROUTER_TIE]
+                for i in tied:
+                    print(f"adapter {name or 'base'}, prompt of {len(prompt)}: token {i} excused, a routing "
+                          f"near-tie (margin {margins[i]:.4f}, gap {gap[i]:.3f})")
+                far = [i for i in far if i not in tied]
             assert not far, (f"adapter {name or 'base'}, prompt of {len(prompt)}: tokens {far} are not "
-                             f"transformers' choice (gaps {gap[far].tolist()}, allowed {allowed[far].tolist()})")
+                             f"transformers' choice (gaps {gap[far].tolist()}, allowed {allowed[far].tolist()}"
+                             + (f", router margins {margins[far].tolist()})" if margins is not None else ")"))
             exact += int((best.indices == torch.tensor(answer, device=device)).sum())
             total += len(answer)
         del model
@@ -92,10 +115,13 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
         make_family_adapter(base, root / name, rank, alpha, targets, seed=seed)
     rng = random.Random(7)
     prompts = [tuple(rng.randrange(100, 40000) for _ in range(n)) for n in PROMPT_LENGTHS]
-    # The embedding's and LM head's LoRA runs in eager steps: its answers end first, so the
-    # others' last steps replay the decode graphs (every job is admitted at once for that:
-    # max_num_seqs holds them all, or the last edge job would start late and run to the end).
-    jobs = [(name, list(p), MAX_NEW // 2 if name == "r8-edges" else MAX_NEW)
+    # The embedding's and LM head's LoRA runs in eager steps, as does expert LoRA: their
+    # answers end first, so the others' last steps replay the decode graphs (every job is
+    # admitted at once for that: max_num_seqs holds them all, or the last such job would
+    # start late and run to the end).
+    moe = ModelConfig.from_checkpoint(base).num_experts > 0
+    eager = {"r8-edges", "r16-layers"} if moe else {"r8-edges"}
+    jobs = [(name, list(p), MAX_NEW // 2 if name in eager else MAX_NEW)
             for name in ("", *adapters) for p in prompts]
     node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype=dtype_name, num_kv_blocks=256,
                                       block_size=16, max_model_len=512, max_num_seqs=16, max_graph_batch=16,
@@ -110,7 +136,8 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
     by_job = {(name, tuple(p)): a for (name, p, _), a in zip(jobs, answers)}
     for name in adapters:  # each adapter changes the answers: the test would be weak otherwise
         assert any(by_job[(name, p)] != by_job[("", p)] for p in prompts), name
-    check_answers(base, root, jobs, answers, device, torch.bfloat16 if dtype_name == "bfloat16" else torch.float32)
+    check_answers(base, root, jobs, answers, device, torch.bfloat16 if dtype_name == "bfloat16" else torch.float32,
+                  ModelConfig.from_checkpoint(base).num_experts_per_tok if moe else 0)
 
 
 @pytest.mark.timeout(900)

@@ -128,19 +128,25 @@ def test_fp8_checkpoint_is_held_as_its_own_fp8_bytes_and_scales(tiny_llama_path:
         LlamaModel.load(fp8, torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8"])
-def test_fp8_projections_fold_no_lora_into_their_matmul(quantization: str, tiny_llama_path: Path) -> None:
-    """fp8_matmul has no LoRA fold: over FP8 projections the step plan shrinks and expands
-    beside every matmul (a fold would fall back to its reference's per-row gather, the
-    c-32 row's step tripled on the GPU); bf16 projections keep the table's folds."""
+@pytest.mark.parametrize("family, quantization", [("llama", "none"), ("llama", "fp8"), ("qwen2", "none")])
+def test_matmuls_without_a_fold_get_no_lora_fold(family: str, quantization: str,
+                                                 request: pytest.FixtureRequest) -> None:
+    """fp8_matmul has no LoRA fold, and the fold kernel adds no bias: over FP8 projections,
+    and for Qwen2's biased q/k/v, the step plan shrinks and expands beside the matmul (a
+    fold there would fall back to its reference's per-row gather, the c-32 row's step tripled
+    on the GPU); the others keep the table's folds."""
     from inference_node.node import Shard, checked_config, load_rank
 
-    config, _ = checked_config(NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", quantization=quantization,
+    path = request.getfixturevalue(f"tiny_{family}_path")
+    config, _ = checked_config(NodeConfig.of(checkpoint=str(path), device="cpu", quantization=quantization,
                                              num_kv_blocks=8, max_loras=2, max_lora_rank=16))
     parts = load_rank(config, Shard(0, 1), None)
     tunings = [parts.launches.tunings.base, *(t for _, _, t in parts.launches.tunings.entries)]
     folds = [t.fold_groups | t.shrink_fold_groups for t in tunings]
     if quantization == "fp8":
         assert parts.model.fp8_projections and not any(folds)
+    elif family == "qwen2":
+        assert parts.model.layers[0].qkv_bias is not None
+        assert all(fold and "qkv" not in fold for fold in folds)
     else:
-        assert all(folds)
+        assert all("qkv" in fold for fold in folds)
