@@ -184,14 +184,20 @@ class OverlappedLoraApplier:
             overlap.side_expand_group_segments)
         self._partials: torch.Tensor | None = None
         self._expanded: torch.Tensor | None = None
-        if not self.groups - self.folded - self.shrink_folded:
-            return  # every group's matmul adds its own LoRA: no side work this step
-        with self._side():
-            # Rows without an adapter are in no segment: no shrink of this step writes them,
-            # so zeroed here they stay zero for every group's sums (kernels/lora/delta.py).
-            overlap.workspace.zero_()
-            for group in self.side_expand:  # the same for the expanded deltas' rows
-                overlap.deltas[group][:tokens].zero_()
+        # Zeroed with the step's first shrink on the side stream, whose end() joins it: a step
+        # that shrinks nothing there (every group folded, or a mixture of experts' routed
+        # layers, which have no dense gate/up or down) leaves no side work unjoined, which a
+        # decode graph's capture refuses.
+        self._zeroed = False
+
+    def _zero_rows(self) -> None:
+        """Rows without an adapter are in no segment: no shrink of this step writes them, so
+        zeroed here they stay zero for every group's sums (kernels/lora/delta.py); the same
+        for the expanded deltas' rows. On the side stream, before the first shrink."""
+        self.overlap.workspace.zero_()
+        for group in self.side_expand:
+            self.overlap.deltas[group][:self.meta.num_tokens].zero_()
+        self._zeroed = True
 
     def _side(self):
         """The side stream, after all work queued so far on the current one."""
@@ -235,6 +241,8 @@ class OverlappedLoraApplier:
         slots = buffers.slot_rows(group)
         self._expanded = None
         with self._side():
+            if not self._zeroed:
+                self._zero_rows()
             self._partials = lora_shrink_partials(
                 x, buf.a, self.meta, buffers.scaling, slots,
                 workspace=self.overlap.workspace, rank_col=rank_col)
