@@ -35,16 +35,13 @@ LLAMA_3_1_8B = ModelShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8,
 # (fewer rereads of x from L2) and K tiles, 8 warps, and the integer e4m3 -> bf16 widening,
 # alone and with the rest, so each one's effect shows against the others.
 SWEEP_TILINGS = (
-    # (block_n, block_k, split_k, num_warps, num_stages, swap_ab, tma, widen_prmt[, widen_f16])
+    # (block_n, block_k, split_k, num_warps, num_stages, swap_ab, tma, widen_prmt)
     (64, 128, None, 4, 4, False, False, False),    # x @ W.T, pointer loads
     (64, 128, None, 4, 4, False, False, True),     # only the widening changed
     (128, 128, None, 4, 4, True, False, False),    # swap-AB, pointer loads
     (128, 128, None, 8, 4, True, False, True),
     (32, 128, None, 4, 4, True, True, False),      # swap-AB, TMA: half the columns a program
     (64, 128, 1, 4, 4, True, True, False),         # no K split: no partials, one launch
-    (64, 128, None, 4, 3, True, True, False, True),  # fp16 MMA (not exact: an experiment)
-    (64, 128, None, 4, 4, True, True, False, True),
-    (128, 128, None, 8, 4, True, True, False, True),
     (128, 128, None, 4, 4, True, True, False),
     (128, 128, None, 8, 4, True, True, False),
     (128, 128, 2, 8, 4, True, True, False),
@@ -129,7 +126,7 @@ def fp8_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def sweep_tilings() -> list[Fp8Tiling]:
-    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt", "widen_f16")
+    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt")
     grid = [replace(DECODE_TILING, **dict(zip(keys, values))) for values in SWEEP_TILINGS]
     return [t for t in grid if t != DECODE_TILING]  # the default is timed anyway
 
@@ -137,7 +134,7 @@ def sweep_tilings() -> list[Fp8Tiling]:
 def describe(tiling: Fp8Tiling) -> str:
     """A tiling in a table's width: (block_n, block_k, split) warps/stages and its options."""
     flags = "".join(name for name, on in ((" swap", tiling.swap_ab), (" tma", tiling.tma),
-                                          (" prmt", tiling.widen_prmt), (" f16", tiling.widen_f16)) if on)
+                                          (" prmt", tiling.widen_prmt)) if on)
     return (f"({tiling.block_n}, {tiling.block_k}, {tiling.split_k or 'auto'}) "
             f"w{tiling.num_warps} s{tiling.num_stages}{flags}")
 

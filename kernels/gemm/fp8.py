@@ -54,7 +54,6 @@ class Fp8Tiling:
     swap_ab: bool = False
     tma: bool = False
     widen_prmt: bool = False
-    widen_f16: bool = False
 
 
 # Decode: 64-column tiles, K split to fill the SMs, each tile computed as W @ x.T from TMA

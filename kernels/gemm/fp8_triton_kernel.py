@@ -103,16 +103,6 @@ def _tile_product(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr,
 
 
 @triton.jit
-def _mma_rows(x, WIDEN_F16: tl.constexpr):
-    """x as the MMA takes it: in fp16 with WIDEN_F16 (the weight then widens to fp16 too)."""
-    if WIDEN_F16:
-        out = x.to(tl.float16)
-    else:
-        out = x
-    return out
-
-
-@triton.jit
 def _along_n(v, SWAP_AB: tl.constexpr):
     """A per-column vector [BLOCK_N] shaped to broadcast over the accumulator."""
     if SWAP_AB:
@@ -130,7 +120,6 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
-    WIDEN_F16: tl.constexpr = False,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed by _split_k_sum; else out is y and gets x's dtype.
@@ -167,7 +156,6 @@ def _fp8_gemm_kernel(
             in_k = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
-        x = _mma_rows(x, WIDEN_F16)
         if BLOCK_SCALES:  # this K tile's scales, applied to its products only
             part = _tile_product(x, w, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT)
             scale = tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=mask_n, other=0.0)
@@ -239,7 +227,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int] | None, *, block_m: int | None = None,
                     block_n: int = 64, block_k: int = 128, split_k: int | None = None,
                     num_warps: int = 4, num_stages: int = 4, swap_ab: bool = False,
-                    tma: bool = False, widen_prmt: bool = False, widen_f16: bool = False) -> torch.Tensor:
+                    tma: bool = False, widen_prmt: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. scale: float32 [N] (block None), else
     [ceil(N/block[0]), ceil(K/block[1])] with block_k dividing block[1]. block_m: rows a
@@ -248,9 +236,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     every SM a program, auto_split_k). swap_ab: each tile computed as W @ x.T (the widened
     weight the MMA's register operand); tma: tiles fetched by the tensor memory accelerator
     where the device has one (Hopper) and tma_fits, else by pointer loads; widen_prmt: e4m3 ->
-    bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere);
-    widen_f16 (an experiment of the sweep, not exact: x rounded to fp16 overflows past 65,504
-    and loses bits below 2^-14): the MMA in fp16, e4m3 -> f16 by one packed conversion."""
+    bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere)."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K or weight.dtype != torch.float8_e4m3fn:
@@ -284,7 +270,6 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
-        WIDEN_F16=widen_f16 and not f32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if partial:

@@ -88,7 +88,7 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
                       DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
-                      WIDEN_PRMT=prmt, WIDEN_F16=False)
+                      WIDEN_PRMT=prmt)
     types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
              "out_ptr": "*fp32" if partial else f"*{x_type}"}
     if tma:
