@@ -37,7 +37,7 @@ from kernels.lora import MODULE_COLUMNS, SlotRows
 
 from ..model.config import ModelConfig
 from ..model.families import EDGE_MODULES
-from ..model.llama import FUSED_MODULES, LORA_MODULES
+from ..model.llama import FUSED_MODULES, LORA_MODULES, MLP_GROUPS, MLP_MODULES
 from ..parallel.shard import Shard
 from .arena import Cost, RowArena
 from .experts import EXPERT_MODULES, EXPERT_ROW_FACTOR, ExpertArenas, expert_ranks, expert_row_nbytes
@@ -73,11 +73,20 @@ def row_nbytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     LM head's: once; an expert parameter's: over every MoE layer and expert): A's row and
     B's column."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = {m: config.num_layers * (fan_in + fan_out) * itemsize
+    sizes = {m: layers_with_arena(config, m) * (fan_in + fan_out) * itemsize
              for m, (fan_in, fan_out) in config.module_shapes().items() if m in LORA_MODULES}
     sizes.update({m: (fan_in + fan_out) * itemsize for m, (fan_in, fan_out) in config.edge_shapes().items()})
     sizes.update(expert_row_nbytes(config, itemsize))
     return sizes
+
+
+def layers_with_arena(config: ModelConfig, module: str) -> int:
+    """Layers whose arena of `module` holds rows: every one, but a dense MLP module's only
+    in the layers with a dense MLP (a mixture of experts' routed layers get empty arenas:
+    its family's adapters have no dense MLP LoRA, model/families.py)."""
+    if module not in MLP_MODULES:
+        return config.num_layers
+    return sum(1 for layer in range(config.num_layers) if not config.is_moe_layer(layer))
 
 
 def held_modules(modules: Collection[str]) -> tuple[str, ...]:
@@ -143,7 +152,7 @@ class SlotBuffers:
                                              for m in EXPERT_MODULES}, dtype, device, shard)
         shapes = config.module_shapes()
         self.layers: list[dict[str, GroupBuffers]] = []
-        for _ in range(config.num_layers):
+        for layer in range(config.num_layers):
             groups = {}
             for group, modules in FUSED_MODULES.items():
                 fan_in = shapes[modules[0]][0]
@@ -153,7 +162,8 @@ class SlotBuffers:
                     offsets.append(offsets[-1] + shapes[m][1])
                 total_out = offsets[-1] + shapes[modules[-1]][1]
                 # Zeros: no row ever holds anything but an adapter's validated weights or zero.
-                rows_here = self.group_rows[group]
+                rows_here = (0 if group in MLP_GROUPS and config.is_moe_layer(layer)
+                             else self.group_rows[group])
                 a_all = torch.zeros(len(modules), rows_here, fan_in, dtype=dtype, device=device)
                 b_all = torch.zeros(rows_here, total_out, dtype=dtype, device=device)
                 a = [a_all[i] for i in range(len(modules))]
@@ -285,6 +295,8 @@ class SlotBuffers:
             for layer_idx, groups in enumerate(self.layers):
                 for group, modules in FUSED_MODULES.items():
                     buf = groups[group]
+                    if buf.b_all.shape[0] == 0:  # a routed layer's dense MLP: there is none
+                        continue
                     for i, module in enumerate(modules):
                         if module not in runs:
                             continue

@@ -46,6 +46,9 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 # index of each group's first module in it.
 LORA_MODULES: tuple[str, ...] = tuple(m for ms in FUSED_MODULES.values() for m in ms)
 GROUP_FIRST_MODULE: dict[str, int] = {g: LORA_MODULES.index(ms[0]) for g, ms in FUSED_MODULES.items()}
+# The dense MLP's groups: a mixture of experts' routed layers have none (model/moe.py).
+MLP_GROUPS: tuple[str, ...] = ("gate_up", "down")
+MLP_MODULES = frozenset(m for group in MLP_GROUPS for m in FUSED_MODULES[group])
 
 
 @dataclass

@@ -27,12 +27,11 @@ from ..parallel.shard import COLUMN_PARALLEL, Shard
 from .checkpoint import CheckpointError, DummyTensors, SafetensorsTensors
 from .config import ModelConfig
 from .families import FAMILIES, Family, UnsupportedModel
-from .llama import FUSED_MODULES, LayerWeights, LlamaModel
+from .llama import FUSED_MODULES, MLP_GROUPS, LayerWeights, LlamaModel
 from .moe import ExpertWeights, MoeModel, expert_checkpoint_shapes, read_experts
 from .quant import QUANTIZED_AT_LOAD, WeightQuant
 
 _PARENT = {"qkv": "self_attn", "o": "self_attn", "gate_up": "mlp", "down": "mlp"}
-_MLP_GROUPS = ("gate_up", "down")
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -56,7 +55,7 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.is_moe_layer(i):
             shapes.update(expert_checkpoint_shapes(config, family, i))
         for group, modules in FUSED_MODULES.items():
-            if config.is_moe_layer(i) and group in _MLP_GROUPS:
+            if config.is_moe_layer(i) and group in MLP_GROUPS:
                 continue
             fan_in, outs = fan[modules[0]][0], [fan[m][1] for m in modules]
             names = ([family.fused_weights[group]] if group in family.fused_weights
@@ -218,7 +217,7 @@ def read_layer(reader: _Reader, family: Family, config: ModelConfig, i: int) -> 
     """Layer i's weights: the fused groups, their biases and q/k norms where the family has them."""
     p = f"layers.{i}."
     # A routed layer's MLP is its experts (read_experts): its dense groups hold nothing.
-    dense = [g for g in FUSED_MODULES if not (config.is_moe_layer(i) and g in _MLP_GROUPS)]
+    dense = [g for g in FUSED_MODULES if not (config.is_moe_layer(i) and g in MLP_GROUPS)]
 
     def projection(g: str):
         if g not in dense:

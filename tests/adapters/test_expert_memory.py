@@ -173,3 +173,20 @@ def test_the_experts_arenas_are_held_with_the_mlp_modules_named(tiny_qwen3_moe_p
     refusal = never_servable("a", 4, targets, 16, held_modules(("q_proj", "gate_proj")), family)
     assert refusal is not None and "experts.down_proj" in refusal and "gate_up" not in refusal.split(";")[0]
     assert never_servable("a", 4, targets, 16, held_modules(("q_proj", "gate_proj", "down_proj")), family) is None
+
+
+def test_routed_layers_hold_no_dense_mlp_rows(tiny_qwen3_moe_path: Path) -> None:
+    """A routed layer has no dense MLP: its gate/up and down arenas are empty and the budget
+    buys rows for the dense layers' only (the tiny Qwen3-MoE's layer 1), where before every
+    layer's were allocated for adapters that cannot target them (the family's adapters
+    carry their MLP LoRA on the experts)."""
+    config = ModelConfig.from_checkpoint(tiny_qwen3_moe_path)
+    routed = [layer for layer in range(config.num_layers) if config.is_moe_layer(layer)]
+    assert routed and config.dense_layers == (1,)
+    buffers = SlotBuffers(config, 2, 16, torch.float32, torch.device("cpu"))
+    for layer, groups in enumerate(buffers.layers):
+        rows = {g: groups[g].b_all.shape[0] for g in ("qkv", "o", "gate_up", "down")}
+        mlp = 0 if layer in routed else buffers.rows
+        assert rows == {"qkv": buffers.rows, "o": buffers.rows, "gate_up": mlp, "down": mlp}, layer
+    h, inter = config.module_shapes()["down_proj"][::-1]
+    assert buffers.row_nbytes["down_proj"] == len(config.dense_layers) * (inter + h) * 4
