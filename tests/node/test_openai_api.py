@@ -50,23 +50,6 @@ def node(tiny_llama_path, adapter_dir):
     n.stop()
 
 
-@pytest.fixture(scope="module")
-def base(node) -> str:
-    return node.node.model_name
-
-
-@pytest.fixture()
-def api(node) -> openai.OpenAI:
-    with openai.OpenAI(base_url=node.http_url, api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture()
-def grpc_client(node):
-    with NodeClient(node.address) as c:
-        yield c
-
-
 def grpc_answer(client: NodeClient, **fields):
     fields.setdefault("ignore_eos", True)
     return client.generate(pb.GenerateRequest(**fields), timeout=60)

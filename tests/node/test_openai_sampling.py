@@ -25,7 +25,6 @@ import torch
 from harness import InProcessNode, wait_for
 from inference_node.config import NodeConfig, RequestLimits
 from lora.v1 import inference_pb2 as pb
-from lora_client.node_client import NodeClient
 from test_openai_api import OneConnection, _error_shape
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
@@ -45,23 +44,6 @@ def node(smollm2_path):
                                     limits=RequestLimits(max_concurrent_streams=8)), http=True)
     yield n
     n.stop()
-
-
-@pytest.fixture(scope="module")
-def base(node) -> str:
-    return node.node.model_name
-
-
-@pytest.fixture()
-def api(node) -> openai.OpenAI:
-    with openai.OpenAI(base_url=node.http_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture()
-def grpc_client(node):
-    with NodeClient(node.address) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
