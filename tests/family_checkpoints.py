@@ -6,6 +6,7 @@ The weights that transformers initialises to a neutral value (norms, biases) are
 random, so a node that ignored one of them would answer differently from the oracle."""
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,4 +165,15 @@ def make_family_adapter(base_path: Path, out: Path, rank: int, alpha: float, tar
     for extra in out.iterdir():
         if extra.name not in ("adapter_config.json", "adapter_model.safetensors"):
             extra.unlink()
+    return out
+
+
+def refused_checkpoint(tmp_path: Path, tokenizer_dir: Path, config: dict) -> Path:
+    """A checkpoint folder of `config` whose weights file is empty: for configs the node must
+    refuse before it reads a weight."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    (out / "model.safetensors").write_bytes(b"")
     return out

@@ -4,25 +4,14 @@ served family the node does not implement is refused alike; the switches it read
 transformers reads them."""
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from family_checkpoints import refused_checkpoint
 from inference_node.model.config import ModelConfig
 from inference_node.model.families import UnsupportedModel
-
-
-def _checkpoint(tmp_path: Path, tokenizer_dir: Path, config: dict) -> Path:
-    out = tmp_path / "model"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(config))
-    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
-    (out / "model.safetensors").write_bytes(b"")  # never read: the node refuses before
-    return out
 
 
 QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 32000,
@@ -35,7 +24,7 @@ QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"
     ({**QWEN2_MOE, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}, "GPTNeoXForCausalLM"),
 ])
 def test_serve_refuses_an_unserved_architecture_in_one_line(config, named, tmp_path, tokenizer_dir) -> None:
-    model = _checkpoint(tmp_path, tokenizer_dir, config)
+    model = refused_checkpoint(tmp_path, tokenizer_dir, config)
     proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--model", str(model),
                            "--device", "cpu", "--port", "0"], capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr

@@ -4,14 +4,12 @@ quant_method or field (exit 1, no traceback, before any process starts), never l
 plain weights. `--quantization` takes fp8 or none."""
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from family_checkpoints import refused_checkpoint
 from inference_node.cli import serve_parser
 from inference_node.model.config import ModelConfig
 from inference_node.model.families import UnsupportedModel
@@ -80,21 +78,12 @@ def test_unserved_quantization_is_refused_naming_it(qc, named) -> None:
     assert named in str(refused.value) and "\n" not in str(refused.value)
 
 
-def _checkpoint(tmp_path: Path, tokenizer_dir: Path, config: dict) -> Path:
-    out = tmp_path / "model"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(config))
-    shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
-    (out / "model.safetensors").write_bytes(b"")  # never read: the node refuses before
-    return out
-
-
 @pytest.mark.parametrize("qc, named", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "quant_method 'gptq'"),
     ({**FP8, "activation_scheme": "static"}, "activation_scheme 'static'"),
 ])
 def test_serve_refuses_an_unserved_quantization_in_one_line(qc, named, tmp_path, tokenizer_dir) -> None:
-    model = _checkpoint(tmp_path, tokenizer_dir, {**BASE, "architectures": ["LlamaForCausalLM"],
+    model = refused_checkpoint(tmp_path, tokenizer_dir, {**BASE, "architectures": ["LlamaForCausalLM"],
                                                   "quantization_config": qc})
     proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--model", str(model),
                            "--device", "cpu", "--port", "0", "--quantization", "fp8"],
@@ -126,7 +115,7 @@ def test_fp8_of_a_mixture_of_experts_model_is_refused() -> None:
 
 
 def test_serve_refuses_quantizing_a_mixture_of_experts_model_in_one_line(tmp_path, tokenizer_dir) -> None:
-    model = _checkpoint(tmp_path, tokenizer_dir, MOE)
+    model = refused_checkpoint(tmp_path, tokenizer_dir, MOE)
     proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "serve", "--model", str(model),
                            "--device", "cpu", "--port", "0", "--quantization", "fp8"],
                           capture_output=True, text=True, timeout=120)
