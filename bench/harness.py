@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from bench.shapes import FAMILY_SHAPES, LLAMA_3_1_70B, MOE_SHAPES, LLAMA_3_1_8B, LLAMA_3_2_1B, TINY_LLAMA
+from bench.shapes import FAMILY_SHAPES, LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1B, MOE_SHAPES, TINY_LLAMA
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = ALL_MODULES[:4]
