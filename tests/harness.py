@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from family_checkpoints import make_family_adapter as make_peft_adapter  # noqa: F401 (the suite's name)
 from inference_node.config import NodeConfig
 from inference_node.core.engine_core import EngineCore
 from inference_node.frontend.engine_client import EngineClient
@@ -139,28 +140,6 @@ def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, eos: bool =
                              do_sample=False, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              pad_token_id=0, **kwargs)
     return out[0][len(prompt_ids):].tolist()
-
-
-def make_peft_adapter(base_path: Path, out: Path, rank: int, alpha: float, targets: Sequence[str],
-                      use_rslora: bool = False, seed: int = 0, scale: float = 1.0) -> Path:
-    """A random (non-zero) PEFT LoRA adapter of the checkpoint at base_path, saved as safetensors."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
-                        init_lora_weights=False, lora_dropout=0.0)
-    model = get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.mul_(scale)
-    model.save_pretrained(out, safe_serialization=True)
-    for extra in out.iterdir():
-        if extra.name not in ("adapter_config.json", "adapter_model.safetensors"):
-            extra.unlink()
-    return out
 
 
 def peft_greedy(base_path: Path, adapter_path: Path | None, prompts: Sequence[Sequence[int]],
