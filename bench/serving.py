@@ -491,6 +491,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def tuning_line(llm, which: str, build_s: float) -> str:
+    """Where the node's tuning table came from and what it cost: a seed (kernels/configs), or
+    a table this host tuned (at this start when the node's build took its tuning time)."""
+    from kernels.tuning_table import CONFIG_DIR
+
+    table = llm.engine.runner.launches.tunings.table
+    if table is None:
+        return f"tuning table ({which} node): none, default launch choices; node built in {build_s:.0f} s"
+    where = "seed" if table.path is not None and table.path.resolve().parent == CONFIG_DIR else "tuned on this host"
+    return (f"tuning table ({which} node): {table.path} ({where}, {len(table.buckets)} buckets, tuning took "
+            f"{table.tuning_s or 0:.0f} s); node built in {build_s:.0f} s")
+
+
 def memory_line(llm, kv_block: int, which: str) -> str:
     """The node's weights as loaded on its device, and the KV blocks a GB of what they leave
     holds: bf16 against --quantization fp8 (or an FP8 checkpoint) is read off two runs' lines.
@@ -631,9 +644,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
         for lora, group in groups.items():
             if group:
                 try:
+                    started = time.perf_counter()
                     llms[lora] = build_llm(configs[lora], names if lora else ())
-                    print(f"tuning table ({'LoRA' if lora else 'base'} node): "
-                          f"{llms[lora].node.config.kernels.tuning_table}", flush=True)
+                    print(tuning_line(llms[lora], 'LoRA' if lora else 'base', time.perf_counter() - started),
+                          flush=True)
                     print(memory_line(llms[lora], kv_block, 'LoRA' if lora else 'base'), flush=True)
                 except Exception as exc:
                     fail(group, "engine", exc)
