@@ -418,16 +418,14 @@ def timed_runs(run: Callable[[], object], runs: int, before: Callable[[], object
 def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     """Bytes/s of a device-to-device copy (read + write counted): the practical ceiling of the
     memory-bound decode step, against which every floor is computed."""
-    nbytes = nbytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+    if device.type == "cuda":
+        from inference_node.tuner.sweep import copy_bandwidth as device_copy_bandwidth
+
+        return device_copy_bandwidth(device, nbytes or (1 << 30))
+    nbytes = nbytes or (64 << 20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    if device.type == "cuda":
-        import triton.testing
-
-        seconds = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median") * 1e-3
-    else:
-        seconds = statistics.median(timed_runs(lambda: dst.copy_(src), 5, None))
-    return 2 * nbytes / seconds
+    return 2 * nbytes / statistics.median(timed_runs(lambda: dst.copy_(src), 5, None))
 
 
 @contextlib.contextmanager

@@ -493,15 +493,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def tuning_line(llm, which: str, build_s: float) -> str:
     """Where the node's tuning table came from and what it cost: a seed (kernels/configs), or
-    a table this host tuned (at this start when the node's build took its tuning time)."""
+    a table tuned on a host (at this start where the node's build time holds its sweep's)."""
     from kernels.tuning_table import CONFIG_DIR
 
     table = llm.engine.runner.launches.tunings.table
     if table is None:
         return f"tuning table ({which} node): none, default launch choices; node built in {build_s:.0f} s"
-    where = "seed" if table.path is not None and table.path.resolve().parent == CONFIG_DIR else "tuned on this host"
-    return (f"tuning table ({which} node): {table.path} ({where}, {len(table.buckets)} buckets, tuning took "
-            f"{table.tuning_s or 0:.0f} s); node built in {build_s:.0f} s")
+    seed = table.path is not None and table.path.resolve().parent == CONFIG_DIR
+    return (f"tuning table ({which} node): {table.path} ({'the seed' if seed else 'not a seed'}, {len(table.buckets)} "
+            f"buckets, its sweep took {table.tuning_s or 0:.0f} s); node built in {build_s:.0f} s")
 
 
 def memory_line(llm, kv_block: int, which: str) -> str:

@@ -170,12 +170,14 @@ def generate(llm, prompts: list[list[int]], adapters: list[str], max_tokens: int
 
 
 @pytest.mark.timeout(600)
-def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths_path: Path, tmp_path: Path,
+                                                                 plan_name: str) -> None:
     """Rounds of node starts, each over a table that gives each decode batch bucket (1, 8, 32,
     64 rows; without and with an adapter) the next candidates of every group, until every
     candidate of every group has run, plain (the base GEMM, in the launch the node fuses it
-    into: RoPE for q/k/v, SiLU for gate/up) and folded (whole, or shrink only), under both
-    plans. Steps of 1, 8, 32 and 64 rows, base, adapter and mixed, each prompt's tokens equal
+    into: RoPE for q/k/v, SiLU for gate/up) and folded (whole, or shrink only), under the
+    plan. Steps of 1, 8, 32 and 64 rows, base, adapter and mixed, each prompt's tokens equal
     to PEFT's."""
     from harness import make_peft_adapter, peft_greedy
     from inference_node.llm import LLM
@@ -200,30 +202,31 @@ def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths
     calls = [(n, [""] * n) for n in BUCKETS] + [(n, ["all"] * n) for n in BUCKETS] + [(top, ["", "all"] * (top // 2))]
     covered: dict[tuple[str, str], set] = {}
     starts = 0
-    for plan_name, plan in PLANS.items():
-        space = choice_space(shape, field, plan)
-        rounds = math.ceil(max(len(v) for v in space.values()) / len(BUCKETS))
-        for r in range(rounds):
-            raw = round_table(shape, field, plan, space, r * len(BUCKETS))
-            path = tmp_path / f"{plan_name}-{r}.json"
-            path.write_text(json.dumps(raw))
-            table = TuningTable.read(path)
-            with LLM(checkpoint=str(llama_8b_widths_path), device="cuda", dtype="float32", num_kv_blocks=256,
-                     max_num_seqs=top, max_loras=1, max_lora_rank=16, adapter_dir=str(adapter_dir),
-                     max_num_batched_tokens=512, tuning_table=str(path), debug_checks=True,
-                     mixed_graphs="off") as llm:  # decode graphs (where folds run) and eager prefill
-                starts += 1
-                for rows, adapters in calls:
-                    got = generate(llm, prompts[:rows], adapters, max_new)
-                    for i, (tokens, adapter) in enumerate(zip(got, adapters)):
-                        assert tokens == expected[adapter][i], (
-                            f"plan {plan_name}, round {r}, {rows} rows, prompt {i} ({adapter or 'base'}): "
-                            f"{tokens} != PEFT's {expected[adapter][i]}; table {raw['buckets']}")
-            for bucket in table.buckets:
-                for name in (field, "fold_tilings"):
-                    for group, tiling in bucket.choices.get(name, {}).items():
-                        covered.setdefault((name, group), set()).add(tuple(tiling))
-        for key, options in space.items():
-            assert set(options) <= covered.get(key, set()), (plan_name, key)
+    plan = PLANS[plan_name]
+    space = choice_space(shape, field, plan)
+    rounds = math.ceil(max(len(v) for v in space.values()) / len(BUCKETS))
+    for r in range(rounds):
+        print(f"plan {plan_name}: round {r + 1} of {rounds}", flush=True)
+        raw = round_table(shape, field, plan, space, r * len(BUCKETS))
+        path = tmp_path / f"{plan_name}-{r}.json"
+        path.write_text(json.dumps(raw))
+        table = TuningTable.read(path)
+        with LLM(checkpoint=str(llama_8b_widths_path), device="cuda", dtype="float32", num_kv_blocks=256,
+                 max_num_seqs=top, max_loras=1, max_lora_rank=16, adapter_dir=str(adapter_dir),
+                 max_num_batched_tokens=512, tuning_table=str(path), debug_checks=True,
+                 mixed_graphs="off") as llm:  # decode graphs (where folds run) and eager prefill
+            starts += 1
+            for rows, adapters in calls:
+                got = generate(llm, prompts[:rows], adapters, max_new)
+                for i, (tokens, adapter) in enumerate(zip(got, adapters)):
+                    assert tokens == expected[adapter][i], (
+                        f"plan {plan_name}, round {r}, {rows} rows, prompt {i} ({adapter or 'base'}): "
+                        f"{tokens} != PEFT's {expected[adapter][i]}; table {raw['buckets']}")
+        for bucket in table.buckets:
+            for name in (field, "fold_tilings"):
+                for group, tiling in bucket.choices.get(name, {}).items():
+                    covered.setdefault((name, group), set()).add(tuple(tiling))
+    for key, options in space.items():
+        assert set(options) <= covered.get(key, set()), (plan_name, key)
     print(f"{starts} node starts; choices covered: " + ", ".join(
         f"{name}.{group}: {len(tilings)}" for (name, group), tilings in sorted(covered.items())))
