@@ -76,6 +76,11 @@ class Tuning:
         "qkv": (32, 128, 4), "o": (16, 128, 4), "down": (16, 128, 4), "gate_up": (64, 128, 2)}),
         metadata={"help": "the decode GEMM's (block_n, block_k, stages) per group with LoRA "
                           "folded in"})
+    # -- the routed experts' grouped GEMMs (kernels/moe), in mixture-of-experts layers --
+    moe_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
+        "gate_up": (64, 32, 3), "down": (64, 32, 3)}), metadata={"help": (
+            "the routed experts' grouped GEMMs' (block_n, block_k, stages) for gate/up and down "
+            "(block_n: columns of gate and of up each, for gate/up)")})
     fold_prefetch_a: int = field(default=2048, metadata={"help": (
         "with PDL, columns of each adapter's A the shrink programs of a whole fold ask of L2 "
         "before their wait (0: none)")})
@@ -129,7 +134,7 @@ class Tuning:
             raise ValueError(f"norm_split_groups takes o and down (an add + norm follows "
                              f"them), not {sorted(set(self.norm_split_groups) - {'o', 'down'})}")
         object.__setattr__(self, "norm_split_groups", frozenset(self.norm_split_groups))
-        for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings",
+        for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings", "moe_tilings",
                      "side_expand_group_segments"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         bad = set(self.side_expand_group_segments) - set(GROUPS)

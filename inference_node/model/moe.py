@@ -85,7 +85,7 @@ class MoeModel(LlamaModel):
                                self.weights_in_model_dtype)
         expert_lora: ExpertLora | None = getattr(lora, "experts", None) if lora is not None else None
         delta = partial(expert_lora.add, i) if expert_lora is not None else None
-        out = routed_experts(x, weights, picks, layer.gate_up, layer.down, delta)
+        out = routed_experts(x, weights, picks, layer.gate_up, layer.down, delta, launch.tuning.moe_tilings)
         return out, None, None  # a partial sum under tensor parallelism, as the dense MLP's
 
 

@@ -13,7 +13,9 @@ cache directory).
   graph replay and kernels per adapter configuration and launch choice) and lora_sweep.py
   (the LoRA shrink/expand launches' tilings, not yet Tuning choices), fp8_gemm.py (`python -m
   inference_node.tuner.fp8_gemm`: the FP8 decode GEMM against bf16 per projection, with an
-  optional sweep of its tilings).
+  optional sweep of its tilings), moe_experts.py (`python -m inference_node.tuner.moe_experts`:
+  the routed experts' grouped GEMMs per moe_tilings against the bytes of the experts hit; not
+  yet in the node's sweep).
 
 Nothing here is imported by the launcher or the front ends: the engine core resolves the
 table (node.resolve_tuning_table) before any weight loads.

@@ -13,16 +13,28 @@ weight. The k picks of a token are then summed in float32.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 import triton
 import triton.language as tl
 
 from ..activation.triton_kernel import silu_times
+from ..gemm.shapes import SHARED_MEMORY
 from ..host import cdiv, dot_f32
+from ..tuning import DEFAULT_TUNING, Tiling
 
 BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_K = 32
+
+
+def fitted(tiling: Tiling, k: int, esize: int, gated: bool) -> Tiling:
+    """(block_n, block_k, stages) of a grouped GEMM over K = k for a tiling of the Tuning's
+    moe_tilings: K tiles no longer than K needs, and no more stages than shared memory holds
+    (a gated program streams gate's and up's tiles)."""
+    block_n, block_k, stages = tiling
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    per_stage = (BLOCK_M + (2 if gated else 1) * block_n) * block_k * esize
+    return block_n, block_k, max(1, min(stages, SHARED_MEMORY // per_stage))
 
 
 def align_by_expert(picks: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
@@ -95,28 +107,33 @@ def _grouped_gemm_kernel(
 
 
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, gate_up: torch.Tensor,
-                         down: torch.Tensor) -> torch.Tensor:
+                         down: torch.Tensor, tilings: Mapping[str, Tiling] | None = None) -> torch.Tensor:
     """As reference.experts_reference without LoRA: x [T, hidden], weights / picks [T, k],
-    gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (all contiguous)."""
+    gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (all contiguous); tilings: the
+    Tuning's moe_tilings (the defaults' where None)."""
+    tilings = tilings or DEFAULT_TUNING.moe_tilings
     tokens, top_k = picks.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     pairs = tokens * top_k
     sorted_ids, block_expert = align_by_expert(picks, num_experts, BLOCK_M)
     f32 = dot_f32(x.dtype, x.device)
+    esize = x.element_size()
     act = x.new_empty(pairs, inter)
-    grid = (block_expert.numel(), cdiv(inter, BLOCK_N))
+    block_n, block_k, stages = fitted(tilings["gate_up"], hidden, esize, gated=True)
+    grid = (block_expert.numel(), cdiv(inter, block_n))
     _grouped_gemm_kernel[grid](
         x, gate_up, act, sorted_ids, block_expert, weights, inter, hidden, pairs,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         ROWS_PER_TOKEN=top_k, SCALE=False, GATED=True, F32_DOT=f32,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
     scaled = x.new_empty(pairs, hidden)
     flat_weights = weights.reshape(-1).contiguous()
-    grid = (block_expert.numel(), cdiv(hidden, BLOCK_N))
+    block_n, block_k, stages = fitted(tilings["down"], inter, esize, gated=False)
+    grid = (block_expert.numel(), cdiv(hidden, block_n))
     _grouped_gemm_kernel[grid](
         act, down, scaled, sorted_ids, block_expert, flat_weights, hidden, inter, pairs,
         act.stride(0), down.stride(0), down.stride(1), scaled.stride(0),
         ROWS_PER_TOKEN=1, SCALE=True, GATED=False, F32_DOT=f32,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
     return scaled.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -45,18 +45,60 @@ def test_fused_experts_in_the_interpreter() -> None:
     if interpreting():
         pytest.skip("the child's own run (test_fused_experts_match_the_reference)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                            f"{__file__}::test_fused_experts_match_the_reference"],
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                            "-k", "match_the_reference or tiling_tool"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0 and " passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
 
 
+# Tuning.moe_tilings (block_n, block_k, stages) of gate/up and down: the defaults, and tiles
+# narrower and wider than the test's widths (48 hidden, 40 intermediate: masked either way).
+TILINGS = [None, {"gate_up": (16, 64, 2), "down": (128, 16, 4)}, {"gate_up": (128, 16, 4), "down": (32, 128, 3)}]
+
+
+@pytest.mark.parametrize("tilings", TILINGS, ids=["default", "narrow-up", "wide-up"])
 @pytest.mark.parametrize("tokens, experts, top_k", [(5, 4, 2), (37, 8, 3)])
-def test_fused_experts_match_the_reference(tokens: int, experts: int, top_k: int) -> None:
+def test_fused_experts_match_the_reference(tokens: int, experts: int, top_k: int, tilings) -> None:
     """float32 (the interpreter rounds casts to bfloat16 otherwise than a GPU)."""
     if not interpreting():
         pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
-    _check_fused_experts(tokens, experts, top_k, torch.float32, "cpu")
+    _check_fused_experts(tokens, experts, top_k, torch.float32, "cpu", tilings)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
+def test_tilings_are_fitted_to_k_and_shared_memory() -> None:
+    from kernels.gemm.shapes import SHARED_MEMORY
+    from kernels.moe.triton_kernel import BLOCK_M, fitted
+
+    assert fitted((64, 32, 3), 2048, 2, gated=True) == (64, 32, 3)  # the defaults, as they are
+    assert fitted((32, 256, 4), 40, 4, gated=False) == (32, 64, 4)  # no K tile past K's power of two
+    block_n, block_k, stages = fitted((128, 128, 8), 2048, 2, gated=True)
+    assert (block_n, block_k) == (128, 128) and stages >= 1
+    assert stages * (BLOCK_M + 2 * block_n) * block_k * 2 <= SHARED_MEMORY < (stages + 1) * (BLOCK_M + 2 * block_n) * block_k * 2
+
+
+def test_moe_tilings_are_a_tuning_choice() -> None:
+    from kernels.tuning import DEFAULT_TUNING, tuning_from_text
+    from kernels.tuning_table import choice_from_json
+
+    tuning = tuning_from_text({"moe_tilings": "gate_up=128.64.4"})
+    assert tuning.moe_tilings == {"gate_up": (128, 64, 4), "down": DEFAULT_TUNING.moe_tilings["down"]}
+    assert choice_from_json("moe_tilings", {"down": [32, 128, 3]})["down"] == (32, 128, 3)
+    with pytest.raises(ValueError):
+        choice_from_json("moe_tilings", {"down": [48, 128, 3]})  # block_n not a power of two
+
+
+def test_tiling_tool_runs(capsys) -> None:
+    """inference_node.tuner.moe_experts end to end on tiny widths (its CPU smoke): every tiling
+    checked against the reference, the best printed as a --tune flag."""
+    if not interpreting():
+        pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
+    from inference_node.tuner.moe_experts import main
+
+    results = main(["--device", "cpu", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2",
+                    "--rows", "3", "--grid", "32.32.3,16.64.2"])
+    assert results[0]["default_us"] and set(results[0]["gate_up_us"]) == {(32, 32, 3), (16, 64, 2)}
+    assert "--tune moe_tilings=gate_up=" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
@@ -66,7 +108,8 @@ def test_fused_experts_on_the_gpu_match_the_reference(tokens: int) -> None:
     _check_fused_experts(tokens, 16, 4, torch.bfloat16, "cuda")
 
 
-def _check_fused_experts(tokens: int, experts: int, top_k: int, dtype: torch.dtype, device: str) -> None:
+def _check_fused_experts(tokens: int, experts: int, top_k: int, dtype: torch.dtype, device: str,
+                         tilings=None) -> None:
     from kernels.moe.triton_kernel import fused_experts_triton
 
     gen = torch.Generator().manual_seed(tokens)
@@ -77,7 +120,7 @@ def _check_fused_experts(tokens: int, experts: int, top_k: int, dtype: torch.dty
     down = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
     x, router, gate_up, down = (t.to(device) for t in (x, router, gate_up, down))
     weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=dtype != torch.float32)
-    ours = fused_experts_triton(x, weights, picks, gate_up, down)
+    ours = fused_experts_triton(x, weights, picks, gate_up, down, tilings)
     if device == "cuda":
         graph = torch.cuda.CUDAGraph()
         fused_experts_triton(x, weights, picks, gate_up, down)  # compiled before the capture

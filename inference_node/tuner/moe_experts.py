@@ -1,0 +1,164 @@
+"""The routed experts' grouped GEMMs (kernels/moe/triton_kernel.py) per tiling: what a
+mixture-of-experts decode step's MLP costs against the bytes it must read, and which
+`moe_tilings` (kernels/tuning.py) reads them fastest on this GPU.
+
+For a MoE model's shapes (Qwen3-30B-A3B's widths unless --model says) and each batch size:
+random routing over random experts (one layer), the fused experts timed from a CUDA graph
+(sweep.py's timing) with the default tilings and then with each of a grid, gate/up's swept
+first (down at its default) and down's with gate/up's best. Each launch is checked against the
+PyTorch reference before it is timed. The floor is the bytes of the experts the batch hits
+(gate, up and down of each) over the device's copy bandwidth. The last line is the `--tune`
+flag of the best pair, for `inference-node serve` and `bench.serving`.
+
+    python -m inference_node.tuner.moe_experts                       # 30B-A3B widths, 1, 16, 64 rows
+    python -m inference_node.tuner.moe_experts --model DIR --rows 64
+    TRITON_INTERPRET=1 python -m inference_node.tuner.moe_experts --device cpu --hidden 64 --inter 32 \\
+        --experts 4 --top-k 2 --rows 4 --grid 32.32.3,16.64.2    # CPU smoke (numbers meaningless)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from kernels.moe import experts_reference, route
+from kernels.tuning import DEFAULT_TUNING, Tiling
+
+# Qwen3-30B-A3B: 128 experts of 768 columns, 8 routed a token, hidden 2048.
+QWEN3_30B_A3B = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
+GRID: tuple[Tiling, ...] = tuple((n, k, s) for n in (32, 64, 128) for k in (32, 64, 128) for s in (3, 4))
+
+
+def shape_of(model: str | None, args: argparse.Namespace) -> dict[str, int]:
+    """(hidden, inter, experts, top_k) of --model's config.json, else the flags (30B-A3B's)."""
+    if model is None:
+        return {name: getattr(args, name) for name in ("hidden", "inter", "experts", "top_k")}
+    raw = json.loads((Path(model) / "config.json").read_text())
+    inter = raw.get("moe_intermediate_size") or raw["intermediate_size"]
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if not experts:
+        raise SystemExit(f"--model {model}: not a mixture of experts (no num_experts / num_local_experts)")
+    return {"hidden": raw["hidden_size"], "inter": inter, "experts": experts, "top_k": raw["num_experts_per_tok"]}
+
+
+def wall_us(call: Callable[[], object], rounds: int = 3) -> float:
+    """CPU smoke: wall microseconds per call (median of `rounds`)."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def timer_for(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    if device.type != "cuda":
+        return wall_us
+    from .sweep import graph_us
+
+    return lambda call: graph_us([call, call])  # a layer's experts overflow L2 by themselves
+
+
+def hit_bytes(picks: torch.Tensor, hidden: int, inter: int, esize: int) -> int:
+    """Bytes of the experts `picks` routes to (gate, up and down of each distinct one)."""
+    return int(picks.unique().numel()) * 3 * hidden * inter * esize
+
+
+def sweep_rows(rows: int, shape: dict[str, int], grid: Sequence[Tiling], device: torch.device,
+               dtype: torch.dtype, timer: Callable[[Callable[[], object]], float]) -> dict:
+    """One batch size: the defaults' time, each gate/up tiling's, each down tiling's (with
+    gate/up's best), every launch checked against the reference first."""
+    from kernels.moe.triton_kernel import fused_experts_triton
+
+    gen = torch.Generator(device="cpu").manual_seed(rows)
+    hidden, inter, experts, top_k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
+    x = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+    router = torch.randn(experts, hidden, generator=gen).to(device, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).to(device, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(device, dtype)
+    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
+    truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float())
+    bound = 2e-2 * max(1.0, truth.abs().max().item())
+
+    def timed(tilings: dict[str, Tiling]) -> float | None:
+        call = lambda: fused_experts_triton(x, weights, picks, gate_up, down, tilings)  # noqa: E731
+        try:
+            err = (call().float() - truth).abs().max().item()
+        except Exception as exc:  # a tiling this GPU cannot launch (shared memory, registers)
+            print(f"  {tilings}: not launched ({type(exc).__name__})", flush=True)
+            return None
+        if not err <= bound:
+            raise AssertionError(f"{tilings}: max error {err:.3g} against the reference (bound {bound:.3g})")
+        return timer(call)
+
+    default = dict(DEFAULT_TUNING.moe_tilings)
+    base_us = timed(default)
+    gate_up_us = {t: timed({**default, "gate_up": t}) for t in grid}
+    best_gate_up = min((t for t, us in gate_up_us.items() if us is not None), key=gate_up_us.get,
+                       default=default["gate_up"])
+    if base_us is not None and (gate_up_us.get(best_gate_up) or base_us) > base_us:
+        best_gate_up = default["gate_up"]
+    down_us = {t: timed({"gate_up": best_gate_up, "down": t}) for t in grid}
+    best_down = min((t for t, us in down_us.items() if us is not None), key=down_us.get, default=default["down"])
+    best = {"gate_up": best_gate_up, "down": best_down}
+    best_us = timed(best)
+    if base_us is not None and best_us is not None and best_us > base_us:
+        best, best_us = default, base_us
+    return {"rows": rows, "default_us": base_us, "best": best, "best_us": best_us,
+            "bytes": hit_bytes(picks, hidden, inter, x.element_size()),
+            "gate_up_us": gate_up_us, "down_us": down_us}
+
+
+def parse_grid(text: str | None) -> tuple[Tiling, ...]:
+    if not text:
+        return GRID
+    return tuple(tuple(int(v) for v in item.split(".")) for item in text.split(","))  # type: ignore[misc]
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a checkpoint folder: only its config.json is read")
+    p.add_argument("--hidden", type=int, default=QWEN3_30B_A3B["hidden"])
+    p.add_argument("--inter", type=int, default=QWEN3_30B_A3B["inter"], help="each expert's intermediate width")
+    p.add_argument("--experts", type=int, default=QWEN3_30B_A3B["experts"])
+    p.add_argument("--top-k", type=int, default=QWEN3_30B_A3B["top_k"])
+    p.add_argument("--rows", default="1,16,64", help="decode batch sizes")
+    p.add_argument("--grid", help="tilings to try, block_n.block_k.stages comma-separated (default: 18)")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = shape_of(args.model, args)
+    grid = parse_grid(args.grid)
+    bandwidth = None
+    if device.type == "cuda":
+        from .sweep import copy_bandwidth
+
+        bandwidth = copy_bandwidth(device)
+    print(f"routed experts: hidden {shape['hidden']}, {shape['experts']} experts of {shape['inter']}, top "
+          f"{shape['top_k']}, {dtype}, {len(grid)} tilings a group" + (
+              f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else " (CPU smoke: numbers meaningless)"),
+          flush=True)
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        result = sweep_rows(rows, shape, grid, device, dtype, timer_for(device))
+        results.append(result)
+        floor = f"{result['bytes'] / bandwidth * 1e6:8.1f}" if bandwidth else "       -"
+        ratio = (f"{result['best_us'] / (result['bytes'] / bandwidth * 1e6):6.2f}x"
+                 if bandwidth and result["best_us"] else "      -")
+        fmt = lambda us: f"{us:9.1f}" if us is not None else "        -"  # noqa: E731
+        print(f"rows {rows:4d}: default {fmt(result['default_us'])} us, best {fmt(result['best_us'])} us "
+              f"{result['best']}; floor {floor} us ({result['bytes'] / 1e6:.1f} MB of experts hit), best/floor "
+              f"{ratio}", flush=True)
+    last = results[-1]["best"]
+    print("--tune moe_tilings=" + ",".join(f"{g}={'.'.join(map(str, t))}" for g, t in last.items()))
+    return results
+
+
+if __name__ == "__main__":
+    main()
