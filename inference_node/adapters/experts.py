@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.moe import PairLora
+
 from ..model.config import ModelConfig
 from ..model.families import EXPERT_PARAMETERS
 from ..parallel.shard import Shard
@@ -53,9 +55,10 @@ def expert_ranks(weights: AdapterWeights) -> dict[str, int]:
 
 class ExpertArenas:
     def __init__(self, config: ModelConfig, rows: dict[str, int], dtype: torch.dtype, device: torch.device,
-                 shard: Shard = Shard()) -> None:
+                 shard: Shard = Shard(), num_slots: int = 1) -> None:
         """config: the shapes this rank computes with; rows: each expert arena's rank rows
-        (the arenas' names, EXPERT_MODULES)."""
+        (the arenas' names, EXPERT_MODULES); num_slots: the adapter slots the per-slot tables
+        track (SlotBuffers.num_slots)."""
         self.inter, self.device, self.shard = config.moe_intermediate_size, device, shard
         self.layers = [layer for layer in range(config.num_layers) if config.is_moe_layer(layer)]
         self.rows = dict(rows) if self.layers else {}
@@ -68,6 +71,12 @@ class ExpertArenas:
                                           device=device)
                   for layer in self.layers for p in EXPERT_PARAMETERS}
         self.held: dict[int, ExpertPairs] = {}
+        # Per slot, on the device (what the fused experts' LoRA kernels read by each token's
+        # slot): its first row and rank in each parameter's arenas (rows 2p, 2p + 1; rank 0:
+        # none), and its scaling per (layer, parameter) (row key_index[key]).
+        self.key_index = {key: k for k, key in enumerate(sorted(self.a))}
+        self.slot_rows = torch.zeros(2 * len(EXPERT_PARAMETERS), num_slots, dtype=torch.int32, device=device)
+        self.slot_scales = torch.zeros(max(len(self.key_index), 1), num_slots, dtype=torch.float32, device=device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self.a.values()) + list(self.b.values()))
@@ -76,9 +85,11 @@ class ExpertArenas:
         """Copies the adapter's expert LoRA (this rank's part) into the rows placed for it
         (first row per expert arena; in the caller's stream), zeroing those of a layer it
         leaves alone."""
-        self.held.pop(slot, None)
+        self.free(slot)
         ranks = expert_ranks(weights)
         pairs: ExpertPairs = {}
+        rows = torch.zeros(self.slot_rows.shape[0], dtype=torch.int32)
+        scales = torch.zeros(self.slot_scales.shape[0], dtype=torch.float32)
         for (layer, parameter), a_arena in self.a.items():
             module = f"experts.{parameter}"
             if module not in ranks:
@@ -90,6 +101,9 @@ class ExpertArenas:
                 a_rows.zero_()
                 b_rows.zero_()
                 continue
+            p = EXPERT_PARAMETERS.index(parameter)
+            rows[2 * p], rows[2 * p + 1] = first, r
+            scales[self.key_index[(layer, parameter)]] = pair[2]
             a, b = self._part(parameter, *pair[:2])
             a_rows.copy_(a, non_blocking=True)
             # B [experts, out, r] arrives as it is stored and is turned into rank rows on the
@@ -98,6 +112,8 @@ class ExpertArenas:
             pairs[(layer, parameter)] = (a_rows, b_rows, pair[2])
         if pairs:
             self.held[slot] = pairs
+            self.slot_rows[:, slot].copy_(rows)
+            self.slot_scales[:, slot].copy_(scales)
 
     def _part(self, parameter: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.shard.size > 1:
@@ -110,7 +126,17 @@ class ExpertArenas:
         return a, b
 
     def free(self, slot: int) -> None:
-        self.held.pop(slot, None)
+        if self.held.pop(slot, None) is not None:
+            self.slot_rows[:, slot].zero_()
+            self.slot_scales[:, slot].zero_()
+
+    def pair_lora(self, layer: int, parameter: str, token_slots: torch.Tensor) -> PairLora:
+        """`parameter`'s LoRA of `layer` for tokens on the adapter slots token_slots [T] (int32
+        on the device, -1: none), as the fused experts take it."""
+        p = EXPERT_PARAMETERS.index(parameter)
+        key = (layer, parameter)
+        return PairLora(self.a[key], self.b[key], token_slots, self.slot_rows[2 * p], self.slot_rows[2 * p + 1],
+                        self.slot_scales[self.key_index[key]])
 
     def of(self, slot: int) -> ExpertPairs | None:
         """The slot's expert LoRA (None: its adapter has none)."""

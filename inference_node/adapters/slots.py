@@ -149,7 +149,7 @@ class SlotBuffers:
         self.edge_rows_held = {m: self.rows if m in modules else 1 for m in EDGE_MODULES}
         self.held = held = held_modules(modules)  # the modules whose arenas --lora-memory-mb sizes
         self.experts = ExpertArenas(config, {m: arena_rows(m, self.rows) if m in held else 0
-                                             for m in EXPERT_MODULES}, dtype, device, shard)
+                                             for m in EXPERT_MODULES}, dtype, device, shard, self.num_slots)
         shapes = config.module_shapes()
         self.layers: list[dict[str, GroupBuffers]] = []
         for layer in range(config.num_layers):
@@ -361,7 +361,13 @@ class SlotBuffers:
 
     def has_experts(self, slots: Iterable[int]) -> bool:
         """Whether any of these slots' adapters has expert LoRA."""
-        return any(slot >= 0 and self.experts.of(slot) is not None for slot in set(slots))
+        return bool(self.expert_parameters(slots))
+
+    def expert_parameters(self, slots: Iterable[int]) -> frozenset[str]:
+        """The expert parameters (gate_up_proj, down_proj) any of these slots' adapters has
+        LoRA on."""
+        held = [self.experts.of(slot) for slot in set(slots) if slot >= 0]
+        return frozenset(parameter for pairs in held if pairs for (_, parameter) in pairs)
 
     def groups_of(self, slots: Iterable[int]) -> frozenset[str]:
         """The fused groups any of these slots targets (slot -1: none)."""

@@ -14,9 +14,12 @@ decoder_sparse_step) run the Llama MLP.
 An adapter's expert LoRA (PEFT's target_parameters gate_up_proj / down_proj: per expert an
 A [r, in] and a B [out, r]) is added beside each expert's matmul for the rows whose adapter
 has it: x_e A_e^T B_e^T * scaling, exact as PEFT's merged weights are up to rounding
-(`ExpertLoraApplier`, runner/lora/experts.py). Steps with expert LoRA run eagerly, on the
-reference path (kernels/moe/reference.py: a loop over the experts hit); the others, on a GPU,
-on the fused grouped GEMMs (kernels/moe/triton_kernel.py), whose routing a graph captures.
+(`ExpertLoraApplier`, runner/lora/experts.py). On a GPU the routed experts run as fused
+grouped GEMMs (kernels/moe/triton_kernel.py), whose routing a graph captures; with expert
+LoRA, each (token, pick) pair's delta is added beside them from the adapters' arenas, read
+by each token's slot on the device: no host sync, so decode graphs capture it (a variant of
+their own, runner/decode_graphs.py EXPERTS). On a CPU, the reference (kernels/moe/reference.py:
+a loop over the experts hit).
 Under tensor parallelism every rank holds every expert's block of
 intermediate columns (gate/up rows, down columns, like the dense MLP): its outputs are
 partial sums that the layer's one all-reduce adds.
@@ -24,13 +27,12 @@ partial sums that the layer's one all-reduce adds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 import torch
 
 from kernels.lora import LoraDelta
-from kernels.moe import route, routed_experts
+from kernels.moe import PairLora, route, routed_experts
 
 from ..parallel.shard import Shard
 from .config import ModelConfig
@@ -55,10 +57,9 @@ class ExpertWeights:
 class ExpertLora(Protocol):
     """The expert LoRA of one step's tokens (runner/lora/experts.py)."""
 
-    def add(self, layer: int, parameter: str, expert: int, token_idx: torch.Tensor,
-            x: torch.Tensor, y: torch.Tensor) -> None:
-        """Adds into y [n, out] the LoRA delta of `parameter` ("gate_up_proj", "down_proj") of
-        `expert` for rows x [n, in], which are the step's tokens token_idx."""
+    def pairs(self, layer: int) -> tuple[PairLora | None, PairLora | None]:
+        """Gate/up's and down's LoRA of layer `layer` for every (token, pick) pair, as the
+        routed experts take it (None: no token of the step has that parameter's)."""
 
 
 class MoeModel(LlamaModel):
@@ -84,8 +85,8 @@ class MoeModel(LlamaModel):
         weights, picks = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                self.weights_in_model_dtype)
         expert_lora: ExpertLora | None = getattr(lora, "experts", None) if lora is not None else None
-        delta = partial(expert_lora.add, i) if expert_lora is not None else None
-        out = routed_experts(x, weights, picks, layer.gate_up, layer.down, delta, launch.tuning.moe_tilings)
+        pairs = expert_lora.pairs(i) if expert_lora is not None else (None, None)
+        out = routed_experts(x, weights, picks, layer.gate_up, layer.down, launch.tuning.moe_tilings, pairs)
         return out, None, None  # a partial sum under tensor parallelism, as the dense MLP's
 
 

@@ -66,17 +66,21 @@ class GraphLora:
 
     applier: ApplierFactory   # (metadata in static buffers, groups) -> the step's applier
     max_loras: int            # adapter slots: a step's most distinct adapters
-    groups_of: GroupsOf       # the fused groups the adapters in these slots target
+    groups_of: GroupsOf       # the fused groups the adapters in these slots target (EXPERTS too)
     # Host mirror of each slot's (rank, first arena row) per module ([slot, (rank, row) x
     # LORA_MODULES], kept current by the adapter manager): the LoRA kernels read a step's
     # segments and each row's adapter rows from tables built from it.
     module_rows: np.ndarray
 
 # Which fused groups a LoRA graph applies, smallest first; a step replays the first variant
-# that covers every group its adapters target. The last one is all of them.
+# that covers every group its adapters target. The last one is all of them. On a mixture of
+# experts with expert arenas, one more applies the experts' LoRA too (EXPERTS: its steps'
+# routed experts give up their fused epilogues, so the other steps keep graphs without it).
 ALL_GROUPS = frozenset(FUSED_MODULES)
+EXPERTS = "experts"
 LORA_GROUP_VARIANTS: tuple[frozenset[str], ...] = (
     frozenset({"qkv"}), frozenset({"qkv", "o"}), ALL_GROUPS)
+EXPERT_VARIANTS = LORA_GROUP_VARIANTS + (ALL_GROUPS | {EXPERTS},)
 
 # The graphs' main branch (base matmuls, attention, norms) is captured on a high-priority
 # stream, so when LoRA runs beside it on a side stream (adapters/overlap.py) the GPU serves
@@ -128,7 +132,7 @@ class DecodeGraphs:
         self.lora = lora
         self.max_loras = lora.max_loras if lora is not None else 0
         self.group_variants = group_variants if lora is not None else (ALL_GROUPS,)
-        assert self.group_variants[-1] == ALL_GROUPS, "the last variant must apply every group"
+        assert ALL_GROUPS <= self.group_variants[-1], "the last variant must apply every group"
         self.replays: dict[tuple[int, int, int], int] = {}  # (size, segments, variant): count
         self.capture = model.device.type == "cuda"
         device, B = model.device, self.max_batch

@@ -10,7 +10,7 @@ import torch
 from ..engine.config import EngineConfig
 from ..engine.kv_cache import KVCache
 from ..model.forward import Decoder
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import LORA_GROUP_VARIANTS, DecodeGraphs
 from .launches import StepLaunches
 from .lora.plan import LoraStepPlan
 from .piecewise_graphs import PiecewiseGraphs
@@ -42,7 +42,8 @@ class GraphPlan:
             decode = DecodeGraphs(
                 model, launches, kv, scratch_block=self.scratch_block, max_model_len=self.max_model_len,
                 max_batch=self.decode_batch, feedback=feedback,
-                lora=lora.graph_lora(self.decode_batch) if lora is not None else None)
+                lora=lora.graph_lora(self.decode_batch) if lora is not None else None,
+                group_variants=lora.graph_variants() if lora is not None else LORA_GROUP_VARIANTS)
         if self.pieces_tokens:
             pieces = PiecewiseGraphs(
                 model, launches, kv, scratch_block=self.scratch_block, max_model_len=self.max_model_len,

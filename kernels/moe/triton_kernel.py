@@ -23,6 +23,7 @@ from ..activation.triton_kernel import silu_times
 from ..gemm.shapes import SHARED_MEMORY
 from ..host import cdiv, dot_f32
 from ..tuning import DEFAULT_TUNING, Tiling
+from .reference import PairLora
 
 BLOCK_M = 16
 
@@ -136,4 +137,128 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Te
         act.stride(0), down.stride(0), down.stride(1), scaled.stride(0),
         ROWS_PER_TOKEN=1, SCALE=True, GATED=False, F32_DOT=f32,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
+    return scaled.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+# -- each pair's expert LoRA, beside the grouped GEMMs ---------------------------------------------
+
+@triton.jit
+def _pair_lora_shrink_kernel(
+    x_ptr, picks_ptr, a_ptr, token_slots_ptr, first_ptr, rank_ptr, s_ptr,
+    K, stride_xm, stride_ae, stride_ar, stride_sm,
+    TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """s[pair, r] = x[row] . A[expert, first + r] for r < the rank of the pair's token's
+    adapter slot (zeros past it, and for tokens without one)."""
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    slot = tl.load(token_slots_ptr + token)
+    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    rs = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if rank > 0:
+        expert = tl.load(picks_ptr + pair).to(tl.int64)
+        first = tl.load(first_ptr + slot)
+        live = rs < rank
+        if X_PER_PAIR:
+            row = pair
+        else:
+            row = token
+        a_rows = a_ptr + expert * stride_ae + (first + rs).to(tl.int64)[:, None] * stride_ar
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+            av = tl.load(a_rows + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(av * xv[None, :], axis=1)
+    tl.store(s_ptr + pair * stride_sm + rs, acc)
+
+
+@triton.jit
+def _pair_lora_expand_kernel(
+    s_ptr, picks_ptr, b_ptr, token_slots_ptr, first_ptr, rank_ptr, scaling_ptr, y_ptr,
+    N, stride_sm, stride_be, stride_br, stride_ym,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """y[pair, n] += (s[pair] . B[expert, first:first + rank, n]) * scaling, rounded to y's
+    dtype before the add (as the reference's index_add)."""
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    token = pair // TOP_K
+    slot = tl.load(token_slots_ptr + token)
+    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    if rank > 0:
+        expert = tl.load(picks_ptr + pair).to(tl.int64)
+        first = tl.load(first_ptr + slot)
+        rs = tl.arange(0, BLOCK_R)
+        live = rs < rank
+        s = tl.load(s_ptr + pair * stride_sm + rs, mask=live, other=0.0)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        b = tl.load(b_ptr + expert * stride_be + (first + rs).to(tl.int64)[:, None] * stride_br + cols[None, :],
+                    mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        delta = tl.sum(s[:, None] * b, axis=0) * tl.load(scaling_ptr + slot)
+        y_ptrs = y_ptr + pair.to(tl.int64) * stride_ym + cols
+        y = tl.load(y_ptrs, mask=col_ok, other=0.0)
+        out_dtype = y_ptr.dtype.element_ty
+        tl.store(y_ptrs, (y.to(tl.float32) + delta.to(out_dtype).to(tl.float32)).to(out_dtype), mask=col_ok)
+
+
+def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: torch.Tensor, x_per_pair: bool) -> None:
+    """As reference.pair_lora_reference: a shrink launch of one program a pair, then an expand
+    launch over (pair, column tile). Each pair reads its adapter's rows of its expert: no host
+    sync, so a graph captures it."""
+    pairs, top_k = picks.numel(), picks.shape[1]
+    block_r = max(16, triton.next_power_of_2(lora.a.shape[1]))
+    width = max(16, min(128, 4096 // block_r))  # K or N tile: at most 4,096 elements a program
+    x = x if x.stride(1) == 1 else x.contiguous()
+    flat = picks.reshape(-1)
+    shrunk = torch.empty(pairs, block_r, dtype=torch.float32, device=y.device)
+    _pair_lora_shrink_kernel[(pairs,)](
+        x, flat, lora.a, lora.token_slots, lora.first, lora.rank, shrunk, x.shape[1], x.stride(0), lora.a.stride(0),
+        lora.a.stride(1), shrunk.stride(0), TOP_K=top_k, X_PER_PAIR=x_per_pair, BLOCK_R=block_r, BLOCK_K=width)
+    n = y.shape[1]
+    _pair_lora_expand_kernel[(pairs, cdiv(n, width))](
+        shrunk, flat, lora.b, lora.token_slots, lora.first, lora.rank, lora.scaling, y, n, shrunk.stride(0),
+        lora.b.stride(0),
+        lora.b.stride(1), y.stride(0), TOP_K=top_k, BLOCK_R=block_r, BLOCK_N=width)
+
+
+def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, gate_up: torch.Tensor,
+                              down: torch.Tensor, tilings: Mapping[str, Tiling] | None,
+                              gate_up_lora: PairLora | None, down_lora: PairLora | None) -> torch.Tensor:
+    """As reference.experts_reference with each pair's expert LoRA: the grouped GEMMs without
+    their fused epilogues (gate/up's delta goes in before SiLU, down's before the routing
+    weight), each pair's deltas added beside them, SiLU * up and the routing weights in
+    PyTorch as the reference rounds them."""
+    tilings = tilings or DEFAULT_TUNING.moe_tilings
+    tokens, top_k = picks.shape
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    pairs = tokens * top_k
+    sorted_ids, block_expert = align_by_expert(picks, num_experts, BLOCK_M)
+    f32 = dot_f32(x.dtype, x.device)
+    esize = x.element_size()
+    projected = x.new_empty(pairs, two_inter)
+    block_n, block_k, stages = fitted(tilings["gate_up"], hidden, esize, gated=True)
+    _grouped_gemm_kernel[(block_expert.numel(), cdiv(two_inter, 2 * block_n))](
+        x, gate_up, projected, sorted_ids, block_expert, weights, two_inter, hidden, pairs,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), projected.stride(0),
+        ROWS_PER_TOKEN=top_k, SCALE=False, GATED=False, F32_DOT=f32,
+        BLOCK_M=BLOCK_M, BLOCK_N=2 * block_n, BLOCK_K=block_k, num_stages=stages)
+    if gate_up_lora is not None:
+        pair_lora_triton(x, picks, gate_up_lora, projected, x_per_pair=False)
+    gate, up = projected.chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).contiguous()
+    result = x.new_empty(pairs, hidden)
+    block_n, block_k, stages = fitted(tilings["down"], inter, esize, gated=False)
+    _grouped_gemm_kernel[(block_expert.numel(), cdiv(hidden, block_n))](
+        act, down, result, sorted_ids, block_expert, weights, hidden, inter, pairs,
+        act.stride(0), down.stride(0), down.stride(1), result.stride(0),
+        ROWS_PER_TOKEN=1, SCALE=False, GATED=False, F32_DOT=f32,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
+    if down_lora is not None:
+        pair_lora_triton(act, picks, down_lora, result, x_per_pair=True)
+    scaled = (result * weights.reshape(-1, 1)).to(x.dtype)
     return scaled.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -115,12 +115,12 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
         make_family_adapter(base, root / name, rank, alpha, targets, seed=seed)
     rng = random.Random(7)
     prompts = [tuple(rng.randrange(100, 40000) for _ in range(n)) for n in PROMPT_LENGTHS]
-    # The embedding's and LM head's LoRA runs in eager steps, as does expert LoRA: their
-    # answers end first, so the others' last steps replay the decode graphs (every job is
-    # admitted at once for that: max_num_seqs holds them all, or the last such job would
-    # start late and run to the end).
+    # The embedding's and LM head's LoRA runs in eager steps: its answers end first, so the
+    # others' last steps replay the decode graphs (every job is admitted at once for that:
+    # max_num_seqs holds them all, or the last such job would start late and run to the end).
+    # Expert LoRA (a mixture of experts' "r16-layers") replays the graphs' experts variant.
     moe = ModelConfig.from_checkpoint(base).num_experts > 0
-    eager = {"r8-edges", "r16-layers"} if moe else {"r8-edges"}
+    eager = {"r8-edges"}
     jobs = [(name, list(p), MAX_NEW // 2 if name in eager else MAX_NEW)
             for name in ("", *adapters) for p in prompts]
     node = InProcessNode(NodeConfig.of(checkpoint=str(base), device=device, dtype=dtype_name, num_kv_blocks=256,
@@ -131,6 +131,10 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
         answers = generate_all(node, jobs)
         stats = node.check_idle()
         assert stats["graph_steps"] > 0 or device != "cuda", stats  # the decode graphs ran
+        if moe:
+            decode = node.engine.runner.decode_graphs
+            experts = len(decode.group_variants) - 1
+            assert any(variant == experts for (_, _, variant) in decode.replays), decode.replays
     finally:
         node.stop()
     by_job = {(name, tuple(p)): a for (name, p, _), a in zip(jobs, answers)}

@@ -92,21 +92,28 @@ def assert_float_tie(base: Path, adapter: Path | None, prompt: list[int], answer
     assert ((best - chosen) <= 1e-4 * best.abs().clamp(min=1.0)).all(), (best - chosen).tolist()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3", "phi3", "qwen3_moe"])
 def test_family_with_the_triton_kernels_matches_peft(family: str, request: pytest.FixtureRequest,
-                                                    tmp_path: Path) -> None:
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The graphs' paths with the Triton kernels (in Triton's interpreter, on the CPU: the
     slow tier, tests/kernels/test_triton_interpreter.py): the families' kernel options where
-    the engine launches them, against PEFT (ties within float32 rounding allowed)."""
+    the engine launches them, against PEFT (ties within float32 rounding allowed). A mixture
+    of experts' expert LoRA runs beside its fused grouped GEMMs."""
     from kernels.host import interpreting
 
     if not interpreting():
         pytest.skip("runs the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+    from kernels.moe import triton_kernel as moe_kernels
+
+    calls = []
+    fused_with_lora = moe_kernels.fused_experts_lora_triton
+    monkeypatch.setattr(moe_kernels, "fused_experts_lora_triton", lambda *a: calls.append(1) or fused_with_lora(*a))
     base = request.getfixturevalue(f"tiny_{family}_path")
     # Few graph sizes (8 rows): each is run through at start, every kernel interpreted.
     run_family_parity(base, family, tmp_path / "adapters", "cpu", "float32", num_prompts=2, max_new=10,
                       scale=3.0, edges=False, float_ties=True, start_timeout=300.0, decode_graphs="on",
                       mixed_graphs="on", max_num_seqs=8)
+    assert bool(calls) == (family == "qwen3_moe")
 
 
 @pytest.mark.parametrize("graphs", ["eager", "graphs"])

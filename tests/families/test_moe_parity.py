@@ -16,6 +16,7 @@ from safetensors import safe_open
 from family_checkpoints import MOE_FAMILIES, make_family_adapter
 from inference_node.model.llama import LlamaModel
 from inference_node.model.moe import MoeModel
+from inference_node.runner.decode_graphs import EXPERTS
 from test_family_forward import run_chunks
 from test_family_parity import run_family_parity
 
@@ -97,7 +98,8 @@ def test_moe_mixed_batch_matches_peft(family: str, graphs: str, request: pytest.
     """Adapters on attention, on the experts (rsLoRA included: PEFT's doubled gate_up rank and
     alpha give it a scaling of its own), on the embedding and the LM head, and the base model,
     in one mixed batch through gRPC with evictions. graphs: the decode and piecewise graphs'
-    paths (run without capture on CPU); steps with expert or edge LoRA run eagerly."""
+    paths (run without capture on CPU): decode steps with expert LoRA in the decode graphs'
+    experts variant, prompt steps with it and steps with edge LoRA eagerly."""
     base = request.getfixturevalue(f"tiny_{family}_path")
     mode = "on" if graphs == "graphs" else "off"
     node = run_family_parity(base, family, tmp_path / "adapters", "cpu", "float32", num_prompts=3,
@@ -105,6 +107,10 @@ def test_moe_mixed_batch_matches_peft(family: str, graphs: str, request: pytest.
     if graphs == "graphs":
         stats = node.engine.snapshot()
         assert stats["graph_steps"] > 0, stats
+        decode = node.engine.runner.decode_graphs
+        experts = len(decode.group_variants) - 1
+        assert EXPERTS in decode.group_variants[experts]
+        assert any(variant == experts for (_, _, variant) in decode.replays), decode.replays
 
 
 def _adapter_bytes(folder: Path) -> tuple[bytes, bytes]:

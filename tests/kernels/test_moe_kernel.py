@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.host import interpreting
-from kernels.moe import experts_reference, route
+from kernels.moe import PairLora, experts_reference, pair_lora_hook, pair_lora_reference, route
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -46,7 +46,7 @@ def test_fused_experts_in_the_interpreter() -> None:
         pytest.skip("the child's own run (test_fused_experts_match_the_reference)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                            "-k", "match_the_reference or tiling_tool"],
+                            "-k", "match_the_reference or tiling_tool or pair_lora"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0 and " passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
 
@@ -138,3 +138,95 @@ def _check_fused_experts(tokens: int, experts: int, top_k: int, dtype: torch.dty
     scale = max(1.0, truth.abs().max().item())
     for result in (ours, theirs):
         torch.testing.assert_close(result.float(), truth, rtol=2e-2, atol=2e-2 * scale)
+
+
+# -- each pair's expert LoRA (the fused experts with LoRA) ---------------------------------------------
+
+def _arena_lora(experts: int, rows: int, inp: int, out: int, tokens: int, gen: torch.Generator,
+                dtype: torch.dtype) -> PairLora:
+    """Arenas of `rows` rank rows holding three adapter slots of ranks 3, rows - 3 (at the
+    end) and 1, and a free slot (rank 0); tokens cycling over no adapter and the four."""
+    a = (torch.randn(experts, rows, inp, generator=gen) * 0.3).to(dtype)
+    b = (torch.randn(experts, rows, out, generator=gen) * 0.3).to(dtype)
+    first = torch.tensor([0, 3, rows - 1, 0], dtype=torch.int32)
+    rank = torch.tensor([3, rows - 3, 1, 0], dtype=torch.int32)
+    scaling = torch.tensor([0.5, 1.5, 2.5, 9.0], dtype=torch.float32)
+    token_slots = torch.tensor([t % 5 - 1 for t in range(tokens)], dtype=torch.int32)
+    return PairLora(a, b, token_slots, first, rank, scaling)
+
+
+def _expert_delta(gate_up: PairLora, down: PairLora):
+    """The per-expert hook of experts_reference, row by row from each token's slot: the oracle."""
+    def add(parameter: str, expert: int, token_idx: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        lora = gate_up if parameter == "gate_up_proj" else down
+        for i, t in enumerate(token_idx.tolist()):
+            slot = int(lora.token_slots[t])
+            if slot < 0 or not int(lora.rank[slot]):
+                continue
+            rank, first = int(lora.rank[slot]), int(lora.first[slot])
+            a, b = lora.a[expert, first:first + rank].float(), lora.b[expert, first:first + rank].float()
+            y[i] += ((x[i].float() @ a.t()) @ b * lora.scaling[slot]).to(y.dtype)
+    return add
+
+
+def test_pair_lora_hook_is_the_per_expert_oracle() -> None:
+    """The CPU path of expert LoRA (pair_lora_hook through experts_reference) and the pairs'
+    reference, against the row-by-row oracle."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, experts, top_k, hidden, inter = 11, 4, 2, 24, 20
+    x = torch.randn(tokens, hidden, generator=gen)
+    router = torch.randn(experts, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    gu_lora = _arena_lora(experts, 8, hidden, 2 * inter, tokens, gen, torch.float32)
+    down_lora = _arena_lora(experts, 5, inter, hidden, tokens, gen, torch.float32)
+    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
+    truth = experts_reference(x, weights, picks, gate_up, down, _expert_delta(gu_lora, down_lora))
+    assert (truth - experts_reference(x, weights, picks, gate_up, down)).abs().max() > 0.1
+    torch.testing.assert_close(experts_reference(x, weights, picks, gate_up, down,
+                                                 pair_lora_hook(gu_lora, down_lora)), truth, rtol=1e-5, atol=1e-5)
+    y, y_oracle = torch.zeros(tokens * top_k, 2 * inter), torch.zeros(tokens * top_k, 2 * inter)
+    pair_lora_reference(x, picks, gu_lora, y, x_per_pair=False)
+    pairs = torch.arange(tokens * top_k)
+    for e in range(experts):
+        rows = pairs[picks.flatten() == e]
+        part = torch.zeros(len(rows), 2 * inter)
+        _expert_delta(gu_lora, down_lora)("gate_up_proj", e, rows // top_k, x[rows // top_k], part)
+        y_oracle[rows] = part
+    torch.testing.assert_close(y, y_oracle, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(5, 4, 2), (9, 8, 3)])
+def test_pair_lora_matches_the_per_expert_reference(tokens: int, experts: int, top_k: int) -> None:
+    """The fused experts with each pair's LoRA (Triton, interpreted) and pair_lora_reference,
+    against experts_reference with the per-expert hook: float32, tokens on adapters of several
+    ranks at several arena rows and on none."""
+    if not interpreting():
+        pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
+    from kernels.moe.triton_kernel import fused_experts_lora_triton, pair_lora_triton
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter = 48, 40
+    x = torch.randn(tokens, hidden, generator=gen)
+    router = torch.randn(experts, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    gu_lora = _arena_lora(experts, 8, hidden, 2 * inter, tokens, gen, torch.float32)
+    down_lora = _arena_lora(experts, 5, inter, hidden, tokens, gen, torch.float32)
+    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
+    truth = experts_reference(x, weights, picks, gate_up, down, _expert_delta(gu_lora, down_lora))
+    plain = experts_reference(x, weights, picks, gate_up, down)
+    assert (truth - plain).abs().max() > 0.1  # the LoRA moves the output
+    ours = fused_experts_lora_triton(x, weights, picks, gate_up, down, None, gu_lora, down_lora)
+    torch.testing.assert_close(ours, truth, rtol=1e-5, atol=1e-4)
+    no_gate_up = PairLora(gu_lora.a, gu_lora.b, gu_lora.token_slots, gu_lora.first, torch.zeros_like(gu_lora.rank),
+                          gu_lora.scaling)
+    only_down = fused_experts_lora_triton(x, weights, picks, gate_up, down, None, None, down_lora)
+    torch.testing.assert_close(only_down, experts_reference(x, weights, picks, gate_up, down,
+                                                            _expert_delta(no_gate_up, down_lora)), rtol=1e-5, atol=1e-4)
+    # pair by pair: the kernel and its PyTorch reference agree on a gate/up delta
+    y_kernel = torch.randn(tokens * top_k, 2 * inter, generator=gen)
+    y_reference = y_kernel.clone()
+    pair_lora_triton(x, picks, gu_lora, y_kernel, x_per_pair=False)
+    pair_lora_reference(x, picks, gu_lora, y_reference, x_per_pair=False)
+    torch.testing.assert_close(y_kernel, y_reference, rtol=1e-5, atol=1e-4)

@@ -61,6 +61,7 @@ def applier_for_slots(buffers: SlotBuffers, chunk_slots: list[tuple[int, int]],
     edge = None
     if buffers.edges_of(slots):
         edge = EdgeLora(buffers, token_slots, [token_slots[i] for i in logits_rows])
-    experts = ExpertLoraApplier(buffers.experts, token_slots) if buffers.has_experts(slots) else None
-    return StepLoraApplier(buffers, LoraBatchMeta.build(token_slots, buffers.device),
-                           buffers.groups_of(slots), edge=edge, experts=experts)
+    meta = LoraBatchMeta.build(token_slots, buffers.device)
+    held = buffers.expert_parameters(slots)
+    experts = ExpertLoraApplier(buffers.experts, meta.token_slots, held) if held else None
+    return StepLoraApplier(buffers, meta, buffers.groups_of(slots), edge=edge, experts=experts)

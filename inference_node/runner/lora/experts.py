@@ -1,32 +1,31 @@
-"""The experts' LoRA of one eager step on a mixture-of-experts model (model/moe.py): each
-row routed to an expert gets its own adapter's LoRA of that expert, beside the expert's
-matmul. The reference path: per expert, one shrink and expand per adapter among its rows."""
+"""The experts' LoRA of one step on a mixture-of-experts model (model/moe.py): each row
+routed to an expert gets its own adapter's LoRA of that expert, beside the expert's matmul.
+What it hands the routed experts per layer is graph-safe (kernels/moe PairLora): the arenas,
+the step's token slots and the arenas' per-slot tables, all on the device, so eager steps
+and captured decode graphs run it alike."""
 from __future__ import annotations
 
 import torch
 
+from kernels.moe import PairLora
+
 from ...adapters.experts import ExpertArenas
+from ...model.families import EXPERT_PARAMETERS
 
 
 class ExpertLoraApplier:
-    def __init__(self, store: ExpertArenas, token_slots: list[int]) -> None:
-        """token_slots: each token's adapter slot (-1: none)."""
-        held = {slot: store.of(slot) for slot in set(token_slots) if slot >= 0}
-        self.held = {slot: pairs for slot, pairs in held.items() if pairs is not None}
-        self.token_slots = torch.tensor(token_slots, dtype=torch.long).to(store.device, non_blocking=True)
+    def __init__(self, store: ExpertArenas, token_slots: torch.Tensor,
+                 parameters: frozenset[str] = frozenset(EXPERT_PARAMETERS)) -> None:
+        """token_slots: [T] int32 on the device, each token's adapter slot (-1: none);
+        parameters: the expert parameters whose LoRA the step applies (an eager step: those
+        its adapters have; a graph: all the arenas hold)."""
+        self.store, self.token_slots = store, token_slots
+        self.parameters = {p for p in parameters if store.rows.get(f"experts.{p}", 0) > 0}
 
-    def add(self, layer: int, parameter: str, expert: int, token_idx: torch.Tensor,
-            x: torch.Tensor, y: torch.Tensor) -> None:
-        """Adds into y [n, out] (rows x [n, in] of the step's tokens token_idx) each row's
-        adapter's LoRA of `parameter` of `expert`, computed in float32."""
-        slots = self.token_slots[token_idx]
-        for slot, pairs in self.held.items():
-            pair = pairs.get((layer, parameter))
-            if pair is None:
-                continue
-            rows = (slots == slot).nonzero()[:, 0]
-            if rows.numel() == 0:
-                continue
-            a, b, scaling = pair
-            delta = (x[rows].float() @ a[expert].float().t()) @ b[expert].float()  # B: rank rows
-            y.index_add_(0, rows, (delta * scaling).to(y.dtype))
+    def pairs(self, layer: int) -> tuple[PairLora | None, PairLora | None]:
+        """Gate/up's and down's LoRA of `layer` for every (token, pick) pair (None: the step
+        applies none of that parameter)."""
+        gate_up, down = (self.store.pair_lora(layer, p, self.token_slots)
+                         if p in self.parameters and (layer, p) in self.store.a else None
+                         for p in EXPERT_PARAMETERS)
+        return gate_up, down

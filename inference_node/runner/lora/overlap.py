@@ -167,6 +167,7 @@ class OverlappedLoraApplier:
     unexpanded, for the op after the matmul."""
 
     edge = None  # decode graphs never run a step whose adapters have embedding or LM head LoRA
+    experts = None  # a mixture of experts' expert LoRA (plan.GraphAppliers sets it in its variant)
 
     def __init__(self, overlap: LoraOverlap, meta: LoraBatchMeta,
                  groups: frozenset[str] | None = None) -> None:

@@ -16,9 +16,10 @@ from kernels.tuning import DEFAULT_TUNING, Tuning
 
 from ...adapters.slots import SlotBuffers
 from ...engine.scheduler import ScheduledChunk
-from ..decode_graphs import GraphLora
+from ..decode_graphs import EXPERT_VARIANTS, EXPERTS, LORA_GROUP_VARIANTS, GraphLora
 from ..piecewise_graphs import PiecewiseLora
 from .eager import StepLoraApplier, applier_for_slots
+from .experts import ExpertLoraApplier
 from .overlap import LoraOverlap
 
 
@@ -42,10 +43,19 @@ class LoraStepPlan:
         return self.buffers.groups_of(slots)
 
     def needs_eager(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether an adapter of the step has embedding, LM head or expert LoRA: such steps
-        run eagerly (the graphs' appliers have none)."""
-        slots = [c.request.lora_slot for c in chunks]
-        return bool(self.buffers.edges_of(slots)) or self.buffers.has_experts(slots)
+        """Whether an adapter of the step has embedding or LM head LoRA: such steps run
+        eagerly (the graphs' appliers have none)."""
+        return bool(self.buffers.edges_of([c.request.lora_slot for c in chunks]))
+
+    def has_experts(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether an adapter of the step has expert LoRA: the decode graphs have a variant
+        for it (graph_variants), the piecewise graphs none (such prompt steps run eagerly)."""
+        return self.buffers.has_experts([c.request.lora_slot for c in chunks])
+
+    def graph_variants(self) -> tuple[frozenset[str], ...]:
+        """The decode graphs' LoRA group variants: with EXPERTS where adapters may bring
+        expert LoRA (the node reserved expert arenas)."""
+        return EXPERT_VARIANTS if any(self.buffers.experts.rows.values()) else LORA_GROUP_VARIANTS
 
     def applier(self, chunk_slots: list[tuple[int, int]], logits_rows: list[int] = ()) -> StepLoraApplier | None:
         """An eager step's applier, from each chunk's (adapter slot, tokens) and the tokens
@@ -67,8 +77,13 @@ class LoraStepPlan:
 
     def graph_lora(self, max_tokens: int) -> GraphLora:
         """The decode graphs' LoRA: appliers over static buffers for up to `max_tokens` rows."""
-        return GraphLora(GraphAppliers(self.buffers, max_tokens, self.tuning).applier,
-                         self.buffers.max_loras, self.buffers.groups_of, self.buffers.module_rows)
+        buffers = self.buffers
+
+        def groups_of(slots) -> frozenset[str]:
+            return buffers.groups_of(slots) | ({EXPERTS} if buffers.has_experts(slots) else frozenset())
+
+        return GraphLora(GraphAppliers(buffers, max_tokens, self.tuning).applier, buffers.max_loras, groups_of,
+                         buffers.module_rows)
 
 
 class GraphAppliers:
@@ -83,6 +98,13 @@ class GraphAppliers:
         self.beside = LoraOverlap(buffers, min(max_tokens, MAX_ROWS), tuning)
 
     def applier(self, meta: LoraBatchMeta, groups: frozenset[str] | None = None):
+        experts = groups is not None and EXPERTS in groups
+        if experts:
+            groups = groups - {EXPERTS}
         if meta.num_active_tokens <= self.max_rows:
-            return self.beside.applier(meta, groups)
-        return StepLoraApplier(self.buffers, meta, groups)
+            applier = self.beside.applier(meta, groups)
+        else:
+            applier = StepLoraApplier(self.buffers, meta, groups)
+        if experts:  # every expert parameter the arenas hold: rows without one exit at once
+            applier.experts = ExpertLoraApplier(self.buffers.experts, meta.token_slots)
+        return applier
