@@ -546,8 +546,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     r16 = [f"r16-all-{k:03d}" for k in range(max(counts + [args.peft_adapters if "e" in wanted else 0]))]
     qv = [f"r8-qv-{k:03d}" for k in range(args.qv_adapters)] if "d" in wanted else []
     # A mixture of experts' rows c: LoRA on attention only. Rank 16 on every expert of
-    # Qwen3-30B-A3B is 1.26 GB an adapter (32 would not fit beside the weights), and steps
-    # with expert LoRA run eagerly (inference_node/model/moe.py).
+    # Qwen3-30B-A3B is 1.26 GB an adapter, and the benchmark writes no expert LoRA yet
+    # (tests/families/test_family_gpu.py runs it at real widths, for parity).
     targets, what = (ATTENTION_MODULES, "q,k,v,o") if cfg.num_experts else (ALL_MODULES, "all 7 projections")
     write_adapters(adapter_root, cfg, r16, [16], targets, device, torch.bfloat16, seed=1000)
     write_adapters(adapter_root, cfg, qv, [8], QV, device, torch.bfloat16, seed=5000)
