@@ -107,37 +107,43 @@ def _grouped_gemm_kernel(
              mask=valid[:, None] & col_ok[None, :])
 
 
+class _Grouped:
+    """One step's routing sorted by expert (align_by_expert), and the grouped GEMM over it."""
+
+    def __init__(self, x: torch.Tensor, picks: torch.Tensor, num_experts: int,
+                 tilings: Mapping[str, Tiling] | None) -> None:
+        self.tilings = tilings or DEFAULT_TUNING.moe_tilings
+        self.top_k, self.pairs = picks.shape[1], picks.numel()
+        self.sorted_ids, self.block_expert = align_by_expert(picks, num_experts, BLOCK_M)
+        self.f32 = dot_f32(x.dtype, x.device)
+
+    def gemm(self, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, group: str, *, per_token: bool,
+             gated: bool = False, weights: torch.Tensor | None = None) -> None:
+        """out[pair] = a[its row] @ w[its expert]^T at `group`'s tiling: SiLU(gate) * up where
+        gated (out has half w's rows), times each pair's routing weight where `weights` (flat)."""
+        n, k = (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
+        block_n, block_k, stages = fitted(self.tilings[group], k, a.element_size(), gated=group == "gate_up")
+        if group == "gate_up" and not gated:
+            block_n *= 2  # gate's and up's columns in one plain tile: the gated launch's bytes
+        _grouped_gemm_kernel[(self.block_expert.numel(), cdiv(n, block_n))](
+            a, w, out, self.sorted_ids, self.block_expert, weights if weights is not None else out, n, k, self.pairs,
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            ROWS_PER_TOKEN=self.top_k if per_token else 1, SCALE=weights is not None, GATED=gated, F32_DOT=self.f32,
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
+
+
 def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, gate_up: torch.Tensor,
                          down: torch.Tensor, tilings: Mapping[str, Tiling] | None = None) -> torch.Tensor:
     """As reference.experts_reference without LoRA: x [T, hidden], weights / picks [T, k],
     gate_up [E, 2 * inter, hidden], down [E, hidden, inter] (all contiguous); tilings: the
     Tuning's moe_tilings (the defaults' where None)."""
-    tilings = tilings or DEFAULT_TUNING.moe_tilings
     tokens, top_k = picks.shape
-    num_experts, two_inter, hidden = gate_up.shape
-    inter = two_inter // 2
-    pairs = tokens * top_k
-    sorted_ids, block_expert = align_by_expert(picks, num_experts, BLOCK_M)
-    f32 = dot_f32(x.dtype, x.device)
-    esize = x.element_size()
-    act = x.new_empty(pairs, inter)
-    block_n, block_k, stages = fitted(tilings["gate_up"], hidden, esize, gated=True)
-    grid = (block_expert.numel(), cdiv(inter, block_n))
-    _grouped_gemm_kernel[grid](
-        x, gate_up, act, sorted_ids, block_expert, weights, inter, hidden, pairs,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        ROWS_PER_TOKEN=top_k, SCALE=False, GATED=True, F32_DOT=f32,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
-    scaled = x.new_empty(pairs, hidden)
-    flat_weights = weights.reshape(-1).contiguous()
-    block_n, block_k, stages = fitted(tilings["down"], inter, esize, gated=False)
-    grid = (block_expert.numel(), cdiv(hidden, block_n))
-    _grouped_gemm_kernel[grid](
-        act, down, scaled, sorted_ids, block_expert, flat_weights, hidden, inter, pairs,
-        act.stride(0), down.stride(0), down.stride(1), scaled.stride(0),
-        ROWS_PER_TOKEN=1, SCALE=True, GATED=False, F32_DOT=f32,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
-    return scaled.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    grouped = _Grouped(x, picks, gate_up.shape[0], tilings)
+    act = x.new_empty(grouped.pairs, gate_up.shape[1] // 2)
+    grouped.gemm(x, gate_up, act, "gate_up", per_token=True, gated=True)
+    scaled = x.new_empty(grouped.pairs, x.shape[1])
+    grouped.gemm(act, down, scaled, "down", per_token=False, weights=weights.reshape(-1).contiguous())
+    return scaled.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
 # -- each pair's expert LoRA, beside the grouped GEMMs ---------------------------------------------
@@ -232,33 +238,17 @@ def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: tor
     their fused epilogues (gate/up's delta goes in before SiLU, down's before the routing
     weight), each pair's deltas added beside them, SiLU * up and the routing weights in
     PyTorch as the reference rounds them."""
-    tilings = tilings or DEFAULT_TUNING.moe_tilings
     tokens, top_k = picks.shape
-    num_experts, two_inter, hidden = gate_up.shape
-    inter = two_inter // 2
-    pairs = tokens * top_k
-    sorted_ids, block_expert = align_by_expert(picks, num_experts, BLOCK_M)
-    f32 = dot_f32(x.dtype, x.device)
-    esize = x.element_size()
-    projected = x.new_empty(pairs, two_inter)
-    block_n, block_k, stages = fitted(tilings["gate_up"], hidden, esize, gated=True)
-    _grouped_gemm_kernel[(block_expert.numel(), cdiv(two_inter, 2 * block_n))](
-        x, gate_up, projected, sorted_ids, block_expert, weights, two_inter, hidden, pairs,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), projected.stride(0),
-        ROWS_PER_TOKEN=top_k, SCALE=False, GATED=False, F32_DOT=f32,
-        BLOCK_M=BLOCK_M, BLOCK_N=2 * block_n, BLOCK_K=block_k, num_stages=stages)
+    grouped = _Grouped(x, picks, gate_up.shape[0], tilings)
+    projected = x.new_empty(grouped.pairs, gate_up.shape[1])
+    grouped.gemm(x, gate_up, projected, "gate_up", per_token=True)
     if gate_up_lora is not None:
         pair_lora_triton(x, picks, gate_up_lora, projected, x_per_pair=False)
     gate, up = projected.chunk(2, dim=-1)
     act = (torch.nn.functional.silu(gate) * up).contiguous()
-    result = x.new_empty(pairs, hidden)
-    block_n, block_k, stages = fitted(tilings["down"], inter, esize, gated=False)
-    _grouped_gemm_kernel[(block_expert.numel(), cdiv(hidden, block_n))](
-        act, down, result, sorted_ids, block_expert, weights, hidden, inter, pairs,
-        act.stride(0), down.stride(0), down.stride(1), result.stride(0),
-        ROWS_PER_TOKEN=1, SCALE=False, GATED=False, F32_DOT=f32,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=stages)
+    result = x.new_empty(grouped.pairs, x.shape[1])
+    grouped.gemm(act, down, result, "down", per_token=False)
     if down_lora is not None:
         pair_lora_triton(act, picks, down_lora, result, x_per_pair=True)
     scaled = (result * weights.reshape(-1, 1)).to(x.dtype)
-    return scaled.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return scaled.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

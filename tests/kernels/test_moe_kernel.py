@@ -169,29 +169,38 @@ def _expert_delta(gate_up: PairLora, down: PairLora):
     return add
 
 
+def _lora_case(tokens: int, experts: int, top_k: int, hidden: int, inter: int, seed: int) -> dict:
+    """Random experts and routing with arena LoRA on gate/up and down, and the oracle's output."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    router = torch.randn(experts, hidden, generator=gen)
+    case = dict(x=x, gate_up=torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2,
+                down=torch.randn(experts, hidden, inter, generator=gen) * 0.2,
+                gu_lora=_arena_lora(experts, 8, hidden, 2 * inter, tokens, gen, torch.float32),
+                down_lora=_arena_lora(experts, 5, inter, hidden, tokens, gen, torch.float32), gen=gen)
+    case["weights"], case["picks"] = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
+    experts_of = (case["weights"], case["picks"], case["gate_up"], case["down"])
+    case["truth"] = experts_reference(x, *experts_of, _expert_delta(case["gu_lora"], case["down_lora"]))
+    assert (case["truth"] - experts_reference(x, *experts_of)).abs().max() > 0.1  # the LoRA moves the output
+    return case
+
+
 def test_pair_lora_hook_is_the_per_expert_oracle() -> None:
     """The CPU path of expert LoRA (pair_lora_hook through experts_reference) and the pairs'
     reference, against the row-by-row oracle."""
-    gen = torch.Generator().manual_seed(1)
-    tokens, experts, top_k, hidden, inter = 11, 4, 2, 24, 20
-    x = torch.randn(tokens, hidden, generator=gen)
-    router = torch.randn(experts, hidden, generator=gen)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
-    down = torch.randn(experts, hidden, inter, generator=gen) * 0.2
-    gu_lora = _arena_lora(experts, 8, hidden, 2 * inter, tokens, gen, torch.float32)
-    down_lora = _arena_lora(experts, 5, inter, hidden, tokens, gen, torch.float32)
-    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
-    truth = experts_reference(x, weights, picks, gate_up, down, _expert_delta(gu_lora, down_lora))
-    assert (truth - experts_reference(x, weights, picks, gate_up, down)).abs().max() > 0.1
-    torch.testing.assert_close(experts_reference(x, weights, picks, gate_up, down,
-                                                 pair_lora_hook(gu_lora, down_lora)), truth, rtol=1e-5, atol=1e-5)
+    tokens, experts, top_k, inter = 11, 4, 2, 20
+    c = _lora_case(tokens, experts, top_k, 24, inter, seed=1)
+    x, picks, gu_lora = c["x"], c["picks"], c["gu_lora"]
+    torch.testing.assert_close(experts_reference(x, c["weights"], picks, c["gate_up"], c["down"],
+                                                 pair_lora_hook(gu_lora, c["down_lora"])), c["truth"], rtol=1e-5,
+                               atol=1e-5)
     y, y_oracle = torch.zeros(tokens * top_k, 2 * inter), torch.zeros(tokens * top_k, 2 * inter)
     pair_lora_reference(x, picks, gu_lora, y, x_per_pair=False)
     pairs = torch.arange(tokens * top_k)
     for e in range(experts):
         rows = pairs[picks.flatten() == e]
         part = torch.zeros(len(rows), 2 * inter)
-        _expert_delta(gu_lora, down_lora)("gate_up_proj", e, rows // top_k, x[rows // top_k], part)
+        _expert_delta(gu_lora, c["down_lora"])("gate_up_proj", e, rows // top_k, x[rows // top_k], part)
         y_oracle[rows] = part
     torch.testing.assert_close(y, y_oracle, rtol=1e-5, atol=1e-5)
 
@@ -205,20 +214,12 @@ def test_pair_lora_matches_the_per_expert_reference(tokens: int, experts: int, t
         pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
     from kernels.moe.triton_kernel import fused_experts_lora_triton, pair_lora_triton
 
-    gen = torch.Generator().manual_seed(tokens)
-    hidden, inter = 48, 40
-    x = torch.randn(tokens, hidden, generator=gen)
-    router = torch.randn(experts, hidden, generator=gen)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
-    down = torch.randn(experts, hidden, inter, generator=gen) * 0.2
-    gu_lora = _arena_lora(experts, 8, hidden, 2 * inter, tokens, gen, torch.float32)
-    down_lora = _arena_lora(experts, 5, inter, hidden, tokens, gen, torch.float32)
-    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
-    truth = experts_reference(x, weights, picks, gate_up, down, _expert_delta(gu_lora, down_lora))
-    plain = experts_reference(x, weights, picks, gate_up, down)
-    assert (truth - plain).abs().max() > 0.1  # the LoRA moves the output
+    inter = 40
+    c = _lora_case(tokens, experts, top_k, 48, inter, seed=tokens)
+    x, weights, picks, gate_up, down = c["x"], c["weights"], c["picks"], c["gate_up"], c["down"]
+    gu_lora, down_lora, gen = c["gu_lora"], c["down_lora"], c["gen"]
     ours = fused_experts_lora_triton(x, weights, picks, gate_up, down, None, gu_lora, down_lora)
-    torch.testing.assert_close(ours, truth, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ours, c["truth"], rtol=1e-5, atol=1e-4)
     no_gate_up = PairLora(gu_lora.a, gu_lora.b, gu_lora.token_slots, gu_lora.first, torch.zeros_like(gu_lora.rank),
                           gu_lora.scaling)
     only_down = fused_experts_lora_triton(x, weights, picks, gate_up, down, None, None, down_lora)
