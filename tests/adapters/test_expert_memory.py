@@ -79,6 +79,13 @@ def test_a_budget_of_n_expert_adapters_holds_n_and_evicts_for_the_next(tiny_mixt
             held = buffers.experts.of(e.slot)
             assert held is not None and len(held) == 2 * config.num_layers
             assert {t.untyped_storage().data_ptr() for a, b, _ in held.values() for t in (a, b)} <= storages
+            # the device tables the fused experts read by slot: (first row, rank) per parameter
+            first_gu, rank_gu, first_down, rank_down = buffers.experts.slot_rows[:, e.slot].tolist()
+            assert (rank_gu, rank_down) == (8, 4) and first_gu + 8 <= 26 and first_down + 4 <= 13
+            assert (buffers.experts.slot_scales[:, e.slot] > 0).all()
+        held_slots = {e.slot for e in on_gpu}
+        for slot in set(range(buffers.experts.slot_rows.shape[1])) - held_slots:  # freed slots read rank 0
+            assert not buffers.experts.slot_rows[:, slot].any() and not buffers.experts.slot_scales[:, slot].any()
 
     for i, name in enumerate(names[:3]):
         entry, error = load(m, name)
