@@ -96,18 +96,18 @@ def sweep_rows(rows: int, shape: dict[str, int], grid: Sequence[Tiling], device:
             raise AssertionError(f"{tilings}: max error {err:.3g} against the reference (bound {bound:.3g})")
         return timer(call)
 
+    def fastest(times: dict[Tiling, float | None], default: Tiling, default_us: float | None) -> Tiling:
+        measured = {t: us for t, us in {default: default_us, **times}.items() if us is not None}
+        return min(measured, key=measured.get) if measured else default
+
     default = dict(DEFAULT_TUNING.moe_tilings)
     base_us = timed(default)
     gate_up_us = {t: timed({**default, "gate_up": t}) for t in grid}
-    best_gate_up = min((t for t, us in gate_up_us.items() if us is not None), key=gate_up_us.get,
-                       default=default["gate_up"])
-    if base_us is not None and (gate_up_us.get(best_gate_up) or base_us) > base_us:
-        best_gate_up = default["gate_up"]
+    best_gate_up = fastest(gate_up_us, default["gate_up"], base_us)
     down_us = {t: timed({"gate_up": best_gate_up, "down": t}) for t in grid}
-    best_down = min((t for t, us in down_us.items() if us is not None), key=down_us.get, default=default["down"])
-    best = {"gate_up": best_gate_up, "down": best_down}
+    best = {"gate_up": best_gate_up, "down": fastest(down_us, default["down"], None)}
     best_us = timed(best)
-    if base_us is not None and best_us is not None and best_us > base_us:
+    if base_us is not None and (best_us is None or best_us > base_us):
         best, best_us = default, base_us
     return {"rows": rows, "default_us": base_us, "best": best, "best_us": best_us,
             "bytes": hit_bytes(picks, hidden, inter, x.element_size()),
