@@ -82,7 +82,8 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
                       help="the table's folder (its file named by device, shape and dtype) or a .json path "
                            "(default: where `serve` looks: its --tuning-cache-dir, else $LORA_SERVING_CACHE/tuning; "
                            "kernels/configs for a seed)")
-    tune.add_argument("--groups", default="qkv,o,gate_up,down", help="fused groups to sweep")
+    tune.add_argument("--groups", default="qkv,o,gate_up,down,experts.gate_up,experts.down",
+                      help="fused groups to sweep (a dense model has no experts', a mixture of experts no dense MLP's)")
     tune.add_argument("--min-gain", type=float, default=0.02,
                       help="a tiling goes into the table where it is this much faster than the default")
 

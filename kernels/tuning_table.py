@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 if TYPE_CHECKING:
     import torch
 
-from .tuning import DEFAULT_TUNING, GROUPS, Tuning
+from .tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, Tuning
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FORMAT = 2
@@ -51,31 +51,49 @@ class TuningTableError(ValueError):
 @dataclass(frozen=True)
 class ModelShape:
     """The shapes the decode GEMMs run at: a model's, or under tensor parallelism its
-    shard's (heads, KV heads and MLP width divided; hidden size whole)."""
+    shard's (heads, KV heads and MLP width divided; hidden size whole). A mixture of experts
+    (experts > 0) has no dense MLP: `intermediate` is each expert's width, and its routed
+    experts' grouped GEMMs are tuned beside q/k/v and o."""
 
     hidden: int
     intermediate: int
     heads: int
     kv_heads: int
     head_dim: int
+    experts: int = 0   # routed experts a layer (0: a dense model)
+    top_k: int = 0     # experts a token is routed to
 
     @property
     def key(self) -> str:
         return (f"h{self.hidden}_i{self.intermediate}_q{self.heads}_kv{self.kv_heads}"
-                f"_d{self.head_dim}")
+                f"_d{self.head_dim}" + (f"_e{self.experts}k{self.top_k}" if self.experts else ""))
 
     def gemms(self) -> dict[str, tuple[int, int]]:
-        """(N, K) of each fused group's matmul, x [M, K] @ W [K, N]."""
+        """(N, K) of each fused group's matmul, x [M, K] @ W [K, N] (a mixture of experts'
+        MLP is its grouped GEMMs, not these)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"qkv": (q + 2 * kv, self.hidden), "o": (self.hidden, q),
-                "gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
+        attention = {"qkv": (q + 2 * kv, self.hidden), "o": (self.hidden, q)}
+        if self.experts:
+            return attention
+        return attention | {"gate_up": (2 * self.intermediate, self.hidden), "down": (self.hidden, self.intermediate)}
+
+    def to_json(self) -> dict[str, int]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v or k not in _OPTIONAL_SHAPE}
 
     @classmethod
     def of(cls, config: Any) -> "ModelShape":
         """From a model config with the Hugging Face-like fields of inference_node's
-        ModelConfig (hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim)."""
+        ModelConfig (hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim; a
+        mixture of experts' num_experts, num_experts_per_tok, moe_intermediate_size)."""
+        experts = getattr(config, "num_experts", 0)
+        if experts:
+            return cls(config.hidden_size, config.moe_intermediate_size, config.num_heads, config.num_kv_heads,
+                       config.head_dim, experts, config.num_experts_per_tok)
         return cls(config.hidden_size, config.intermediate_size, config.num_heads,
                    config.num_kv_heads, config.head_dim)
+
+
+_OPTIONAL_SHAPE = ("experts", "top_k")
 
 
 def device_name(device: torch.device) -> str:
@@ -259,15 +277,18 @@ class TuningTable:
             raise ValueError(f"tuning_s: expected a non-negative number of seconds, not {tuning_s!r}")
         unmeasured = raw.get("unmeasured", [])
         if not (isinstance(unmeasured, list) and all(
-                isinstance(u, list) and len(u) == 3 and u[0] in GROUPS
+                isinstance(u, list) and len(u) == 3 and u[0] in GROUPS + EXPERT_GROUPS
                 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in u[1:])
                 for u in unmeasured)):
             raise ValueError(f"unmeasured: expected [group, batch, adapters] entries, not {unmeasured!r}")
         fields = {f.name for f in dataclasses.fields(ModelShape)}
+        required = fields - set(_OPTIONAL_SHAPE)
         shape = raw.get("shape")
-        if (not isinstance(shape, dict) or set(shape) != fields
-                or not all(isinstance(v, int) and v > 0 for v in shape.values())):
-            raise ValueError(f"shape: expected positive integers {sorted(fields)}, not {shape!r}")
+        if (not isinstance(shape, dict) or not required <= set(shape) <= fields
+                or not all(isinstance(v, int) and not isinstance(v, bool) and (v > 0 or k in _OPTIONAL_SHAPE and v == 0)
+                           for k, v in shape.items())):
+            raise ValueError(f"shape: expected positive integers {sorted(required)} (and a mixture of experts' "
+                             f"{' and '.join(_OPTIONAL_SHAPE)}), not {shape!r}")
         node = _choices(raw.get("node", {}), "node", CHOICES)
         buckets_raw = raw.get("buckets", [])
         if not isinstance(buckets_raw, list):
@@ -300,7 +321,7 @@ class TuningTable:
             {"tuning_s": round(self.tuning_s, 1)} if self.tuning_s is not None else {}) | (
             {"unmeasured": [list(u) for u in self.unmeasured]} if self.unmeasured else {})
         return {
-            "format": FORMAT, "device": self.device, "shape": dataclasses.asdict(self.shape),
+            "format": FORMAT, "device": self.device, "shape": self.shape.to_json(),
             "dtype": self.dtype, **recorded, "produced_by": self.produced_by,
             "node": {n: choice_to_json(n, v) for n, v in self.node.items()},
             "buckets": [{"batch": b.batch, "adapters": b.adapters,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kernels.gemm.shapes import MAX_ROWS
-from kernels.tuning import DEFAULT_TUNING, GROUPS
+from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS
 from kernels.tuning_table import CONFIG_DIR, ModelShape, TuningTable
 
 from .store import exclusive, usable
@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
         batches = [b for b in batches if b <= MAX_ROWS]
     adapters = integers(args.adapters, "--adapters", 0)
     groups = [g for g in args.groups.split(",") if g]
-    if not groups or set(groups) - set(GROUPS):
-        raise SystemExit(f"inference-node tune: --groups {args.groups!r}: expected some of {', '.join(GROUPS)}")
+    if not groups or set(groups) - set(GROUPS + EXPERT_GROUPS):
+        raise SystemExit(f"inference-node tune: --groups {args.groups!r}: expected some of "
+                         f"{', '.join(GROUPS + EXPERT_GROUPS)}")
+    groups = [g for g in groups if g in shape.gemms() or (shape.experts and g in EXPERT_GROUPS)]
 
     key = key_for(device, shape, dtype)
     out = Path(args.out) if args.out else default_cache()
@@ -117,6 +119,7 @@ def summarize(table: TuningTable, field: str, batches: list[int], adapters: list
     for batch in sorted(batches):
         for count in sorted(a for a in adapters if a <= batch):
             tuning = steps.for_step(batch, count)
-            chosen = tuning.fold_tilings if count else getattr(tuning, field)
+            chosen = {**(tuning.fold_tilings if count else getattr(tuning, field)),
+                      **{f"experts.{g}": t for g, t in tuning.moe_tilings.items()}}
             print(f"  batch {batch:3d}, {count:3d} adapters: "
-                  + ", ".join(f"{g}={'.'.join(map(str, chosen[g]))}" for g in groups))
+                  + ", ".join(f"{g}={'.'.join(map(str, chosen[g]))}" for g in groups if g in chosen))

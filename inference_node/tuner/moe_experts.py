@@ -22,12 +22,16 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from kernels.moe import experts_reference, route
 from kernels.tuning import DEFAULT_TUNING, Tiling
+from kernels.tuning_table import ModelShape
+
+if TYPE_CHECKING:
+    from .sweep import Case, Sweep, Trial
 
 # Qwen3-30B-A3B: 128 experts of 768 columns, 8 routed a token, hidden 2048.
 QWEN3_30B_A3B = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
@@ -112,6 +116,98 @@ def sweep_rows(rows: int, shape: dict[str, int], grid: Sequence[Tiling], device:
     return {"rows": rows, "default_us": base_us, "best": best, "best_us": best_us,
             "bytes": hit_bytes(picks, hidden, inter, x.element_size()),
             "gate_up_us": gate_up_us, "down_us": down_us}
+
+
+# -- the node's sweep (sweep.py): the cases experts.gate_up and experts.down at each batch -------
+
+def expert_options(shape: ModelShape, case_group: str, dtype: torch.dtype) -> list[Tiling]:
+    """The distinct tilings of a grouped GEMM the node would launch (fitted to K and to shared
+    memory), the default first."""
+    from kernels.moe.triton_kernel import fitted
+
+    group = case_group.removeprefix("experts.")
+    k = shape.hidden if group == "gate_up" else shape.intermediate
+    esize = torch.finfo(dtype).bits // 8
+    options: list[Tiling] = []
+    for tiling in (DEFAULT_TUNING.moe_tilings[group], *GRID):
+        fit = fitted(tiling, k, esize, gated=group == "gate_up")
+        if fit not in options:
+            options.append(fit)
+    return options
+
+
+def expert_trials(sweep: "Sweep", case: "Case", options: Sequence[Tiling]) -> tuple[list["Trial"], int]:
+    """(a trial per option, the bytes one launch must move): each option checked through the
+    node's dispatch (routed_experts, both GEMMs, the other group at its default) against the
+    float32 reference, and timed as its one grouped GEMM over routings of its own copies
+    (random routers), enough that the experts they hit overflow L2 together."""
+    from kernels.dispatch import use_triton
+    from kernels.moe.dispatch import routed_experts
+
+    from .sweep import Trial, copies_for, rel_err, MAX_REL_ERR
+
+    group = case.group.removeprefix("experts.")
+    shape, device, dtype = sweep.shape, sweep.device, sweep.dtype
+    hidden, inter = shape.hidden, shape.intermediate
+    gate_up, down = expert_weights(sweep)
+    gen = torch.Generator(device="cpu").manual_seed(case.batch)
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(case.batch, hidden, generator=gen).to(device, dtype)
+        router = torch.randn(shape.experts, hidden, generator=gen).to(device, dtype)
+        weights, picks = route(x, router, shape.top_k, renormalise=True, weights_in_model_dtype=False)
+        return x, weights, picks
+
+    first = routing()
+    per_expert = (2 * inter * hidden if group == "gate_up" else hidden * inter) * gate_up.element_size()
+    hit = int(first[2].unique().numel()) * per_expert
+    copies = [first] + [routing() for _ in range(copies_for(hit) - 1)] if device.type == "cuda" else [first]
+    x, weights, picks = first
+    truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float())
+    pairs = case.batch * shape.top_k
+    act_rows = x.new_empty(pairs, inter).normal_()
+    out_rows = x.new_empty(pairs, hidden if group == "down" else inter)
+
+    def launch(copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tilings: dict[str, Tiling]):
+        cx, cweights, cpicks = copy
+        if not use_triton(cx):  # the CPU smoke without the interpreter: what the node runs there
+            return lambda: routed_experts(cx, cweights, cpicks, gate_up, down, tilings)
+        from kernels.moe.triton_kernel import _Grouped
+
+        grouped = _Grouped(cx, cpicks, shape.experts, tilings)
+        if group == "gate_up":
+            return lambda: grouped.gemm(cx, gate_up, out_rows, "gate_up", per_token=True, gated=True)
+        flat = cweights.reshape(-1).contiguous()
+        return lambda: grouped.gemm(act_rows, down, out_rows, "down", per_token=False, weights=flat)
+
+    trials = []
+    for option in options:
+        tilings = {**DEFAULT_TUNING.moe_tilings, group: option}
+
+        def check(t=tilings) -> list[str]:
+            err = rel_err(routed_experts(x, weights, picks, gate_up, down, t), truth)
+            return [] if err <= MAX_REL_ERR else [f"rel err {err:.1e} at {case.batch} rows"]
+
+        def timed(timer, t=tilings) -> float:
+            return timer(lambda copy: launch(copy, t), copies)
+
+        trials.append(Trial(check, timed))
+    activations = pairs * (2 * inter if group == "gate_up" else inter + hidden) * gate_up.element_size()
+    return trials, hit + activations
+
+
+def expert_weights(sweep: "Sweep") -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's gate/up [E, 2 * inter, hidden] and down [E, hidden, inter], random, made on
+    the device once per sweep (30B-A3B's: 1.2 GB; one layer's experts overflow L2 by far)."""
+    if "experts" not in sweep._weights:
+        shape = sweep.shape
+        gen = torch.Generator(device=sweep.device).manual_seed(0)
+        make = lambda *size: (torch.randn(*size, generator=gen, device=sweep.device) * size[-1] ** -0.5  # noqa: E731
+                              ).to(sweep.dtype)
+        sweep._weights["experts"] = [make(shape.experts, 2 * shape.intermediate, shape.hidden),
+                                     make(shape.experts, shape.hidden, shape.intermediate)]
+    gate_up, down = sweep._weights["experts"]
+    return gate_up, down
 
 
 def parse_grid(text: str | None) -> tuple[Tiling, ...]:

@@ -1,5 +1,7 @@
 """The sweep: the decode GEMM's tilings per fused group and decode batch bucket, plain (the
-base GEMM) and with LoRA folded in (per bucket of distinct adapters), each candidate run
+base GEMM) and with LoRA folded in (per bucket of distinct adapters), and a mixture of
+experts' grouped GEMMs per batch bucket (moe_experts.py: experts.gate_up, experts.down; it has
+no dense MLP to sweep), each candidate run
 through the node's own dispatch, checked against the PyTorch reference and timed; the
 winners become a TuningTable (kernels/tuning_table.py).
 
@@ -27,7 +29,7 @@ import torch
 
 from kernels.gemm import GemmLora, fold_counters
 from kernels.gemm.shapes import MAX_ROWS, gated_block_n, row_tile, tiling as fitted_tiling
-from kernels.tuning import DEFAULT_TUNING, GROUPS, Tiling, Tuning
+from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, Tiling, Tuning
 from kernels.tuning_table import Bucket, ModelShape, TuningTable
 
 log = logging.getLogger(__name__)
@@ -198,10 +200,12 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
     GEMM (adapters 0), then its folds in the order of `adapters` (at most the batch), each
     fold only for the groups a step of that many adapters folds under `plan`, in its mode."""
     out, notes = [], []
+    experts = [g for g in groups if g in EXPERT_GROUPS] if shape.experts else []
+    groups = [g for g in groups if g in shape.gemms()]  # a mixture of experts has no dense MLP
     for batch in batches:
         for count in adapters:
             if count == 0:
-                out += [Case(g, batch) for g in groups]
+                out += [Case(g, batch) for g in groups + experts]
                 continue
             if count > batch:
                 continue
@@ -449,6 +453,10 @@ class Sweep:
         return have[:copies]
 
     def options(self, case: Case) -> list[Tiling]:
+        if case.group in EXPERT_GROUPS:
+            from .moe_experts import expert_options
+
+            return expert_options(self.shape, case.group, self.dtype)[:self.max_candidates]
         N, K = self.shape.gemms()[case.group]
         w = torch.empty(N, K, dtype=self.dtype, device="meta").t()
         if case.adapters:
@@ -460,7 +468,12 @@ class Sweep:
     def measure(self, case: Case, options: list[Tiling], budget: Budget) -> Measured:
         """The case's candidates (the default first) checked and timed until the budget is
         out; TuningError where the default fails."""
-        if case.adapters:
+        nbytes = 0
+        if case.group in EXPERT_GROUPS:
+            from .moe_experts import expert_trials
+
+            trials, nbytes = expert_trials(self, case, options)
+        elif case.adapters:
             trials = self._fold_trials(case, options)
         else:
             trials = self._base_trials(case, options)
@@ -485,10 +498,11 @@ class Sweep:
         if default not in timings:
             raise TuningError(f"{case.describe()}: the default tiling {default} failed: {rejected}")
         best = min(timings, key=timings.get)
-        N, K = self.shape.gemms()[case.group]
-        esize = torch.finfo(self.dtype).bits // 8
-        nbytes = launch_bytes(N, K, case.batch, esize, case.adapters, self.rank,
-                              len(slice_widths(self.shape, case.group)), case.expand)
+        if not nbytes:
+            N, K = self.shape.gemms()[case.group]
+            esize = torch.finfo(self.dtype).bits // 8
+            nbytes = launch_bytes(N, K, case.batch, esize, case.adapters, self.rank,
+                                  len(slice_widths(self.shape, case.group)), case.expand)
         return Measured(case.group, case.batch, default, timings[default], best, timings[best],
                         tuple(rejected), case.adapters, case.expand, case.splits, nbytes, len(timings),
                         tuple(unfit))
@@ -499,7 +513,7 @@ class Sweep:
         rows = [case.batch] if same_row_tile(case.batch, top) else [case.batch, top]
         return [torch.randn(r, K, generator=self.gen).to(self.device, self.dtype) for r in rows]
 
-    def _base_trials(self, case: Case, options: list[Tiling]) -> list["_Trial"]:
+    def _base_trials(self, case: Case, options: list[Tiling]) -> list["Trial"]:
         group = case.group
         N, K = self.shape.gemms()[group]
         w = self.weights(group, self.copies(group))
@@ -516,10 +530,10 @@ class Sweep:
             def timed(timer: Timer, t=tuning) -> float:
                 return timer(lambda wc: gemm_call(inputs[0], wc, group, t), w)
 
-            trials.append(_Trial(check, timed))
+            trials.append(Trial(check, timed))
         return trials
 
-    def _fold_trials(self, case: Case, options: list[Tiling]) -> list["_Trial"]:
+    def _fold_trials(self, case: Case, options: list[Tiling]) -> list["Trial"]:
         from kernels.gemm import DecodeGemm
 
         group, widths = case.group, slice_widths(self.shape, case.group)
@@ -552,12 +566,12 @@ class Sweep:
             def timed(timer: Timer, g=gemm) -> float:
                 return timer(lambda c: (lambda: g(inputs[0], c[0], group=group, lora=c[1])), list(zip(w, loras)))
 
-            trials.append(_Trial(check, timed))
+            trials.append(Trial(check, timed))
         return trials
 
 
 @dataclass(frozen=True)
-class _Trial:
+class Trial:
     check: Callable[[], list[str]]       # what disagrees with the reference ([]: nothing)
     time: Callable[[Timer], float]
 
@@ -603,6 +617,15 @@ def winners(results: Sequence[Measured], min_gain: float) -> dict[tuple[int, int
     return found
 
 
+def base_bucket(groups: dict[str, Tiling], field: str) -> dict[str, Any]:
+    """A base bucket's choices from the groups' winners: the decode GEMMs' in `field`, the
+    routed experts' in moe_tilings."""
+    gemms = {g: t for g, t in groups.items() if g in GROUPS}
+    experts = {g.removeprefix("experts."): t for g, t in groups.items() if g in EXPERT_GROUPS}
+    return ({field: {**getattr(DEFAULT_TUNING, field), **gemms}} if gemms else {}) | (
+        {"moe_tilings": {**DEFAULT_TUNING.moe_tilings, **experts}} if experts else {})
+
+
 def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
                 existing: TuningTable | None = None) -> tuple[list[Bucket], list[str]]:
     """(the buckets, the kinds of `existing`'s buckets kept): one at each (batch, adapters)
@@ -613,9 +636,7 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
     run the base GEMM). Buckets of `existing` that this sweep did not measure are kept."""
     base = winners([r for r in results if r.adapters == 0], min_gain)
     folds = winners([r for r in results if r.adapters > 0], min_gain)
-    default_table = getattr(DEFAULT_TUNING, field)
-    base_choices = {batch: ({field: {**default_table, **groups}} if groups else {})
-                    for (batch, _), groups in base.items()}
+    base_choices = {batch: base_bucket(groups, field) for (batch, _), groups in base.items()}
     kept = []
     if existing is not None:
         old_base = {b.batch: dict(b.choices) for b in existing.buckets
@@ -648,15 +669,15 @@ def print_results(results: Sequence[Measured], smoke: bool, bandwidth: float | N
     unit = "us (CPU SMOKE: meaningless)" if smoke else "us per launch (CUDA graph)"
     fold = any(r.adapters for r in results)
     what = f" {'adapters':>8} {'fold':>6}" if fold else ""
-    out(f"\n{'group':8} {'batch':>5}{what}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
+    out(f"\n{'group':15} {'batch':>5}{what}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
         f"{'us':>8} {'default/best':>12} {'floor us':>8} {'best/floor':>10}   [{unit}]")
-    for r in sorted(results, key=lambda r: (GROUPS.index(r.group), r.batch, r.adapters)):
+    for r in sorted(results, key=lambda r: ((GROUPS + EXPERT_GROUPS).index(r.group), r.batch, r.adapters)):
         kind = "whole" if r.expand else "spread" if r.splits else "shrink"
         mode = (f" {r.adapters:8d} {kind if r.adapters else '-':>6}"
                 if fold else "")
         floor = r.nbytes / bandwidth * 1e6 if bandwidth and r.nbytes else None
         vs_floor = f"{floor:8.2f} {r.best_us / floor:10.2f}" if floor else f"{'-':>8} {'-':>10}"
-        out(f"{r.group:8} {r.batch:5d}{mode}  {str(r.default):>16} {r.default_us:8.2f}  {str(r.best):>16} "
+        out(f"{r.group:15} {r.batch:5d}{mode}  {str(r.default):>16} {r.default_us:8.2f}  {str(r.best):>16} "
             f"{r.best_us:8.2f} {r.default_us / r.best_us:12.3f} {vs_floor}")
         for why in r.rejected:
             out(f"{'':16}rejected {why}")

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kernels.tuning import DEFAULT_TUNING, GROUPS
+from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS
 from kernels import tuning_table
 from kernels.tuning_table import ModelShape, TableKey, TuningTable, device_name, load_table
 
@@ -65,7 +65,7 @@ def base_field(device: torch.device) -> str:
 
 def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, budget_s: float,
                batches: Sequence[int] = BATCHES, adapters: Sequence[int] = ADAPTERS,
-               groups: Sequence[str] = GROUPS, tp: int = 1, existing: TuningTable | None = None,
+               groups: Sequence[str] = GROUPS + EXPERT_GROUPS, tp: int = 1, existing: TuningTable | None = None,
                min_gain: float = MIN_GAIN, timer: Timer | None = None,
                clock: Callable[[], float] = time.monotonic, max_candidates: int | None = None,
                produced_by: str = "") -> tuple[TuningTable, list[Measured]]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels.host import interpreting
+from kernels.tuning import DEFAULT_TUNING
 from kernels.moe import PairLora, experts_reference, pair_lora_hook, pair_lora_reference, route
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +71,8 @@ def test_tilings_are_fitted_to_k_and_shared_memory() -> None:
     from kernels.gemm.shapes import SHARED_MEMORY
     from kernels.moe.triton_kernel import BLOCK_M, fitted
 
-    assert fitted((64, 32, 3), 2048, 2, gated=True) == (64, 32, 3)  # the defaults, as they are
+    for group, tiling in DEFAULT_TUNING.moe_tilings.items():  # the defaults fit 30B-A3B's widths as they are
+        assert fitted(tiling, 2048 if group == "gate_up" else 768, 2, gated=group == "gate_up") == tiling
     assert fitted((32, 256, 4), 40, 4, gated=False) == (32, 64, 4)  # no K tile past K's power of two
     block_n, block_k, stages = fitted((128, 128, 8), 2048, 2, gated=True)
     assert (block_n, block_k) == (128, 128) and stages >= 1

@@ -368,3 +368,27 @@ def test_tensor_parallel_ranks_read_the_one_table_filed_for_their_shard(
         answers = llm.generate(([5, 6, 7, 8, 9], [11, 12]), max_tokens=4, ignore_eos=True)
         assert [len(a.token_ids) for a in answers] == [4, 4]
     assert f"[rank 1]: tuning table {path}: 4 buckets" in capfd.readouterr().err
+
+
+def test_a_mixture_of_experts_is_keyed_by_its_experts_and_its_buckets_set_their_grouped_gemms(tmp_path: Path) -> None:
+    """A mixture of experts' shape holds its experts and top-k (its key too: another routing is
+    another table) and no dense MLP; a bucket's moe_tilings reach its steps. Tables of dense
+    shapes read as before the expert fields existed."""
+    moe = ModelShape(2048, 768, 32, 4, 128, experts=128, top_k=8)
+    assert moe.key == "h2048_i768_q32_kv4_d128_e128k8" and set(moe.gemms()) == {"qkv", "o"}
+    assert table_name("NVIDIA H200", moe, "bfloat16") == "NVIDIA_H200__h2048_i768_q32_kv4_d128_e128k8__bfloat16.json"
+    raw = table_json(shape=moe, buckets=[{"batch": 16, "choices": {"moe_tilings": {"down": [32, 128, 4]}}}],
+                     unmeasured=[["experts.gate_up", 1, 0]])
+    raw["shape"] = moe.to_json()
+    table = TuningTable.read(write(tmp_path / "moe.json", raw))
+    assert table.shape == moe and table.unmeasured == (("experts.gate_up", 1, 0),)
+    steps = table.tunings(DEFAULT_TUNING)
+    assert steps.for_step(32).moe_tilings == {"gate_up": DEFAULT_TUNING.moe_tilings["gate_up"], "down": (32, 128, 4)}
+    assert steps.for_step(8).moe_tilings == DEFAULT_TUNING.moe_tilings
+    dense = table_json()
+    dense["shape"] = {k: v for k, v in dense["shape"].items() if k not in ("experts", "top_k")}
+    assert TuningTable.read(write(tmp_path / "dense.json", dense)).shape == SHAPE
+    assert "experts" not in TuningTable.read(tmp_path / "dense.json").to_json()["shape"]
+    raw["shape"]["experts"] = -1
+    with pytest.raises(TuningTableError, match="shape: expected positive integers"):
+        TuningTable.read(write(tmp_path / "bad.json", raw))

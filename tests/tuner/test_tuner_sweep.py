@@ -18,7 +18,7 @@ import torch
 
 from inference_node.tuner.cli import model_shape
 from inference_node.tuner.store import usable
-from inference_node.tuner.sweep import (Measured, bucket_top, buckets_for, candidates, cases, fold_copies,
+from inference_node.tuner.sweep import (EXPERT_GROUPS, Measured, bucket_top, buckets_for, candidates, cases, fold_copies,
                                         fold_modes, folded_output, launch_bytes, print_results,
                                         same_row_tile, slice_widths)
 from inference_node.tuner.tune import key_for
@@ -243,7 +243,7 @@ def test_the_cpu_smoke_writes_a_table_the_node_reads(tiny_llama_path: Path, tmp_
     for bucket in table.buckets:
         assert set(bucket.choices) <= {"gemm_tilings"}
     for group in ("qkv", "o", "gate_up"):  # down's K (160) takes no tiling: cuBLAS, not swept
-        assert any(line.startswith(f"{group:8}     1") for line in out.splitlines()), out
+        assert any(line.split()[:2] == [group, "1"] for line in out.splitlines()), out
 
 
 def test_the_cpu_smoke_sweeps_the_fold_and_adds_it_to_the_table_there(tiny_llama_path, tmp_path) -> None:
@@ -350,3 +350,60 @@ def test_tune_refuses_what_it_cannot_do(tmp_path: Path, capsys) -> None:
         main(["tune", "--device", "cpu", "--model", str(config_dir(tmp_path, "tiny")), "--batches", "8,x"])
     with pytest.raises(SystemExit, match="--groups 'lm_head'"):
         main(["tune", "--device", "cpu", "--model", str(config_dir(tmp_path, "tiny")), "--groups", "lm_head"])
+
+
+def tiny_moe(tmp_path: Path) -> tuple[Path, ModelShape]:
+    """A Qwen3-MoE config.json of tiny widths (4 experts of 32 columns, 2 a token)."""
+    from bench.shapes import QWEN3_30B_A3B
+
+    folder = tmp_path / "moe"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        **QWEN3_30B_A3B, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 1000}))
+    return folder, ModelShape(64, 32, 4, 2, 16, experts=4, top_k=2)
+
+
+def test_a_mixture_of_experts_sweeps_its_grouped_gemms_and_no_dense_mlp(tmp_path: Path) -> None:
+    """Its experts' gate/up and down grouped GEMMs are cases of each batch, beside q/k/v and o
+    (it has no dense gate/up or down); their winners go into the batch's bucket as moe_tilings."""
+    model, shape = tiny_moe(tmp_path)
+    assert model_shape(str(model), 1) == shape and model_shape(str(model), 2) == ModelShape(64, 16, 2, 1, 16, 4, 2)
+    todo, _ = cases(shape, [8], [0, 1], list(GROUPS + EXPERT_GROUPS), DEFAULT_TUNING, torch.device("cpu"))
+    assert [c.key for c in todo] == [("qkv", 8, 0), ("o", 8, 0), ("experts.gate_up", 8, 0),
+                                     ("experts.down", 8, 0), ("o", 8, 1)]
+    out = tune(tmp_path, model, "--batches", "4,1", "--adapters", "0")
+    rows = [line.split()[:2] for line in out.splitlines()]
+    for group in ("qkv", "o", "experts.gate_up", "experts.down"):
+        assert [group, "1"] in rows and [group, "4"] in rows, out
+    assert not any(row[0] in ("gate_up", "down") for row in rows if row), out
+    assert "rejected" not in out, out
+    table = read_back(tmp_path, shape)
+    assert table.shape == shape and [b.batch for b in table.buckets] == [1, 4]
+    assert all(set(b.choices) <= {"gemm_tilings", "moe_tilings"} for b in table.buckets)
+
+
+def test_the_experts_winners_become_the_buckets_moe_tilings() -> None:
+    gate_up, down = DEFAULT_TUNING.moe_tilings["gate_up"], DEFAULT_TUNING.moe_tilings["down"]
+    results = [Measured("experts.gate_up", 16, gate_up, 10.0, (128, 128, 3), 8.0),
+               Measured("experts.down", 16, down, 10.0, (32, 128, 4), 9.99),  # noise: not taken
+               Measured("experts.down", 64, down, 10.0, (64, 64, 4), 7.0)]
+    buckets, _ = buckets_for(results, "gemm_tma_tilings", 0.02)
+    steps = TuningTable("cpu", TINY, "float32", {}, tuple(buckets)).tunings(DEFAULT_TUNING)
+    assert steps.for_step(16).moe_tilings == {"gate_up": (128, 128, 3), "down": down}
+    assert steps.for_step(64).moe_tilings == {"gate_up": gate_up, "down": (64, 64, 4)}
+    assert steps.for_step(8) == DEFAULT_TUNING
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU tests sweep")
+def test_the_experts_sweep_runs_the_grouped_gemms_in_the_interpreter(tmp_path: Path) -> None:
+    """Every candidate tiling of both grouped GEMMs matches the reference through the node's
+    dispatch (Triton's interpreter)."""
+    model, shape = tiny_moe(tmp_path)
+    out = tune(tmp_path, model, "--groups", "experts.gate_up,experts.down", "--batches", "4", "--adapters", "0",
+               interpret=True, timeout=300)
+    assert "rejected" not in out, out
+    rows = [line.split()[:2] for line in out.splitlines()]
+    assert ["experts.gate_up", "4"] in rows and ["experts.down", "4"] in rows, out
