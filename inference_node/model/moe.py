@@ -76,6 +76,10 @@ class MoeModel(LlamaModel):
         return super().num_parameters() + sum(t.numel() for e in self.experts if e is not None
                                               for t in e.tensors())
 
+    def weight_bytes(self) -> int:
+        return super().weight_bytes() + sum(t.numel() * t.element_size() for e in self.experts if e is not None
+                                            for t in e.tensors())
+
     def mlp(self, i: int, x: torch.Tensor, launch: LaunchChoices,
             lora: LoraApplier | None) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor | None]:
         layer = self.experts[i]

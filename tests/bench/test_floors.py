@@ -241,3 +241,18 @@ def test_tensor_parallel_floor_adds_the_collectives_of_an_allreduce_report() -> 
         tensor_parallel.collective_times(report, "nccl graph", cfg, 4, 64)
     with pytest.raises(ValueError, match=r"no 'nccl graph' all-reduce of \[32, 4096\]"):
         tensor_parallel.collective_times(report, "nccl graph", cfg, 2, 32)
+
+
+def test_a_mixture_of_experts_holds_its_experts_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the node says it holds (and the benchmark leaves out of the KV cache's room) counts
+    every tensor of the checkpoint once: the routers and experts too."""
+    import math
+
+    from bench.shapes import QWEN3_30B_A3B
+    from inference_node.model.loader import checkpoint_shapes
+
+    model = meta_model(tmp_path, QWEN3_30B_A3B, monkeypatch)
+    shapes = checkpoint_shapes(ModelConfig.from_dict(QWEN3_30B_A3B))
+    routed = BF16 * sum(math.prod(s) for n, s in shapes.items() if ".mlp." in n)  # routers and experts
+    assert routed > 0.9 * BF16 * sum(math.prod(s) for s in shapes.values())
+    assert model.weight_bytes() == LlamaModel.weight_bytes(model) + routed
