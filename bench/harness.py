@@ -6,9 +6,11 @@ the device's copy bandwidth) and JIT-compile counting."""
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import gc
+import itertools
 import json
 import logging
 import math
@@ -29,6 +31,7 @@ from bench.shapes import FAMILY_SHAPES, LLAMA_3_1_70B, LLAMA_3_1_8B, LLAMA_3_2_1
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = ALL_MODULES[:4]
 QV = ("q_proj", "v_proj")
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -80,19 +83,23 @@ def tokenizer_source() -> Path:
 
 def bench_model(name: str, work: Path, dtype: torch.dtype, device: torch.device, seed: int = 0) -> BenchModel:
     """A RANDOM_MODELS shape (its config and the embedded model's tokenizer in `work`, the
-    weights written once unless the node makes them at load), 'embedded' or a folder."""
+    weights written once unless the node makes them at load: every tensor the node's loader
+    reads, norms 1, the rest random), 'embedded' or a folder."""
+    from inference_node.model.loader import checkpoint_shapes
+
     if name not in RANDOM_MODELS:
         folder = embedded_checkpoint() if name == "embedded" else Path(name)
         return BenchModel(folder, "safetensors", "embedded SmolLM2-135M" if name == "embedded" else folder.name)
     config, made_at_load, description = RANDOM_MODELS[name]
-    if made_at_load:
-        folder = work / name.replace("-random", "-dummy")
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
-    else:
-        folder = work / f"{name}-{dtype_name(dtype)}"
-        if not (folder / "model.safetensors").exists():
-            write_random_checkpoint(folder, config, dtype, device, seed=seed)
+    folder = work / (name.replace("-random", "-dummy") if made_at_load else f"{name}-{dtype_name(dtype)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    if not made_at_load and not (folder / "model.safetensors").exists():
+        gen = torch.Generator(device=device).manual_seed(seed)
+        shapes = {("" if n.startswith("lm_head") else "model.") + n: s
+                  for n, s in checkpoint_shapes(model_config(name)).items()}
+        save_streamed(folder / "model.safetensors", shapes, dtype, lambda n, s: torch.ones(s) if n.endswith(
+            "norm.weight") else torch.randn(*s, generator=gen, device=device) * 0.02)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     copy_tokenizer(tokenizer_source(), folder)
     return BenchModel(folder, "dummy" if made_at_load else "safetensors", description)
 
@@ -116,77 +123,67 @@ def copy_tokenizer(source: Path, dest: Path) -> None:
             shutil.copy(source / name, dest / name)
 
 
-def write_random_checkpoint(out: Path, config: dict, dtype: torch.dtype, device: torch.device,
-                            seed: int = 0, std: float = 0.02) -> Path:
-    """An HF-format safetensors checkpoint (config.json + model.safetensors) of random weights."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    hd = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
-
-    tensors = {"model.embed_tokens.weight": rnd(config["vocab_size"], h),
-               "model.norm.weight": torch.ones(h, dtype=dtype)}
-    if not config.get("tie_word_embeddings", False):
-        tensors["lm_head.weight"] = rnd(config["vocab_size"], h)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
-                    p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
-                    p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
-                    p + "mlp.down_proj.weight": rnd(h, inter)}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+def save_streamed(path: Path, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype,
+                  make: Callable[[str, Sequence[int]], torch.Tensor]) -> None:
+    """A safetensors file of `shapes`' tensors, each as make(name, shape) gives it: one in memory at a time."""
+    ends = [0, *itertools.accumulate(math.prod(shape) * dtype.itemsize for shape in shapes.values())]
+    header = json.dumps({"__metadata__": {"format": "pt"}} | {name: {
+        "dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": ends[k:k + 2]}
+        for k, (name, shape) in enumerate(shapes.items())}).encode()
+    header += b" " * (-len(header) % 8)  # the data 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        for name, shape in shapes.items():
+            f.write(make(name, shape).to(dtype).cpu().contiguous().view(torch.uint8).numpy())
 
 
 def write_random_adapter(folder: Path, model_cfg, rank: int, targets: Sequence[str], seed: int,
-                         device: torch.device, dtype: torch.dtype = torch.bfloat16, std: float = 0.02) -> Path:
-    """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) with
-    random, non-zero A and B, named as PEFT saves the model's family's LoRA: `targets` are the
-    node's modules (q_proj, ...), a fused projection of the family (Phi-3's qkv_proj) taken
-    where any of its modules is."""
-    from safetensors.torch import save_file
-
+                         device: torch.device, dtype: torch.dtype = torch.bfloat16, std: float = 0.02,
+                         experts: bool = False) -> Path:
+    """A PEFT-format adapter folder (adapter_config.json + adapter_model.safetensors) of random, non-zero A
+    and B, named as PEFT saves the family's LoRA: `targets` are the node's modules (q_proj, ...), a fused
+    projection (Phi-3's qkv_proj) taken where any of its modules is; experts: every routed expert's too, as
+    PEFT saves it over transformers 5's fused experts (target_parameters gate_up_proj at twice the rank and
+    alpha, the inner wrapper "experts.base_layer"; down_proj, "experts"). Written a tensor at a time."""
     from adapter_store.samples import adapter_config
     from inference_node.model.families import FAMILIES
     from lora_common.validation import LAYER_PARENT
 
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)
-    shapes = model_cfg.module_shapes()
+    shapes, (gate_up, down) = model_cfg.module_shapes(), model_cfg.expert_shapes().values()
     peft_modules = {peft: held for peft, held in FAMILIES[model_cfg.family].adapter_modules.items()
                     if set(held) & set(targets)}
-    tensors = {}
+    tensors: dict[str, tuple[int, int]] = {}
     for layer in range(model_cfg.num_layers):
-        for module, held in peft_modules.items():
-            fan_in, fan_out = shapes[held[0]][0], sum(shapes[m][1] for m in held)
-            base = f"base_model.model.model.layers.{layer}.{LAYER_PARENT[module]}.{module}"
-            for kind, shape in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
-                t = torch.randn(*shape, generator=gen, device=device) * std
-                tensors[f"{base}.lora_{kind}.weight"] = t.to(dtype).cpu()
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = adapter_config(rank, list(peft_modules), base_model="bench-random")
+        pairs = {f"{LAYER_PARENT[m]}.{m}": (rank, shapes[held[0]][0], sum(shapes[h][1] for h in held))
+                 for m, held in peft_modules.items()}
+        if experts and model_cfg.is_moe_layer(layer):
+            pairs |= {"mlp.experts.base_layer": (2 * rank * model_cfg.num_experts, *gate_up),
+                      "mlp.experts": (rank * model_cfg.num_experts, *down)}
+        for module, (r, fan_in, fan_out) in pairs.items():
+            base = f"base_model.model.model.layers.{layer}.{module}"
+            tensors |= {f"{base}.lora_A.weight": (r, fan_in), f"{base}.lora_B.weight": (fan_out, r)}
+    save_streamed(folder / "adapter_model.safetensors", tensors, dtype,
+                  lambda _, shape: torch.randn(*shape, generator=gen, device=device) * std)
+    alpha, pattern = 2 * rank, r".*\.gate_up_proj"
+    config = adapter_config(rank, list(peft_modules), alpha, base_model="bench-random", **(dict(
+        target_parameters=["down_proj", "gate_up_proj"], rank_pattern={pattern: 2 * rank},
+        alpha_pattern={pattern: 2 * alpha}) if experts else {}))
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
 def write_adapters(root: Path, model_cfg, names: Sequence[str], ranks: Sequence[int], targets: Sequence[str],
-                   device: torch.device, dtype: torch.dtype, seed: int = 1000) -> dict[str, int]:
+                   device: torch.device, dtype: torch.dtype, seed: int = 1000, experts: bool = False) -> dict[str, int]:
     """Adapter k of `names` (rank ranks[k mod len]) into root/<name>, kept where it exists (a
     --workdir reuses them); each one's rank."""
     rank_of = {}
     for k, name in enumerate(names):
         rank_of[name] = ranks[k % len(ranks)]
         if not (root / name / "adapter_model.safetensors").exists():
-            write_random_adapter(root / name, model_cfg, rank_of[name], targets, seed + k, device, dtype)
+            write_random_adapter(root / name, model_cfg, rank_of[name], targets, seed + k, device, dtype,
+                                 experts=experts)
     return rank_of
 
 
@@ -301,15 +298,12 @@ class NodeProcess:
         self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
         flags = to_flags(config.replace(port=self.port, http_port=self.http_port))
         self.child = Child("inference-node", [sys.executable, "-m", "inference_node.cli", "serve", *flags], log_path)
+        self.pid = self.child.proc.pid
         try:
             wait_healthy(self.target, timeout_s, self.child)
         except BaseException:
             self.stop()
             raise
-
-    @property
-    def pid(self) -> int:
-        return self.child.proc.pid
 
     def client(self):
         from lora_client.node_client import NodeClient
@@ -355,8 +349,7 @@ def make_specs(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
                poisson_rate: float | None, seed: int) -> list[Spec]:
     """Random prompt tokens clear of the special ones at the vocabulary's start, uniform
     lengths, Poisson arrival times when a rate is given."""
-    rng = random.Random(seed)
-    low = min(1000, vocab // 2)
+    rng, low = random.Random(seed), min(1000, vocab // 2)
     specs, t = [], 0.0
     for i in range(n):
         if poisson_rate:
@@ -378,13 +371,8 @@ def assign_adapters(specs: list[Spec], pool: Sequence[str], zipf_alpha: float | 
 
 def zipf_index(u: float, n: int, alpha: float) -> int:
     """Inverse CDF of P(k) ~ 1/(k+1)^alpha over k < n."""
-    weights = [1.0 / (k + 1) ** alpha for k in range(n)]
-    target, acc = u * sum(weights), 0.0
-    for k, w in enumerate(weights):
-        acc += w
-        if target < acc:
-            return k
-    return n - 1
+    cdf = list(itertools.accumulate(1.0 / (k + 1) ** alpha for k in range(n)))
+    return min(bisect.bisect_right(cdf, u * cdf[-1]), n - 1)
 
 
 # -- measurement ---------------------------------------------------------------------------------------
@@ -568,8 +556,7 @@ def weight_bytes_per_rank(cfg, itemsize: int, tp: int = 1, fp8: bool = False) ->
     projections (an FP8 checkpoint, or `fp8`: --quantization fp8) at one byte a weight plus
     their float32 scales (one per output channel, or per block of the checkpoint's tiles)."""
     _check_tp(cfg, tp)
-    h = cfg.hidden_size
-    block = fp8_block(cfg, fp8)
+    h, block = cfg.hidden_size, fp8_block(cfg, fp8)
 
     def projection(out: int, fan_in: int) -> int:
         if block is False:
@@ -591,6 +578,14 @@ def expert_bytes_per_rank(cfg, itemsize: int, tp: int = 1) -> int:
     """One expert's gate, up and down in every routed layer, as one rank holds them."""
     routed = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     return routed * 3 * cfg.hidden_size * (cfg.moe_intermediate_size // tp) * itemsize
+
+
+def expert_lora_bytes_per_rank(cfg, rank: int, itemsize: int, tp: int = 1) -> int:
+    """One expert's LoRA in every routed layer as one rank holds it (its block of intermediate
+    columns: gate/up's B, down's A), gate_up at twice the rank as PEFT saves it; an adapter has E."""
+    routed = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size // tp
+    return routed * rank * (2 * (h + 2 * inter) + inter + h) * itemsize
 
 
 def expected_experts(num_experts: int, top_k: int, batch: int) -> float:
@@ -635,17 +630,24 @@ class StepBytes:
     expert: int = 0
     num_experts: int = 0
     top_k: int = 0
+    expert_lora: Mapping[str, int] = field(default_factory=dict)  # adapter name -> one expert's LoRA bytes
 
     @classmethod
-    def of(cls, cfg, itemsize: int, adapter_bytes: Mapping[str, int], tp: int = 1, fp8: bool = False) -> "StepBytes":
+    def of(cls, cfg, itemsize: int, adapter_bytes: Mapping[str, int], tp: int = 1, fp8: bool = False,
+           expert_lora: Mapping[str, int] = {}) -> "StepBytes":
         return cls(weight_bytes_per_rank(cfg, itemsize, tp, fp8), cfg.hidden_size * itemsize,
-                   kv_bytes_per_token(cfg, itemsize, tp), dict(adapter_bytes),
-                   expert_bytes_per_rank(cfg, itemsize, tp), cfg.num_experts, cfg.num_experts_per_tok)
+                   kv_bytes_per_token(cfg, itemsize, tp), dict(adapter_bytes), expert_bytes_per_rank(cfg, itemsize, tp),
+                   cfg.num_experts, cfg.num_experts_per_tok, dict(expert_lora))
 
     def step(self, batch: int, adapters: frozenset[str], kv_tokens: int) -> int:
         experts = expected_experts(self.num_experts, self.top_k, batch) * self.expert
         return (self.weights + round(experts) + batch * self.embed_row + kv_tokens * self.kv_token
-                + sum(self.adapter[a] for a in adapters))
+                + self.adapter_read(batch, adapters))
+
+    def adapter_read(self, batch: int, adapters: frozenset[str]) -> int:
+        """A and B of the step's adapters; of one with expert LoRA, the experts its even share of the batch hits."""
+        hit = expected_experts(self.num_experts, self.top_k, batch / max(len(adapters), 1))
+        return sum(self.adapter[a] + round(hit * self.expert_lora.get(a, 0)) for a in adapters)
 
 
 # -- JIT compiles ------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ process and, when asked, through the served node's gRPC and HTTP APIs.
     python -m bench.serving --device cpu                 # CPU: the embedded SmolLM2, small settings
     python -m bench.serving --model qwen3-8b-random --rows a,c,d --adapter-counts 32 --paths engine,grpc
     python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections
+    python -m bench.serving --model qwen3-30b-a3b-random --rows a,c --adapter-counts 32 --expert-adapters 8
     python -m bench.serving --poisson 20 --rounds 3      # open loop, Zipf popularity; rows take turns: medians
     python -m bench.serving --paths engine,grpc,http --rows b,c --adapter-counts 32 --api-processes 2
 
@@ -15,6 +16,8 @@ Rows (every one runs the same requests):
   c-N   N distinct adapters of rank 16 on all seven projections (--adapter-counts)
   d     32 adapters of rank 8 on q_proj and v_proj only
   e     Hugging Face PEFT: one PeftModel holding the adapters of c-32, generate(adapter_names=...)
+  x-N   (--expert-adapters N, a mixture of experts) N adapters of rank 16 on q,k,v,o and every
+        routed expert (rows c there: q,k,v,o only), on a node of their own after the others
 Paths (rows a-d): engine, the node in this process (`LLM`) driven by `Engine.run_once`; grpc
 and http, the same NodeConfig served by `inference-node serve`, driven by --clients processes
 (Generate streams; /v1/completions streamed). Adapters are pinned in GPU adapter memory and
@@ -46,18 +49,20 @@ from bench.driver import DecodeStep, Driver, ReqRecord
 from bench.harness import (ALL_MODULES, ATTENTION_MODULES, QV, STEP_KINDS, Col, NodeProcess, Spec, StepBytes, Table,
                            adapter_bytes_per_rank, add_by_device, add_common_args, add_node_args, assign_adapters,
                            bench_model, build_llm, copy_bandwidth, device_line, dtype_name, engine_options, error_text,
+                           expert_lora_bytes_per_rank,
                            kv_bytes_per_token, make_specs, medians, model_config, node_config, parse_range, pct,
                            release_memory, runtime, sync, timed_region, verdict, write_adapters, write_json)
 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
+NODES = ("base", "lora", "experts")  # a node per kind of row (Row.node)
 
 
 @dataclass
 class Row:
     key: str
     label: str
-    lora: bool                  # runs on the node with LoRA on
+    node: str                   # base (LoRA off), lora, or experts (expert arenas: rows x)
     pool: list[str]             # adapter names (empty: every request uses the base model)
 
     def requests(self, specs: list[Spec], args) -> list[Spec]:
@@ -81,9 +86,8 @@ class RowResult:
 def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
     engine, device = llm.engine, llm.node.model.device
     result, specs = RowResult(row.key, "engine", row.label), row.requests(specs, args)
-    # Untimed: "full" runs the row's whole workload once (every shape the timed run meets, so no
-    # Triton compile lands in it); "short" one batch of few tokens; "engine" nothing here (the
-    # node's start-up warm-up ran).
+    # Untimed: "full" runs the row's whole workload once (every shape the timed run meets, so no Triton
+    # compile lands in it); "short" one batch of few tokens; "engine" nothing (the node's warm-up ran).
     if args.warmup == "full":
         Driver(engine, device, args.concurrency, poisson=bool(args.poisson)).run(specs)
     elif args.warmup == "short":
@@ -100,8 +104,7 @@ def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
 # -- the served node: client processes of gRPC and of the OpenAI-compatible HTTP API -----------------
 def client_process(api: str, target: str, model: str, requests: list[Spec], concurrency: int,
                    poisson: bool, ready, start, results) -> None:
-    """Sends its requests, closed loop at `concurrency` or at their arrival times, and puts its
-    records on `results` (in request order)."""
+    """Sends its requests (closed loop at `concurrency`, or at their arrival times), puts their records on `results`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     client = _grpc_client if api == "grpc" else _http_client
     results.put(asyncio.run(client(target, model, requests, concurrency, poisson, ready, start)))
@@ -126,8 +129,7 @@ async def _drive(requests: list[Spec], concurrency: int, poisson: bool, start, o
 
 def _token(rec: ReqRecord, count: int) -> None:
     now = time.monotonic()
-    rec.first = rec.first or now
-    rec.last = now
+    rec.first, rec.last = rec.first or now, now
     rec.tokens += count
 
 
@@ -197,18 +199,14 @@ def run_clients(api: str, target: str, model: str, requests: list[Spec], concurr
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()
     clients = max(1, min(clients, len(requests)))
-    procs, readies = [], []
-    for i in range(clients):
-        ready = ctx.Event()
-        per = max(concurrency // clients + (1 if i < concurrency % clients else 0), 1)
-        p = ctx.Process(target=client_process, args=(api, target, model, requests[i::clients], per, poisson,
-                                                     ready, start, results))
+    readies = [ctx.Event() for _ in range(clients)]
+    procs = [ctx.Process(target=client_process, args=(api, target, model, requests[i::clients], max(
+        concurrency // clients + (i < concurrency % clients), 1), poisson, readies[i], start, results))
+             for i in range(clients)]
+    for p in procs:
         p.start()
-        procs.append(p)
-        readies.append(ready)
-    for ready in readies:
-        if not ready.wait(120):
-            raise RuntimeError("a client process did not connect")
+    if not all(ready.wait(120) for ready in readies):
+        raise RuntimeError("a client process did not connect")
     start.set()
     records = [rec for _ in procs for rec in results.get(timeout=3600)]
     for p in procs:
@@ -217,8 +215,7 @@ def run_clients(api: str, target: str, model: str, requests: list[Spec], concurr
 
 
 def run_served_row(row: Row, api: str, node: NodeProcess, model: str, specs: list[Spec], args) -> RowResult:
-    poisson = bool(args.poisson)
-    requests = row.requests(specs, args)
+    poisson, requests = bool(args.poisson), row.requests(specs, args)
     target = node.target if api == "grpc" else node.http_url
     if args.warmup == "full":
         run_clients(api, target, model, requests, args.concurrency, args.clients, poisson)
@@ -263,17 +260,14 @@ def run_peft_row(row: Row, checkpoint: Path, adapter_root: Path, specs: list[Spe
             return scores
 
     def generate(batch: list[Spec], new_tokens: int) -> list[float]:
-        width = max(len(s.prompt) for s in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for j, s in enumerate(batch):  # left padding
-            ids[j, width - len(s.prompt):] = torch.tensor(s.prompt)
-            mask[j, width - len(s.prompt):] = 1
+        width = max(len(s.prompt) for s in batch)  # left padding:
+        ids = torch.tensor([[0] * (width - len(s.prompt)) + s.prompt for s in batch])
+        mask = torch.tensor([[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in batch])
         stamp = Stamp()
         with torch.inference_mode():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 adapter_names=[s.adapter for s in batch],
-                                 max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 adapter_names=[s.adapter for s in batch], max_new_tokens=new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0,
                                  logits_processor=LogitsProcessorList([stamp]))
         sync(device)
         if out.shape[1] - width != new_tokens:
@@ -331,9 +325,8 @@ class Summary:
     batch: float = math.nan
     adapters_per_step: float = math.nan
     decode_steps: int = 0
-    # decode_tps counts the decode steps whose call did not also launch a prompt step (that launch's
-    # host work, an eager 2048-token forward: 12-55 ms on an H100, is prefill's cost, counted in e2e
-    # tok/s); all_steps_tps counts them all.
+    # decode_tps counts the decode steps whose call launched no prompt step (that launch's host work, an
+    # eager 2048-token forward: 12-55 ms on an H100, is prefill's, in e2e tok/s); all_steps_tps all of them.
     steady_steps: int = 0
     all_steps_tps: float = math.nan
     output_tokens: int = 0
@@ -396,9 +389,10 @@ def format_row(s: Summary) -> str:
                      s.step_p50, s.forward_p50, s.host_p50, s.floor_p50, s.over_floor, s.batch, s.adapters_per_step)
 
 
-def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list[str]:
-    """The engine rows' targets (issue 33's), each with what was measured (`by`: the rows that ran)."""
-    a, a2, b, d, e, c32 = (by.get(key) for key in ("a", "a2", "b", "d", "e", c32_key))
+def ratios(by: dict[str, Summary], reads: dict[str, float]) -> list[str]:
+    """The engine rows' targets (issue 33's), each with what was measured (`by`: the rows that
+    ran); reads: the seconds c-32's and each x row's adapters take to read at copy bandwidth."""
+    a, a2, b, d, e = (by.get(key) for key in ("a", "a2", "b", "d", "e"))
     lines = []
     if a and a2:
         lines.append(f"control a2/a (same node setup, run after b-d): decode {a2.decode_tps / a.decode_tps:.3f}, "
@@ -412,12 +406,14 @@ def ratios(by: dict[str, Summary], adapter_read_32: float, c32_key: str) -> list
                          f"{x.all_steps_tps / a.all_steps_tps:.3f} "
                          f"({a.steady_steps}/{a.decode_steps} and {x.steady_steps}/{x.decode_steps} steady), "
                          f"by step p50 {a.step_p50 / x.step_p50:.3f}")
-    if a and c32:
-        extra = c32.step_p50 - a.step_p50
-        r = extra / adapter_read_32
-        lines.append(f"{c32_key} extra decode step over a: {extra * 1e3:.3f} ms; reading 32 adapters' A and B at copy "
-                     f"bandwidth: {adapter_read_32 * 1e3:.3f} ms; ratio {r:.2f}  (target <= 1.25: "
-                     f"{verdict(r, r <= 1.25)}; {c32.adapters_per_step:.1f} adapters per decode step)")
+    for x, read in ((by[k], read) for k, read in reads.items() if a and k in by):
+        r, c32 = (x.step_p50 - a.step_p50) / read, x.key == "c-32"
+        target = f"target <= 1.25: {verdict(r, r <= 1.25)}; " if c32 else ""  # (rows x: none yet)
+        lines.append(("" if c32 else f"{x.key}/a decode throughput {x.decode_tps / a.decode_tps:.3f}; ")
+                     + f"{x.key} extra decode step over a: {(x.step_p50 - a.step_p50) * 1e3:.3f} ms; reading its "
+                     f"adapters' A and B{'' if c32 else ' (of the experts hit, routing uniform)'} at copy bandwidth: "
+                     f"{read * 1e3:.3f} ms; ratio {r:.2f}  ({target}{x.adapters_per_step:.1f} adapters per decode "
+                     "step)")
     if a:
         lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.15: "
                      f"{verdict(a.over_floor, a.over_floor <= 1.15)})")
@@ -465,6 +461,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--adapter-counts", default="1,8,32,128", help="rows c: distinct rank-16 adapters")
     p.add_argument("--qv-adapters", type=int, default=32, help="row d: rank-8 q/v adapters")
     p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
+    p.add_argument("--expert-adapters", type=int, default=0, metavar="N", help="row x-N: N rank-16 adapters on "
+                   "q,k,v,o and every routed expert of a mixture of experts (Qwen3-30B-A3B: 2 GB each)")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="as `inference-node serve --quantization` (an FP8 checkpoint is FP8 without it); the "
                         "floor counts its projections at 1 byte a weight plus their scales")
@@ -505,15 +503,18 @@ def tuning_line(llm, which: str, build_s: float) -> str:
 
 
 def memory_line(llm, kv_block: int, which: str) -> str:
-    """The node's weights as loaded on its device, and the KV blocks a GB of what they leave
-    holds: bf16 against --quantization fp8 (or an FP8 checkpoint) is read off two runs' lines.
-    (The rows' KV cache itself is sized to the workload, --num-kv-blocks, to time alike.)"""
+    """The node's weights as loaded on its device, the KV blocks a GB of what they leave holds
+    (bf16 against --quantization fp8 is read off two runs' lines; the rows' KV cache itself is
+    sized to the workload, to time alike), a LoRA node's adapter memory and what it holds."""
     model = llm.node.model
-    device_total = (torch.cuda.get_device_properties(model.device).total_memory
-                    if model.device.type == "cuda" else 0)
+    device_total = torch.cuda.get_device_properties(model.device).total_memory if model.device.type == "cuda" else 0
     free = (f"; at --gpu-memory-utilization 0.9 of {device_total / 1e9:.1f} GB, "
             f"{(0.9 * device_total - model.weight_bytes()) / kv_block:.0f} KV blocks beside the weights "
             "(before adapters and activations)" if device_total else "")
+    if (manager := llm.node.adapters) is not None:  # what its adapter memory holds, the rows' adapters pinned
+        held, memory = [i for i, e in enumerate(manager.slots) if e is not None], manager.buffers
+        free += (f"; adapter memory {memory.nbytes() / 1e9:.3f} GB (expert arenas {memory.experts.nbytes() / 1e9:.3f}"
+                 f" GB): {len(held)} adapters, {sum(memory.experts.of(s) is not None for s in held)} with expert LoRA")
     return (f"weights ({which} node): {model.weight_bytes() / 1e9:.3f} GB on the device"
             f"{' with FP8 projections' if model.fp8_projections else ''}; a KV block of "
             f"{llm.node.config.cache.block_size} tokens is {kv_block / 1e6:.3f} MB{free}")
@@ -530,14 +531,15 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
 
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tuple[str, str], Summary]:
-    from inference_node.config import count_or_auto
+    from inference_node.config import GB, count_or_auto
     from kernels.tuning import tuning_from_text
 
-    cuda = device.type == "cuda"
-    started = time.perf_counter()
-    model = bench_model(args.model, work, dtype, device, args.seed)
+    cuda, started = device.type == "cuda", time.perf_counter()
     cfg = model_config(args.model)
-    wanted = set(args.rows.split(","))
+    if args.expert_adapters and not cfg.num_experts:
+        raise SystemExit(f"--expert-adapters: {args.model} is not a mixture of experts (e.g. qwen3-30b-a3b-random)")
+    model = bench_model(args.model, work, dtype, device, args.seed)
+    wanted = set(args.rows.split(",")) - {"x"} | ({"x"} if args.expert_adapters else set())  # x: --expert-adapters
     if model.load_format == "dummy" and "e" in wanted:
         log.warning("row e needs weights on disk for PEFT: skipped with weights made at load")
         wanted.discard("e")
@@ -545,33 +547,31 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     adapter_root = work / f"adapters-h{cfg.hidden_size}-l{cfg.num_layers}"
     r16 = [f"r16-all-{k:03d}" for k in range(max(counts + [args.peft_adapters if "e" in wanted else 0]))]
     qv = [f"r8-qv-{k:03d}" for k in range(args.qv_adapters)] if "d" in wanted else []
-    # A mixture of experts' rows c: LoRA on attention only. Rank 16 on every expert of
-    # Qwen3-30B-A3B is 1.26 GB an adapter, and the benchmark writes no expert LoRA yet
-    # (tests/families/test_family_gpu.py runs it at real widths, for parity).
+    xs = [f"r16-experts-{k:03d}" for k in range(args.expert_adapters)]
+    # A mixture of experts' rows c: LoRA on attention only; rows x on every expert too (2 GB each at 30B).
     targets, what = (ATTENTION_MODULES, "q,k,v,o") if cfg.num_experts else (ALL_MODULES, "all 7 projections")
     write_adapters(adapter_root, cfg, r16, [16], targets, device, torch.bfloat16, seed=1000)
     write_adapters(adapter_root, cfg, qv, [8], QV, device, torch.bfloat16, seed=5000)
+    write_adapters(adapter_root, cfg, xs, [16], ATTENTION_MODULES, device, torch.bfloat16, seed=9000, experts=True)
     os.sync()  # the written files' writeback must not run during the first timed row
-    bw = copy_bandwidth(device)
-    itemsize = dtype.itemsize
-    abytes = {n: adapter_bytes_per_rank(cfg, 16, targets, itemsize) for n in r16}
+    bw, itemsize = copy_bandwidth(device), dtype.itemsize
+    abytes = {n: adapter_bytes_per_rank(cfg, 16, targets, itemsize) for n in r16 + xs}
     abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
+    expert_lora = {n: expert_lora_bytes_per_rank(cfg, 16, itemsize) for n in xs}  # per expert
+    x_bytes = abytes[xs[0]] + cfg.num_experts * expert_lora[xs[0]] if xs else 0
     fp8 = args.quantization == "fp8" or cfg.weight_quant is not None
-    nbytes = StepBytes.of(cfg, itemsize, abytes, fp8=fp8)
+    nbytes = StepBytes.of(cfg, itemsize, abytes, fp8=fp8, expert_lora=expert_lora)
     plain_weights = StepBytes.of(cfg, itemsize, {}).weights
     kv_block = kv_bytes_per_token(cfg, itemsize) * args.block_size
     specs = make_specs(args.requests, args.prompt_len, args.output_len, cfg.vocab_size, args.poisson, args.seed)
 
-    rows: list[Row] = []
-    if "a" in wanted:
-        rows.append(Row("a", "base, LoRA disabled", False, []))
-    if "b" in wanted:
-        rows.append(Row("b", "LoRA enabled, no adapter used", True, []))
-    if "c" in wanted:
-        rows += [Row(f"c-{n}", f"{n} adapters r16, {what}", True, r16[:n]) for n in counts]
-    if "d" in wanted:
-        rows.append(Row("d", f"{len(qv)} adapters r8, q,v only", True, qv))
-    peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", False,
+    rows = [row for row in (Row("a", "base, LoRA disabled", "base", []),
+                            Row("b", "LoRA enabled, no adapter used", "lora", []),
+                            *(Row(f"c-{n}", f"{n} adapters r16, {what}", "lora", r16[:n]) for n in counts),
+                            Row("d", f"{len(qv)} adapters r8, q,v only", "lora", qv),
+                            Row(f"x-{len(xs)}", f"{len(xs)} adapters r16, q,k,v,o + experts", "experts", xs))
+            if row.key[0] in wanted]
+    peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", "base",
                      r16[:args.peft_adapters])] if "e" in wanted else []
 
     # One NodeConfig per node: in process and served alike.
@@ -583,16 +583,16 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                              tuning_fixed=frozenset(given), tuning_table=args.tuning_table,
                              tune_budget=args.tune_budget, log_level="WARNING", quantization=args.quantization,
                              api_processes=count_or_auto(args.api_processes))
-    num_blocks = options["num_kv_blocks"]
-    names = list(dict.fromkeys(n for r in rows if r.lora for n in r.pool))
-    configs = {False: node_config(model, device, dtype, max_loras=0, **options),
-               True: node_config(model, device, dtype, max_loras=max(len(names), 1), max_lora_rank=16,
-                                 # (a mixture of experts' node then reserves no expert arenas)
-                                 **({"lora_modules": targets} if cfg.num_experts else {}),
-                                 max_cpu_loras=max(len(names), 1) if cuda else 1, adapter_dir=str(adapter_root),
-                                 **options)}
+    pins = {node: list(dict.fromkeys(n for r in rows if r.node == node for n in r.pool)) for node in NODES}
+    # A LoRA node's adapter memory: its rows' adapters; expert arenas only on rows x's (2 GB files).
+    configs = {"base": node_config(model, device, dtype, max_loras=0, **options)} | {
+        node: node_config(model, device, dtype, max_loras=max(len(pins[node]), 1), max_lora_rank=16,
+                          max_cpu_loras=max(len(pins[node]), 1) if cuda else 1, adapter_dir=str(adapter_root),
+                          **kw, **options)
+        for node, kw in (("lora", {"lora_modules": targets} if cfg.num_experts else {}),
+                         ("experts", dict(lora_modules=ALL_MODULES, max_adapter_bytes=(x_bytes // GB + 2) * GB)))}
 
-    runner, on_off = configs[False].runner, lambda on: "on" if on else "off"
+    runner, on_off = configs["base"].runner, lambda on: "on" if on else "off"
     header = [
         f"{device_line(device, dtype)}  copy bandwidth (D2D, read+write): {bw / 1e9:.1f} GB/s",
         f"model: {model.description}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads}/"
@@ -605,16 +605,17 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
             f"open loop Poisson {args.poisson} req/s, Zipf({args.zipf_alpha}) adapter popularity, at most "
             f"{args.concurrency} running" if args.poisson else
             f"closed loop at concurrency {args.concurrency}, request i -> adapter i mod N"),
-        f"node: max_num_seqs {args.concurrency}, {args.max_batched_tokens} tokens per step, {num_blocks} KV blocks of "
-        f"{args.block_size}, prefix cache {'on' if args.prefix_caching else 'off'}, decode graphs "
-        f"{on_off(runner.decode_graphs_on(device.type))}, piecewise graphs "
+        f"node: max_num_seqs {args.concurrency}, {args.max_batched_tokens} tokens per step, "
+        f"{options['num_kv_blocks']} KV blocks of {args.block_size}, prefix cache {on_off(args.prefix_caching)}, "
+        f"decode graphs {on_off(runner.decode_graphs_on(device.type))}, piecewise graphs "
         f"{on_off(runner.mixed_graphs_on(device.type))}; adapter bytes: r16 {what} = "
-        f"{abytes[r16[0]] / 1e6 if r16 else 0:.2f} MB" + (f", r8 q,v = {abytes[qv[0]] / 1e6:.2f} MB" if qv else ""),
+        f"{abytes[r16[0]] / 1e6 if r16 else 0:.2f} MB" + (f", r8 q,v = {abytes[qv[0]] / 1e6:.2f} MB" if qv else "")
+        + (f", x: r16 q,k,v,o + experts = {x_bytes / 1e6:.2f} MB ({len(xs) * x_bytes / 1e9:.2f} GB of adapter "
+           "memory on its node)" if xs else ""),
         f"paths: {', '.join(args.paths)}" + (f"; served: {args.clients} client processes per API, front ends "
                                               f"{args.api_processes}" if set(args.paths) - {"engine"} else ""),
     ]
-    for line in header:
-        print(line, flush=True)
+    print("\n".join(header), flush=True)
 
     results: dict[tuple[str, str], list[RowResult]] = {}
 
@@ -626,58 +627,53 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
             log.exception("row %s (%s) failed", row.key, path)
             result = RowResult(row.key, path, row.label, error=error_text(exc))
         results.setdefault((row.key, path), []).append(result)
-        line = format_row(summarize(result, nbytes, bw))
         log.info("row %s (%s) done in %.1fs", row.key, path, time.perf_counter() - t)
-        print(f"# {line}", file=sys.stderr, flush=True)
+        print(f"# {format_row(summarize(result, nbytes, bw))}", file=sys.stderr, flush=True)
 
     def fail(group: list[Row], path: str, exc: Exception) -> None:
         log.exception("the %s node failed", path)
         for row in group:
             results[(row.key, path)] = [RowResult(row.key, path, row.label, error=error_text(exc))]
 
-    groups = {lora: [r for r in rows if r.lora == lora] for lora in (False, True)}
+    groups = {node: [r for r in rows if r.node == node] for node in NODES}
     if "engine" in args.paths:
         # One node without LoRA (a) and one with adapter memory for every adapter (b, c, d),
         # both alive through every round: with --rounds N the rows take turns N times and
-        # drift of the machine lands on all of them alike.
-        llms = {}
-        for lora, group in groups.items():
-            if group:
+        # drift of the machine lands on all of them alike. Then rows x, on their node alone (its expert
+        # arenas as deep as its others: beside rows c's adapters, 78 GB for c-32 at 30B).
+        for phase in (("base", "lora"), ("experts",)):
+            llms = {}
+            for node in (n for n in phase if groups[n]):
                 try:
-                    started = time.perf_counter()
-                    llms[lora] = build_llm(configs[lora], names if lora else ())
-                    print(tuning_line(llms[lora], 'LoRA' if lora else 'base', time.perf_counter() - started),
-                          flush=True)
-                    print(memory_line(llms[lora], kv_block, 'LoRA' if lora else 'base'), flush=True)
+                    t, llms[node] = time.perf_counter(), build_llm(configs[node], pins[node])
+                    print(tuning_line(llms[node], node, time.perf_counter() - t), flush=True)
+                    print(memory_line(llms[node], kv_block, node), flush=True)
                 except Exception as exc:
-                    fail(group, "engine", exc)
-        for _ in range(args.rounds):
-            for row in (r for lora in llms for r in groups[lora]):
-                run_guarded(row, "engine", lambda row=row: run_engine_row(row, llms[row.lora], specs, args))
-        for llm in llms.values():
-            llm.close()
-        llms.clear()
-        release_memory()
-        if args.control and groups[False]:  # row a again on a fresh node: what order and drift alone do
-            control = Row("a2", "base again, after b-d (control)", False, [])
-            rows.insert(rows.index(groups[False][0]) + 1, control)
-            llm = build_llm(configs[False])
+                    fail(groups[node], "engine", exc)
+            for _ in range(args.rounds):
+                for row in (r for node in llms for r in groups[node]):
+                    run_guarded(row, "engine", lambda row=row: run_engine_row(row, llms[row.node], specs, args))
+            for llm in llms.values():
+                llm.close()
+            llms.clear()
+            release_memory()
+        if args.control and groups["base"]:  # row a again on a fresh node: what order and drift alone do
+            control = Row("a2", "base again, after b-d (control)", "base", [])
+            rows.insert(rows.index(groups["base"][0]) + 1, control)
+            llm = build_llm(configs["base"])
             run_guarded(control, "engine", lambda: run_engine_row(control, llm, specs, args))
             llm.close()
             release_memory()
     served = [p for p in args.paths if p != "engine"]
-    for lora, group in groups.items():
-        if not served or not group:
-            continue
+    for node_kind, group in ((k, g) for k, g in groups.items() if served and g):
         try:
-            node = NodeProcess(configs[lora], work / f"node-{'lora' if lora else 'base'}.log")
+            node = NodeProcess(configs[node_kind], work / f"node-{node_kind}.log")
         except Exception as exc:
             for path in served:
                 fail(group, path, exc)
             continue
         try:
-            if lora:
-                node.pin(names)
+            node.pin(pins[node_kind])
             for path in served:  # the same requests through each API in turn
                 for row in group:
                     run_guarded(row, path, lambda: run_served_row(row, path, node, model.checkpoint.name, specs, args))
@@ -693,8 +689,10 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     print()
     TABLE.print([format_row(s) for s in summaries.values()] + ["-" * len(TABLE.head()[0])])
     by_key = {k: s for (k, path), s in summaries.items() if path in ("engine", "peft") and not s.error}
-    read_32 = 32 * adapter_bytes_per_rank(cfg, 16, ALL_MODULES, itemsize) / bw
-    for line in ratios(by_key, read_32, "c-32") + path_ratios(summaries):
+    reads = {"c-32": 32 * abytes[r16[0]] / bw} if len(r16) >= 32 else {}
+    if f"x-{len(xs)}" in by_key:  # its adapters' expert LoRA at the row's mean batch
+        reads[f"x-{len(xs)}"] = nbytes.adapter_read(round(by_key[f"x-{len(xs)}"].batch), frozenset(xs)) / bw
+    for line in ratios(by_key, reads) + path_ratios(summaries):
         print(line)
     if args.rounds > 1:
         print(f"rounds: {args.rounds}, engine rows interleaved in each; every column is the median over rounds. "
