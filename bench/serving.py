@@ -653,16 +653,15 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
             for _ in range(args.rounds):
                 for row in (r for node in llms for r in groups[node]):
                     run_guarded(row, "engine", lambda row=row: run_engine_row(row, llms[row.node], specs, args))
-            for llm in llms.values():
-                llm.close()
-            llms.clear()
+            for node in list(llms):  # (no name left holding a node: its weights would stay on the device)
+                llms.pop(node).close()
             release_memory()
         if args.control and groups["base"]:  # row a again on a fresh node: what order and drift alone do
             control = Row("a2", "base again, after b-d (control)", "base", [])
             rows.insert(rows.index(groups["base"][0]) + 1, control)
-            llm = build_llm(configs["base"])
-            run_guarded(control, "engine", lambda: run_engine_row(control, llm, specs, args))
-            llm.close()
+            llms["base"] = build_llm(configs["base"])
+            run_guarded(control, "engine", lambda: run_engine_row(control, llms["base"], specs, args))
+            llms.pop("base").close()
             release_memory()
     served = [p for p in args.paths if p != "engine"]
     for node_kind, group in ((k, g) for k, g in groups.items() if served and g):
