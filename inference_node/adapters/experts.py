@@ -55,13 +55,16 @@ def expert_ranks(weights: AdapterWeights) -> dict[str, int]:
 
 class ExpertArenas:
     def __init__(self, config: ModelConfig, rows: dict[str, int], dtype: torch.dtype, device: torch.device,
-                 shard: Shard = Shard(), num_slots: int = 1) -> None:
+                 shard: Shard = Shard(), num_slots: int = 1, max_rank: int = 0) -> None:
         """config: the shapes this rank computes with; rows: each expert arena's rank rows
         (the arenas' names, EXPERT_MODULES); num_slots: the adapter slots the per-slot tables
-        track (SlotBuffers.num_slots)."""
+        track (SlotBuffers.num_slots); max_rank: the largest rank served (0: an arena's depth),
+        which bounds one slot's rows in each arena (EXPERT_ROW_FACTOR times it): the LoRA
+        kernels' rank tile, not the arena's depth of every adapter's rows."""
         self.inter, self.device, self.shard = config.moe_intermediate_size, device, shard
         self.layers = [layer for layer in range(config.num_layers) if config.is_moe_layer(layer)]
         self.rows = dict(rows) if self.layers else {}
+        self.slot_max = {m: min(r, max_rank * EXPERT_ROW_FACTOR[m]) if max_rank else r for m, r in rows.items()}
         shapes = config.expert_shapes()
         # Zeros: no row ever holds anything but an adapter's validated weights or zero.
         self.a = {(layer, p): torch.zeros(config.num_experts, rows[f"experts.{p}"], shapes[p][0], dtype=dtype,
@@ -95,6 +98,8 @@ class ExpertArenas:
             if module not in ranks:
                 continue
             first, r = firsts[module], ranks[module]
+            if r > self.slot_max[module]:
+                raise ValueError(f"{module}: rank {r} is more than the {self.slot_max[module]} rows a slot may hold")
             a_rows, b_rows = a_arena[:, first:first + r], self.b[(layer, parameter)][:, first:first + r]
             pair = weights.experts.get((layer, parameter))
             if pair is None:
@@ -136,7 +141,7 @@ class ExpertArenas:
         p = EXPERT_PARAMETERS.index(parameter)
         key = (layer, parameter)
         return PairLora(self.a[key], self.b[key], token_slots, self.slot_rows[2 * p], self.slot_rows[2 * p + 1],
-                        self.slot_scales[self.key_index[key]])
+                        self.slot_scales[self.key_index[key]], self.slot_max[f"experts.{parameter}"])
 
     def of(self, slot: int) -> ExpertPairs | None:
         """The slot's expert LoRA (None: its adapter has none)."""

@@ -149,7 +149,7 @@ class SlotBuffers:
         self.edge_rows_held = {m: self.rows if m in modules else 1 for m in EDGE_MODULES}
         self.held = held = held_modules(modules)  # the modules whose arenas --lora-memory-mb sizes
         self.experts = ExpertArenas(config, {m: arena_rows(m, self.rows) if m in held else 0
-                                             for m in EXPERT_MODULES}, dtype, device, shard, self.num_slots)
+                                             for m in EXPERT_MODULES}, dtype, device, shard, self.num_slots, max_rank)
         shapes = config.module_shapes()
         self.layers: list[dict[str, GroupBuffers]] = []
         for layer in range(config.num_layers):

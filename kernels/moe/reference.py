@@ -55,12 +55,15 @@ class PairLora:
     of rank rows shared by the resident adapters (inference_node/adapters/experts.py): A [E,
     R, in] and B [E, R, out]; each token's adapter slot (-1: none), and per slot its first
     row, its rank there (0: none) and its scaling. Graph-safe: all of it on the device, read
-    by each token's slot, so a captured step replays over whatever slots its rows hold."""
+    by each token's slot, so a captured step replays over whatever slots its rows hold.
+    max_rank: the most rows any slot's rank may be (the arena's depth where None), known on
+    the host: the kernels' rank tile, which an arena of many adapters' rows would otherwise set."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, first: torch.Tensor,
-                 rank: torch.Tensor, scaling: torch.Tensor) -> None:
+                 rank: torch.Tensor, scaling: torch.Tensor, max_rank: int | None = None) -> None:
         self.a, self.b, self.token_slots = a, b, token_slots
         self.first, self.rank, self.scaling = first, rank, scaling
+        self.max_rank = min(max_rank, a.shape[1]) if max_rank else a.shape[1]
 
     def of_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(first row, rank, scaling) of each token's adapter (rank 0 where it has none)."""

@@ -216,7 +216,7 @@ def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: to
     launch over (pair, column tile). Each pair reads its adapter's rows of its expert: no host
     sync, so a graph captures it."""
     pairs, top_k = picks.numel(), picks.shape[1]
-    block_r = max(16, triton.next_power_of_2(lora.a.shape[1]))
+    block_r = max(16, triton.next_power_of_2(lora.max_rank))
     width = max(16, min(128, 4096 // block_r))  # K or N tile: at most 4,096 elements a program
     x = x if x.stride(1) == 1 else x.contiguous()
     flat = picks.reshape(-1)

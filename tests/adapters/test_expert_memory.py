@@ -197,3 +197,19 @@ def test_routed_layers_hold_no_dense_mlp_rows(tiny_qwen3_moe_path: Path) -> None
         assert rows == {"qkv": buffers.rows, "o": buffers.rows, "gate_up": mlp, "down": mlp}, layer
     h, inter = config.module_shapes()["down_proj"][::-1]
     assert buffers.row_nbytes["down_proj"] == len(config.dense_layers) * (inter + h) * 4
+
+
+def test_a_slot_holds_at_most_its_largest_rank_and_the_kernels_tile_by_it(tiny_mixtral_path: Path) -> None:
+    """Arenas deep enough for several adapters hand the LoRA kernels a slot's most rows (the
+    largest rank served; twice that in gate_up_proj's arena), not the arena's depth, and refuse
+    to write an adapter past it."""
+    config = ModelConfig.from_checkpoint(tiny_mixtral_path)
+    buffers = SlotBuffers(config, 4, 8, torch.float32, torch.device("cpu"))
+    experts, layer = buffers.experts, next(i for i in range(config.num_layers) if config.is_moe_layer(i))
+    slots = torch.zeros(3, dtype=torch.int32)
+    assert experts.a[(layer, "gate_up_proj")].shape[1] == 2 * experts.a[(layer, "down_proj")].shape[1] == 2 * 4 * 8
+    assert experts.pair_lora(layer, "gate_up_proj", slots).max_rank == 16
+    assert experts.pair_lora(layer, "down_proj", slots).max_rank == 8
+    too_deep = ExpertSource(config, {"r16": 16}).load("r16", "v1")
+    with pytest.raises(ValueError, match="rank 32 is more than the 16 rows a slot may hold"):
+        experts.write(0, too_deep, {"experts.gate_up_proj": 0, "experts.down_proj": 0})

@@ -233,3 +233,26 @@ def test_pair_lora_matches_the_per_expert_reference(tokens: int, experts: int, t
     pair_lora_triton(x, picks, gu_lora, y_kernel, x_per_pair=False)
     pair_lora_reference(x, picks, gu_lora, y_reference, x_per_pair=False)
     torch.testing.assert_close(y_kernel, y_reference, rtol=1e-5, atol=1e-4)
+
+
+def test_pair_lora_tiles_the_rank_by_a_slots_most_rows_not_the_arenas_depth() -> None:
+    """An arena of many adapters' rows (here 64, the slots' ranks at most 5): the kernels take
+    a rank tile of max_rank rows and add what the reference adds."""
+    if not interpreting():
+        pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
+    from kernels.moe.triton_kernel import pair_lora_triton
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, experts, top_k = 7, 4, 2
+    lora = _arena_lora(experts, 8, 48, 40, tokens, gen, torch.float32)
+    junk = lambda t: torch.cat([t, torch.randn(experts, 56, t.shape[2], generator=gen)], dim=1)  # noqa: E731
+    deep = PairLora(junk(lora.a), junk(lora.b), lora.token_slots, lora.first, lora.rank, lora.scaling, max_rank=8)
+    assert deep.max_rank == 8 and PairLora(deep.a, deep.b, lora.token_slots, lora.first, lora.rank,
+                                           lora.scaling).max_rank == 64
+    x = torch.randn(tokens, 48, generator=gen)
+    picks = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    y_kernel = torch.randn(tokens * top_k, 40, generator=gen)
+    y_reference = y_kernel.clone()
+    pair_lora_triton(x, picks, deep, y_kernel, x_per_pair=False)
+    pair_lora_reference(x, picks, deep, y_reference, x_per_pair=False)
+    torch.testing.assert_close(y_kernel, y_reference, rtol=1e-5, atol=1e-4)
