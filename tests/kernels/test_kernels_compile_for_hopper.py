@@ -107,3 +107,41 @@ def test_fused_all_reduce_flags_and_peer_loads(dtype: str, world: int, hidden: i
     acquires = [line for line in ptx.splitlines() if ".global.sys.acquire" in line]
     assert len(acquires) >= world - 1
     assert ptx.count("ld.global.cg.v4.b32") >= world - 1 and "ld.global.cg.b16" not in ptx
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, bias, norm, unit_offset", [
+    (28, 4, 128, True, False, False), (32, 8, 128, False, True, False), (16, 8, 256, False, True, True),
+    (32, 8, 128, True, True, False)], ids=["qwen2.5-bias", "qwen3-norm", "gemma3-norm", "bias-norm"])
+def test_qkv_gemm_with_bias_and_qk_norm_in_its_rope_epilogue(tma: bool, heads: int, kv_heads: int, head_dim: int,
+                                                             bias: bool, norm: bool, unit_offset: bool) -> None:
+    """q/k/v's decode GEMM with RoPE, the bias and the q/k norm in its epilogue (kernels/gemm/
+    rope_epilogue.py), at 64 rows and the tiling and warps the dispatcher gives it (a whole
+    head a program with a norm; its branches on the program's head: a type a branch changed
+    would compile in the interpreter only)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.gemm.shapes import rope_block_n, whole_head_tiling, whole_head_warps
+    from kernels.gemm.triton_kernel import _decode_gemm_kernel, _decode_gemm_tma_kernel
+    from kernels.tuning import DEFAULT_TUNING
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    tiling = (DEFAULT_TUNING.gemm_tma_tilings if tma else DEFAULT_TUNING.gemm_tilings)["qkv"]
+    block_n, block_k, stages = (whole_head_tiling(tiling, head_dim, 2) if norm
+                                else (rope_block_n(tiling[0], head_dim), *tiling[1:]))
+    warps = whole_head_warps(head_dim, 64) if norm else 4
+    pointers = {n: "*bf16" for n in ("x_ptr", "w_ptr", "y_ptr", "k_ptr", "v_ptr", "bias_ptr", "qn_ptr", "kn_ptr")}
+    types = pointers | {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+                        "norm_eps": "fp32"}
+    if tma:
+        types |= {"x_desc": f"tensordesc<bf16[64, {block_k}]>", "w_desc": f"tensordesc<bf16[{block_n}, {block_k}]>"}
+    fn = _decode_gemm_tma_kernel if tma else _decode_gemm_kernel
+    constexprs = dict(K=4096, BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, PREFETCH_K=512, LINE=64,
+                      DOT_F32=False, EARLY_TRIGGER=True, GATED=False, ROPE=True, HQ=heads, HKV=kv_heads, D=head_dim,
+                      BIAS=bias, QK_NORM=norm, UNIT_OFFSET=unit_offset)
+    signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    assert "cubin" in compiled.asm
