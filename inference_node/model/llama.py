@@ -226,14 +226,13 @@ class LlamaModel:
         cfg, layer, gemm, rope_table = self.config, self.layers[i], launch.gemm, self.layer_ropes[i]
         q = q_out
         qk_norm = self.qk_norm(i)
-        if (lora is None or not lora.applies_to("qkv")) and gemm.serves("qkv"):
-            # The bias, the q/k norm, RoPE and the cache write in q/k/v's GEMM launch (no RoPE
-            # launch). A q/k/v LoRA delta would have to be added before the norm: not here.
+        if (layer.qkv_bias is None and qk_norm is None and (lora is None or not lora.applies_to("qkv"))
+                and gemm.serves("qkv")):
+            # RoPE and the cache write in q/k/v's GEMM launch (no RoPE launch)
             if q is None:
                 q = x.new_empty(x.shape[0], cfg.num_heads, cfg.head_dim)
             rope = RopeOut(q, k_caches[i], v_caches[i], rope_table.cos, rope_table.sin, batch.positions,
-                           batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           bias=layer.qkv_bias, qk_norm=qk_norm)
+                           batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             if gemm.qkv_rope(x, layer.qkv, rope) is not None:
                 return q
         qkv, delta = self._project(launch, lora, i, "qkv", x, layer.qkv, layer.qkv_bias)

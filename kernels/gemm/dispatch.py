@@ -21,8 +21,7 @@ from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
 from .fp8_weight import Fp8Weight, fp8_linear
 from .rope_out import RopeOut
-from .shapes import (MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits, whole_head_tiling,
-                     whole_head_warps)
+from .shapes import MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits
 
 TRITON = "kernels.gemm.triton_kernel"
 FOLD_TRITON = "kernels.gemm.fold_triton_kernel"
@@ -105,12 +104,7 @@ class DecodeGemm:
         in rope.q (returned), the rotated keys and the values in their cache slots, bit for
         bit what the GEMM then the RoPE kernel write; None where the decode GEMM does not serve
         x (the caller runs the two). Each program takes half its tiling's columns from each
-        half of one head, so it reads as many weight bytes as in the plain launch. With
-        rope.bias it is added to the float32 product and rounded once, as a biased matmul
-        rounds (a biased q/k/v is otherwise cuBLAS's: bit for bit only up to the order of its
-        sums). With rope.qk_norm a program holds a whole head (whole_head_tiling; None where
-        no such tiling fits); on a GPU it sums a head's squares in another order than the
-        RoPE kernel, so a row's rstd may differ in its last bit."""
+        half of one head, so it reads as many weight bytes as in the plain launch."""
         if not (self.tuning.qkv_rope and self.serves("qkv") and self.applies(x, w, "qkv")):
             return None
         return self._launch(x, w, "qkv", rope=rope)
@@ -119,7 +113,7 @@ class DecodeGemm:
                 gated: bool = False, rope: RopeOut | None = None) -> torch.Tensor | None:
         """The Triton decode GEMM with the group's tiling (TMA's on Hopper); None where Triton
         does not run x, or (gated) half the tiling's columns do not divide each half of w, or
-        (rope) no tile of half a head's columns fits (with a q/k norm: half a head's)."""
+        (rope) no tile of half a head's columns fits."""
         tuning, rows = self.tuning, x.shape[0]
         tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings, rows)
                       if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
@@ -127,25 +121,17 @@ class DecodeGemm:
         if gemm is None:
             return None
         block_n, block_k, stages = tma_tiling or tiling(w, group, tuning.gemm_tilings, rows)
-        warps = 4
         if gated:
             block_n = gated_block_n(block_n)
             if (w.shape[1] // 2) % block_n:
                 return None
         if rope is not None:
-            if rope.qk_norm is not None:  # a program holds a whole head
-                whole = whole_head_tiling((block_n, block_k, stages), rope.head_dim, w.element_size(), rows)
-                if whole is None:
-                    return None
-                block_n, block_k, stages = whole
-                warps = whole_head_warps(rope.head_dim, rows)
-            else:
-                block_n = rope_block_n(block_n, rope.head_dim)
+            block_n = rope_block_n(block_n, rope.head_dim)
             if block_n < 16 or not rope.fits(x, w, block_n):
                 return None
         return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,
-                    block_k=block_k, num_warps=warps, num_stages=stages,
-                    early_trigger=tuning.gemm_early_trigger, gated=gated, rope=rope)
+                    block_k=block_k, num_stages=stages, early_trigger=tuning.gemm_early_trigger,
+                    gated=gated, rope=rope)
 
     def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   group: str | None, lora: GemmLora) -> torch.Tensor:

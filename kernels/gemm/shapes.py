@@ -57,37 +57,6 @@ def rope_block_n(block_n: int, head_dim: int) -> int:
     return min(head_dim // 2, max(16, block_n // 2))
 
 
-def whole_head_tiling(qkv_tiling: Tiling, head_dim: int, esize: int,
-                      rows: int = MAX_ROWS) -> Tiling | None:
-    """The tiling of a RoPE launch with a per-head q/k norm, whose sum of squares needs the
-    whole head in one program: half a head of columns from each half. Its K tiles are cut
-    (to 64 at least) until a stage holds no more weight than q/k/v's tiling's (a pointer-load
-    program holds its tile in registers: at block_k 256 a whole head spilled, ptxas, sm_90),
-    with as many more stages as keep the pipeline's bytes, while they fit in shared memory.
-    None where half a head is no power of two of at least 16 (a tile of tl.arange and the
-    tensor cores) or two stages do not fit."""
-    block_n, block_k, stages = qkv_tiling
-    half = head_dim // 2
-    if half < 16 or half & (half - 1):
-        return None
-    cut = block_k
-    while cut > 64 and head_dim * cut > block_n * block_k:
-        cut //= 2
-    while cut > 64 and 2 * (row_tile(rows) + head_dim) * cut * esize > SHARED_MEMORY:
-        cut //= 2
-    if 2 * (row_tile(rows) + head_dim) * cut * esize > SHARED_MEMORY:
-        return None
-    fit = SHARED_MEMORY // ((64 + head_dim) * cut * esize)
-    return half, cut, max(2, min(stages * block_k // cut, fit))
-
-
-def whole_head_warps(head_dim: int, rows: int) -> int:
-    """Warps of such a launch: 8 where its tile (rows by a whole head) is over 2048 values, so
-    a thread's share of the accumulators, the rounded head and its rotation fits in registers
-    (at 64 rows of 128, 4 warps used 255 registers and spilled; 8 used 141, ptxas, sm_90)."""
-    return 4 if row_tile(rows) * head_dim <= 2048 else 8
-
-
 def tma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether decode_gemm_tma takes x @ w: w a transposed view of a contiguous [out, in]
     matrix, both 16-byte aligned with 16-byte row strides (what a TMA descriptor needs)."""

@@ -17,8 +17,7 @@ With ROPE the launch is q/k/v's and its epilogue is the op after it (kernels/rop
 program takes columns d0.. of the first half of one head and the same columns of its second
 half (the pairs RoPE's rotate_half mixes), rotates query and key heads at their rows'
 positions, and writes queries to their buffer and keys and values to their cache slots: no
-RoPE launch, and no q/k/v output written and read back. The epilogue, with the families' q/k/v
-bias and per-head q/k norm, is rope_epilogue.py.
+RoPE launch, and no q/k/v output written and read back.
 
 On Hopper, decode_gemm_tma is the same product with its x and W tiles fetched by the tensor
 memory accelerator (one copy instruction a tile): ncu showed the pointer-load kernel
@@ -33,7 +32,6 @@ import triton.language as tl
 
 from ..activation.triton_kernel import silu_times
 from ..host import dot_f32, pdl_launch
-from .rope_epilogue import rope_reads, rope_store, rope_tables
 from .rope_out import RopeOut, no_rope_args
 from .shapes import MAX_ROWS, row_tile, tma_fits
 
@@ -55,37 +53,89 @@ def _first_column(pid, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, D: tl.constexp
     return pid * BLOCK_N
 
 
+@triton.jit
+def _rope_reads(M, pid, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qt,
+                stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                stride_cos, page, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the ROPE epilogue reads besides the accumulators: its rows' cos and sin for both
+    halves (ones and zeros for value heads) and where it stores. All are step inputs, not the
+    kernel ahead's output, so the kernels read them before their wait: the dependent loads
+    (positions, then the tables; the slots) hide under the weight stream."""
+    HALF: tl.constexpr = D // 2
+    per_half: tl.constexpr = HALF // BLOCK_N
+    head = pid // per_half
+    offs_d = (pid % per_half) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = offs_m < M
+    if head < HQ + HKV:
+        pos = tl.load(pos_ptr + offs_m, mask=rows, other=0)
+        trig = pos[:, None] * stride_cos + offs_d[None, :]
+        c1 = tl.load(cos_ptr + trig, mask=rows[:, None], other=0.0)
+        s1 = tl.load(sin_ptr + trig, mask=rows[:, None], other=0.0)
+        c2 = tl.load(cos_ptr + trig + HALF, mask=rows[:, None], other=0.0)
+        s2 = tl.load(sin_ptr + trig + HALF, mask=rows[:, None], other=0.0)
+    else:
+        c1 = tl.full((BLOCK_M, BLOCK_N), 1.0, tl.float32)
+        s1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        c2 = c1
+        s2 = s1
+    if head < HQ:
+        dst = q_ptr + offs_m[:, None].to(tl.int64) * stride_qt + head * stride_qh
+    else:
+        slot = tl.load(slot_ptr + offs_m, mask=rows, other=0).to(tl.int64)
+        if head < HQ + HKV:
+            dst = (k_ptr + (slot // page) * stride_kb + (slot % page) * stride_kp
+                   + (head - HQ) * stride_kh)[:, None]
+        else:
+            dst = (v_ptr + (slot // page) * stride_vb + (slot % page) * stride_vp
+                   + (head - HQ - HKV) * stride_vh)[:, None]
+    return c1, s1, c2, s2, dst + offs_d[None, :]
+
+
+@triton.jit
+def _rope_store(acc1, acc2, M, c1, s1, c2, s2, dst, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The ROPE epilogue: acc1 and acc2 hold the program's columns of the first and second
+    half of one head. Rounded to the output dtype first (as the plain launch stores them for
+    the RoPE kernel), rotated for query and key heads in float32 as kernels/rope does
+    ((x1, x2) -> (x1 c1 - x2 s1, x2 c2 + x1 s2)), and stored at dst (_rope_reads): queries to
+    their buffer, keys and values to their rows' cache slots."""
+    HALF: tl.constexpr = D // 2
+    rows = tl.arange(0, BLOCK_M) < M
+    dtype = dst.dtype.element_ty
+    x1 = acc1.to(dtype).to(tl.float32)
+    x2 = acc2.to(dtype).to(tl.float32)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    tl.store(dst, y1.to(dtype), mask=rows[:, None])
+    tl.store(dst + HALF, y2.to(dtype), mask=rows[:, None])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_kernel(
     x_ptr, w_ptr, y_ptr, M,
     stride_xm, stride_wn, stride_wk, stride_ym, pair_offset,
     k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qh, stride_kb, stride_kp,
-    stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page, bias_ptr, qn_ptr, kn_ptr, norm_eps,
+    stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr = False, GATED: tl.constexpr = False, ROPE: tl.constexpr = False,
-    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2, BIAS: tl.constexpr = False,
-    QK_NORM: tl.constexpr = False, UNIT_OFFSET: tl.constexpr = False,
+    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2,
 ):
     """GATED: W is gate/up's [gate; up] (up from output column pair_offset) and each program
     writes SiLU(x @ gate) * (x @ up) for its BLOCK_N columns of both. ROPE: W is q/k/v's
     (HQ, HKV heads of D), y the queries [M, HQ, D], and the program's second columns lie
-    pair_offset (D / 2) after its first (rope_epilogue.py; BIAS, QK_NORM there)."""
+    pair_offset (D / 2) after its first (_rope_store)."""
     PAIRED: tl.constexpr = GATED or ROPE
     pid = tl.program_id(0)
     offs_n = (_first_column(pid, BLOCK_N, ROPE, D) + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     if ROPE:
-        if QK_NORM:  # read in the epilogue (rope_store)
-            c1, s1, c2, s2 = 0.0, 0.0, 0.0, 0.0
-        else:
-            c1, s1, c2, s2 = rope_tables(M, pid, cos_ptr, sin_ptr, pos_ptr, stride_cos, HQ, HKV, D,
-                                         BLOCK_M, BLOCK_N)
-        dst, b1, b2, w1, w2 = rope_reads(
-            M, pid, y_ptr, k_ptr, v_ptr, slot_ptr, bias_ptr, qn_ptr, kn_ptr, stride_ym, stride_qh,
-            stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, page, HQ, HKV, D,
-            BLOCK_M, BLOCK_N, BIAS, QK_NORM)
+        c1, s1, c2, s2, dst = _rope_reads(M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr,
+                                          slot_ptr, stride_ym, stride_qh, stride_kb, stride_kp,
+                                          stride_kh, stride_vb, stride_vp, stride_vh, stride_cos,
+                                          page, HQ, HKV, D, BLOCK_M, BLOCK_N)
     if PDL:
         if PREFETCH_K > 0:
             # One prefetch per 128-byte line of the slab's first PREFETCH_K columns (W is
@@ -121,9 +171,7 @@ def _decode_gemm_kernel(
     if PDL and not EARLY_TRIGGER:  # the next kernel may launch now (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
-        rope_store(acc, acc_up, M, pid, c1, s1, c2, s2, b1, b2, w1, w2, dst, norm_eps, cos_ptr,
-                   sin_ptr, pos_ptr, stride_cos, HQ, HKV, D, BLOCK_M, BLOCK_N, BIAS, QK_NORM,
-                   UNIT_OFFSET)
+        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, D, BLOCK_M)
     else:
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if GATED:
@@ -136,12 +184,11 @@ def _decode_gemm_kernel(
 def _decode_gemm_tma_kernel(
     x_desc, w_desc, w_ptr, y_ptr, M, stride_wn, stride_ym, pair_offset,
     k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qh, stride_kb, stride_kp,
-    stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page, bias_ptr, qn_ptr, kn_ptr, norm_eps,
+    stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr = False, GATED: tl.constexpr = False, ROPE: tl.constexpr = False,
-    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2, BIAS: tl.constexpr = False,
-    QK_NORM: tl.constexpr = False, UNIT_OFFSET: tl.constexpr = False,
+    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2,
 ):
     """The same product with the tiles fetched by the tensor memory accelerator (Hopper): one
     copy instruction a tile, where the pointer loads issue one per 16 bytes per thread and
@@ -153,15 +200,10 @@ def _decode_gemm_tma_kernel(
     n0 = _first_column(pid, BLOCK_N, ROPE, D)
     offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     if ROPE:
-        if QK_NORM:  # read in the epilogue (rope_store)
-            c1, s1, c2, s2 = 0.0, 0.0, 0.0, 0.0
-        else:
-            c1, s1, c2, s2 = rope_tables(M, pid, cos_ptr, sin_ptr, pos_ptr, stride_cos, HQ, HKV, D,
-                                         BLOCK_M, BLOCK_N)
-        dst, b1, b2, w1, w2 = rope_reads(
-            M, pid, y_ptr, k_ptr, v_ptr, slot_ptr, bias_ptr, qn_ptr, kn_ptr, stride_ym, stride_qh,
-            stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, page, HQ, HKV, D,
-            BLOCK_M, BLOCK_N, BIAS, QK_NORM)
+        c1, s1, c2, s2, dst = _rope_reads(M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr,
+                                          slot_ptr, stride_ym, stride_qh, stride_kb, stride_kp,
+                                          stride_kh, stride_vb, stride_vp, stride_vh, stride_cos,
+                                          page, HQ, HKV, D, BLOCK_M, BLOCK_N)
     if PDL:
         if PREFETCH_K > 0:
             lines = tl.arange(0, PREFETCH_K // LINE) * LINE
@@ -189,9 +231,7 @@ def _decode_gemm_tma_kernel(
     if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
-        rope_store(acc, acc_up, M, pid, c1, s1, c2, s2, b1, b2, w1, w2, dst, norm_eps, cos_ptr,
-                   sin_ptr, pos_ptr, stride_cos, HQ, HKV, D, BLOCK_M, BLOCK_N, BIAS, QK_NORM,
-                   UNIT_OFFSET)
+        _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, D, BLOCK_M)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -240,7 +280,7 @@ def _launch_shape(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, bl
     assert K % block_k == 0, "K tiles must divide the weight"
     if rope is not None:
         assert not gated and rope.fits(x, w, block_n), "a RoPE launch needs q/k/v's weight"
-        heads = dict(HQ=rope.num_heads, HKV=rope.num_kv_heads, D=rope.head_dim, **rope.switches())
+        heads = dict(HQ=rope.num_heads, HKV=rope.num_kv_heads, D=rope.head_dim)
         return rope.q, N // (2 * block_n), rope.head_dim // 2, (*rope.kernel_args(),), heads
     cols = N // 2 if gated else N
     assert N % (2 if gated else 1) == 0 and cols % block_n == 0, \

@@ -15,8 +15,6 @@ Each test here runs a child pytest with the variable set, so the switch stays lo
   (the LoRA segments of a bucket's size they fill, attention over their static buffers).
 - Three families' mixed batches through the graphs (Gemma 3, Qwen3, Phi-3): the kernels with
   the families' options where the engine launches them, against PEFT.
-- Qwen2's q/k/v bias and Qwen3's and Gemma 3's q/k norms in q/k/v's decode GEMM launch (with
-  RoPE and the KV-cache write), against PEFT.
 - The node's start-up warm-up, then a mixed workload: the workload launches no kernel
   variant the warm-up did not (so on a GPU nothing compiles under requests); with prompt
   steps eager, and replayed piece by piece.
@@ -39,7 +37,6 @@ GRAPHS = "tests/adapters/test_decode_graphs.py"
 MIXED = f"{GRAPHS}::test_graph_decode_matches_peft_for_mixed_adapters"
 PIECES = "tests/adapters/test_piecewise_graphs.py"
 FAMILIES = "tests/families/test_family_parity.py"
-FUSED_QKV = "tests/families/test_family_fused_qkv.py::test_fused_qkv_launch_matches_peft"
 
 pytestmark = [pytest.mark.interpreter,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -59,8 +56,6 @@ GRAPH_CASES = {
     # The families' kernel options (windows, q/k norms, Gemma's norms and GeLU) in the graphs.
     **{f"family-{f}": f"{FAMILIES}::test_family_with_the_triton_kernels_matches_peft[{f}]"
        for f in ("gemma3", "qwen3", "phi3")},
-    # Qwen2's q/k/v bias, Qwen3's and Gemma 3's q/k norms in q/k/v's decode GEMM launch.
-    **{f"fused-qkv-{f}": f"{FUSED_QKV}[{f}-cpu]" for f in ("qwen2", "qwen3", "gemma3")},
 }
 KERNELS_TIMEOUT = 450  # a part took 55-95 s
 GRAPH_TIMEOUT = 750    # a case took 30-250 s, the child's start included
