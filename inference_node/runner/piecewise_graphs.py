@@ -50,12 +50,19 @@ ROWS_GROWTH = 4      # rows buckets: 16, 64, 256, ... up to the bucket's own siz
 _ALIGN_BYTES = 16    # each packed input starts on a 16-byte boundary (Triton specialises on it)
 
 
+# The pieces' variants: no LoRA, the projections' LoRA, and (a node with expert arenas) the
+# experts' LoRA too: its routed experts give up their fused epilogues for it, so steps whose
+# adapters have none keep the LORA variant.
+BASE, LORA, EXPERTS = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class PiecewiseLora:
     """What the piecewise graphs need of the LoRA step plan (inference_node/runner/lora)."""
 
-    applier: Callable[[LoraBatchMeta], LoraApplier]  # adds each delta after its matmul
-    max_loras: int                                   # adapter slots: a step's most adapters
+    applier: Callable[[LoraBatchMeta, bool], LoraApplier]  # adds each delta after its matmul (and the experts')
+    max_loras: int                                         # adapter slots: a step's most adapters
+    has_experts: Callable[[list[int]], bool] | None = None  # whether slots' adapters have expert LoRA (None: no arenas)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -106,12 +113,12 @@ def _aligned(sizes: list[int], itemsize: int) -> list[int]:
 
 @dataclass
 class StepShape:
-    """What a filled step replays: its bucket and rows bucket, LoRA or not, and what its
-    attention needs on the host."""
+    """What a filled step replays: its bucket and rows bucket, its variant (BASE, LORA,
+    EXPERTS), and what its attention needs on the host."""
 
     bucket: int
     rows: int
-    lora: bool
+    lora: int
     tokens: int
     seqs: int
     sampled: int
@@ -147,7 +154,7 @@ class PiecewiseGraphs:
         self.num_layers = model.config.num_layers
         self.max_loras = lora.max_loras if lora is not None else 0
         self.capture = model.device.type == "cuda"
-        self.replays: dict[tuple[int, bool, int], int] = {}  # (bucket, LoRA, rows): count
+        self.replays: dict[tuple[int, int, int], int] = {}  # (bucket, variant, rows): count
         device, cfg = model.device, model.config
         T, B = self.max_tokens, max_seqs
         S = max((lora_segments(b, self.max_loras) for b in self.buckets), default=0) if lora else 0
@@ -178,7 +185,7 @@ class PiecewiseGraphs:
         self.finite = torch.zeros(max_rows, dtype=torch.bool, device=device)
         self._host = HostTurns(o64[-1], o32[-1], B * self.max_blocks, self.capture)
         self._host_segments: tuple[tuple[int, int, int, int], ...] = ()
-        self._graphs: dict[tuple[int, bool, int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
 
     # -- the step ------------------------------------------------------------------------------
     def fits(self, chunks: list[ScheduledChunk]) -> bool:
@@ -217,7 +224,7 @@ class PiecewiseGraphs:
             logits_indices=None, max_query_len=step.max_query_len, max_seq_len=step.max_seq_len)
         # The bucket's launch choices, as captured (a LoRA graph serves any count of adapters:
         # it takes the tuning table's bucket for one).
-        launch = self.launches.for_step(step.bucket, int(step.lora))
+        launch = self.launches.for_step(step.bucket, min(step.lora, LORA))
         with torch.inference_mode():
             for layer in range(self.num_layers):
                 self._replay(step.bucket, step.lora, layer, 0)
@@ -226,7 +233,7 @@ class PiecewiseGraphs:
         k = step.sampled
         return self.logits[:k], self.greedy[:k], self.finite[:k]
 
-    def _replay(self, bucket: int, lora: bool, piece: int, rows: int) -> None:
+    def _replay(self, bucket: int, lora: int, piece: int, rows: int) -> None:
         if self.capture:
             self._graphs[(bucket, lora, piece, rows)].replay()
         else:
@@ -289,8 +296,10 @@ class PiecewiseGraphs:
         h64[o64[4] + len(sampled):o64[4] + rows] = 0  # padding rows: any valid row
         h32[o32[0]:o32[0] + n + 1] = query_start
         h32[o32[1]:o32[1] + n] = seq_lens
-        lora = self.lora is not None and any(c.request.lora_slot >= 0 for c in chunks)
-        if lora:
+        lora = BASE
+        if self.lora is not None and any(c.request.lora_slot >= 0 for c in chunks):
+            has_experts = self.lora.has_experts
+            lora = EXPERTS if has_experts and has_experts([c.request.lora_slot for c in chunks]) else LORA
             token_slots: list[int] = []
             for c in chunks:
                 token_slots += [c.request.lora_slot] * c.num_new_tokens
@@ -334,18 +343,18 @@ class PiecewiseGraphs:
         self._host_segments = tuple(segments)
 
     # -- the pieces ----------------------------------------------------------------------------
-    def _piece(self, bucket: int, lora: bool, piece: int, rows: int) -> None:
+    def _piece(self, bucket: int, lora: int, piece: int, rows: int) -> None:
         """Piece 0: the embedding and layer 0's q/k/v. Piece i (1..layers-1): layer i-1 after
         its attention, then layer i's q/k/v. The last: the last layer after its attention,
         the final norm, the sampled rows' logits and their greedy tokens."""
-        model, launch, b = self.model, self.launches.for_step(bucket, int(lora)), bucket
+        model, launch, b = self.model, self.launches.for_step(bucket, min(lora, LORA)), bucket
         batch = ForwardBatch(
             input_ids=self.input_ids[:b], positions=self.positions[:b],
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables,
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
             logits_indices=self.logits_indices[:rows], max_query_len=0, max_seq_len=0,
             feedback=self.feedback, feedback_rows=self.feedback_rows[:b])
-        applier = self._applier(b) if lora else None
+        applier = self._applier(b, lora == EXPERTS) if lora else None
         if piece == 0:
             hidden, x = model.embed_inputs(batch, launch)
         else:
@@ -360,10 +369,10 @@ class PiecewiseGraphs:
         self.greedy[:rows].copy_(greedy)
         self.finite[:rows].copy_(finite)
 
-    def _applier(self, bucket: int) -> LoraApplier:
+    def _applier(self, bucket: int, experts: bool) -> LoraApplier:
         """The eager applier over the bucket's static metadata: every token a LoRA row, the
         bucket's count of segments of at most lora_rows rows (the kernels read their real
-        lengths; empty ones exit at once)."""
+        lengths; empty ones exit at once); with the experts' LoRA where `experts`."""
         segments = lora_segments(bucket, self.max_loras)
         meta = LoraBatchMeta(
             token_slots=self.token_slots[:bucket], sorted_token_ids=self.sorted_ids[:bucket],
@@ -371,13 +380,18 @@ class PiecewiseGraphs:
             segment_lens=self.seg_lens[:segments], num_segments=segments,
             max_segment_len=lora_rows(bucket), num_active_tokens=bucket,
             segments=() if self.capture else self._host_segments)
-        return self.lora.applier(meta)
+        return self.lora.applier(meta, experts)
 
     # -- capture ---------------------------------------------------------------------------------
-    def keys(self) -> list[tuple[int, bool, int, int]]:
-        """Every graph: (bucket, LoRA, piece, rows; rows 0 but for the last piece), largest
+    def variants(self) -> list[int]:
+        if self.lora is None:
+            return [BASE]
+        return [BASE, LORA] + ([EXPERTS] if self.lora.has_experts is not None else [])
+
+    def keys(self) -> list[tuple[int, int, int, int]]:
+        """Every graph: (bucket, variant, piece, rows; rows 0 but for the last piece), largest
         bucket first."""
-        variants = [False, True] if self.lora is not None else [False]
+        variants = self.variants()
         out = []
         for bucket in reversed(self.buckets):
             for lora in variants:
@@ -422,4 +436,5 @@ class PiecewiseGraphs:
         torch.cuda.synchronize()
         log.info("captured %d piecewise CUDA graphs for prefill and mixed steps (token buckets %s%s) "
                  "in %.1fs", len(self._graphs), ",".join(map(str, self.buckets)),
-                 ", with and without LoRA" if self.lora is not None else "", time.monotonic() - started)
+                 ", with and without LoRA" + (" (and the experts')" if len(self.variants()) > 2 else "")
+                 if self.lora is not None else "", time.monotonic() - started)

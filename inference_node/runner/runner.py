@@ -120,14 +120,12 @@ class ModelRunner:
         """Queues the step's forward and the sampling of the rows that complete a prompt; the
         sampling waits for `sample` where a sampled request has a grammar. special_rows: some
         live request asks for a grammar or logprobs (otherwise no row is looked at for them)."""
-        # A step whose adapters have embedding or LM head LoRA runs eagerly (lora/edge.py), as
-        # does a prompt step whose adapters have expert LoRA (the piecewise graphs have none).
+        # A step whose adapters have embedding or LM head LoRA runs eagerly (lora/edge.py).
         graphs = self.lora is None or not self.lora.needs_eager(chunks)
-        pieces = graphs and (self.lora is None or not self.lora.has_experts(chunks))
         if graphs and self.decode_graphs is not None and self.decode_graphs.fits(chunks):
             chunks = ordered(chunks)  # each adapter's rows one run: the LoRA kernels' layout
             mode, way = ForwardMode.DECODE_GRAPHS, self.decode_graphs
-        elif pieces and self.piecewise_graphs is not None and self.piecewise_graphs.fits(chunks):
+        elif graphs and self.piecewise_graphs is not None and self.piecewise_graphs.fits(chunks):
             mode, way = ForwardMode.PIECEWISE_GRAPHS, self.piecewise_graphs
         else:
             mode, way = ForwardMode.EAGER, self.eager

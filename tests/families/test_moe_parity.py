@@ -17,6 +17,7 @@ from family_checkpoints import MOE_FAMILIES, make_family_adapter
 from inference_node.model.llama import LlamaModel
 from inference_node.model.moe import MoeModel
 from inference_node.runner.decode_graphs import EXPERTS
+from inference_node.runner.piecewise_graphs import EXPERTS as PIECES_EXPERTS
 from test_family_forward import run_chunks
 from test_family_parity import run_family_parity
 
@@ -98,8 +99,8 @@ def test_moe_mixed_batch_matches_peft(family: str, graphs: str, request: pytest.
     """Adapters on attention, on the experts (rsLoRA included: PEFT's doubled gate_up rank and
     alpha give it a scaling of its own), on the embedding and the LM head, and the base model,
     in one mixed batch through gRPC with evictions. graphs: the decode and piecewise graphs'
-    paths (run without capture on CPU): decode steps with expert LoRA in the decode graphs'
-    experts variant, prompt steps with it and steps with edge LoRA eagerly."""
+    paths (run without capture on CPU): steps with expert LoRA in the decode graphs' and the
+    piecewise graphs' experts variants (eager: also edge LoRA, which runs eagerly)."""
     base = request.getfixturevalue(f"tiny_{family}_path")
     mode = "on" if graphs == "graphs" else "off"
     node = run_family_parity(base, family, tmp_path / "adapters", "cpu", "float32", num_prompts=3,
@@ -111,6 +112,8 @@ def test_moe_mixed_batch_matches_peft(family: str, graphs: str, request: pytest.
         experts = len(decode.group_variants) - 1
         assert EXPERTS in decode.group_variants[experts]
         assert any(variant == experts for (_, _, variant) in decode.replays), decode.replays
+        pieces = node.engine.runner.piecewise_graphs
+        assert any(variant == PIECES_EXPERTS for (_, variant, _) in pieces.replays), pieces.replays
 
 
 def _adapter_bytes(folder: Path) -> tuple[bytes, bytes]:

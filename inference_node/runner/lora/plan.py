@@ -47,11 +47,6 @@ class LoraStepPlan:
         eagerly (the graphs' appliers have none)."""
         return bool(self.buffers.edges_of([c.request.lora_slot for c in chunks]))
 
-    def has_experts(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether an adapter of the step has expert LoRA: the decode graphs have a variant
-        for it (graph_variants), the piecewise graphs none (such prompt steps run eagerly)."""
-        return self.buffers.has_experts([c.request.lora_slot for c in chunks])
-
     def graph_variants(self) -> tuple[frozenset[str], ...]:
         """The decode graphs' LoRA group variants: with EXPERTS where adapters may bring
         expert LoRA (the node reserved expert arenas)."""
@@ -72,8 +67,16 @@ class LoraStepPlan:
 
     def piecewise_lora(self) -> PiecewiseLora:
         """The piecewise graphs' LoRA (prefill and mixed steps): each delta added after its
-        matmul, as in eager steps, over metadata in static buffers."""
-        return PiecewiseLora(lambda meta: StepLoraApplier(self.buffers, meta), self.buffers.max_loras)
+        matmul, as in eager steps, over metadata in static buffers; the experts' (every
+        parameter the arenas hold: rows without one exit at once) in their own variant."""
+        buffers = self.buffers
+
+        def applier(meta: LoraBatchMeta, experts: bool) -> StepLoraApplier:
+            return StepLoraApplier(buffers, meta, experts=ExpertLoraApplier(buffers.experts, meta.token_slots)
+                                   if experts else None)
+
+        return PiecewiseLora(applier, buffers.max_loras,
+                             buffers.has_experts if any(buffers.experts.rows.values()) else None)
 
     def graph_lora(self, max_tokens: int) -> GraphLora:
         """The decode graphs' LoRA: appliers over static buffers for up to `max_tokens` rows."""
