@@ -183,37 +183,49 @@ def _pair_lora_shrink_kernel(
 
 @triton.jit
 def _pair_lora_expand_kernel(
-    s_ptr, picks_ptr, b_ptr, token_slots_ptr, first_ptr, rank_ptr, scaling_ptr, y_ptr,
+    s_ptr, picks_ptr, b_ptr, token_slots_ptr, first_ptr, rank_ptr, scaling_ptr, y_ptr, weight_ptr,
     N, stride_sm, stride_be, stride_br, stride_ym,
-    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
 ):
     """y[pair, n] += (s[pair] . B[expert, first:first + rank, n]) * scaling, rounded to y's
-    dtype before the add (as the reference's index_add)."""
+    dtype before the add (as the reference's index_add); SCALE: then times the pair's routing
+    weight, rounded again (the reference's result * weights), for every pair, with LoRA or
+    not: down's epilogue, so its grouped GEMM writes no unscaled rows to scale afterwards."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     token = pair // TOP_K
     slot = tl.load(token_slots_ptr + token)
     rank = tl.load(rank_ptr + tl.maximum(slot, 0))
     rank = tl.where(slot >= 0, rank, 0)
-    if rank > 0:
-        expert = tl.load(picks_ptr + pair).to(tl.int64)
-        first = tl.load(first_ptr + slot)
-        rs = tl.arange(0, BLOCK_R)
-        live = rs < rank
-        s = tl.load(s_ptr + pair * stride_sm + rs, mask=live, other=0.0)
+    keep = rank > 0
+    if SCALE:
+        keep = rank >= 0  # every pair
+    if keep:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        b = tl.load(b_ptr + expert * stride_be + (first + rs).to(tl.int64)[:, None] * stride_br + cols[None, :],
-                    mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        delta = tl.sum(s[:, None] * b, axis=0) * tl.load(scaling_ptr + slot)
+        delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if rank > 0:
+            expert = tl.load(picks_ptr + pair).to(tl.int64)
+            first = tl.load(first_ptr + slot)
+            rs = tl.arange(0, BLOCK_R)
+            live = rs < rank
+            s = tl.load(s_ptr + pair * stride_sm + rs, mask=live, other=0.0)
+            b = tl.load(b_ptr + expert * stride_be + (first + rs).to(tl.int64)[:, None] * stride_br + cols[None, :],
+                        mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            delta = tl.sum(s[:, None] * b, axis=0) * tl.load(scaling_ptr + slot)
         y_ptrs = y_ptr + pair.to(tl.int64) * stride_ym + cols
         y = tl.load(y_ptrs, mask=col_ok, other=0.0)
         out_dtype = y_ptr.dtype.element_ty
-        tl.store(y_ptrs, (y.to(tl.float32) + delta.to(out_dtype).to(tl.float32)).to(out_dtype), mask=col_ok)
+        out = (y.to(tl.float32) + delta.to(out_dtype).to(tl.float32)).to(out_dtype)
+        if SCALE:
+            out = (out.to(tl.float32) * tl.load(weight_ptr + pair)).to(out_dtype)
+        tl.store(y_ptrs, out, mask=col_ok)
 
 
-def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: torch.Tensor, x_per_pair: bool) -> None:
+def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: torch.Tensor, x_per_pair: bool,
+                     weights: torch.Tensor | None = None) -> None:
     """As reference.pair_lora_reference: a shrink launch of one program a pair, then an expand
-    launch over (pair, column tile). Each pair reads its adapter's rows of its expert: no host
+    launch over (pair, column tile); with `weights` (flat, float32) every pair's row then
+    times its routing weight. Each pair reads its adapter's rows of its expert: no host
     sync, so a graph captures it."""
     pairs, top_k = picks.numel(), picks.shape[1]
     block_r = max(16, triton.next_power_of_2(lora.max_rank))
@@ -226,29 +238,35 @@ def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: to
         lora.a.stride(1), shrunk.stride(0), TOP_K=top_k, X_PER_PAIR=x_per_pair, BLOCK_R=block_r, BLOCK_K=width)
     n = y.shape[1]
     _pair_lora_expand_kernel[(pairs, cdiv(n, width))](
-        shrunk, flat, lora.b, lora.token_slots, lora.first, lora.rank, lora.scaling, y, n, shrunk.stride(0),
-        lora.b.stride(0),
-        lora.b.stride(1), y.stride(0), TOP_K=top_k, BLOCK_R=block_r, BLOCK_N=width)
+        shrunk, flat, lora.b, lora.token_slots, lora.first, lora.rank, lora.scaling, y,
+        weights if weights is not None else lora.scaling, n, shrunk.stride(0), lora.b.stride(0), lora.b.stride(1),
+        y.stride(0), TOP_K=top_k, BLOCK_R=block_r, BLOCK_N=width, SCALE=weights is not None)
 
 
 def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, gate_up: torch.Tensor,
                               down: torch.Tensor, tilings: Mapping[str, Tiling] | None,
                               gate_up_lora: PairLora | None, down_lora: PairLora | None) -> torch.Tensor:
-    """As reference.experts_reference with each pair's expert LoRA: the grouped GEMMs without
-    their fused epilogues (gate/up's delta goes in before SiLU, down's before the routing
-    weight), each pair's deltas added beside them, SiLU * up and the routing weights in
-    PyTorch as the reference rounds them."""
+    """As reference.experts_reference with each pair's expert LoRA: each pair's deltas added
+    beside the grouped GEMMs, gate/up's before SiLU * up (a launch of its own where gate/up
+    has LoRA, the GEMM's epilogue where not), down's before the routing weight (its expand's
+    epilogue), rounded where the reference rounds."""
+    from ..activation.dispatch import silu_mul_lora
+
     tokens, top_k = picks.shape
     grouped = _Grouped(x, picks, gate_up.shape[0], tilings)
-    projected = x.new_empty(grouped.pairs, gate_up.shape[1])
-    grouped.gemm(x, gate_up, projected, "gate_up", per_token=True)
+    flat_weights = weights.reshape(-1).contiguous()
+    act = x.new_empty(grouped.pairs, gate_up.shape[1] // 2)
     if gate_up_lora is not None:
+        projected = x.new_empty(grouped.pairs, gate_up.shape[1])
+        grouped.gemm(x, gate_up, projected, "gate_up", per_token=True)
         pair_lora_triton(x, picks, gate_up_lora, projected, x_per_pair=False)
-    gate, up = projected.chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).contiguous()
-    result = x.new_empty(grouped.pairs, x.shape[1])
-    grouped.gemm(act, down, result, "down", per_token=False)
+        act = silu_mul_lora(projected, None)  # rounded as F.silu(gate) * up
+    else:
+        grouped.gemm(x, gate_up, act, "gate_up", per_token=True, gated=True)
+    scaled = x.new_empty(grouped.pairs, x.shape[1])
     if down_lora is not None:
-        pair_lora_triton(act, picks, down_lora, result, x_per_pair=True)
-    scaled = (result * weights.reshape(-1, 1)).to(x.dtype)
+        grouped.gemm(act, down, scaled, "down", per_token=False)
+        pair_lora_triton(act, picks, down_lora, scaled, x_per_pair=True, weights=flat_weights)
+    else:
+        grouped.gemm(act, down, scaled, "down", per_token=False, weights=flat_weights)
     return scaled.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

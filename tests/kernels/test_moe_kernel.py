@@ -227,6 +227,11 @@ def test_pair_lora_matches_the_per_expert_reference(tokens: int, experts: int, t
     only_down = fused_experts_lora_triton(x, weights, picks, gate_up, down, None, None, down_lora)
     torch.testing.assert_close(only_down, experts_reference(x, weights, picks, gate_up, down,
                                                             _expert_delta(no_gate_up, down_lora)), rtol=1e-5, atol=1e-4)
+    no_down = PairLora(down_lora.a, down_lora.b, down_lora.token_slots, down_lora.first,
+                       torch.zeros_like(down_lora.rank), down_lora.scaling)
+    only_gate_up = fused_experts_lora_triton(x, weights, picks, gate_up, down, None, gu_lora, None)
+    torch.testing.assert_close(only_gate_up, experts_reference(x, weights, picks, gate_up, down,
+                                                               _expert_delta(gu_lora, no_down)), rtol=1e-5, atol=1e-4)
     # pair by pair: the kernel and its PyTorch reference agree on a gate/up delta
     y_kernel = torch.randn(tokens * top_k, 2 * inter, generator=gen)
     y_reference = y_kernel.clone()
