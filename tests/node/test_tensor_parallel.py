@@ -84,14 +84,14 @@ def test_control_messages_carry_staged_steps_and_adapters_whole():
     from inference_node.runner.decode_graphs import StagedDecode
     from inference_node.runner.eager import EagerStep
     from inference_node.runner.graph_plan import GraphPlan
-    from inference_node.runner.piecewise_graphs import StagedPieces, StepShape
+    from inference_node.runner.piecewise_graphs import EXPERTS, StagedPieces, StepShape
 
     def through(frames: list) -> tuple[wire.Control, list[bytes]]:
         return wire.decode_control(bytes(frames[0])), [bytes(f) for f in frames[1:]]
 
     packed = (np.arange(8, dtype=np.int64), np.arange(6, dtype=np.int32) - 3, np.array([4, 5, 6, 7], np.int32))
     decode = StagedDecode((8, 2, 1), 5, 2, *packed, ((3, 0, 2, 0), (1, 2, 3, -1)))
-    pieces = StagedPieces(StepShape(32, 16, True, 20, 3, 2, 9, 40), 2, *packed, ((0, 0, 16, 0),))
+    pieces = StagedPieces(StepShape(32, 16, EXPERTS, 20, 3, 2, 9, 40), 2, *packed, ((0, 0, 16, 0),))
     host = HostBatch([11, 0], [1], [0], [4, 9], [20, 37], [[1], [2, 3]], [0, 1, 2], [5, 10], [0, 1], 1)
     for step in (decode, pieces):
         message, frames = through(wire.step_frames(step))
