@@ -25,6 +25,7 @@ from family_checkpoints import family_spec, make_family_adapter, make_family_wid
 from harness import InProcessNode, generate_all
 from inference_node.model.config import ModelConfig
 from inference_node.config import NodeConfig
+from inference_node.runner.piecewise_graphs import EXPERTS as PIECES_EXPERTS
 
 pytestmark = pytest.mark.gpu
 
@@ -135,6 +136,14 @@ def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str
             decode = node.engine.runner.decode_graphs
             experts = len(decode.group_variants) - 1
             assert any(variant == experts for (_, _, variant) in decode.replays), decode.replays
+            # The mixed batch's prompt steps hold the edges' adapter and run eagerly: a prompt
+            # of the expert adapter's alone replays the piecewise graphs' experts variant.
+            fresh = [(name, [rng.randrange(100, 40000) for _ in range(90)], MAX_NEW) for name in ("r16-layers",)]
+            answers += generate_all(node, fresh)
+            jobs += fresh
+            node.check_idle()
+            pieces = node.engine.runner.piecewise_graphs
+            assert any(variant == PIECES_EXPERTS for (_, variant, _) in pieces.replays), pieces.replays
     finally:
         node.stop()
     by_job = {(name, tuple(p)): a for (name, p, _), a in zip(jobs, answers)}
