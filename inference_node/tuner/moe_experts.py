@@ -12,6 +12,7 @@ flag of the best pair, for `inference-node serve` and `bench.serving`.
 
     python -m inference_node.tuner.moe_experts                       # 30B-A3B widths, 1, 16, 64 rows
     python -m inference_node.tuner.moe_experts --model DIR --rows 64
+    python -m inference_node.tuner.moe_experts --lora 8 --rows 64    # expert LoRA beside them
     TRITON_INTERPRET=1 python -m inference_node.tuner.moe_experts --device cpu --hidden 64 --inter 32 \\
         --experts 4 --top-k 2 --rows 4 --grid 32.32.3,16.64.2    # CPU smoke (numbers meaningless)
 """
@@ -118,6 +119,82 @@ def sweep_rows(rows: int, shape: dict[str, int], grid: Sequence[Tiling], device:
             "gate_up_us": gate_up_us, "down_us": down_us}
 
 
+# -- the experts' LoRA beside the grouped GEMMs (--lora N) -------------------------------------------
+
+def lora_arenas(shape: dict[str, int], adapters: int, rank: int, tokens: int, device: torch.device,
+                dtype: torch.dtype, gen: torch.Generator):
+    """One layer's gate/up and down PairLora of `adapters` slots of rank `rank` (gate/up's at
+    twice it, as PEFT writes it), token t on slot t % adapters, as the node's arenas hold them."""
+    from kernels.moe.reference import PairLora
+
+    hidden, inter, experts = shape["hidden"], shape["inter"], shape["experts"]
+    slots = torch.arange(tokens, dtype=torch.int32) % adapters
+
+    def pair(r: int, inp: int, out: int) -> PairLora:
+        make = lambda *size: (torch.randn(*size, generator=gen) * size[-1] ** -0.5).to(device, dtype)  # noqa: E731
+        first = torch.arange(adapters, dtype=torch.int32) * r
+        return PairLora(make(experts, adapters * r, inp), make(experts, adapters * r, out).mul_(0.1),
+                        slots.to(device), first.to(device), torch.full((adapters,), r, dtype=torch.int32, device=device),
+                        torch.full((adapters,), 2.0, dtype=torch.float32, device=device), max_rank=r)
+
+    return pair(2 * rank, hidden, 2 * inter), pair(rank, inter, hidden)
+
+
+def lora_bytes(picks: torch.Tensor, adapters: int, rank: int, hidden: int, inter: int, esize: int) -> int:
+    """Bytes of the expert LoRA a step must read: A and B of each distinct (expert, adapter)
+    the routing hits, gate/up's at twice the rank."""
+    slots = torch.arange(picks.shape[0], device=picks.device) % adapters
+    hit = (picks * adapters + slots[:, None]).unique().numel()
+    return hit * rank * esize * (2 * (hidden + 2 * inter) + (inter + hidden))
+
+
+def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.device, dtype: torch.dtype,
+              timer: Callable[[Callable[[], object]], float], rank: int = 16) -> dict:
+    """One batch size, the default tilings: the experts alone, with every token's adapter's
+    LoRA on gate/up and down, and each pair kernel alone, checked against the reference first."""
+    from kernels.moe.reference import pair_lora_hook
+    from kernels.moe.triton_kernel import fused_experts_lora_triton, fused_experts_triton, pair_lora_triton
+
+    gen = torch.Generator(device="cpu").manual_seed(rows)
+    hidden, inter, experts, top_k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
+    x = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+    router = torch.randn(experts, hidden, generator=gen).to(device, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
+    gu_lora, down_lora = lora_arenas(shape, adapters, rank, rows, device, dtype, gen)
+    tilings = dict(DEFAULT_TUNING.moe_tilings)
+    truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float(),
+                              lora=pair_lora_hook(gu_lora, down_lora))
+    with_lora = lambda: fused_experts_lora_triton(x, weights, picks, gate_up, down, tilings,  # noqa: E731
+                                                  gu_lora, down_lora)
+    err = (with_lora().float() - truth).abs().max().item()
+    bound = 2e-2 * max(1.0, truth.abs().max().item())
+    if not err <= bound:
+        raise AssertionError(f"experts with LoRA: max error {err:.3g} against the reference (bound {bound:.3g})")
+    pairs = picks.numel()
+    gu_out = x.new_zeros(pairs, 2 * inter)
+    act = x.new_zeros(pairs, inter)
+    down_out = x.new_zeros(pairs, hidden)
+    flat = weights.reshape(-1).contiguous()
+    kernels = {}
+    if device.type == "cuda":
+        from .profile import kernel_families
+
+        kernels = kernel_families(with_lora, 20, by_name=True)
+    return {"rows": rows, "kernels": kernels, "base_us": timer(lambda: fused_experts_triton(x, weights, picks, gate_up, down, tilings)),
+            "lora_us": timer(with_lora),
+            "pairs_gate_up_us": timer(lambda: pair_lora_triton(x, picks, gu_lora, gu_out, x_per_pair=False)),
+            "pairs_down_us": timer(lambda: pair_lora_triton(act, picks, down_lora, down_out, x_per_pair=True,
+                                                            weights=flat)),
+            "pair_launches": {(elements, warps): (
+                timer(lambda: pair_lora_triton(x, picks, gu_lora, gu_out, False, None, elements, warps)),
+                timer(lambda: pair_lora_triton(act, picks, down_lora, down_out, True, flat, elements, warps)))
+                for elements in (2048, 4096, 8192) for warps in (2, 4, 8)} if device.type == "cuda" else {},
+            "lora_bytes": lora_bytes(picks, adapters, rank, hidden, inter, x.element_size()),
+            "bytes": hit_bytes(picks, hidden, inter, x.element_size())}
+
+
 # -- the node's sweep (sweep.py): the cases experts.gate_up and experts.down at each batch -------
 
 def expert_options(shape: ModelShape, case_group: str, dtype: torch.dtype) -> list[Tiling]:
@@ -216,6 +293,22 @@ def parse_grid(text: str | None) -> tuple[Tiling, ...]:
     return tuple(tuple(int(v) for v in item.split(".")) for item in text.split(","))  # type: ignore[misc]
 
 
+def print_lora(result: dict, bandwidth: float | None) -> dict:
+    us = lambda key: f"{result[key]:8.1f}"  # noqa: E731
+    floor = lambda b: f"{b / bandwidth * 1e6:8.1f}" if bandwidth else "       -"  # noqa: E731
+    extra = result["lora_us"] - result["base_us"]
+    ratio = f"{extra / (result['lora_bytes'] / bandwidth * 1e6):5.2f}x" if bandwidth else "    -"
+    print(f"rows {result['rows']:4d}: experts {us('base_us')} us (floor {floor(result['bytes'])}), with LoRA "
+          f"{us('lora_us')} us: extra {extra:8.1f} us against its LoRA's read {floor(result['lora_bytes'])} us "
+          f"({result['lora_bytes'] / 1e6:.1f} MB) = {ratio}; pair kernels alone: gate/up {us('pairs_gate_up_us')} "
+          f"us, down {us('pairs_down_us')} us", flush=True)
+    for (elements, warps), (gu_us, down_us) in result["pair_launches"].items():
+        print(f"   pair kernels, tiles of {elements} elements, {warps} warps: gate/up {gu_us:7.1f} us, down {down_us:7.1f} us")
+    for name, (kernel_us, count) in sorted(result["kernels"].items(), key=lambda kv: -kv[1][0]):
+        print(f"   {kernel_us:8.1f} us  {count:3d} x  {name}")  # eager launches, profiled
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a checkpoint folder: only its config.json is read")
@@ -226,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--rows", default="1,16,64", help="decode batch sizes")
     p.add_argument("--grid", help="tilings to try, block_n.block_k.stages comma-separated (default: 18)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="instead of the sweep: the default tilings with N rank-16 adapters' LoRA on every "
+                        "expert (token t on adapter t mod N), each pair kernel alone, against their bytes")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -241,6 +337,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
               f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else " (CPU smoke: numbers meaningless)"),
           flush=True)
     results = []
+    if args.lora:
+        return [print_lora(lora_rows(int(r), shape, args.lora, device, dtype, timer_for(device)), bandwidth)
+                for r in args.rows.split(",")]
     for rows in (int(r) for r in args.rows.split(",")):
         result = sweep_rows(rows, shape, grid, device, dtype, timer_for(device))
         results.append(result)

@@ -53,8 +53,12 @@ def rope_block_n(block_n: int, head_dim: int) -> int:
     """Columns of each half of a head a program of the RoPE launch (q/k/v's GEMM with RoPE and
     the KV-cache write in its epilogue) takes for a q/k/v tiling of `block_n`: half, so it
     reads as many weight bytes as a plain program, at least 16 (the tensor cores' smallest),
-    at most half a head (a launch checks that it divides half a head)."""
-    return min(head_dim // 2, max(16, block_n // 2))
+    at most half a head, and a power of two dividing half a head where one does (a tile is a
+    power of two: Phi-3's heads of 96 take tiles of 16, not 48; a launch checks it divides)."""
+    half, want, n = head_dim // 2, max(16, block_n // 2), 16
+    while n * 2 <= want and half % (n * 2) == 0:
+        n *= 2
+    return n
 
 
 def tma_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -222,25 +222,26 @@ def _pair_lora_expand_kernel(
 
 
 def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: torch.Tensor, x_per_pair: bool,
-                     weights: torch.Tensor | None = None) -> None:
+                     weights: torch.Tensor | None = None, elements: int = 4096, num_warps: int = 4) -> None:
     """As reference.pair_lora_reference: a shrink launch of one program a pair, then an expand
     launch over (pair, column tile); with `weights` (flat, float32) every pair's row then
     times its routing weight. Each pair reads its adapter's rows of its expert: no host
-    sync, so a graph captures it."""
+    sync, so a graph captures it. elements: a program's tile (rank x K or N columns)."""
     pairs, top_k = picks.numel(), picks.shape[1]
     block_r = max(16, triton.next_power_of_2(lora.max_rank))
-    width = max(16, min(128, 4096 // block_r))  # K or N tile: at most 4,096 elements a program
+    width = max(16, min(128, elements // block_r))  # K or N tile
     x = x if x.stride(1) == 1 else x.contiguous()
     flat = picks.reshape(-1)
     shrunk = torch.empty(pairs, block_r, dtype=torch.float32, device=y.device)
     _pair_lora_shrink_kernel[(pairs,)](
         x, flat, lora.a, lora.token_slots, lora.first, lora.rank, shrunk, x.shape[1], x.stride(0), lora.a.stride(0),
-        lora.a.stride(1), shrunk.stride(0), TOP_K=top_k, X_PER_PAIR=x_per_pair, BLOCK_R=block_r, BLOCK_K=width)
+        lora.a.stride(1), shrunk.stride(0), TOP_K=top_k, X_PER_PAIR=x_per_pair, BLOCK_R=block_r, BLOCK_K=width,
+        num_warps=num_warps)
     n = y.shape[1]
     _pair_lora_expand_kernel[(pairs, cdiv(n, width))](
         shrunk, flat, lora.b, lora.token_slots, lora.first, lora.rank, lora.scaling, y,
         weights if weights is not None else lora.scaling, n, shrunk.stride(0), lora.b.stride(0), lora.b.stride(1),
-        y.stride(0), TOP_K=top_k, BLOCK_R=block_r, BLOCK_N=width, SCALE=weights is not None)
+        y.stride(0), TOP_K=top_k, BLOCK_R=block_r, BLOCK_N=width, SCALE=weights is not None, num_warps=num_warps)
 
 
 def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, gate_up: torch.Tensor,

@@ -216,23 +216,25 @@ def test_gated_decode_gemm_tma_is_the_gemm_then_the_silu(rows: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="TMA needs Hopper or newer")
-@pytest.mark.parametrize("rows,block_n", [(1, 32), (64, 32), (64, 64)])
-def test_rope_decode_gemm_tma_is_the_gemm_then_rope_and_cache(rows: int, block_n: int) -> None:
+@pytest.mark.parametrize("rows,block_n,head_dim", [(1, 32, 128), (64, 32, 128), (64, 64, 128), (64, 16, 96)])
+def test_rope_decode_gemm_tma_is_the_gemm_then_rope_and_cache(rows: int, block_n: int, head_dim: int) -> None:
     """At Llama-3.1-8B's q/k/v (4096 -> 32 query and 8 KV heads of 128), Llama-3 RoPE tables,
-    TMA loads, PDL: the RoPE launch writes the queries and the cache slots, bit for bit, that
-    the plain launch then the RoPE kernel write (as the node's base step ran them)."""
+    and Phi-3-mini's (3072 -> 32 and 32 heads of 96, three tiles to half a head), TMA loads,
+    PDL: the RoPE launch writes the queries and the cache slots, bit for bit, that the plain
+    launch then the RoPE kernel write (as the node's base step ran them)."""
     from inference_node.model.rope import RotaryEmbedding
     from kernels.gemm.rope_out import RopeOut
     from kernels.gemm.triton_kernel import decode_gemm_tma
     from kernels.rope.triton_kernel import rope_and_cache_triton
 
     torch.manual_seed(rows)
-    heads, kv_heads, head_dim, K = 32, 8, 128, 4096
+    heads, kv_heads, K = (32, 8, 4096) if head_dim == 128 else (32, 32, 3072)
     N = (heads + 2 * kv_heads) * head_dim
     x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64).t()
-    rope = RotaryEmbedding(head_dim, 8192, 500000.0, {"rope_type": "llama3", "factor": 8.0,
-                           "original_max_position_embeddings": 8192}, torch.device("cuda"))
+    scaling = ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+               if head_dim == 128 else None)
+    rope = RotaryEmbedding(head_dim, 8192, 500000.0, scaling, torch.device("cuda"))
     positions = torch.randint(0, 8192, (rows,), device="cuda")
     slots = torch.randperm(64 * 16, device="cuda")[:rows]
     caches = [torch.zeros(64, 16, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)]

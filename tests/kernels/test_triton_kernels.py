@@ -804,10 +804,12 @@ def test_gated_decode_gemm_is_the_gemm_then_the_silu(rows: int, dtype: str) -> N
 
 @pytest.mark.parametrize("rows", [1, 33])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_rope_decode_gemm_is_the_gemm_then_rope_and_cache(rows: int, dtype: str) -> None:
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_rope_decode_gemm_is_the_gemm_then_rope_and_cache(rows: int, dtype: str, head_dim: int) -> None:
     """q/k/v's GEMM with RoPE and the KV-cache write in its epilogue (each program one head's
     paired columns) writes the queries and the cache slots the plain launch then the RoPE
-    kernel write, and touches no other slot."""
+    kernel write, and touches no other slot. Heads of 96 (Phi-3): three tiles of 16 columns
+    take each half of a head."""
     from kernels.gemm.rope_out import RopeOut
     from kernels.gemm.triton_kernel import decode_gemm_triton
     from kernels.rope.reference import rope_and_cache_ref
@@ -815,7 +817,7 @@ def test_rope_decode_gemm_is_the_gemm_then_rope_and_cache(rows: int, dtype: str)
 
     gen = torch.Generator().manual_seed(rows)
     dt = DTYPES[dtype]
-    heads, kv_heads, head_dim, K = 4, 2, 32, 64
+    heads, kv_heads, K = 4, 2, 64
     N = (heads + 2 * kv_heads) * head_dim
     x = torch.randn(rows, K, generator=gen).to(dt).to(DEVICE)
     w = (torch.randn(N, K, generator=gen) / 8).to(dt).to(DEVICE).t()

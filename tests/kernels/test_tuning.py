@@ -139,6 +139,9 @@ def test_a_rope_launch_takes_only_qkv_weights_its_tiles_divide() -> None:
 
     assert [rope_block_n(n, 128) for n in (16, 32, 64, 128, 256)] == [16, 16, 32, 64, 64]
     assert rope_block_n(64, 64) == 32 and rope_block_n(256, 64) == 32
+    # Phi-3's heads of 96: half a head is 48, which no power-of-two tile above 16 divides.
+    assert [rope_block_n(n, 96) for n in (32, 128, 256)] == [16, 16, 16]
+    assert rope_block_n(128, 256) == 64 and rope_block_n(256, 256) == 128
     heads, kv_heads, head_dim, rows = 32, 8, 128, 5
 
     def out(cache_dtype: torch.dtype = torch.bfloat16) -> RopeOut:
