@@ -85,6 +85,12 @@ class Tuning:
         "gate_up": (32, 128, 4), "down": (128, 128, 3)}), metadata={"help": (
             "the routed experts' grouped GEMMs' (block_n, block_k, stages) for gate/up and down "
             "(block_n: columns of gate and of up each, for gate/up)")})
+    # (64 rows of Qwen3-30B-A3B, 8 adapters, on an H200, tuner.moe_experts --lora 8: down's two
+    # launches take 33.8 us at 2 warps against 56.2 at 4; gate/up's 70 us at either.)
+    moe_lora_launches: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
+        "gate_up": (0, 128, 4), "down": (0, 128, 2)}), metadata={"help": (
+            "each (token, expert) pair's LoRA beside the grouped GEMMs, for gate/up and down: "
+            "(1 for a shrink and expand in one launch or 0 for two, columns a tile, warps)")})
     fold_prefetch_a: int = field(default=2048, metadata={"help": (
         "with PDL, columns of each adapter's A the shrink programs of a whole fold ask of L2 "
         "before their wait (0: none)")})
@@ -138,9 +144,13 @@ class Tuning:
             raise ValueError(f"norm_split_groups takes o and down (an add + norm follows "
                              f"them), not {sorted(set(self.norm_split_groups) - {'o', 'down'})}")
         object.__setattr__(self, "norm_split_groups", frozenset(self.norm_split_groups))
-        for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings", "moe_tilings",
+        for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings", "moe_tilings", "moe_lora_launches",
                      "side_expand_group_segments"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
+        for group, (one_launch, width, warps) in self.moe_lora_launches.items():
+            if one_launch not in (0, 1) or width < 16 or width & (width - 1) or warps not in (1, 2, 4, 8, 16):
+                raise ValueError(f"moe_lora_launches {group}={one_launch}.{width}.{warps}: expected 0 or 1, a "
+                                 f"power of two of at least 16 columns, and 1-16 warps (a power of two)")
         bad = set(self.side_expand_group_segments) - set(GROUPS)
         if bad:
             raise ValueError(f"side_expand_group_segments names {sorted(bad)}: expected some "

@@ -90,7 +90,8 @@ class MoeModel(LlamaModel):
                                self.weights_in_model_dtype)
         expert_lora: ExpertLora | None = getattr(lora, "experts", None) if lora is not None else None
         pairs = expert_lora.pairs(i) if expert_lora is not None else (None, None)
-        out = routed_experts(x, weights, picks, layer.gate_up, layer.down, launch.tuning.moe_tilings, pairs)
+        out = routed_experts(x, weights, picks, layer.gate_up, layer.down, launch.tuning.moe_tilings, pairs,
+                             launch.tuning.moe_lora_launches)
         return out, None, None  # a partial sum under tensor parallelism, as the dense MLP's
 
 

@@ -152,7 +152,7 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
               timer: Callable[[Callable[[], object]], float], rank: int = 16) -> dict:
     """One batch size, the default tilings: the experts alone, with every token's adapter's
     LoRA on gate/up and down, and each pair kernel alone, checked against the reference first."""
-    from kernels.moe.reference import pair_lora_hook
+    from kernels.moe.reference import pair_lora_hook, pair_lora_reference
     from kernels.moe.triton_kernel import fused_experts_lora_triton, fused_experts_triton, pair_lora_triton
 
     gen = torch.Generator(device="cpu").manual_seed(rows)
@@ -167,16 +167,28 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
     truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float(),
                               lora=pair_lora_hook(gu_lora, down_lora))
     with_lora = lambda: fused_experts_lora_triton(x, weights, picks, gate_up, down, tilings,  # noqa: E731
-                                                  gu_lora, down_lora)
+                                                  gu_lora, down_lora, DEFAULT_TUNING.moe_lora_launches)
     err = (with_lora().float() - truth).abs().max().item()
     bound = 2e-2 * max(1.0, truth.abs().max().item())
     if not err <= bound:
         raise AssertionError(f"experts with LoRA: max error {err:.3g} against the reference (bound {bound:.3g})")
     pairs = picks.numel()
     gu_out = x.new_zeros(pairs, 2 * inter)
-    act = x.new_zeros(pairs, inter)
+    act = torch.randn(pairs, inter, generator=gen).to(device, dtype)
     down_out = x.new_zeros(pairs, hidden)
     flat = weights.reshape(-1).contiguous()
+    variants = [(fused, width, warps) for fused in (0, 1) for width in (64, 128, 256) for warps in (2, 4)]
+    truths = (torch.zeros(pairs, 2 * inter, device=device), torch.zeros(pairs, hidden, device=device))
+    pair_lora_reference(x, picks, gu_lora, truths[0], x_per_pair=False)
+    pair_lora_reference(act, picks, down_lora, truths[1], x_per_pair=True)
+    truths[1].mul_(flat[:, None])
+    for variant in variants:  # each launch against the reference
+        outs = (x.new_zeros(pairs, 2 * inter), x.new_zeros(pairs, hidden))
+        pair_lora_triton(x, picks, gu_lora, outs[0], False, None, 0, variant[2], bool(variant[0]), variant[1])
+        pair_lora_triton(act, picks, down_lora, outs[1], True, flat, 0, variant[2], bool(variant[0]), variant[1])
+        for got, want in zip(outs, truths):
+            if not (got.float() - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item()):
+                raise AssertionError(f"pair LoRA launch {variant} differs from the reference")
     kernels = {}
     if device.type == "cuda":
         from .profile import kernel_families
@@ -184,13 +196,10 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
         kernels = kernel_families(with_lora, 20, by_name=True)
     return {"rows": rows, "kernels": kernels, "base_us": timer(lambda: fused_experts_triton(x, weights, picks, gate_up, down, tilings)),
             "lora_us": timer(with_lora),
-            "pairs_gate_up_us": timer(lambda: pair_lora_triton(x, picks, gu_lora, gu_out, x_per_pair=False)),
-            "pairs_down_us": timer(lambda: pair_lora_triton(act, picks, down_lora, down_out, x_per_pair=True,
-                                                            weights=flat)),
-            "pair_launches": {(elements, warps): (
-                timer(lambda: pair_lora_triton(x, picks, gu_lora, gu_out, False, None, elements, warps)),
-                timer(lambda: pair_lora_triton(act, picks, down_lora, down_out, True, flat, elements, warps)))
-                for elements in (2048, 4096, 8192) for warps in (2, 4, 8)} if device.type == "cuda" else {},
+            "pair_launches": {(fused, width, warps): (
+                timer(lambda: pair_lora_triton(x, picks, gu_lora, gu_out, False, None, 0, warps, fused, width)),
+                timer(lambda: pair_lora_triton(act, picks, down_lora, down_out, True, flat, 0, warps, fused, width)))
+                for fused, width, warps in variants},
             "lora_bytes": lora_bytes(picks, adapters, rank, hidden, inter, x.element_size()),
             "bytes": hit_bytes(picks, hidden, inter, x.element_size())}
 
@@ -297,13 +306,18 @@ def print_lora(result: dict, bandwidth: float | None) -> dict:
     us = lambda key: f"{result[key]:8.1f}"  # noqa: E731
     floor = lambda b: f"{b / bandwidth * 1e6:8.1f}" if bandwidth else "       -"  # noqa: E731
     extra = result["lora_us"] - result["base_us"]
+    launches = result["pair_launches"]
+    best = {group: min(launches, key=lambda k: launches[k][i]) for i, group in enumerate(("gate_up", "down"))}
+    result["best_launches"] = best
     ratio = f"{extra / (result['lora_bytes'] / bandwidth * 1e6):5.2f}x" if bandwidth else "    -"
     print(f"rows {result['rows']:4d}: experts {us('base_us')} us (floor {floor(result['bytes'])}), with LoRA "
           f"{us('lora_us')} us: extra {extra:8.1f} us against its LoRA's read {floor(result['lora_bytes'])} us "
-          f"({result['lora_bytes'] / 1e6:.1f} MB) = {ratio}; pair kernels alone: gate/up {us('pairs_gate_up_us')} "
-          f"us, down {us('pairs_down_us')} us", flush=True)
-    for (elements, warps), (gu_us, down_us) in result["pair_launches"].items():
-        print(f"   pair kernels, tiles of {elements} elements, {warps} warps: gate/up {gu_us:7.1f} us, down {down_us:7.1f} us")
+          f"({result['lora_bytes'] / 1e6:.1f} MB) = {ratio}; pair kernels (default launches) alone: gate/up "
+          f"{launches[DEFAULT_TUNING.moe_lora_launches['gate_up']][0]:.1f} us, down "
+          f"{launches[DEFAULT_TUNING.moe_lora_launches['down']][1]:.1f} us", flush=True)
+    for (fused, width, warps), (gu_us, down_us) in result["pair_launches"].items():
+        print(f"   pair kernels {'in one launch' if fused else 'in two      '}, tiles of {width:3d} columns, {warps} "
+              f"warps: gate/up {gu_us:7.1f} us, down {down_us:7.1f} us")
     for name, (kernel_us, count) in sorted(result["kernels"].items(), key=lambda kv: -kv[1][0]):
         print(f"   {kernel_us:8.1f} us  {count:3d} x  {name}")  # eager launches, profiled
     return result
@@ -316,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--inter", type=int, default=QWEN3_30B_A3B["inter"], help="each expert's intermediate width")
     p.add_argument("--experts", type=int, default=QWEN3_30B_A3B["experts"])
     p.add_argument("--top-k", type=int, default=QWEN3_30B_A3B["top_k"])
-    p.add_argument("--rows", default="1,16,64", help="decode batch sizes")
+    p.add_argument("--rows", default="1,16,64", help="decode batch sizes (--lora: the most used first)")
     p.add_argument("--grid", help="tilings to try, block_n.block_k.stages comma-separated (default: 18)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--lora", type=int, default=0, metavar="N",
@@ -338,8 +352,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
           flush=True)
     results = []
     if args.lora:
-        return [print_lora(lora_rows(int(r), shape, args.lora, device, dtype, timer_for(device)), bandwidth)
-                for r in args.rows.split(",")]
+        results = [print_lora(lora_rows(int(r), shape, args.lora, device, dtype, timer_for(device)), bandwidth)
+                   for r in args.rows.split(",")]
+        best = results[0]["best_launches"]  # the first batch size's: the most used first
+        print("--tune moe_lora_launches=" + ",".join(f"{g}={'.'.join(map(str, t))}" for g, t in best.items()))
+        return results
     for rows in (int(r) for r in args.rows.split(",")):
         result = sweep_rows(rows, shape, grid, device, dtype, timer_for(device))
         results.append(result)

@@ -221,17 +221,78 @@ def _pair_lora_expand_kernel(
         tl.store(y_ptrs, out, mask=col_ok)
 
 
+@triton.jit
+def _pair_lora_fused_kernel(
+    x_ptr, picks_ptr, a_ptr, b_ptr, token_slots_ptr, first_ptr, rank_ptr, scaling_ptr, y_ptr, weight_ptr,
+    K, N, stride_xm, stride_ae, stride_ar, stride_be, stride_br, stride_ym,
+    TOP_K: tl.constexpr, X_PER_PAIR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
+):
+    """The shrink and the expand kernels' work for one pair in one program: its rank's
+    products stay in registers, and the pair's slot, rank and expert are read once."""
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    slot = tl.load(token_slots_ptr + token)
+    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    keep = rank > 0
+    if SCALE:
+        keep = rank >= 0  # every pair
+    if keep:
+        rs = tl.arange(0, BLOCK_R)
+        live = rs < rank
+        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        expert = tl.load(picks_ptr + pair).to(tl.int64)
+        first = tl.load(first_ptr + tl.maximum(slot, 0))
+        scaling = tl.load(scaling_ptr + tl.maximum(slot, 0))
+        if rank > 0:
+            if X_PER_PAIR:
+                row = pair
+            else:
+                row = token
+            a_rows = a_ptr + expert * stride_ae + (first + rs).to(tl.int64)[:, None] * stride_ar
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+                av = tl.load(a_rows + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                s += tl.sum(av * xv[None, :], axis=1)
+        b_rows = b_ptr + expert * stride_be + (first + rs).to(tl.int64)[:, None] * stride_br
+        out_dtype = y_ptr.dtype.element_ty
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if rank > 0:
+                b = tl.load(b_rows + cols[None, :], mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                delta = tl.sum(s[:, None] * b, axis=0) * scaling
+            y_ptrs = y_ptr + pair.to(tl.int64) * stride_ym + cols
+            y = tl.load(y_ptrs, mask=col_ok, other=0.0)
+            out = (y.to(tl.float32) + delta.to(out_dtype).to(tl.float32)).to(out_dtype)
+            if SCALE:
+                out = (out.to(tl.float32) * tl.load(weight_ptr + pair)).to(out_dtype)
+            tl.store(y_ptrs, out, mask=col_ok)
+
+
 def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: torch.Tensor, x_per_pair: bool,
-                     weights: torch.Tensor | None = None, elements: int = 4096, num_warps: int = 4) -> None:
+                     weights: torch.Tensor | None = None, elements: int = 4096, num_warps: int = 4,
+                     fused: bool = False, width: int | None = None) -> None:
     """As reference.pair_lora_reference: a shrink launch of one program a pair, then an expand
     launch over (pair, column tile); with `weights` (flat, float32) every pair's row then
     times its routing weight. Each pair reads its adapter's rows of its expert: no host
     sync, so a graph captures it. elements: a program's tile (rank x K or N columns)."""
     pairs, top_k = picks.numel(), picks.shape[1]
     block_r = max(16, triton.next_power_of_2(lora.max_rank))
-    width = max(16, min(128, elements // block_r))  # K or N tile
+    width = width or max(16, min(128, elements // block_r))  # K or N tile
     x = x if x.stride(1) == 1 else x.contiguous()
     flat = picks.reshape(-1)
+    if fused:
+        _pair_lora_fused_kernel[(pairs,)](
+            x, flat, lora.a, lora.b, lora.token_slots, lora.first, lora.rank, lora.scaling, y,
+            weights if weights is not None else lora.scaling, x.shape[1], y.shape[1], x.stride(0), lora.a.stride(0),
+            lora.a.stride(1), lora.b.stride(0), lora.b.stride(1), y.stride(0), TOP_K=top_k, X_PER_PAIR=x_per_pair,
+            BLOCK_R=block_r, BLOCK_K=width, BLOCK_N=width, SCALE=weights is not None, num_warps=num_warps)
+        return
     shrunk = torch.empty(pairs, block_r, dtype=torch.float32, device=y.device)
     _pair_lora_shrink_kernel[(pairs,)](
         x, flat, lora.a, lora.token_slots, lora.first, lora.rank, shrunk, x.shape[1], x.stride(0), lora.a.stride(0),
@@ -246,12 +307,19 @@ def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: to
 
 def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, gate_up: torch.Tensor,
                               down: torch.Tensor, tilings: Mapping[str, Tiling] | None,
-                              gate_up_lora: PairLora | None, down_lora: PairLora | None) -> torch.Tensor:
+                              gate_up_lora: PairLora | None, down_lora: PairLora | None,
+                              launches: Mapping[str, Tiling] | None = None) -> torch.Tensor:
     """As reference.experts_reference with each pair's expert LoRA: each pair's deltas added
     beside the grouped GEMMs, gate/up's before SiLU * up (a launch of its own where gate/up
     has LoRA, the GEMM's epilogue where not), down's before the routing weight (its expand's
-    epilogue), rounded where the reference rounds."""
+    epilogue), rounded where the reference rounds. launches: Tuning.moe_lora_launches."""
     from ..activation.dispatch import silu_mul_lora
+
+    launches = launches or DEFAULT_TUNING.moe_lora_launches
+
+    def pair_lora(a: torch.Tensor, lora: PairLora, y: torch.Tensor, group: str, **kw) -> None:
+        one_launch, width, warps = launches[group]
+        pair_lora_triton(a, picks, lora, y, num_warps=warps, fused=bool(one_launch), width=width, **kw)
 
     tokens, top_k = picks.shape
     grouped = _Grouped(x, picks, gate_up.shape[0], tilings)
@@ -260,14 +328,14 @@ def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: tor
     if gate_up_lora is not None:
         projected = x.new_empty(grouped.pairs, gate_up.shape[1])
         grouped.gemm(x, gate_up, projected, "gate_up", per_token=True)
-        pair_lora_triton(x, picks, gate_up_lora, projected, x_per_pair=False)
+        pair_lora(x, gate_up_lora, projected, "gate_up", x_per_pair=False)
         act = silu_mul_lora(projected, None)  # rounded as F.silu(gate) * up
     else:
         grouped.gemm(x, gate_up, act, "gate_up", per_token=True, gated=True)
     scaled = x.new_empty(grouped.pairs, x.shape[1])
     if down_lora is not None:
         grouped.gemm(act, down, scaled, "down", per_token=False)
-        pair_lora_triton(act, picks, down_lora, scaled, x_per_pair=True, weights=flat_weights)
+        pair_lora(act, down_lora, scaled, "down", x_per_pair=True, weights=flat_weights)
     else:
         grouped.gemm(act, down, scaled, "down", per_token=False, weights=flat_weights)
     return scaled.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

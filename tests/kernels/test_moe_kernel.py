@@ -103,6 +103,23 @@ def test_tiling_tool_runs(capsys) -> None:
     assert "--tune moe_tilings=gate_up=" in capsys.readouterr().out
 
 
+def test_expert_lora_tool_runs(capsys) -> None:
+    """moe_experts --lora: every pair LoRA launch checked against the reference and timed, the
+    fastest per group printed as a --tune flag the node takes."""
+    if not interpreting():
+        pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
+    from inference_node.tuner.moe_experts import main
+    from kernels.tuning import tuning_from_text
+
+    results = main(["--device", "cpu", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2",
+                    "--rows", "3", "--lora", "2"])
+    assert len(results[0]["pair_launches"]) == 12 and results[0]["lora_bytes"] > 0
+    flag = capsys.readouterr().out.strip().splitlines()[-1]
+    assert flag.startswith("--tune moe_lora_launches=")
+    name, value = flag.removeprefix("--tune ").split("=", 1)
+    assert tuning_from_text({name: value}).moe_lora_launches == results[0]["best_launches"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 300])
 def test_fused_experts_on_the_gpu_match_the_reference(tokens: int) -> None:
@@ -261,3 +278,24 @@ def test_pair_lora_tiles_the_rank_by_a_slots_most_rows_not_the_arenas_depth() ->
     pair_lora_triton(x, picks, deep, y_kernel, x_per_pair=False)
     pair_lora_reference(x, picks, deep, y_reference, x_per_pair=False)
     torch.testing.assert_close(y_kernel, y_reference, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("x_per_pair", [False, True])
+def test_pair_lora_in_one_launch_equals_the_two(x_per_pair: bool) -> None:
+    """The shrink and expand of a pair in one program (fused) write what the two launches
+    write, bit for bit: with and without down's routing weight, over tokens with no adapter."""
+    if not interpreting():
+        pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
+    from kernels.moe.triton_kernel import pair_lora_triton
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, experts, top_k, inp, out = 7, 4, 2, 48, 40
+    lora = _arena_lora(experts, 8, inp, out, tokens, gen, torch.float32)
+    x = torch.randn(tokens * top_k if x_per_pair else tokens, inp, generator=gen)
+    picks = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens * top_k, generator=gen) if x_per_pair else None
+    y = torch.randn(tokens * top_k, out, generator=gen)
+    two, one = y.clone(), y.clone()
+    pair_lora_triton(x, picks, lora, two, x_per_pair, weights, elements=128)
+    pair_lora_triton(x, picks, lora, one, x_per_pair, weights, elements=128, fused=True)
+    assert torch.equal(one, two) and not torch.equal(one, y)
