@@ -85,10 +85,10 @@ class Tuning:
         "gate_up": (32, 128, 4), "down": (128, 128, 3)}), metadata={"help": (
             "the routed experts' grouped GEMMs' (block_n, block_k, stages) for gate/up and down "
             "(block_n: columns of gate and of up each, for gate/up)")})
-    # (64 rows of Qwen3-30B-A3B, 8 adapters, on an H200, tuner.moe_experts --lora 8: down's two
-    # launches take 33.8 us at 2 warps against 56.2 at 4; gate/up's 70 us at either.)
+    # (64 rows of Qwen3-30B-A3B, 8 adapters, on an H200, tuner.moe_experts --lora 8: gate/up
+    # 60.6 us in one launch against 73.0 in two at (128, 4 warps); down 36.6 against 60.3.)
     moe_lora_launches: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
-        "gate_up": (0, 128, 4), "down": (0, 128, 2)}), metadata={"help": (
+        "gate_up": (1, 256, 2), "down": (0, 256, 2)}), metadata={"help": (
             "each (token, expert) pair's LoRA beside the grouped GEMMs, for gate/up and down: "
             "(1 for a shrink and expand in one launch or 0 for two, columns a tile, warps)")})
     fold_prefetch_a: int = field(default=2048, metadata={"help": (

@@ -118,7 +118,7 @@ class StepShape:
 
     bucket: int
     rows: int
-    lora: int
+    variant: int
     tokens: int
     seqs: int
     sampled: int
@@ -197,7 +197,7 @@ class PiecewiseGraphs:
         its bucket and rows bucket."""
         shape, host, width = self._fill(chunks)
         return StagedPieces(shape, width, host.np64, host.np32, host.np_table[:shape.seqs * width],
-                            self._host_segments if shape.lora else ())
+                            self._host_segments if shape.variant else ())
 
     def load(self, staged: StagedPieces) -> None:
         """Writes the inputs another rank staged into the pieces' buffers (a tensor-parallel
@@ -214,7 +214,7 @@ class PiecewiseGraphs:
         piece). Under tensor parallelism every rank's pieces meet the others' at their
         collectives."""
         step = staged.shape
-        key = (step.bucket, step.lora, step.rows)
+        key = (step.bucket, step.variant, step.rows)
         self.replays[key] = self.replays.get(key, 0) + 1
         n, t = step.seqs, step.tokens
         attention = ForwardBatch(
@@ -224,12 +224,12 @@ class PiecewiseGraphs:
             logits_indices=None, max_query_len=step.max_query_len, max_seq_len=step.max_seq_len)
         # The bucket's launch choices, as captured (a LoRA graph serves any count of adapters:
         # it takes the tuning table's bucket for one).
-        launch = self.launches.for_step(step.bucket, min(step.lora, LORA))
+        launch = self.launches.for_step(step.bucket, min(step.variant, LORA))
         with torch.inference_mode():
             for layer in range(self.num_layers):
-                self._replay(step.bucket, step.lora, layer, 0)
+                self._replay(step.bucket, step.variant, layer, 0)
                 self.model.attend(layer, self.q[:t], attention, self.kv.k, self.kv.v, launch, out=self.attn[:t])
-            self._replay(step.bucket, step.lora, self.num_layers, step.rows)
+            self._replay(step.bucket, step.variant, self.num_layers, step.rows)
         k = step.sampled
         return self.logits[:k], self.greedy[:k], self.finite[:k]
 
@@ -296,16 +296,16 @@ class PiecewiseGraphs:
         h64[o64[4] + len(sampled):o64[4] + rows] = 0  # padding rows: any valid row
         h32[o32[0]:o32[0] + n + 1] = query_start
         h32[o32[1]:o32[1] + n] = seq_lens
-        lora = BASE
+        variant = BASE
         if self.lora is not None and any(c.request.lora_slot >= 0 for c in chunks):
             has_experts = self.lora.has_experts
-            lora = EXPERTS if has_experts and has_experts([c.request.lora_slot for c in chunks]) else LORA
+            variant = EXPERTS if has_experts and has_experts([c.request.lora_slot for c in chunks]) else LORA
             token_slots: list[int] = []
             for c in chunks:
                 token_slots += [c.request.lora_slot] * c.num_new_tokens
             self._fill_lora(h32, np.asarray(token_slots, dtype=np.int32), bucket)
         width = host.upload(tables, self._dev64, self._dev32, self.block_tables)
-        return StepShape(bucket, rows, lora, tokens, n, len(sampled),
+        return StepShape(bucket, rows, variant, tokens, n, len(sampled),
                          max(c.num_new_tokens for c in chunks), max(seq_lens)), host, width
 
     def _fill_lora(self, h32: np.ndarray, token_slots: np.ndarray, bucket: int) -> None:
