@@ -169,9 +169,14 @@ def choice_from_json(name: str, value: Any) -> Any:
         raise ValueError(f"{name}: expected an object keyed by groups of {list(GROUPS)}, not {value!r}")
     if _tiling_table(name):
         for group, tiling in value.items():
-            if not (isinstance(tiling, list) and len(tiling) == 3
-                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in tiling)
-                    and all(v & (v - 1) == 0 for v in tiling[:2])):
+            ints = (isinstance(tiling, list) and len(tiling) == 3
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in tiling))
+            if name == "moe_lora_launches":  # (one launch or two, columns a tile, warps)
+                if not (ints and tiling[0] in (0, 1) and tiling[1] >= 16 and tiling[1] & (tiling[1] - 1) == 0
+                        and tiling[2] in (1, 2, 4, 8, 16)):
+                    raise ValueError(f"{name}.{group}: expected [0 or 1, columns a tile (a power of two "
+                                     f"of at least 16), warps (1-16, a power of two)], not {tiling!r}")
+            elif not (ints and all(v > 0 and v & (v - 1) == 0 for v in tiling[:2]) and tiling[2] > 0):
                 raise ValueError(f"{name}.{group}: expected [block_n, block_k, stages], block_n "
                                  f"and block_k powers of two, not {tiling!r}")
         return MappingProxyType({**default, **{g: tuple(t) for g, t in value.items()}})

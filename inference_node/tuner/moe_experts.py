@@ -122,16 +122,19 @@ def sweep_rows(rows: int, shape: dict[str, int], grid: Sequence[Tiling], device:
 # -- the experts' LoRA beside the grouped GEMMs (--lora N) -------------------------------------------
 
 def lora_arenas(shape: dict[str, int], adapters: int, rank: int, tokens: int, device: torch.device,
-                dtype: torch.dtype, gen: torch.Generator):
+                dtype: torch.dtype, seed: int):
     """One layer's gate/up and down PairLora of `adapters` slots of rank `rank` (gate/up's at
-    twice it, as PEFT writes it), token t on slot t % adapters, as the node's arenas hold them."""
+    twice it, as PEFT writes it), token t on slot t % adapters, as the node's arenas hold them
+    (made on the device: 30B-A3B's for 32 adapters are 1.3 GB)."""
     from kernels.moe.reference import PairLora
 
     hidden, inter, experts = shape["hidden"], shape["inter"], shape["experts"]
     slots = torch.arange(tokens, dtype=torch.int32) % adapters
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def pair(r: int, inp: int, out: int) -> PairLora:
-        make = lambda *size: (torch.randn(*size, generator=gen) * size[-1] ** -0.5).to(device, dtype)  # noqa: E731
+        make = lambda *size: (torch.randn(*size, generator=gen, device=device) * size[-1] ** -0.5  # noqa: E731
+                              ).to(dtype)
         first = torch.arange(adapters, dtype=torch.int32) * r
         return PairLora(make(experts, adapters * r, inp), make(experts, adapters * r, out).mul_(0.1),
                         slots.to(device), first.to(device), torch.full((adapters,), r, dtype=torch.int32, device=device),
@@ -140,12 +143,14 @@ def lora_arenas(shape: dict[str, int], adapters: int, rank: int, tokens: int, de
     return pair(2 * rank, hidden, 2 * inter), pair(rank, inter, hidden)
 
 
-def lora_bytes(picks: torch.Tensor, adapters: int, rank: int, hidden: int, inter: int, esize: int) -> int:
+def lora_bytes(picks: torch.Tensor, adapters: int, rank: int, hidden: int, inter: int, esize: int,
+               groups: Sequence[str] = ("gate_up", "down")) -> int:
     """Bytes of the expert LoRA a step must read: A and B of each distinct (expert, adapter)
-    the routing hits, gate/up's at twice the rank."""
+    the routing hits (token t on adapter t mod N), gate/up's at twice the rank."""
     slots = torch.arange(picks.shape[0], device=picks.device) % adapters
     hit = (picks * adapters + slots[:, None]).unique().numel()
-    return hit * rank * esize * (2 * (hidden + 2 * inter) + (inter + hidden))
+    per_pair = {"gate_up": 2 * rank * (hidden + 2 * inter), "down": rank * (inter + hidden)}
+    return hit * esize * sum(per_pair[g] for g in groups)
 
 
 def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.device, dtype: torch.dtype,
@@ -162,7 +167,7 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)
     down = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(device, dtype)
     weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
-    gu_lora, down_lora = lora_arenas(shape, adapters, rank, rows, device, dtype, gen)
+    gu_lora, down_lora = lora_arenas(shape, adapters, rank, rows, device, dtype, rows)
     tilings = dict(DEFAULT_TUNING.moe_tilings)
     truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float(),
                               lora=pair_lora_hook(gu_lora, down_lora))
@@ -280,6 +285,86 @@ def expert_trials(sweep: "Sweep", case: "Case", options: Sequence[Tiling]) -> tu
         trials.append(Trial(check, timed))
     activations = pairs * (2 * inter if group == "gate_up" else inter + hidden) * gate_up.element_size()
     return trials, hit + activations
+
+
+# (one launch or two, columns a tile, warps): what the node's sweep tries for each pair's LoRA.
+LORA_LAUNCHES: tuple[Tiling, ...] = tuple((one, width, warps) for one in (0, 1) for width in (128, 256)
+                                          for warps in (2, 4))
+
+
+def expert_lora_options(case_group: str) -> list[Tiling]:
+    """The pair LoRA launches (Tuning.moe_lora_launches) a sweep tries for a group, the
+    default first."""
+    default = DEFAULT_TUNING.moe_lora_launches[case_group.removeprefix("experts.")]
+    return [default] + [launch for launch in LORA_LAUNCHES if launch != default]
+
+
+def expert_lora_trials(sweep: "Sweep", case: "Case", options: Sequence[Tiling]) -> tuple[list["Trial"], int]:
+    """(a trial per launch option, the bytes one launch must move) for the LoRA of
+    `case.adapters` adapters of the sweep's rank on every expert of one group, token t on
+    adapter t mod N: each option checked against pair_lora_reference, and timed as the pair
+    launches alone over routings of their own, enough that the LoRA rows they hit overflow
+    L2 together."""
+    from kernels.dispatch import use_triton
+    from kernels.moe.reference import pair_lora_reference
+
+    from .sweep import MAX_REL_ERR, Trial, copies_for, rel_err
+
+    group = case.group.removeprefix("experts.")
+    shape, device, dtype = sweep.shape, sweep.device, sweep.dtype
+    dims = {"hidden": shape.hidden, "inter": shape.intermediate, "experts": shape.experts}
+    gen = torch.Generator(device="cpu").manual_seed(case.batch * 1000 + case.adapters)
+    gate_up_lora, down_lora = lora_arenas(dims, case.adapters, sweep.rank, case.batch, device, dtype,
+                                          case.batch * 1000 + case.adapters)
+    lora = gate_up_lora if group == "gate_up" else down_lora
+    width_in = shape.hidden if group == "gate_up" else shape.intermediate
+    width_out = 2 * shape.intermediate if group == "gate_up" else shape.hidden
+    rows = case.batch if group == "gate_up" else case.batch * shape.top_k  # down's input: a row a pair
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(case.batch, shape.hidden, generator=gen).to(device, dtype)
+        router = torch.randn(shape.experts, shape.hidden, generator=gen).to(device, dtype)
+        weights, picks = route(x, router, shape.top_k, renormalise=True, weights_in_model_dtype=False)
+        a = x if group == "gate_up" else torch.randn(rows, width_in, generator=gen).to(device, dtype)
+        return a, weights.reshape(-1).contiguous(), picks
+
+    first = routing()
+    hit = lora_bytes(first[2], case.adapters, sweep.rank, shape.hidden, shape.intermediate,
+                     torch.finfo(dtype).bits // 8, (group,))
+    copies = [first] + [routing() for _ in range(copies_for(hit) - 1)] if device.type == "cuda" else [first]
+    a, flat, picks = first
+    pairs = picks.numel()
+    truth = torch.zeros(pairs, width_out, device=device)
+    pair_lora_reference(a, picks, lora, truth, x_per_pair=group == "down")
+    if group == "down":
+        truth.mul_(flat[:, None])
+    out = a.new_zeros(pairs, width_out)
+
+    def launch(copy, option: Tiling):
+        ca, cflat, cpicks = copy
+        weights = cflat if group == "down" else None
+        if not use_triton(ca):  # the CPU smoke without the interpreter: what the node runs there
+            return lambda: pair_lora_reference(ca, cpicks, lora, out, x_per_pair=group == "down")
+        from kernels.moe.triton_kernel import pair_lora_triton
+
+        one_launch, width, warps = option
+        return lambda: pair_lora_triton(ca, cpicks, lora, out, group == "down", weights, num_warps=warps,
+                                        fused=bool(one_launch), width=width)
+
+    trials = []
+    for option in options:
+        def check(o=option) -> list[str]:
+            out.zero_()
+            launch(first, o)()
+            got = out.float() * (1 if use_triton(a) or group == "gate_up" else flat[:, None])
+            err = rel_err(got, truth)
+            return [] if err <= MAX_REL_ERR else [f"rel err {err:.1e} at {case.batch} rows"]
+
+        def timed(timer, o=option) -> float:
+            return timer(lambda copy: launch(copy, o), copies)
+
+        trials.append(Trial(check, timed))
+    return trials, hit + pairs * (width_in + 2 * width_out) * torch.finfo(dtype).bits // 8
 
 
 def expert_weights(sweep: "Sweep") -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,6 +77,8 @@ class Case:
     def describe(self) -> str:
         if not self.adapters:
             return f"{self.group} batch {self.batch}"
+        if self.group in EXPERT_GROUPS:
+            return f"{self.group} LoRA launches batch {self.batch}, {self.adapters} adapters"
         how = ("expand" if self.expand else f"shrink spread over {self.splits} K ranges"
                if self.splits else "shrink only")
         return f"{self.group} fold batch {self.batch}, {self.adapters} adapters ({how})"
@@ -217,6 +219,7 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
             out += [Case(g, batch, count, expand, fold_splits(g, expand, count, len(slice_widths(shape, g)),
                                                              plan, device))
                     for g, expand in modes.items()]
+            out += [Case(g, batch, count) for g in experts]  # each pair's LoRA beside the grouped GEMM
     return out, notes
 
 
@@ -454,8 +457,10 @@ class Sweep:
 
     def options(self, case: Case) -> list[Tiling]:
         if case.group in EXPERT_GROUPS:
-            from .moe_experts import expert_options
+            from .moe_experts import expert_lora_options, expert_options
 
+            if case.adapters:
+                return expert_lora_options(case.group)[:self.max_candidates]
             return expert_options(self.shape, case.group, self.dtype)[:self.max_candidates]
         N, K = self.shape.gemms()[case.group]
         w = torch.empty(N, K, dtype=self.dtype, device="meta").t()
@@ -470,9 +475,9 @@ class Sweep:
         out; TuningError where the default fails."""
         nbytes = 0
         if case.group in EXPERT_GROUPS:
-            from .moe_experts import expert_trials
+            from .moe_experts import expert_lora_trials, expert_trials
 
-            trials, nbytes = expert_trials(self, case, options)
+            trials, nbytes = (expert_lora_trials if case.adapters else expert_trials)(self, case, options)
         elif case.adapters:
             trials = self._fold_trials(case, options)
         else:
@@ -655,9 +660,14 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
         below = [b for b in base_choices if b <= batch]
         return dict(base_choices[max(below)]) if below else {}
 
+    def fold_choices(groups: dict[str, Tiling]) -> dict[str, Any]:  # the experts': their LoRA launches
+        gemms = {g: t for g, t in groups.items() if g in GROUPS}
+        experts = {g.removeprefix("experts."): t for g, t in groups.items() if g in EXPERT_GROUPS}
+        return ({"fold_tilings": {**DEFAULT_TUNING.fold_tilings, **gemms}} if gemms else {}) | (
+            {"moe_lora_launches": {**DEFAULT_TUNING.moe_lora_launches, **experts}} if experts else {})
+
     buckets = [Bucket(batch, 0, choices) for batch, choices in sorted(base_choices.items())]
-    buckets += [Bucket(batch, adapters, {**base_for(batch), **(
-                    {"fold_tilings": {**DEFAULT_TUNING.fold_tilings, **groups}} if groups else {})})
+    buckets += [Bucket(batch, adapters, {**base_for(batch), **fold_choices(groups)})
                 for (batch, adapters), groups in sorted(folds.items())]
     return sorted(buckets, key=lambda b: (b.batch, b.adapters)), kept
 
@@ -672,7 +682,7 @@ def print_results(results: Sequence[Measured], smoke: bool, bandwidth: float | N
     out(f"\n{'group':15} {'batch':>5}{what}  {'default tiling':>16} {'us':>8}  {'best tiling':>16} "
         f"{'us':>8} {'default/best':>12} {'floor us':>8} {'best/floor':>10}   [{unit}]")
     for r in sorted(results, key=lambda r: ((GROUPS + EXPERT_GROUPS).index(r.group), r.batch, r.adapters)):
-        kind = "whole" if r.expand else "spread" if r.splits else "shrink"
+        kind = "launch" if r.group in EXPERT_GROUPS else "whole" if r.expand else "spread" if r.splits else "shrink"
         mode = (f" {r.adapters:8d} {kind if r.adapters else '-':>6}"
                 if fold else "")
         floor = r.nbytes / bandwidth * 1e6 if bandwidth and r.nbytes else None

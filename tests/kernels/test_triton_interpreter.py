@@ -13,8 +13,8 @@ Each test here runs a child pytest with the variable set, so the switch stays lo
   (rows ordered by adapter, the segment table it fills) and the kernels that read it is
   checked against PEFT without a GPU. The same for the piecewise graphs of prompt steps
   (the LoRA segments of a bucket's size they fill, attention over their static buffers).
-- Three families' mixed batches through the graphs (Gemma 3, Qwen3, Phi-3): the kernels with
-  the families' options where the engine launches them, against PEFT.
+- Four families' mixed batches through the graphs (Gemma 3, Qwen3, Phi-3, Qwen3-MoE): the
+  kernels with the families' options where the engine launches them, against PEFT.
 - The node's start-up warm-up, then a mixed workload: the workload launches no kernel
   variant the warm-up did not (so on a GPU nothing compiles under requests); with prompt
   steps eager, and replayed piece by piece.
@@ -53,9 +53,10 @@ GRAPH_CASES = {
     "qkv-rope": f"{GRAPHS}::test_rope_in_the_qkv_gemm_matches_peft[cpu]",
     "pieces": f"{PIECES}::test_prompt_chunks_beside_decodes_match_peft[cpu]",
     "pieces-preempt": f"{PIECES}::test_preempted_requests_recompute_through_the_pieces[cpu]",
-    # The families' kernel options (windows, q/k norms, Gemma's norms and GeLU) in the graphs.
+    # The families' kernel options (windows, q/k norms, Gemma's norms and GeLU) in the graphs,
+    # and a mixture of experts' grouped GEMMs with its expert LoRA launches.
     **{f"family-{f}": f"{FAMILIES}::test_family_with_the_triton_kernels_matches_peft[{f}]"
-       for f in ("gemma3", "qwen3", "phi3")},
+       for f in ("gemma3", "qwen3", "phi3", "qwen3_moe")},
 }
 KERNELS_TIMEOUT = 450  # a part took 55-95 s
 GRAPH_TIMEOUT = 750    # a case took 30-250 s, the child's start included

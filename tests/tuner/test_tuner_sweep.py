@@ -367,12 +367,15 @@ def tiny_moe(tmp_path: Path) -> tuple[Path, ModelShape]:
 
 def test_a_mixture_of_experts_sweeps_its_grouped_gemms_and_no_dense_mlp(tmp_path: Path) -> None:
     """Its experts' gate/up and down grouped GEMMs are cases of each batch, beside q/k/v and o
-    (it has no dense gate/up or down); their winners go into the batch's bucket as moe_tilings."""
+    (it has no dense gate/up or down), and their pairs' LoRA launches cases of each adapter
+    count; the winners go into the batch's bucket as moe_tilings."""
     model, shape = tiny_moe(tmp_path)
     assert model_shape(str(model), 1) == shape and model_shape(str(model), 2) == ModelShape(64, 16, 2, 1, 16, 4, 2)
     todo, _ = cases(shape, [8], [0, 1], list(GROUPS + EXPERT_GROUPS), DEFAULT_TUNING, torch.device("cpu"))
     assert [c.key for c in todo] == [("qkv", 8, 0), ("o", 8, 0), ("experts.gate_up", 8, 0),
-                                     ("experts.down", 8, 0), ("o", 8, 1)]
+                                     ("experts.down", 8, 0), ("o", 8, 1), ("experts.gate_up", 8, 1),
+                                     ("experts.down", 8, 1)]
+    assert todo[-1].describe() == "experts.down LoRA launches batch 8, 1 adapters"
     out = tune(tmp_path, model, "--batches", "4,1", "--adapters", "0")
     rows = [line.split()[:2] for line in out.splitlines()]
     for group in ("qkv", "o", "experts.gate_up", "experts.down"):
@@ -396,14 +399,43 @@ def test_the_experts_winners_become_the_buckets_moe_tilings() -> None:
     assert steps.for_step(8) == DEFAULT_TUNING
 
 
+def test_the_experts_lora_winners_become_the_fold_buckets_moe_lora_launches() -> None:
+    """A pair LoRA launch that wins at (batch, adapters) goes into that bucket's
+    moe_lora_launches (beside a dense group's fold tiling), never into fold_tilings."""
+    default = DEFAULT_TUNING.moe_lora_launches
+    results = [Measured("experts.gate_up", 16, default["gate_up"], 10.0, (0, 128, 4), 8.0, adapters=8),
+               Measured("experts.down", 16, default["down"], 10.0, (1, 128, 2), 7.0, adapters=8),
+               Measured("o", 16, DEFAULT_TUNING.fold_tilings["o"], 10.0, (32, 128, 4), 8.0, adapters=8)]
+    buckets, _ = buckets_for(results, "gemm_tma_tilings", 0.02)
+    step = TuningTable("cpu", TINY, "float32", {}, tuple(buckets)).tunings(DEFAULT_TUNING).for_step(16, 8)
+    assert step.moe_lora_launches == {"gate_up": (0, 128, 4), "down": (1, 128, 2)}
+    assert step.fold_tilings == {**DEFAULT_TUNING.fold_tilings, "o": (32, 128, 4)}
+
+
+def test_the_cpu_smoke_sweeps_a_mixture_of_experts_lora_launches(tmp_path: Path) -> None:
+    """`tune --adapters 0,2` on a mixture of experts measures each expert group's pair LoRA
+    launches (through the reference on the CPU), every option checked first."""
+    model, shape = tiny_moe(tmp_path)
+    out = tune(tmp_path, model, "--batches", "4", "--adapters", "0,2")
+    rows = [line.split()[:4] for line in out.splitlines()]
+    for group in ("experts.gate_up", "experts.down"):
+        assert [group, "4", "2", "launch"] in rows, out
+    assert "rejected" not in out, out
+    table = read_back(tmp_path, shape)
+    assert all(set(b.choices) <= {"gemm_tilings", "moe_tilings", "fold_tilings", "moe_lora_launches"}
+               for b in table.buckets)
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU tests sweep")
 def test_the_experts_sweep_runs_the_grouped_gemms_in_the_interpreter(tmp_path: Path) -> None:
     """Every candidate tiling of both grouped GEMMs matches the reference through the node's
-    dispatch (Triton's interpreter)."""
+    dispatch, and every pair LoRA launch the pair reference (Triton's interpreter)."""
     model, shape = tiny_moe(tmp_path)
-    out = tune(tmp_path, model, "--groups", "experts.gate_up,experts.down", "--batches", "4", "--adapters", "0",
+    out = tune(tmp_path, model, "--groups", "experts.gate_up,experts.down", "--batches", "4", "--adapters", "0,2",
                interpret=True, timeout=300)
     assert "rejected" not in out, out
-    rows = [line.split()[:2] for line in out.splitlines()]
-    assert ["experts.gate_up", "4"] in rows and ["experts.down", "4"] in rows, out
+    rows = [line.split()[:3] for line in out.splitlines()]
+    assert ["experts.gate_up", "4", "0"] in rows and ["experts.down", "4", "0"] in rows, out
+    # and each group's pair LoRA launches (one launch or two, tiles, warps) against the reference
+    assert ["experts.gate_up", "4", "2"] in rows and ["experts.down", "4", "2"] in rows, out
