@@ -61,6 +61,29 @@ def test_tune_writes_a_table_for_this_gpu(tmp_path: Path) -> None:
     print(proc.stdout)
 
 
+def test_tune_sweeps_a_mixture_of_experts_grouped_gemms_and_their_lora(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B's experts at one batch, plain and with 8 adapters' LoRA on every expert:
+    every grouped GEMM tiling and every pair LoRA launch checked against its reference and
+    timed, the winners filed as moe_tilings and moe_lora_launches."""
+    from bench.shapes import QWEN3_30B_A3B
+    from inference_node.tuner.store import usable
+    from inference_node.tuner.tune import key_for
+    from kernels.tuning_table import ModelShape
+
+    model = config_dir(tmp_path, QWEN3_30B_A3B)
+    proc = tune("--model", str(model), "--batches", "64", "--adapters", "0,8", "--groups",
+                "experts.gate_up,experts.down", "--budget-s", "300", "--out", str(tmp_path / "out"))
+    key = key_for(torch.device("cuda"), ModelShape(2048, 768, 32, 4, 128, 128, 8), torch.bfloat16)
+    table = usable(tmp_path / "out" / key.name, key, check_versions=True)
+    assert table is not None and table.unmeasured == ()
+    assert "rejected" not in proc.stdout, proc.stdout
+    rows = [line.split()[:4] for line in proc.stdout.splitlines()]
+    for group in ("experts.gate_up", "experts.down"):
+        assert [group, "64", "0", "-"] in rows and [group, "64", "8", "launch"] in rows, proc.stdout
+    assert all(set(b.choices) <= {"moe_tilings", "moe_lora_launches"} for b in table.buckets)
+    print(proc.stdout)
+
+
 @pytest.mark.tunes
 def test_a_node_tunes_at_its_first_start_and_takes_the_cache_at_its_second(
         tiny_llama_path: Path, tmp_path: Path, monkeypatch, caplog) -> None:
