@@ -149,6 +149,40 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Te
 # -- each pair's expert LoRA, beside the grouped GEMMs ---------------------------------------------
 
 @triton.jit
+def _pair_rank(token_slots_ptr, rank_ptr, token):
+    """(the token's adapter slot, clamped to 0, and its rank there: 0 for no adapter)."""
+    slot = tl.load(token_slots_ptr + token)
+    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
+    return tl.maximum(slot, 0), tl.where(slot >= 0, rank, 0)
+
+
+@triton.jit
+def _pair_shrink(x_ptr, row, a_rows, live, K, stride_xm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_R] float32: x[row] . each of the live rows of A at a_rows, over K in BLOCK_K tiles."""
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+        av = tl.load(a_rows + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(av * xv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _pair_add(y_ptr, weight_ptr, pair, cols, col_ok, delta, stride_ym, SCALE: tl.constexpr):
+    """y[pair, cols] += delta, rounded to y's dtype before the add (as the reference's
+    index_add); SCALE: then times the pair's routing weight, rounded again."""
+    y_ptrs = y_ptr + pair.to(tl.int64) * stride_ym + cols
+    y = tl.load(y_ptrs, mask=col_ok, other=0.0)
+    out_dtype = y_ptr.dtype.element_ty
+    out = (y.to(tl.float32) + delta.to(out_dtype).to(tl.float32)).to(out_dtype)
+    if SCALE:
+        out = (out.to(tl.float32) * tl.load(weight_ptr + pair)).to(out_dtype)
+    tl.store(y_ptrs, out, mask=col_ok)
+
+
+@triton.jit
 def _pair_lora_shrink_kernel(
     x_ptr, picks_ptr, a_ptr, token_slots_ptr, first_ptr, rank_ptr, s_ptr,
     K, stride_xm, stride_ae, stride_ar, stride_sm,
@@ -158,26 +192,18 @@ def _pair_lora_shrink_kernel(
     adapter slot (zeros past it, and for tokens without one)."""
     pair = tl.program_id(0)
     token = pair // TOP_K
-    slot = tl.load(token_slots_ptr + token)
-    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    slot, rank = _pair_rank(token_slots_ptr, rank_ptr, token)
     rs = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if rank > 0:
         expert = tl.load(picks_ptr + pair).to(tl.int64)
         first = tl.load(first_ptr + slot)
-        live = rs < rank
         if X_PER_PAIR:
             row = pair
         else:
             row = token
         a_rows = a_ptr + expert * stride_ae + (first + rs).to(tl.int64)[:, None] * stride_ar
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
-            av = tl.load(a_rows + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(av * xv[None, :], axis=1)
+        acc = _pair_shrink(x_ptr, row, a_rows, rs < rank, K, stride_xm, BLOCK_R, BLOCK_K)
     tl.store(s_ptr + pair * stride_sm + rs, acc)
 
 
@@ -187,15 +213,12 @@ def _pair_lora_expand_kernel(
     N, stride_sm, stride_be, stride_br, stride_ym,
     TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr,
 ):
-    """y[pair, n] += (s[pair] . B[expert, first:first + rank, n]) * scaling, rounded to y's
-    dtype before the add (as the reference's index_add); SCALE: then times the pair's routing
-    weight, rounded again (the reference's result * weights), for every pair, with LoRA or
-    not: down's epilogue, so its grouped GEMM writes no unscaled rows to scale afterwards."""
+    """y[pair, n] += (s[pair] . B[expert, first:first + rank, n]) * scaling (_pair_add);
+    SCALE: for every pair, with LoRA or not: down's epilogue, so its grouped GEMM writes no
+    unscaled rows to scale afterwards."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     token = pair // TOP_K
-    slot = tl.load(token_slots_ptr + token)
-    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    slot, rank = _pair_rank(token_slots_ptr, rank_ptr, token)
     keep = rank > 0
     if SCALE:
         keep = rank >= 0  # every pair
@@ -212,13 +235,7 @@ def _pair_lora_expand_kernel(
             b = tl.load(b_ptr + expert * stride_be + (first + rs).to(tl.int64)[:, None] * stride_br + cols[None, :],
                         mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             delta = tl.sum(s[:, None] * b, axis=0) * tl.load(scaling_ptr + slot)
-        y_ptrs = y_ptr + pair.to(tl.int64) * stride_ym + cols
-        y = tl.load(y_ptrs, mask=col_ok, other=0.0)
-        out_dtype = y_ptr.dtype.element_ty
-        out = (y.to(tl.float32) + delta.to(out_dtype).to(tl.float32)).to(out_dtype)
-        if SCALE:
-            out = (out.to(tl.float32) * tl.load(weight_ptr + pair)).to(out_dtype)
-        tl.store(y_ptrs, out, mask=col_ok)
+        _pair_add(y_ptr, weight_ptr, pair, cols, col_ok, delta, stride_ym, SCALE)
 
 
 @triton.jit
@@ -232,33 +249,25 @@ def _pair_lora_fused_kernel(
     products stay in registers, and the pair's slot, rank and expert are read once."""
     pair = tl.program_id(0)
     token = pair // TOP_K
-    slot = tl.load(token_slots_ptr + token)
-    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    slot, rank = _pair_rank(token_slots_ptr, rank_ptr, token)
     keep = rank > 0
     if SCALE:
         keep = rank >= 0  # every pair
     if keep:
         rs = tl.arange(0, BLOCK_R)
         live = rs < rank
-        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
         expert = tl.load(picks_ptr + pair).to(tl.int64)
-        first = tl.load(first_ptr + tl.maximum(slot, 0))
-        scaling = tl.load(scaling_ptr + tl.maximum(slot, 0))
+        first = tl.load(first_ptr + slot)
+        scaling = tl.load(scaling_ptr + slot)
+        s = tl.zeros((BLOCK_R,), dtype=tl.float32)
         if rank > 0:
             if X_PER_PAIR:
                 row = pair
             else:
                 row = token
             a_rows = a_ptr + expert * stride_ae + (first + rs).to(tl.int64)[:, None] * stride_ar
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
-                av = tl.load(a_rows + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                s += tl.sum(av * xv[None, :], axis=1)
+            s = _pair_shrink(x_ptr, row, a_rows, live, K, stride_xm, BLOCK_R, BLOCK_K)
         b_rows = b_ptr + expert * stride_be + (first + rs).to(tl.int64)[:, None] * stride_br
-        out_dtype = y_ptr.dtype.element_ty
         for n0 in range(0, N, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < N
@@ -266,12 +275,7 @@ def _pair_lora_fused_kernel(
             if rank > 0:
                 b = tl.load(b_rows + cols[None, :], mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
                 delta = tl.sum(s[:, None] * b, axis=0) * scaling
-            y_ptrs = y_ptr + pair.to(tl.int64) * stride_ym + cols
-            y = tl.load(y_ptrs, mask=col_ok, other=0.0)
-            out = (y.to(tl.float32) + delta.to(out_dtype).to(tl.float32)).to(out_dtype)
-            if SCALE:
-                out = (out.to(tl.float32) * tl.load(weight_ptr + pair)).to(out_dtype)
-            tl.store(y_ptrs, out, mask=col_ok)
+            _pair_add(y_ptr, weight_ptr, pair, cols, col_ok, delta, stride_ym, SCALE)
 
 
 def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: torch.Tensor, x_per_pair: bool,

@@ -107,3 +107,19 @@ def test_fused_all_reduce_flags_and_peer_loads(dtype: str, world: int, hidden: i
     acquires = [line for line in ptx.splitlines() if ".global.sys.acquire" in line]
     assert len(acquires) >= world - 1
     assert ptx.count("ld.global.cg.v4.b32") >= world - 1 and "ld.global.cg.b16" not in ptx
+
+
+@pytest.mark.parametrize("kernel, scale", [("_pair_lora_shrink_kernel", False), ("_pair_lora_expand_kernel", True),
+                                           ("_pair_lora_fused_kernel", False), ("_pair_lora_fused_kernel", True)])
+def test_expert_pair_lora_kernels(kernel: str, scale: bool) -> None:
+    """Each (token, pick) pair's expert LoRA: the shrink and expand launches, and both in one
+    (Tuning.moe_lora_launches), with and without down's routing weight."""
+    from kernels.moe import triton_kernel
+
+    fn = getattr(triton_kernel, kernel)
+    types = {n: "*bf16" for n in ("x_ptr", "a_ptr", "b_ptr", "y_ptr")}
+    types |= {"picks_ptr": "*i64", "token_slots_ptr": "*i32", "first_ptr": "*i32", "rank_ptr": "*i32",
+              "scaling_ptr": "*fp32", "weight_ptr": "*fp32", "s_ptr": "*fp32"}
+    constexprs = {"TOP_K": 8, "BLOCK_R": 32, "BLOCK_K": 256, "BLOCK_N": 256, "X_PER_PAIR": scale, "SCALE": scale}
+    names = {p.name for p in fn.params}
+    compile_for_hopper(fn, types, {k: v for k, v in constexprs.items() if k in names})
