@@ -88,9 +88,10 @@ class Tuning:
     # (64 rows of Qwen3-30B-A3B, 8 adapters, on an H200, tuner.moe_experts --lora 8: gate/up
     # 60.6 us in one launch against 73.0 in two at (128, 4 warps); down 36.6 against 60.3.)
     moe_lora_launches: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
-        "gate_up": (1, 256, 2), "down": (0, 256, 2)}), metadata={"help": (
+        "gate_up": (2, 256, 2), "down": (0, 256, 2)}), metadata={"help": (
             "each (token, expert) pair's LoRA beside the grouped GEMMs, for gate/up and down: "
-            "(1 for a shrink and expand in one launch or 0 for two, columns a tile, warps)")})
+            "(1 for a shrink and expand in one launch, 0 for two, 2 for one where the pairs "
+            "give every SM two programs; columns a tile; warps)")})
     fold_prefetch_a: int = field(default=2048, metadata={"help": (
         "with PDL, columns of each adapter's A the shrink programs of a whole fold ask of L2 "
         "before their wait (0: none)")})
@@ -148,8 +149,8 @@ class Tuning:
                      "side_expand_group_segments"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         for group, (one_launch, width, warps) in self.moe_lora_launches.items():
-            if one_launch not in (0, 1) or width < 16 or width & (width - 1) or warps not in (1, 2, 4, 8, 16):
-                raise ValueError(f"moe_lora_launches {group}={one_launch}.{width}.{warps}: expected 0 or 1, a "
+            if one_launch not in (0, 1, 2) or width < 16 or width & (width - 1) or warps not in (1, 2, 4, 8, 16):
+                raise ValueError(f"moe_lora_launches {group}={one_launch}.{width}.{warps}: expected 0, 1 or 2, a "
                                  f"power of two of at least 16 columns, and 1-16 warps (a power of two)")
         bad = set(self.side_expand_group_segments) - set(GROUPS)
         if bad:

@@ -172,9 +172,9 @@ def choice_from_json(name: str, value: Any) -> Any:
             ints = (isinstance(tiling, list) and len(tiling) == 3
                     and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in tiling))
             if name == "moe_lora_launches":  # (one launch or two, columns a tile, warps)
-                if not (ints and tiling[0] in (0, 1) and tiling[1] >= 16 and tiling[1] & (tiling[1] - 1) == 0
+                if not (ints and tiling[0] in (0, 1, 2) and tiling[1] >= 16 and tiling[1] & (tiling[1] - 1) == 0
                         and tiling[2] in (1, 2, 4, 8, 16)):
-                    raise ValueError(f"{name}.{group}: expected [0 or 1, columns a tile (a power of two "
+                    raise ValueError(f"{name}.{group}: expected [0, 1 or 2, columns a tile (a power of two "
                                      f"of at least 16), warps (1-16, a power of two)], not {tiling!r}")
             elif not (ints and all(v > 0 and v & (v - 1) == 0 for v in tiling[:2]) and tiling[2] > 0):
                 raise ValueError(f"{name}.{group}: expected [block_n, block_k, stages], block_n "

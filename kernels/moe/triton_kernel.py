@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..activation.triton_kernel import silu_times
 from ..gemm.shapes import SHARED_MEMORY
-from ..host import cdiv, dot_f32
+from ..host import cdiv, dot_f32, num_sms
 from ..tuning import DEFAULT_TUNING, Tiling
 from .reference import PairLora
 
@@ -147,6 +147,14 @@ def fused_experts_triton(x: torch.Tensor, weights: torch.Tensor, picks: torch.Te
 
 
 # -- each pair's expert LoRA, beside the grouped GEMMs ---------------------------------------------
+
+# Tuning.moe_lora_launches' first entry 2: one launch (a program a pair) where the pairs give
+# every SM this many programs, else two launches (their expand has a program per column tile
+# too). Qwen3-30B-A3B at 64 rows has 512 pairs; Mixtral at 64 rows has 128 pairs, each of
+# 28,672 gate/up columns, which one program a pair would stream alone.
+ONE_LAUNCH_WHEN_FULL = 2
+ONE_LAUNCH_PROGRAMS_PER_SM = 2
+
 
 @triton.jit
 def _pair_rank(token_slots_ptr, rank_ptr, token):
@@ -323,6 +331,8 @@ def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: tor
 
     def pair_lora(a: torch.Tensor, lora: PairLora, y: torch.Tensor, group: str, **kw) -> None:
         one_launch, width, warps = launches[group]
+        if one_launch == ONE_LAUNCH_WHEN_FULL:
+            one_launch = picks.numel() >= ONE_LAUNCH_PROGRAMS_PER_SM * num_sms(y.device)
         pair_lora_triton(a, picks, lora, y, num_warps=warps, fused=bool(one_launch), width=width, **kw)
 
     tokens, top_k = picks.shape

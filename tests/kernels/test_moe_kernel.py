@@ -299,3 +299,24 @@ def test_pair_lora_in_one_launch_equals_the_two(x_per_pair: bool) -> None:
     pair_lora_triton(x, picks, lora, two, x_per_pair, weights, elements=128)
     pair_lora_triton(x, picks, lora, one, x_per_pair, weights, elements=128, fused=True)
     assert torch.equal(one, two) and not torch.equal(one, y)
+
+
+@pytest.mark.parametrize("tokens, one_launch", [(3, False), (4, True)])
+def test_pair_lora_takes_one_launch_where_the_pairs_fill_the_gpu(tokens: int, one_launch: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_lora_launches' 2: one launch where the pairs give every SM two programs (the
+    interpreter's 4 SMs: 8 pairs), else two; 0 and 1 are taken as given."""
+    if not interpreting():
+        pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
+    from kernels.moe import triton_kernel
+
+    c = _lora_case(tokens, 4, 2, 48, 40, seed=tokens)
+    fused = []
+    real = triton_kernel.pair_lora_triton
+    monkeypatch.setattr(triton_kernel, "pair_lora_triton", lambda *a, **kw: fused.append(kw["fused"]) or real(*a, **kw))
+    for first in (2, 1, 0):
+        launches = {"gate_up": (first, 64, 2), "down": (first, 64, 2)}
+        out = triton_kernel.fused_experts_lora_triton(c["x"], c["weights"], c["picks"], c["gate_up"], c["down"], None,
+                                                      c["gu_lora"], c["down_lora"], launches)
+        torch.testing.assert_close(out, c["truth"], rtol=1e-5, atol=1e-4)
+    assert fused == [one_launch, one_launch, True, True, False, False]
