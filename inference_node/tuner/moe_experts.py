@@ -155,10 +155,13 @@ def lora_bytes(picks: torch.Tensor, adapters: int, rank: int, hidden: int, inter
 
 def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.device, dtype: torch.dtype,
               timer: Callable[[Callable[[], object]], float], rank: int = 16) -> dict:
-    """One batch size, the default tilings: the experts alone, with every token's adapter's
-    LoRA on gate/up and down, and each pair kernel alone, checked against the reference first."""
-    from kernels.moe.reference import pair_lora_hook, pair_lora_reference
-    from kernels.moe.triton_kernel import fused_experts_lora_triton, fused_experts_triton, pair_lora_triton
+    """One batch size at the default tilings and launches: the experts alone and with every
+    token's adapter's LoRA on gate/up and down (checked against the reference), then each
+    group's pair LoRA launches alone, as the node's sweep checks and times them."""
+    from kernels.moe.reference import pair_lora_hook
+    from kernels.moe.triton_kernel import fused_experts_lora_triton, fused_experts_triton
+
+    from .sweep import Case, Sweep, cpu_timer, cuda_timer
 
     gen = torch.Generator(device="cpu").manual_seed(rows)
     hidden, inter, experts, top_k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
@@ -177,34 +180,25 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
     bound = 2e-2 * max(1.0, truth.abs().max().item())
     if not err <= bound:
         raise AssertionError(f"experts with LoRA: max error {err:.3g} against the reference (bound {bound:.3g})")
-    pairs = picks.numel()
-    gu_out = x.new_zeros(pairs, 2 * inter)
-    act = torch.randn(pairs, inter, generator=gen).to(device, dtype)
-    down_out = x.new_zeros(pairs, hidden)
-    flat = weights.reshape(-1).contiguous()
-    variants = [(fused, width, warps) for fused in (0, 1) for width in (64, 128, 256) for warps in (2, 4)]
-    truths = (torch.zeros(pairs, 2 * inter, device=device), torch.zeros(pairs, hidden, device=device))
-    pair_lora_reference(x, picks, gu_lora, truths[0], x_per_pair=False)
-    pair_lora_reference(act, picks, down_lora, truths[1], x_per_pair=True)
-    truths[1].mul_(flat[:, None])
-    for variant in variants:  # each launch against the reference
-        outs = (x.new_zeros(pairs, 2 * inter), x.new_zeros(pairs, hidden))
-        pair_lora_triton(x, picks, gu_lora, outs[0], False, None, 0, variant[2], bool(variant[0]), variant[1])
-        pair_lora_triton(act, picks, down_lora, outs[1], True, flat, 0, variant[2], bool(variant[0]), variant[1])
-        for got, want in zip(outs, truths):
-            if not (got.float() - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item()):
-                raise AssertionError(f"pair LoRA launch {variant} differs from the reference")
+    sweep = Sweep(ModelShape(hidden, inter, 1, 1, 1, experts, top_k), device, dtype, "gemm_tilings",
+                  cuda_timer if device.type == "cuda" else cpu_timer, [rows], rank=rank)
+    launches: dict[str, dict[Tiling, float]] = {}
+    for group in ("experts.gate_up", "experts.down"):
+        options = expert_lora_options(group)
+        trials, _ = expert_lora_trials(sweep, Case(group, rows, adapters), options)
+        for option, trial in zip(options, trials):
+            bad = trial.check()
+            if bad:
+                raise AssertionError(f"{group} pair LoRA launch {option}: {', '.join(bad)}")
+        launches[group.removeprefix("experts.")] = {o: trial.time(sweep.timer) for o, trial in zip(options, trials)}
     kernels = {}
     if device.type == "cuda":
         from .profile import kernel_families
 
         kernels = kernel_families(with_lora, 20, by_name=True)
-    return {"rows": rows, "kernels": kernels, "base_us": timer(lambda: fused_experts_triton(x, weights, picks, gate_up, down, tilings)),
+    return {"rows": rows, "kernels": kernels, "launches": launches,
+            "base_us": timer(lambda: fused_experts_triton(x, weights, picks, gate_up, down, tilings)),
             "lora_us": timer(with_lora),
-            "pair_launches": {(fused, width, warps): (
-                timer(lambda: pair_lora_triton(x, picks, gu_lora, gu_out, False, None, 0, warps, fused, width)),
-                timer(lambda: pair_lora_triton(act, picks, down_lora, down_out, True, flat, 0, warps, fused, width)))
-                for fused, width, warps in variants},
             "lora_bytes": lora_bytes(picks, adapters, rank, hidden, inter, x.element_size()),
             "bytes": hit_bytes(picks, hidden, inter, x.element_size())}
 
@@ -345,11 +339,11 @@ def expert_lora_trials(sweep: "Sweep", case: "Case", options: Sequence[Tiling]) 
         weights = cflat if group == "down" else None
         if not use_triton(ca):  # the CPU smoke without the interpreter: what the node runs there
             return lambda: pair_lora_reference(ca, cpicks, lora, out, x_per_pair=group == "down")
-        from kernels.moe.triton_kernel import pair_lora_triton
+        from kernels.moe.triton_kernel import one_launch, pair_lora_triton
 
-        one_launch, width, warps = option
+        launches, width, warps = option
         return lambda: pair_lora_triton(ca, cpicks, lora, out, group == "down", weights, num_warps=warps,
-                                        fused=bool(one_launch), width=width)
+                                        fused=one_launch(launches, cpicks.numel(), device), width=width)
 
     trials = []
     for option in options:
@@ -391,16 +385,15 @@ def print_lora(result: dict, bandwidth: float | None) -> dict:
     us = lambda key: f"{result[key]:8.1f}"  # noqa: E731
     floor = lambda b: f"{b / bandwidth * 1e6:8.1f}" if bandwidth else "       -"  # noqa: E731
     extra = result["lora_us"] - result["base_us"]
-    launches = result["pair_launches"]
-    best = {group: min(launches, key=lambda k: launches[k][i]) for i, group in enumerate(("gate_up", "down"))}
-    result["best_launches"] = best
+    result["best_launches"] = {group: min(times, key=times.get) for group, times in result["launches"].items()}
     ratio = f"{extra / (result['lora_bytes'] / bandwidth * 1e6):5.2f}x" if bandwidth else "    -"
     print(f"rows {result['rows']:4d}: experts {us('base_us')} us (floor {floor(result['bytes'])}), with LoRA "
           f"{us('lora_us')} us: extra {extra:8.1f} us against its LoRA's read {floor(result['lora_bytes'])} us "
           f"({result['lora_bytes'] / 1e6:.1f} MB) = {ratio} (the default launches); each launch alone:", flush=True)
-    for (fused, width, warps), (gu_us, down_us) in result["pair_launches"].items():
-        print(f"   pair kernels {'in one launch' if fused else 'in two      '}, tiles of {width:3d} columns, {warps} "
-              f"warps: gate/up {gu_us:7.1f} us, down {down_us:7.1f} us")
+    for group, times in result["launches"].items():
+        for (launches, width, warps), launch_us in times.items():
+            how = {0: "two launches", 1: "one launch", 2: "one if full"}[launches]
+            print(f"   {group:8} {how:12}, tiles of {width:3d} columns, {warps} warps: {launch_us:7.1f} us")
     for name, (kernel_us, count) in sorted(result["kernels"].items(), key=lambda kv: -kv[1][0]):
         print(f"   {kernel_us:8.1f} us  {count:3d} x  {name}")  # eager launches, profiled
     return result

@@ -156,6 +156,14 @@ ONE_LAUNCH_WHEN_FULL = 2
 ONE_LAUNCH_PROGRAMS_PER_SM = 2
 
 
+def one_launch(launches: int, pairs: int, device: torch.device) -> bool:
+    """Whether a moe_lora_launches entry whose first value is `launches` runs `pairs` pairs'
+    LoRA in one launch (1), two (0), or one where they fill the GPU (ONE_LAUNCH_WHEN_FULL)."""
+    if launches == ONE_LAUNCH_WHEN_FULL:
+        return pairs >= ONE_LAUNCH_PROGRAMS_PER_SM * num_sms(device)
+    return bool(launches)
+
+
 @triton.jit
 def _pair_rank(token_slots_ptr, rank_ptr, token):
     """(the token's adapter slot, clamped to 0, and its rank there: 0 for no adapter)."""
@@ -330,10 +338,9 @@ def fused_experts_lora_triton(x: torch.Tensor, weights: torch.Tensor, picks: tor
     launches = launches or DEFAULT_TUNING.moe_lora_launches
 
     def pair_lora(a: torch.Tensor, lora: PairLora, y: torch.Tensor, group: str, **kw) -> None:
-        one_launch, width, warps = launches[group]
-        if one_launch == ONE_LAUNCH_WHEN_FULL:
-            one_launch = picks.numel() >= ONE_LAUNCH_PROGRAMS_PER_SM * num_sms(y.device)
-        pair_lora_triton(a, picks, lora, y, num_warps=warps, fused=bool(one_launch), width=width, **kw)
+        launch, width, warps = launches[group]
+        pair_lora_triton(a, picks, lora, y, num_warps=warps, fused=one_launch(launch, picks.numel(), y.device),
+                         width=width, **kw)
 
     tokens, top_k = picks.shape
     grouped = _Grouped(x, picks, gate_up.shape[0], tilings)

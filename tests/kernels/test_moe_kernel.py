@@ -113,7 +113,11 @@ def test_expert_lora_tool_runs(capsys) -> None:
 
     results = main(["--device", "cpu", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2",
                     "--rows", "3", "--lora", "2"])
-    assert len(results[0]["pair_launches"]) == 12 and results[0]["lora_bytes"] > 0
+    from inference_node.tuner.moe_experts import expert_lora_options
+
+    launches = results[0]["launches"]
+    assert {g: set(t) for g, t in launches.items()} == {g: set(expert_lora_options(f"experts.{g}")) for g in launches}
+    assert set(launches) == {"gate_up", "down"} and results[0]["lora_bytes"] > 0
     flag = capsys.readouterr().out.strip().splitlines()[-1]
     assert flag.startswith("--tune moe_lora_launches=")
     name, value = flag.removeprefix("--tune ").split("=", 1)
