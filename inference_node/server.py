@@ -251,9 +251,9 @@ class NodeServer:
             await asyncio.sleep(0.02)
         self.client.unwatch_core()  # nothing left to fail: the core may exit before this front end
         await asyncio.sleep(max(0.0, closes_at - loop.time()))
-        if self.http is not None:
-            await self.http.stop()
-        await self.server.stop(grace=1.0)
+        # Both ports close together: the HTTP server's exit takes a tick of its own loop (0.1 s).
+        closing = [self.server.stop(grace=1.0)] + ([self.http.stop()] if self.http is not None else [])
+        await asyncio.gather(*closing)
         self.client.close()
         log.info("inference node front end stopped")
 

@@ -6,8 +6,10 @@ serve`, `lora-client`, the `openai` client), one scenario in steps over one node
 - with the store stopped, a request for an adapter on no tier of the node fails within 5 s on
   every API, UNAVAILABLE / 503 naming the store and telling clients a retry will not help
   (so their default retries do not multiply the wait), never blaming the node;
-- SIGTERM while a fetch streams stops the node within 3 s at the default drain settings (the
-  store sees the call cancelled).
+- SIGTERM while a fetch streams stops the node within 4 s at the default drain settings (the
+  store sees the call cancelled): the 1.5 s NOT_SERVING window, then a teardown that takes
+  0.3 s on an idle machine and took 1.8 s on a 2-core CI machine shared with three other
+  test workers.
 
 The store is a fake gRPC AdapterStore: it describes one adapter, then streams its bytes never
 (FetchAdapter waits until cancelled). A store that takes connections and never answers is
@@ -38,7 +40,7 @@ from lora_client.processes import Child, free_port, wait_healthy
 
 PROMPT = [11, 2345, 876, 40]
 FAIL_WITHIN_S = 5.0
-STOP_WITHIN_S = 3.0
+STOP_WITHIN_S = 4.0
 SLOW = "slow"
 MANIFEST = Manifest(AdapterInfo(SLOW, "0123456789abcdef", rank=8, lora_alpha=16.0, target_modules=("q_proj",),
                                 size_bytes=1 << 20, valid=True),
@@ -106,7 +108,7 @@ class NodeProcess:
         self.target = f"127.0.0.1:{self.port}"
         self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
         self.log = root / f"node-{self.port}.log"
-        # The default drain settings: the 3 s bound of a stop includes the NOT_SERVING window
+        # The default drain settings: the 4 s bound of a stop includes the NOT_SERVING window
         # (--drain-min-seconds, 1.5 s) that a proxy's health checks need.
         self.child = Child("inference-node", [
             sys.executable, "-m", "inference_node.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
@@ -207,7 +209,8 @@ def test_sigterm_with_a_fetch_in_flight_stops_the_node_within_3s(node, store) ->
     code = node.child.proc.wait(30)
     stopped = time.monotonic() - started
     thread.join(10)
-    assert code == 0 and stopped < STOP_WITHIN_S, (code, stopped, node.log_text()[-3000:])
+    timeline = "\n".join(line for line in node.log_text().splitlines()[-12:])
+    assert code == 0 and stopped < STOP_WITHIN_S, f"exit {code} after {stopped:.2f} s:\n{timeline}"
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE
     assert fake.cancelled == cancelled + 1
     assert "did not stop" not in node.log_text()
