@@ -3,18 +3,18 @@ mixture-of-experts decode step's MLP costs against the bytes it must read, and w
 `moe_tilings` (kernels/tuning.py) reads them fastest on this GPU.
 
 For a MoE model's shapes (Qwen3-30B-A3B's widths unless --model says) and each batch size:
-random routing over random experts (one layer), the fused experts timed from a CUDA graph
-(sweep.py's timing) with the default tilings and then with each of a grid, gate/up's swept
-first (down at its default) and down's with gate/up's best. Each launch is checked against the
-PyTorch reference before it is timed. The floor is the bytes of the experts the batch hits
-(gate, up and down of each) over the device's copy bandwidth. The last line is the `--tune`
-flag of the best pair, for `inference-node serve` and `bench.serving`.
+each grouped GEMM's tilings as the node's own sweep tries them (sweep.py's cases
+experts.gate_up and experts.down: every tiling checked through the node's dispatch against the
+PyTorch reference, then its one launch timed from a CUDA graph over routings whose experts
+overflow L2). The floor is the bytes of the experts the batch hits and of the activations over
+the device's copy bandwidth. The last line is the `--tune` flag of the best pair, for
+`inference-node serve` and `bench.serving`.
 
     python -m inference_node.tuner.moe_experts                       # 30B-A3B widths, 1, 16, 64 rows
     python -m inference_node.tuner.moe_experts --model DIR --rows 64
     python -m inference_node.tuner.moe_experts --lora 8 --rows 64    # expert LoRA beside them
     TRITON_INTERPRET=1 python -m inference_node.tuner.moe_experts --device cpu --hidden 64 --inter 32 \\
-        --experts 4 --top-k 2 --rows 4 --grid 32.32.3,16.64.2    # CPU smoke (numbers meaningless)
+        --experts 4 --top-k 2 --rows 4                           # CPU smoke (numbers meaningless)
 """
 from __future__ import annotations
 
@@ -74,49 +74,29 @@ def hit_bytes(picks: torch.Tensor, hidden: int, inter: int, esize: int) -> int:
     return int(picks.unique().numel()) * 3 * hidden * inter * esize
 
 
-def sweep_rows(rows: int, shape: dict[str, int], grid: Sequence[Tiling], device: torch.device,
-               dtype: torch.dtype, timer: Callable[[Callable[[], object]], float]) -> dict:
-    """One batch size: the defaults' time, each gate/up tiling's, each down tiling's (with
-    gate/up's best), every launch checked against the reference first."""
-    from kernels.moe.triton_kernel import fused_experts_triton
+def sweep_rows(rows: int, shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> dict:
+    """One batch size as the node's sweep runs it (expert_options, expert_trials): each group's
+    grouped GEMM per tiling, checked through the node's dispatch against the reference, then
+    timed alone; the default is each group's first option."""
+    from .sweep import Case, Sweep, cpu_timer, cuda_timer
 
-    gen = torch.Generator(device="cpu").manual_seed(rows)
-    hidden, inter, experts, top_k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
-    x = torch.randn(rows, hidden, generator=gen).to(device, dtype)
-    router = torch.randn(experts, hidden, generator=gen).to(device, dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).to(device, dtype)
-    down = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(device, dtype)
-    weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
-    truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float())
-    bound = 2e-2 * max(1.0, truth.abs().max().item())
-
-    def timed(tilings: dict[str, Tiling]) -> float | None:
-        call = lambda: fused_experts_triton(x, weights, picks, gate_up, down, tilings)  # noqa: E731
-        try:
-            err = (call().float() - truth).abs().max().item()
-        except Exception as exc:  # a tiling this GPU cannot launch (shared memory, registers)
-            print(f"  {tilings}: not launched ({type(exc).__name__})", flush=True)
-            return None
-        if not err <= bound:
-            raise AssertionError(f"{tilings}: max error {err:.3g} against the reference (bound {bound:.3g})")
-        return timer(call)
-
-    def fastest(times: dict[Tiling, float | None], default: Tiling, default_us: float | None) -> Tiling:
-        measured = {t: us for t, us in {default: default_us, **times}.items() if us is not None}
-        return min(measured, key=measured.get) if measured else default
-
-    default = dict(DEFAULT_TUNING.moe_tilings)
-    base_us = timed(default)
-    gate_up_us = {t: timed({**default, "gate_up": t}) for t in grid}
-    best_gate_up = fastest(gate_up_us, default["gate_up"], base_us)
-    down_us = {t: timed({"gate_up": best_gate_up, "down": t}) for t in grid}
-    best = {"gate_up": best_gate_up, "down": fastest(down_us, default["down"], None)}
-    best_us = timed(best)
-    if base_us is not None and (best_us is None or best_us > base_us):
-        best, best_us = default, base_us
-    return {"rows": rows, "default_us": base_us, "best": best, "best_us": best_us,
-            "bytes": hit_bytes(picks, hidden, inter, x.element_size()),
-            "gate_up_us": gate_up_us, "down_us": down_us}
+    sweep = Sweep(ModelShape(shape["hidden"], shape["inter"], 1, 1, 1, shape["experts"], shape["top_k"]), device,
+                  dtype, "gemm_tilings", cuda_timer if device.type == "cuda" else cpu_timer, [rows])
+    times: dict[str, dict[Tiling, float]] = {}
+    moved = 0
+    for group in ("experts.gate_up", "experts.down"):
+        options = expert_options(sweep.shape, group, dtype)
+        trials, nbytes = expert_trials(sweep, Case(group, rows), options)
+        for option, trial in zip(options, trials):
+            bad = trial.check()
+            if bad:
+                raise AssertionError(f"{group} tiling {option}: {', '.join(bad)}")
+        times[group.removeprefix("experts.")] = {o: trial.time(sweep.timer) for o, trial in zip(options, trials)}
+        moved += nbytes
+    best = {group: min(t, key=t.get) for group, t in times.items()}
+    return {"rows": rows, "times": times, "best": best, "bytes": moved,
+            "default_us": sum(next(iter(t.values())) for t in times.values()),
+            "best_us": sum(times[g][best[g]] for g in times)}
 
 
 # -- the experts' LoRA beside the grouped GEMMs (--lora N) -------------------------------------------
@@ -375,12 +355,6 @@ def expert_weights(sweep: "Sweep") -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
-def parse_grid(text: str | None) -> tuple[Tiling, ...]:
-    if not text:
-        return GRID
-    return tuple(tuple(int(v) for v in item.split(".")) for item in text.split(","))  # type: ignore[misc]
-
-
 def print_lora(result: dict, bandwidth: float | None) -> dict:
     us = lambda key: f"{result[key]:8.1f}"  # noqa: E731
     floor = lambda b: f"{b / bandwidth * 1e6:8.1f}" if bandwidth else "       -"  # noqa: E731
@@ -407,7 +381,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     p.add_argument("--experts", type=int, default=QWEN3_30B_A3B["experts"])
     p.add_argument("--top-k", type=int, default=QWEN3_30B_A3B["top_k"])
     p.add_argument("--rows", default="1,16,64", help="decode batch sizes (--lora: the most used first)")
-    p.add_argument("--grid", help="tilings to try, block_n.block_k.stages comma-separated (default: 18)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--lora", type=int, default=0, metavar="N",
                    help="instead of the sweep: the default tilings with N rank-16 adapters' LoRA on every "
@@ -416,14 +389,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = shape_of(args.model, args)
-    grid = parse_grid(args.grid)
     bandwidth = None
     if device.type == "cuda":
         from .sweep import copy_bandwidth
 
         bandwidth = copy_bandwidth(device)
     print(f"routed experts: hidden {shape['hidden']}, {shape['experts']} experts of {shape['inter']}, top "
-          f"{shape['top_k']}, {dtype}, {len(grid)} tilings a group" + (
+          f"{shape['top_k']}, {dtype}" + (
               f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else " (CPU smoke: numbers meaningless)"),
           flush=True)
     results = []
@@ -434,15 +406,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         print("--tune moe_lora_launches=" + ",".join(f"{g}={'.'.join(map(str, t))}" for g, t in best.items()))
         return results
     for rows in (int(r) for r in args.rows.split(",")):
-        result = sweep_rows(rows, shape, grid, device, dtype, timer_for(device))
+        result = sweep_rows(rows, shape, device, dtype)
         results.append(result)
         floor = f"{result['bytes'] / bandwidth * 1e6:8.1f}" if bandwidth else "       -"
-        ratio = (f"{result['best_us'] / (result['bytes'] / bandwidth * 1e6):6.2f}x"
-                 if bandwidth and result["best_us"] else "      -")
-        fmt = lambda us: f"{us:9.1f}" if us is not None else "        -"  # noqa: E731
-        print(f"rows {rows:4d}: default {fmt(result['default_us'])} us, best {fmt(result['best_us'])} us "
-              f"{result['best']}; floor {floor} us ({result['bytes'] / 1e6:.1f} MB of experts hit), best/floor "
-              f"{ratio}", flush=True)
+        ratio = f"{result['best_us'] / (result['bytes'] / bandwidth * 1e6):6.2f}x" if bandwidth else "      -"
+        print(f"rows {rows:4d}: default {result['default_us']:9.1f} us, best {result['best_us']:9.1f} us "
+              f"{result['best']}; floor {floor} us ({result['bytes'] / 1e6:.1f} MB of experts hit and "
+              f"activations), best/floor {ratio}", flush=True)
+        for group, times in result["times"].items():
+            for tiling, us in times.items():
+                print(f"   {group:8} {'.'.join(map(str, tiling)):>10}: {us:8.1f} us")
     last = results[-1]["best"]
     print("--tune moe_tilings=" + ",".join(f"{g}={'.'.join(map(str, t))}" for g, t in last.items()))
     return results

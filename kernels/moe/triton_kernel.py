@@ -165,11 +165,16 @@ def one_launch(launches: int, pairs: int, device: torch.device) -> bool:
 
 
 @triton.jit
-def _pair_rank(token_slots_ptr, rank_ptr, token):
-    """(the token's adapter slot, clamped to 0, and its rank there: 0 for no adapter)."""
+def _pair_rank(token_slots_ptr, rank_ptr, token, EVERY: tl.constexpr):
+    """(the token's adapter slot, clamped to 0; its rank there, 0 for no adapter; whether the
+    pair writes: EVERY, down's routing weight, makes every pair write, with LoRA or not)."""
     slot = tl.load(token_slots_ptr + token)
-    rank = tl.load(rank_ptr + tl.maximum(slot, 0))
-    return tl.maximum(slot, 0), tl.where(slot >= 0, rank, 0)
+    rank = tl.where(slot >= 0, tl.load(rank_ptr + tl.maximum(slot, 0)), 0)
+    if EVERY:
+        keep = rank >= 0
+    else:
+        keep = rank > 0
+    return tl.maximum(slot, 0), rank, keep
 
 
 @triton.jit
@@ -208,7 +213,7 @@ def _pair_lora_shrink_kernel(
     adapter slot (zeros past it, and for tokens without one)."""
     pair = tl.program_id(0)
     token = pair // TOP_K
-    slot, rank = _pair_rank(token_slots_ptr, rank_ptr, token)
+    slot, rank, _ = _pair_rank(token_slots_ptr, rank_ptr, token, False)
     rs = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     if rank > 0:
@@ -234,10 +239,7 @@ def _pair_lora_expand_kernel(
     unscaled rows to scale afterwards."""
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     token = pair // TOP_K
-    slot, rank = _pair_rank(token_slots_ptr, rank_ptr, token)
-    keep = rank > 0
-    if SCALE:
-        keep = rank >= 0  # every pair
+    slot, rank, keep = _pair_rank(token_slots_ptr, rank_ptr, token, SCALE)
     if keep:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -265,10 +267,7 @@ def _pair_lora_fused_kernel(
     products stay in registers, and the pair's slot, rank and expert are read once."""
     pair = tl.program_id(0)
     token = pair // TOP_K
-    slot, rank = _pair_rank(token_slots_ptr, rank_ptr, token)
-    keep = rank > 0
-    if SCALE:
-        keep = rank >= 0  # every pair
+    slot, rank, keep = _pair_rank(token_slots_ptr, rank_ptr, token, SCALE)
     if keep:
         rs = tl.arange(0, BLOCK_R)
         live = rs < rank
@@ -295,15 +294,14 @@ def _pair_lora_fused_kernel(
 
 
 def pair_lora_triton(x: torch.Tensor, picks: torch.Tensor, lora: PairLora, y: torch.Tensor, x_per_pair: bool,
-                     weights: torch.Tensor | None = None, elements: int = 4096, num_warps: int = 4,
-                     fused: bool = False, width: int | None = None) -> None:
+                     weights: torch.Tensor | None = None, num_warps: int = 4, fused: bool = False,
+                     width: int = 128) -> None:
     """As reference.pair_lora_reference: a shrink launch of one program a pair, then an expand
     launch over (pair, column tile); with `weights` (flat, float32) every pair's row then
     times its routing weight. Each pair reads its adapter's rows of its expert: no host
-    sync, so a graph captures it. elements: a program's tile (rank x K or N columns)."""
+    sync, so a graph captures it. width: the K and N tile (moe_lora_launches' second value)."""
     pairs, top_k = picks.numel(), picks.shape[1]
     block_r = max(16, triton.next_power_of_2(lora.max_rank))
-    width = width or max(16, min(128, elements // block_r))  # K or N tile
     x = x if x.stride(1) == 1 else x.contiguous()
     flat = picks.reshape(-1)
     if fused:

@@ -92,15 +92,24 @@ def test_moe_tilings_are_a_tuning_choice() -> None:
 
 def test_tiling_tool_runs(capsys) -> None:
     """inference_node.tuner.moe_experts end to end on tiny widths (its CPU smoke): every tiling
-    checked against the reference, the best printed as a --tune flag."""
+    the node's sweep would try, checked against the reference and timed, the best printed as a
+    --tune flag the node takes."""
     if not interpreting():
         pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
-    from inference_node.tuner.moe_experts import main
+    from inference_node.tuner.moe_experts import expert_options, main
+    from kernels.tuning import tuning_from_text
+    from kernels.tuning_table import ModelShape
 
     results = main(["--device", "cpu", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2",
-                    "--rows", "3", "--grid", "32.32.3,16.64.2"])
-    assert results[0]["default_us"] and set(results[0]["gate_up_us"]) == {(32, 32, 3), (16, 64, 2)}
-    assert "--tune moe_tilings=gate_up=" in capsys.readouterr().out
+                    "--rows", "3"])
+    shape = ModelShape(64, 32, 1, 1, 1, 4, 2)
+    times = results[0]["times"]
+    assert {g: set(t) for g, t in times.items()} == {
+        g: set(expert_options(shape, f"experts.{g}", torch.float32)) for g in ("gate_up", "down")}
+    assert results[0]["best_us"] <= results[0]["default_us"] and results[0]["bytes"] > 0
+    flag = capsys.readouterr().out.strip().splitlines()[-1]
+    name, value = flag.removeprefix("--tune ").split("=", 1)
+    assert name == "moe_tilings" and dict(tuning_from_text({name: value}).moe_tilings) == results[0]["best"]
 
 
 def test_expert_lora_tool_runs(capsys) -> None:
@@ -300,8 +309,8 @@ def test_pair_lora_in_one_launch_equals_the_two(x_per_pair: bool) -> None:
     weights = torch.rand(tokens * top_k, generator=gen) if x_per_pair else None
     y = torch.randn(tokens * top_k, out, generator=gen)
     two, one = y.clone(), y.clone()
-    pair_lora_triton(x, picks, lora, two, x_per_pair, weights, elements=128)
-    pair_lora_triton(x, picks, lora, one, x_per_pair, weights, elements=128, fused=True)
+    pair_lora_triton(x, picks, lora, two, x_per_pair, weights, width=16)
+    pair_lora_triton(x, picks, lora, one, x_per_pair, weights, width=16, fused=True)
     assert torch.equal(one, two) and not torch.equal(one, y)
 
 
