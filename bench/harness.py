@@ -407,7 +407,7 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     """Bytes/s of a device-to-device copy (read + write counted): the practical ceiling of the
     memory-bound decode step, against which every floor is computed."""
     if device.type == "cuda":
-        from inference_node.tuner.sweep import copy_bandwidth as device_copy_bandwidth
+        from inference_node.tuner.trial import copy_bandwidth as device_copy_bandwidth
 
         return device_copy_bandwidth(device, nbytes or (1 << 30))
     nbytes = nbytes or (64 << 20)

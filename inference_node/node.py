@@ -29,6 +29,7 @@ from .model.checkpoint import CheckpointError, validate_checkpoint_dir
 from .model.embedded import cache_root, default_checkpoint
 from .model.config import ModelConfig
 from .model.llama import LlamaModel
+from .model.loader import load_model
 from .parallel.group import TensorParallel, init_tensor_parallel, leave_tensor_parallel
 from .parallel.shard import Shard, ShardingError, check_divisible, tensor_parallel_tuning
 from .parallel.workers import Workers
@@ -230,7 +231,7 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
     tunings = step_tunings(config, device, shard.local_config(ModelConfig.from_checkpoint(checkpoint)))
     if tp is not None:  # over every bucket's tuning: no table's node-wide choice undoes it
         tunings = tunings.map(tensor_parallel_tuning)
-    model = LlamaModel.load(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
+    model = load_model(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
                             load_format=model_options.load_format, tp=tp, quantization=model_options.quantization)
     unfoldable = model.unfoldable_groups()
     if unfoldable:

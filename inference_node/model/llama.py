@@ -17,7 +17,6 @@ weights' layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,19 +115,6 @@ class LlamaModel:
             # at decode batch sizes (docs/PERFORMANCE.md). A process-wide setting: the node
             # serves one model.
             torch.backends.cuda.preferred_blas_library("cublaslt")
-
-    @classmethod
-    def load(cls, path: Path, device: torch.device, dtype: torch.dtype,
-             max_positions: int | None = None, gemm_groups: frozenset[str] = DEFAULT_TUNING.gemm_groups,
-             load_format: str = "safetensors", tp: TensorParallel | None = None,
-             quantization: str = "none") -> "LlamaModel":
-        """The model of the checkpoint's family (this class, or model/gemma.py's), or with
-        `tp` this rank's shard of it (model/loader.py). gemm_groups: the projections whose
-        weights are laid out for the decode GEMM (Tuning.gemm_groups). quantization "fp8":
-        plain projections quantized at load (an FP8 checkpoint is read as one regardless)."""
-        from .loader import load_model
-
-        return load_model(path, device, dtype, max_positions, gemm_groups, load_format, tp, quantization)
 
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm]

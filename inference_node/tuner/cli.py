@@ -16,7 +16,8 @@ from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS
 from kernels.tuning_table import CONFIG_DIR, ModelShape, TuningTable
 
 from .store import exclusive, usable
-from .sweep import copy_bandwidth, print_results
+from .sweep import print_results
+from .trial import copy_bandwidth
 from .tune import base_field, default_cache, key_for, tune_table, why_not
 
 log = logging.getLogger(__name__)

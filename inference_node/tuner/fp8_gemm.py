@@ -86,7 +86,7 @@ def wall_timer(calls: Sequence[Callable[[], object]], rounds: int = 3) -> float:
 
 
 def cuda_timer(calls: Sequence[Callable[[], object]]) -> float:
-    from .sweep import graph_us
+    from .trial import graph_us
 
     return graph_us(list(calls))
 
@@ -145,7 +145,7 @@ def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | 
     """A Row per projection and batch: bf16 and FP8 (the node's dispatch; with `tilings`, the
     fastest of them that the device can launch) microseconds per launch. copies: weight
     copies a timed graph walks through (None: enough to overflow L2)."""
-    from .sweep import copies_for
+    from .trial import copies_for
 
     gen = torch.Generator(device=device).manual_seed(0)
     out = []
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = measure(shape, batches, block, device, wall_timer, copies=1)
         bandwidth = None
     else:
-        from .sweep import copy_bandwidth
+        from .trial import copy_bandwidth
 
         rows = measure(shape, batches, block, device, cuda_timer,
                        tilings=sweep_tilings() if args.sweep else ())

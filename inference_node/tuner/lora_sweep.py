@@ -23,7 +23,8 @@ import torch
 from kernels.tuning import GROUPS
 from kernels.tuning_table import ModelShape
 
-from .sweep import copy_bandwidth, slice_widths
+from .sweep import slice_widths
+from .trial import copy_bandwidth
 
 
 def graph_meta(batch: int, distinct: int, bucket: int, device: torch.device, rank: int,

@@ -23,7 +23,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,12 +31,11 @@ from kernels.moe import experts_reference, route
 from kernels.tuning import DEFAULT_TUNING, Tiling
 from kernels.tuning_table import ModelShape
 
-if TYPE_CHECKING:
-    from .sweep import Case, Sweep, Trial
+from . import expert_trials
+from .trial import Case, copy_bandwidth, cpu_timer, cuda_timer, graph_us
 
 # Qwen3-30B-A3B: 128 experts of 768 columns, 8 routed a token, hidden 2048.
 QWEN3_30B_A3B = {"hidden": 2048, "inter": 768, "experts": 128, "top_k": 8}
-GRID: tuple[Tiling, ...] = tuple((n, k, s) for n in (32, 64, 128) for k in (32, 64, 128) for s in (3, 4))
 
 
 def shape_of(model: str | None, args: argparse.Namespace) -> dict[str, int]:
@@ -64,8 +63,6 @@ def wall_us(call: Callable[[], object], rounds: int = 3) -> float:
 def timer_for(device: torch.device) -> Callable[[Callable[[], object]], float]:
     if device.type != "cuda":
         return wall_us
-    from .sweep import graph_us
-
     return lambda call: graph_us([call, call])  # a layer's experts overflow L2 by themselves
 
 
@@ -75,23 +72,22 @@ def hit_bytes(picks: torch.Tensor, hidden: int, inter: int, esize: int) -> int:
 
 
 def sweep_rows(rows: int, shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> dict:
-    """One batch size as the node's sweep runs it (expert_options, expert_trials): each group's
-    grouped GEMM per tiling, checked through the node's dispatch against the reference, then
-    timed alone; the default is each group's first option."""
-    from .sweep import Case, Sweep, cpu_timer, cuda_timer
-
-    sweep = Sweep(ModelShape(shape["hidden"], shape["inter"], 1, 1, 1, shape["experts"], shape["top_k"]), device,
-                  dtype, "gemm_tilings", cuda_timer if device.type == "cuda" else cpu_timer, [rows])
+    """One batch size as the node's sweep runs it (expert_trials.py): each group's grouped GEMM
+    per tiling, checked through the node's dispatch against the reference, then timed alone;
+    the default is each group's first option."""
+    model = ModelShape(shape["hidden"], shape["inter"], 1, 1, 1, shape["experts"], shape["top_k"])
+    timer = cuda_timer if device.type == "cuda" else cpu_timer
+    experts = expert_trials.weights(model, device, dtype)
     times: dict[str, dict[Tiling, float]] = {}
     moved = 0
     for group in ("experts.gate_up", "experts.down"):
-        options = expert_options(sweep.shape, group, dtype)
-        trials, nbytes = expert_trials(sweep, Case(group, rows), options)
+        options = expert_trials.options(model, group, dtype)
+        trials, nbytes = expert_trials.trials(model, device, dtype, experts, Case(group, rows), options)
         for option, trial in zip(options, trials):
             bad = trial.check()
             if bad:
                 raise AssertionError(f"{group} tiling {option}: {', '.join(bad)}")
-        times[group.removeprefix("experts.")] = {o: trial.time(sweep.timer) for o, trial in zip(options, trials)}
+        times[group.removeprefix("experts.")] = {o: trial.time(timer) for o, trial in zip(options, trials)}
         moved += nbytes
     best = {group: min(t, key=t.get) for group, t in times.items()}
     return {"rows": rows, "times": times, "best": best, "bytes": moved,
@@ -101,38 +97,6 @@ def sweep_rows(rows: int, shape: dict[str, int], device: torch.device, dtype: to
 
 # -- the experts' LoRA beside the grouped GEMMs (--lora N) -------------------------------------------
 
-def lora_arenas(shape: dict[str, int], adapters: int, rank: int, tokens: int, device: torch.device,
-                dtype: torch.dtype, seed: int):
-    """One layer's gate/up and down PairLora of `adapters` slots of rank `rank` (gate/up's at
-    twice it, as PEFT writes it), token t on slot t % adapters, as the node's arenas hold them
-    (made on the device: 30B-A3B's for 32 adapters are 1.3 GB)."""
-    from kernels.moe.reference import PairLora
-
-    hidden, inter, experts = shape["hidden"], shape["inter"], shape["experts"]
-    slots = torch.arange(tokens, dtype=torch.int32) % adapters
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def pair(r: int, inp: int, out: int) -> PairLora:
-        make = lambda *size: (torch.randn(*size, generator=gen, device=device) * size[-1] ** -0.5  # noqa: E731
-                              ).to(dtype)
-        first = torch.arange(adapters, dtype=torch.int32) * r
-        return PairLora(make(experts, adapters * r, inp), make(experts, adapters * r, out).mul_(0.1),
-                        slots.to(device), first.to(device), torch.full((adapters,), r, dtype=torch.int32, device=device),
-                        torch.full((adapters,), 2.0, dtype=torch.float32, device=device), max_rank=r)
-
-    return pair(2 * rank, hidden, 2 * inter), pair(rank, inter, hidden)
-
-
-def lora_bytes(picks: torch.Tensor, adapters: int, rank: int, hidden: int, inter: int, esize: int,
-               groups: Sequence[str] = ("gate_up", "down")) -> int:
-    """Bytes of the expert LoRA a step must read: A and B of each distinct (expert, adapter)
-    the routing hits (token t on adapter t mod N), gate/up's at twice the rank."""
-    slots = torch.arange(picks.shape[0], device=picks.device) % adapters
-    hit = (picks * adapters + slots[:, None]).unique().numel()
-    per_pair = {"gate_up": 2 * rank * (hidden + 2 * inter), "down": rank * (inter + hidden)}
-    return hit * esize * sum(per_pair[g] for g in groups)
-
-
 def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.device, dtype: torch.dtype,
               timer: Callable[[Callable[[], object]], float], rank: int = 16) -> dict:
     """One batch size at the default tilings and launches: the experts alone and with every
@@ -141,8 +105,6 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
     from kernels.moe.reference import pair_lora_hook
     from kernels.moe.triton_kernel import fused_experts_lora_triton, fused_experts_triton
 
-    from .sweep import Case, Sweep, cpu_timer, cuda_timer
-
     gen = torch.Generator(device="cpu").manual_seed(rows)
     hidden, inter, experts, top_k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
     x = torch.randn(rows, hidden, generator=gen).to(device, dtype)
@@ -150,7 +112,7 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)
     down = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(device, dtype)
     weights, picks = route(x, router, top_k, renormalise=True, weights_in_model_dtype=False)
-    gu_lora, down_lora = lora_arenas(shape, adapters, rank, rows, device, dtype, rows)
+    gu_lora, down_lora = expert_trials.lora_arenas(shape, adapters, rank, rows, device, dtype, rows)
     tilings = dict(DEFAULT_TUNING.moe_tilings)
     truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float(),
                               lora=pair_lora_hook(gu_lora, down_lora))
@@ -160,17 +122,17 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
     bound = 2e-2 * max(1.0, truth.abs().max().item())
     if not err <= bound:
         raise AssertionError(f"experts with LoRA: max error {err:.3g} against the reference (bound {bound:.3g})")
-    sweep = Sweep(ModelShape(hidden, inter, 1, 1, 1, experts, top_k), device, dtype, "gemm_tilings",
-                  cuda_timer if device.type == "cuda" else cpu_timer, [rows], rank=rank)
+    model = ModelShape(hidden, inter, 1, 1, 1, experts, top_k)
+    launch_timer = cuda_timer if device.type == "cuda" else cpu_timer
     launches: dict[str, dict[Tiling, float]] = {}
     for group in ("experts.gate_up", "experts.down"):
-        options = expert_lora_options(group)
-        trials, _ = expert_lora_trials(sweep, Case(group, rows, adapters), options)
+        options = expert_trials.lora_options(group)
+        trials, _ = expert_trials.lora_trials(model, device, dtype, rank, Case(group, rows, adapters), options)
         for option, trial in zip(options, trials):
             bad = trial.check()
             if bad:
                 raise AssertionError(f"{group} pair LoRA launch {option}: {', '.join(bad)}")
-        launches[group.removeprefix("experts.")] = {o: trial.time(sweep.timer) for o, trial in zip(options, trials)}
+        launches[group.removeprefix("experts.")] = {o: trial.time(launch_timer) for o, trial in zip(options, trials)}
     kernels = {}
     if device.type == "cuda":
         from .profile import kernel_families
@@ -179,180 +141,8 @@ def lora_rows(rows: int, shape: dict[str, int], adapters: int, device: torch.dev
     return {"rows": rows, "kernels": kernels, "launches": launches,
             "base_us": timer(lambda: fused_experts_triton(x, weights, picks, gate_up, down, tilings)),
             "lora_us": timer(with_lora),
-            "lora_bytes": lora_bytes(picks, adapters, rank, hidden, inter, x.element_size()),
+            "lora_bytes": expert_trials.lora_bytes(picks, adapters, rank, hidden, inter, x.element_size()),
             "bytes": hit_bytes(picks, hidden, inter, x.element_size())}
-
-
-# -- the node's sweep (sweep.py): the cases experts.gate_up and experts.down at each batch -------
-
-def expert_options(shape: ModelShape, case_group: str, dtype: torch.dtype) -> list[Tiling]:
-    """The distinct tilings of a grouped GEMM the node would launch (fitted to K and to shared
-    memory), the default first."""
-    from kernels.moe.triton_kernel import fitted
-
-    group = case_group.removeprefix("experts.")
-    k = shape.hidden if group == "gate_up" else shape.intermediate
-    esize = torch.finfo(dtype).bits // 8
-    options: list[Tiling] = []
-    for tiling in (DEFAULT_TUNING.moe_tilings[group], *GRID):
-        fit = fitted(tiling, k, esize, gated=group == "gate_up")
-        if fit not in options:
-            options.append(fit)
-    return options
-
-
-def expert_trials(sweep: "Sweep", case: "Case", options: Sequence[Tiling]) -> tuple[list["Trial"], int]:
-    """(a trial per option, the bytes one launch must move): each option checked through the
-    node's dispatch (routed_experts, both GEMMs, the other group at its default) against the
-    float32 reference, and timed as its one grouped GEMM over routings of its own copies
-    (random routers), enough that the experts they hit overflow L2 together."""
-    from kernels.dispatch import use_triton
-    from kernels.moe.dispatch import routed_experts
-
-    from .sweep import Trial, copies_for, rel_err, MAX_REL_ERR
-
-    group = case.group.removeprefix("experts.")
-    shape, device, dtype = sweep.shape, sweep.device, sweep.dtype
-    hidden, inter = shape.hidden, shape.intermediate
-    gate_up, down = expert_weights(sweep)
-    gen = torch.Generator(device="cpu").manual_seed(case.batch)
-
-    def routing() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = torch.randn(case.batch, hidden, generator=gen).to(device, dtype)
-        router = torch.randn(shape.experts, hidden, generator=gen).to(device, dtype)
-        weights, picks = route(x, router, shape.top_k, renormalise=True, weights_in_model_dtype=False)
-        return x, weights, picks
-
-    first = routing()
-    per_expert = (2 * inter * hidden if group == "gate_up" else hidden * inter) * gate_up.element_size()
-    hit = int(first[2].unique().numel()) * per_expert
-    copies = [first] + [routing() for _ in range(copies_for(hit) - 1)] if device.type == "cuda" else [first]
-    x, weights, picks = first
-    truth = experts_reference(x.float(), weights, picks, gate_up.float(), down.float())
-    pairs = case.batch * shape.top_k
-    act_rows = x.new_empty(pairs, inter).normal_()
-    out_rows = x.new_empty(pairs, hidden if group == "down" else inter)
-
-    def launch(copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tilings: dict[str, Tiling]):
-        cx, cweights, cpicks = copy
-        if not use_triton(cx):  # the CPU smoke without the interpreter: what the node runs there
-            return lambda: routed_experts(cx, cweights, cpicks, gate_up, down, tilings)
-        from kernels.moe.triton_kernel import _Grouped
-
-        grouped = _Grouped(cx, cpicks, shape.experts, tilings)
-        if group == "gate_up":
-            return lambda: grouped.gemm(cx, gate_up, out_rows, "gate_up", per_token=True, gated=True)
-        flat = cweights.reshape(-1).contiguous()
-        return lambda: grouped.gemm(act_rows, down, out_rows, "down", per_token=False, weights=flat)
-
-    trials = []
-    for option in options:
-        tilings = {**DEFAULT_TUNING.moe_tilings, group: option}
-
-        def check(t=tilings) -> list[str]:
-            err = rel_err(routed_experts(x, weights, picks, gate_up, down, t), truth)
-            return [] if err <= MAX_REL_ERR else [f"rel err {err:.1e} at {case.batch} rows"]
-
-        def timed(timer, t=tilings) -> float:
-            return timer(lambda copy: launch(copy, t), copies)
-
-        trials.append(Trial(check, timed))
-    activations = pairs * (2 * inter if group == "gate_up" else inter + hidden) * gate_up.element_size()
-    return trials, hit + activations
-
-
-# (one launch or two, columns a tile, warps): what the node's sweep tries for each pair's LoRA.
-LORA_LAUNCHES: tuple[Tiling, ...] = tuple((one, width, warps) for one in (0, 1) for width in (128, 256)
-                                          for warps in (2, 4))
-
-
-def expert_lora_options(case_group: str) -> list[Tiling]:
-    """The pair LoRA launches (Tuning.moe_lora_launches) a sweep tries for a group, the
-    default first."""
-    default = DEFAULT_TUNING.moe_lora_launches[case_group.removeprefix("experts.")]
-    return [default] + [launch for launch in LORA_LAUNCHES if launch != default]
-
-
-def expert_lora_trials(sweep: "Sweep", case: "Case", options: Sequence[Tiling]) -> tuple[list["Trial"], int]:
-    """(a trial per launch option, the bytes one launch must move) for the LoRA of
-    `case.adapters` adapters of the sweep's rank on every expert of one group, token t on
-    adapter t mod N: each option checked against pair_lora_reference, and timed as the pair
-    launches alone over routings of their own, enough that the LoRA rows they hit overflow
-    L2 together."""
-    from kernels.dispatch import use_triton
-    from kernels.moe.reference import pair_lora_reference
-
-    from .sweep import MAX_REL_ERR, Trial, copies_for, rel_err
-
-    group = case.group.removeprefix("experts.")
-    shape, device, dtype = sweep.shape, sweep.device, sweep.dtype
-    dims = {"hidden": shape.hidden, "inter": shape.intermediate, "experts": shape.experts}
-    gen = torch.Generator(device="cpu").manual_seed(case.batch * 1000 + case.adapters)
-    gate_up_lora, down_lora = lora_arenas(dims, case.adapters, sweep.rank, case.batch, device, dtype,
-                                          case.batch * 1000 + case.adapters)
-    lora = gate_up_lora if group == "gate_up" else down_lora
-    width_in = shape.hidden if group == "gate_up" else shape.intermediate
-    width_out = 2 * shape.intermediate if group == "gate_up" else shape.hidden
-    rows = case.batch if group == "gate_up" else case.batch * shape.top_k  # down's input: a row a pair
-
-    def routing() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = torch.randn(case.batch, shape.hidden, generator=gen).to(device, dtype)
-        router = torch.randn(shape.experts, shape.hidden, generator=gen).to(device, dtype)
-        weights, picks = route(x, router, shape.top_k, renormalise=True, weights_in_model_dtype=False)
-        a = x if group == "gate_up" else torch.randn(rows, width_in, generator=gen).to(device, dtype)
-        return a, weights.reshape(-1).contiguous(), picks
-
-    first = routing()
-    hit = lora_bytes(first[2], case.adapters, sweep.rank, shape.hidden, shape.intermediate,
-                     torch.finfo(dtype).bits // 8, (group,))
-    copies = [first] + [routing() for _ in range(copies_for(hit) - 1)] if device.type == "cuda" else [first]
-    a, flat, picks = first
-    pairs = picks.numel()
-    truth = torch.zeros(pairs, width_out, device=device)
-    pair_lora_reference(a, picks, lora, truth, x_per_pair=group == "down")
-    if group == "down":
-        truth.mul_(flat[:, None])
-    out = a.new_zeros(pairs, width_out)
-
-    def launch(copy, option: Tiling):
-        ca, cflat, cpicks = copy
-        weights = cflat if group == "down" else None
-        if not use_triton(ca):  # the CPU smoke without the interpreter: what the node runs there
-            return lambda: pair_lora_reference(ca, cpicks, lora, out, x_per_pair=group == "down")
-        from kernels.moe.triton_kernel import one_launch, pair_lora_triton
-
-        launches, width, warps = option
-        return lambda: pair_lora_triton(ca, cpicks, lora, out, group == "down", weights, num_warps=warps,
-                                        fused=one_launch(launches, cpicks.numel(), device), width=width)
-
-    trials = []
-    for option in options:
-        def check(o=option) -> list[str]:
-            out.zero_()
-            launch(first, o)()
-            got = out.float() * (1 if use_triton(a) or group == "gate_up" else flat[:, None])
-            err = rel_err(got, truth)
-            return [] if err <= MAX_REL_ERR else [f"rel err {err:.1e} at {case.batch} rows"]
-
-        def timed(timer, o=option) -> float:
-            return timer(lambda copy: launch(copy, o), copies)
-
-        trials.append(Trial(check, timed))
-    return trials, hit + pairs * (width_in + 2 * width_out) * torch.finfo(dtype).bits // 8
-
-
-def expert_weights(sweep: "Sweep") -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's gate/up [E, 2 * inter, hidden] and down [E, hidden, inter], random, made on
-    the device once per sweep (30B-A3B's: 1.2 GB; one layer's experts overflow L2 by far)."""
-    if "experts" not in sweep._weights:
-        shape = sweep.shape
-        gen = torch.Generator(device=sweep.device).manual_seed(0)
-        make = lambda *size: (torch.randn(*size, generator=gen, device=sweep.device) * size[-1] ** -0.5  # noqa: E731
-                              ).to(sweep.dtype)
-        sweep._weights["experts"] = [make(shape.experts, 2 * shape.intermediate, shape.hidden),
-                                     make(shape.experts, shape.hidden, shape.intermediate)]
-    gate_up, down = sweep._weights["experts"]
-    return gate_up, down
 
 
 def print_lora(result: dict, bandwidth: float | None) -> dict:
@@ -391,8 +181,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     shape = shape_of(args.model, args)
     bandwidth = None
     if device.type == "cuda":
-        from .sweep import copy_bandwidth
-
         bandwidth = copy_bandwidth(device)
     print(f"routed experts: hidden {shape['hidden']}, {shape['experts']} experts of {shape['inter']}, top "
           f"{shape['top_k']}, {dtype}" + (

@@ -80,7 +80,7 @@ def random_model(checkpoint: Path, device: torch.device, dtype: torch.dtype, lay
     """(config, LlamaModel) of the checkpoint's shapes with random weights made on the device
     (`layers` of them if given; `tp` > 1: one tensor-parallel rank's shapes, rank_config)."""
     from inference_node.model.config import ModelConfig
-    from inference_node.model.llama import LlamaModel
+    from inference_node.model.loader import load_model
 
     config = json.loads((checkpoint / "config.json").read_text())
     config = config if tp == 1 else rank_config(config, tp)
@@ -89,7 +89,7 @@ def random_model(checkpoint: Path, device: torch.device, dtype: torch.dtype, lay
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         return (ModelConfig.from_checkpoint(Path(tmp)),
-                LlamaModel.load(Path(tmp), device, dtype, max_positions=max_positions, load_format="dummy"))
+                load_model(Path(tmp), device, dtype, max_positions=max_positions, load_format="dummy"))
 
 
 def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: int) -> list[int]:

@@ -1,7 +1,7 @@
 """The sweep: the decode GEMM's tilings per fused group and decode batch bucket, plain (the
 base GEMM) and with LoRA folded in (per bucket of distinct adapters), and a mixture of
-experts' grouped GEMMs per batch bucket (moe_experts.py: experts.gate_up, experts.down; it has
-no dense MLP to sweep), each candidate run
+experts' grouped GEMMs per batch bucket (expert_trials.py: experts.gate_up, experts.down; it
+has no dense MLP to sweep), each candidate run
 through the node's own dispatch, checked against the PyTorch reference and timed; the
 winners become a TuningTable (kernels/tuning_table.py).
 
@@ -19,8 +19,6 @@ default is always first), and the cases never started are the table's `unmeasure
 from __future__ import annotations
 
 import logging
-import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -32,21 +30,17 @@ from kernels.gemm.shapes import MAX_ROWS, gated_block_n, row_tile, tiling as fit
 from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, Tiling, Tuning
 from kernels.tuning_table import Bucket, ModelShape, TuningTable
 
+from . import expert_trials
+from .trial import MAX_REL_ERR, Case, Timer, Trial, copies_for, rel_err
+
 log = logging.getLogger(__name__)
 
 BATCHES = (64, 32, 16, 8, 1)     # decode batch buckets, the most used first
 ADAPTERS = (0, 32, 16, 8, 1)     # 0: the base GEMM; N: the fold in steps of N distinct adapters
 BLOCK_N = (16, 32, 64, 128)
 BLOCK_K_STAGES = ((128, 4), (128, 8), (256, 3), (256, 4), (512, 2))
-MAX_REL_ERR = 2e-2               # bf16 products, fp32 accumulation
 MIN_GAIN = 0.02                  # a tiling goes into the table where it is this much faster
 RANK = 16                        # the fold's adapters: rank 16 on every slice
-L2_OVERFLOW = 256 << 20          # bytes of distinct copies a timed graph walks through
-
-# A timer: GPU (or wall) microseconds per call of the launches `calls_for(copy)` builds, one
-# per copy of the operands.
-Timer = Callable[[Callable[[Any], Callable[[], object]], Sequence[Any]], float]
-
 
 class TuningError(RuntimeError):
     """The sweep cannot produce a table (a default launch failed its check, or the device
@@ -55,33 +49,6 @@ class TuningError(RuntimeError):
 
 class TuningUnavailable(TuningError):
     """Tuning cannot run here at all (no CUDA device, no Triton)."""
-
-
-@dataclass(frozen=True)
-class Case:
-    """One thing the sweep measures: a group's decode GEMM at `batch` rows, plain
-    (adapters 0) or with the LoRA of `adapters` distinct adapters folded in, whole (expand)
-    or only its shrink (the op after it expands), that shrink spread over `splits` K ranges
-    of the tile programs (0: programs of its own)."""
-
-    group: str
-    batch: int
-    adapters: int = 0
-    expand: bool = True
-    splits: int = 0
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        return self.group, self.batch, self.adapters
-
-    def describe(self) -> str:
-        if not self.adapters:
-            return f"{self.group} batch {self.batch}"
-        if self.group in EXPERT_GROUPS:
-            return f"{self.group} LoRA launches batch {self.batch}, {self.adapters} adapters"
-        how = ("expand" if self.expand else f"shrink spread over {self.splits} K ranges"
-               if self.splits else "shrink only")
-        return f"{self.group} fold batch {self.batch}, {self.adapters} adapters ({how})"
 
 
 @dataclass(frozen=True)
@@ -243,76 +210,6 @@ def same_row_tile(a: int, b: int) -> bool:
     return row_tile(a) == row_tile(b)
 
 
-# -- timing --------------------------------------------------------------------------------------
-
-def graph_us(calls: list[Callable[[], object]], rounds: int = 10) -> float:
-    """GPU microseconds per call: the calls captured back to back in one CUDA graph, replayed
-    (median of `rounds`)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up: compiles outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def cuda_timer(calls_for: Callable[[Any], Callable[[], object]], copies: Sequence[Any]) -> float:
-    """GPU microseconds per launch: one launch per operand copy back to back in a CUDA graph."""
-    return graph_us([calls_for(c) for c in copies])
-
-
-def cpu_timer(calls_for: Callable[[Any], Callable[[], object]], copies: Sequence[Any]) -> float:
-    """CPU SMOKE: wall microseconds per call (median of 3); meaningless as a tuning."""
-    call = calls_for(copies[0])
-    call()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes/s of a device-to-device copy (read and write counted): the practical ceiling of
-    the memory-bound launches, against which each floor is computed. Timed eagerly, not from
-    a CUDA graph: a copy captured in a graph becomes a memcpy node that the copy engine runs
-    (2.76 TB/s on an H200, against 4.25 for the copy kernel an eager copy_ launches)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * nbytes / statistics.median(times)
-
-
-def copies_for(nbytes: int) -> int:
-    """Operand copies a timed graph walks through so that no launch finds its bytes in L2."""
-    return max(2, math.ceil(L2_OVERFLOW / max(nbytes, 1)))
-
-
 # -- the launches and their references -------------------------------------------------------------
 
 def gated(group: str, tuning: Tuning) -> bool:
@@ -367,10 +264,6 @@ def weight_copies(N: int, K: int, copies: int, device: torch.device, dtype: torc
     decode GEMM serves (and what TMA needs)."""
     first = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device, dtype)
     return [first.t()] + [first.clone().t() for _ in range(copies - 1)]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def fold_copies(K: int, widths: list[int], batch: int, adapters: int, rank: int, expand: bool,
@@ -455,13 +348,18 @@ class Sweep:
             have = self._weights[group] = weight_copies(N, K, copies, self.device, self.dtype, self.gen)
         return have[:copies]
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's experts (expert_trials.weights), made once per sweep: 30B-A3B's are 1.2 GB."""
+        if "experts" not in self._weights:
+            self._weights["experts"] = list(expert_trials.weights(self.shape, self.device, self.dtype))
+        gate_up, down = self._weights["experts"]
+        return gate_up, down
+
     def options(self, case: Case) -> list[Tiling]:
         if case.group in EXPERT_GROUPS:
-            from .moe_experts import expert_lora_options, expert_options
-
             if case.adapters:
-                return expert_lora_options(case.group)[:self.max_candidates]
-            return expert_options(self.shape, case.group, self.dtype)[:self.max_candidates]
+                return expert_trials.lora_options(case.group)[:self.max_candidates]
+            return expert_trials.options(self.shape, case.group, self.dtype)[:self.max_candidates]
         N, K = self.shape.gemms()[case.group]
         w = torch.empty(N, K, dtype=self.dtype, device="meta").t()
         if case.adapters:
@@ -475,9 +373,12 @@ class Sweep:
         out; TuningError where the default fails."""
         nbytes = 0
         if case.group in EXPERT_GROUPS:
-            from .moe_experts import expert_lora_trials, expert_trials
-
-            trials, nbytes = (expert_lora_trials if case.adapters else expert_trials)(self, case, options)
+            if case.adapters:
+                trials, nbytes = expert_trials.lora_trials(self.shape, self.device, self.dtype, self.rank, case,
+                                                           options)
+            else:
+                trials, nbytes = expert_trials.trials(self.shape, self.device, self.dtype, self.expert_weights(),
+                                                      case, options)
         elif case.adapters:
             trials = self._fold_trials(case, options)
         else:
@@ -573,12 +474,6 @@ class Sweep:
 
             trials.append(Trial(check, timed))
         return trials
-
-
-@dataclass(frozen=True)
-class Trial:
-    check: Callable[[], list[str]]       # what disagrees with the reference ([]: nothing)
-    time: Callable[[Timer], float]
 
 
 def run(sweep: Sweep, todo: Sequence[Case], budget: Budget) -> tuple[list[Measured], list[Case]]:

@@ -18,8 +18,9 @@ from kernels.tuning_table import ModelShape, TableKey, TuningTable, device_name,
 
 from .store import Found, table_at_start
 
-from .sweep import (ADAPTERS, BATCHES, MIN_GAIN, Budget, Measured, Sweep, Timer, TuningUnavailable,
-                    buckets_for, cases, cpu_timer, cuda_timer, run, tiling_field)
+from .sweep import (ADAPTERS, BATCHES, MIN_GAIN, Budget, Measured, Sweep, TuningUnavailable, buckets_for, cases,
+                    run, tiling_field)
+from .trial import Timer, cpu_timer, cuda_timer
 
 log = logging.getLogger(__name__)
 

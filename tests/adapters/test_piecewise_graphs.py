@@ -19,7 +19,7 @@ from harness import InProcessNode, make_peft_adapter, peft_greedy
 from inference_node.engine.kv_cache import KVCache
 from inference_node.runner.piecewise_graphs import (PiecewiseGraphs, PiecewiseLora, lora_rows, lora_segments, rows_buckets,
                                                 token_buckets)
-from inference_node.model.llama import LlamaModel
+from inference_node.model.loader import load_model
 from inference_node.config import NodeConfig
 from inference_node.runner.launches import StepLaunches
 from lora_client.node_client import NodeClient
@@ -48,7 +48,7 @@ def test_lora_segments_cover_each_adapter_token_once(tiny_llama_path) -> None:
     metadata the kernels read puts every adapter token in exactly one segment of its own slot,
     segments no longer than the bucket's rows and no more than the bucket's count; the empty
     segments past them have length 0."""
-    model = LlamaModel.load(tiny_llama_path, torch.device("cpu"), torch.float32)
+    model = load_model(tiny_llama_path, torch.device("cpu"), torch.float32)
     kv = KVCache(model.config, 9, 16, torch.float32, torch.device("cpu"))
     max_loras, max_tokens = 5, 600
     graphs = PiecewiseGraphs(model, StepLaunches.fixed(model.device), kv, scratch_block=8, max_model_len=128,

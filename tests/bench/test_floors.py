@@ -20,6 +20,7 @@ from inference_node.model.config import ModelConfig
 from inference_node.model.forward import ForwardBatch
 from inference_node.model.launch import LaunchChoices
 from inference_node.model.llama import LlamaModel
+from inference_node.model.loader import load_model
 from kernels.tuning import DEFAULT_TUNING
 from inference_node.parallel.group import TensorParallel
 from inference_node.parallel.shard import COLUMN_PARALLEL, Shard
@@ -80,7 +81,7 @@ def meta_model(tmp_path: Path, raw: dict, monkeypatch: pytest.MonkeyPatch, shard
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(raw))
     tp = TensorParallel(shard) if shard is not None else None
-    return LlamaModel.load(folder, torch.device("meta"), torch.bfloat16, max_positions=64,
+    return load_model(folder, torch.device("meta"), torch.bfloat16, max_positions=64,
                            load_format="dummy", tp=tp)
 
 
@@ -198,7 +199,7 @@ def test_collectives_are_those_a_decode_forward_calls(tp: int, tmp_path: Path) -
     raw = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 4}  # 4 KV heads: TP 4 splits them
     (tmp_path / "config.json").write_text(json.dumps(raw))
     group = CountingParallel(tp)
-    model = LlamaModel.load(tmp_path, torch.device("cpu"), torch.float32, max_positions=64,
+    model = load_model(tmp_path, torch.device("cpu"), torch.float32, max_positions=64,
                             load_format="dummy", tp=group)
     cfg, block = model.config, 16
     kv = KVCache(cfg, num_blocks=4, block_size=block, dtype=torch.float32, device=torch.device("cpu"))

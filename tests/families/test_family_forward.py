@@ -12,6 +12,7 @@ from inference_node.engine.kv_cache import KVCache
 from inference_node.model.forward import ForwardBatch
 from inference_node.model.launch import LaunchChoices
 from inference_node.model.llama import LlamaModel
+from inference_node.model.loader import load_model
 from kernels.tuning import DEFAULT_TUNING
 
 
@@ -42,7 +43,7 @@ def test_logits_match_transformers(family: str, request: pytest.FixtureRequest) 
 
     path = request.getfixturevalue(f"tiny_{family}_path")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = LlamaModel.load(path, torch.device("cpu"), torch.float32)
+    model = load_model(path, torch.device("cpu"), torch.float32)
     assert model.config.family == family
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, 40000, (45,), generator=gen).tolist()

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from family_checkpoints import MOE_FAMILIES, make_family_adapter
-from inference_node.model.llama import LlamaModel
+from inference_node.model.loader import load_model
 from inference_node.model.moe import MoeModel
 from inference_node.runner.decode_graphs import EXPERTS
 from inference_node.runner.piecewise_graphs import EXPERTS as PIECES_EXPERTS
@@ -28,7 +28,7 @@ def test_moe_logits_match_transformers(family: str, request: pytest.FixtureReque
 
     path = request.getfixturevalue(f"tiny_{family}_path")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model = LlamaModel.load(path, torch.device("cpu"), torch.float32)
+    model = load_model(path, torch.device("cpu"), torch.float32)
     assert isinstance(model, MoeModel) and model.config.family == family
     assert model.config.dense_layers == ((1,) if family == "qwen3_moe" else ())
     tokens = torch.randint(100, 40000, (45,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -64,7 +64,7 @@ def test_moe_reads_fused_expert_checkpoints(family: str, request: pytest.Fixture
         if name.name != "model.safetensors":
             (tmp_path / name.name).write_bytes(name.read_bytes())
     save_file(fused, str(tmp_path / "model.safetensors"))
-    ours, theirs = (LlamaModel.load(p, torch.device("cpu"), torch.float32) for p in (path, tmp_path))
+    ours, theirs = (load_model(p, torch.device("cpu"), torch.float32) for p in (path, tmp_path))
     for a, b in zip(ours.experts, theirs.experts):
         if a is not None:
             assert torch.equal(a.gate_up, b.gate_up) and torch.equal(a.down, b.down) and torch.equal(a.router, b.router)

@@ -149,7 +149,7 @@ def test_fp8_decode_gemm_against_bf16_prints_a_table(capsys: pytest.CaptureFixtu
     """The benchmark at 64 rows, per-channel scales (printed; only the FP8 outputs, checked
     against the reference before timing, are asserted)."""
     from inference_node.tuner.fp8_gemm import LLAMA_3_1_8B, cuda_timer, measure, print_table
-    from inference_node.tuner.sweep import copy_bandwidth
+    from inference_node.tuner.trial import copy_bandwidth
 
     device = torch.device("cuda")
     rows = measure(LLAMA_3_1_8B, [64], None, device, cuda_timer)

@@ -96,7 +96,8 @@ def test_tiling_tool_runs(capsys) -> None:
     --tune flag the node takes."""
     if not interpreting():
         pytest.skip("runs in Triton's interpreter (test_fused_experts_in_the_interpreter starts it)")
-    from inference_node.tuner.moe_experts import expert_options, main
+    from inference_node.tuner import expert_trials
+    from inference_node.tuner.moe_experts import main
     from kernels.tuning import tuning_from_text
     from kernels.tuning_table import ModelShape
 
@@ -105,7 +106,7 @@ def test_tiling_tool_runs(capsys) -> None:
     shape = ModelShape(64, 32, 1, 1, 1, 4, 2)
     times = results[0]["times"]
     assert {g: set(t) for g, t in times.items()} == {
-        g: set(expert_options(shape, f"experts.{g}", torch.float32)) for g in ("gate_up", "down")}
+        g: set(expert_trials.options(shape, f"experts.{g}", torch.float32)) for g in ("gate_up", "down")}
     assert results[0]["best_us"] <= results[0]["default_us"] and results[0]["bytes"] > 0
     flag = capsys.readouterr().out.strip().splitlines()[-1]
     name, value = flag.removeprefix("--tune ").split("=", 1)
@@ -122,10 +123,10 @@ def test_expert_lora_tool_runs(capsys) -> None:
 
     results = main(["--device", "cpu", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2",
                     "--rows", "3", "--lora", "2"])
-    from inference_node.tuner.moe_experts import expert_lora_options
+    from inference_node.tuner.expert_trials import lora_options
 
     launches = results[0]["launches"]
-    assert {g: set(t) for g, t in launches.items()} == {g: set(expert_lora_options(f"experts.{g}")) for g in launches}
+    assert {g: set(t) for g, t in launches.items()} == {g: set(lora_options(f"experts.{g}")) for g in launches}
     assert set(launches) == {"gate_up", "down"} and results[0]["lora_bytes"] > 0
     flag = capsys.readouterr().out.strip().splitlines()[-1]
     assert flag.startswith("--tune moe_lora_launches=")

@@ -16,11 +16,12 @@ from inference_node.engine.config import EngineConfig
 from inference_node.engine.engine import Engine
 from inference_node.engine.request import Request, SamplingParams, StreamEvent
 from inference_node.model.llama import LlamaModel
+from inference_node.model.loader import load_model
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama_path) -> LlamaModel:
-    return LlamaModel.load(tiny_llama_path, torch.device("cpu"), torch.float32)
+    return load_model(tiny_llama_path, torch.device("cpu"), torch.float32)
 
 
 class Collected:

@@ -27,6 +27,7 @@ from inference_node.engine.grammar import GrammarCompiler
 from inference_node.engine.request import Request, SamplingParams, StreamEvent
 from inference_node.frontend.response_format import grammar_of
 from inference_node.model.llama import LlamaModel
+from inference_node.model.loader import load_model
 from inference_node.tokenizer import TextCodec
 from lora.v1 import inference_pb2 as pb
 
@@ -39,7 +40,7 @@ SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_llama_path) -> LlamaModel:
-    return LlamaModel.load(tiny_llama_path, torch.device("cpu"), torch.float32)
+    return load_model(tiny_llama_path, torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import torch
 from bench import harness
 from inference_node.model.config import ModelConfig
 from inference_node.model.llama import LlamaModel
+from inference_node.model.loader import load_model
 from kernels.gemm import Fp8Weight
 
 RAW = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 256,
@@ -36,7 +37,7 @@ def read_per_step(model: LlamaModel) -> int:
 def test_floor_counts_the_loaded_fp8_bytes(quantization_config, flag, tmp_path: Path) -> None:
     raw = {**RAW, "quantization_config": quantization_config} if quantization_config else RAW
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    model = LlamaModel.load(tmp_path, torch.device("cpu"), torch.bfloat16, max_positions=64, load_format="dummy",
+    model = load_model(tmp_path, torch.device("cpu"), torch.bfloat16, max_positions=64, load_format="dummy",
                             quantization=flag)
     fp8 = flag == "fp8" or quantization_config is not None
     assert model.fp8_projections == fp8

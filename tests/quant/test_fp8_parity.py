@@ -108,10 +108,10 @@ def test_fp8_checkpoint_is_held_as_its_own_fp8_bytes_and_scales(tiny_llama_path:
     from safetensors.torch import load_file
 
     from inference_node.model.checkpoint import CheckpointError
-    from inference_node.model.llama import LlamaModel
+    from inference_node.model.loader import load_model
 
     fp8 = write_fp8_checkpoint(tiny_llama_path, tmp_path / "fp8", "fp8", (32, 32))
-    model = LlamaModel.load(fp8, torch.device("cpu"), torch.float32)
+    model = load_model(fp8, torch.device("cpu"), torch.float32)
     stored = load_file(str(fp8 / "model.safetensors"))
     qkv = model.layers[1].qkv
     assert isinstance(qkv, Fp8Weight) and qkv.weight.dtype == torch.float8_e4m3fn and qkv.block == (32, 32)
@@ -125,7 +125,7 @@ def test_fp8_checkpoint_is_held_as_its_own_fp8_bytes_and_scales(tiny_llama_path:
     del config["quantization_config"]
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"float8_e4m3fn, not plain weights.*quantization_config"):
-        LlamaModel.load(fp8, torch.device("cpu"), torch.float32)
+        load_model(fp8, torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("family, quantization", [("llama", "none"), ("llama", "fp8"), ("qwen2", "none")])
