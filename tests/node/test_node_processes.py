@@ -283,6 +283,47 @@ def test_a_front_end_death_drains_the_node_and_exits_non_zero(tmp_path, tiny_lla
         node.stop()
 
 
+def test_a_tensor_parallel_rank_that_dies_ends_the_node_with_exit_1_and_leaves_no_rank(tmp_path,
+                                                                                      tiny_llama_path) -> None:
+    """TP 2 over gloo: SIGKILL to rank 1 while a stream runs. Rank 0 cannot run a step without
+    it, so the node ends: the stream gets UNAVAILABLE, the log names the dead rank in one line,
+    the launcher exits 1, and no process of the node (rank 0, front ends) is left behind."""
+    node = Node(tmp_path, tiny_llama_path, "--tensor-parallel-size", "2", "--max-model-len", "1024")
+    try:
+        core = _core_pid(node)
+        ranks = [p for p in descendants(core) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(ranks) == 1, (ranks, node.pids)
+        codes: list[grpc.StatusCode] = []
+        streaming = threading.Event()
+
+        def long_stream() -> None:
+            with NodeClient(node.target) as client:
+                stream = client.stream(client.request(prompt_token_ids=PROMPTS[0], max_tokens=1000,
+                                                      ignore_eos=True), timeout=60)
+                next(stream)
+                streaming.set()
+                try:
+                    for _ in stream:
+                        pass
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+
+        thread = threading.Thread(target=long_stream)
+        thread.start()
+        assert streaming.wait(60)
+        os.kill(ranks[0], signal.SIGKILL)
+        thread.join(30)
+        assert codes == [grpc.StatusCode.UNAVAILABLE]
+        assert node.child.proc.wait(30) == 1
+        died = [line for line in node.log_text().splitlines() if "tensor-parallel rank tp-rank-1" in line]
+        assert len(died) == 1 and "died" in died[0] and "exit -9" in died[0], node.log_text()[-3000:]
+        assert "Traceback" not in node.log_text()
+        node.assert_no_children()
+    finally:
+        node.stop()
+
+
 def _core_pid(node: Node) -> int:
     """The engine core logs its pid when it starts."""
     match = re.search(r"engine core started \(pid (\d+)\)", node.log_text())
