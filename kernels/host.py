@@ -41,8 +41,10 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@lru_cache(maxsize=1)
 def interpreting() -> bool:
-    """Whether Triton runs in its interpreter (TRITON_INTERPRET, CPU tensors)."""
+    """Whether Triton runs in its interpreter (TRITON_INTERPRET, CPU tensors): read once, as
+    Triton reads it when its kernels are decorated; launches ask on every call."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
