@@ -12,8 +12,6 @@ experts hold: gate/up's B columns (gate's block, then up's), down's A columns.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kernels.moe import PairLora
@@ -22,19 +20,12 @@ from ..model.config import ModelConfig
 from ..model.families import EXPERT_PARAMETERS
 from ..parallel.shard import Shard
 
-if TYPE_CHECKING:  # weights.py reads EXPERT_MODULES
-    from .weights import AdapterWeights
-
-# The expert parameters' arena names (as AdapterWeights.target_modules names them), and the
-# MLP modules whose adapter memory (--lora-modules) holds each.
-EXPERT_MODULES: dict[str, tuple[str, ...]] = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
-                                              "experts.down_proj": ("down_proj",)}
 # Rows an arena holds per rank row of the others: PEFT gives gate_up_proj, which holds gate
 # and up, twice the adapter's rank (and --max-lora-rank allows twice there).
 EXPERT_ROW_FACTOR: dict[str, int] = {"experts.gate_up_proj": 2, "experts.down_proj": 1}
 
-# (A [experts, r, in], B [experts, r, out], scaling) by (layer, expert parameter): views of
-# one slot's rows in the arenas.
+# (A [experts, r, in], B [experts, r, out], scaling) by (layer, expert parameter): an
+# adapter's expert LoRA (AdapterWeights.experts), or views of one slot's rows in the arenas.
 ExpertPairs = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
@@ -48,19 +39,19 @@ def expert_row_nbytes(config: ModelConfig, itemsize: int) -> dict[str, int]:
     return {f"experts.{p}": layers * config.num_experts * sum(shapes[p]) * itemsize for p in EXPERT_PARAMETERS}
 
 
-def expert_ranks(weights: AdapterWeights) -> dict[str, int]:
-    """The rank rows an adapter's expert LoRA needs per expert arena."""
-    return {f"experts.{parameter}": a.shape[1] for (_, parameter), (a, _, _) in weights.experts.items()}
+def expert_ranks(experts: ExpertPairs) -> dict[str, int]:
+    """The rank rows an adapter's expert LoRA (AdapterWeights.experts) needs per expert arena."""
+    return {f"experts.{parameter}": a.shape[1] for (_, parameter), (a, _, _) in experts.items()}
 
 
 class ExpertArenas:
     def __init__(self, config: ModelConfig, rows: dict[str, int], dtype: torch.dtype, device: torch.device,
                  shard: Shard = Shard(), num_slots: int = 1, max_rank: int = 0) -> None:
         """config: the shapes this rank computes with; rows: each expert arena's rank rows
-        (the arenas' names, EXPERT_MODULES); num_slots: the adapter slots the per-slot tables
-        track (SlotBuffers.num_slots); max_rank: the largest rank served (0: an arena's depth),
-        which bounds one slot's rows in each arena (EXPERT_ROW_FACTOR times it): the LoRA
-        kernels' rank tile, not the arena's depth of every adapter's rows."""
+        (the arenas' names: model/families.py's EXPERT_MODULES); num_slots: the adapter slots
+        the per-slot tables track (SlotBuffers.num_slots); max_rank: the largest rank served
+        (0: an arena's depth), which bounds one slot's rows in each arena (EXPERT_ROW_FACTOR
+        times it): the LoRA kernels' rank tile, not the arena's depth of every adapter's rows."""
         self.inter, self.device, self.shard = config.moe_intermediate_size, device, shard
         self.layers = [layer for layer in range(config.num_layers) if config.is_moe_layer(layer)]
         self.rows = dict(rows) if self.layers else {}
@@ -84,12 +75,12 @@ class ExpertArenas:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self.a.values()) + list(self.b.values()))
 
-    def write(self, slot: int, weights: AdapterWeights, firsts: dict[str, int]) -> None:
-        """Copies the adapter's expert LoRA (this rank's part) into the rows placed for it
-        (first row per expert arena; in the caller's stream), zeroing those of a layer it
-        leaves alone."""
+    def write(self, slot: int, experts: ExpertPairs, firsts: dict[str, int]) -> None:
+        """Copies an adapter's expert LoRA (AdapterWeights.experts, this rank's part) into the
+        rows placed for it (first row per expert arena; in the caller's stream), zeroing those
+        of a layer it leaves alone."""
         self.free(slot)
-        ranks = expert_ranks(weights)
+        ranks = expert_ranks(experts)
         pairs: ExpertPairs = {}
         rows = torch.zeros(self.slot_rows.shape[0], dtype=torch.int32)
         scales = torch.zeros(self.slot_scales.shape[0], dtype=torch.float32)
@@ -101,7 +92,7 @@ class ExpertArenas:
             if r > self.slot_max[module]:
                 raise ValueError(f"{module}: rank {r} is more than the {self.slot_max[module]} rows a slot may hold")
             a_rows, b_rows = a_arena[:, first:first + r], self.b[(layer, parameter)][:, first:first + r]
-            pair = weights.experts.get((layer, parameter))
+            pair = experts.get((layer, parameter))
             if pair is None:
                 a_rows.zero_()
                 b_rows.zero_()

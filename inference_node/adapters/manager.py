@@ -45,9 +45,9 @@ import torch
 from adapter_store.client import Cancellation
 
 from ..engine.request import Request
+from ..model.families import EXPERT_MODULES
 from .errors import (AdapterCancelled, AdapterError, AdapterNotFound, AdapterNumericalFault, AdapterTooLarge,
                      NoSlotAvailable)
-from .experts import EXPERT_MODULES
 from .eviction import make_policy
 from .slots import SlotBuffers
 from .weights import AdapterWeights

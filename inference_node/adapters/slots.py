@@ -36,11 +36,11 @@ import torch
 from kernels.lora import MODULE_COLUMNS, SlotRows
 
 from ..model.config import ModelConfig
-from ..model.families import EDGE_MODULES
+from ..model.families import EDGE_MODULES, EXPERT_MODULES
 from ..model.llama import FUSED_MODULES, LORA_MODULES, MLP_GROUPS, MLP_MODULES
 from ..parallel.shard import Shard
 from .arena import Cost, RowArena
-from .experts import EXPERT_MODULES, EXPERT_ROW_FACTOR, ExpertArenas, expert_ranks, expert_row_nbytes
+from .experts import EXPERT_ROW_FACTOR, ExpertArenas, expert_ranks, expert_row_nbytes
 from .weights import EDGE_LAYER, AdapterWeights
 
 # Every module with an arena: the decoder layers' (per layer) and the embedding's and LM head's.
@@ -224,7 +224,7 @@ class SlotBuffers:
         """The rank rows an adapter needs per module: its rank on every module it targets,
         its own rank on each expert parameter."""
         return {**{m: weights.rank for m in ADAPTER_MODULES if m in weights.target_modules},
-                **expert_ranks(weights)}
+                **expert_ranks(weights.experts)}
 
     def adapter_nbytes(self, ranks: dict[str, int]) -> int:
         """Bytes an adapter of these per-module ranks holds on the GPU."""
@@ -318,7 +318,7 @@ class SlotBuffers:
                     a, b = weights.tensors[(EDGE_LAYER, module)]
                     a_arena[first:first + r].copy_(a, non_blocking=True)
                     b_arena[first:first + r].copy_(b.to(self.device, non_blocking=True).t())
-            self.experts.write(slot, weights, {m: runs[m][0] for m in EXPERT_MODULES if m in runs})
+            self.experts.write(slot, weights.experts, {m: runs[m][0] for m in EXPERT_MODULES if m in runs})
             self.scaling[slot] = weights.scaling
             firsts = {m: run[0] for m, run in runs.items()}
             self._set_tables(slot, r, firsts)

@@ -8,9 +8,8 @@ from typing import Collection, Iterable, Mapping
 import torch
 
 from ..model.config import ModelConfig
-from ..model.families import EDGE_MODULES, FAMILIES, Family, expert_target
+from ..model.families import EDGE_MODULES, EXPERT_MODULES, FAMILIES, Family, expert_target
 from ..model.llama import LORA_MODULES
-from .experts import EXPERT_MODULES
 
 EDGE_LAYER = -1  # the layer key of an embed_tokens or lm_head pair in AdapterWeights.tensors
 

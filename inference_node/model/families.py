@@ -24,6 +24,10 @@ _IDENTITY = {m: (m,) for m in _LAYER_MODULES}
 _ATTENTION = {m: (m,) for m in _LAYER_MODULES[:4]}
 # The experts' fused parameters PEFT targets on transformers 5's MoE blocks (lora_common/validation.py).
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+# Their adapter targets (as AdapterWeights.target_modules names them), and the MLP modules whose
+# adapter memory (--lora-modules) holds each.
+EXPERT_MODULES: dict[str, tuple[str, ...]] = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
+                                              "experts.down_proj": ("down_proj",)}
 # LoRA modules outside the decoder layers, one per model (adapters/edge.py).
 EDGE_MODULES = ("embed_tokens", "lm_head")
 

@@ -212,4 +212,4 @@ def test_a_slot_holds_at_most_its_largest_rank_and_the_kernels_tile_by_it(tiny_m
     assert experts.pair_lora(layer, "down_proj", slots).max_rank == 8
     too_deep = ExpertSource(config, {"r16": 16}).load("r16", "v1")
     with pytest.raises(ValueError, match="rank 32 is more than the 16 rows a slot may hold"):
-        experts.write(0, too_deep, {"experts.gate_up_proj": 0, "experts.down_proj": 0})
+        experts.write(0, too_deep.experts, {"experts.gate_up_proj": 0, "experts.down_proj": 0})
