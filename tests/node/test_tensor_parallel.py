@@ -165,15 +165,14 @@ def test_a_start_that_fails_after_the_ranks_met_leaves_no_process_group_behind(t
     whose peers are gone)."""
     from inference_node.config import NodeConfig
     from inference_node.llm import LLM
-    from inference_node.model.llama import LlamaModel
 
-    def planted(cls, *args, **kwargs):
+    def planted(*args, **kwargs):
         raise RuntimeError("planted failure while loading rank 0's shard")
 
     config = NodeConfig.of(checkpoint=str(tiny_llama_path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2,
                            cpu_threads=1)
     with monkeypatch.context() as patch:
-        patch.setattr(LlamaModel, "load", classmethod(planted))
+        patch.setattr("inference_node.node.load_model", planted)  # rank 0's load, in this process
         with pytest.raises(RuntimeError, match="planted failure"):
             LLM(config)
     assert not torch.distributed.is_initialized()
