@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from pool_support import load, make_manager, pump, request
+from pool_support import load, make_manager, request
 
 
 class Loop:

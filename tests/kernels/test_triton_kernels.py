@@ -170,7 +170,7 @@ def test_lora_segment_table_random_shapes(problem: dict, dtype: str, pad: int, d
     and per-slice ranks read from the segment table, padded with empty segments or not."""
     problem["token_slots"] = sorted(problem["token_slots"])
     case = make_lora_case(**problem, dtype=DTYPES[dtype], device=DEVICE)
-    S, R = problem["num_slots"], problem["max_rank"]
+    S = problem["num_slots"]
     slice_ranks = [[data.draw(st.integers(0, problem["ranks"][s])) for s in range(S)]
                    for _ in case.a]
     check_lora_packed(case, DTYPES[dtype], slice_ranks, pad_segments=pad)

@@ -15,7 +15,7 @@ import pytest
 from adapter_store.client import AdapterStoreClient, StoreError
 from adapter_store.push import push_adapter
 from adapter_store.read_plans import DirectReads
-from adapter_store.records import FileRead, ReadPlan
+from adapter_store.records import FileRead
 from adapter_store.s3 import S3Store
 from lora_common.ports import free_ports
 from tcp_proxy import CorruptingProxy

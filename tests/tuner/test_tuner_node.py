@@ -10,7 +10,6 @@ import logging
 from pathlib import Path
 
 import pytest
-import torch
 
 from inference_node.config import NodeConfig
 from inference_node.llm import LLM

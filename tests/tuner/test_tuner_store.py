@@ -22,7 +22,6 @@ from inference_node.tuner import store
 from inference_node.tuner.store import Found, exclusive, lookup, table_at_start
 from inference_node.tuner.sweep import TuningError, TuningUnavailable
 from inference_node.tuner.tune import tune_table, versions
-from kernels.tuning import DEFAULT_TUNING
 from kernels.tuning_table import Bucket, ModelShape, TableKey, TuningTable
 
 TINY = ModelShape(hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16)  # tiny_llama's
