@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import pytest
@@ -238,20 +239,8 @@ def test_engine_death_answers_unavailable_and_the_node_exits_non_zero(tmp_path, 
     codes: list[grpc.StatusCode] = []
     got_tokens = threading.Barrier(3)
 
-    def long_stream() -> None:
-        with NodeClient(node.target) as client:
-            stream = client.stream(client.request(prompt_token_ids=PROMPTS[0], max_tokens=1000, ignore_eos=True),
-                                   timeout=60)
-            next(stream)
-            got_tokens.wait(30)
-            try:
-                for _ in stream:
-                    pass
-                codes.append(grpc.StatusCode.OK)
-            except grpc.RpcError as exc:
-                codes.append(exc.code())
-
-    threads = [threading.Thread(target=long_stream) for _ in range(2)]
+    threads = [threading.Thread(target=_long_stream, args=(node.target, codes, lambda: got_tokens.wait(30)))
+               for _ in range(2)]
     for t in threads:
         t.start()
     got_tokens.wait(30)
@@ -296,20 +285,7 @@ def test_a_tensor_parallel_rank_that_dies_ends_the_node_with_exit_1_and_leaves_n
         codes: list[grpc.StatusCode] = []
         streaming = threading.Event()
 
-        def long_stream() -> None:
-            with NodeClient(node.target) as client:
-                stream = client.stream(client.request(prompt_token_ids=PROMPTS[0], max_tokens=1000,
-                                                      ignore_eos=True), timeout=60)
-                next(stream)
-                streaming.set()
-                try:
-                    for _ in stream:
-                        pass
-                    codes.append(grpc.StatusCode.OK)
-                except grpc.RpcError as exc:
-                    codes.append(exc.code())
-
-        thread = threading.Thread(target=long_stream)
+        thread = threading.Thread(target=_long_stream, args=(node.target, codes, streaming.set))
         thread.start()
         assert streaming.wait(60)
         os.kill(ranks[0], signal.SIGKILL)
@@ -322,6 +298,22 @@ def test_a_tensor_parallel_rank_that_dies_ends_the_node_with_exit_1_and_leaves_n
         node.assert_no_children()
     finally:
         node.stop()
+
+
+def _long_stream(target: str, codes: list[grpc.StatusCode], first_token: Callable[[], object]) -> None:
+    """A stream of 1000 tokens: calls first_token() once the first arrives, then reads to its
+    end and appends how it ended (OK, or the gRPC code it failed with)."""
+    with NodeClient(target) as client:
+        stream = client.stream(client.request(prompt_token_ids=PROMPTS[0], max_tokens=1000, ignore_eos=True),
+                               timeout=60)
+        next(stream)
+        first_token()
+        try:
+            for _ in stream:
+                pass
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
 
 
 def _core_pid(node: Node) -> int:
