@@ -3,7 +3,7 @@ mixture-of-experts decode step's MLP costs against the bytes it must read, and w
 `moe_tilings` (kernels/tuning.py) reads them fastest on this GPU.
 
 For a MoE model's shapes (Qwen3-30B-A3B's widths unless --model says) and each batch size:
-each grouped GEMM's tilings as the node's own sweep tries them (sweep.py's cases
+each grouped GEMM's tilings as the node's own sweep tries them (expert_trials.py: the cases
 experts.gate_up and experts.down: every tiling checked through the node's dispatch against the
 PyTorch reference, then its one launch timed from a CUDA graph over routings whose experts
 overflow L2). The floor is the bytes of the experts the batch hits and of the activations over
@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from kernels.host import interpreting
 from kernels.moe import experts_reference, route
 from kernels.tuning import DEFAULT_TUNING, Tiling
 from kernels.tuning_table import ModelShape
@@ -177,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                         "expert (token t on adapter t mod N), each pair kernel alone, against their bytes")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.lora and device.type != "cuda" and not interpreting():
+        p.error("--lora times the Triton kernels themselves: on the CPU, run it with TRITON_INTERPRET=1")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = shape_of(args.model, args)
     bandwidth = None

@@ -113,6 +113,19 @@ def test_tiling_tool_runs(capsys) -> None:
     assert name == "moe_tilings" and dict(tuning_from_text({name: value}).moe_tilings) == results[0]["best"]
 
 
+def test_expert_lora_tool_on_the_cpu_asks_for_the_interpreter(capsys) -> None:
+    """moe_experts --lora times the Triton kernels themselves: on the CPU without the
+    interpreter it says how to run it (usage error 2), not a Triton driver traceback."""
+    if interpreting():
+        pytest.skip("outside Triton's interpreter only")
+    from inference_node.tuner.moe_experts import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--device", "cpu", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "2", "--rows", "3",
+              "--lora", "2"])
+    assert stopped.value.code == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
 def test_expert_lora_tool_runs(capsys) -> None:
     """moe_experts --lora: every pair LoRA launch checked against the reference and timed, the
     fastest per group printed as a --tune flag the node takes."""
