@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..runner.runner import ModelRunner, StepRun
+from ..runner.runner import ModelRunner, RankLost, StepRun
 from ..runner.token_feedback import NON_FINITE
 from .admission import Admission
 from .config import EngineConfig
@@ -294,7 +294,7 @@ class Engine:
 
     def _fail_step(self, chunks: list[ScheduledChunk], error: Exception) -> None:
         """A step that failed fails its requests; the node keeps serving the others."""
-        log.exception("engine step failed")
+        log.error("engine step failed: %s", error, exc_info=not isinstance(error, RankLost))
         for c in chunks:
             self._finish(c.request, "error", error=error)
 

@@ -162,11 +162,20 @@ class Workers:
             sock.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def lost(self, wait_s: float) -> str | None:
+        """The ranks that died ("tp-rank-1 (exit -9)"), waiting up to wait_s for one to;
+        None while every rank lives. A rank's sentinel closes while it exits, a moment before
+        it can be reaped: its exit code is waited for."""
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=wait_s)
+        dead = [p for p in self.procs if p.sentinel in ended]
+        for proc in dead:
+            proc.join(1.0)
+        return ", ".join(f"{p.name} (exit {p.exitcode})" for p in dead) or None
+
     def _watch_ranks(self) -> None:
         multiprocessing.connection.wait([p.sentinel for p in self.procs])
         if not self._stopping:
-            dead = ", ".join(f"{p.name} (exit {p.exitcode})" for p in self.procs if not p.is_alive())
-            self._on_death(f"tensor-parallel rank {dead} died: the node cannot run a step without it")
+            self._on_death(f"tensor-parallel rank {self.lost(0.0)} died: the node cannot run a step without it")
 
 
 def _exit_node(message: str) -> None:

@@ -79,6 +79,12 @@ class OtherRanks(Protocol):
     def mirror(self, step: Staged) -> None: ...
     def capture_graphs(self, plan: GraphPlan) -> None: ...
     def check_slot_tables(self) -> None: ...
+    def lost(self, wait_s: float) -> str | None: ...
+
+
+class RankLost(RuntimeError):
+    """A step failed because another tensor-parallel rank died (its collective broke): one
+    line names it; the rank watcher ends the node (parallel/workers.py)."""
 
 
 class ModelRunner:
@@ -133,7 +139,7 @@ class ModelRunner:
         staged = way.stage(chunks)
         if self.ranks is not None:  # the other ranks run the same forward beside this one
             self.ranks.mirror(staged)
-        logits, greedy, finite = way.run(staged)
+        logits, greedy, finite = self._forward(way, staged)
         if finite is None:
             finite = row_finite(logits)
         step = StepRun(chunks, sampled, None, mode, (logits, greedy, finite))
@@ -154,6 +160,18 @@ class ModelRunner:
         """Drops the captured graphs once the engine loop has ended: graphs that captured NCCL
         collectives may hold their communicators, so a tensor-parallel group ends after."""
         self.decode_graphs = self.piecewise_graphs = None
+
+    def _forward(self, way, staged: Staged):
+        """way.run(staged); where it fails and another rank has died, RankLost naming it (a
+        dead rank's sockets close while it exits, before rank 0 can see its exit: lost waits
+        up to a second for that)."""
+        try:
+            return way.run(staged)
+        except Exception as exc:
+            dead = self.ranks.lost(1.0) if self.ranks is not None else None
+            if dead is None:
+                raise
+            raise RankLost(f"tensor-parallel rank {dead} died: the node cannot run a step without it") from exc
 
     # -- the other ranks, for the engine's stats and checks -------------------------------------
     @property

@@ -159,6 +159,53 @@ def test_dummy_weights_make_one_model_whatever_the_ranks(tiny_llama_path):
     assert one != real  # the checkpoint's own weights were not read
 
 
+def _sleep_forever() -> None:
+    import time
+
+    time.sleep(600)
+
+
+def test_lost_names_a_killed_rank_with_its_exit_and_none_while_all_live() -> None:
+    """Workers.lost: None while every rank lives (after waiting), the rank and its exit code
+    once one is killed, also when asked the moment its sentinel closes."""
+    import multiprocessing
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from inference_node.parallel.workers import Workers
+
+    proc = multiprocessing.get_context("spawn").Process(target=_sleep_forever, name="tp-rank-1")
+    proc.start()
+    try:
+        ranks = SimpleNamespace(procs=[proc])
+        assert Workers.lost(ranks, 0.2) is None
+        os.kill(proc.pid, signal.SIGKILL)
+        assert Workers.lost(ranks, 10.0) == "tp-rank-1 (exit -9)"
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+def test_a_step_that_fails_beside_a_dead_rank_says_so_in_one_line() -> None:
+    """A forward that raises (a collective broken by a dead peer) becomes RankLost naming the
+    rank, which the engine logs in one line; with every rank alive the error is the forward's."""
+    from types import SimpleNamespace
+
+    from inference_node.runner.runner import ModelRunner, RankLost
+
+    class BrokenWay:
+        def run(self, staged):
+            raise RuntimeError("Connection closed by peer")
+
+    dead = SimpleNamespace(ranks=SimpleNamespace(lost=lambda wait_s: "tp-rank-1 (exit -9)"))
+    with pytest.raises(RankLost, match=r"^tensor-parallel rank tp-rank-1 \(exit -9\) died"):
+        ModelRunner._forward(dead, BrokenWay(), None)
+    for alive in (SimpleNamespace(ranks=SimpleNamespace(lost=lambda wait_s: None)), SimpleNamespace(ranks=None)):
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            ModelRunner._forward(alive, BrokenWay(), None)
+
+
 def test_a_start_that_fails_after_the_ranks_met_leaves_no_process_group_behind(tiny_llama_path, monkeypatch):
     """Rank 0 fails loading after the group formed: the node stops its ranks and leaves the
     group, so this process can build another node (and its exit does not wait on a group
