@@ -23,12 +23,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..runner.runner import ModelRunner, RankLost, StepRun
+from ..runner.runner import ModelRunner, StepRun
 from ..runner.token_feedback import NON_FINITE
 from .admission import Admission
 from .config import EngineConfig
 from .constraints import Constraints
-from .errors import CutShort, EngineStopped, NonFiniteLogits, NotStarted
+from .errors import CutShort, EngineStopped, NonFiniteLogits, NotStarted, RankLost
 from .grammar import GrammarCompiler
 from .invariants import check_engine
 from .kv_cache import BlockAllocator

@@ -22,6 +22,12 @@ class CutShort(EngineStopped):
     """The drain deadline ended a request that had already streamed part of its answer."""
 
 
+class RankLost(EngineStopped):
+    """A step failed because another tensor-parallel rank died (its collective broke): the
+    node is going down (parallel/workers.py ends it), so its requests end UNAVAILABLE, and
+    the engine logs it in one line."""
+
+
 class NonFiniteLogits(RuntimeError):
     """The base model's logits were not finite for a request (INTERNAL: a fault of the node
     or its checkpoint, not of the request)."""

@@ -74,6 +74,7 @@ class Workers:
         self.slots = None                 # rank 0's SlotBuffers, once attached
         self.table_checks = 0
         self._stopping = False
+        self._reaping = threading.Lock()  # lost(): the watcher and the engine thread may ask at once
         self._on_death = on_death or _exit_node
         self._watch = threading.Thread(target=self._watch_ranks, name="tp-watch", daemon=True)
         self._watch.start()
@@ -165,11 +166,13 @@ class Workers:
     def lost(self, wait_s: float) -> str | None:
         """The ranks that died ("tp-rank-1 (exit -9)"), waiting up to wait_s for one to;
         None while every rank lives. A rank's sentinel closes while it exits, a moment before
-        it can be reaped: its exit code is waited for."""
+        it can be reaped: its exit code is waited for, by one thread at a time (two reaping
+        one child race in waitpid, and the loser reads no exit code)."""
         ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=wait_s)
         dead = [p for p in self.procs if p.sentinel in ended]
-        for proc in dead:
-            proc.join(1.0)
+        with self._reaping:
+            for proc in dead:
+                proc.join(5.0)
         return ", ".join(f"{p.name} (exit {p.exitcode})" for p in dead) or None
 
     def _watch_ranks(self) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..engine.config import EngineConfig
+from ..engine.errors import RankLost
 from ..engine.kv_cache import KVCache
 from ..engine.request import Request
 from ..engine.scheduler import ScheduledChunk
@@ -80,11 +81,6 @@ class OtherRanks(Protocol):
     def capture_graphs(self, plan: GraphPlan) -> None: ...
     def check_slot_tables(self) -> None: ...
     def lost(self, wait_s: float) -> str | None: ...
-
-
-class RankLost(RuntimeError):
-    """A step failed because another tensor-parallel rank died (its collective broke): one
-    line names it; the rank watcher ends the node (parallel/workers.py)."""
 
 
 class ModelRunner:

@@ -178,7 +178,7 @@ def test_lost_names_a_killed_rank_with_its_exit_and_none_while_all_live() -> Non
     proc = multiprocessing.get_context("spawn").Process(target=_sleep_forever, name="tp-rank-1")
     proc.start()
     try:
-        ranks = SimpleNamespace(procs=[proc])
+        ranks = SimpleNamespace(procs=[proc], _reaping=threading.Lock())
         assert Workers.lost(ranks, 0.2) is None
         os.kill(proc.pid, signal.SIGKILL)
         assert Workers.lost(ranks, 10.0) == "tp-rank-1 (exit -9)"
@@ -189,18 +189,22 @@ def test_lost_names_a_killed_rank_with_its_exit_and_none_while_all_live() -> Non
 
 def test_a_step_that_fails_beside_a_dead_rank_says_so_in_one_line() -> None:
     """A forward that raises (a collective broken by a dead peer) becomes RankLost naming the
-    rank, which the engine logs in one line; with every rank alive the error is the forward's."""
+    rank, which the engine logs in one line and its requests get as UNAVAILABLE (the node is
+    going down: retry elsewhere); with every rank alive the error is the forward's."""
     from types import SimpleNamespace
 
-    from inference_node.runner.runner import ModelRunner, RankLost
+    from inference_node.core.engine_core import wire_error
+    from inference_node.engine.errors import RankLost
+    from inference_node.runner.runner import ModelRunner
 
     class BrokenWay:
         def run(self, staged):
             raise RuntimeError("Connection closed by peer")
 
     dead = SimpleNamespace(ranks=SimpleNamespace(lost=lambda wait_s: "tp-rank-1 (exit -9)"))
-    with pytest.raises(RankLost, match=r"^tensor-parallel rank tp-rank-1 \(exit -9\) died"):
+    with pytest.raises(RankLost, match=r"^tensor-parallel rank tp-rank-1 \(exit -9\) died") as lost:
         ModelRunner._forward(dead, BrokenWay(), None)
+    assert wire_error(lost.value).code == grpc.StatusCode.UNAVAILABLE.name
     for alive in (SimpleNamespace(ranks=SimpleNamespace(lost=lambda wait_s: None)), SimpleNamespace(ranks=None)):
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
             ModelRunner._forward(alive, BrokenWay(), None)
