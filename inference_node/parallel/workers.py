@@ -164,21 +164,25 @@ class Workers:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def lost(self, wait_s: float) -> str | None:
-        """The ranks that died ("tp-rank-1 (exit -9)"), waiting up to wait_s for one to;
-        None while every rank lives. A rank's sentinel closes while it exits, a moment before
-        it can be reaped: its exit code is waited for, by one thread at a time (two reaping
-        one child race in waitpid, and the loser reads no exit code)."""
+        """Which ranks died, in the one line the node logs ("tensor-parallel rank tp-rank-1
+        (exit -9) died: ..."), waiting up to wait_s for one to; None while every rank lives.
+        A rank's sentinel closes while it exits, a moment before it can be reaped: its exit
+        code is waited for, by one thread at a time (two reaping one child race in waitpid,
+        and the loser reads no exit code)."""
         ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=wait_s)
         dead = [p for p in self.procs if p.sentinel in ended]
         with self._reaping:
             for proc in dead:
                 proc.join(5.0)
-        return ", ".join(f"{p.name} (exit {p.exitcode})" for p in dead) or None
+        if not dead:
+            return None
+        names = ", ".join(f"{p.name} (exit {p.exitcode})" for p in dead)
+        return f"tensor-parallel rank {names} died: the node cannot run a step without it"
 
     def _watch_ranks(self) -> None:
         multiprocessing.connection.wait([p.sentinel for p in self.procs])
         if not self._stopping:
-            self._on_death(f"tensor-parallel rank {self.lost(0.0)} died: the node cannot run a step without it")
+            self._on_death(self.lost(0.0))
 
 
 def _exit_node(message: str) -> None:

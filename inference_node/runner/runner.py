@@ -164,10 +164,10 @@ class ModelRunner:
         try:
             return way.run(staged)
         except Exception as exc:
-            dead = self.ranks.lost(1.0) if self.ranks is not None else None
-            if dead is None:
+            lost = self.ranks.lost(1.0) if self.ranks is not None else None
+            if lost is None:
                 raise
-            raise RankLost(f"tensor-parallel rank {dead} died: the node cannot run a step without it") from exc
+            raise RankLost(lost) from exc
 
     # -- the other ranks, for the engine's stats and checks -------------------------------------
     @property

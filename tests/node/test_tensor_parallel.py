@@ -181,7 +181,8 @@ def test_lost_names_a_killed_rank_with_its_exit_and_none_while_all_live() -> Non
         ranks = SimpleNamespace(procs=[proc], _reaping=threading.Lock())
         assert Workers.lost(ranks, 0.2) is None
         os.kill(proc.pid, signal.SIGKILL)
-        assert Workers.lost(ranks, 10.0) == "tp-rank-1 (exit -9)"
+        assert Workers.lost(ranks, 10.0) == ("tensor-parallel rank tp-rank-1 (exit -9) died: the node cannot run "
+                                             "a step without it")
     finally:
         proc.kill()
         proc.join(5)
@@ -201,7 +202,7 @@ def test_a_step_that_fails_beside_a_dead_rank_says_so_in_one_line() -> None:
         def run(self, staged):
             raise RuntimeError("Connection closed by peer")
 
-    dead = SimpleNamespace(ranks=SimpleNamespace(lost=lambda wait_s: "tp-rank-1 (exit -9)"))
+    dead = SimpleNamespace(ranks=SimpleNamespace(lost=lambda wait_s: "tensor-parallel rank tp-rank-1 (exit -9) died"))
     with pytest.raises(RankLost, match=r"^tensor-parallel rank tp-rank-1 \(exit -9\) died") as lost:
         ModelRunner._forward(dead, BrokenWay(), None)
     assert wire_error(lost.value).code == grpc.StatusCode.UNAVAILABLE.name
