@@ -41,7 +41,6 @@ def lora_arenas(shape: dict[str, int], adapters: int, rank: int, tokens: int, de
     return pair(2 * rank, hidden, 2 * inter), pair(rank, inter, hidden)
 
 
-
 def lora_bytes(picks: torch.Tensor, adapters: int, rank: int, hidden: int, inter: int, esize: int,
                groups: Sequence[str] = ("gate_up", "down")) -> int:
     """Bytes of the expert LoRA a step must read: A and B of each distinct (expert, adapter)
@@ -50,7 +49,6 @@ def lora_bytes(picks: torch.Tensor, adapters: int, rank: int, hidden: int, inter
     hit = (picks * adapters + slots[:, None]).unique().numel()
     per_pair = {"gate_up": 2 * rank * (hidden + 2 * inter), "down": rank * (inter + hidden)}
     return hit * esize * sum(per_pair[g] for g in groups)
-
 
 
 def options(shape: ModelShape, case_group: str, dtype: torch.dtype) -> list[Tiling]:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -51,19 +49,10 @@ def shape_of(model: str | None, args: argparse.Namespace) -> dict[str, int]:
     return {"hidden": raw["hidden_size"], "inter": inter, "experts": experts, "top_k": raw["num_experts_per_tok"]}
 
 
-def wall_us(call: Callable[[], object], rounds: int = 3) -> float:
-    """CPU smoke: wall microseconds per call (median of `rounds`)."""
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
-
-
 def timer_for(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Microseconds per call: from a CUDA graph, or the CPU smoke's wall clock (trial.py's)."""
     if device.type != "cuda":
-        return wall_us
+        return lambda call: cpu_timer(lambda _: call, [None])
     return lambda call: graph_us([call, call])  # a layer's experts overflow L2 by themselves
 
 
