@@ -88,6 +88,11 @@ class ModelOptions:
                                     "checkpoint; embeddings, norms and the LM head stay in --dtype. An FP8 "
                                     "checkpoint (config.json quantization_config: fine-grained fp8, "
                                     "compressed-tensors FP8) is served with its own scales either way")
+    fp8_compute: str = option("weight-only", choices=("weight-only", "w8a8"),
+                              help="with FP8 projections: weight-only multiplies the FP8 weights widened "
+                                   "to --dtype (exact); w8a8 quantizes each matmul's input to e4m3 per "
+                                   "token (dynamic scales) and multiplies on the fp8 tensor cores: faster "
+                                   "on Hopper, activations rounded to 3 mantissa bits")
     max_model_len: int = option(4096, help="prompt + output tokens")
     tensor_parallel_size: int = option(1, help="split the model over this many GPUs of the host (one process "
                                                "each; gloo on CPU)")

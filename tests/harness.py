@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -143,12 +143,16 @@ def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, eos: bool =
 
 
 def peft_greedy(base_path: Path, adapter_path: Path | None, prompts: Sequence[Sequence[int]],
-                max_new_tokens: int) -> list[list[int]]:
-    """Hugging Face PEFT running one adapter alone (or the base model): the oracle."""
+                max_new_tokens: int, prepare: Callable[[torch.nn.Module], object] | None = None
+                ) -> list[list[int]]:
+    """Hugging Face PEFT running one adapter alone (or the base model): the oracle. prepare:
+    called on the loaded model (hooks that make it compute as the node is set to)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
     if adapter_path is not None:
         model = PeftModel.from_pretrained(model, adapter_path).eval()
+    if prepare is not None:
+        prepare(model)
     return [hf_greedy(model, p, max_new_tokens, eos=False) for p in prompts]

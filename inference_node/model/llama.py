@@ -17,13 +17,14 @@ weights' layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
-from kernels.gemm import Fp8Weight, RopeOut, cublas, fp8_linear
+from kernels.gemm import Fp8Weight, RopeOut, beside_lora, cublas, fp8_linear
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
 from kernels.tuning import DEFAULT_TUNING, GROUPS
@@ -90,16 +91,18 @@ class LlamaModel:
                  final_norm: torch.Tensor, lm_head: torch.Tensor, device: torch.device,
                  max_positions: int, gemm_groups: frozenset[str] = DEFAULT_TUNING.gemm_groups,
                  tp: TensorParallel | None = None, full_config: ModelConfig | None = None,
-                 vocab_start: int = 0) -> None:
+                 vocab_start: int = 0, fp8_w8a8: bool = False) -> None:
         """config: the shapes this process computes with (its shard's, under tensor
         parallelism); full_config: the whole model's, which adapters are checked against.
         gemm_groups: the projections laid out for the decode GEMM (every forward's
-        LaunchChoices must name the same: Tuning.gemm_groups)."""
+        LaunchChoices must name the same: Tuning.gemm_groups). fp8_w8a8: FP8 projections
+        multiply e4m3 activations quantized per token (--fp8-compute w8a8)."""
         self.config = config
         self.full_config = full_config or config
         self.tp = tp                # None: one device holds the whole model
         self.vocab_start = vocab_start  # the first vocabulary row of this rank's embedding
         self.gemm_groups = frozenset(gemm_groups)
+        self.fp8_gemm = partial(fp8_linear, w8a8=True) if fp8_w8a8 else fp8_linear
         self.layers = layers
         self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
         self.final_norm = final_norm
@@ -341,15 +344,19 @@ class LlamaModel:
         """A fused projection with its LoRA: (output, a delta left for the next op or None).
         weight is [in, out] (or an Fp8Weight); the decode GEMM serves decode-shaped x where
         configured."""
-        if isinstance(weight, Fp8Weight):
-            gemm = fp8_linear
+        fp8 = isinstance(weight, Fp8Weight)
+        if fp8:
+            gemm = self.fp8_gemm
         else:
             gemm = launch.gemm if launch.gemm.serves(group) else cublas
         if lora is None:
             return gemm(x, weight, bias, group), None
         fold = lora.fold(layer, group)
-        if fold is not None:  # the delta added in the matmul, or left for the next op
-            y = launch.gemm(x, weight, bias, group, lora=fold)
+        if fold is not None:  # the delta added in the matmul (FP8: beside it), or left for the next op
+            if fp8:
+                y = beside_lora(gemm(x, weight, bias, group), x, fold)
+            else:
+                y = launch.gemm(x, weight, bias, group, lora=fold)
             return y, None if fold.expand else fold.unexpanded(x.shape[0])
         lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
         y = gemm(x, weight, bias, group)

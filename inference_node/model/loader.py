@@ -258,12 +258,14 @@ def weight_quant(config: ModelConfig, quantization: str, load_format: str) -> We
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
                gemm_groups: frozenset[str] = DEFAULT_TUNING.gemm_groups, load_format: str = "safetensors",
-               tp: TensorParallel | None = None, quantization: str = "none") -> LlamaModel:
+               tp: TensorParallel | None = None, quantization: str = "none",
+               fp8_w8a8: bool = False) -> LlamaModel:
     """The model of the checkpoint's family, or with `tp` this rank's shard of it
     (parallel/shard.py), read from the checkpoint's slices so a rank never reads another's
     part of a weight. gemm_groups: the projections whose weights are laid out for the decode
     GEMM (Tuning.gemm_groups). quantization "fp8": a checkpoint of plain weights has its
-    projections quantized here (an FP8 checkpoint keeps its own scales either way)."""
+    projections quantized here (an FP8 checkpoint keeps its own scales either way). fp8_w8a8:
+    FP8 projections quantize their input per token and multiply in fp8 (kernels/gemm/fp8.py)."""
     from .gemma import GemmaModel
 
     full = ModelConfig.from_checkpoint(path)
@@ -308,4 +310,4 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, max_positio
         extra = {"experts": experts}
     cls = {"gemma": GemmaModel, "moe": MoeModel}.get(family.decoder, LlamaModel)
     return cls(config, layers, embed, reader.take("norm.weight"), lm_head, device, positions, gemm_groups,
-               tp=tp, full_config=full, vocab_start=vocab_start, **extra)
+               tp=tp, full_config=full, vocab_start=vocab_start, fp8_w8a8=fp8_w8a8, **extra)

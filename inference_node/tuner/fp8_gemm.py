@@ -12,6 +12,7 @@ bandwidth. Every FP8 launch's output is checked against the reference before it 
     python -m inference_node.tuner.fp8_gemm --rows 1,16,64 --block 128,128
     python -m inference_node.tuner.fp8_gemm --model DIR --tp 2
     python -m inference_node.tuner.fp8_gemm --sweep                   # and the best of a tiling grid
+    python -m inference_node.tuner.fp8_gemm --w8a8 --rows 8,64,256    # W8A8 beside it
     python -m inference_node.tuner.fp8_gemm --device cpu --hidden 64  # CPU smoke (numbers meaningless)
 """
 from __future__ import annotations
@@ -53,6 +54,18 @@ SWEEP_TILINGS = (
     (128, 128, None, 8, 4, True, True, True),
     (128, 256, None, 8, 3, True, True, True),
 )
+# W8A8 (--fp8-compute w8a8): both operands e4m3 from shared memory, nothing widened; the grid
+# of tile widths and depths around the decode tiling.
+W8A8_TILINGS = (
+    (64, 128, None, 4, 4, True, True, False),
+    (128, 128, None, 4, 4, True, True, False),
+    (128, 128, None, 8, 4, True, True, False),
+    (64, 256, None, 4, 3, True, True, False),
+    (128, 256, None, 8, 3, True, True, False),
+    (256, 128, None, 8, 3, True, True, False),
+    (64, 128, 1, 4, 4, True, True, False),
+    (64, 128, None, 4, 4, False, True, False),
+)
 
 # Microseconds per call of each of `calls` (one per weight copy), run back to back.
 Timer = Callable[[Sequence[Callable[[], object]]], float]
@@ -69,7 +82,10 @@ class Row:
     fp8_bytes: int   # what one FP8 launch must move: weights, scales, x and y
     bf16_bytes: int
     tiling: Fp8Tiling = DECODE_TILING
-    w8a8_us: float | None = None  # x quantized per row + torch._scaled_mm (per-channel, Hopper)
+    w8a8_us: float | None = None      # the Triton W8A8 GEMM over quantized x (fastest tiling)
+    quantize_us: float | None = None  # x quantized per row (quantize_rows_triton)
+    scaled_mm_us: float | None = None  # torch._scaled_mm over the same operands (per-channel, Hopper)
+    w8a8_tiling: Fp8Tiling = DECODE_TILING
     note: str = ""   # the sweep's tilings left out
     swept: tuple[tuple[Fp8Tiling, float | None], ...] = ()  # each tiling's us (None: left out)
 
@@ -114,21 +130,65 @@ def check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tup
 
 
 def fp8_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             block: tuple[int, int] | None, tiling: Fp8Tiling | None) -> Callable[[], torch.Tensor]:
-    """fp8_matmul as the node calls it (tiling None), or the Triton kernel with `tiling`."""
+             block: tuple[int, int] | None, tiling: Fp8Tiling | None,
+             x_scale: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """fp8_matmul as the node calls it (tiling None), or the Triton kernel with `tiling`;
+    with x_scale, x is e4m3 (W8A8) and the output bf16."""
     if tiling is None:
         return lambda: fp8_matmul(x, weight, scale, block)
     from kernels.gemm.fp8 import k_tile
     from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton
 
     keywords = {**asdict(tiling), "block_k": k_tile(block, tiling.block_k)}
+    if x_scale is not None:
+        keywords.update(x_scale=x_scale, out_dtype=torch.bfloat16, widen_prmt=False)
     return lambda: fp8_gemm_triton(x, weight, scale, block, **keywords)
 
 
-def sweep_tilings() -> list[Fp8Tiling]:
+def check_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, call: Callable[[], torch.Tensor], what: str) -> None:
+    """Raises where a W8A8 launch's output is not reference_w8a8_matmul's (bf16 rounding aside)."""
+    from kernels.gemm.fp8 import reference_w8a8_matmul
+
+    y, expected = call().float(), reference_w8a8_matmul(x, weight, scale, block).float()
+    err = (y - expected).abs().max().item()
+    bound = 2 ** -7 * max(1e-6, expected.abs().max().item())
+    if not err <= bound:
+        raise AssertionError(f"{what}: max error {err:.3g} against the W8A8 reference (bound {bound:.3g})")
+
+
+def measure_w8a8(x: torch.Tensor, fp8: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                 block: tuple[int, int] | None, timer: Timer, tilings: Sequence[Fp8Tiling],
+                 failed: list[str]) -> tuple[float, float, float | None, Fp8Tiling]:
+    """(quantize us, the fastest W8A8 GEMM's us, torch._scaled_mm's us or None, its tiling):
+    x quantized once, then each tiling checked and timed over the weight copies."""
+    from kernels.gemm.fp8 import scaled_mm_rowwise, w8a8_runs
+    from kernels.gemm.fp8_triton_kernel import quantize_rows_triton
+
+    quantize_us = timer([lambda: quantize_rows_triton(x)] * len(fp8))
+    quantized, row_scale = quantize_rows_triton(x)
+    best, best_us = DECODE_TILING, float("inf")
+    for tiling in (DECODE_TILING, *tilings):
+        try:
+            check_w8a8(x, fp8[0], scales[0], block,
+                       fp8_call(quantized, fp8[0], scales[0], block, tiling, row_scale), f"w8a8 {tiling}")
+            us = timer([fp8_call(quantized, w, s, block, tiling, row_scale) for w, s in zip(fp8, scales)])
+        except Exception as exc:  # left out, as measure's candidates
+            failed.append(f"w8a8 {describe(tiling)}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        if us < best_us:
+            best, best_us = tiling, us
+    scaled_us = None
+    if block is None and x.is_cuda and w8a8_runs(x, fp8[0]):
+        scaled_us = timer([lambda w=w, s=s: scaled_mm_rowwise(quantized, row_scale, w, s)
+                           for w, s in zip(fp8, scales)])
+    return quantize_us, best_us, scaled_us, best
+
+
+def sweep_tilings(grid: Sequence[tuple] = SWEEP_TILINGS) -> list[Fp8Tiling]:
     keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt")
-    grid = [replace(DECODE_TILING, **dict(zip(keys, values))) for values in SWEEP_TILINGS]
-    return [t for t in grid if t != DECODE_TILING]  # the default is timed anyway
+    tilings = [replace(DECODE_TILING, **dict(zip(keys, values))) for values in grid]
+    return [t for t in tilings if t != DECODE_TILING]  # the default is timed anyway
 
 
 def describe(tiling: Fp8Tiling) -> str:
@@ -141,10 +201,12 @@ def describe(tiling: Fp8Tiling) -> str:
 
 def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | None,
             device: torch.device, timer: Timer, copies: int | None = None,
-            tilings: Sequence[Fp8Tiling] = ()) -> list[Row]:
+            tilings: Sequence[Fp8Tiling] = (), w8a8_tilings: Sequence[Fp8Tiling] | None = None
+            ) -> list[Row]:
     """A Row per projection and batch: bf16 and FP8 (the node's dispatch; with `tilings`, the
-    fastest of them that the device can launch) microseconds per launch. copies: weight
-    copies a timed graph walks through (None: enough to overflow L2)."""
+    fastest of them that the device can launch) microseconds per launch; with w8a8_tilings
+    (() for the decode tiling alone) W8A8's too. copies: weight copies a timed graph walks
+    through (None: enough to overflow L2)."""
     from .trial import copies_for
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -174,37 +236,43 @@ def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | 
                 swept.append((tiling, us))
                 if us < fp8_us:
                     best, fp8_us = tiling, us
-            w8a8_us = None
-            if block is None and device.type == "cuda":
-                from kernels.gemm.fp8 import w8a8_matmul, w8a8_runs
-
-                if w8a8_runs(x, fp8[0]):  # the approximation's price, beside the exact kernels
-                    w8a8_us = timer([lambda w=w, s=s: w8a8_matmul(x, w, s) for w, s in zip(fp8, scales)])
+            w8a8 = (None, None, None, DECODE_TILING)
+            if w8a8_tilings is not None:
+                w8a8 = measure_w8a8(x, fp8, scales, block, timer, w8a8_tilings, failed)
             for line in failed:
                 print(f"{group} rows {rows}: left out {line}")
             note = f"{len(failed)} tiling(s) left out (unfit, failed or wrong)" if failed else ""
+            quantize_us, w8a8_us, scaled_mm_us, w8a8_tiling = w8a8
             out.append(Row(group, rows, n, k, bf16_us, fp8_us, n * k + scale_bytes + act_bytes,
-                           2 * n * k + act_bytes, best, w8a8_us, note, tuple(swept)))
+                           2 * n * k + act_bytes, best, w8a8_us, quantize_us, scaled_mm_us,
+                           w8a8_tiling, note, tuple(swept)))
     return out
 
 
 def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
                 out: Callable[[str], None] = print) -> None:
     """projection, N, K, bf16 and FP8 us, bf16/FP8, and each one's GB/s (with `bandwidth`, the
-    copy's bytes/s: also its share of it)."""
+    copy's bytes/s: also its share of it); where W8A8 was timed, its quantize and GEMM us, the
+    GEMM's share of the copy and torch._scaled_mm's us over the same operands."""
     unit = "CPU SMOKE: meaningless" if smoke else "us per launch, CUDA graph replays"
-    tuned = any(r.tiling != DECODE_TILING for r in rows)
+    tuned = any(r.tiling != DECODE_TILING or r.w8a8_tiling != DECODE_TILING for r in rows)
+    share = ((lambda rate: f"{rate * 1e9 / bandwidth:7.0%}") if bandwidth else (lambda rate: f"{'-':>7}"))
+
+    def us(value: float | None, width: int = 8) -> str:
+        return f"{'-' if value is None else f'{value:.2f}':>{width}}"
+
     out(f"\n{'projection':10} {'rows':>4} {'N':>6} {'K':>6} {'bf16 us':>8} {'fp8 us':>8} "
         f"{'bf16/fp8':>8} {'fp8 GB/s':>8} {'of copy':>7} {'bf16 GB/s':>9} {'of copy':>7}"
-        + f" {'w8a8 us':>8}" + ("  fastest fp8 tiling" if tuned else "") + f"   [{unit}]")
+        f" {'quant us':>8} {'w8a8 us':>8} {'of copy':>7} {'scaledmm':>8}"
+        + ("  fastest fp8 tiling | w8a8 tiling" if tuned else "") + f"   [{unit}]")
     for r in sorted(rows, key=lambda r: (r.rows, GROUPS.index(r.group))):
         fp8_rate, bf16_rate = r.fp8_bytes / r.fp8_us * 1e-3, r.bf16_bytes / r.bf16_us * 1e-3
-        share = ((lambda rate: f"{rate * 1e9 / bandwidth:7.0%}") if bandwidth else (lambda rate: f"{'-':>7}"))
-        tiling = f"  {describe(r.tiling)}" if tuned else ""
+        w8a8_share = share(r.fp8_bytes / r.w8a8_us * 1e-3) if r.w8a8_us else f"{'-':>7}"
+        tiling = f"  {describe(r.tiling)} | {describe(r.w8a8_tiling)}" if tuned else ""
         out(f"{r.group:10} {r.rows:4d} {r.n:6d} {r.k:6d} {r.bf16_us:8.2f} {r.fp8_us:8.2f} "
             f"{r.bf16_us / r.fp8_us:8.2f} {fp8_rate:8.0f} {share(fp8_rate)} {bf16_rate:9.0f} "
-            f"{share(bf16_rate)} {'-' if r.w8a8_us is None else f'{r.w8a8_us:.2f}':>8}{tiling}"
-            + (f"  {r.note}" if r.note else ""))
+            f"{share(bf16_rate)} {us(r.quantize_us)} {us(r.w8a8_us)} {w8a8_share} {us(r.scaled_mm_us)}"
+            f"{tiling}" + (f"  {r.note}" if r.note else ""))
     if bandwidth:
         out(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
     swept = [r for r in rows if len(r.swept) > 1]
@@ -237,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="also time a grid of tilings and designs (swap-AB, TMA, integer "
                         "widening) per projection, each checked against the reference first")
+    parser.add_argument("--w8a8", action="store_true",
+                        help="also time W8A8 (--fp8-compute w8a8): x quantized per row, the Triton "
+                        "GEMM over e4m3 operands (with --sweep, over W8A8's grid of tilings instead "
+                        "of weight-only's), torch's row-wise scaled GEMM beside it")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     args = parser.parse_args(argv)
     device = torch.device(args.device if args.device != "auto" else
@@ -256,13 +328,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = integers(args.rows, "--rows", 1)
     block = parse_block(args.block)
     if smoke:
-        rows = measure(shape, batches, block, device, wall_timer, copies=1)
+        rows = measure(shape, batches, block, device, wall_timer, copies=1,
+                       w8a8_tilings=() if args.w8a8 else None)
         bandwidth = None
     else:
         from .trial import copy_bandwidth
 
+        w8a8_tilings = (sweep_tilings(W8A8_TILINGS) if args.sweep else ()) if args.w8a8 else None
         rows = measure(shape, batches, block, device, cuda_timer,
-                       tilings=sweep_tilings() if args.sweep else ())
+                       tilings=sweep_tilings() if args.sweep and not args.w8a8 else (),
+                       w8a8_tilings=w8a8_tilings)
         bandwidth = copy_bandwidth(device)
     print(f"FP8 weight-only GEMM vs bf16 torch.mm, {shape.key}, "
           f"{'per-channel' if block is None else f'{block[0]}x{block[1]} block'} scales, {device}")

@@ -2,8 +2,9 @@
 decode-shaped inputs on CUDA in the groups the tuning names (Tuning.gemm_groups), cuBLAS for
 everything else (prefill, CPU, shapes its tiles do not divide); with a fused group's LoRA
 folded in, the fold kernel (fold_triton_kernel.py) or its reference. An FP8 projection
-(fp8_weight.Fp8Weight) goes to fp8_matmul whatever the step's choices: the decode GEMM and the
-fold kernel read 16-bit weights only, so its LoRA runs beside it as beside cuBLAS.
+(fp8_weight.Fp8Weight) is the model's to send to fp8_matmul whatever the step's choices (with
+its --fp8-compute): the decode GEMM and the fold kernel read 16-bit weights only, so its LoRA
+runs beside it (beside_lora) as beside cuBLAS.
 
 Why the Triton GEMM: launched with programmatic dependent launch (Hopper) it starts while the
 kernel ahead of it ends and asks L2 for its first weights (Tuning.gemm_prefetch_k) before it
@@ -19,7 +20,7 @@ import torch
 from ..dispatch import triton_kernel
 from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
-from .fp8_weight import Fp8Weight, fp8_linear
+from .fp8_weight import Fp8Weight
 from .rope_out import RopeOut
 from .shapes import MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits
 
@@ -79,8 +80,6 @@ class DecodeGemm:
     def __call__(self, x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
                  group: str | None = None, lora: GemmLora | None = None) -> torch.Tensor:
         """x @ w (+ bias), plus `lora`'s delta folded into the same launch where given."""
-        if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, bias) if lora is None else beside_lora(fp8_linear(x, w, bias), x, lora)
         if lora is not None:
             return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):

@@ -15,11 +15,13 @@ Which computation runs (fp8_matmul):
   one byte an element (the point at decode, where the step is its weight stream) and is the
   reference's math: exact fp8 -> 16-bit widening, float32 accumulation, scales on the
   accumulator.
-- With prefill_w8a8, above DECODE_ROWS rows, per-channel scales, on Hopper (sm_90): W8A8, the
-  activations quantized to e4m3 per row (scale amax / 448) and multiplied on the fp8 tensor
-  cores by torch._scaled_mm with row-wise scales. Faster for compute-bound prefill, but NOT
-  the reference's math: each activation loses all but 3 mantissa bits, so outputs move by
-  about 2^-4 relative per term. It is an approximation the caller opts into.
+- With w8a8 (the node's --fp8-activations dynamic): x quantized to e4m3 per row (scale amax /
+  448, quantize_rows_triton) and both operands multiplied on the fp8 tensor cores by the same
+  Triton GEMM, at every batch size. Not the reference's math: each activation keeps 3 mantissa
+  bits, so outputs move by about 2^-4 relative per term; the caller opts into it. Its
+  reference is reference_w8a8_matmul (the quantized x times the dequantized W in float32).
+  On Hopper at decode it halves what the tensor cores do per weight byte and skips the
+  widening, which the weight-only GEMM cannot (tuner/fp8_gemm.py times both).
 - Elsewhere (CPU, older GPUs, block shapes whose columns no 16-wide K tile divides, a weight
   whose rows are not contiguous): the reference.
 """
@@ -87,23 +89,35 @@ def reference_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None, prefill_w8a8: bool = False) -> torch.Tensor:
+               block: tuple[int, int] | None, w8a8: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
-    [ceil(N/block[0]), ceil(K/block[1])]. prefill_w8a8: above DECODE_ROWS rows on Hopper with
-    per-channel scales, quantize x to e4m3 per row and run W8A8 (w8a8_matmul), an
-    approximation of x (module docstring); off, every path computes the reference's math."""
+    [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
+    module docstring: an approximation of x); off, every path computes the reference's math."""
     rows = x.shape[0]
-    if prefill_w8a8 and block is None and rows > DECODE_ROWS and w8a8_runs(x, weight):
-        return w8a8_matmul(x, weight, scale)
     tiling = DECODE_TILING if rows <= DECODE_ROWS else PREFILL_TILING
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
     if kernel is None:
+        if w8a8:
+            return reference_w8a8_matmul(x, weight, scale, block)
         return reference_fp8_matmul(x, weight, scale, block)
     if x.stride(1) != 1:
         x = x.contiguous()
-    return kernel(x, weight, scale, block, **{**asdict(tiling), "block_k": block_k})
+    keywords = {**asdict(tiling), "block_k": block_k}
+    if w8a8:
+        quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x)
+        return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
+                      **{**keywords, "widen_prmt": False})
+    return kernel(x, weight, scale, block, **keywords)
+
+
+def reference_w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          block: tuple[int, int] | None) -> torch.Tensor:
+    """fp8_matmul's w8a8 math in float32: x quantized per row (quantize_rows), dequantized,
+    times dequant(W).T, in x's dtype."""
+    quantized, row_scale = quantize_rows(x)
+    return ((quantized.float() * row_scale) @ dequantize_fp8(weight, scale, block).t()).to(x.dtype)
 
 
 def k_tile(block: tuple[int, int] | None, block_k: int) -> int | None:
@@ -136,8 +150,9 @@ def _triton_gemm(x: torch.Tensor):
 
 
 def w8a8_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether w8a8_matmul takes x and weight: Hopper (torch's row-wise scaled GEMM is sm_90's),
-    K and N multiples of 16, weight contiguous (its transpose the column-major operand)."""
+    """Whether w8a8_matmul (the tuner's yardstick, not the node's path) takes x and weight:
+    Hopper (torch's row-wise scaled GEMM is sm_90's), K and N multiples of 16, weight
+    contiguous (its transpose the column-major operand)."""
     return (x.is_cuda and capability(x.device) == (9, 0) and weight.is_contiguous()
             and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0)
 
@@ -153,11 +168,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ dequant(weight).T with x quantized per row to e4m3 (quantize_rows) and both operands
-    multiplied on the fp8 tensor cores (torch._scaled_mm, row-wise scales: scale_a [M, 1] and
-    scale_b [1, N] float32 contiguous, weight passed column-major, bf16 out), in x's dtype.
-    Per-channel scales only. Not the reference: x's rounding to 3 mantissa bits shows."""
+    multiplied by torch's row-wise scaled GEMM (scaled_mm_rowwise), in x's dtype: the
+    cuBLAS/CUTLASS yardstick the tuner times the Triton W8A8 GEMM against."""
     quantized, row_scale = quantize_rows(x)
-    col_scale = scale.float().reshape(1, -1).contiguous()
-    y = torch._scaled_mm(quantized, weight.t(), scale_a=row_scale, scale_b=col_scale,
-                         out_dtype=torch.bfloat16)
-    return y.to(x.dtype)
+    return scaled_mm_rowwise(quantized, row_scale, weight, scale).to(x.dtype)
+
+
+def scaled_mm_rowwise(quantized: torch.Tensor, row_scale: torch.Tensor, weight: torch.Tensor,
+                      scale: torch.Tensor) -> torch.Tensor:
+    """torch._scaled_mm over e4m3 x [M, K] and weight [N, K] with row-wise scales (row_scale
+    [M, 1], scale [N] per channel), weight passed column-major, bf16 out."""
+    return torch._scaled_mm(quantized, weight.t(), scale_a=row_scale.reshape(-1, 1).float(),
+                            scale_b=scale.float().reshape(1, -1).contiguous(),
+                            out_dtype=torch.bfloat16)

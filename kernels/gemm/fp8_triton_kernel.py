@@ -85,13 +85,17 @@ def _widen(w, dtype: tl.constexpr, WIDEN_PRMT: tl.constexpr):
 
 @triton.jit
 def _tile_product(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr,
-                  WIDEN_PRMT: tl.constexpr):
+                  WIDEN_PRMT: tl.constexpr, W8A8: tl.constexpr = False):
     """acc + x @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc + w @ x.T ([BLOCK_N, BLOCK_M]),
     for x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] e4m3, w widened to x's type (exact),
-    or both to float32 with DOT_F32 (kernels/host.py: dot_f32)."""
+    or both to float32 with DOT_F32 (kernels/host.py: dot_f32). W8A8: x is e4m3 too and the
+    two multiply as they are (the fp8 tensor cores; products exact in float32)."""
     if DOT_F32:
         a = w.to(tl.float32)
         b = x.to(tl.float32)
+    elif W8A8:
+        a = w
+        b = x
     else:
         a = _widen(w, x.dtype, WIDEN_PRMT)
         b = x
@@ -114,19 +118,21 @@ def _along_n(v, SWAP_AB: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, x_desc, w_desc, s_ptr, out_ptr, M, N,
+    x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, M, N,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
+    W8A8: tl.constexpr = False,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed by _split_k_sum; else out is y and gets x's dtype.
     BLOCK_SCALES: s is [ceil(N/SCALE_BN), ceil(K/SCALE_BK)] and BLOCK_K divides SCALE_BK; else
     s is [N] (stride stride_sn). EVEN_K: BLOCK_K divides K (no column mask). SWAP_AB: the
     tile is computed as W @ x.T (module docstring). TMA: x and W tiles come through the
-    descriptors x_desc [M, K] and w_desc [N, K] (zero past their edges), not the pointers."""
+    descriptors x_desc [M, K] and w_desc [N, K] (zero past their edges), not the pointers.
+    W8A8: x is e4m3 with one float32 scale a row (xs [M]), applied with W's at the end."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -157,16 +163,22 @@ def _fp8_gemm_kernel(
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
         if BLOCK_SCALES:  # this K tile's scales, applied to its products only
-            part = _tile_product(x, w, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT)
+            part = _tile_product(x, w, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT, W8A8)
             scale = tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=mask_n, other=0.0)
             acc += part * _along_n(scale.to(tl.float32), SWAP_AB)
         else:
-            acc = _tile_product(x, w, acc, SWAP_AB, DOT_F32, WIDEN_PRMT)
+            acc = _tile_product(x, w, acc, SWAP_AB, DOT_F32, WIDEN_PRMT, W8A8)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not BLOCK_SCALES:
         scale = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)
         acc = acc * _along_n(scale.to(tl.float32), SWAP_AB)
+    if W8A8:
+        row_scale = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
+        if SWAP_AB:
+            acc = acc * row_scale[None, :]
+        else:
+            acc = acc * row_scale[:, None]
     rows = offs_m.to(tl.int64) * stride_om
     if SWAP_AB:
         out_ptrs = out_ptr + pid_k * stride_split + offs_n[:, None] + rows[None, :]
@@ -190,6 +202,54 @@ def _split_k_sum(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.conste
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
+    adding and taking back 1.5 * 2^(e + 20) (e: v's exponent, at least e4m3's -6) leaves v
+    rounded to a multiple of 2^(e - 3), e4m3's spacing there (3 mantissa bits). The cast to
+    fp8 after it is then exact on every path: Triton's interpreter rounds float32 -> e4m3
+    wrongly where the mantissa carries into the exponent (124.3 -> 64, not 128)."""
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    magic = (((exponent + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (v + magic) - magic
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
+                          E4M3_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """Row m of x as e4m3 (q) with its float32 scale (s[m] = amax / E4M3_MAX): the division
+    correctly rounded and the conversion round-to-nearest, as kernels/gemm/fp8.py's
+    quantize_rows (one program a row: a row is read twice, from L2 the second time)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.math.div_rn(tl.zeros_like(amax) + tl.maximum(tl.max(amax, axis=0), MIN_AMAX),
+                           tl.zeros_like(amax) + E4M3_MAX)
+    tl.store(s_ptr + row + offs, scale, mask=offs < 1)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+        q = tl.math.div_rn(x.to(tl.float32), scale)
+        q = _round_to_e4m3(tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX))
+        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+
+
+def quantize_rows_triton(x: torch.Tensor, block: int = 2048,
+                         num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [M, K] in e4m3, float32 scales [M]) with x ~ e4m3 * scale per row: one launch, the
+    W8A8 GEMM's activation operand (kernels/gemm/fp8.py: quantize_rows is the reference)."""
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M and K:
+        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0),
+                                    BLOCK=min(block, triton.next_power_of_2(K)), E4M3_MAX=448.0,
+                                    MIN_AMAX=1e-12, num_warps=num_warps)
+    return q, scale
 
 
 def auto_split_k(programs: int, k_tiles: int, sms: int) -> int:
@@ -227,9 +287,12 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int] | None, *, block_m: int | None = None,
                     block_n: int = 64, block_k: int = 128, split_k: int | None = None,
                     num_warps: int = 4, num_stages: int = 4, swap_ab: bool = False,
-                    tma: bool = False, widen_prmt: bool = False) -> torch.Tensor:
+                    tma: bool = False, widen_prmt: bool = False,
+                    x_scale: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
-    contiguous).T -> [M, N] in x's dtype. scale: float32 [N] (block None), else
+    contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a
+    row [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
     [ceil(N/block[0]), ceil(K/block[1])] with block_k dividing block[1]. block_m: rows a
     program takes (None: every row of a decode batch, up to MAX_BLOCK_M; at least 16, the
     tensor cores' smallest); split_k: programs sharing a tile's K range (None: enough to give
@@ -245,7 +308,10 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         raise ValueError("x and weight must be contiguous along K")
     if block is not None and block[1] % block_k:
         raise ValueError(f"block_k {block_k} must divide the scale block's {block[1]} columns")
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    w8a8 = x_scale is not None
+    if w8a8 and (x.dtype != torch.float8_e4m3fn or out_dtype is None):
+        raise ValueError("W8A8 takes x in float8_e4m3fn, its row scales and an out_dtype")
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     block_m = block_m or min(row_tile(M), MAX_BLOCK_M)
@@ -261,15 +327,16 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         scale_bn, scale_bk, stride_sn, stride_sk = 1, 1, scale.stride(0), 0
     else:
         (scale_bn, scale_bk), (stride_sn, stride_sk) = block, scale.stride()
-    f32 = dot_f32(x.dtype, x.device)
+    f32 = dot_f32(y.dtype if w8a8 else x.dtype, x.device)
     x_desc, w_desc = descriptors(x, weight, block_m, block_n, block_k) if tma else (None, None)
     _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
-        x, weight, x_desc, w_desc, scale, out, M, N,
+        x, weight, x_desc, w_desc, scale, x_scale, out, M, N,
         x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N,
         K=K, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
+        W8A8=w8a8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if partial:

@@ -47,10 +47,10 @@ class Fp8Weight:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-               group: str | None = None) -> torch.Tensor:
+               group: str | None = None, w8a8: bool = False) -> torch.Tensor:
     """x [M, K] @ w's dequantized [K, N] (+ bias) in x's dtype: the FP8 counterpart of
-    dispatch.cublas, with its signature."""
-    y = fp8_matmul(x, w.weight, w.scale, w.block)
+    dispatch.cublas, with its signature; w8a8: x quantized per row first (fp8_matmul)."""
+    y = fp8_matmul(x, w.weight, w.scale, w.block, w8a8=w8a8)
     return y if bias is None else y + bias
 
 

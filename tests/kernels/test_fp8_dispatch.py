@@ -1,13 +1,13 @@
 """fp8_matmul's host side on the CPU: the K tile a scale block allows, the per-row activation
 quantization W8A8 uses and torch's row-wise scaled GEMM over it, and the CPU's answer (the
-reference, whatever the switches)."""
+reference of the chosen math: weight-only, or W8A8's quantized x)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.gemm.fp8 import (E4M3_MAX, fp8_matmul, k_tile, quantize_rows, reference_fp8_matmul,
-                              w8a8_matmul)
+                              reference_w8a8_matmul, w8a8_matmul)
 
 
 @pytest.mark.parametrize("block,block_k,expected", [
@@ -64,6 +64,10 @@ def test_w8a8_is_the_quantized_operands_product() -> None:
 @pytest.mark.parametrize("rows", [1, 100])
 @pytest.mark.parametrize("w8a8", [False, True])
 def test_on_the_cpu_fp8_matmul_is_the_reference(rows: int, w8a8: bool) -> None:
+    """The CPU runs each math's reference; W8A8's differs from weight-only's (x rounded)."""
     x, weight, scale = _case(rows, 48, 96)
-    assert torch.equal(fp8_matmul(x, weight, scale, None, prefill_w8a8=w8a8),
-                       reference_fp8_matmul(x, weight, scale, None))
+    reference = reference_w8a8_matmul if w8a8 else reference_fp8_matmul
+    assert torch.equal(fp8_matmul(x, weight, scale, None, w8a8=w8a8), reference(x, weight, scale, None))
+    if w8a8:
+        assert not torch.equal(reference_w8a8_matmul(x, weight, scale, None),
+                               reference_fp8_matmul(x, weight, scale, None))

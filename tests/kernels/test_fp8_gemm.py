@@ -58,6 +58,9 @@ HOPPER_VARIANTS = [
     ("bf16", 64, 128, 256, False, True, True, 8, 3, True, True, True),
     ("bf16", 64, 64, 128, False, False, False, 4, 4, False, True, True),  # TMA without swap, a K tail
     ("fp16", 64, 64, 128, True, True, True, 4, 4, True, True, False),
+    ("fp8e4nv", 64, 64, 128, False, True, True, 4, 4, True, True, False),  # W8A8 decode
+    ("fp8e4nv", 16, 64, 128, True, False, True, 4, 4, True, True, False),  # W8A8, block scales
+    ("fp8e4nv", 128, 128, 64, False, False, True, 8, 4, False, False, False),  # W8A8 prefill
 ]
 
 
@@ -88,9 +91,12 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
                       DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
-                      WIDEN_PRMT=prmt)
-    types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-             "out_ptr": "*fp32" if partial else f"*{x_type}"}
+                      WIDEN_PRMT=prmt, W8A8=x_type == "fp8e4nv")
+    if x_type != "fp8e4nv":
+        constexprs.update(xs_ptr=None)
+    out_type = "bf16" if x_type == "fp8e4nv" else x_type
+    types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32",
+             "out_ptr": "*fp32" if partial else f"*{out_type}"}
     if tma:
         types.update(x_desc=f"tensordesc<{x_type}[{block_m},{block_k}]>",
                      w_desc=f"tensordesc<fp8e4nv[{block_n},{block_k}]>")
@@ -110,13 +116,19 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
         assert not swap and block_m < 64 and "mma.sync" in ptx
     operand_types = [line.split("} : ", 1)[1] for line in dots]  # "A type * B type -> acc"
     register_a = [t.startswith("tensor<") and " * !ttg.memdesc" in t for t in operand_types]
-    assert all(register_a) if swap else not any(register_a)
-    if prmt:
+    # swap-AB widens W into wgmma's register operand; W8A8 has nothing to widen: both from
+    # shared memory, as loaded
+    assert all(register_a) if swap and x_type != "fp8e4nv" else not any(register_a)
+    if x_type == "fp8e4nv":  # both operands e4m3 into the MMA: no widening at all
+        assert dots and all("f8E4M3FN" in t.split("->")[0] for t in operand_types), operand_types
+        assert "e4m3" in ptx.split("wgmma.mma_async", 1)[1].split("\n", 1)[0]
+        assert "cvt.rn.f16x2.e4m3x2" not in ptx
+    elif prmt:
         assert "fma.rn.bf16x2" in ptx and "cvt.bf16.f16" not in ptx and "e4m3x2" not in ptx
     elif x_type == "bf16":
         assert "cvt.rn.f16x2.e4m3x2" in ptx
     if partial:
-        sum_signature = {"part_ptr": "*fp32", "y_ptr": f"*{x_type}", "numel": "i32",
+        sum_signature = {"part_ptr": "*fp32", "y_ptr": f"*{out_type}", "numel": "i32",
                          "SPLIT_K": "constexpr", "BLOCK": "constexpr"}
         summed = triton.compile(ASTSource(_split_k_sum, sum_signature, dict(SPLIT_K=4, BLOCK=1024)),
                                 target=GPUTarget("cuda", 90, 32))
@@ -292,10 +304,10 @@ def test_a_per_tensor_scale_broadcast_by_a_stride_0_view() -> None:
 def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
         rows: int, block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Triton runs, fp8_matmul launches the kernel (decode tiling up to DECODE_ROWS rows,
-    prefill tiling above) and gives the reference's values; with prefill_w8a8 too where W8A8
-    does not take the shape (K = 136: torch's row-wise scaled GEMM needs multiples of 16).
-    Scale blocks one column wide (the loader's spread of a shard off a block edge) no K tile
-    divides: the reference runs them, no launch."""
+    prefill tiling above) and gives the reference's values; with w8a8 the same tiling over
+    the per-row quantized x, giving reference_w8a8_matmul's. Scale blocks one column wide (the
+    loader's spread of a shard off a block edge) no K tile divides: the references run them,
+    no launch."""
     from kernels.gemm import fp8, fp8_triton_kernel
 
     launches = []
@@ -307,12 +319,62 @@ def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
 
     monkeypatch.setattr(fp8_triton_kernel, "fp8_gemm_triton", spy)
     x, weight, scale = make_case(rows, 144, 136, block, torch.bfloat16)
-    assert not fp8.w8a8_runs(x, weight)
-    for w8a8 in (False, True):
-        y = fp8.fp8_matmul(x, weight, scale, block, prefill_w8a8=w8a8)
-        assert_matches_reference(y, x, weight, scale, block)
+    assert_matches_reference(fp8.fp8_matmul(x, weight, scale, block), x, weight, scale, block)
+    y = fp8.fp8_matmul(x, weight, scale, block, w8a8=True)
+    assert_matches_w8a8_reference(y, x, weight, scale, block)
     tiling = fp8.DECODE_TILING if rows <= fp8.DECODE_ROWS else fp8.PREFILL_TILING
-    assert [kw["block_n"] for kw in launches] == ([] if block == (128, 1) else [tiling.block_n] * 2)
+    expected = [] if block == (128, 1) else [(tiling.block_n, False), (tiling.block_n, True)]
+    assert [(kw["block_n"], kw.get("x_scale") is not None) for kw in launches] == expected
+
+
+def assert_matches_w8a8_reference(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                  scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+    """y is reference_w8a8_matmul's value up to float32 summation order and one rounding."""
+    from kernels.gemm.fp8 import reference_w8a8_matmul
+
+    expected = reference_w8a8_matmul(x, weight, scale, block)
+    assert y.shape == expected.shape and y.dtype == x.dtype
+    rel = 1e-5 if x.dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(y.float().cpu(), expected.float().cpu(), rtol=rel,
+                               atol=rel * expected.float().abs().max().item())
+
+
+@needs_triton_device
+@pytest.mark.parametrize("rows,k", [(1, 200), (7, 4100), (64, 96)])
+def test_rows_quantized_as_the_reference_does(rows: int, k: int) -> None:
+    """quantize_rows_triton gives quantize_rows' e4m3 codes and scales, bit for bit: K past
+    one program's block (4100), a row of zeros (its tiny scale), a row past e4m3's range."""
+    from kernels.gemm.fp8 import quantize_rows
+    from kernels.gemm.fp8_triton_kernel import quantize_rows_triton
+
+    x, _, _ = make_case(rows, 16, k, None, torch.bfloat16)
+    x[0] *= 1000.0
+    if rows > 1:
+        x[1] = 0.0
+    quantized, scale = quantize_rows_triton(x, block=2048)
+    expected, expected_scale = quantize_rows(x)
+    assert torch.equal(scale.cpu(), expected_scale.reshape(-1).cpu())
+    assert torch.equal(quantized.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
+
+
+@needs_triton_device
+@pytest.mark.parametrize("launch", LAUNCHES[:2] + [dict(swap_ab=True, tma=True)],
+                         ids=["xwt", "swap", "swap-tma"])
+@pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "block32x64"])
+@pytest.mark.parametrize("rows,n,k,tiling", SHAPES[:3], ids=[f"m{s[0]}-n{s[1]}-k{s[2]}" for s in SHAPES[:3]])
+def test_w8a8_kernel_matches_its_reference(rows: int, n: int, k: int, tiling: dict,
+                                           block: tuple[int, int] | None, launch: dict) -> None:
+    """The GEMM over e4m3 x and its row scales (W8A8) gives the quantized x's product with the
+    dequantized weight: each row's scale and each column's (or block's) applied once."""
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton, quantize_rows_triton
+
+    if block is not None and block[1] % tiling["block_k"]:
+        tiling = {**tiling, "block_k": block[1]}
+    x, weight, scale = make_case(rows, n, k, block, torch.bfloat16)
+    quantized, row_scale = quantize_rows_triton(x)
+    y = fp8_gemm_triton(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
+                        **tiling, **launch)
+    assert_matches_w8a8_reference(y, x, weight, scale, block)
 
 
 @needs_triton_device

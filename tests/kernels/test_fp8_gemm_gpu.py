@@ -92,28 +92,31 @@ def test_prefill_rows_match_reference(group: str, block: tuple[int, int] | None)
     _assert_bf16_close(fp8_matmul(x, weight, scale, block), _expected(x, weight, scale, block))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="W8A8 runs on Hopper (sm_90) only")
-def test_w8a8_prefill_is_the_row_quantized_product_on_hopper() -> None:
-    """prefill_w8a8 above DECODE_ROWS: x quantized per row to e4m3, torch's row-wise scaled
-    GEMM; its value is the float32 product of the quantized operands (bf16 out), within fp8's
-    rounding of x of the weight-only one, and not the weight-only one. At decode rows the
-    switch changes nothing."""
-    from kernels.gemm.fp8 import fp8_matmul, quantize_rows
+@pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
+@pytest.mark.parametrize("group,rows", [("o", 1), ("o", 64), ("gate_up", 64), ("down", 300)])
+def test_w8a8_is_the_row_quantized_product(group: str, rows: int, block: tuple[int, int] | None) -> None:
+    """w8a8 at decode and prefill rows: x quantized per row on the GPU exactly as the CPU's
+    quantize_rows does (e4m3 codes and scales bit for bit), then the fp8 tensor cores' product
+    is the float32 product of the quantized operands (bf16 out), within fp8's rounding of x of
+    the weight-only one and not equal to it; torch's row-wise scaled GEMM agrees with it."""
+    from kernels.gemm.fp8 import fp8_matmul, quantize_rows, reference_w8a8_matmul, scaled_mm_rowwise, w8a8_runs
+    from kernels.gemm.fp8_triton_kernel import quantize_rows_triton
 
-    n, k = WIDTHS_8B["o"]
-    x, weight, scale = _case(512, n, k, None)
-    y = fp8_matmul(x, weight, scale, None, prefill_w8a8=True)
-    quantized, row_scale = quantize_rows(x)
-    emulated = (quantized.float() * row_scale) @ (weight.float() * scale.unsqueeze(1)).t()
+    n, k = WIDTHS_8B[group]
+    x, weight, scale = _case(rows, n, k, block)
+    quantized, row_scale = quantize_rows_triton(x)
+    expected_q, expected_scale = quantize_rows(x)
+    assert torch.equal(row_scale, expected_scale.reshape(-1))
+    assert torch.equal(quantized.view(torch.uint8), expected_q.view(torch.uint8))
+    y = fp8_matmul(x, weight, scale, block, w8a8=True)
+    emulated = reference_w8a8_matmul(x.float(), weight, scale, block)
     _assert_bf16_close(y, emulated)
-    weight_only = fp8_matmul(x, weight, scale, None)
+    weight_only = fp8_matmul(x, weight, scale, block)
     magnitude = emulated.abs().max().item()
     assert not torch.equal(y, weight_only)
     assert (y.float() - weight_only.float()).abs().max().item() <= 0.1 * magnitude
-    decode = x[:64]
-    assert torch.equal(fp8_matmul(decode, weight, scale, None, prefill_w8a8=True),
-                       fp8_matmul(decode, weight, scale, None))
+    if block is None and w8a8_runs(x, weight):
+        _assert_bf16_close(scaled_mm_rowwise(quantized, row_scale, weight, scale), emulated)
 
 
 @pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))

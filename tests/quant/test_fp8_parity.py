@@ -31,17 +31,18 @@ def adapters_of(family: str, edges: bool) -> dict[str, tuple[int, float, list[st
 
 
 def run_parity(served: Path, oracle: Path, family: str, tmp_path: Path, graphs: bool = False,
-               **settings: object) -> InProcessNode:
+               prepare=None, agree: int | None = None, **settings: object) -> InProcessNode:
     """Serves `served` with `settings`, checks every job's tokens against transformers + PEFT
-    over `oracle` (plain weights), and returns the stopped node."""
+    over `oracle` (plain weights; `prepare` hooks the oracle's model), and returns the stopped
+    node. agree: only each job's first `agree` tokens must be equal (and 3 in 4 of all)."""
     adapters = adapters_of(family, edges=not graphs)
     root = tmp_path / "adapters"
     for seed, (name, (rank, alpha, targets)) in enumerate(adapters.items()):
         make_family_adapter(oracle, root / name, rank, alpha, targets, seed=seed, scale=3.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(3)]
-    expected = {name: peft_greedy(oracle, root / name, prompts, 10) for name in adapters}
-    expected[""] = peft_greedy(oracle, None, prompts, 10)
+    expected = {name: peft_greedy(oracle, root / name, prompts, 10, prepare) for name in adapters}
+    expected[""] = peft_greedy(oracle, None, prompts, 10, prepare)
     assert sum(expected[n] != expected[""] for n in adapters) >= len(adapters) - 1, "adapters too weak"
     row = sum(row_nbytes(ModelConfig.from_checkpoint(oracle), torch.float32).values())
     mode = "on" if graphs else "off"
@@ -52,8 +53,12 @@ def run_parity(served: Path, oracle: Path, family: str, tmp_path: Path, graphs: 
     try:
         jobs = [(name, prompts[i], 10) for name in ["", *adapters] for i in range(len(prompts))]
         rng.shuffle(jobs)
+        equal = total = 0
         for (name, prompt, _), got in zip(jobs, generate_all(node, jobs)):
-            assert got == expected[name][prompts.index(prompt)], f"adapter {name or 'base'} diverged"
+            want = expected[name][prompts.index(prompt)]
+            assert got[:agree] == want[:agree], f"adapter {name or 'base'} diverged: {got} != {want}"
+            equal, total = equal + sum(a == b for a, b in zip(got, want)), total + len(want)
+        assert 4 * equal >= 3 * total, f"{equal} of {total} tokens as the oracle's"
         node.check_idle()
         assert all(e.refs == 0 for e in node.node.adapters.entries())
         if graphs:
@@ -75,6 +80,45 @@ def test_quantized_at_load_matches_peft_over_its_fp8_values(graphs: bool, tiny_l
     run_parity(tiny_llama_path, twin, "llama", tmp_path, graphs=graphs, quantization="fp8")
     plain = peft_greedy(tiny_llama_path, None, [[500, 600, 700, 800]], 10)
     assert plain != peft_greedy(twin, None, [[500, 600, 700, 800]], 10), "FP8 rounding changes no answer"
+
+
+PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def quantize_projection_inputs(model: torch.nn.Module) -> None:
+    """The oracle of --fp8-compute w8a8: each decoder projection's base matmul (not its LoRA,
+    not the LM head) takes its input rounded to e4m3 per token (kernels/gemm/fp8.py's
+    quantize_rows, dequantized), as the node's fp8 tensor cores do."""
+    from kernels.gemm.fp8 import quantize_rows
+
+    def fake_quantize(module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        quantized, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((quantized.float() * scale).reshape(x.shape).to(x.dtype),)
+
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        projection = parts[-2] if parts[-1] == "base_layer" else parts[-1]
+        if isinstance(module, torch.nn.Linear) and projection in PROJECTIONS:
+            module.register_forward_pre_hook(fake_quantize)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_w8a8_matches_peft_with_its_inputs_quantized_per_token(graphs: bool, tiny_llama_path: Path,
+                                                               tmp_path: Path) -> None:
+    """`--fp8-compute w8a8`: the node answers as transformers + PEFT over the FP8 values with
+    each projection's input rounded to e4m3 per token (the adapters' shrink on the unrounded
+    input), and not as weight-only FP8 does (so the setting reaches the matmuls). Each job's
+    first 4 tokens must be the oracle's and 3 in 4 of all: where rounding x to e4m3 is a step
+    function, float32 noise between the two (summation order) can move an element across a
+    rounding edge, and a later near-tie then goes the other way (seen: one job of 12 parts at
+    its 6th token, at a top-2 logit margin of 0.057)."""
+    twin = write_quantized_twin(tiny_llama_path, tmp_path / "twin")
+    run_parity(tiny_llama_path, twin, "llama", tmp_path, graphs=graphs, prepare=quantize_projection_inputs,
+               agree=4, quantization="fp8", fp8_compute="w8a8")
+    prompt = [[500, 600, 700, 800, 900, 1000]]
+    assert (peft_greedy(twin, None, prompt, 12, quantize_projection_inputs)
+            != peft_greedy(twin, None, prompt, 12)), "rounding the inputs changes no answer"
 
 
 @pytest.mark.parametrize("family, block", [
