@@ -161,14 +161,18 @@ def measure_w8a8(x: torch.Tensor, fp8: Sequence[torch.Tensor], scales: Sequence[
                  block: tuple[int, int] | None, timer: Timer, tilings: Sequence[Fp8Tiling],
                  failed: list[str]) -> tuple[float, float, float | None, Fp8Tiling]:
     """(quantize us, the fastest W8A8 GEMM's us, torch._scaled_mm's us or None, its tiling):
-    x quantized once, then each tiling checked and timed over the weight copies."""
+    x quantized once, then the node's tiling and each of `tilings` checked and timed over the
+    weight copies."""
     from kernels.gemm.fp8 import scaled_mm_rowwise, w8a8_runs
     from kernels.gemm.fp8_triton_kernel import quantize_rows_triton
 
+    from kernels.gemm.fp8 import launch_tiling
+
     quantize_us = timer([lambda: quantize_rows_triton(x)] * len(fp8))
     quantized, row_scale = quantize_rows_triton(x)
-    best, best_us = DECODE_TILING, float("inf")
-    for tiling in (DECODE_TILING, *tilings):
+    node_tiling = launch_tiling(x.shape[0], fp8[0].shape[0], w8a8=True)
+    best, best_us = node_tiling, float("inf")
+    for tiling in (node_tiling, *[t for t in tilings if t != node_tiling]):
         try:
             check_w8a8(x, fp8[0], scales[0], block,
                        fp8_call(quantized, fp8[0], scales[0], block, tiling, row_scale), f"w8a8 {tiling}")
@@ -255,11 +259,11 @@ def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
     copy's bytes/s: also its share of it); where W8A8 was timed, its quantize and GEMM us, the
     GEMM's share of the copy and torch._scaled_mm's us over the same operands."""
     unit = "CPU SMOKE: meaningless" if smoke else "us per launch, CUDA graph replays"
-    tuned = any(r.tiling != DECODE_TILING or r.w8a8_tiling != DECODE_TILING for r in rows)
+    tuned = any(r.tiling != DECODE_TILING or r.w8a8_us is not None for r in rows)
     share = ((lambda rate: f"{rate * 1e9 / bandwidth:7.0%}") if bandwidth else (lambda rate: f"{'-':>7}"))
 
     def us(value: float | None, width: int = 8) -> str:
-        return f"{'-' if value is None else f'{value:.2f}':>{width}}"
+        return f"{'-' if value is None or value == float('inf') else f'{value:.2f}':>{width}}"
 
     out(f"\n{'projection':10} {'rows':>4} {'N':>6} {'K':>6} {'bf16 us':>8} {'fp8 us':>8} "
         f"{'bf16/fp8':>8} {'fp8 GB/s':>8} {'of copy':>7} {'bf16 GB/s':>9} {'of copy':>7}"
@@ -267,7 +271,8 @@ def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
         + ("  fastest fp8 tiling | w8a8 tiling" if tuned else "") + f"   [{unit}]")
     for r in sorted(rows, key=lambda r: (r.rows, GROUPS.index(r.group))):
         fp8_rate, bf16_rate = r.fp8_bytes / r.fp8_us * 1e-3, r.bf16_bytes / r.bf16_us * 1e-3
-        w8a8_share = share(r.fp8_bytes / r.w8a8_us * 1e-3) if r.w8a8_us else f"{'-':>7}"
+        timed = r.w8a8_us is not None and r.w8a8_us < float("inf")
+        w8a8_share = share(r.fp8_bytes / r.w8a8_us * 1e-3) if timed else f"{'-':>7}"
         tiling = f"  {describe(r.tiling)} | {describe(r.w8a8_tiling)}" if tuned else ""
         out(f"{r.group:10} {r.rows:4d} {r.n:6d} {r.k:6d} {r.bf16_us:8.2f} {r.fp8_us:8.2f} "
             f"{r.bf16_us / r.fp8_us:8.2f} {fp8_rate:8.0f} {share(fp8_rate)} {bf16_rate:9.0f} "

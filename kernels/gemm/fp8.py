@@ -64,6 +64,12 @@ class Fp8Tiling:
 # loads of x @ W.T (tuner/fp8_gemm.py --sweep; wider tiles, 8 warps or more stages no faster).
 # Prefill: the usual compute tile.
 DECODE_TILING = Fp8Tiling(swap_ab=True, tma=True)
+# W8A8 at decode (e4m3 x, nothing widened; H200, 8B widths, 64 rows, tuner/fp8_gemm.py --w8a8
+# --sweep): gate/up's and down's wide weights fastest in 128-column tiles (36.0, 25.6 us, 82%
+# and 58% of copy bandwidth), q/k/v's and o's in 64 columns by 256-wide K steps (12.5, 10.3).
+W8A8_WIDE_TILING = Fp8Tiling(block_n=128, swap_ab=True, tma=True)
+W8A8_NARROW_TILING = Fp8Tiling(block_k=256, num_stages=3, swap_ab=True, tma=True)
+W8A8_WIDE_N = 8192  # output columns from which W8A8_WIDE_TILING runs
 PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8,
                            num_stages=4)
 
@@ -94,8 +100,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
     [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
     module docstring: an approximation of x); off, every path computes the reference's math."""
-    rows = x.shape[0]
-    tiling = DECODE_TILING if rows <= DECODE_ROWS else PREFILL_TILING
+    tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
     if kernel is None:
@@ -110,6 +115,15 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
                       **{**keywords, "widen_prmt": False})
     return kernel(x, weight, scale, block, **keywords)
+
+
+def launch_tiling(rows: int, n: int, w8a8: bool) -> Fp8Tiling:
+    """The Triton GEMM's tiling for `rows` rows of a weight of `n` output columns."""
+    if rows > DECODE_ROWS:
+        return PREFILL_TILING
+    if w8a8:
+        return W8A8_WIDE_TILING if n >= W8A8_WIDE_N else W8A8_NARROW_TILING
+    return DECODE_TILING
 
 
 def reference_w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -161,7 +175,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3 [M, K], float32 scales [M, 1]) with x ~ e4m3 * scale: each row scaled so its
     largest magnitude is e4m3's largest (an all-zero row keeps a tiny scale, not 0 / 0)."""
     amax = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12)
-    scale = amax / E4M3_MAX
+    # a tensor divisor: CUDA torch divides by a Python number as a multiply by its reciprocal,
+    # an ulp off the correctly rounded quotient the CPU (and the Triton kernel) compute
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     quantized = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return quantized, scale
 

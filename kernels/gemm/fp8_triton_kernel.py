@@ -220,35 +220,49 @@ def _round_to_e4m3(v):
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
                           E4M3_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     """Row m of x as e4m3 (q) with its float32 scale (s[m] = amax / E4M3_MAX): the division
-    correctly rounded and the conversion round-to-nearest, as kernels/gemm/fp8.py's
-    quantize_rows (one program a row: a row is read twice, from L2 the second time)."""
+    correctly rounded and the rounding to nearest even, as kernels/gemm/fp8.py's quantize_rows.
+    One program a row, the row read once into registers where BLOCK covers K (a decode
+    batch's launch is its latency: one load, one reduction, one store), else in BLOCK steps
+    and read again (from L2) to quantize."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
+    if BLOCK >= K:
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.abs(x)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            part = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(part.to(tl.float32)))
     scale = tl.math.div_rn(tl.zeros_like(amax) + tl.maximum(tl.max(amax, axis=0), MIN_AMAX),
                            tl.zeros_like(amax) + E4M3_MAX)
     tl.store(s_ptr + row + offs, scale, mask=offs < 1)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-        q = tl.math.div_rn(x.to(tl.float32), scale)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX))
-        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+    if BLOCK >= K:
+        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX))
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    else:
+        for k0 in range(0, K, BLOCK):
+            part = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(part, scale), -E4M3_MAX), E4M3_MAX))
+            tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
 
 
-def quantize_rows_triton(x: torch.Tensor, block: int = 2048,
-                         num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+ONE_PASS_K = 16384  # a row up to this many columns is held in registers (32 a thread at 16 warps)
+
+
+def quantize_rows_triton(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [M, K] in e4m3, float32 scales [M]) with x ~ e4m3 * scale per row: one launch, the
-    W8A8 GEMM's activation operand (kernels/gemm/fp8.py: quantize_rows is the reference)."""
+    W8A8 GEMM's activation operand (kernels/gemm/fp8.py: quantize_rows is the reference).
+    block: columns a step (None: the whole row up to ONE_PASS_K)."""
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     if M and K:
-        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0),
-                                    BLOCK=min(block, triton.next_power_of_2(K)), E4M3_MAX=448.0,
-                                    MIN_AMAX=1e-12, num_warps=num_warps)
+        block = block or min(triton.next_power_of_2(K), ONE_PASS_K)
+        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=block,
+                                    E4M3_MAX=448.0, MIN_AMAX=1e-12,
+                                    num_warps=max(4, min(16, block // 1024)))
     return q, scale
 
 

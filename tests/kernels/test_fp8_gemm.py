@@ -351,10 +351,11 @@ def test_rows_quantized_as_the_reference_does(rows: int, k: int) -> None:
     x[0] *= 1000.0
     if rows > 1:
         x[1] = 0.0
-    quantized, scale = quantize_rows_triton(x, block=2048)
     expected, expected_scale = quantize_rows(x)
-    assert torch.equal(scale.cpu(), expected_scale.reshape(-1).cpu())
-    assert torch.equal(quantized.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
+    for block in (None, 2048):  # the row in registers at once, and in steps read twice
+        quantized, scale = quantize_rows_triton(x, block=block)
+        assert torch.equal(scale.cpu(), expected_scale.reshape(-1).cpu())
+        assert torch.equal(quantized.view(torch.uint8).cpu(), expected.view(torch.uint8).cpu())
 
 
 @needs_triton_device
