@@ -218,16 +218,16 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
-                          E4M3_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+                          ONE_PASS: tl.constexpr, E4M3_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     """Row m of x as e4m3 (q) with its float32 scale (s[m] = amax / E4M3_MAX): the division
     correctly rounded and the rounding to nearest even, as kernels/gemm/fp8.py's quantize_rows.
     One program a row, the row read once into registers where BLOCK covers K (a decode
-    batch's launch is its latency: one load, one reduction, one store), else in BLOCK steps
-    and read again (from L2) to quantize."""
+    batch's launch is its latency: one load, one reduction, one store): ONE_PASS, BLOCK >= K;
+    else in BLOCK steps and read again (from L2) to quantize."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
-    if BLOCK >= K:
+    if ONE_PASS:
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.abs(x)
     else:
@@ -238,7 +238,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: t
     scale = tl.math.div_rn(tl.zeros_like(amax) + tl.maximum(tl.max(amax, axis=0), MIN_AMAX),
                            tl.zeros_like(amax) + E4M3_MAX)
     tl.store(s_ptr + row + offs, scale, mask=offs < 1)
-    if BLOCK >= K:
+    if ONE_PASS:
         q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX))
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
     else:
@@ -261,7 +261,7 @@ def quantize_rows_triton(x: torch.Tensor, block: int | None = None) -> tuple[tor
     if M and K:
         block = block or min(triton.next_power_of_2(K), ONE_PASS_K)
         _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=block,
-                                    E4M3_MAX=448.0, MIN_AMAX=1e-12,
+                                    ONE_PASS=block >= K, E4M3_MAX=448.0, MIN_AMAX=1e-12,
                                     num_warps=max(4, min(16, block // 1024)))
     return q, scale
 

@@ -135,6 +135,29 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
         assert "cubin" in summed.asm
 
 
+@pytest.mark.skipif(INTERPRET, reason="compiles: the interpreter has no compiler")
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_row_quantizer_compiles_for_hopper_with_its_rounding_kept(one_pass: bool) -> None:
+    """The W8A8 row quantizer compiles for sm_90: divisions correctly rounded (div.rn), the
+    rounding's add and subtract kept (not folded away), e4m3 packed by the hardware's
+    conversion."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.gemm.fp8_triton_kernel import _quantize_rows_kernel
+
+    signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32",
+                 "stride_qm": "i32", "BLOCK": "constexpr", "ONE_PASS": "constexpr", "E4M3_MAX": "constexpr",
+                 "MIN_AMAX": "constexpr"}
+    constexprs = dict(BLOCK=4096 if one_pass else 2048, ONE_PASS=one_pass, E4M3_MAX=448.0, MIN_AMAX=1e-12)
+    compiled = triton.compile(ASTSource(_quantize_rows_kernel, signature, constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    ptx = compiled.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "add.f32" in ptx and "sub.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
 def _run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
     """The straight-line PTX of E4M3_TO_BF16_ASM run on 32-bit values: prmt (default mode),
     shr, and, or, mov and fma.rn.bf16x2 (each lane rounded to bf16 from the exact value)."""
