@@ -207,13 +207,15 @@ def _split_k_sum(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.conste
 @triton.jit
 def _round_to_e4m3(v):
     """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
-    adding and taking back 1.5 * 2^(e + 20) (e: v's exponent, at least e4m3's -6) leaves v
-    rounded to a multiple of 2^(e - 3), e4m3's spacing there (3 mantissa bits). The cast to
-    fp8 after it is then exact on every path: Triton's interpreter rounds float32 -> e4m3
-    wrongly where the mantissa carries into the exponent (124.3 -> 64, not 128)."""
+    adding and taking back 1.5 * 2^(e + 20) (e: v's exponent, at least e4m3's -6) leaves |v|
+    rounded to a multiple of 2^(e - 3), e4m3's spacing there (3 mantissa bits), and v's sign
+    goes back on after (a tiny negative v is -0, as torch rounds it). The cast to fp8 after it
+    is then exact on every path: Triton's interpreter rounds float32 -> e4m3 wrongly where the
+    mantissa carries into the exponent (124.3 -> 64, not 128)."""
     exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     magic = (((exponent + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    return (v + magic) - magic
+    rounded = (tl.abs(v) + magic) - magic
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # -0.0 included
 
 
 @triton.jit

@@ -372,6 +372,7 @@ def test_rows_quantized_as_the_reference_does(rows: int, k: int) -> None:
 
     x, _, _ = make_case(rows, 16, k, None, torch.bfloat16)
     x[0] *= 1000.0
+    x[0, :3] = torch.tensor([-1e-9, 1e-9, -0.0])  # round to -0, +0, -0 (the sign kept)
     if rows > 1:
         x[1] = 0.0
     expected, expected_scale = quantize_rows(x)
