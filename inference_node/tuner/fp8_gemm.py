@@ -55,16 +55,20 @@ SWEEP_TILINGS = (
     (128, 256, None, 8, 3, True, True, True),
 )
 # W8A8 (--fp8-compute w8a8): both operands e4m3 from shared memory, nothing widened; the grid
-# of tile widths and depths around the decode tiling.
+# of tile widths and depths around the node's tilings, with and without programmatic dependent
+# launch (pdl: the weights' first prefetch_k columns asked of L2 before the wait).
 W8A8_TILINGS = (
-    (64, 128, None, 4, 4, True, True, False),
-    (128, 128, None, 4, 4, True, True, False),
-    (128, 128, None, 8, 4, True, True, False),
-    (64, 256, None, 4, 3, True, True, False),
-    (128, 256, None, 8, 3, True, True, False),
-    (256, 128, None, 8, 3, True, True, False),
-    (64, 128, 1, 4, 4, True, True, False),
-    (64, 128, None, 4, 4, False, True, False),
+    # (block_n, block_k, split_k, num_warps, num_stages, swap_ab, tma, widen_prmt, pdl, prefetch_k)
+    (128, 128, None, 4, 4, True, True, False, False, 0),
+    (64, 256, None, 4, 3, True, True, False, False, 0),
+    (128, 128, None, 4, 4, True, True, False, True, 0),
+    (64, 256, None, 4, 3, True, True, False, True, 0),
+    (128, 128, None, 4, 4, True, True, False, True, 1024),
+    (64, 256, None, 4, 3, True, True, False, True, 1024),
+    (64, 128, None, 4, 4, True, True, False, True, 512),
+    (128, 128, None, 8, 4, True, True, False, True, 512),
+    (128, 256, None, 8, 3, True, True, False, True, 512),
+    (256, 128, None, 8, 3, True, True, False, True, 512),
 )
 
 # Microseconds per call of each of `calls` (one per weight copy), run back to back.
@@ -88,6 +92,7 @@ class Row:
     w8a8_tiling: Fp8Tiling = DECODE_TILING
     note: str = ""   # the sweep's tilings left out
     swept: tuple[tuple[Fp8Tiling, float | None], ...] = ()  # each tiling's us (None: left out)
+    w8a8_node_us: float | None = None  # fp8_matmul(w8a8=True) as the node calls it: quantize + GEMM
 
 
 def wall_timer(calls: Sequence[Callable[[], object]], rounds: int = 3) -> float:
@@ -159,8 +164,9 @@ def check_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def measure_w8a8(x: torch.Tensor, fp8: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                  block: tuple[int, int] | None, timer: Timer, tilings: Sequence[Fp8Tiling],
-                 failed: list[str]) -> tuple[float, float, float | None, Fp8Tiling]:
-    """(quantize us, the fastest W8A8 GEMM's us, torch._scaled_mm's us or None, its tiling):
+                 failed: list[str]) -> tuple[float, float, float, float | None, Fp8Tiling]:
+    """(quantize us, the node's fp8_matmul us (quantize and GEMM), the fastest W8A8 GEMM's us,
+    torch._scaled_mm's us or None, the GEMM's tiling):
     x quantized once, then the node's tiling and each of `tilings` checked and timed over the
     weight copies."""
     from kernels.gemm.fp8 import scaled_mm_rowwise, w8a8_runs
@@ -169,6 +175,7 @@ def measure_w8a8(x: torch.Tensor, fp8: Sequence[torch.Tensor], scales: Sequence[
     from kernels.gemm.fp8 import launch_tiling
 
     quantize_us = timer([lambda: quantize_rows_triton(x)] * len(fp8))
+    node_us = timer([lambda w=w, s=s: fp8_matmul(x, w, s, block, w8a8=True) for w, s in zip(fp8, scales)])
     quantized, row_scale = quantize_rows_triton(x)
     node_tiling = launch_tiling(x.shape[0], fp8[0].shape[0], w8a8=True)
     best, best_us = node_tiling, float("inf")
@@ -186,11 +193,12 @@ def measure_w8a8(x: torch.Tensor, fp8: Sequence[torch.Tensor], scales: Sequence[
     if block is None and x.is_cuda and w8a8_runs(x, fp8[0]):
         scaled_us = timer([lambda w=w, s=s: scaled_mm_rowwise(quantized, row_scale, w, s)
                            for w, s in zip(fp8, scales)])
-    return quantize_us, best_us, scaled_us, best
+    return quantize_us, node_us, best_us, scaled_us, best
 
 
 def sweep_tilings(grid: Sequence[tuple] = SWEEP_TILINGS) -> list[Fp8Tiling]:
-    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt")
+    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt",
+            "pdl", "prefetch_k")
     tilings = [replace(DECODE_TILING, **dict(zip(keys, values))) for values in grid]
     return [t for t in tilings if t != DECODE_TILING]  # the default is timed anyway
 
@@ -198,7 +206,8 @@ def sweep_tilings(grid: Sequence[tuple] = SWEEP_TILINGS) -> list[Fp8Tiling]:
 def describe(tiling: Fp8Tiling) -> str:
     """A tiling in a table's width: (block_n, block_k, split) warps/stages and its options."""
     flags = "".join(name for name, on in ((" swap", tiling.swap_ab), (" tma", tiling.tma),
-                                          (" prmt", tiling.widen_prmt)) if on)
+                                          (" prmt", tiling.widen_prmt),
+                                          (f" pdl{tiling.prefetch_k}", tiling.pdl)) if on)
     return (f"({tiling.block_n}, {tiling.block_k}, {tiling.split_k or 'auto'}) "
             f"w{tiling.num_warps} s{tiling.num_stages}{flags}")
 
@@ -240,16 +249,16 @@ def measure(shape: ModelShape, batches: Sequence[int], block: tuple[int, int] | 
                 swept.append((tiling, us))
                 if us < fp8_us:
                     best, fp8_us = tiling, us
-            w8a8 = (None, None, None, DECODE_TILING)
+            w8a8 = (None, None, None, None, DECODE_TILING)
             if w8a8_tilings is not None:
                 w8a8 = measure_w8a8(x, fp8, scales, block, timer, w8a8_tilings, failed)
             for line in failed:
                 print(f"{group} rows {rows}: left out {line}")
             note = f"{len(failed)} tiling(s) left out (unfit, failed or wrong)" if failed else ""
-            quantize_us, w8a8_us, scaled_mm_us, w8a8_tiling = w8a8
+            quantize_us, node_us, w8a8_us, scaled_mm_us, w8a8_tiling = w8a8
             out.append(Row(group, rows, n, k, bf16_us, fp8_us, n * k + scale_bytes + act_bytes,
                            2 * n * k + act_bytes, best, w8a8_us, quantize_us, scaled_mm_us,
-                           w8a8_tiling, note, tuple(swept)))
+                           w8a8_tiling, note, tuple(swept), node_us))
     return out
 
 
@@ -257,7 +266,8 @@ def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
                 out: Callable[[str], None] = print) -> None:
     """projection, N, K, bf16 and FP8 us, bf16/FP8, and each one's GB/s (with `bandwidth`, the
     copy's bytes/s: also its share of it); where W8A8 was timed, its quantize and GEMM us, the
-    GEMM's share of the copy and torch._scaled_mm's us over the same operands."""
+    GEMM's share of the copy, torch._scaled_mm's us over the same operands, and the node's
+    call (quantize + GEMM, its tilings) us."""
     unit = "CPU SMOKE: meaningless" if smoke else "us per launch, CUDA graph replays"
     tuned = any(r.tiling != DECODE_TILING or r.w8a8_us is not None for r in rows)
     share = ((lambda rate: f"{rate * 1e9 / bandwidth:7.0%}") if bandwidth else (lambda rate: f"{'-':>7}"))
@@ -267,7 +277,7 @@ def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
 
     out(f"\n{'projection':10} {'rows':>4} {'N':>6} {'K':>6} {'bf16 us':>8} {'fp8 us':>8} "
         f"{'bf16/fp8':>8} {'fp8 GB/s':>8} {'of copy':>7} {'bf16 GB/s':>9} {'of copy':>7}"
-        f" {'quant us':>8} {'w8a8 us':>8} {'of copy':>7} {'scaledmm':>8}"
+        f" {'quant us':>8} {'w8a8 us':>8} {'of copy':>7} {'scaledmm':>8} {'node w8a8':>9}"
         + ("  fastest fp8 tiling | w8a8 tiling" if tuned else "") + f"   [{unit}]")
     for r in sorted(rows, key=lambda r: (r.rows, GROUPS.index(r.group))):
         fp8_rate, bf16_rate = r.fp8_bytes / r.fp8_us * 1e-3, r.bf16_bytes / r.bf16_us * 1e-3
@@ -277,6 +287,7 @@ def print_table(rows: Sequence[Row], bandwidth: float | None, smoke: bool,
         out(f"{r.group:10} {r.rows:4d} {r.n:6d} {r.k:6d} {r.bf16_us:8.2f} {r.fp8_us:8.2f} "
             f"{r.bf16_us / r.fp8_us:8.2f} {fp8_rate:8.0f} {share(fp8_rate)} {bf16_rate:9.0f} "
             f"{share(bf16_rate)} {us(r.quantize_us)} {us(r.w8a8_us)} {w8a8_share} {us(r.scaled_mm_us)}"
+            f" {us(r.w8a8_node_us, 9)}"
             f"{tiling}" + (f"  {r.note}" if r.note else ""))
     if bandwidth:
         out(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
