@@ -221,10 +221,12 @@ def _round_to_e4m3(v):
     goes back on after (a tiny negative v is -0, as torch rounds it). The cast to fp8 after it
     is then exact on every path: Triton's interpreter rounds float32 -> e4m3 wrongly where the
     mantissa carries into the exponent (124.3 -> 64, not 128)."""
-    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     magic = (((exponent + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
     rounded = (tl.abs(v) + magic) - magic
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # -0.0 included
+    # the sign bit ORed back (Triton compiles -x as 0 - x, which turns -0 into +0)
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
