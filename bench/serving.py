@@ -6,7 +6,7 @@ process and, when asked, through the served node's gRPC and HTTP APIs.
     python -m bench.serving --device cpu                 # CPU: the embedded SmolLM2, small settings
     python -m bench.serving --model qwen3-8b-random --rows a,c,d --adapter-counts 32 --paths engine,grpc
     python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections
-    python -m bench.serving --model llama-8b-random --quantization fp8 --fp8-compute w8a8
+    python -m bench.serving --model llama-8b-random --quantization fp8-w8a8
     python -m bench.serving --model qwen3-30b-a3b-random --rows a,c --adapter-counts 32 --expert-adapters 8
     python -m bench.serving --poisson 20 --rounds 3      # open loop, Zipf popularity; rows take turns: medians
     python -m bench.serving --paths engine,grpc,http --rows b,c --adapter-counts 32 --api-processes 2
@@ -464,11 +464,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
     p.add_argument("--expert-adapters", type=int, default=0, metavar="N", help="row x-N: N rank-16 adapters on "
                    "q,k,v,o and every routed expert of a mixture of experts (Qwen3-30B-A3B: 2 GB each)")
-    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+    p.add_argument("--quantization", choices=["none", "fp8", "fp8-w8a8"], default="none",
                    help="as `inference-node serve --quantization` (an FP8 checkpoint is FP8 without it); the "
                         "floor counts its projections at 1 byte a weight plus their scales")
-    p.add_argument("--fp8-compute", choices=["weight-only", "w8a8"], default="weight-only",
-                   help="as `inference-node serve --fp8-compute` (FP8 projections only)")
     add_node_args(p)
     p.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off: rows share prompts)")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's (x the last prefill step)")
@@ -562,7 +560,7 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
     abytes |= {n: adapter_bytes_per_rank(cfg, 8, QV, itemsize) for n in qv}
     expert_lora = {n: expert_lora_bytes_per_rank(cfg, 16, itemsize) for n in xs}  # per expert
     x_bytes = abytes[xs[0]] + cfg.num_experts * expert_lora[xs[0]] if xs else 0
-    fp8 = args.quantization == "fp8" or cfg.weight_quant is not None
+    fp8 = args.quantization != "none" or cfg.weight_quant is not None
     nbytes = StepBytes.of(cfg, itemsize, abytes, fp8=fp8, expert_lora=expert_lora)
     plain_weights = StepBytes.of(cfg, itemsize, {}).weights
     kv_block = kv_bytes_per_token(cfg, itemsize) * args.block_size
@@ -585,7 +583,6 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                              warmup="on" if args.warmup == "engine" else "off", tuning=tuning_from_text(given),
                              tuning_fixed=frozenset(given), tuning_table=args.tuning_table,
                              tune_budget=args.tune_budget, log_level="WARNING", quantization=args.quantization,
-                             fp8_compute=args.fp8_compute,
                              api_processes=count_or_auto(args.api_processes))
     pins = {node: list(dict.fromkeys(n for r in rows if r.node == node for n in r.pool)) for node in NODES}
     # A LoRA node's adapter memory: its rows' adapters; expert arenas only on rows x's (2 GB files).

@@ -82,17 +82,15 @@ class ModelOptions:
     device: str = option("auto", choices=("auto", "cpu", "cuda"), help="auto = cuda when available")
     dtype: str = option("auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto = bfloat16 on cuda, float32 on cpu")
-    quantization: str = option("none", choices=("none", "fp8"),
+    quantization: str = option("none", choices=("none", "fp8", "fp8-w8a8"),
                                help="fp8: the decoder's projections (q, k, v, o, gate, up, down) held as FP8 "
                                     "(e4m3, one scale per output channel) made at load from a 16/32-bit "
-                                    "checkpoint; embeddings, norms and the LM head stay in --dtype. An FP8 "
+                                    "checkpoint and widened to --dtype to multiply (exact); fp8-w8a8: the "
+                                    "same, each matmul's input quantized to e4m3 per token (dynamic scales) "
+                                    "on the fp8 tensor cores: faster on Hopper, activations rounded to 3 "
+                                    "mantissa bits. Embeddings, norms and the LM head stay in --dtype. An FP8 "
                                     "checkpoint (config.json quantization_config: fine-grained fp8, "
                                     "compressed-tensors FP8) is served with its own scales either way")
-    fp8_compute: str = option("weight-only", choices=("weight-only", "w8a8"),
-                              help="with FP8 projections: weight-only multiplies the FP8 weights widened "
-                                   "to --dtype (exact); w8a8 quantizes each matmul's input to e4m3 per "
-                                   "token (dynamic scales) and multiplies on the fp8 tensor cores: faster "
-                                   "on Hopper, activations rounded to 3 mantissa bits")
     max_model_len: int = option(4096, help="prompt + output tokens")
     tensor_parallel_size: int = option(1, help="split the model over this many GPUs of the host (one process "
                                                "each; gloo on CPU)")
@@ -104,6 +102,16 @@ class ModelOptions:
     load_format: str = option("safetensors", choices=("safetensors", "dummy"), hidden=True,
                               help="dummy: random weights of the shapes in the checkpoint's config.json, made "
                                    "on the device (benchmarks of models whose weights are not at hand)")
+
+    @property
+    def quantize_fp8(self) -> bool:
+        """Whether plain projections are quantized to FP8 at load (--quantization fp8*)."""
+        return self.quantization != "none"
+
+    @property
+    def fp8_w8a8(self) -> bool:
+        """Whether FP8 projections take their input quantized per token (--quantization fp8-w8a8)."""
+        return self.quantization == "fp8-w8a8"
 
 
 @dataclass(frozen=True)

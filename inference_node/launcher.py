@@ -158,11 +158,8 @@ def unserved_model(config: NodeConfig) -> str | None:
     config parser (model/config.py, model/families.py: plain Python, no torch; imported only
     when the node starts, never by a front end). A checkpoint that is not there or not readable
     is the engine core's to report."""
-    w8a8_without_fp8 = (f"--fp8-compute w8a8 needs FP8 projections: add --quantization fp8 or serve an "
-                        f"FP8 checkpoint")
-    if not config.model.checkpoint:  # the embedded model: plain weights
-        fp8 = config.model.quantization == "fp8"
-        return w8a8_without_fp8 if config.model.fp8_compute == "w8a8" and not fp8 else None
+    if not config.model.checkpoint:
+        return None  # the embedded model
     from .model.config import ModelConfig
     from .model.families import UnsupportedModel
 
@@ -172,12 +169,9 @@ def unserved_model(config: NodeConfig) -> str | None:
         return str(exc)
     except (OSError, KeyError, TypeError, ValueError):
         return None
-    if config.model.quantization == "fp8" and model.num_experts:
-        return (f"{model.family}: --quantization fp8 of a mixture-of-experts model is not served "
-                f"(its experts would stay 16-bit); serve it without --quantization")
-    fp8 = config.model.quantization == "fp8" or model.weight_quant is not None
-    if config.model.fp8_compute == "w8a8" and not fp8:
-        return w8a8_without_fp8
+    if config.model.quantize_fp8 and model.num_experts:
+        return (f"{model.family}: --quantization {config.model.quantization} of a mixture-of-experts model is "
+                f"not served (its experts would stay 16-bit); serve it without --quantization")
     return None
 
 

@@ -233,7 +233,7 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
         tunings = tunings.map(tensor_parallel_tuning)
     model = load_model(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
                             load_format=model_options.load_format, tp=tp, quantization=model_options.quantization,
-                            fp8_w8a8=model_options.fp8_compute == "w8a8")
+                            fp8_w8a8=model_options.fp8_w8a8)
     unfoldable = model.unfoldable_groups()
     if unfoldable:
         tunings = tunings.map(lambda tuning: tuning.without_folds(unfoldable))

@@ -4,7 +4,7 @@ same prompts, greedy.
 
     python -m samples.eval_quantized                    # bfloat16 against FP8, on the CPU
     python -m samples.eval_quantized --per-adapter 8 --show 2
-    python -m samples.eval_quantized --fp8-compute w8a8        # activations in e4m3 too
+    python -m samples.eval_quantized --quantization fp8-w8a8   # activations in e4m3 too
 
 For the base model and each sample adapter: how many answers are the same token for token,
 how far into an answer the two agree on average, and (adapters) the share of answers that
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-adapter", type=int, default=6, help="held-out prompts per adapter")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--show", type=int, default=0, help="answer pairs to print per adapter")
-    parser.add_argument("--fp8-compute", default="weight-only", choices=("weight-only", "w8a8"),
-                        help="the FP8 node's (w8a8: its activations rounded to e4m3 per token too)")
+    parser.add_argument("--quantization", default="fp8", choices=("fp8", "fp8-w8a8"),
+                        help="the FP8 node's (fp8-w8a8: its activations rounded to e4m3 per token too)")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                                              tokenize=True, return_dict=False)
 
     def answers(quantization: str) -> dict[str, list[list[int]]]:
-        fp8_compute = args.fp8_compute if quantization == "fp8" else "weight-only"
-        config = NodeConfig.of(device="cpu", dtype=args.dtype, quantization=quantization, fp8_compute=fp8_compute,
-                               checkpoint=str(checkpoint),
+        config = NodeConfig.of(device="cpu", dtype=args.dtype, quantization=quantization, checkpoint=str(checkpoint),
                                adapter_dir=str(ADAPTERS_DIR), max_loras=len(ADAPTER_NAMES), max_lora_rank=64,
                                log_level="WARNING")
         with LLM(config) as llm:
@@ -78,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                 out[name] = [[t for t in c.token_ids if t != end] for c in done]
             return out
 
-    plain, fp8 = answers("none"), answers("fp8")
-    print(f"\nembedded SmolLM2-135M, {args.dtype} against FP8 projections ({args.fp8_compute}), greedy, "
+    plain, fp8 = answers("none"), answers(args.quantization)
+    print(f"\nembedded SmolLM2-135M, {args.dtype} against FP8 projections ({args.quantization}), greedy, "
           f"{args.max_tokens} new tokens")
     print(f"{'adapter':13} {'prompts':>7} {'same answer':>11} {'agreed prefix':>13} "
           f"{'behaviour ' + args.dtype:>18} {'behaviour fp8':>13}")

@@ -96,7 +96,7 @@ class LlamaModel:
         parallelism); full_config: the whole model's, which adapters are checked against.
         gemm_groups: the projections laid out for the decode GEMM (every forward's
         LaunchChoices must name the same: Tuning.gemm_groups). fp8_w8a8: FP8 projections
-        multiply e4m3 activations quantized per token (--fp8-compute w8a8)."""
+        multiply e4m3 activations quantized per token (--quantization fp8-w8a8)."""
         self.config = config
         self.full_config = full_config or config
         self.tp = tp                # None: one device holds the whole model

@@ -247,12 +247,12 @@ def read_layer(reader: _Reader, family: Family, config: ModelConfig, i: int) -> 
 def weight_quant(config: ModelConfig, quantization: str, load_format: str) -> WeightQuant | None:
     """How the projections are held: the checkpoint's FP8 (made-up weights quantized in its
     scheme with load_format "dummy"), else quantized per channel at load with
-    quantization "fp8", else plain (None)."""
+    quantization "fp8" or "fp8-w8a8", else plain (None)."""
     quant = config.weight_quant
-    if quantization == "fp8" and config.num_experts:
+    if quantization != "none" and config.num_experts:
         raise UnsupportedModel(f"{config.family}: --quantization fp8 of a mixture-of-experts model is not served")
     if quant is None:
-        return QUANTIZED_AT_LOAD if quantization == "fp8" else None
+        return QUANTIZED_AT_LOAD if quantization != "none" else None
     return WeightQuant("load", "", quant.block) if load_format == "dummy" else quant
 
 
@@ -263,7 +263,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, max_positio
     """The model of the checkpoint's family, or with `tp` this rank's shard of it
     (parallel/shard.py), read from the checkpoint's slices so a rank never reads another's
     part of a weight. gemm_groups: the projections whose weights are laid out for the decode
-    GEMM (Tuning.gemm_groups). quantization "fp8": a checkpoint of plain weights has its
+    GEMM (Tuning.gemm_groups). quantization "fp8" (or "fp8-w8a8"): a checkpoint of plain weights has its
     projections quantized here (an FP8 checkpoint keeps its own scales either way). fp8_w8a8:
     FP8 projections quantize their input per token and multiply in fp8 (kernels/gemm/fp8.py)."""
     from .gemma import GemmaModel

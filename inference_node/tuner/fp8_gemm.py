@@ -54,7 +54,7 @@ SWEEP_TILINGS = (
     (128, 128, None, 8, 4, True, True, True),
     (128, 256, None, 8, 3, True, True, True),
 )
-# W8A8 (--fp8-compute w8a8): both operands e4m3 from shared memory, nothing widened; the grid
+# W8A8 (--quantization fp8-w8a8): both operands e4m3 from shared memory, nothing widened; the grid
 # of tile widths and depths around the node's tilings, with and without programmatic dependent
 # launch (pdl: the weights' first prefetch_k columns asked of L2 before the wait).
 W8A8_TILINGS = (
@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also time a grid of tilings and designs (swap-AB, TMA, integer "
                         "widening) per projection, each checked against the reference first")
     parser.add_argument("--w8a8", action="store_true",
-                        help="also time W8A8 (--fp8-compute w8a8): x quantized per row, the Triton "
+                        help="also time W8A8 (--quantization fp8-w8a8): x quantized per row, the Triton "
                         "GEMM over e4m3 operands (with --sweep, over W8A8's grid of tilings instead "
                         "of weight-only's), torch's row-wise scaled GEMM beside it")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))

@@ -3,7 +3,7 @@ decode-shaped inputs on CUDA in the groups the tuning names (Tuning.gemm_groups)
 everything else (prefill, CPU, shapes its tiles do not divide); with a fused group's LoRA
 folded in, the fold kernel (fold_triton_kernel.py) or its reference. An FP8 projection
 (fp8_weight.Fp8Weight) is the model's to send to fp8_matmul whatever the step's choices (with
-its --fp8-compute): the decode GEMM and the fold kernel read 16-bit weights only, so its LoRA
+W8A8 or not): the decode GEMM and the fold kernel read 16-bit weights only, so its LoRA
 runs beside it (beside_lora) as beside cuBLAS.
 
 Why the Triton GEMM: launched with programmatic dependent launch (Hopper) it starts while the

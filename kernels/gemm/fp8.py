@@ -15,13 +15,13 @@ Which computation runs (fp8_matmul):
   one byte an element (the point at decode, where the step is its weight stream) and is the
   reference's math: exact fp8 -> 16-bit widening, float32 accumulation, scales on the
   accumulator.
-- With w8a8 (the node's --fp8-activations dynamic): x quantized to e4m3 per row (scale amax /
+- With w8a8 (the node's --quantization fp8-w8a8): x quantized to e4m3 per row (scale amax /
   448, quantize_rows_triton) and both operands multiplied on the fp8 tensor cores by the same
   Triton GEMM, at every batch size. Not the reference's math: each activation keeps 3 mantissa
   bits, so outputs move by about 2^-4 relative per term; the caller opts into it. Its
   reference is reference_w8a8_matmul (the quantized x times the dequantized W in float32).
-  On Hopper at decode it halves what the tensor cores do per weight byte and skips the
-  widening, which the weight-only GEMM cannot (tuner/fp8_gemm.py times both).
+  On Hopper at decode the fp8 MMAs run at twice bf16's rate and nothing is widened, which
+  the weight-only GEMM's time is made of (tuner/fp8_gemm.py times both).
 - Elsewhere (CPU, older GPUs, block shapes whose columns no 16-wide K tile divides, a weight
   whose rows are not contiguous): the reference.
 """

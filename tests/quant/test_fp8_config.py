@@ -99,6 +99,7 @@ def test_quantization_flag_takes_fp8_or_none(capsys) -> None:
     parser = serve_parser(False)
     assert parser.parse_args([]).quantization == "none"
     assert parser.parse_args(["--quantization", "fp8"]).quantization == "fp8"
+    assert parser.parse_args(["--quantization", "fp8-w8a8"]).quantization == "fp8-w8a8"
     with pytest.raises(SystemExit) as exited:
         parser.parse_args(["--quantization", "int8"])
     assert exited.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err

@@ -86,7 +86,7 @@ PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def quantize_projection_inputs(model: torch.nn.Module) -> None:
-    """The oracle of --fp8-compute w8a8: each decoder projection's base matmul (not its LoRA,
+    """The oracle of --quantization fp8-w8a8: each decoder projection's base matmul (not its LoRA,
     not the LM head) takes its input rounded to e4m3 per token (kernels/gemm/fp8.py's
     quantize_rows, dequantized), as the node's fp8 tensor cores do."""
     from kernels.gemm.fp8 import quantize_rows
@@ -106,7 +106,7 @@ def quantize_projection_inputs(model: torch.nn.Module) -> None:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_w8a8_matches_peft_with_its_inputs_quantized_per_token(graphs: bool, tiny_llama_path: Path,
                                                                tmp_path: Path) -> None:
-    """`--fp8-compute w8a8`: the node answers as transformers + PEFT over the FP8 values with
+    """`--quantization fp8-w8a8`: the node answers as transformers + PEFT over the FP8 values with
     each projection's input rounded to e4m3 per token (the adapters' shrink on the unrounded
     input), and not as weight-only FP8 does (so the setting reaches the matmuls). Each job's
     first 4 tokens must be the oracle's and 3 in 4 of all: where rounding x to e4m3 is a step
@@ -115,7 +115,7 @@ def test_w8a8_matches_peft_with_its_inputs_quantized_per_token(graphs: bool, tin
     its 6th token, at a top-2 logit margin of 0.057)."""
     twin = write_quantized_twin(tiny_llama_path, tmp_path / "twin")
     run_parity(tiny_llama_path, twin, "llama", tmp_path, graphs=graphs, prepare=quantize_projection_inputs,
-               agree=4, quantization="fp8", fp8_compute="w8a8")
+               agree=4, quantization="fp8-w8a8")
     prompt = [[500, 600, 700, 800, 900, 1000]]
     assert (peft_greedy(twin, None, prompt, 12, quantize_projection_inputs)
             != peft_greedy(twin, None, prompt, 12)), "rounding the inputs changes no answer"
