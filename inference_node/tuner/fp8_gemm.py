@@ -330,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device if args.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     smoke = device.type == "cpu"
+    from kernels.host import interpreting
+
+    if args.w8a8 and smoke and not interpreting():
+        parser.error("--w8a8 times the Triton kernels themselves: on the CPU, run it with TRITON_INTERPRET=1")
     if args.model:
         from .cli import model_shape
 

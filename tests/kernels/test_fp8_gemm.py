@@ -456,3 +456,19 @@ def test_the_sweep_grid_covers_each_design() -> None:
     designs = {(t.swap_ab, t.tma, t.widen_prmt) for t in grid}
     assert {(False, False, True), (True, False, False), (True, True, False), (True, True, True)} <= designs
     assert {t.block_n for t in grid} >= {64, 128, 256} and {t.num_warps for t in grid} == {4, 8}
+
+
+@needs_triton_device
+def test_the_tuners_w8a8_columns_check_and_time_the_nodes_call() -> None:
+    """tuner/fp8_gemm.py with W8A8: each row gets the quantizer's, the node's call's and the
+    fastest checked W8A8 GEMM's times, and that GEMM's tiling."""
+    from inference_node.tuner import fp8_gemm
+    from kernels.tuning_table import ModelShape
+
+    shape = ModelShape(hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16)
+    rows = fp8_gemm.measure(shape, [3], None, torch.device(DEVICE), fp8_gemm.wall_timer, copies=1,
+                            w8a8_tilings=())
+    assert [r.group for r in rows] == ["qkv", "o", "gate_up", "down"]
+    for row in rows:
+        assert row.quantize_us > 0 and row.w8a8_node_us > 0 and 0 < row.w8a8_us < float("inf"), row
+        assert row.w8a8_tiling.swap_ab and row.note == "", row

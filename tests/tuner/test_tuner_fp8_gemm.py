@@ -30,3 +30,15 @@ def test_block_flag_takes_two_integers() -> None:
     assert fp8_gemm.parse_block("128,128") == (128, 128) and fp8_gemm.parse_block(None) is None
     with pytest.raises(SystemExit, match="--block"):
         fp8_gemm.parse_block("128")
+
+
+def test_w8a8_on_the_cpu_needs_the_interpreter(capsys: pytest.CaptureFixture[str]) -> None:
+    """W8A8's columns time the Triton kernels themselves: on the CPU without Triton's
+    interpreter the tool says how to run them (a usage error), not a driver traceback."""
+    from kernels.host import interpreting
+
+    if interpreting():
+        pytest.skip("the interpreter runs them (tests/kernels/test_fp8_gemm.py)")
+    with pytest.raises(SystemExit) as exited:
+        fp8_gemm.main(["--device", "cpu", "--hidden", "64", "--w8a8"])
+    assert exited.value.code == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err
