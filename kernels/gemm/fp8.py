@@ -20,6 +20,8 @@ Which computation runs (fp8_matmul):
   Triton GEMM, at every batch size. Not the reference's math: each activation keeps 3 mantissa
   bits, so outputs move by about 2^-4 relative per term; the caller opts into it. Its
   reference is reference_w8a8_matmul (the quantized x times the dequantized W in float32).
+  Under tensor parallelism a row-parallel projection (o, down) quantizes the rank's shard of
+  each row with its own scale: finer than one node's, so its tokens may differ from TP 1's.
   On Hopper at decode the fp8 MMAs run at twice bf16's rate and nothing is widened, which
   the weight-only GEMM's time is made of (tuner/fp8_gemm.py times both).
 - Elsewhere (CPU, older GPUs, block shapes whose columns no 16-wide K tile divides, a weight
