@@ -55,20 +55,16 @@ SWEEP_TILINGS = (
     (128, 256, None, 8, 3, True, True, True),
 )
 # W8A8 (--quantization fp8-w8a8): both operands e4m3 from shared memory, nothing widened; the grid
-# of tile widths and depths around the node's tilings, with and without programmatic dependent
-# launch (pdl: the weights' first prefetch_k columns asked of L2 before the wait).
+# of tile widths and depths around the node's tilings.
 W8A8_TILINGS = (
-    # (block_n, block_k, split_k, num_warps, num_stages, swap_ab, tma, widen_prmt, pdl, prefetch_k)
-    (128, 128, None, 4, 4, True, True, False, False, 0),
-    (64, 256, None, 4, 3, True, True, False, False, 0),
-    (128, 128, None, 4, 4, True, True, False, True, 0),
-    (64, 256, None, 4, 3, True, True, False, True, 0),
-    (128, 128, None, 4, 4, True, True, False, True, 1024),
-    (64, 256, None, 4, 3, True, True, False, True, 1024),
-    (64, 128, None, 4, 4, True, True, False, True, 512),
-    (128, 128, None, 8, 4, True, True, False, True, 512),
-    (128, 256, None, 8, 3, True, True, False, True, 512),
-    (256, 128, None, 8, 3, True, True, False, True, 512),
+    (64, 128, None, 4, 4, True, True, False),
+    (128, 128, None, 4, 4, True, True, False),
+    (128, 128, None, 8, 4, True, True, False),
+    (64, 256, None, 4, 3, True, True, False),
+    (128, 256, None, 8, 3, True, True, False),
+    (256, 128, None, 8, 3, True, True, False),
+    (64, 128, 1, 4, 4, True, True, False),
+    (64, 128, None, 4, 4, False, True, False),
 )
 
 # Microseconds per call of each of `calls` (one per weight copy), run back to back.
@@ -197,8 +193,7 @@ def measure_w8a8(x: torch.Tensor, fp8: Sequence[torch.Tensor], scales: Sequence[
 
 
 def sweep_tilings(grid: Sequence[tuple] = SWEEP_TILINGS) -> list[Fp8Tiling]:
-    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt",
-            "pdl", "prefetch_k")
+    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "swap_ab", "tma", "widen_prmt")
     tilings = [replace(DECODE_TILING, **dict(zip(keys, values))) for values in grid]
     return [t for t in tilings if t != DECODE_TILING]  # the default is timed anyway
 
@@ -206,8 +201,7 @@ def sweep_tilings(grid: Sequence[tuple] = SWEEP_TILINGS) -> list[Fp8Tiling]:
 def describe(tiling: Fp8Tiling) -> str:
     """A tiling in a table's width: (block_n, block_k, split) warps/stages and its options."""
     flags = "".join(name for name, on in ((" swap", tiling.swap_ab), (" tma", tiling.tma),
-                                          (" prmt", tiling.widen_prmt),
-                                          (f" pdl{tiling.prefetch_k}", tiling.pdl)) if on)
+                                          (" prmt", tiling.widen_prmt)) if on)
     return (f"({tiling.block_n}, {tiling.block_k}, {tiling.split_k or 'auto'}) "
             f"w{tiling.num_warps} s{tiling.num_stages}{flags}")
 

@@ -47,9 +47,7 @@ class Fp8Tiling:
     """The Triton FP8 GEMM's launch (fp8_gemm_triton's keywords). block_m None: every row of a
     decode batch in one tile; split_k None: enough K splits to give every SM a program;
     swap_ab: tiles computed as W @ x.T; tma: tiles fetched by TMA where it runs; widen_prmt:
-    e4m3 -> bf16 by integer ops and one packed multiply (fp8_triton_kernel.py); pdl: launched
-    with programmatic dependent launch (Hopper), asking L2 for prefetch_k columns of its
-    weights while the kernel ahead ends."""
+    e4m3 -> bf16 by integer ops and one packed multiply (fp8_triton_kernel.py)."""
 
     block_m: int | None = None
     block_n: int = 64
@@ -60,8 +58,6 @@ class Fp8Tiling:
     swap_ab: bool = False
     tma: bool = False
     widen_prmt: bool = False
-    pdl: bool = False
-    prefetch_k: int = 0
 
 
 # Decode: 64-column tiles, K split to fill the SMs, each tile computed as W @ x.T from TMA
@@ -71,12 +67,10 @@ class Fp8Tiling:
 # Prefill: the usual compute tile.
 DECODE_TILING = Fp8Tiling(swap_ab=True, tma=True)
 # W8A8 at decode (e4m3 x, nothing widened; H200, 8B widths, 64 rows, tuner/fp8_gemm.py --w8a8
-# --sweep): gate/up's and down's wide weights fastest in 128-column tiles (36.0, 25.6 us, 82%
-# and 58% of copy bandwidth), q/k/v's and o's in 64 columns by 256-wide K steps (12.5, 10.3).
-# Launched plainly: with programmatic dependent launch behind a PDL row quantizer (the GEMM
-# asking L2 for its first 512 weight columns while the kernels ahead end) the 8B base step
-# took 4.06 ms against 4.21, but a step of 32 adapters 5.60 against 5.35 (its LoRA kernels on
-# the side stream wait for SMs the early GEMM programs hold while they wait).
+# --sweep): gate/up's 28,672 columns fastest in 128-column tiles (35 us, 83% of copy
+# bandwidth), the narrower q/k/v, o and down in 64 columns by 256-wide K steps (12.4, 10.4,
+# 22.6 us; they split K to fill the SMs). Launched plainly: under programmatic dependent
+# launch the base step gained and a step of 32 adapters lost (docs/PERFORMANCE.md).
 W8A8_WIDE_TILING = Fp8Tiling(block_n=128, swap_ab=True, tma=True)
 W8A8_NARROW_TILING = Fp8Tiling(block_k=256, num_stages=3, swap_ab=True, tma=True)
 W8A8_WIDE_N = 8192  # output columns from which W8A8_WIDE_TILING runs
@@ -121,7 +115,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x = x.contiguous()
     keywords = {**asdict(tiling), "block_k": block_k}
     if w8a8:
-        quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x, pdl=tiling.pdl)
+        quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x)
         return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
                       **{**keywords, "widen_prmt": False})
     return kernel(x, weight, scale, block, **keywords)

@@ -37,9 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, dot_f32, hopper, interpreting, num_sms, pdl_launch
+from ..host import cdiv, dot_f32, hopper, interpreting, num_sms
 from .shapes import row_tile
-from .triton_kernel import prefetch_l2
 
 MAX_BLOCK_M = 64  # rows a program's tile holds by default; more rows get more programs
 MIN_K_TILES_PER_SPLIT = 4  # a split's K range keeps a few tiles to pipeline
@@ -125,7 +124,7 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
-    W8A8: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
+    W8A8: tl.constexpr = False,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed by _split_k_sum; else out is y and gets x's dtype.
@@ -133,10 +132,7 @@ def _fp8_gemm_kernel(
     s is [N] (stride stride_sn). EVEN_K: BLOCK_K divides K (no column mask). SWAP_AB: the
     tile is computed as W @ x.T (module docstring). TMA: x and W tiles come through the
     descriptors x_desc [M, K] and w_desc [N, K] (zero past their edges), not the pointers.
-    W8A8: x is e4m3 with one float32 scale a row (xs [M]), applied with W's at the end.
-    PDL (launched with programmatic dependent launch): the program asks L2 for the first
-    PREFETCH_K columns of its W slab, which the kernel ahead does not write, then waits for
-    that kernel (its x) to end."""
+    W8A8: x is e4m3 with one float32 scale a row (xs [M]), applied with W's at the end."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -151,11 +147,6 @@ def _fp8_gemm_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     if BLOCK_SCALES:
         s_ptrs = s_ptr + (offs_n // SCALE_BN) * stride_sn
-    if PDL:
-        if PREFETCH_K > 0:  # one prefetch per 128-byte line (128 e4m3 weights) of each row
-            lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128
-            prefetch_l2(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + lines[None, :])
-        tl.extra.cuda.gdc_wait()  # x is the previous kernel's output
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -231,18 +222,12 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
-                          ONE_PASS: tl.constexpr, E4M3_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          ONE_PASS: tl.constexpr, E4M3_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     """Row m of x as e4m3 (q) with its float32 scale (s[m] = amax / E4M3_MAX): the division
     correctly rounded and the rounding to nearest even, as kernels/gemm/fp8.py's quantize_rows.
     One program a row, the row read once into registers where BLOCK covers K (a decode
     batch's launch is its latency: one load, one reduction, one store): ONE_PASS, BLOCK >= K;
-    else in BLOCK steps and read again (from L2) to quantize. PDL: the GEMM after it may
-    launch at once (it prefetches its weights, then waits for this kernel), and this one waits
-    for the kernel ahead (x) before reading."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    else in BLOCK steps and read again (from L2) to quantize."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
@@ -270,21 +255,18 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: t
 ONE_PASS_K = 16384  # a row up to this many columns is held in registers (32 a thread at 16 warps)
 
 
-def quantize_rows_triton(x: torch.Tensor, block: int | None = None,
-                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [M, K] in e4m3, float32 scales [M]) with x ~ e4m3 * scale per row: one launch, the
     W8A8 GEMM's activation operand (kernels/gemm/fp8.py: quantize_rows is the reference).
-    block: columns a step (None: the whole row up to ONE_PASS_K); pdl: launched with
-    programmatic dependent launch where the device has it (Hopper)."""
-    pdl = pdl and hopper(x)
+    block: columns a step (None: the whole row up to ONE_PASS_K)."""
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     if M and K:
         block = block or min(triton.next_power_of_2(K), ONE_PASS_K)
         _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=block,
-                                    ONE_PASS=block >= K, E4M3_MAX=448.0, MIN_AMAX=1e-12, PDL=pdl,
-                                    num_warps=max(4, min(16, block // 1024)), **pdl_launch(pdl))
+                                    ONE_PASS=block >= K, E4M3_MAX=448.0, MIN_AMAX=1e-12,
+                                    num_warps=max(4, min(16, block // 1024)))
     return q, scale
 
 
@@ -325,13 +307,10 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     num_warps: int = 4, num_stages: int = 4, swap_ab: bool = False,
                     tma: bool = False, widen_prmt: bool = False,
                     x_scale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None, pdl: bool = False,
-                    prefetch_k: int = 0) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a
-    row [M] (quantize_rows_triton), out_dtype the result's. pdl: launched with programmatic
-    dependent launch where the device has it (Hopper), each program first asking L2 for the
-    first prefetch_k columns (a multiple of 128) of its weight slab. scale: float32 [N] (block None), else
+    row [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
     [ceil(N/block[0]), ceil(K/block[1])] with block_k dividing block[1]. block_m: rows a
     program takes (None: every row of a decode batch, up to MAX_BLOCK_M; at least 16, the
     tensor cores' smallest); split_k: programs sharing a tile's K range (None: enough to give
@@ -375,8 +354,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
-        W8A8=w8a8, PDL=pdl and hopper(x), PREFETCH_K=min(prefetch_k, k_per_split) // 128 * 128,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl and hopper(x)),
+        W8A8=w8a8,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if partial:
         sum_block = 1024

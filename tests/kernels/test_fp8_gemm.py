@@ -91,8 +91,7 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
                       DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
-                      WIDEN_PRMT=prmt, W8A8=x_type == "fp8e4nv", PDL=x_type == "fp8e4nv" and swap,
-                      PREFETCH_K=512 if x_type == "fp8e4nv" and swap else 0)
+                      WIDEN_PRMT=prmt, W8A8=x_type == "fp8e4nv")
     if x_type != "fp8e4nv":
         constexprs.update(xs_ptr=None)
     out_type = "bf16" if x_type == "fp8e4nv" else x_type
@@ -120,9 +119,6 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     # swap-AB widens W into wgmma's register operand; W8A8 has nothing to widen: both from
     # shared memory, as loaded
     assert all(register_a) if swap and x_type != "fp8e4nv" else not any(register_a)
-    # the W8A8 decode launches (PDL): the weights' first lines asked of L2, then the wait
-    assert (("griddepcontrol.wait" in ptx and "prefetch.global.L2" in ptx)
-            if constexprs["PDL"] else "griddepcontrol" not in ptx)
     if x_type == "fp8e4nv":  # both operands e4m3 into the MMA: no widening at all
         assert dots and all("f8E4M3FN" in t.split("->")[0] for t in operand_types), operand_types
         assert "e4m3" in ptx.split("wgmma.mma_async", 1)[1].split("\n", 1)[0]
@@ -153,15 +149,13 @@ def test_row_quantizer_compiles_for_hopper_with_its_rounding_kept(one_pass: bool
 
     signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32",
                  "stride_qm": "i32", "BLOCK": "constexpr", "ONE_PASS": "constexpr", "E4M3_MAX": "constexpr",
-                 "MIN_AMAX": "constexpr", "PDL": "constexpr"}
-    constexprs = dict(BLOCK=4096 if one_pass else 2048, ONE_PASS=one_pass, E4M3_MAX=448.0, MIN_AMAX=1e-12,
-                      PDL=one_pass)
+                 "MIN_AMAX": "constexpr"}
+    constexprs = dict(BLOCK=4096 if one_pass else 2048, ONE_PASS=one_pass, E4M3_MAX=448.0, MIN_AMAX=1e-12)
     compiled = triton.compile(ASTSource(_quantize_rows_kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = compiled.asm["ptx"]
     assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
     assert "add.f32" in ptx and "sub.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    assert ("griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx) == one_pass
 
 
 def _run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
