@@ -168,7 +168,7 @@ def _triton_gemm(x: torch.Tensor):
 
 
 def w8a8_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether w8a8_matmul (the tuner's yardstick, not the node's path) takes x and weight:
+    """Whether scaled_mm_rowwise (the tuner's yardstick, not the node's path) takes x and weight:
     Hopper (torch's row-wise scaled GEMM is sm_90's), K and N multiples of 16, weight
     contiguous (its transpose the column-major operand)."""
     return (x.is_cuda and capability(x.device) == (9, 0) and weight.is_contiguous()
@@ -186,18 +186,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale
 
 
-def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x @ dequant(weight).T with x quantized per row to e4m3 (quantize_rows) and both operands
-    multiplied by torch's row-wise scaled GEMM (scaled_mm_rowwise), in x's dtype: the
-    cuBLAS/CUTLASS yardstick the tuner times the Triton W8A8 GEMM against."""
-    quantized, row_scale = quantize_rows(x)
-    return scaled_mm_rowwise(quantized, row_scale, weight, scale).to(x.dtype)
-
-
 def scaled_mm_rowwise(quantized: torch.Tensor, row_scale: torch.Tensor, weight: torch.Tensor,
                       scale: torch.Tensor) -> torch.Tensor:
     """torch._scaled_mm over e4m3 x [M, K] and weight [N, K] with row-wise scales (row_scale
-    [M, 1], scale [N] per channel), weight passed column-major, bf16 out."""
+    [M, 1], scale [N] per channel), weight passed column-major, bf16 out: the cuBLAS/CUTLASS
+    yardstick tuner/fp8_gemm.py times the Triton W8A8 GEMM against."""
     return torch._scaled_mm(quantized, weight.t(), scale_a=row_scale.reshape(-1, 1).float(),
                             scale_b=scale.float().reshape(1, -1).contiguous(),
                             out_dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.gemm.fp8 import (E4M3_MAX, fp8_matmul, k_tile, quantize_rows, reference_fp8_matmul,
-                              reference_w8a8_matmul, w8a8_matmul)
+                              reference_w8a8_matmul, scaled_mm_rowwise)
 
 
 @pytest.mark.parametrize("block,block_k,expected", [
@@ -43,12 +43,12 @@ def _case(rows: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def test_w8a8_is_the_quantized_operands_product() -> None:
-    """torch's row-wise scaled GEMM as w8a8_matmul calls it (scale_a [M, 1], scale_b [1, N],
+    """torch's row-wise scaled GEMM as scaled_mm_rowwise calls it (scale_a [M, 1], scale_b [1, N],
     the weight column-major) is the float32 product of the dequantized operands, rounded to
     bf16; and within fp8's rounding of x of the weight-only reference."""
     x, weight, scale = _case(80, 48, 96)
     try:
-        y = w8a8_matmul(x, weight, scale)
+        y = scaled_mm_rowwise(*quantize_rows(x), weight, scale).to(x.dtype)
     except (RuntimeError, NotImplementedError) as exc:
         pytest.skip(f"this torch build has no CPU row-wise _scaled_mm: {exc}")
     quantized, row_scale = quantize_rows(x)
