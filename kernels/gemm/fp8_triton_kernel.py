@@ -205,7 +205,7 @@ def _split_k_sum(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
     adding and taking back 1.5 * 2^(e + 20) (e: v's exponent, at least e4m3's -6) leaves |v|
     rounded to a multiple of 2^(e - 3), e4m3's spacing there (3 mantissa bits), and v's sign
@@ -243,12 +243,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: t
                            tl.zeros_like(amax) + E4M3_MAX)
     tl.store(s_ptr + row + offs, scale, mask=offs < 1)
     if ONE_PASS:
-        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX))
+        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX))
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
     else:
         for k0 in range(0, K, BLOCK):
             part = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(part, scale), -E4M3_MAX), E4M3_MAX))
+            q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(part, scale), -E4M3_MAX), E4M3_MAX))
             tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
 
 
