@@ -68,3 +68,21 @@ def hopper(t: torch.Tensor) -> bool:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9
+
+
+
+_ARRIVAL_COUNTS: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, owner: str, size: int) -> torch.Tensor | None:
+    """A zeroed int32 buffer of `size` counts for one kernel's "the last program to arrive
+    finishes the row (or tile)" (owner: the kernel's name), made once per device and never
+    freed or regrown: captured CUDA graphs hold its address, and every launch leaves it zero
+    again. Launches sharing it run one after another on one stream. None during a graph
+    capture before it exists (it would be the graph's memory): the caller takes its other path."""
+    counts = _ARRIVAL_COUNTS.get((device, owner))
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _ARRIVAL_COUNTS[(device, owner)] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counts

@@ -9,6 +9,7 @@ import torch
 
 from kernels.activation import silu_mul, silu_mul_lora
 from kernels.gemm import DecodeGemm
+from kernels.gemm.fp8 import Fp8Rows
 from kernels.lora import LoraDelta
 from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
 from kernels.tuning import Tuning
@@ -36,18 +37,23 @@ class ElementwiseOps:
 
     def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                      eps: float, delta: LoraDelta | None, *, unit_offset: bool = False,
-                     out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     out_norm: torch.Tensor | None = None, quantize: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """(hidden + out (+ its LoRA delta, and normalised by out_norm where given), that
-        normalised); unit_offset: Gemma's (1 + w) norms."""
+        normalised); unit_offset: Gemma's (1 + w) norms. quantize: on CUDA the normalised rows
+        come with their e4m3 copy for the W8A8 GEMM next (Fp8Rows), made in the same launch."""
         if delta is not None or self.triton:
             return add_rms_norm_lora(hidden, out, weight, eps, delta, self.tuning,
-                                     unit_offset=unit_offset, out_norm=out_norm)
+                                     unit_offset=unit_offset, out_norm=out_norm,
+                                     quantize=quantize and self.triton)
         return add_rms_norm(hidden, out, weight, eps, None, unit_offset, out_norm)
 
     def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None,
-                 activation: str = "silu") -> torch.Tensor:
+                 activation: str = "silu", quantize: bool = False) -> torch.Tensor | Fp8Rows:
+        """act(gate) * up; quantize: on CUDA with its e4m3 copy, as add_rms_norm's."""
         if delta is not None or self.triton:
-            return silu_mul_lora(gate_up, delta, self.tuning, activation=activation)
+            return silu_mul_lora(gate_up, delta, self.tuning, activation=activation,
+                                 quantize=quantize and self.triton)
         return silu_mul(gate_up, None, activation)
 
 

@@ -25,6 +25,7 @@ import torch
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
 from kernels.gemm import Fp8Weight, RopeOut, beside_lora, cublas, fp8_linear
+from kernels.gemm.fp8 import Fp8Rows, plain_rows
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
 from kernels.tuning import DEFAULT_TUNING, GROUPS
@@ -102,6 +103,7 @@ class LlamaModel:
         self.tp = tp                # None: one device holds the whole model
         self.vocab_start = vocab_start  # the first vocabulary row of this rank's embedding
         self.gemm_groups = frozenset(gemm_groups)
+        self.fp8_w8a8 = fp8_w8a8
         self.fp8_gemm = partial(fp8_linear, w8a8=True) if fp8_w8a8 else fp8_linear
         self.layers = layers
         self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
@@ -206,23 +208,24 @@ class LlamaModel:
             return None
         return QKNorm(layer.q_norm, layer.k_norm, self.config.rms_norm_eps)
 
-    def attention_inputs(self, i: int, x: torch.Tensor, batch: ForwardBatch,
+    def attention_inputs(self, i: int, x: torch.Tensor | Fp8Rows, batch: ForwardBatch,
                          k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                          launch: LaunchChoices, lora: LoraApplier | None,
                          q_out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's rotated queries [T, Hq, D] (into q_out where given); its keys and values
-        written to their cache slots."""
+        written to their cache slots. x: the normed rows (with their e4m3 copy under W8A8)."""
         cfg, layer, gemm, rope_table = self.config, self.layers[i], launch.gemm, self.layer_ropes[i]
         q = q_out
         qk_norm = self.qk_norm(i)
         if (layer.qkv_bias is None and qk_norm is None and (lora is None or not lora.applies_to("qkv"))
                 and gemm.serves("qkv")):
             # RoPE and the cache write in q/k/v's GEMM launch (no RoPE launch)
+            rows = plain_rows(x)
             if q is None:
-                q = x.new_empty(x.shape[0], cfg.num_heads, cfg.head_dim)
+                q = rows.new_empty(rows.shape[0], cfg.num_heads, cfg.head_dim)
             rope = RopeOut(q, k_caches[i], v_caches[i], rope_table.cos, rope_table.sin, batch.positions,
                            batch.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            if gemm.qkv_rope(x, layer.qkv, rope) is not None:
+            if gemm.qkv_rope(rows, layer.qkv, rope) is not None:
                 return q
         qkv, delta = self._project(launch, lora, i, "qkv", x, layer.qkv, layer.qkv_bias)
         # The LoRA delta added, q and k normalised (where the family does) and rotated, k and
@@ -249,15 +252,18 @@ class LlamaModel:
         # A row-parallel bias is added after the ranks' partial outputs are summed (_add_norm).
         tp, o_bias = self.tp is not None, layer.o_bias
         out, delta = self._project(launch, lora, i, "o", attn, layer.o, None if tp else o_bias)
-        hidden, x = self._add_norm(launch, out, delta, hidden, layer.post_norm, o_bias if tp else None)
+        # Under W8A8 the norms before gate/up and the next q/k/v write their rows in e4m3 too.
+        hidden, x = self._add_norm(launch, out, delta, hidden, layer.post_norm, o_bias if tp else None,
+                                   quantize=self.fp8_w8a8)
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).
         last_layer = i + 1 == len(self.layers)
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
         down, delta, bias = self.mlp(i, x, launch, lora)
-        return self._add_norm(launch, down, delta, hidden, norm, bias)
+        return self._add_norm(launch, down, delta, hidden, norm, bias,
+                              quantize=self.fp8_w8a8 and not last_layer)
 
-    def mlp(self, i: int, x: torch.Tensor, launch: LaunchChoices, lora: LoraApplier | None
+    def mlp(self, i: int, x: torch.Tensor | Fp8Rows, launch: LaunchChoices, lora: LoraApplier | None
             ) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor | None]:
         """Layer i's MLP over the normed residual stream x: (its output, this rank's partial
         sum under tensor parallelism; a LoRA delta left for the add + norm after it or None; a
@@ -266,10 +272,10 @@ class LlamaModel:
         layer, tp, down_bias = self.layers[i], self.tp is not None, self.layers[i].down_bias
         act = None
         if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
-            act = launch.gemm.gated_silu(x, layer.gate_up)  # the SiLU in the GEMM's launch
+            act = launch.gemm.gated_silu(plain_rows(x), layer.gate_up)  # the SiLU in the GEMM's launch
         if act is None:
             gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
-            act = launch.ops.silu_mul(gate_up, delta)
+            act = launch.ops.silu_mul(gate_up, delta, quantize=self.fp8_w8a8)
         out, delta = self._project(launch, lora, i, "down", act, layer.down, None if tp else down_bias)
         return out, delta, down_bias if tp else None
 
@@ -322,14 +328,17 @@ class LlamaModel:
 
     def _add_norm(self, launch: LaunchChoices, out: torch.Tensor, delta: LoraDelta | None, hidden: torch.Tensor,
                   weight: torch.Tensor, bias: torch.Tensor | None = None, *, unit_offset: bool = False,
-                  out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + a row-parallel projection's output, that normalised by weight). Under tensor
+                  out_norm: torch.Tensor | None = None, quantize: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+        """(hidden + a row-parallel projection's output, that normalised by weight; quantize:
+        with its e4m3 copy where one launch makes both, ElementwiseOps.add_rms_norm). Under tensor
         parallelism `out` is this rank's partial sum: its LoRA delta is added into it, the ranks'
         are summed, then the bias (whole on every rank: added once, after the sum), in one
         kernel with the add + norm where the group fuses them (parallel/group.py)."""
         eps, add_norm = self.config.rms_norm_eps, launch.ops.add_rms_norm
         if self.tp is None:
-            return add_norm(hidden, out, weight, eps, delta, unit_offset=unit_offset, out_norm=out_norm)
+            return add_norm(hidden, out, weight, eps, delta, unit_offset=unit_offset, out_norm=out_norm,
+                            quantize=quantize)
         if delta is not None:  # expanded beside the matmul (parallel.shard.tensor_parallel_tuning)
             if delta.expanded is None:
                 raise RuntimeError("a row-parallel projection's LoRA delta must be expanded before its "
@@ -339,25 +348,26 @@ class LlamaModel:
                                            out_norm=out_norm)
 
     def _project(self, launch: LaunchChoices, lora: LoraApplier | None, layer: int, group: str,
-                 x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+                 x: torch.Tensor | Fp8Rows, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, LoraDelta | None]:
         """A fused projection with its LoRA: (output, a delta left for the next op or None).
-        weight is [in, out] (or an Fp8Weight); the decode GEMM serves decode-shaped x where
-        configured."""
+        weight is [in, out] (or an Fp8Weight, which takes x's e4m3 copy where x comes with
+        one); the decode GEMM serves decode-shaped x where configured."""
         fp8 = isinstance(weight, Fp8Weight)
+        operand, x = (x if fp8 else plain_rows(x)), plain_rows(x)
         if fp8:
             gemm = self.fp8_gemm
         else:
             gemm = launch.gemm if launch.gemm.serves(group) else cublas
         if lora is None:
-            return gemm(x, weight, bias, group), None
+            return gemm(operand, weight, bias, group), None
         fold = lora.fold(layer, group)
         if fold is not None:  # the delta added in the matmul (FP8: beside it), or left for the next op
             if fp8:
-                y = beside_lora(gemm(x, weight, bias, group), x, fold)
+                y = beside_lora(gemm(operand, weight, bias, group), x, fold)
             else:
                 y = launch.gemm(x, weight, bias, group, lora=fold)
             return y, None if fold.expand else fold.unexpanded(x.shape[0])
         lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
-        y = gemm(x, weight, bias, group)
+        y = gemm(operand, weight, bias, group)
         return y, lora.end(layer, group, x, y)

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kernels.gemm.fp8 import plain_rows
 from kernels.lora import LoraDelta
 from kernels.moe import PairLora, route, routed_experts
 
@@ -85,6 +86,7 @@ class MoeModel(LlamaModel):
         layer = self.experts[i]
         if layer is None:
             return super().mlp(i, x, launch, lora)
+        x = plain_rows(x)  # the router and the experts read 16-bit rows
         cfg = self.config
         weights, picks = route(x, layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                self.weights_in_model_dtype)

@@ -16,8 +16,8 @@ Which computation runs (fp8_matmul):
   reference's math: exact fp8 -> 16-bit widening, float32 accumulation, scales on the
   accumulator.
 - With w8a8 (the node's --quantization fp8-w8a8): x quantized to e4m3 per row (scale amax /
-  448, quantize_rows_triton) and both operands multiplied on the fp8 tensor cores by the same
-  Triton GEMM, at every batch size. Not the reference's math: each activation keeps 3 mantissa
+  448: by the kernel that wrote x where it hands on Fp8Rows, else by quantize_rows_triton) and
+  both operands multiplied on the fp8 tensor cores by the same Triton GEMM, at every batch size. Not the reference's math: each activation keeps 3 mantissa
   bits, so outputs move by about 2^-4 relative per term; the caller opts into it. Its
   reference is reference_w8a8_matmul (the quantized x times the dequantized W in float32).
   Under tensor parallelism a row-parallel projection (o, down) quantizes the rank's shard of
@@ -40,6 +40,23 @@ from .shapes import MAX_ROWS
 TRITON = "kernels.gemm.fp8_triton_kernel"
 DECODE_ROWS = MAX_ROWS  # rows up to which a matmul is a decode step's (its weight stream)
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations x [M, K] with their e4m3 copy, one float32 scale a row (x ~ fp8 * scale,
+    quantize_rows's math, bit for bit), written by the kernel that made x (the residual add +
+    RMSNorm, SiLU * up: kernels/norm, kernels/activation). The W8A8 GEMM then takes the copy
+    and launches no quantizer of its own; a LoRA shrink reads x."""
+
+    x: torch.Tensor
+    fp8: torch.Tensor
+    scale: torch.Tensor  # [M]
+
+
+def plain_rows(x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
+    """x's 16-bit rows, whether or not they come with their e4m3 copy."""
+    return x.x if isinstance(x, Fp8Rows) else x
 
 
 @dataclass(frozen=True)
@@ -99,23 +116,28 @@ def reference_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None, w8a8: bool = False) -> torch.Tensor:
+               block: tuple[int, int] | None, w8a8: bool = False,
+               rows: Fp8Rows | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
     [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
-    module docstring: an approximation of x); off, every path computes the reference's math."""
+    module docstring: an approximation of x), or taken from rows (x's, already quantized);
+    off, every path computes the reference's math."""
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
     if kernel is None:
         if w8a8:
-            return reference_w8a8_matmul(x, weight, scale, block)
+            return reference_w8a8_matmul(x, weight, scale, block, rows)
         return reference_fp8_matmul(x, weight, scale, block)
     if x.stride(1) != 1:
         x = x.contiguous()
     keywords = {**asdict(tiling), "block_k": block_k}
     if w8a8:
-        quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x)
+        if rows is not None:
+            quantized, row_scale = rows.fp8, rows.scale
+        else:
+            quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x)
         return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
                       **{**keywords, "widen_prmt": False})
     return kernel(x, weight, scale, block, **keywords)
@@ -131,10 +153,10 @@ def launch_tiling(rows: int, n: int, w8a8: bool) -> Fp8Tiling:
 
 
 def reference_w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                          block: tuple[int, int] | None) -> torch.Tensor:
-    """fp8_matmul's w8a8 math in float32: x quantized per row (quantize_rows), dequantized,
-    times dequant(W).T, in x's dtype."""
-    quantized, row_scale = quantize_rows(x)
+                          block: tuple[int, int] | None, rows: Fp8Rows | None = None) -> torch.Tensor:
+    """fp8_matmul's w8a8 math in float32: x quantized per row (quantize_rows, or rows's copy
+    where given), dequantized, times dequant(W).T, in x's dtype."""
+    quantized, row_scale = quantize_rows(x) if rows is None else (rows.fp8, rows.scale.reshape(-1, 1))
     return ((quantized.float() * row_scale) @ dequantize_fp8(weight, scale, block).t()).to(x.dtype)
 
 

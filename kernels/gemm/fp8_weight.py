@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import fp8_matmul
+from .fp8 import Fp8Rows, fp8_matmul, plain_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0       # the largest finite float8_e4m3fn
@@ -46,11 +46,13 @@ class Fp8Weight:
                          (1, self.block[1]))
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | None = None,
                group: str | None = None, w8a8: bool = False) -> torch.Tensor:
     """x [M, K] @ w's dequantized [K, N] (+ bias) in x's dtype: the FP8 counterpart of
-    dispatch.cublas, with its signature; w8a8: x quantized per row first (fp8_matmul)."""
-    y = fp8_matmul(x, w.weight, w.scale, w.block, w8a8=w8a8)
+    dispatch.cublas, with its signature; w8a8: x quantized per row first, or x's e4m3 copy
+    where it comes with one (fp8_matmul)."""
+    rows = x if isinstance(x, Fp8Rows) else None
+    y = fp8_matmul(plain_rows(x), w.weight, w.scale, w.block, w8a8=w8a8, rows=rows)
     return y if bias is None else y + bias
 
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gemm.fp8 import Fp8Rows
+from ..gemm.fp8_rows_triton import quantize_stored_row
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
 from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
@@ -63,11 +65,13 @@ def _weigh(v, rstd, w, UNIT_OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x,
-                   H: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr,
-                   UNIT_OFFSET: tl.constexpr = False):
+def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, stride_nh, stride_x,
+                   stride_q, H: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr,
+                   UNIT_OFFSET: tl.constexpr = False, QUANT: tl.constexpr = False):
     """Reads row t of the new residual stream back and writes it normalised and weighted.
-    CG: load through L2 only (rows other programs wrote)."""
+    CG: load through L2 only (rows other programs wrote). QUANT: the written row also in
+    e4m3 with its scale (q, qs: the W8A8 GEMM's operand, kernels/gemm/fp8_rows_triton.py)."""
+    amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
         mask = offs < H
@@ -79,17 +83,22 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
         x = _weigh(new, rstd, w, UNIT_OFFSET).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+        if QUANT:
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    if QUANT:
+        quantize_stored_row(x_ptr + t * stride_x, q_ptr + t * stride_q, qs_ptr + t,
+                            tl.max(amax, axis=0), H, BLOCK_H)
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, rows_ptr,
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, q_ptr, qs_ptr, part_ptr, b_ptr, rows_ptr,
     dense_ptr, out_norm_ptr, eps, R,
-    stride_h, stride_o, stride_nh, stride_x,
+    stride_h, stride_o, stride_nh, stride_x, stride_q,
     stride_ps, stride_pt, stride_rows, stride_br, stride_dense,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr = False, OUT_NORM: tl.constexpr = False,
+    UNIT_OFFSET: tl.constexpr = False, OUT_NORM: tl.constexpr = False, QUANT: tl.constexpr = False,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
@@ -132,20 +141,20 @@ def _add_rms_norm_kernel(
             sumsq += newf * newf
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / H + eps)
     tl.debug_barrier()  # the row's stores above, by every thread, before it is read back
-    _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H, BLOCK_H,
-                   False, UNIT_OFFSET)
+    _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, stride_nh, stride_x,
+                   stride_q, H, BLOCK_H, False, UNIT_OFFSET, QUANT)
 
 
 @triton.jit
 def _add_rms_norm_split_kernel(
-    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, part_ptr, b_ptr, rows_ptr,
+    hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, q_ptr, qs_ptr, part_ptr, b_ptr, rows_ptr,
     dense_ptr, arrivals_ptr, sums_ptr, eps, R,
-    stride_h, stride_o, stride_nh, stride_x,
+    stride_h, stride_o, stride_nh, stride_x, stride_q,
     stride_ps, stride_pt, stride_rows, stride_br, stride_dense, stride_sums,
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr, EARLY_SUMS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, QUANT: tl.constexpr = False,
 ):
     """The LoRA add + norm with each row spread over CHUNKS programs of BLOCK_H columns
     (grid: row, chunk): a program expands and adds its columns, stores them and its part of
@@ -194,17 +203,19 @@ def _add_rms_norm_split_kernel(
         parts = tl.load(sums_ptr + t * stride_sums + offs_c, mask=offs_c < CHUNKS, other=0.0,
                         cache_modifier=".cg")
         rstd = 1.0 / tl.sqrt(tl.sum(parts, axis=0) / H + eps)
-        _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, t, rstd, stride_nh, stride_x, H,
-                       NORM_BLOCK, True)
+        _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, stride_nh, stride_x,
+                       stride_q, H, NORM_BLOCK, True, False, QUANT)
 
 
 def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
                         eps: float, delta: LoraDelta | None = None, *,
                         block_h: int | None = None, num_warps: int | None = None,
                         tuning: Tuning = DEFAULT_TUNING, unit_offset: bool = False,
-                        out_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_norm: torch.Tensor | None = None, quantize: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
     """As reference.add_rms_norm with delta.dense() (and its unit_offset and out_norm), in
-    one launch. block_h: columns per unrolled chunk. With a delta the defaults (2048 columns,
+    one launch; quantize: the normalised rows come as Fp8Rows, with their e4m3 copy
+    (quantize_rows's, written in the same launch). block_h: columns per unrolled chunk. With a delta the defaults (2048 columns,
     8 warps) were the best of a sweep of its tilings on an H100 (docs/PERFORMANCE.md). A delta
     that carries a ColumnSplit covers each row with programs of split.block columns instead
     (block_h then sizes only the normalising pass), except where the output is normalised
@@ -214,8 +225,14 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
     x = torch.empty_like(hidden)
+    if quantize:
+        q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=hidden.device)
+        qs = torch.empty(T, dtype=torch.float32, device=hidden.device)
+    else:
+        q, qs = x, x  # dummy pointers, never written
+    normed = Fp8Rows(x, q, qs) if quantize else x
     if T == 0:
-        return new_hidden, x
+        return new_hidden, normed
     dense = delta is not None and delta.expanded is not None
     if dense:
         assert delta.expanded.shape == (T, H) and delta.expanded.stride(1) == 1
@@ -238,25 +255,25 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     if split is not None and split.block < H and split.fits(T, H) and out_norm is None and not unit_offset:
         chunks = cdiv(H, split.block)
         _add_rms_norm_split_kernel[(T, chunks)](
-            hidden, out, weight, new_hidden, x, *lora, dense_args[0], split.arrivals, split.sums,
-            eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0),
+            hidden, out, weight, new_hidden, x, q, qs, *lora, dense_args[0], split.arrivals, split.sums,
+            eps, R, hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), q.stride(0),
             *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, CHUNKS=chunks,
             BLOCK_H=split.block, BLOCK_R=next_power_of_2(R),
             BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h,
             EARLY_SUMS=not (delta is not None and delta.sums_after_wait),
-            PDL=pdl, **pdl_launch(pdl),
+            PDL=pdl, **pdl_launch(pdl), QUANT=quantize,
             num_warps=num_warps or 4,
         )
     else:
         _add_rms_norm_kernel[(T,)](
-            hidden, out, weight, new_hidden, x, *lora, dense_args[0],
+            hidden, out, weight, new_hidden, x, q, qs, *lora, dense_args[0],
             out_norm if out_norm is not None else weight, eps, R,
-            hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), *lora_strides,
+            hidden.stride(0), out.stride(0), new_hidden.stride(0), x.stride(0), q.stride(0), *lora_strides,
             dense_args[1],
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
             BLOCK_H=block_h, BLOCK_R=next_power_of_2(R), PDL=pdl, **pdl_launch(pdl),
-            UNIT_OFFSET=unit_offset, OUT_NORM=out_norm is not None,
+            UNIT_OFFSET=unit_offset, OUT_NORM=out_norm is not None, QUANT=quantize,
             num_warps=num_warps or (8 if delta is not None else 4),
         )
-    return new_hidden, x
+    return new_hidden, normed

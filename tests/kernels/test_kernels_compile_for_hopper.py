@@ -21,6 +21,8 @@ def compile_for_hopper(fn, types: dict[str, str], constexprs: dict[str, object])
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # constexprs left out take their defaults (a kernel's options added later, off)
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
     compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in compiled.asm
@@ -62,6 +64,29 @@ def test_gelu_tanh_gating(lora: bool) -> None:
         SPLITS=2, HAS_LORA=lora, DENSE=False, BLOCK_I=1024, BLOCK_R=16, PDL=False, EARLY_B=False, GELU_TANH=True))
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_norm_and_silu_writing_their_rows_in_e4m3(lora: bool) -> None:
+    """QUANT (W8A8's operand written by the kernel that makes the rows): the add + norm, one
+    program a row and split over columns, and SiLU * up with its arrival counts."""
+    from kernels.activation.triton_kernel import _silu_mul_kernel
+    from kernels.norm.triton_kernel import _add_rms_norm_kernel, _add_rms_norm_split_kernel
+
+    quant = {"q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "amax_ptr": "*fp32", "arrivals_ptr": "*i32"}
+    types = {n: "*bf16" for n in ("hidden_ptr", "out_ptr", "weight_ptr", "new_hidden_ptr", "x_ptr", "b_ptr",
+                                  "out_norm_ptr")}
+    types |= {"part_ptr": "*fp32", "rows_ptr": "*i32", "dense_ptr": "*fp32", "eps": "fp32", "sums_ptr": "*fp32"}
+    compile_for_hopper(_add_rms_norm_kernel, types | quant, dict(
+        H=4096, SPLITS=2, HAS_LORA=lora, DENSE=False, BLOCK_H=2048, BLOCK_R=16, PDL=False, QUANT=True))
+    compile_for_hopper(_add_rms_norm_split_kernel, types | quant, dict(
+        H=4096, SPLITS=2, HAS_LORA=True, DENSE=not lora, CHUNKS=8, BLOCK_H=512, BLOCK_R=16, BLOCK_CHUNKS=8,
+        NORM_BLOCK=2048, EARLY_SUMS=True, PDL=False, QUANT=True))
+    types = {n: "*bf16" for n in ("gu_ptr", "act_ptr", "bg_ptr", "bu_ptr")}
+    types |= {"part_ptr": "*fp32", "rows_ptr": "*i32", "dense_ptr": "*fp32"}
+    compile_for_hopper(_silu_mul_kernel, types | quant, dict(
+        SPLITS=2, HAS_LORA=lora, DENSE=False, BLOCK_I=1024, BLOCK_R=16, PDL=False, EARLY_B=False,
+        QUANT=True, SPANS=14, BLOCK_SPANS=16))
+
+
 @pytest.mark.parametrize("lora, unit_offset", [(False, False), (True, True)])
 def test_rope_with_qk_norm(lora: bool, unit_offset: bool) -> None:
     from kernels.rope.triton_kernel import _rope_cache_kernel
@@ -95,6 +120,8 @@ def test_fused_all_reduce_flags_and_peer_loads(dtype: str, world: int, hidden: i
     constexprs = dict(RANK=1, WORLD=world, H=hidden, BLOCK_H=1 << (hidden - 1).bit_length(), HAS_BIAS=not gemma,
                       UNIT_OFFSET=gemma, OUT_NORM=gemma, SYNC=True)
     types = pointers | {"eps": "fp32"}
+    # constexprs left out take their defaults (a kernel's options added later, off)
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
     # What the launch's specialisation gives: pointers and the slot size divisible by 16.
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)

@@ -677,6 +677,74 @@ def test_silu_mul_matches_reference(tokens: int, inter: int, with_delta: bool, e
     assert_close_scaled(act, ref, dt)  # bf16: g + delta may round a step apart, times up
 
 
+def assert_quantized_rows(rows, plain: torch.Tensor) -> None:
+    """rows (Fp8Rows) hold `plain`, the kernel's output without quantizing, and its e4m3 copy
+    and scales as quantize_rows makes them from it, bit for bit."""
+    from kernels.gemm.fp8 import Fp8Rows, quantize_rows
+
+    assert isinstance(rows, Fp8Rows)
+    assert torch.equal(rows.x, plain)
+    q_ref, s_ref = quantize_rows(plain)
+    assert torch.equal(rows.scale.cpu(), s_ref.reshape(-1).cpu())
+    assert torch.equal(rows.fp8.view(torch.uint8).cpu(), q_ref.view(torch.uint8).cpu())
+
+
+@settings(max_examples=12 if INTERPRET else 60, deadline=None, derandomize=True, database=None)
+@given(tokens=st.integers(1, 5), hidden=st.sampled_from([24, 200, 2304]), with_delta=st.booleans(),
+       expanded=st.booleans(), split=st.booleans(), dtype=st.sampled_from(list(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_add_rms_norm_writes_its_rows_in_e4m3_too(tokens: int, hidden: int, with_delta: bool,
+                                                  expanded: bool, split: bool, dtype: str, seed: int) -> None:
+    """quantize=True: the same residual stream and normed rows, plus their e4m3 copy and row
+    scales equal to quantize_rows of those rows, one program a row or a ColumnSplit's many
+    (two launches on one scratch: its arrival counts come back to zero)."""
+    from kernels.lora.delta import ColumnSplit
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    res = (4 * torch.randn(tokens, hidden, generator=gen)).to(dt).to(DEVICE)
+    out = torch.randn(tokens, hidden, generator=gen).to(dt).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dt).to(DEVICE)
+    delta = maybe_expanded(random_lora_delta(gen, tokens, [hidden], dt) if with_delta or split else None,
+                           expanded)
+    if split:
+        delta = dataclasses.replace(delta, column_split=ColumnSplit.allocate(64, 16, 4096, torch.device(DEVICE)))
+    new_plain, x_plain = add_rms_norm_triton(res, out, weight, 1e-5, delta)
+    for _ in range(2 if split else 1):
+        new, rows = add_rms_norm_triton(res, out, weight, 1e-5, delta, quantize=True)
+        assert torch.equal(new, new_plain)
+        assert_quantized_rows(rows, x_plain)
+        if split:
+            assert int(delta.column_split.arrivals.count_nonzero()) == 0
+
+
+@settings(max_examples=12 if INTERPRET else 60, deadline=None, derandomize=True, database=None)
+@given(tokens=st.integers(1, 5), inter=st.sampled_from([24, 200, 1536]), with_delta=st.booleans(),
+       expanded=st.booleans(), block_i=st.sampled_from([None, 64]), dtype=st.sampled_from(list(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_silu_mul_writes_its_rows_in_e4m3_too(tokens: int, inter: int, with_delta: bool, expanded: bool,
+                                              block_i: int | None, dtype: str, seed: int) -> None:
+    """quantize=True: the same activation plus its e4m3 copy and row scales equal to
+    quantize_rows of it, whether a row is one program or many (the last to arrive
+    quantizes); the per-row arrival counts are zero after each of two launches."""
+    from kernels.activation.triton_kernel import silu_mul_triton
+    from kernels.host import arrival_counts
+    from kernels.activation.triton_kernel import ROWS_QUANTIZED
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    gate_up = (2 * torch.randn(tokens, 2 * inter, generator=gen)).to(dt).to(DEVICE)
+    delta = maybe_expanded(random_lora_delta(gen, tokens, [inter, inter], dt) if with_delta else None,
+                           expanded)
+    plain = silu_mul_triton(gate_up, delta, block_i=block_i)
+    counts = arrival_counts(gate_up.device, "silu_mul", ROWS_QUANTIZED)
+    for _ in range(2):
+        rows = silu_mul_triton(gate_up, delta, block_i=block_i, quantize=True)
+        assert_quantized_rows(rows, plain)
+        assert int(counts.count_nonzero()) == 0
+
+
 def test_shrink_partials_are_zero_past_each_rank_and_on_slices_switched_off() -> None:
     """In an uninitialised workspace, every row with an adapter gets all R columns of every
     split and slice written, zeros past its rank and on a slice its adapter leaves alone (even

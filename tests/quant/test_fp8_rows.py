@@ -1,0 +1,86 @@
+"""W8A8's activations quantized by the kernels that write them (#57): under
+`--quantization fp8-w8a8` the residual add + RMSNorm before q/k/v and gate/up, and SiLU * up
+before down, hand the next GEMM their rows in e4m3 too (Fp8Rows), so it launches no quantizer.
+The copy is quantize_rows's bit for bit (tests/kernels/test_triton_kernels.py), so a node
+answers the same tokens with the copies handed on as without: checked on the GPU with the
+Triton kernels, and on the CPU with the PyTorch ops standing in for them (the model's seams:
+the copies reach the FP8 GEMMs, the LoRA shrinks read the 16-bit rows)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from family_checkpoints import make_family_adapter
+from inference_node.llm import LLM
+from inference_node.model.launch import ElementwiseOps
+from kernels.gemm.fp8 import Fp8Rows, quantize_rows
+
+PROMPTS = [[500, 600, 700, 800], [1200, 1300, 1400, 1500, 1600, 1700, 1800], [42, 43]]
+ADAPTER = "r8-all"
+
+
+def rows_by_reference(monkeypatch: pytest.MonkeyPatch, scale_by: float = 1.0) -> None:
+    """The CPU ops hand on Fp8Rows where asked, quantized by quantize_rows (as the Triton
+    kernels do on a GPU); scale_by != 1 hands on wrong scales, which must show in the tokens."""
+    norm, silu = ElementwiseOps.add_rms_norm, ElementwiseOps.silu_mul
+
+    def with_rows(x: torch.Tensor) -> Fp8Rows:
+        quantized, scale = quantize_rows(x)
+        return Fp8Rows(x, quantized, scale.reshape(-1) * scale_by)
+
+    def add_rms_norm(self, *args, quantize: bool = False, **kwargs):
+        hidden, x = norm(self, *args, **kwargs)
+        return hidden, with_rows(x) if quantize else x
+
+    def silu_mul(self, *args, quantize: bool = False, **kwargs):
+        act = silu(self, *args, **kwargs)
+        return with_rows(act) if quantize else act
+
+    monkeypatch.setattr(ElementwiseOps, "add_rms_norm", add_rms_norm)
+    monkeypatch.setattr(ElementwiseOps, "silu_mul", silu_mul)
+
+
+def answers(checkpoint: Path, adapters: Path, device: str, fuse: bool) -> list[list[int]]:
+    """Greedy tokens of the base and an adapter under --quantization fp8-w8a8, graphs on;
+    fuse False: the norms and SiLU hand on 16-bit rows, and each FP8 GEMM quantizes its own."""
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    with LLM(checkpoint=str(checkpoint), device=device, dtype=dtype, num_kv_blocks=128, max_loras=2,
+             max_lora_rank=8, adapter_dir=str(adapters), quantization="fp8-w8a8", debug_checks=True,
+             decode_graphs="on", mixed_graphs="on") as llm:
+        model = llm.engine.runner.model
+        assert model.fp8_w8a8
+        model.fp8_w8a8 = fuse
+        got = [a.token_ids for a in llm.generate(PROMPTS, 12, ignore_eos=True)]
+        got += [a.token_ids for a in llm.generate(PROMPTS, 12, adapter=ADAPTER, ignore_eos=True)]
+        assert llm.engine.snapshot()["graph_steps"] > 0
+        return got
+
+
+@pytest.fixture
+def adapters(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    checkpoint = request.getfixturevalue(request.param)
+    make_family_adapter(checkpoint, tmp_path / "adapters" / ADAPTER, 8, 16.0,
+                        ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], scale=3.0)
+    return checkpoint, tmp_path / "adapters"
+
+
+@pytest.mark.parametrize("adapters", ["tiny_llama_path"], indirect=True)
+def test_rows_handed_on_reach_the_fp8_gemms_on_the_cpu(adapters: tuple[Path, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint, root = adapters
+    plain = answers(checkpoint, root, "cpu", fuse=False)
+    rows_by_reference(monkeypatch)
+    assert answers(checkpoint, root, "cpu", fuse=True) == plain
+    rows_by_reference(monkeypatch, scale_by=4.0)
+    assert answers(checkpoint, root, "cpu", fuse=True) != plain, "the GEMMs did not take the rows handed on"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adapters", ["llama_8b_widths_path"], indirect=True)
+def test_rows_quantized_by_the_norm_and_silu_kernels_change_no_token(adapters: tuple[Path, Path]) -> None:
+    """8B widths (a norm row in two chunks, a SiLU row over 14 programs): the Triton kernels'
+    copies give the tokens the W8A8 GEMM's own quantizer gives."""
+    checkpoint, root = adapters
+    assert answers(checkpoint, root, "cuda", fuse=True) == answers(checkpoint, root, "cuda", fuse=False)
