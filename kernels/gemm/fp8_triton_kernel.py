@@ -11,10 +11,16 @@ per-channel scales once per output at the end, block scales ([ceil(N/bn), ceil(K
 Face's fine-grained FP8) once per K tile (a K tile never straddles two scale blocks).
 
 A decode batch has one row tile, so an N of 4096 in 64-column tiles gives 64 programs for 132
-SMs: SPLIT_K programs share each tile's K range and write float32 partials that a second small
-launch sums in a fixed order (deterministic, so replays are bit-identical). Rows past one tile
-(prefill) get programs of their own, the row tile fastest so that the programs running
-together share their weight tile in L2.
+SMs: SPLIT_K programs share each tile's K range, each stores its float32 partial and counts
+itself in on the tile's counter, and the last to arrive sums the tile's partials in split
+order (deterministic: replays are bit-identical whichever program sums) into y and zeroes the
+counter for the next launch. The sum then needs no launch of its own: a launch less per split
+projection in the decode graph. That program reads all SPLIT_K partial tiles alone, so past
+LAST_SUMS_MAX_ROWS rows a tile a second launch sums them instead (_split_k_sum: the same
+order, the same bits). The counters are one buffer a device (tile_counters), so two split
+GEMMs must not run at once on one device: the node launches them one after another on one
+stream. Rows past one tile (prefill) get programs of their own, the row tile fastest so that
+the programs running together share their weight tile in L2.
 
 On Hopper the tile's product runs on wgmma, whose second operand must sit in shared memory and
 whose first may come from registers. As x @ W.T the widened weight is the second operand: each
@@ -29,7 +35,7 @@ pointer loads issue one 16-byte copy per thread. WIDEN_PRMT: e4m3 -> bf16 by int
 element. All three are exact; which is fastest is measured (inference_node/tuner/fp8_gemm.py
 --sweep).
 
-Everything is sized from shapes, nothing from data: a CUDA graph captures both launches.
+Everything is sized from shapes, nothing from data: a CUDA graph captures the launch.
 """
 from __future__ import annotations
 
@@ -118,16 +124,18 @@ def _along_n(v, SWAP_AB: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, M, N,
+    x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
-    W8A8: tl.constexpr = False,
+    W8A8: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, LAST_SUMS: tl.constexpr = False,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
-    (split stride stride_split), summed by _split_k_sum; else out is y and gets x's dtype.
+    (split stride stride_split), summed into y ([M, N], row stride stride_om) by the tile's
+    last program to arrive with LAST_SUMS (counter_ptr: a zero int32 a tile, left zero), else
+    by _split_k_sum; not PARTIAL: out is y and gets x's dtype (y_ptr unused).
     BLOCK_SCALES: s is [ceil(N/SCALE_BN), ceil(K/SCALE_BK)] and BLOCK_K divides SCALE_BK; else
     s is [N] (stride stride_sn). EVEN_K: BLOCK_K divides K (no column mask). SWAP_AB: the
     tile is computed as W @ x.T (module docstring). TMA: x and W tiles come through the
@@ -181,21 +189,37 @@ def _fp8_gemm_kernel(
             acc = acc * row_scale[:, None]
     rows = offs_m.to(tl.int64) * stride_om
     if SWAP_AB:
-        out_ptrs = out_ptr + pid_k * stride_split + offs_n[:, None] + rows[None, :]
+        offs = offs_n[:, None] + rows[None, :]
         mask = mask_n[:, None] & mask_m[None, :]
     else:
-        out_ptrs = out_ptr + pid_k * stride_split + rows[:, None] + offs_n[None, :]
+        offs = rows[:, None] + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
-    if PARTIAL:
-        tl.store(out_ptrs, acc, mask=mask)
+    if not PARTIAL:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + pid_k * stride_split + offs, acc, mask=mask)
+    if LAST_SUMS:
+        # Every thread's partial stored before the count (a release at GPU scope): the program
+        # that sees the full count then sees every split's partial of the tile.
+        tl.debug_barrier()
+        counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            # _split_k_sum's order and rounding, so y is the same bits whichever path sums;
+            # .cg: the other splits' partials were written by other SMs (past this one's L1)
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(out_ptr + s * stride_split + offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _split_k_sum(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """y (contiguous [M, N]) = the sum over splits of the partials [SPLIT_K, M, N], in split
-    order, rounded once to y's dtype."""
+    order, rounded once to y's dtype: the launch after the GEMM's where its programs do not
+    sum their tiles themselves (fp8_gemm_triton)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -279,6 +303,32 @@ def auto_split_k(programs: int, k_tiles: int, sms: int) -> int:
     return split
 
 
+COUNTER_TILES = 4096  # output tiles a split launch can count (8B decode splits 64 to 96)
+# The most rows a tile (BLOCK_M) has where its last program sums the splits. H200, 8B widths,
+# replays of a graph of split launches: 0.1 to 1 us faster than the sum launch at 1 to 16 rows;
+# at 48 and 64 rows, where the one program reads SPLIT_K float32 tiles of 64 rows, 0.1 to 1.4
+# us slower (W8A8's o worst), and mixed at 24 and 32.
+LAST_SUMS_MAX_ROWS = 16
+_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's arrival counters of split launches, COUNTER_TILES int32 zeros: allocated
+    once and never freed or regrown (captured CUDA graphs hold their address), left zero by
+    each launch's last programs, so a replay needs no clearing. Shared by every split launch
+    on the device: two must not run at once (the node runs them on one stream, one after
+    another). None during a graph capture before the first allocation (the buffer would be
+    the graph's memory): _split_k_sum sums that launch."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _TILE_COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _TILE_COUNTERS[device] = torch.zeros(COUNTER_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
 def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether TMA descriptors can address x [M, K] and weight [N, K]: 16-byte aligned bases
     and row strides (a K of one byte a weight that is a multiple of 16), K contiguous."""
@@ -341,6 +391,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     split_k = cdiv(K, k_per_split)  # no split left without columns
     partial = split_k > 1
     out = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if partial else y
+    counters = tile_counters(x.device) if partial and block_m <= LAST_SUMS_MAX_ROWS else None
+    last_sums = counters is not None and tiles_m * tiles_n <= counters.numel()
     if block is None:
         scale_bn, scale_bk, stride_sn, stride_sk = 1, 1, scale.stride(0), 0
     else:
@@ -348,16 +400,16 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     f32 = dot_f32(y.dtype if w8a8 else x.dtype, x.device)
     x_desc, w_desc = descriptors(x, weight, block_m, block_n, block_k) if tma else (None, None)
     _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
-        x, weight, x_desc, w_desc, scale, x_scale, out, M, N,
+        x, weight, x_desc, w_desc, scale, x_scale, out, y, counters if last_sums else None, M, N,
         x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N,
         K=K, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
-        W8A8=w8a8,
+        W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if partial:
+    if partial and not last_sums:
         sum_block = 1024
         _split_k_sum[(cdiv(M * N, sum_block),)](out, y, M * N, SPLIT_K=split_k, BLOCK=sum_block,
                                                num_warps=4)

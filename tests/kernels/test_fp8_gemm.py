@@ -78,7 +78,7 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     TMA through bulk tensor copies; with SWAP_AB the widened weight is wgmma's register operand
     (no shared-memory round trip; without it, wgmma reads the widened weight from shared
     memory, or under 64 rows Ampere's mma.sync runs); with WIDEN_PRMT no conversion goes
-    through f16."""
+    through f16; split over K, the tile's last program sums the splits."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -91,18 +91,23 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
                       DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
-                      WIDEN_PRMT=prmt, W8A8=x_type == "fp8e4nv")
+                      WIDEN_PRMT=prmt, W8A8=x_type == "fp8e4nv", SPLIT_K=4 if partial else 1,
+                      LAST_SUMS=partial)
     if x_type != "fp8e4nv":
         constexprs.update(xs_ptr=None)
+    if not partial:
+        constexprs.update(counter_ptr=None)
     out_type = "bf16" if x_type == "fp8e4nv" else x_type
     types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32",
-             "out_ptr": "*fp32" if partial else f"*{out_type}"}
+             "out_ptr": "*fp32" if partial else f"*{out_type}", "y_ptr": f"*{out_type}",
+             "counter_ptr": "*i32"}
     if tma:
         types.update(x_desc=f"tensordesc<{x_type}[{block_m},{block_k}]>",
                      w_desc=f"tensordesc<fp8e4nv[{block_n},{block_k}]>")
     else:
         constexprs.update(x_desc=None, w_desc=None)
-    aligned = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "stride_xm", "stride_wn", "stride_om")
+    aligned = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "y_ptr", "N", "stride_xm", "stride_wn",
+               "stride_om", "stride_split")
     fn = _fp8_gemm_kernel
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -127,6 +132,13 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
         assert "fma.rn.bf16x2" in ptx and "cvt.bf16.f16" not in ptx and "e4m3x2" not in ptx
     elif x_type == "bf16":
         assert "cvt.rn.f16x2.e4m3x2" in ptx
+    # Split: the tile's last program to arrive (a GPU-scope acquire-release count, reset after)
+    # sums the partials, read past L1 (.cg: other SMs wrote them); the sum launch is the
+    # fallback where the counters do not reach
+    atomics = [op for line in ptx.splitlines() for op in line.split() if op.startswith("atom.")]
+    assert atomics == (["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"]
+                       if partial else []), atomics
+    assert ("ld.global.cg" in ptx) == partial
     if partial:
         sum_signature = {"part_ptr": "*fp32", "y_ptr": f"*{out_type}", "numel": "i32",
                          "SPLIT_K": "constexpr", "BLOCK": "constexpr"}
@@ -305,6 +317,78 @@ def test_split_k_partials_sum_to_the_unsplit_result() -> None:
     for split in (2, 3, 4, 11, 40):  # 40: clamped to the 11 K tiles
         y = fp8_gemm_triton(x, weight, scale, (16, 16), block_n=16, block_k=16, split_k=split)
         torch.testing.assert_close(y, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
+
+
+class _LaunchSpy:
+    """A kernel whose launches are recorded (their grids) and then run."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@needs_triton_device
+@pytest.mark.parametrize("launch", LAUNCHES[:2] + [dict(swap_ab=True, tma=True)],
+                         ids=["xwt", "swap", "swap-tma"])
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+def test_split_k_summed_by_each_tiles_last_program(w8a8: bool, launch: dict,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split over K, the tile's last program to arrive sums its splits' partials into y, with
+    no sum launch after the GEMM's: the sum launch's bits (float32 out, where a different
+    order would show), and the counters left zero, so the same launch again (as a graph's
+    replay) gives the same bits, and a new x its own product. 3 row tiles of 16 (the last
+    partial), 3 column tiles of 32 (the last partial), 7 K tiles of 32 (the last partial) in 3
+    splits; where the counters are missing (a capture before their allocation) or hold fewer
+    tiles, or a tile has more than LAST_SUMS_MAX_ROWS rows, the sum launch runs instead."""
+    from kernels.gemm import fp8_triton_kernel as fp8k
+
+    sums = _LaunchSpy(fp8k._split_k_sum)
+    monkeypatch.setattr(fp8k, "_split_k_sum", sums)
+    block = (32, 64)
+    x, weight, scale = make_case(37, 72, 208, block, torch.float32)
+    x2 = make_case(37, 72, 208, block, torch.float32, seed=1)[0]
+    keywords = dict(block_m=16, block_n=32, block_k=32, split_k=3, **launch)
+    if launch.get("tma"):
+        assert all(d is not None for d in fp8k.descriptors(x, weight, 16, 32, 32))
+
+    def gemm(rows: torch.Tensor) -> torch.Tensor:
+        if not w8a8:
+            return fp8k.fp8_gemm_triton(rows, weight, scale, block, **keywords)
+        quantized, row_scale = fp8k.quantize_rows_triton(rows)
+        return fp8k.fp8_gemm_triton(quantized, weight, scale, block, x_scale=row_scale,
+                                    out_dtype=torch.float32, **keywords)
+
+    counters = fp8k.tile_counters(torch.device(DEVICE))  # "cuda": the current device's
+    assert counters is fp8k.tile_counters(x.device)
+    first = gemm(x)
+    assert sums.grids == [] and int(counters.count_nonzero()) == 0
+    again = gemm(x)
+    assert int(counters.count_nonzero()) == 0
+    other = gemm(x2)
+    assert sums.grids == [] and int(counters.count_nonzero()) == 0
+    (assert_matches_w8a8_reference if w8a8 else assert_matches_reference)(first, x, weight, scale, block)
+    (assert_matches_w8a8_reference if w8a8 else assert_matches_reference)(other, x2, weight, scale, block)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8k, "tile_counters", lambda device: None)
+        summed = gemm(x)
+        summed_other = gemm(x2)
+    assert len(sums.grids) == 2
+    small = torch.zeros(8, dtype=torch.int32, device=DEVICE)  # 9 tiles: one too many
+    monkeypatch.setitem(fp8k._TILE_COUNTERS, x.device, small)
+    assert torch.equal(gemm(x).view(torch.int32), summed.view(torch.int32))
+    assert len(sums.grids) == 3 and int(small.count_nonzero()) == 0
+    assert fp8k.LAST_SUMS_MAX_ROWS == 16
+    keywords["block_m"] = 32  # 2 row tiles of 32, 6 tiles in all: counters enough, rows not
+    taller = gemm(x)
+    assert len(sums.grids) == 4 and int(small.count_nonzero()) == 0
+    (assert_matches_w8a8_reference if w8a8 else assert_matches_reference)(taller, x, weight, scale, block)
+    for y, expected in ((first, summed), (again, summed), (other, summed_other)):
+        assert y.dtype == torch.float32
+        assert torch.equal(y.view(torch.int32), expected.view(torch.int32))
 
 
 @needs_triton_device

@@ -1,8 +1,8 @@
 """The weight-only FP8 GEMM natively on CUDA at Llama-3.1-8B's widths against the float32
 dequantized product: decode rows (the kernel fp8_matmul launches, bit for bit), prefill rows,
-replays of a CUDA graph that captured it, W8A8 prefill on Hopper; and, printed not asserted,
-its time against bf16 torch.mm at 64 rows (inference_node/tuner/fp8_gemm.py's table).
-Skipped where no CUDA device is present."""
+replays of a CUDA graph that captured it (K-split launches summing their own splits), W8A8
+prefill on Hopper; and, printed not asserted, its time against bf16 torch.mm at 64 rows
+(inference_node/tuner/fp8_gemm.py's table). Skipped where no CUDA device is present."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -128,8 +128,8 @@ def test_w8a8_is_the_row_quantized_product(group: str, rows: int, block: tuple[i
 def test_decode_gemm_replays_from_a_cuda_graph(group: str, rows: int,
                                                block: tuple[int, int] | None) -> None:
     """Captured once, replayed on new rows written into the captured input: each replay is the
-    new rows' product. o's 64 column tiles split K (partials, then the sum launch); gate/up's
-    448 tiles do not."""
+    new rows' product. o's 64 column tiles split K (at 1 row each tile's last split sums the
+    partials, at 64 a second launch); gate/up's 448 tiles do not."""
     from kernels.gemm.fp8 import DECODE_TILING, fp8_matmul
     from kernels.gemm.fp8_triton_kernel import auto_split_k
     from kernels.host import num_sms
@@ -150,6 +150,69 @@ def test_decode_gemm_replays_from_a_cuda_graph(group: str, rows: int,
         graph.replay()
         torch.cuda.synchronize()
         _assert_bf16_close(y, _expected(x, weight, scale, block))
+
+
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_split_k_graph_replays_sum_in_the_gemms_launch(rows: int, w8a8: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """o's decode launch (64 column tiles, K split to fill the SMs) captured in a CUDA graph:
+    up to LAST_SUMS_MAX_ROWS rows with no sum launch (each tile's last split sums the partials
+    and zeroes its counter), above it with one. Every replay, on new rows, is the new rows'
+    product, bit for bit the eager launch's and the sum launch's (forced: no counters), and
+    leaves the counters zero."""
+    from kernels.gemm import fp8_triton_kernel as fp8k
+    from kernels.gemm.fp8 import DECODE_TILING, W8A8_NARROW_TILING, reference_w8a8_matmul
+
+    launches: list[tuple] = []
+    real_sum = fp8k._split_k_sum
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real_sum[grid]
+
+    monkeypatch.setattr(fp8k, "_split_k_sum", Spy())
+    n, k = WIDTHS_8B["o"]
+    x, weight, scale = _case(rows, n, k, None)
+    tiling = asdict(W8A8_NARROW_TILING if w8a8 else DECODE_TILING)
+
+    def operands(rows_in: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fp8k.quantize_rows_triton(rows_in) if w8a8 else (rows_in,)
+
+    def gemm(*inputs: torch.Tensor) -> torch.Tensor:
+        extra = dict(x_scale=inputs[1], out_dtype=torch.bfloat16) if w8a8 else {}
+        return fp8k.fp8_gemm_triton(inputs[0], weight, scale, None, **tiling, **extra)
+
+    last_sums = rows <= fp8k.LAST_SUMS_MAX_ROWS
+    captured = operands(x)
+    with monkeypatch.context() as patch:  # o splits K: the sum launch runs without counters
+        patch.setattr(fp8k, "tile_counters", lambda device: None)
+        gemm(*captured)
+    assert len(launches) == 1
+    gemm(*captured)  # compiles, and allocates the counters, outside the capture
+    torch.cuda.synchronize()
+    counters = fp8k.tile_counters(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemm(*captured)
+    assert len(launches) == (1 if last_sums else 3)  # captured: none, or the sum launch
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for _ in range(2):
+        new = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        for buffer, value in zip(captured, operands(new)):
+            buffer.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(counters.count_nonzero()) == 0
+        assert torch.equal(y, gemm(*captured))
+        with monkeypatch.context() as patch:
+            patch.setattr(fp8k, "tile_counters", lambda device: None)
+            assert torch.equal(y, gemm(*captured))
+        expected = (reference_w8a8_matmul(new.float(), weight, scale, None) if w8a8
+                    else _expected(new, weight, scale, None))
+        _assert_bf16_close(y, expected)
+    assert len(launches) == (3 if last_sums else 7)
 
 
 def test_fp8_decode_gemm_against_bf16_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
