@@ -80,6 +80,8 @@ def arrival_counts(device: torch.device, owner: str, size: int) -> torch.Tensor 
     freed or regrown: captured CUDA graphs hold its address, and every launch leaves it zero
     again. Launches sharing it run one after another on one stream. None during a graph
     capture before it exists (it would be the graph's memory): the caller takes its other path."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     counts = _ARRIVAL_COUNTS.get((device, owner))
     if counts is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

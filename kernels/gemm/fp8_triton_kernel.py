@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, dot_f32, hopper, interpreting, num_sms
+from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms
 from .shapes import row_tile
 
 MAX_BLOCK_M = 64  # rows a program's tile holds by default; more rows get more programs
@@ -309,24 +309,15 @@ COUNTER_TILES = 4096  # output tiles a split launch can count (8B decode splits 
 # at 48 and 64 rows, where the one program reads SPLIT_K float32 tiles of 64 rows, 0.1 to 1.4
 # us slower (W8A8's o worst), and mixed at 24 and 32.
 LAST_SUMS_MAX_ROWS = 16
-_TILE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def tile_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's arrival counters of split launches, COUNTER_TILES int32 zeros: allocated
-    once and never freed or regrown (captured CUDA graphs hold their address), left zero by
-    each launch's last programs, so a replay needs no clearing. Shared by every split launch
-    on the device: two must not run at once (the node runs them on one stream, one after
-    another). None during a graph capture before the first allocation (the buffer would be
-    the graph's memory): _split_k_sum sums that launch."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _TILE_COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _TILE_COUNTERS[device] = torch.zeros(COUNTER_TILES, dtype=torch.int32, device=device)
-    return counters
+    """The device's arrival counters of split launches (host.arrival_counts): COUNTER_TILES
+    int32 zeros, left zero by each launch's last programs, so a replay needs no clearing.
+    Shared by every split launch on the device: two must not run at once (the node runs them
+    on one stream, one after another). None during a graph capture before they exist:
+    _split_k_sum sums that launch."""
+    return arrival_counts(device, "fp8_gemm", COUNTER_TILES)
 
 
 def tma_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -343,6 +343,7 @@ def test_split_k_summed_by_each_tiles_last_program(w8a8: bool, launch: dict,
     partial), 3 column tiles of 32 (the last partial), 7 K tiles of 32 (the last partial) in 3
     splits; where the counters are missing (a capture before their allocation) or hold fewer
     tiles, or a tile has more than LAST_SUMS_MAX_ROWS rows, the sum launch runs instead."""
+    from kernels import host
     from kernels.gemm import fp8_triton_kernel as fp8k
 
     sums = _LaunchSpy(fp8k._split_k_sum)
@@ -378,7 +379,7 @@ def test_split_k_summed_by_each_tiles_last_program(w8a8: bool, launch: dict,
         summed_other = gemm(x2)
     assert len(sums.grids) == 2
     small = torch.zeros(8, dtype=torch.int32, device=DEVICE)  # 9 tiles: one too many
-    monkeypatch.setitem(fp8k._TILE_COUNTERS, x.device, small)
+    monkeypatch.setitem(host._ARRIVAL_COUNTS, (x.device, "fp8_gemm"), small)
     assert torch.equal(gemm(x).view(torch.int32), summed.view(torch.int32))
     assert len(sums.grids) == 3 and int(small.count_nonzero()) == 0
     assert fp8k.LAST_SUMS_MAX_ROWS == 16
