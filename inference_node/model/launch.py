@@ -49,11 +49,9 @@ class ElementwiseOps:
         return add_rms_norm(hidden, out, weight, eps, None, unit_offset, out_norm)
 
     def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None,
-                 activation: str = "silu", quantize: bool = False) -> torch.Tensor | Fp8Rows:
-        """act(gate) * up; quantize: on CUDA with its e4m3 copy, as add_rms_norm's."""
+                 activation: str = "silu") -> torch.Tensor:
         if delta is not None or self.triton:
-            return silu_mul_lora(gate_up, delta, self.tuning, activation=activation,
-                                 quantize=quantize and self.triton)
+            return silu_mul_lora(gate_up, delta, self.tuning, activation=activation)
         return silu_mul(gate_up, None, activation)
 
 

@@ -275,7 +275,7 @@ class LlamaModel:
             act = launch.gemm.gated_silu(plain_rows(x), layer.gate_up)  # the SiLU in the GEMM's launch
         if act is None:
             gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
-            act = launch.ops.silu_mul(gate_up, delta, quantize=self.fp8_w8a8)
+            act = launch.ops.silu_mul(gate_up, delta)
         out, delta = self._project(launch, lora, i, "down", act, layer.down, None if tp else down_bias)
         return out, delta, down_bias if tp else None
 

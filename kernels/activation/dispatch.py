@@ -5,19 +5,15 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import triton_kernel
-from ..gemm.fp8 import Fp8Rows
 from ..lora.delta import LoraDelta
 from ..tuning import DEFAULT_TUNING, Tuning
 from .reference import silu_mul
 
 
 def silu_mul_lora(gate_up: torch.Tensor, delta: LoraDelta | None,
-                  tuning: Tuning = DEFAULT_TUNING, *, activation: str = "silu",
-                  quantize: bool = False) -> torch.Tensor | Fp8Rows:
-    """act(gate + its delta) * (up + its delta), see reference.silu_mul. quantize: where the
-    Triton kernel runs, with its e4m3 copy (Fp8Rows, for a W8A8 GEMM next); elsewhere that GEMM
-    quantizes."""
+                  tuning: Tuning = DEFAULT_TUNING, *, activation: str = "silu") -> torch.Tensor:
+    """act(gate + its delta) * (up + its delta), see reference.silu_mul."""
     kernel = triton_kernel(gate_up, "kernels.activation.triton_kernel", "silu_mul_triton")
     if kernel is not None:
-        return kernel(gate_up, delta, tuning=tuning, activation=activation, quantize=quantize)
+        return kernel(gate_up, delta, tuning=tuning, activation=activation)
     return silu_mul(gate_up, delta.dense() if delta is not None else None, activation)

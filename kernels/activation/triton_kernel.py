@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gemm.fp8 import Fp8Rows
-from ..gemm.fp8_rows_triton import quantize_stored_row
-from ..host import arrival_counts, cdiv, next_power_of_2, pdl_launch
+from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
 from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 from ..tuning import DEFAULT_TUNING, Tuning
@@ -41,24 +39,16 @@ def gelu_tanh_times(gate, up, dtype: tl.constexpr):
     return (gelu.to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
 
 
-ROWS_QUANTIZED = 16384  # rows up to which a launch also writes them in e4m3 (its arrival counts)
-
-
 @triton.jit
 def _silu_mul_kernel(
-    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, rows_ptr, dense_ptr, q_ptr, qs_ptr, amax_ptr,
-    arrivals_ptr, I, R,
+    gu_ptr, act_ptr, part_ptr, bg_ptr, bu_ptr, rows_ptr, dense_ptr,
+    I, R,
     stride_gu, stride_act, stride_ps, stride_pslice, stride_pt,
-    stride_rows, stride_bgr, stride_bur, stride_dense, stride_q,
+    stride_rows, stride_bgr, stride_bur, stride_dense,
     SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_R: tl.constexpr, PDL: tl.constexpr, EARLY_B: tl.constexpr = False,
-    GELU_TANH: tl.constexpr = False, QUANT: tl.constexpr = False, SPANS: tl.constexpr = 1,
-    BLOCK_SPANS: tl.constexpr = 2,
+    GELU_TANH: tl.constexpr = False,
 ):
-    """Program (row, span of BLOCK_I columns). QUANT: the row also in e4m3 with its scale (the
-    W8A8 GEMM's operand): each program stores its span's largest magnitude and counts itself
-    in; the row's last program (of SPANS) resets the count, takes the row's amax and quantizes
-    the row, read back through L2 (kernels/gemm/fp8_rows_triton.py)."""
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
     t = tl.program_id(0).to(tl.int64)
@@ -104,44 +94,22 @@ def _silu_mul_kernel(
     else:
         act = silu_times(g, u, act_ptr.dtype.element_ty)
     tl.store(act_ptr + t * stride_act + offs, act, mask=mask)
-    if QUANT:
-        tl.store(amax_ptr + t * BLOCK_SPANS + tl.program_id(1), tl.max(tl.abs(act.to(tl.float32)), axis=0))
-        # Every thread's stores above before the count (a release at GPU scope): the program
-        # that sees the full count then sees this program's columns and amax.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + t, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPANS - 1:
-            tl.atomic_xchg(arrivals_ptr + t, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-            offs_s = tl.arange(0, BLOCK_SPANS)
-            parts = tl.load(amax_ptr + t * BLOCK_SPANS + offs_s, mask=offs_s < SPANS, other=0.0,
-                            cache_modifier=".cg")
-            quantize_stored_row(act_ptr + t * stride_act, q_ptr + t * stride_q, qs_ptr + t,
-                                tl.max(parts, axis=0), I, BLOCK_I, True)
 
 
 def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
                     block_i: int | None = None, num_warps: int | None = None,
-                    tuning: Tuning = DEFAULT_TUNING, activation: str = "silu",
-                    quantize: bool = False) -> torch.Tensor | Fp8Rows:
-    """As reference.silu_mul with delta.dense() and its activation, in one launch; quantize:
-    up to ROWS_QUANTIZED rows, the activation comes as Fp8Rows, with its e4m3 copy
-    (quantize_rows's, written in the same launch; not in a graph captured before any launch
-    made its arrival counts: host.arrival_counts). block_i: columns per program. With a
-    delta to expand the defaults are the tuning's silu_row_tile, the decode graph's best:
-    alone, wider programs were faster, but in the graph a program's B, read before its wait,
-    is less to hold while the gate/up GEMM still runs."""
+                    tuning: Tuning = DEFAULT_TUNING, activation: str = "silu") -> torch.Tensor:
+    """As reference.silu_mul with delta.dense() and its activation, in one launch. block_i:
+    columns per program. With a delta to expand the defaults are the tuning's silu_row_tile,
+    the decode graph's best: alone, wider programs were faster, but in the graph a program's
+    B, read before its wait, is less to hold while the gate/up GEMM still runs."""
     assert activation in ("silu", "gelu_tanh"), activation
     T, two_i = gate_up.shape
     I = two_i // 2
     assert gate_up.stride(1) == 1
     act = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
-    counts = arrival_counts(gate_up.device, "silu_mul", ROWS_QUANTIZED) if quantize else None
-    quantize = counts is not None and T <= ROWS_QUANTIZED
-    if quantize:
-        q = torch.empty(T, I, dtype=torch.float8_e4m3fn, device=gate_up.device)
-        qs = torch.empty(T, dtype=torch.float32, device=gate_up.device)
     if T == 0:
-        return Fp8Rows(act, q, qs) if quantize else act
+        return act
     dense = delta is not None and delta.expanded is not None
     if dense:
         assert delta.expanded.shape == (T, two_i) and delta.expanded.stride(1) == 1
@@ -162,20 +130,12 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
     block_i = min(block_i or default_block, next_power_of_2(I))
     default_warps = tuning.silu_row_tile[1] if delta is not None and not dense else 4
     pdl = tuning.pdl_on(gate_up)
-    spans = cdiv(I, block_i)
-    block_spans = max(2, next_power_of_2(spans))
-    if quantize:
-        amax = torch.empty(T, block_spans, dtype=torch.float32, device=gate_up.device)
-        quant = (q, qs, amax, counts)
-    else:
-        quant = (act,) * 4  # dummy pointers, never read
-    _silu_mul_kernel[(T, spans)](
-        gate_up, act, *lora, delta.expanded if dense else gate_up, *quant, I, R, gate_up.stride(0),
-        act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0, quant[0].stride(0),
+    _silu_mul_kernel[(T, cdiv(I, block_i))](
+        gate_up, act, *lora, delta.expanded if dense else gate_up, I, R, gate_up.stride(0),
+        act.stride(0), *lora_strides, delta.expanded.stride(0) if dense else 0,
         SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, BLOCK_I=block_i,
         BLOCK_R=next_power_of_2(R), PDL=pdl,
         EARLY_B=tuning.expand_early_b_on(gate_up), **pdl_launch(pdl), GELU_TANH=activation == "gelu_tanh",
-        QUANT=quantize, SPANS=spans, BLOCK_SPANS=block_spans,
         num_warps=num_warps or default_warps,
     )
-    return Fp8Rows(act, q, qs) if quantize else act
+    return act

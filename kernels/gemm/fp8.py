@@ -46,8 +46,8 @@ E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 class Fp8Rows:
     """Activations x [M, K] with their e4m3 copy, one float32 scale a row (x ~ fp8 * scale,
     quantize_rows's math, bit for bit), written by the kernel that made x (the residual add +
-    RMSNorm, SiLU * up: kernels/norm, kernels/activation). The W8A8 GEMM then takes the copy
-    and launches no quantizer of its own; a LoRA shrink reads x."""
+    RMSNorm, kernels/norm). The W8A8 GEMM then takes the copy and launches no quantizer of its
+    own; a LoRA shrink reads x."""
 
     x: torch.Tensor
     fp8: torch.Tensor

@@ -1,6 +1,6 @@
-"""W8A8's activations quantized by the kernels that write them (#57): under
-`--quantization fp8-w8a8` the residual add + RMSNorm before q/k/v and gate/up, and SiLU * up
-before down, hand the next GEMM their rows in e4m3 too (Fp8Rows), so it launches no quantizer.
+"""W8A8's activations quantized by the kernel that writes them (#57): under
+`--quantization fp8-w8a8` the residual add + RMSNorm before q/k/v and gate/up hands the next
+GEMM its rows in e4m3 too (Fp8Rows), so that GEMM launches no quantizer.
 The copy is quantize_rows's bit for bit (tests/kernels/test_triton_kernels.py), so a node
 answers the same tokens with the copies handed on as without: checked on the GPU with the
 Triton kernels, and on the CPU with the PyTorch ops standing in for them (the model's seams:
@@ -23,8 +23,8 @@ ADAPTER = "r8-all"
 
 def rows_by_reference(monkeypatch: pytest.MonkeyPatch, scale_by: float = 1.0) -> None:
     """The CPU ops hand on Fp8Rows where asked, quantized by quantize_rows (as the Triton
-    kernels do on a GPU); scale_by != 1 hands on wrong scales, which must show in the tokens."""
-    norm, silu = ElementwiseOps.add_rms_norm, ElementwiseOps.silu_mul
+    kernel does on a GPU); scale_by != 1 hands on wrong scales, which must show in the tokens."""
+    norm = ElementwiseOps.add_rms_norm
 
     def with_rows(x: torch.Tensor) -> Fp8Rows:
         quantized, scale = quantize_rows(x)
@@ -34,17 +34,12 @@ def rows_by_reference(monkeypatch: pytest.MonkeyPatch, scale_by: float = 1.0) ->
         hidden, x = norm(self, *args, **kwargs)
         return hidden, with_rows(x) if quantize else x
 
-    def silu_mul(self, *args, quantize: bool = False, **kwargs):
-        act = silu(self, *args, **kwargs)
-        return with_rows(act) if quantize else act
-
     monkeypatch.setattr(ElementwiseOps, "add_rms_norm", add_rms_norm)
-    monkeypatch.setattr(ElementwiseOps, "silu_mul", silu_mul)
 
 
 def answers(checkpoint: Path, adapters: Path, device: str, fuse: bool) -> list[list[int]]:
     """Greedy tokens of the base and an adapter under --quantization fp8-w8a8, graphs on;
-    fuse False: the norms and SiLU hand on 16-bit rows, and each FP8 GEMM quantizes its own."""
+    fuse False: the norms hand on 16-bit rows, and each FP8 GEMM quantizes its own."""
     dtype = "float32" if device == "cpu" else "bfloat16"
     with LLM(checkpoint=str(checkpoint), device=device, dtype=dtype, num_kv_blocks=128, max_loras=2,
              max_lora_rank=8, adapter_dir=str(adapters), quantization="fp8-w8a8", debug_checks=True,
@@ -79,8 +74,8 @@ def test_rows_handed_on_reach_the_fp8_gemms_on_the_cpu(adapters: tuple[Path, Pat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("adapters", ["llama_8b_widths_path"], indirect=True)
-def test_rows_quantized_by_the_norm_and_silu_kernels_change_no_token(adapters: tuple[Path, Path]) -> None:
-    """8B widths (a norm row in two chunks, a SiLU row over 14 programs): the Triton kernels'
-    copies give the tokens the W8A8 GEMM's own quantizer gives."""
+def test_rows_quantized_by_the_norm_kernel_change_no_token(adapters: tuple[Path, Path]) -> None:
+    """8B widths (a norm row in two chunks; with the adapter, rows split over programs): the
+    Triton kernel's copies give the tokens the W8A8 GEMM's own quantizer gives."""
     checkpoint, root = adapters
     assert answers(checkpoint, root, "cuda", fuse=True) == answers(checkpoint, root, "cuda", fuse=False)
