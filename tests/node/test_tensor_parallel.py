@@ -489,12 +489,17 @@ def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path
 
 # -- GPU: Llama-3.1-8B's shapes (4 of its 32 layers), float32 -----------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("all_reduce", ["nccl", "symm", "fused"])
-def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir, all_reduce):
+@pytest.mark.parametrize("all_reduce, quantization", [("nccl", "none"), ("symm", "none"), ("fused", "none"),
+                                                      ("fused", "fp8"), ("fused", "fp8-w8a8")])
+def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir, all_reduce,
+                                                                 quantization):
     """TP=1 runs eagerly (its graphs and warm-up off); TP=2 replays decode and piecewise
     graphs on both ranks, its sums through NCCL, symmetric memory, or the fused all-reduce +
     add + norm kernel (decode steps; prompt steps' larger sums through NCCL). Float32 sums in
-    another order are far from flipping a greedy choice."""
+    another order are far from flipping a greedy choice. FP8 projections (quantized at load
+    from whole rows) likewise; under W8A8 a row-parallel projection rounds each rank's part of
+    a row to e4m3 with its own scale (kernels/gemm/fp8.py), so only each job's first tokens
+    must agree, and 3 in 4 of all."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from bench.harness import copy_tokenizer, write_random_adapter
@@ -511,7 +516,8 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
         write_random_adapter(adapters / name, config, rank, targets, seed, torch.device("cpu"),
                              dtype=torch.float32, std=0.05)
     flags = ("--device", "cuda", "--dtype", "float32", "--load-format", "dummy", "--max-model-len", "512",
-             "--tune-budget", "0")  # no table for float32 8B shapes: the defaults, not minutes of tuning
+             "--tune-budget", "0",  # no table for float32 8B shapes: the defaults, not minutes of tuning
+             "--quantization", quantization)
     # TP=1 shares GPU 0 with rank 0 of TP=2: a fixed KV cache; TP=2 sizes its own by measuring
     # a forward on both ranks (their collectives must meet) and taking the least.
     one = TPNode(tmp_path, model, adapters, 1, "--num-kv-blocks", "512", "--decode-graphs", "off",
@@ -522,7 +528,13 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
         try:
             jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
             expected = generate_all(one.target, jobs)
-            assert generate_all(two.target, jobs) == expected
+            got = generate_all(two.target, jobs)
+            if quantization == "fp8-w8a8":
+                assert all(got[job][:4] == expected[job][:4] for job in jobs), (got, expected)
+                equal = sum(a == b for job in jobs for a, b in zip(got[job], expected[job]))
+                assert 4 * equal >= 3 * sum(len(expected[job]) for job in jobs), (got, expected)
+            else:
+                assert got == expected
             for adapter in ADAPTERS:
                 assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
             s = stats(two.target)
