@@ -85,22 +85,30 @@ def test_quantized_at_load_matches_peft_over_its_fp8_values(graphs: bool, tiny_l
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
-def quantize_projection_inputs(model: torch.nn.Module) -> None:
+ROW_PARALLEL = {"o_proj", "down_proj"}  # under tensor parallelism each rank holds a part of their input
+
+
+def quantize_projection_inputs(model: torch.nn.Module, ranks: int = 1) -> None:
     """The oracle of --quantization fp8-w8a8: each decoder projection's base matmul (not its LoRA,
     not the LM head) takes its input rounded to e4m3 per token (kernels/gemm/fp8.py's
-    quantize_rows, dequantized), as the node's fp8 tensor cores do."""
+    quantize_rows, dequantized), as the node's fp8 tensor cores do; over `ranks` ranks the
+    row-parallel projections' inputs are rounded a rank's columns at a time, each part with
+    its own scale, as each rank rounds its own."""
     from kernels.gemm.fp8 import quantize_rows
 
-    def fake_quantize(module: torch.nn.Module, args: tuple) -> tuple:
-        x = args[0]
+    def rounded(x: torch.Tensor) -> torch.Tensor:
         quantized, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-        return ((quantized.float() * scale).reshape(x.shape).to(x.dtype),)
+        return (quantized.float() * scale).reshape(x.shape).to(x.dtype)
+
+    def per_rank(module: torch.nn.Module, args: tuple) -> tuple:
+        return (torch.cat([rounded(part) for part in args[0].chunk(ranks, dim=-1)], dim=-1),)
 
     for name, module in model.named_modules():
         parts = name.split(".")
         projection = parts[-2] if parts[-1] == "base_layer" else parts[-1]
         if isinstance(module, torch.nn.Linear) and projection in PROJECTIONS:
-            module.register_forward_pre_hook(fake_quantize)
+            module.register_forward_pre_hook(per_rank if projection in ROW_PARALLEL else
+                                             lambda module, args: (rounded(args[0]),))
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
