@@ -490,16 +490,16 @@ def test_a_size_the_model_cannot_be_split_by_is_refused_at_start(tiny_llama_path
 # -- GPU: Llama-3.1-8B's shapes (4 of its 32 layers), float32 -----------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("all_reduce, quantization", [("nccl", "none"), ("symm", "none"), ("fused", "none"),
-                                                      ("fused", "fp8"), ("fused", "fp8-w8a8")])
+                                                      ("fused", "fp8")])
 def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, tokenizer_dir, all_reduce,
                                                                  quantization):
     """TP=1 runs eagerly (its graphs and warm-up off); TP=2 replays decode and piecewise
     graphs on both ranks, its sums through NCCL, symmetric memory, or the fused all-reduce +
     add + norm kernel (decode steps; prompt steps' larger sums through NCCL). Float32 sums in
     another order are far from flipping a greedy choice. FP8 projections (quantized at load
-    from whole rows) likewise; under W8A8 a row-parallel projection rounds each rank's part of
-    a row to e4m3 with its own scale (kernels/gemm/fp8.py), so only each job's first tokens
-    must agree, and 3 in 4 of all."""
+    from whole rows) likewise. (W8A8 rounds each rank's part of a row-parallel projection's
+    input with its own scale, so TP=2 is not TP=1 there: tests/quant/test_fp8_tensor_parallel.py
+    checks it against its own oracle.)"""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from bench.harness import copy_tokenizer, write_random_adapter
@@ -528,13 +528,7 @@ def test_gpu_tp2_gives_tp1_greedy_tokens_on_8b_shapes_in_float32(tmp_path, token
         try:
             jobs = [(adapter, i) for adapter in ("", *ADAPTERS) for i in range(len(PROMPTS))]
             expected = generate_all(one.target, jobs)
-            got = generate_all(two.target, jobs)
-            if quantization == "fp8-w8a8":
-                assert all(got[job][:4] == expected[job][:4] for job in jobs), (got, expected)
-                equal = sum(a == b for job in jobs for a, b in zip(got[job], expected[job]))
-                assert 4 * equal >= 3 * sum(len(expected[job]) for job in jobs), (got, expected)
-            else:
-                assert got == expected
+            assert generate_all(two.target, jobs) == expected
             for adapter in ADAPTERS:
                 assert any(expected[(adapter, i)] != expected[("", i)] for i in range(len(PROMPTS))), adapter
             s = stats(two.target)
