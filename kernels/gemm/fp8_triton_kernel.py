@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms
+from .fp8_rows_triton import row_scale, to_e4m3
 from .shapes import row_tile
 
 MAX_BLOCK_M = 64  # rows a program's tile holds by default; more rows get more programs
@@ -229,25 +230,9 @@ def _split_k_sum(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def round_to_e4m3(v):
-    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32:
-    adding and taking back 1.5 * 2^(e + 20) (e: v's exponent, at least e4m3's -6) leaves |v|
-    rounded to a multiple of 2^(e - 3), e4m3's spacing there (3 mantissa bits), and v's sign
-    goes back on after (a tiny negative v is -0, as torch rounds it). The cast to fp8 after it
-    is then exact on every path: Triton's interpreter rounds float32 -> e4m3 wrongly where the
-    mantissa carries into the exponent (124.3 -> 64, not 128)."""
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    magic = (((exponent + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    rounded = (tl.abs(v) + magic) - magic
-    # the sign bit ORed back (Triton compiles -x as 0 - x, which turns -0 into +0)
-    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
-                          ONE_PASS: tl.constexpr, E4M3_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
-    """Row m of x as e4m3 (q) with its float32 scale (s[m] = amax / E4M3_MAX): the division
+                          ONE_PASS: tl.constexpr):
+    """Row m of x as e4m3 (q) with its float32 scale (s[m] = amax / 448): the division
     correctly rounded and the rounding to nearest even, as kernels/gemm/fp8.py's quantize_rows.
     One program a row, the row read once into registers where BLOCK covers K (a decode
     batch's launch is its latency: one load, one reduction, one store): ONE_PASS, BLOCK >= K;
@@ -263,16 +248,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: t
         for k0 in range(0, K, BLOCK):
             part = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(part.to(tl.float32)))
-    scale = tl.math.div_rn(tl.zeros_like(amax) + tl.maximum(tl.max(amax, axis=0), MIN_AMAX),
-                           tl.zeros_like(amax) + E4M3_MAX)
+    scale = row_scale(tl.max(amax, axis=0), BLOCK)
     tl.store(s_ptr + row + offs, scale, mask=offs < 1)
     if ONE_PASS:
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -E4M3_MAX), E4M3_MAX))
+        q = to_e4m3(x, scale)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
     else:
         for k0 in range(0, K, BLOCK):
             part = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(part, scale), -E4M3_MAX), E4M3_MAX))
+            q = to_e4m3(part, scale)
             tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
 
 
@@ -289,7 +273,7 @@ def quantize_rows_triton(x: torch.Tensor, block: int | None = None) -> tuple[tor
     if M and K:
         block = block or min(triton.next_power_of_2(K), ONE_PASS_K)
         _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=block,
-                                    ONE_PASS=block >= K, E4M3_MAX=448.0, MIN_AMAX=1e-12,
+                                    ONE_PASS=block >= K,
                                     num_warps=max(4, min(16, block // 1024)))
     return q, scale
 
