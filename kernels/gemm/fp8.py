@@ -17,7 +17,8 @@ Which computation runs (fp8_matmul):
   accumulator.
 - With w8a8 (the node's --quantization fp8-w8a8): x quantized to e4m3 per row (scale amax /
   448: by the kernel that wrote x where it hands on Fp8Rows, else by quantize_rows_triton) and
-  both operands multiplied on the fp8 tensor cores by the same Triton GEMM, at every batch size. Not the reference's math: each activation keeps 3 mantissa
+  both operands multiplied on the fp8 tensor cores by the same Triton GEMM, at every batch
+  size. Not the reference's math: each activation keeps 3 mantissa
   bits, so outputs move by about 2^-4 relative per term; the caller opts into it. Its
   reference is reference_w8a8_matmul (the quantized x times the dequantized W in float32).
   Under tensor parallelism a row-parallel projection (o, down) quantizes the rank's shard of
