@@ -70,7 +70,6 @@ def hopper(t: torch.Tensor) -> bool:
     return _capability(index)[0] >= 9
 
 
-
 _ARRIVAL_COUNTS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
