@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The packages the GPU image lacks, or has older than the generated protobuf code accepts.
 WHEELS = ("grpcio", "protobuf", "grpcio-health-checking", "grpcio-reflection", "blake3", "boto3", "botocore",
-          "s3transfer", "jmespath", "pyzmq", "msgpack", "msgspec", "prometheus-client", "python-dateutil", "urllib3",
+          "s3transfer", "jmespath", "pyzmq", "msgspec", "prometheus-client", "python-dateutil", "urllib3",
           "six",
           # The OpenAI-compatible HTTP API (server, and bench.serving's HTTP clients).
           "starlette", "uvicorn", "httptools", "click", "h11", "anyio", "sniffio", "idna", "typing_extensions",

@@ -24,7 +24,7 @@ import torch
 
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
-from kernels.gemm import Fp8Weight, RopeOut, beside_lora, cublas, fp8_linear
+from kernels.gemm import Fp8Weight, RopeOut, beside_lora, cublas, fp8_gated_silu_linear, fp8_linear
 from kernels.gemm.fp8 import Fp8Rows, plain_rows
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
@@ -104,7 +104,8 @@ class LlamaModel:
         self.vocab_start = vocab_start  # the first vocabulary row of this rank's embedding
         self.gemm_groups = frozenset(gemm_groups)
         self.fp8_w8a8 = fp8_w8a8
-        self.fp8_gemm = partial(fp8_linear, w8a8=True) if fp8_w8a8 else fp8_linear
+        self.fp8_gemm = partial(fp8_linear, w8a8=fp8_w8a8)
+        self.fp8_gated_silu = partial(fp8_gated_silu_linear, w8a8=fp8_w8a8)
         self.layers = layers
         self.embed = embed          # [vocab, hidden] (a view of lm_head when the two are tied)
         self.final_norm = final_norm
@@ -272,7 +273,11 @@ class LlamaModel:
         layer, tp, down_bias = self.layers[i], self.tp is not None, self.layers[i].down_bias
         act = None
         if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
-            act = launch.gemm.gated_silu(plain_rows(x), layer.gate_up)  # the SiLU in the GEMM's launch
+            # the SiLU in the GEMM's launch
+            if isinstance(layer.gate_up, Fp8Weight):
+                act = self.fp8_gated_silu(x, layer.gate_up) if launch.tuning.gate_up_silu else None
+            else:
+                act = launch.gemm.gated_silu(plain_rows(x), layer.gate_up)
         if act is None:
             gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
             act = launch.ops.silu_mul(gate_up, delta)

@@ -76,9 +76,10 @@ def rank_config(config: dict, tp: int) -> dict:
 
 
 def random_model(checkpoint: Path, device: torch.device, dtype: torch.dtype, layers: int | None,
-                 max_positions: int, tp: int = 1):
+                 max_positions: int, tp: int = 1, quantization: str = "none"):
     """(config, LlamaModel) of the checkpoint's shapes with random weights made on the device
-    (`layers` of them if given; `tp` > 1: one tensor-parallel rank's shapes, rank_config)."""
+    (`layers` of them if given; `tp` > 1: one tensor-parallel rank's shapes, rank_config;
+    quantization as `inference-node serve --quantization`)."""
     from inference_node.model.config import ModelConfig
     from inference_node.model.loader import load_model
 
@@ -89,7 +90,8 @@ def random_model(checkpoint: Path, device: torch.device, dtype: torch.dtype, lay
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         return (ModelConfig.from_checkpoint(Path(tmp)),
-                load_model(Path(tmp), device, dtype, max_positions=max_positions, load_format="dummy"))
+                load_model(Path(tmp), device, dtype, max_positions=max_positions, load_format="dummy",
+                           quantization=quantization, fp8_w8a8=quantization == "fp8-w8a8"))
 
 
 def fill_slots(buffers, num: int, rank: int, targets: tuple[str, ...], first: int) -> list[int]:
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                         "adapters' shards, its tuning table and the LoRA choices TP forces (o and "
                         "down expand before their all-reduce); no collectives, and o's and down's "
                         "delta added in the add + norm instead of before an all-reduce")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8", "fp8-w8a8"),
+                   help="the projections in FP8, as `inference-node serve --quantization`")
     p.add_argument("--reps", type=int, default=20, help="replays per burst, forwards per profile")
     p.add_argument("--rounds", type=int, default=15, help="interleaved bursts per mode and config")
     p.add_argument("--top", type=int, default=12)
@@ -341,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     cuda = device.type == "cuda"
     block = 16
     max_len = args.context + 64
-    cfg, model = random_model(args.model, device, dtype, args.layers, max_len, tp=args.tp)
+    cfg, model = random_model(args.model, device, dtype, args.layers, max_len, tp=args.tp,
+                              quantization=args.quantization)
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)

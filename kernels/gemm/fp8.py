@@ -144,6 +144,31 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return kernel(x, weight, scale, block, **keywords)
 
 
+def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] | None, w8a8: bool = False,
+                   rows: Fp8Rows | None = None) -> torch.Tensor | None:
+    """SiLU(x @ gate.T) * (x @ up.T) for gate/up's stacked weight [2 I, K] in one launch of the
+    Triton GEMM (no SiLU launch, half the output written), bit for bit what fp8_matmul then
+    the SiLU kernel give; None where that GEMM does not run x (the caller runs the two). A
+    program takes half its plain tiling's columns from each half where those are 128 or more
+    (as many weight bytes as in the plain launch), else a whole tile from each."""
+    tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8)
+    block_k = k_tile(block, tiling.block_k)
+    kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 and weight.shape[0] % 2 == 0 else None
+    if kernel is None:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_n = tiling.block_n // 2 if tiling.block_n >= 128 else tiling.block_n
+    keywords = {**asdict(tiling), "block_k": block_k, "block_n": block_n, "split_k": 1}
+    if not w8a8:
+        return kernel(x, weight, scale, block, gated=True, **keywords)
+    quantized, row_scale = (rows.fp8, rows.scale) if rows is not None else \
+        triton_kernel(x, TRITON, "quantize_rows_triton")(x)
+    return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype, gated=True,
+                  **{**keywords, "widen_prmt": False})
+
+
 def launch_tiling(rows: int, n: int, w8a8: bool) -> Fp8Tiling:
     """The Triton GEMM's tiling for `rows` rows of a weight of `n` output columns."""
     if rows > DECODE_ROWS:

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms
+from ..activation.triton_kernel import silu_times
 from .fp8_rows_triton import row_scale, to_e4m3
 from .shapes import row_tile
 
@@ -126,12 +127,13 @@ def _along_n(v, SWAP_AB: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
-    stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split,
+    stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split, pair_offset,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
     W8A8: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, LAST_SUMS: tl.constexpr = False,
+    GATED: tl.constexpr = False,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed into y ([M, N], row stride stride_om) by the tile's
@@ -141,7 +143,9 @@ def _fp8_gemm_kernel(
     s is [N] (stride stride_sn). EVEN_K: BLOCK_K divides K (no column mask). SWAP_AB: the
     tile is computed as W @ x.T (module docstring). TMA: x and W tiles come through the
     descriptors x_desc [M, K] and w_desc [N, K] (zero past their edges), not the pointers.
-    W8A8: x is e4m3 with one float32 scale a row (xs [M]), applied with W's at the end."""
+    W8A8: x is e4m3 with one float32 scale a row (xs [M]), applied with W's at the end.
+    GATED (not PARTIAL): W is gate/up's [gate; up], up from row pair_offset; out gets
+    SiLU(x @ gate.T) * (x @ up.T), N its columns (the program's of both halves)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -156,38 +160,62 @@ def _fp8_gemm_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     if BLOCK_SCALES:
         s_ptrs = s_ptr + (offs_n // SCALE_BN) * stride_sn
+    if BLOCK_SCALES and GATED:
+        s_up_ptrs = s_ptr + ((offs_n + pair_offset) // SCALE_BN) * stride_sn
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)  # GATED only
     for k0 in range(k_start, k_end, BLOCK_K):
         if TMA:
             x = x_desc.load([pid_m * BLOCK_M, k0])
             w = w_desc.load([pid_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K] e4m3
+            if GATED:
+                w_up = w_desc.load([pid_n * BLOCK_N + pair_offset, k0])
         elif EVEN_K:
             x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptrs + pair_offset * stride_wn, mask=mask_n[:, None], other=0.0)
         else:
             in_k = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptrs + pair_offset * stride_wn, mask=mask_n[:, None] & in_k[None, :],
+                               other=0.0)
         if BLOCK_SCALES:  # this K tile's scales, applied to its products only
             part = _tile_product(x, w, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT, W8A8)
             scale = tl.load(s_ptrs + (k0 // SCALE_BK) * stride_sk, mask=mask_n, other=0.0)
             acc += part * _along_n(scale.to(tl.float32), SWAP_AB)
+            if GATED:
+                part = _tile_product(x, w_up, tl.zeros_like(acc), SWAP_AB, DOT_F32, WIDEN_PRMT, W8A8)
+                scale = tl.load(s_up_ptrs + (k0 // SCALE_BK) * stride_sk, mask=mask_n, other=0.0)
+                acc_up += part * _along_n(scale.to(tl.float32), SWAP_AB)
         else:
             acc = _tile_product(x, w, acc, SWAP_AB, DOT_F32, WIDEN_PRMT, W8A8)
+            if GATED:
+                acc_up = _tile_product(x, w_up, acc_up, SWAP_AB, DOT_F32, WIDEN_PRMT, W8A8)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not BLOCK_SCALES:
         scale = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)
         acc = acc * _along_n(scale.to(tl.float32), SWAP_AB)
+        if GATED:
+            scale = tl.load(s_ptr + (offs_n + pair_offset) * stride_sn, mask=mask_n, other=0.0)
+            acc_up = acc_up * _along_n(scale.to(tl.float32), SWAP_AB)
     if W8A8:
         row_scale = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
         if SWAP_AB:
-            acc = acc * row_scale[None, :]
+            row_scale = row_scale[None, :]
         else:
-            acc = acc * row_scale[:, None]
+            row_scale = row_scale[:, None]
+        acc = acc * row_scale
+        if GATED:
+            acc_up = acc_up * row_scale
+    if GATED:  # rounded where the plain launch then the SiLU kernel round (silu_times)
+        acc = silu_times(acc, acc_up, out_ptr.dtype.element_ty)
     rows = offs_m.to(tl.int64) * stride_om
     if SWAP_AB:
         offs = offs_n[:, None] + rows[None, :]
@@ -332,7 +360,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     num_warps: int = 4, num_stages: int = 4, swap_ab: bool = False,
                     tma: bool = False, widen_prmt: bool = False,
                     x_scale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a
     row [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
@@ -342,9 +370,12 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     every SM a program, auto_split_k). swap_ab: each tile computed as W @ x.T (the widened
     weight the MMA's register operand); tma: tiles fetched by the tensor memory accelerator
     where the device has one (Hopper) and tma_fits, else by pointer loads; widen_prmt: e4m3 ->
-    bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere)."""
+    bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere).
+    gated: weight is gate/up's [gate; up] (2 I rows) and the result SiLU(x @ gate.T) *
+    (x @ up.T), [M, I], with no SiLU launch after it: block_n columns of each half a
+    program, K never split (the SiLU needs a column's whole sum)."""
     M, K = x.shape
-    N = weight.shape[0]
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
     if weight.shape[1] != K or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected [N, {K}] float8_e4m3fn")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -354,12 +385,16 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     w8a8 = x_scale is not None
     if w8a8 and (x.dtype != torch.float8_e4m3fn or out_dtype is None):
         raise ValueError("W8A8 takes x in float8_e4m3fn, its row scales and an out_dtype")
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated weight stacks gate and up: {weight.shape[0]} rows are not two halves")
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     block_m = block_m or min(row_tile(M), MAX_BLOCK_M)
     tiles_m, tiles_n, k_tiles = cdiv(M, block_m), cdiv(N, block_n), cdiv(K, block_k)
-    if split_k is None:
+    if gated:
+        split_k = 1
+    elif split_k is None:
         split_k = auto_split_k(tiles_m * tiles_n, k_tiles, num_sms(x.device))
     split_k = max(1, min(split_k, k_tiles))
     k_per_split = cdiv(k_tiles, split_k) * block_k
@@ -376,12 +411,12 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x_desc, w_desc = descriptors(x, weight, block_m, block_n, block_k) if tma else (None, None)
     _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
         x, weight, x_desc, w_desc, scale, x_scale, out, y, counters if last_sums else None, M, N,
-        x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N,
+        x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N, N,
         K=K, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
-        W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums,
+        W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums, GATED=gated,
         num_warps=num_warps, num_stages=num_stages,
     )
     if partial and not last_sums:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import Fp8Rows, fp8_matmul, plain_rows
+from .fp8 import Fp8Rows, fp8_gated_silu, fp8_matmul, plain_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0       # the largest finite float8_e4m3fn
@@ -54,6 +54,13 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | Non
     rows = x if isinstance(x, Fp8Rows) else None
     y = fp8_matmul(plain_rows(x), w.weight, w.scale, w.block, w8a8=w8a8, rows=rows)
     return y if bias is None else y + bias
+
+
+def fp8_gated_silu_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, w8a8: bool = False) -> torch.Tensor | None:
+    """SiLU(x @ gate) * (x @ up) for gate/up's FP8 weight in one GEMM launch where the Triton
+    FP8 GEMM runs x, else None (fp8_gated_silu)."""
+    rows = x if isinstance(x, Fp8Rows) else None
+    return fp8_gated_silu(plain_rows(x), w.weight, w.scale, w.block, w8a8=w8a8, rows=rows)
 
 
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8Weight:

@@ -61,11 +61,15 @@ HOPPER_VARIANTS = [
     ("fp8e4nv", 64, 64, 128, False, True, True, 4, 4, True, True, False),  # W8A8 decode
     ("fp8e4nv", 16, 64, 128, True, False, True, 4, 4, True, True, False),  # W8A8, block scales
     ("fp8e4nv", 128, 128, 64, False, False, True, 8, 4, False, False, False),  # W8A8 prefill
+    # gate/up with its SiLU in the epilogue (GATED: never split)
+    ("fp8e4nv", 64, 64, 128, False, False, True, 4, 4, True, True, False, True),   # W8A8 decode
+    ("bf16", 64, 64, 128, False, False, True, 4, 4, True, True, True, True),       # weight-only
+    ("fp8e4nv", 16, 64, 128, True, False, True, 4, 4, True, True, False, True),    # block scales
 ]
 
 
 def _variant_id(v: tuple) -> str:
-    flags = "".join(name for name, on in zip(("-swap", "-tma", "-prmt"), v[9:]) if on)
+    flags = "".join(name for name, on in zip(("-swap", "-tma", "-prmt", "-gated"), v[9:]) if on)
     return f"{v[0]}-m{v[1]}-n{v[2]}-k{v[3]}-w{v[7]}{flags}"
 
 
@@ -78,7 +82,8 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     TMA through bulk tensor copies; with SWAP_AB the widened weight is wgmma's register operand
     (no shared-memory round trip; without it, wgmma reads the widened weight from shared
     memory, or under 64 rows Ampere's mma.sync runs); with WIDEN_PRMT no conversion goes
-    through f16; split over K, the tile's last program sums the splits."""
+    through f16; split over K, the tile's last program sums the splits; GATED, each K tile
+    multiplies gate's and up's weights and the epilogue computes the SiLU (ex2)."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -87,12 +92,12 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     from kernels.gemm.fp8_triton_kernel import _fp8_gemm_kernel, _split_k_sum
 
     (x_type, block_m, block_n, block_k, block_scales, partial, even_k, warps, stages, swap, tma,
-     prmt) = variant
+     prmt), gated = variant[:12], len(variant) > 12 and variant[12]
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
                       DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
                       WIDEN_PRMT=prmt, W8A8=x_type == "fp8e4nv", SPLIT_K=4 if partial else 1,
-                      LAST_SUMS=partial)
+                      LAST_SUMS=partial, GATED=gated)
     if x_type != "fp8e4nv":
         constexprs.update(xs_ptr=None)
     if not partial:
@@ -120,6 +125,7 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     if not dots:  # x @ W.T with fewer than 64 rows: wgmma's M is 64, so Ampere's mma.sync
         assert not swap and block_m < 64 and "mma.sync" in ptx
     operand_types = [line.split("} : ", 1)[1] for line in dots]  # "A type * B type -> acc"
+    assert ("ex2.approx" in ptx) == gated and (len(dots) % 2 == 0 if gated else True)
     register_a = [t.startswith("tensor<") and " * !ttg.memdesc" in t for t in operand_types]
     # swap-AB widens W into wgmma's register operand; W8A8 has nothing to widen: both from
     # shared memory, as loaded
@@ -484,6 +490,54 @@ def test_w8a8_kernel_matches_its_reference(rows: int, n: int, k: int, tiling: di
     y = fp8_gemm_triton(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
                         **tiling, **launch)
     assert_matches_w8a8_reference(y, x, weight, scale, block)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("launch", LAUNCHES[:2] + [dict(swap_ab=True, tma=True)],
+                         ids=["xwt", "swap", "swap-tma"])
+@pytest.mark.parametrize("block", [None, (32, 64), (1, 32)], ids=["channel", "block32x64", "block1x32"])
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+@pytest.mark.parametrize("rows", [7, 64])
+def test_gated_launch_is_the_plain_launch_then_the_silu(rows: int, w8a8: bool,
+                                                        block: tuple[int, int] | None,
+                                                        launch: dict) -> None:
+    """gate/up's GEMM with SiLU(gate) * up in its epilogue gives, bit for bit, its plain launch
+    then the SiLU kernel: each half's own scales, the row scales under W8A8, a half of 40
+    columns that no 32-column tile divides (the mask keeps up's rows out of gate's tile)."""
+    from kernels.activation.triton_kernel import silu_mul_triton
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton, quantize_rows_triton
+
+    half, k = 40, 128
+    x, weight, scale = make_case(rows, 2 * half, k, block, torch.bfloat16)
+    tiling = dict(block_n=32, block_k=32, split_k=1, **launch)
+    operand, extra = x, {}
+    if w8a8:
+        operand, row_scale = quantize_rows_triton(x)
+        extra = dict(x_scale=row_scale, out_dtype=x.dtype)
+    gated = fp8_gemm_triton(operand, weight, scale, block, gated=True, **tiling, **extra)
+    two_launches = silu_mul_triton(fp8_gemm_triton(operand, weight, scale, block, **tiling, **extra))
+    assert gated.shape == (rows, half)
+    assert torch.equal(gated.view(torch.int16), two_launches.view(torch.int16))
+
+
+@needs_triton_device
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+def test_fp8_gated_silu_runs_the_gated_launch_with_the_nodes_tiling(w8a8: bool) -> None:
+    """The node's call (fp8_gated_silu) takes a norm's e4m3 copy where given and matches the
+    two calls it replaces (fp8_matmul, then the SiLU kernel) to a bf16 ulp: its tiles are
+    half as wide where the plain tiling's are 128 or more, which sums in another order."""
+    from kernels.activation.triton_kernel import silu_mul_triton
+    from kernels.gemm import fp8
+
+    half, k = 96, 256
+    x, weight, scale = make_case(64, 2 * half, k, None, torch.bfloat16)
+    rows = fp8.Fp8Rows(x, *fp8.quantize_rows(x)) if w8a8 else None
+    if rows is not None:
+        rows = fp8.Fp8Rows(x, rows.fp8, rows.scale.reshape(-1))
+    got = fp8.fp8_gated_silu(x, weight, scale, None, w8a8=w8a8, rows=rows)
+    expected = silu_mul_triton(fp8.fp8_matmul(x, weight, scale, None, w8a8=w8a8))
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7,
+                               atol=2 ** -7 * expected.float().abs().max().item())
 
 
 @needs_triton_device

@@ -226,3 +226,32 @@ def test_fp8_decode_gemm_against_bf16_prints_a_table(capsys: pytest.CaptureFixtu
     assert [r.group for r in rows] == list(WIDTHS_8B)
     with capsys.disabled():
         print_table(rows, copy_bandwidth(device), smoke=False)
+
+
+@pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_gated_gate_up_is_the_plain_launch_then_the_silu(rows: int, w8a8: bool,
+                                                         block: tuple[int, int] | None) -> None:
+    """At 8B's gate/up, the node's gated call (fp8_gated_silu: the SiLU in the GEMM's epilogue)
+    gives, bit for bit, the plain launch of the same tiles then the SiLU kernel; and it is the
+    float32 reference's SiLU(gate) * up within a bf16 ulp per rounding."""
+    from kernels.activation.triton_kernel import silu_mul_triton
+    from kernels.gemm import fp8
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton, quantize_rows_triton
+
+    n, k = WIDTHS_8B["gate_up"]
+    x, weight, scale = _case(rows, n, k, block)
+    gated = fp8.fp8_gated_silu(x, weight, scale, block, w8a8=w8a8)
+    tiling = asdict(fp8.launch_tiling(rows, n, w8a8))
+    tiling.update(split_k=1, block_n=tiling["block_n"] // 2 if tiling["block_n"] >= 128 else tiling["block_n"])
+    if w8a8:
+        quantized, row_scale = quantize_rows_triton(x)
+        plain = fp8_gemm_triton(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
+                                **{**tiling, "widen_prmt": False})
+    else:
+        plain = fp8_gemm_triton(x, weight, scale, block, **tiling)
+    assert torch.equal(gated, silu_mul_triton(plain))
+    reference = fp8.reference_w8a8_matmul(x.float(), weight, scale, block) if w8a8 else _expected(x, weight, scale, block)
+    gate, up = reference.chunk(2, dim=1)
+    _assert_bf16_close(gated, torch.nn.functional.silu(gate) * up)

@@ -4,7 +4,8 @@ GEMM its rows in e4m3 too (Fp8Rows), so that GEMM launches no quantizer.
 The copy is quantize_rows's bit for bit (tests/kernels/test_triton_kernels.py), so a node
 answers the same tokens with the copies handed on as without: checked on the GPU with the
 Triton kernels, and on the CPU with the PyTorch ops standing in for them (the model's seams:
-the copies reach the FP8 GEMMs, the LoRA shrinks read the 16-bit rows)."""
+the copies reach the FP8 GEMMs, the LoRA shrinks read the 16-bit rows). Likewise gate/up's
+FP8 GEMM writing SiLU(gate) * up itself (no SiLU launch), weight-only and W8A8, on the GPU."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +17,7 @@ from family_checkpoints import make_family_adapter
 from inference_node.llm import LLM
 from inference_node.model.launch import ElementwiseOps
 from kernels.gemm.fp8 import Fp8Rows, quantize_rows
+from kernels.tuning import Tuning
 
 PROMPTS = [[500, 600, 700, 800], [1200, 1300, 1400, 1500, 1600, 1700, 1800], [42, 43]]
 ADAPTER = "r8-all"
@@ -37,16 +39,19 @@ def rows_by_reference(monkeypatch: pytest.MonkeyPatch, scale_by: float = 1.0) ->
     monkeypatch.setattr(ElementwiseOps, "add_rms_norm", add_rms_norm)
 
 
-def answers(checkpoint: Path, adapters: Path, device: str, fuse: bool) -> list[list[int]]:
+def answers(checkpoint: Path, adapters: Path, device: str, fuse: bool, gated: bool = True,
+            quantization: str = "fp8-w8a8") -> list[list[int]]:
     """Greedy tokens of the base and an adapter under --quantization fp8-w8a8, graphs on;
-    fuse False: the norms hand on 16-bit rows, and each FP8 GEMM quantizes its own."""
+    fuse False: the norms hand on 16-bit rows, and each FP8 GEMM quantizes its own; gated
+    False: gate/up's GEMM then the SiLU kernel, not the SiLU in the GEMM's launch."""
     dtype = "float32" if device == "cpu" else "bfloat16"
     with LLM(checkpoint=str(checkpoint), device=device, dtype=dtype, num_kv_blocks=128, max_loras=2,
-             max_lora_rank=8, adapter_dir=str(adapters), quantization="fp8-w8a8", debug_checks=True,
-             decode_graphs="on", mixed_graphs="on") as llm:
+             max_lora_rank=8, adapter_dir=str(adapters), quantization=quantization, debug_checks=True,
+             decode_graphs="on", mixed_graphs="on", tuning=Tuning(gate_up_silu=gated),
+             tuning_fixed=frozenset({"gate_up_silu"})) as llm:
         model = llm.engine.runner.model
-        assert model.fp8_w8a8
-        model.fp8_w8a8 = fuse
+        assert model.fp8_w8a8 == (quantization == "fp8-w8a8")
+        model.fp8_w8a8 = model.fp8_w8a8 and fuse
         got = [a.token_ids for a in llm.generate(PROMPTS, 12, ignore_eos=True)]
         got += [a.token_ids for a in llm.generate(PROMPTS, 12, adapter=ADAPTER, ignore_eos=True)]
         assert llm.engine.snapshot()["graph_steps"] > 0
@@ -79,3 +84,14 @@ def test_rows_quantized_by_the_norm_kernel_change_no_token(adapters: tuple[Path,
     Triton kernel's copies give the tokens the W8A8 GEMM's own quantizer gives."""
     checkpoint, root = adapters
     assert answers(checkpoint, root, "cuda", fuse=True) == answers(checkpoint, root, "cuda", fuse=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
+@pytest.mark.parametrize("adapters", ["llama_8b_widths_path"], indirect=True)
+def test_gate_ups_silu_in_its_fp8_gemm_changes_no_token(adapters: tuple[Path, Path], quantization: str) -> None:
+    """8B widths: gate/up's FP8 GEMM with the SiLU in its epilogue (steps without gate/up
+    LoRA) gives the tokens of the plain GEMM then the SiLU kernel, weight-only and W8A8."""
+    checkpoint, root = adapters
+    assert (answers(checkpoint, root, "cuda", fuse=True, quantization=quantization)
+            == answers(checkpoint, root, "cuda", fuse=True, gated=False, quantization=quantization))
