@@ -121,8 +121,11 @@ class Tuning:
         "of o and down, those whose LoRA add + norm spreads each row over programs (where the "
         "delta comes unexpanded: one expanded on the side stream takes one program a row)")})
     gate_up_silu: bool = field(default=True, metadata={"help": (
-        "in steps without LoRA on gate/up, its decode GEMM writes SiLU(gate) * up itself: "
-        "no SiLU launch")})
+        "in steps without LoRA on gate/up, its decode GEMM (or FP8 GEMM) writes SiLU(gate) * "
+        "up itself: no SiLU launch")})
+    split_sums_in_norm: bool = field(default=True, metadata={"help": (
+        "in steps without LoRA, an FP8 o or down GEMM split over K leaves its partials to the "
+        "add + norm after it, which sums them: no sum launch")})
     qkv_rope: bool = field(default=True, metadata={"help": (
         "in steps without LoRA on q/k/v, its decode GEMM rotates queries and keys and writes "
         "keys and values to the KV cache itself: no RoPE launch")})

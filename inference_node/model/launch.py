@@ -9,7 +9,7 @@ import torch
 
 from kernels.activation import silu_mul, silu_mul_lora
 from kernels.gemm import DecodeGemm
-from kernels.gemm.fp8 import Fp8Rows
+from kernels.gemm.fp8 import Fp8Rows, SplitSums, summed
 from kernels.lora import LoraDelta
 from kernels.norm import add_rms_norm, add_rms_norm_lora, rms_norm
 from kernels.tuning import Tuning
@@ -35,18 +35,19 @@ class ElementwiseOps:
                  unit_offset: bool = False) -> torch.Tensor:
         return self._rms_norm(x, weight, eps, unit_offset)
 
-    def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
+    def add_rms_norm(self, hidden: torch.Tensor, out: torch.Tensor | SplitSums, weight: torch.Tensor,
                      eps: float, delta: LoraDelta | None, *, unit_offset: bool = False,
                      out_norm: torch.Tensor | None = None, quantize: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """(hidden + out (+ its LoRA delta, and normalised by out_norm where given), that
         normalised); unit_offset: Gemma's (1 + w) norms. quantize: on CUDA the normalised rows
-        come with their e4m3 copy for the W8A8 GEMM next (Fp8Rows), made in the same launch."""
+        come with their e4m3 copy for the W8A8 GEMM next (Fp8Rows), made in the same launch.
+        out: a projection's output, or an FP8 GEMM's K splits still to sum (SplitSums)."""
         if delta is not None or self.triton:
             return add_rms_norm_lora(hidden, out, weight, eps, delta, self.tuning,
                                      unit_offset=unit_offset, out_norm=out_norm,
                                      quantize=quantize and self.triton)
-        return add_rms_norm(hidden, out, weight, eps, None, unit_offset, out_norm)
+        return add_rms_norm(hidden, summed(out), weight, eps, None, unit_offset, out_norm)
 
     def silu_mul(self, gate_up: torch.Tensor, delta: LoraDelta | None,
                  activation: str = "silu") -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
 from kernels.gemm import Fp8Weight, RopeOut, beside_lora, cublas, fp8_gated_silu_linear, fp8_linear
-from kernels.gemm.fp8 import Fp8Rows, plain_rows
+from kernels.gemm.fp8 import Fp8Rows, SplitSums, plain_rows
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
 from kernels.tuning import DEFAULT_TUNING, GROUPS
@@ -252,7 +252,8 @@ class LlamaModel:
         layer = self.layers[i]
         # A row-parallel bias is added after the ranks' partial outputs are summed (_add_norm).
         tp, o_bias = self.tp is not None, layer.o_bias
-        out, delta = self._project(launch, lora, i, "o", attn, layer.o, None if tp else o_bias)
+        out, delta = self._project(launch, lora, i, "o", attn, layer.o, None if tp else o_bias,
+                                   leave_sums=not tp)
         # Under W8A8 the norms before gate/up and the next q/k/v write their rows in e4m3 too.
         hidden, x = self._add_norm(launch, out, delta, hidden, layer.post_norm, o_bias if tp else None,
                                    quantize=self.fp8_w8a8)
@@ -281,7 +282,8 @@ class LlamaModel:
         if act is None:
             gate_up, delta = self._project(launch, lora, i, "gate_up", x, layer.gate_up, layer.gate_up_bias)
             act = launch.ops.silu_mul(gate_up, delta)
-        out, delta = self._project(launch, lora, i, "down", act, layer.down, None if tp else down_bias)
+        out, delta = self._project(launch, lora, i, "down", act, layer.down, None if tp else down_bias,
+                                   leave_sums=not tp)
         return out, delta, down_bias if tp else None
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None, out: torch.Tensor | None = None,
@@ -331,8 +333,9 @@ class LlamaModel:
         hidden = self.embed[torch.where(inside, local, 0)].masked_fill(~inside[:, None], 0)
         return self.tp.all_reduce(hidden)
 
-    def _add_norm(self, launch: LaunchChoices, out: torch.Tensor, delta: LoraDelta | None, hidden: torch.Tensor,
-                  weight: torch.Tensor, bias: torch.Tensor | None = None, *, unit_offset: bool = False,
+    def _add_norm(self, launch: LaunchChoices, out: torch.Tensor | SplitSums, delta: LoraDelta | None,
+                  hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  unit_offset: bool = False,
                   out_norm: torch.Tensor | None = None, quantize: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """(hidden + a row-parallel projection's output, that normalised by weight; quantize:
@@ -353,11 +356,12 @@ class LlamaModel:
                                            out_norm=out_norm)
 
     def _project(self, launch: LaunchChoices, lora: LoraApplier | None, layer: int, group: str,
-                 x: torch.Tensor | Fp8Rows, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, LoraDelta | None]:
+                 x: torch.Tensor | Fp8Rows, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+                 leave_sums: bool = False) -> tuple[torch.Tensor | SplitSums, LoraDelta | None]:
         """A fused projection with its LoRA: (output, a delta left for the next op or None).
         weight is [in, out] (or an Fp8Weight, which takes x's e4m3 copy where x comes with
-        one); the decode GEMM serves decode-shaped x where configured."""
+        one); the decode GEMM serves decode-shaped x where configured. leave_sums: the caller's
+        add + norm takes an FP8 GEMM's K splits unsummed (SplitSums) in steps without LoRA."""
         fp8 = isinstance(weight, Fp8Weight)
         operand, x = (x if fp8 else plain_rows(x)), plain_rows(x)
         if fp8:
@@ -365,6 +369,8 @@ class LlamaModel:
         else:
             gemm = launch.gemm if launch.gemm.serves(group) else cublas
         if lora is None:
+            if fp8 and leave_sums and launch.tuning.split_sums_in_norm:
+                return gemm(operand, weight, bias, group, leave_sums=True), None
             return gemm(operand, weight, bias, group), None
         fold = lora.fold(layer, group)
         if fold is not None:  # the delta added in the matmul (FP8: beside it), or left for the next op

@@ -61,6 +61,29 @@ def plain_rows(x: "torch.Tensor | Fp8Rows") -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class SplitSums:
+    """A K-split GEMM's output left as its float32 partials [SPLIT_K, M, N], for the kernel
+    that reads the output next to sum (the residual add + RMSNorm after o and down,
+    kernels/norm): in split order, rounded once to `dtype`, bit for bit what the GEMM's sum
+    launch writes, which then does not run. total() is that launch, for any other reader."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def total(self) -> torch.Tensor:
+        return triton_kernel(self.parts, TRITON, "split_k_total")(self.parts, self.dtype)
+
+
+def summed(y: "torch.Tensor | SplitSums") -> torch.Tensor:
+    """A projection's output as a tensor, whether or not its splits are still to sum."""
+    return y.total() if isinstance(y, SplitSums) else y
+
+
+@dataclass(frozen=True)
 class Fp8Tiling:
     """The Triton FP8 GEMM's launch (fp8_gemm_triton's keywords). block_m None: every row of a
     decode batch in one tile; split_k None: enough K splits to give every SM a program;
@@ -118,12 +141,13 @@ def reference_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, w8a8: bool = False,
-               rows: Fp8Rows | None = None) -> torch.Tensor:
+               rows: Fp8Rows | None = None, leave_sums: bool = False) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
     [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
     module docstring: an approximation of x), or taken from rows (x's, already quantized);
-    off, every path computes the reference's math."""
+    off, every path computes the reference's math. leave_sums: where the Triton GEMM splits K
+    and would sum in a launch of its own, SplitSums for the caller's next kernel to sum."""
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
@@ -140,8 +164,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         else:
             quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x)
         return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
-                      **{**keywords, "widen_prmt": False})
-    return kernel(x, weight, scale, block, **keywords)
+                      leave_sums=leave_sums, **{**keywords, "widen_prmt": False})
+    return kernel(x, weight, scale, block, leave_sums=leave_sums, **keywords)
 
 
 def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

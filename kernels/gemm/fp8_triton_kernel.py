@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms
 from ..activation.triton_kernel import silu_times
+from .fp8 import SplitSums
 from .fp8_rows_triton import row_scale, to_e4m3
 from .shapes import row_tile
 
@@ -360,7 +361,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     num_warps: int = 4, num_stages: int = 4, swap_ab: bool = False,
                     tma: bool = False, widen_prmt: bool = False,
                     x_scale: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None, gated: bool = False) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, gated: bool = False,
+                    leave_sums: bool = False) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a
     row [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
@@ -373,7 +375,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere).
     gated: weight is gate/up's [gate; up] (2 I rows) and the result SiLU(x @ gate.T) *
     (x @ up.T), [M, I], with no SiLU launch after it: block_n columns of each half a
-    program, K never split (the SiLU needs a column's whole sum)."""
+    program, K never split (the SiLU needs a column's whole sum). leave_sums: where the
+    splits would be summed by a launch of their own, SplitSums instead (the next kernel sums)."""
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     if weight.shape[1] != K or weight.dtype != torch.float8_e4m3fn:
@@ -420,7 +423,20 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         num_warps=num_warps, num_stages=num_stages,
     )
     if partial and not last_sums:
-        sum_block = 1024
-        _split_k_sum[(cdiv(M * N, sum_block),)](out, y, M * N, SPLIT_K=split_k, BLOCK=sum_block,
+        if leave_sums:
+            return SplitSums(out, y.dtype)
+        split_k_total(out, y.dtype, y)
+    return y
+
+
+def split_k_total(parts: torch.Tensor, dtype: torch.dtype, y: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum of float32 partials [SPLIT_K, M, N] over splits, in split order, in `dtype` (into
+    y where given): _split_k_sum's launch."""
+    split_k, M, N = parts.shape
+    if y is None:
+        y = torch.empty(M, N, dtype=dtype, device=parts.device)
+    sum_block = 1024
+    if M * N:
+        _split_k_sum[(cdiv(M * N, sum_block),)](parts, y, M * N, SPLIT_K=split_k, BLOCK=sum_block,
                                                num_warps=4)
     return y

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8 import Fp8Rows, fp8_gated_silu, fp8_matmul, plain_rows
+from .fp8 import Fp8Rows, SplitSums, fp8_gated_silu, fp8_matmul, plain_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0       # the largest finite float8_e4m3fn
@@ -47,12 +47,14 @@ class Fp8Weight:
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | None = None,
-               group: str | None = None, w8a8: bool = False) -> torch.Tensor:
+               group: str | None = None, w8a8: bool = False, leave_sums: bool = False
+               ) -> "torch.Tensor | SplitSums":
     """x [M, K] @ w's dequantized [K, N] (+ bias) in x's dtype: the FP8 counterpart of
     dispatch.cublas, with its signature; w8a8: x quantized per row first, or x's e4m3 copy
-    where it comes with one (fp8_matmul)."""
+    where it comes with one; leave_sums (without a bias): maybe SplitSums (fp8_matmul)."""
     rows = x if isinstance(x, Fp8Rows) else None
-    y = fp8_matmul(plain_rows(x), w.weight, w.scale, w.block, w8a8=w8a8, rows=rows)
+    y = fp8_matmul(plain_rows(x), w.weight, w.scale, w.block, w8a8=w8a8, rows=rows,
+                   leave_sums=leave_sums and bias is None)
     return y if bias is None else y + bias
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gemm.fp8 import Fp8Rows
+from ..gemm.fp8 import Fp8Rows, SplitSums
 from ..gemm.fp8_rows_triton import quantize_stored_row
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
@@ -91,6 +91,21 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, st
 
 
 @triton.jit
+def _load_output(out_ptr, t, stride_o, stride_ks, offs, mask, K_SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """Row t's columns `offs` of the projection's output: as written, or from a K-split GEMM's
+    float32 partials (K_SPLITS of them, stride_ks apart) summed in split order and rounded
+    once to `dtype`, bit for bit what that GEMM's sum launch would have written."""
+    if K_SPLITS > 1:
+        total = tl.zeros(offs.shape, dtype=tl.float32)
+        for s in tl.static_range(K_SPLITS):
+            total += tl.load(out_ptr + s * stride_ks + t * stride_o + offs, mask=mask, other=0.0)
+        o = total.to(dtype)
+    else:
+        o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+    return o
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     hidden_ptr, out_ptr, weight_ptr, new_hidden_ptr, x_ptr, q_ptr, qs_ptr, part_ptr, b_ptr, rows_ptr,
     dense_ptr, out_norm_ptr, eps, R,
@@ -99,6 +114,7 @@ def _add_rms_norm_kernel(
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
     UNIT_OFFSET: tl.constexpr = False, OUT_NORM: tl.constexpr = False, QUANT: tl.constexpr = False,
+    K_SPLITS: tl.constexpr = 1, stride_ks=0,
 ):
     if PDL:  # launched with programmatic dependent launch (kernels/tuning.py: Tuning.pdl)
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch, start on its weights
@@ -113,7 +129,8 @@ def _add_rms_norm_kernel(
     for c0 in tl.static_range(0, H, BLOCK_H):
         offs = c0 + tl.arange(0, BLOCK_H)
         mask = offs < H
-        o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+        o = _load_output(out_ptr, t, stride_o, stride_ks, offs, mask, K_SPLITS,
+                         hidden_ptr.dtype.element_ty)
         if DENSE:  # the delta, expanded beside the matmul: [T, H] float32
             d = tl.load(dense_ptr + t * stride_dense + offs, mask=mask, other=0.0)
             o = (o.to(tl.float32) + d).to(o.dtype)
@@ -154,7 +171,7 @@ def _add_rms_norm_split_kernel(
     H: tl.constexpr, SPLITS: tl.constexpr, HAS_LORA: tl.constexpr, DENSE: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr, EARLY_SUMS: tl.constexpr,
-    PDL: tl.constexpr, QUANT: tl.constexpr = False,
+    PDL: tl.constexpr, QUANT: tl.constexpr = False, K_SPLITS: tl.constexpr = 1, stride_ks=0,
 ):
     """The LoRA add + norm with each row spread over CHUNKS programs of BLOCK_H columns
     (grid: row, chunk): a program expands and adds its columns, stores them and its part of
@@ -189,7 +206,7 @@ def _add_rms_norm_split_kernel(
             tl.extra.cuda.gdc_wait()
     elif PDL:
         tl.extra.cuda.gdc_wait()
-    o = tl.load(out_ptr + t * stride_o + offs, mask=mask, other=0.0)
+    o = _load_output(out_ptr, t, stride_o, stride_ks, offs, mask, K_SPLITS, hidden_ptr.dtype.element_ty)
     o = (o.to(tl.float32) + d).to(o.dtype)
     newf = _add_residual(hidden_ptr, new_hidden_ptr, t, offs, mask, o, stride_h, stride_nh)
     tl.store(sums_ptr + t * stride_sums + chunk, tl.sum(newf * newf, axis=0))
@@ -207,7 +224,7 @@ def _add_rms_norm_split_kernel(
                        stride_q, H, NORM_BLOCK, True, False, QUANT)
 
 
-def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.Tensor,
+def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor | SplitSums, weight: torch.Tensor,
                         eps: float, delta: LoraDelta | None = None, *,
                         block_h: int | None = None, num_warps: int | None = None,
                         tuning: Tuning = DEFAULT_TUNING, unit_offset: bool = False,
@@ -219,8 +236,13 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
     8 warps) were the best of a sweep of its tilings on an H100 (docs/PERFORMANCE.md). A delta
     that carries a ColumnSplit covers each row with programs of split.block columns instead
     (block_h then sizes only the normalising pass), except where the output is normalised
-    first."""
+    first. out: the projection's output, or a K-split FP8 GEMM's partials (SplitSums), summed
+    here as its sum launch would have."""
     T, H = hidden.shape
+    k_splits, stride_ks = 1, 0
+    if isinstance(out, SplitSums):
+        assert out.dtype == hidden.dtype
+        k_splits, stride_ks, out = out.parts.shape[0], out.parts.stride(0), out.parts[0]
     assert out_norm is None or out_norm.is_contiguous()
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
@@ -262,7 +284,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             BLOCK_H=split.block, BLOCK_R=next_power_of_2(R),
             BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h,
             EARLY_SUMS=not (delta is not None and delta.sums_after_wait),
-            PDL=pdl, **pdl_launch(pdl), QUANT=quantize,
+            PDL=pdl, **pdl_launch(pdl), QUANT=quantize, K_SPLITS=k_splits, stride_ks=stride_ks,
             num_warps=num_warps or 4,
         )
     else:
@@ -274,6 +296,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor, weight: torch.T
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense,
             BLOCK_H=block_h, BLOCK_R=next_power_of_2(R), PDL=pdl, **pdl_launch(pdl),
             UNIT_OFFSET=unit_offset, OUT_NORM=out_norm is not None, QUANT=quantize,
+            K_SPLITS=k_splits, stride_ks=stride_ks,
             num_warps=num_warps or (8 if delta is not None else 4),
         )
     return new_hidden, normed

@@ -541,6 +541,29 @@ def test_fp8_gated_silu_runs_the_gated_launch_with_the_nodes_tiling(w8a8: bool) 
 
 
 @needs_triton_device
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+def test_splits_left_to_sum_are_the_summed_output(w8a8: bool) -> None:
+    """leave_sums: a K-split launch hands back its partials (SplitSums) instead of launching
+    their sum, and their total() is the output the launch writes otherwise, bit for bit; an
+    unsplit launch writes its output as ever."""
+    from kernels.gemm.fp8 import SplitSums
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton, quantize_rows_triton
+
+    x, weight, scale = make_case(48, 40, 256, None, torch.bfloat16)
+    extra = {}
+    if w8a8:
+        x, row_scale = quantize_rows_triton(x)
+        extra = dict(x_scale=row_scale, out_dtype=torch.bfloat16)
+    tiling = dict(block_n=16, block_k=32, split_k=3, **extra)
+    left = fp8_gemm_triton(x, weight, scale, None, leave_sums=True, **tiling)
+    assert isinstance(left, SplitSums) and left.parts.shape == (3, 48, 40) and left.shape == (48, 40)
+    summed = fp8_gemm_triton(x, weight, scale, None, **tiling)
+    assert torch.equal(left.total().view(torch.int16), summed.view(torch.int16))
+    unsplit = fp8_gemm_triton(x, weight, scale, None, leave_sums=True, **{**tiling, "split_k": 1})
+    assert isinstance(unsplit, torch.Tensor)
+
+
+@needs_triton_device
 def test_x_with_a_row_stride_of_its_own() -> None:
     """x a column slice of a wider buffer (rows not adjacent) reads its own columns only."""
     from kernels.gemm.fp8 import fp8_matmul

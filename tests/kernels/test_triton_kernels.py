@@ -724,6 +724,41 @@ def test_add_rms_norm_writes_its_rows_in_e4m3_too(tokens: int, hidden: int, with
             assert int(delta.column_split.arrivals.count_nonzero()) == 0
 
 
+@settings(max_examples=12 if INTERPRET else 60, deadline=None, derandomize=True, database=None)
+@given(tokens=st.integers(1, 5), hidden=st.sampled_from([24, 200, 2304]), with_delta=st.booleans(),
+       expanded=st.booleans(), split=st.booleans(), out_norm=st.booleans(), quantize=st.booleans(),
+       k_splits=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
+def test_add_rms_norm_sums_a_split_gemms_partials_as_its_sum_launch(
+        tokens: int, hidden: int, with_delta: bool, expanded: bool, split: bool, out_norm: bool,
+        quantize: bool, k_splits: int, seed: int) -> None:
+    """Given a K-split FP8 GEMM's float32 partials (SplitSums), the add + norm writes, bit for
+    bit, what it writes after the GEMM's sum launch: one program a row or a ColumnSplit's many,
+    with a LoRA delta or not, Gemma's output norm, the e4m3 copy."""
+    from kernels.gemm.fp8 import Fp8Rows, SplitSums
+    from kernels.gemm.fp8_triton_kernel import split_k_total
+    from kernels.lora.delta import ColumnSplit
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16
+    res = (4 * torch.randn(tokens, hidden, generator=gen)).to(dt).to(DEVICE)
+    parts = torch.randn(k_splits, tokens, hidden, generator=gen).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dt).to(DEVICE)
+    delta = maybe_expanded(random_lora_delta(gen, tokens, [hidden], dt) if with_delta or split else None,
+                           expanded)
+    if split:
+        delta = dataclasses.replace(delta, column_split=ColumnSplit.allocate(64, 16, 4096, torch.device(DEVICE)))
+    options = dict(out_norm=(1 + 0.1 * torch.randn(hidden, generator=gen)).to(dt).to(DEVICE) if out_norm else None,
+                   quantize=quantize)
+    want = add_rms_norm_triton(res, split_k_total(parts, dt), weight, 1e-5, delta, **options)
+    got = add_rms_norm_triton(res, SplitSums(parts, dt), weight, 1e-5, delta, **options)
+    for g, w in zip(got, want):
+        if isinstance(w, Fp8Rows):
+            assert torch.equal(g.fp8.view(torch.uint8), w.fp8.view(torch.uint8)) and torch.equal(g.scale, w.scale)
+            g, w = g.x, w.x
+        assert torch.equal(g.view(torch.int16), w.view(torch.int16))
+
+
 def test_shrink_partials_are_zero_past_each_rank_and_on_slices_switched_off() -> None:
     """In an uninitialised workspace, every row with an adapter gets all R columns of every
     split and slice written, zeros past its rank and on a slice its adapter leaves alone (even

@@ -4,8 +4,9 @@ GEMM its rows in e4m3 too (Fp8Rows), so that GEMM launches no quantizer.
 The copy is quantize_rows's bit for bit (tests/kernels/test_triton_kernels.py), so a node
 answers the same tokens with the copies handed on as without: checked on the GPU with the
 Triton kernels, and on the CPU with the PyTorch ops standing in for them (the model's seams:
-the copies reach the FP8 GEMMs, the LoRA shrinks read the 16-bit rows). Likewise gate/up's
-FP8 GEMM writing SiLU(gate) * up itself (no SiLU launch), weight-only and W8A8, on the GPU."""
+the copies reach the FP8 GEMMs, the LoRA shrinks read the 16-bit rows). Likewise, on the GPU,
+gate/up's FP8 GEMM writing SiLU(gate) * up itself (no SiLU launch) and the add + norm summing
+o's and down's K splits (no sum launch), weight-only and W8A8."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,16 +40,17 @@ def rows_by_reference(monkeypatch: pytest.MonkeyPatch, scale_by: float = 1.0) ->
     monkeypatch.setattr(ElementwiseOps, "add_rms_norm", add_rms_norm)
 
 
-def answers(checkpoint: Path, adapters: Path, device: str, fuse: bool, gated: bool = True,
-            quantization: str = "fp8-w8a8") -> list[list[int]]:
+def answers(checkpoint: Path, adapters: Path, device: str, fuse: bool, quantization: str = "fp8-w8a8",
+            **tuning: bool) -> list[list[int]]:
     """Greedy tokens of the base and an adapter under --quantization fp8-w8a8, graphs on;
-    fuse False: the norms hand on 16-bit rows, and each FP8 GEMM quantizes its own; gated
-    False: gate/up's GEMM then the SiLU kernel, not the SiLU in the GEMM's launch."""
+    fuse False: the norms hand on 16-bit rows, and each FP8 GEMM quantizes its own; tuning:
+    launch choices (gate_up_silu False: gate/up's GEMM then the SiLU kernel; split_sums_in_norm
+    False: o's and down's K splits summed by their own launch, not the add + norm)."""
     dtype = "float32" if device == "cpu" else "bfloat16"
     with LLM(checkpoint=str(checkpoint), device=device, dtype=dtype, num_kv_blocks=128, max_loras=2,
              max_lora_rank=8, adapter_dir=str(adapters), quantization=quantization, debug_checks=True,
-             decode_graphs="on", mixed_graphs="on", tuning=Tuning(gate_up_silu=gated),
-             tuning_fixed=frozenset({"gate_up_silu"})) as llm:
+             decode_graphs="on", mixed_graphs="on", tuning=Tuning(**tuning),
+             tuning_fixed=frozenset(tuning)) as llm:
         model = llm.engine.runner.model
         assert model.fp8_w8a8 == (quantization == "fp8-w8a8")
         model.fp8_w8a8 = model.fp8_w8a8 and fuse
@@ -89,9 +91,11 @@ def test_rows_quantized_by_the_norm_kernel_change_no_token(adapters: tuple[Path,
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
 @pytest.mark.parametrize("adapters", ["llama_8b_widths_path"], indirect=True)
-def test_gate_ups_silu_in_its_fp8_gemm_changes_no_token(adapters: tuple[Path, Path], quantization: str) -> None:
-    """8B widths: gate/up's FP8 GEMM with the SiLU in its epilogue (steps without gate/up
-    LoRA) gives the tokens of the plain GEMM then the SiLU kernel, weight-only and W8A8."""
+def test_fp8_epilogues_change_no_token(adapters: tuple[Path, Path], quantization: str) -> None:
+    """8B widths, in steps without LoRA: gate/up's FP8 GEMM with the SiLU in its epilogue, and
+    o's and down's K splits summed by the add + norm after them, give the tokens of the plain
+    GEMMs, the SiLU kernel and the sum launches; weight-only and W8A8."""
     checkpoint, root = adapters
     assert (answers(checkpoint, root, "cuda", fuse=True, quantization=quantization)
-            == answers(checkpoint, root, "cuda", fuse=True, gated=False, quantization=quantization))
+            == answers(checkpoint, root, "cuda", fuse=True, quantization=quantization, gate_up_silu=False,
+                       split_sums_in_norm=False))
