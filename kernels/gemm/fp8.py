@@ -86,7 +86,8 @@ def summed(y: "torch.Tensor | SplitSums") -> torch.Tensor:
 @dataclass(frozen=True)
 class Fp8Tiling:
     """The Triton FP8 GEMM's launch (fp8_gemm_triton's keywords). block_m None: every row of a
-    decode batch in one tile; split_k None: enough K splits to give every SM a program;
+    decode batch in one tile; split_k None: enough K splits to give split_fill x every SM a
+    program and leave at most split_columns of K a split (0: any);
     swap_ab: tiles computed as W @ x.T; tma: tiles fetched by TMA where it runs; widen_prmt:
     e4m3 -> bf16 by integer ops and one packed multiply (fp8_triton_kernel.py)."""
 
@@ -99,6 +100,8 @@ class Fp8Tiling:
     swap_ab: bool = False
     tma: bool = False
     widen_prmt: bool = False
+    split_fill: float = 1.0
+    split_columns: int = 0
 
 
 # Decode: 64-column tiles, K split to fill the SMs, each tile computed as W @ x.T from TMA
@@ -110,10 +113,14 @@ DECODE_TILING = Fp8Tiling(swap_ab=True, tma=True)
 # W8A8 at decode (e4m3 x, nothing widened; H200, 8B widths, 64 rows, tuner/fp8_gemm.py --w8a8
 # --sweep): gate/up's 28,672 columns fastest in 128-column tiles (35 us, 83% of copy
 # bandwidth), the narrower q/k/v, o and down in 64 columns by 256-wide K steps (12.4, 10.4,
-# 22.6 us; they split K to fill the SMs). Launched plainly: under programmatic dependent
-# launch the base step gained and a step of 32 adapters lost (docs/PERFORMANCE.md).
+# 22.6 us). Their K splits: a split saves less than the partials' sum costs once the SMs are
+# mostly busy (a graph of each GEMM and the kernel summing it, split 1/2/4: q/k/v 7.8/9.2/-,
+# o 11.0/10.6/11.7, down -/27.0/25.2 us), and a program streaming more than 4096 columns of K
+# runs slower than two. Launched plainly: under programmatic dependent launch the base step
+# gained and a step of 32 adapters lost (docs/PERFORMANCE.md).
 W8A8_WIDE_TILING = Fp8Tiling(block_n=128, swap_ab=True, tma=True)
-W8A8_NARROW_TILING = Fp8Tiling(block_k=256, num_stages=3, swap_ab=True, tma=True)
+W8A8_NARROW_TILING = Fp8Tiling(block_k=256, num_stages=3, swap_ab=True, tma=True, split_fill=0.7,
+                               split_columns=4096)
 W8A8_WIDE_N = 8192  # output columns from which W8A8_WIDE_TILING runs
 PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8,
                            num_stages=4)

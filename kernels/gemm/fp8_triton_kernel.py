@@ -307,11 +307,13 @@ def quantize_rows_triton(x: torch.Tensor, block: int | None = None) -> tuple[tor
     return q, scale
 
 
-def auto_split_k(programs: int, k_tiles: int, sms: int) -> int:
-    """The fewest K splits (a power of two) that give at least one program per SM, each split
-    keeping MIN_K_TILES_PER_SPLIT K tiles."""
+def auto_split_k(programs: int, k_tiles: int, sms: int, fill: float = 1.0, max_tiles: int = 0) -> int:
+    """The fewest K splits (a power of two) that give at least fill x one program per SM and,
+    where max_tiles, at most max_tiles K tiles a split; each split keeping
+    MIN_K_TILES_PER_SPLIT K tiles."""
     split = 1
-    while programs * split < sms and k_tiles // (2 * split) >= MIN_K_TILES_PER_SPLIT:
+    while ((programs * split < fill * sms or (max_tiles and k_tiles > max_tiles * split))
+           and k_tiles // (2 * split) >= MIN_K_TILES_PER_SPLIT):
         split *= 2
     return split
 
@@ -362,14 +364,15 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     tma: bool = False, widen_prmt: bool = False,
                     x_scale: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None, gated: bool = False,
-                    leave_sums: bool = False) -> "torch.Tensor | SplitSums":
+                    leave_sums: bool = False, split_fill: float = 1.0,
+                    split_columns: int = 0) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a
     row [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
     [ceil(N/block[0]), ceil(K/block[1])] with block_k dividing block[1]. block_m: rows a
     program takes (None: every row of a decode batch, up to MAX_BLOCK_M; at least 16, the
-    tensor cores' smallest); split_k: programs sharing a tile's K range (None: enough to give
-    every SM a program, auto_split_k). swap_ab: each tile computed as W @ x.T (the widened
+    tensor cores' smallest); split_k: programs sharing a tile's K range (None: auto_split_k,
+    split_fill x one program per SM, at most split_columns of K a split where given). swap_ab: each tile computed as W @ x.T (the widened
     weight the MMA's register operand); tma: tiles fetched by the tensor memory accelerator
     where the device has one (Hopper) and tma_fits, else by pointer loads; widen_prmt: e4m3 ->
     bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere).
@@ -398,7 +401,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if gated:
         split_k = 1
     elif split_k is None:
-        split_k = auto_split_k(tiles_m * tiles_n, k_tiles, num_sms(x.device))
+        split_k = auto_split_k(tiles_m * tiles_n, k_tiles, num_sms(x.device), split_fill,
+                               split_columns // block_k)
     split_k = max(1, min(split_k, k_tiles))
     k_per_split = cdiv(k_tiles, split_k) * block_k
     split_k = cdiv(K, k_per_split)  # no split left without columns

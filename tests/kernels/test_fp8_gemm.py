@@ -563,6 +563,22 @@ def test_splits_left_to_sum_are_the_summed_output(w8a8: bool) -> None:
     assert isinstance(unsplit, torch.Tensor)
 
 
+def test_w8a8_decode_splits_k_as_far_as_it_pays() -> None:
+    """At 8B's widths on 132 SMs (64-column tiles, 256-column K steps), the W8A8 decode tiling
+    splits q/k/v not at all (96 programs), o in two (128), down in four (no split streams more
+    than 4096 columns of K); the plain rule fills every SM."""
+    from dataclasses import asdict
+
+    from kernels.gemm.fp8 import W8A8_NARROW_TILING as narrow
+    from kernels.gemm.fp8_triton_kernel import auto_split_k
+
+    rule = dict(fill=narrow.split_fill, max_tiles=narrow.split_columns // narrow.block_k)
+    assert [auto_split_k(n // 64, k // 256, 132, **rule) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336))] \
+        == [1, 2, 4]
+    assert [auto_split_k(n // 64, k // 256, 132) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336))] == [2, 4, 4]
+    assert {"split_fill", "split_columns"} <= set(asdict(narrow))
+
+
 @needs_triton_device
 def test_x_with_a_row_stride_of_its_own() -> None:
     """x a column slice of a wider buffer (rows not adjacent) reads its own columns only."""
