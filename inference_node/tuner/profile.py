@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> None:
         steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
         if args.tp > 1:  # as a tensor-parallel node maps every bucket's tuning
             steps = steps.map(tensor_parallel_tuning)
+        unfoldable = model.unfoldable_groups()  # as the node: FP8 and biased matmuls fold no LoRA
+        if unfoldable:
+            steps = steps.map(lambda tuning: tuning.without_folds(unfoldable))
         if mode == "serial":
             def factory(meta, groups):
                 return StepLoraApplier(buffers, meta, groups)
