@@ -19,8 +19,14 @@ projection in the decode graph. That program reads all SPLIT_K partial tiles alo
 LAST_SUMS_MAX_ROWS rows a tile a second launch sums them instead (_split_k_sum: the same
 order, the same bits). The counters are one buffer a device (tile_counters), so two split
 GEMMs must not run at once on one device: the node launches them one after another on one
-stream. Rows past one tile (prefill) get programs of their own, the row tile fastest so that
+stream. Past that, where the kernel after the GEMM can sum the partials as it reads them (the
+add + norm after o and down), the GEMM hands them on unsummed (SplitSums) and no sum launch
+runs. Rows past one tile (prefill) get programs of their own, the row tile fastest so that
 the programs running together share their weight tile in L2.
+
+GATED (gate/up): each program multiplies its columns of gate and the same columns of up, and
+its epilogue writes SiLU(gate) * up, rounded as the plain launch then the SiLU kernel round
+(silu_times): half the output written and no SiLU launch. K is never split there.
 
 On Hopper the tile's product runs on wgmma, whose second operand must sit in shared memory and
 whose first may come from registers. As x @ W.T the widened weight is the second operand: each
