@@ -335,8 +335,7 @@ class LlamaModel:
 
     def _add_norm(self, launch: LaunchChoices, out: torch.Tensor | SplitSums, delta: LoraDelta | None,
                   hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  unit_offset: bool = False,
-                  out_norm: torch.Tensor | None = None, quantize: bool = False
+                  unit_offset: bool = False, out_norm: torch.Tensor | None = None, quantize: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """(hidden + a row-parallel projection's output, that normalised by weight; quantize:
         with its e4m3 copy where one launch makes both, ElementwiseOps.add_rms_norm). Under tensor

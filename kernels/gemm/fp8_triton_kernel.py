@@ -373,18 +373,18 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     leave_sums: bool = False, split_fill: float = 1.0,
                     split_columns: int = 0) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
-    contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a
-    row [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
-    [ceil(N/block[0]), ceil(K/block[1])] with block_k dividing block[1]. block_m: rows a
-    program takes (None: every row of a decode batch, up to MAX_BLOCK_M; at least 16, the
-    tensor cores' smallest); split_k: programs sharing a tile's K range (None: auto_split_k,
-    split_fill x one program per SM, at most split_columns of K a split where given). swap_ab: each tile computed as W @ x.T (the widened
-    weight the MMA's register operand); tma: tiles fetched by the tensor memory accelerator
-    where the device has one (Hopper) and tma_fits, else by pointer loads; widen_prmt: e4m3 ->
-    bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's conversion elsewhere).
-    gated: weight is gate/up's [gate; up] (2 I rows) and the result SiLU(x @ gate.T) *
-    (x @ up.T), [M, I], with no SiLU launch after it: block_n columns of each half a
-    program, K never split (the SiLU needs a column's whole sum). leave_sums: where the
+    contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a row
+    [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
+    [ceil(N/block[0]), ceil(K/block[1])] with block_k dividing block[1]. block_m: rows a program
+    takes (None: every row of a decode batch, up to MAX_BLOCK_M; at least 16, the tensor cores'
+    smallest); split_k: programs sharing a tile's K range (None: auto_split_k, split_fill x one
+    program per SM, at most split_columns of K a split where given). swap_ab: each tile computed
+    as W @ x.T (the widened weight the MMA's register operand); tma: tiles fetched by the tensor
+    memory accelerator where the device has one (Hopper) and tma_fits, else by pointer loads;
+    widen_prmt: e4m3 -> bf16 by E4M3_TO_BF16_ASM for bf16 x on a compiled GPU (Triton's
+    conversion elsewhere). gated: weight is gate/up's [gate; up] (2 I rows) and the result
+    SiLU(x @ gate.T) * (x @ up.T), [M, I], with no SiLU launch after it: block_n columns of each
+    half a program, K never split (the SiLU needs a column's whole sum). leave_sums: where the
     splits would be summed by a launch of their own, SplitSums instead (the next kernel sums)."""
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
