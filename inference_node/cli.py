@@ -84,6 +84,9 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
                            "kernels/configs for a seed)")
     tune.add_argument("--groups", default="qkv,o,gate_up,down,experts.gate_up,experts.down",
                       help="fused groups to sweep (a dense model has no experts', a mixture of experts no dense MLP's)")
+    tune.add_argument("--quantization", choices=("none", "fp8", "fp8-w8a8"), default="none",
+                      help="serve's --quantization: FP8 projections' GEMM launches are tuned instead (an FP8 "
+                           "checkpoint's are, as weight-only fp8, without it)")
     tune.add_argument("--min-gain", type=float, default=0.02,
                       help="a tiling goes into the table where it is this much faster than the default")
 

@@ -183,16 +183,26 @@ def resolve_tuning_table(config: NodeConfig, checkpoint: Path) -> NodeConfig:
     device = resolve_device(config.model.device)
     if device.type == "cuda" and size > 1:
         device = torch.device("cuda", 0)  # load_rank's device of rank 0
-    shape = ModelShape.of(Shard(0, size).local_config(ModelConfig.from_checkpoint(checkpoint)))
+    model_config = ModelConfig.from_checkpoint(checkpoint)
+    shape = ModelShape.of(Shard(0, size).local_config(model_config))
     try:
         found = node_table(table, device, shape, DTYPES[dtype_name(config, device)],
-                           budget_s=config.kernels.tune_budget, tp=size, cache=tuning_cache(config))
+                           budget_s=config.kernels.tune_budget, tp=size, cache=tuning_cache(config),
+                           quantization=fp8_kind(config, model_config))
     except TuningTableError as exc:
         raise ConfigError(f"--tuning-table: {exc}") from None
     if table != "auto":
         return config
     log.info("tuning table: %s", found.describe())
     return config.replace(tuning_table=str(found.table.path) if found.table is not None else "off")
+
+
+def fp8_kind(config: NodeConfig, model_config: ModelConfig) -> str:
+    """The node's projections' weights as a tuning table names them: "none" (plain), "fp8"
+    (FP8 widened to multiply: --quantization fp8, or an FP8 checkpoint without
+    --quantization) or "fp8-w8a8"; their GEMMs are other kernels, tuned in tables of their own."""
+    fp8 = config.model.quantize_fp8 or model_config.weight_quant is not None
+    return ("fp8-w8a8" if config.model.fp8_w8a8 else "fp8") if fp8 else "none"
 
 
 def step_tunings(config: NodeConfig, device: torch.device, model_config: ModelConfig) -> StepTunings:
@@ -209,6 +219,10 @@ def step_tunings(config: NodeConfig, device: torch.device, model_config: ModelCo
         return StepTunings.fixed(kernels.tuning)
     if table.device != name:
         log.warning("tuning table %s was tuned on %s, not this %s", table.path, table.device, name)
+    kind = fp8_kind(config, model_config)
+    if table.quantization != kind:
+        log.warning("tuning table %s was tuned over %s projection weights, not this node's %s: its launch "
+                    "choices for these GEMMs are defaults", table.path, table.quantization, kind)
     log.info("tuning table %s: %d buckets%s", table.path, len(table.buckets),
              f" (--tune kept: {', '.join(sorted(kernels.tuning_fixed))})" if kernels.tuning_fixed else "")
     return table.tunings(kernels.tuning, kernels.tuning_fixed)

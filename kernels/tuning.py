@@ -24,6 +24,9 @@ GROUPS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
 EXPERT_GROUPS: tuple[str, ...] = ("experts.gate_up", "experts.down")
 
 Tiling = tuple[int, int, int]  # (block_n, block_k, pipeline stages) of the decode GEMM
+Fp8Choice = tuple[int, int, int, int]  # the FP8 decode GEMM's: and its K splits (0: its rule)
+# The Tuning tables of the FP8 decode GEMM's launches: weight-only and W8A8 (fp8_tilings_field).
+FP8_TILING_FIELDS = ("fp8_tilings", "w8a8_tilings")
 
 
 def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -36,6 +39,19 @@ def _plain(value: Any) -> Any:
 
 def _rebuild(cls: type, fields: dict[str, Any]) -> Any:
     return cls(**fields)
+
+
+def _power_of_two(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def fp8_choice_valid(choice: Any) -> bool:
+    """Whether `choice` is an FP8 decode launch: (block_n, block_k, stages, splits) with block_n
+    and block_k powers of two of at least 16, 1-8 stages, splits 0 or a power of two."""
+    return (isinstance(choice, tuple) and len(choice) == 4
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in choice)
+            and all(_power_of_two(v) and v >= 16 for v in choice[:2])
+            and 1 <= choice[2] <= 8 and (choice[3] == 0 or _power_of_two(choice[3])))
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,19 @@ class Tuning:
             "each (token, expert) pair's LoRA beside the grouped GEMMs, for gate/up and down: "
             "(1 for a shrink and expand in one launch, 0 for two, 2 for one where the pairs "
             "give every SM two programs; columns a tile; warps)")})
+    # -- the FP8 decode GEMM (kernels/gemm/fp8.py), over FP8 projections' weights --
+    # (8B widths at 64 rows on an H200, tuner.fp8_gemm --sweep and graphs of each GEMM with the
+    # kernel reading its output: weight-only fastest in 64 columns by 128 of K; W8A8's gate/up
+    # in 128 columns, its q/k/v, o and down in 64 by 256-wide K steps, 3 stages.)
+    fp8_tilings: Mapping[str, Fp8Choice] = field(default_factory=lambda: _frozen({
+        g: (64, 128, 4, 0) for g in GROUPS}), metadata={"help": (
+            "the weight-only FP8 decode GEMM's (block_n, block_k, stages, K splits) per group (0 "
+            "splits: enough to give every SM a program)")})
+    w8a8_tilings: Mapping[str, Fp8Choice] = field(default_factory=lambda: _frozen({
+        "qkv": (64, 256, 3, 0), "o": (64, 256, 3, 0), "down": (64, 256, 3, 0), "gate_up": (128, 128, 4, 0)}),
+        metadata={"help": (
+            "the W8A8 FP8 decode GEMM's (block_n, block_k, stages, K splits) per group (0 splits: the "
+            "fewest giving 0.7 of the SMs a program, each at most 4096 columns of K)")})
     fold_prefetch_a: int = field(default=2048, metadata={"help": (
         "with PDL, columns of each adapter's A the shrink programs of a whole fold ask of L2 "
         "before their wait (0: none)")})
@@ -149,8 +178,15 @@ class Tuning:
                              f"them), not {sorted(set(self.norm_split_groups) - {'o', 'down'})}")
         object.__setattr__(self, "norm_split_groups", frozenset(self.norm_split_groups))
         for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings", "moe_tilings", "moe_lora_launches",
-                     "side_expand_group_segments"):
+                     "side_expand_group_segments", *FP8_TILING_FIELDS):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
+        for name in FP8_TILING_FIELDS:
+            for group, choice in getattr(self, name).items():
+                if group not in GROUPS or not fp8_choice_valid(choice):
+                    raise ValueError(f"{name} {group}={'.'.join(map(str, choice))}: expected a group of "
+                                     f"{', '.join(GROUPS)} = block_n.block_k.stages.splits, block_n and "
+                                     f"block_k powers of two of at least 16, stages 1-8, splits 0 (the "
+                                     f"rule) or a power of two")
         for group, (one_launch, width, warps) in self.moe_lora_launches.items():
             if one_launch not in (0, 1, 2) or width < 16 or width & (width - 1) or warps not in (1, 2, 4, 8, 16):
                 raise ValueError(f"moe_lora_launches {group}={one_launch}.{width}.{warps}: expected 0, 1 or 2, a "
@@ -178,6 +214,10 @@ class Tuning:
                             shrink_fold_groups=self.shrink_fold_groups - set(groups),
                             fold_shrink_spread=self.fold_shrink_spread - set(groups))
 
+    def fp8_choices(self, w8a8: bool) -> Mapping[str, Fp8Choice]:
+        """The FP8 decode GEMM's launch per group: W8A8's or the weight-only one's."""
+        return self.w8a8_tilings if w8a8 else self.fp8_tilings
+
     # -- what a launch on tensor t's device does --
     def pdl_on(self, t: torch.Tensor) -> bool:
         """Programmatic dependent launch for kernels on t's device: on, and Hopper."""
@@ -194,6 +234,11 @@ class Tuning:
 
 
 DEFAULT_TUNING = Tuning()
+
+
+def fp8_tilings_field(w8a8: bool) -> str:
+    """The Tuning table of the FP8 decode GEMM's launches for W8A8 or weight-only projections."""
+    return FP8_TILING_FIELDS[w8a8]
 
 
 def hopper(t: torch.Tensor) -> bool:
@@ -227,7 +272,8 @@ def _form(value: Any) -> str:
     if isinstance(value, tuple):
         return "numbers joined by dots"
     if all(isinstance(v, tuple) for v in value.values()):
-        return "GROUP=BLOCK_N.BLOCK_K.STAGES, comma-separated: replaces those groups' entries"
+        splits = ".SPLITS" if any(len(v) == 4 for v in value.values()) else ""
+        return f"GROUP=BLOCK_N.BLOCK_K.STAGES{splits}, comma-separated: replaces those groups' entries"
     return "GROUP=N, comma-separated, or none"
 
 

@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 if TYPE_CHECKING:
     import torch
 
-from .tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, Tuning
+from .tuning import DEFAULT_TUNING, EXPERT_GROUPS, FP8_TILING_FIELDS, GROUPS, Tuning, fp8_choice_valid
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FORMAT = 2
 DTYPES = ("bfloat16", "float16", "float32")
+# The projections' weights a table's GEMMs multiply: the dtype's own ("none"), or FP8 widened to
+# it (weight-only) or with e4m3 activations (W8A8): each runs other kernels, so its own table.
+QUANTIZATIONS = ("none", "fp8", "fp8-w8a8")
 
 # Choices that size buffers built once per node (the LoRA step plan's) or set the weights'
 # layout (gemm_groups): a table may set them for the whole node ("node"), never per bucket.
@@ -38,7 +41,7 @@ NODE_CHOICES = frozenset({"gemm_groups", "fold_groups", "shrink_fold_groups", "f
                           "norm_split_columns", "norm_split_groups"})
 CHOICES = tuple(f.name for f in dataclasses.fields(Tuning))
 BUCKET_CHOICES = tuple(name for name in CHOICES if name not in NODE_CHOICES)
-_TOP_KEYS = {"format", "device", "shape", "dtype", "versions", "tuning_s", "unmeasured", "produced_by",
+_TOP_KEYS = {"format", "device", "shape", "dtype", "quantization", "versions", "tuning_s", "unmeasured", "produced_by",
              "node", "buckets"}
 VERSIONS = ("torch", "triton")  # the libraries whose code generation a table's timings depend on
 _BUCKET_KEYS = {"batch", "adapters", "choices"}
@@ -105,10 +108,12 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def table_name(device: str, shape: ModelShape, dtype: str) -> str:
-    """The file name of (device, shape, dtype)'s table: e.g.
-    NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64__bfloat16.json."""
-    return f"{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}__{shape.key}__{dtype}.json"
+def table_name(device: str, shape: ModelShape, dtype: str, quantization: str = "none") -> str:
+    """The file name of (device, shape, dtype, quantization)'s table: e.g.
+    NVIDIA_H100_80GB_HBM3__h2048_i8192_q32_kv8_d64__bfloat16.json, or
+    ..._d128__bfloat16__fp8-w8a8.json over FP8 weights."""
+    weights = "" if quantization == "none" else f"__{quantization}"
+    return f"{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}__{shape.key}__{dtype}{weights}.json"
 
 
 @dataclass(frozen=True)
@@ -122,17 +127,19 @@ class TableKey:
     dtype: str
     torch: str
     triton: str
+    quantization: str = "none"
 
     @property
     def name(self) -> str:
-        return table_name(self.device, self.shape, self.dtype)
+        return table_name(self.device, self.shape, self.dtype, self.quantization)
 
     @property
     def versions(self) -> dict[str, str]:
         return {"torch": self.torch, "triton": self.triton}
 
     def __str__(self) -> str:
-        return f"{self.device} {self.shape.key} {self.dtype}"
+        return f"{self.device} {self.shape.key} {self.dtype}" + (
+            f" {self.quantization}" if self.quantization != "none" else "")
 
 
 # -- the choices as JSON ------------------------------------------------------------------------
@@ -167,6 +174,13 @@ def choice_from_json(name: str, value: Any) -> Any:
         raise ValueError(f"{name}: expected {len(default)} positive integers, not {value!r}")
     if not isinstance(value, dict) or not set(value) <= set(GROUPS):
         raise ValueError(f"{name}: expected an object keyed by groups of {list(GROUPS)}, not {value!r}")
+    if name in FP8_TILING_FIELDS:
+        for group, choice in value.items():
+            if not (isinstance(choice, list) and fp8_choice_valid(tuple(choice))):
+                raise ValueError(f"{name}.{group}: expected [block_n, block_k, stages, splits], block_n and "
+                                 f"block_k powers of two of at least 16, 1-8 stages, splits 0 (the rule) or "
+                                 f"a power of two, not {choice!r}")
+        return MappingProxyType({**default, **{g: tuple(t) for g, t in value.items()}})
     if _tiling_table(name):
         for group, tiling in value.items():
             ints = (isinstance(tiling, list) and len(tiling) == 3
@@ -231,13 +245,15 @@ class TuningTable:
     tuning_s: float | None = None    # seconds its sweep took (None: not recorded)
     unmeasured: tuple[tuple[str, int, int], ...] = ()  # (group, batch, adapters) the sweep's budget left
     path: Path | None = None         # where it was read from (messages)
+    quantization: str = "none"       # the projections' weights (QUANTIZATIONS)
 
     def refusal(self, key: TableKey, check_versions: bool = True) -> str | None:
         """Why this table is not `key`'s (None: it is): another device, shape or dtype, or
         (check_versions) versions other than the key's or none recorded."""
-        mine = (self.device, self.shape, self.dtype)
-        if mine != (key.device, key.shape, key.dtype):
-            return (f"it is for {self.device} {self.shape.key} {self.dtype}, not {key}")
+        mine = (self.device, self.shape, self.dtype, self.quantization)
+        if mine != (key.device, key.shape, key.dtype, key.quantization):
+            weights = f" {self.quantization}" if self.quantization != "none" else ""
+            return f"it is for {self.device} {self.shape.key} {self.dtype}{weights}, not {key}"
         if check_versions and dict(self.versions) != key.versions:
             tuned = ", ".join(f"{k} {v}" for k, v in self.versions.items()) or "unrecorded versions"
             return (f"it was tuned with {tuned}; this node runs "
@@ -271,6 +287,9 @@ class TuningTable:
             raise ValueError("device: expected the device's name (torch.cuda.get_device_name)")
         if raw.get("dtype") not in DTYPES:
             raise ValueError(f"dtype {raw.get('dtype')!r}: expected one of {', '.join(DTYPES)}")
+        quantization = raw.get("quantization", "none")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}")
         versions = raw.get("versions", {})
         if (not isinstance(versions, dict) or not set(versions) <= set(VERSIONS)
                 or not all(isinstance(v, str) for v in versions.values())):
@@ -317,7 +336,7 @@ class TuningTable:
                     tuple(sorted(buckets, key=lambda b: (b.batch, b.adapters))),
                     str(raw.get("produced_by", "")), MappingProxyType(dict(versions)),
                     None if tuning_s is None else float(tuning_s),
-                    tuple((g, b, a) for g, b, a in unmeasured), path)
+                    tuple((g, b, a) for g, b, a in unmeasured), path, quantization)
         table.tunings(DEFAULT_TUNING)  # every entry builds a Tuning (group sets checked there)
         return table
 
@@ -327,7 +346,8 @@ class TuningTable:
             {"unmeasured": [list(u) for u in self.unmeasured]} if self.unmeasured else {})
         return {
             "format": FORMAT, "device": self.device, "shape": self.shape.to_json(),
-            "dtype": self.dtype, **recorded, "produced_by": self.produced_by,
+            "dtype": self.dtype, **({"quantization": self.quantization} if self.quantization != "none" else {}),
+            **recorded, "produced_by": self.produced_by,
             "node": {n: choice_to_json(n, v) for n, v in self.node.items()},
             "buckets": [{"batch": b.batch, "adapters": b.adapters,
                          "choices": {n: choice_to_json(n, v) for n, v in b.choices.items()}}
@@ -416,9 +436,11 @@ class StepTunings:
         return cls(tuning)
 
 
-def find_table(device: str, shape: ModelShape, dtype: str, folder: Path | None = None) -> Path | None:
-    """The table filed for (device, shape, dtype) in `folder` (None: kernels/configs), if any."""
-    path = (folder or CONFIG_DIR) / table_name(device, shape, dtype)
+def find_table(device: str, shape: ModelShape, dtype: str, folder: Path | None = None,
+               quantization: str = "none") -> Path | None:
+    """The table filed for (device, shape, dtype, quantization) in `folder` (None:
+    kernels/configs), if any."""
+    path = (folder or CONFIG_DIR) / table_name(device, shape, dtype, quantization)
     return path if path.is_file() else None
 
 

@@ -276,7 +276,8 @@ class LlamaModel:
         if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
             # the SiLU in the GEMM's launch
             if isinstance(layer.gate_up, Fp8Weight):
-                act = self.fp8_gated_silu(x, layer.gate_up) if launch.tuning.gate_up_silu else None
+                act = (self.fp8_gated_silu(x, layer.gate_up, tilings=launch.tuning.fp8_choices(self.fp8_w8a8))
+                       if launch.tuning.gate_up_silu else None)
             else:
                 act = launch.gemm.gated_silu(plain_rows(x), layer.gate_up)
         if act is None:
@@ -364,7 +365,7 @@ class LlamaModel:
         fp8 = isinstance(weight, Fp8Weight)
         operand, x = (x if fp8 else plain_rows(x)), plain_rows(x)
         if fp8:
-            gemm = self.fp8_gemm
+            gemm = partial(self.fp8_gemm, tilings=launch.tuning.fp8_choices(self.fp8_w8a8))
         else:
             gemm = launch.gemm if launch.gemm.serves(group) else cublas
         if lora is None:

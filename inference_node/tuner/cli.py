@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kernels.gemm.shapes import MAX_ROWS
-from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS
+from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, fp8_tilings_field
 from kernels.tuning_table import CONFIG_DIR, ModelShape, TuningTable
 
 from .store import exclusive, usable
@@ -51,6 +51,18 @@ def model_shape(model: str | None, tp: int) -> ModelShape:
         raise SystemExit(f"inference-node tune: --model {model}: {exc}") from None
 
 
+def weights_kind(model: str | None, quantization: str) -> str:
+    """The projections' weights the node serving `model` with `--quantization` multiplies
+    (node.fp8_kind): an FP8 checkpoint's are FP8 without the flag."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.model.embedded import default_checkpoint
+
+    if quantization != "none":
+        return quantization
+    config = ModelConfig.from_checkpoint(Path(model) if model else default_checkpoint())
+    return "fp8" if config.weight_quant is not None else "none"
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -78,7 +90,10 @@ def run(args: argparse.Namespace) -> int:
                          f"{', '.join(GROUPS + EXPERT_GROUPS)}")
     groups = [g for g in groups if g in shape.gemms() or (shape.experts and g in EXPERT_GROUPS)]
 
-    key = key_for(device, shape, dtype)
+    quantization = weights_kind(args.model, args.quantization)
+    if quantization != "none":  # FP8 matmuls never fold LoRA: their base launches alone
+        adapters = [a for a in adapters if a == 0] or [0]
+    key = key_for(device, shape, dtype, quantization)
     out = Path(args.out) if args.out else default_cache()
     path = out if out.suffix == ".json" else out / key.name
     seed = path.parent.resolve() == CONFIG_DIR.resolve()
@@ -97,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         table, results = tune_table(shape, device, dtype, budget_s=args.budget_s, batches=batches,
                                     adapters=adapters, groups=groups, tp=args.tensor_parallel_size,
                                     existing=existing, min_gain=args.min_gain,
-                                    max_candidates=3 if smoke else None, produced_by=command.strip())
+                                    max_candidates=3 if smoke else None, produced_by=command.strip(),
+                                    quantization=quantization)
         bandwidth = None if smoke else copy_bandwidth(device)
         if bandwidth:
             print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
@@ -108,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"inference-node tune: {path}: the table just written does not read back")
     print(f"\nwrote {path}: {len(again.buckets)} bucket(s), tuned in {again.tuning_s:.0f} s"
           + (f"; {len(again.unmeasured)} case(s) left unmeasured by the budget" if again.unmeasured else ""))
-    summarize(again, base_field(device), batches, adapters, groups)
+    summarize(again, base_field(device) if quantization == "none" else fp8_tilings_field(quantization == "fp8-w8a8"),
+              batches, adapters, groups)
     return 0
 
 

@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     per_seq = -(-(max_len + 1) // block)
     kv = KVCache(cfg, args.batch * per_seq + 1, block, dtype, device)
     buffers, plan = config_slots(cfg, names, dtype, device)
-    found = node_table(args.tuning_table, device, ModelShape.of(cfg), dtype, budget_s=0)
+    found = node_table(args.tuning_table, device, ModelShape.of(cfg), dtype, budget_s=0,
+                       quantization=args.quantization)
     table = found.table
     print(f"tuning table: {found.describe()}")
     all_graphs = {}

@@ -30,7 +30,7 @@ from kernels.gemm.shapes import MAX_ROWS, gated_block_n, row_tile, tiling as fit
 from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, Tiling, Tuning
 from kernels.tuning_table import Bucket, ModelShape, TuningTable
 
-from . import expert_trials
+from . import expert_trials, fp8_trials
 from .trial import MAX_REL_ERR, Case, Timer, Trial, copies_for, rel_err
 
 log = logging.getLogger(__name__)
@@ -329,23 +329,32 @@ class Sweep:
     timer: Timer
     batches: Sequence[int]           # every bucket swept (a bucket's largest step: bucket_top)
     max_candidates: int | None = None
+    quantization: str = "none"       # FP8 projections' (fp8, fp8-w8a8): their GEMM's launches, in `field`
     rank: int = RANK
     gen: torch.Generator = field(default_factory=lambda: torch.Generator(device="cpu").manual_seed(0))
     _weights: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def fp8(self) -> bool:
+        return self.quantization != "none"
 
     def copies(self, group: str, adapters: int = 0) -> int:
         if self.device.type != "cuda":
             return 1
         N, K = self.shape.gemms()[group]
-        esize = torch.finfo(self.dtype).bits // 8
+        esize = 1 if self.fp8 else torch.finfo(self.dtype).bits // 8
         lora = adapters * self.rank * (len(slice_widths(self.shape, group)) * K + N) * esize
         return copies_for(N * K * esize + lora)
 
-    def weights(self, group: str, copies: int) -> list[torch.Tensor]:
+    def weights(self, group: str, copies: int) -> list:
         have = self._weights.get(group, [])
         if len(have) < copies:
-            N, K = self.shape.gemms()[group]
-            have = self._weights[group] = weight_copies(N, K, copies, self.device, self.dtype, self.gen)
+            if self.fp8:
+                have = fp8_trials.weights(self.shape, group, copies, self.device, self.gen)
+            else:
+                N, K = self.shape.gemms()[group]
+                have = weight_copies(N, K, copies, self.device, self.dtype, self.gen)
+            self._weights[group] = have
         return have[:copies]
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,6 +369,12 @@ class Sweep:
             if case.adapters:
                 return expert_trials.lora_options(case.group)[:self.max_candidates]
             return expert_trials.options(self.shape, case.group, self.dtype)[:self.max_candidates]
+        if self.fp8:
+            from kernels.host import num_sms
+
+            sms = num_sms(self.device) if self.device.type == "cuda" else 1
+            return fp8_trials.options(self.shape, case.group, self.quantization == "fp8-w8a8", case.batch,
+                                      sms)[:self.max_candidates]
         N, K = self.shape.gemms()[case.group]
         w = torch.empty(N, K, dtype=self.dtype, device="meta").t()
         if case.adapters:
@@ -379,6 +394,11 @@ class Sweep:
             else:
                 trials, nbytes = expert_trials.trials(self.shape, self.device, self.dtype, self.expert_weights(),
                                                       case, options)
+        elif self.fp8:
+            N, K = self.shape.gemms()[case.group]
+            trials, nbytes = fp8_trials.trials(self.shape, self.device, self.dtype, self.quantization == "fp8-w8a8",
+                                               self.weights(case.group, self.copies(case.group)), case, options,
+                                               self._inputs(case, K))
         elif case.adapters:
             trials = self._fold_trials(case, options)
         else:

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS
+from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, fp8_tilings_field
 from kernels import tuning_table
 from kernels.tuning_table import ModelShape, TableKey, TuningTable, device_name, load_table
 
@@ -38,9 +38,10 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "triton": triton}
 
 
-def key_for(device: torch.device, shape: ModelShape, dtype: torch.dtype) -> TableKey:
-    """The key of the table this node needs on `device` for (shard) `shape` in `dtype`."""
-    return TableKey(device_name(device), shape, dtype_name(dtype), **versions())
+def key_for(device: torch.device, shape: ModelShape, dtype: torch.dtype, quantization: str = "none") -> TableKey:
+    """The key of the table this node needs on `device` for (shard) `shape` in `dtype`, its
+    projections' weights `quantization` (kernels.tuning_table.QUANTIZATIONS)."""
+    return TableKey(device_name(device), shape, dtype_name(dtype), **versions(), quantization=quantization)
 
 
 def why_not(device: torch.device) -> str | None:
@@ -69,14 +70,16 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
                groups: Sequence[str] = GROUPS + EXPERT_GROUPS, tp: int = 1, existing: TuningTable | None = None,
                min_gain: float = MIN_GAIN, timer: Timer | None = None,
                clock: Callable[[], float] = time.monotonic, max_candidates: int | None = None,
-               produced_by: str = "") -> tuple[TuningTable, list[Measured]]:
+               produced_by: str = "", quantization: str = "none") -> tuple[TuningTable, list[Measured]]:
     """(the table, what was measured) of `shape`'s decode GEMMs on `device` in `dtype`: the
     base GEMM at each batch (adapters 0) and its folds at each count of distinct adapters,
     within `budget_s` seconds. The fold is swept in the LoRA step plan the node runs: the
     node choices of `existing` (kept, as are its buckets this sweep does not measure) and,
     with tp > 1, a rank's (parallel/shard.py: o never leaves its delta for the norm after
-    it). Off CUDA (tests) the candidates run through the reference, or Triton's interpreter,
-    timed by the wall clock: the numbers mean nothing there."""
+    it). Over FP8 projections (quantization fp8 or fp8-w8a8) the FP8 GEMM's launches per group
+    and batch instead (fp8_trials.py; no folds, no experts: neither is served over FP8). Off
+    CUDA (tests) the candidates run through the reference, or Triton's interpreter, timed by
+    the wall clock: the numbers mean nothing there."""
     from inference_node.parallel.shard import tensor_parallel_tuning
 
     if device.type == "cuda":
@@ -84,6 +87,9 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
         if reason is not None:
             raise TuningUnavailable(reason)
     field = base_field(device)
+    if quantization != "none":
+        field = fp8_tilings_field(quantization == "fp8-w8a8")
+        adapters, groups = [a for a in adapters if a == 0], [g for g in groups if g in GROUPS]
     plan = existing.tunings(DEFAULT_TUNING).base if existing is not None else DEFAULT_TUNING
     if tp > 1:
         plan = tensor_parallel_tuning(plan)
@@ -91,10 +97,11 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
     for note in notes:
         log.debug("%s", note)
     name = device_name(device)
-    budget = Budget(budget_s, f"{name} {shape.key} {dtype_name(dtype)}", clock=clock)
+    weights = "" if quantization == "none" else f" {quantization}"
+    budget = Budget(budget_s, f"{name} {shape.key} {dtype_name(dtype)}{weights}", clock=clock)
     sweep = Sweep(shape, device, dtype, field,
                   timer or (cuda_timer if device.type == "cuda" else cpu_timer),
-                  list(batches), max_candidates)
+                  list(batches), max_candidates, quantization)
     results, skipped = run(sweep, todo, budget)
     del sweep  # its operand copies: freed before the node sizes its memory
     if skipped:
@@ -110,18 +117,19 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
         if kept and existing.buckets:
             produced_by += f"; {' and '.join(kept)} buckets kept from: {existing.produced_by}"
     table = TuningTable(name, shape, dtype_name(dtype), dict(existing.node) if existing else {},
-                        tuple(buckets), produced_by, versions(), spent, tuple(sorted(unmeasured)))
+                        tuple(buckets), produced_by, versions(), spent, tuple(sorted(unmeasured)),
+                        quantization=quantization)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the node sizes its KV cache by the memory left after this
     return table, results
 
 
 def node_tuner(device: torch.device, shape: ModelShape, dtype: torch.dtype,
-               tp: int) -> Callable[[float], TuningTable]:
+               tp: int, quantization: str = "none") -> Callable[[float], TuningTable]:
     """What a node starting without a table runs (store.table_at_start): the default cases
     within the budget it is given."""
     def tune(budget_s: float) -> TuningTable:
-        table, _ = tune_table(shape, device, dtype, budget_s=budget_s, tp=tp,
+        table, _ = tune_table(shape, device, dtype, budget_s=budget_s, tp=tp, quantization=quantization,
                               produced_by=f"inference-node serve at its first start (--tune-budget {budget_s:g}"
                                           + (f", a rank of --tensor-parallel-size {tp}" if tp > 1 else "") + ")")
         return table
@@ -137,9 +145,10 @@ def default_cache() -> Path:
 
 
 def node_table(setting: str, device: torch.device, shape: ModelShape, dtype: torch.dtype, *,
-               budget_s: float, tp: int = 1, cache: Path | None = None) -> Found:
+               budget_s: float, tp: int = 1, cache: Path | None = None, quantization: str = "none") -> Found:
     """The table a node with `--tuning-table setting` and `--tune-budget budget_s` runs with
-    on `device` for its (shard) `shape` in `dtype`: none ("off"), the file given (its shape
+    on `device` for its (shard) `shape` in `dtype` over projections' weights `quantization`
+    (the node's FP8 kind: fp8_kind): none ("off"), the file given (its shape
     checked: TuningTableError), or with "auto" the seed, the cached table or one tuned now
     (store.table_at_start; `cache`: the node's, under its cache directory). The benchmarks
     take their table this way too (budget 0: never tune)."""
@@ -149,5 +158,5 @@ def node_table(setting: str, device: torch.device, shape: ModelShape, dtype: tor
         return Found(load_table(setting, shape), "given")
     cache = cache or default_cache()
     reason = why_not(device)
-    return table_at_start(key_for(device, shape, dtype), tuning_table.CONFIG_DIR, cache, budget_s,
-                          None if reason else node_tuner(device, shape, dtype, tp), reason or "")
+    return table_at_start(key_for(device, shape, dtype, quantization), tuning_table.CONFIG_DIR, cache, budget_s,
+                          None if reason else node_tuner(device, shape, dtype, tp, quantization), reason or "")

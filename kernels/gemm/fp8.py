@@ -30,12 +30,13 @@ Which computation runs (fp8_matmul):
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import torch
 
 from ..dispatch import triton_kernel
+from ..tuning import Fp8Choice
 from .shapes import MAX_ROWS
 
 TRITON = "kernels.gemm.fp8_triton_kernel"
@@ -148,14 +149,16 @@ def reference_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, w8a8: bool = False,
-               rows: Fp8Rows | None = None, leave_sums: bool = False) -> "torch.Tensor | SplitSums":
+               rows: Fp8Rows | None = None, leave_sums: bool = False,
+               choice: Fp8Choice | None = None) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
     [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
     module docstring: an approximation of x), or taken from rows (x's, already quantized);
     off, every path computes the reference's math. leave_sums: where the Triton GEMM splits K
-    and would sum in a launch of its own, SplitSums for the caller's next kernel to sum."""
-    tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8)
+    and would sum in a launch of its own, SplitSums for the caller's next kernel to sum.
+    choice: the decode launch (Tuning.fp8_tilings / w8a8_tilings' entry; None: by the shape)."""
+    tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
     if kernel is None:
@@ -177,13 +180,14 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    block: tuple[int, int] | None, w8a8: bool = False,
-                   rows: Fp8Rows | None = None) -> torch.Tensor | None:
+                   rows: Fp8Rows | None = None, choice: Fp8Choice | None = None) -> torch.Tensor | None:
     """SiLU(x @ gate.T) * (x @ up.T) for gate/up's stacked weight [2 I, K] in one launch of the
     Triton GEMM (no SiLU launch, half the output written), bit for bit what fp8_matmul then
     the SiLU kernel give; None where that GEMM does not run x (the caller runs the two). A
     program takes half its plain tiling's columns from each half where those are 128 or more
-    (as many weight bytes as in the plain launch), else a whole tile from each."""
-    tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8)
+    (as many weight bytes as in the plain launch), else a whole tile from each. choice: as
+    fp8_matmul's (its K splits unused: SiLU needs a column's whole sum)."""
+    tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 and weight.shape[0] % 2 == 0 else None
     if kernel is None:
@@ -200,13 +204,22 @@ def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   **{**keywords, "widen_prmt": False})
 
 
-def launch_tiling(rows: int, n: int, w8a8: bool) -> Fp8Tiling:
-    """The Triton GEMM's tiling for `rows` rows of a weight of `n` output columns."""
+def launch_tiling(rows: int, n: int, w8a8: bool, choice: Fp8Choice | None = None) -> Fp8Tiling:
+    """The Triton GEMM's tiling for `rows` rows of a weight of `n` output columns: at decode,
+    `choice` (block_n, block_k, stages, K splits; 0 splits: the mode's rule) over the mode's
+    tiling where given, else the mode's tiling for `n` columns."""
     if rows > DECODE_ROWS:
         return PREFILL_TILING
     if w8a8:
-        return W8A8_WIDE_TILING if n >= W8A8_WIDE_N else W8A8_NARROW_TILING
-    return DECODE_TILING
+        tiling = W8A8_WIDE_TILING if n >= W8A8_WIDE_N else W8A8_NARROW_TILING
+        if choice is not None:
+            tiling = replace(W8A8_NARROW_TILING, block_n=choice[0])
+    else:
+        tiling = DECODE_TILING
+    if choice is None:
+        return tiling
+    block_n, block_k, stages, splits = choice
+    return replace(tiling, block_n=block_n, block_k=block_k, num_stages=stages, split_k=splits or None)
 
 
 def reference_w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

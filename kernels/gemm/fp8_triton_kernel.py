@@ -313,6 +313,18 @@ def quantize_rows_triton(x: torch.Tensor, block: int | None = None) -> tuple[tor
     return q, scale
 
 
+def launch_splits(programs: int, K: int, block_k: int, split_k: int | None, sms: int,
+                  split_fill: float = 1.0, split_columns: int = 0) -> tuple[int, int]:
+    """(K splits, columns of K a split) of a launch of `programs` output tiles: split_k's,
+    else auto_split_k's, cut to what K's tiles allow, no split left without columns."""
+    k_tiles = cdiv(K, block_k)
+    if split_k is None:
+        split_k = auto_split_k(programs, k_tiles, sms, split_fill, split_columns // block_k)
+    split_k = max(1, min(split_k, k_tiles))
+    k_per_split = cdiv(k_tiles, split_k) * block_k
+    return cdiv(K, k_per_split), k_per_split
+
+
 def auto_split_k(programs: int, k_tiles: int, sms: int, fill: float = 1.0, max_tiles: int = 0) -> int:
     """The fewest K splits (a power of two) that give at least fill x one program per SM and,
     where max_tiles, at most max_tiles K tiles a split; each split keeping
@@ -403,15 +415,9 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if M == 0 or N == 0:
         return y
     block_m = block_m or min(row_tile(M), MAX_BLOCK_M)
-    tiles_m, tiles_n, k_tiles = cdiv(M, block_m), cdiv(N, block_n), cdiv(K, block_k)
-    if gated:
-        split_k = 1
-    elif split_k is None:
-        split_k = auto_split_k(tiles_m * tiles_n, k_tiles, num_sms(x.device), split_fill,
-                               split_columns // block_k)
-    split_k = max(1, min(split_k, k_tiles))
-    k_per_split = cdiv(k_tiles, split_k) * block_k
-    split_k = cdiv(K, k_per_split)  # no split left without columns
+    tiles_m, tiles_n = cdiv(M, block_m), cdiv(N, block_n)
+    split_k, k_per_split = launch_splits(tiles_m * tiles_n, K, block_k, 1 if gated else split_k,
+                                         num_sms(x.device), split_fill, split_columns)
     partial = split_k > 1
     out = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if partial else y
     counters = tile_counters(x.device) if partial and block_m <= LAST_SUMS_MAX_ROWS else None

@@ -254,3 +254,96 @@ def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths
         assert set(options) <= covered.get(key, set()), (plan_name, key)
     print(f"{starts} node starts; choices covered: " + ", ".join(
         f"{name}.{group}: {len(tilings)}" for (name, group), tilings in sorted(covered.items())))
+
+
+# -- FP8 projections: the W8A8 table, and greedy parity for every weight-only launch -------------------
+
+def test_tune_writes_a_w8a8_table_for_this_gpu(tmp_path: Path) -> None:
+    """`inference-node tune --quantization fp8-w8a8` at Llama-3.2-1B's widths: every launch of
+    every group checked against the W8A8 reference, the table filed under the W8A8 key."""
+    from bench.shapes import LLAMA_3_2_1B
+    from inference_node.tuner.store import usable
+    from inference_node.tuner.tune import key_for
+    from kernels.tuning_table import ModelShape
+
+    model = config_dir(tmp_path, LLAMA_3_2_1B)
+    proc = tune("--model", str(model), "--quantization", "fp8-w8a8", "--batches", "64,8", "--budget-s", "300",
+                "--out", str(tmp_path / "out"))
+    key = key_for(torch.device("cuda"), ModelShape(2048, 8192, 32, 8, 64), torch.bfloat16, "fp8-w8a8")
+    table = usable(tmp_path / "out" / key.name, key, check_versions=True)
+    assert table is not None and table.quantization == "fp8-w8a8" and table.unmeasured == ()
+    assert all(b.adapters == 0 and set(b.choices) <= {"w8a8_tilings"} for b in table.buckets)
+    assert "rejected" not in proc.stdout, proc.stdout
+    print(proc.stdout)
+
+
+def fits_float32(choice: tuple[int, int, int, int], gated: bool, shared: int) -> bool:
+    """Whether the FP8 GEMM's launch of `choice` holds its pipeline in shared memory with
+    float32 x (a float32 node's; the tables are tuned in 16-bit types, where all of these fit)."""
+    block_n, block_k, stages, _ = choice
+    if gated:
+        block_n = (block_n // 2 if block_n >= 128 else block_n) * 2
+    return stages * (64 * block_k * 4 + block_n * block_k) <= shared
+
+
+@pytest.mark.timeout(600)
+def test_greedy_matches_peft_for_every_weight_only_fp8_launch(llama_8b_widths_path: Path, tmp_path: Path) -> None:
+    """Rounds of --quantization fp8 node starts, each over a table giving the decode buckets
+    (1, 8, 32, 64 rows) the next launches of every group's FP8 GEMM the sweep offers (those
+    whose float32 pipeline fits), base, adapter and mixed steps, each prompt's tokens equal to
+    PEFT's over the same FP8 values dequantized to float32. (W8A8's math is not PEFT's: its
+    launches are checked against its own reference in the sweep, test above.)"""
+    import dataclasses
+
+    from fp8_checkpoints import write_quantized_twin
+    from harness import make_peft_adapter, peft_greedy
+    from inference_node.llm import LLM
+    from inference_node.model.config import ModelConfig
+    from inference_node.tuner import fp8_trials
+    from kernels.gemm.shapes import SHARED_MEMORY
+    from kernels.host import num_sms
+    from kernels.tuning import GROUPS
+    from kernels.tuning_table import ModelShape, TuningTable
+
+    shape = ModelShape.of(ModelConfig.from_checkpoint(llama_8b_widths_path))
+    sms = num_sms(torch.device("cuda"))
+    space = {g: [c for c in fp8_trials.options(shape, g, False, 64, sms)
+                 if fits_float32(c, fp8_trials.gated(g), SHARED_MEMORY)] for g in GROUPS}
+    twin = write_quantized_twin(llama_8b_widths_path, tmp_path / "twin")
+    adapter_dir = tmp_path / "adapters"
+    make_peft_adapter(llama_8b_widths_path, adapter_dir / "all", 16, 16.0,
+                      ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], seed=3)
+    distinct = [[100 + 37 * i + j for j in range(3 + i % 5)] for i in range(16)]
+    prompts = [distinct[i % 16] for i in range(max(BUCKETS))]
+    max_new = 6
+    refs = {"": peft_greedy(twin, None, distinct, max_new), "all": peft_greedy(twin, adapter_dir / "all", distinct, max_new)}
+    expected = {name: [tokens[i % 16] for i in range(len(prompts))] for name, tokens in refs.items()}
+    top = max(BUCKETS)
+    calls = [(n, [""] * n) for n in BUCKETS] + [(n, ["all"] * n) for n in BUCKETS] + [(top, ["", "all"] * (top // 2))]
+    covered: dict[str, set] = {}
+    rounds = math.ceil(max(len(v) for v in space.values()) / len(BUCKETS))
+    for r in range(rounds):
+        buckets = [{"batch": batch, "adapters": 0, "choices": {"fp8_tilings": {
+            g: list(options[(r * len(BUCKETS) + i) % len(options)]) for g, options in space.items()}}}
+            for i, batch in enumerate(BUCKETS)]
+        raw = {"format": 2, "device": torch.cuda.get_device_name(), "shape": dataclasses.asdict(shape),
+               "dtype": "float32", "quantization": "fp8", "produced_by": f"tests/tuner FP8 parity round {r}",
+               "node": {}, "buckets": buckets}
+        path = tmp_path / f"fp8-{r}.json"
+        path.write_text(json.dumps(raw))
+        table = TuningTable.read(path)
+        with LLM(checkpoint=str(llama_8b_widths_path), device="cuda", dtype="float32", quantization="fp8",
+                 num_kv_blocks=256, max_num_seqs=top, max_loras=1, max_lora_rank=16, adapter_dir=str(adapter_dir),
+                 max_num_batched_tokens=512, tuning_table=str(path), debug_checks=True, mixed_graphs="off") as llm:
+            for rows, adapters in calls:
+                got = generate(llm, prompts[:rows], adapters, max_new)
+                for i, (tokens, adapter) in enumerate(zip(got, adapters)):
+                    assert tokens == expected[adapter][i], (
+                        f"round {r}, {rows} rows, prompt {i} ({adapter or 'base'}): {tokens} != PEFT's "
+                        f"{expected[adapter][i]}; table {raw['buckets']}")
+        for bucket in table.buckets:
+            for group, choice in bucket.choices["fp8_tilings"].items():
+                covered.setdefault(group, set()).add(tuple(choice))
+    for group, options in space.items():
+        assert set(options) <= covered.get(group, set()) and len(options) > 2, group
+    print("FP8 launches covered: " + ", ".join(f"{g}: {len(c)}" for g, c in sorted(covered.items())))

@@ -52,7 +52,7 @@ def test_the_first_start_tunes_and_the_second_uses_the_cached_table(node_config:
     timer = FakeTimer()
     budgets = []
 
-    def node_tuner(device, shape, dtype, tp):
+    def node_tuner(device, shape, dtype, tp, quantization="none"):
         def tune(budget_s: float) -> TuningTable:
             budgets.append(budget_s)
             return tune_module.tune_table(shape, device, dtype, budget_s=budget_s, batches=(4, 1), adapters=(0,),
@@ -81,7 +81,7 @@ def test_the_first_start_tunes_and_the_second_uses_the_cached_table(node_config:
 
 def test_a_failed_tuning_leaves_the_node_started_on_the_defaults(node_config: NodeConfig, tmp_path: Path,
                                                                  monkeypatch, caplog) -> None:
-    def node_tuner(device, shape, dtype, tp):
+    def node_tuner(device, shape, dtype, tp, quantization="none"):
         def tune(budget_s: float) -> TuningTable:
             raise TuningError("o batch 4: the default tiling (16, 64, 4) failed")
         return tune
@@ -98,7 +98,7 @@ def test_a_failed_tuning_leaves_the_node_started_on_the_defaults(node_config: No
 def test_tuning_cache_dir_names_where_the_tables_go(node_config: NodeConfig, tmp_path: Path, monkeypatch) -> None:
     """--tuning-cache-dir: a writable folder of its own (a container's cache directory is the
     image's, read-only)."""
-    def node_tuner(device, shape, dtype, tp):
+    def node_tuner(device, shape, dtype, tp, quantization="none"):
         return lambda budget_s: tune_module.tune_table(shape, device, dtype, budget_s=budget_s, batches=(4,),
                                                        adapters=(0,), timer=FakeTimer(), max_candidates=2)[0]
 
