@@ -42,6 +42,7 @@ from .shapes import MAX_ROWS
 TRITON = "kernels.gemm.fp8_triton_kernel"
 DECODE_ROWS = MAX_ROWS  # rows up to which a matmul is a decode step's (its weight stream)
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+MAX_BLOCK_M = 64  # rows a decode program's tile holds by default; more rows get more programs
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms
 from ..activation.triton_kernel import silu_times
-from .fp8 import SplitSums
+from .fp8 import MAX_BLOCK_M, SplitSums
 from .fp8_rows_triton import row_scale, to_e4m3
 from .shapes import row_tile
 
-MAX_BLOCK_M = 64  # rows a program's tile holds by default; more rows get more programs
 MIN_K_TILES_PER_SPLIT = 4  # a split's K range keeps a few tiles to pipeline
 
 
@@ -428,21 +428,36 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         (scale_bn, scale_bk), (stride_sn, stride_sk) = block, scale.stride()
     f32 = dot_f32(y.dtype if w8a8 else x.dtype, x.device)
     x_desc, w_desc = descriptors(x, weight, block_m, block_n, block_k) if tma else (None, None)
-    _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
-        x, weight, x_desc, w_desc, scale, x_scale, out, y, counters if last_sums else None, M, N,
-        x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N, N,
+    constants = dict(
         K=K, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
-        W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums, GATED=gated,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+        W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums, GATED=gated, num_warps=num_warps)
+    key = (x.device, x.dtype, y.dtype, num_stages, *constants.items())
+    stages = _FITTED_STAGES.get(key, num_stages)
+    while True:
+        try:
+            _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
+                x, weight, x_desc, w_desc, scale, x_scale, out, y, counters if last_sums else None, M, N,
+                x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N, N, **constants,
+                num_stages=stages)
+            break
+        except OutOfResources:  # raised before the launch: nothing ran
+            if stages == 1:
+                raise
+            stages -= 1
+    _FITTED_STAGES[key] = stages
     if partial and not last_sums:
         if leave_sums:
             return SplitSums(out, y.dtype)
         split_k_total(out, y.dtype, y)
     return y
+
+
+# A launch's pipeline stages, cut to what the GPU's shared memory holds, by what it was asked
+# (tables are tuned in 16-bit types; a float32 node's x tiles are twice as large).
+_FITTED_STAGES: dict[tuple, int] = {}
 
 
 def split_k_total(parts: torch.Tensor, dtype: torch.dtype, y: torch.Tensor | None = None) -> torch.Tensor:

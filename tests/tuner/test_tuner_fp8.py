@@ -196,3 +196,42 @@ def test_every_fp8_launch_the_sweep_offers_runs_the_kernel_in_the_interpreter() 
         assert int(timed) == len(options) > 1 and refused == "0", (q, group, why)
     kernel = proc.stdout.split("KERNEL")[1].split()
     assert int(kernel[0]) > 100 and int(kernel[1]) > 0  # the Triton GEMM ran them, gated too
+
+
+def test_a_launch_drops_the_stages_shared_memory_cannot_hold(monkeypatch) -> None:
+    """A table tuned in bfloat16 run by a float32 node asks for a pipeline larger than the
+    GPU's shared memory (x's tiles twice as large): the launch runs with fewer stages, and
+    later launches of the same kernel start from what fitted, never refused by the GPU."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    import kernels.gemm.fp8_triton_kernel as module
+    from kernels.gemm import quantize_fp8
+
+    tried = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_stages: int, **constants):
+                tried.append(num_stages)
+                if num_stages > 2:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(module, "_fp8_gemm_kernel", Kernel())
+    monkeypatch.setattr(module, "_FITTED_STAGES", {})
+    w = quantize_fp8(torch.randn(64, 128))
+    x = torch.randn(4, 128)
+    for _ in range(2):
+        module.fp8_gemm_triton(x, w.weight, w.scale, None, block_n=64, block_k=64, split_k=1, num_stages=4)
+    assert tried == [4, 3, 2, 2]
+
+    class Never(Kernel):
+        def __getitem__(self, grid):
+            def launch(*args, num_stages: int, **constants):
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(module, "_fp8_gemm_kernel", Never())
+    with pytest.raises(OutOfResources):
+        module.fp8_gemm_triton(x, w.weight, w.scale, None, block_n=64, block_k=64, split_k=1, num_stages=4)
