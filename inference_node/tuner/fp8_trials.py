@@ -32,9 +32,10 @@ def gated(group: str, tuning: Tuning = DEFAULT_TUNING) -> bool:
     return group == "gate_up" and tuning.gate_up_silu
 
 
-def leaves_sums(group: str, tuning: Tuning = DEFAULT_TUNING) -> bool:
-    """Whether base steps leave the group's K splits to the add + norm after it."""
-    return group in ("o", "down") and tuning.split_sums_in_norm
+def leaves_sums(group: str, tuning: Tuning = DEFAULT_TUNING, tp: int = 1) -> bool:
+    """Whether base steps leave the group's K splits to the add + norm after it (not a
+    tensor-parallel rank's: its partial output is summed over the ranks first)."""
+    return group in ("o", "down") and tuning.split_sums_in_norm and tp == 1
 
 
 def launch(choice: Fp8Choice, rows: int, N: int, K: int, w8a8: bool, sms: int, group: str) -> tuple[int, ...]:
@@ -86,10 +87,11 @@ def launch_bytes(N: int, K: int, batch: int, w8a8: bool, esize: int) -> int:
 
 
 def trials(shape: ModelShape, device: torch.device, dtype: torch.dtype, w8a8: bool, fp8: list, case: Case,
-           options: Sequence[Fp8Choice], inputs: list[torch.Tensor]) -> tuple[list[Trial], int]:
+           options: Sequence[Fp8Choice], inputs: list[torch.Tensor], tp: int = 1) -> tuple[list[Trial], int]:
     """(a trial per option, the bytes one launch must move): each option's call checked at
     every row count of `inputs` against the float32 reference, then timed at the first over the
-    weight copies `fp8` (module docstring: what the node runs around it)."""
+    weight copies `fp8` (module docstring: what the node runs around it; `shape` a rank's of
+    `tp`)."""
     from kernels.activation.reference import silu_mul
     from kernels.gemm import fp8_gated_silu_linear, fp8_linear
     from kernels.gemm.fp8 import Fp8Rows, dequantize_fp8, quantize_rows, summed
@@ -140,7 +142,7 @@ def trials(shape: ModelShape, device: torch.device, dtype: torch.dtype, w8a8: bo
 
         def call_for(w, output=output, ops=ops, tuning=tuning) -> Callable[[], object]:
             x = operands[0]
-            if leaves_sums(group, tuning):
+            if leaves_sums(group, tuning, tp):
                 return lambda: ops.add_rms_norm(hidden, output(x, w, leave_sums=True), norm_weight, NORM_EPS,
                                                 None, quantize=w8a8)
             return lambda: output(x, w, leave_sums=False)

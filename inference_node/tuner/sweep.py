@@ -330,6 +330,7 @@ class Sweep:
     batches: Sequence[int]           # every bucket swept (a bucket's largest step: bucket_top)
     max_candidates: int | None = None
     quantization: str = "none"       # FP8 projections' (fp8, fp8-w8a8): their GEMM's launches, in `field`
+    tp: int = 1                      # the tensor-parallel size whose rank's shard `shape` is
     rank: int = RANK
     gen: torch.Generator = field(default_factory=lambda: torch.Generator(device="cpu").manual_seed(0))
     _weights: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -398,7 +399,7 @@ class Sweep:
             N, K = self.shape.gemms()[case.group]
             trials, nbytes = fp8_trials.trials(self.shape, self.device, self.dtype, self.quantization == "fp8-w8a8",
                                                self.weights(case.group, self.copies(case.group)), case, options,
-                                               self._inputs(case, K))
+                                               self._inputs(case, K), self.tp)
         elif case.adapters:
             trials = self._fold_trials(case, options)
         else:

@@ -101,7 +101,7 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
     budget = Budget(budget_s, f"{name} {shape.key} {dtype_name(dtype)}{weights}", clock=clock)
     sweep = Sweep(shape, device, dtype, field,
                   timer or (cuda_timer if device.type == "cuda" else cpu_timer),
-                  list(batches), max_candidates, quantization)
+                  list(batches), max_candidates, quantization, tp)
     results, skipped = run(sweep, todo, budget)
     del sweep  # its operand copies: freed before the node sizes its memory
     if skipped:

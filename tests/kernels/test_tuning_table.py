@@ -84,7 +84,7 @@ def test_the_repositorys_seeds_are_valid_and_filed_under_their_key() -> None:
     assert len(seeds) >= 5
     for path in seeds:
         table = TuningTable.read(path)
-        assert path.name == table_name(table.device, table.shape, table.dtype)
+        assert path.name == table_name(table.device, table.shape, table.dtype, table.quantization)
         assert table.dtype == "bfloat16" and table.produced_by
         table.tunings(DEFAULT_TUNING)
 

@@ -235,3 +235,11 @@ def test_a_launch_drops_the_stages_shared_memory_cannot_hold(monkeypatch) -> Non
     monkeypatch.setattr(module, "_fp8_gemm_kernel", Never())
     with pytest.raises(OutOfResources):
         module.fp8_gemm_triton(x, w.weight, w.scale, None, block_n=64, block_k=64, split_k=1, num_stages=4)
+
+
+def test_a_rank_times_o_and_down_without_the_norm_summing_their_splits() -> None:
+    """Under tensor parallelism a rank's o and down outputs are all-reduced before the add +
+    norm, which then never sums their K splits: the sweep times them as the rank runs them."""
+    assert fp8_trials.leaves_sums("down") and fp8_trials.leaves_sums("o")
+    assert not fp8_trials.leaves_sums("down", tp=2) and not fp8_trials.leaves_sums("qkv")
+    assert not fp8_trials.leaves_sums("o", DEFAULT_TUNING.replace(split_sums_in_norm=False))
