@@ -18,6 +18,7 @@ import torch
 from inference_node.config import NodeConfig
 from inference_node.llm import LLM
 from inference_node.tuner import fp8_trials
+from test_tuner_node import FakeTimer
 from inference_node.tuner import tune as tune_module
 from inference_node.tuner.store import usable
 from inference_node.tuner.tune import key_for, tune_table
@@ -111,16 +112,6 @@ def test_the_tune_command_keys_an_fp8_checkpoint_by_its_weights(tiny_llama_path:
     table = usable(tmp_path / "out" / key.name, key, check_versions=True)
     assert table is not None and {(b.batch, b.adapters) for b in table.buckets} <= {(4, 0), (1, 0)}
     assert "fp8-w8a8" in proc.stdout and "adapters [0]" in proc.stdout
-
-
-class FakeTimer:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, calls_for, copies) -> float:
-        self.calls += 1
-        calls_for(copies[0])()
-        return 10.0 + self.calls % 5
 
 
 def test_an_fp8_node_tunes_its_fp8_gemms_and_runs_the_tables_launches(tiny_llama_path: Path, tmp_path: Path,
