@@ -99,9 +99,9 @@ def trials(shape: ModelShape, device: torch.device, dtype: torch.dtype, w8a8: bo
 
     group, field = case.group, fp8_tilings_field(w8a8)
     N, K = shape.gemms()[group]
-    hidden_width = N
-    norm_weight = torch.ones(hidden_width, dtype=dtype, device=device)
-    hidden = torch.zeros(inputs[0].shape[0], hidden_width, dtype=dtype, device=device)
+    # the residual stream and norm weight of the add + norm after o and down (N: the hidden size)
+    norm_weight = torch.ones(N, dtype=dtype, device=device)
+    hidden = torch.zeros(inputs[0].shape[0], N, dtype=dtype, device=device)
 
     def operand(x: torch.Tensor) -> torch.Tensor | Fp8Rows:
         if w8a8 and group in ("qkv", "gate_up"):  # the norm before them hands on e4m3 rows
