@@ -434,8 +434,9 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
         W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums, GATED=gated, num_warps=num_warps)
-    key = (x.device, x.dtype, y.dtype, num_stages, *constants.items())
-    stages = _FITTED_STAGES.get(key, num_stages)
+    # What sizes the pipeline's shared memory; no lookup at all until a launch has not fitted.
+    pipeline = (x.device, x.dtype, block_m, block_n, block_k, num_stages, w8a8, gated, swap_ab, tma)
+    stages = _FITTED_STAGES.get(pipeline, num_stages) if _FITTED_STAGES else num_stages
     while True:
         try:
             _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
@@ -447,7 +448,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             if stages == 1:
                 raise
             stages -= 1
-    _FITTED_STAGES[key] = stages
+            _FITTED_STAGES[pipeline] = stages
     if partial and not last_sums:
         if leave_sums:
             return SplitSums(out, y.dtype)
@@ -455,8 +456,10 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-# A launch's pipeline stages, cut to what the GPU's shared memory holds, by what it was asked
-# (tables are tuned in 16-bit types; a float32 node's x tiles are twice as large).
+# A launch's pipeline stages, cut to what the GPU's shared memory holds, by the tiles and stages
+# it was asked (tables are tuned in 16-bit types; a float32 node's x tiles are twice as large).
+# Another kernel variant of the same tiles may then start lower than it needed: slower, never
+# refused, since each launch still steps down until it fits.
 _FITTED_STAGES: dict[tuple, int] = {}
 
 
