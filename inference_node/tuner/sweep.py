@@ -396,7 +396,7 @@ class Sweep:
                 trials, nbytes = expert_trials.trials(self.shape, self.device, self.dtype, self.expert_weights(),
                                                       case, options)
         elif self.fp8:
-            N, K = self.shape.gemms()[case.group]
+            K = self.shape.gemms()[case.group][1]
             trials, nbytes = fp8_trials.trials(self.shape, self.device, self.dtype, self.quantization == "fp8-w8a8",
                                                self.weights(case.group, self.copies(case.group)), case, options,
                                                self._inputs(case, K), self.tp)

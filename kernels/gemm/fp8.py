@@ -211,14 +211,12 @@ def launch_tiling(rows: int, n: int, w8a8: bool, choice: Fp8Choice | None = None
     tiling where given, else the mode's tiling for `n` columns."""
     if rows > DECODE_ROWS:
         return PREFILL_TILING
-    if w8a8:
-        tiling = W8A8_WIDE_TILING if n >= W8A8_WIDE_N else W8A8_NARROW_TILING
-        if choice is not None:
-            tiling = replace(W8A8_NARROW_TILING, block_n=choice[0])
-    else:
-        tiling = DECODE_TILING
     if choice is None:
-        return tiling
+        if w8a8:
+            return W8A8_WIDE_TILING if n >= W8A8_WIDE_N else W8A8_NARROW_TILING
+        return DECODE_TILING
+    # A choice keeps its mode's K-split rule: W8A8's (NARROW's) at any width.
+    tiling = W8A8_NARROW_TILING if w8a8 else DECODE_TILING
     block_n, block_k, stages, splits = choice
     return replace(tiling, block_n=block_n, block_k=block_k, num_stages=stages, split_k=splits or None)
 

@@ -194,6 +194,18 @@ def generate(llm, prompts: list[list[int]], adapters: list[str], max_tokens: int
     return tokens
 
 
+def check_calls(llm, calls, prompts: list[list[int]], expected: dict[str, list[list[int]]], max_new: int,
+                what: str, buckets: list) -> None:
+    """Each call (rows, the prompts' adapters) generated together, every prompt's tokens equal
+    to PEFT's for its adapter."""
+    for rows, adapters in calls:
+        got = generate(llm, prompts[:rows], adapters, max_new)
+        for i, (tokens, adapter) in enumerate(zip(got, adapters)):
+            assert tokens == expected[adapter][i], (
+                f"{what}, {rows} rows, prompt {i} ({adapter or 'base'}): {tokens} != PEFT's "
+                f"{expected[adapter][i]}; table {buckets}")
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan_name", list(PLANS))
 def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths_path: Path, tmp_path: Path,
@@ -241,12 +253,7 @@ def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths
                  max_num_batched_tokens=512, tuning_table=str(path), debug_checks=True,
                  mixed_graphs="off") as llm:  # decode graphs (where folds run) and eager prefill
             starts += 1
-            for rows, adapters in calls:
-                got = generate(llm, prompts[:rows], adapters, max_new)
-                for i, (tokens, adapter) in enumerate(zip(got, adapters)):
-                    assert tokens == expected[adapter][i], (
-                        f"plan {plan_name}, round {r}, {rows} rows, prompt {i} ({adapter or 'base'}): "
-                        f"{tokens} != PEFT's {expected[adapter][i]}; table {raw['buckets']}")
+            check_calls(llm, calls, prompts, expected, max_new, f"plan {plan_name}, round {r}", raw["buckets"])
         for bucket in table.buckets:
             for name in (field, "fold_tilings"):
                 for group, tiling in bucket.choices.get(name, {}).items():
@@ -328,12 +335,7 @@ def test_greedy_matches_peft_for_every_weight_only_fp8_launch(llama_8b_widths_pa
         with LLM(checkpoint=str(llama_8b_widths_path), device="cuda", dtype="float32", quantization="fp8",
                  num_kv_blocks=256, max_num_seqs=top, max_loras=1, max_lora_rank=16, adapter_dir=str(adapter_dir),
                  max_num_batched_tokens=512, tuning_table=str(path), debug_checks=True, mixed_graphs="off") as llm:
-            for rows, adapters in calls:
-                got = generate(llm, prompts[:rows], adapters, max_new)
-                for i, (tokens, adapter) in enumerate(zip(got, adapters)):
-                    assert tokens == expected[adapter][i], (
-                        f"round {r}, {rows} rows, prompt {i} ({adapter or 'base'}): {tokens} != PEFT's "
-                        f"{expected[adapter][i]}; table {raw['buckets']}")
+            check_calls(llm, calls, prompts, expected, max_new, f"FP8 round {r}", raw["buckets"])
         for bucket in table.buckets:
             for group, choice in bucket.choices["fp8_tilings"].items():
                 covered.setdefault(group, set()).add(tuple(choice))
