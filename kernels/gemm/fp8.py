@@ -21,6 +21,12 @@ Which computation runs (fp8_matmul):
   size. Not the reference's math: each activation keeps 3 mantissa
   bits, so outputs move by about 2^-4 relative per term; the caller opts into it. Its
   reference is reference_w8a8_matmul (the quantized x times the dequantized W in float32).
+  On Hopper the fp8 MMAs chain their sums in less than float32 (Triton's default there, the
+  "fast accumulation" vLLM's CUTLASS FP8 GEMMs also run): H200, 8B widths, 64 rows, bf16 out,
+  mean error 1.8e-3 of the mean against 1.4e-3 with the sums moved into float32 once a K tile
+  (max 4.7e-3 against 2.8e-3 of the largest; down unsplit, 14,336 columns a chain: 1.1e-2),
+  where promoting once a K tile cost 1.5% of the decode step (3.96 -> 4.02 ms): the default stays.
+  The tuner checks each launch it may pick against the reference (tuner/trial.py's bound).
   Under tensor parallelism a row-parallel projection (o, down) quantizes the rank's shard of
   each row with its own scale: finer than one node's, so its tokens may differ from TP 1's.
   On Hopper at decode the fp8 MMAs run at twice bf16's rate and nothing is widened, which

@@ -104,7 +104,8 @@ def _tile_product(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr,
     """acc + x @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc + w @ x.T ([BLOCK_N, BLOCK_M]),
     for x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] e4m3, w widened to x's type (exact),
     or both to float32 with DOT_F32 (kernels/host.py: dot_f32). W8A8: x is e4m3 too and the
-    two multiply as they are (the fp8 tensor cores; products exact in float32)."""
+    two multiply as they are (the fp8 tensor cores; products exact, their chained sums on
+    Hopper in less than float32: kernels/gemm/fp8.py)."""
     if DOT_F32:
         a = w.to(tl.float32)
         b = x.to(tl.float32)
