@@ -294,6 +294,18 @@ def burst_ms(graph, reps: int) -> float:
 
 # -- the profile ------------------------------------------------------------------------------------
 
+def applier_factory(mode: str, buffers, batch: int, tuning):
+    """The decode graphs' LoRA applier factory of a mode: serial, LoRA after each matmul;
+    any other, the node's own (runner/lora/plan.py: beside the matmuls up to the decode GEMM's
+    rows, after them in larger batches, whose matmuls are cuBLAS's)."""
+    from inference_node.runner.lora.eager import StepLoraApplier
+    from inference_node.runner.lora.plan import GraphAppliers
+
+    if mode == "serial":
+        return lambda meta, groups: StepLoraApplier(buffers, meta, groups)
+    return GraphAppliers(buffers, batch, tuning).applier
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path,
@@ -334,8 +346,6 @@ def main(argv: list[str] | None = None) -> None:
     from inference_node.parallel.shard import tensor_parallel_tuning
     from inference_node.runner.decode_graphs import DecodeGraphs, GraphLora
     from inference_node.runner.launches import StepLaunches
-    from inference_node.runner.lora.eager import StepLoraApplier
-    from inference_node.runner.lora.overlap import LoraOverlap
     from kernels.tuning import DEFAULT_TUNING, tuning_from_text
     from kernels.tuning_table import ModelShape, StepTunings
 
@@ -364,12 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         unfoldable = model.unfoldable_groups()  # as the node: FP8 and biased matmuls fold no LoRA
         if unfoldable:
             steps = steps.map(lambda tuning: tuning.without_folds(unfoldable))
-        if mode == "serial":
-            def factory(meta, groups):
-                return StepLoraApplier(buffers, meta, groups)
-        else:
-            factory = LoraOverlap(buffers, args.batch, steps.base).applier
-        lora = GraphLora(factory, buffers.max_loras, buffers.groups_of, buffers.module_rows)
+        lora = GraphLora(applier_factory(mode, buffers, args.batch, steps.base), buffers.max_loras,
+                         buffers.groups_of, buffers.module_rows)
         graphs = DecodeGraphs(model, StepLaunches(device, steps, model.gemm_groups), kv,
                               scratch_block=args.batch * per_seq,
                               max_model_len=max_len, max_batch=args.batch, lora=lora,

@@ -90,3 +90,24 @@ def test_the_profile_runs_a_tensor_parallel_rank_on_cpu(tiny_llama_path: Path) -
     out = run_profile(tiny_llama_path, "--configs", "base,c2", "--tp", "2")
     for config in ("base", "c2"):
         assert f"[default] {config}: eager forward ran" in out, out
+
+
+def test_the_profile_applies_lora_as_the_node_does_past_the_decode_gemms_rows(tiny_llama_path: Path) -> None:
+    """Up to the decode GEMM's rows LoRA runs beside the matmuls (folds, side-stream expands);
+    past them (a batch of 256) after them, as the node's decode graphs do: the tool once built
+    the beside plan at every batch, whose fold launches overflow shared memory at 256 rows."""
+    from inference_node.model.config import ModelConfig
+    from inference_node.runner.lora.eager import StepLoraApplier
+    from inference_node.runner.lora.overlap import OverlappedLoraApplier
+    from kernels.gemm import MAX_ROWS
+    from kernels.lora.meta import LoraBatchMeta
+    from kernels.tuning import DEFAULT_TUNING
+
+    cfg = ModelConfig.from_checkpoint(tiny_llama_path)
+    buffers, plan = profile.config_slots(cfg, ["c2"], torch.float32, torch.device("cpu"))
+    for batch, kind in ((MAX_ROWS, OverlappedLoraApplier), (256, StepLoraApplier)):
+        meta = LoraBatchMeta.build([plan["c2"][i % 2] for i in range(batch)], "cpu")
+        applier = profile.applier_factory("default", buffers, batch, DEFAULT_TUNING)(meta, None)
+        assert isinstance(applier, kind), (batch, type(applier))
+    serial = profile.applier_factory("serial", buffers, MAX_ROWS, DEFAULT_TUNING)(meta, None)
+    assert isinstance(serial, StepLoraApplier)
