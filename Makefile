@@ -39,8 +39,10 @@ demo-node: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not interpreter"
 
+# Two workers, one a core: each test of the tier is a child pytest computing in the interpreter;
+# worksteal, as their times run from seconds to minutes.
 test-kernels: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m interpreter
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m interpreter
 
 env: $(VENV)/.installed
 
