@@ -79,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
              "float16": torch.float16, "float32": torch.float32}[args.dtype]
     shape = model_shape(args.model, args.tensor_parallel_size)
     batches = integers(args.batches, "--batches", 1)
+    quantization = weights_kind(args.model, args.quantization)
     too_large = [b for b in batches if b > MAX_ROWS]
     if too_large:
-        print(f"batches {too_large}: above the decode GEMM's {MAX_ROWS} rows (cuBLAS runs them): not swept")
+        runs = "cuBLAS runs them" if quantization == "none" else "the FP8 GEMM's prefill tiling runs them"
+        print(f"batches {too_large}: above the decode GEMM's {MAX_ROWS} rows ({runs}): not swept")
         batches = [b for b in batches if b <= MAX_ROWS]
     adapters = integers(args.adapters, "--adapters", 0)
     groups = [g for g in args.groups.split(",") if g]
@@ -90,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
                          f"{', '.join(GROUPS + EXPERT_GROUPS)}")
     groups = [g for g in groups if g in shape.gemms() or (shape.experts and g in EXPERT_GROUPS)]
 
-    quantization = weights_kind(args.model, args.quantization)
     if quantization != "none":  # FP8 matmuls never fold LoRA: their base launches alone
         adapters = [a for a in adapters if a == 0] or [0]
     key = key_for(device, shape, dtype, quantization)

@@ -102,16 +102,18 @@ def test_the_sweep_checks_each_launch_against_the_reference(monkeypatch) -> None
 
 def test_the_tune_command_keys_an_fp8_checkpoint_by_its_weights(tiny_llama_path: Path, tmp_path: Path) -> None:
     """`inference-node tune --quantization fp8-w8a8`: the table of the W8A8 launches, filed
-    under the W8A8 key, holding no folds."""
+    under the W8A8 key, holding no folds; a batch past the decode GEMM's rows is left out,
+    naming what runs it."""
     proc = subprocess.run([sys.executable, "-m", "inference_node.cli", "tune", "--device", "cpu", "--model",
                            str(tiny_llama_path), "--out", str(tmp_path / "out"), "--quantization", "fp8-w8a8",
-                           "--batches", "4,1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "--batches", "256,4,1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     key = key_for(torch.device("cpu"), TINY, torch.float32, "fp8-w8a8")
     table = usable(tmp_path / "out" / key.name, key, check_versions=True)
     assert table is not None and {(b.batch, b.adapters) for b in table.buckets} <= {(4, 0), (1, 0)}
     assert "fp8-w8a8" in proc.stdout and "adapters [0]" in proc.stdout
+    assert "batches [256]: above the decode GEMM's 64 rows (the FP8 GEMM's prefill tiling runs them)" in proc.stdout
 
 
 def test_an_fp8_node_tunes_its_fp8_gemms_and_runs_the_tables_launches(tiny_llama_path: Path, tmp_path: Path,
