@@ -255,10 +255,8 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     forward's Tuning is its bucket's, and the tokens are those of the node without a table
     (on CUDA the decode GEMM launches the table's tilings). A flag given keeps its value in
     every bucket."""
-    from harness import InProcessNode, make_peft_adapter
+    from harness import make_peft_adapter
     from inference_node.model.llama import LlamaModel
-    from inference_node.config import NodeConfig
-    from lora_client.node_client import NodeClient
 
     make_peft_adapter(tiny_llama_path, tmp_path / "adapters" / "qv", 4, 8.0, ["q_proj", "v_proj"], False, seed=1)
     # Pointer-load tilings (gemm_tilings) on Hopper too: TMA off for the whole node. Without
@@ -276,28 +274,39 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
 
     monkeypatch.setattr(LlamaModel, "forward", spy)
 
+    # Steps made in turn, each phase's requests submitted before its first step, so which
+    # rows share a step does not hang on timing: base decode steps of 5 rows, steps of 5 rows
+    # with one adapter, then a batch-1 step.
+    phases = [[("", [5, 6, 7])] + [("", [11 + i] * (2 + i)) for i in range(4)],
+              [("qv", [9, 9, 9, 9])] * 2 + [("", [13, 14]), ("", [15]), ("", [16, 17, 18])],
+              [("", [3])]]
+
     def serve(**settings) -> tuple[list[tuple[int, bool, Tuning]], list[list[int]]]:
+        from inference_node.engine.request import Request, SamplingParams
+        from inference_node.llm import LLM
+
         seen.clear()
-        node = InProcessNode(NodeConfig.of(
-            checkpoint=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=64, max_num_seqs=8,
-            max_loras=2, max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"), decode_graphs="on",
-            max_graph_batch=8, mixed_graphs="off", **settings))
-        try:
-            from concurrent.futures import ThreadPoolExecutor
+        outputs: list[list[int]] = []
+        with LLM(checkpoint=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=64,
+                 max_num_seqs=8, max_loras=2, max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"),
+                 decode_graphs="on", max_graph_batch=8, mixed_graphs="off", **settings) as llm:
+            llm.prepare()
+            params = SamplingParams(max_tokens=6, ignore_eos=True)
+            for jobs in phases:
+                tokens: list[list[int]] = [[] for _ in jobs]
+                done = [False] * len(jobs)
 
-            def run(job):
-                adapter, prompt = job
-                with NodeClient(node.address) as client:
-                    return client.generate(client.request(adapter=adapter, prompt_token_ids=prompt,
-                                                          max_tokens=6, ignore_eos=True), timeout=120).token_ids
+                def emit(i: int, event) -> None:
+                    assert event.error is None, event.error
+                    tokens[i].extend(event.token_ids)
+                    done[i] = event.finish_reason is not None
 
-            jobs = [("", [5, 6, 7])] + [("", [11 + i] * (2 + i)) for i in range(4)] + [("qv", [9, 9, 9, 9])] * 2
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                outputs = list(pool.map(run, jobs))
-            outputs.append(run(("", [3])))  # one alone: a batch-1 step
-            assert node.engine.stats.graph_steps > 0
-        finally:
-            node.stop()
+                for i, (adapter, prompt) in enumerate(jobs):
+                    llm.engine.submit(Request(prompt, params, lambda event, i=i: emit(i, event), adapter=adapter))
+                while not all(done):
+                    llm.engine.run_once()
+                outputs += tokens
+            assert llm.engine.stats.graph_steps > 0
         return list(seen), outputs
 
     forwards, tokens = serve(tuning_table=str(path))
