@@ -50,11 +50,13 @@ MANIFEST = Manifest(AdapterInfo(SLOW, "0123456789abcdef", rank=8, lora_alpha=16.
 
 
 class StallingStore(spb_grpc.AdapterStoreServicer):
-    """Describes SLOW, then never sends a byte of it; counts the fetches begun and cancelled."""
+    """Describes SLOW, then never sends a byte of it; counts the fetches begun and cancelled,
+    and the catalog watches opened."""
 
     def __init__(self) -> None:
         self.fetches = 0
         self.cancelled = 0
+        self.watches = 0
         self.lock = threading.Lock()
 
     def GetManifest(self, request, context):
@@ -66,6 +68,8 @@ class StallingStore(spb_grpc.AdapterStoreServicer):
         return spb.ListStoreAdaptersResponse(adapters=[MANIFEST.info.to_proto()])
 
     def WatchAdapters(self, request, context):
+        with self.lock:
+            self.watches += 1
         yield CatalogEvent(SYNCED).to_proto()
         while context.is_active():
             time.sleep(0.05)
@@ -187,9 +191,13 @@ def test_store_stopped_lora_client_says_the_store_is_down_not_the_node(node, sto
 
 
 def test_sigterm_with_a_fetch_in_flight_stops_the_node_within_3s(node, store) -> None:
-    """Last: it stops the module's node."""
-    store.start()
+    """Last: it stops the module's node. The request goes once the node's catalog watch is
+    back on the restarted store: until its channel reconnects (within its 2 s backoff) the
+    node answers a request for an adapter it must fetch UNAVAILABLE at once, as above."""
     fake = store.servicer
+    watches = fake.watches
+    store.start()
+    wait_for(lambda: fake.watches > watches, 20, "the node's catalog watch to reconnect")
     fetches = fake.fetches
     outcome: dict[str, object] = {}
 
