@@ -114,6 +114,29 @@ def generate_all(node: "InProcessNode", jobs: Sequence[tuple[str, Sequence[int],
         return list(pool.map(run, jobs))
 
 
+def generate_together(llm: LLM, jobs: Sequence[tuple[str, Sequence[int]]], max_tokens: int) -> list[list[int]]:
+    """Each (adapter, prompt) job's greedy tokens from an in-process node, every job submitted
+    before the first step (so which rows share a step does not depend on timing), the loop run
+    here until all have finished."""
+    from inference_node.engine.request import Request, SamplingParams
+
+    llm.prepare()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[list[int]] = [[] for _ in jobs]
+    done = [False] * len(jobs)
+
+    def emit(i: int, event) -> None:
+        assert event.error is None, event.error
+        tokens[i].extend(event.token_ids)
+        done[i] = event.finish_reason is not None
+
+    for i, (adapter, prompt) in enumerate(jobs):
+        llm.engine.submit(Request(list(prompt), params, lambda event, i=i: emit(i, event), adapter=adapter))
+    while not all(done):
+        llm.engine.run_once()
+    return tokens
+
+
 def make_tiny_llama(out: Path, tokenizer_from: Path, seed: int = 0, **overrides: object) -> Path:
     """A small random Llama checkpoint (HF format) with a real tokenizer, for parity tests."""
     from transformers import LlamaConfig, LlamaForCausalLM

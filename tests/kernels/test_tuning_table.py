@@ -255,7 +255,7 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     forward's Tuning is its bucket's, and the tokens are those of the node without a table
     (on CUDA the decode GEMM launches the table's tilings). A flag given keeps its value in
     every bucket."""
-    from harness import make_peft_adapter
+    from harness import generate_together, make_peft_adapter
     from inference_node.model.llama import LlamaModel
 
     make_peft_adapter(tiny_llama_path, tmp_path / "adapters" / "qv", 4, 8.0, ["q_proj", "v_proj"], False, seed=1)
@@ -282,30 +282,13 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
               [("", [3])]]
 
     def serve(**settings) -> tuple[list[tuple[int, bool, Tuning]], list[list[int]]]:
-        from inference_node.engine.request import Request, SamplingParams
         from inference_node.llm import LLM
 
         seen.clear()
-        outputs: list[list[int]] = []
         with LLM(checkpoint=str(tiny_llama_path), device=device, dtype="float32", num_kv_blocks=64,
                  max_num_seqs=8, max_loras=2, max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"),
                  decode_graphs="on", max_graph_batch=8, mixed_graphs="off", **settings) as llm:
-            llm.prepare()
-            params = SamplingParams(max_tokens=6, ignore_eos=True)
-            for jobs in phases:
-                tokens: list[list[int]] = [[] for _ in jobs]
-                done = [False] * len(jobs)
-
-                def emit(i: int, event) -> None:
-                    assert event.error is None, event.error
-                    tokens[i].extend(event.token_ids)
-                    done[i] = event.finish_reason is not None
-
-                for i, (adapter, prompt) in enumerate(jobs):
-                    llm.engine.submit(Request(prompt, params, lambda event, i=i: emit(i, event), adapter=adapter))
-                while not all(done):
-                    llm.engine.run_once()
-                outputs += tokens
+            outputs = [tokens for jobs in phases for tokens in generate_together(llm, jobs, 6)]
             assert llm.engine.stats.graph_steps > 0
         return list(seen), outputs
 

@@ -172,34 +172,14 @@ def round_table(shape, field: str, plan: dict, space: dict, first: int) -> dict:
             "node": plan, "buckets": buckets}
 
 
-def generate(llm, prompts: list[list[int]], adapters: list[str], max_tokens: int) -> list[list[int]]:
-    """All prompts in flight together (a decode step of len(prompts) rows), prompt i with
-    adapter adapters[i]: LLM.generate with an adapter per prompt."""
-    from inference_node.engine.request import Request, SamplingParams
-
-    llm.prepare()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    tokens: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-
-    def emit(i: int, event) -> None:
-        assert event.error is None, event.error
-        tokens[i].extend(event.token_ids)
-        done[i] = event.finish_reason is not None
-
-    for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
-        llm.engine.submit(Request(list(prompt), params, lambda event, i=i: emit(i, event), adapter=adapter))
-    while not all(done):
-        llm.engine.run_once()
-    return tokens
-
-
 def check_calls(llm, calls, prompts: list[list[int]], expected: dict[str, list[list[int]]], max_new: int,
                 what: str, buckets: list) -> None:
     """Each call (rows, the prompts' adapters) generated together, every prompt's tokens equal
     to PEFT's for its adapter."""
+    from harness import generate_together
+
     for rows, adapters in calls:
-        got = generate(llm, prompts[:rows], adapters, max_new)
+        got = generate_together(llm, list(zip(adapters, prompts[:rows])), max_new)
         for i, (tokens, adapter) in enumerate(zip(got, adapters)):
             assert tokens == expected[adapter][i], (
                 f"{what}, {rows} rows, prompt {i} ({adapter or 'base'}): {tokens} != PEFT's "
