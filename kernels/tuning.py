@@ -153,8 +153,8 @@ class Tuning:
         "in steps without LoRA on gate/up, its decode GEMM (or FP8 GEMM) writes SiLU(gate) * "
         "up itself: no SiLU launch")})
     split_sums_in_norm: bool = field(default=True, metadata={"help": (
-        "in steps without LoRA, an FP8 o or down GEMM split over K leaves its partials to the "
-        "add + norm after it, which sums them: no sum launch")})
+        "an FP8 o or down GEMM split over K leaves its partials to the add + norm after it, "
+        "which sums them (no sum launch), in steps whose LoRA delta that op adds too")})
     qkv_rope: bool = field(default=True, metadata={"help": (
         "in steps without LoRA on q/k/v, its decode GEMM rotates queries and keys and writes "
         "keys and values to the KV cache itself: no RoPE launch")})

@@ -42,6 +42,9 @@ class LoraApplier(Protocol):
     # The embedding's and LM head's LoRA of the step (runner/lora/edge.py: `embedding(ids)`,
     # `lm_head(x, columns)`), None where no adapter of the step has them.
     edge: Any
+    # Whether `end` adds the delta into the matmul's output (which must then exist summed),
+    # rather than handing it to the next op: an FP8 GEMM's K splits may then go to that op.
+    adds_into_output: bool
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> None:
         """Called before the base matmul of `group` is launched: may start the delta beside it."""

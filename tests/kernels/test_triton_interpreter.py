@@ -37,6 +37,7 @@ GRAPHS = "tests/adapters/test_decode_graphs.py"
 MIXED = f"{GRAPHS}::test_graph_decode_matches_peft_for_mixed_adapters"
 PIECES = "tests/adapters/test_piecewise_graphs.py"
 FAMILIES = "tests/families/test_family_parity.py"
+FP8_ROWS = "tests/quant/test_fp8_rows.py"
 
 pytestmark = [pytest.mark.interpreter,
               pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -57,6 +58,9 @@ GRAPH_CASES = {
     # and a mixture of experts' grouped GEMMs with its expert LoRA launches.
     **{f"family-{f}": f"{FAMILIES}::test_family_with_the_triton_kernels_matches_peft[{f}]"
        for f in ("gemma3", "qwen3", "phi3", "qwen3_moe")},
+    # FP8 o and down in LoRA steps: their K splits summed by the add + norm with the delta.
+    **{f"fp8-lora-splits-{q}": f"{FP8_ROWS}::test_lora_steps_hand_fp8_k_splits_to_the_add_norm[{q}]"
+       for q in ("fp8", "fp8-w8a8")},
 }
 KERNELS_TIMEOUT = 450  # a part took 55-95 s
 GRAPH_TIMEOUT = 750    # a case took 30-250 s, the child's start included

@@ -9,6 +9,7 @@ gate/up's FP8 GEMM writing SiLU(gate) * up itself (no SiLU launch) and the add +
 o's and down's K splits (no sum launch), weight-only and W8A8."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -92,10 +93,52 @@ def test_rows_quantized_by_the_norm_kernel_change_no_token(adapters: tuple[Path,
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
 @pytest.mark.parametrize("adapters", ["llama_8b_widths_path"], indirect=True)
 def test_fp8_epilogues_change_no_token(adapters: tuple[Path, Path], quantization: str) -> None:
-    """8B widths, in steps without LoRA: gate/up's FP8 GEMM with the SiLU in its epilogue, and
-    o's and down's K splits summed by the add + norm after them, give the tokens of the plain
-    GEMMs, the SiLU kernel and the sum launches; weight-only and W8A8."""
+    """8B widths: gate/up's FP8 GEMM with the SiLU in its epilogue (in steps without LoRA),
+    and o's and down's K splits summed by the add + norm after them (in steps with and
+    without an adapter), give the tokens of the plain GEMMs, the SiLU kernel and the sum
+    launches; weight-only and W8A8."""
     checkpoint, root = adapters
     assert (answers(checkpoint, root, "cuda", fuse=True, quantization=quantization)
             == answers(checkpoint, root, "cuda", fuse=True, quantization=quantization, gate_up_silu=False,
                        split_sums_in_norm=False))
+
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton's FP8 GEMM and add + norm on the CPU: tests/kernels/test_triton_interpreter.py runs it")
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
+def test_lora_steps_hand_fp8_k_splits_to_the_add_norm(tiny_llama_path: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch, quantization: str) -> None:
+    """In decode steps of 24 rows with an adapter on o and down, their FP8 GEMMs (two K splits
+    each, more rows than the GEMM's own last program sums) hand their partials to the add +
+    norm, which sums them and adds the LoRA delta: the tokens of the sum launches."""
+    import kernels.norm.triton_kernel as norm_kernel
+    from kernels.gemm.fp8 import SplitSums
+
+    make_family_adapter(tiny_llama_path, tmp_path / "adapters" / ADAPTER, 8, 16.0,
+                        ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], scale=3.0)
+    seen: set[tuple[bool, bool]] = set()  # (partials handed on, a LoRA delta) per add + norm
+    real = norm_kernel.add_rms_norm_triton
+
+    def spy(hidden, out, weight, eps, delta=None, **kwargs):
+        seen.add((isinstance(out, SplitSums), delta is not None))
+        return real(hidden, out, weight, eps, delta, **kwargs)
+
+    monkeypatch.setattr(norm_kernel, "add_rms_norm_triton", spy)
+    field = "w8a8_tilings" if quantization == "fp8-w8a8" else "fp8_tilings"
+    split = {field: {**getattr(Tuning(), field), "o": (64, 16, 2, 2), "down": (64, 16, 2, 2)}}
+    prompts = [[500 + 7 * i, 600 + i, 700 + 3 * i] for i in range(24)]
+
+    def adapter_answers(sums: bool) -> list[list[int]]:
+        seen.clear()
+        tuning = dict(split, split_sums_in_norm=sums)
+        with LLM(checkpoint=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=32,
+                 max_loras=2, max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"), quantization=quantization,
+                 debug_checks=True, decode_graphs="on", mixed_graphs="off", tuning=Tuning(**tuning),
+                 tuning_fixed=frozenset(tuning)) as llm:
+            return [a.token_ids for a in llm.generate(prompts, 5, adapter=ADAPTER, ignore_eos=True)]
+
+    summed_apart = adapter_answers(False)
+    assert (True, True) not in seen
+    assert adapter_answers(True) == summed_apart
+    assert (True, True) in seen

@@ -19,6 +19,8 @@ from .experts import ExpertLoraApplier
 class StepLoraApplier:
     """Adds each delta into its projection's output, after the base matmul."""
 
+    adds_into_output = True
+
     def __init__(self, buffers: SlotBuffers, meta: LoraBatchMeta,
                  groups: frozenset[str] | None = None, edge: EdgeLora | None = None,
                  experts: ExpertLoraApplier | None = None) -> None:

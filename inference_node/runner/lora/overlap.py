@@ -168,6 +168,7 @@ class OverlappedLoraApplier:
 
     edge = None  # decode graphs never run a step whose adapters have embedding or LM head LoRA
     experts = None  # a mixture of experts' expert LoRA (plan.GraphAppliers sets it in its variant)
+    adds_into_output = False  # the op after the matmul adds every delta
 
     def __init__(self, overlap: LoraOverlap, meta: LoraBatchMeta,
                  groups: frozenset[str] | None = None) -> None:
