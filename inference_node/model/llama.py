@@ -104,6 +104,9 @@ class LlamaModel:
         self.vocab_start = vocab_start  # the first vocabulary row of this rank's embedding
         self.gemm_groups = frozenset(gemm_groups)
         self.fp8_w8a8 = fp8_w8a8
+        # W8A8: the add + norms write the next GEMM's rows in e4m3 too (Fp8Rows); off, each
+        # FP8 GEMM quantizes its own rows, the same bits (tests compare the two).
+        self.norms_quantize = fp8_w8a8
         self.fp8_gemm = partial(fp8_linear, w8a8=fp8_w8a8)
         self.fp8_gated_silu = partial(fp8_gated_silu_linear, w8a8=fp8_w8a8)
         self.layers = layers
@@ -256,14 +259,14 @@ class LlamaModel:
                                    leave_sums=not tp)
         # Under W8A8 the norms before gate/up and the next q/k/v write their rows in e4m3 too.
         hidden, x = self._add_norm(launch, out, delta, hidden, layer.post_norm, o_bias if tp else None,
-                                   quantize=self.fp8_w8a8)
+                                   quantize=self.norms_quantize)
         # The last layer's residual add comes with the final norm (rows are independent,
         # so the logits rows are picked after it).
         last_layer = i + 1 == len(self.layers)
         norm = self.final_norm if last_layer else self.layers[i + 1].input_norm
         down, delta, bias = self.mlp(i, x, launch, lora)
         return self._add_norm(launch, down, delta, hidden, norm, bias,
-                              quantize=self.fp8_w8a8 and not last_layer)
+                              quantize=self.norms_quantize and not last_layer)
 
     def mlp(self, i: int, x: torch.Tensor | Fp8Rows, launch: LaunchChoices, lora: LoraApplier | None
             ) -> tuple[torch.Tensor, LoraDelta | None, torch.Tensor | None]:
