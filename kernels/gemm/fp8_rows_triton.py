@@ -56,3 +56,12 @@ def quantize_stored_row(x_row, q_row, s_ptr, amax, K, BLOCK: tl.constexpr):
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0)
         q = to_e4m3(x.to(tl.float32), scale)
         tl.store(q_row + k0 + offs, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quantize_row(x, q_row, s_ptr, offs, mask, BLOCK: tl.constexpr):
+    """A row held whole in registers (float32 x [BLOCK], masked columns zero) as e4m3 into
+    q_row at offs, its scale into s_ptr: quantize_stored_row's bits without reading it back."""
+    scale = row_scale(tl.max(tl.abs(x), axis=0), BLOCK)
+    tl.store(s_ptr + offs, scale, mask=offs < 1)
+    tl.store(q_row + offs, to_e4m3(x, scale).to(q_row.dtype.element_ty), mask=mask)

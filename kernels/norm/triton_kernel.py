@@ -27,11 +27,14 @@ import triton
 import triton.language as tl
 
 from ..gemm.fp8 import Fp8Rows, SplitSums
-from ..gemm.fp8_rows_triton import quantize_stored_row
+from ..gemm.fp8_rows_triton import quantize_row, quantize_stored_row
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
 from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
 from ..tuning import DEFAULT_TUNING, Tuning
+
+
+QUANT_WHOLE_ROW = 8192  # the widest row the add + norm quantizes for W8A8 from registers
 
 
 @triton.jit
@@ -71,9 +74,8 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, st
     """Reads row t of the new residual stream back and writes it normalised and weighted.
     CG: load through L2 only (rows other programs wrote). QUANT: the written row also in
     e4m3 with its scale (q, qs: the W8A8 GEMM's operand, kernels/gemm/fp8_rows_triton.py)."""
-    amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for c0 in tl.static_range(0, H, BLOCK_H):
-        offs = c0 + tl.arange(0, BLOCK_H)
+    if QUANT and BLOCK_H >= H:  # one chunk: quantized from registers, no barrier, no read-back
+        offs = tl.arange(0, BLOCK_H)
         mask = offs < H
         if CG:
             new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0,
@@ -83,11 +85,25 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, st
         w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
         x = _weigh(new, rstd, w, UNIT_OFFSET).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+        quantize_row(x.to(tl.float32), q_ptr + t * stride_q, qs_ptr + t, offs, mask, BLOCK_H)
+    else:
+        amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for c0 in tl.static_range(0, H, BLOCK_H):
+            offs = c0 + tl.arange(0, BLOCK_H)
+            mask = offs < H
+            if CG:
+                new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0,
+                              cache_modifier=".cg")
+            else:
+                new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
+            w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+            x = _weigh(new, rstd, w, UNIT_OFFSET).to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+            if QUANT:
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         if QUANT:
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    if QUANT:
-        quantize_stored_row(x_ptr + t * stride_x, q_ptr + t * stride_q, qs_ptr + t,
-                            tl.max(amax, axis=0), H, BLOCK_H)
+            quantize_stored_row(x_ptr + t * stride_x, q_ptr + t * stride_q, qs_ptr + t,
+                                tl.max(amax, axis=0), H, BLOCK_H)
 
 
 @triton.jit
@@ -272,7 +288,12 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor | SplitSums, wei
         R, lora_strides, splits, default_block = 1, (0, 0, 0, 0), 0, 2048
     pdl = tuning.pdl_on(hidden)
     dense_args = (delta.expanded if dense else hidden, delta.expanded.stride(0) if dense else 0)
-    block_h = min(block_h or default_block, next_power_of_2(H))
+    # W8A8 rows quantized from registers where one chunk holds the row (a row of B rows
+    # beside it, a LoRA delta's, would not fit: the row kernel keeps 2048 columns then).
+    whole = next_power_of_2(H) if quantize and next_power_of_2(H) <= QUANT_WHOLE_ROW else None
+    norm_block = min(block_h or whole or default_block, next_power_of_2(H))
+    block_h = min(block_h or (whole if delta is None or dense else None) or default_block,
+                  next_power_of_2(H))
     split = delta.column_split if delta is not None else None
     if split is not None and split.block < H and split.fits(T, H) and out_norm is None and not unit_offset:
         chunks = cdiv(H, split.block)
@@ -282,7 +303,7 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor | SplitSums, wei
             *lora_strides, dense_args[1], split.sums.stride(0),
             H=H, SPLITS=splits, HAS_LORA=delta is not None, DENSE=dense, CHUNKS=chunks,
             BLOCK_H=split.block, BLOCK_R=next_power_of_2(R),
-            BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=block_h,
+            BLOCK_CHUNKS=max(2, next_power_of_2(chunks)), NORM_BLOCK=norm_block,
             EARLY_SUMS=not (delta is not None and delta.sums_after_wait),
             PDL=pdl, **pdl_launch(pdl), QUANT=quantize, K_SPLITS=k_splits, stride_ks=stride_ks,
             num_warps=num_warps or 4,
