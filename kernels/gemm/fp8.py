@@ -11,10 +11,10 @@ decode graphs capture it.
 Which computation runs (fp8_matmul):
 - CUDA with e4m3 conversions (compute capability 8.9 or newer), and Triton's interpreter: the
   weight-only Triton GEMM (fp8_triton_kernel.py) at every batch size, with a decode tiling up
-  to DECODE_ROWS rows (split-K over the SMs) and a prefill tiling above. It reads the weight's
-  one byte an element (the point at decode, where the step is its weight stream) and is the
-  reference's math: exact fp8 -> 16-bit widening, float32 accumulation, scales on the
-  accumulator.
+  to DECODE_ROWS rows (split-K over the SMs) and a prefill tiling above (split-K too where
+  its tiles leave SMs idle). It reads the weight's one byte an element (the point at decode,
+  where the step is its weight stream) and is the reference's math: exact fp8 -> 16-bit
+  widening, float32 accumulation, scales on the accumulator.
 - With w8a8 (the node's --quantization fp8-w8a8): x quantized to e4m3 per row (scale amax /
   448: by the kernel that wrote x where it hands on Fp8Rows, else by quantize_rows_triton) and
   both operands multiplied on the fp8 tensor cores by the same Triton GEMM, at every batch
@@ -130,8 +130,18 @@ W8A8_WIDE_TILING = Fp8Tiling(block_n=128, swap_ab=True, tma=True)
 W8A8_NARROW_TILING = Fp8Tiling(block_k=256, num_stages=3, swap_ab=True, tma=True, split_fill=0.7,
                                split_columns=4096)
 W8A8_WIDE_N = 8192  # output columns from which W8A8_WIDE_TILING runs
-PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8,
-                           num_stages=4)
+# Past DECODE_ROWS (batches of 128 and 256, prefill chunks): 128 x 128 tiles, K split where the
+# tiles leave the SMs short (at 256 rows o and down have 64 tiles for 132 SMs, and down's
+# 14,336 columns of K are otherwise one program's stream). H200, 8B widths, us a launch at 128 /
+# 256 rows (split sums included), 64-wide K steps never split -> these tilings:
+# W8A8 (128-wide K steps) qkv 15.9 / 15.8 -> 13.1 / 13.3, o 15.1 / 16.2 -> 10.1 / 12.9,
+# gate_up 50.0 / 72.0 -> 39.1 / 63.9, down 70.8 / 70.7 -> 28.4 / 40.3; weight-only (splits to
+# fill every SM) qkv 62.6 / 61.1 -> 28.8 / 47.4, o 62.0 / 62.3 -> 20.6 / 29.6, down 213.9 /
+# 209.3 -> 46.7 / 78.4 (bf16 cuBLAS: 15.8 / 22.0, 13.0 / 14.8, 38.6 / 54.0: weight-only widens
+# every weight, compute-bound at these rows). Larger prefills have tiles enough: no split.
+PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+W8A8_PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
+                                split_fill=0.7)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
@@ -216,7 +226,7 @@ def launch_tiling(rows: int, n: int, w8a8: bool, choice: Fp8Choice | None = None
     `choice` (block_n, block_k, stages, K splits; 0 splits: the mode's rule) over the mode's
     tiling where given, else the mode's tiling for `n` columns."""
     if rows > DECODE_ROWS:
-        return PREFILL_TILING
+        return W8A8_PREFILL_TILING if w8a8 else PREFILL_TILING
     if choice is None:
         if w8a8:
             return W8A8_WIDE_TILING if n >= W8A8_WIDE_N else W8A8_NARROW_TILING

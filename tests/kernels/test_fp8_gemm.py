@@ -417,7 +417,7 @@ def test_a_per_tensor_scale_broadcast_by_a_stride_0_view() -> None:
 def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
         rows: int, block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where Triton runs, fp8_matmul launches the kernel (decode tiling up to DECODE_ROWS rows,
-    prefill tiling above) and gives the reference's values; with w8a8 the same tiling over
+    prefill tiling above) and gives the reference's values; with w8a8 W8A8's tilings over
     the per-row quantized x, giving reference_w8a8_matmul's. Scale blocks one column wide (the
     loader's spread of a shard off a block edge) no K tile divides: the references run them,
     no launch."""
@@ -435,9 +435,28 @@ def test_fp8_matmul_runs_the_kernel_at_decode_and_prefill_rows(
     assert_matches_reference(fp8.fp8_matmul(x, weight, scale, block), x, weight, scale, block)
     y = fp8.fp8_matmul(x, weight, scale, block, w8a8=True)
     assert_matches_w8a8_reference(y, x, weight, scale, block)
-    tiling = fp8.DECODE_TILING if rows <= fp8.DECODE_ROWS else fp8.PREFILL_TILING
-    expected = [] if block == (128, 1) else [(tiling.block_n, False), (tiling.block_n, True)]
-    assert [(kw["block_n"], kw.get("x_scale") is not None) for kw in launches] == expected
+    decode = rows <= fp8.DECODE_ROWS
+    plain = fp8.DECODE_TILING if decode else fp8.PREFILL_TILING
+    w8a8 = fp8.W8A8_NARROW_TILING if decode else fp8.W8A8_PREFILL_TILING
+    expected = [] if block == (128, 1) else [
+        (t.block_n, fp8.k_tile(block, t.block_k), quantized) for t, quantized in ((plain, False), (w8a8, True))]
+    assert [(kw["block_n"], kw["block_k"], kw.get("x_scale") is not None) for kw in launches] == expected
+
+
+@needs_triton_device
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_rows_past_decode_split_k_where_their_tiles_leave_sms_idle(w8a8: bool) -> None:
+    """Past DECODE_ROWS a launch of few tiles (one row tile of 100, two column tiles, for
+    the interpreter's 4 SMs) splits K: summed by its own launch, or left to the next kernel
+    (SplitSums), it is the reference's product."""
+    from kernels.gemm import fp8
+
+    x, weight, scale = make_case(100, 256, 2048, None, torch.bfloat16)
+    check = assert_matches_w8a8_reference if w8a8 else assert_matches_reference
+    check(fp8.fp8_matmul(x, weight, scale, None, w8a8=w8a8), x, weight, scale, None)
+    left = fp8.fp8_matmul(x, weight, scale, None, w8a8=w8a8, leave_sums=True)
+    assert isinstance(left, fp8.SplitSums) and left.parts.shape[0] >= 2
+    check(left.total(), x, weight, scale, None)
 
 
 def assert_matches_w8a8_reference(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
