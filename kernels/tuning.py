@@ -155,6 +155,10 @@ class Tuning:
     split_sums_in_norm: bool = field(default=True, metadata={"help": (
         "an FP8 o or down GEMM split over K leaves its partials to the add + norm after it, "
         "which sums them (no sum launch), in steps whose LoRA delta that op adds too")})
+    fp8_pdl: bool = field(default=True, metadata={"help": (
+        "in decode steps without LoRA, the FP8 GEMMs (and W8A8's row quantizer) launch with "
+        "PDL, asking L2 for their first weight columns while the kernel ahead ends; LoRA steps "
+        "launch them plainly (their side-stream kernels need the SMs the waiting programs hold)")})
     qkv_rope: bool = field(default=True, metadata={"help": (
         "in steps without LoRA on q/k/v, its decode GEMM rotates queries and keys and writes "
         "keys and values to the KV cache itself: no RoPE launch")})

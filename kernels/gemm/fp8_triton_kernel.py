@@ -50,11 +50,12 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms
+from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms, pdl_launch
 from ..activation.triton_kernel import silu_times
 from .fp8 import MAX_BLOCK_M, SplitSums
 from .fp8_rows_triton import row_scale, to_e4m3
 from .shapes import row_tile
+from .triton_kernel import prefetch_l2
 
 MIN_K_TILES_PER_SPLIT = 4  # a split's K range keeps a few tiles to pipeline
 
@@ -141,7 +142,7 @@ def _fp8_gemm_kernel(
     SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
     SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
     W8A8: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, LAST_SUMS: tl.constexpr = False,
-    GATED: tl.constexpr = False,
+    GATED: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed into y ([M, N], row stride stride_om) by the tile's
@@ -153,7 +154,10 @@ def _fp8_gemm_kernel(
     descriptors x_desc [M, K] and w_desc [N, K] (zero past their edges), not the pointers.
     W8A8: x is e4m3 with one float32 scale a row (xs [M]), applied with W's at the end.
     GATED (not PARTIAL): W is gate/up's [gate; up], up from row pair_offset; out gets
-    SiLU(x @ gate.T) * (x @ up.T), N its columns (the program's of both halves)."""
+    SiLU(x @ gate.T) * (x @ up.T), N its columns (the program's of both halves).
+    PDL (launched with programmatic dependent launch): the program asks L2 for the first
+    PREFETCH_K columns of its W slab (of both halves, GATED), which the kernel ahead does not
+    write, then waits for that kernel (x) to end."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -170,6 +174,14 @@ def _fp8_gemm_kernel(
         s_ptrs = s_ptr + (offs_n // SCALE_BN) * stride_sn
     if BLOCK_SCALES and GATED:
         s_up_ptrs = s_ptr + ((offs_n + pair_offset) // SCALE_BN) * stride_sn
+    if PDL:
+        if PREFETCH_K > 0:  # one prefetch per 128-byte line (128 e4m3 weights) of each row
+            lines = k_start + tl.arange(0, PREFETCH_K // 128) * 128
+            slab = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + lines[None, :]
+            prefetch_l2(slab)
+            if GATED:
+                prefetch_l2(slab + pair_offset * stride_wn)
+        tl.extra.cuda.gdc_wait()  # x is the kernel ahead's output
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -267,12 +279,17 @@ def _split_k_sum(part_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.conste
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: tl.constexpr,
-                          ONE_PASS: tl.constexpr):
+                          ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
     """Row m of x as e4m3 (q) with its float32 scale (s[m] = amax / 448): the division
     correctly rounded and the rounding to nearest even, as kernels/gemm/fp8.py's quantize_rows.
     One program a row, the row read once into registers where BLOCK covers K (a decode
     batch's launch is its latency: one load, one reduction, one store): ONE_PASS, BLOCK >= K;
-    else in BLOCK steps and read again (from L2) to quantize."""
+    else in BLOCK steps and read again (from L2) to quantize. PDL: the GEMM after it may
+    launch at once (it asks L2 for its weights, then waits for this kernel), and this one
+    waits for the kernel ahead (x) before reading."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
@@ -299,18 +316,21 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: t
 ONE_PASS_K = 16384  # a row up to this many columns is held in registers (32 a thread at 16 warps)
 
 
-def quantize_rows_triton(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, block: int | None = None,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [M, K] in e4m3, float32 scales [M]) with x ~ e4m3 * scale per row: one launch, the
     W8A8 GEMM's activation operand (kernels/gemm/fp8.py: quantize_rows is the reference).
-    block: columns a step (None: the whole row up to ONE_PASS_K)."""
+    block: columns a step (None: the whole row up to ONE_PASS_K); pdl: launched with
+    programmatic dependent launch where the device has it (Hopper)."""
+    pdl = pdl and hopper(x)
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     if M and K:
         block = block or min(triton.next_power_of_2(K), ONE_PASS_K)
         _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK=block,
-                                    ONE_PASS=block >= K,
-                                    num_warps=max(4, min(16, block // 1024)))
+                                    ONE_PASS=block >= K, PDL=pdl,
+                                    num_warps=max(4, min(16, block // 1024)), **pdl_launch(pdl))
     return q, scale
 
 
@@ -384,7 +404,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     x_scale: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None, gated: bool = False,
                     leave_sums: bool = False, split_fill: float = 1.0,
-                    split_columns: int = 0) -> "torch.Tensor | SplitSums":
+                    split_columns: int = 0, pdl: bool = False,
+                    prefetch_k: int = 0) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a row
     [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
@@ -398,9 +419,12 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     conversion elsewhere). gated: weight is gate/up's [gate; up] (2 I rows) and the result
     SiLU(x @ gate.T) * (x @ up.T), [M, I], with no SiLU launch after it: block_n columns of each
     half a program, K never split (the SiLU needs a column's whole sum). leave_sums: where the
-    splits would be summed by a launch of their own, SplitSums instead (the next kernel sums)."""
+    splits would be summed by a launch of their own, SplitSums instead (the next kernel sums).
+    pdl: launched with programmatic dependent launch where the device has it (Hopper), each
+    program first asking L2 for prefetch_k columns (a multiple of 128) of its weight slab."""
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
+    pdl = pdl and hopper(x)
     if weight.shape[1] != K or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected [N, {K}] float8_e4m3fn")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -434,7 +458,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         DOT_F32=f32, PARTIAL=partial, EVEN_K=K % block_k == 0, SWAP_AB=swap_ab,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
-        W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums, GATED=gated, num_warps=num_warps)
+        W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums, GATED=gated, num_warps=num_warps,
+        PDL=pdl, PREFETCH_K=min(prefetch_k, k_per_split) // 128 * 128 if pdl else 0, **pdl_launch(pdl))
     # What sizes the pipeline's shared memory; no lookup at all until a launch has not fitted.
     pipeline = (x.device, x.dtype, block_m, block_n, block_k, num_stages, w8a8, gated, swap_ab, tma)
     stages = _FITTED_STAGES.get(pipeline, num_stages) if _FITTED_STAGES else num_stages

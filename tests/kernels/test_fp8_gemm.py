@@ -459,6 +459,28 @@ def test_rows_past_decode_split_k_where_their_tiles_leave_sms_idle(w8a8: bool) -
     check(left.total(), x, weight, scale, None)
 
 
+@needs_triton_device
+def test_pdl_asked_only_at_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_matmul(pdl=True) launches the GEMM with PDL and its weight prefetch up to
+    DECODE_ROWS rows, plainly past them (where waiting programs cost more than they hide)."""
+    from kernels.gemm import fp8, fp8_triton_kernel
+
+    launches = []
+    real = fp8_triton_kernel.fp8_gemm_triton
+
+    def spy(*args, **kwargs):
+        launches.append((args[0].shape[0], kwargs.get("pdl", False), kwargs.get("prefetch_k", 0)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_triton_kernel, "fp8_gemm_triton", spy)
+    for rows in (8, fp8.DECODE_ROWS, fp8.DECODE_ROWS + 1):
+        x, weight, scale = make_case(rows, 64, 256, None, torch.bfloat16)
+        for w8a8 in (False, True):
+            fp8.fp8_matmul(x, weight, scale, None, w8a8=w8a8, pdl=True)
+    decode = (True, fp8.PDL_PREFETCH_K)
+    assert launches == [(8, *decode)] * 2 + [(fp8.DECODE_ROWS, *decode)] * 2 + [(fp8.DECODE_ROWS + 1, False, 0)] * 2
+
+
 def assert_matches_w8a8_reference(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                   scale: torch.Tensor, block: tuple[int, int] | None) -> None:
     """y is reference_w8a8_matmul's value up to float32 summation order and one rounding."""

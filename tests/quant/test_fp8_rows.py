@@ -142,3 +142,40 @@ def test_lora_steps_hand_fp8_k_splits_to_the_add_norm(tiny_llama_path: Path, tmp
     assert (True, True) not in seen
     assert adapter_answers(True) == summed_apart
     assert (True, True) in seen
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
+def test_fp8_gemms_ask_pdl_in_steps_without_lora_only(tiny_llama_path: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, quantization: str) -> None:
+    """Tuning.fp8_pdl: base steps hand every FP8 GEMM pdl=True (fp8_matmul then launches it
+    with PDL at decode rows); steps with an adapter hand none, their side-stream LoRA kernels
+    needing the SMs; fp8_pdl off hands none anywhere."""
+    import kernels.gemm.fp8_weight as fp8_weight
+
+    make_family_adapter(tiny_llama_path, tmp_path / "adapters" / ADAPTER, 8, 16.0,
+                        ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], scale=3.0)
+    asked: list[bool] = []
+    real_matmul, real_gated = fp8_weight.fp8_matmul, fp8_weight.fp8_gated_silu
+
+    def matmul(*args, pdl=False, **kwargs):
+        asked.append(pdl)
+        return real_matmul(*args, pdl=pdl, **kwargs)
+
+    def gated(*args, pdl=False, **kwargs):
+        asked.append(pdl)
+        return real_gated(*args, pdl=pdl, **kwargs)
+
+    monkeypatch.setattr(fp8_weight, "fp8_matmul", matmul)
+    monkeypatch.setattr(fp8_weight, "fp8_gated_silu", gated)
+
+    def pdl_asked(adapter: str | None, **tuning: bool) -> set[bool]:
+        with LLM(checkpoint=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=64, max_loras=2,
+                 max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"), quantization=quantization,
+                 decode_graphs="off", tuning=Tuning(**tuning), tuning_fixed=frozenset(tuning)) as llm:
+            asked.clear()
+            llm.generate(PROMPTS, 3, adapter=adapter, ignore_eos=True)
+            return set(asked)
+
+    assert pdl_asked(None) == {True}
+    assert pdl_asked(ADAPTER) == {False}
+    assert pdl_asked(None, fp8_pdl=False) == {False}
