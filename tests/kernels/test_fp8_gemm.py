@@ -65,11 +65,14 @@ HOPPER_VARIANTS = [
     ("fp8e4nv", 64, 64, 128, False, False, True, 4, 4, True, True, False, True),   # W8A8 decode
     ("bf16", 64, 64, 128, False, False, True, 4, 4, True, True, True, True),       # weight-only
     ("fp8e4nv", 16, 64, 128, True, False, True, 4, 4, True, True, False, True),    # block scales
+    # launched under PDL (base decode steps: Tuning.fp8_pdl): weights asked of L2, then the wait
+    ("fp8e4nv", 64, 64, 256, False, True, True, 4, 3, True, True, False, False, True),  # W8A8 decode
+    ("bf16", 64, 64, 128, False, False, True, 4, 4, True, True, True, True, True),      # gated
 ]
 
 
 def _variant_id(v: tuple) -> str:
-    flags = "".join(name for name, on in zip(("-swap", "-tma", "-prmt", "-gated"), v[9:]) if on)
+    flags = "".join(name for name, on in zip(("-swap", "-tma", "-prmt", "-gated", "-pdl"), v[9:]) if on)
     return f"{v[0]}-m{v[1]}-n{v[2]}-k{v[3]}-w{v[7]}{flags}"
 
 
@@ -92,12 +95,12 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     from kernels.gemm.fp8_triton_kernel import _fp8_gemm_kernel, _split_k_sum
 
     (x_type, block_m, block_n, block_k, block_scales, partial, even_k, warps, stages, swap, tma,
-     prmt), gated = variant[:12], len(variant) > 12 and variant[12]
+     prmt), gated, pdl = variant[:12], len(variant) > 12 and variant[12], len(variant) > 13 and variant[13]
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
                       DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
                       WIDEN_PRMT=prmt, W8A8=x_type == "fp8e4nv", SPLIT_K=4 if partial else 1,
-                      LAST_SUMS=partial, GATED=gated)
+                      LAST_SUMS=partial, GATED=gated, PDL=pdl, PREFETCH_K=512 if pdl else 0)
     if x_type != "fp8e4nv":
         constexprs.update(xs_ptr=None)
     if not partial:
@@ -121,6 +124,8 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     assert "cubin" in compiled.asm
     assert ("cp.async.bulk.tensor" in ptx) if tma else ("cp.async.cg" in ptx)
+    # PDL: the program asks L2 for its first weight lines, then waits for the kernel ahead
+    assert ("prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx) == pdl
     dots = [line for line in ttgir.splitlines() if "ttng.warp_group_dot " in line]
     if not dots:  # x @ W.T with fewer than 64 rows: wgmma's M is 64, so Ampere's mma.sync
         assert not swap and block_m < 64 and "mma.sync" in ptx
@@ -154,11 +159,12 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles: the interpreter has no compiler")
-@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
-def test_row_quantizer_compiles_for_hopper_with_its_rounding_kept(one_pass: bool) -> None:
+@pytest.mark.parametrize("one_pass,pdl", [(True, False), (False, False), (True, True)],
+                         ids=["one-pass", "two-pass", "one-pass-pdl"])
+def test_row_quantizer_compiles_for_hopper_with_its_rounding_kept(one_pass: bool, pdl: bool) -> None:
     """The W8A8 row quantizer compiles for sm_90: divisions correctly rounded (div.rn), the
     rounding's add and subtract kept (not folded away), e4m3 packed by the hardware's
-    conversion."""
+    conversion; under PDL it lets the GEMM after it launch, then waits for the kernel ahead."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -166,13 +172,14 @@ def test_row_quantizer_compiles_for_hopper_with_its_rounding_kept(one_pass: bool
     from kernels.gemm.fp8_triton_kernel import _quantize_rows_kernel
 
     signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32",
-                 "stride_qm": "i32", "BLOCK": "constexpr", "ONE_PASS": "constexpr"}
-    constexprs = dict(BLOCK=4096 if one_pass else 2048, ONE_PASS=one_pass)
+                 "stride_qm": "i32", "BLOCK": "constexpr", "ONE_PASS": "constexpr", "PDL": "constexpr"}
+    constexprs = dict(BLOCK=4096 if one_pass else 2048, ONE_PASS=one_pass, PDL=pdl)
     compiled = triton.compile(ASTSource(_quantize_rows_kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     ptx = compiled.asm["ptx"]
     assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
     assert "add.f32" in ptx and "sub.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert ("griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx) == pdl
 
 
 def _run_ptx(asm: str, registers: dict[str, int]) -> dict[str, int]:
