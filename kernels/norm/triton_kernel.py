@@ -68,6 +68,21 @@ def _weigh(v, rstd, w, UNIT_OFFSET: tl.constexpr):
 
 
 @triton.jit
+def _normalise_chunk(new_hidden_ptr, weight_ptr, x_ptr, t, offs, mask, rstd, stride_nh, stride_x,
+                     CG: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """Columns `offs` of row t of the new residual stream read back, normalised and weighted:
+    stored to x and returned (in x's type)."""
+    if CG:
+        new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    x = _weigh(new, rstd, w, UNIT_OFFSET).to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+    return x
+
+
+@triton.jit
 def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, stride_nh, stride_x,
                    stride_q, H: tl.constexpr, BLOCK_H: tl.constexpr, CG: tl.constexpr,
                    UNIT_OFFSET: tl.constexpr = False, QUANT: tl.constexpr = False):
@@ -77,28 +92,16 @@ def _normalise_row(new_hidden_ptr, weight_ptr, x_ptr, q_ptr, qs_ptr, t, rstd, st
     if QUANT and BLOCK_H >= H:  # one chunk: quantized from registers, no barrier, no read-back
         offs = tl.arange(0, BLOCK_H)
         mask = offs < H
-        if CG:
-            new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0,
-                          cache_modifier=".cg")
-        else:
-            new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
-        w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-        x = _weigh(new, rstd, w, UNIT_OFFSET).to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+        x = _normalise_chunk(new_hidden_ptr, weight_ptr, x_ptr, t, offs, mask, rstd, stride_nh, stride_x,
+                             CG, UNIT_OFFSET)
         quantize_row(x.to(tl.float32), q_ptr + t * stride_q, qs_ptr + t, offs, mask, BLOCK_H)
     else:
         amax = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for c0 in tl.static_range(0, H, BLOCK_H):
             offs = c0 + tl.arange(0, BLOCK_H)
             mask = offs < H
-            if CG:
-                new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0,
-                              cache_modifier=".cg")
-            else:
-                new = tl.load(new_hidden_ptr + t * stride_nh + offs, mask=mask, other=0.0)
-            w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-            x = _weigh(new, rstd, w, UNIT_OFFSET).to(x_ptr.dtype.element_ty)
-            tl.store(x_ptr + t * stride_x + offs, x, mask=mask)
+            x = _normalise_chunk(new_hidden_ptr, weight_ptr, x_ptr, t, offs, mask, rstd, stride_nh, stride_x,
+                                 CG, UNIT_OFFSET)
             if QUANT:
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         if QUANT:
