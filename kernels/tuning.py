@@ -227,6 +227,11 @@ class Tuning:
         """Programmatic dependent launch for kernels on t's device: on, and Hopper."""
         return self.pdl and hopper(t)
 
+    def fp8_pdl_on(self) -> bool:
+        """Whether steps without LoRA ask their FP8 GEMMs for PDL (kernels/gemm/fp8.py:
+        decode_pdl says at which rows, fp8_gemm_triton on which devices)."""
+        return self.fp8_pdl and self.pdl
+
     def attention_early_kv_on(self, t: torch.Tensor) -> bool:
         return self.attention_early_kv and self.pdl_on(t)
 

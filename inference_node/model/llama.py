@@ -279,9 +279,8 @@ class LlamaModel:
         if (lora is None or not lora.applies_to("gate_up")) and layer.gate_up_bias is None:
             # the SiLU in the GEMM's launch
             if isinstance(layer.gate_up, Fp8Weight):
-                pdl = lora is None and launch.tuning.fp8_pdl and launch.tuning.pdl
                 act = (self.fp8_gated_silu(x, layer.gate_up, tilings=launch.tuning.fp8_choices(self.fp8_w8a8),
-                                           pdl=pdl)
+                                           pdl=lora is None and launch.tuning.fp8_pdl_on())
                        if launch.tuning.gate_up_silu else None)
             else:
                 act = launch.gemm.gated_silu(plain_rows(x), layer.gate_up)
@@ -376,7 +375,7 @@ class LlamaModel:
             gemm = launch.gemm if launch.gemm.serves(group) else cublas
         if lora is None:
             if fp8:  # steps without LoRA: FP8 GEMMs under PDL where chosen (Tuning.fp8_pdl)
-                gemm = partial(gemm, pdl=launch.tuning.fp8_pdl and launch.tuning.pdl)
+                gemm = partial(gemm, pdl=launch.tuning.fp8_pdl_on())
             if fp8 and leave_sums and launch.tuning.split_sums_in_norm:
                 return gemm(operand, weight, bias, group, leave_sums=True), None
             return gemm(operand, weight, bias, group), None

@@ -178,7 +178,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     choice: the decode launch (Tuning.fp8_tilings / w8a8_tilings' entry; None: by the shape).
     pdl: at decode rows, the GEMM (and the row quantizer before it) launched with programmatic
     dependent launch where the device has it, asking L2 for its first PDL_PREFETCH_K weight
-    columns while the kernel ahead ends (pdl_keywords; Tuning.fp8_pdl says in which steps)."""
+    columns while the kernel ahead ends (decode_pdl; Tuning.fp8_pdl says in which steps)."""
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
@@ -188,12 +188,13 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return reference_fp8_matmul(x, weight, scale, block)
     if x.stride(1) != 1:
         x = x.contiguous()
-    keywords = {**asdict(tiling), "block_k": block_k, **pdl_keywords(pdl, x.shape[0])}
+    pdl = decode_pdl(pdl, x.shape[0])
+    keywords = {**asdict(tiling), "block_k": block_k, **pdl_keywords(pdl)}
     if w8a8:
         if rows is not None:
             quantized, row_scale = rows.fp8, rows.scale
         else:
-            quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x, pdl="pdl" in keywords)
+            quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x, pdl=pdl)
         return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
                       leave_sums=leave_sums, **{**keywords, "widen_prmt": False})
     return kernel(x, weight, scale, block, leave_sums=leave_sums, **keywords)
@@ -217,22 +218,26 @@ def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     block_n = tiling.block_n // 2 if tiling.block_n >= 128 else tiling.block_n
-    keywords = {**asdict(tiling), "block_k": block_k, "block_n": block_n, "split_k": 1,
-                **pdl_keywords(pdl, x.shape[0])}
+    pdl = decode_pdl(pdl, x.shape[0])
+    keywords = {**asdict(tiling), "block_k": block_k, "block_n": block_n, "split_k": 1, **pdl_keywords(pdl)}
     if not w8a8:
         return kernel(x, weight, scale, block, gated=True, **keywords)
     quantized, row_scale = (rows.fp8, rows.scale) if rows is not None else \
-        triton_kernel(x, TRITON, "quantize_rows_triton")(x, pdl="pdl" in keywords)
+        triton_kernel(x, TRITON, "quantize_rows_triton")(x, pdl=pdl)
     return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype, gated=True,
                   **{**keywords, "widen_prmt": False})
 
 
-def pdl_keywords(pdl: bool, rows: int) -> dict[str, object]:
-    """fp8_gemm_triton's keywords for a launch with programmatic dependent launch, or none:
-    decode rows only. H200, 8B, base step replays: 64 rows W8A8 3.736 -> 3.656 ms, weight-only
-    4.805 -> 4.717; at 256 rows (the prefill tiling's 8-warp programs waiting on the SMs) W8A8
-    7.382 -> 7.701, slower."""
-    return {"pdl": True, "prefetch_k": PDL_PREFETCH_K} if pdl and rows <= DECODE_ROWS else {}
+def decode_pdl(pdl: bool, rows: int) -> bool:
+    """Whether a launch asked for PDL takes it: at decode rows only. H200, 8B, base step
+    replays: 64 rows W8A8 3.736 -> 3.656 ms, weight-only 4.805 -> 4.717; at 256 rows (the
+    prefill tiling's 8-warp programs waiting on the SMs) W8A8 7.382 -> 7.701, slower."""
+    return pdl and rows <= DECODE_ROWS
+
+
+def pdl_keywords(pdl: bool) -> dict[str, object]:
+    """fp8_gemm_triton's keywords for a launch with programmatic dependent launch, or none."""
+    return {"pdl": True, "prefetch_k": PDL_PREFETCH_K} if pdl else {}
 
 
 def launch_tiling(rows: int, n: int, w8a8: bool, choice: Fp8Choice | None = None) -> Fp8Tiling:
