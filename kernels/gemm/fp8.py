@@ -138,7 +138,8 @@ W8A8_WIDE_N = 8192  # output columns from which W8A8_WIDE_TILING runs
 # gate_up 50.0 / 72.0 -> 39.1 / 63.9, down 70.8 / 70.7 -> 28.4 / 40.3; weight-only (splits to
 # fill every SM) qkv 62.6 / 61.1 -> 28.8 / 47.4, o 62.0 / 62.3 -> 20.6 / 29.6, down 213.9 /
 # 209.3 -> 46.7 / 78.4 (bf16 cuBLAS: 15.8 / 22.0, 13.0 / 14.8, 38.6 / 54.0: weight-only widens
-# every weight, compute-bound at these rows). Larger prefills have tiles enough: no split.
+# every weight, compute-bound at these rows). At 512 rows weight-only's o and down still split
+# in 2 (o 61.2 -> 49.0 us); from 2,048 rows neither mode splits (times unchanged).
 PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 PDL_PREFETCH_K = 512  # weight columns each program asks L2 for before a PDL launch's wait
 W8A8_PREFILL_TILING = Fp8Tiling(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
