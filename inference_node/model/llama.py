@@ -280,7 +280,8 @@ class LlamaModel:
             # the SiLU in the GEMM's launch
             if isinstance(layer.gate_up, Fp8Weight):
                 act = (self.fp8_gated_silu(x, layer.gate_up, tilings=launch.tuning.fp8_choices(self.fp8_w8a8),
-                                           pdl=lora is None and launch.tuning.fp8_pdl_on())
+                                           pdl=lora is None and launch.tuning.fp8_pdl_on(),
+                                           trigger=launch.tuning.fp8_trigger)
                        if launch.tuning.gate_up_silu else None)
             else:
                 act = launch.gemm.gated_silu(plain_rows(x), layer.gate_up)
@@ -370,7 +371,8 @@ class LlamaModel:
         fp8 = isinstance(weight, Fp8Weight)
         operand, x = (x if fp8 else plain_rows(x)), plain_rows(x)
         if fp8:
-            gemm = partial(self.fp8_gemm, tilings=launch.tuning.fp8_choices(self.fp8_w8a8))
+            gemm = partial(self.fp8_gemm, tilings=launch.tuning.fp8_choices(self.fp8_w8a8),
+                           trigger=launch.tuning.fp8_trigger)
         else:
             gemm = launch.gemm if launch.gemm.serves(group) else cublas
         if lora is None:

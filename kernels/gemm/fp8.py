@@ -169,7 +169,8 @@ def reference_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, w8a8: bool = False,
                rows: Fp8Rows | None = None, leave_sums: bool = False,
-               choice: Fp8Choice | None = None, pdl: bool = False) -> "torch.Tensor | SplitSums":
+               choice: Fp8Choice | None = None, pdl: bool = False,
+               trigger: int = 0) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
     [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
@@ -179,7 +180,9 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     choice: the decode launch (Tuning.fp8_tilings / w8a8_tilings' entry; None: by the shape).
     pdl: at decode rows, the GEMM (and the row quantizer before it) launched with programmatic
     dependent launch where the device has it, asking L2 for its first PDL_PREFETCH_K weight
-    columns while the kernel ahead ends (decode_pdl; Tuning.fp8_pdl says in which steps)."""
+    columns while the kernel ahead ends (decode_pdl; Tuning.fp8_pdl says in which steps).
+    trigger: at decode rows, when a PDL launch after the GEMM may start (fp8_gemm_triton;
+    Tuning.fp8_trigger)."""
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
@@ -189,8 +192,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return reference_fp8_matmul(x, weight, scale, block)
     if x.stride(1) != 1:
         x = x.contiguous()
-    pdl = decode_pdl(pdl, x.shape[0])
-    keywords = {**asdict(tiling), "block_k": block_k, **pdl_keywords(pdl)}
+    keywords = {**asdict(tiling), "block_k": block_k, **decode_launch(pdl, trigger, x.shape[0])}
+    pdl = keywords.get("pdl", False)
     if w8a8:
         if rows is not None:
             quantized, row_scale = rows.fp8, rows.scale
@@ -204,13 +207,14 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    block: tuple[int, int] | None, w8a8: bool = False,
                    rows: Fp8Rows | None = None, choice: Fp8Choice | None = None,
-                   pdl: bool = False) -> torch.Tensor | None:
+                   pdl: bool = False, trigger: int = 0) -> torch.Tensor | None:
     """SiLU(x @ gate.T) * (x @ up.T) for gate/up's stacked weight [2 I, K] in one launch of the
     Triton GEMM (no SiLU launch, half the output written), bit for bit what fp8_matmul then
     the SiLU kernel give; None where that GEMM does not run x (the caller runs the two). A
     program takes half its plain tiling's columns from each half where those are 128 or more
     (as many weight bytes as in the plain launch), else a whole tile from each. choice: as
-    fp8_matmul's (its K splits unused: SiLU needs a column's whole sum); pdl: as fp8_matmul's."""
+    fp8_matmul's (its K splits unused: SiLU needs a column's whole sum); pdl, trigger: as
+    fp8_matmul's."""
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 and weight.shape[0] % 2 == 0 else None
@@ -219,8 +223,9 @@ def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if x.stride(1) != 1:
         x = x.contiguous()
     block_n = tiling.block_n // 2 if tiling.block_n >= 128 else tiling.block_n
-    pdl = decode_pdl(pdl, x.shape[0])
-    keywords = {**asdict(tiling), "block_k": block_k, "block_n": block_n, "split_k": 1, **pdl_keywords(pdl)}
+    keywords = {**asdict(tiling), "block_k": block_k, "block_n": block_n, "split_k": 1,
+                **decode_launch(pdl, trigger, x.shape[0])}
+    pdl = keywords.get("pdl", False)
     if not w8a8:
         return kernel(x, weight, scale, block, gated=True, **keywords)
     quantized, row_scale = (rows.fp8, rows.scale) if rows is not None else \
@@ -236,9 +241,14 @@ def decode_pdl(pdl: bool, rows: int) -> bool:
     return pdl and rows <= DECODE_ROWS
 
 
-def pdl_keywords(pdl: bool) -> dict[str, object]:
-    """fp8_gemm_triton's keywords for a launch with programmatic dependent launch, or none."""
-    return {"pdl": True, "prefetch_k": PDL_PREFETCH_K} if pdl else {}
+def decode_launch(pdl: bool, trigger: int, rows: int) -> dict[str, object]:
+    """fp8_gemm_triton's keywords for how a launch of `rows` rows meets the kernels beside it:
+    programmatic dependent launch (decode_pdl) and when the kernel after it may launch, both
+    at decode rows only (past them, programs waiting early hold SMs the tiles need)."""
+    keywords: dict[str, object] = {"pdl": True, "prefetch_k": PDL_PREFETCH_K} if decode_pdl(pdl, rows) else {}
+    if trigger and rows <= DECODE_ROWS:
+        keywords["trigger"] = trigger
+    return keywords
 
 
 def launch_tiling(rows: int, n: int, w8a8: bool, choice: Fp8Choice | None = None) -> Fp8Tiling:
