@@ -159,9 +159,9 @@ class Tuning:
         "in decode steps without LoRA, the FP8 GEMMs (and W8A8's row quantizer) launch with "
         "PDL, asking L2 for their first weight columns while the kernel ahead ends; LoRA steps "
         "launch them plainly (their side-stream kernels need the SMs the waiting programs hold)")})
-    fp8_trigger: int = field(default=0, metadata={"help": (
-        "when the kernel after an FP8 decode GEMM may launch (with PDL) and wait for it: 0 at "
-        "the GEMM's end, 1 once its programs have started, 2 once they have left their K loop")})
+    fp8_trigger: bool = field(default=True, metadata={"help": (
+        "the kernel after an FP8 decode GEMM (launched with PDL) may launch once the GEMM's "
+        "programs have left their K loop, and waits on the SMs while they store")})
     qkv_rope: bool = field(default=True, metadata={"help": (
         "in steps without LoRA on q/k/v, its decode GEMM rotates queries and keys and writes "
         "keys and values to the KV cache itself: no RoPE launch")})
@@ -176,8 +176,6 @@ class Tuning:
             if unknown:
                 raise ValueError(f"{name} names {sorted(unknown)}: expected some of "
                                  f"{', '.join(GROUPS)}")
-        if self.fp8_trigger not in (0, 1, 2):
-            raise ValueError(f"fp8_trigger {self.fp8_trigger}: expected 0, 1 or 2")
         tile = self.attention_decode_key_tile
         if tile < 256 or tile & (tile - 1):
             raise ValueError(f"attention_decode_key_tile {tile}: expected a power of two of at "

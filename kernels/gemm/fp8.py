@@ -170,7 +170,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, w8a8: bool = False,
                rows: Fp8Rows | None = None, leave_sums: bool = False,
                choice: Fp8Choice | None = None, pdl: bool = False,
-               trigger: int = 0) -> "torch.Tensor | SplitSums":
+               trigger: bool = False) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
     [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
@@ -181,8 +181,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     pdl: at decode rows, the GEMM (and the row quantizer before it) launched with programmatic
     dependent launch where the device has it, asking L2 for its first PDL_PREFETCH_K weight
     columns while the kernel ahead ends (decode_pdl; Tuning.fp8_pdl says in which steps).
-    trigger: at decode rows, when a PDL launch after the GEMM may start (fp8_gemm_triton;
-    Tuning.fp8_trigger)."""
+    trigger: at decode rows, a PDL launch after the GEMM may start once its K loops are done
+    (fp8_gemm_triton; Tuning.fp8_trigger)."""
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
@@ -207,7 +207,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    block: tuple[int, int] | None, w8a8: bool = False,
                    rows: Fp8Rows | None = None, choice: Fp8Choice | None = None,
-                   pdl: bool = False, trigger: int = 0) -> torch.Tensor | None:
+                   pdl: bool = False, trigger: bool = False) -> torch.Tensor | None:
     """SiLU(x @ gate.T) * (x @ up.T) for gate/up's stacked weight [2 I, K] in one launch of the
     Triton GEMM (no SiLU launch, half the output written), bit for bit what fp8_matmul then
     the SiLU kernel give; None where that GEMM does not run x (the caller runs the two). A
@@ -241,13 +241,14 @@ def decode_pdl(pdl: bool, rows: int) -> bool:
     return pdl and rows <= DECODE_ROWS
 
 
-def decode_launch(pdl: bool, trigger: int, rows: int) -> dict[str, object]:
+def decode_launch(pdl: bool, trigger: bool, rows: int) -> dict[str, object]:
     """fp8_gemm_triton's keywords for how a launch of `rows` rows meets the kernels beside it:
-    programmatic dependent launch (decode_pdl) and when the kernel after it may launch, both
-    at decode rows only (past them, programs waiting early hold SMs the tiles need)."""
+    programmatic dependent launch (decode_pdl) and the kernel after it launched before it ends
+    (trigger), both at decode rows only (past them, programs waiting early hold SMs the
+    tiles need)."""
     keywords: dict[str, object] = {"pdl": True, "prefetch_k": PDL_PREFETCH_K} if decode_pdl(pdl, rows) else {}
     if trigger and rows <= DECODE_ROWS:
-        keywords["trigger"] = trigger
+        keywords["trigger"] = True
     return keywords
 
 

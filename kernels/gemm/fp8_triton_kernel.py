@@ -143,7 +143,7 @@ def _fp8_gemm_kernel(
     SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
     W8A8: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, LAST_SUMS: tl.constexpr = False,
     GATED: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
-    TRIGGER: tl.constexpr = 0,
+    TRIGGER: tl.constexpr = False,
 ):
     """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed into y ([M, N], row stride stride_om) by the tile's
@@ -158,9 +158,9 @@ def _fp8_gemm_kernel(
     SiLU(x @ gate.T) * (x @ up.T), N its columns (the program's of both halves).
     PDL (launched with programmatic dependent launch): the program asks L2 for the first
     PREFETCH_K columns of its W slab (of both halves, GATED), which the kernel ahead does not
-    write, then waits for that kernel (x) to end. TRIGGER (Hopper): when the kernel after this
-    one (launched with PDL) may launch: 1 once every program has started (past its wait), 2
-    once every program has left its K loop, 0 when this kernel ends."""
+    write, then waits for that kernel (x) to end. TRIGGER (Hopper): the kernel after this one,
+    launched with PDL, may launch once every program has left its K loop (else once this
+    kernel ends), to wait on the SMs while the epilogues store."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -185,8 +185,6 @@ def _fp8_gemm_kernel(
             if GATED:
                 prefetch_l2(slab + pair_offset * stride_wn)
         tl.extra.cuda.gdc_wait()  # x is the kernel ahead's output
-    if TRIGGER == 1:  # the next kernel's programs may take free SMs now and wait for this one
-        tl.extra.cuda.gdc_launch_dependents()
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -224,7 +222,7 @@ def _fp8_gemm_kernel(
                 acc_up = _tile_product(x, w_up, acc_up, SWAP_AB, DOT_F32, WIDEN_PRMT, W8A8)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if TRIGGER == 2:  # only the epilogues left: the next kernel may launch and wait for them
+    if TRIGGER:  # only the epilogues left: the next kernel may launch and wait for them
         tl.extra.cuda.gdc_launch_dependents()
     if not BLOCK_SCALES:
         scale = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)
@@ -412,7 +410,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     out_dtype: torch.dtype | None = None, gated: bool = False,
                     leave_sums: bool = False, split_fill: float = 1.0,
                     split_columns: int = 0, pdl: bool = False,
-                    prefetch_k: int = 0, trigger: int = 0) -> "torch.Tensor | SplitSums":
+                    prefetch_k: int = 0, trigger: bool = False) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a row
     [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
@@ -429,11 +427,11 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     splits would be summed by a launch of their own, SplitSums instead (the next kernel sums).
     pdl: launched with programmatic dependent launch where the device has it (Hopper), each
     program first asking L2 for prefetch_k columns (a multiple of 128) of its weight slab.
-    trigger: when a PDL launch after this one may start (the kernel's TRIGGER; Hopper only)."""
+    trigger: a PDL launch after this one may start once the K loops are done (TRIGGER; Hopper)."""
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     pdl = pdl and hopper(x)
-    trigger = trigger if hopper(x) else 0
+    trigger = trigger and hopper(x)
     if weight.shape[1] != K or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype}: expected [N, {K}] float8_e4m3fn")
     if x.stride(1) != 1 or weight.stride(1) != 1:

@@ -51,12 +51,12 @@ class Fp8Weight:
 def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | None = None,
                group: str | None = None, w8a8: bool = False, leave_sums: bool = False,
                tilings: Mapping[str, Fp8Choice] | None = None, pdl: bool = False,
-               trigger: int = 0) -> "torch.Tensor | SplitSums":
+               trigger: bool = False) -> "torch.Tensor | SplitSums":
     """x [M, K] @ w's dequantized [K, N] (+ bias) in x's dtype: the FP8 counterpart of
     dispatch.cublas, with its signature; w8a8: x quantized per row first, or x's e4m3 copy
     where it comes with one; leave_sums (without a bias): maybe SplitSums (fp8_matmul);
     tilings: the decode launch per group (Tuning.fp8_choices), `group`'s taken; pdl: launched
-    with programmatic dependent launch, trigger: when the kernel after it may launch (fp8_matmul)."""
+    with programmatic dependent launch, trigger: the kernel after it launched early (fp8_matmul)."""
     rows = x if isinstance(x, Fp8Rows) else None
     y = fp8_matmul(plain_rows(x), w.weight, w.scale, w.block, w8a8=w8a8, rows=rows,
                    leave_sums=leave_sums and bias is None, choice=(tilings or {}).get(group), pdl=pdl,
@@ -66,7 +66,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | Non
 
 def fp8_gated_silu_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, w8a8: bool = False,
                           tilings: Mapping[str, Fp8Choice] | None = None, pdl: bool = False,
-                          trigger: int = 0) -> torch.Tensor | None:
+                          trigger: bool = False) -> torch.Tensor | None:
     """SiLU(x @ gate) * (x @ up) for gate/up's FP8 weight in one GEMM launch where the Triton
     FP8 GEMM runs x, else None (fp8_gated_silu); tilings, pdl, trigger: as fp8_linear's, gate_up's
     taken."""

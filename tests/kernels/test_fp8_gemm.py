@@ -68,15 +68,15 @@ HOPPER_VARIANTS = [
     # launched under PDL (base decode steps: Tuning.fp8_pdl): weights asked of L2, then the wait
     ("fp8e4nv", 64, 64, 256, False, True, True, 4, 3, True, True, False, False, True),  # W8A8 decode
     ("bf16", 64, 64, 128, False, False, True, 4, 4, True, True, True, True, True),      # gated
-    # the kernel after it let launch early (Tuning.fp8_trigger): at the start, after the K loop
-    ("fp8e4nv", 64, 64, 256, False, True, True, 4, 3, True, True, False, False, True, 1),
-    ("fp8e4nv", 64, 64, 128, False, False, True, 4, 4, True, True, False, True, False, 2),
+    # the kernel after it let launch once the K loop is done (Tuning.fp8_trigger)
+    ("fp8e4nv", 64, 64, 256, False, True, True, 4, 3, True, True, False, False, True, True),
+    ("fp8e4nv", 64, 64, 128, False, False, True, 4, 4, True, True, False, True, False, True),
 ]
 
 
 def _variant_id(v: tuple) -> str:
     flags = "".join(name for name, on in zip(("-swap", "-tma", "-prmt", "-gated", "-pdl"), v[9:]) if on)
-    trigger = f"-trigger{v[14]}" if len(v) > 14 else ""
+    trigger = "-trigger" if len(v) > 14 and v[14] else ""
     return f"{v[0]}-m{v[1]}-n{v[2]}-k{v[3]}-w{v[7]}{flags}{trigger}"
 
 
@@ -101,7 +101,7 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
 
     (x_type, block_m, block_n, block_k, block_scales, partial, even_k, warps, stages, swap, tma,
      prmt), gated, pdl = variant[:12], len(variant) > 12 and variant[12], len(variant) > 13 and variant[13]
-    trigger = variant[14] if len(variant) > 14 else 0
+    trigger = len(variant) > 14 and variant[14]
     constexprs = dict(K=4096 if even_k else 4000, K_PER_SPLIT=1024, BLOCK_M=block_m, BLOCK_N=block_n,
                       BLOCK_K=block_k, BLOCK_SCALES=block_scales, SCALE_BN=128, SCALE_BK=128,
                       DOT_F32=False, PARTIAL=partial, EVEN_K=even_k, SWAP_AB=swap, TMA=tma,
@@ -135,7 +135,7 @@ def test_kernel_compiles_for_hopper_with_its_loads_pipelined(variant: tuple) -> 
     assert ("cp.async.bulk.tensor" in ptx) if tma else ("cp.async.cg" in ptx)
     # PDL: the program asks L2 for its first weight lines, then waits for the kernel ahead
     assert ("prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx) == pdl
-    assert ("griddepcontrol.launch_dependents" in ptx) == bool(trigger)
+    assert ("griddepcontrol.launch_dependents" in ptx) == trigger
     dots = [line for line in ttgir.splitlines() if "ttng.warp_group_dot " in line]
     if not dots:  # x @ W.T with fewer than 64 rows: wgmma's M is 64, so Ampere's mma.sync
         assert not swap and block_m < 64 and "mma.sync" in ptx

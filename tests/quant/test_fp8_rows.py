@@ -149,26 +149,27 @@ def test_fp8_gemms_ask_pdl_in_steps_without_lora_only(tiny_llama_path: Path, tmp
                                                      monkeypatch: pytest.MonkeyPatch, quantization: str) -> None:
     """Tuning.fp8_pdl: base steps hand every FP8 GEMM pdl=True (fp8_matmul then launches it
     with PDL at decode rows); steps with an adapter hand none, their side-stream LoRA kernels
-    needing the SMs; fp8_pdl off hands none anywhere."""
+    needing the SMs; fp8_pdl off hands none anywhere. Tuning.fp8_trigger: every step lets
+    the kernel after each GEMM launch early, unless off."""
     import kernels.gemm.fp8_weight as fp8_weight
 
     make_family_adapter(tiny_llama_path, tmp_path / "adapters" / ADAPTER, 8, 16.0,
                         ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], scale=3.0)
-    asked: list[bool] = []
+    asked: list[tuple[bool, bool]] = []
     real_matmul, real_gated = fp8_weight.fp8_matmul, fp8_weight.fp8_gated_silu
 
-    def matmul(*args, pdl=False, **kwargs):
-        asked.append(pdl)
-        return real_matmul(*args, pdl=pdl, **kwargs)
+    def matmul(*args, pdl=False, trigger=False, **kwargs):
+        asked.append((pdl, trigger))
+        return real_matmul(*args, pdl=pdl, trigger=trigger, **kwargs)
 
-    def gated(*args, pdl=False, **kwargs):
-        asked.append(pdl)
-        return real_gated(*args, pdl=pdl, **kwargs)
+    def gated(*args, pdl=False, trigger=False, **kwargs):
+        asked.append((pdl, trigger))
+        return real_gated(*args, pdl=pdl, trigger=trigger, **kwargs)
 
     monkeypatch.setattr(fp8_weight, "fp8_matmul", matmul)
     monkeypatch.setattr(fp8_weight, "fp8_gated_silu", gated)
 
-    def pdl_asked(adapter: str | None, **tuning: bool) -> set[bool]:
+    def launches_asked(adapter: str | None, **tuning: bool) -> set[tuple[bool, bool]]:
         with LLM(checkpoint=str(tiny_llama_path), device="cpu", dtype="float32", num_kv_blocks=64, max_loras=2,
                  max_lora_rank=8, adapter_dir=str(tmp_path / "adapters"), quantization=quantization,
                  decode_graphs="off", tuning=Tuning(**tuning), tuning_fixed=frozenset(tuning)) as llm:
@@ -176,6 +177,18 @@ def test_fp8_gemms_ask_pdl_in_steps_without_lora_only(tiny_llama_path: Path, tmp
             llm.generate(PROMPTS, 3, adapter=adapter, ignore_eos=True)
             return set(asked)
 
-    assert pdl_asked(None) == {True}
-    assert pdl_asked(ADAPTER) == {False}
-    assert pdl_asked(None, fp8_pdl=False) == {False}
+    assert launches_asked(None) == {(True, True)}
+    assert launches_asked(ADAPTER) == {(False, True)}
+    assert launches_asked(None, fp8_pdl=False) == {(False, True)}
+    assert launches_asked(ADAPTER, fp8_trigger=False) == {(False, False)}
+
+
+def test_decode_launches_alone_take_pdl_and_the_early_trigger() -> None:
+    """Past the decode rows a GEMM launches plainly: programs waiting early would hold SMs
+    that the prefill tiling's tiles need (fp8.decode_launch)."""
+    from kernels.gemm.fp8 import DECODE_ROWS, PDL_PREFETCH_K, decode_launch
+
+    assert decode_launch(True, True, DECODE_ROWS) == {"pdl": True, "prefetch_k": PDL_PREFETCH_K, "trigger": True}
+    assert decode_launch(False, True, 1) == {"trigger": True}
+    assert decode_launch(True, False, 8) == {"pdl": True, "prefetch_k": PDL_PREFETCH_K}
+    assert decode_launch(True, True, DECODE_ROWS + 1) == {}
