@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     table = found.table
     print(f"tuning table: {found.describe()}")
     all_graphs = {}
+    effective: dict[str, object] = {}  # each mode's step tunings as the model maps them
     for mode in modes:
         given = {} if mode in ("default", "serial") else dict(item.split("=", 1) for item in mode.split("/"))
         tuning = tuning_from_text(given) if given else DEFAULT_TUNING
@@ -374,6 +375,11 @@ def main(argv: list[str] | None = None) -> None:
         unfoldable = model.unfoldable_groups()  # as the node: FP8 and biased matmuls fold no LoRA
         if unfoldable:
             steps = steps.map(lambda tuning: tuning.without_folds(unfoldable))
+        same = next((m for m, s in effective.items() if s == steps and (m == "serial") == (mode == "serial")), None)
+        if same is not None:  # e.g. fold choices on a model whose matmuls fold nothing (FP8)
+            print(f"[{mode}] note: the same launches as [{same}] once mapped for this model "
+                  f"(groups folding no LoRA: {', '.join(sorted(unfoldable)) or 'none'}; --tp rules)")
+        effective[mode] = steps
         lora = GraphLora(applier_factory(mode, buffers, args.batch, steps.base), buffers.max_loras,
                          buffers.groups_of, buffers.module_rows)
         graphs = DecodeGraphs(model, StepLaunches(device, steps, model.gemm_groups), kv,

@@ -86,6 +86,19 @@ def test_the_profile_runs_each_mode_on_cpu(tiny_llama_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the profile is run by hand")
+def test_the_profile_says_which_modes_change_nothing_the_model_runs(tiny_llama_path: Path) -> None:
+    """FP8 matmuls fold no LoRA (Tuning.without_folds), so fold choices leave their steps as
+    the defaults': the tool says so rather than print a column that looks like a measurement
+    of another plan. A choice FP8 steps do take is not flagged."""
+    out = run_profile(tiny_llama_path, "--configs", "c2", "--quantization", "fp8-w8a8", "--mode", "default",
+                      "--mode", "fold_groups=none/shrink_fold_groups=none", "--mode", "side_expand_segments=0")
+    assert "[fold_groups=none/shrink_fold_groups=none] note: the same launches as [default]" in out, out
+    assert "[side_expand_segments=0] note:" not in out, out
+    plain = run_profile(tiny_llama_path, "--configs", "c2", "--mode", "default", "--mode", "fold_groups=none")
+    assert "note: the same launches" not in plain, plain
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the profile is run by hand")
 def test_the_profile_runs_a_tensor_parallel_rank_on_cpu(tiny_llama_path: Path) -> None:
     out = run_profile(tiny_llama_path, "--configs", "base,c2", "--tp", "2")
     for config in ("base", "c2"):
