@@ -88,6 +88,10 @@ class Tuning:
     gemm_tma_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
         "qkv": (32, 256, 4), "o": (16, 256, 4), "down": (16, 128, 8), "gate_up": (32, 128, 4)}),
         metadata={"help": "the decode GEMM's (block_n, block_k, stages) per group, TMA loads"})
+    gemm_split_k: Mapping[str, int] = field(default_factory=lambda: _frozen({"o": 1, "down": 1}),
+                                            metadata={"help": (
+        "K splits of each decode GEMM tile of o or down, whose float32 partials the add + norm "
+        "after it sums: wider tiles for as many programs read x fewer times from L2 (1: none)")})
     # At most 96 KB of pipeline a program, so that the shrink programs a fold adds do not
     # push its tiles into another wave (gate/up's 256 tiles then share one wave with them).
     fold_tilings: Mapping[str, Tiling] = field(default_factory=lambda: _frozen({
@@ -153,8 +157,9 @@ class Tuning:
         "in steps without LoRA on gate/up, its decode GEMM (or FP8 GEMM) writes SiLU(gate) * "
         "up itself: no SiLU launch")})
     split_sums_in_norm: bool = field(default=True, metadata={"help": (
-        "an FP8 o or down GEMM split over K leaves its partials to the add + norm after it, "
-        "which sums them (no sum launch), in steps whose LoRA delta that op adds too")})
+        "an o or down GEMM split over K (FP8, or by gemm_split_k) leaves its partials to the "
+        "add + norm after it, which sums them (no sum launch), in steps whose LoRA delta that op "
+        "adds too")})
     fp8_pdl: bool = field(default=True, metadata={"help": (
         "in decode steps without LoRA, the FP8 GEMMs (and W8A8's row quantizer) launch with "
         "PDL, asking L2 for their first weight columns while the kernel ahead ends; LoRA steps "
@@ -184,6 +189,9 @@ class Tuning:
             raise ValueError(f"norm_split_groups takes o and down (an add + norm follows "
                              f"them), not {sorted(set(self.norm_split_groups) - {'o', 'down'})}")
         object.__setattr__(self, "norm_split_groups", frozenset(self.norm_split_groups))
+        if not set(self.gemm_split_k) <= {"o", "down"} or min(self.gemm_split_k.values(), default=1) < 1:
+            raise ValueError(f"gemm_split_k takes o and down (an add + norm sums their splits), "
+                             f"each at least 1, not {dict(self.gemm_split_k)}")
         for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings", "moe_tilings", "moe_lora_launches",
                      "side_expand_group_segments", *FP8_TILING_FIELDS):
             object.__setattr__(self, name, _frozen(getattr(self, name)))

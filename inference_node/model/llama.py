@@ -366,7 +366,7 @@ class LlamaModel:
         """A fused projection with its LoRA: (output, a delta left for the next op or None).
         weight is [in, out] (or an Fp8Weight, which takes x's e4m3 copy where x comes with
         one); the decode GEMM serves decode-shaped x where configured. leave_sums: the caller's
-        add + norm takes an FP8 GEMM's K splits unsummed (SplitSums), in steps whose LoRA it
+        add + norm takes a K-split GEMM's partials unsummed (SplitSums), in steps whose LoRA it
         adds too (not into the output after the matmul)."""
         fp8 = isinstance(weight, Fp8Weight)
         operand, x = (x if fp8 else plain_rows(x)), plain_rows(x)
@@ -378,7 +378,7 @@ class LlamaModel:
         if lora is None:
             if fp8:  # steps without LoRA: FP8 GEMMs under PDL where chosen (Tuning.fp8_pdl)
                 gemm = partial(gemm, pdl=launch.tuning.fp8_pdl_on())
-            if fp8 and leave_sums and launch.tuning.split_sums_in_norm:
+            if leave_sums and launch.tuning.split_sums_in_norm:
                 return gemm(operand, weight, bias, group, leave_sums=True), None
             return gemm(operand, weight, bias, group), None
         fold = lora.fold(layer, group)
@@ -389,6 +389,6 @@ class LlamaModel:
                 y = launch.gemm(x, weight, bias, group, lora=fold)
             return y, None if fold.expand else fold.unexpanded(x.shape[0])
         lora.begin(layer, group, x)  # before the matmul is queued, so the two can overlap
-        sums = fp8 and leave_sums and launch.tuning.split_sums_in_norm and not lora.adds_into_output
+        sums = leave_sums and launch.tuning.split_sums_in_norm and not lora.adds_into_output
         y = gemm(operand, weight, bias, group, leave_sums=True) if sums else gemm(operand, weight, bias, group)
         return y, lora.end(layer, group, x, y)

@@ -20,6 +20,7 @@ import torch
 from ..dispatch import triton_kernel
 from ..tuning import DEFAULT_TUNING, Tuning
 from .fold import GemmLora, gemm_lora_fits, reference_gemm_lora
+from .fp8 import SplitSums
 from .fp8_weight import Fp8Weight
 from .rope_out import RopeOut
 from .shapes import MAX_ROWS, gated_block_n, rope_block_n, tiling, tma_fits
@@ -29,8 +30,8 @@ FOLD_TRITON = "kernels.gemm.fold_triton_kernel"
 
 
 def cublas(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           group: str | None = None) -> torch.Tensor:
-    """x @ w (+ bias) by torch (cuBLAS on CUDA)."""
+           group: str | None = None, leave_sums: bool = False) -> torch.Tensor:
+    """x @ w (+ bias) by torch (cuBLAS on CUDA), summed whatever leave_sums says."""
     return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
 
 
@@ -78,12 +79,18 @@ class DecodeGemm:
                 and x.stride(1) == 1 and tiling(w, group, self.tuning.gemm_tilings) is not None)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
-                 group: str | None = None, lora: GemmLora | None = None) -> torch.Tensor:
-        """x @ w (+ bias), plus `lora`'s delta folded into the same launch where given."""
+                 group: str | None = None, lora: GemmLora | None = None, leave_sums: bool = False
+                 ) -> torch.Tensor | SplitSums:
+        """x @ w (+ bias), plus `lora`'s delta folded into the same launch where given.
+        leave_sums: the caller's next kernel may take the K splits of the group's launch
+        (Tuning.gemm_split_k) unsummed (SplitSums)."""
         if lora is not None:
             return self.with_lora(x, w, bias, group, lora)
         if bias is None and self.applies(x, w, group):
-            y = self._launch(x, w, group)
+            split_k = self.tuning.gemm_split_k.get(group, 1) if leave_sums else 1
+            y = self._launch(x, w, group, split_k=split_k)
+            if y is None and split_k > 1:
+                y = self._launch(x, w, group)
             if y is not None:
                 return y
         return cublas(x, w, bias)
@@ -108,11 +115,12 @@ class DecodeGemm:
             return None
         return self._launch(x, w, "qkv", rope=rope)
 
-    def _launch(self, x: torch.Tensor, w: torch.Tensor, group: str | None,
-                gated: bool = False, rope: RopeOut | None = None) -> torch.Tensor | None:
+    def _launch(self, x: torch.Tensor, w: torch.Tensor, group: str | None, gated: bool = False,
+                rope: RopeOut | None = None, split_k: int = 1) -> torch.Tensor | SplitSums | None:
         """The Triton decode GEMM with the group's tiling (TMA's on Hopper); None where Triton
         does not run x, or (gated) half the tiling's columns do not divide each half of w, or
-        (rope) no tile of half a head's columns fits."""
+        (rope) no tile of half a head's columns fits, or split_k splits of the tiling's K steps
+        do not divide K."""
         tuning, rows = self.tuning, x.shape[0]
         tma_tiling = (tiling(w, group, tuning.gemm_tma_tilings, rows)
                       if tuning.gemm_tma_on(x) and tma_fits(x, w) else None)
@@ -128,9 +136,11 @@ class DecodeGemm:
             block_n = rope_block_n(block_n, rope.head_dim)
             if block_n < 16 or not rope.fits(x, w, block_n):
                 return None
+        if x.shape[1] % (block_k * split_k):
+            return None
         return gemm(x, w, pdl=tuning.pdl_on(x), prefetch_k=tuning.gemm_prefetch_k, block_n=block_n,
                     block_k=block_k, num_stages=stages, early_trigger=tuning.gemm_early_trigger,
-                    gated=gated, rope=rope)
+                    gated=gated, rope=rope, split_k=split_k)
 
     def with_lora(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                   group: str | None, lora: GemmLora) -> torch.Tensor:

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..activation.triton_kernel import silu_times
 from ..host import dot_f32, pdl_launch
+from .fp8 import SplitSums
 from .rope_out import RopeOut, no_rope_args
 from .shapes import MAX_ROWS, row_tile, tma_fits
 
@@ -51,6 +52,21 @@ def _first_column(pid, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, D: tl.constexp
         per_half: tl.constexpr = D // 2 // BLOCK_N
         return (pid // per_half) * D + (pid % per_half) * BLOCK_N
     return pid * BLOCK_N
+
+
+@triton.jit
+def _split_of(pid, K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(the program's output tile, the first column of K it sums over): a tile's K splits are
+    neighbouring programs, each over K / SPLIT_K columns."""
+    return pid // SPLIT_K, (pid % SPLIT_K) * (K // SPLIT_K)
+
+
+@triton.jit
+def _store_partial(part_ptr, acc, M, pid, offs_m, offs_n, N, SPLIT_K: tl.constexpr):
+    """The program's float32 partial sum into parts [SPLIT_K, M, N] (SplitSums)."""
+    split = pid % SPLIT_K
+    rows = (split * M + offs_m).to(tl.int64)
+    tl.store(part_ptr + rows[:, None] * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
 
 
 @triton.jit
@@ -113,24 +129,26 @@ def _rope_store(acc1, acc2, M, c1, s1, c2, s2, dst, D: tl.constexpr, BLOCK_M: tl
 
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_kernel(
-    x_ptr, w_ptr, y_ptr, M,
+    x_ptr, w_ptr, y_ptr, part_ptr, M, N,
     stride_xm, stride_wn, stride_wk, stride_ym, pair_offset,
     k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qh, stride_kb, stride_kp,
     stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr = False, GATED: tl.constexpr = False, ROPE: tl.constexpr = False,
-    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2,
+    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2, SPLIT_K: tl.constexpr = 1,
 ):
     """GATED: W is gate/up's [gate; up] (up from output column pair_offset) and each program
     writes SiLU(x @ gate) * (x @ up) for its BLOCK_N columns of both. ROPE: W is q/k/v's
     (HQ, HKV heads of D), y the queries [M, HQ, D], and the program's second columns lie
-    pair_offset (D / 2) after its first (_rope_store)."""
+    pair_offset (D / 2) after its first (_rope_store). SPLIT_K > 1 (plain launches only): each
+    program sums K / SPLIT_K columns of K and stores its float32 partial (_store_partial)."""
     PAIRED: tl.constexpr = GATED or ROPE
     pid = tl.program_id(0)
-    offs_n = (_first_column(pid, BLOCK_N, ROPE, D) + tl.arange(0, BLOCK_N)).to(tl.int64)
+    tile, k_lo = _split_of(pid, K, SPLIT_K)
+    offs_n = (_first_column(tile, BLOCK_N, ROPE, D) + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     if ROPE:
         c1, s1, c2, s2, dst = _rope_reads(M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr,
                                           slot_ptr, stride_ym, stride_qh, stride_kb, stride_kp,
@@ -140,7 +158,7 @@ def _decode_gemm_kernel(
         if PREFETCH_K > 0:
             # One prefetch per 128-byte line of the slab's first PREFETCH_K columns (W is
             # [out, in] here: each of the slab's rows is contiguous).
-            lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+            lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
             prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :] * stride_wk)
             if PAIRED:
                 prefetch_l2(w_ptr + (pair_offset + offs_n[:, None]) * stride_wn
@@ -153,7 +171,7 @@ def _decode_gemm_kernel(
     mask_m = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # PAIRED only: up, or RoPE's 2nd half
-    for _ in range(0, K, BLOCK_K):
+    for _ in range(0, K // SPLIT_K, BLOCK_K):
         x = tl.load(x_ptrs, mask=mask_m, other=0.0)
         w = tl.load(w_ptrs)
         if DOT_F32:  # kernels/host.py: dot_f32
@@ -172,6 +190,8 @@ def _decode_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
         _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, D, BLOCK_M)
+    elif SPLIT_K > 1:
+        _store_partial(part_ptr, acc, M, pid, offs_m, offs_n, N, SPLIT_K)
     else:
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if GATED:
@@ -182,22 +202,23 @@ def _decode_gemm_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _decode_gemm_tma_kernel(
-    x_desc, w_desc, w_ptr, y_ptr, M, stride_wn, stride_ym, pair_offset,
+    x_desc, w_desc, w_ptr, y_ptr, part_ptr, M, N, stride_wn, stride_ym, pair_offset,
     k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, stride_qh, stride_kb, stride_kp,
     stride_kh, stride_vb, stride_vp, stride_vh, stride_cos, page,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, DOT_F32: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr = False, GATED: tl.constexpr = False, ROPE: tl.constexpr = False,
-    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2,
+    HQ: tl.constexpr = 1, HKV: tl.constexpr = 1, D: tl.constexpr = 2, SPLIT_K: tl.constexpr = 1,
 ):
     """The same product with the tiles fetched by the tensor memory accelerator (Hopper): one
     copy instruction a tile, where the pointer loads issue one per 16 bytes per thread and
     left the SM issue-bound (ncu, down projection: 1 warp per scheduler, 3.7 cycles between
-    issues, DRAM at 47% of peak). Rows past M read as zero. GATED and ROPE as in the pointer
-    kernel."""
+    issues, DRAM at 47% of peak). Rows past M read as zero. GATED, ROPE and SPLIT_K as in the
+    pointer kernel."""
     PAIRED: tl.constexpr = GATED or ROPE
     pid = tl.program_id(0)
-    n0 = _first_column(pid, BLOCK_N, ROPE, D)
+    tile, k_lo = _split_of(pid, K, SPLIT_K)
+    n0 = _first_column(tile, BLOCK_N, ROPE, D)
     offs_n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     if ROPE:
         c1, s1, c2, s2, dst = _rope_reads(M, pid, y_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr,
@@ -206,7 +227,7 @@ def _decode_gemm_tma_kernel(
                                           page, HQ, HKV, D, BLOCK_M, BLOCK_N)
     if PDL:
         if PREFETCH_K > 0:
-            lines = tl.arange(0, PREFETCH_K // LINE) * LINE
+            lines = k_lo + tl.arange(0, PREFETCH_K // LINE) * LINE
             prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :])
             if PAIRED:
                 prefetch_l2(w_ptr + (pair_offset + offs_n[:, None]) * stride_wn + lines[None, :])
@@ -215,7 +236,7 @@ def _decode_gemm_tma_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # PAIRED only: up, or RoPE's 2nd half
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_lo + K // SPLIT_K, BLOCK_K):
         x = x_desc.load([0, k0])
         w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K] of W [out, in]
         if DOT_F32:  # kernels/host.py: dot_f32
@@ -232,6 +253,8 @@ def _decode_gemm_tma_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ROPE:
         _rope_store(acc, acc_up, M, c1, s1, c2, s2, dst, D, BLOCK_M)
+    elif SPLIT_K > 1:
+        _store_partial(part_ptr, acc, M, pid, tl.arange(0, BLOCK_M), offs_n, N, SPLIT_K)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -244,7 +267,8 @@ def _decode_gemm_tma_kernel(
 def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                     pdl: bool = False, prefetch_k: int = 0, block_n: int = 16, block_k: int = 128,
                     num_warps: int = 4, num_stages: int = 4, early_trigger: bool = False,
-                    gated: bool = False, rope: RopeOut | None = None) -> torch.Tensor:
+                    gated: bool = False, rope: RopeOut | None = None, split_k: int = 1
+                    ) -> torch.Tensor | SplitSums:
     """decode_gemm_triton with TMA tile loads (CUDA, Hopper or newer; tma_fits(x, w))."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -253,31 +277,41 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
     w_out_in = w.t()
     assert tma_fits(x, w) and M <= MAX_ROWS
     y, programs, pair_offset, rope_args, heads = _launch_shape(x, w, out, block_n, block_k, gated,
-                                                               rope)
+                                                               rope, split_k)
+    parts = _partials(y, split_k)
     if M == 0:
-        return y
+        return SplitSums(parts, x.dtype) if split_k > 1 else y
     block_m = row_tile(M)
     x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k])
     w_desc = TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k])
     _decode_gemm_tma_kernel[(programs,)](
-        x_desc, w_desc, w_out_in, y, M, K, y.stride(0), pair_offset, *rope_args,
+        x_desc, w_desc, w_out_in, y, parts, M, N, K, y.stride(0), pair_offset, *rope_args,
         K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=128 // w.element_size(),
+        PREFETCH_K=min(prefetch_k, K // split_k) if pdl else 0, LINE=128 // w.element_size(),
         DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger, GATED=gated,
-        ROPE=rope is not None, **heads,
+        ROPE=rope is not None, **heads, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
-    return y
+    return SplitSums(parts, x.dtype) if split_k > 1 else y
+
+
+def _partials(y: torch.Tensor, split_k: int) -> torch.Tensor:
+    """The float32 partials [split_k, M, N] of a K-split launch writing y [M, N] (y itself,
+    never written, where the launch is not split)."""
+    if split_k == 1:
+        return y
+    return torch.empty(split_k, *y.shape, dtype=torch.float32, device=y.device)
 
 
 def _launch_shape(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, block_n: int,
-                  block_k: int, gated: bool, rope: RopeOut | None) -> tuple:
+                  block_k: int, gated: bool, rope: RopeOut | None, split_k: int = 1) -> tuple:
     """(output, programs, the offset of a program's second columns, RoPE's arguments, its
     head counts): N columns, or with `gated` half of them (SiLU(gate) * up), or with `rope`
-    the queries (each program two tiles of one head)."""
+    the queries (each program two tiles of one head); split_k programs a tile (plain only)."""
     M, K = x.shape
     N = w.shape[1]
-    assert K % block_k == 0, "K tiles must divide the weight"
+    assert K % (block_k * split_k) == 0, "K tiles must divide the weight (each split of it)"
+    assert split_k == 1 or not (gated or rope), "only a plain launch splits K"
     if rope is not None:
         assert not gated and rope.fits(x, w, block_n), "a RoPE launch needs q/k/v's weight"
         heads = dict(HQ=rope.num_heads, HKV=rope.num_kv_heads, D=rope.head_dim)
@@ -286,14 +320,14 @@ def _launch_shape(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, bl
     assert N % (2 if gated else 1) == 0 and cols % block_n == 0, \
         "tiles must divide the weight (each half of it, gated)"
     y = out if out is not None else torch.empty(M, cols, dtype=x.dtype, device=x.device)
-    return y, cols // block_n, cols, no_rope_args(y), {}
+    return y, cols // block_n * split_k, cols, no_rope_args(y), {}
 
 
 def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
                        pdl: bool = False, prefetch_k: int = 0, block_n: int = 16,
                        block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
                        early_trigger: bool = False, gated: bool = False,
-                       rope: RopeOut | None = None) -> torch.Tensor:
+                       rope: RopeOut | None = None, split_k: int = 1) -> torch.Tensor | SplitSums:
     """x [M, K] @ w [K, N] for M <= MAX_ROWS (w may be a transposed view of an [N, K] matrix).
     pdl: launch with programmatic dependent launch (CUDA, Hopper or newer only); prefetch_k:
     columns of each program's slab asked of L2 before the wait (a multiple of 64);
@@ -302,22 +336,26 @@ def decode_gemm_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | Non
     gated: w is gate/up's [gate | up] and the launch writes SiLU(x @ gate) * (x @ up), [M, N / 2]
     (block_n columns of each half a program), with no SiLU launch after it; rope: w is q/k/v's
     and the launch also does kernels/rope's work (RoPE, the KV-cache write), writing the
-    queries to rope.q (returned), block_n columns of each half of a head a program."""
+    queries to rope.q (returned), block_n columns of each half of a head a program; split_k
+    (plain launches): each tile's K summed by split_k programs, whose float32 partials come
+    back unsummed (SplitSums) for the add + norm after o or down to sum: wider tiles as many
+    programs, so each program reads fewer rows of x from L2 for the weight bytes it streams."""
     M, K = x.shape
     assert w.shape[0] == K and x.stride(1) == 1 and M <= MAX_ROWS
     y, programs, pair_offset, rope_args, heads = _launch_shape(x, w, out, block_n, block_k, gated,
-                                                               rope)
+                                                               rope, split_k)
+    parts = _partials(y, split_k)
     if M == 0:
-        return y
+        return SplitSums(parts, x.dtype) if split_k > 1 else y
     line = 128 // w.element_size()
     if w.stride(0) != 1:  # [in, out] layout: a slab's rows are not contiguous lines
         prefetch_k = 0
     _decode_gemm_kernel[(programs,)](
-        x, w, y, M, x.stride(0), w.stride(1), w.stride(0), y.stride(0), pair_offset, *rope_args,
-        K=K, BLOCK_M=row_tile(M), BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=pdl, PREFETCH_K=min(prefetch_k, K) if pdl else 0, LINE=line,
+        x, w, y, parts, M, y.shape[1], x.stride(0), w.stride(1), w.stride(0), y.stride(0), pair_offset,
+        *rope_args, K=K, BLOCK_M=row_tile(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=pdl, PREFETCH_K=min(prefetch_k, K // split_k) if pdl else 0, LINE=line,
         DOT_F32=dot_f32(x.dtype, x.device), EARLY_TRIGGER=pdl and early_trigger, GATED=gated,
-        ROPE=rope is not None, **heads,
+        ROPE=rope is not None, **heads, SPLIT_K=split_k,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
     )
-    return y
+    return SplitSums(parts, x.dtype) if split_k > 1 else y

@@ -195,6 +195,41 @@ def test_decode_gemm_tma_matches_torch_mm(rows: int, dtype: torch.dtype) -> None
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="TMA needs Hopper or newer")
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("K,N,split_k", [(8192, 2048, 4), (14336, 4096, 2), (4096, 4096, 2)])
+def test_k_split_decode_gemm_tma_through_the_dispatcher(rows: int, K: int, N: int, split_k: int) -> None:
+    """Llama 1B's and 8B's down and 8B's o with Tuning.gemm_split_k under PDL: the dispatcher
+    hands back float32 partials (SplitSums) only where the caller takes them, each its K range's
+    product, and the add + norm over them writes what it writes over their sum."""
+    from kernels.gemm import DecodeGemm
+    from kernels.gemm.fp8 import SplitSums
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+    from kernels.tuning import Tuning
+
+    torch.manual_seed(rows + K)
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64).t()
+    tuning = Tuning(gemm_split_k={"down": split_k}, gemm_tma_tilings={"down": (64, 128, 4)})
+    gemm = DecodeGemm(torch.device("cuda"), tuning)
+    left = gemm(x, w, group="down", leave_sums=True)
+    assert isinstance(left, SplitSums) and left.parts.shape == (split_k, rows, N)
+    step = K // split_k
+    for s in range(split_k):
+        part = x[:, s * step:(s + 1) * step].float() @ w[s * step:(s + 1) * step].float()
+        torch.testing.assert_close(left.parts[s], part, rtol=1e-3, atol=1e-3)
+    plain = gemm(x, w, group="down")
+    assert isinstance(plain, torch.Tensor)
+    torch.testing.assert_close(left.total().float(), plain.float(), rtol=2e-2, atol=2e-2)
+    hidden = torch.randn(rows, N, device="cuda", dtype=torch.bfloat16)
+    weight = torch.rand(N, device="cuda", dtype=torch.bfloat16) + 0.5
+    got = add_rms_norm_triton(hidden, left, weight, 1e-5, tuning=tuning)
+    want = add_rms_norm_triton(hidden, left.total(), weight, 1e-5, tuning=tuning)
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="TMA needs Hopper or newer")
 @pytest.mark.parametrize("rows", [1, 33, 64])
 def test_gated_decode_gemm_tma_is_the_gemm_then_the_silu(rows: int) -> None:
     """At Llama-3.1-8B's gate/up (4096 -> 2 x 14336), TMA loads, PDL: the gated launch equals

@@ -863,6 +863,39 @@ def test_decode_gemm_matches_torch_mm(rows: int, out_in: bool, dtype: str) -> No
 
 
 @pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_k_split_decode_gemm_leaves_partials_that_sum_to_the_product(rows: int, split_k: int) -> None:
+    """split_k: the launch hands back float32 partials [split_k, rows, N] (SplitSums), each
+    the product over its K range, which the add + norm after o or down sums as the plain
+    launch's output; the output buffer is not written."""
+    from kernels.gemm.fp8 import SplitSums
+    from kernels.gemm.triton_kernel import decode_gemm_triton
+    from kernels.norm.triton_kernel import add_rms_norm_triton
+
+    torch.manual_seed(rows + split_k)
+    dt = torch.bfloat16
+    K, N = 256, 64
+    x = torch.randn(rows, K, device=DEVICE, dtype=dt)
+    w = (torch.randn(N, K, device=DEVICE, dtype=dt) / 16).t()
+    left = decode_gemm_triton(x, w, block_n=32, block_k=32, split_k=split_k)
+    assert isinstance(left, SplitSums) and left.parts.shape == (split_k, rows, N)
+    assert left.parts.dtype == torch.float32 and left.dtype == dt
+    step = K // split_k
+    for s in range(split_k):
+        part = x[:, s * step:(s + 1) * step].float() @ w[s * step:(s + 1) * step].float()
+        torch.testing.assert_close(left.parts[s], part, rtol=1e-4, atol=1e-4)
+    assert_close_scaled(left.total(), x.float() @ w.float(), dt)
+    hidden = torch.randn(rows, N, device=DEVICE, dtype=dt)
+    weight = torch.rand(N, device=DEVICE, dtype=dt) + 0.5
+    got = add_rms_norm_triton(hidden, left, weight, 1e-5)
+    want = add_rms_norm_triton(hidden, left.total(), weight, 1e-5)  # the sum launch, then the norm
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+    with pytest.raises(AssertionError, match="each split"):
+        decode_gemm_triton(x, w, block_n=32, block_k=128, split_k=4)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gated_decode_gemm_is_the_gemm_then_the_silu(rows: int, dtype: str) -> None:
     """gate/up's GEMM with SiLU(gate) * up in its epilogue writes, bit for bit, what its plain
