@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kernels.gemm import GemmLora, fold_counters
+from kernels.gemm.fp8 import summed
 from kernels.gemm.shapes import MAX_ROWS, gated_block_n, row_tile, tiling as fitted_tiling
 from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, Tiling, Tuning
 from kernels.tuning_table import Bucket, ModelShape, TuningTable
@@ -130,6 +131,31 @@ def candidates(w: torch.Tensor, group: str, field: str,
     return options
 
 
+SPLIT_GROUPS = ("o", "down")     # an add + norm follows them, and sums their K splits
+SPLIT_BLOCK_K_STAGES = ((128, 4), (128, 6), (256, 3))
+MAX_SPLIT_K = 4
+
+
+def split_candidates(w: torch.Tensor, group: str, field: str) -> list[tuple[int, int, int, int]]:
+    """K-split launches of o's or down's decode GEMM (Tuning.gemm_split_k), as (block_n,
+    block_k, stages, splits): tiles wider than the default's, each cut into as many K splits
+    as keep the default's program count (at most MAX_SPLIT_K), so each program reads fewer
+    rows of x per weight byte it streams. None for other groups or where nothing divides."""
+    default = fitted_tiling(w, group, getattr(DEFAULT_TUNING, field))
+    if group not in SPLIT_GROUPS or default is None:
+        return []
+    K, out = w.shape[0], []
+    for n in BLOCK_N:
+        splits = n // default[0]
+        if splits < 2 or splits > MAX_SPLIT_K:
+            continue
+        for k, s in SPLIT_BLOCK_K_STAGES:
+            fitted = fitted_tiling(w, group, {group: (n, k, s)})
+            if fitted is not None and K % (fitted[1] * splits) == 0 and (*fitted, splits) not in out:
+                out.append((*fitted, splits))
+    return out
+
+
 def slice_widths(shape: ModelShape, group: str) -> list[int]:
     """The output columns of each projection a fused group's matmul computes side by side."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -218,13 +244,15 @@ def gated(group: str, tuning: Tuning) -> bool:
     return group == "gate_up" and tuning.gate_up_silu
 
 
-def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning) -> Callable[[], torch.Tensor]:
+def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning) -> Callable[[], Any]:
     """The node's decode GEMM for x @ w with `tuning` (for gate/up, with SiLU * up in it where
-    the node runs it so); on the CPU the Triton kernel in the interpreter where it runs, else
-    the reference (torch.mm)."""
+    the node runs it so; for o and down, K-split as gemm_split_k says, the partials left
+    unsummed as the add + norm after them takes them); on the CPU the Triton kernel in the
+    interpreter where it runs, else the reference (torch.mm)."""
     from kernels.activation.reference import silu_mul
     from kernels.gemm import DecodeGemm
 
+    split_k = tuning.gemm_split_k.get(group, 1)
     if x.is_cuda:
         gemm = DecodeGemm(x.device, tuning)
         if not gemm.applies(x, w, group):
@@ -233,7 +261,7 @@ def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning) -> C
             if gemm.gated_silu(x, w) is None:
                 raise TuningError(f"no gated launch of gate/up at batch {len(x)}")
             return lambda: gemm.gated_silu(x, w)
-        return lambda: gemm(x, w, group=group)
+        return lambda: gemm(x, w, group=group, leave_sums=split_k > 1)
     from kernels.dispatch import use_triton
 
     if use_triton(x):
@@ -243,7 +271,8 @@ def gemm_call(x: torch.Tensor, w: torch.Tensor, group: str, tuning: Tuning) -> C
         if gated(group, tuning):
             return lambda: decode_gemm_triton(x, w, block_n=gated_block_n(block_n), block_k=block_k,
                                               num_stages=stages, gated=True)
-        return lambda: decode_gemm_triton(x, w, block_n=block_n, block_k=block_k, num_stages=stages)
+        return lambda: decode_gemm_triton(x, w, block_n=block_n, block_k=block_k, num_stages=stages,
+                                          split_k=split_k)
     if gated(group, tuning):
         return lambda: silu_mul(torch.mm(x, w))
     return lambda: torch.mm(x, w)
@@ -382,6 +411,8 @@ class Sweep:
             found = candidates(w, case.group, "fold_tilings", slice_offsets=slice_offsets(self.shape, case.group))
         else:
             found = candidates(w, case.group, self.field)
+            if self.tp == 1 and DEFAULT_TUNING.split_sums_in_norm:  # TP ranks all-reduce o and down whole
+                found += split_candidates(w, case.group, self.field)
         return found[:self.max_candidates]
 
     def measure(self, case: Case, options: list[Tiling], budget: Budget) -> Measured:
@@ -448,10 +479,14 @@ class Sweep:
         refs = [gemm_reference(xi, w[0], group) for xi in inputs]
         trials = []
         for option in options:
-            tuning = DEFAULT_TUNING.replace(**{self.field: {**getattr(DEFAULT_TUNING, self.field), group: option}})
+            # A K-split option's partials are timed as left to the add + norm: its sum there
+            # reads splits x 4 bytes a column of each row instead of 2, from L2.
+            tuning = DEFAULT_TUNING.replace(**{self.field: {**getattr(DEFAULT_TUNING, self.field), group: option[:3]}},
+                                            gemm_split_k={group: option[3]} if len(option) > 3 else {})
 
             def check(t=tuning) -> list[str]:
-                errors = [(len(xi), rel_err(gemm_call(xi, w[0], group, t)(), ref)) for xi, ref in zip(inputs, refs)]
+                errors = [(len(xi), rel_err(summed(gemm_call(xi, w[0], group, t)()), ref))
+                          for xi, ref in zip(inputs, refs)]
                 return [f"rel err {err:.1e} at {rows} rows" for rows, err in errors if not err <= MAX_REL_ERR]
 
             def timed(timer: Timer, t=tuning) -> float:
@@ -539,11 +574,15 @@ def winners(results: Sequence[Measured], min_gain: float) -> dict[tuple[int, int
 
 
 def base_bucket(groups: dict[str, Tiling], field: str) -> dict[str, Any]:
-    """A base bucket's choices from the groups' winners: the decode GEMMs' in `field`, the
-    routed experts' in moe_tilings."""
-    gemms = {g: t for g, t in groups.items() if g in GROUPS}
+    """A base bucket's choices from the groups' winners: the decode GEMMs' in `field` (a
+    K-split winner's splits in gemm_split_k; an FP8 GEMM's choice holds its own), the routed
+    experts' in moe_tilings."""
+    decode_gemm = field in ("gemm_tilings", "gemm_tma_tilings")
+    gemms = {g: t[:3] if decode_gemm else t for g, t in groups.items() if g in GROUPS}
+    splits = {g: t[3] for g, t in groups.items() if g in GROUPS and decode_gemm and len(t) > 3}
     experts = {g.removeprefix("experts."): t for g, t in groups.items() if g in EXPERT_GROUPS}
     return ({field: {**getattr(DEFAULT_TUNING, field), **gemms}} if gemms else {}) | (
+        {"gemm_split_k": splits} if splits else {}) | (
         {"moe_tilings": {**DEFAULT_TUNING.moe_tilings, **experts}} if experts else {})
 
 

@@ -136,7 +136,7 @@ def choice_space(shape, field: str, plan: dict) -> dict[tuple[str, str], list[tu
     """(Tuning field, group) -> every tiling the tuner may pick for it on this float32 node
     (its candidates: a bfloat16 table's tilings are fitted to these at launch), for the base
     GEMM and for the folds the plan runs in a step of one adapter."""
-    from inference_node.tuner.sweep import candidates, fold_modes, slice_offsets
+    from inference_node.tuner.sweep import candidates, fold_modes, slice_offsets, split_candidates
     from kernels.tuning import DEFAULT_TUNING, GROUPS
     from kernels.tuning_table import choice_from_json
 
@@ -145,7 +145,7 @@ def choice_space(shape, field: str, plan: dict) -> dict[tuple[str, str], list[tu
     for group in GROUPS:
         N, K = shape.gemms()[group]
         w = torch.empty(N, K, dtype=torch.float32, device="meta").t()
-        space[(field, group)] = candidates(w, group, field)
+        space[(field, group)] = candidates(w, group, field) + split_candidates(w, group, field)
         if group in fold_modes([group], 1, tuning):
             space[("fold_tilings", group)] = candidates(w, group, "fold_tilings",
                                                         slice_offsets=slice_offsets(shape, group))
@@ -163,10 +163,14 @@ def round_table(shape, field: str, plan: dict, space: dict, first: int) -> dict:
 
     buckets = []
     for i, batch in enumerate(BUCKETS):
-        base = {group: pick(field, group, i) for (name, group) in space if name == field}
+        picks = {group: pick(field, group, i) for (name, group) in space if name == field}
+        base = {field: {g: t[:3] for g, t in picks.items()}}  # a K-split pick: its splits apart
+        splits = {g: t[3] for g, t in picks.items() if len(t) > 3}
+        if splits:
+            base["gemm_split_k"] = splits
         fold = {group: pick("fold_tilings", group, i) for (name, group) in space if name == "fold_tilings"}
-        buckets.append({"batch": batch, "adapters": 0, "choices": {field: base}})
-        buckets.append({"batch": batch, "adapters": 1, "choices": {field: base, "fold_tilings": fold}})
+        buckets.append({"batch": batch, "adapters": 0, "choices": base})
+        buckets.append({"batch": batch, "adapters": 1, "choices": {**base, "fold_tilings": fold}})
     return {"format": 2, "device": torch.cuda.get_device_name(), "shape": dataclasses.asdict(shape),
             "dtype": "float32", "produced_by": f"tests/tuner parity round from candidate {first}",
             "node": plan, "buckets": buckets}
@@ -237,7 +241,8 @@ def test_greedy_matches_peft_for_every_choice_the_tuner_may_pick(llama_8b_widths
         for bucket in table.buckets:
             for name in (field, "fold_tilings"):
                 for group, tiling in bucket.choices.get(name, {}).items():
-                    covered.setdefault((name, group), set()).add(tuple(tiling))
+                    split = bucket.choices.get("gemm_split_k", {}).get(group, 1) if name == field else 1
+                    covered.setdefault((name, group), set()).add(tuple(tiling) + ((split,) if split > 1 else ()))
     for key, options in space.items():
         assert set(options) <= covered.get(key, set()), (plan_name, key)
     print(f"{starts} node starts; choices covered: " + ", ".join(

@@ -20,7 +20,7 @@ from inference_node.tuner.cli import model_shape
 from inference_node.tuner.store import usable
 from inference_node.tuner.sweep import (EXPERT_GROUPS, Measured, bucket_top, buckets_for, candidates, cases, fold_copies,
                                         fold_modes, folded_output, launch_bytes, print_results,
-                                        same_row_tile, slice_widths)
+                                        same_row_tile, slice_widths, split_candidates)
 from inference_node.tuner.tune import key_for
 from kernels.gemm import DecodeGemm
 from kernels.gemm.shapes import SHARED_MEMORY
@@ -54,6 +54,43 @@ def test_candidates_are_what_the_node_would_launch() -> None:
     assert (128, 512, 2) in options
     down = torch.empty(64, 160, dtype=torch.float32, device="meta").t()  # K 160: no tile divides it
     assert candidates(down, "down", "gemm_tilings") == []
+
+
+def test_k_split_candidates_widen_the_tile_and_keep_the_programs() -> None:
+    """o and down (an add + norm after them sums the splits) get wider tiles cut into as many
+    K splits as keep the default's program count, each split a whole number of K steps; the
+    groups whose output feeds RoPE or the SiLU get none."""
+    from kernels.gemm.shapes import tiling
+
+    for N, K, group in ((2048, 8192, "down"), (2048, 2048, "o"), (4096, 14336, "down")):
+        w = torch.empty(N, K, dtype=torch.bfloat16, device="meta").t()
+        default = tiling(w, group, DEFAULT_TUNING.gemm_tma_tilings)
+        options = split_candidates(w, group, "gemm_tma_tilings")
+        assert options and len(options) == len(set(options))
+        for block_n, block_k, stages, splits in options:
+            assert 2 <= splits <= 4 and N // block_n * splits == N // default[0]
+            assert K % (block_k * splits) == 0
+            assert (block_n, block_k, stages) == tiling(w, group, {group: (block_n, block_k, stages)})
+    for N, K, group in ((3072, 2048, "qkv"), (16384, 2048, "gate_up")):
+        assert split_candidates(torch.empty(N, K, device="meta").t(), group, "gemm_tma_tilings") == []
+
+
+def test_a_k_split_winner_becomes_the_buckets_tiling_and_splits() -> None:
+    """A K-split launch that wins goes into the bucket as its tiling and its gemm_split_k entry,
+    the bucket's adapter steps get it too, and the node reads it back from the table's JSON."""
+    default_down = DEFAULT_TUNING.gemm_tma_tilings["down"]
+    results = [Measured("down", 64, default_down, 14.0, (32, 128, 6, 2), 12.0),
+               Measured("o", 64, (16, 256, 4), 6.0, (16, 256, 4), 6.0),
+               Measured("o", 64, (16, 128, 4), 9.0, (64, 128, 4), 8.0, adapters=32, expand=False)]
+    buckets, _ = buckets_for(results, "gemm_tma_tilings", 0.02)
+    raw = TuningTable("NVIDIA H200", LLAMA_8B, "bfloat16", {}, tuple(buckets)).to_json()
+    assert raw["buckets"][0]["choices"] == {"gemm_tma_tilings": {"down": [32, 128, 6]},
+                                            "gemm_split_k": {"down": 2}}
+    steps = TuningTable.from_json(json.loads(json.dumps(raw))).tunings(DEFAULT_TUNING)
+    for adapters in (0, 32):
+        tuning = steps.for_step(64, adapters)
+        assert tuning.gemm_tma_tilings["down"] == (32, 128, 6) and tuning.gemm_split_k == {"down": 2}
+    assert steps.for_step(8).gemm_split_k.get("down", 1) == 1
 
 
 def test_the_shape_is_a_tp_ranks_shard_as_the_node_keys_it(tiny_llama_path, tmp_path) -> None:
