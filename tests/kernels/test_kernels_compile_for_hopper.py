@@ -144,3 +144,21 @@ def test_expert_pair_lora_kernels(kernel: str, scale: bool) -> None:
     constexprs = {"TOP_K": 8, "BLOCK_R": 32, "BLOCK_K": 256, "BLOCK_N": 256, "X_PER_PAIR": scale, "SCALE": scale}
     names = {p.name for p in fn.params}
     compile_for_hopper(fn, types, {k: v for k, v in constexprs.items() if k in names})
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_decode_gemm_k_splits(tma: bool, split_k: int) -> None:
+    """The decode GEMM's K-split launch (Tuning.gemm_split_k), which only the GPU tier runs
+    through TMA: its tile and K range from the program id, the partials' store."""
+    from kernels.gemm.triton_kernel import _decode_gemm_kernel, _decode_gemm_tma_kernel
+
+    pointers = {"w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32", "slot_ptr": "*i64"}
+    if tma:
+        fn, types = _decode_gemm_tma_kernel, {"x_desc": "tensordesc<bf16[64, 128]>",
+                                              "w_desc": "tensordesc<bf16[64, 128]>", **pointers}
+    else:
+        fn, types = _decode_gemm_kernel, {"x_ptr": "*bf16", **pointers}
+    compile_for_hopper(fn, types, dict(K=8192, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PDL=True, PREFETCH_K=512,
+                                       LINE=64, DOT_F32=False, EARLY_TRIGGER=True, SPLIT_K=split_k))
