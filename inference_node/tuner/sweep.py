@@ -593,7 +593,8 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
     a bucket where none does holds no choices of its own (so no smaller bucket's entry applies
     to it). A fold bucket (adapters above 0) also holds the base tilings a step of its batch
     gets, without K splits (a bucket stands alone over the node's tuning, and the groups a
-    step does not fold run the base GEMM). Buckets of `existing` that this sweep did not measure are kept."""
+    step does not fold run the base GEMM). Buckets of `existing` that this sweep did not
+    measure are kept."""
     base = winners([r for r in results if r.adapters == 0], min_gain)
     folds = winners([r for r in results if r.adapters > 0], min_gain)
     base_choices = {batch: base_bucket(groups, field) for (batch, _), groups in base.items()}
