@@ -144,8 +144,8 @@ class TableKey:
 
 # -- the choices as JSON ------------------------------------------------------------------------
 
-def _tiling_table(name: str) -> bool:
-    """Whether choice `name` is a table of (block_n, block_k, stages) per group."""
+def is_tiling_table(name: str) -> bool:
+    """Whether choice `name` is a table of launch tuples per group (tilings, FP8 choices)."""
     default = getattr(DEFAULT_TUNING, name)
     return isinstance(default, Mapping) and all(isinstance(v, tuple) for v in default.values())
 
@@ -181,7 +181,7 @@ def choice_from_json(name: str, value: Any) -> Any:
                                  f"block_k powers of two of at least 16, 1-8 stages, splits 0 (the rule) or "
                                  f"a power of two, not {choice!r}")
         return MappingProxyType({**default, **{g: tuple(t) for g, t in value.items()}})
-    if _tiling_table(name):
+    if is_tiling_table(name):
         for group, tiling in value.items():
             ints = (isinstance(tiling, list) and len(tiling) == 3
                     and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in tiling))
@@ -209,7 +209,7 @@ def choice_to_json(name: str, value: Any) -> Any:
         return list(value)
     if isinstance(value, Mapping):
         default = getattr(DEFAULT_TUNING, name)
-        if _tiling_table(name):
+        if is_tiling_table(name):
             return {g: list(t) for g, t in value.items() if default.get(g) != t}
         return dict(value)
     return value

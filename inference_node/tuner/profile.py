@@ -20,7 +20,8 @@ defaults, kernels/tuning.py), serial (LoRA added after each matmul: inference_no
 eager.py), or launch choices other than the defaults, NAME=VALUE joined by "/", each NAME a
 Tuning field and VALUE in the form of `inference-node serve --tune NAME=VALUE` (gemm_groups
 sets the weights' layout and stays). Every mode runs over the node's tuning table for the
-shape (--tuning-table, as the node resolves it, never tuning), its own choices kept.
+shape (--tuning-table, as the node resolves it, never tuning), its own choices kept; a tiling
+table's groups it names replace only those groups of each bucket's tilings (mode_steps).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8
@@ -294,6 +295,30 @@ def burst_ms(graph, reps: int) -> float:
 
 # -- the profile ------------------------------------------------------------------------------------
 
+def mode_steps(table, given: dict[str, str]):
+    """A mode's step tunings over the node's table (None: no table): its choices (text, as
+    `serve --tune`) fixed for every bucket, except tiling tables, whose groups named in the
+    mode are laid over each bucket's own (`gemm_tma_tilings=down=64.128.4` changes down and
+    keeps the table's q/k/v, o and gate/up, not the defaults')."""
+    from kernels.tuning import DEFAULT_TUNING, tuning_from_text
+    from kernels.tuning_table import StepTunings, is_tiling_table
+
+    tuning = tuning_from_text(given) if given else DEFAULT_TUNING
+    if table is None:
+        return StepTunings.fixed(tuning)
+    overlays = {name: {group: getattr(tuning, name)[group] for group in _named_groups(text)}
+                for name, text in given.items() if is_tiling_table(name)}
+    steps = table.tunings(tuning, fixed=[name for name in given if name not in overlays])
+    if not overlays:
+        return steps
+    return steps.map(lambda t: t.replace(**{name: {**getattr(t, name), **over} for name, over in overlays.items()}))
+
+
+def _named_groups(text: str) -> list[str]:
+    """The groups a tiling table's text (`qkv=32.256.4,o=16.128.4`) names."""
+    return [item.partition("=")[0] for item in text.split(",") if item and item != "none"]
+
+
 def applier_factory(mode: str, buffers, batch: int, tuning):
     """The decode graphs' LoRA applier factory of a mode: serial, LoRA after each matmul;
     any other, the node's own (runner/lora/plan.py: beside the matmuls up to the decode GEMM's
@@ -346,8 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     from inference_node.parallel.shard import tensor_parallel_tuning
     from inference_node.runner.decode_graphs import DecodeGraphs, GraphLora
     from inference_node.runner.launches import StepLaunches
-    from kernels.tuning import DEFAULT_TUNING, tuning_from_text
-    from kernels.tuning_table import ModelShape, StepTunings
+    from kernels.tuning_table import ModelShape
 
     from .tune import node_table
 
@@ -368,8 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     effective: dict[str, object] = {}  # each mode's step tunings as the model maps them
     for mode in modes:
         given = {} if mode in ("default", "serial") else dict(item.split("=", 1) for item in mode.split("/"))
-        tuning = tuning_from_text(given) if given else DEFAULT_TUNING
-        steps = table.tunings(tuning, fixed=given) if table is not None else StepTunings.fixed(tuning)
+        steps = mode_steps(table, given)
         if args.tp > 1:  # as a tensor-parallel node maps every bucket's tuning
             steps = steps.map(tensor_parallel_tuning)
         unfoldable = model.unfoldable_groups()  # as the node: FP8 and biased matmuls fold no LoRA

@@ -124,3 +124,26 @@ def test_the_profile_applies_lora_as_the_node_does_past_the_decode_gemms_rows(ti
         assert isinstance(applier, kind), (batch, type(applier))
     serial = profile.applier_factory("serial", buffers, MAX_ROWS, DEFAULT_TUNING)(meta, None)
     assert isinstance(serial, StepLoraApplier)
+
+
+def test_a_mode_s_tiling_groups_lie_over_each_bucket_s_own() -> None:
+    """`--mode gemm_tma_tilings=down=64.128.4/gemm_split_k=down=2` over a table whose bucket
+    tiles q/k/v and gate/up its own way: that bucket keeps them and takes the mode's down;
+    other choices the mode names are fixed for every bucket; without a table, the defaults'."""
+    from inference_node.tuner.profile import mode_steps
+    from kernels.tuning import DEFAULT_TUNING
+    from kernels.tuning_table import ModelShape, TuningTable
+
+    table = TuningTable.from_json({
+        "format": 2, "device": "cpu", "shape": {"hidden": 64, "intermediate": 160, "heads": 4, "kv_heads": 2,
+                                                "head_dim": 16}, "dtype": "float32",
+        "buckets": [{"batch": 64, "adapters": 0, "choices": {
+            "gemm_tma_tilings": {"qkv": [64, 128, 6], "gate_up": [128, 128, 4]}, "gemm_split_k": {"o": 2}}}]})
+    given = {"gemm_tma_tilings": "down=64.128.4", "gemm_split_k": "down=2"}
+    tuning = mode_steps(table, given).for_step(64)
+    assert tuning.gemm_tma_tilings == {**DEFAULT_TUNING.gemm_tma_tilings, "qkv": (64, 128, 6),
+                                       "gate_up": (128, 128, 4), "down": (64, 128, 4)}
+    assert tuning.gemm_split_k == {"down": 2}  # not a tiling table: the mode's, whole
+    assert mode_steps(table, {}).for_step(64).gemm_tma_tilings["down"] == DEFAULT_TUNING.gemm_tma_tilings["down"]
+    alone = mode_steps(None, given).for_step(64)
+    assert alone.gemm_tma_tilings == {**DEFAULT_TUNING.gemm_tma_tilings, "down": (64, 128, 4)}
