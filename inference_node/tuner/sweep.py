@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -67,6 +67,8 @@ class Measured:
     nbytes: int = 0                  # what one launch must move: its floor's bytes (launch_bytes)
     timed: int = 0                   # candidates timed (fewer than offered: the budget cut it)
     unfit: tuple[str, ...] = ()      # candidates this GPU cannot launch (too much shared memory)
+    plain: Tiling | None = None      # where `best` splits K: the fastest launch that does not
+    plain_us: float = 0.0            # (what the batch's adapter buckets take)
 
 
 class Budget:
@@ -456,6 +458,7 @@ class Sweep:
         if default not in timings:
             raise TuningError(f"{case.describe()}: the default tiling {default} failed: {rejected}")
         best = min(timings, key=timings.get)
+        plain = min((t for t in timings if len(t) == 3), key=timings.get) if len(best) > 3 and not self.fp8 else None
         if not nbytes:
             N, K = self.shape.gemms()[case.group]
             esize = torch.finfo(self.dtype).bits // 8
@@ -463,7 +466,7 @@ class Sweep:
                                   len(slice_widths(self.shape, case.group)), case.expand)
         return Measured(case.group, case.batch, default, timings[default], best, timings[best],
                         tuple(rejected), case.adapters, case.expand, case.splits, nbytes, len(timings),
-                        tuple(unfit))
+                        tuple(unfit), plain, timings[plain] if plain else 0.0)
 
     def _inputs(self, case: Case, K: int) -> list[torch.Tensor]:
         """x at the case's batch, and at its bucket's largest step where that is another row tile."""
@@ -598,6 +601,10 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
     base = winners([r for r in results if r.adapters == 0], min_gain)
     folds = winners([r for r in results if r.adapters > 0], min_gain)
     base_choices = {batch: base_bucket(groups, field) for (batch, _), groups in base.items()}
+    # The adapter buckets' base launches: each group's fastest without K splits.
+    unsplit = winners([replace(r, best=r.plain, best_us=r.plain_us) if r.plain else r
+                       for r in results if r.adapters == 0], min_gain)
+    plain_choices = {batch: base_bucket(groups, field) for (batch, _), groups in unsplit.items()}
     kept = []
     if existing is not None:
         old_base = {b.batch: dict(b.choices) for b in existing.buckets
@@ -607,18 +614,20 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
                      for b in existing.buckets if b.adapters > 0 and (b.batch, b.adapters) not in folds}
         if old_base:
             base_choices = {**old_base, **base_choices}
+            plain_choices = {**old_base, **plain_choices}
             kept.append("base")
         if old_folds:
             folds = {**old_folds, **folds}
             kept.append("fold")
 
     def base_for(batch: int) -> dict[str, Any]:
-        """The nearest base bucket's choices, as for_step picks, but its K-split launches (the
-        default tiling instead): they are timed on the GEMM alone, and in LoRA steps the side
-        stream's shrinks and expands share the SMs with it (1B at 64 rows, 32 adapters: down
-        in 4 splits made the step 0.07 ms slower while the base step gained 0.05)."""
-        below = [b for b in base_choices if b <= batch]
-        choices = dict(base_choices[max(below)]) if below else {}
+        """The nearest base bucket's choices, as for_step picks, each group's fastest launch
+        without K splits (a kept bucket's split groups at their default tiling): splits are
+        timed on the GEMM alone, and in LoRA steps the side stream's shrinks and expands share
+        the SMs with it (1B at 64 rows, 32 adapters: down in 4 splits made the step 0.07 ms
+        slower while the base step gained 0.05)."""
+        below = [b for b in plain_choices if b <= batch]
+        choices = dict(plain_choices[max(below)]) if below else {}
         split = choices.pop("gemm_split_k", {})
         if split and field in choices:
             default = getattr(DEFAULT_TUNING, field)

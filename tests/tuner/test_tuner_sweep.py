@@ -77,10 +77,11 @@ def test_k_split_candidates_widen_the_tile_and_keep_the_programs() -> None:
 
 def test_a_k_split_winner_becomes_the_buckets_tiling_and_splits() -> None:
     """A K-split launch that wins goes into the bucket as its tiling and its gemm_split_k entry,
-    the node reads it back from the table's JSON, and the batch's adapter steps launch that
-    group plainly (the split was timed on the GEMM alone, not beside a LoRA step's side stream)."""
+    the node reads it back from the table's JSON, and the batch's adapter steps take the
+    group's fastest unsplit launch (the split was timed on the GEMM alone, not beside a LoRA
+    step's side stream)."""
     default_down = DEFAULT_TUNING.gemm_tma_tilings["down"]
-    results = [Measured("down", 64, default_down, 14.0, (32, 128, 6, 2), 12.0),
+    results = [Measured("down", 64, default_down, 14.0, (32, 128, 6, 2), 12.0, plain=(32, 256, 4), plain_us=13.0),
                Measured("o", 64, (16, 256, 4), 6.0, (16, 256, 4), 6.0),
                Measured("o", 64, (16, 128, 4), 9.0, (64, 128, 4), 8.0, adapters=32, expand=False)]
     buckets, _ = buckets_for(results, "gemm_tma_tilings", 0.02)
@@ -90,7 +91,7 @@ def test_a_k_split_winner_becomes_the_buckets_tiling_and_splits() -> None:
     steps = TuningTable.from_json(json.loads(json.dumps(raw))).tunings(DEFAULT_TUNING)
     base, lora = steps.for_step(64), steps.for_step(64, 32)
     assert base.gemm_tma_tilings["down"] == (32, 128, 6) and base.gemm_split_k == {"down": 2}
-    assert lora.gemm_tma_tilings["down"] == default_down and lora.gemm_split_k.get("down", 1) == 1
+    assert lora.gemm_tma_tilings["down"] == (32, 256, 4) and lora.gemm_split_k.get("down", 1) == 1
     assert lora.fold_tilings["o"] == (64, 128, 4)
     assert steps.for_step(8).gemm_split_k.get("down", 1) == 1
 
