@@ -207,7 +207,7 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
     groups = [g for g in groups if g in shape.gemms()]  # a mixture of experts has no dense MLP
 
     def base(batch: int) -> list[Case]:
-        return [Case(g, batch) for g in groups + experts]
+        return [Case(g, batch) for g in groups + experts] if 0 in adapters else []
 
     def folds(batch: int) -> list[Case]:
         out = []
@@ -225,10 +225,10 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
             out += [Case(g, batch, count) for g in experts]  # each pair's LoRA beside the grouped GEMM
         return out
 
-    with_base = [b for b in batches if 0 in adapters]
-    out = [*(base(b) for b in with_base[:1]), *(folds(b) for b in batches[:1]),
-           *(base(b) for b in with_base[1:]), *(folds(b) for b in batches[1:])]
-    return [case for part in out for case in part], notes
+    first, rest = list(batches[:1]), list(batches[1:])
+    parts = ([base(b) for b in first] + [folds(b) for b in first]
+             + [base(b) for b in rest] + [folds(b) for b in rest])
+    return [case for part in parts for case in part], notes
 
 
 def launch_bytes(N: int, K: int, batch: int, esize: int, adapters: int = 0, rank: int = RANK,
