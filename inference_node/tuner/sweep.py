@@ -11,9 +11,8 @@ every layer reads its own; in the CPU smoke (tests) through the reference, or Tr
 interpreter with TRITON_INTERPRET=1, where the numbers mean nothing. The timer and the clock
 are passed in, so the budget's logic is tested with fakes.
 
-The work is a list of cases (group, batch, adapters), the most used first: the first batch's
-(64) base GEMM and folds (the most adapters first), then every other batch's base GEMM, then
-their folds (`cases`). The budget is checked
+The work is a list of cases (group, batch, adapters), the most used first: every batch's base
+GEMM (64 rows first), then each batch's folds, the most adapters first (`cases`). The budget is checked
 before every candidate: a case cut short keeps the best of the candidates it timed (the
 default is always first), and the cases never started are the table's `unmeasured`.
 """
@@ -194,14 +193,14 @@ def fold_splits(group: str, expand: bool, adapters: int, slices: int, tuning: Tu
 
 def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], groups: Sequence[str],
           plan: Tuning, device: torch.device) -> tuple[list[Case], list[str]]:
-    """(the cases to measure, most used first; notes on what is not swept). The first batch's
-    base GEMM (adapters 0) and its folds in the order of `adapters` (at most the batch), then
-    the other batches' base GEMMs, then their folds: each fold only for the groups a step of
-    that many adapters folds under `plan`, in its mode. A batch without a base bucket runs
-    the defaults in every step, with or without adapters (H200, 1B at 8 rows: step 1.56 ms
-    against 1.08 tuned), while a fold's bucket moves a few microseconds of a step of that
-    many adapters (8 rows, 8 adapters: o's fold 9.1 -> 7.4 us): a budget that ends early
-    leaves folds unmeasured, not base GEMMs."""
+    """(the cases to measure, most used first; notes on what is not swept). Every batch's base
+    GEMM (adapters 0), then each batch's folds in the order of `adapters` (at most the batch),
+    each only for the groups a step of that many adapters folds under `plan`, in its mode. A
+    batch without a base bucket runs the defaults in every step, with or without adapters
+    (H200, 1B at 8 rows: step 1.56 ms against 1.08 tuned), while a fold's bucket moves a
+    few microseconds of a step of that many adapters (8 rows, 8 adapters: o's fold 9.1 ->
+    7.4 us a launch) and takes longer to sweep (1B: a base case ~37 s, a fold ~40 s a
+    group): a first start's budget that ends early leaves folds unmeasured, not base GEMMs."""
     notes: list[str] = []
     experts = [g for g in groups if g in EXPERT_GROUPS] if shape.experts else []
     groups = [g for g in groups if g in shape.gemms()]  # a mixture of experts has no dense MLP
@@ -225,9 +224,7 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
             out += [Case(g, batch, count) for g in experts]  # each pair's LoRA beside the grouped GEMM
         return out
 
-    first, rest = list(batches[:1]), list(batches[1:])
-    parts = ([base(b) for b in first] + [folds(b) for b in first]
-             + [base(b) for b in rest] + [folds(b) for b in rest])
+    parts = [base(b) for b in batches] + [folds(b) for b in batches]
     return [case for part in parts for case in part], notes
 
 

@@ -116,14 +116,14 @@ def test_the_shape_is_a_tp_ranks_shard_as_the_node_keys_it(tiny_llama_path, tmp_
 
 
 def test_the_cases_go_most_used_first_each_fold_in_the_nodes_mode() -> None:
-    """The first batch's base GEMM and folds, then every other batch's base GEMM before any of
-    their folds: a budget cut short leaves smaller batches' folds unmeasured, never their base."""
+    """Every batch's base GEMM before any fold: a budget cut short leaves folds unmeasured,
+    never a batch's base GEMM."""
     todo, notes = cases(TINY, [64, 8, 1], [0, 32, 1], list(GROUPS), DEFAULT_TUNING, torch.device("cpu"))
     assert [c.key for c in todo] == [
         ("qkv", 64, 0), ("o", 64, 0), ("gate_up", 64, 0), ("down", 64, 0),
-        ("qkv", 64, 32), ("o", 64, 32), ("gate_up", 64, 32), ("o", 64, 1),
         ("qkv", 8, 0), ("o", 8, 0), ("gate_up", 8, 0), ("down", 8, 0),
         ("qkv", 1, 0), ("o", 1, 0), ("gate_up", 1, 0), ("down", 1, 0),
+        ("qkv", 64, 32), ("o", 64, 32), ("gate_up", 64, 32), ("o", 64, 1),
         ("o", 8, 1), ("o", 1, 1)]  # no 32 adapters in 8 rows
     assert [c.expand for c in todo if c.adapters] == [False, False, False, True, True, True]
     assert "batch 64, 32 adapters: the step does not fold down: not swept" in notes
