@@ -12,8 +12,8 @@ interpreter with TRITON_INTERPRET=1, where the numbers mean nothing. The timer a
 are passed in, so the budget's logic is tested with fakes.
 
 The work is a list of cases (group, batch, adapters), the most used first: every batch's base
-GEMM (64 rows first), then each batch's folds, the most adapters first (`cases`). The budget is checked
-before every candidate: a case cut short keeps the best of the candidates it timed (the
+GEMM (64 rows first), then each batch's folds, the most adapters first (`cases`). The budget
+is checked before every candidate: a case cut short keeps the best of the candidates it timed (the
 default is always first), and the cases never started are the table's `unmeasured`.
 """
 from __future__ import annotations
@@ -199,8 +199,9 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
     batch without a base bucket runs the defaults in every step, with or without adapters
     (H200, 1B at 8 rows: step 1.56 ms against 1.08 tuned), while a fold's bucket moves a
     few microseconds of a step of that many adapters (8 rows, 8 adapters: o's fold 9.1 ->
-    7.4 us a launch) and takes longer to sweep (1B: a base case ~37 s, a fold ~40 s a
-    group): a first start's budget that ends early leaves folds unmeasured, not base GEMMs."""
+    7.4 us a launch) and sweeps slower (1B, whole `tune` runs: 8 rows' four base GEMMs 37 s,
+    o's fold at 8 adapters alone 43 s): a first start's budget that ends early leaves folds
+    unmeasured, not base GEMMs."""
     notes: list[str] = []
     experts = [g for g in groups if g in EXPERT_GROUPS] if shape.experts else []
     groups = [g for g in groups if g in shape.gemms()]  # a mixture of experts has no dense MLP
