@@ -136,6 +136,13 @@ def candidates(w: torch.Tensor, group: str, field: str,
 SPLIT_GROUPS = ("o", "down")     # an add + norm follows them, and sums their K splits
 SPLIT_BLOCK_K_STAGES = ((128, 4), (128, 6), (256, 3))
 MAX_SPLIT_K = 4
+# The most rows at which a LoRA step takes its batch's K-split launches too. Splits are timed
+# on the GEMM alone; in a LoRA step the side stream's shrinks and expands share the SMs with
+# them. H200 replays (tuner.profile, o and down split as the base bucket's), LoRA's extra
+# over the base step: 8B at 8 rows, 8 adapters +0.436 -> +0.277 ms, 16 rows, 16 adapters
+# +0.648 -> +0.421, 32 rows, 32 adapters +0.909 -> +0.927; 1B at 8 rows +0.279 -> +0.198,
+# 64 rows +0.386 -> +0.457. Larger steps take each group's fastest launch without K splits.
+LORA_SPLIT_ROWS = 16
 
 
 def split_candidates(w: torch.Tensor, group: str, field: str) -> list[tuple[int, int, int, int]]:
@@ -605,9 +612,9 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
     """(the buckets, the kinds of `existing`'s buckets kept): one at each (batch, adapters)
     measured, holding the groups whose best tiling beats the default by more than min_gain;
     a bucket where none does holds no choices of its own (so no smaller bucket's entry applies
-    to it). A fold bucket (adapters above 0) also holds the base tilings a step of its batch
-    gets, without K splits (a bucket stands alone over the node's tuning, and the groups a
-    step does not fold run the base GEMM). Buckets of `existing` that this sweep did not
+    to it). A fold bucket (adapters above 0) also holds the base launches a step of its batch
+    gets, without K splits past LORA_SPLIT_ROWS rows (a bucket stands alone over the node's
+    tuning, and the groups a step does not fold run the base GEMM). Buckets of `existing` that this sweep did not
     measure are kept."""
     base = winners([r for r in results if r.adapters == 0], min_gain)
     folds = winners([r for r in results if r.adapters > 0], min_gain)
@@ -632,13 +639,14 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
             kept.append("fold")
 
     def base_for(batch: int) -> dict[str, Any]:
-        """The nearest base bucket's choices, as for_step picks, each group's fastest launch
-        without K splits (a kept bucket's split groups at their default tiling): splits are
-        timed on the GEMM alone, and in LoRA steps the side stream's shrinks and expands share
-        the SMs with it (1B at 64 rows, 32 adapters: down in 4 splits made the step 0.07 ms
-        slower while the base step gained 0.05)."""
-        below = [b for b in plain_choices if b <= batch]
-        choices = dict(plain_choices[max(below)]) if below else {}
+        """The nearest base bucket's choices, as for_step picks: up to LORA_SPLIT_ROWS rows
+        whole, above them each group's fastest launch without K splits (a kept bucket's split
+        groups at their default tiling)."""
+        source = base_choices if batch <= LORA_SPLIT_ROWS else plain_choices
+        below = [b for b in source if b <= batch]
+        choices = dict(source[max(below)]) if below else {}
+        if batch <= LORA_SPLIT_ROWS:
+            return choices
         split = choices.pop("gemm_split_k", {})
         if split and field in choices:
             default = getattr(DEFAULT_TUNING, field)

@@ -96,6 +96,35 @@ def test_a_k_split_winner_becomes_the_buckets_tiling_and_splits() -> None:
     assert steps.for_step(8).gemm_split_k.get("down", 1) == 1
 
 
+def test_small_lora_steps_take_their_batchs_k_splits() -> None:
+    """Up to LORA_SPLIT_ROWS rows a LoRA step launches o and down as its batch's base step
+    does, K splits included; a kept base bucket's splits count the same way, and a larger
+    batch's adapter bucket still takes the unsplit launches."""
+    from inference_node.tuner.sweep import LORA_SPLIT_ROWS
+
+    rows = LORA_SPLIT_ROWS
+    results = [Measured("down", rows, (16, 128, 8), 48.0, (64, 128, 6, 4), 32.0, plain=(32, 256, 4), plain_us=45.0),
+               Measured("o", rows, (16, 128, 4), 9.0, (64, 128, 4), 8.0, adapters=8),
+               Measured("down", 64, (16, 128, 8), 14.0, (32, 128, 6, 2), 12.0, plain=(32, 256, 4), plain_us=13.0),
+               Measured("o", 64, (16, 128, 4), 9.0, (64, 128, 4), 8.0, adapters=32, expand=False)]
+    buckets, _ = buckets_for(results, "gemm_tma_tilings", 0.02)
+    steps = TuningTable("NVIDIA H200", LLAMA_8B, "bfloat16", {}, tuple(buckets)).tunings(DEFAULT_TUNING)
+    small = steps.for_step(rows, 8)
+    assert small.gemm_tma_tilings["down"] == (64, 128, 6) and small.gemm_split_k["down"] == 4
+    assert small.fold_tilings["o"] == (64, 128, 4)
+    large = steps.for_step(64, 32)
+    assert large.gemm_tma_tilings["down"] == (32, 256, 4) and large.gemm_split_k.get("down", 1) == 1
+
+    # Only the fold measured now: the base bucket comes from the table it extends.
+    existing = TuningTable("NVIDIA H200", LLAMA_8B, "bfloat16", {}, tuple(buckets))
+    again, kept = buckets_for([Measured("o", rows, (16, 128, 4), 9.0, (32, 128, 4), 7.0, adapters=8)],
+                              "gemm_tma_tilings", 0.02, existing)
+    assert "base" in kept
+    redone = TuningTable("NVIDIA H200", LLAMA_8B, "bfloat16", {}, tuple(again)).tunings(DEFAULT_TUNING)
+    assert redone.for_step(rows, 8).gemm_split_k["down"] == 4
+    assert redone.for_step(rows, 8).fold_tilings["o"] == (32, 128, 4)
+
+
 def test_the_shape_is_a_tp_ranks_shard_as_the_node_keys_it(tiny_llama_path, tmp_path) -> None:
     """The sweep's shape of a model split over N ranks is the table key a node with
     --tensor-parallel-size N looks up on every rank (its shard's shapes)."""
