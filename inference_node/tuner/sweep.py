@@ -138,11 +138,12 @@ SPLIT_BLOCK_K_STAGES = ((128, 4), (128, 6), (256, 3))
 MAX_SPLIT_K = 4
 # The most rows at which a LoRA step takes its batch's K-split launches too. Splits are timed
 # on the GEMM alone; in a LoRA step the side stream's shrinks and expands share the SMs with
-# them. H200 replays (tuner.profile, o and down split as the base bucket's), LoRA's extra
-# over the base step: 8B at 8 rows, 8 adapters +0.436 -> +0.277 ms, 16 rows, 16 adapters
-# +0.648 -> +0.421, 32 rows, 32 adapters +0.909 -> +0.927; 1B at 8 rows +0.279 -> +0.198,
-# 64 rows +0.386 -> +0.457. Larger steps take each group's fastest launch without K splits.
-LORA_SPLIT_ROWS = 16
+# them. H200 replays (tuner.profile, o and down split as the base bucket's), a LoRA step of
+# as many adapters as rows (8 at 8 rows) unsplit -> split: 8B at 8 rows 5.067 -> 4.908 ms,
+# 16 rows 5.280 -> 5.054, 32 rows 5.625 -> 5.642; 1B at 8 rows 1.324 -> 1.244, 16 rows
+# 1.465 -> 1.227, 32 rows 1.530 -> 1.433, 64 rows 1.511 -> 1.580. Larger steps take each
+# group's fastest launch without K splits.
+LORA_SPLIT_ROWS = 32
 
 
 def split_candidates(w: torch.Tensor, group: str, field: str) -> list[tuple[int, int, int, int]]:
