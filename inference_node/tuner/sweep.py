@@ -615,8 +615,8 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
     a bucket where none does holds no choices of its own (so no smaller bucket's entry applies
     to it). A fold bucket (adapters above 0) also holds the base launches a step of its batch
     gets, without K splits past LORA_SPLIT_ROWS rows (a bucket stands alone over the node's
-    tuning, and the groups a step does not fold run the base GEMM). Buckets of `existing` that this sweep did not
-    measure are kept."""
+    tuning, and the groups a step does not fold run the base GEMM). Buckets of `existing` that
+    this sweep did not measure are kept."""
     base = winners([r for r in results if r.adapters == 0], min_gain)
     folds = winners([r for r in results if r.adapters > 0], min_gain)
     base_choices = {batch: base_bucket(groups, field) for (batch, _), groups in base.items()}
@@ -643,10 +643,11 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
         """The nearest base bucket's choices, as for_step picks: up to LORA_SPLIT_ROWS rows
         whole, above them each group's fastest launch without K splits (a kept bucket's split
         groups at their default tiling)."""
-        source = base_choices if batch <= LORA_SPLIT_ROWS else plain_choices
+        split_too = batch <= LORA_SPLIT_ROWS
+        source = base_choices if split_too else plain_choices
         below = [b for b in source if b <= batch]
         choices = dict(source[max(below)]) if below else {}
-        if batch <= LORA_SPLIT_ROWS:
+        if split_too:
             return choices
         split = choices.pop("gemm_split_k", {})
         if split and field in choices:
