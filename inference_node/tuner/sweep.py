@@ -136,14 +136,17 @@ def candidates(w: torch.Tensor, group: str, field: str,
 SPLIT_GROUPS = ("o", "down")     # an add + norm follows them, and sums their K splits
 SPLIT_BLOCK_K_STAGES = ((128, 4), (128, 6), (256, 3))
 MAX_SPLIT_K = 4
-# The most rows at which a LoRA step takes its batch's K-split launches too. Splits are timed
-# on the GEMM alone; in a LoRA step the side stream's shrinks and expands share the SMs with
-# them. H200 replays (tuner.profile, o and down split as the base bucket's), a LoRA step of
-# as many adapters as rows (8 at 8 rows) unsplit -> split: 8B at 8 rows 5.067 -> 4.908 ms,
-# 16 rows 5.280 -> 5.054, 32 rows 5.625 -> 5.642; 1B at 8 rows 1.324 -> 1.244, 16 rows
-# 1.465 -> 1.227, 32 rows 1.530 -> 1.433, 64 rows 1.511 -> 1.580. Larger steps take each
-# group's fastest launch without K splits.
-LORA_SPLIT_ROWS = 32
+# The most rows of the buckets whose LoRA steps take their batch's K-split launches too.
+# Splits are timed on the GEMM alone; in a LoRA step the side stream's shrinks and expands
+# share the SMs with them. H200 replays (tuner.profile, o and down split as the base
+# bucket's), a LoRA step of as many adapters as rows (8 at 8 rows) unsplit -> split: 8B at 8
+# rows 5.067 -> 4.908 ms, 16 rows 5.280 -> 5.054, 32 rows 5.625 -> 5.642; 1B at 8 rows
+# 1.324 -> 1.244, 16 rows 1.465 -> 1.227, 32 rows 1.530 -> 1.433, 64 rows 1.511 -> 1.580.
+# A bucket serves every graph size up to the next one: the 16-row bucket's steps of 16 to 24
+# rows lie between two measured gains, while a 32-row bucket would serve 32 to 56 rows,
+# unmeasured past 32 and towards a loss at 64. Larger buckets take each group's fastest
+# launch without K splits.
+LORA_SPLIT_ROWS = 16
 
 
 def split_candidates(w: torch.Tensor, group: str, field: str) -> list[tuple[int, int, int, int]]:
