@@ -225,8 +225,9 @@ def changed_choices(tuning: Tuning, base: Tuning = DEFAULT_TUNING) -> dict[str, 
 
 @dataclass(frozen=True)
 class Bucket:
-    """Steps of at least `batch` rows and at least `adapters` distinct adapters (up to the
-    next bucket) run with `choices` over the node's base tuning."""
+    """Steps of at most `batch` rows, down to the next smaller bucket's (the largest bucket:
+    any step above it too), and at least `adapters` distinct adapters (up to the next adapter
+    bucket), run with `choices` over the node's base tuning."""
 
     batch: int
     adapters: int
@@ -411,19 +412,27 @@ def _choices(raw: Any, where: str, allowed: tuple[str, ...]) -> Mapping[str, Any
 
 @dataclass(frozen=True)
 class StepTunings:
-    """The Tuning of each step: its bucket's, where the table has one at or below the step's
-    rows and distinct adapters (the nearest: most rows, then most adapters), else `base`."""
+    """The Tuning of each step: among the table's buckets of at most its distinct adapters,
+    the one of the fewest rows at or above its own (else the most rows), then of the most
+    adapters; `base` where none applies.
+
+    Rows round up because a decode GEMM compiles for a row tile of the next power of two
+    (kernels.gemm.shapes.row_tile): a bucket is timed at its own batch, and every step it
+    serves runs that tile or a smaller one. Rounding down handed a 40-row graph the 32-row
+    bucket's tilings, timed at a 32-row tile and run at a 64-row one (H200 replays, 8B,
+    32 adapters at 40 rows: 7.111 ms against 6.590 taking the 64-row bucket's)."""
 
     base: Tuning
     entries: tuple[tuple[int, int, Tuning], ...] = ()   # (batch, adapters, tuning), sorted
     table: TuningTable | None = None
 
     def for_step(self, rows: int, adapters: int = 0) -> Tuning:
-        best = self.base
-        for batch, count, tuning in self.entries:  # sorted: the last that fits is the nearest
-            if batch <= rows and count <= adapters:
-                best = tuning
-        return best
+        fits = [(batch, count, tuning) for batch, count, tuning in self.entries if count <= adapters]
+        if not fits:
+            return self.base
+        batches = {batch for batch, _, _ in fits}
+        batch = min((b for b in batches if b >= rows), default=max(batches))
+        return [tuning for b, _, tuning in fits if b == batch][-1]  # sorted: the most adapters last
 
     def map(self, change: Callable[[Tuning], Tuning]) -> "StepTunings":
         """Every step's Tuning (the base's and each bucket's) passed through `change`: a rule

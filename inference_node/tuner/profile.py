@@ -22,6 +22,7 @@ Tuning field and VALUE in the form of `inference-node serve --tune NAME=VALUE` (
 sets the weights' layout and stays). Every mode runs over the node's tuning table for the
 shape (--tuning-table, as the node resolves it, never tuning), its own choices kept; a tiling
 table's groups it names replace only those groups of each bucket's tilings (mode_steps).
+A mode `table=PATH` runs the defaults over that tuning table instead (tables side by side).
 
 Configurations: base (no LoRA), b (LoRA graphs exist, no adapter used: same as base),
 c1/c2/c4/c8/c16/c32/c64 (N distinct rank-16 adapters on all seven projections), d32 (32 rank-8
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     from inference_node.parallel.shard import tensor_parallel_tuning
     from inference_node.runner.decode_graphs import DecodeGraphs, GraphLora
     from inference_node.runner.launches import StepLaunches
-    from kernels.tuning_table import ModelShape
+    from kernels.tuning_table import ModelShape, load_table
 
     from .tune import node_table
 
@@ -391,8 +392,10 @@ def main(argv: list[str] | None = None) -> None:
     all_graphs = {}
     effective: dict[str, object] = {}  # each mode's step tunings as the model maps them
     for mode in modes:
-        given = {} if mode in ("default", "serial") else dict(item.split("=", 1) for item in mode.split("/"))
-        steps = mode_steps(table, given)
+        own = mode.removeprefix("table=") if mode.startswith("table=") else None
+        given = ({} if mode in ("default", "serial") or own is not None
+                 else dict(item.split("=", 1) for item in mode.split("/")))
+        steps = mode_steps(table if own is None else load_table(own, ModelShape.of(cfg)), given)
         if args.tp > 1:  # as a tensor-parallel node maps every bucket's tuning
             steps = steps.map(tensor_parallel_tuning)
         unfoldable = model.unfoldable_groups()  # as the node: FP8 and biased matmuls fold no LoRA
@@ -421,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     replays: dict[tuple[str, str], float] = {}
     for n in names:
         chunks = fake_chunks(args.batch, args.context, block, plan[n])
-        distinct = len(set(plan[n]))
+        distinct = len(set(plan[n][:args.batch]))  # a batch of fewer rows than adapters uses fewer
         keys = {}
         for mode, graphs in all_graphs.items():
             segments = next((b for b in graphs.segment_buckets(args.batch) if b >= distinct), 0) if distinct else 0

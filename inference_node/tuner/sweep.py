@@ -139,14 +139,13 @@ MAX_SPLIT_K = 4
 # The most rows of the buckets whose LoRA steps take their batch's K-split launches too.
 # Splits are timed on the GEMM alone; in a LoRA step the side stream's shrinks and expands
 # share the SMs with them. H200 replays (tuner.profile, o and down split as the base
-# bucket's), a LoRA step of as many adapters as rows (8 at 8 rows) unsplit -> split: 8B at 8
-# rows 5.067 -> 4.908 ms, 16 rows 5.280 -> 5.054, 32 rows 5.625 -> 5.642; 1B at 8 rows
-# 1.324 -> 1.244, 16 rows 1.465 -> 1.227, 32 rows 1.530 -> 1.433, 64 rows 1.511 -> 1.580.
-# A bucket serves every graph size up to the next one: the 16-row bucket's steps of 16 to 24
-# rows lie between two measured gains, while a 32-row bucket would serve 32 to 56 rows,
-# unmeasured past 32 and towards a loss at 64. Larger buckets take each group's fastest
-# launch without K splits.
-LORA_SPLIT_ROWS = 16
+# bucket's), LoRA steps unsplit -> split: 8B at 8 rows (8 adapters) 5.067 -> 4.908 ms, 16 rows
+# 5.280 -> 5.054, 32 rows 5.625 -> 5.642; 1B at 8 rows 1.324 -> 1.244, 16 rows 1.465 ->
+# 1.227, 32 rows 1.530 -> 1.433, 64 rows 1.511 -> 1.580. The 32-row bucket also serves the
+# 24-row graphs (StepTunings.for_step): there, 8 / 32 adapters, 8B 5.603 -> 5.339 / 5.731 ->
+# 5.696, 1B 1.506 -> 1.387 / 1.551 -> 1.424. The 64-row bucket's steps take each group's
+# fastest launch without K splits.
+LORA_SPLIT_ROWS = 32
 
 
 def split_candidates(w: torch.Tensor, group: str, field: str) -> list[tuple[int, int, int, int]]:
@@ -207,8 +206,8 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
     """(the cases to measure, most used first; notes on what is not swept). Every batch's base
     GEMM (adapters 0), then each batch's folds in the order of `adapters` (at most the batch),
     each only for the groups a step of that many adapters folds under `plan`, in its mode. A
-    batch without a base bucket runs the defaults in every step, with or without adapters
-    (H200, 1B at 8 rows: step 1.56 ms against 1.08 tuned), while a fold's bucket moves a
+    batch without a base bucket runs another batch's launches in every step, with or without
+    adapters (H200, 1B at 8 rows on the defaults: step 1.56 ms against 1.08 tuned), while a fold's bucket moves a
     few microseconds of a step of that many adapters (8 rows, 8 adapters: o's fold 9.1 ->
     7.4 us a launch) and sweeps slower (1B, whole `tune` runs: 8 rows' four base GEMMs 37 s,
     o's fold at 8 adapters alone 43 s): a first start's budget that ends early leaves folds
@@ -249,11 +248,11 @@ def launch_bytes(N: int, K: int, batch: int, esize: int, adapters: int = 0, rank
 
 
 def bucket_top(batch: int, batches: Sequence[int]) -> int:
-    """The most rows a step that takes `batch`'s bucket may have: one below the next bucket
-    swept, else the decode GEMM's MAX_ROWS. A tiling chosen at `batch` must also run there:
-    its kernels compile for row tiles of the next power of 2 (16 at least), which can take
-    more shared memory than `batch`'s did."""
-    return min([b - 1 for b in batches if b > batch] + [MAX_ROWS])
+    """The most rows a step that takes `batch`'s bucket may have (StepTunings.for_step): its
+    own batch, or the decode GEMM's MAX_ROWS for the largest bucket swept. A tiling chosen
+    at `batch` must also run there: its kernels compile for row tiles of the next power of 2
+    (16 at least), which can take more shared memory than `batch`'s did."""
+    return batch if any(b > batch for b in batches) else max(batch, MAX_ROWS)
 
 
 def same_row_tile(a: int, b: int) -> bool:
@@ -615,7 +614,7 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
                 existing: TuningTable | None = None) -> tuple[list[Bucket], list[str]]:
     """(the buckets, the kinds of `existing`'s buckets kept): one at each (batch, adapters)
     measured, holding the groups whose best tiling beats the default by more than min_gain;
-    a bucket where none does holds no choices of its own (so no smaller bucket's entry applies
+    a bucket where none does holds no choices of its own (so no other bucket's entry applies
     to it). A fold bucket (adapters above 0) also holds the base launches a step of its batch
     gets, without K splits past LORA_SPLIT_ROWS rows (a bucket stands alone over the node's
     tuning, and the groups a step does not fold run the base GEMM). Buckets of `existing` that
@@ -643,13 +642,14 @@ def buckets_for(results: Sequence[Measured], field: str, min_gain: float,
             kept.append("fold")
 
     def base_for(batch: int) -> dict[str, Any]:
-        """The nearest base bucket's choices, as for_step picks: up to LORA_SPLIT_ROWS rows
-        whole, above them each group's fastest launch without K splits (a kept bucket's split
-        groups at their default tiling)."""
+        """The base bucket's choices a step of `batch` rows takes (StepTunings.for_step: the
+        fewest rows at or above, else the most): up to LORA_SPLIT_ROWS rows whole, above them
+        each group's fastest launch without K splits (a kept bucket's split groups at their
+        default tiling)."""
         split_too = batch <= LORA_SPLIT_ROWS
         source = base_choices if split_too else plain_choices
-        below = [b for b in source if b <= batch]
-        choices = dict(source[max(below)]) if below else {}
+        nearest = min((b for b in source if b >= batch), default=max(source, default=None))
+        choices = dict(source[nearest]) if nearest is not None else {}
         if split_too:
             return choices
         split = choices.pop("gemm_split_k", {})

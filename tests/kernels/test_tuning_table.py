@@ -1,6 +1,6 @@
 """Tuning tables (kernels/tuning_table.py, kernels/configs/README.md): the file filed for a
-(device, shape, dtype) is the one found, a step takes its bucket's choices with the nearest
-smaller bucket and then the base as fallbacks, bad files are refused naming the file, a written
+(device, shape, dtype) is the one found, a step takes the choices of the nearest bucket at or
+above its rows (of at most its adapters), else the base, bad files are refused naming the file, a written
 table reads back the same (its metadata too), the repository's seeds are valid, and the node
 runs each step (eager, and through the decode graphs' static buffers) with its bucket's Tuning,
 the choice flags given winning over the table."""
@@ -89,7 +89,10 @@ def test_the_repositorys_seeds_are_valid_and_filed_under_their_key() -> None:
         table.tunings(DEFAULT_TUNING)
 
 
-def test_a_step_takes_the_nearest_smaller_bucket_then_the_base(tmp_path: Path) -> None:
+def test_a_step_takes_the_nearest_bucket_at_or_above_its_rows_then_the_base(tmp_path: Path) -> None:
+    """Rows round up to a bucket (the row tile its tilings were timed at; the largest bucket
+    serves every step above it), adapters down (the most a bucket's adapter count allows); a
+    step no bucket's adapter count admits runs the base."""
     base = DEFAULT_TUNING.replace(gemm_prefetch_k=256)
     table = TuningTable.read(write(tmp_path / "t.json", table_json()))
     steps = table.tunings(base)
@@ -97,18 +100,23 @@ def test_a_step_takes_the_nearest_smaller_bucket_then_the_base(tmp_path: Path) -
     def qkv(rows: int, adapters: int = 0) -> list[int]:
         return list(steps.for_step(rows, adapters).gemm_tilings["qkv"])
 
-    assert qkv(1) == qkv(3) == qkv(3, 5) == QKV[1]
-    assert qkv(4) == qkv(64) == qkv(7, 0) == QKV[4]
-    assert qkv(4, 1) == qkv(64, 1) == qkv(5, 32) == QKV["lora"]
-    # (8, 2) holds only the SiLU tile: the defaults' qkv tiling, not a smaller bucket's
-    assert qkv(8, 2) == list(DEFAULT_TUNING.gemm_tilings["qkv"])
+    assert qkv(1) == qkv(1, 0) == QKV[1]
+    assert qkv(2) == qkv(3) == qkv(4) == qkv(7) == qkv(64) == QKV[4]  # above the largest: the largest
+    assert qkv(2, 1) == qkv(4, 1) == qkv(64, 1) == qkv(3, 5) == QKV["lora"]  # (4, 1): the most adapters at 4 rows
+    # 5 rows take the 8-row bucket, whose (8, 2) entry holds only the SiLU tile: the defaults'
+    # qkv tiling, not another bucket's
+    assert qkv(5, 2) == qkv(8, 2) == qkv(5, 32) == list(DEFAULT_TUNING.gemm_tilings["qkv"])
     assert steps.for_step(8, 2).silu_row_tile == (128, 4) and steps.for_step(8, 1).silu_row_tile == (256, 2)
     assert steps.for_step(4).pdl is False and steps.for_step(4, 1).pdl is True  # entries stand alone
     for rows, adapters in [(1, 0), (4, 0), (4, 1), (9, 3)]:  # the base under every entry
         assert steps.for_step(rows, adapters).gemm_prefetch_k == 256
         assert steps.for_step(rows, adapters).gemm_tilings["o"] == DEFAULT_TUNING.gemm_tilings["o"]
-    late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}}]))
-    assert late.tunings(base).for_step(8) == base  # below the smallest bucket: the base
+    late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}},
+                                                     {"batch": 16, "adapters": 4, "choices": {"gemm_prefetch_k": 512}}]))
+    assert late.tunings(base).for_step(8).pdl is False  # below the smallest bucket: that bucket
+    assert late.tunings(base).for_step(8, 4).gemm_prefetch_k == 512 and late.tunings(base).for_step(8, 4).pdl
+    folds_only = TuningTable.from_json(table_json(buckets=[{"batch": 16, "adapters": 4, "choices": {"pdl": False}}]))
+    assert folds_only.tunings(base).for_step(8, 2) == base  # no bucket of at most 2 adapters
 
 
 def test_the_runner_builds_each_buckets_launch_choices_once(tmp_path: Path) -> None:
@@ -126,8 +134,9 @@ def test_the_runner_builds_each_buckets_launch_choices_once(tmp_path: Path) -> N
         assert launch.gemm.tuning is launch.tuning and launch.ops.tuning is launch.tuning
         assert launches.for_step(rows, adapters) is launch
     assert launches.for_step(1) is not launches.for_step(4) and launches.for_step(4, 1) is not launches.for_step(4)
-    late = TuningTable.from_json(table_json(buckets=[{"batch": 16, "choices": {"pdl": False}}])).tunings(DEFAULT_TUNING)
-    assert StepLaunches(torch.device("cpu"), late, DEFAULT_TUNING.gemm_groups).for_step(8).tuning is late.base
+    folds_only = TuningTable.from_json(table_json(buckets=[{"batch": 16, "adapters": 2, "choices": {"pdl": False}}]))
+    late = folds_only.tunings(DEFAULT_TUNING)
+    assert StepLaunches(torch.device("cpu"), late, DEFAULT_TUNING.gemm_groups).for_step(8, 1).tuning is late.base
     with pytest.raises(ValueError, match="gemm_groups sets the weights' layout"):
         StepLaunches(torch.device("cpu"), steps, frozenset({"o"}))
 
@@ -230,7 +239,7 @@ def test_fold_tilings_are_chosen_per_adapter_bucket() -> None:
     assert steps.for_step(64, 32).fold_tilings == {**DEFAULT_TUNING.fold_tilings, "qkv": (16, 64, 8),
                                                    "o": (64, 64, 2)}
     assert steps.for_step(64, 32).gemm_tilings["qkv"] == (64, 64, 2)
-    assert steps.for_step(32, 32) == DEFAULT_TUNING  # no bucket at or below 32 rows
+    assert steps.for_step(32, 32) == steps.for_step(64, 32)  # the nearest bucket of as many rows or more
 
 
 def test_serve_takes_auto_by_default_and_records_the_choices_given(tmp_path: Path, capsys) -> None:
@@ -297,7 +306,7 @@ def test_the_node_runs_each_step_with_its_buckets_tuning(device, tiny_llama_path
     assert (1, False) in rows_seen and any(r >= 4 and not lo for r, lo in rows_seen)
     assert any(r >= 4 and lo for r, lo in rows_seen)
     for rows, lora, tuning in forwards:
-        bucket = 1 if rows < 4 else "lora" if lora else 4
+        bucket = 1 if rows == 1 else "lora" if lora else 4  # rows round up to a bucket, past 4 the largest
         assert list(tuning.gemm_tilings["qkv"]) == QKV[bucket], (rows, lora)
         assert tuning.pdl is (bucket != 4)
     given = DEFAULT_TUNING.replace(pdl=True, gemm_tilings={**DEFAULT_TUNING.gemm_tilings, "qkv": (128, 64, 2)})
@@ -376,7 +385,7 @@ def test_a_mixture_of_experts_is_keyed_by_its_experts_and_its_buckets_set_their_
     assert table.shape == moe and table.unmeasured == (("experts.gate_up", 1, 0),)
     steps = table.tunings(DEFAULT_TUNING)
     assert steps.for_step(32).moe_tilings == {"gate_up": DEFAULT_TUNING.moe_tilings["gate_up"], "down": (32, 128, 4)}
-    assert steps.for_step(8).moe_tilings == DEFAULT_TUNING.moe_tilings
+    assert steps.for_step(8).moe_tilings == steps.for_step(16).moe_tilings  # below the smallest bucket: it
     dense = table_json()
     dense["shape"] = {k: v for k, v in dense["shape"].items() if k not in ("experts", "top_k")}
     assert TuningTable.read(write(tmp_path / "dense.json", dense)).shape == SHAPE

@@ -1,6 +1,6 @@
 """inference_node/tuner/sweep.py and `inference-node tune`: the candidate tilings are the ones
 the node would launch, the table holds a bucket's best tiling only where it beats the default
-(and stops smaller buckets' entries at the buckets where none does), the fold is swept in the
+(and a bucket where none does holds the defaults, not another bucket's), the fold is swept in the
 mode the node runs each group (a rank's under tensor parallelism), its reference check catches
 a wrong output, its winners go into (batch, adapters) buckets over their batch's base choices,
 and the CPU smoke (the PyTorch reference or Triton's interpreter, numbers meaningless) writes a
@@ -93,7 +93,7 @@ def test_a_k_split_winner_becomes_the_buckets_tiling_and_splits() -> None:
     assert base.gemm_tma_tilings["down"] == (32, 128, 6) and base.gemm_split_k == {"down": 2}
     assert lora.gemm_tma_tilings["down"] == (32, 256, 4) and lora.gemm_split_k.get("down", 1) == 1
     assert lora.fold_tilings["o"] == (64, 128, 4)
-    assert steps.for_step(8).gemm_split_k.get("down", 1) == 1
+    assert steps.for_step(8) == base  # the only bucket: smaller steps take it too
 
 
 def test_small_lora_steps_take_their_batchs_k_splits() -> None:
@@ -161,7 +161,7 @@ def test_the_cases_go_most_used_first_each_fold_in_the_nodes_mode() -> None:
         ("qkv", 64, 32), ("o", 64, 32), ("gate_up", 64, 32), ("o", 64, 1), ("o", 8, 1)]
 
 
-def test_the_table_holds_only_real_gains_and_stops_smaller_buckets() -> None:
+def test_the_table_holds_only_real_gains_and_a_bucket_without_any_the_defaults() -> None:
     default_qkv, default_o = DEFAULT_TUNING.gemm_tma_tilings["qkv"], DEFAULT_TUNING.gemm_tma_tilings["o"]
     results = [
         Measured("qkv", 8, default_qkv, 10.0, (64, 128, 4), 9.0),   # 10% faster: taken
@@ -175,9 +175,8 @@ def test_the_table_holds_only_real_gains_and_stops_smaller_buckets() -> None:
     assert table.to_json()["buckets"][0]["choices"] == {"gemm_tma_tilings": {"qkv": [64, 128, 4]}}
     assert table.to_json()["buckets"][1]["choices"] == {}
     steps = table.tunings(DEFAULT_TUNING)
-    assert steps.for_step(16).gemm_tma_tilings["qkv"] == (64, 128, 4)
-    assert steps.for_step(64).gemm_tma_tilings == DEFAULT_TUNING.gemm_tma_tilings  # not batch 8's
-    assert steps.for_step(4) == DEFAULT_TUNING
+    assert steps.for_step(4).gemm_tma_tilings["qkv"] == steps.for_step(8).gemm_tma_tilings["qkv"] == (64, 128, 4)
+    assert steps.for_step(16) == steps.for_step(64) == DEFAULT_TUNING  # batch 32's: not batch 8's
 
 
 def test_the_fold_is_swept_in_the_mode_the_node_runs_each_group() -> None:
@@ -390,10 +389,12 @@ def test_the_fold_sweep_runs_the_fold_kernel_in_the_interpreter(tiny_llama_path,
 
 
 def test_a_bucket_is_checked_at_its_largest_step() -> None:
-    """A tiling chosen at a bucket's batch serves steps up to the next bucket: where those
-    compile a larger row tile, the sweep also runs it there (shared memory grows with it)."""
+    """A tiling chosen at a bucket's batch serves steps down to the next smaller bucket, and the
+    largest bucket's every step above it too: where those compile a larger row tile, the
+    sweep also runs it there (shared memory grows with it)."""
     batches = [64, 32, 16, 8, 1]
-    assert [bucket_top(b, batches) for b in batches] == [64, 63, 31, 15, 7]
+    assert [bucket_top(b, batches) for b in batches] == [64, 32, 16, 8, 1]
+    assert bucket_top(16, [16, 8]) == 64
     assert same_row_tile(1, 7) and same_row_tile(8, 15) and same_row_tile(16, 16)
     assert not same_row_tile(16, 31) and not same_row_tile(32, 63)
     assert bucket_top(4, [1, 4]) == 64  # the last bucket runs up to the decode GEMM's rows
@@ -472,7 +473,7 @@ def test_the_experts_winners_become_the_buckets_moe_tilings() -> None:
     steps = TuningTable("cpu", TINY, "float32", {}, tuple(buckets)).tunings(DEFAULT_TUNING)
     assert steps.for_step(16).moe_tilings == {"gate_up": (128, 128, 3), "down": down}
     assert steps.for_step(64).moe_tilings == {"gate_up": gate_up, "down": (64, 64, 4)}
-    assert steps.for_step(8) == DEFAULT_TUNING
+    assert steps.for_step(8) == steps.for_step(16)  # below the smallest bucket: it
 
 
 def test_the_experts_lora_winners_become_the_fold_buckets_moe_lora_launches() -> None:
