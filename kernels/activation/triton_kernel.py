@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gemm.shapes import empty_rows
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
 from ..lora.expand_rows import expand_rows, load_b_rows, load_sums
@@ -107,7 +108,7 @@ def silu_mul_triton(gate_up: torch.Tensor, delta: LoraDelta | None = None, *,
     T, two_i = gate_up.shape
     I = two_i // 2
     assert gate_up.stride(1) == 1
-    act = torch.empty(T, I, dtype=gate_up.dtype, device=gate_up.device)
+    act = empty_rows(T, I, dtype=gate_up.dtype, device=gate_up.device)  # down's x: tma_rows
     if T == 0:
         return act
     dense = delta is not None and delta.expanded is not None

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gemm.shapes import empty_rows
 from ..host import cdiv, dot_f32, interpreting, next_power_of_2, num_sms, pdl_launch
 from ..tuning import DEFAULT_TUNING, Tuning
 
@@ -266,7 +267,7 @@ def paged_attention_triton_impl(
     batch = block_tables.shape[0]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     if out is None:
-        out = torch.empty_like(q)
+        out = empty_rows(T, num_heads, head_dim, dtype=q.dtype, device=q.device)  # o's x: tma_rows
     assert out.shape == q.shape and out.dtype == q.dtype
     if T == 0 or batch == 0 or max_query_len <= 0:
         return out

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..host import dot_f32, pdl_launch
 from .fold import GemmLora, counters_for, gemm_lora_fits
-from .shapes import row_tile
+from .shapes import row_tile, tma_rows
 from .triton_kernel import prefetch_l2
 
 
@@ -342,7 +342,7 @@ def decode_gemm_lora_triton(x: torch.Tensor, w: torch.Tensor, lora: GemmLora, *,
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w_out_in = w.t()
-        descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
+        descs = (TensorDescriptor(x, [tma_rows(x, block_m), K], [x.stride(0), 1], [block_m, block_k]),
                  TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k]),
                  TensorDescriptor(a2d, list(a2d.shape), [K, 1], [r, block_k]),
                  TensorDescriptor(x, [M, K], [x.stride(0), 1], [16, block_k]))

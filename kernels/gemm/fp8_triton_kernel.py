@@ -54,7 +54,7 @@ from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms,
 from ..activation.triton_kernel import silu_times
 from .fp8 import MAX_BLOCK_M, SplitSums
 from .fp8_rows_triton import row_scale, to_e4m3
-from .shapes import row_tile
+from .shapes import empty_rows, row_tile, tma_rows
 from .triton_kernel import prefetch_l2
 
 MIN_K_TILES_PER_SPLIT = 4  # a split's K range keeps a few tiles to pipeline
@@ -329,7 +329,7 @@ def quantize_rows_triton(x: torch.Tensor, block: int | None = None,
     programmatic dependent launch where the device has it (Hopper)."""
     pdl = pdl and hopper(x)
     M, K = x.shape
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    q = empty_rows(M, K, dtype=torch.float8_e4m3fn, device=x.device)  # a W8A8 GEMM's x: tma_rows
     scale = torch.empty(M, dtype=torch.float32, device=x.device)
     if M and K:
         block = block or min(triton.next_power_of_2(K), ONE_PASS_K)
@@ -397,7 +397,7 @@ def descriptors(x: torch.Tensor, weight: torch.Tensor, block_m: int, block_n: in
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     (M, K), N = x.shape, weight.shape[0]
-    return (TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k]),
+    return (TensorDescriptor(x, [tma_rows(x, block_m), K], [x.stride(0), 1], [block_m, block_k]),
             TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, block_k]))
 
 
@@ -443,7 +443,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         raise ValueError("W8A8 takes x in float8_e4m3fn, its row scales and an out_dtype")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"a gated weight stacks gate and up: {weight.shape[0]} rows are not two halves")
-    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    y = empty_rows(M, N, dtype=out_dtype or x.dtype, device=x.device)  # gate/up's: down's x
     if M == 0 or N == 0:
         return y
     block_m = block_m or min(row_tile(M), MAX_BLOCK_M)

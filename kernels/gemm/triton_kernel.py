@@ -34,7 +34,7 @@ from ..activation.triton_kernel import silu_times
 from ..host import dot_f32, pdl_launch
 from .fp8 import SplitSums
 from .rope_out import RopeOut, no_rope_args
-from .shapes import MAX_ROWS, row_tile, tma_fits
+from .shapes import MAX_ROWS, empty_rows, row_tile, tma_fits, tma_rows
 
 
 @triton.jit
@@ -282,7 +282,7 @@ def decode_gemm_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None =
     if M == 0:
         return SplitSums(parts, x.dtype) if split_k > 1 else y
     block_m = row_tile(M)
-    x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [block_m, block_k])
+    x_desc = TensorDescriptor(x, [tma_rows(x, block_m), K], [x.stride(0), 1], [block_m, block_k])
     w_desc = TensorDescriptor(w_out_in, [N, K], [K, 1], [block_n, block_k])
     _decode_gemm_tma_kernel[(programs,)](
         x_desc, w_desc, w_out_in, y, parts, M, N, K, y.stride(0), pair_offset, *rope_args,
@@ -319,7 +319,7 @@ def _launch_shape(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, bl
     cols = N // 2 if gated else N
     assert N % (2 if gated else 1) == 0 and cols % block_n == 0, \
         "tiles must divide the weight (each half of it, gated)"
-    y = out if out is not None else torch.empty(M, cols, dtype=x.dtype, device=x.device)
+    y = out if out is not None else empty_rows(M, cols, dtype=x.dtype, device=x.device)  # gate/up's: down's x
     return y, cols // block_n * split_k, cols, no_rope_args(y), {}
 
 

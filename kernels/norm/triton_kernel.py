@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..gemm.fp8 import Fp8Rows, SplitSums
+from ..gemm.shapes import empty_rows
 from ..gemm.fp8_rows_triton import quantize_row, quantize_stored_row
 from ..host import cdiv, next_power_of_2, pdl_launch
 from ..lora.delta import LoraDelta
@@ -265,9 +266,9 @@ def add_rms_norm_triton(hidden: torch.Tensor, out: torch.Tensor | SplitSums, wei
     assert out_norm is None or out_norm.is_contiguous()
     assert hidden.stride(1) == 1 and out.stride(1) == 1 and weight.is_contiguous()
     new_hidden = torch.empty_like(hidden)
-    x = torch.empty_like(hidden)
+    x = empty_rows(T, H, dtype=hidden.dtype, device=hidden.device)  # a decode GEMM's x: tma_rows
     if quantize:
-        q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=hidden.device)
+        q = empty_rows(T, H, dtype=torch.float8_e4m3fn, device=hidden.device)
         qs = torch.empty(T, dtype=torch.float32, device=hidden.device)
     else:
         q, qs = x, x  # dummy pointers, never written

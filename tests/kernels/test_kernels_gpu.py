@@ -173,8 +173,9 @@ def test_attention_after_rope_and_the_qkv_gemm_in_a_graph(early_kv: bool, tma: b
 @pytest.mark.parametrize("rows", [1, 7, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_gemm_tma_matches_torch_mm(rows: int, dtype: torch.dtype) -> None:
-    """TMA tile loads: y = x @ W over [out, in] weights, rows past the batch read as zero
-    (not stale memory) and left unwritten in the output, float32 exact to fp32 products."""
+    """TMA tile loads: y = x @ W over [out, in] weights, float32 exact to fp32 products; the
+    rows past the batch that x's buffer holds (NaN here) are read with the tile (tma_rows)
+    and spread to no row of the batch, and the output's rows past it stay unwritten."""
     from kernels.gemm import tma_fits
     from kernels.gemm.triton_kernel import decode_gemm_tma
 
@@ -382,6 +383,31 @@ def _norm_then(w: torch.Tensor, matmul):
 def _norm_then_fold(gemm, group: str, w: torch.Tensor, lora):
     """_norm_then with the decode GEMM's LoRA fold as the matmul."""
     return _norm_then(w, lambda x, y: y.copy_(gemm(x, w, group=group, lora=lora)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="TMA needs Hopper or newer")
+@pytest.mark.parametrize("rows", [5, 40])
+def test_decode_gemm_lora_reads_its_row_tiles_nan_rows_without_spreading_them(rows: int) -> None:
+    """A step of fewer rows than its row tile, x from empty_rows with NaN in the rows past the
+    batch: the fold's TMA descriptor spans the whole tile (tma_rows) and every row of the batch
+    is the reference's x @ W plus its delta."""
+    from kernels.gemm import DecodeGemm
+    from kernels.gemm.shapes import empty_rows, row_tile, tma_rows
+    from kernels.tuning import Tuning
+
+    k, outs = GROUPS["o"]
+    case = make_lora_case(token_slots=sorted(i % 8 for i in range(rows)), num_slots=8, max_rank=16, h_in=k,
+                          outs=outs, dtype=torch.bfloat16, device="cuda", seed=rows)
+    lora = make_gemm_lora(case, 8)
+    x = empty_rows(rows, k, dtype=torch.bfloat16, device="cuda")
+    tile = x.as_strided((row_tile(rows), k), (k, 1))
+    tile[rows:] = float("nan")
+    x.copy_(case.x)
+    assert tma_rows(x, row_tile(rows)) == row_tile(rows)
+    w = (torch.randn(sum(outs), k, device="cuda", dtype=torch.bfloat16) / 32).t()
+    y = DecodeGemm(torch.device("cuda"), Tuning())(x, w, group="o", lora=lora)
+    _bf16_close(y.cpu(), x.float().cpu() @ w.float().cpu() + naive_delta(case))
 
 
 @pytest.mark.parametrize("adapters,segments,splits", [(1, 1, 8), (32, 32, 4), (20, 32, 4), (64, 64, 2)])

@@ -158,3 +158,18 @@ def test_a_rope_launch_takes_only_qkv_weights_its_tiles_divide() -> None:
     assert not out().fits(x, qkv, 48)  # does not divide it
     assert not out().fits(x, torch.empty(4096, 4096, dtype=torch.bfloat16).t(), 32)  # o's weight
     assert not out(torch.float32).fits(x, qkv, 32)
+
+
+def test_a_gemms_input_from_a_padded_allocation_spans_whole_row_tiles() -> None:
+    """The ops feeding a decode GEMM allocate a whole row tile (empty_rows), and the GEMM's TMA
+    descriptor spans it (tma_rows): never past the storage, else the rows x has."""
+    from kernels.gemm.shapes import MAX_ROWS, empty_rows, tma_rows
+
+    x = empty_rows(40, 256, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert x.shape == (40, 256) and x.is_contiguous() and x.untyped_storage().nbytes() == 64 * 256 * 2
+    assert tma_rows(x, 64) == 64 and tma_rows(x, 32) == 64 and tma_rows(x[:, :128], 64) == 64
+    assert tma_rows(x[8:], 64) == 32  # 64 rows from row 8 would pass the storage's end
+    assert tma_rows(torch.empty(40, 256), 64) == 40  # a storage of its own rows only
+    assert tma_rows(empty_rows(16, 8, dtype=torch.float32, device=torch.device("cpu")), 16) == 16
+    big = empty_rows(MAX_ROWS + 36, 8, dtype=torch.float32, device=torch.device("cpu"))
+    assert big.untyped_storage().nbytes() == (MAX_ROWS + 36) * 8 * 4  # prefill: cuBLAS's, not padded
