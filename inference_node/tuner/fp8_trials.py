@@ -15,7 +15,7 @@ import torch
 from kernels.tuning import DEFAULT_TUNING, Fp8Choice, Tuning, fp8_tilings_field
 from kernels.tuning_table import ModelShape
 
-from .trial import MAX_REL_ERR, Case, Trial, rel_err
+from .trial import MAX_REL_ERR, Case, Trial, rel_err, tile_backed
 
 # (block_n, block_k, stages) tried beside the default, each at these K splits (0: the rule).
 GRID: tuple[tuple[int, int, int], ...] = ((64, 128, 4), (64, 256, 3), (128, 128, 4), (128, 256, 3),
@@ -106,7 +106,7 @@ def trials(shape: ModelShape, device: torch.device, dtype: torch.dtype, w8a8: bo
     def operand(x: torch.Tensor) -> torch.Tensor | Fp8Rows:
         if w8a8 and group in ("qkv", "gate_up"):  # the norm before them hands on e4m3 rows
             quantized, scale = quantize_rows(x)
-            return Fp8Rows(x, quantized, scale.reshape(-1))
+            return Fp8Rows(x, tile_backed(quantized), scale.reshape(-1))
         return x
 
     operands = [operand(x) for x in inputs]

@@ -32,7 +32,7 @@ from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, Tiling, Tuning
 from kernels.tuning_table import Bucket, ModelShape, TuningTable
 
 from . import expert_trials, fp8_trials
-from .trial import MAX_REL_ERR, Case, Timer, Trial, copies_for, rel_err
+from .trial import MAX_REL_ERR, Case, Timer, Trial, copies_for, rel_err, tile_backed
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +493,7 @@ class Sweep:
         """x at the case's batch, and at its bucket's largest step where that is another row tile."""
         top = bucket_top(case.batch, self.batches)
         rows = [case.batch] if same_row_tile(case.batch, top) else [case.batch, top]
-        return [torch.randn(r, K, generator=self.gen).to(self.device, self.dtype) for r in rows]
+        return [tile_backed(torch.randn(r, K, generator=self.gen).to(self.device, self.dtype)) for r in rows]
 
     def _base_trials(self, case: Case, options: list[Tiling]) -> list["Trial"]:
         group = case.group

@@ -400,6 +400,19 @@ def test_a_bucket_is_checked_at_its_largest_step() -> None:
     assert bucket_top(4, [1, 4]) == 64  # the last bucket runs up to the decode GEMM's rows
 
 
+def test_the_sweep_times_inputs_stored_as_the_nodes_whole_row_tiles() -> None:
+    """The node's ops allocate a decode GEMM's input over its whole row tile (empty_rows), so
+    its TMA descriptor never zero-fills rows past the batch: the sweep's x is stored alike."""
+    from inference_node.tuner.sweep import Sweep
+    from inference_node.tuner.trial import Case, cpu_timer
+    from kernels.gemm.shapes import row_tile, tma_rows
+
+    sweep = Sweep(TINY, torch.device("cpu"), torch.bfloat16, "gemm_tma_tilings", cpu_timer, [64, 32, 8, 1])
+    for batch in (1, 8, 32):
+        (x,) = sweep._inputs(Case("qkv", batch), TINY.hidden)
+        assert x.shape == (batch, TINY.hidden) and tma_rows(x, row_tile(batch)) == row_tile(batch)
+
+
 def test_each_best_launch_is_printed_against_its_floor(capsys: pytest.CaptureFixture[str]) -> None:
     """A launch's floor is its bytes (weight, x and y; a fold adds its adapters' A per slice and,
     where it expands, B) at the copy bandwidth; the row prints best us over that floor."""
