@@ -207,9 +207,9 @@ def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], gr
     GEMM (adapters 0), then each batch's folds in the order of `adapters` (at most the batch),
     each only for the groups a step of that many adapters folds under `plan`, in its mode. A
     batch without a base bucket runs another batch's launches in every step, with or without
-    adapters (H200, 1B at 8 rows on the defaults: step 1.56 ms against 1.08 tuned), while a fold's bucket moves a
-    few microseconds of a step of that many adapters (8 rows, 8 adapters: o's fold 9.1 ->
-    7.4 us a launch) and sweeps slower (1B, whole `tune` runs: 8 rows' four base GEMMs 37 s,
+    adapters (H200, 1B at 8 rows on the defaults: step 1.56 ms against 1.08 tuned), while a
+    fold's bucket moves a few microseconds of a step of that many adapters (8 rows, 8
+    adapters: o's fold 9.1 -> 7.4 us a launch) and sweeps slower (1B, whole `tune` runs: 8 rows' four base GEMMs 37 s,
     o's fold at 8 adapters alone 43 s): a first start's budget that ends early leaves folds
     unmeasured, not base GEMMs."""
     notes: list[str] = []
