@@ -7,6 +7,7 @@ process and, when asked, through the served node's gRPC and HTTP APIs.
     python -m bench.serving --model qwen3-8b-random --rows a,c,d --adapter-counts 32 --paths engine,grpc
     python -m bench.serving --model llama-8b-random --quantization fp8   # FP8 projections
     python -m bench.serving --model llama-8b-random --quantization fp8-w8a8
+    python -m bench.serving --model llama-8b-random --rows a,c,p --adapter-counts 32 --quantization none,fp8-w8a8
     python -m bench.serving --model qwen3-30b-a3b-random --rows a,c --adapter-counts 32 --expert-adapters 8
     python -m bench.serving --poisson 20 --rounds 3      # open loop, Zipf popularity; rows take turns: medians
     python -m bench.serving --paths engine,grpc,http --rows b,c --adapter-counts 32 --api-processes 2
@@ -17,9 +18,12 @@ Rows (every one runs the same requests):
   c-N   N distinct adapters of rank 16 on all seven projections (--adapter-counts)
   d     32 adapters of rank 8 on q_proj and v_proj only
   e     Hugging Face PEFT: one PeftModel holding the adapters of c-32, generate(adapter_names=...)
+  p     prefill: the requests' prompts alone (one new token each) on the base node: prompt tok/s
   x-N   (--expert-adapters N, a mixture of experts) N adapters of rank 16 on q,k,v,o and every
         routed expert (rows c there: q,k,v,o only), on a node of their own after the others
-Paths (rows a-d): engine, the node in this process (`LLM`) driven by `Engine.run_once`; grpc
+With several --quantization values every row runs once per value, on nodes of its own, and a
+last table sets their base step, c-32's extra and prefill side by side.
+Paths (rows a-d, p): engine, the node in this process (`LLM`) driven by `Engine.run_once`; grpc
 and http, the same NodeConfig served by `inference-node serve`, driven by --clients processes
 (Generate streams; /v1/completions streamed). Adapters are pinned in GPU adapter memory and
 every row is warmed up (--warmup) before timing. Columns: docs/PERFORMANCE.md; on the engine
@@ -57,6 +61,7 @@ from bench.harness import (ALL_MODULES, ATTENTION_MODULES, QV, STEP_KINDS, Col, 
 log = logging.getLogger("bench.serving")
 PATHS = ("engine", "grpc", "http")
 NODES = ("base", "lora", "experts")  # a node per kind of row (Row.node)
+QUANTIZATIONS = ("none", "fp8", "fp8-w8a8")
 
 
 @dataclass
@@ -65,9 +70,11 @@ class Row:
     label: str
     node: str                   # base (LoRA off), lora, or experts (expert arenas: rows x)
     pool: list[str]             # adapter names (empty: every request uses the base model)
+    prompts_only: bool = False  # row p: one new token a request, so its time is the prompts'
 
     def requests(self, specs: list[Spec], args) -> list[Spec]:
         """The workload on this row's adapters: in turn, or (--poisson) by Zipf popularity."""
+        specs = [dataclasses.replace(s, max_tokens=1) for s in specs] if self.prompts_only else specs
         return assign_adapters(specs, self.pool, args.zipf_alpha if args.poisson else None)
 
 
@@ -81,6 +88,7 @@ class RowResult:
     step_kinds: dict[str, int] = field(default_factory=dict)  # the node's steps by kind during the timed run
     compiles: list[str] = field(default_factory=list)         # JIT compiles during the timed run (engine path)
     error: str | None = None
+    prompt_tokens: int = 0
 
 
 # -- the engine in process --------------------------------------------------------------------------
@@ -99,6 +107,7 @@ def run_engine_row(row: Row, llm, specs: list[Spec], args) -> RowResult:
     with timed_region(f"row {row.key}", log) as result.compiles:
         result.records, result.steps = driver.run(specs)
     result.step_kinds = {k: engine.stats.__dict__[s] - before[s] for k, s in STEP_KINDS.items()}
+    result.prompt_tokens = sum(len(s.prompt) for s in specs)
     return result
 
 
@@ -229,7 +238,8 @@ def run_served_row(row: Row, api: str, node: NodeProcess, model: str, specs: lis
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
     after = node.steps()
-    return RowResult(row.key, api, row.label, records, step_kinds={k: after[k] - before[k] for k in after})
+    return RowResult(row.key, api, row.label, records, step_kinds={k: after[k] - before[k] for k in after},
+                     prompt_tokens=sum(len(r.prompt) for r in requests))
 
 
 # -- Hugging Face PEFT --------------------------------------------------------------------------------
@@ -314,6 +324,7 @@ class Summary:
     error: str | None = None
     decode_tps: float = math.nan
     e2e_tps: float = math.nan
+    prefill_tps: float = math.nan   # prompt tokens over the same span as e2e_tps (row p: prefill alone)
     ttft_p50: float = math.nan
     ttft_p99: float = math.nan
     tpot_p50: float = math.nan
@@ -343,7 +354,8 @@ def summarize(res: RowResult, nbytes: StepBytes, bw: float) -> Summary:
         return s
     recs, s.compiles, s.step_kinds = res.records, list(res.compiles), dict(res.step_kinds)
     s.output_tokens = sum(r.tokens for r in recs)
-    s.e2e_tps = s.output_tokens / (max(r.done for r in recs) - min(r.submit for r in recs))
+    span = max(r.done for r in recs) - min(r.submit for r in recs)
+    s.e2e_tps, s.prefill_tps = s.output_tokens / span, res.prompt_tokens / span
     ttft = [r.first - r.submit for r in recs]
     tpot = [(r.last - r.first) / (r.tokens - 1) for r in recs if r.tokens > 1]
     s.ttft_p50, s.ttft_p99, s.tpot_p50, s.tpot_p99 = pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99)
@@ -415,10 +427,13 @@ def ratios(by: dict[str, Summary], reads: dict[str, float]) -> list[str]:
                      f"adapters' A and B{'' if c32 else ' (of the experts hit, routing uniform)'} at copy bandwidth: "
                      f"{read * 1e3:.3f} ms; ratio {r:.2f}  ({target}{x.adapters_per_step:.1f} adapters per decode "
                      "step)")
+    if p := by.get("p"):
+        lines.append(f"p: prefill {p.prefill_tps:.0f} prompt tok/s, TTFT p50 {p.ttft_p50 * 1e3:.1f} ms, p99 "
+                     f"{p.ttft_p99 * 1e3:.1f} (the rows' prompts, one new token each)")
     if a:
         lines.append(f"a decode step / its floor: {a.over_floor:.2f}x  (target <= 1.15: "
                      f"{verdict(a.over_floor, a.over_floor <= 1.15)})")
-    lora = [s for k, s in by.items() if k not in ("a", "a2", "e")]
+    lora = [s for k, s in by.items() if k not in ("a", "a2", "e", "p")]
     if e and lora:
         worst = min(lora, key=lambda s: s.e2e_tps)
         r = worst.e2e_tps / e.e2e_tps
@@ -464,9 +479,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--peft-adapters", type=int, default=32, help="row e: the first N adapters of rows c")
     p.add_argument("--expert-adapters", type=int, default=0, metavar="N", help="row x-N: N rank-16 adapters on "
                    "q,k,v,o and every routed expert of a mixture of experts (Qwen3-30B-A3B: 2 GB each)")
-    p.add_argument("--quantization", choices=["none", "fp8", "fp8-w8a8"], default="none",
-                   help="as `inference-node serve --quantization` (an FP8 checkpoint is FP8 without it); the "
-                        "floor counts its projections at 1 byte a weight plus their scales")
+    p.add_argument("--quantization", default="none",
+                   help="comma-separated, of none, fp8, fp8-w8a8: as `inference-node serve --quantization` (an FP8 "
+                        "checkpoint is FP8 without it; the floor counts its projections at 1 byte a weight plus "
+                        "their scales); several: the rows run once for each, then a table sets them side by side")
     add_node_args(p)
     p.add_argument("--prefix-caching", action="store_true", help="keep the prefix cache on (off: rows share prompts)")
     p.add_argument("--prefill-delay-factor", type=float, default=0.0, help="the node's (x the last prefill step)")
@@ -487,6 +503,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.paths = [x for x in args.paths.split(",") if x]
     if set(args.paths) - set(PATHS):
         p.error(f"--paths: choose from {', '.join(PATHS)}")
+    args.quantization = list(dict.fromkeys(q for q in args.quantization.split(",") if q))
+    if not args.quantization or set(args.quantization) - set(QUANTIZATIONS):
+        p.error(f"--quantization: comma-separated, from {', '.join(QUANTIZATIONS)}")
     return args
 
 
@@ -527,8 +546,35 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], Summary]:
     log.setLevel(logging.INFO)
     args.prompt_len, args.output_len = parse_range(args.prompt_len), parse_range(args.output_len)
     torch.manual_seed(args.seed)
+    runs, several = {}, len(args.quantization) > 1
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        return _run(args, args.workdir or Path(tmp), device, dtype)
+        for q in args.quantization:  # one after another: a node's weights leave the device before the next's
+            json_path = args.json.with_suffix(f".{q}.json") if several and args.json else args.json
+            runs[q] = _run(argparse.Namespace(**{**vars(args), "quantization": q, "json": json_path}),
+                           args.workdir or Path(tmp), device, dtype)
+    if several:
+        print("\n--quantization side by side (engine path; x first: against the first's)")
+        QUANT_TABLE.print(quantization_rows(runs))
+    first = args.quantization[0]  # its rows keep their keys; the others' are suffixed /quantization
+    return {(k if q == first else f"{k}/{q}", p): s for q, run in runs.items() for (k, p), s in run.items()}
+
+
+QUANT_TABLE = Table(Col("quantization", 12), Col("a step", 8, **MS), Col("x first", 7, ".3f"),
+                    Col("a floor", 8, **MS), Col("a", 9, ".1f", "tok/s"), Col("c-32", 9, ".1f", "tok/s"),
+                    Col("c-32 extra", 10, **MS), Col("prefill", 9, ".0f", "tok/s"), Col("x first", 7, ".3f"))
+
+
+def quantization_rows(runs: dict[str, dict[tuple[str, str], Summary]]) -> list[tuple]:
+    """Each --quantization's engine rows a, c-32 and p (issue 57's comparison: the base step, the
+    LoRA extra and prefill against the first value's, bf16 where it is `none`); NaN where a row
+    did not run or failed."""
+    col = lambda run, key, attr: getattr(run.get((key, "engine")), attr, math.nan)  # noqa: E731
+    first = runs[next(iter(runs))]
+    a0, p0 = col(first, "a", "step_p50"), col(first, "p", "prefill_tps")
+    return [(q, col(r, "a", "step_p50"), col(r, "a", "step_p50") / a0, col(r, "a", "floor_p50"),
+             col(r, "a", "decode_tps"), col(r, "c-32", "decode_tps"),
+             col(r, "c-32", "step_p50") - col(r, "a", "step_p50"), col(r, "p", "prefill_tps"),
+             col(r, "p", "prefill_tps") / p0) for q, r in runs.items()]
 
 
 def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tuple[str, str], Summary]:
@@ -570,7 +616,8 @@ def _run(args, work: Path, device: torch.device, dtype: torch.dtype) -> dict[tup
                             Row("b", "LoRA enabled, no adapter used", "lora", []),
                             *(Row(f"c-{n}", f"{n} adapters r16, {what}", "lora", r16[:n]) for n in counts),
                             Row("d", f"{len(qv)} adapters r8, q,v only", "lora", qv),
-                            Row(f"x-{len(xs)}", f"{len(xs)} adapters r16, q,k,v,o + experts", "experts", xs))
+                            Row(f"x-{len(xs)}", f"{len(xs)} adapters r16, q,k,v,o + experts", "experts", xs),
+                            Row("p", "prefill: prompts, 1 new token each", "base", [], prompts_only=True))
             if row.key[0] in wanted]
     peft_rows = [Row("e", f"HF PEFT generate, {args.peft_adapters} x r16 all 7", "base",
                      r16[:args.peft_adapters])] if "e" in wanted else []

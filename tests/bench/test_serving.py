@@ -66,3 +66,30 @@ def test_served_paths_share_the_table_with_the_engine(tmp_path: Path, capsys: py
     for phrase in ("b: grpc/engine tok/s", "c-2: grpc/engine tok/s", "c-2: http/grpc tok/s", "b@grpc", "c-2@http"):
         assert phrase in out, out
     assert (tmp_path / "node-lora.log").exists() and not (tmp_path / "node-base.log").exists()
+
+
+def test_prefill_row_and_quantizations_side_by_side(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--rows a,c,p --quantization none,fp8: every row once for each value on nodes of its own
+    (the second's keys suffixed), row p's prompts with one new token each timed as prefill, and
+    a last table with a line per value, the first's ratios 1."""
+    summaries = serving.main(["--device", "cpu", "--model", str(tiny_llama_path), "--rows", "a,c,p",
+                              "--adapter-counts", "32", "--requests", "4", "--concurrency", "2", "--prompt-len", "4:8",
+                              "--output-len", "3", "--threads", "1", "--quantization", "none,fp8"])
+    out = capsys.readouterr().out
+    assert set(summaries) == {(k, "engine") for k in ("a", "c-32", "p", "a/fp8", "c-32/fp8", "p/fp8")}, summaries
+    for key in ("p", "p/fp8"):
+        s = summaries[(key, "engine")]
+        assert s.error is None and s.output_tokens == 4 and s.prefill_tps > 0 and s.ttft_p50 > 0, s
+    assert summaries[("a/fp8", "engine")].output_tokens == 4 * 3
+    assert out.count("p: prefill") == 2 and "FP8 projections" in out, out
+    table = out[out.index("--quantization side by side"):].splitlines()
+    lines = {line.split()[0]: line.split() for line in table[4:] if line.strip()}
+    assert set(lines) == {"none", "fp8"}, table
+    assert lines["none"][2] == "1.000" and lines["none"][-1] == "1.000", lines  # a step and prefill: x first
+    assert all(cell != "-" for cell in lines["fp8"][1:]), lines  # every column measured for the second value
+
+
+def test_an_unknown_quantization_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--device", "cpu", "--quantization", "none,int4"])
+    assert "--quantization: comma-separated, from none, fp8, fp8-w8a8" in capsys.readouterr().err
