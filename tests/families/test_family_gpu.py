@@ -45,6 +45,12 @@ EXACT_SHARE = 0.75    # the share of tokens that must be transformers' exact cho
 # standard deviation of 0.013-0.017 (at most 0.056) and flipped picks at margins up to 0.026;
 # two bf16 implementations differ by about 1.4x that, so 0.06 is some 3 of their deviations.
 ROUTER_TIE = 0.06
+# Past the first routed layer a pick can flip with no near-tie at the token itself: attention
+# carries an earlier position's flipped pick into its input. Transformers alone, as above,
+# flipped a pick at 16-19 of 318 positions, 13 of them in layer 1 alone, at margins up to 0.26.
+# So this share of a mixture of experts' tokens may be far from transformers' choice with no
+# near-tie (each reported); a wrong expert, weight or adapter puts most tokens there.
+ROUTING_CASCADE_SHARE = 0.1
 
 
 SHAPES = {**FAMILY_SHAPES, **MOE_SHAPES}
@@ -75,11 +81,12 @@ def teacher_forced_logits(model, prompt: list[int], answer: list[int], device: s
 def check_answers(base: Path, adapter_root: Path, jobs, answers, device: str, dtype: torch.dtype,
                   top_k: int = 0) -> None:
     """Each answer against transformers + PEFT (its adapter alone) teacher-forced over it;
-    top_k: a mixture of experts' picks per token (ROUTER_TIE)."""
+    top_k: a mixture of experts' picks per token (ROUTER_TIE, ROUTING_CASCADE_SHARE)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     exact = total = 0
+    cascaded: list[str] = []
     for name in dict.fromkeys(job[0] for job in jobs):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype).to(device).eval()
         if name:
@@ -94,20 +101,25 @@ def check_answers(base: Path, adapter_root: Path, jobs, answers, device: str, dt
             gap = best.values - chosen
             allowed = NEAR_TIE * best.values.abs().clamp(min=1.0)
             far = (gap > allowed).nonzero().flatten().tolist()
-            if margins is not None:
-                tied = [i for i in far if margins[i] < ROUTER_TIE]
-                for i in tied:
-                    print(f"adapter {name or 'base'}, prompt of {len(prompt)}: token {i} excused, a routing "
-                          f"near-tie (margin {margins[i]:.4f}, gap {gap[i]:.3f})")
-                far = [i for i in far if i not in tied]
+            if margins is not None:  # a mixture of experts: near-ties excused, the others counted
+                for i in far:
+                    line = (f"adapter {name or 'base'}, prompt of {len(prompt)}, token {i}: gap {gap[i]:.3f}, "
+                            f"allowed {allowed[i]:.3f}, router margin {margins[i]:.4f}")
+                    if margins[i] < ROUTER_TIE:
+                        print(f"{line}: excused, a routing near-tie")
+                    else:
+                        cascaded.append(line)
+                        print(f"{line}: not transformers' choice, no routing near-tie at the token")
+                far = []
             assert not far, (f"adapter {name or 'base'}, prompt of {len(prompt)}: tokens {far} are not "
-                             f"transformers' choice (gaps {gap[far].tolist()}, allowed {allowed[far].tolist()}"
-                             + (f", router margins {margins[far].tolist()})" if margins is not None else ")"))
+                             f"transformers' choice (gaps {gap[far].tolist()}, allowed {allowed[far].tolist()})")
             exact += int((best.indices == torch.tensor(answer, device=device)).sum())
             total += len(answer)
         del model
         torch.cuda.empty_cache() if device == "cuda" else None
     assert exact >= EXACT_SHARE * total, f"{exact} of {total} tokens are transformers' exact choice"
+    assert len(cascaded) <= ROUTING_CASCADE_SHARE * total, (
+        f"{len(cascaded)} of {total} tokens are far from transformers' choice with no routing near-tie: {cascaded}")
 
 
 def run_family(base: Path, family: str, root: Path, device: str, dtype_name: str) -> None:
