@@ -140,6 +140,10 @@ class Tuning:
         "of the groups whose decode GEMM only shrinks, those whose tile programs compute the "
         "shrink in units of (adapter, slice, K range) before their weight stream, rather than "
         "programs of their own over the whole K")})
+    fp8_shrink_fold_groups: frozenset[str] = field(default=frozenset(), metadata={"help": (
+        "over FP8 projections, the groups whose FP8 decode GEMM computes their LoRA shrink in "
+        "programs of its own launch while the op after it expands (the others shrink on the "
+        "side stream); no FP8 GEMM adds a whole LoRA delta")})
     side_expand_segments: int = field(default=8, metadata={"help": (
         "steps with at most this many distinct adapters also run the LoRA expands on the side "
         "stream (0: never)")})
@@ -175,7 +179,8 @@ class Tuning:
         "(columns, warps) of a SiLU program expanding gate/up's LoRA delta")})
 
     def __post_init__(self) -> None:
-        for name in ("gemm_groups", "fold_groups", "shrink_fold_groups", "fold_shrink_spread"):
+        for name in ("gemm_groups", "fold_groups", "shrink_fold_groups", "fold_shrink_spread",
+                     "fp8_shrink_fold_groups"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
             unknown = getattr(self, name) - set(GROUPS)
             if unknown:
@@ -221,13 +226,20 @@ class Tuning:
         return dataclasses.replace(self, **changes)
 
     def without_folds(self, groups: Collection[str]) -> "Tuning":
-        """The LoRA plan where the matmuls of `groups` cannot fold their LoRA in (FP8 weights:
-        fp8_matmul has no fold; a bias: the fold kernel adds none): their shrinks and expands
-        run beside the matmul. A fold asked of a matmul that has none falls back to the fold's
-        reference, a gather of each row's adapter."""
+        """The LoRA plan where the matmuls of `groups` cannot fold their LoRA in (a bias: the
+        fold kernel adds none): their shrinks and expands run beside the matmul. A fold asked
+        of a matmul that has none falls back to the fold's reference, a gather of each row's
+        adapter."""
         return self.replace(fold_groups=self.fold_groups - set(groups),
                             shrink_fold_groups=self.shrink_fold_groups - set(groups),
                             fold_shrink_spread=self.fold_shrink_spread - set(groups))
+
+    def for_fp8_projections(self) -> "Tuning":
+        """The LoRA plan over FP8 projections: the FP8 GEMM adds no delta itself (no whole
+        fold) and shrinks only for fp8_shrink_fold_groups (kernels/gemm/fp8_triton_kernel.py),
+        in programs over the whole K (no spread)."""
+        return self.replace(fold_groups=frozenset(), shrink_fold_groups=self.fp8_shrink_fold_groups,
+                            fold_shrink_spread=frozenset())
 
     def fp8_choices(self, w8a8: bool) -> Mapping[str, Fp8Choice]:
         """The FP8 decode GEMM's launch per group: W8A8's or the weight-only one's."""

@@ -28,7 +28,7 @@ from kernels.gemm import Fp8Weight, RopeOut, beside_lora, cublas, fp8_gated_silu
 from kernels.gemm.fp8 import Fp8Rows, SplitSums, plain_rows
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
-from kernels.tuning import DEFAULT_TUNING, GROUPS
+from kernels.tuning import DEFAULT_TUNING
 
 from ..parallel.group import TensorParallel
 from .config import ModelConfig
@@ -140,10 +140,8 @@ class LlamaModel:
 
     def unfoldable_groups(self) -> frozenset[str]:
         """The fused groups whose matmul cannot add its LoRA itself (kernels/gemm/fold.py):
-        all of them over FP8 projections (fp8_matmul has no fold), and those with a bias
-        (the fold kernel adds none)."""
-        if self.fp8_projections:
-            return frozenset(GROUPS)
+        those with a bias (the fold kernel adds none). Over FP8 projections the matmul only
+        shrinks (Tuning.for_fp8_projections)."""
         layer = self.layers[0]
         biases = {"qkv": layer.qkv_bias, "o": layer.o_bias, "gate_up": layer.gate_up_bias,
                   "down": layer.down_bias}
@@ -382,8 +380,11 @@ class LlamaModel:
                 return gemm(operand, weight, bias, group, leave_sums=True), None
             return gemm(operand, weight, bias, group), None
         fold = lora.fold(layer, group)
-        if fold is not None:  # the delta added in the matmul (FP8: beside it), or left for the next op
-            if fp8:
+        if fold is not None:  # the delta added in the matmul, or left for the next op
+            if fp8 and not fold.expand:  # the FP8 GEMM's launch shrinks
+                sums = leave_sums and launch.tuning.split_sums_in_norm and not lora.adds_into_output
+                y = gemm(operand, weight, bias, group, leave_sums=sums, lora=fold)
+            elif fp8:
                 y = beside_lora(gemm(operand, weight, bias, group), x, fold)
             else:
                 y = launch.gemm(x, weight, bias, group, lora=fold)

@@ -110,4 +110,5 @@ def tensor_parallel_tuning(tuning: Tuning) -> Tuning:
     LoRA folds whole into the matmul or expands on the side stream."""
     return tuning.replace(
         shrink_fold_groups=tuning.shrink_fold_groups - {"o", "down"},
+        fp8_shrink_fold_groups=tuning.fp8_shrink_fold_groups - {"o", "down"},
         side_expand_group_segments={**tuning.side_expand_group_segments, "o": _ALWAYS, "down": _ALWAYS})

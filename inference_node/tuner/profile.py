@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> None:
         steps = mode_steps(table if own is None else load_table(own, ModelShape.of(cfg)), given)
         if args.tp > 1:  # as a tensor-parallel node maps every bucket's tuning
             steps = steps.map(tensor_parallel_tuning)
-        unfoldable = model.unfoldable_groups()  # as the node: FP8 and biased matmuls fold no LoRA
+        if model.fp8_projections:  # as the node: the FP8 GEMM only shrinks
+            steps = steps.map(lambda tuning: tuning.for_fp8_projections())
+        unfoldable = model.unfoldable_groups()  # as the node: biased matmuls fold no LoRA
         if unfoldable:
             steps = steps.map(lambda tuning: tuning.without_folds(unfoldable))
         same = next((m for m, s in effective.items() if s == steps and (m == "serial") == (mode == "serial")), None)

@@ -137,6 +137,17 @@ def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:
             and lora.xa.shape[1] >= lora.splits * lora.slices * r)
 
 
+def shrink_fits(lora: GemmLora, x16: torch.Tensor) -> bool:
+    """Whether the FP8 GEMM's launch can run `lora`'s shrink (fp8_triton_kernel.py): expand
+    False and unspread (the op after the GEMM expands the whole sums), a rank the tensor
+    cores take, a K step dividing K, 16-bit rows contiguous along K."""
+    r, k = lora.rank, x16.shape[1]
+    return (not lora.expand and lora.shrink_splits == 0 and r >= 16 and r & (r - 1) == 0
+            and k % 16 == 0 and x16.stride(1) == 1 and x16.dtype != torch.float8_e4m3fn
+            and lora.segment_table.shape[0] >= lora.segments
+            and lora.xa.shape[1] >= lora.slices * r)
+
+
 def reference_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora) -> torch.Tensor:
     """x @ w plus the delta, in x's dtype; with expand=False, x @ w with xa's rows stored."""
     if not lora.expand:

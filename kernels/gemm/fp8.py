@@ -43,6 +43,7 @@ import torch
 
 from ..dispatch import triton_kernel
 from ..tuning import Fp8Choice
+from .fold import GemmLora, shrink_fits
 from .shapes import MAX_ROWS
 
 TRITON = "kernels.gemm.fp8_triton_kernel"
@@ -176,7 +177,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, w8a8: bool = False,
                rows: Fp8Rows | None = None, leave_sums: bool = False,
                choice: Fp8Choice | None = None, pdl: bool = False,
-               trigger: bool = False) -> "torch.Tensor | SplitSums":
+               trigger: bool = False, lora: GemmLora | None = None) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32) @ dequant(weight [N, K] float8_e4m3fn).T -> [M, N] in x's
     dtype, float32 accumulation. scale: float32 [N] when block is None, else
     [ceil(N/block[0]), ceil(K/block[1])]. w8a8: x quantized to e4m3 per row first (the
@@ -188,10 +189,16 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     dependent launch where the device has it, asking L2 for its first PDL_PREFETCH_K weight
     columns while the kernel ahead ends (decode_pdl; Tuning.fp8_pdl says in which steps).
     trigger: at decode rows, a PDL launch after the GEMM may start once its K loops are done
-    (fp8_gemm_triton; Tuning.fp8_trigger)."""
+    (fp8_gemm_triton; Tuning.fp8_trigger). lora (a shrink-only fold, GemmLora.expand False):
+    the adapters' shrink of x's 16-bit rows stored in lora.xa for the op after the GEMM to
+    expand, by programs of the GEMM's own launch where it runs (fp8_gemm_triton), else
+    beside it."""
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
+    if lora is not None and (kernel is None or not shrink_fits(lora, x)):
+        lora.store_shrink(x)  # the fold's reference: what the kernel's shrink programs store
+        lora = None
     if kernel is None:
         if w8a8:
             return reference_w8a8_matmul(x, weight, scale, block, rows)
@@ -206,8 +213,9 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         else:
             quantized, row_scale = triton_kernel(x, TRITON, "quantize_rows_triton")(x, pdl=pdl)
         return kernel(quantized, weight, scale, block, x_scale=row_scale, out_dtype=x.dtype,
-                      leave_sums=leave_sums, **{**keywords, "widen_prmt": False})
-    return kernel(x, weight, scale, block, leave_sums=leave_sums, **keywords)
+                      leave_sums=leave_sums, lora=lora, x16=x, **{**keywords, "widen_prmt": False})
+    return kernel(x, weight, scale, block, leave_sums=leave_sums, lora=lora, **keywords)
+
 
 
 def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -52,7 +52,9 @@ from triton.runtime.errors import OutOfResources
 
 from ..host import arrival_counts, cdiv, dot_f32, hopper, interpreting, num_sms, pdl_launch
 from ..activation.triton_kernel import silu_times
+from .fold import GemmLora, shrink_fits
 from .fp8 import MAX_BLOCK_M, SplitSums
+from .fold_triton_kernel import _shrink_unit
 from .fp8_rows_triton import row_scale, to_e4m3
 from .shapes import empty_rows, row_tile, tma_rows
 from .triton_kernel import prefetch_l2
@@ -133,8 +135,8 @@ def _along_n(v, SWAP_AB: tl.constexpr):
     return shaped
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(
+@triton.jit
+def _fp8_tile(
     x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
     stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split, pair_offset,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -144,8 +146,10 @@ def _fp8_gemm_kernel(
     W8A8: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, LAST_SUMS: tl.constexpr = False,
     GATED: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
     TRIGGER: tl.constexpr = False,
+    SHRINK_COLS: tl.constexpr = 0, pid_n=0,
 ):
-    """Program (m tile, n tile, K split). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
+    """Program (m tile, n tile pid_n, K split; SHRINK_COLS: the grid's columns in front of
+    the tiles, the shrink's). PARTIAL: out is the float32 partials [SPLIT_K, M, N]
     (split stride stride_split), summed into y ([M, N], row stride stride_om) by the tile's
     last program to arrive with LAST_SUMS (counter_ptr: a zero int32 a tile, left zero), else
     by _split_k_sum; not PARTIAL: out is y and gets x's dtype (y_ptr unused).
@@ -162,7 +166,6 @@ def _fp8_gemm_kernel(
     launched with PDL, may launch once every program has left its K loop (else once this
     kernel ends), to wait on the SMs while the epilogues store."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -256,7 +259,7 @@ def _fp8_gemm_kernel(
         # Every thread's partial stored before the count (a release at GPU scope): the program
         # that sees the full count then sees every split's partial of the tile.
         tl.debug_barrier()
-        counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+        counter = counter_ptr + pid_m * (tl.num_programs(1) - SHRINK_COLS) + pid_n
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
@@ -267,6 +270,55 @@ def _fp8_gemm_kernel(
                 total += tl.load(out_ptr + s * stride_split + offs, mask=mask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(
+    x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
+    stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split, pair_offset,
+    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False, WIDEN_PRMT: tl.constexpr = False,
+    W8A8: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, LAST_SUMS: tl.constexpr = False,
+    GATED: tl.constexpr = False, PDL: tl.constexpr = False, PREFETCH_K: tl.constexpr = 0,
+    TRIGGER: tl.constexpr = False,
+    lx_ptr=None, la_ptr=None, lxa_ptr=None, lscale_ptr=None, ltable_ptr=None, stride_lxm=0,
+    stride_lxa=0, stride_lseg=0, lrank_col=0, SHRINK_UNITS: tl.constexpr = 0,
+    SHRINK_COLS: tl.constexpr = 0, R: tl.constexpr = 16, N_SLICES: tl.constexpr = 1,
+    A_ROWS: tl.constexpr = 1, SHRINK_K: tl.constexpr = 128, SHRINK_F32: tl.constexpr = False,
+):
+    """The GEMM's tiles (_fp8_tile), and with SHRINK_UNITS the programs of a LoRA shrink in
+    front of them (fp8_gemm_triton's lora): the first SHRINK_COLS columns of the grid, each
+    of their programs one unit (an adapter's segment of rows on one slice, over the whole K)
+    of x16 @ A.T, scaled, into xa for the op after the GEMM to expand. They read the 16-bit
+    rows (lx) the e4m3 copy was made from: the adapters' shrink is not quantized."""
+    if SHRINK_UNITS:
+        pid_n = tl.program_id(1)
+        if pid_n < SHRINK_COLS:
+            if PDL:
+                tl.extra.cuda.gdc_wait()  # x is the kernel ahead's output
+            unit = (tl.program_id(2) * SHRINK_COLS + pid_n) * tl.num_programs(0) + tl.program_id(0)
+            if unit < SHRINK_UNITS:
+                _shrink_unit(lx_ptr, lx_ptr, la_ptr, la_ptr, lxa_ptr, lscale_ptr, ltable_ptr, M,
+                             stride_lxm, stride_lxa, stride_lseg, lrank_col, unit, K, R, N_SLICES,
+                             A_ROWS, 1, SHRINK_K, False, SHRINK_F32)
+        else:
+            _fp8_tile(
+                x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
+                stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split, pair_offset,
+                K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, SCALE_BN, SCALE_BK,
+                DOT_F32, PARTIAL, EVEN_K, SWAP_AB, TMA, WIDEN_PRMT, W8A8, SPLIT_K, LAST_SUMS,
+                GATED, PDL, PREFETCH_K, TRIGGER, SHRINK_COLS, pid_n - SHRINK_COLS)
+    else:
+        _fp8_tile(
+            x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
+            stride_xm, stride_wn, stride_sn, stride_sk, stride_om, stride_split, pair_offset, K,
+            K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, SCALE_BN, SCALE_BK, DOT_F32,
+            PARTIAL, EVEN_K, SWAP_AB, TMA, WIDEN_PRMT, W8A8, SPLIT_K, LAST_SUMS, GATED, PDL,
+            PREFETCH_K, TRIGGER, 0, tl.program_id(1))
 
 
 @triton.jit
@@ -410,7 +462,8 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     out_dtype: torch.dtype | None = None, gated: bool = False,
                     leave_sums: bool = False, split_fill: float = 1.0,
                     split_columns: int = 0, pdl: bool = False,
-                    prefetch_k: int = 0, trigger: bool = False) -> "torch.Tensor | SplitSums":
+                    prefetch_k: int = 0, trigger: bool = False, lora: GemmLora | None = None,
+                    x16: torch.Tensor | None = None) -> "torch.Tensor | SplitSums":
     """x [M, K] (bf16/fp16/fp32, K contiguous) @ dequant(weight [N, K] float8_e4m3fn, K
     contiguous).T -> [M, N] in x's dtype. W8A8: x is e4m3 too, x_scale its float32 scale a row
     [M] (quantize_rows_triton), out_dtype the result's. scale: float32 [N] (block None), else
@@ -427,7 +480,10 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     splits would be summed by a launch of their own, SplitSums instead (the next kernel sums).
     pdl: launched with programmatic dependent launch where the device has it (Hopper), each
     program first asking L2 for prefetch_k columns (a multiple of 128) of its weight slab.
-    trigger: a PDL launch after this one may start once the K loops are done (TRIGGER; Hopper)."""
+    trigger: a PDL launch after this one may start once the K loops are done (TRIGGER; Hopper).
+    lora (expand False, shrink_fits): the adapters' shrink of the 16-bit rows x16 (x itself
+    when x is 16-bit) computed by programs of this launch, its rows stored in lora.xa for the
+    op after the GEMM to expand: no shrink launch, nor a side stream, in the decode step."""
     M, K = x.shape
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     pdl = pdl and hopper(x)
@@ -459,6 +515,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     else:
         (scale_bn, scale_bk), (stride_sn, stride_sk) = block, scale.stride()
     f32 = dot_f32(y.dtype if w8a8 else x.dtype, x.device)
+    shrink = shrink_arguments(lora, x if x16 is None else x16, tiles_m * split_k)
     x_desc, w_desc = descriptors(x, weight, block_m, block_n, block_k) if tma else (None, None)
     constants = dict(
         K=K, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -467,13 +524,13 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         TMA=x_desc is not None, WIDEN_PRMT=widen_prmt and x.dtype == torch.bfloat16 and not f32,
         W8A8=w8a8, SPLIT_K=split_k, LAST_SUMS=last_sums, GATED=gated, num_warps=num_warps,
         PDL=pdl, PREFETCH_K=min(prefetch_k, k_per_split) // 128 * 128 if pdl else 0, **pdl_launch(pdl),
-        TRIGGER=trigger)
+        TRIGGER=trigger, **shrink)
     # What sizes the pipeline's shared memory; no lookup at all until a launch has not fitted.
     pipeline = (x.device, x.dtype, block_m, block_n, block_k, num_stages, w8a8, gated, swap_ab, tma)
     stages = _FITTED_STAGES.get(pipeline, num_stages) if _FITTED_STAGES else num_stages
     while True:
         try:
-            _fp8_gemm_kernel[(tiles_m, tiles_n, split_k)](
+            _fp8_gemm_kernel[(tiles_m, tiles_n + shrink.get("SHRINK_COLS", 0), split_k)](
                 x, weight, x_desc, w_desc, scale, x_scale, out, y, counters if last_sums else None, M, N,
                 x.stride(0), weight.stride(0), stride_sn, stride_sk, N, M * N, N, **constants,
                 num_stages=stages)
@@ -488,6 +545,26 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             return SplitSums(out, y.dtype)
         split_k_total(out, y.dtype, y)
     return y
+
+
+def shrink_arguments(lora: GemmLora | None, x16: torch.Tensor, programs_a_column: int) -> dict:
+    """The kernel's keywords for `lora`'s shrink programs over x16: one a (segment, slice),
+    in as many grid columns in front of the tiles as they fill (programs_a_column: the grid's
+    row tiles x K splits)."""
+    if lora is None or lora.segments == 0:
+        return {}
+    if not shrink_fits(lora, x16):
+        raise ValueError("this LoRA shrink does not fit the FP8 GEMM's launch (shrink_fits)")
+    units = lora.segments * lora.slices
+    a2d = lora.a_all.reshape(-1, x16.shape[1])
+    assert a2d.stride(1) == 1 and lora.xa.stride(1) == 1
+    k = x16.shape[1]
+    return dict(lx_ptr=x16, la_ptr=a2d, lxa_ptr=lora.xa, lscale_ptr=lora.scaling,
+                ltable_ptr=lora.segment_table, stride_lxm=x16.stride(0), stride_lxa=lora.xa.stride(0),
+                stride_lseg=lora.segment_table.stride(0), lrank_col=lora.rank_col, SHRINK_UNITS=units,
+                SHRINK_COLS=cdiv(units, programs_a_column), R=lora.rank, N_SLICES=lora.slices,
+                A_ROWS=lora.a_all.shape[1], SHRINK_K=next(b for b in (128, 64, 32, 16) if k % b == 0),
+                SHRINK_F32=dot_f32(x16.dtype, x16.device))
 
 
 # A launch's pipeline stages, cut to what the GPU's shared memory holds, by the tiles and stages

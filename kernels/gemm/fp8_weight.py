@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from ..tuning import Fp8Choice
+from .fold import GemmLora
 from .fp8 import Fp8Rows, SplitSums, fp8_gated_silu, fp8_matmul, plain_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,16 +52,17 @@ class Fp8Weight:
 def fp8_linear(x: torch.Tensor | Fp8Rows, w: Fp8Weight, bias: torch.Tensor | None = None,
                group: str | None = None, w8a8: bool = False, leave_sums: bool = False,
                tilings: Mapping[str, Fp8Choice] | None = None, pdl: bool = False,
-               trigger: bool = False) -> "torch.Tensor | SplitSums":
+               trigger: bool = False, lora: GemmLora | None = None) -> "torch.Tensor | SplitSums":
     """x [M, K] @ w's dequantized [K, N] (+ bias) in x's dtype: the FP8 counterpart of
     dispatch.cublas, with its signature; w8a8: x quantized per row first, or x's e4m3 copy
     where it comes with one; leave_sums (without a bias): maybe SplitSums (fp8_matmul);
     tilings: the decode launch per group (Tuning.fp8_choices), `group`'s taken; pdl: launched
-    with programmatic dependent launch, trigger: the kernel after it launched early (fp8_matmul)."""
+    with programmatic dependent launch, trigger: the kernel after it launched early; lora: a
+    shrink-only fold whose shrink the GEMM's launch computes (fp8_matmul)."""
     rows = x if isinstance(x, Fp8Rows) else None
     y = fp8_matmul(plain_rows(x), w.weight, w.scale, w.block, w8a8=w8a8, rows=rows,
                    leave_sums=leave_sums and bias is None, choice=(tilings or {}).get(group), pdl=pdl,
-                   trigger=trigger)
+                   trigger=trigger, lora=lora)
     return y if bias is None else y + bias
 
 

@@ -701,3 +701,113 @@ def test_the_tuners_w8a8_columns_check_and_time_the_nodes_call() -> None:
     for row in rows:
         assert row.quantize_us > 0 and row.w8a8_node_us > 0 and 0 < row.w8a8_us < float("inf"), row
         assert row.w8a8_tiling.swap_ab and row.note == "", row
+
+
+@needs_triton_device
+@pytest.mark.parametrize("rows,used,segments,split_k", [(1, [2], 1, 1), (9, [3, 0, 2], 4, 2),
+                                                        (33, [1, 4, 0, 5, 2, 6], 8, 3),
+                                                        (100, [1, 4, 0, 5, 2, 6], 8, 1)])
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+@pytest.mark.parametrize("slices", [1, 2, 3])
+def test_the_launch_shrinks_a_lora_beside_its_tiles(rows: int, used: list[int], segments: int,
+                                                    split_k: int, w8a8: bool, slices: int) -> None:
+    """A shrink-only fold (GemmLora expand False) in the FP8 GEMM's launch: programs in front
+    of the tiles store each adapter row's x @ A.T (of the 16-bit rows, under W8A8 too) into
+    xa as the fold's reference does, for every slice, over segment tables padded past the
+    step's adapters, rows up to two row tiles and K splits; rows without an adapter keep
+    xa's NaN; the GEMM's output is the launch without it, bit for bit."""
+    import dataclasses
+
+    from kernel_cases import grouped_slots, make_gemm_lora, make_lora_case
+
+    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton, quantize_rows_triton
+
+    gen = torch.Generator().manual_seed(rows + slices)
+    slots = grouped_slots(gen, rows, used)
+    tokens = len(slots)
+    outs = [32, 16, 16][:slices]
+    case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
+                          h_in=128, outs=outs, dtype=torch.bfloat16, device=DEVICE,
+                          seed=rows).poison_free_rows()
+    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False)
+    x16, weight, scale = case.x, *make_case(tokens, sum(outs), 128, None, torch.bfloat16)[1:]
+    extra = {}
+    x = x16
+    if w8a8:
+        x, row_scale = quantize_rows_triton(x16)
+        extra = dict(x_scale=row_scale, out_dtype=torch.bfloat16)
+    tiling = dict(block_n=16, block_k=32, split_k=split_k, swap_ab=True, tma=True, **extra)
+    plain = fp8_gemm_triton(x, weight, scale, None, **tiling)
+    y = fp8_gemm_triton(x, weight, scale, None, lora=lora, x16=x16, **tiling)
+    assert torch.equal(y.view(torch.int16), plain.view(torch.int16))
+    active = torch.tensor(slots) >= 0
+    got = lora.xa.cpu()
+    assert torch.isnan(got[~active]).all()
+    expected = lora.shrink(x16).cpu()
+    torch.testing.assert_close(got[active], expected[active], rtol=1e-4, atol=1e-4)
+
+
+@needs_triton_device
+def test_fp8_matmul_hands_the_shrink_to_the_launch_or_stores_its_reference() -> None:
+    """fp8_matmul(lora=...) stores the same rows of xa whether its launch shrinks (a fitting
+    fold) or the reference does beside it (a rank the tensor cores do not take)."""
+    import dataclasses
+
+    from kernel_cases import grouped_slots, make_gemm_lora, make_lora_case
+
+    from kernels.gemm.fp8 import fp8_matmul
+
+    gen = torch.Generator().manual_seed(5)
+    slots = grouped_slots(gen, 12, [1, 3])
+    case = make_lora_case(token_slots=slots, num_slots=4, max_rank=16, ranks=[16, 8, 16, 4], h_in=128,
+                          outs=[48], dtype=torch.bfloat16, device=DEVICE, seed=5)
+    _, weight, scale = make_case(len(slots), 48, 128, None, torch.bfloat16)
+    active = torch.tensor(slots) >= 0
+    for max_rank in (16, 12):  # 12: no tensor-core tile, the reference
+        lora = dataclasses.replace(make_gemm_lora(case, 4), expand=False, max_rank=max_rank)
+        y = fp8_matmul(case.x, weight, scale, None, w8a8=True, lora=lora)
+        plain = fp8_matmul(case.x, weight, scale, None, w8a8=True)
+        assert torch.equal(y.view(torch.int16), plain.view(torch.int16))
+        torch.testing.assert_close(lora.xa.cpu()[active][:, :max_rank],
+                                   lora.shrink(case.x).cpu()[active], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles: the interpreter has no compiler")
+@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
+def test_the_launch_with_shrink_programs_compiles_for_hopper(w8a8: bool) -> None:
+    """The decode launch with a LoRA shrink's programs in front of its tiles compiles for
+    sm_90 (split K, swap-AB over TMA, the last program summing): the tiles keep their
+    pipelined bulk tensor copies and wgmma, and the shrink's bf16 products are tensor-core
+    MMAs too, stored in float32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.gemm.fp8_triton_kernel import _fp8_gemm_kernel
+
+    x_type = "fp8e4nv" if w8a8 else "bf16"
+    constexprs = dict(K=4096, K_PER_SPLIT=1024, BLOCK_M=64, BLOCK_N=64, BLOCK_K=256 if w8a8 else 128,
+                      BLOCK_SCALES=False, SCALE_BN=1, SCALE_BK=1, DOT_F32=False, PARTIAL=True, EVEN_K=True,
+                      SWAP_AB=True, TMA=True, WIDEN_PRMT=not w8a8, W8A8=w8a8, SPLIT_K=4, LAST_SUMS=True,
+                      GATED=False, PDL=False, PREFETCH_K=0, TRIGGER=True, SHRINK_UNITS=96, SHRINK_COLS=24,
+                      R=16, N_SLICES=3, A_ROWS=512, SHRINK_K=128, SHRINK_F32=False)
+    if not w8a8:
+        constexprs.update(xs_ptr=None)
+    types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32",
+             "out_ptr": "*fp32", "y_ptr": "*bf16", "counter_ptr": "*i32", "lx_ptr": "*bf16",
+             "la_ptr": "*bf16", "lxa_ptr": "*fp32", "lscale_ptr": "*fp32", "ltable_ptr": "*i32",
+             "x_desc": f"tensordesc<{x_type}[64,{constexprs['BLOCK_K']}]>",
+             "w_desc": f"tensordesc<fp8e4nv[64,{constexprs['BLOCK_K']}]>"}
+    aligned = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "y_ptr", "N", "stride_xm", "stride_wn", "stride_om",
+               "stride_split", "lx_ptr", "la_ptr", "lxa_ptr", "stride_lxm", "stride_lxa")
+    fn = _fp8_gemm_kernel
+    signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=3))
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "griddepcontrol.launch_dependents" in ptx
+    shrink_mma = [line for line in ptx.splitlines() if ("mma.sync" in line or "wgmma.mma_async" in line)
+                  and "bf16" in line]
+    assert shrink_mma, "the shrink's products are not tensor-core MMAs"

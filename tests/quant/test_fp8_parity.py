@@ -82,6 +82,31 @@ def test_quantized_at_load_matches_peft_over_its_fp8_values(graphs: bool, tiny_l
     assert plain != peft_greedy(twin, None, [[500, 600, 700, 800]], 10), "FP8 rounding changes no answer"
 
 
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
+def test_lora_shrunk_in_the_fp8_gemms_launch_matches_peft(quantization: str, tiny_llama_path: Path,
+                                                          tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuning.fp8_shrink_fold_groups on every group, in decode graph steps of any number of
+    adapters (no side-stream expands): each FP8 GEMM's launch shrinks its LoRA (here, on the
+    CPU, the fold's reference stores the same rows) and the op after it expands; the node
+    answers as transformers + PEFT do, and the fold ran."""
+    from kernels.gemm import fold
+    from kernels.tuning import GROUPS, Tuning
+
+    shrinks = []
+    store = fold.GemmLora.store_shrink
+    monkeypatch.setattr(fold.GemmLora, "store_shrink", lambda self, x: (shrinks.append(x.shape[0]), store(self, x)))
+    tuning = Tuning(fp8_shrink_fold_groups=frozenset(GROUPS), side_expand_segments=0,
+                    side_expand_group_segments={})
+    fixed = frozenset({"fp8_shrink_fold_groups", "side_expand_segments", "side_expand_group_segments"})
+    twin = write_quantized_twin(tiny_llama_path, tmp_path / "twin")
+    w8a8 = quantization == "fp8-w8a8"
+    run_parity(tiny_llama_path, twin, "llama", tmp_path, graphs=True, quantization=quantization,
+               prepare=quantize_projection_inputs if w8a8 else None, agree=4 if w8a8 else None,
+               tuning=tuning, tuning_fixed=fixed)
+    assert shrinks, "no FP8 GEMM shrank a LoRA"
+
+
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
@@ -183,10 +208,11 @@ def test_fp8_checkpoint_is_held_as_its_own_fp8_bytes_and_scales(tiny_llama_path:
 @pytest.mark.parametrize("family, quantization", [("llama", "none"), ("llama", "fp8"), ("qwen2", "none")])
 def test_matmuls_without_a_fold_get_no_lora_fold(family: str, quantization: str,
                                                  request: pytest.FixtureRequest) -> None:
-    """fp8_matmul has no LoRA fold, and the fold kernel adds no bias: over FP8 projections,
-    and for Qwen2's biased q/k/v, the step plan shrinks and expands beside the matmul (a
-    fold there would fall back to its reference's per-row gather, the c-32 row's step tripled
-    on the GPU); the others keep the table's folds."""
+    """The FP8 GEMM adds no whole LoRA delta (it shrinks, for Tuning.fp8_shrink_fold_groups),
+    and the fold kernel adds no bias: over FP8 projections, and for Qwen2's biased q/k/v, the
+    step plan shrinks and expands beside the matmul (a fold there would fall back to its
+    reference's per-row gather, the c-32 row's step tripled on the GPU); the others keep the
+    table's folds."""
     from inference_node.node import Shard, checked_config, load_rank
 
     path = request.getfixturevalue(f"tiny_{family}_path")
@@ -195,8 +221,9 @@ def test_matmuls_without_a_fold_get_no_lora_fold(family: str, quantization: str,
     parts = load_rank(config, Shard(0, 1), None)
     tunings = [parts.launches.tunings.base, *(t for _, _, t in parts.launches.tunings.entries)]
     folds = [t.fold_groups | t.shrink_fold_groups for t in tunings]
-    if quantization == "fp8":
-        assert parts.model.fp8_projections and not any(folds)
+    if quantization == "fp8":  # the FP8 GEMM only shrinks, for the groups its tuning names
+        assert parts.model.fp8_projections and not any(t.fold_groups | t.fold_shrink_spread for t in tunings)
+        assert all(t.shrink_fold_groups == t.fp8_shrink_fold_groups for t in tunings)
     elif family == "qwen2":
         assert parts.model.layers[0].qkv_bias is not None
         assert all(fold and "qkv" not in fold for fold in folds)
