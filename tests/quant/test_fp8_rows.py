@@ -42,14 +42,14 @@ def rows_by_reference(monkeypatch: pytest.MonkeyPatch, scale_by: float = 1.0) ->
 
 
 def answers(checkpoint: Path, adapters: Path, device: str, fuse: bool, quantization: str = "fp8-w8a8",
-            **tuning: bool) -> list[list[int]]:
+            max_lora_rank: int = 8, **tuning: object) -> list[list[int]]:
     """Greedy tokens of the base and an adapter under --quantization fp8-w8a8, graphs on;
     fuse False: the norms hand on 16-bit rows, and each FP8 GEMM quantizes its own; tuning:
     launch choices (gate_up_silu False: gate/up's GEMM then the SiLU kernel; split_sums_in_norm
     False: o's and down's K splits summed by their own launch, not the add + norm)."""
     dtype = "float32" if device == "cpu" else "bfloat16"
     with LLM(checkpoint=str(checkpoint), device=device, dtype=dtype, num_kv_blocks=128, max_loras=2,
-             max_lora_rank=8, adapter_dir=str(adapters), quantization=quantization, debug_checks=True,
+             max_lora_rank=max_lora_rank, adapter_dir=str(adapters), quantization=quantization, debug_checks=True,
              decode_graphs="on", mixed_graphs="on", tuning=Tuning(**tuning),
              tuning_fixed=frozenset(tuning)) as llm:
         model = llm.engine.runner.model
@@ -102,6 +102,24 @@ def test_fp8_epilogues_change_no_token(adapters: tuple[Path, Path], quantization
             == answers(checkpoint, root, "cuda", fuse=True, quantization=quantization, gate_up_silu=False,
                        split_sums_in_norm=False))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
+@pytest.mark.parametrize("adapters", ["llama_8b_widths_path"], indirect=True)
+def test_lora_shrunk_in_the_fp8_gemms_launch_changes_no_token(adapters: tuple[Path, Path],
+                                                             quantization: str) -> None:
+    """8B widths: every group's LoRA shrink computed by programs of its FP8 GEMM's launch
+    (Tuning.fp8_shrink_fold_groups; adapter memory of rank 16, the fold's smallest tile), the
+    op after it expanding, gives the tokens of the shrinks on the side stream; weight-only and
+    W8A8. Both sum each row's x @ A.T in float32 (in other orders: equal tokens barring a
+    near-tie at float32's last bits)."""
+    checkpoint, root = adapters
+    everywhere = dict(side_expand_segments=0, side_expand_group_segments={})
+    assert (answers(checkpoint, root, "cuda", fuse=True, quantization=quantization, max_lora_rank=16,
+                    fp8_shrink_fold_groups=frozenset({"qkv", "o", "gate_up", "down"}), **everywhere)
+            == answers(checkpoint, root, "cuda", fuse=True, quantization=quantization, max_lora_rank=16,
+                       fp8_shrink_fold_groups=frozenset(), **everywhere))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
