@@ -5,7 +5,8 @@ w8a8_tilings: block_n, block_k, stages, K splits), checked through the node's ow
 reference and timed as the node runs it: q/k/v and gate/up on the rows the norm before them
 quantized (W8A8), o and down quantizing their own input and, where the node leaves their K
 splits to the add + norm after them (Tuning.split_sums_in_norm), with that add + norm, whose
-time grows with the splits it reads. FP8 matmuls never fold LoRA, so there are no fold cases."""
+time grows with the splits it reads. No fold cases: an FP8 GEMM adds no LoRA delta itself, and
+the shrink programs its launch may run have no tiling of their own."""
 from __future__ import annotations
 
 from typing import Callable, Sequence

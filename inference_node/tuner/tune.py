@@ -77,7 +77,8 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
     node choices of `existing` (kept, as are its buckets this sweep does not measure) and,
     with tp > 1, a rank's (parallel/shard.py: o never leaves its delta for the norm after
     it). Over FP8 projections (quantization fp8 or fp8-w8a8) the FP8 GEMM's launches per group
-    and batch instead (fp8_trials.py; no folds, no experts: neither is served over FP8). Off
+    and batch instead (fp8_trials.py; no fold tilings, no experts: an FP8 GEMM's shrink programs
+    have no tiling of their own, and no expert is served over FP8). Off
     CUDA (tests) the candidates run through the reference, or Triton's interpreter, timed by
     the wall clock: the numbers mean nothing there."""
     from inference_node.parallel.shard import tensor_parallel_tuning

@@ -4,7 +4,8 @@ everything else (prefill, CPU, shapes its tiles do not divide); with a fused gro
 folded in, the fold kernel (fold_triton_kernel.py) or its reference. An FP8 projection
 (fp8_weight.Fp8Weight) is the model's to send to fp8_matmul whatever the step's choices (with
 W8A8 or not): the decode GEMM and the fold kernel read 16-bit weights only, so its LoRA
-runs beside it (beside_lora) as beside cuBLAS.
+runs beside it (beside_lora) as beside cuBLAS, or only its shrink in fp8_matmul's launch
+(a shrink-only fold: fp8_triton_kernel.py).
 
 Why the Triton GEMM: launched with programmatic dependent launch (Hopper) it starts while the
 kernel ahead of it ends and asks L2 for its first weights (Tuning.gemm_prefetch_k) before it

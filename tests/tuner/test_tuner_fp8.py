@@ -1,8 +1,8 @@
 """The tuner over FP8 projections (inference_node/tuner/fp8_trials.py): a node serving FP8
 weights keys its table by them (weight-only fp8 or W8A8), sweeps the FP8 GEMM's launches per
-group and batch (no folds: FP8 matmuls never fold LoRA), and its steps hand the table's
-launches to the FP8 GEMMs; a table of other weights is refused for the key, and a malformed
-FP8 launch refused with what was expected."""
+group and batch (no fold tilings: an FP8 GEMM adds no LoRA delta itself), and its steps hand
+the table's launches to the FP8 GEMMs; a table of other weights is refused for the key, and a
+malformed FP8 launch refused with what was expected."""
 from __future__ import annotations
 
 import json
