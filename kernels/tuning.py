@@ -140,10 +140,11 @@ class Tuning:
         "of the groups whose decode GEMM only shrinks, those whose tile programs compute the "
         "shrink in units of (adapter, slice, K range) before their weight stream, rather than "
         "programs of their own over the whole K")})
-    # (H200, 8B W8A8, 64 rows, tuner.profile replays, c32 / c64 extra over base: side-stream
+    # (H200, 8B, 64 rows, tuner.profile replays, extra over base. W8A8 c32 / c64: side-stream
     # shrinks +1.356 / +1.833 ms; gate/up's in its GEMM +1.171 / +1.788; q/k/v's and o's too
     # +1.540 / +2.072, q/k/v's and o's alone +1.715 / +2.106: their GEMMs, a wave or less of
-    # tiles, end later by the shrink programs than the side stream's shrinks do.)
+    # tiles, end later by the shrink programs than the side stream's shrinks do. Weight-only
+    # c32: +1.258 -> +0.868, with o's +0.989, q/k/v's too +1.329. Past 64 rows not measured.)
     fp8_shrink_fold_groups: frozenset[str] = field(default=frozenset({"gate_up"}), metadata={"help": (
         "over FP8 projections, the groups whose FP8 decode GEMM computes their LoRA shrink in "
         "programs of its own launch while the op after it expands (the others shrink on the "

@@ -217,7 +217,6 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return kernel(x, weight, scale, block, leave_sums=leave_sums, lora=lora, **keywords)
 
 
-
 def fp8_gated_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                    block: tuple[int, int] | None, w8a8: bool = False,
                    rows: Fp8Rows | None = None, choice: Fp8Choice | None = None,
