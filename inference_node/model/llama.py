@@ -24,7 +24,7 @@ import torch
 
 from kernels.attention import paged_attention
 from kernels.embedding import embed_tokens
-from kernels.gemm import Fp8Weight, RopeOut, beside_lora, cublas, fp8_gated_silu_linear, fp8_linear
+from kernels.gemm import Fp8Weight, RopeOut, cublas, fp8_gated_silu_linear, fp8_linear
 from kernels.gemm.fp8 import Fp8Rows, SplitSums, plain_rows
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
@@ -381,11 +381,9 @@ class LlamaModel:
             return gemm(operand, weight, bias, group), None
         fold = lora.fold(layer, group)
         if fold is not None:  # the delta added in the matmul, or left for the next op
-            if fp8 and not fold.expand:  # the FP8 GEMM's launch shrinks
+            if fp8:  # only the shrink, in the FP8 GEMM's launch (Tuning.for_fp8_projections)
                 sums = leave_sums and launch.tuning.split_sums_in_norm and not lora.adds_into_output
                 y = gemm(operand, weight, bias, group, leave_sums=sums, lora=fold)
-            elif fp8:
-                y = beside_lora(gemm(operand, weight, bias, group), x, fold)
             else:
                 y = launch.gemm(x, weight, bias, group, lora=fold)
             return y, None if fold.expand else fold.unexpanded(x.shape[0])

@@ -196,6 +196,9 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     tiling = launch_tiling(x.shape[0], weight.shape[0], w8a8, choice)
     block_k = k_tile(block, tiling.block_k)
     kernel = _triton_gemm(x) if block_k and weight.stride(1) == 1 else None
+    if lora is not None and lora.expand:
+        raise ValueError("an FP8 GEMM adds no whole LoRA delta: fold only its shrink "
+                         "(GemmLora.expand False; Tuning.for_fp8_projections)")
     if lora is not None and (kernel is None or not shrink_fits(lora, x)):
         lora.store_shrink(x)  # the fold's reference: what the kernel's shrink programs store
         lora = None

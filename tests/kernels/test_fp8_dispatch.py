@@ -71,3 +71,28 @@ def test_on_the_cpu_fp8_matmul_is_the_reference(rows: int, w8a8: bool) -> None:
     if w8a8:
         assert not torch.equal(reference_w8a8_matmul(x, weight, scale, None),
                                reference_fp8_matmul(x, weight, scale, None))
+
+
+def test_a_whole_lora_fold_is_refused_and_a_shrink_stored() -> None:
+    """An FP8 GEMM adds no LoRA delta itself: a whole fold (expand) is refused, not dropped;
+    a shrink-only fold has its rows stored in xa on the CPU, as the reference computes them,
+    and the output is the matmul's."""
+    import dataclasses
+
+    from kernel_cases import make_gemm_lora, make_lora_case
+
+    from kernels.gemm.fp8 import fp8_matmul, reference_fp8_matmul
+
+    slots = [-1, 1, 1, 3, 3, -1]
+    case = make_lora_case(token_slots=slots, num_slots=4, max_rank=16, ranks=[16, 8, 16, 4], h_in=64,
+                          outs=[32], seed=2)
+    weight = (torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 60).clamp(-448, 448)
+    weight, scale = weight.to(torch.float8_e4m3fn), torch.full((32,), 1e-2)
+    whole = make_gemm_lora(case, 2)
+    with pytest.raises(ValueError, match="adds no whole LoRA delta"):
+        fp8_matmul(case.x, weight, scale, None, lora=whole)
+    shrink = dataclasses.replace(whole, expand=False)
+    y = fp8_matmul(case.x, weight, scale, None, lora=shrink)
+    assert torch.equal(y, reference_fp8_matmul(case.x, weight, scale, None))
+    active = torch.tensor(slots) >= 0
+    assert torch.equal(shrink.xa[active], shrink.shrink(case.x)[active])

@@ -74,8 +74,9 @@ def test_quantized_at_load_matches_peft_over_its_fp8_values(graphs: bool, tiny_l
                                                             tmp_path: Path) -> None:
     """`--quantization fp8` on a plain checkpoint: the node answers as transformers + PEFT over
     the per-channel FP8 values dequantized (and not as over the plain weights: the check
-    would be weak otherwise). graphs: the decode and piecewise graphs' paths, where the
-    step's LoRA may be folded into the projection's matmul (routed beside fp8_matmul)."""
+    would be weak otherwise). graphs: the decode and piecewise graphs' paths (where a step of
+    more adapters than here would shrink gate/up's LoRA in its FP8 GEMM's launch: the test
+    below)."""
     twin = write_quantized_twin(tiny_llama_path, tmp_path / "twin")
     run_parity(tiny_llama_path, twin, "llama", tmp_path, graphs=graphs, quantization="fp8")
     plain = peft_greedy(tiny_llama_path, None, [[500, 600, 700, 800]], 10)
