@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.tuning import Tuning
 from kernels.tuning_table import ModelShape, StepTunings, TuningTableError, device_name, load_table
 
 from .adapters.direct_reads import DirectReadSettings
@@ -249,11 +248,7 @@ def load_rank(config: NodeConfig, shard: Shard, rendezvous: str | None) -> RankP
     model = load_model(checkpoint, device, dtype, max_positions=None, gemm_groups=tunings.base.gemm_groups,
                             load_format=model_options.load_format, tp=tp, quantization=model_options.quantization,
                             fp8_w8a8=model_options.fp8_w8a8)
-    if model.fp8_projections:  # the FP8 GEMM only shrinks, where its tuning says
-        tunings = tunings.map(Tuning.for_fp8_projections)
-    unfoldable = model.unfoldable_groups()
-    if unfoldable:
-        tunings = tunings.map(lambda tuning: tuning.without_folds(unfoldable))
+    tunings = tunings.map(model.step_tuning)  # FP8 GEMMs only shrink; biased groups fold nothing
     launches = StepLaunches(device, tunings, model.gemm_groups)
     max_num_seqs = config.scheduler.max_num_seqs or (256 if device.type == "cuda" else 64)
     mixed_graphs = config.runner.mixed_graphs_on(device.type)

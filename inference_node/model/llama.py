@@ -28,7 +28,7 @@ from kernels.gemm import Fp8Weight, RopeOut, cublas, fp8_gated_silu_linear, fp8_
 from kernels.gemm.fp8 import Fp8Rows, SplitSums, plain_rows
 from kernels.lora import LoraDelta, with_delta
 from kernels.rope import QKNorm, rope_and_cache
-from kernels.tuning import DEFAULT_TUNING
+from kernels.tuning import DEFAULT_TUNING, Tuning
 
 from ..parallel.group import TensorParallel
 from .config import ModelConfig
@@ -146,6 +146,15 @@ class LlamaModel:
         biases = {"qkv": layer.qkv_bias, "o": layer.o_bias, "gate_up": layer.gate_up_bias,
                   "down": layer.down_bias}
         return frozenset(group for group, bias in biases.items() if bias is not None)
+
+    def step_tuning(self, tuning: Tuning) -> Tuning:
+        """`tuning` as this model's matmuls can run it: over FP8 projections only the shrink
+        folds into the GEMM (Tuning.for_fp8_projections), and a biased group folds nothing.
+        The node and the profiler map every bucket's tuning through here."""
+        if self.fp8_projections:
+            tuning = tuning.for_fp8_projections()
+        unfoldable = self.unfoldable_groups()
+        return tuning.without_folds(unfoldable) if unfoldable else tuning
 
     def weight_bytes(self) -> int:
         """Bytes of weights this process holds (an FP8 projection's fp8 bytes and scales; a

@@ -398,11 +398,8 @@ def main(argv: list[str] | None = None) -> None:
         steps = mode_steps(table if own is None else load_table(own, ModelShape.of(cfg)), given)
         if args.tp > 1:  # as a tensor-parallel node maps every bucket's tuning
             steps = steps.map(tensor_parallel_tuning)
-        if model.fp8_projections:  # as the node: the FP8 GEMM only shrinks
-            steps = steps.map(lambda tuning: tuning.for_fp8_projections())
-        unfoldable = model.unfoldable_groups()  # as the node: biased matmuls fold no LoRA
-        if unfoldable:
-            steps = steps.map(lambda tuning: tuning.without_folds(unfoldable))
+        steps = steps.map(model.step_tuning)  # as the node maps it
+        unfoldable = model.unfoldable_groups()
         same = next((m for m, s in effective.items() if s == steps and (m == "serial") == (mode == "serial")), None)
         if same is not None:  # e.g. fold choices on a model whose matmuls fold nothing (FP8)
             print(f"[{mode}] note: the same launches as [{same}] once mapped for this model "

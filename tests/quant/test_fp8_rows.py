@@ -216,3 +216,22 @@ def test_decode_launches_alone_take_pdl_and_the_early_trigger() -> None:
     assert decode_launch(False, True, 1) == {"trigger": True}
     assert decode_launch(True, False, 8) == {"pdl": True, "prefetch_k": PDL_PREFETCH_K}
     assert decode_launch(True, True, DECODE_ROWS + 1) == {}
+
+
+def test_the_model_maps_a_tuning_to_what_its_matmuls_can_run(tiny_llama_path: Path, tiny_qwen2_path: Path) -> None:
+    """LlamaModel.step_tuning, which the node and the profiler both apply: over FP8
+    projections no group folds a whole LoRA and only fp8_shrink_fold_groups shrink in the
+    GEMM; a biased group (Qwen2's q/k/v) folds nothing; plain bf16 Llama keeps its tuning."""
+    from inference_node.model.loader import load_model
+
+    asked = Tuning(fold_groups=frozenset({"qkv", "o", "gate_up", "down"}), shrink_fold_groups=frozenset({"down"}),
+                   fold_shrink_spread=frozenset({"down"}), fp8_shrink_fold_groups=frozenset({"gate_up", "o"}))
+    cpu = torch.device("cpu")
+    plain = load_model(tiny_llama_path, cpu, torch.float32)
+    assert plain.step_tuning(asked) == asked
+    fp8 = load_model(tiny_llama_path, cpu, torch.float32, quantization="fp8")
+    mapped = fp8.step_tuning(asked)
+    assert (mapped.fold_groups, mapped.fold_shrink_spread) == (frozenset(), frozenset())
+    assert mapped.shrink_fold_groups == {"gate_up", "o"}
+    biased = load_model(tiny_qwen2_path, cpu, torch.float32).step_tuning(asked)
+    assert biased.fold_groups == {"o", "gate_up", "down"} and "qkv" not in biased.shrink_fold_groups
