@@ -140,10 +140,6 @@ class Tuning:
         "of the groups whose decode GEMM only shrinks, those whose tile programs compute the "
         "shrink in units of (adapter, slice, K range) before their weight stream, rather than "
         "programs of their own over the whole K")})
-    shrink_spread_units: int = field(default=1, metadata={"help": (
-        "units of (adapter, slice, K range) a spread shrink (fold_shrink_spread) is cut into, "
-        "per SM: the bf16 decode GEMM's tile programs take about one each; over FP8 projections "
-        "fp8_shrink_spread_units")})
     # (H200, 8B, 64 rows, tuner.profile replays, extra over base. W8A8 c32 / c64: side-stream
     # shrinks +1.356 / +1.833 ms; gate/up's in its GEMM +1.171 / +1.788; q/k/v's and o's too
     # +1.540 / +2.072, q/k/v's and o's alone +1.715 / +2.106: their GEMMs, a wave or less of
@@ -153,14 +149,6 @@ class Tuning:
         "over FP8 projections, the groups whose FP8 decode GEMM computes their LoRA shrink in "
         "programs of its own launch while the op after it expands (the others shrink on the "
         "side stream); no FP8 GEMM adds a whole LoRA delta")})
-    fp8_shrink_spread: frozenset[str] = field(default=frozenset(), metadata={"help": (
-        "of fp8_shrink_fold_groups, those whose shrink is cut into units of (adapter, slice, K "
-        "range) that the launch's programs share, balanced against each tile's weight bytes "
-        "(with programs of its own where the tiles leave SMs idle), rather than one program a "
-        "(adapter, slice) over the whole K")})
-    fp8_shrink_spread_units: int = field(default=4, metadata={"help": (
-        "units of a spread FP8 shrink per SM (fp8_shrink_spread): finer units balance the "
-        "programs' bytes more evenly")})
     side_expand_segments: int = field(default=8, metadata={"help": (
         "steps with at most this many distinct adapters also run the LoRA expands on the side "
         "stream (0: never)")})
@@ -197,15 +185,12 @@ class Tuning:
 
     def __post_init__(self) -> None:
         for name in ("gemm_groups", "fold_groups", "shrink_fold_groups", "fold_shrink_spread",
-                     "fp8_shrink_fold_groups", "fp8_shrink_spread"):
+                     "fp8_shrink_fold_groups"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
             unknown = getattr(self, name) - set(GROUPS)
             if unknown:
                 raise ValueError(f"{name} names {sorted(unknown)}: expected some of "
                                  f"{', '.join(GROUPS)}")
-        if self.shrink_spread_units < 1 or self.fp8_shrink_spread_units < 1:
-            raise ValueError(f"shrink_spread_units and fp8_shrink_spread_units are at least 1, not "
-                             f"{self.shrink_spread_units} and {self.fp8_shrink_spread_units}")
         tile = self.attention_decode_key_tile
         if tile < 256 or tile & (tile - 1):
             raise ValueError(f"attention_decode_key_tile {tile}: expected a power of two of at "
@@ -257,10 +242,9 @@ class Tuning:
     def for_fp8_projections(self) -> "Tuning":
         """The LoRA plan over FP8 projections: the FP8 GEMM adds no delta itself (no whole
         fold) and shrinks only for fp8_shrink_fold_groups (kernels/gemm/fp8_triton_kernel.py),
-        spread over the launch's programs for those of fp8_shrink_spread."""
+        in programs over the whole K (no spread)."""
         return self.replace(fold_groups=frozenset(), shrink_fold_groups=self.fp8_shrink_fold_groups,
-                            fold_shrink_spread=self.fp8_shrink_spread & self.fp8_shrink_fold_groups,
-                            shrink_spread_units=self.fp8_shrink_spread_units)
+                            fold_shrink_spread=frozenset())
 
     def fp8_choices(self, w8a8: bool) -> Mapping[str, Fp8Choice]:
         """The FP8 decode GEMM's launch per group: W8A8's or the weight-only one's."""

@@ -198,7 +198,7 @@ def fold_splits(group: str, expand: bool, adapters: int, slices: int, tuning: Tu
 
     if expand or group not in tuning.fold_shrink_spread:
         return 0
-    return spread_splits(num_sms(device) * tuning.shrink_spread_units, adapters, slices)
+    return spread_splits(num_sms(device), adapters, slices)
 
 
 def cases(shape: ModelShape, batches: Sequence[int], adapters: Sequence[int], groups: Sequence[str],

@@ -139,13 +139,13 @@ def gemm_lora_fits(lora: GemmLora, n: int, block_n: int) -> bool:
 
 def shrink_fits(lora: GemmLora, x16: torch.Tensor) -> bool:
     """Whether the FP8 GEMM's launch can run `lora`'s shrink (fp8_triton_kernel.py): expand
-    False (the op after the GEMM expands the sums), a rank the tensor cores take, a K step
-    dividing K, 16-bit rows contiguous along K, room in xa for every split's sums."""
+    False and unspread (the op after the GEMM expands the whole sums), a rank the tensor
+    cores take, a K step dividing K, 16-bit rows contiguous along K."""
     r, k = lora.rank, x16.shape[1]
-    return (not lora.expand and r >= 16 and r & (r - 1) == 0
+    return (not lora.expand and lora.shrink_splits == 0 and r >= 16 and r & (r - 1) == 0
             and k % 16 == 0 and x16.stride(1) == 1 and x16.dtype != torch.float8_e4m3fn
             and lora.segment_table.shape[0] >= lora.segments
-            and lora.xa.shape[1] >= lora.splits * lora.slices * r)
+            and lora.xa.shape[1] >= lora.slices * r)
 
 
 def reference_gemm_lora(x: torch.Tensor, w: torch.Tensor, lora: GemmLora) -> torch.Tensor:

@@ -289,24 +289,22 @@ def _fp8_gemm_kernel(
     stride_lxa=0, stride_lseg=0, lrank_col=0, SHRINK_UNITS: tl.constexpr = 0,
     SHRINK_COLS: tl.constexpr = 0, R: tl.constexpr = 16, N_SLICES: tl.constexpr = 1,
     A_ROWS: tl.constexpr = 1, SHRINK_K: tl.constexpr = 128, SHRINK_F32: tl.constexpr = False,
-    SHRINK_SPLITS: tl.constexpr = 1, UNITS_OWN: tl.constexpr = 1, UNITS_TILE: tl.constexpr = 0,
 ):
-    """The GEMM's tiles (_fp8_tile), and with SHRINK_UNITS a LoRA shrink (fp8_gemm_triton's
-    lora): units of x16 @ A.T (an adapter's segment of rows on one slice, over one of
-    SHRINK_SPLITS K ranges), scaled, into xa for the op after the GEMM to expand. The first
-    SHRINK_COLS columns of the grid are programs of the shrink alone, UNITS_OWN units each;
-    each tile program takes the next UNITS_TILE units after its tile. They read the 16-bit
+    """The GEMM's tiles (_fp8_tile), and with SHRINK_UNITS the programs of a LoRA shrink in
+    front of them (fp8_gemm_triton's lora): the first SHRINK_COLS columns of the grid, each
+    of their programs one unit (an adapter's segment of rows on one slice, over the whole K)
+    of x16 @ A.T, scaled, into xa for the op after the GEMM to expand. They read the 16-bit
     rows (lx) the e4m3 copy was made from: the adapters' shrink is not quantized."""
     if SHRINK_UNITS:
         pid_n = tl.program_id(1)
-        row_tiles = tl.num_programs(0)
         if pid_n < SHRINK_COLS:
             if PDL:
                 tl.extra.cuda.gdc_wait()  # x is the kernel ahead's output
-            own = (tl.program_id(2) * SHRINK_COLS + pid_n) * row_tiles + tl.program_id(0)
-            _shrink_units(lx_ptr, la_ptr, lxa_ptr, lscale_ptr, ltable_ptr, M, stride_lxm, stride_lxa,
-                          stride_lseg, lrank_col, own * UNITS_OWN, UNITS_OWN, SHRINK_UNITS, K, R,
-                          N_SLICES, A_ROWS, SHRINK_SPLITS, SHRINK_K, SHRINK_F32)
+            unit = (tl.program_id(2) * SHRINK_COLS + pid_n) * tl.num_programs(0) + tl.program_id(0)
+            if unit < SHRINK_UNITS:
+                _shrink_unit(lx_ptr, lx_ptr, la_ptr, la_ptr, lxa_ptr, lscale_ptr, ltable_ptr, M,
+                             stride_lxm, stride_lxa, stride_lseg, lrank_col, unit, K, R, N_SLICES,
+                             A_ROWS, 1, SHRINK_K, False, SHRINK_F32)
         else:
             _fp8_tile(
                 x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
@@ -314,13 +312,6 @@ def _fp8_gemm_kernel(
                 K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, SCALE_BN, SCALE_BK,
                 DOT_F32, PARTIAL, EVEN_K, SWAP_AB, TMA, WIDEN_PRMT, W8A8, SPLIT_K, LAST_SUMS,
                 GATED, PDL, PREFETCH_K, TRIGGER, SHRINK_COLS, pid_n - SHRINK_COLS)
-            if UNITS_TILE:  # after the tile: its weight stream starts first
-                tiles_n = tl.num_programs(1) - SHRINK_COLS
-                tile = (tl.program_id(2) * tiles_n + pid_n - SHRINK_COLS) * row_tiles + tl.program_id(0)
-                first = SHRINK_COLS * row_tiles * tl.num_programs(2) * UNITS_OWN + tile * UNITS_TILE
-                _shrink_units(lx_ptr, la_ptr, lxa_ptr, lscale_ptr, ltable_ptr, M, stride_lxm,
-                              stride_lxa, stride_lseg, lrank_col, first, UNITS_TILE, SHRINK_UNITS, K,
-                              R, N_SLICES, A_ROWS, SHRINK_SPLITS, SHRINK_K, SHRINK_F32)
     else:
         _fp8_tile(
             x_ptr, w_ptr, x_desc, w_desc, s_ptr, xs_ptr, out_ptr, y_ptr, counter_ptr, M, N,
@@ -328,18 +319,6 @@ def _fp8_gemm_kernel(
             K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_SCALES, SCALE_BN, SCALE_BK, DOT_F32,
             PARTIAL, EVEN_K, SWAP_AB, TMA, WIDEN_PRMT, W8A8, SPLIT_K, LAST_SUMS, GATED, PDL,
             PREFETCH_K, TRIGGER, 0, tl.program_id(1))
-
-
-@triton.jit
-def _shrink_units(x_ptr, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm, stride_xa,
-                  stride_seg, rank_col, first, count, UNITS: tl.constexpr, K: tl.constexpr,
-                  R: tl.constexpr, N_SLICES: tl.constexpr, ROWS: tl.constexpr,
-                  SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """Units first .. first + count - 1 of the shrink (those below UNITS), one after another."""
-    for unit in range(first, tl.minimum(first + count, UNITS)):
-        _shrink_unit(x_ptr, x_ptr, a_ptr, a_ptr, xa_ptr, scaling_ptr, table_ptr, M, stride_xm,
-                     stride_xa, stride_seg, rank_col, unit, K, R, N_SLICES, ROWS, SPLITS, BLOCK_K,
-                     False, DOT_F32)
 
 
 @triton.jit
@@ -536,9 +515,7 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     else:
         (scale_bn, scale_bk), (stride_sn, stride_sk) = block, scale.stride()
     f32 = dot_f32(y.dtype if w8a8 else x.dtype, x.device)
-    tile_bytes = block_n * (2 if gated else 1) * k_per_split  # a tile program's weight slab
-    shrink = shrink_arguments(lora, x if x16 is None else x16, tiles_m, tiles_n, split_k,
-                              num_sms(x.device), tile_bytes)
+    shrink = shrink_arguments(lora, x if x16 is None else x16, tiles_m * split_k)
     x_desc, w_desc = descriptors(x, weight, block_m, block_n, block_k) if tma else (None, None)
     constants = dict(
         K=K, K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -570,51 +547,24 @@ def fp8_gemm_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-def shrink_arguments(lora: GemmLora | None, x16: torch.Tensor, tiles_m: int, tiles_n: int, split_k: int,
-                     sms: int, tile_bytes: int) -> dict:
-    """The kernel's keywords for `lora`'s shrink over x16. Unspread (shrink_splits 0): one
-    program a (segment, slice) over the whole K, in as many grid columns in front of the
-    tiles as they fill. Spread: units of (segment, slice, K range) shared so that no program
-    reads many more bytes than the others (spread_shares)."""
+def shrink_arguments(lora: GemmLora | None, x16: torch.Tensor, programs_a_column: int) -> dict:
+    """The kernel's keywords for `lora`'s shrink programs over x16: one a (segment, slice),
+    in as many grid columns in front of the tiles as they fill (programs_a_column: the grid's
+    row tiles x K splits)."""
     if lora is None or lora.segments == 0:
         return {}
     if not shrink_fits(lora, x16):
         raise ValueError("this LoRA shrink does not fit the FP8 GEMM's launch (shrink_fits)")
-    k = x16.shape[1]
-    shrink_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
-    units = lora.segments * lora.slices * lora.splits
-    per_column = tiles_m * split_k  # programs a grid column holds
-    if lora.shrink_splits:
-        k_range = cdiv(cdiv(k, shrink_k), lora.splits) * shrink_k
-        columns, own, per_tile = spread_shares(units, 2 * lora.rank * k_range, tiles_m * tiles_n * split_k,
-                                               tile_bytes, per_column, sms)
-    else:
-        columns, own, per_tile = cdiv(units, per_column), 1, 0
-    a2d = lora.a_all.reshape(-1, k)
+    units = lora.segments * lora.slices
+    a2d = lora.a_all.reshape(-1, x16.shape[1])
     assert a2d.stride(1) == 1 and lora.xa.stride(1) == 1
+    k = x16.shape[1]
     return dict(lx_ptr=x16, la_ptr=a2d, lxa_ptr=lora.xa, lscale_ptr=lora.scaling,
                 ltable_ptr=lora.segment_table, stride_lxm=x16.stride(0), stride_lxa=lora.xa.stride(0),
                 stride_lseg=lora.segment_table.stride(0), lrank_col=lora.rank_col, SHRINK_UNITS=units,
-                SHRINK_COLS=columns, R=lora.rank, N_SLICES=lora.slices, A_ROWS=lora.a_all.shape[1],
-                SHRINK_K=shrink_k, SHRINK_F32=dot_f32(x16.dtype, x16.device), SHRINK_SPLITS=lora.splits,
-                UNITS_OWN=own, UNITS_TILE=per_tile)
-
-
-def spread_shares(units: int, unit_bytes: int, tiles: int, tile_bytes: int, per_column: int,
-                  sms: int) -> tuple[int, int, int]:
-    """(grid columns of shrink-only programs, units each takes, units each tile program takes
-    after its tile) for a spread shrink: where the tiles leave SMs idle, whole columns of
-    programs of the shrink alone fill them; then the fewest units a program such that a tile
-    program's slab and units weigh about as much as a shrink program's units. At decode a
-    program's time is the bytes it streams, and the launch ends with its slowest program."""
-    columns = max(sms - tiles, 0) // per_column
-    own_programs = columns * per_column
-    load = 1  # a program's bytes, in units
-    while True:
-        per_tile = max(0, load - round(tile_bytes / unit_bytes))
-        if own_programs * load + tiles * per_tile >= units:
-            return columns, (load if own_programs else 0), per_tile
-        load += 1
+                SHRINK_COLS=cdiv(units, programs_a_column), R=lora.rank, N_SLICES=lora.slices,
+                A_ROWS=lora.a_all.shape[1], SHRINK_K=next(b for b in (128, 64, 32, 16) if k % b == 0),
+                SHRINK_F32=dot_f32(x16.dtype, x16.device))
 
 
 # A launch's pipeline stages, cut to what the GPU's shared memory holds, by the tiles and stages

@@ -748,81 +748,6 @@ def test_the_launch_shrinks_a_lora_beside_its_tiles(rows: int, used: list[int], 
 
 
 @needs_triton_device
-@pytest.mark.parametrize("rows,used,segments,split_k,splits,block_n",
-                         [(9, [3, 0, 2], 4, 1, 3, 16), (33, [1, 4, 0, 5, 2, 6], 8, 2, 2, 32),
-                          (12, [1, 2], 2, 1, 5, 16)])
-@pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
-def test_a_spread_shrink_shares_its_units_over_the_launch(rows: int, used: list[int], segments: int,
-                                                          split_k: int, splits: int, block_n: int,
-                                                          w8a8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GemmLora.shrink_splits in the FP8 launch: units of (segment, slice, K range) taken by
-    shrink-only programs filling the SMs the tiles leave idle and by the tile programs after
-    their tiles (the SM count cut so that both kinds take units). Each split's partial sums
-    land in its own xa columns and sum to the reference; rows without an adapter keep NaN;
-    the GEMM's output is the launch without LoRA's, bit for bit."""
-    import dataclasses
-
-    from kernel_cases import grouped_slots, make_gemm_lora, make_lora_case
-
-    import kernels.gemm.fp8_triton_kernel as fp8_kernel
-    from kernels.gemm.fp8_triton_kernel import fp8_gemm_triton, quantize_rows_triton
-
-    gen = torch.Generator().manual_seed(rows + splits)
-    slots = grouped_slots(gen, rows, used)
-    outs = [32, 16, 16]
-    case = make_lora_case(token_slots=slots, num_slots=7, max_rank=16, ranks=[16, 8, 16, 4, 16, 16, 12],
-                          h_in=256, outs=outs, dtype=torch.bfloat16, device=DEVICE,
-                          seed=rows).poison_free_rows()
-    width = len(outs) * 16
-    lora = dataclasses.replace(make_gemm_lora(case, segments), expand=False, shrink_splits=splits,
-                               xa=torch.full((len(slots), splits * width), float("nan"), device=DEVICE))
-    tiles = 64 // block_n * split_k
-    shares = []
-    real = fp8_kernel.spread_shares
-
-    def spy(*args):
-        shares.append(real(*args[:-1], tiles + 2))  # two SMs past the tiles: shrink-only programs too
-        return shares[-1]
-
-    monkeypatch.setattr(fp8_kernel, "spread_shares", spy)
-    x16, weight, scale = case.x, *make_case(len(slots), 64, 256, None, torch.bfloat16)[1:]
-    x, extra = x16, {}
-    if w8a8:
-        x, row_scale = quantize_rows_triton(x16)
-        extra = dict(x_scale=row_scale, out_dtype=torch.bfloat16)
-    tiling = dict(block_n=block_n, block_k=32, split_k=split_k, swap_ab=True, tma=True, **extra)
-    plain = fp8_gemm_triton(x, weight, scale, None, **tiling)
-    y = fp8_gemm_triton(x, weight, scale, None, lora=lora, x16=x16, **tiling)
-    assert torch.equal(y.view(torch.int16), plain.view(torch.int16))
-    columns, own, per_tile = shares[0]
-    assert columns * own > 0 and per_tile > 0, shares  # both kinds of program shrink
-    active = torch.tensor(slots) >= 0
-    got = lora.xa.cpu()
-    assert torch.isnan(got[~active]).all()
-    summed = got[active].view(-1, splits, width).sum(dim=1)
-    torch.testing.assert_close(summed, lora.shrink(x16).cpu()[active], rtol=1e-4, atol=1e-4)
-
-
-def test_spread_shares_cover_every_unit_and_balance_bytes() -> None:
-    """spread_shares: every unit has a program; shrink-only programs only where the tiles
-    leave SMs; no program's bytes far past the others' (a unit's worth at most)."""
-    from kernels.gemm.fp8_triton_kernel import spread_shares
-
-    for units, unit_bytes, tiles, tile_bytes, per_column, sms in [
-            (480, 16 << 10, 96, 256 << 10, 1, 132), (256, 8 << 10, 128, 128 << 10, 2, 132),
-            (256, 16 << 10, 224, 512 << 10, 1, 132), (7, 4096, 4, 4096, 1, 8)]:
-        columns, own, per_tile = spread_shares(units, unit_bytes, tiles, tile_bytes, per_column, sms)
-        own_programs = columns * per_column
-        assert tiles + own_programs <= max(sms, tiles)
-        assert own_programs * own + tiles * per_tile >= units
-        tile_load, own_load = tile_bytes + per_tile * unit_bytes, own * unit_bytes
-        if own_programs:
-            assert abs(tile_load - own_load) <= tile_bytes / 2 + unit_bytes, (units, own, per_tile)
-        else:
-            assert (per_tile - 1) * tiles < units
-
-
-@needs_triton_device
 def test_fp8_matmul_hands_the_shrink_to_the_launch_or_stores_its_reference() -> None:
     """fp8_matmul(lora=...) stores the same rows of xa whether its launch shrinks (a fitting
     fold) or the reference does beside it (a rank the tensor cores do not take)."""
@@ -848,13 +773,12 @@ def test_fp8_matmul_hands_the_shrink_to_the_launch_or_stores_its_reference() -> 
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles: the interpreter has no compiler")
-@pytest.mark.parametrize("spread", [False, True], ids=["whole-k", "spread"])
 @pytest.mark.parametrize("w8a8", [False, True], ids=["weight-only", "w8a8"])
-def test_the_launch_with_shrink_programs_compiles_for_hopper(w8a8: bool, spread: bool) -> None:
+def test_the_launch_with_shrink_programs_compiles_for_hopper(w8a8: bool) -> None:
     """The decode launch with a LoRA shrink's programs in front of its tiles compiles for
     sm_90 (split K, swap-AB over TMA, the last program summing): the tiles keep their
     pipelined bulk tensor copies and wgmma, and the shrink's bf16 products are tensor-core
-    MMAs too, stored in float32; spread, the tile programs shrink units after their tiles."""
+    MMAs too, stored in float32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -867,8 +791,6 @@ def test_the_launch_with_shrink_programs_compiles_for_hopper(w8a8: bool, spread:
                       SWAP_AB=True, TMA=True, WIDEN_PRMT=not w8a8, W8A8=w8a8, SPLIT_K=4, LAST_SUMS=True,
                       GATED=False, PDL=False, PREFETCH_K=0, TRIGGER=True, SHRINK_UNITS=96, SHRINK_COLS=24,
                       R=16, N_SLICES=3, A_ROWS=512, SHRINK_K=128, SHRINK_F32=False)
-    if spread:
-        constexprs.update(SHRINK_UNITS=480, SHRINK_COLS=9, SHRINK_SPLITS=5, UNITS_OWN=11, UNITS_TILE=1)
     if not w8a8:
         constexprs.update(xs_ptr=None)
     types = {"x_ptr": f"*{x_type}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32",
@@ -879,7 +801,6 @@ def test_the_launch_with_shrink_programs_compiles_for_hopper(w8a8: bool, spread:
     aligned = ("x_ptr", "w_ptr", "s_ptr", "out_ptr", "y_ptr", "N", "stride_xm", "stride_wn", "stride_om",
                "stride_split", "lx_ptr", "la_ptr", "lxa_ptr", "stride_lxm", "stride_lxa")
     fn = _fp8_gemm_kernel
-    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

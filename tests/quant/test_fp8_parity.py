@@ -84,34 +84,28 @@ def test_quantized_at_load_matches_peft_over_its_fp8_values(graphs: bool, tiny_l
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-w8a8"])
-@pytest.mark.parametrize("spread", [False, True], ids=["whole-k", "spread"])
-def test_lora_shrunk_in_the_fp8_gemms_launch_matches_peft(quantization: str, spread: bool, tiny_llama_path: Path,
+def test_lora_shrunk_in_the_fp8_gemms_launch_matches_peft(quantization: str, tiny_llama_path: Path,
                                                           tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Tuning.fp8_shrink_fold_groups on every group, in decode graph steps of any number of
     adapters (no side-stream expands): each FP8 GEMM's launch shrinks its LoRA (here, on the
-    CPU, the fold's reference stores the same rows), spread into K ranges for the groups of
-    fp8_shrink_spread, and the op after it expands, summing the ranges; the node answers as
-    transformers + PEFT do, and the fold ran."""
+    CPU, the fold's reference stores the same rows) and the op after it expands; the node
+    answers as transformers + PEFT do, and the fold ran."""
     from kernels.gemm import fold
     from kernels.tuning import GROUPS, Tuning
 
     shrinks = []
     store = fold.GemmLora.store_shrink
-    monkeypatch.setattr(fold.GemmLora, "store_shrink",
-                        lambda self, x: (shrinks.append(self.splits), store(self, x)))
-    spread = frozenset({"qkv", "down"} if spread else ())
+    monkeypatch.setattr(fold.GemmLora, "store_shrink", lambda self, x: (shrinks.append(x.shape[0]), store(self, x)))
     tuning = Tuning(fp8_shrink_fold_groups=frozenset(GROUPS), side_expand_segments=0,
-                    side_expand_group_segments={}, fp8_shrink_spread=spread)
-    fixed = frozenset({"fp8_shrink_fold_groups", "side_expand_segments", "side_expand_group_segments",
-                       "fp8_shrink_spread"})
+                    side_expand_group_segments={})
+    fixed = frozenset({"fp8_shrink_fold_groups", "side_expand_segments", "side_expand_group_segments"})
     twin = write_quantized_twin(tiny_llama_path, tmp_path / "twin")
     w8a8 = quantization == "fp8-w8a8"
     run_parity(tiny_llama_path, twin, "llama", tmp_path, graphs=True, quantization=quantization,
                prepare=quantize_projection_inputs if w8a8 else None, agree=4 if w8a8 else None,
                tuning=tuning, tuning_fixed=fixed)
     assert shrinks, "no FP8 GEMM shrank a LoRA"
-    assert (max(shrinks) > 1) == bool(spread), shrinks  # spread groups' sums in several K ranges
 
 
 PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

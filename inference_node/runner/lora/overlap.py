@@ -102,7 +102,6 @@ class LoraOverlap:
                                            dtype=torch.float32, device=device)
                                if self.shrink_fold_groups else None)
         self.sms = num_sms(device)
-        self.spread_units = tuning.shrink_spread_units  # a spread shrink's units an SM
         self.fold_sync = (fold_counters(max_tokens + 1, len(buffers.layers), len(FUSED_MODULES),
                                         device=device)
                           if any_fold else None)
@@ -220,7 +219,7 @@ class OverlappedLoraApplier:
         overlap = self.overlap
         buf = overlap.buffers.layers[layer][group]
         segments = self.meta.num_segments
-        splits = (spread_splits(overlap.sms * overlap.spread_units, segments, len(buf.offsets))
+        splits = (spread_splits(overlap.sms, segments, len(buf.offsets))
                   if not expand and group in overlap.shrink_fold_spread else 0)
         return GemmLora(buf.a_all, buf.b_all, overlap.buffers.scaling, tuple(buf.offsets),
                         self.meta.segment_table, segments, _rank_col(group),
@@ -267,11 +266,10 @@ class OverlappedLoraApplier:
                          self._token_rows(group), self._expanded, split)
 
 
-def spread_splits(units: int, segments: int, slices: int) -> int:
-    """The K ranges of a shrink spread over its GEMM's programs (GemmLora.shrink_splits): about
-    `units` units of (segment, slice, K range) in all (Tuning.shrink_spread_units an SM), so
-    the programs share it evenly."""
-    return max(1, min(MAX_SHRINK_SPLITS, units // max(segments * slices, 1)))
+def spread_splits(sms: int, segments: int, slices: int) -> int:
+    """The K ranges of a shrink spread over its GEMM's tile programs (GemmLora.shrink_splits):
+    about one unit of (segment, slice, K range) an SM, so the tile programs share it evenly."""
+    return max(1, min(MAX_SHRINK_SPLITS, sms // max(segments * slices, 1)))
 
 
 def _rank_col(group: str) -> int:
