@@ -82,8 +82,9 @@ def add_tune_command(sub: argparse._SubParsersAction) -> None:
                       help="the table's folder (its file named by device, shape and dtype) or a .json path "
                            "(default: where `serve` looks: its --tuning-cache-dir, else $LORA_SERVING_CACHE/tuning; "
                            "kernels/configs for a seed)")
-    tune.add_argument("--groups", default="qkv,o,gate_up,down,experts.gate_up,experts.down",
-                      help="fused groups to sweep (a dense model has no experts', a mixture of experts no dense MLP's)")
+    tune.add_argument("--groups", default="qkv,o,gate_up,down,experts.gate_up,experts.down,attention",
+                      help="fused groups to sweep (a dense model has no experts', a mixture of experts no dense MLP's), "
+                           "and attention: decode attention's launch at 8, 64 and 256 rows")
     tune.add_argument("--quantization", choices=("none", "fp8", "fp8-w8a8"), default="none",
                       help="serve's --quantization: FP8 projections' GEMM launches are tuned instead (an FP8 "
                            "checkpoint's are, as weight-only fp8, without it)")

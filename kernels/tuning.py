@@ -45,6 +45,15 @@ def _power_of_two(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+def attention_launch_valid(rows: Any, launch: Any) -> bool:
+    """Whether rows -> launch is an entry of Tuning.attention_decode_launches: a row count
+    (its decimal text) and (key tile elements, warps, stages), each 0 for the rule's."""
+    return (isinstance(rows, str) and rows.isdigit() and int(rows) > 0 and isinstance(launch, tuple)
+            and len(launch) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in launch)
+            and (launch[0] == 0 or _power_of_two(launch[0]) and launch[0] >= 256)
+            and launch[1] in (0, 1, 2, 4, 8, 16) and 0 <= launch[2] <= 8)
+
+
 def fp8_choice_valid(choice: Any) -> bool:
     """Whether `choice` is an FP8 decode launch: (block_n, block_k, stages, splits) with block_n
     and block_k powers of two of at least 16, 1-8 stages, splits 0 or a power of two."""
@@ -67,6 +76,13 @@ class Tuning:
     attention_decode_key_tile: int = field(default=4096, metadata={"help": (
         "keys times head dims of a decode program's key tile in paged attention, a power of "
         "two: 64 keys of 64-wide heads, 32 of 128-wide ones")})
+    attention_decode_launches: Mapping[str, tuple[int, int, int]] = field(
+        default_factory=dict, metadata={"help": (
+            "decode attention's launch by the step's rows: ROWS=TILE.WARPS.STAGES, each for steps "
+            "of at most ROWS rows down to the next smaller entry's (the largest: any step above "
+            "it); TILE keys times head dims of a key tile; each 0 for the rule's launch "
+            "(attention_decode_key_tile, the rule's warps, Triton's stages); the tuner writes "
+            "them")})
     expand_early_b: bool = field(default=True, metadata={"help": (
         "with PDL, the ops that expand a LoRA delta (RoPE + KV write, SiLU) read their rows' "
         "B before their wait")})
@@ -202,8 +218,14 @@ class Tuning:
         if not set(self.gemm_split_k) <= {"o", "down"} or min(self.gemm_split_k.values(), default=1) < 1:
             raise ValueError(f"gemm_split_k takes o and down (an add + norm sums their splits), "
                              f"each at least 1, not {dict(self.gemm_split_k)}")
+        for rows, launch in self.attention_decode_launches.items():
+            if not attention_launch_valid(rows, launch):
+                raise ValueError(f"attention_decode_launches {rows}={'.'.join(map(str, launch))}: expected "
+                                 f"ROWS=TILE.WARPS.STAGES, ROWS a positive integer, TILE a power of two of "
+                                 f"at least 256, WARPS 1-16 (a power of two), STAGES 1-8; any of them 0: "
+                                 f"the rule's")
         for name in ("gemm_tilings", "gemm_tma_tilings", "fold_tilings", "moe_tilings", "moe_lora_launches",
-                     "side_expand_group_segments", *FP8_TILING_FIELDS):
+                     "side_expand_group_segments", "attention_decode_launches", *FP8_TILING_FIELDS):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         for name in FP8_TILING_FIELDS:
             for group, choice in getattr(self, name).items():
@@ -260,6 +282,15 @@ class Tuning:
         decode_pdl says at which rows, fp8_gemm_triton on which devices)."""
         return self.fp8_pdl and self.pdl
 
+    def attention_decode_launch(self, rows: int) -> tuple[int, int, int] | None:
+        """(key tile elements, warps, stages or 0) of a decode attention launch over `rows`
+        rows: the entry of the fewest rows at or above them, else of the most; None where
+        the table has none (the rule's launch)."""
+        if not self.attention_decode_launches:
+            return None
+        entries = {int(r): launch for r, launch in self.attention_decode_launches.items()}
+        return entries[min((r for r in entries if r >= rows), default=max(entries))]
+
     def attention_early_kv_on(self, t: torch.Tensor) -> bool:
         return self.attention_early_kv and self.pdl_on(t)
 
@@ -296,10 +327,10 @@ def _default(name: str) -> Any:
 def choice_help(name: str) -> str:
     """What choice `name` means, and the form its text takes."""
     f = next(f for f in dataclasses.fields(Tuning) if f.name == name)
-    return f"{f.metadata['help']} [{_form(_default(name))}]"
+    return f"{f.metadata['help']} [{_form(name, _default(name))}]"
 
 
-def _form(value: Any) -> str:
+def _form(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return "on or off"
     if isinstance(value, int):
@@ -308,6 +339,8 @@ def _form(value: Any) -> str:
         return "groups, comma-separated, or all, or none"
     if isinstance(value, tuple):
         return "numbers joined by dots"
+    if name == "attention_decode_launches":
+        return "ROWS=TILE.WARPS.STAGES, comma-separated, or none"
     if all(isinstance(v, tuple) for v in value.values()):
         splits = ".SPLITS" if any(len(v) == 4 for v in value.values()) else ""
         return f"GROUP=BLOCK_N.BLOCK_K.STAGES{splits}, comma-separated: replaces those groups' entries"
@@ -362,7 +395,7 @@ def parse_choice(name: str, text: str) -> Any:
             return _frozen({**default, **entries})  # a tiling table: the entries given replaced
         return _frozen(entries)
     except ValueError:
-        raise ValueError(f"{name}={text!r}: expected {_form(default)}") from None
+        raise ValueError(f"{name}={text!r}: expected {_form(name, default)}") from None
 
 
 def tuning_from_text(choices: Mapping[str, str], base: Tuning = DEFAULT_TUNING) -> Tuning:

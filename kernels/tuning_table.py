@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 if TYPE_CHECKING:
     import torch
 
-from .tuning import DEFAULT_TUNING, EXPERT_GROUPS, FP8_TILING_FIELDS, GROUPS, Tuning, fp8_choice_valid
+from .tuning import (DEFAULT_TUNING, EXPERT_GROUPS, FP8_TILING_FIELDS, GROUPS, Tuning, attention_launch_valid,
+                     fp8_choice_valid)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FORMAT = 2
@@ -38,7 +39,7 @@ QUANTIZATIONS = ("none", "fp8", "fp8-w8a8")
 # layout (gemm_groups): a table may set them for the whole node ("node"), never per bucket.
 NODE_CHOICES = frozenset({"gemm_groups", "fold_groups", "shrink_fold_groups", "fold_shrink_spread",
                           "side_expand_segments", "side_expand_group_segments",
-                          "norm_split_columns", "norm_split_groups"})
+                          "norm_split_columns", "norm_split_groups", "attention_decode_launches"})
 CHOICES = tuple(f.name for f in dataclasses.fields(Tuning))
 BUCKET_CHOICES = tuple(name for name in CHOICES if name not in NODE_CHOICES)
 _TOP_KEYS = {"format", "device", "shape", "dtype", "quantization", "versions", "tuning_s", "unmeasured", "produced_by",
@@ -172,6 +173,13 @@ def choice_from_json(name: str, value: Any) -> Any:
                 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
             return tuple(value)
         raise ValueError(f"{name}: expected {len(default)} positive integers, not {value!r}")
+    if name == "attention_decode_launches":
+        if not (isinstance(value, dict) and all(isinstance(v, list) and attention_launch_valid(r, tuple(v))
+                                                for r, v in value.items())):
+            raise ValueError(f"{name}: expected an object of rows -> [key tile (a power of two of at least "
+                             f"256), warps (1-16, a power of two), stages (1-8)], each 0 for the rule's, "
+                             f"not {value!r}")
+        return MappingProxyType({r: tuple(v) for r, v in value.items()})
     if not isinstance(value, dict) or not set(value) <= set(GROUPS):
         raise ValueError(f"{name}: expected an object keyed by groups of {list(GROUPS)}, not {value!r}")
     if name in FP8_TILING_FIELDS:

@@ -17,6 +17,7 @@ from kernels.tuning_table import CONFIG_DIR, ModelShape, TuningTable
 
 from .store import exclusive, usable
 from .sweep import print_results
+from .attention_trials import GROUP as ATTENTION, AttentionMeasured, print_attention
 from .trial import copy_bandwidth
 from .tune import base_field, default_cache, key_for, tune_table, why_not
 
@@ -87,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
         batches = [b for b in batches if b <= MAX_ROWS]
     adapters = integers(args.adapters, "--adapters", 0)
     groups = [g for g in args.groups.split(",") if g]
-    if not groups or set(groups) - set(GROUPS + EXPERT_GROUPS):
-        raise SystemExit(f"inference-node tune: --groups {args.groups!r}: expected some of "
-                         f"{', '.join(GROUPS + EXPERT_GROUPS)}")
-    groups = [g for g in groups if g in shape.gemms() or (shape.experts and g in EXPERT_GROUPS)]
+    known = GROUPS + EXPERT_GROUPS + (ATTENTION,)
+    if not groups or set(groups) - set(known):
+        raise SystemExit(f"inference-node tune: --groups {args.groups!r}: expected some of {', '.join(known)}")
+    groups = [g for g in groups if g in shape.gemms() or (shape.experts and g in EXPERT_GROUPS) or g == ATTENTION]
 
     if quantization != "none":  # FP8 matmuls never fold LoRA: their base launches alone
         adapters = [a for a in adapters if a == 0] or [0]
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         bandwidth = None if smoke else copy_bandwidth(device)
         if bandwidth:
             print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (a 1 GiB device copy, read and write counted)")
-        print_results(results, smoke, bandwidth)
+        print_results([r for r in results if not isinstance(r, AttentionMeasured)], smoke, bandwidth)
+        print_attention(results, bandwidth)
         table.write(path)
     again = usable(path, key, check_versions=not seed)
     if again is None:

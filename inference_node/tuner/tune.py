@@ -16,6 +16,7 @@ from kernels.tuning import DEFAULT_TUNING, EXPERT_GROUPS, GROUPS, fp8_tilings_fi
 from kernels import tuning_table
 from kernels.tuning_table import ModelShape, TableKey, TuningTable, device_name, load_table
 
+from . import attention_trials
 from .store import Found, table_at_start
 
 from .sweep import (ADAPTERS, BATCHES, MIN_GAIN, Budget, Measured, Sweep, TuningUnavailable, buckets_for, cases,
@@ -67,7 +68,7 @@ def base_field(device: torch.device) -> str:
 
 def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, budget_s: float,
                batches: Sequence[int] = BATCHES, adapters: Sequence[int] = ADAPTERS,
-               groups: Sequence[str] = GROUPS + EXPERT_GROUPS, tp: int = 1, existing: TuningTable | None = None,
+               groups: Sequence[str] = GROUPS + EXPERT_GROUPS + (attention_trials.GROUP,), tp: int = 1, existing: TuningTable | None = None,
                min_gain: float = MIN_GAIN, timer: Timer | None = None,
                clock: Callable[[], float] = time.monotonic, max_candidates: int | None = None,
                produced_by: str = "", quantization: str = "none") -> tuple[TuningTable, list[Measured]]:
@@ -100,16 +101,28 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
     name = device_name(device)
     weights = "" if quantization == "none" else f" {quantization}"
     budget = Budget(budget_s, f"{name} {shape.key} {dtype_name(dtype)}{weights}", clock=clock)
-    sweep = Sweep(shape, device, dtype, field,
-                  timer or (cuda_timer if device.type == "cuda" else cpu_timer),
-                  list(batches), max_candidates, quantization, tp)
+    sweep_timer = timer or (cuda_timer if device.type == "cuda" else cpu_timer)
+    sweep = Sweep(shape, device, dtype, field, sweep_timer, list(batches), max_candidates, quantization, tp)
     results, skipped = run(sweep, todo, budget)
     del sweep  # its operand copies: freed before the node sizes its memory
+    attention, attention_skipped = [], []
+    if attention_trials.GROUP in groups:
+        attention, attention_skipped = attention_trials.sweep(shape, device, dtype, sweep_timer, budget,
+                                                              max_candidates)
     if skipped:
         log.debug("unmeasured: %s", ", ".join(case.describe() for case in skipped))
     buckets, kept = buckets_for(results, field, min_gain, existing)
-    measured = {(r.group, r.batch, r.adapters) for r in results}
-    unmeasured = {c.key for c in skipped}
+    measured = {(r.group, r.batch, r.adapters) for r in results} | {(attention_trials.GROUP, r.batch, 0)
+                                                                    for r in attention}
+    unmeasured = {c.key for c in skipped} | {(attention_trials.GROUP, b, 0) for b in attention_skipped}
+    node = dict(existing.node) if existing else {}
+    if attention:  # node-wide: an entry per batch measured (Tuning.attention_decode_launches)
+        old = {int(r): v for r, v in node.get("attention_decode_launches", {}).items()}
+        new = {int(r): v for r, v in attention_trials.launches_for(attention).items()}
+        entries = {**{r: v for r, v in old.items() if r not in {m.batch for m in attention}}, **new}
+        node["attention_decode_launches"] = {str(r): tuple(v) for r, v in sorted(entries.items())}
+        if all(tuple(v) == attention_trials.RULE for v in entries.values()):
+            del node["attention_decode_launches"]
     spent = budget.spent()
     produced_by = f"{produced_by} ({field}, min gain {min_gain})".strip()
     if existing is not None:
@@ -117,12 +130,12 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
         spent += existing.tuning_s or 0.0
         if kept and existing.buckets:
             produced_by += f"; {' and '.join(kept)} buckets kept from: {existing.produced_by}"
-    table = TuningTable(name, shape, dtype_name(dtype), dict(existing.node) if existing else {},
-                        tuple(buckets), produced_by, versions(), spent, tuple(sorted(unmeasured)),
+    table = TuningTable(name, shape, dtype_name(dtype), node, tuple(buckets), produced_by, versions(), spent,
+                        tuple(sorted(unmeasured)),
                         quantization=quantization)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the node sizes its KV cache by the memory left after this
-    return table, results
+    return table, [*results, *attention]
 
 
 def node_tuner(device: torch.device, shape: ModelShape, dtype: torch.dtype,

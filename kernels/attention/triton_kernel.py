@@ -237,17 +237,17 @@ def _auto_splits(device: torch.device, programs: int, max_query_len: int,
     return max(1, min(want, cdiv(max_seq_len, 256), MAX_SPLITS))
 
 
-def key_block(block_d: int, max_query_len: int, on_gpu: bool, tuning: Tuning) -> int:
-    """Keys a program's tile holds. Decode tiles hold a fixed number of elements: on an H100
-    at batch 64, 32 keys of 128-wide heads (8B's) beat 64 by 2.7 µs a launch (29.7 → 27.0),
-    while 64-wide heads (1B's) ran within 0.4 µs from 32 to 256 keys."""
+def key_block(block_d: int, max_query_len: int, on_gpu: bool, tuning: Tuning, tile: int | None = None) -> int:
+    """Keys a program's tile holds. Decode tiles hold a fixed number of elements (`tile`, else
+    the tuning's): on an H100 at batch 64, 32 keys of 128-wide heads (8B's) beat 64 by 2.7 µs
+    a launch (29.7 → 27.0), while 64-wide heads (1B's) ran within 0.4 µs from 32 to 256 keys."""
     if not on_gpu:
         return 32  # the interpreter: small tiles run fastest
     if max_query_len > 16:
         # 64 keys of heads up to 128 wide; 32 of Gemma 2's 256-wide heads, whose 64-key K and
         # V tiles over the pipeline's stages would need 288 KB of shared memory (Hopper: 227).
         return max(16, min(64, 8192 // block_d))
-    return max(16, min(256, tuning.attention_decode_key_tile // block_d))
+    return max(16, min(256, (tile or tuning.attention_decode_key_tile) // block_d))
 
 
 def paged_attention_triton_impl(
@@ -278,8 +278,14 @@ def paged_attention_triton_impl(
     block_q = max(1, target_m // group_pad)
     block_q = min(block_q, next_power_of_2(max_query_len))
     block_q = max(block_q, cdiv(16, group_pad))  # tl.dot needs >= 16 rows
+    # A decode step's launch as the tuner measured it for its rows (Tuning.attention_decode_launches)
+    launch = tuning.attention_decode_launch(T) if max_query_len <= 16 else None
+    tile = None
+    if launch is not None:  # zeros: the rule's
+        tile, warps, stages = launch
+        num_warps, num_stages = num_warps or warps or None, num_stages or stages or None
     if block_n is None:
-        block_n = key_block(block_d, max_query_len, q.is_cuda and not interpreting(), tuning)
+        block_n = key_block(block_d, max_query_len, q.is_cuda and not interpreting(), tuning, tile)
     q_tiles = cdiv(max_query_len, block_q)
     if num_splits is None:
         num_splits = _auto_splits(q.device, q_tiles * batch * num_kv_heads, max_query_len,

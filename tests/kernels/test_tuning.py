@@ -173,3 +173,59 @@ def test_a_gemms_input_from_a_padded_allocation_spans_whole_row_tiles() -> None:
     assert tma_rows(empty_rows(16, 8, dtype=torch.float32, device=torch.device("cpu")), 16) == 16
     big = empty_rows(MAX_ROWS + 36, 8, dtype=torch.float32, device=torch.device("cpu"))
     assert big.untyped_storage().nbytes() == (MAX_ROWS + 36) * 8 * 4  # prefill: cuBLAS's, not padded
+
+
+def test_decode_attention_launches_follow_the_steps_rows() -> None:
+    """Tuning.attention_decode_launches: a step takes the entry of the fewest rows at or above
+    its own, else of the most; none (the rule's launch) without entries; the text and JSON
+    forms read back; a tile under 256, odd warps or rows that are not a count are refused."""
+    from kernels.tuning_table import choice_from_json, choice_to_json
+
+    tuning = tuning_from_text({"attention_decode_launches": "8=0.0.0,256=2048.2.3,64=8192.2.1"})
+    assert [tuning.attention_decode_launch(rows) for rows in (1, 8, 9, 64, 65, 256, 512)] == [
+        (0, 0, 0), (0, 0, 0), (8192, 2, 1), (8192, 2, 1), (2048, 2, 3), (2048, 2, 3), (2048, 2, 3)]
+    assert DEFAULT_TUNING.attention_decode_launch(64) is None
+    text = format_choice("attention_decode_launches", tuning.attention_decode_launches)
+    assert parse_choice("attention_decode_launches", text) == tuning.attention_decode_launches
+    as_json = choice_to_json("attention_decode_launches", tuning.attention_decode_launches)
+    assert choice_from_json("attention_decode_launches", as_json) == tuning.attention_decode_launches
+    for bad in ("64=128.2.3", "64=4096.3.3", "x=4096.2.3", "64=4096.2.9"):
+        with pytest.raises(ValueError, match="attention_decode_launches"):
+            tuning_from_text({"attention_decode_launches": bad})
+    with pytest.raises(ValueError, match="attention_decode_launches"):
+        choice_from_json("attention_decode_launches", {"64": [4096, 2]})
+
+
+def test_a_decode_attention_launch_takes_its_rows_entry(monkeypatch) -> None:
+    """paged_attention_triton launches a decode step with its rows' entry (key tile, warps,
+    stages), the rule's where the entry says 0 or there is none; prefill keeps its own."""
+    import kernels.attention.triton_kernel as attention
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(
+                (kwargs["BLOCK_N"], kwargs["num_warps"], kwargs.get("num_stages")))
+
+    monkeypatch.setattr(attention, "_paged_attention_kernel", Recorder())
+    real = attention.key_block  # as on a GPU: the CPU's own tile is the interpreter's
+    monkeypatch.setattr(attention, "key_block", lambda block_d, q_len, on_gpu, tuning, tile=None:
+                        real(block_d, q_len, True, tuning, tile))
+    heads, kv_heads, dim, page = 8, 2, 128, 16
+
+    def launch(rows: int, query_len: int, tuning: Tuning):
+        q = torch.zeros(rows * query_len, heads, dim, dtype=torch.bfloat16)
+        cache = torch.zeros(rows * 4, page, kv_heads, dim, dtype=torch.bfloat16)
+        tables = torch.arange(rows * 4, dtype=torch.int32).view(rows, 4)
+        starts = torch.arange(rows + 1, dtype=torch.int32) * query_len
+        lens = torch.full((rows,), 60, dtype=torch.int32)
+        attention.paged_attention_triton_impl(q, cache, cache, tables, starts, lens, 0.1, query_len, 60,
+                                              tuning=tuning, num_splits=1)
+        return launched.pop()
+
+    tuned = tuning_from_text({"attention_decode_launches": "8=0.0.0,256=2048.2.3"})
+    assert launch(64, 1, tuned) == (16, 2, 3)           # 64 rows: the 256-row entry
+    assert launch(8, 1, tuned) == (32, 4, None)         # the rule's: 32 keys of 128, 4 warps
+    assert launch(64, 1, DEFAULT_TUNING) == (32, 4, None)
+    assert launch(4, 32, tuned)[0] == 64                # prefill: its own tile
