@@ -146,9 +146,11 @@ class TableKey:
 # -- the choices as JSON ------------------------------------------------------------------------
 
 def is_tiling_table(name: str) -> bool:
-    """Whether choice `name` is a table of launch tuples per group (tilings, FP8 choices)."""
+    """Whether choice `name` is a table of launch tuples per group (tilings, FP8 choices);
+    attention_decode_launches is keyed by rows, not groups."""
     default = getattr(DEFAULT_TUNING, name)
-    return isinstance(default, Mapping) and all(isinstance(v, tuple) for v in default.values())
+    return (name != "attention_decode_launches" and isinstance(default, Mapping)
+            and all(isinstance(v, tuple) for v in default.values()))
 
 
 def choice_from_json(name: str, value: Any) -> Any:
@@ -219,7 +221,7 @@ def choice_to_json(name: str, value: Any) -> Any:
         default = getattr(DEFAULT_TUNING, name)
         if is_tiling_table(name):
             return {g: list(t) for g, t in value.items() if default.get(g) != t}
-        return dict(value)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
     return value
 
 

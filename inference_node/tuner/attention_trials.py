@@ -137,6 +137,10 @@ def measure(shape: ModelShape, batch: int, device: torch.device, dtype: torch.dt
                 raise
             rejected.append(f"{'.'.join(map(str, launch))}: {exc}".splitlines()[0])
         step()
+    if None in times and len(times) > 1 and not spent():
+        # The rule's launch again, last: the first launch timed can pay for a GPU not yet at
+        # its clocks (identical launches 100.0 and 93.0 µs, first and later, on an H200).
+        times[None] = min(times[None], sum(timer(attention_call(case, None), case.caches) for case in cases))
     if None not in times or len(times) < 2:
         return None
     best = min(times, key=lambda k: times[k])
