@@ -10,8 +10,11 @@ so a launch that only wins on short contexts (where a step spends little in atte
 not take long ones, where the step spends most.
 
 Timing: one launch a layer's copy of the KV cache in a CUDA graph, as many copies as overflow
-L2, as in a step where every layer reads its own cache. Off CUDA the kernel is the reference,
-which takes no launch: the sweep then only checks its own logic (tests)."""
+L2, as in a step where every layer reads its own cache. Alone, a launch misses the overlap a
+step's chain of PDL launches gives it: 8B's 8-row winner replayed slower in the decode graph
+(`tuner.profile --mode attention_decode_launches=none --mode default` sets the two side by
+side). Off CUDA the kernel is the reference, which takes no launch: the sweep then only checks
+its own logic (tests)."""
 from __future__ import annotations
 
 import itertools
