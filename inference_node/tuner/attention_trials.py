@@ -51,7 +51,8 @@ class AttentionMeasured:
     best_us: float
     timed: int
     rejected: tuple[str, ...] = ()   # candidates that failed to run or to match the reference
-    nbytes: int = 0                  # KV bytes one launch reads, summed over CONTEXTS
+    nbytes: int = 0                  # KV bytes one launch reads, summed over its contexts
+    contexts: tuple[int, ...] = CONTEXTS
 
 
 def candidates(head_dim: int) -> list[Launch | None]:
@@ -149,7 +150,8 @@ def measure(shape: ModelShape, batch: int, device: torch.device, dtype: torch.dt
     best = min(times, key=lambda k: times[k])
     nbytes = sum(case.nbytes for case in cases)
     del cases
-    return AttentionMeasured(batch, times[None], best, times[best], len(times), tuple(rejected), nbytes)
+    return AttentionMeasured(batch, times[None], best, times[best], len(times), tuple(rejected), nbytes,
+                             tuple(contexts))
 
 
 def launches_for(results: Sequence[AttentionMeasured], min_gain: float = MIN_GAIN) -> dict[str, Launch]:
@@ -200,7 +202,7 @@ def print_attention(results: Sequence[Any], bandwidth: float | None = None,
     if not rows:
         return
     out(f"\n{'attention':15} {'batch':>5}  {'rule us':>8}  {'best launch':>16} {'us':>8} {'rule/best':>9} "
-        f"{'floor us':>8} {'best/floor':>10}   [us per launch summed over contexts {', '.join(map(str, CONTEXTS))}]")
+        f"{'floor us':>8} {'best/floor':>10}   [us per launch summed over contexts {', '.join(map(str, rows[0].contexts))}]")
     for r in rows:
         best = ".".join(map(str, r.best)) if r.best else "rule"
         floor = r.nbytes / bandwidth * 1e6 if bandwidth else None
