@@ -201,8 +201,9 @@ def print_attention(results: Sequence[Any], bandwidth: float | None = None,
     rows = sorted((r for r in results if isinstance(r, AttentionMeasured)), key=lambda r: r.batch)
     if not rows:
         return
+    contexts = ", ".join(map(str, rows[0].contexts))
     out(f"\n{'attention':15} {'batch':>5}  {'rule us':>8}  {'best launch':>16} {'us':>8} {'rule/best':>9} "
-        f"{'floor us':>8} {'best/floor':>10}   [us per launch summed over contexts {', '.join(map(str, rows[0].contexts))}]")
+        f"{'floor us':>8} {'best/floor':>10}   [us per launch summed over contexts {contexts}]")
     for r in rows:
         best = ".".join(map(str, r.best)) if r.best else "rule"
         floor = r.nbytes / bandwidth * 1e6 if bandwidth else None
