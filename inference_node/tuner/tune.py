@@ -91,7 +91,8 @@ def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, b
     field = base_field(device)
     if quantization != "none":
         field = fp8_tilings_field(quantization == "fp8-w8a8")
-        adapters, groups = [a for a in adapters if a == 0], [g for g in groups if g in GROUPS]
+        adapters = [a for a in adapters if a == 0]
+        groups = [g for g in groups if g in GROUPS or g == attention_trials.GROUP]  # attention is not FP8
     plan = existing.tunings(DEFAULT_TUNING).base if existing is not None else DEFAULT_TUNING
     if tp > 1:
         plan = tensor_parallel_tuning(plan)

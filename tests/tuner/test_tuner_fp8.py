@@ -21,6 +21,7 @@ from inference_node.tuner import fp8_trials
 from test_tuner_node import FakeTimer
 from inference_node.tuner import tune as tune_module
 from inference_node.tuner.store import usable
+from inference_node.tuner.attention_trials import AttentionMeasured
 from inference_node.tuner.tune import key_for, tune_table
 from kernels.tuning import DEFAULT_TUNING, GROUPS, parse_choice
 from kernels.tuning_table import ModelShape, TuningTable, choice_from_json, table_name
@@ -66,9 +67,10 @@ def test_the_table_is_keyed_by_its_weights() -> None:
     assert table_name("NVIDIA H200", LLAMA_8B, "bfloat16") == "NVIDIA_H200__h4096_i14336_q32_kv8_d128__bfloat16.json"
     assert table_name("NVIDIA H200", LLAMA_8B, "bfloat16", "fp8-w8a8").endswith("__bfloat16__fp8-w8a8.json")
     plain, w8a8 = (key_for(torch.device("cpu"), TINY, torch.float32, q) for q in ("none", "fp8-w8a8"))
-    table, _ = tune_table(TINY, torch.device("cpu"), torch.float32, budget_s=60, batches=(4,), adapters=(0, 1),
-                          max_candidates=2, quantization="fp8-w8a8")
+    table, results = tune_table(TINY, torch.device("cpu"), torch.float32, budget_s=60, batches=(4,),
+                                adapters=(0, 1), max_candidates=2, quantization="fp8-w8a8")
     assert table.quantization == "fp8-w8a8" and table.refusal(w8a8) is None
+    assert any(isinstance(r, AttentionMeasured) for r in results)  # attention is the same kernel over FP8
     assert table.refusal(plain) == f"it is for cpu {TINY.key} float32 fp8-w8a8, not cpu {TINY.key} float32"
     assert all(b.adapters == 0 and set(b.choices) <= {"w8a8_tilings"} for b in table.buckets)
     again = TuningTable.from_json(json.loads(table.text()))
@@ -174,7 +176,8 @@ def test_every_fp8_launch_the_sweep_offers_runs_the_kernel_in_the_interpreter() 
         "from kernels.tuning_table import ModelShape\n"
         "for q in ('fp8', 'fp8-w8a8'):\n"
         "    table, results = tune_table(ModelShape(64, 160, 4, 2, 16), torch.device('cpu'), torch.float32,\n"
-        "                                budget_s=600, batches=(64,), quantization=q)\n"
+        "                                budget_s=600, batches=(64,), quantization=q,\n"
+        "                                groups=('qkv', 'o', 'gate_up', 'down'))\n"
         "    for r in results:\n"
         "        print('RESULT', q, r.group, r.timed, len(r.rejected) + len(r.unfit), *r.rejected)\n"
         "print('KERNEL', len(calls), sum(map(bool, calls)))\n")
