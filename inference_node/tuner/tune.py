@@ -68,13 +68,15 @@ def base_field(device: torch.device) -> str:
 
 def tune_table(shape: ModelShape, device: torch.device, dtype: torch.dtype, *, budget_s: float,
                batches: Sequence[int] = BATCHES, adapters: Sequence[int] = ADAPTERS,
-               groups: Sequence[str] = GROUPS + EXPERT_GROUPS + (attention_trials.GROUP,), tp: int = 1, existing: TuningTable | None = None,
-               min_gain: float = MIN_GAIN, timer: Timer | None = None,
+               groups: Sequence[str] = GROUPS + EXPERT_GROUPS + (attention_trials.GROUP,), tp: int = 1,
+               existing: TuningTable | None = None, min_gain: float = MIN_GAIN, timer: Timer | None = None,
                clock: Callable[[], float] = time.monotonic, max_candidates: int | None = None,
-               produced_by: str = "", quantization: str = "none") -> tuple[TuningTable, list[Measured]]:
+               produced_by: str = "", quantization: str = "none"
+               ) -> tuple[TuningTable, list[Measured | attention_trials.AttentionMeasured]]:
     """(the table, what was measured) of `shape`'s decode GEMMs on `device` in `dtype`: the
     base GEMM at each batch (adapters 0) and its folds at each count of distinct adapters,
-    within `budget_s` seconds. The fold is swept in the LoRA step plan the node runs: the
+    within `budget_s` seconds; then, with the group "attention", decode attention's launch
+    per step size (attention_trials.py), filed node-wide. The fold is swept in the LoRA step plan the node runs: the
     node choices of `existing` (kept, as are its buckets this sweep does not measure) and,
     with tp > 1, a rank's (parallel/shard.py: o never leaves its delta for the norm after
     it). Over FP8 projections (quantization fp8 or fp8-w8a8) the FP8 GEMM's launches per group

@@ -101,8 +101,8 @@ def test_the_table_holds_the_launches_node_wide_and_keeps_other_batches_entries(
     them back."""
     measured = [AttentionMeasured(64, 100.0, None, 100.0, 5), AttentionMeasured(256, 100.0, WINNER, 80.0, 5)]
     monkeypatch.setattr(attention_trials, "sweep", lambda *args, **kwargs: (measured, []))
-    existing = TuningTable("cpu", TINY, "float32", {"attention_decode_launches": {"8": (8192, 2, 1), "64": (4096, 8, 3)}},
-                           ())
+    node = {"attention_decode_launches": {"8": (8192, 2, 1), "64": (4096, 8, 3)}}
+    existing = TuningTable("cpu", TINY, "float32", node, ())
     table, results = tune_table(TINY, torch.device("cpu"), torch.float32, budget_s=30, batches=(4,),
                                 adapters=(0,), groups=("qkv", "attention"), existing=existing, max_candidates=1)
     assert dict(table.node["attention_decode_launches"]) == {"8": (8192, 2, 1), "64": RULE, "256": WINNER}
