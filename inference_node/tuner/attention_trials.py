@@ -77,11 +77,11 @@ class KvCase:
         heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
         self.nbytes = 2 * batch * context * kv_heads * dim * torch.empty(0, dtype=dtype).element_size()
         count = copies or copies_for(self.nbytes)
-        self.caches = [tuple(torch.randn(blocks, PAGE, kv_heads, dim, generator=gen, device=device).to(dtype)
+        self.caches = [tuple(torch.randn(blocks, PAGE, kv_heads, dim, generator=gen, device=device, dtype=dtype)
                              for _ in range(2)) for _ in range(count)]
         order = torch.randperm(blocks - 1, generator=gen, device=device).to(torch.int32)
         self.block_tables = order[:batch * blocks_each].view(batch, blocks_each).contiguous()
-        self.q = torch.randn(batch, heads, dim, generator=gen, device=device).to(dtype)
+        self.q = torch.randn(batch, heads, dim, generator=gen, device=device, dtype=dtype)
         self.query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         self.out = torch.empty_like(self.q)
@@ -183,8 +183,15 @@ def sweep(shape: ModelShape, device: torch.device, dtype: torch.dtype, timer: Ti
         if budget.out():
             skipped.append(batch)
             continue
-        measured = measure(shape, batch, device, dtype, timer, budget.out, budget.step, offered, contexts,
-                           copies=1 if smoke else None)
+        try:
+            measured = measure(shape, batch, device, dtype, timer, budget.out, budget.step, offered, contexts,
+                               copies=1 if smoke else None)
+        except torch.cuda.OutOfMemoryError as exc:  # its KV copies: the GEMMs' table is kept all the same
+            log.warning("attention at %d sequences: no memory for its KV copies (%s): unmeasured", batch,
+                        str(exc).splitlines()[0])
+            measured = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if measured is None:
             skipped.append(batch)
             continue

@@ -110,3 +110,15 @@ def test_the_table_holds_the_launches_node_wide_and_keeps_other_batches_entries(
     steps = table.tunings(DEFAULT_TUNING)
     assert steps.for_step(200, 0).attention_decode_launch(200) == WINNER
     assert steps.for_step(4, 0).attention_decode_launch(4) == (8192, 2, 1)
+
+
+def test_no_memory_for_the_kv_copies_leaves_the_batch_unmeasured(monkeypatch, caplog) -> None:
+    """A GPU without room for a batch's KV copies (a small card at the node's first start)
+    leaves that batch unmeasured and says so; the sweep, and the GEMMs' table, go on."""
+    def no_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(attention_trials, "KvCase", no_memory)
+    (results, skipped), _ = sweep(LaunchTimer())
+    assert results == [] and skipped == [attention_trials.BATCHES[0]]
+    assert "no memory for its KV copies" in caplog.text
